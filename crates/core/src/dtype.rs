@@ -1,0 +1,147 @@
+//! Element types and compile targets.
+
+use std::fmt;
+use std::str::FromStr;
+
+use half::{bf16, f16};
+use serde::{Deserialize, Serialize};
+
+use crate::Error;
+
+/// The element type of a tensor.
+///
+/// Floating types are what activations, weights and caches hold; `U32` is for
+/// index tensors (cache lengths, page tables, valid lengths, layer indices).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DType {
+    /// IEEE-754 binary32.
+    F32,
+    /// bfloat16: the top 16 bits of an f32.
+    BF16,
+    /// IEEE-754 binary16.
+    F16,
+    /// Unsigned 32-bit integer (index tensors).
+    U32,
+}
+
+impl DType {
+    /// Every dtype, in a fixed order.
+    pub const ALL: [DType; 4] = [DType::F32, DType::BF16, DType::F16, DType::U32];
+    /// The floating dtypes an op may compute in.
+    pub const FLOATS: [DType; 3] = [DType::F32, DType::BF16, DType::F16];
+
+    /// Size of one element in bytes.
+    pub fn size_bytes(self) -> usize {
+        match self {
+            DType::F32 | DType::U32 => 4,
+            DType::BF16 | DType::F16 => 2,
+        }
+    }
+
+    /// Whether this is a floating-point dtype.
+    pub fn is_float(self) -> bool {
+        !matches!(self, DType::U32)
+    }
+
+    /// The lowercase name used in graph files and kernel keys.
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::F32 => "f32",
+            DType::BF16 => "bf16",
+            DType::F16 => "f16",
+            DType::U32 => "u32",
+        }
+    }
+}
+
+impl fmt::Display for DType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for DType {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self, Error> {
+        DType::ALL
+            .into_iter()
+            .find(|d| d.name() == s)
+            .ok_or_else(|| Error::UnknownDType(s.to_string()))
+    }
+}
+
+/// Where a kernel runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Target {
+    /// The host CPU.
+    Cpu,
+    /// An NVIDIA GPU through CUDA.
+    Cuda,
+}
+
+impl Target {
+    /// The lowercase name used in graph files, kernel keys and the CLI.
+    pub fn name(self) -> &'static str {
+        match self {
+            Target::Cpu => "cpu",
+            Target::Cuda => "cuda",
+        }
+    }
+}
+
+impl fmt::Display for Target {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Target {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self, Error> {
+        match s {
+            "cpu" => Ok(Target::Cpu),
+            "cuda" => Ok(Target::Cuda),
+            other => Err(Error::UnknownTarget(other.to_string())),
+        }
+    }
+}
+
+/// A floating element type that kernels convert to and from f32.
+///
+/// `from_f32` rounds to nearest, ties to even (what `half` does), so every
+/// kernel rounds results the same way.
+pub trait Element: crate::tensor::Storable {
+    /// Widen to f32 (exact for every supported type).
+    fn to_f32(self) -> f32;
+    /// Round an f32 to this type (round to nearest, ties to even).
+    fn from_f32(value: f32) -> Self;
+}
+
+impl Element for f32 {
+    fn to_f32(self) -> f32 {
+        self
+    }
+    fn from_f32(value: f32) -> Self {
+        value
+    }
+}
+
+impl Element for bf16 {
+    fn to_f32(self) -> f32 {
+        bf16::to_f32(self)
+    }
+    fn from_f32(value: f32) -> Self {
+        bf16::from_f32(value)
+    }
+}
+
+impl Element for f16 {
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+    fn from_f32(value: f32) -> Self {
+        f16::from_f32(value)
+    }
+}

@@ -1,0 +1,114 @@
+//! [`KernelKey`]: everything a kernel may bake in, and its one canonical name.
+
+use std::fmt;
+
+use crate::{DType, Target};
+
+/// A dimension baked into a kernel, or left to run time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum KeyDim {
+    /// Known when the graph is built; the kernel may bake it in.
+    Static(u64),
+    /// Symbolic in the graph; the kernel reads it at run time.
+    Dynamic,
+}
+
+impl fmt::Display for KeyDim {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            KeyDim::Static(v) => write!(f, "{v}"),
+            KeyDim::Dynamic => f.write_str("any"),
+        }
+    }
+}
+
+/// Everything a specialized kernel may bake in: op, target, dtype and an
+/// ordered list of labelled dims.
+///
+/// Its [`Display`](fmt::Display) form, e.g.
+/// `fused_qkv_bshd_paged.cpu.bf16.k4096.q4096.hkv8.d128.p16.l32.kvbf16.bany.sany`,
+/// is the one canonical name used as JIT symbol, CUDA variant name, kernel
+/// cache key and benchmark id. Ops build keys through [`KernelKey::new`] and
+/// [`KernelKey::with`]; nothing else spells these names.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct KernelKey {
+    op: String,
+    target: Target,
+    dtype: DType,
+    fields: Vec<(String, KeyDim)>,
+}
+
+impl KernelKey {
+    /// A key with no dims yet.
+    pub fn new(op: &str, target: Target, dtype: DType) -> Self {
+        Self { op: op.to_string(), target, dtype, fields: Vec::new() }
+    }
+
+    /// Append a labelled dim (labels are short lowercase tags like `k`, `hkv`).
+    pub fn with(mut self, label: &str, dim: KeyDim) -> Self {
+        self.fields.push((label.to_string(), dim));
+        self
+    }
+
+    /// The op's short kernel name.
+    pub fn op(&self) -> &str {
+        &self.op
+    }
+
+    /// The target the kernel runs on.
+    pub fn target(&self) -> Target {
+        self.target
+    }
+
+    /// The compute dtype.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// The labelled dims, in key order.
+    pub fn fields(&self) -> &[(String, KeyDim)] {
+        &self.fields
+    }
+
+    /// The dim with this label, if the key has it.
+    pub fn get(&self, label: &str) -> Option<KeyDim> {
+        self.fields.iter().find(|(l, _)| l == label).map(|(_, d)| *d)
+    }
+
+    /// Whether every dim is static (a fully specialized kernel).
+    pub fn is_fully_static(&self) -> bool {
+        self.fields.iter().all(|(_, d)| matches!(d, KeyDim::Static(_)))
+    }
+
+    /// The canonical name as a C identifier (dots become underscores), for
+    /// symbol tables that do not accept dots.
+    pub fn symbol(&self) -> String {
+        self.to_string().replace('.', "_")
+    }
+}
+
+impl fmt::Display for KernelKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}.{}.{}", self.op, self.target, self.dtype)?;
+        for (label, dim) in &self.fields {
+            write!(f, ".{label}{dim}")?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn display_is_the_canonical_name() {
+        let key = KernelKey::new("fused_qkv_bshd_paged", Target::Cpu, DType::BF16)
+            .with("hkv", KeyDim::Static(8))
+            .with("b", KeyDim::Dynamic);
+        assert_eq!(key.to_string(), "fused_qkv_bshd_paged.cpu.bf16.hkv8.bany");
+        assert_eq!(key.symbol(), "fused_qkv_bshd_paged_cpu_bf16_hkv8_bany");
+        assert!(!key.is_fully_static());
+        assert_eq!(key.get("hkv"), Some(KeyDim::Static(8)));
+    }
+}

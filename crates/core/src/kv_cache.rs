@@ -1,0 +1,518 @@
+//! The paged KV cache, laid out as in MAX's `PagedKVCacheCollection`.
+//!
+//! `blocks` is one tensor `[P, 2, L, page_size, Hkv, D]`: P physical pages,
+//! index 1 picks K (0) or V (1), L layers. A batch of B sequences sees the
+//! cache through `cache_lengths[B]` (tokens already cached) and
+//! `lookup_table[B, max_pages_per_seq]` (logical page → physical page;
+//! [`UNASSIGNED_PAGE`] where none is assigned yet).
+//!
+//! The ops write K/V but never change `cache_lengths`: the caller reserves
+//! pages before a step ([`PagedKVCacheCollection::reserve`]) and advances the
+//! lengths after it ([`PagedKVCacheCollection::advance`]). Free pages are not
+//! stored separately: a page is free when no lookup-table entry names it, so
+//! the table stays the single source of truth even when users edit it.
+
+use std::collections::BTreeMap;
+
+use crate::{DType, Element, Error, Result, Tensor, TensorData};
+
+/// Lookup-table entry of a logical page that has no physical page yet.
+pub const UNASSIGNED_PAGE: u32 = u32::MAX;
+
+/// The layout parameters of a paged KV cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct KvCacheParams {
+    /// Element type of the cached K/V.
+    pub dtype: DType,
+    /// Layers L.
+    pub num_layers: usize,
+    /// Tokens per page.
+    pub page_size: usize,
+    /// KV heads Hkv.
+    pub num_kv_heads: usize,
+    /// Head size D.
+    pub head_size: usize,
+}
+
+impl KvCacheParams {
+    /// Elements of K (or V) per token: Hkv·D.
+    pub fn kv_dim(&self) -> usize {
+        self.num_kv_heads * self.head_size
+    }
+
+    fn check(&self) -> Result<()> {
+        if !self.dtype.is_float() {
+            return Err(Error::InvalidCacheParams(format!("dtype must be a float type, got {}", self.dtype)));
+        }
+        for (name, v) in [
+            ("num_layers", self.num_layers),
+            ("page_size", self.page_size),
+            ("num_kv_heads", self.num_kv_heads),
+            ("head_size", self.head_size),
+        ] {
+            if v == 0 {
+                return Err(Error::InvalidCacheParams(format!("{name} must be at least 1")));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A paged KV cache and the page table of the batch that uses it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PagedKVCacheCollection {
+    params: KvCacheParams,
+    blocks: Tensor,
+    cache_lengths: Vec<u32>,
+    lookup_table: Vec<u32>,
+    max_pages_per_seq: usize,
+    /// Longest sequence length of the current step (as in MAX).
+    pub max_seq_length: u32,
+    /// Longest cached length in the batch (as in MAX).
+    pub max_cache_length: u32,
+    allocation_order: Vec<u32>,
+}
+
+impl PagedKVCacheCollection {
+    /// Allocate a zeroed cache of `num_pages` pages for `batch_size` sequences,
+    /// each able to hold `max_pages_per_seq` pages. No page is assigned yet.
+    pub fn new(params: KvCacheParams, num_pages: usize, batch_size: usize, max_pages_per_seq: usize) -> Result<Self> {
+        params.check()?;
+        if num_pages == 0 || num_pages >= UNASSIGNED_PAGE as usize {
+            return Err(Error::InvalidCacheParams(format!("num_pages must be in 1..{UNASSIGNED_PAGE}, got {num_pages}")));
+        }
+        let lookup_len = batch_size
+            .checked_mul(max_pages_per_seq)
+            .ok_or_else(|| Error::ShapeOverflow(vec![batch_size, max_pages_per_seq]))?;
+        let shape = Self::shape_of(&params, num_pages);
+        Ok(Self {
+            params,
+            blocks: Tensor::zeros(params.dtype, &shape)?,
+            cache_lengths: vec![0; batch_size],
+            lookup_table: vec![UNASSIGNED_PAGE; lookup_len],
+            max_pages_per_seq,
+            max_seq_length: 0,
+            max_cache_length: 0,
+            allocation_order: (0..num_pages as u32).collect(),
+        })
+    }
+
+    /// Assemble a cache from its tensors. The layout parameters come from the
+    /// blocks' shape `[P, 2, L, page_size, Hkv, D]`; lookup-table entries are
+    /// not checked here (ops check the entries they use, before writing).
+    pub fn from_parts(
+        blocks: Tensor,
+        cache_lengths: Vec<u32>,
+        lookup_table: Vec<u32>,
+        max_pages_per_seq: usize,
+    ) -> Result<Self> {
+        let shape = blocks.shape().to_vec();
+        if shape.len() != 6 || shape[1] != 2 {
+            return Err(Error::ShapeMismatch {
+                arg: "kv_collection.blocks".into(),
+                expected: "[P, 2, L, page_size, Hkv, D]".into(),
+                got: shape,
+            });
+        }
+        if !blocks.is_contiguous() {
+            return Err(Error::NotContiguous { arg: "kv_collection.blocks".into() });
+        }
+        let params = KvCacheParams {
+            dtype: blocks.dtype(),
+            num_layers: shape[2],
+            page_size: shape[3],
+            num_kv_heads: shape[4],
+            head_size: shape[5],
+        };
+        params.check()?;
+        let batch_size = cache_lengths.len();
+        if lookup_table.len() != batch_size * max_pages_per_seq {
+            return Err(Error::ShapeMismatch {
+                arg: "kv_collection.lookup_table".into(),
+                expected: format!("[{batch_size}, {max_pages_per_seq}]"),
+                got: vec![lookup_table.len()],
+            });
+        }
+        let max_cache_length = cache_lengths.iter().copied().max().unwrap_or(0);
+        Ok(Self {
+            params,
+            allocation_order: (0..shape[0] as u32).collect(),
+            blocks,
+            cache_lengths,
+            lookup_table,
+            max_pages_per_seq,
+            max_seq_length: 0,
+            max_cache_length,
+        })
+    }
+
+    fn shape_of(params: &KvCacheParams, num_pages: usize) -> [usize; 6] {
+        [num_pages, 2, params.num_layers, params.page_size, params.num_kv_heads, params.head_size]
+    }
+
+    /// The layout parameters.
+    pub fn params(&self) -> &KvCacheParams {
+        &self.params
+    }
+
+    /// Physical pages P.
+    pub fn num_pages(&self) -> usize {
+        self.blocks.shape()[0]
+    }
+
+    /// Sequences B in the batch.
+    pub fn batch_size(&self) -> usize {
+        self.cache_lengths.len()
+    }
+
+    /// Width of the lookup table.
+    pub fn max_pages_per_seq(&self) -> usize {
+        self.max_pages_per_seq
+    }
+
+    /// The blocks tensor `[P, 2, L, page_size, Hkv, D]`.
+    pub fn blocks(&self) -> &Tensor {
+        &self.blocks
+    }
+
+    /// The blocks tensor, writable (kernels write K/V through this).
+    pub fn blocks_mut(&mut self) -> &mut Tensor {
+        &mut self.blocks
+    }
+
+    /// Tokens already cached per sequence.
+    pub fn cache_lengths(&self) -> &[u32] {
+        &self.cache_lengths
+    }
+
+    /// Tokens already cached per sequence, writable (for callers that manage
+    /// lengths themselves).
+    pub fn cache_lengths_mut(&mut self) -> &mut [u32] {
+        &mut self.cache_lengths
+    }
+
+    /// The page table, row-major `[B, max_pages_per_seq]`.
+    pub fn lookup_table(&self) -> &[u32] {
+        &self.lookup_table
+    }
+
+    /// The page table, writable (for callers that manage pages themselves).
+    pub fn lookup_table_mut(&mut self) -> &mut [u32] {
+        &mut self.lookup_table
+    }
+
+    /// Index into `blocks`' storage of element `[page, kv, layer, slot, head, d]`.
+    /// This is the one place the blocks layout is spelled out.
+    pub fn element_offset(&self, page: usize, kv: usize, layer: usize, slot: usize, head: usize, d: usize) -> usize {
+        let p = &self.params;
+        ((((page * 2 + kv) * p.num_layers + layer) * p.page_size + slot) * p.num_kv_heads + head) * p.head_size + d
+    }
+
+    /// The order in which free pages are handed out (a permutation of
+    /// `0..P`). The default is ascending; a shuffled order gives scattered
+    /// page tables, as a long-running server has.
+    pub fn set_allocation_order(&mut self, order: Vec<u32>) -> Result<()> {
+        let mut sorted = order.clone();
+        sorted.sort_unstable();
+        if sorted != (0..self.num_pages() as u32).collect::<Vec<_>>() {
+            return Err(Error::InvalidCacheParams(format!(
+                "allocation order must be a permutation of 0..{}",
+                self.num_pages()
+            )));
+        }
+        self.allocation_order = order;
+        Ok(())
+    }
+
+    /// Pages no sequence holds.
+    pub fn free_pages(&self) -> Vec<u32> {
+        let used = self.used_pages();
+        self.allocation_order.iter().copied().filter(|&p| !used[p as usize]).collect()
+    }
+
+    fn used_pages(&self) -> Vec<bool> {
+        let mut used = vec![false; self.num_pages()];
+        for &p in &self.lookup_table {
+            if let Some(u) = used.get_mut(p as usize) {
+                *u = true;
+            }
+        }
+        used
+    }
+
+    fn check_batch(&self, batch: usize) -> Result<()> {
+        if batch >= self.batch_size() {
+            return Err(Error::SequenceOutOfRange { batch, batch_size: self.batch_size() });
+        }
+        Ok(())
+    }
+
+    fn pages_for(&self, batch: usize, tokens: u64) -> Result<usize> {
+        let pages = tokens.div_ceil(self.params.page_size as u64);
+        if pages > self.max_pages_per_seq as u64 {
+            return Err(Error::SequenceTooLong {
+                batch,
+                tokens,
+                max_pages_per_seq: self.max_pages_per_seq,
+                page_size: self.params.page_size,
+            });
+        }
+        Ok(pages as usize)
+    }
+
+    /// Logical pages of `batch` that need a physical page to hold `tokens`.
+    fn missing_pages(&self, batch: usize, tokens: u64) -> Result<Vec<usize>> {
+        let pages = self.pages_for(batch, tokens)?;
+        let row = &self.lookup_table[batch * self.max_pages_per_seq..][..pages];
+        Ok((0..pages).filter(|&i| row[i] == UNASSIGNED_PAGE).collect())
+    }
+
+    /// Make sure sequences can hold `cache_lengths[b] + new_tokens[b]` tokens,
+    /// assigning free pages where needed, and record the step's
+    /// `max_seq_length`. All or nothing: on error no page is assigned.
+    pub fn reserve(&mut self, new_tokens: &[u32]) -> Result<()> {
+        self.check_lengths_arg("new_tokens", new_tokens)?;
+        let mut plan = Vec::new();
+        for (b, &n) in new_tokens.iter().enumerate() {
+            let total = self.cache_lengths[b] as u64 + n as u64;
+            plan.push((b, self.missing_pages(b, total)?));
+        }
+        let mut free = self.free_pages().into_iter();
+        let free_count = free.len();
+        let needed: usize = plan.iter().map(|(_, m)| m.len()).sum();
+        if needed > free_count {
+            let batch = plan.iter().find(|(_, m)| !m.is_empty()).map_or(0, |(b, _)| *b);
+            return Err(Error::OutOfPages { batch, needed, free: free_count });
+        }
+        for (b, missing) in plan {
+            for logical in missing {
+                let page = free.next().expect("free pages counted above");
+                self.lookup_table[b * self.max_pages_per_seq + logical] = page;
+            }
+        }
+        self.max_seq_length = new_tokens.iter().copied().max().unwrap_or(0);
+        Ok(())
+    }
+
+    /// Add each sequence's newly written tokens to its cache length (the step
+    /// after running an op). Fails, changing nothing, if a length overflows.
+    pub fn advance(&mut self, new_tokens: &[u32]) -> Result<()> {
+        self.check_lengths_arg("new_tokens", new_tokens)?;
+        let new_lengths = self
+            .cache_lengths
+            .iter()
+            .zip(new_tokens)
+            .enumerate()
+            .map(|(b, (&c, &n))| {
+                c.checked_add(n).ok_or(Error::SequenceTooLong {
+                    batch: b,
+                    tokens: c as u64 + n as u64,
+                    max_pages_per_seq: self.max_pages_per_seq,
+                    page_size: self.params.page_size,
+                })
+            })
+            .collect::<Result<Vec<u32>>>()?;
+        self.cache_lengths = new_lengths;
+        self.max_cache_length = self.cache_lengths.iter().copied().max().unwrap_or(0);
+        Ok(())
+    }
+
+    /// End a sequence: its pages become free and its length 0.
+    pub fn release(&mut self, batch: usize) -> Result<()> {
+        self.check_batch(batch)?;
+        self.lookup_table[batch * self.max_pages_per_seq..][..self.max_pages_per_seq].fill(UNASSIGNED_PAGE);
+        self.cache_lengths[batch] = 0;
+        self.max_cache_length = self.cache_lengths.iter().copied().max().unwrap_or(0);
+        Ok(())
+    }
+
+    fn check_lengths_arg(&self, arg: &str, lengths: &[u32]) -> Result<()> {
+        if lengths.len() != self.batch_size() {
+            return Err(Error::ShapeMismatch {
+                arg: arg.into(),
+                expected: format!("[{}] (one per sequence)", self.batch_size()),
+                got: vec![lengths.len()],
+            });
+        }
+        Ok(())
+    }
+
+    /// Physical page and slot of token `position` of sequence `batch`.
+    pub fn locate(&self, batch: usize, position: usize) -> Result<(u32, usize)> {
+        self.check_batch(batch)?;
+        let page_size = self.params.page_size;
+        let logical = position / page_size;
+        if logical >= self.max_pages_per_seq {
+            return Err(Error::LogicalPageOutOfRange {
+                batch,
+                position: position as u64,
+                logical_page: logical as u64,
+                max_pages_per_seq: self.max_pages_per_seq,
+            });
+        }
+        let page = self.lookup_table[batch * self.max_pages_per_seq + logical];
+        if page as usize >= self.num_pages() {
+            return Err(Error::PhysicalPageOutOfRange {
+                batch,
+                logical_page: logical,
+                physical_page: page,
+                num_pages: self.num_pages(),
+            });
+        }
+        Ok((page, position % page_size))
+    }
+
+    /// The cached K and V of one token (each `Hkv·D` values, head-major),
+    /// widened to f32. The position must be below the sequence's cache length.
+    pub fn read_token(&self, layer: usize, batch: usize, position: usize) -> Result<(Vec<f32>, Vec<f32>)> {
+        self.check_batch(batch)?;
+        if layer >= self.params.num_layers {
+            return Err(Error::LayerOutOfRange { layer_idx: layer as u32, num_layers: self.params.num_layers });
+        }
+        if position >= self.cache_lengths[batch] as usize {
+            return Err(Error::PositionNotCached { batch, position, cache_length: self.cache_lengths[batch] });
+        }
+        let (page, slot) = self.locate(batch, position)?;
+        Ok((
+            self.read_slot(page as usize, 0, layer, slot)?,
+            self.read_slot(page as usize, 1, layer, slot)?,
+        ))
+    }
+
+    /// The `Hkv·D` values at `[page, kv, layer, slot, :, :]`, widened to f32.
+    pub fn read_slot(&self, page: usize, kv: usize, layer: usize, slot: usize) -> Result<Vec<f32>> {
+        fn widen<T: Element>(values: &[T]) -> Vec<f32> {
+            values.iter().map(|v| v.to_f32()).collect()
+        }
+        let start = self.element_offset(page, kv, layer, slot, 0, 0);
+        let range = start..start + self.params.kv_dim();
+        Ok(match self.blocks.data() {
+            TensorData::F32(v) => widen(&v[range]),
+            TensorData::BF16(v) => widen(&v[range]),
+            TensorData::F16(v) => widen(&v[range]),
+            TensorData::U32(_) => return Err(Error::NotFloat { what: "read_slot".into(), dtype: DType::U32 }),
+        })
+    }
+
+    /// The cache as named tensors, `{prefix}.blocks`, `.cache_lengths`,
+    /// `.lookup_table`, `.max_seq_length`, `.max_cache_length` (the last two
+    /// u32 scalars), for saving to a safetensors file.
+    pub fn to_tensors(&self, prefix: &str) -> Result<Vec<(String, Tensor)>> {
+        let b = self.batch_size();
+        Ok(vec![
+            (format!("{prefix}.blocks"), self.blocks.clone()),
+            (format!("{prefix}.cache_lengths"), Tensor::from_vec(&[b], self.cache_lengths.clone())?),
+            (
+                format!("{prefix}.lookup_table"),
+                Tensor::from_vec(&[b, self.max_pages_per_seq], self.lookup_table.clone())?,
+            ),
+            (format!("{prefix}.max_seq_length"), Tensor::scalar_u32(self.max_seq_length)),
+            (format!("{prefix}.max_cache_length"), Tensor::scalar_u32(self.max_cache_length)),
+        ])
+    }
+
+    /// Rebuild a cache from the tensors [`to_tensors`](Self::to_tensors)
+    /// names, taking them out of `tensors`. The scalar lengths are optional
+    /// (derived when absent).
+    pub fn from_tensors(prefix: &str, tensors: &mut BTreeMap<String, Tensor>) -> Result<Self> {
+        let mut take = |suffix: &str| {
+            let name = format!("{prefix}.{suffix}");
+            tensors.remove(&name).ok_or(Error::MissingTensor { name, context: String::new() })
+        };
+        let blocks = take("blocks")?;
+        let cache_lengths = take("cache_lengths")?;
+        let lookup_table = take("lookup_table")?;
+        let scalars = [take("max_seq_length").ok(), take("max_cache_length").ok()];
+        let lengths_shape = cache_lengths.shape().to_vec();
+        if lengths_shape.len() != 1 {
+            return Err(Error::ShapeMismatch {
+                arg: format!("{prefix}.cache_lengths"),
+                expected: "[B]".into(),
+                got: lengths_shape,
+            });
+        }
+        let table_shape = lookup_table.shape().to_vec();
+        if table_shape.len() != 2 || table_shape[0] != lengths_shape[0] {
+            return Err(Error::ShapeMismatch {
+                arg: format!("{prefix}.lookup_table"),
+                expected: format!("[{}, max_pages_per_seq]", lengths_shape[0]),
+                got: table_shape,
+            });
+        }
+        let mut cache =
+            Self::from_parts(blocks, cache_lengths.to_u32_vec()?, lookup_table.to_u32_vec()?, table_shape[1])?;
+        if let [Some(seq), Some(cached)] = scalars {
+            cache.max_seq_length = seq.to_u32_vec()?.first().copied().unwrap_or(0);
+            cache.max_cache_length = cached.to_u32_vec()?.first().copied().unwrap_or(0);
+        }
+        Ok(cache)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params() -> KvCacheParams {
+        KvCacheParams { dtype: DType::F32, num_layers: 2, page_size: 4, num_kv_heads: 2, head_size: 3 }
+    }
+
+    #[test]
+    fn reserve_assigns_pages_in_allocation_order_and_advance_grows() {
+        let mut cache = PagedKVCacheCollection::new(params(), 6, 2, 3).unwrap();
+        cache.set_allocation_order(vec![5, 3, 1, 0, 2, 4]).unwrap();
+        cache.reserve(&[5, 1]).unwrap();
+        // Sequence 0 needs 2 pages (5 tokens of 4), sequence 1 one page.
+        assert_eq!(cache.lookup_table(), &[5, 3, UNASSIGNED_PAGE, 1, UNASSIGNED_PAGE, UNASSIGNED_PAGE]);
+        assert_eq!(cache.max_seq_length, 5);
+        cache.advance(&[5, 1]).unwrap();
+        assert_eq!(cache.cache_lengths(), &[5, 1]);
+        assert_eq!(cache.max_cache_length, 5);
+        assert_eq!(cache.free_pages(), vec![0, 2, 4]);
+        cache.release(0).unwrap();
+        assert_eq!(cache.free_pages(), vec![5, 3, 0, 2, 4]);
+    }
+
+    #[test]
+    fn reserve_is_all_or_nothing() {
+        let mut cache = PagedKVCacheCollection::new(params(), 2, 2, 3).unwrap();
+        let before = cache.clone();
+        assert!(matches!(cache.reserve(&[4, 5]), Err(Error::OutOfPages { needed: 3, free: 2, .. })));
+        assert!(matches!(cache.reserve(&[13, 0]), Err(Error::SequenceTooLong { .. })));
+        assert_eq!(cache, before);
+    }
+
+    #[test]
+    fn read_token_returns_what_was_stored() {
+        let mut cache = PagedKVCacheCollection::new(params(), 3, 1, 2).unwrap();
+        cache.reserve(&[6]).unwrap();
+        cache.advance(&[6]).unwrap();
+        let (page, slot) = cache.locate(0, 5).unwrap();
+        assert_eq!((page, slot), (1, 1));
+        for h in 0..2 {
+            for d in 0..3 {
+                let off = cache.element_offset(page as usize, 1, 1, slot, h, d);
+                cache.blocks_mut().as_mut_slice::<f32>().unwrap()[off] = (10 * h + d) as f32;
+            }
+        }
+        let (k, v) = cache.read_token(1, 0, 5).unwrap();
+        assert_eq!(k, vec![0.0; 6]);
+        assert_eq!(v, vec![0.0, 1.0, 2.0, 10.0, 11.0, 12.0]);
+        assert!(matches!(cache.read_token(1, 0, 6), Err(Error::PositionNotCached { .. })));
+        assert!(matches!(cache.read_token(2, 0, 0), Err(Error::LayerOutOfRange { .. })));
+    }
+
+    #[test]
+    fn tensors_round_trip() {
+        let mut cache = PagedKVCacheCollection::new(params(), 4, 2, 2).unwrap();
+        cache.reserve(&[3, 7]).unwrap();
+        cache.advance(&[3, 7]).unwrap();
+        let mut map: BTreeMap<String, Tensor> = cache.to_tensors("kv").unwrap().into_iter().collect();
+        let back = PagedKVCacheCollection::from_tensors("kv", &mut map).unwrap();
+        assert_eq!(back.blocks(), cache.blocks());
+        assert_eq!(back.cache_lengths(), cache.cache_lengths());
+        assert_eq!(back.lookup_table(), cache.lookup_table());
+        assert_eq!((back.max_seq_length, back.max_cache_length), (7, 7));
+        assert!(map.is_empty());
+    }
+}

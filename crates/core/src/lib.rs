@@ -1,0 +1,25 @@
+//! Core types of kvjit: element types ([`DType`]), host tensors ([`Tensor`]),
+//! the paged KV cache ([`PagedKVCacheCollection`]), the canonical kernel name
+//! ([`KernelKey`]) and the one error enum shared by every layer that touches
+//! tensors or caches ([`Error`]).
+//!
+//! Start with [`PagedKVCacheCollection::new`] to allocate a cache and
+//! [`Tensor::random`] / [`Tensor::from_f32`] to make inputs. This crate depends
+//! on no other kvjit crate; everything else builds on it.
+
+mod dtype;
+mod error;
+mod kernel_key;
+mod kv_cache;
+mod safetensors_io;
+mod tensor;
+
+pub use dtype::{DType, Element, Target};
+pub use error::{Error, Result};
+pub use kernel_key::{KernelKey, KeyDim};
+pub use kv_cache::{KvCacheParams, PagedKVCacheCollection, UNASSIGNED_PAGE};
+pub use safetensors_io::{read_safetensors, tensors_from_safetensors, tensors_to_safetensors, write_safetensors};
+pub use tensor::{Tensor, TensorData};
+
+/// Re-exported so users name the same `bf16`/`f16` types kvjit uses.
+pub use half::{bf16, f16};
