@@ -4,26 +4,30 @@ use std::fmt;
 
 use crate::{DType, Target};
 
-/// A dimension baked into a kernel, or left to run time.
+/// One labelled entry of a kernel key: a dim baked into the kernel, a dim
+/// left to run time, or a secondary dtype (e.g. the cache's).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum KeyDim {
+pub enum KeyField {
     /// Known when the graph is built; the kernel may bake it in.
     Static(u64),
     /// Symbolic in the graph; the kernel reads it at run time.
     Dynamic,
+    /// A dtype other than the key's compute dtype.
+    DType(DType),
 }
 
-impl fmt::Display for KeyDim {
+impl fmt::Display for KeyField {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            KeyDim::Static(v) => write!(f, "{v}"),
-            KeyDim::Dynamic => f.write_str("any"),
+            KeyField::Static(v) => write!(f, "{v}"),
+            KeyField::Dynamic => f.write_str("any"),
+            KeyField::DType(d) => f.write_str(d.name()),
         }
     }
 }
 
 /// Everything a specialized kernel may bake in: op, target, dtype and an
-/// ordered list of labelled dims.
+/// ordered list of labelled fields.
 ///
 /// Its [`Display`](fmt::Display) form, e.g.
 /// `fused_qkv_bshd_paged.cpu.bf16.k4096.q4096.hkv8.d128.p16.l32.kvbf16.bany.sany`,
@@ -35,17 +39,22 @@ pub struct KernelKey {
     op: String,
     target: Target,
     dtype: DType,
-    fields: Vec<(String, KeyDim)>,
+    fields: Vec<(String, KeyField)>,
 }
 
 impl KernelKey {
     /// A key with no dims yet.
     pub fn new(op: &str, target: Target, dtype: DType) -> Self {
-        Self { op: op.to_string(), target, dtype, fields: Vec::new() }
+        Self {
+            op: op.to_string(),
+            target,
+            dtype,
+            fields: Vec::new(),
+        }
     }
 
-    /// Append a labelled dim (labels are short lowercase tags like `k`, `hkv`).
-    pub fn with(mut self, label: &str, dim: KeyDim) -> Self {
+    /// Append a labelled field (labels are short lowercase tags like `k`, `hkv`).
+    pub fn with(mut self, label: &str, dim: KeyField) -> Self {
         self.fields.push((label.to_string(), dim));
         self
     }
@@ -65,19 +74,24 @@ impl KernelKey {
         self.dtype
     }
 
-    /// The labelled dims, in key order.
-    pub fn fields(&self) -> &[(String, KeyDim)] {
+    /// The labelled fields, in key order.
+    pub fn fields(&self) -> &[(String, KeyField)] {
         &self.fields
     }
 
-    /// The dim with this label, if the key has it.
-    pub fn get(&self, label: &str) -> Option<KeyDim> {
-        self.fields.iter().find(|(l, _)| l == label).map(|(_, d)| *d)
+    /// The field with this label, if the key has it.
+    pub fn get(&self, label: &str) -> Option<KeyField> {
+        self.fields
+            .iter()
+            .find(|(l, _)| l == label)
+            .map(|(_, d)| *d)
     }
 
-    /// Whether every dim is static (a fully specialized kernel).
+    /// Whether no dim is left to run time (a fully specialized kernel).
     pub fn is_fully_static(&self) -> bool {
-        self.fields.iter().all(|(_, d)| matches!(d, KeyDim::Static(_)))
+        self.fields
+            .iter()
+            .all(|(_, d)| !matches!(d, KeyField::Dynamic))
     }
 
     /// The canonical name as a C identifier (dots become underscores), for
@@ -104,11 +118,11 @@ mod tests {
     #[test]
     fn display_is_the_canonical_name() {
         let key = KernelKey::new("fused_qkv_bshd_paged", Target::Cpu, DType::BF16)
-            .with("hkv", KeyDim::Static(8))
-            .with("b", KeyDim::Dynamic);
+            .with("hkv", KeyField::Static(8))
+            .with("b", KeyField::Dynamic);
         assert_eq!(key.to_string(), "fused_qkv_bshd_paged.cpu.bf16.hkv8.bany");
         assert_eq!(key.symbol(), "fused_qkv_bshd_paged_cpu_bf16_hkv8_bany");
         assert!(!key.is_fully_static());
-        assert_eq!(key.get("hkv"), Some(KeyDim::Static(8)));
+        assert_eq!(key.get("hkv"), Some(KeyField::Static(8)));
     }
 }

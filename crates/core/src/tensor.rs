@@ -209,7 +209,12 @@ impl Tensor {
             DType::F32 => TensorData::F32(values.to_vec()),
             DType::BF16 => TensorData::BF16(values.iter().map(|&v| bf16::from_f32(v)).collect()),
             DType::F16 => TensorData::F16(values.iter().map(|&v| f16::from_f32(v)).collect()),
-            DType::U32 => return Err(Error::NotFloat { what: "from_f32".into(), dtype }),
+            DType::U32 => {
+                return Err(Error::NotFloat {
+                    what: "from_f32".into(),
+                    dtype,
+                });
+            }
         };
         Self::from_data(shape, data)
     }
@@ -225,7 +230,13 @@ impl Tensor {
 
     /// A floating tensor of values drawn uniformly from `[low, high)`, rounded
     /// to `dtype`.
-    pub fn random(dtype: DType, shape: &[usize], rng: &mut impl Rng, low: f32, high: f32) -> Result<Self> {
+    pub fn random(
+        dtype: DType,
+        shape: &[usize],
+        rng: &mut impl Rng,
+        low: f32,
+        high: f32,
+    ) -> Result<Self> {
         let numel = checked_numel(shape)?;
         let values: Vec<f32> = (0..numel).map(|_| rng.gen_range(low..high)).collect();
         Self::from_f32(dtype, shape, &values)
@@ -270,13 +281,19 @@ impl Tensor {
     /// The storage as a typed slice; fails if `T` is not the tensor's dtype.
     pub fn as_slice<T: Storable>(&self) -> Result<&[T]> {
         let dtype = self.dtype();
-        T::slice(&self.data).ok_or(Error::WrongDType { expected: T::DTYPE, got: dtype })
+        T::slice(&self.data).ok_or(Error::WrongDType {
+            expected: T::DTYPE,
+            got: dtype,
+        })
     }
 
     /// The storage as a writable typed slice; fails if `T` is not the dtype.
     pub fn as_mut_slice<T: Storable>(&mut self) -> Result<&mut [T]> {
         let dtype = self.dtype();
-        T::slice_mut(&mut self.data).ok_or(Error::WrongDType { expected: T::DTYPE, got: dtype })
+        T::slice_mut(&mut self.data).ok_or(Error::WrongDType {
+            expected: T::DTYPE,
+            got: dtype,
+        })
     }
 
     /// The storage's raw little-endian bytes.
@@ -299,7 +316,10 @@ impl Tensor {
             TensorData::BF16(v) => widen(self, v),
             TensorData::F16(v) => widen(self, v),
             TensorData::U32(_) => {
-                return Err(Error::NotFloat { what: "to_f32_vec".into(), dtype: DType::U32 });
+                return Err(Error::NotFloat {
+                    what: "to_f32_vec".into(),
+                    dtype: DType::U32,
+                });
             }
         })
     }
@@ -316,7 +336,12 @@ impl Tensor {
             TensorData::F32(v) => v.fill(value),
             TensorData::BF16(v) => v.fill(bf16::from_f32(value)),
             TensorData::F16(v) => v.fill(f16::from_f32(value)),
-            TensorData::U32(_) => return Err(Error::NotFloat { what: "fill_f32".into(), dtype: DType::U32 }),
+            TensorData::U32(_) => {
+                return Err(Error::NotFloat {
+                    what: "fill_f32".into(),
+                    dtype: DType::U32,
+                });
+            }
         }
         Ok(())
     }
@@ -326,9 +351,14 @@ impl Tensor {
     pub fn permuted(&self, perm: &[usize]) -> Result<Self> {
         let mut seen = vec![false; self.shape.len()];
         let valid = perm.len() == self.shape.len()
-            && perm.iter().all(|&p| p < seen.len() && !std::mem::replace(&mut seen[p], true));
+            && perm
+                .iter()
+                .all(|&p| p < seen.len() && !std::mem::replace(&mut seen[p], true));
         if !valid {
-            return Err(Error::BadPermutation { rank: self.shape.len(), perm: perm.to_vec() });
+            return Err(Error::BadPermutation {
+                rank: self.shape.len(),
+                perm: perm.to_vec(),
+            });
         }
         Ok(Self {
             shape: perm.iter().map(|&p| self.shape[p]).collect(),
@@ -351,7 +381,11 @@ impl Tensor {
             TensorData::F16(v) => TensorData::F16(gather(self, v)),
             TensorData::U32(v) => TensorData::U32(gather(self, v)),
         };
-        Self { shape: self.shape.clone(), strides: contiguous_strides(&self.shape), data }
+        Self {
+            shape: self.shape.clone(),
+            strides: contiguous_strides(&self.shape),
+            data,
+        }
     }
 
     /// Storage offsets of the elements in logical row-major order.
@@ -392,15 +426,22 @@ mod tests {
     #[test]
     fn from_f32_rounds_to_nearest_even() {
         // 1 + 2^-8 lies exactly between two bf16 values; ties go to the even one (1.0).
-        let t = Tensor::from_f32(DType::BF16, &[2], &[1.0 + 1.0 / 256.0, 1.0 + 3.0 / 256.0]).unwrap();
+        let t =
+            Tensor::from_f32(DType::BF16, &[2], &[1.0 + 1.0 / 256.0, 1.0 + 3.0 / 256.0]).unwrap();
         assert_eq!(t.to_f32_vec().unwrap(), vec![1.0, 1.0 + 4.0 / 256.0]);
     }
 
     #[test]
     fn wrong_element_count_and_dtype_are_errors() {
-        assert!(matches!(Tensor::from_vec(&[2, 2], vec![1.0f32; 3]), Err(Error::ElementCount { .. })));
+        assert!(matches!(
+            Tensor::from_vec(&[2, 2], vec![1.0f32; 3]),
+            Err(Error::ElementCount { .. })
+        ));
         let t = Tensor::zeros(DType::F16, &[2]).unwrap();
         assert!(matches!(t.as_slice::<f32>(), Err(Error::WrongDType { .. })));
-        assert!(matches!(t.permuted(&[0, 0]), Err(Error::BadPermutation { .. })));
+        assert!(matches!(
+            t.permuted(&[0, 0]),
+            Err(Error::BadPermutation { .. })
+        ));
     }
 }

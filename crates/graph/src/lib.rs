@@ -1,1 +1,33 @@
-//! placeholder
+//! The kvjit graph IR: values and nodes with typed handles, the op registry,
+//! the builder that infers and checks shapes as nodes are added,
+//! specialization to [`KernelKey`](kvjit_core::KernelKey)s, and graph files.
+//!
+//! Start with [`GraphBuilder`]: declare inputs, constants and KV caches, add
+//! nodes by op name, mark outputs, then [`GraphBuilder::finish`]. Files go
+//! through [`load_graph`] / [`save_graph`]; a loaded graph passes the same
+//! validator as a built one. [`specialize`] turns a graph plus a target and
+//! concrete dims into a [`SpecializedGraph`] whose nodes carry kernel keys.
+//! The op definitions themselves live in the `ops/` crates; this crate knows
+//! them only through the [`OpDef`] trait.
+
+mod builder;
+mod error;
+mod file;
+mod graph;
+mod ids;
+mod op;
+mod specialize;
+mod types;
+mod validate;
+
+pub use builder::GraphBuilder;
+pub use error::{GraphError, Result};
+pub use file::{
+    FORMAT_NAME, FORMAT_VERSION, graph_from_json, graph_to_json, load_graph, save_graph,
+};
+pub use graph::{Graph, GraphOutput, Node, RandomInit, Value, ValueDef};
+pub use ids::{NodeId, ValueId};
+pub use op::{ArgKind, ArgSpec, OpDef, OpRegistry, ParamValue, Params, param_dtype, param_usize};
+pub use specialize::{SpecializedGraph, specialize};
+pub use types::{Dim, KvCacheType, TensorType, ValueType, same_dim};
+pub use validate::validate;

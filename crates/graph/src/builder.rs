@@ -1,0 +1,190 @@
+//! Building graphs in Rust, with shapes inferred and checked as each node is
+//! added.
+
+use std::sync::Arc;
+
+use kvjit_core::{DType, Tensor};
+
+use crate::validate::check_op;
+use crate::{
+    Dim, Graph, GraphError, GraphOutput, KvCacheType, Node, NodeId, OpRegistry, Params, RandomInit,
+    Result, TensorType, Value, ValueDef, ValueId, ValueType, validate,
+};
+
+/// Builds a [`Graph`] step by step. Every call checks what it adds, so a
+/// mistake is reported at the line that made it.
+///
+/// ```
+/// use kvjit_graph::{Dim, GraphBuilder, OpRegistry};
+/// use kvjit_core::DType;
+///
+/// let registry = OpRegistry::new();
+/// let mut b = GraphBuilder::new("empty", &registry);
+/// let x = b.input("x", DType::F32, &[Dim::from("batch"), Dim::from(8)]).unwrap();
+/// assert_eq!(x.to_string(), "v0");
+/// assert!(b.input("x", DType::F32, &[]).is_err()); // names are unique
+/// ```
+pub struct GraphBuilder<'r> {
+    registry: &'r OpRegistry,
+    graph: Graph,
+}
+
+impl<'r> GraphBuilder<'r> {
+    /// Start an empty graph whose nodes may use the ops in `registry`.
+    pub fn new(name: &str, registry: &'r OpRegistry) -> Self {
+        Self {
+            registry,
+            graph: Graph {
+                name: name.to_string(),
+                values: Vec::new(),
+                nodes: Vec::new(),
+                outputs: Vec::new(),
+            },
+        }
+    }
+
+    fn add_value(&mut self, name: Option<&str>, ty: ValueType, def: ValueDef) -> Result<ValueId> {
+        if let Some(name) = name
+            && self
+                .graph
+                .values
+                .iter()
+                .any(|v| v.name.as_deref() == Some(name))
+        {
+            return Err(GraphError::DuplicateName(name.to_string()));
+        }
+        let id = ValueId(self.graph.values.len() as u32);
+        self.graph.values.push(Value {
+            name: name.map(str::to_string),
+            ty,
+            def,
+        });
+        Ok(id)
+    }
+
+    /// A tensor the caller supplies at run time; dims may be symbolic.
+    pub fn input(&mut self, name: &str, dtype: DType, shape: &[Dim]) -> Result<ValueId> {
+        let ty = ValueType::Tensor(TensorType::new(dtype, shape.iter().cloned()));
+        self.add_value(Some(name), ty, ValueDef::Input)
+    }
+
+    /// A constant tensor (a weight) baked into the graph.
+    pub fn constant(&mut self, name: &str, data: Tensor) -> Result<ValueId> {
+        let data = data.to_contiguous();
+        let ty = ValueType::Tensor(TensorType::new(
+            data.dtype(),
+            data.shape().iter().map(|&d| Dim::Static(d)),
+        ));
+        self.add_value(
+            Some(name),
+            ty,
+            ValueDef::Constant {
+                data: Arc::new(data),
+                init: None,
+            },
+        )
+    }
+
+    /// A constant with deterministic random contents; graph files save the
+    /// recipe instead of the data.
+    pub fn random_constant(
+        &mut self,
+        name: &str,
+        dtype: DType,
+        shape: &[usize],
+        init: RandomInit,
+    ) -> Result<ValueId> {
+        let ty = TensorType::new(dtype, shape.iter().map(|&d| Dim::Static(d)));
+        let data = init.materialize(&ty)?;
+        self.add_value(
+            Some(name),
+            ValueType::Tensor(ty),
+            ValueDef::Constant {
+                data: Arc::new(data),
+                init: Some(init),
+            },
+        )
+    }
+
+    /// A paged KV cache the caller supplies at run time and nodes write in place.
+    pub fn kv_cache(&mut self, name: &str, ty: KvCacheType) -> Result<ValueId> {
+        self.add_value(Some(name), ValueType::KvCache(ty), ValueDef::KvCache)
+    }
+
+    /// Apply an op (by name or alias) to `inputs`; returns its outputs.
+    /// Parameters and input types are checked and output types inferred now.
+    pub fn node(&mut self, op: &str, params: Params, inputs: &[ValueId]) -> Result<Vec<ValueId>> {
+        let node_id = NodeId(self.graph.nodes.len() as u32);
+        let types = inputs
+            .iter()
+            .map(|&v| {
+                self.graph
+                    .values
+                    .get(v.index())
+                    .map(|value| &value.ty)
+                    .ok_or(GraphError::DanglingValue {
+                        place: format!("node {node_id}"),
+                        value: v,
+                    })
+            })
+            .collect::<Result<Vec<_>>>()
+            .map_err(|e| e.in_node(node_id, op))?;
+        let (def, output_types) =
+            check_op(self.registry, op, &params, &types).map_err(|e| e.in_node(node_id, op))?;
+        let outputs = output_types
+            .into_iter()
+            .enumerate()
+            .map(|(index, ty)| {
+                self.add_value(
+                    None,
+                    ValueType::Tensor(ty),
+                    ValueDef::NodeOutput {
+                        node: node_id,
+                        index,
+                    },
+                )
+            })
+            .collect::<Result<Vec<_>>>()?;
+        self.graph.nodes.push(Node {
+            id: node_id,
+            op: def.name().to_string(),
+            params,
+            inputs: inputs.to_vec(),
+            outputs: outputs.clone(),
+        });
+        Ok(outputs)
+    }
+
+    /// Expose a tensor value as a named graph output.
+    pub fn output(&mut self, name: &str, value: ValueId) -> Result<()> {
+        if self.graph.outputs.iter().any(|o| o.name == name) {
+            return Err(GraphError::DuplicateName(name.to_string()));
+        }
+        let ty = &self
+            .graph
+            .values
+            .get(value.index())
+            .ok_or(GraphError::DanglingValue {
+                place: format!("output '{name}'"),
+                value,
+            })?
+            .ty;
+        if ty.as_tensor().is_none() {
+            return Err(GraphError::ArgKind {
+                arg: format!("output '{name}'"),
+                expected: "tensor",
+            });
+        }
+        self.graph.outputs.push(GraphOutput {
+            name: name.to_string(),
+            value,
+        });
+        Ok(())
+    }
+
+    /// Finish the graph, running the full validator once more.
+    pub fn finish(self) -> Result<Graph> {
+        validate(&self.graph, self.registry)?;
+        Ok(self.graph)
+    }
+}

@@ -1,0 +1,169 @@
+//! The graph crate's error enum.
+
+use std::path::PathBuf;
+
+use crate::{NodeId, ValueId};
+
+/// Result alias for this crate.
+pub type Result<T, E = GraphError> = std::result::Result<T, E>;
+
+/// Everything that can be wrong with a graph or a graph file.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum GraphError {
+    /// The file is not valid JSON, or not the shape of a graph file.
+    #[error("malformed graph file: {0}")]
+    Json(#[from] serde_json::Error),
+    /// The JSON is not a kvjit graph file.
+    #[error("not a kvjit graph file: \"format\" is {found:?}, expected \"{expected}\"")]
+    NotAGraphFile {
+        /// The format field found.
+        found: Option<String>,
+        /// The format field expected.
+        expected: &'static str,
+    },
+    /// A format version this build cannot read.
+    #[error("graph file version {found} is not supported: this kvjit reads version {supported}")]
+    UnsupportedVersion {
+        /// The version in the file.
+        found: String,
+        /// The version this build reads.
+        supported: u32,
+    },
+    /// An op name no registered op answers to.
+    #[error("unknown op '{name}': known ops are {known}")]
+    UnknownOp {
+        /// The name asked for.
+        name: String,
+        /// Registered op names.
+        known: String,
+    },
+    /// Two ops registered under one name.
+    #[error("op name '{0}' is registered twice")]
+    DuplicateOp(String),
+    /// A reference to a value that does not exist.
+    #[error("{place} refers to {value}, which is not defined")]
+    DanglingValue {
+        /// Where the reference is.
+        place: String,
+        /// The missing value.
+        value: ValueId,
+    },
+    /// An id defined twice.
+    #[error("{id} is defined twice")]
+    DuplicateId {
+        /// The id.
+        id: String,
+    },
+    /// Two graph inputs, constants, caches or outputs with one name.
+    #[error("name '{0}' is used twice")]
+    DuplicateName(String),
+    /// Nodes that depend on each other in a loop.
+    #[error("the graph has a cycle through nodes {0}")]
+    Cycle(String),
+    /// An op given the wrong number of inputs or outputs.
+    #[error("op {op} takes {expected} {what}, got {got}")]
+    ArgCount {
+        /// The op.
+        op: String,
+        /// "inputs" or "outputs".
+        what: &'static str,
+        /// How many it takes.
+        expected: usize,
+        /// How many it got.
+        got: usize,
+    },
+    /// A tensor where a cache is needed, or the other way round.
+    #[error("argument '{arg}' must be a {expected}")]
+    ArgKind {
+        /// Argument name.
+        arg: String,
+        /// "tensor" or "KV cache".
+        expected: &'static str,
+    },
+    /// An input whose type the op does not accept.
+    #[error("argument '{arg}': expected {expected}, got {got}")]
+    InputType {
+        /// Argument name.
+        arg: String,
+        /// What the op accepts.
+        expected: String,
+        /// What it got.
+        got: String,
+    },
+    /// A node parameter that is missing, unknown or out of range.
+    #[error("parameter '{param}' {problem}")]
+    Param {
+        /// Parameter name.
+        param: String,
+        /// What is wrong.
+        problem: String,
+    },
+    /// A problem inside one node, with the node named.
+    #[error("node {node} ({op}): {source}")]
+    InNode {
+        /// The node.
+        node: NodeId,
+        /// Its op.
+        op: String,
+        /// The problem.
+        source: Box<GraphError>,
+    },
+    /// A value's recorded type differs from what its op infers (files that
+    /// were edited by hand, or IR corrupted by a bug).
+    #[error("{value}: recorded type {recorded} differs from inferred type {inferred}")]
+    TypeDrift {
+        /// The value.
+        value: ValueId,
+        /// The type stored in the graph.
+        recorded: String,
+        /// The type its op infers.
+        inferred: String,
+    },
+    /// Constant data that does not match its declared type.
+    #[error("constant '{name}': declared {declared}, but its data is {dtype}{shape:?}")]
+    ConstantMismatch {
+        /// Constant name.
+        name: String,
+        /// Declared type.
+        declared: String,
+        /// Data dtype.
+        dtype: kvjit_core::DType,
+        /// Data shape.
+        shape: Vec<usize>,
+    },
+    /// A symbol bound to a size where the graph needs a different one, or an
+    /// invalid binding.
+    #[error("symbol '{symbol}': {problem}")]
+    Binding {
+        /// The symbol.
+        symbol: String,
+        /// What is wrong.
+        problem: String,
+    },
+    /// An op/target/dtype combination no kernel serves.
+    #[error("unsupported: {0}")]
+    Unsupported(String),
+    /// A tensor-level problem (weights file, constant data).
+    #[error(transparent)]
+    Tensor(#[from] kvjit_core::Error),
+    /// A graph file that could not be read or written.
+    #[error("{}: {source}", path.display())]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// What went wrong.
+        source: std::io::Error,
+    },
+}
+
+impl GraphError {
+    /// Wrap an op's complaint with the node it came from.
+    pub fn in_node(self, node: NodeId, op: &str) -> Self {
+        GraphError::InNode {
+            node,
+            op: op.to_string(),
+            source: Box::new(self),
+        }
+    }
+}

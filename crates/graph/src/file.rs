@@ -1,0 +1,421 @@
+//! Graph files: versioned JSON for the graph, safetensors for the weights.
+//!
+//! A file is checked in this order: JSON syntax, the `format`/`version`
+//! marker (so a future version is reported as such, not as a parse error),
+//! the schema (unknown fields are errors), ids and references, a topological
+//! sort (cycles are reported with the nodes on them), and finally the graph is
+//! rebuilt through [`GraphBuilder`] and the same validator a built graph
+//! passes. Node order in the file does not matter; ids are renumbered in
+//! execution order on load.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::path::Path;
+
+use kvjit_core::{DType, Tensor, read_safetensors, write_safetensors};
+use serde::{Deserialize, Serialize};
+
+use crate::{
+    Dim, Graph, GraphBuilder, GraphError, KvCacheType, NodeId, OpRegistry, Params, RandomInit,
+    Result, ValueDef, ValueId, ValueType,
+};
+
+/// The `format` marker of a graph file.
+pub const FORMAT_NAME: &str = "kvjit-graph";
+/// The graph file version this build writes and reads.
+pub const FORMAT_VERSION: u32 = 1;
+
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct GraphFile {
+    format: String,
+    version: u32,
+    name: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    weights: Option<String>,
+    values: Vec<ValueEntry>,
+    nodes: Vec<NodeEntry>,
+    #[serde(default)]
+    outputs: Vec<OutputEntry>,
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+enum ValueEntry {
+    Input {
+        id: ValueId,
+        name: String,
+        dtype: DType,
+        shape: Vec<Dim>,
+    },
+    Constant {
+        id: ValueId,
+        name: String,
+        dtype: DType,
+        shape: Vec<usize>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        init: Option<RandomInit>,
+    },
+    KvCache {
+        id: ValueId,
+        name: String,
+        dtype: DType,
+        num_layers: usize,
+        page_size: usize,
+        num_kv_heads: usize,
+        head_size: usize,
+        num_pages: Dim,
+        batch: Dim,
+        max_pages_per_seq: Dim,
+    },
+}
+
+impl ValueEntry {
+    fn id(&self) -> ValueId {
+        match self {
+            ValueEntry::Input { id, .. }
+            | ValueEntry::Constant { id, .. }
+            | ValueEntry::KvCache { id, .. } => *id,
+        }
+    }
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct NodeEntry {
+    id: NodeId,
+    op: String,
+    #[serde(default)]
+    params: Params,
+    inputs: Vec<ValueId>,
+    outputs: Vec<ValueId>,
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct OutputEntry {
+    name: String,
+    value: ValueId,
+}
+
+/// The graph as graph-file JSON. Constants with a [`RandomInit`] are saved
+/// as their recipe; other constants are expected in the safetensors file
+/// named `weights_file` (relative to the graph file).
+pub fn graph_to_json(graph: &Graph, weights_file: Option<&str>) -> String {
+    let values = graph
+        .values()
+        .iter()
+        .enumerate()
+        .filter_map(|(i, v)| {
+            let id = ValueId(i as u32);
+            let name = v.name.clone().unwrap_or_default();
+            match (&v.def, &v.ty) {
+                (ValueDef::Input, ValueType::Tensor(t)) => Some(ValueEntry::Input {
+                    id,
+                    name,
+                    dtype: t.dtype,
+                    shape: t.shape.clone(),
+                }),
+                (ValueDef::Constant { data, init }, _) => Some(ValueEntry::Constant {
+                    id,
+                    name,
+                    dtype: data.dtype(),
+                    shape: data.shape().to_vec(),
+                    init: *init,
+                }),
+                (ValueDef::KvCache, ValueType::KvCache(c)) => Some(ValueEntry::KvCache {
+                    id,
+                    name,
+                    dtype: c.dtype,
+                    num_layers: c.num_layers,
+                    page_size: c.page_size,
+                    num_kv_heads: c.num_kv_heads,
+                    head_size: c.head_size,
+                    num_pages: c.num_pages.clone(),
+                    batch: c.batch.clone(),
+                    max_pages_per_seq: c.max_pages_per_seq.clone(),
+                }),
+                _ => None,
+            }
+        })
+        .collect();
+    let file = GraphFile {
+        format: FORMAT_NAME.into(),
+        version: FORMAT_VERSION,
+        name: graph.name().into(),
+        weights: weights_file.map(str::to_string),
+        values,
+        nodes: graph
+            .nodes()
+            .iter()
+            .map(|n| NodeEntry {
+                id: n.id,
+                op: n.op.clone(),
+                params: n.params.clone(),
+                inputs: n.inputs.clone(),
+                outputs: n.outputs.clone(),
+            })
+            .collect(),
+        outputs: graph
+            .outputs()
+            .iter()
+            .map(|o| OutputEntry {
+                name: o.name.clone(),
+                value: o.value,
+            })
+            .collect(),
+    };
+    serde_json::to_string_pretty(&file).expect("graph files serialize infallibly") + "\n"
+}
+
+fn check_marker(json: &serde_json::Value) -> Result<()> {
+    let format = json.get("format").and_then(|f| f.as_str());
+    if format != Some(FORMAT_NAME) {
+        return Err(GraphError::NotAGraphFile {
+            found: format.map(str::to_string),
+            expected: FORMAT_NAME,
+        });
+    }
+    match json.get("version") {
+        Some(v) if v.as_u64() == Some(FORMAT_VERSION as u64) => Ok(()),
+        other => Err(GraphError::UnsupportedVersion {
+            found: other.map_or_else(|| "(missing)".to_string(), |v| v.to_string()),
+            supported: FORMAT_VERSION,
+        }),
+    }
+}
+
+/// Node indices of `nodes` in an order where every node comes after the
+/// producers of its inputs.
+fn topological_order(nodes: &[NodeEntry], declared: &HashSet<ValueId>) -> Result<Vec<usize>> {
+    let mut producer: HashMap<ValueId, usize> = HashMap::new();
+    let mut node_ids = HashSet::new();
+    for (i, node) in nodes.iter().enumerate() {
+        if !node_ids.insert(node.id) {
+            return Err(GraphError::DuplicateId {
+                id: node.id.to_string(),
+            });
+        }
+        for &out in &node.outputs {
+            if declared.contains(&out) || producer.insert(out, i).is_some() {
+                return Err(GraphError::DuplicateId {
+                    id: out.to_string(),
+                });
+            }
+        }
+    }
+    let mut dependents: Vec<Vec<usize>> = vec![Vec::new(); nodes.len()];
+    let mut pending = vec![0usize; nodes.len()];
+    for (i, node) in nodes.iter().enumerate() {
+        for &input in &node.inputs {
+            if let Some(&p) = producer.get(&input) {
+                dependents[p].push(i);
+                pending[i] += 1;
+            } else if !declared.contains(&input) {
+                return Err(GraphError::DanglingValue {
+                    place: format!("node {}", node.id),
+                    value: input,
+                });
+            }
+        }
+    }
+    let mut ready: Vec<usize> = (0..nodes.len())
+        .rev()
+        .filter(|&i| pending[i] == 0)
+        .collect();
+    let mut order = Vec::with_capacity(nodes.len());
+    while let Some(i) = ready.pop() {
+        order.push(i);
+        for &d in dependents[i].iter().rev() {
+            pending[d] -= 1;
+            if pending[d] == 0 {
+                ready.push(d);
+            }
+        }
+    }
+    if order.len() < nodes.len() {
+        let stuck: Vec<String> = (0..nodes.len())
+            .filter(|&i| pending[i] > 0)
+            .map(|i| nodes[i].id.to_string())
+            .collect();
+        return Err(GraphError::Cycle(stuck.join(", ")));
+    }
+    Ok(order)
+}
+
+/// Parse graph-file JSON. Constants without a recipe take their data from
+/// `weights` by name.
+pub fn graph_from_json(
+    text: &str,
+    registry: &OpRegistry,
+    weights: Option<&BTreeMap<String, Tensor>>,
+) -> Result<Graph> {
+    let json: serde_json::Value = serde_json::from_str(text)?;
+    check_marker(&json)?;
+    let file: GraphFile = serde_json::from_value(json)?;
+
+    let mut declared = HashSet::new();
+    for value in &file.values {
+        if !declared.insert(value.id()) {
+            return Err(GraphError::DuplicateId {
+                id: value.id().to_string(),
+            });
+        }
+    }
+    let order = topological_order(&file.nodes, &declared)?;
+
+    let mut builder = GraphBuilder::new(&file.name, registry);
+    let mut ids: HashMap<ValueId, ValueId> = HashMap::new();
+    for value in &file.values {
+        let new_id = match value {
+            ValueEntry::Input {
+                name, dtype, shape, ..
+            } => builder.input(name, *dtype, shape)?,
+            ValueEntry::Constant {
+                name,
+                dtype,
+                shape,
+                init: Some(init),
+                ..
+            } => builder.random_constant(name, *dtype, shape, *init)?,
+            ValueEntry::Constant {
+                name,
+                dtype,
+                shape,
+                init: None,
+                ..
+            } => {
+                let data = weights.and_then(|w| w.get(name)).ok_or_else(|| {
+                    GraphError::Tensor(kvjit_core::Error::MissingTensor {
+                        name: name.clone(),
+                        context: match weights {
+                            Some(_) => " in the weights file".into(),
+                            None => " (the graph file names no weights file)".into(),
+                        },
+                    })
+                })?;
+                if data.dtype() != *dtype || data.shape() != shape.as_slice() {
+                    return Err(GraphError::ConstantMismatch {
+                        name: name.clone(),
+                        declared: format!("{dtype}{shape:?}"),
+                        dtype: data.dtype(),
+                        shape: data.shape().to_vec(),
+                    });
+                }
+                builder.constant(name, data.clone())?
+            }
+            ValueEntry::KvCache {
+                name,
+                dtype,
+                num_layers,
+                page_size,
+                num_kv_heads,
+                head_size,
+                num_pages,
+                batch,
+                max_pages_per_seq,
+                ..
+            } => builder.kv_cache(
+                name,
+                KvCacheType {
+                    dtype: *dtype,
+                    num_layers: *num_layers,
+                    page_size: *page_size,
+                    num_kv_heads: *num_kv_heads,
+                    head_size: *head_size,
+                    num_pages: num_pages.clone(),
+                    batch: batch.clone(),
+                    max_pages_per_seq: max_pages_per_seq.clone(),
+                },
+            )?,
+        };
+        ids.insert(value.id(), new_id);
+    }
+    for i in order {
+        let node = &file.nodes[i];
+        let inputs: Vec<ValueId> = node.inputs.iter().map(|v| ids[v]).collect();
+        let outputs = builder
+            .node(&node.op, node.params.clone(), &inputs)
+            .map_err(|e| match e {
+                GraphError::InNode { source, op, .. } => GraphError::InNode {
+                    node: node.id,
+                    op,
+                    source,
+                },
+                other => other,
+            })?;
+        if outputs.len() != node.outputs.len() {
+            return Err(GraphError::ArgCount {
+                op: node.op.clone(),
+                what: "outputs",
+                expected: outputs.len(),
+                got: node.outputs.len(),
+            }
+            .in_node(node.id, &node.op));
+        }
+        ids.extend(node.outputs.iter().copied().zip(outputs));
+    }
+    for out in &file.outputs {
+        let value = *ids.get(&out.value).ok_or(GraphError::DanglingValue {
+            place: format!("output '{}'", out.name),
+            value: out.value,
+        })?;
+        builder.output(&out.name, value)?;
+    }
+    builder.finish()
+}
+
+/// Save a graph to `path` (JSON). Constants without a recipe go to a
+/// safetensors file beside it, `path` with extension `.safetensors`.
+pub fn save_graph(graph: &Graph, path: &Path) -> Result<()> {
+    let stored: Vec<(&str, &Tensor)> = graph
+        .constants()
+        .filter_map(|(_, v)| match &v.def {
+            ValueDef::Constant { data, init: None } => {
+                Some((v.name.as_deref().unwrap_or_default(), data.as_ref()))
+            }
+            _ => None,
+        })
+        .collect();
+    let weights_path = path.with_extension("safetensors");
+    let weights_name = weights_path
+        .file_name()
+        .and_then(|n| n.to_str())
+        .map(str::to_string);
+    if !stored.is_empty() {
+        write_safetensors(&weights_path, stored)?;
+    }
+    let json = graph_to_json(
+        graph,
+        weights_name
+            .as_deref()
+            .filter(|_| graph_needs_weights(graph)),
+    );
+    std::fs::write(path, json).map_err(|source| GraphError::Io {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+fn graph_needs_weights(graph: &Graph) -> bool {
+    graph
+        .constants()
+        .any(|(_, v)| matches!(v.def, ValueDef::Constant { init: None, .. }))
+}
+
+/// Load a graph file, and the weights file it names (relative to it).
+pub fn load_graph(path: &Path, registry: &OpRegistry) -> Result<Graph> {
+    let text = std::fs::read_to_string(path).map_err(|source| GraphError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let json: serde_json::Value = serde_json::from_str(&text)?;
+    check_marker(&json)?;
+    let weights = match json.get("weights").and_then(|w| w.as_str()) {
+        Some(name) => {
+            let weights_path = path.parent().unwrap_or(Path::new(".")).join(name);
+            Some(read_safetensors(&weights_path)?)
+        }
+        None => None,
+    };
+    graph_from_json(&text, registry, weights.as_ref())
+}

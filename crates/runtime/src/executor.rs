@@ -1,0 +1,296 @@
+//! Running executables.
+
+use std::collections::{BTreeMap, HashMap};
+use std::time::{Duration, Instant};
+
+use kvjit_core::{PagedKVCacheCollection, Tensor};
+
+use crate::executable::shape_string;
+use crate::{DeviceContextPtr, Executable, Result, RuntimeError, ShapeDim, Slot};
+
+/// How long one step took.
+#[derive(Clone, Debug)]
+pub struct StepTiming {
+    /// The step's label (node id).
+    pub label: String,
+    /// Its kernel key.
+    pub key: String,
+    /// Wall time of the kernel call.
+    pub elapsed: Duration,
+}
+
+/// What a run produced.
+#[derive(Debug)]
+pub struct RunOutput {
+    /// Graph outputs by name.
+    pub outputs: BTreeMap<String, Tensor>,
+    /// Per-step timings, in step order.
+    pub timings: Vec<StepTiming>,
+}
+
+/// Runs executables on one device context.
+pub struct Executor {
+    ctx: DeviceContextPtr,
+}
+
+/// Sizes bound to symbols during one run, with where each was first seen.
+#[derive(Default)]
+struct Bindings(HashMap<String, (usize, String)>);
+
+impl Bindings {
+    fn check(
+        &mut self,
+        dim: &ShapeDim,
+        size: usize,
+        from: impl Fn() -> String,
+    ) -> std::result::Result<bool, RuntimeError> {
+        match dim {
+            ShapeDim::Static(want) => Ok(*want == size),
+            ShapeDim::Symbol(symbol) => match self.0.get(symbol) {
+                Some((first, first_from)) if *first != size => Err(RuntimeError::SymbolConflict {
+                    symbol: symbol.clone(),
+                    first: *first,
+                    first_from: first_from.clone(),
+                    second: size,
+                    second_from: from(),
+                }),
+                Some(_) => Ok(true),
+                None => {
+                    self.0.insert(symbol.clone(), (size, from()));
+                    Ok(true)
+                }
+            },
+        }
+    }
+}
+
+impl Executor {
+    /// An executor whose kernels run on `ctx`.
+    pub fn new(ctx: DeviceContextPtr) -> Self {
+        Self { ctx }
+    }
+
+    /// The context kernels get.
+    pub fn context(&self) -> &DeviceContextPtr {
+        &self.ctx
+    }
+
+    /// Run `exe` once. Inputs and caches are matched by name; every input is
+    /// checked against its declared dtype and dims (symbols must agree across
+    /// inputs and caches) and every kernel whose arguments are all available
+    /// up front validates them, all before the first kernel writes anything.
+    /// Caches are written in place; their lengths are not advanced.
+    pub fn run(
+        &self,
+        exe: &Executable,
+        inputs: &BTreeMap<String, Tensor>,
+        caches: &mut BTreeMap<String, PagedKVCacheCollection>,
+    ) -> Result<RunOutput> {
+        let input_refs = self.bind_inputs(exe, inputs, caches)?;
+        let mut cache_refs = Self::cache_order(exe, caches)?;
+
+        let args_available =
+            |slots: &[Slot]| slots.iter().all(|s| !matches!(s, Slot::StepOutput { .. }));
+        for step in exe.steps() {
+            if args_available(&step.inputs) {
+                let args: Vec<&Tensor> = step
+                    .inputs
+                    .iter()
+                    .map(|s| Self::resolve(exe, &input_refs, &[], *s))
+                    .collect();
+                let step_caches: Vec<&PagedKVCacheCollection> = step
+                    .caches
+                    .iter()
+                    .map(|&c| &**cache_refs[c].as_ref().expect("every cache is present"))
+                    .collect();
+                step.kernel
+                    .check(&args, &step_caches)
+                    .map_err(|source| RuntimeError::Kernel {
+                        step: step.label.clone(),
+                        key: step.kernel.key().to_string(),
+                        source,
+                    })?;
+            }
+        }
+
+        let mut produced: Vec<Vec<Tensor>> = Vec::with_capacity(exe.steps().len());
+        let mut timings = Vec::with_capacity(exe.steps().len());
+        for step in exe.steps() {
+            let kernel_error = |source| RuntimeError::Kernel {
+                step: step.label.clone(),
+                key: step.kernel.key().to_string(),
+                source,
+            };
+            let args: Vec<&Tensor> = step
+                .inputs
+                .iter()
+                .map(|s| Self::resolve(exe, &input_refs, &produced, *s))
+                .collect();
+            let mut step_caches: Vec<&mut PagedKVCacheCollection> =
+                Vec::with_capacity(step.caches.len());
+            // Each step names distinct caches, so the borrows are disjoint;
+            // take them out of the table and put them back after the call.
+            for &c in &step.caches {
+                step_caches.push(
+                    std::mem::take(&mut cache_refs[c]).expect("cache used twice in one step"),
+                );
+            }
+            let specs = {
+                let shared: Vec<&PagedKVCacheCollection> =
+                    step_caches.iter().map(|c| &**c).collect();
+                step.kernel.check(&args, &shared).map_err(kernel_error)?
+            };
+            let mut outputs = specs
+                .iter()
+                .map(|(dtype, shape)| Tensor::zeros(*dtype, shape))
+                .collect::<kvjit_core::Result<Vec<_>>>()
+                .map_err(kernel_error)?;
+            let start = Instant::now();
+            step.kernel
+                .run(&args, &mut step_caches, &mut outputs, &self.ctx)
+                .map_err(kernel_error)?;
+            timings.push(StepTiming {
+                label: step.label.clone(),
+                key: step.kernel.key().to_string(),
+                elapsed: start.elapsed(),
+            });
+            for (&c, cache) in step.caches.iter().zip(step_caches) {
+                cache_refs[c] = Some(cache);
+            }
+            produced.push(outputs);
+        }
+
+        let outputs = exe
+            .outputs()
+            .iter()
+            .map(|(name, slot)| {
+                (
+                    name.clone(),
+                    Self::resolve(exe, &input_refs, &produced, *slot).clone(),
+                )
+            })
+            .collect();
+        Ok(RunOutput { outputs, timings })
+    }
+
+    fn resolve<'a>(
+        exe: &'a Executable,
+        inputs: &[&'a Tensor],
+        produced: &'a [Vec<Tensor>],
+        slot: Slot,
+    ) -> &'a Tensor {
+        match slot {
+            Slot::Input(i) => inputs[i],
+            Slot::Constant(i) => exe.constant(i),
+            Slot::StepOutput { step, output } => &produced[step][output],
+        }
+    }
+
+    /// Match inputs by name and check dtypes, dims and symbol bindings.
+    fn bind_inputs<'a>(
+        &self,
+        exe: &Executable,
+        inputs: &'a BTreeMap<String, Tensor>,
+        caches: &BTreeMap<String, PagedKVCacheCollection>,
+    ) -> Result<Vec<&'a Tensor>> {
+        let known = || {
+            exe.inputs()
+                .iter()
+                .map(|i| i.name.as_str())
+                .chain(exe.caches().iter().map(|c| c.name.as_str()))
+                .collect::<Vec<_>>()
+        };
+        for name in inputs.keys().chain(caches.keys()) {
+            let is_input =
+                exe.inputs().iter().any(|i| &i.name == name) && inputs.contains_key(name);
+            let is_cache =
+                exe.caches().iter().any(|c| &c.name == name) && caches.contains_key(name);
+            if !is_input && !is_cache {
+                return Err(RuntimeError::UnexpectedInput {
+                    name: name.clone(),
+                    known: known().join(", "),
+                });
+            }
+        }
+        let mut bindings = Bindings::default();
+        let mut refs = Vec::with_capacity(exe.inputs().len());
+        for spec in exe.inputs() {
+            let tensor = inputs
+                .get(&spec.name)
+                .ok_or_else(|| RuntimeError::MissingInput {
+                    name: spec.name.clone(),
+                    expected: format!("{}{}", spec.dtype, shape_string(&spec.shape)),
+                })?;
+            if tensor.dtype() != spec.dtype {
+                return Err(RuntimeError::InputDType {
+                    name: spec.name.clone(),
+                    expected: spec.dtype,
+                    got: tensor.dtype(),
+                });
+            }
+            let shape_error = || RuntimeError::InputShape {
+                name: spec.name.clone(),
+                expected: shape_string(&spec.shape),
+                got: tensor.shape().to_vec(),
+            };
+            if tensor.shape().len() != spec.shape.len() {
+                return Err(shape_error());
+            }
+            for (axis, (dim, &size)) in spec.shape.iter().zip(tensor.shape()).enumerate() {
+                if !bindings.check(dim, size, || format!("{} axis {axis}", spec.name))? {
+                    return Err(shape_error());
+                }
+            }
+            refs.push(tensor);
+        }
+        for spec in exe.caches() {
+            let cache = caches
+                .get(&spec.name)
+                .ok_or_else(|| RuntimeError::MissingCache(spec.name.clone()))?;
+            if cache.params() != &spec.params {
+                return Err(RuntimeError::CacheMismatch {
+                    name: spec.name.clone(),
+                    problem: format!(
+                        "layout is {:?}, the graph expects {:?}",
+                        cache.params(),
+                        spec.params
+                    ),
+                });
+            }
+            for (what, dim, size) in [
+                ("num_pages", &spec.num_pages, cache.num_pages()),
+                ("batch", &spec.batch, cache.batch_size()),
+                (
+                    "max_pages_per_seq",
+                    &spec.max_pages_per_seq,
+                    cache.max_pages_per_seq(),
+                ),
+            ] {
+                if !bindings.check(dim, size, || format!("cache {} {what}", spec.name))? {
+                    return Err(RuntimeError::CacheMismatch {
+                        name: spec.name.clone(),
+                        problem: format!("{what} is {size}, the graph expects {dim}"),
+                    });
+                }
+            }
+        }
+        Ok(refs)
+    }
+
+    fn cache_order<'c>(
+        exe: &Executable,
+        caches: &'c mut BTreeMap<String, PagedKVCacheCollection>,
+    ) -> Result<Vec<Option<&'c mut PagedKVCacheCollection>>> {
+        let mut by_name: HashMap<&str, &'c mut PagedKVCacheCollection> =
+            caches.iter_mut().map(|(k, v)| (k.as_str(), v)).collect();
+        exe.caches()
+            .iter()
+            .map(|spec| {
+                by_name
+                    .remove(spec.name.as_str())
+                    .map(Some)
+                    .ok_or_else(|| RuntimeError::MissingCache(spec.name.clone()))
+            })
+            .collect()
+    }
+}

@@ -1,0 +1,206 @@
+//! The run-time argument check every target runs before writing anything.
+//!
+//! JIT-compiled and CUDA kernels index memory without bounds checks, so this
+//! function is what keeps them memory-safe: when it returns `Ok`, every row
+//! reads inside `hidden_state`/`weight`, every Q store lands inside `output`,
+//! and every K/V store lands inside `blocks` at a distinct (page, slot).
+
+use std::collections::HashMap;
+
+use kvjit_core::{DType, Error, PagedKVCacheCollection, Result, Tensor};
+
+/// The sizes of one validated call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CallShape {
+    /// Sequences B.
+    pub batch: usize,
+    /// Padded sequence length S.
+    pub seq: usize,
+    /// Hidden size K.
+    pub k: usize,
+    /// Weight rows N.
+    pub n: usize,
+    /// Q columns.
+    pub q_dim: usize,
+    /// K (or V) columns, Hkv·D.
+    pub kv_dim: usize,
+    /// The layer written.
+    pub layer: usize,
+    /// Tokens written to the cache (sum of valid lengths).
+    pub cache_tokens: usize,
+}
+
+impl CallShape {
+    /// Shape of the Q output `[B, S, q_dim]`.
+    pub fn output_shape(&self) -> Vec<usize> {
+        vec![self.batch, self.seq, self.q_dim]
+    }
+}
+
+fn shape_error(arg: &str, expected: String, got: &Tensor) -> Error {
+    Error::ShapeMismatch {
+        arg: arg.into(),
+        expected,
+        got: got.shape().to_vec(),
+    }
+}
+
+fn expect_dtype(arg: &str, t: &Tensor, expected: DType) -> Result<()> {
+    if t.dtype() != expected {
+        return Err(Error::DTypeMismatch {
+            arg: arg.into(),
+            expected,
+            got: t.dtype(),
+        });
+    }
+    if !t.is_contiguous() {
+        return Err(Error::NotContiguous { arg: arg.into() });
+    }
+    Ok(())
+}
+
+/// Check every argument of a call against the op contract and against each
+/// other; writes nothing. Checks, in order: dtypes and contiguity, shapes,
+/// `layer_idx < L`, `valid_lengths[b] ≤ S`, and for every valid token that its
+/// logical page is inside the lookup table, its physical page is a page of
+/// the cache, and no two tokens share a (page, slot).
+pub fn check_call(
+    hidden_state: &Tensor,
+    weight: &Tensor,
+    kv_collection: &PagedKVCacheCollection,
+    layer_idx: &Tensor,
+    valid_lengths: &Tensor,
+) -> Result<CallShape> {
+    let dtype = hidden_state.dtype();
+    if !dtype.is_float() {
+        return Err(Error::NotFloat {
+            what: "hidden_state".into(),
+            dtype,
+        });
+    }
+    expect_dtype("hidden_state", hidden_state, dtype)?;
+    expect_dtype("weight", weight, dtype)?;
+    expect_dtype("layer_idx", layer_idx, DType::U32)?;
+    expect_dtype("valid_lengths", valid_lengths, DType::U32)?;
+
+    let &[batch, seq, k] = hidden_state.shape() else {
+        return Err(shape_error(
+            "hidden_state",
+            "[B, S, K]".into(),
+            hidden_state,
+        ));
+    };
+    let params = kv_collection.params();
+    let kv_dim = params.kv_dim();
+    let &[n, weight_k] = weight.shape() else {
+        return Err(shape_error("weight", format!("[N, {k}]"), weight));
+    };
+    if weight_k != k || n <= 2 * kv_dim {
+        return Err(shape_error(
+            "weight",
+            format!(
+                "[q_dim + 2*{kv_dim}, {k}] with q_dim >= 1 (K = {k} from hidden_state, kv_dim = Hkv*D = {kv_dim})"
+            ),
+            weight,
+        ));
+    }
+    if !matches!(layer_idx.shape(), [] | [1]) {
+        return Err(shape_error("layer_idx", "[] (a scalar)".into(), layer_idx));
+    }
+    if valid_lengths.shape() != [batch] {
+        return Err(shape_error(
+            "valid_lengths",
+            format!("[{batch}] (B from hidden_state)"),
+            valid_lengths,
+        ));
+    }
+    if kv_collection.batch_size() != batch {
+        return Err(Error::ShapeMismatch {
+            arg: "kv_collection.cache_lengths".into(),
+            expected: format!("[{batch}] (B from hidden_state)"),
+            got: vec![kv_collection.batch_size()],
+        });
+    }
+
+    let layer = layer_idx.as_slice::<u32>()?[0];
+    if layer as usize >= params.num_layers {
+        return Err(Error::LayerOutOfRange {
+            layer_idx: layer,
+            num_layers: params.num_layers,
+        });
+    }
+    let valid = valid_lengths.as_slice::<u32>()?;
+    for (b, &v) in valid.iter().enumerate() {
+        if v as usize > seq {
+            return Err(Error::ValidLengthTooLong {
+                batch: b,
+                valid_length: v,
+                seq_len: seq,
+            });
+        }
+    }
+
+    let page_size = params.page_size as u64;
+    let max_pages = kv_collection.max_pages_per_seq();
+    let table = kv_collection.lookup_table();
+    let mut writers: HashMap<(u32, u64), (usize, usize)> = HashMap::new();
+    for (b, &v) in valid.iter().enumerate() {
+        let start = kv_collection.cache_lengths()[b] as u64;
+        for t in 0..v as usize {
+            let position = start + t as u64;
+            let logical = position / page_size;
+            if logical >= max_pages as u64 {
+                return Err(Error::LogicalPageOutOfRange {
+                    batch: b,
+                    position,
+                    logical_page: logical,
+                    max_pages_per_seq: max_pages,
+                });
+            }
+            let page = table[b * max_pages + logical as usize];
+            if page as usize >= kv_collection.num_pages() {
+                return Err(Error::PhysicalPageOutOfRange {
+                    batch: b,
+                    logical_page: logical as usize,
+                    physical_page: page,
+                    num_pages: kv_collection.num_pages(),
+                });
+            }
+            let slot = position % page_size;
+            if let Some((first_batch, first_t)) = writers.insert((page, slot), (b, t)) {
+                return Err(Error::SlotCollision {
+                    first_batch,
+                    first_t,
+                    second_batch: b,
+                    second_t: t,
+                    page,
+                    slot: slot as usize,
+                });
+            }
+        }
+    }
+
+    Ok(CallShape {
+        batch,
+        seq,
+        k,
+        n,
+        q_dim: n - 2 * kv_dim,
+        kv_dim,
+        layer: layer as usize,
+        cache_tokens: writers.len(),
+    })
+}
+
+/// Check a caller-provided output buffer against a validated call.
+pub(crate) fn check_output(shape: &CallShape, dtype: DType, output: &Tensor) -> Result<()> {
+    expect_dtype("output", output, dtype)?;
+    if output.shape() != shape.output_shape() {
+        return Err(shape_error(
+            "output",
+            format!("{:?} ([B, S, q_dim])", shape.output_shape()),
+            output,
+        ));
+    }
+    Ok(())
+}

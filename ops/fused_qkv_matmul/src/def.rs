@@ -1,0 +1,226 @@
+//! The op's IR definition: parameters, signature, shape rules, kernel key,
+//! and the kernels it builds per target.
+
+use std::sync::Arc;
+
+use kvjit_core::{DType, KernelKey, Target, Tensor};
+use kvjit_graph::{
+    ArgKind, ArgSpec, Dim, GraphError, OpDef, Params, TensorType, ValueType, param_dtype,
+    param_usize, same_dim,
+};
+use kvjit_runtime::{Kernel, KernelBuilder, RuntimeError, cuda_availability};
+
+use crate::{FusedQkvSpec, ReferenceKernel};
+
+/// Canonical op name (MAX's function name).
+pub const OP_NAME: &str = "generic_fused_qkv_matmul_kv_cache_bshd_paged";
+/// The name MAX graphs use for the same op.
+pub const OP_ALIAS: &str = "mo.fused_qkv_matmul.padded.paged";
+
+/// The fused QKV matmul op. Parameters: `dtype` (f32, bf16, f16),
+/// `num_kv_heads`, `head_size`, `page_size`. Inputs: `hidden_state [B, S, K]`,
+/// `weight [N, K]`, `kv_collection`, `layer_idx` (u32 scalar),
+/// `valid_lengths [B]` (u32). Output: `output [B, S, q_dim]`.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct FusedQkvOp;
+
+const INPUTS: &[ArgSpec] = &[
+    ArgSpec {
+        name: "hidden_state",
+        kind: ArgKind::Tensor,
+    },
+    ArgSpec {
+        name: "weight",
+        kind: ArgKind::Tensor,
+    },
+    ArgSpec {
+        name: "kv_collection",
+        kind: ArgKind::KvCache,
+    },
+    ArgSpec {
+        name: "layer_idx",
+        kind: ArgKind::Tensor,
+    },
+    ArgSpec {
+        name: "valid_lengths",
+        kind: ArgKind::Tensor,
+    },
+];
+
+fn input_error(arg: &str, expected: String, got: &impl std::fmt::Display) -> GraphError {
+    GraphError::InputType {
+        arg: arg.into(),
+        expected,
+        got: got.to_string(),
+    }
+}
+
+fn tensor<'a>(inputs: &[&'a ValueType], i: usize) -> &'a TensorType {
+    inputs[i]
+        .as_tensor()
+        .expect("argument kinds are checked before infer")
+}
+
+impl FusedQkvOp {
+    /// Check params and inputs; return the kernel spec (with `target`).
+    fn spec(
+        &self,
+        params: &Params,
+        inputs: &[&ValueType],
+        target: Target,
+    ) -> Result<FusedQkvSpec, GraphError> {
+        let dtype = param_dtype(params, "dtype")?;
+        if !dtype.is_float() {
+            return Err(GraphError::Param {
+                param: "dtype".into(),
+                problem: format!("must be f32, bf16 or f16, got {dtype}"),
+            });
+        }
+        let num_kv_heads = param_usize(params, "num_kv_heads")?;
+        let head_size = param_usize(params, "head_size")?;
+        let page_size = param_usize(params, "page_size")?;
+        let kv_dim = num_kv_heads * head_size;
+
+        let hidden = tensor(inputs, 0);
+        let [batch, seq, k] = match hidden.shape.as_slice() {
+            [b, s, k] if hidden.dtype == dtype => [b, s, k],
+            _ => {
+                return Err(input_error(
+                    "hidden_state",
+                    format!("{dtype}[B, S, K]"),
+                    hidden,
+                ));
+            }
+        };
+        let Some(k_static) = k.as_static() else {
+            return Err(input_error(
+                "hidden_state",
+                format!("{dtype}[B, S, K] with a static K"),
+                hidden,
+            ));
+        };
+        let weight = tensor(inputs, 1);
+        let n = match weight.shape.as_slice() {
+            [Dim::Static(n), wk] if weight.dtype == dtype && same_dim(wk, k) && *n > 2 * kv_dim => {
+                *n
+            }
+            _ => {
+                return Err(input_error(
+                    "weight",
+                    format!(
+                        "{dtype}[q_dim + 2*{kv_dim}, {k}] with q_dim >= 1 (kv_dim = num_kv_heads*head_size)"
+                    ),
+                    weight,
+                ));
+            }
+        };
+        let cache = inputs[2]
+            .as_kv_cache()
+            .expect("argument kinds are checked before infer");
+        let layout_ok = cache.num_kv_heads == num_kv_heads
+            && cache.head_size == head_size
+            && cache.page_size == page_size
+            && cache.dtype.is_float()
+            && same_dim(&cache.batch, batch);
+        if !layout_ok {
+            return Err(input_error(
+                "kv_collection",
+                format!(
+                    "a float cache with num_kv_heads={num_kv_heads}, head_size={head_size}, page_size={page_size}, batch={batch}"
+                ),
+                cache,
+            ));
+        }
+        let layer_idx = tensor(inputs, 3);
+        if layer_idx.dtype != DType::U32
+            || !matches!(layer_idx.shape.as_slice(), [] | [Dim::Static(1)])
+        {
+            return Err(input_error(
+                "layer_idx",
+                "u32[] (a scalar)".into(),
+                layer_idx,
+            ));
+        }
+        let valid = tensor(inputs, 4);
+        if valid.dtype != DType::U32 || !matches!(valid.shape.as_slice(), [b] if same_dim(b, batch))
+        {
+            return Err(input_error("valid_lengths", format!("u32[{batch}]"), valid));
+        }
+        Ok(FusedQkvSpec {
+            target,
+            dtype,
+            cache_dtype: cache.dtype,
+            k: k_static,
+            q_dim: n - 2 * kv_dim,
+            num_kv_heads,
+            head_size,
+            page_size,
+            num_layers: cache.num_layers,
+            batch: batch.as_static(),
+            seq: seq.as_static(),
+        })
+    }
+}
+
+impl OpDef for FusedQkvOp {
+    fn name(&self) -> &'static str {
+        OP_NAME
+    }
+
+    fn aliases(&self) -> &'static [&'static str] {
+        &[OP_ALIAS]
+    }
+
+    fn param_names(&self) -> &'static [&'static str] {
+        &["dtype", "num_kv_heads", "head_size", "page_size"]
+    }
+
+    fn inputs(&self) -> &'static [ArgSpec] {
+        INPUTS
+    }
+
+    fn outputs(&self) -> &'static [&'static str] {
+        &["output"]
+    }
+
+    fn infer(&self, params: &Params, inputs: &[&ValueType]) -> Result<Vec<TensorType>, GraphError> {
+        let spec = self.spec(params, inputs, Target::Cpu)?;
+        let hidden = tensor(inputs, 0);
+        let shape = vec![
+            hidden.shape[0].clone(),
+            hidden.shape[1].clone(),
+            Dim::Static(spec.q_dim),
+        ];
+        Ok(vec![TensorType::new(spec.dtype, shape)])
+    }
+
+    fn kernel_key(
+        &self,
+        params: &Params,
+        inputs: &[&ValueType],
+        target: Target,
+    ) -> Result<KernelKey, GraphError> {
+        Ok(self.spec(params, inputs, target)?.kernel_key())
+    }
+}
+
+impl KernelBuilder for FusedQkvOp {
+    fn build(
+        &self,
+        key: &KernelKey,
+        _constants: &[Option<Arc<Tensor>>],
+    ) -> kvjit_runtime::Result<Arc<dyn Kernel>> {
+        let spec = FusedQkvSpec::from_kernel_key(key)
+            .ok_or_else(|| RuntimeError::Plan(format!("{key} is not a key of {OP_NAME}")))?;
+        match spec.target {
+            Target::Cpu => Ok(Arc::new(ReferenceKernel::new(spec))),
+            Target::Cuda => {
+                cuda_availability()?;
+                Err(RuntimeError::TargetUnavailable {
+                    target: Target::Cuda,
+                    reason: format!("no CUDA variant serves {key}"),
+                })
+            }
+        }
+    }
+}

@@ -1,0 +1,123 @@
+//! The reference implementation: plain, obviously correct Rust that follows
+//! the contract line by line. Every fast path is tested against it; it is
+//! also the CPU kernel until the JIT lands.
+//!
+//! For each row `r = b·S + t` and column `n` of `C = X·Wᵀ`, accumulated in
+//! f32 in order of k:
+//! - `n < q_dim`: `output[b, t, n] = C[r, n]`, for every t;
+//! - otherwise, only if `t < valid_lengths[b]`: the K (then V) column
+//!   `j = n − q_dim − kv·kv_dim` is stored at head `j / D`, lane `j % D` of
+//!   slot `pos % page_size` of page `lookup_table[b, pos / page_size]`,
+//!   `pos = cache_lengths[b] + t`, layer `layer_idx`.
+
+use kvjit_core::{Element, PagedKVCacheCollection, Result, Tensor, TensorData, bf16, f16};
+
+use crate::CallShape;
+use crate::call::{check_call, check_output};
+
+/// Run the op: validate everything (writing nothing on error), then write
+/// `output` and the K/V of valid tokens into `kv_collection`.
+pub fn fused_qkv_matmul(
+    hidden_state: &Tensor,
+    weight: &Tensor,
+    kv_collection: &mut PagedKVCacheCollection,
+    layer_idx: &Tensor,
+    valid_lengths: &Tensor,
+    output: &mut Tensor,
+) -> Result<CallShape> {
+    let shape = check_call(
+        hidden_state,
+        weight,
+        kv_collection,
+        layer_idx,
+        valid_lengths,
+    )?;
+    check_output(&shape, hidden_state.dtype(), output)?;
+    let valid = valid_lengths.as_slice::<u32>()?;
+    match (hidden_state.data(), weight.data(), output.dtype()) {
+        (TensorData::F32(x), TensorData::F32(w), _) => {
+            run::<f32>(&shape, x, w, kv_collection, valid, output.as_mut_slice()?)
+        }
+        (TensorData::BF16(x), TensorData::BF16(w), _) => {
+            run::<bf16>(&shape, x, w, kv_collection, valid, output.as_mut_slice()?)
+        }
+        (TensorData::F16(x), TensorData::F16(w), _) => {
+            run::<f16>(&shape, x, w, kv_collection, valid, output.as_mut_slice()?)
+        }
+        _ => unreachable!("check_call accepts only matching float dtypes"),
+    }
+    Ok(shape)
+}
+
+fn run<T: Element>(
+    shape: &CallShape,
+    x: &[T],
+    w: &[T],
+    cache: &mut PagedKVCacheCollection,
+    valid: &[u32],
+    output: &mut [T],
+) {
+    match cache.blocks().dtype() {
+        kvjit_core::DType::F32 => run_typed::<T, f32>(shape, x, w, cache, valid, output),
+        kvjit_core::DType::BF16 => run_typed::<T, bf16>(shape, x, w, cache, valid, output),
+        kvjit_core::DType::F16 => run_typed::<T, f16>(shape, x, w, cache, valid, output),
+        kvjit_core::DType::U32 => unreachable!("caches hold floats"),
+    }
+}
+
+fn run_typed<T: Element, C: Element>(
+    shape: &CallShape,
+    x: &[T],
+    w: &[T],
+    cache: &mut PagedKVCacheCollection,
+    valid: &[u32],
+    output: &mut [T],
+) {
+    let CallShape {
+        batch,
+        seq,
+        k,
+        n,
+        q_dim,
+        kv_dim,
+        layer,
+        ..
+    } = *shape;
+    let head_size = cache.params().head_size;
+    let mut row = vec![0f32; k];
+    let mut c = vec![0f32; n];
+    for b in 0..batch {
+        for t in 0..seq {
+            let r = b * seq + t;
+            for (dst, src) in row.iter_mut().zip(&x[r * k..(r + 1) * k]) {
+                *dst = src.to_f32();
+            }
+            for (col, out) in c.iter_mut().enumerate() {
+                let w_row = &w[col * k..(col + 1) * k];
+                *out = row
+                    .iter()
+                    .zip(w_row)
+                    .fold(0f32, |acc, (&xv, wv)| acc + xv * wv.to_f32());
+            }
+            for (col, &value) in c[..q_dim].iter().enumerate() {
+                output[r * q_dim + col] = T::from_f32(value);
+            }
+            if t >= valid[b] as usize {
+                continue;
+            }
+            let position = cache.cache_lengths()[b] as usize + t;
+            let (page, slot) = cache
+                .locate(b, position)
+                .expect("check_call validated every valid token's page");
+            for (j, &value) in c[q_dim..].iter().enumerate() {
+                let kv = j / kv_dim;
+                let (head, d) = ((j % kv_dim) / head_size, j % head_size);
+                let offset = cache.element_offset(page as usize, kv, layer, slot, head, d);
+                cache
+                    .blocks_mut()
+                    .as_mut_slice::<C>()
+                    .expect("cache dtype matched above")[offset] = C::from_f32(value);
+            }
+        }
+    }
+}

@@ -1,0 +1,124 @@
+//! [`FusedQkvSpec`]: the typed form of this op's kernel key.
+
+use kvjit_core::{DType, KernelKey, KeyField, Target};
+
+/// Short op name used in kernel keys, symbols and benchmark ids.
+pub const KERNEL_NAME: &str = "fused_qkv_bshd_paged";
+
+/// Everything a kernel for this op may bake in. `batch`/`seq` are `None`
+/// when symbolic (the kernel reads them at run time).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct FusedQkvSpec {
+    /// Target.
+    pub target: Target,
+    /// Dtype of hidden state, weight and output.
+    pub dtype: DType,
+    /// Dtype of the cache.
+    pub cache_dtype: DType,
+    /// Hidden size K.
+    pub k: usize,
+    /// Q columns.
+    pub q_dim: usize,
+    /// KV heads Hkv.
+    pub num_kv_heads: usize,
+    /// Head size D.
+    pub head_size: usize,
+    /// Tokens per page.
+    pub page_size: usize,
+    /// Layers in the cache.
+    pub num_layers: usize,
+    /// Batch B, if static.
+    pub batch: Option<usize>,
+    /// Padded sequence length S, if static.
+    pub seq: Option<usize>,
+}
+
+impl FusedQkvSpec {
+    /// K (or V) columns: Hkv·D.
+    pub fn kv_dim(&self) -> usize {
+        self.num_kv_heads * self.head_size
+    }
+
+    /// All weight rows N = q_dim + 2·kv_dim.
+    pub fn n(&self) -> usize {
+        self.q_dim + 2 * self.kv_dim()
+    }
+
+    /// The canonical kernel key (the one function that names this op's kernels).
+    pub fn kernel_key(&self) -> KernelKey {
+        let dim = |v: Option<usize>| v.map_or(KeyField::Dynamic, |v| KeyField::Static(v as u64));
+        KernelKey::new(KERNEL_NAME, self.target, self.dtype)
+            .with("k", KeyField::Static(self.k as u64))
+            .with("q", KeyField::Static(self.q_dim as u64))
+            .with("hkv", KeyField::Static(self.num_kv_heads as u64))
+            .with("d", KeyField::Static(self.head_size as u64))
+            .with("p", KeyField::Static(self.page_size as u64))
+            .with("l", KeyField::Static(self.num_layers as u64))
+            .with("kv", KeyField::DType(self.cache_dtype))
+            .with("b", dim(self.batch))
+            .with("s", dim(self.seq))
+    }
+
+    /// Read a key made by [`kernel_key`](Self::kernel_key) back; `None` if it
+    /// is not this op's.
+    pub fn from_kernel_key(key: &KernelKey) -> Option<Self> {
+        if key.op() != KERNEL_NAME {
+            return None;
+        }
+        let stat = |label| match key.get(label)? {
+            KeyField::Static(v) => usize::try_from(v).ok(),
+            _ => None,
+        };
+        let dynamic = |label| match key.get(label)? {
+            KeyField::Static(v) => Some(usize::try_from(v).ok()),
+            KeyField::Dynamic => Some(None),
+            KeyField::DType(_) => None,
+        };
+        let spec = Self {
+            target: key.target(),
+            dtype: key.dtype(),
+            cache_dtype: match key.get("kv")? {
+                KeyField::DType(d) => d,
+                _ => return None,
+            },
+            k: stat("k")?,
+            q_dim: stat("q")?,
+            num_kv_heads: stat("hkv")?,
+            head_size: stat("d")?,
+            page_size: stat("p")?,
+            num_layers: stat("l")?,
+            batch: dynamic("b")?,
+            seq: dynamic("s")?,
+        };
+        (spec.kernel_key() == *key).then_some(spec)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn key_round_trips_and_names_itself() {
+        let spec = FusedQkvSpec {
+            target: Target::Cpu,
+            dtype: DType::BF16,
+            cache_dtype: DType::BF16,
+            k: 4096,
+            q_dim: 4096,
+            num_kv_heads: 8,
+            head_size: 128,
+            page_size: 16,
+            num_layers: 32,
+            batch: None,
+            seq: Some(1),
+        };
+        let key = spec.kernel_key();
+        assert_eq!(
+            key.to_string(),
+            "fused_qkv_bshd_paged.cpu.bf16.k4096.q4096.hkv8.d128.p16.l32.kvbf16.bany.s1"
+        );
+        assert_eq!(FusedQkvSpec::from_kernel_key(&key), Some(spec));
+        assert_eq!(spec.n(), 6144);
+    }
+}
