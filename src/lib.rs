@@ -1,1 +1,46 @@
-//! kvjit
+//! kvjit: build graphs of LLM inference ops, compile every node for its
+//! exact shapes, and run them on the CPU (or, later, NVIDIA GPUs).
+//!
+//! This facade crate ties the pieces together and is where to start:
+//! - [`standard_registry`] lists every op kvjit ships;
+//! - [`GraphBuilder`] builds a graph in Rust, [`load_graph`] reads a graph file;
+//! - [`compile`] specializes a graph for a target and lowers it to an
+//!   [`Executable`];
+//! - [`Executor::run`] runs it with named inputs and KV caches;
+//! - [`demo`] builds the example graphs and their random inputs.
+//!
+//! ```no_run
+//! use kvjit::{CompileOptions, DeviceContextPtr, Executor, compile, demo, standard_registry};
+//!
+//! let registry = standard_registry();
+//! let config = demo::LayerConfig::small();
+//! let graph = demo::layer_graph(&config, registry.ops()).unwrap();
+//! let exe = compile(&graph, &registry, &CompileOptions::default()).unwrap();
+//! let mut scenario = demo::Scenario::prefill(&graph, 7).unwrap();
+//! let out = Executor::new(DeviceContextPtr::cpu(2).unwrap())
+//!     .run(&exe, &scenario.inputs, &mut scenario.caches)
+//!     .unwrap();
+//! println!("{:?}", out.outputs["q"].shape());
+//! ```
+
+mod compile;
+pub mod demo;
+mod error;
+mod registry;
+
+pub use compile::{CompileOptions, compile};
+pub use error::{Error, Result};
+pub use registry::{Registry, standard_registry};
+
+pub use kvjit_core::{
+    DType, Element, KernelKey, KeyField, KvCacheParams, PagedKVCacheCollection, Target, Tensor,
+    TensorData, UNASSIGNED_PAGE, bf16, f16, read_safetensors, tensors_from_safetensors,
+    tensors_to_safetensors, write_safetensors,
+};
+pub use kvjit_graph::{
+    Dim, Graph, GraphBuilder, GraphError, KvCacheType, OpRegistry, ParamValue, Params, RandomInit,
+    SpecializedGraph, TensorType, ValueId, graph_from_json, graph_to_json, load_graph, save_graph,
+    specialize,
+};
+pub use kvjit_op_fused_qkv as fused_qkv;
+pub use kvjit_runtime::{DeviceContextPtr, Executable, Executor, RunOutput, RuntimeError};

@@ -1,0 +1,445 @@
+//! Example graphs and the random scenarios the CLI and examples run them on.
+//!
+//! [`LayerConfig::llama3_8b`] is one Llama-3-8B attention layer's QKV
+//! projection (hidden 4096, 32 query heads, 8 KV heads of 128, page size 16);
+//! [`LayerConfig::small`] is a two-layer toy that runs in microseconds.
+//! [`Scenario`] makes seeded inputs and a KV cache for any graph of fused-QKV
+//! nodes: sequences with different cache and valid lengths, pages handed out
+//! in a shuffled order (scattered page tables, as a long-running server has),
+//! a cache pre-filled with random history, and decode steps that grow it.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use kvjit_core::{DType, PagedKVCacheCollection, Tensor};
+use kvjit_graph::{
+    Dim, Graph, GraphBuilder, KvCacheType, OpRegistry, ParamValue, Params, RandomInit, ValueDef,
+};
+use kvjit_op_fused_qkv::OP_NAME;
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+
+use crate::{Error, Result};
+
+/// The shape of an example attention layer's QKV projection.
+#[derive(Clone, Debug)]
+pub struct LayerConfig {
+    /// Graph name.
+    pub name: String,
+    /// Activation, weight and cache dtype.
+    pub dtype: DType,
+    /// Hidden size K.
+    pub hidden_size: usize,
+    /// Query heads.
+    pub num_q_heads: usize,
+    /// KV heads.
+    pub num_kv_heads: usize,
+    /// Head size D.
+    pub head_size: usize,
+    /// Tokens per cache page.
+    pub page_size: usize,
+    /// Layers (one node each, all writing one shared cache).
+    pub num_layers: usize,
+    /// Physical pages in the cache.
+    pub num_pages: usize,
+    /// Lookup-table width.
+    pub max_pages_per_seq: usize,
+    /// Seed of the first layer's weight (layer l uses seed + l).
+    pub weight_seed: u64,
+}
+
+impl LayerConfig {
+    /// One Llama-3-8B layer: hidden 4096, 32 q heads, 8 kv heads of 128, page 16.
+    pub fn llama3_8b() -> Self {
+        Self {
+            name: "llama3_8b_layer".into(),
+            dtype: DType::F32,
+            hidden_size: 4096,
+            num_q_heads: 32,
+            num_kv_heads: 8,
+            head_size: 128,
+            page_size: 16,
+            num_layers: 1,
+            num_pages: 64,
+            max_pages_per_seq: 16,
+            weight_seed: 8,
+        }
+    }
+
+    /// A two-layer toy (hidden 64, 4 q heads, 2 kv heads of 16, page 4).
+    pub fn small() -> Self {
+        Self {
+            name: "small_two_layers".into(),
+            dtype: DType::F32,
+            hidden_size: 64,
+            num_q_heads: 4,
+            num_kv_heads: 2,
+            head_size: 16,
+            page_size: 4,
+            num_layers: 2,
+            num_pages: 48,
+            max_pages_per_seq: 16,
+            weight_seed: 1,
+        }
+    }
+
+    /// Q columns: query heads × head size.
+    pub fn q_dim(&self) -> usize {
+        self.num_q_heads * self.head_size
+    }
+
+    /// Weight rows N = q_dim + 2·Hkv·D.
+    pub fn n(&self) -> usize {
+        self.q_dim() + 2 * self.num_kv_heads * self.head_size
+    }
+}
+
+/// Name of layer `l`'s output: `q` for one layer, `layers.{l}.q` for more.
+pub fn output_name(config: &LayerConfig, layer: usize) -> String {
+    if config.num_layers == 1 {
+        "q".into()
+    } else {
+        format!("layers.{layer}.q")
+    }
+}
+
+/// Build the example graph: symbolic `batch` and `seq`, one fused-QKV node
+/// per layer (each with its own seeded random weight and `layer_idx` input),
+/// all writing the cache `kv_cache`.
+pub fn layer_graph(config: &LayerConfig, ops: &OpRegistry) -> Result<Graph> {
+    let mut b = GraphBuilder::new(&config.name, ops);
+    let batch = Dim::from("batch");
+    let hidden = b.input(
+        "hidden_state",
+        config.dtype,
+        &[
+            batch.clone(),
+            Dim::from("seq"),
+            Dim::from(config.hidden_size),
+        ],
+    )?;
+    let valid = b.input("valid_lengths", DType::U32, &[batch.clone()])?;
+    let cache = b.kv_cache(
+        "kv_cache",
+        KvCacheType {
+            dtype: config.dtype,
+            num_layers: config.num_layers,
+            page_size: config.page_size,
+            num_kv_heads: config.num_kv_heads,
+            head_size: config.head_size,
+            num_pages: Dim::from(config.num_pages),
+            batch,
+            max_pages_per_seq: Dim::from(config.max_pages_per_seq),
+        },
+    )?;
+    let params: Params = [
+        ("dtype", ParamValue::from(config.dtype)),
+        ("num_kv_heads", config.num_kv_heads.into()),
+        ("head_size", config.head_size.into()),
+        ("page_size", config.page_size.into()),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect();
+    let bound = 1.0 / (config.hidden_size as f32).sqrt();
+    for layer in 0..config.num_layers {
+        let prefix = if config.num_layers == 1 {
+            String::new()
+        } else {
+            format!("layers.{layer}.")
+        };
+        let weight = b.random_constant(
+            &format!("{prefix}qkv_weight"),
+            config.dtype,
+            &[config.n(), config.hidden_size],
+            RandomInit {
+                seed: config.weight_seed + layer as u64,
+                low: -bound,
+                high: bound,
+            },
+        )?;
+        let layer_idx = b.input(&format!("{prefix}layer_idx"), DType::U32, &[])?;
+        let q = b.node(
+            OP_NAME,
+            params.clone(),
+            &[hidden, weight, cache, layer_idx, valid],
+        )?;
+        b.output(&output_name(config, layer), q[0])?;
+    }
+    Ok(b.finish()?)
+}
+
+/// What each graph input and cache is to the fused-QKV nodes that use it.
+#[derive(Clone, Debug, Default)]
+struct Roles {
+    hidden: BTreeSet<String>,
+    valid_lengths: BTreeSet<String>,
+    /// layer_idx input → the layer it selects (node order modulo L).
+    layer_idx: BTreeMap<String, u32>,
+    /// cache → the valid_lengths input of the first node writing it.
+    cache_lengths_from: BTreeMap<String, String>,
+}
+
+impl Roles {
+    fn of(graph: &Graph) -> Result<Self> {
+        let mut roles = Roles::default();
+        let name = |v: kvjit_graph::ValueId| graph.value(v).name.clone();
+        for node in graph.nodes().iter().filter(|n| n.op == OP_NAME) {
+            let [hidden, _, cache, layer, valid] = node.inputs[..] else {
+                continue;
+            };
+            let (Some(hidden), Some(cache), Some(layer), Some(valid)) =
+                (name(hidden), name(cache), name(layer), name(valid))
+            else {
+                continue;
+            };
+            let num_layers = graph
+                .value(node.inputs[2])
+                .ty
+                .as_kv_cache()
+                .map_or(1, |c| c.num_layers);
+            if matches!(graph.value(node.inputs[3]).def, ValueDef::Input) {
+                let next = roles.layer_idx.len() as u32;
+                roles
+                    .layer_idx
+                    .entry(layer)
+                    .or_insert(next % num_layers as u32);
+            }
+            roles.hidden.insert(hidden);
+            roles
+                .cache_lengths_from
+                .entry(cache)
+                .or_insert_with(|| valid.clone());
+            roles.valid_lengths.insert(valid);
+        }
+        if roles.hidden.is_empty() {
+            return Err(Error::Usage(format!(
+                "graph '{}' has no {OP_NAME} node whose inputs are graph inputs; give its inputs with --inputs",
+                graph.name()
+            )));
+        }
+        Ok(roles)
+    }
+}
+
+/// Seeded inputs and caches for a graph of fused-QKV nodes, stepped through a
+/// prefill and any number of decode steps.
+pub struct Scenario {
+    /// Graph inputs by name, for the current step.
+    pub inputs: BTreeMap<String, Tensor>,
+    /// KV caches by name.
+    pub caches: BTreeMap<String, PagedKVCacheCollection>,
+    graph: Graph,
+    roles: Roles,
+    rng: StdRng,
+}
+
+fn dim_size(dim: &Dim, bindings: &BTreeMap<String, usize>) -> Result<usize> {
+    match dim {
+        Dim::Static(v) => Ok(*v),
+        Dim::Symbolic(s) => bindings.get(s).copied().ok_or_else(|| {
+            Error::Usage(format!(
+                "no size for symbol '{s}': the example scenario binds batch and seq"
+            ))
+        }),
+    }
+}
+
+impl Scenario {
+    /// A prefill step of 4 sequences padded to 8 tokens (where the graph
+    /// leaves batch and seq symbolic).
+    pub fn prefill(graph: &Graph, seed: u64) -> Result<Self> {
+        Self::prefill_with(graph, seed, 4, 8)
+    }
+
+    /// A prefill step with `batch` sequences padded to `seq` tokens: the first
+    /// sequence fills all `seq`, the others a random 1..=seq; each sequence
+    /// starts with a random amount of cached history.
+    pub fn prefill_with(graph: &Graph, seed: u64, batch: usize, seq: usize) -> Result<Self> {
+        let roles = Roles::of(graph)?;
+        let mut rng = StdRng::seed_from_u64(seed);
+        let bindings: BTreeMap<String, usize> =
+            [("batch".to_string(), batch), ("seq".to_string(), seq)].into();
+        let mut caches = BTreeMap::new();
+        for (_, value) in graph.kv_caches() {
+            let name = value.name.clone().unwrap_or_default();
+            let ty = value.ty.as_kv_cache().expect("cache values are caches");
+            let batch = dim_size(&ty.batch, &bindings)?;
+            let mut cache = PagedKVCacheCollection::new(
+                ty.params(),
+                dim_size(&ty.num_pages, &bindings)?,
+                batch,
+                dim_size(&ty.max_pages_per_seq, &bindings)?,
+            )?;
+            let mut order: Vec<u32> = (0..cache.num_pages() as u32).collect();
+            order.shuffle(&mut rng);
+            cache.set_allocation_order(order)?;
+            let filled = Tensor::random(ty.dtype, cache.blocks().shape(), &mut rng, -1.0, 1.0)?;
+            *cache.blocks_mut() = filled;
+            let capacity = cache.max_pages_per_seq() * ty.page_size;
+            let budget = (cache.num_pages() * ty.page_size / batch.max(1)).min(capacity);
+            let max_history = budget.saturating_sub(seq + 2 * ty.page_size);
+            let history: Vec<u32> = (0..batch)
+                .map(|_| rng.gen_range(0..=max_history) as u32)
+                .collect();
+            cache.reserve(&history)?;
+            cache.advance(&history)?;
+            caches.insert(name, cache);
+        }
+        let mut scenario = Self {
+            inputs: BTreeMap::new(),
+            caches,
+            graph: graph.clone(),
+            roles,
+            rng,
+        };
+        scenario.make_inputs(&bindings, |rng, b| {
+            if b == 0 {
+                seq as u32
+            } else {
+                rng.gen_range(1..=seq as u32)
+            }
+        })?;
+        Ok(scenario)
+    }
+
+    /// A scenario that starts from given tensors: graph inputs by name and
+    /// each cache as `<cache>.blocks`, `.cache_lengths`, `.lookup_table`
+    /// (as [`PagedKVCacheCollection::to_tensors`] writes them). Pages are not
+    /// reserved: the tensors say where tokens go.
+    pub fn from_tensors(
+        graph: &Graph,
+        mut tensors: BTreeMap<String, Tensor>,
+        seed: u64,
+    ) -> Result<Self> {
+        let mut caches = BTreeMap::new();
+        for (_, value) in graph.kv_caches() {
+            let name = value.name.clone().unwrap_or_default();
+            let cache =
+                PagedKVCacheCollection::from_tensors(&name, &mut tensors).map_err(|e| match e {
+                    kvjit_core::Error::MissingTensor { name, .. } => {
+                        kvjit_core::Error::MissingTensor {
+                            name,
+                            context: " in the inputs file".into(),
+                        }
+                    }
+                    other => other,
+                })?;
+            caches.insert(name, cache);
+        }
+        let roles = Roles::of(graph).unwrap_or_default();
+        Ok(Self {
+            inputs: tensors,
+            caches,
+            graph: graph.clone(),
+            roles,
+            rng: StdRng::seed_from_u64(seed),
+        })
+    }
+
+    /// Tokens the current step writes to each cache (sum of valid lengths).
+    pub fn tokens_this_step(&self) -> usize {
+        self.roles
+            .valid_lengths
+            .iter()
+            .filter_map(|name| self.inputs.get(name))
+            .filter_map(|t| t.to_u32_vec().ok())
+            .map(|v| v.iter().map(|&x| x as usize).sum::<usize>())
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// After a step ran: advance every cache by the step's valid lengths.
+    pub fn advance(&mut self) -> Result<()> {
+        for (cache, valid) in &self.roles.cache_lengths_from {
+            let lengths = self
+                .inputs
+                .get(valid)
+                .ok_or_else(|| Error::Usage(format!("input '{valid}' is missing")))?
+                .to_u32_vec()?;
+            if let Some(c) = self.caches.get_mut(cache) {
+                c.advance(&lengths)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Make the next decode step: one new token per sequence (or, where the
+    /// graph fixes seq, a random number of valid tokens), pages reserved.
+    pub fn next_decode_step(&mut self) -> Result<()> {
+        let hidden_name = self
+            .roles
+            .hidden
+            .iter()
+            .next()
+            .expect("roles found a hidden state")
+            .clone();
+        let (_, hidden_value) = self
+            .graph
+            .inputs()
+            .find(|(_, v)| v.name.as_deref() == Some(hidden_name.as_str()))
+            .expect("hidden is an input");
+        let hidden_ty = hidden_value
+            .ty
+            .as_tensor()
+            .expect("hidden is a tensor")
+            .clone();
+        let batch = self.inputs[&hidden_name].shape()[0];
+        let seq = hidden_ty.shape[1].as_static().unwrap_or(1);
+        let mut bindings = BTreeMap::new();
+        for (dim, size) in hidden_ty.shape.iter().zip([batch, seq]) {
+            if let Dim::Symbolic(s) = dim {
+                bindings.insert(s.clone(), size);
+            }
+        }
+        self.make_inputs(&bindings, |rng, _| {
+            if seq == 1 {
+                1
+            } else {
+                rng.gen_range(1..=seq as u32)
+            }
+        })
+    }
+
+    /// Fill every graph input for one step and reserve the pages it writes.
+    fn make_inputs(
+        &mut self,
+        bindings: &BTreeMap<String, usize>,
+        valid: impl Fn(&mut StdRng, usize) -> u32,
+    ) -> Result<()> {
+        let mut inputs = BTreeMap::new();
+        let mut valid_values: Option<Vec<u32>> = None;
+        for (_, value) in self.graph.inputs() {
+            let name = value.name.clone().unwrap_or_default();
+            let ty = value.ty.as_tensor().expect("graph inputs are tensors");
+            let shape = ty
+                .shape
+                .iter()
+                .map(|d| dim_size(d, bindings))
+                .collect::<Result<Vec<_>>>()?;
+            let tensor = if self.roles.valid_lengths.contains(&name) {
+                let values = valid_values
+                    .get_or_insert_with(|| (0..shape[0]).map(|b| valid(&mut self.rng, b)).collect())
+                    .clone();
+                Tensor::from_vec(&shape, values)?
+            } else if let Some(&layer) = self.roles.layer_idx.get(&name) {
+                Tensor::from_vec(&shape, vec![layer; shape.iter().product()])?
+            } else if ty.dtype.is_float() {
+                Tensor::random(ty.dtype, &shape, &mut self.rng, -1.0, 1.0)?
+            } else {
+                return Err(Error::Usage(format!(
+                    "cannot make up a value for u32 input '{name}'; give it with --inputs"
+                )));
+            };
+            inputs.insert(name, tensor);
+        }
+        for (cache, valid_name) in &self.roles.cache_lengths_from {
+            let lengths = inputs[valid_name].to_u32_vec()?;
+            if let Some(c) = self.caches.get_mut(cache) {
+                c.reserve(&lengths)?;
+            }
+        }
+        self.inputs = inputs;
+        Ok(())
+    }
+}

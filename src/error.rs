@@ -1,0 +1,23 @@
+//! The facade's error: any layer's error, unchanged.
+
+/// Result alias for the facade.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// An error from any part of kvjit. Each variant wraps the crate error that
+/// says what went wrong; match on it to tell the cases apart.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// Tensor, cache, tensor-file or op-argument problem.
+    #[error(transparent)]
+    Tensor(#[from] kvjit_core::Error),
+    /// Graph, graph-file or specialization problem.
+    #[error(transparent)]
+    Graph(#[from] kvjit_graph::GraphError),
+    /// Target, executable or run problem.
+    #[error(transparent)]
+    Runtime(#[from] kvjit_runtime::RuntimeError),
+    /// A request the caller made that cannot be met (e.g. an example scenario
+    /// for a graph it does not fit).
+    #[error("{0}")]
+    Usage(String),
+}

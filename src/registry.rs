@@ -1,0 +1,49 @@
+//! The one place every op kvjit ships is listed.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use kvjit_graph::{OpDef, OpRegistry};
+use kvjit_runtime::KernelBuilder;
+
+use crate::{Error, Result};
+
+/// Op definitions (for building and validating graphs) and their kernel
+/// builders (for compiling them), registered together.
+#[derive(Clone, Default)]
+pub struct Registry {
+    ops: OpRegistry,
+    kernels: HashMap<&'static str, Arc<dyn KernelBuilder>>,
+}
+
+impl Registry {
+    /// Register an op that defines itself and builds its kernels.
+    pub fn register<T: OpDef + KernelBuilder + 'static>(&mut self, op: T) -> Result<()> {
+        let op = Arc::new(op);
+        self.ops.register(op.clone())?;
+        self.kernels.insert(op.name(), op);
+        Ok(())
+    }
+
+    /// The op definitions, for [`GraphBuilder`](crate::GraphBuilder) and
+    /// [`load_graph`](crate::load_graph).
+    pub fn ops(&self) -> &OpRegistry {
+        &self.ops
+    }
+
+    /// The kernel builder of an op, by canonical name.
+    pub fn kernel_builder(&self, op: &str) -> Result<&Arc<dyn KernelBuilder>> {
+        self.kernels
+            .get(op)
+            .ok_or_else(|| Error::Usage(format!("op '{op}' has no kernels registered")))
+    }
+}
+
+/// Every op kvjit ships.
+pub fn standard_registry() -> Registry {
+    let mut registry = Registry::default();
+    registry
+        .register(kvjit_op_fused_qkv::FusedQkvOp)
+        .expect("built-in op names are distinct");
+    registry
+}
