@@ -337,6 +337,12 @@ impl Scenario {
         })
     }
 
+    /// The current step's valid lengths (of the first valid_lengths input).
+    pub fn valid_lengths(&self) -> Option<Vec<u32>> {
+        let name = self.roles.valid_lengths.iter().next()?;
+        self.inputs.get(name)?.to_u32_vec().ok()
+    }
+
     /// Tokens the current step writes to each cache (sum of valid lengths).
     pub fn tokens_this_step(&self) -> usize {
         self.roles

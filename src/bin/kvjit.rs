@@ -1,1 +1,260 @@
-fn main() {}
+//! The `kvjit` command line: run, inspect and validate op graphs.
+//!
+//! Every failure prints one line, `error: …`, and exits with status 1.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use clap::{Parser, Subcommand};
+use kvjit::demo::{LayerConfig, Scenario};
+use kvjit::{
+    CompileOptions, DeviceContextPtr, Error, Executor, Graph, Registry, Result, Target, Tensor, ValueDef, compile, demo,
+    load_graph, read_safetensors, specialize, standard_registry, write_safetensors,
+};
+
+#[derive(Parser)]
+#[command(name = "kvjit", version, about = "Build, specialize and run graphs of LLM inference ops")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Compile and run a graph file (default: a built-in Llama-3-8B layer).
+    Run(RunArgs),
+    /// Show a graph's inputs, nodes, shapes and kernel keys.
+    Inspect {
+        /// Graph file (JSON).
+        graph: PathBuf,
+        /// Target whose kernel keys to show.
+        #[arg(long, default_value = "cpu")]
+        target: Target,
+        /// Bind a symbol to a size (repeatable), e.g. --bind batch=4.
+        #[arg(long = "bind", value_parser = parse_binding)]
+        bindings: Vec<(String, usize)>,
+    },
+    /// Load and validate a graph file, and nothing else.
+    Validate {
+        /// Graph file (JSON).
+        graph: PathBuf,
+    },
+}
+
+#[derive(clap::Args)]
+struct RunArgs {
+    /// Graph file (JSON); without it, the built-in Llama-3-8B layer runs.
+    graph: Option<PathBuf>,
+    /// Safetensors file with graph inputs and caches by name
+    /// (`<cache>.blocks`, `.cache_lengths`, `.lookup_table`) for the first step.
+    #[arg(long)]
+    inputs: Option<PathBuf>,
+    /// Write every graph output and the updated caches to this safetensors file.
+    #[arg(long)]
+    output: Option<PathBuf>,
+    /// Where kernels run.
+    #[arg(long, default_value = "cpu")]
+    target: Target,
+    /// Seed of the random inputs and cache history.
+    #[arg(long, default_value_t = 7)]
+    seed: u64,
+    /// Decode steps after the first step; each adds a token per sequence.
+    #[arg(long, default_value_t = 2)]
+    steps: usize,
+    /// Sequences in the generated first step.
+    #[arg(long, default_value_t = 4)]
+    batch: usize,
+    /// Padded tokens per sequence in the generated first step.
+    #[arg(long, default_value_t = 8)]
+    seq: usize,
+    /// CPU worker threads (0: one per core).
+    #[arg(long, default_value_t = 0)]
+    threads: usize,
+    /// Bind a symbol at compile time (repeatable), e.g. --bind batch=4.
+    #[arg(long = "bind", value_parser = parse_binding)]
+    bindings: Vec<(String, usize)>,
+}
+
+fn parse_binding(text: &str) -> std::result::Result<(String, usize), String> {
+    let (name, size) = text.split_once('=').ok_or_else(|| format!("'{text}' is not SYMBOL=SIZE"))?;
+    let size = size.parse().map_err(|_| format!("'{size}' is not a size"))?;
+    Ok((name.to_string(), size))
+}
+
+fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) if matches!(e.kind(), clap::error::ErrorKind::DisplayHelp | clap::error::ErrorKind::DisplayVersion) => {
+            print!("{e}");
+            return ExitCode::SUCCESS;
+        }
+        Err(e) => {
+            let text = e.to_string();
+            let first = text.lines().next().unwrap_or("bad arguments");
+            eprintln!("{} (see kvjit --help)", first.trim());
+            return ExitCode::FAILURE;
+        }
+    };
+    let registry = standard_registry();
+    let result = match cli.command {
+        Command::Run(args) => run(&registry, &args),
+        Command::Inspect { graph, target, bindings } => inspect(&registry, &graph, target, bindings.into_iter().collect()),
+        Command::Validate { graph } => validate(&registry, &graph),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {}", e.to_string().replace('\n', " "));
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn load(registry: &Registry, path: &Path) -> Result<Graph> {
+    Ok(load_graph(path, registry.ops())?)
+}
+
+fn validate(registry: &Registry, path: &Path) -> Result<()> {
+    let graph = load(registry, path)?;
+    println!("ok: graph '{}' is valid ({} nodes, {} outputs)", graph.name(), graph.nodes().len(), graph.outputs().len());
+    Ok(())
+}
+
+fn inspect(registry: &Registry, path: &Path, target: Target, bindings: BTreeMap<String, usize>) -> Result<()> {
+    let graph = load(registry, path)?;
+    let specialized = specialize(&graph, registry.ops(), target, &bindings)?;
+    let graph = specialized.graph();
+    println!("graph '{}': {} nodes, symbols [{}]", graph.name(), graph.nodes().len(), graph.symbols().join(", "));
+    println!("values:");
+    for (i, value) in graph.values().iter().enumerate() {
+        let kind = match value.def {
+            ValueDef::Input => "input",
+            ValueDef::Constant { init: Some(_), .. } => "constant (random init)",
+            ValueDef::Constant { .. } => "constant",
+            ValueDef::KvCache => "kv cache",
+            ValueDef::NodeOutput { .. } => "node output",
+        };
+        println!("  v{i:<3} {:<28} {:<24} {}", value.name.as_deref().unwrap_or("-"), kind, value.ty);
+    }
+    println!("nodes ({target}):");
+    for (node, key) in graph.nodes().iter().zip(specialized.kernel_keys()) {
+        let list = |ids: &[kvjit::ValueId]| ids.iter().map(|v| v.to_string()).collect::<Vec<_>>().join(", ");
+        println!("  {}  {}({}) -> {}", node.id, node.op, list(&node.inputs), list(&node.outputs));
+        let params: Vec<String> = node
+            .params
+            .iter()
+            .map(|(k, v)| match v {
+                kvjit::ParamValue::Int(i) => format!("{k}={i}"),
+                kvjit::ParamValue::Str(s) => format!("{k}={s}"),
+            })
+            .collect();
+        println!("      params: {}", params.join(" "));
+        println!("      kernel: {key}{}", if key.is_fully_static() { "" } else { "  (generic in the 'any' dims)" });
+    }
+    println!("outputs:");
+    for out in graph.outputs() {
+        println!("  {} = {}  {}", out.name, out.value, graph.value(out.value).ty);
+    }
+    Ok(())
+}
+
+/// Sum and sum of magnitudes of a float tensor, as a quick fingerprint.
+fn checksum(t: &Tensor) -> Result<(f64, f64)> {
+    let values = t.to_f32_vec()?;
+    Ok(values.iter().fold((0.0, 0.0), |(s, a), &v| (s + v as f64, a + (v as f64).abs())))
+}
+
+fn format_duration(d: Duration) -> String {
+    let secs = d.as_secs_f64();
+    if secs >= 1.0 { format!("{secs:.2} s") } else { format!("{:.3} ms", secs * 1e3) }
+}
+
+fn run(registry: &Registry, args: &RunArgs) -> Result<()> {
+    let graph = match &args.graph {
+        Some(path) => load(registry, path)?,
+        None => demo::layer_graph(&LayerConfig::llama3_8b(), registry.ops())?,
+    };
+    let options = CompileOptions { target: args.target, bindings: args.bindings.iter().cloned().collect() };
+    let compile_start = Instant::now();
+    let exe = compile(&graph, registry, &options)?;
+    let compile_time = compile_start.elapsed();
+    let ctx = DeviceContextPtr::for_target(args.target, args.threads)?;
+    let threads = ctx.cpu_context().map_or(0, |c| c.threads());
+    let executor = Executor::new(ctx);
+
+    let mut scenario = match &args.inputs {
+        Some(path) => Scenario::from_tensors(&graph, read_safetensors(path)?, args.seed)?,
+        None => Scenario::prefill_with(&graph, args.seed, args.batch, args.seq)?,
+    };
+
+    println!(
+        "graph '{}': {} node(s), target {}, {} threads, seed {}",
+        graph.name(),
+        graph.nodes().len(),
+        args.target,
+        threads,
+        args.seed
+    );
+    println!("compiled {} kernel(s) in {}", exe.steps().len(), format_duration(compile_time));
+    for step in exe.steps() {
+        println!("  {:<4} {}", step.label, step.kernel.key());
+    }
+    println!();
+    println!("{:<5} {:<8} {:<24} {:<28} {:>8} {:>12}", "step", "kind", "valid lengths", "cache lengths before", "tokens", "time");
+
+    let mut node_time: Vec<Duration> = vec![Duration::ZERO; exe.steps().len()];
+    let mut total_tokens = 0usize;
+    let mut last = None;
+    for step in 0..=args.steps {
+        if step > 0 {
+            scenario.next_decode_step()?;
+        }
+        let cache_lengths = scenario.caches.values().next().map(|c| c.cache_lengths().to_vec()).unwrap_or_default();
+        let tokens = scenario.tokens_this_step();
+        let started = Instant::now();
+        let out = executor.run(&exe, &scenario.inputs, &mut scenario.caches)?;
+        let elapsed = started.elapsed();
+        for (total, timing) in node_time.iter_mut().zip(&out.timings) {
+            *total += timing.elapsed;
+        }
+        scenario.advance()?;
+        total_tokens += tokens;
+        let kind = if step == 0 { if args.inputs.is_some() { "given" } else { "prefill" } } else { "decode" };
+        println!(
+            "{step:<5} {kind:<8} {:<24} {:<28} {tokens:>8} {:>12}",
+            format!("{:?}", scenario.valid_lengths().unwrap_or_default()),
+            format!("{cache_lengths:?}"),
+            format_duration(elapsed)
+        );
+        last = Some(out);
+    }
+    let out = last.expect("at least one step runs");
+
+    println!();
+    println!("time per node (mean of {} steps):", args.steps + 1);
+    for (step, total) in exe.steps().iter().zip(&node_time) {
+        println!("  {:<4} {:>12}  {}", step.label, format_duration(*total / (args.steps as u32 + 1)), step.kernel.key());
+    }
+    for (name, cache) in &scenario.caches {
+        println!("cache '{name}': {total_tokens} tokens written, lengths now {:?}", cache.cache_lengths());
+    }
+    for (name, tensor) in &out.outputs {
+        let (sum, abs) = checksum(tensor)?;
+        println!("output '{name}': {}{:?} checksum sum={sum:.6} abs_sum={abs:.6}", tensor.dtype(), tensor.shape());
+    }
+
+    if let Some(path) = &args.output {
+        let mut named: Vec<(String, Tensor)> = out.outputs.into_iter().collect();
+        for (name, cache) in &scenario.caches {
+            named.extend(cache.to_tensors(name)?);
+        }
+        if let Some((dup, _)) = named.iter().enumerate().find(|(i, (n, _))| named[..*i].iter().any(|(m, _)| m == n)) {
+            return Err(Error::Usage(format!("output name '{}' clashes with a cache tensor name", named[dup].0)));
+        }
+        write_safetensors(path, named.iter().map(|(n, t)| (n.as_str(), t)))?;
+        println!("wrote {} tensors to {}", named.len(), path.display());
+    }
+    Ok(())
+}

@@ -97,16 +97,31 @@ struct OutputEntry {
     value: ValueId,
 }
 
+/// Value ids as files spell them: declared values (inputs, constants,
+/// caches) first, then node outputs in node order — the order a loader
+/// creates them in, so saving a loaded file reproduces it exactly.
+fn file_ids(graph: &Graph) -> Vec<ValueId> {
+    let mut ids = vec![ValueId(0); graph.values().len()];
+    let declared = graph.values().iter().enumerate().filter(|(_, v)| !matches!(v.def, ValueDef::NodeOutput { .. }));
+    let produced = graph.nodes().iter().flat_map(|n| n.outputs.iter().map(|o| o.index()));
+    for (next, i) in declared.map(|(i, _)| i).chain(produced).enumerate() {
+        ids[i] = ValueId(next as u32);
+    }
+    ids
+}
+
 /// The graph as graph-file JSON. Constants with a [`RandomInit`] are saved
 /// as their recipe; other constants are expected in the safetensors file
 /// named `weights_file` (relative to the graph file).
 pub fn graph_to_json(graph: &Graph, weights_file: Option<&str>) -> String {
+    let ids = file_ids(graph);
+    let renumber = |values: &[ValueId]| values.iter().map(|v| ids[v.index()]).collect::<Vec<_>>();
     let values = graph
         .values()
         .iter()
         .enumerate()
         .filter_map(|(i, v)| {
-            let id = ValueId(i as u32);
+            let id = ids[i];
             let name = v.name.clone().unwrap_or_default();
             match (&v.def, &v.ty) {
                 (ValueDef::Input, ValueType::Tensor(t)) => Some(ValueEntry::Input {
@@ -151,8 +166,8 @@ pub fn graph_to_json(graph: &Graph, weights_file: Option<&str>) -> String {
                 id: n.id,
                 op: n.op.clone(),
                 params: n.params.clone(),
-                inputs: n.inputs.clone(),
-                outputs: n.outputs.clone(),
+                inputs: renumber(&n.inputs),
+                outputs: renumber(&n.outputs),
             })
             .collect(),
         outputs: graph
