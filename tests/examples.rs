@@ -5,13 +5,15 @@
 use std::path::Path;
 
 use kvjit::demo::{LayerConfig, layer_graph};
-use kvjit::{graph_to_json, load_graph, standard_registry};
+use kvjit::{ValueDef, graph_to_json, load_graph, standard_registry};
 
 fn check_example(config: LayerConfig, file: &str) {
     let registry = standard_registry();
     let graph = layer_graph(&config, registry.ops()).unwrap();
     let json = graph_to_json(&graph, None);
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples").join(file);
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("examples")
+        .join(file);
     if std::env::var_os("KVJIT_BLESS").is_some() {
         std::fs::write(&path, &json).unwrap();
     }
@@ -20,6 +22,14 @@ fn check_example(config: LayerConfig, file: &str) {
     // The file loads through the same validator and yields the same graph.
     let loaded = load_graph(&path, registry.ops()).unwrap();
     assert_eq!(graph_to_json(&loaded, None), json);
+    for (out, loaded_out) in graph.outputs().iter().zip(loaded.outputs()) {
+        assert_eq!(out.name, loaded_out.name);
+        assert_eq!(graph.value(out.value).ty, loaded.value(loaded_out.value).ty);
+        assert!(matches!(
+            loaded.value(loaded_out.value).def,
+            ValueDef::NodeOutput { .. }
+        ));
+    }
 }
 
 #[test]

@@ -102,8 +102,15 @@ struct OutputEntry {
 /// creates them in, so saving a loaded file reproduces it exactly.
 fn file_ids(graph: &Graph) -> Vec<ValueId> {
     let mut ids = vec![ValueId(0); graph.values().len()];
-    let declared = graph.values().iter().enumerate().filter(|(_, v)| !matches!(v.def, ValueDef::NodeOutput { .. }));
-    let produced = graph.nodes().iter().flat_map(|n| n.outputs.iter().map(|o| o.index()));
+    let declared = graph
+        .values()
+        .iter()
+        .enumerate()
+        .filter(|(_, v)| !matches!(v.def, ValueDef::NodeOutput { .. }));
+    let produced = graph
+        .nodes()
+        .iter()
+        .flat_map(|n| n.outputs.iter().map(|o| o.index()));
     for (next, i) in declared.map(|(i, _)| i).chain(produced).enumerate() {
         ids[i] = ValueId(next as u32);
     }
@@ -175,7 +182,7 @@ pub fn graph_to_json(graph: &Graph, weights_file: Option<&str>) -> String {
             .iter()
             .map(|o| OutputEntry {
                 name: o.name.clone(),
-                value: o.value,
+                value: ids[o.value.index()],
             })
             .collect(),
     };

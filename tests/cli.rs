@@ -1,0 +1,320 @@
+//! The `kvjit` binary end to end: exit codes, one-line errors, and the
+//! contents of `--output` checked against a direct reference call.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use kvjit::fused_qkv::reference::fused_qkv_matmul;
+use kvjit::{
+    DType, PagedKVCacheCollection, Tensor, ValueDef, load_graph, read_safetensors,
+    standard_registry, write_safetensors,
+};
+use rand::{SeedableRng, seq::SliceRandom};
+
+fn kvjit(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_kvjit"))
+        .args(args)
+        .output()
+        .expect("the kvjit binary starts")
+}
+
+fn stdout(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+fn example(name: &str) -> String {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("examples")
+        .join(name)
+        .display()
+        .to_string()
+}
+
+/// Exit status 1 and exactly one line on stderr, starting with `error: `.
+fn assert_one_line_error(out: &Output, needle: &str) {
+    let err = stderr(out);
+    assert_eq!(out.status.code(), Some(1), "stderr: {err}");
+    assert_eq!(err.lines().count(), 1, "one line expected: {err}");
+    assert!(err.starts_with("error: "), "{err}");
+    assert!(err.contains(needle), "'{needle}' not in: {err}");
+    assert!(!err.contains("panicked"), "{err}");
+}
+
+#[test]
+fn default_run_is_the_8b_layer() {
+    let out = kvjit(&["run", "--steps", "1", "--batch", "2", "--seq", "3"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    assert!(text.contains("graph 'llama3_8b_layer'"), "{text}");
+    assert!(
+        text.contains("fused_qkv_bshd_paged.cpu.f32.k4096.q4096.hkv8.d128.p16.l1.kvf32.bany.sany"),
+        "{text}"
+    );
+    assert!(
+        text.contains("output 'q': f32[2, 1, 4096] checksum"),
+        "{text}"
+    );
+    assert!(text.contains("tokens written"), "{text}");
+}
+
+#[test]
+fn same_seed_same_checksum_and_other_seed_differs() {
+    let checksum = |seed: &str| {
+        let out = kvjit(&[
+            "run",
+            &example("small_two_layers.json"),
+            "--seed",
+            seed,
+            "--steps",
+            "1",
+        ]);
+        assert!(out.status.success(), "{}", stderr(&out));
+        stdout(&out)
+            .lines()
+            .filter(|l| l.contains("checksum"))
+            .map(str::to_string)
+            .collect::<Vec<_>>()
+    };
+    let first = checksum("3");
+    assert_eq!(first.len(), 2);
+    assert_eq!(first, checksum("3"));
+    assert_ne!(first, checksum("4"));
+}
+
+#[test]
+fn decode_steps_grow_every_sequence_by_one_token_each() {
+    let dir = tempfile::tempdir().unwrap();
+    let lengths_after = |steps: &str| {
+        let path = dir.path().join(format!("out{steps}.safetensors"));
+        let out = kvjit(&[
+            "run",
+            &example("small_two_layers.json"),
+            "--steps",
+            steps,
+            "--output",
+            path.to_str().unwrap(),
+        ]);
+        assert!(out.status.success(), "{}", stderr(&out));
+        read_safetensors(&path).unwrap()["kv_cache.cache_lengths"]
+            .to_u32_vec()
+            .unwrap()
+    };
+    let after_prefill = lengths_after("0");
+    let after_three = lengths_after("3");
+    assert_eq!(after_prefill.len(), 4);
+    for (a, b) in after_prefill.iter().zip(&after_three) {
+        assert_eq!(b - a, 3);
+    }
+}
+
+/// Inputs for the small example written to a file, and what a direct
+/// reference call makes of them.
+struct GivenInputs {
+    path: PathBuf,
+    expected_q: Vec<Tensor>,
+    expected_cache: PagedKVCacheCollection,
+    valid: Vec<u32>,
+}
+
+fn given_inputs(dir: &Path) -> GivenInputs {
+    let registry = standard_registry();
+    let graph = load_graph(Path::new(&example("small_two_layers.json")), registry.ops()).unwrap();
+    let weights: Vec<Tensor> = graph
+        .constants()
+        .map(|(_, v)| match &v.def {
+            ValueDef::Constant { data, .. } => (**data).clone(),
+            _ => unreachable!(),
+        })
+        .collect();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+    let params = graph
+        .kv_caches()
+        .next()
+        .unwrap()
+        .1
+        .ty
+        .as_kv_cache()
+        .unwrap()
+        .params();
+    let (batch, seq) = (3, 5);
+    let mut cache = PagedKVCacheCollection::new(params, 48, batch, 16).unwrap();
+    let mut order: Vec<u32> = (0..48).collect();
+    order.shuffle(&mut rng);
+    cache.set_allocation_order(order).unwrap();
+    *cache.blocks_mut() =
+        Tensor::random(DType::F32, cache.blocks().shape(), &mut rng, -1.0, 1.0).unwrap();
+    cache.reserve(&[9, 0, 6]).unwrap();
+    cache.advance(&[9, 0, 6]).unwrap();
+    let valid = vec![5u32, 2, 4];
+    cache.reserve(&valid).unwrap();
+    let hidden = Tensor::random(DType::F32, &[batch, seq, 64], &mut rng, -1.0, 1.0).unwrap();
+    let valid_t = Tensor::from_vec(&[batch], valid.clone()).unwrap();
+
+    let mut named: Vec<(String, Tensor)> = vec![
+        ("hidden_state".into(), hidden.clone()),
+        ("valid_lengths".into(), valid_t.clone()),
+        ("layers.0.layer_idx".into(), Tensor::scalar_u32(0)),
+        ("layers.1.layer_idx".into(), Tensor::scalar_u32(1)),
+    ];
+    named.extend(cache.to_tensors("kv_cache").unwrap());
+    let path = dir.join("inputs.safetensors");
+    write_safetensors(&path, named.iter().map(|(n, t)| (n.as_str(), t))).unwrap();
+
+    let mut expected_q = Vec::new();
+    for (layer, weight) in weights.iter().enumerate() {
+        let mut q = Tensor::zeros(DType::F32, &[batch, seq, 64]).unwrap();
+        let layer_idx = Tensor::scalar_u32(layer as u32);
+        fused_qkv_matmul(&hidden, weight, &mut cache, &layer_idx, &valid_t, &mut q).unwrap();
+        expected_q.push(q);
+    }
+    GivenInputs {
+        path,
+        expected_q,
+        expected_cache: cache,
+        valid,
+    }
+}
+
+#[test]
+fn output_file_holds_what_a_direct_reference_call_computes() {
+    let dir = tempfile::tempdir().unwrap();
+    let given = given_inputs(dir.path());
+    let out_path = dir.path().join("out.safetensors");
+    let out = kvjit(&[
+        "run",
+        &example("small_two_layers.json"),
+        "--inputs",
+        given.path.to_str().unwrap(),
+        "--output",
+        out_path.to_str().unwrap(),
+        "--steps",
+        "0",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let written = read_safetensors(&out_path).unwrap();
+    assert_eq!(written["layers.0.q"], given.expected_q[0]);
+    assert_eq!(written["layers.1.q"], given.expected_q[1]);
+    assert_eq!(&written["kv_cache.blocks"], given.expected_cache.blocks());
+    let advanced: Vec<u32> = given
+        .expected_cache
+        .cache_lengths()
+        .iter()
+        .zip(&given.valid)
+        .map(|(c, v)| c + v)
+        .collect();
+    assert_eq!(
+        written["kv_cache.cache_lengths"].to_u32_vec().unwrap(),
+        advanced
+    );
+    assert_eq!(
+        written["kv_cache.lookup_table"].to_u32_vec().unwrap(),
+        given.expected_cache.lookup_table()
+    );
+}
+
+#[test]
+fn bad_inputs_files_are_one_line_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let given = given_inputs(dir.path());
+    let graph = example("small_two_layers.json");
+
+    let bytes = std::fs::read(&given.path).unwrap();
+    let truncated = dir.path().join("truncated.safetensors");
+    std::fs::write(&truncated, &bytes[..bytes.len() / 2]).unwrap();
+    assert_one_line_error(
+        &kvjit(&["run", &graph, "--inputs", truncated.to_str().unwrap()]),
+        "malformed safetensors",
+    );
+
+    let mut tensors: BTreeMap<String, Tensor> = read_safetensors(&given.path).unwrap();
+    tensors.remove("kv_cache.lookup_table");
+    let missing = dir.path().join("missing.safetensors");
+    write_safetensors(&missing, tensors.iter().map(|(n, t)| (n.as_str(), t))).unwrap();
+    assert_one_line_error(
+        &kvjit(&["run", &graph, "--inputs", missing.to_str().unwrap()]),
+        "kv_cache.lookup_table",
+    );
+
+    let mut tensors: BTreeMap<String, Tensor> = read_safetensors(&given.path).unwrap();
+    tensors.insert("layers.1.layer_idx".into(), Tensor::scalar_u32(9));
+    let bad_layer = dir.path().join("bad_layer.safetensors");
+    write_safetensors(&bad_layer, tensors.iter().map(|(n, t)| (n.as_str(), t))).unwrap();
+    assert_one_line_error(
+        &kvjit(&["run", &graph, "--inputs", bad_layer.to_str().unwrap()]),
+        "layer_idx 9 out of range: cache has 2 layers",
+    );
+}
+
+#[test]
+fn bad_graphs_and_arguments_are_one_line_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    assert_one_line_error(
+        &kvjit(&["run", "/nonexistent/graph.json"]),
+        "/nonexistent/graph.json",
+    );
+    let bad_json = dir.path().join("bad.json");
+    std::fs::write(&bad_json, "{\"format\": \"kvjit-graph\", ").unwrap();
+    assert_one_line_error(
+        &kvjit(&["validate", bad_json.to_str().unwrap()]),
+        "malformed graph file",
+    );
+    let future = dir.path().join("future.json");
+    std::fs::write(&future, "{\"format\": \"kvjit-graph\", \"version\": 99}").unwrap();
+    assert_one_line_error(
+        &kvjit(&["inspect", future.to_str().unwrap()]),
+        "version 99 is not supported",
+    );
+    assert_one_line_error(
+        &kvjit(&["run", &example("small_two_layers.json"), "--target", "cuda"]),
+        "CUDA target unavailable:",
+    );
+    let unknown_flag = kvjit(&["run", "--no-such-flag"]);
+    assert_eq!(unknown_flag.status.code(), Some(1));
+    assert_eq!(
+        stderr(&unknown_flag).lines().count(),
+        1,
+        "{}",
+        stderr(&unknown_flag)
+    );
+    assert_one_line_error(
+        &kvjit(&[
+            "inspect",
+            &example("small_two_layers.json"),
+            "--bind",
+            "heads=2",
+        ]),
+        "heads",
+    );
+}
+
+#[test]
+fn validate_and_inspect_describe_the_graph() {
+    let graph = example("small_two_layers.json");
+    let out = kvjit(&["validate", &graph]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(
+        stdout(&out).trim(),
+        "ok: graph 'small_two_layers' is valid (2 nodes, 2 outputs)"
+    );
+
+    let out = kvjit(&["inspect", &graph, "--bind", "batch=2"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    assert_eq!(
+        text.matches("kernel: fused_qkv_bshd_paged.cpu.f32.k64.q64.hkv2.d16.p4.l2.kvf32.b2.sany")
+            .count(),
+        2,
+        "{text}"
+    );
+    assert!(text.contains("f32[2, seq, 64]"), "{text}");
+    assert!(text.contains("layers.1.q = "), "{text}");
+
+    let help = kvjit(&["--help"]);
+    assert!(help.status.success());
+    assert!(stdout(&help).contains("inspect"));
+}
