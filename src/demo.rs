@@ -118,7 +118,7 @@ pub fn layer_graph(config: &LayerConfig, ops: &OpRegistry) -> Result<Graph> {
             Dim::from(config.hidden_size),
         ],
     )?;
-    let valid = b.input("valid_lengths", DType::U32, &[batch.clone()])?;
+    let valid = b.input("valid_lengths", DType::U32, std::slice::from_ref(&batch))?;
     let cache = b.kv_cache(
         "kv_cache",
         KvCacheType {

@@ -86,7 +86,7 @@ fn run_typed<T: Element, C: Element>(
     let head_size = cache.params().head_size;
     let mut row = vec![0f32; k];
     let mut c = vec![0f32; n];
-    for b in 0..batch {
+    for (b, &valid_length) in valid.iter().enumerate().take(batch) {
         for t in 0..seq {
             let r = b * seq + t;
             for (dst, src) in row.iter_mut().zip(&x[r * k..(r + 1) * k]) {
@@ -102,7 +102,7 @@ fn run_typed<T: Element, C: Element>(
             for (col, &value) in c[..q_dim].iter().enumerate() {
                 output[r * q_dim + col] = T::from_f32(value);
             }
-            if t >= valid[b] as usize {
+            if t >= valid_length as usize {
                 continue;
             }
             let position = cache.cache_lengths()[b] as usize + t;
