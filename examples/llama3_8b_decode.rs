@@ -10,9 +10,8 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use kvjit::{
-    CompileOptions, DType, DeviceContextPtr, Dim, Executor, GraphBuilder, KvCacheType,
-    PagedKVCacheCollection, ParamValue, Params, RandomInit, Tensor, compile, load_graph,
-    save_graph, standard_registry,
+    CompileOptions, DType, DeviceContextPtr, Dim, Executor, GraphBuilder, KvCacheType, PagedKVCacheCollection,
+    ParamValue, Params, RandomInit, Tensor, compile, load_graph, save_graph, standard_registry,
 };
 use rand::SeedableRng;
 
@@ -23,24 +22,12 @@ fn main() -> kvjit::Result<()> {
 
     // 1. Build: batch and seq stay symbolic; everything else is fixed.
     let mut b = GraphBuilder::new("llama3_8b_layer", registry.ops());
-    let x = b.input(
-        "hidden_state",
-        DType::F32,
-        &["batch".into(), "seq".into(), hidden.into()],
-    )?;
+    let x = b.input("hidden_state", DType::F32, &["batch".into(), "seq".into(), hidden.into()])?;
     let valid = b.input("valid_lengths", DType::U32, &["batch".into()])?;
     let layer = b.input("layer_idx", DType::U32, &[])?;
     let bound = 1.0 / (hidden as f32).sqrt();
-    let w = b.random_constant(
-        "qkv_weight",
-        DType::F32,
-        &[n, hidden],
-        RandomInit {
-            seed: 8,
-            low: -bound,
-            high: bound,
-        },
-    )?;
+    let w =
+        b.random_constant("qkv_weight", DType::F32, &[n, hidden], RandomInit { seed: 8, low: -bound, high: bound })?;
     let cache_type = KvCacheType {
         dtype: DType::F32,
         num_layers: 1,
@@ -59,18 +46,12 @@ fn main() -> kvjit::Result<()> {
         ("page_size".to_string(), page.into()),
     ]
     .into();
-    let q = b.node(
-        "mo.fused_qkv_matmul.padded.paged",
-        params,
-        &[x, w, kv, layer, valid],
-    )?;
+    let q = b.node("mo.fused_qkv_matmul.padded.paged", params, &[x, w, kv, layer, valid])?;
     b.output("q", q[0])?;
     let graph = b.finish()?;
 
     // 2. Save and load back: the loaded graph passes the same validator.
-    let dir = std::env::args()
-        .nth(1)
-        .map_or_else(std::env::temp_dir, PathBuf::from);
+    let dir = std::env::args().nth(1).map_or_else(std::env::temp_dir, PathBuf::from);
     let path = dir.join("llama3_8b_layer.json");
     save_graph(&graph, &path)?;
     let graph = load_graph(&path, registry.ops())?;
@@ -89,14 +70,8 @@ fn main() -> kvjit::Result<()> {
         let seq = *prompt.iter().max().unwrap() as usize;
         cache.reserve(&prompt)?;
         let inputs = BTreeMap::from([
-            (
-                "hidden_state".to_string(),
-                Tensor::random(DType::F32, &[3, seq, hidden], &mut rng, -1.0, 1.0)?,
-            ),
-            (
-                "valid_lengths".to_string(),
-                Tensor::from_vec(&[3], prompt.clone())?,
-            ),
+            ("hidden_state".to_string(), Tensor::random(DType::F32, &[3, seq, hidden], &mut rng, -1.0, 1.0)?),
+            ("valid_lengths".to_string(), Tensor::from_vec(&[3], prompt.clone())?),
             ("layer_idx".to_string(), Tensor::scalar_u32(0)),
         ]);
         let mut caches = BTreeMap::from([("kv_cache".to_string(), cache)]);
@@ -115,10 +90,6 @@ fn main() -> kvjit::Result<()> {
     // 5. Read back the newest token of sequence 2.
     let last = cache.cache_lengths()[2] as usize - 1;
     let (k, v) = cache.read_token(0, 2, last)?;
-    println!(
-        "sequence 2, position {last}: k[0..4] = {:?}, v[0..4] = {:?}",
-        &k[..4],
-        &v[..4]
-    );
+    println!("sequence 2, position {last}: k[0..4] = {:?}, v[0..4] = {:?}", &k[..4], &v[..4]);
     Ok(())
 }

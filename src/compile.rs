@@ -21,10 +21,7 @@ pub struct CompileOptions {
 
 impl Default for CompileOptions {
     fn default() -> Self {
-        Self {
-            target: Target::Cpu,
-            bindings: BTreeMap::new(),
-        }
+        Self { target: Target::Cpu, bindings: BTreeMap::new() }
     }
 }
 
@@ -95,29 +92,12 @@ pub fn compile(graph: &Graph, registry: &Registry, options: &CompileOptions) -> 
                 ArgKind::KvCache => cache_args.push(cache_index[&value]),
             }
         }
-        let kernel = registry
-            .kernel_builder(op.name())?
-            .build(key, &tensor_constants)?;
+        let kernel = registry.kernel_builder(op.name())?.build(key, &tensor_constants)?;
         for (output, &value) in node.outputs.iter().enumerate() {
-            slots.insert(
-                value,
-                Slot::StepOutput {
-                    step: steps.len(),
-                    output,
-                },
-            );
+            slots.insert(value, Slot::StepOutput { step: steps.len(), output });
         }
-        steps.push(Step {
-            label: node.id.to_string(),
-            kernel,
-            inputs: tensor_slots,
-            caches: cache_args,
-        });
+        steps.push(Step { label: node.id.to_string(), kernel, inputs: tensor_slots, caches: cache_args });
     }
-    let outputs = graph
-        .outputs()
-        .iter()
-        .map(|o| (o.name.clone(), slots[&o.value]))
-        .collect();
+    let outputs = graph.outputs().iter().map(|o| (o.name.clone(), slots[&o.value])).collect();
     Ok(Executable::new(inputs, caches, constants, steps, outputs)?)
 }

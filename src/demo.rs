@@ -11,9 +11,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use kvjit_core::{DType, PagedKVCacheCollection, Tensor};
-use kvjit_graph::{
-    Dim, Graph, GraphBuilder, KvCacheType, OpRegistry, ParamValue, Params, RandomInit, ValueDef,
-};
+use kvjit_graph::{Dim, Graph, GraphBuilder, KvCacheType, OpRegistry, ParamValue, Params, RandomInit, ValueDef};
 use kvjit_op_fused_qkv::OP_NAME;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
@@ -96,11 +94,7 @@ impl LayerConfig {
 
 /// Name of layer `l`'s output: `q` for one layer, `layers.{l}.q` for more.
 pub fn output_name(config: &LayerConfig, layer: usize) -> String {
-    if config.num_layers == 1 {
-        "q".into()
-    } else {
-        format!("layers.{layer}.q")
-    }
+    if config.num_layers == 1 { "q".into() } else { format!("layers.{layer}.q") }
 }
 
 /// Build the example graph: symbolic `batch` and `seq`, one fused-QKV node
@@ -109,15 +103,8 @@ pub fn output_name(config: &LayerConfig, layer: usize) -> String {
 pub fn layer_graph(config: &LayerConfig, ops: &OpRegistry) -> Result<Graph> {
     let mut b = GraphBuilder::new(&config.name, ops);
     let batch = Dim::from("batch");
-    let hidden = b.input(
-        "hidden_state",
-        config.dtype,
-        &[
-            batch.clone(),
-            Dim::from("seq"),
-            Dim::from(config.hidden_size),
-        ],
-    )?;
+    let hidden =
+        b.input("hidden_state", config.dtype, &[batch.clone(), Dim::from("seq"), Dim::from(config.hidden_size)])?;
     let valid = b.input("valid_lengths", DType::U32, std::slice::from_ref(&batch))?;
     let cache = b.kv_cache(
         "kv_cache",
@@ -143,27 +130,15 @@ pub fn layer_graph(config: &LayerConfig, ops: &OpRegistry) -> Result<Graph> {
     .collect();
     let bound = 1.0 / (config.hidden_size as f32).sqrt();
     for layer in 0..config.num_layers {
-        let prefix = if config.num_layers == 1 {
-            String::new()
-        } else {
-            format!("layers.{layer}.")
-        };
+        let prefix = if config.num_layers == 1 { String::new() } else { format!("layers.{layer}.") };
         let weight = b.random_constant(
             &format!("{prefix}qkv_weight"),
             config.dtype,
             &[config.n(), config.hidden_size],
-            RandomInit {
-                seed: config.weight_seed + layer as u64,
-                low: -bound,
-                high: bound,
-            },
+            RandomInit { seed: config.weight_seed + layer as u64, low: -bound, high: bound },
         )?;
         let layer_idx = b.input(&format!("{prefix}layer_idx"), DType::U32, &[])?;
-        let q = b.node(
-            OP_NAME,
-            params.clone(),
-            &[hidden, weight, cache, layer_idx, valid],
-        )?;
+        let q = b.node(OP_NAME, params.clone(), &[hidden, weight, cache, layer_idx, valid])?;
         b.output(&output_name(config, layer), q[0])?;
     }
     Ok(b.finish()?)
@@ -193,23 +168,13 @@ impl Roles {
             else {
                 continue;
             };
-            let num_layers = graph
-                .value(node.inputs[2])
-                .ty
-                .as_kv_cache()
-                .map_or(1, |c| c.num_layers);
+            let num_layers = graph.value(node.inputs[2]).ty.as_kv_cache().map_or(1, |c| c.num_layers);
             if matches!(graph.value(node.inputs[3]).def, ValueDef::Input) {
                 let next = roles.layer_idx.len() as u32;
-                roles
-                    .layer_idx
-                    .entry(layer)
-                    .or_insert(next % num_layers as u32);
+                roles.layer_idx.entry(layer).or_insert(next % num_layers as u32);
             }
             roles.hidden.insert(hidden);
-            roles
-                .cache_lengths_from
-                .entry(cache)
-                .or_insert_with(|| valid.clone());
+            roles.cache_lengths_from.entry(cache).or_insert_with(|| valid.clone());
             roles.valid_lengths.insert(valid);
         }
         if roles.hidden.is_empty() {
@@ -237,11 +202,10 @@ pub struct Scenario {
 fn dim_size(dim: &Dim, bindings: &BTreeMap<String, usize>) -> Result<usize> {
     match dim {
         Dim::Static(v) => Ok(*v),
-        Dim::Symbolic(s) => bindings.get(s).copied().ok_or_else(|| {
-            Error::Usage(format!(
-                "no size for symbol '{s}': the example scenario binds batch and seq"
-            ))
-        }),
+        Dim::Symbolic(s) => bindings
+            .get(s)
+            .copied()
+            .ok_or_else(|| Error::Usage(format!("no size for symbol '{s}': the example scenario binds batch and seq"))),
     }
 }
 
@@ -258,8 +222,7 @@ impl Scenario {
     pub fn prefill_with(graph: &Graph, seed: u64, batch: usize, seq: usize) -> Result<Self> {
         let roles = Roles::of(graph)?;
         let mut rng = StdRng::seed_from_u64(seed);
-        let bindings: BTreeMap<String, usize> =
-            [("batch".to_string(), batch), ("seq".to_string(), seq)].into();
+        let bindings: BTreeMap<String, usize> = [("batch".to_string(), batch), ("seq".to_string(), seq)].into();
         let mut caches = BTreeMap::new();
         for (_, value) in graph.kv_caches() {
             let name = value.name.clone().unwrap_or_default();
@@ -275,31 +238,17 @@ impl Scenario {
             order.shuffle(&mut rng);
             cache.set_allocation_order(order)?;
             let filled = Tensor::random(ty.dtype, cache.blocks().shape(), &mut rng, -1.0, 1.0)?;
-            *cache.blocks_mut() = filled;
+            cache.set_blocks(filled)?;
             let capacity = cache.max_pages_per_seq() * ty.page_size;
             let budget = (cache.num_pages() * ty.page_size / batch.max(1)).min(capacity);
             let max_history = budget.saturating_sub(seq + 2 * ty.page_size);
-            let history: Vec<u32> = (0..batch)
-                .map(|_| rng.gen_range(0..=max_history) as u32)
-                .collect();
+            let history: Vec<u32> = (0..batch).map(|_| rng.gen_range(0..=max_history) as u32).collect();
             cache.reserve(&history)?;
             cache.advance(&history)?;
             caches.insert(name, cache);
         }
-        let mut scenario = Self {
-            inputs: BTreeMap::new(),
-            caches,
-            graph: graph.clone(),
-            roles,
-            rng,
-        };
-        scenario.make_inputs(&bindings, |rng, b| {
-            if b == 0 {
-                seq as u32
-            } else {
-                rng.gen_range(1..=seq as u32)
-            }
-        })?;
+        let mut scenario = Self { inputs: BTreeMap::new(), caches, graph: graph.clone(), roles, rng };
+        scenario.make_inputs(&bindings, |rng, b| if b == 0 { seq as u32 } else { rng.gen_range(1..=seq as u32) })?;
         Ok(scenario)
     }
 
@@ -307,34 +256,20 @@ impl Scenario {
     /// each cache as `<cache>.blocks`, `.cache_lengths`, `.lookup_table`
     /// (as [`PagedKVCacheCollection::to_tensors`] writes them). Pages are not
     /// reserved: the tensors say where tokens go.
-    pub fn from_tensors(
-        graph: &Graph,
-        mut tensors: BTreeMap<String, Tensor>,
-        seed: u64,
-    ) -> Result<Self> {
+    pub fn from_tensors(graph: &Graph, mut tensors: BTreeMap<String, Tensor>, seed: u64) -> Result<Self> {
         let mut caches = BTreeMap::new();
         for (_, value) in graph.kv_caches() {
             let name = value.name.clone().unwrap_or_default();
-            let cache =
-                PagedKVCacheCollection::from_tensors(&name, &mut tensors).map_err(|e| match e {
-                    kvjit_core::Error::MissingTensor { name, .. } => {
-                        kvjit_core::Error::MissingTensor {
-                            name,
-                            context: " in the inputs file".into(),
-                        }
-                    }
-                    other => other,
-                })?;
+            let cache = PagedKVCacheCollection::from_tensors(&name, &mut tensors).map_err(|e| match e {
+                kvjit_core::Error::MissingTensor { name, .. } => {
+                    kvjit_core::Error::MissingTensor { name, context: " in the inputs file".into() }
+                }
+                other => other,
+            })?;
             caches.insert(name, cache);
         }
         let roles = Roles::of(graph).unwrap_or_default();
-        Ok(Self {
-            inputs: tensors,
-            caches,
-            graph: graph.clone(),
-            roles,
-            rng: StdRng::seed_from_u64(seed),
-        })
+        Ok(Self { inputs: tensors, caches, graph: graph.clone(), roles, rng: StdRng::seed_from_u64(seed) })
     }
 
     /// The current step's valid lengths (of the first valid_lengths input).
@@ -373,23 +308,13 @@ impl Scenario {
     /// Make the next decode step: one new token per sequence (or, where the
     /// graph fixes seq, a random number of valid tokens), pages reserved.
     pub fn next_decode_step(&mut self) -> Result<()> {
-        let hidden_name = self
-            .roles
-            .hidden
-            .iter()
-            .next()
-            .expect("roles found a hidden state")
-            .clone();
+        let hidden_name = self.roles.hidden.iter().next().expect("roles found a hidden state").clone();
         let (_, hidden_value) = self
             .graph
             .inputs()
             .find(|(_, v)| v.name.as_deref() == Some(hidden_name.as_str()))
             .expect("hidden is an input");
-        let hidden_ty = hidden_value
-            .ty
-            .as_tensor()
-            .expect("hidden is a tensor")
-            .clone();
+        let hidden_ty = hidden_value.ty.as_tensor().expect("hidden is a tensor").clone();
         let batch = self.inputs[&hidden_name].shape()[0];
         let seq = hidden_ty.shape[1].as_static().unwrap_or(1);
         let mut bindings = BTreeMap::new();
@@ -398,13 +323,7 @@ impl Scenario {
                 bindings.insert(s.clone(), size);
             }
         }
-        self.make_inputs(&bindings, |rng, _| {
-            if seq == 1 {
-                1
-            } else {
-                rng.gen_range(1..=seq as u32)
-            }
-        })
+        self.make_inputs(&bindings, |rng, _| if seq == 1 { 1 } else { rng.gen_range(1..=seq as u32) })
     }
 
     /// Fill every graph input for one step and reserve the pages it writes.
@@ -418,11 +337,7 @@ impl Scenario {
         for (_, value) in self.graph.inputs() {
             let name = value.name.clone().unwrap_or_default();
             let ty = value.ty.as_tensor().expect("graph inputs are tensors");
-            let shape = ty
-                .shape
-                .iter()
-                .map(|d| dim_size(d, bindings))
-                .collect::<Result<Vec<_>>>()?;
+            let shape = ty.shape.iter().map(|d| dim_size(d, bindings)).collect::<Result<Vec<_>>>()?;
             let tensor = if self.roles.valid_lengths.contains(&name) {
                 let values = valid_values
                     .get_or_insert_with(|| (0..shape[0]).map(|b| valid(&mut self.rng, b)).collect())

@@ -32,15 +32,14 @@ pub use compile::{CompileOptions, compile};
 pub use error::{Error, Result};
 pub use registry::{Registry, standard_registry};
 
+pub use kvjit_core::Error as CoreError;
 pub use kvjit_core::{
-    DType, Element, KernelKey, KeyField, KvCacheParams, PagedKVCacheCollection, Target, Tensor,
-    TensorData, UNASSIGNED_PAGE, bf16, f16, read_safetensors, tensors_from_safetensors,
-    tensors_to_safetensors, write_safetensors,
+    DType, Element, KernelKey, KeyField, KvCacheParams, PagedKVCacheCollection, Target, Tensor, TensorData,
+    UNASSIGNED_PAGE, bf16, f16, read_safetensors, tensors_from_safetensors, tensors_to_safetensors, write_safetensors,
 };
 pub use kvjit_graph::{
-    Dim, Graph, GraphBuilder, GraphError, KvCacheType, OpRegistry, ParamValue, Params, RandomInit,
-    SpecializedGraph, TensorType, ValueDef, ValueId, graph_from_json, graph_to_json, load_graph,
-    save_graph, specialize,
+    Dim, Graph, GraphBuilder, GraphError, KvCacheType, OpRegistry, ParamValue, Params, RandomInit, SpecializedGraph,
+    TensorType, ValueDef, ValueId, graph_from_json, graph_to_json, load_graph, save_graph, specialize,
 };
 pub use kvjit_op_fused_qkv as fused_qkv;
 pub use kvjit_runtime::{DeviceContextPtr, Executable, Executor, RunOutput, RuntimeError};

@@ -33,17 +33,13 @@ impl Registry {
 
     /// The kernel builder of an op, by canonical name.
     pub fn kernel_builder(&self, op: &str) -> Result<&Arc<dyn KernelBuilder>> {
-        self.kernels
-            .get(op)
-            .ok_or_else(|| Error::Usage(format!("op '{op}' has no kernels registered")))
+        self.kernels.get(op).ok_or_else(|| Error::Usage(format!("op '{op}' has no kernels registered")))
     }
 }
 
 /// Every op kvjit ships.
 pub fn standard_registry() -> Registry {
     let mut registry = Registry::default();
-    registry
-        .register(kvjit_op_fused_qkv::FusedQkvOp)
-        .expect("built-in op names are distinct");
+    registry.register(kvjit_op_fused_qkv::FusedQkvOp).expect("built-in op names are distinct");
     registry
 }

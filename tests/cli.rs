@@ -7,16 +7,12 @@ use std::process::{Command, Output};
 
 use kvjit::fused_qkv::reference::fused_qkv_matmul;
 use kvjit::{
-    DType, PagedKVCacheCollection, Tensor, ValueDef, load_graph, read_safetensors,
-    standard_registry, write_safetensors,
+    DType, PagedKVCacheCollection, Tensor, ValueDef, load_graph, read_safetensors, standard_registry, write_safetensors,
 };
 use rand::{SeedableRng, seq::SliceRandom};
 
 fn kvjit(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_kvjit"))
-        .args(args)
-        .output()
-        .expect("the kvjit binary starts")
+    Command::new(env!("CARGO_BIN_EXE_kvjit")).args(args).output().expect("the kvjit binary starts")
 }
 
 fn stdout(out: &Output) -> String {
@@ -28,11 +24,7 @@ fn stderr(out: &Output) -> String {
 }
 
 fn example(name: &str) -> String {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("examples")
-        .join(name)
-        .display()
-        .to_string()
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("examples").join(name).display().to_string()
 }
 
 /// Exit status 1 and exactly one line on stderr, starting with `error: `.
@@ -51,34 +43,17 @@ fn default_run_is_the_8b_layer() {
     assert!(out.status.success(), "{}", stderr(&out));
     let text = stdout(&out);
     assert!(text.contains("graph 'llama3_8b_layer'"), "{text}");
-    assert!(
-        text.contains("fused_qkv_bshd_paged.cpu.f32.k4096.q4096.hkv8.d128.p16.l1.kvf32.bany.sany"),
-        "{text}"
-    );
-    assert!(
-        text.contains("output 'q': f32[2, 1, 4096] checksum"),
-        "{text}"
-    );
+    assert!(text.contains("fused_qkv_bshd_paged.cpu.f32.k4096.q4096.hkv8.d128.p16.l1.kvf32.bany.sany"), "{text}");
+    assert!(text.contains("output 'q': f32[2, 1, 4096] checksum"), "{text}");
     assert!(text.contains("tokens written"), "{text}");
 }
 
 #[test]
 fn same_seed_same_checksum_and_other_seed_differs() {
     let checksum = |seed: &str| {
-        let out = kvjit(&[
-            "run",
-            &example("small_two_layers.json"),
-            "--seed",
-            seed,
-            "--steps",
-            "1",
-        ]);
+        let out = kvjit(&["run", &example("small_two_layers.json"), "--seed", seed, "--steps", "1"]);
         assert!(out.status.success(), "{}", stderr(&out));
-        stdout(&out)
-            .lines()
-            .filter(|l| l.contains("checksum"))
-            .map(str::to_string)
-            .collect::<Vec<_>>()
+        stdout(&out).lines().filter(|l| l.contains("checksum")).map(str::to_string).collect::<Vec<_>>()
     };
     let first = checksum("3");
     assert_eq!(first.len(), 2);
@@ -91,18 +66,10 @@ fn decode_steps_grow_every_sequence_by_one_token_each() {
     let dir = tempfile::tempdir().unwrap();
     let lengths_after = |steps: &str| {
         let path = dir.path().join(format!("out{steps}.safetensors"));
-        let out = kvjit(&[
-            "run",
-            &example("small_two_layers.json"),
-            "--steps",
-            steps,
-            "--output",
-            path.to_str().unwrap(),
-        ]);
+        let out =
+            kvjit(&["run", &example("small_two_layers.json"), "--steps", steps, "--output", path.to_str().unwrap()]);
         assert!(out.status.success(), "{}", stderr(&out));
-        read_safetensors(&path).unwrap()["kv_cache.cache_lengths"]
-            .to_u32_vec()
-            .unwrap()
+        read_safetensors(&path).unwrap()["kv_cache.cache_lengths"].to_u32_vec().unwrap()
     };
     let after_prefill = lengths_after("0");
     let after_three = lengths_after("3");
@@ -132,22 +99,13 @@ fn given_inputs(dir: &Path) -> GivenInputs {
         })
         .collect();
     let mut rng = rand::rngs::StdRng::seed_from_u64(11);
-    let params = graph
-        .kv_caches()
-        .next()
-        .unwrap()
-        .1
-        .ty
-        .as_kv_cache()
-        .unwrap()
-        .params();
+    let params = graph.kv_caches().next().unwrap().1.ty.as_kv_cache().unwrap().params();
     let (batch, seq) = (3, 5);
     let mut cache = PagedKVCacheCollection::new(params, 48, batch, 16).unwrap();
     let mut order: Vec<u32> = (0..48).collect();
     order.shuffle(&mut rng);
     cache.set_allocation_order(order).unwrap();
-    *cache.blocks_mut() =
-        Tensor::random(DType::F32, cache.blocks().shape(), &mut rng, -1.0, 1.0).unwrap();
+    cache.set_blocks(Tensor::random(DType::F32, cache.blocks().shape(), &mut rng, -1.0, 1.0).unwrap()).unwrap();
     cache.reserve(&[9, 0, 6]).unwrap();
     cache.advance(&[9, 0, 6]).unwrap();
     let valid = vec![5u32, 2, 4];
@@ -172,12 +130,7 @@ fn given_inputs(dir: &Path) -> GivenInputs {
         fused_qkv_matmul(&hidden, weight, &mut cache, &layer_idx, &valid_t, &mut q).unwrap();
         expected_q.push(q);
     }
-    GivenInputs {
-        path,
-        expected_q,
-        expected_cache: cache,
-        valid,
-    }
+    GivenInputs { path, expected_q, expected_cache: cache, valid }
 }
 
 #[test]
@@ -200,21 +153,10 @@ fn output_file_holds_what_a_direct_reference_call_computes() {
     assert_eq!(written["layers.0.q"], given.expected_q[0]);
     assert_eq!(written["layers.1.q"], given.expected_q[1]);
     assert_eq!(&written["kv_cache.blocks"], given.expected_cache.blocks());
-    let advanced: Vec<u32> = given
-        .expected_cache
-        .cache_lengths()
-        .iter()
-        .zip(&given.valid)
-        .map(|(c, v)| c + v)
-        .collect();
-    assert_eq!(
-        written["kv_cache.cache_lengths"].to_u32_vec().unwrap(),
-        advanced
-    );
-    assert_eq!(
-        written["kv_cache.lookup_table"].to_u32_vec().unwrap(),
-        given.expected_cache.lookup_table()
-    );
+    let advanced: Vec<u32> =
+        given.expected_cache.cache_lengths().iter().zip(&given.valid).map(|(c, v)| c + v).collect();
+    assert_eq!(written["kv_cache.cache_lengths"].to_u32_vec().unwrap(), advanced);
+    assert_eq!(written["kv_cache.lookup_table"].to_u32_vec().unwrap(), given.expected_cache.lookup_table());
 }
 
 #[test]
@@ -226,19 +168,13 @@ fn bad_inputs_files_are_one_line_errors() {
     let bytes = std::fs::read(&given.path).unwrap();
     let truncated = dir.path().join("truncated.safetensors");
     std::fs::write(&truncated, &bytes[..bytes.len() / 2]).unwrap();
-    assert_one_line_error(
-        &kvjit(&["run", &graph, "--inputs", truncated.to_str().unwrap()]),
-        "malformed safetensors",
-    );
+    assert_one_line_error(&kvjit(&["run", &graph, "--inputs", truncated.to_str().unwrap()]), "malformed safetensors");
 
     let mut tensors: BTreeMap<String, Tensor> = read_safetensors(&given.path).unwrap();
     tensors.remove("kv_cache.lookup_table");
     let missing = dir.path().join("missing.safetensors");
     write_safetensors(&missing, tensors.iter().map(|(n, t)| (n.as_str(), t))).unwrap();
-    assert_one_line_error(
-        &kvjit(&["run", &graph, "--inputs", missing.to_str().unwrap()]),
-        "kv_cache.lookup_table",
-    );
+    assert_one_line_error(&kvjit(&["run", &graph, "--inputs", missing.to_str().unwrap()]), "kv_cache.lookup_table");
 
     let mut tensors: BTreeMap<String, Tensor> = read_safetensors(&given.path).unwrap();
     tensors.insert("layers.1.layer_idx".into(), Tensor::scalar_u32(9));
@@ -253,43 +189,21 @@ fn bad_inputs_files_are_one_line_errors() {
 #[test]
 fn bad_graphs_and_arguments_are_one_line_errors() {
     let dir = tempfile::tempdir().unwrap();
-    assert_one_line_error(
-        &kvjit(&["run", "/nonexistent/graph.json"]),
-        "/nonexistent/graph.json",
-    );
+    assert_one_line_error(&kvjit(&["run", "/nonexistent/graph.json"]), "/nonexistent/graph.json");
     let bad_json = dir.path().join("bad.json");
     std::fs::write(&bad_json, "{\"format\": \"kvjit-graph\", ").unwrap();
-    assert_one_line_error(
-        &kvjit(&["validate", bad_json.to_str().unwrap()]),
-        "malformed graph file",
-    );
+    assert_one_line_error(&kvjit(&["validate", bad_json.to_str().unwrap()]), "malformed graph file");
     let future = dir.path().join("future.json");
     std::fs::write(&future, "{\"format\": \"kvjit-graph\", \"version\": 99}").unwrap();
-    assert_one_line_error(
-        &kvjit(&["inspect", future.to_str().unwrap()]),
-        "version 99 is not supported",
-    );
+    assert_one_line_error(&kvjit(&["inspect", future.to_str().unwrap()]), "version 99 is not supported");
     assert_one_line_error(
         &kvjit(&["run", &example("small_two_layers.json"), "--target", "cuda"]),
         "CUDA target unavailable:",
     );
     let unknown_flag = kvjit(&["run", "--no-such-flag"]);
     assert_eq!(unknown_flag.status.code(), Some(1));
-    assert_eq!(
-        stderr(&unknown_flag).lines().count(),
-        1,
-        "{}",
-        stderr(&unknown_flag)
-    );
-    assert_one_line_error(
-        &kvjit(&[
-            "inspect",
-            &example("small_two_layers.json"),
-            "--bind",
-            "heads=2",
-        ]),
-        "heads",
-    );
+    assert_eq!(stderr(&unknown_flag).lines().count(), 1, "{}", stderr(&unknown_flag));
+    assert_one_line_error(&kvjit(&["inspect", &example("small_two_layers.json"), "--bind", "heads=2"]), "heads");
 }
 
 #[test]
@@ -297,17 +211,13 @@ fn validate_and_inspect_describe_the_graph() {
     let graph = example("small_two_layers.json");
     let out = kvjit(&["validate", &graph]);
     assert!(out.status.success(), "{}", stderr(&out));
-    assert_eq!(
-        stdout(&out).trim(),
-        "ok: graph 'small_two_layers' is valid (2 nodes, 2 outputs)"
-    );
+    assert_eq!(stdout(&out).trim(), "ok: graph 'small_two_layers' is valid (2 nodes, 2 outputs)");
 
     let out = kvjit(&["inspect", &graph, "--bind", "batch=2"]);
     assert!(out.status.success(), "{}", stderr(&out));
     let text = stdout(&out);
     assert_eq!(
-        text.matches("kernel: fused_qkv_bshd_paged.cpu.f32.k64.q64.hkv2.d16.p4.l2.kvf32.b2.sany")
-            .count(),
+        text.matches("kernel: fused_qkv_bshd_paged.cpu.f32.k64.q64.hkv2.d16.p4.l2.kvf32.b2.sany").count(),
         2,
         "{text}"
     );

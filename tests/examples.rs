@@ -11,9 +11,7 @@ fn check_example(config: LayerConfig, file: &str) {
     let registry = standard_registry();
     let graph = layer_graph(&config, registry.ops()).unwrap();
     let json = graph_to_json(&graph, None);
-    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("examples")
-        .join(file);
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples").join(file);
     if std::env::var_os("KVJIT_BLESS").is_some() {
         std::fs::write(&path, &json).unwrap();
     }
@@ -25,10 +23,7 @@ fn check_example(config: LayerConfig, file: &str) {
     for (out, loaded_out) in graph.outputs().iter().zip(loaded.outputs()) {
         assert_eq!(out.name, loaded_out.name);
         assert_eq!(graph.value(out.value).ty, loaded.value(loaded_out.value).ty);
-        assert!(matches!(
-            loaded.value(loaded_out.value).def,
-            ValueDef::NodeOutput { .. }
-        ));
+        assert!(matches!(loaded.value(loaded_out.value).def, ValueDef::NodeOutput { .. }));
     }
 }
 

@@ -10,17 +10,12 @@ use std::time::{Duration, Instant};
 use clap::{Parser, Subcommand};
 use kvjit::demo::{LayerConfig, Scenario};
 use kvjit::{
-    CompileOptions, DeviceContextPtr, Error, Executor, Graph, Registry, Result, Target, Tensor,
-    ValueDef, compile, demo, load_graph, read_safetensors, specialize, standard_registry,
-    write_safetensors,
+    CompileOptions, DeviceContextPtr, Error, Executor, Graph, Registry, Result, Target, Tensor, ValueDef, compile,
+    demo, load_graph, read_safetensors, specialize, standard_registry, write_safetensors,
 };
 
 #[derive(Parser)]
-#[command(
-    name = "kvjit",
-    version,
-    about = "Build, specialize and run graphs of LLM inference ops"
-)]
+#[command(name = "kvjit", version, about = "Build, specialize and run graphs of LLM inference ops")]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -83,24 +78,15 @@ struct RunArgs {
 }
 
 fn parse_binding(text: &str) -> std::result::Result<(String, usize), String> {
-    let (name, size) = text
-        .split_once('=')
-        .ok_or_else(|| format!("'{text}' is not SYMBOL=SIZE"))?;
-    let size = size
-        .parse()
-        .map_err(|_| format!("'{size}' is not a size"))?;
+    let (name, size) = text.split_once('=').ok_or_else(|| format!("'{text}' is not SYMBOL=SIZE"))?;
+    let size = size.parse().map_err(|_| format!("'{size}' is not a size"))?;
     Ok((name.to_string(), size))
 }
 
 fn main() -> ExitCode {
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
-        Err(e)
-            if matches!(
-                e.kind(),
-                clap::error::ErrorKind::DisplayHelp | clap::error::ErrorKind::DisplayVersion
-            ) =>
-        {
+        Err(e) if matches!(e.kind(), clap::error::ErrorKind::DisplayHelp | clap::error::ErrorKind::DisplayVersion) => {
             print!("{e}");
             return ExitCode::SUCCESS;
         }
@@ -114,11 +100,9 @@ fn main() -> ExitCode {
     let registry = standard_registry();
     let result = match cli.command {
         Command::Run(args) => run(&registry, &args),
-        Command::Inspect {
-            graph,
-            target,
-            bindings,
-        } => inspect(&registry, &graph, target, bindings.into_iter().collect()),
+        Command::Inspect { graph, target, bindings } => {
+            inspect(&registry, &graph, target, bindings.into_iter().collect())
+        }
         Command::Validate { graph } => validate(&registry, &graph),
     };
     match result {
@@ -145,21 +129,11 @@ fn validate(registry: &Registry, path: &Path) -> Result<()> {
     Ok(())
 }
 
-fn inspect(
-    registry: &Registry,
-    path: &Path,
-    target: Target,
-    bindings: BTreeMap<String, usize>,
-) -> Result<()> {
+fn inspect(registry: &Registry, path: &Path, target: Target, bindings: BTreeMap<String, usize>) -> Result<()> {
     let graph = load(registry, path)?;
     let specialized = specialize(&graph, registry.ops(), target, &bindings)?;
     let graph = specialized.graph();
-    println!(
-        "graph '{}': {} nodes, symbols [{}]",
-        graph.name(),
-        graph.nodes().len(),
-        graph.symbols().join(", ")
-    );
+    println!("graph '{}': {} nodes, symbols [{}]", graph.name(), graph.nodes().len(), graph.symbols().join(", "));
     println!("values:");
     for (i, value) in graph.values().iter().enumerate() {
         let kind = match value.def {
@@ -169,28 +143,12 @@ fn inspect(
             ValueDef::KvCache => "kv cache",
             ValueDef::NodeOutput { .. } => "node output",
         };
-        println!(
-            "  v{i:<3} {:<28} {:<24} {}",
-            value.name.as_deref().unwrap_or("-"),
-            kind,
-            value.ty
-        );
+        println!("  v{i:<3} {:<28} {:<24} {}", value.name.as_deref().unwrap_or("-"), kind, value.ty);
     }
     println!("nodes ({target}):");
     for (node, key) in graph.nodes().iter().zip(specialized.kernel_keys()) {
-        let list = |ids: &[kvjit::ValueId]| {
-            ids.iter()
-                .map(|v| v.to_string())
-                .collect::<Vec<_>>()
-                .join(", ")
-        };
-        println!(
-            "  {}  {}({}) -> {}",
-            node.id,
-            node.op,
-            list(&node.inputs),
-            list(&node.outputs)
-        );
+        let list = |ids: &[kvjit::ValueId]| ids.iter().map(|v| v.to_string()).collect::<Vec<_>>().join(", ");
+        println!("  {}  {}({}) -> {}", node.id, node.op, list(&node.inputs), list(&node.outputs));
         let params: Vec<String> = node
             .params
             .iter()
@@ -200,23 +158,11 @@ fn inspect(
             })
             .collect();
         println!("      params: {}", params.join(" "));
-        println!(
-            "      kernel: {key}{}",
-            if key.is_fully_static() {
-                ""
-            } else {
-                "  (generic in the 'any' dims)"
-            }
-        );
+        println!("      kernel: {key}{}", if key.is_fully_static() { "" } else { "  (generic in the 'any' dims)" });
     }
     println!("outputs:");
     for out in graph.outputs() {
-        println!(
-            "  {} = {}  {}",
-            out.name,
-            out.value,
-            graph.value(out.value).ty
-        );
+        println!("  {} = {}  {}", out.name, out.value, graph.value(out.value).ty);
     }
     Ok(())
 }
@@ -224,18 +170,12 @@ fn inspect(
 /// Sum and sum of magnitudes of a float tensor, as a quick fingerprint.
 fn checksum(t: &Tensor) -> Result<(f64, f64)> {
     let values = t.to_f32_vec()?;
-    Ok(values.iter().fold((0.0, 0.0), |(s, a), &v| {
-        (s + v as f64, a + (v as f64).abs())
-    }))
+    Ok(values.iter().fold((0.0, 0.0), |(s, a), &v| (s + v as f64, a + (v as f64).abs())))
 }
 
 fn format_duration(d: Duration) -> String {
     let secs = d.as_secs_f64();
-    if secs >= 1.0 {
-        format!("{secs:.2} s")
-    } else {
-        format!("{:.3} ms", secs * 1e3)
-    }
+    if secs >= 1.0 { format!("{secs:.2} s") } else { format!("{:.3} ms", secs * 1e3) }
 }
 
 fn run(registry: &Registry, args: &RunArgs) -> Result<()> {
@@ -243,10 +183,7 @@ fn run(registry: &Registry, args: &RunArgs) -> Result<()> {
         Some(path) => load(registry, path)?,
         None => demo::layer_graph(&LayerConfig::llama3_8b(), registry.ops())?,
     };
-    let options = CompileOptions {
-        target: args.target,
-        bindings: args.bindings.iter().cloned().collect(),
-    };
+    let options = CompileOptions { target: args.target, bindings: args.bindings.iter().cloned().collect() };
     let compile_start = Instant::now();
     let exe = compile(&graph, registry, &options)?;
     let compile_time = compile_start.elapsed();
@@ -267,11 +204,7 @@ fn run(registry: &Registry, args: &RunArgs) -> Result<()> {
         threads,
         args.seed
     );
-    println!(
-        "compiled {} kernel(s) in {}",
-        exe.steps().len(),
-        format_duration(compile_time)
-    );
+    println!("compiled {} kernel(s) in {}", exe.steps().len(), format_duration(compile_time));
     for step in exe.steps() {
         println!("  {:<4} {}", step.label, step.kernel.key());
     }
@@ -288,12 +221,7 @@ fn run(registry: &Registry, args: &RunArgs) -> Result<()> {
         if step > 0 {
             scenario.next_decode_step()?;
         }
-        let cache_lengths = scenario
-            .caches
-            .values()
-            .next()
-            .map(|c| c.cache_lengths().to_vec())
-            .unwrap_or_default();
+        let cache_lengths = scenario.caches.values().next().map(|c| c.cache_lengths().to_vec()).unwrap_or_default();
         let tokens = scenario.tokens_this_step();
         let started = Instant::now();
         let out = executor.run(&exe, &scenario.inputs, &mut scenario.caches)?;
@@ -303,15 +231,7 @@ fn run(registry: &Registry, args: &RunArgs) -> Result<()> {
         }
         scenario.advance()?;
         total_tokens += tokens;
-        let kind = if step == 0 {
-            if args.inputs.is_some() {
-                "given"
-            } else {
-                "prefill"
-            }
-        } else {
-            "decode"
-        };
+        let kind = if step == 0 { if args.inputs.is_some() { "given" } else { "prefill" } } else { "decode" };
         println!(
             "{step:<5} {kind:<8} {:<24} {:<28} {tokens:>8} {:>12}",
             format!("{:?}", scenario.valid_lengths().unwrap_or_default()),
@@ -333,18 +253,11 @@ fn run(registry: &Registry, args: &RunArgs) -> Result<()> {
         );
     }
     for (name, cache) in &scenario.caches {
-        println!(
-            "cache '{name}': {total_tokens} tokens written, lengths now {:?}",
-            cache.cache_lengths()
-        );
+        println!("cache '{name}': {total_tokens} tokens written, lengths now {:?}", cache.cache_lengths());
     }
     for (name, tensor) in &out.outputs {
         let (sum, abs) = checksum(tensor)?;
-        println!(
-            "output '{name}': {}{:?} checksum sum={sum:.6} abs_sum={abs:.6}",
-            tensor.dtype(),
-            tensor.shape()
-        );
+        println!("output '{name}': {}{:?} checksum sum={sum:.6} abs_sum={abs:.6}", tensor.dtype(), tensor.shape());
     }
 
     if let Some(path) = &args.output {
@@ -352,15 +265,8 @@ fn run(registry: &Registry, args: &RunArgs) -> Result<()> {
         for (name, cache) in &scenario.caches {
             named.extend(cache.to_tensors(name)?);
         }
-        if let Some((dup, _)) = named
-            .iter()
-            .enumerate()
-            .find(|(i, (n, _))| named[..*i].iter().any(|(m, _)| m == n))
-        {
-            return Err(Error::Usage(format!(
-                "output name '{}' clashes with a cache tensor name",
-                named[dup].0
-            )));
+        if let Some((dup, _)) = named.iter().enumerate().find(|(i, (n, _))| named[..*i].iter().any(|(m, _)| m == n)) {
+            return Err(Error::Usage(format!("output name '{}' clashes with a cache tensor name", named[dup].0)));
         }
         write_safetensors(path, named.iter().map(|(n, t)| (n.as_str(), t)))?;
         println!("wrote {} tensors to {}", named.len(), path.display());

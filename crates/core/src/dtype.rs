@@ -64,10 +64,7 @@ impl fmt::Display for DType {
 impl FromStr for DType {
     type Err = Error;
     fn from_str(s: &str) -> Result<Self, Error> {
-        DType::ALL
-            .into_iter()
-            .find(|d| d.name() == s)
-            .ok_or_else(|| Error::UnknownDType(s.to_string()))
+        DType::ALL.into_iter().find(|d| d.name() == s).ok_or_else(|| Error::UnknownDType(s.to_string()))
     }
 }
 

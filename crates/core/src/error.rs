@@ -201,9 +201,7 @@ pub enum Error {
         free: usize,
     },
     /// A sequence would need more logical pages than the table has.
-    #[error(
-        "sequence {batch} would hold {tokens} tokens, more than {max_pages_per_seq} pages of {page_size}"
-    )]
+    #[error("sequence {batch} would hold {tokens} tokens, more than {max_pages_per_seq} pages of {page_size}")]
     SequenceTooLong {
         /// Sequence index.
         batch: usize,
@@ -215,9 +213,7 @@ pub enum Error {
         page_size: usize,
     },
     /// Reading a position that is not cached.
-    #[error(
-        "sequence {batch} has {cache_length} cached tokens; position {position} is not one of them"
-    )]
+    #[error("sequence {batch} has {cache_length} cached tokens; position {position} is not one of them")]
     PositionNotCached {
         /// Sequence index.
         batch: usize,
@@ -240,9 +236,7 @@ pub enum Error {
     #[error("malformed safetensors data: {0}")]
     Safetensors(String),
     /// A safetensors tensor in a dtype kvjit does not handle.
-    #[error(
-        "tensor '{name}' has dtype {dtype}, which kvjit does not support (f32, bf16, f16, u32)"
-    )]
+    #[error("tensor '{name}' has dtype {dtype}, which kvjit does not support (f32, bf16, f16, u32)")]
     UnsupportedFileDType {
         /// Tensor name.
         name: String,

@@ -45,12 +45,7 @@ pub struct KernelKey {
 impl KernelKey {
     /// A key with no dims yet.
     pub fn new(op: &str, target: Target, dtype: DType) -> Self {
-        Self {
-            op: op.to_string(),
-            target,
-            dtype,
-            fields: Vec::new(),
-        }
+        Self { op: op.to_string(), target, dtype, fields: Vec::new() }
     }
 
     /// Append a labelled field (labels are short lowercase tags like `k`, `hkv`).
@@ -81,17 +76,12 @@ impl KernelKey {
 
     /// The field with this label, if the key has it.
     pub fn get(&self, label: &str) -> Option<KeyField> {
-        self.fields
-            .iter()
-            .find(|(l, _)| l == label)
-            .map(|(_, d)| *d)
+        self.fields.iter().find(|(l, _)| l == label).map(|(_, d)| *d)
     }
 
     /// Whether no dim is left to run time (a fully specialized kernel).
     pub fn is_fully_static(&self) -> bool {
-        self.fields
-            .iter()
-            .all(|(_, d)| !matches!(d, KeyField::Dynamic))
+        self.fields.iter().all(|(_, d)| !matches!(d, KeyField::Dynamic))
     }
 
     /// The canonical name as a C identifier (dots become underscores), for

@@ -42,10 +42,7 @@ impl KvCacheParams {
 
     fn check(&self) -> Result<()> {
         if !self.dtype.is_float() {
-            return Err(Error::InvalidCacheParams(format!(
-                "dtype must be a float type, got {}",
-                self.dtype
-            )));
+            return Err(Error::InvalidCacheParams(format!("dtype must be a float type, got {}", self.dtype)));
         }
         for (name, v) in [
             ("num_layers", self.num_layers),
@@ -54,9 +51,7 @@ impl KvCacheParams {
             ("head_size", self.head_size),
         ] {
             if v == 0 {
-                return Err(Error::InvalidCacheParams(format!(
-                    "{name} must be at least 1"
-                )));
+                return Err(Error::InvalidCacheParams(format!("{name} must be at least 1")));
             }
         }
         Ok(())
@@ -81,12 +76,7 @@ pub struct PagedKVCacheCollection {
 impl PagedKVCacheCollection {
     /// Allocate a zeroed cache of `num_pages` pages for `batch_size` sequences,
     /// each able to hold `max_pages_per_seq` pages. No page is assigned yet.
-    pub fn new(
-        params: KvCacheParams,
-        num_pages: usize,
-        batch_size: usize,
-        max_pages_per_seq: usize,
-    ) -> Result<Self> {
+    pub fn new(params: KvCacheParams, num_pages: usize, batch_size: usize, max_pages_per_seq: usize) -> Result<Self> {
         params.check()?;
         if num_pages == 0 || num_pages >= UNASSIGNED_PAGE as usize {
             return Err(Error::InvalidCacheParams(format!(
@@ -127,9 +117,7 @@ impl PagedKVCacheCollection {
             });
         }
         if !blocks.is_contiguous() {
-            return Err(Error::NotContiguous {
-                arg: "kv_collection.blocks".into(),
-            });
+            return Err(Error::NotContiguous { arg: "kv_collection.blocks".into() });
         }
         let params = KvCacheParams {
             dtype: blocks.dtype(),
@@ -161,14 +149,7 @@ impl PagedKVCacheCollection {
     }
 
     fn shape_of(params: &KvCacheParams, num_pages: usize) -> [usize; 6] {
-        [
-            num_pages,
-            2,
-            params.num_layers,
-            params.page_size,
-            params.num_kv_heads,
-            params.head_size,
-        ]
+        [num_pages, 2, params.num_layers, params.page_size, params.num_kv_heads, params.head_size]
     }
 
     /// The layout parameters.
@@ -196,9 +177,47 @@ impl PagedKVCacheCollection {
         &self.blocks
     }
 
-    /// The blocks tensor, writable (kernels write K/V through this).
-    pub fn blocks_mut(&mut self) -> &mut Tensor {
-        &mut self.blocks
+    /// Replace the blocks' contents. The new tensor must have exactly the
+    /// cache's shape `[P, 2, L, page_size, Hkv, D]` and dtype, contiguous, so
+    /// the layout kernels rely on can never change under them.
+    pub fn set_blocks(&mut self, blocks: Tensor) -> Result<()> {
+        let expected = Self::shape_of(&self.params, self.num_pages());
+        if blocks.shape() != expected {
+            return Err(Error::ShapeMismatch {
+                arg: "kv_collection.blocks".into(),
+                expected: format!("{expected:?}"),
+                got: blocks.shape().to_vec(),
+            });
+        }
+        if blocks.dtype() != self.params.dtype {
+            return Err(Error::DTypeMismatch {
+                arg: "kv_collection.blocks".into(),
+                expected: self.params.dtype,
+                got: blocks.dtype(),
+            });
+        }
+        if !blocks.is_contiguous() {
+            return Err(Error::NotContiguous { arg: "kv_collection.blocks".into() });
+        }
+        self.blocks = blocks;
+        Ok(())
+    }
+
+    /// The blocks' elements, writable (kernels write K/V through this); fails
+    /// if `T` is not the cache dtype. The shape and layout stay fixed.
+    pub fn blocks_slice_mut<T: crate::tensor::Storable>(&mut self) -> Result<&mut [T]> {
+        self.blocks.as_mut_slice()
+    }
+
+    /// The blocks' raw bytes, writable.
+    pub fn blocks_bytes_mut(&mut self) -> &mut [u8] {
+        self.blocks.as_bytes_mut()
+    }
+
+    /// Set every block element to `value` rounded to the cache dtype (tests
+    /// poison caches with NaN this way).
+    pub fn fill_blocks_f32(&mut self, value: f32) -> Result<()> {
+        self.blocks.fill_f32(value)
     }
 
     /// Tokens already cached per sequence.
@@ -224,19 +243,9 @@ impl PagedKVCacheCollection {
 
     /// Index into `blocks`' storage of element `[page, kv, layer, slot, head, d]`.
     /// This is the one place the blocks layout is spelled out.
-    pub fn element_offset(
-        &self,
-        page: usize,
-        kv: usize,
-        layer: usize,
-        slot: usize,
-        head: usize,
-        d: usize,
-    ) -> usize {
+    pub fn element_offset(&self, page: usize, kv: usize, layer: usize, slot: usize, head: usize, d: usize) -> usize {
         let p = &self.params;
-        ((((page * 2 + kv) * p.num_layers + layer) * p.page_size + slot) * p.num_kv_heads + head)
-            * p.head_size
-            + d
+        ((((page * 2 + kv) * p.num_layers + layer) * p.page_size + slot) * p.num_kv_heads + head) * p.head_size + d
     }
 
     /// The order in which free pages are handed out (a permutation of
@@ -258,11 +267,7 @@ impl PagedKVCacheCollection {
     /// Pages no sequence holds.
     pub fn free_pages(&self) -> Vec<u32> {
         let used = self.used_pages();
-        self.allocation_order
-            .iter()
-            .copied()
-            .filter(|&p| !used[p as usize])
-            .collect()
+        self.allocation_order.iter().copied().filter(|&p| !used[p as usize]).collect()
     }
 
     fn used_pages(&self) -> Vec<bool> {
@@ -277,10 +282,7 @@ impl PagedKVCacheCollection {
 
     fn check_batch(&self, batch: usize) -> Result<()> {
         if batch >= self.batch_size() {
-            return Err(Error::SequenceOutOfRange {
-                batch,
-                batch_size: self.batch_size(),
-            });
+            return Err(Error::SequenceOutOfRange { batch, batch_size: self.batch_size() });
         }
         Ok(())
     }
@@ -319,15 +321,8 @@ impl PagedKVCacheCollection {
         let free_count = free.len();
         let needed: usize = plan.iter().map(|(_, m)| m.len()).sum();
         if needed > free_count {
-            let batch = plan
-                .iter()
-                .find(|(_, m)| !m.is_empty())
-                .map_or(0, |(b, _)| *b);
-            return Err(Error::OutOfPages {
-                batch,
-                needed,
-                free: free_count,
-            });
+            let batch = plan.iter().find(|(_, m)| !m.is_empty()).map_or(0, |(b, _)| *b);
+            return Err(Error::OutOfPages { batch, needed, free: free_count });
         }
         for (b, missing) in plan {
             for logical in missing {
@@ -365,8 +360,7 @@ impl PagedKVCacheCollection {
     /// End a sequence: its pages become free and its length 0.
     pub fn release(&mut self, batch: usize) -> Result<()> {
         self.check_batch(batch)?;
-        self.lookup_table[batch * self.max_pages_per_seq..][..self.max_pages_per_seq]
-            .fill(UNASSIGNED_PAGE);
+        self.lookup_table[batch * self.max_pages_per_seq..][..self.max_pages_per_seq].fill(UNASSIGNED_PAGE);
         self.cache_lengths[batch] = 0;
         self.max_cache_length = self.cache_lengths.iter().copied().max().unwrap_or(0);
         Ok(())
@@ -410,31 +404,16 @@ impl PagedKVCacheCollection {
 
     /// The cached K and V of one token (each `Hkv·D` values, head-major),
     /// widened to f32. The position must be below the sequence's cache length.
-    pub fn read_token(
-        &self,
-        layer: usize,
-        batch: usize,
-        position: usize,
-    ) -> Result<(Vec<f32>, Vec<f32>)> {
+    pub fn read_token(&self, layer: usize, batch: usize, position: usize) -> Result<(Vec<f32>, Vec<f32>)> {
         self.check_batch(batch)?;
         if layer >= self.params.num_layers {
-            return Err(Error::LayerOutOfRange {
-                layer_idx: layer as u32,
-                num_layers: self.params.num_layers,
-            });
+            return Err(Error::LayerOutOfRange { layer_idx: layer as u32, num_layers: self.params.num_layers });
         }
         if position >= self.cache_lengths[batch] as usize {
-            return Err(Error::PositionNotCached {
-                batch,
-                position,
-                cache_length: self.cache_lengths[batch],
-            });
+            return Err(Error::PositionNotCached { batch, position, cache_length: self.cache_lengths[batch] });
         }
         let (page, slot) = self.locate(batch, position)?;
-        Ok((
-            self.read_slot(page as usize, 0, layer, slot)?,
-            self.read_slot(page as usize, 1, layer, slot)?,
-        ))
+        Ok((self.read_slot(page as usize, 0, layer, slot)?, self.read_slot(page as usize, 1, layer, slot)?))
     }
 
     /// The `Hkv·D` values at `[page, kv, layer, slot, :, :]`, widened to f32.
@@ -449,10 +428,7 @@ impl PagedKVCacheCollection {
             TensorData::BF16(v) => widen(&v[range]),
             TensorData::F16(v) => widen(&v[range]),
             TensorData::U32(_) => {
-                return Err(Error::NotFloat {
-                    what: "read_slot".into(),
-                    dtype: DType::U32,
-                });
+                return Err(Error::NotFloat { what: "read_slot".into(), dtype: DType::U32 });
             }
         })
     }
@@ -464,22 +440,13 @@ impl PagedKVCacheCollection {
         let b = self.batch_size();
         Ok(vec![
             (format!("{prefix}.blocks"), self.blocks.clone()),
-            (
-                format!("{prefix}.cache_lengths"),
-                Tensor::from_vec(&[b], self.cache_lengths.clone())?,
-            ),
+            (format!("{prefix}.cache_lengths"), Tensor::from_vec(&[b], self.cache_lengths.clone())?),
             (
                 format!("{prefix}.lookup_table"),
                 Tensor::from_vec(&[b, self.max_pages_per_seq], self.lookup_table.clone())?,
             ),
-            (
-                format!("{prefix}.max_seq_length"),
-                Tensor::scalar_u32(self.max_seq_length),
-            ),
-            (
-                format!("{prefix}.max_cache_length"),
-                Tensor::scalar_u32(self.max_cache_length),
-            ),
+            (format!("{prefix}.max_seq_length"), Tensor::scalar_u32(self.max_seq_length)),
+            (format!("{prefix}.max_cache_length"), Tensor::scalar_u32(self.max_cache_length)),
         ])
     }
 
@@ -489,10 +456,7 @@ impl PagedKVCacheCollection {
     pub fn from_tensors(prefix: &str, tensors: &mut BTreeMap<String, Tensor>) -> Result<Self> {
         let mut take = |suffix: &str| {
             let name = format!("{prefix}.{suffix}");
-            tensors.remove(&name).ok_or(Error::MissingTensor {
-                name,
-                context: String::new(),
-            })
+            tensors.remove(&name).ok_or(Error::MissingTensor { name, context: String::new() })
         };
         let blocks = take("blocks")?;
         let cache_lengths = take("cache_lengths")?;
@@ -514,12 +478,8 @@ impl PagedKVCacheCollection {
                 got: table_shape,
             });
         }
-        let mut cache = Self::from_parts(
-            blocks,
-            cache_lengths.to_u32_vec()?,
-            lookup_table.to_u32_vec()?,
-            table_shape[1],
-        )?;
+        let mut cache =
+            Self::from_parts(blocks, cache_lengths.to_u32_vec()?, lookup_table.to_u32_vec()?, table_shape[1])?;
         if let [Some(seq), Some(cached)] = scalars {
             cache.max_seq_length = seq.to_u32_vec()?.first().copied().unwrap_or(0);
             cache.max_cache_length = cached.to_u32_vec()?.first().copied().unwrap_or(0);
@@ -533,13 +493,7 @@ mod tests {
     use super::*;
 
     fn params() -> KvCacheParams {
-        KvCacheParams {
-            dtype: DType::F32,
-            num_layers: 2,
-            page_size: 4,
-            num_kv_heads: 2,
-            head_size: 3,
-        }
+        KvCacheParams { dtype: DType::F32, num_layers: 2, page_size: 4, num_kv_heads: 2, head_size: 3 }
     }
 
     #[test]
@@ -548,10 +502,7 @@ mod tests {
         cache.set_allocation_order(vec![5, 3, 1, 0, 2, 4]).unwrap();
         cache.reserve(&[5, 1]).unwrap();
         // Sequence 0 needs 2 pages (5 tokens of 4), sequence 1 one page.
-        assert_eq!(
-            cache.lookup_table(),
-            &[5, 3, UNASSIGNED_PAGE, 1, UNASSIGNED_PAGE, UNASSIGNED_PAGE]
-        );
+        assert_eq!(cache.lookup_table(), &[5, 3, UNASSIGNED_PAGE, 1, UNASSIGNED_PAGE, UNASSIGNED_PAGE]);
         assert_eq!(cache.max_seq_length, 5);
         cache.advance(&[5, 1]).unwrap();
         assert_eq!(cache.cache_lengths(), &[5, 1]);
@@ -565,18 +516,8 @@ mod tests {
     fn reserve_is_all_or_nothing() {
         let mut cache = PagedKVCacheCollection::new(params(), 2, 2, 3).unwrap();
         let before = cache.clone();
-        assert!(matches!(
-            cache.reserve(&[4, 5]),
-            Err(Error::OutOfPages {
-                needed: 3,
-                free: 2,
-                ..
-            })
-        ));
-        assert!(matches!(
-            cache.reserve(&[13, 0]),
-            Err(Error::SequenceTooLong { .. })
-        ));
+        assert!(matches!(cache.reserve(&[4, 5]), Err(Error::OutOfPages { needed: 3, free: 2, .. })));
+        assert!(matches!(cache.reserve(&[13, 0]), Err(Error::SequenceTooLong { .. })));
         assert_eq!(cache, before);
     }
 
@@ -590,20 +531,14 @@ mod tests {
         for h in 0..2 {
             for d in 0..3 {
                 let off = cache.element_offset(page as usize, 1, 1, slot, h, d);
-                cache.blocks_mut().as_mut_slice::<f32>().unwrap()[off] = (10 * h + d) as f32;
+                cache.blocks_slice_mut::<f32>().unwrap()[off] = (10 * h + d) as f32;
             }
         }
         let (k, v) = cache.read_token(1, 0, 5).unwrap();
         assert_eq!(k, vec![0.0; 6]);
         assert_eq!(v, vec![0.0, 1.0, 2.0, 10.0, 11.0, 12.0]);
-        assert!(matches!(
-            cache.read_token(1, 0, 6),
-            Err(Error::PositionNotCached { .. })
-        ));
-        assert!(matches!(
-            cache.read_token(2, 0, 0),
-            Err(Error::LayerOutOfRange { .. })
-        ));
+        assert!(matches!(cache.read_token(1, 0, 6), Err(Error::PositionNotCached { .. })));
+        assert!(matches!(cache.read_token(2, 0, 0), Err(Error::LayerOutOfRange { .. })));
     }
 
     #[test]
@@ -611,8 +546,7 @@ mod tests {
         let mut cache = PagedKVCacheCollection::new(params(), 4, 2, 2).unwrap();
         cache.reserve(&[3, 7]).unwrap();
         cache.advance(&[3, 7]).unwrap();
-        let mut map: BTreeMap<String, Tensor> =
-            cache.to_tensors("kv").unwrap().into_iter().collect();
+        let mut map: BTreeMap<String, Tensor> = cache.to_tensors("kv").unwrap().into_iter().collect();
         let back = PagedKVCacheCollection::from_tensors("kv", &mut map).unwrap();
         assert_eq!(back.blocks(), cache.blocks());
         assert_eq!(back.cache_lengths(), cache.cache_lengths());

@@ -22,26 +22,17 @@ fn from_file_dtype(name: &str, dtype: Dtype) -> Result<DType> {
         Dtype::BF16 => Ok(DType::BF16),
         Dtype::F16 => Ok(DType::F16),
         Dtype::U32 => Ok(DType::U32),
-        other => Err(Error::UnsupportedFileDType {
-            name: name.to_string(),
-            dtype: format!("{other:?}"),
-        }),
+        other => Err(Error::UnsupportedFileDType { name: name.to_string(), dtype: format!("{other:?}") }),
     }
 }
 
 /// Serialize named tensors to safetensors bytes (strided tensors are packed).
-pub fn tensors_to_safetensors<'a>(
-    tensors: impl IntoIterator<Item = (&'a str, &'a Tensor)>,
-) -> Result<Vec<u8>> {
-    let packed: Vec<(&str, Tensor)> = tensors
-        .into_iter()
-        .map(|(n, t)| (n, t.to_contiguous()))
-        .collect();
+pub fn tensors_to_safetensors<'a>(tensors: impl IntoIterator<Item = (&'a str, &'a Tensor)>) -> Result<Vec<u8>> {
+    let packed: Vec<(&str, Tensor)> = tensors.into_iter().map(|(n, t)| (n, t.to_contiguous())).collect();
     let views = packed
         .iter()
         .map(|(name, t)| {
-            TensorView::new(to_file_dtype(t.dtype()), t.shape().to_vec(), t.as_bytes())
-                .map(|v| (*name, v))
+            TensorView::new(to_file_dtype(t.dtype()), t.shape().to_vec(), t.as_bytes()).map(|v| (*name, v))
         })
         .collect::<std::result::Result<Vec<_>, _>>()
         .map_err(|e| Error::Safetensors(e.to_string()))?;
@@ -63,23 +54,14 @@ pub fn tensors_from_safetensors(bytes: &[u8]) -> Result<BTreeMap<String, Tensor>
 }
 
 /// Write named tensors to a safetensors file.
-pub fn write_safetensors<'a>(
-    path: &Path,
-    tensors: impl IntoIterator<Item = (&'a str, &'a Tensor)>,
-) -> Result<()> {
+pub fn write_safetensors<'a>(path: &Path, tensors: impl IntoIterator<Item = (&'a str, &'a Tensor)>) -> Result<()> {
     let bytes = tensors_to_safetensors(tensors)?;
-    std::fs::write(path, bytes).map_err(|source| Error::Io {
-        path: path.to_path_buf(),
-        source,
-    })
+    std::fs::write(path, bytes).map_err(|source| Error::Io { path: path.to_path_buf(), source })
 }
 
 /// Read every tensor of a safetensors file.
 pub fn read_safetensors(path: &Path) -> Result<BTreeMap<String, Tensor>> {
-    let bytes = std::fs::read(path).map_err(|source| Error::Io {
-        path: path.to_path_buf(),
-        source,
-    })?;
+    let bytes = std::fs::read(path).map_err(|source| Error::Io { path: path.to_path_buf(), source })?;
     tensors_from_safetensors(&bytes)
 }
 
@@ -102,13 +84,7 @@ mod tests {
         let a = Tensor::from_f32(DType::F32, &[4], &[1.0, 2.0, 3.0, 4.0]).unwrap();
         let bytes = tensors_to_safetensors([("a", &a)]).unwrap();
         for cut in [0, 4, 8, bytes.len() - 1] {
-            assert!(
-                matches!(
-                    tensors_from_safetensors(&bytes[..cut]),
-                    Err(Error::Safetensors(_))
-                ),
-                "cut {cut}"
-            );
+            assert!(matches!(tensors_from_safetensors(&bytes[..cut]), Err(Error::Safetensors(_))), "cut {cut}");
         }
     }
 }

@@ -138,10 +138,7 @@ pub fn contiguous_strides(shape: &[usize]) -> Vec<usize> {
 }
 
 fn checked_numel(shape: &[usize]) -> Result<usize> {
-    shape
-        .iter()
-        .try_fold(1usize, |acc, &d| acc.checked_mul(d))
-        .ok_or_else(|| Error::ShapeOverflow(shape.to_vec()))
+    shape.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d)).ok_or_else(|| Error::ShapeOverflow(shape.to_vec()))
 }
 
 /// A host tensor: typed storage, a shape and element strides.
@@ -156,11 +153,7 @@ impl Tensor {
     /// A zero-filled contiguous tensor.
     pub fn zeros(dtype: DType, shape: &[usize]) -> Result<Self> {
         let numel = checked_numel(shape)?;
-        Ok(Self {
-            shape: shape.to_vec(),
-            strides: contiguous_strides(shape),
-            data: TensorData::zeros(dtype, numel),
-        })
+        Ok(Self { shape: shape.to_vec(), strides: contiguous_strides(shape), data: TensorData::zeros(dtype, numel) })
     }
 
     /// A contiguous tensor over `values`, which must hold exactly `shape`'s
@@ -173,32 +166,17 @@ impl Tensor {
     pub fn from_data(shape: &[usize], data: TensorData) -> Result<Self> {
         let numel = checked_numel(shape)?;
         if numel != data.len() {
-            return Err(Error::ElementCount {
-                shape: shape.to_vec(),
-                expected: numel,
-                got: data.len(),
-            });
+            return Err(Error::ElementCount { shape: shape.to_vec(), expected: numel, got: data.len() });
         }
-        Ok(Self {
-            shape: shape.to_vec(),
-            strides: contiguous_strides(shape),
-            data,
-        })
+        Ok(Self { shape: shape.to_vec(), strides: contiguous_strides(shape), data })
     }
 
     /// A contiguous tensor from little-endian bytes, as stored in files.
     pub fn from_le_bytes(dtype: DType, shape: &[usize], bytes: &[u8]) -> Result<Self> {
         let numel = checked_numel(shape)?;
-        let expected = numel
-            .checked_mul(dtype.size_bytes())
-            .ok_or_else(|| Error::ShapeOverflow(shape.to_vec()))?;
+        let expected = numel.checked_mul(dtype.size_bytes()).ok_or_else(|| Error::ShapeOverflow(shape.to_vec()))?;
         if bytes.len() != expected {
-            return Err(Error::ByteCount {
-                dtype,
-                shape: shape.to_vec(),
-                expected,
-                got: bytes.len(),
-            });
+            return Err(Error::ByteCount { dtype, shape: shape.to_vec(), expected, got: bytes.len() });
         }
         Self::from_data(shape, TensorData::from_le_bytes(dtype, bytes))
     }
@@ -210,10 +188,7 @@ impl Tensor {
             DType::BF16 => TensorData::BF16(values.iter().map(|&v| bf16::from_f32(v)).collect()),
             DType::F16 => TensorData::F16(values.iter().map(|&v| f16::from_f32(v)).collect()),
             DType::U32 => {
-                return Err(Error::NotFloat {
-                    what: "from_f32".into(),
-                    dtype,
-                });
+                return Err(Error::NotFloat { what: "from_f32".into(), dtype });
             }
         };
         Self::from_data(shape, data)
@@ -221,22 +196,12 @@ impl Tensor {
 
     /// A u32 scalar (shape `[]`), as used for `layer_idx`.
     pub fn scalar_u32(value: u32) -> Self {
-        Self {
-            shape: Vec::new(),
-            strides: Vec::new(),
-            data: TensorData::U32(vec![value]),
-        }
+        Self { shape: Vec::new(), strides: Vec::new(), data: TensorData::U32(vec![value]) }
     }
 
     /// A floating tensor of values drawn uniformly from `[low, high)`, rounded
     /// to `dtype`.
-    pub fn random(
-        dtype: DType,
-        shape: &[usize],
-        rng: &mut impl Rng,
-        low: f32,
-        high: f32,
-    ) -> Result<Self> {
+    pub fn random(dtype: DType, shape: &[usize], rng: &mut impl Rng, low: f32, high: f32) -> Result<Self> {
         let numel = checked_numel(shape)?;
         let values: Vec<f32> = (0..numel).map(|_| rng.gen_range(low..high)).collect();
         Self::from_f32(dtype, shape, &values)
@@ -281,19 +246,13 @@ impl Tensor {
     /// The storage as a typed slice; fails if `T` is not the tensor's dtype.
     pub fn as_slice<T: Storable>(&self) -> Result<&[T]> {
         let dtype = self.dtype();
-        T::slice(&self.data).ok_or(Error::WrongDType {
-            expected: T::DTYPE,
-            got: dtype,
-        })
+        T::slice(&self.data).ok_or(Error::WrongDType { expected: T::DTYPE, got: dtype })
     }
 
     /// The storage as a writable typed slice; fails if `T` is not the dtype.
     pub fn as_mut_slice<T: Storable>(&mut self) -> Result<&mut [T]> {
         let dtype = self.dtype();
-        T::slice_mut(&mut self.data).ok_or(Error::WrongDType {
-            expected: T::DTYPE,
-            got: dtype,
-        })
+        T::slice_mut(&mut self.data).ok_or(Error::WrongDType { expected: T::DTYPE, got: dtype })
     }
 
     /// The storage's raw little-endian bytes.
@@ -316,10 +275,7 @@ impl Tensor {
             TensorData::BF16(v) => widen(self, v),
             TensorData::F16(v) => widen(self, v),
             TensorData::U32(_) => {
-                return Err(Error::NotFloat {
-                    what: "to_f32_vec".into(),
-                    dtype: DType::U32,
-                });
+                return Err(Error::NotFloat { what: "to_f32_vec".into(), dtype: DType::U32 });
             }
         })
     }
@@ -337,10 +293,7 @@ impl Tensor {
             TensorData::BF16(v) => v.fill(bf16::from_f32(value)),
             TensorData::F16(v) => v.fill(f16::from_f32(value)),
             TensorData::U32(_) => {
-                return Err(Error::NotFloat {
-                    what: "fill_f32".into(),
-                    dtype: DType::U32,
-                });
+                return Err(Error::NotFloat { what: "fill_f32".into(), dtype: DType::U32 });
             }
         }
         Ok(())
@@ -351,14 +304,9 @@ impl Tensor {
     pub fn permuted(&self, perm: &[usize]) -> Result<Self> {
         let mut seen = vec![false; self.shape.len()];
         let valid = perm.len() == self.shape.len()
-            && perm
-                .iter()
-                .all(|&p| p < seen.len() && !std::mem::replace(&mut seen[p], true));
+            && perm.iter().all(|&p| p < seen.len() && !std::mem::replace(&mut seen[p], true));
         if !valid {
-            return Err(Error::BadPermutation {
-                rank: self.shape.len(),
-                perm: perm.to_vec(),
-            });
+            return Err(Error::BadPermutation { rank: self.shape.len(), perm: perm.to_vec() });
         }
         Ok(Self {
             shape: perm.iter().map(|&p| self.shape[p]).collect(),
@@ -381,11 +329,7 @@ impl Tensor {
             TensorData::F16(v) => TensorData::F16(gather(self, v)),
             TensorData::U32(v) => TensorData::U32(gather(self, v)),
         };
-        Self {
-            shape: self.shape.clone(),
-            strides: contiguous_strides(&self.shape),
-            data,
-        }
+        Self { shape: self.shape.clone(), strides: contiguous_strides(&self.shape), data }
     }
 
     /// Storage offsets of the elements in logical row-major order.
@@ -426,22 +370,15 @@ mod tests {
     #[test]
     fn from_f32_rounds_to_nearest_even() {
         // 1 + 2^-8 lies exactly between two bf16 values; ties go to the even one (1.0).
-        let t =
-            Tensor::from_f32(DType::BF16, &[2], &[1.0 + 1.0 / 256.0, 1.0 + 3.0 / 256.0]).unwrap();
+        let t = Tensor::from_f32(DType::BF16, &[2], &[1.0 + 1.0 / 256.0, 1.0 + 3.0 / 256.0]).unwrap();
         assert_eq!(t.to_f32_vec().unwrap(), vec![1.0, 1.0 + 4.0 / 256.0]);
     }
 
     #[test]
     fn wrong_element_count_and_dtype_are_errors() {
-        assert!(matches!(
-            Tensor::from_vec(&[2, 2], vec![1.0f32; 3]),
-            Err(Error::ElementCount { .. })
-        ));
+        assert!(matches!(Tensor::from_vec(&[2, 2], vec![1.0f32; 3]), Err(Error::ElementCount { .. })));
         let t = Tensor::zeros(DType::F16, &[2]).unwrap();
         assert!(matches!(t.as_slice::<f32>(), Err(Error::WrongDType { .. })));
-        assert!(matches!(
-            t.permuted(&[0, 0]),
-            Err(Error::BadPermutation { .. })
-        ));
+        assert!(matches!(t.permuted(&[0, 0]), Err(Error::BadPermutation { .. })));
     }
 }

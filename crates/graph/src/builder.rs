@@ -7,8 +7,8 @@ use kvjit_core::{DType, Tensor};
 
 use crate::validate::check_op;
 use crate::{
-    Dim, Graph, GraphError, GraphOutput, KvCacheType, Node, NodeId, OpRegistry, Params, RandomInit,
-    Result, TensorType, Value, ValueDef, ValueId, ValueType, validate,
+    Dim, Graph, GraphError, GraphOutput, KvCacheType, Node, NodeId, OpRegistry, Params, RandomInit, Result, TensorType,
+    Value, ValueDef, ValueId, ValueType, validate,
 };
 
 /// Builds a [`Graph`] step by step. Every call checks what it adds, so a
@@ -34,31 +34,18 @@ impl<'r> GraphBuilder<'r> {
     pub fn new(name: &str, registry: &'r OpRegistry) -> Self {
         Self {
             registry,
-            graph: Graph {
-                name: name.to_string(),
-                values: Vec::new(),
-                nodes: Vec::new(),
-                outputs: Vec::new(),
-            },
+            graph: Graph { name: name.to_string(), values: Vec::new(), nodes: Vec::new(), outputs: Vec::new() },
         }
     }
 
     fn add_value(&mut self, name: Option<&str>, ty: ValueType, def: ValueDef) -> Result<ValueId> {
         if let Some(name) = name
-            && self
-                .graph
-                .values
-                .iter()
-                .any(|v| v.name.as_deref() == Some(name))
+            && self.graph.values.iter().any(|v| v.name.as_deref() == Some(name))
         {
             return Err(GraphError::DuplicateName(name.to_string()));
         }
         let id = ValueId(self.graph.values.len() as u32);
-        self.graph.values.push(Value {
-            name: name.map(str::to_string),
-            ty,
-            def,
-        });
+        self.graph.values.push(Value { name: name.map(str::to_string), ty, def });
         Ok(id)
     }
 
@@ -71,43 +58,40 @@ impl<'r> GraphBuilder<'r> {
     /// A constant tensor (a weight) baked into the graph.
     pub fn constant(&mut self, name: &str, data: Tensor) -> Result<ValueId> {
         let data = data.to_contiguous();
-        let ty = ValueType::Tensor(TensorType::new(
-            data.dtype(),
-            data.shape().iter().map(|&d| Dim::Static(d)),
-        ));
-        self.add_value(
-            Some(name),
-            ty,
-            ValueDef::Constant {
-                data: Arc::new(data),
-                init: None,
-            },
-        )
+        let ty = ValueType::Tensor(TensorType::new(data.dtype(), data.shape().iter().map(|&d| Dim::Static(d))));
+        self.add_value(Some(name), ty, ValueDef::Constant { data: Arc::new(data), init: None })
     }
 
     /// A constant with deterministic random contents; graph files save the
     /// recipe instead of the data.
-    pub fn random_constant(
-        &mut self,
-        name: &str,
-        dtype: DType,
-        shape: &[usize],
-        init: RandomInit,
-    ) -> Result<ValueId> {
+    pub fn random_constant(&mut self, name: &str, dtype: DType, shape: &[usize], init: RandomInit) -> Result<ValueId> {
         let ty = TensorType::new(dtype, shape.iter().map(|&d| Dim::Static(d)));
         let data = init.materialize(&ty)?;
-        self.add_value(
-            Some(name),
-            ValueType::Tensor(ty),
-            ValueDef::Constant {
-                data: Arc::new(data),
-                init: Some(init),
-            },
-        )
+        self.add_value(Some(name), ValueType::Tensor(ty), ValueDef::Constant { data: Arc::new(data), init: Some(init) })
     }
 
     /// A paged KV cache the caller supplies at run time and nodes write in place.
     pub fn kv_cache(&mut self, name: &str, ty: KvCacheType) -> Result<ValueId> {
+        if !ty.dtype.is_float() {
+            return Err(GraphError::InputType {
+                arg: name.to_string(),
+                expected: "a KV cache of f32, bf16 or f16".into(),
+                got: ty.to_string(),
+            });
+        }
+        for (what, v) in [
+            ("num_layers", ty.num_layers),
+            ("page_size", ty.page_size),
+            ("num_kv_heads", ty.num_kv_heads),
+            ("head_size", ty.head_size),
+        ] {
+            if v == 0 {
+                return Err(GraphError::Param {
+                    param: what.into(),
+                    problem: format!("of KV cache '{name}' must be at least 1"),
+                });
+            }
+        }
         self.add_value(Some(name), ValueType::KvCache(ty), ValueDef::KvCache)
     }
 
@@ -122,27 +106,16 @@ impl<'r> GraphBuilder<'r> {
                     .values
                     .get(v.index())
                     .map(|value| &value.ty)
-                    .ok_or(GraphError::DanglingValue {
-                        place: format!("node {node_id}"),
-                        value: v,
-                    })
+                    .ok_or(GraphError::DanglingValue { place: format!("node {node_id}"), value: v })
             })
             .collect::<Result<Vec<_>>>()
             .map_err(|e| e.in_node(node_id, op))?;
-        let (def, output_types) =
-            check_op(self.registry, op, &params, &types).map_err(|e| e.in_node(node_id, op))?;
+        let (def, output_types) = check_op(self.registry, op, &params, &types).map_err(|e| e.in_node(node_id, op))?;
         let outputs = output_types
             .into_iter()
             .enumerate()
             .map(|(index, ty)| {
-                self.add_value(
-                    None,
-                    ValueType::Tensor(ty),
-                    ValueDef::NodeOutput {
-                        node: node_id,
-                        index,
-                    },
-                )
+                self.add_value(None, ValueType::Tensor(ty), ValueDef::NodeOutput { node: node_id, index })
             })
             .collect::<Result<Vec<_>>>()?;
         self.graph.nodes.push(Node {
@@ -164,21 +137,12 @@ impl<'r> GraphBuilder<'r> {
             .graph
             .values
             .get(value.index())
-            .ok_or(GraphError::DanglingValue {
-                place: format!("output '{name}'"),
-                value,
-            })?
+            .ok_or(GraphError::DanglingValue { place: format!("output '{name}'"), value })?
             .ty;
         if ty.as_tensor().is_none() {
-            return Err(GraphError::ArgKind {
-                arg: format!("output '{name}'"),
-                expected: "tensor",
-            });
+            return Err(GraphError::ArgKind { arg: format!("output '{name}'"), expected: "tensor" });
         }
-        self.graph.outputs.push(GraphOutput {
-            name: name.to_string(),
-            value,
-        });
+        self.graph.outputs.push(GraphOutput { name: name.to_string(), value });
         Ok(())
     }
 

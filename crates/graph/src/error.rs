@@ -160,10 +160,6 @@ pub enum GraphError {
 impl GraphError {
     /// Wrap an op's complaint with the node it came from.
     pub fn in_node(self, node: NodeId, op: &str) -> Self {
-        GraphError::InNode {
-            node,
-            op: op.to_string(),
-            source: Box::new(self),
-        }
+        GraphError::InNode { node, op: op.to_string(), source: Box::new(self) }
     }
 }

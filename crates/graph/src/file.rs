@@ -15,8 +15,8 @@ use kvjit_core::{DType, Tensor, read_safetensors, write_safetensors};
 use serde::{Deserialize, Serialize};
 
 use crate::{
-    Dim, Graph, GraphBuilder, GraphError, KvCacheType, NodeId, OpRegistry, Params, RandomInit,
-    Result, ValueDef, ValueId, ValueType,
+    Dim, Graph, GraphBuilder, GraphError, KvCacheType, NodeId, OpRegistry, Params, RandomInit, Result, ValueDef,
+    ValueId, ValueType,
 };
 
 /// The `format` marker of a graph file.
@@ -72,9 +72,7 @@ enum ValueEntry {
 impl ValueEntry {
     fn id(&self) -> ValueId {
         match self {
-            ValueEntry::Input { id, .. }
-            | ValueEntry::Constant { id, .. }
-            | ValueEntry::KvCache { id, .. } => *id,
+            ValueEntry::Input { id, .. } | ValueEntry::Constant { id, .. } | ValueEntry::KvCache { id, .. } => *id,
         }
     }
 }
@@ -102,15 +100,8 @@ struct OutputEntry {
 /// creates them in, so saving a loaded file reproduces it exactly.
 fn file_ids(graph: &Graph) -> Vec<ValueId> {
     let mut ids = vec![ValueId(0); graph.values().len()];
-    let declared = graph
-        .values()
-        .iter()
-        .enumerate()
-        .filter(|(_, v)| !matches!(v.def, ValueDef::NodeOutput { .. }));
-    let produced = graph
-        .nodes()
-        .iter()
-        .flat_map(|n| n.outputs.iter().map(|o| o.index()));
+    let declared = graph.values().iter().enumerate().filter(|(_, v)| !matches!(v.def, ValueDef::NodeOutput { .. }));
+    let produced = graph.nodes().iter().flat_map(|n| n.outputs.iter().map(|o| o.index()));
     for (next, i) in declared.map(|(i, _)| i).chain(produced).enumerate() {
         ids[i] = ValueId(next as u32);
     }
@@ -131,12 +122,9 @@ pub fn graph_to_json(graph: &Graph, weights_file: Option<&str>) -> String {
             let id = ids[i];
             let name = v.name.clone().unwrap_or_default();
             match (&v.def, &v.ty) {
-                (ValueDef::Input, ValueType::Tensor(t)) => Some(ValueEntry::Input {
-                    id,
-                    name,
-                    dtype: t.dtype,
-                    shape: t.shape.clone(),
-                }),
+                (ValueDef::Input, ValueType::Tensor(t)) => {
+                    Some(ValueEntry::Input { id, name, dtype: t.dtype, shape: t.shape.clone() })
+                }
                 (ValueDef::Constant { data, init }, _) => Some(ValueEntry::Constant {
                     id,
                     name,
@@ -180,10 +168,7 @@ pub fn graph_to_json(graph: &Graph, weights_file: Option<&str>) -> String {
         outputs: graph
             .outputs()
             .iter()
-            .map(|o| OutputEntry {
-                name: o.name.clone(),
-                value: ids[o.value.index()],
-            })
+            .map(|o| OutputEntry { name: o.name.clone(), value: ids[o.value.index()] })
             .collect(),
     };
     serde_json::to_string_pretty(&file).expect("graph files serialize infallibly") + "\n"
@@ -192,10 +177,7 @@ pub fn graph_to_json(graph: &Graph, weights_file: Option<&str>) -> String {
 fn check_marker(json: &serde_json::Value) -> Result<()> {
     let format = json.get("format").and_then(|f| f.as_str());
     if format != Some(FORMAT_NAME) {
-        return Err(GraphError::NotAGraphFile {
-            found: format.map(str::to_string),
-            expected: FORMAT_NAME,
-        });
+        return Err(GraphError::NotAGraphFile { found: format.map(str::to_string), expected: FORMAT_NAME });
     }
     match json.get("version") {
         Some(v) if v.as_u64() == Some(FORMAT_VERSION as u64) => Ok(()),
@@ -213,15 +195,11 @@ fn topological_order(nodes: &[NodeEntry], declared: &HashSet<ValueId>) -> Result
     let mut node_ids = HashSet::new();
     for (i, node) in nodes.iter().enumerate() {
         if !node_ids.insert(node.id) {
-            return Err(GraphError::DuplicateId {
-                id: node.id.to_string(),
-            });
+            return Err(GraphError::DuplicateId { id: node.id.to_string() });
         }
         for &out in &node.outputs {
             if declared.contains(&out) || producer.insert(out, i).is_some() {
-                return Err(GraphError::DuplicateId {
-                    id: out.to_string(),
-                });
+                return Err(GraphError::DuplicateId { id: out.to_string() });
             }
         }
     }
@@ -233,17 +211,11 @@ fn topological_order(nodes: &[NodeEntry], declared: &HashSet<ValueId>) -> Result
                 dependents[p].push(i);
                 pending[i] += 1;
             } else if !declared.contains(&input) {
-                return Err(GraphError::DanglingValue {
-                    place: format!("node {}", node.id),
-                    value: input,
-                });
+                return Err(GraphError::DanglingValue { place: format!("node {}", node.id), value: input });
             }
         }
     }
-    let mut ready: Vec<usize> = (0..nodes.len())
-        .rev()
-        .filter(|&i| pending[i] == 0)
-        .collect();
+    let mut ready: Vec<usize> = (0..nodes.len()).rev().filter(|&i| pending[i] == 0).collect();
     let mut order = Vec::with_capacity(nodes.len());
     while let Some(i) = ready.pop() {
         order.push(i);
@@ -255,10 +227,20 @@ fn topological_order(nodes: &[NodeEntry], declared: &HashSet<ValueId>) -> Result
         }
     }
     if order.len() < nodes.len() {
-        let stuck: Vec<String> = (0..nodes.len())
-            .filter(|&i| pending[i] > 0)
-            .map(|i| nodes[i].id.to_string())
-            .collect();
+        // Nodes left over lie on a cycle or downstream of one; peel off those
+        // whose outputs no other leftover node reads, until only cycles remain.
+        let mut on_cycle: Vec<bool> = pending.iter().map(|&p| p > 0).collect();
+        loop {
+            let downstream_only: Vec<usize> =
+                (0..nodes.len()).filter(|&i| on_cycle[i] && !dependents[i].iter().any(|&d| on_cycle[d])).collect();
+            if downstream_only.is_empty() {
+                break;
+            }
+            for i in downstream_only {
+                on_cycle[i] = false;
+            }
+        }
+        let stuck: Vec<String> = (0..nodes.len()).filter(|&i| on_cycle[i]).map(|i| nodes[i].id.to_string()).collect();
         return Err(GraphError::Cycle(stuck.join(", ")));
     }
     Ok(order)
@@ -266,11 +248,7 @@ fn topological_order(nodes: &[NodeEntry], declared: &HashSet<ValueId>) -> Result
 
 /// Parse graph-file JSON. Constants without a recipe take their data from
 /// `weights` by name.
-pub fn graph_from_json(
-    text: &str,
-    registry: &OpRegistry,
-    weights: Option<&BTreeMap<String, Tensor>>,
-) -> Result<Graph> {
+pub fn graph_from_json(text: &str, registry: &OpRegistry, weights: Option<&BTreeMap<String, Tensor>>) -> Result<Graph> {
     let json: serde_json::Value = serde_json::from_str(text)?;
     check_marker(&json)?;
     let file: GraphFile = serde_json::from_value(json)?;
@@ -278,9 +256,7 @@ pub fn graph_from_json(
     let mut declared = HashSet::new();
     for value in &file.values {
         if !declared.insert(value.id()) {
-            return Err(GraphError::DuplicateId {
-                id: value.id().to_string(),
-            });
+            return Err(GraphError::DuplicateId { id: value.id().to_string() });
         }
     }
     let order = topological_order(&file.nodes, &declared)?;
@@ -289,23 +265,11 @@ pub fn graph_from_json(
     let mut ids: HashMap<ValueId, ValueId> = HashMap::new();
     for value in &file.values {
         let new_id = match value {
-            ValueEntry::Input {
-                name, dtype, shape, ..
-            } => builder.input(name, *dtype, shape)?,
-            ValueEntry::Constant {
-                name,
-                dtype,
-                shape,
-                init: Some(init),
-                ..
-            } => builder.random_constant(name, *dtype, shape, *init)?,
-            ValueEntry::Constant {
-                name,
-                dtype,
-                shape,
-                init: None,
-                ..
-            } => {
+            ValueEntry::Input { name, dtype, shape, .. } => builder.input(name, *dtype, shape)?,
+            ValueEntry::Constant { name, dtype, shape, init: Some(init), .. } => {
+                builder.random_constant(name, *dtype, shape, *init)?
+            }
+            ValueEntry::Constant { name, dtype, shape, init: None, .. } => {
                 let data = weights.and_then(|w| w.get(name)).ok_or_else(|| {
                     GraphError::Tensor(kvjit_core::Error::MissingTensor {
                         name: name.clone(),
@@ -355,16 +319,10 @@ pub fn graph_from_json(
     for i in order {
         let node = &file.nodes[i];
         let inputs: Vec<ValueId> = node.inputs.iter().map(|v| ids[v]).collect();
-        let outputs = builder
-            .node(&node.op, node.params.clone(), &inputs)
-            .map_err(|e| match e {
-                GraphError::InNode { source, op, .. } => GraphError::InNode {
-                    node: node.id,
-                    op,
-                    source,
-                },
-                other => other,
-            })?;
+        let outputs = builder.node(&node.op, node.params.clone(), &inputs).map_err(|e| match e {
+            GraphError::InNode { source, op, .. } => GraphError::InNode { node: node.id, op, source },
+            other => other,
+        })?;
         if outputs.len() != node.outputs.len() {
             return Err(GraphError::ArgCount {
                 op: node.op.clone(),
@@ -377,10 +335,9 @@ pub fn graph_from_json(
         ids.extend(node.outputs.iter().copied().zip(outputs));
     }
     for out in &file.outputs {
-        let value = *ids.get(&out.value).ok_or(GraphError::DanglingValue {
-            place: format!("output '{}'", out.name),
-            value: out.value,
-        })?;
+        let value = *ids
+            .get(&out.value)
+            .ok_or(GraphError::DanglingValue { place: format!("output '{}'", out.name), value: out.value })?;
         builder.output(&out.name, value)?;
     }
     builder.finish()
@@ -389,47 +346,38 @@ pub fn graph_from_json(
 /// Save a graph to `path` (JSON). Constants without a recipe go to a
 /// safetensors file beside it, `path` with extension `.safetensors`.
 pub fn save_graph(graph: &Graph, path: &Path) -> Result<()> {
+    if path.extension().is_some_and(|e| e == "safetensors") {
+        return Err(GraphError::Io {
+            path: path.to_path_buf(),
+            source: std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                "a graph file needs a name other than *.safetensors (its weights file takes that name)",
+            ),
+        });
+    }
     let stored: Vec<(&str, &Tensor)> = graph
         .constants()
         .filter_map(|(_, v)| match &v.def {
-            ValueDef::Constant { data, init: None } => {
-                Some((v.name.as_deref().unwrap_or_default(), data.as_ref()))
-            }
+            ValueDef::Constant { data, init: None } => Some((v.name.as_deref().unwrap_or_default(), data.as_ref())),
             _ => None,
         })
         .collect();
     let weights_path = path.with_extension("safetensors");
-    let weights_name = weights_path
-        .file_name()
-        .and_then(|n| n.to_str())
-        .map(str::to_string);
+    let weights_name = weights_path.file_name().and_then(|n| n.to_str()).map(str::to_string);
     if !stored.is_empty() {
         write_safetensors(&weights_path, stored)?;
     }
-    let json = graph_to_json(
-        graph,
-        weights_name
-            .as_deref()
-            .filter(|_| graph_needs_weights(graph)),
-    );
-    std::fs::write(path, json).map_err(|source| GraphError::Io {
-        path: path.to_path_buf(),
-        source,
-    })
+    let json = graph_to_json(graph, weights_name.as_deref().filter(|_| graph_needs_weights(graph)));
+    std::fs::write(path, json).map_err(|source| GraphError::Io { path: path.to_path_buf(), source })
 }
 
 fn graph_needs_weights(graph: &Graph) -> bool {
-    graph
-        .constants()
-        .any(|(_, v)| matches!(v.def, ValueDef::Constant { init: None, .. }))
+    graph.constants().any(|(_, v)| matches!(v.def, ValueDef::Constant { init: None, .. }))
 }
 
 /// Load a graph file, and the weights file it names (relative to it).
 pub fn load_graph(path: &Path, registry: &OpRegistry) -> Result<Graph> {
-    let text = std::fs::read_to_string(path).map_err(|source| GraphError::Io {
-        path: path.to_path_buf(),
-        source,
-    })?;
+    let text = std::fs::read_to_string(path).map_err(|source| GraphError::Io { path: path.to_path_buf(), source })?;
     let json: serde_json::Value = serde_json::from_str(&text)?;
     check_marker(&json)?;
     let weights = match json.get("weights").and_then(|w| w.as_str()) {

@@ -31,13 +31,11 @@ pub struct RandomInit {
 impl RandomInit {
     /// Generate the tensor this init describes.
     pub fn materialize(&self, ty: &TensorType) -> crate::Result<Tensor> {
-        let shape = ty
-            .static_shape()
-            .ok_or_else(|| crate::GraphError::InputType {
-                arg: "constant".into(),
-                expected: "a fully static shape".into(),
-                got: ty.to_string(),
-            })?;
+        let shape = ty.static_shape().ok_or_else(|| crate::GraphError::InputType {
+            arg: "constant".into(),
+            expected: "a fully static shape".into(),
+            got: ty.to_string(),
+        })?;
         if !(self.low < self.high && self.low.is_finite() && self.high.is_finite()) {
             return Err(crate::GraphError::Param {
                 param: "init".into(),
@@ -45,9 +43,7 @@ impl RandomInit {
             });
         }
         let mut rng = rand::rngs::StdRng::seed_from_u64(self.seed);
-        Ok(Tensor::random(
-            ty.dtype, &shape, &mut rng, self.low, self.high,
-        )?)
+        Ok(Tensor::random(ty.dtype, &shape, &mut rng, self.low, self.high)?)
     }
 }
 
@@ -149,27 +145,21 @@ impl Graph {
 
     /// Values with handles, filtered to graph inputs.
     pub fn inputs(&self) -> impl Iterator<Item = (ValueId, &Value)> {
-        self.enumerate()
-            .filter(|(_, v)| matches!(v.def, ValueDef::Input))
+        self.enumerate().filter(|(_, v)| matches!(v.def, ValueDef::Input))
     }
 
     /// Values with handles, filtered to KV caches.
     pub fn kv_caches(&self) -> impl Iterator<Item = (ValueId, &Value)> {
-        self.enumerate()
-            .filter(|(_, v)| matches!(v.def, ValueDef::KvCache))
+        self.enumerate().filter(|(_, v)| matches!(v.def, ValueDef::KvCache))
     }
 
     /// Values with handles, filtered to constants.
     pub fn constants(&self) -> impl Iterator<Item = (ValueId, &Value)> {
-        self.enumerate()
-            .filter(|(_, v)| matches!(v.def, ValueDef::Constant { .. }))
+        self.enumerate().filter(|(_, v)| matches!(v.def, ValueDef::Constant { .. }))
     }
 
     fn enumerate(&self) -> impl Iterator<Item = (ValueId, &Value)> {
-        self.values
-            .iter()
-            .enumerate()
-            .map(|(i, v)| (ValueId(i as u32), v))
+        self.values.iter().enumerate().map(|(i, v)| (ValueId(i as u32), v))
     }
 
     /// Symbols used anywhere in the graph's types, sorted.
@@ -177,13 +167,7 @@ impl Graph {
         let mut symbols: Vec<String> = self
             .values
             .iter()
-            .flat_map(|v| {
-                v.ty.clone()
-                    .dims_mut()
-                    .into_iter()
-                    .map(|d| d.clone())
-                    .collect::<Vec<_>>()
-            })
+            .flat_map(|v| v.ty.clone().dims_mut().into_iter().map(|d| d.clone()).collect::<Vec<_>>())
             .filter_map(|d| match d {
                 crate::Dim::Symbolic(s) => Some(s),
                 crate::Dim::Static(_) => None,

@@ -34,12 +34,7 @@ macro_rules! handle {
                 s.strip_prefix($prefix)
                     .and_then(|n| n.parse().ok())
                     .map($name)
-                    .ok_or_else(|| {
-                        format!(
-                            concat!("'{}' is not a ", $what, " id (expected ", $prefix, "N)"),
-                            s
-                        )
-                    })
+                    .ok_or_else(|| format!(concat!("'{}' is not a ", $what, " id (expected ", $prefix, "N)"), s))
             }
         }
 
@@ -51,9 +46,7 @@ macro_rules! handle {
 
         impl<'de> Deserialize<'de> for $name {
             fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-                String::deserialize(d)?
-                    .parse()
-                    .map_err(serde::de::Error::custom)
+                String::deserialize(d)?.parse().map_err(serde::de::Error::custom)
             }
         }
     };

@@ -45,10 +45,7 @@ impl From<DType> for ParamValue {
 pub type Params = BTreeMap<String, ParamValue>;
 
 fn param<'p>(params: &'p Params, name: &str) -> Result<&'p ParamValue> {
-    params.get(name).ok_or_else(|| GraphError::Param {
-        param: name.to_string(),
-        problem: "is missing".into(),
-    })
+    params.get(name).ok_or_else(|| GraphError::Param { param: name.to_string(), problem: "is missing".into() })
 }
 
 /// A required positive-integer parameter.
@@ -65,14 +62,12 @@ pub fn param_usize(params: &Params, name: &str) -> Result<usize> {
 /// A required dtype parameter.
 pub fn param_dtype(params: &Params, name: &str) -> Result<DType> {
     match param(params, name)? {
-        ParamValue::Str(s) => s.parse().map_err(|e: kvjit_core::Error| GraphError::Param {
-            param: name.to_string(),
-            problem: e.to_string(),
-        }),
-        other => Err(GraphError::Param {
-            param: name.to_string(),
-            problem: format!("must be a dtype name, got {other:?}"),
-        }),
+        ParamValue::Str(s) => s
+            .parse()
+            .map_err(|e: kvjit_core::Error| GraphError::Param { param: name.to_string(), problem: e.to_string() }),
+        other => {
+            Err(GraphError::Param { param: name.to_string(), problem: format!("must be a dtype name, got {other:?}") })
+        }
     }
 }
 
@@ -113,12 +108,7 @@ pub trait OpDef: Send + Sync {
     fn infer(&self, params: &Params, inputs: &[&ValueType]) -> Result<Vec<TensorType>>;
     /// The kernel key for these (already inferred) inputs on `target`; refuses
     /// combinations no kernel serves.
-    fn kernel_key(
-        &self,
-        params: &Params,
-        inputs: &[&ValueType],
-        target: Target,
-    ) -> Result<KernelKey>;
+    fn kernel_key(&self, params: &Params, inputs: &[&ValueType], target: Target) -> Result<KernelKey>;
 }
 
 /// Every op a graph may use, found by name or alias.
@@ -145,21 +135,14 @@ impl OpRegistry {
     }
 
     fn find(&self, name: &str) -> Option<&Arc<dyn OpDef>> {
-        self.ops
-            .iter()
-            .find(|op| op.name() == name || op.aliases().contains(&name))
+        self.ops.iter().find(|op| op.name() == name || op.aliases().contains(&name))
     }
 
     /// The op with this name or alias.
     pub fn get(&self, name: &str) -> Result<&Arc<dyn OpDef>> {
         self.find(name).ok_or_else(|| GraphError::UnknownOp {
             name: name.to_string(),
-            known: self
-                .ops
-                .iter()
-                .map(|op| op.name())
-                .collect::<Vec<_>>()
-                .join(", "),
+            known: self.ops.iter().map(|op| op.name()).collect::<Vec<_>>().join(", "),
         })
     }
 

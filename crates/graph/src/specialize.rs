@@ -49,17 +49,11 @@ pub fn specialize(
         if !symbols.contains(symbol) {
             return Err(GraphError::Binding {
                 symbol: symbol.clone(),
-                problem: format!(
-                    "is not a symbol of this graph (its symbols: {})",
-                    symbols.join(", ")
-                ),
+                problem: format!("is not a symbol of this graph (its symbols: {})", symbols.join(", ")),
             });
         }
         if size == 0 {
-            return Err(GraphError::Binding {
-                symbol: symbol.clone(),
-                problem: "must be bound to at least 1".into(),
-            });
+            return Err(GraphError::Binding { symbol: symbol.clone(), problem: "must be bound to at least 1".into() });
         }
     }
     let mut bound = graph.clone();
@@ -79,13 +73,8 @@ pub fn specialize(
         .map(|node| {
             let op = registry.get(&node.op)?;
             let inputs: Vec<_> = node.inputs.iter().map(|&v| &bound.value(v).ty).collect();
-            op.kernel_key(&node.params, &inputs, target)
-                .map_err(|e| e.in_node(node.id, &node.op))
+            op.kernel_key(&node.params, &inputs, target).map_err(|e| e.in_node(node.id, &node.op))
         })
         .collect::<Result<Vec<_>>>()?;
-    Ok(SpecializedGraph {
-        graph: bound,
-        target,
-        kernel_keys,
-    })
+    Ok(SpecializedGraph { graph: bound, target, kernel_keys })
 }

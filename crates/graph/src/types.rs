@@ -67,10 +67,7 @@ pub struct TensorType {
 impl TensorType {
     /// A tensor type from a dtype and dims.
     pub fn new(dtype: DType, shape: impl IntoIterator<Item = Dim>) -> Self {
-        Self {
-            dtype,
-            shape: shape.into_iter().collect(),
-        }
+        Self { dtype, shape: shape.into_iter().collect() }
     }
 
     /// The concrete shape, if every dim is static.

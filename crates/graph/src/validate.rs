@@ -3,10 +3,7 @@
 use std::collections::HashSet;
 use std::sync::Arc;
 
-use crate::{
-    ArgKind, Graph, GraphError, OpDef, OpRegistry, Params, Result, TensorType, ValueDef, ValueId,
-    ValueType,
-};
+use crate::{ArgKind, Graph, GraphError, OpDef, OpRegistry, Params, Result, TensorType, ValueDef, ValueId, ValueType};
 
 /// Check one op application and infer its output types: the op exists, its
 /// parameters are exactly the ones it takes, the inputs have the right count
@@ -22,10 +19,7 @@ pub(crate) fn check_op(
         if !op.param_names().contains(&name.as_str()) {
             return Err(GraphError::Param {
                 param: name.clone(),
-                problem: format!(
-                    "is not a parameter of this op (it takes {})",
-                    op.param_names().join(", ")
-                ),
+                problem: format!("is not a parameter of this op (it takes {})", op.param_names().join(", ")),
             });
         }
     }
@@ -39,19 +33,12 @@ pub(crate) fn check_op(
     }
     for (spec, ty) in op.inputs().iter().zip(inputs) {
         match (spec.kind, ty) {
-            (ArgKind::Tensor, ValueType::Tensor(_)) | (ArgKind::KvCache, ValueType::KvCache(_)) => {
-            }
+            (ArgKind::Tensor, ValueType::Tensor(_)) | (ArgKind::KvCache, ValueType::KvCache(_)) => {}
             (ArgKind::Tensor, _) => {
-                return Err(GraphError::ArgKind {
-                    arg: spec.name.into(),
-                    expected: "tensor",
-                });
+                return Err(GraphError::ArgKind { arg: spec.name.into(), expected: "tensor" });
             }
             (ArgKind::KvCache, _) => {
-                return Err(GraphError::ArgKind {
-                    arg: spec.name.into(),
-                    expected: "KV cache",
-                });
+                return Err(GraphError::ArgKind { arg: spec.name.into(), expected: "KV cache" });
             }
         }
     }
@@ -82,27 +69,18 @@ pub fn validate(graph: &Graph, registry: &OpRegistry) -> Result<()> {
     for (index, node) in graph.nodes.iter().enumerate() {
         let wrap = |e: GraphError| e.in_node(node.id, &node.op);
         if node.id.index() != index {
-            return Err(GraphError::DuplicateId {
-                id: node.id.to_string(),
-            });
+            return Err(GraphError::DuplicateId { id: node.id.to_string() });
         }
         let mut input_types = Vec::with_capacity(node.inputs.len());
         for &input in &node.inputs {
             if !defined.get(input.index()).copied().unwrap_or(false) {
-                return Err(GraphError::DanglingValue {
-                    place: format!("node {}", node.id),
-                    value: input,
-                });
+                return Err(GraphError::DanglingValue { place: format!("node {}", node.id), value: input });
             }
             input_types.push(&graph.values[input.index()].ty);
         }
-        let (op, inferred) =
-            check_op(registry, &node.op, &node.params, &input_types).map_err(wrap)?;
+        let (op, inferred) = check_op(registry, &node.op, &node.params, &input_types).map_err(wrap)?;
         if node.op != op.name() {
-            return Err(wrap(GraphError::UnknownOp {
-                name: node.op.clone(),
-                known: op.name().into(),
-            }));
+            return Err(wrap(GraphError::UnknownOp { name: node.op.clone(), known: op.name().into() }));
         }
         if node.outputs.len() != inferred.len() {
             return Err(wrap(GraphError::ArgCount {
@@ -116,15 +94,11 @@ pub fn validate(graph: &Graph, registry: &OpRegistry) -> Result<()> {
             let value = graph
                 .values
                 .get(out.index())
-                .ok_or(GraphError::DanglingValue {
-                    place: format!("node {}", node.id),
-                    value: out,
-                })?;
-            let produced_here = matches!(value.def, ValueDef::NodeOutput { node: n, index } if n == node.id && index == slot);
+                .ok_or(GraphError::DanglingValue { place: format!("node {}", node.id), value: out })?;
+            let produced_here =
+                matches!(value.def, ValueDef::NodeOutput { node: n, index } if n == node.id && index == slot);
             if !produced_here || defined[out.index()] {
-                return Err(GraphError::DuplicateId {
-                    id: out.to_string(),
-                });
+                return Err(GraphError::DuplicateId { id: out.to_string() });
             }
             if value.ty != ValueType::Tensor(ty.clone()) {
                 return Err(GraphError::TypeDrift {
@@ -137,10 +111,7 @@ pub fn validate(graph: &Graph, registry: &OpRegistry) -> Result<()> {
         }
     }
     if let Some((i, _)) = defined.iter().enumerate().find(|(_, d)| !**d) {
-        return Err(GraphError::DanglingValue {
-            place: "the value table".into(),
-            value: ValueId(i as u32),
-        });
+        return Err(GraphError::DanglingValue { place: "the value table".into(), value: ValueId(i as u32) });
     }
     let mut output_names = HashSet::new();
     for out in &graph.outputs {
@@ -150,15 +121,9 @@ pub fn validate(graph: &Graph, registry: &OpRegistry) -> Result<()> {
         let value = graph
             .values
             .get(out.value.index())
-            .ok_or(GraphError::DanglingValue {
-                place: format!("output '{}'", out.name),
-                value: out.value,
-            })?;
+            .ok_or(GraphError::DanglingValue { place: format!("output '{}'", out.name), value: out.value })?;
         if value.ty.as_tensor().is_none() {
-            return Err(GraphError::ArgKind {
-                arg: format!("output '{}'", out.name),
-                expected: "tensor",
-            });
+            return Err(GraphError::ArgKind { arg: format!("output '{}'", out.name), expected: "tensor" });
         }
     }
     Ok(())

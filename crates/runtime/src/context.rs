@@ -45,20 +45,13 @@ pub struct DeviceContextPtr(Arc<DeviceContext>);
 impl DeviceContextPtr {
     /// A CPU context with `threads` workers (0 means one per available core).
     pub fn cpu(threads: usize) -> Result<Self> {
-        let threads = if threads == 0 {
-            std::thread::available_parallelism().map_or(1, |n| n.get())
-        } else {
-            threads
-        };
+        let threads = if threads == 0 { std::thread::available_parallelism().map_or(1, |n| n.get()) } else { threads };
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
             .thread_name(|i| format!("kvjit-cpu-{i}"))
             .build()
             .map_err(|e| RuntimeError::ThreadPool(e.to_string()))?;
-        Ok(Self(Arc::new(DeviceContext::Cpu(CpuContext {
-            pool,
-            threads,
-        }))))
+        Ok(Self(Arc::new(DeviceContext::Cpu(CpuContext { pool, threads }))))
     }
 
     /// A context for `target`, or a typed error saying why it is unavailable.

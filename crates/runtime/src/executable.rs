@@ -29,13 +29,7 @@ impl fmt::Display for ShapeDim {
 }
 
 pub(crate) fn shape_string(dims: &[ShapeDim]) -> String {
-    format!(
-        "[{}]",
-        dims.iter()
-            .map(|d| d.to_string())
-            .collect::<Vec<_>>()
-            .join(", ")
-    )
+    format!("[{}]", dims.iter().map(|d| d.to_string()).collect::<Vec<_>>().join(", "))
 }
 
 /// A named graph input.
@@ -112,22 +106,13 @@ impl Executable {
         steps: Vec<Step>,
         outputs: Vec<(String, Slot)>,
     ) -> Result<Self> {
-        let exe = Self {
-            inputs,
-            caches,
-            constants,
-            steps,
-            outputs,
-        };
+        let exe = Self { inputs, caches, constants, steps, outputs };
         for (i, step) in exe.steps.iter().enumerate() {
             for slot in &step.inputs {
                 exe.check_slot(*slot, i)?;
             }
             if let Some(&c) = step.caches.iter().find(|&&c| c >= exe.caches.len()) {
-                return Err(RuntimeError::Plan(format!(
-                    "step {} uses cache {c}, which does not exist",
-                    step.label
-                )));
+                return Err(RuntimeError::Plan(format!("step {} uses cache {c}, which does not exist", step.label)));
             }
         }
         for (_, slot) in &exe.outputs {
@@ -143,9 +128,7 @@ impl Executable {
             Slot::StepOutput { step, .. } => step < before_step,
         };
         if !ok {
-            return Err(RuntimeError::Plan(format!(
-                "slot {slot:?} is not defined before it is used"
-            )));
+            return Err(RuntimeError::Plan(format!("slot {slot:?} is not defined before it is used")));
         }
         Ok(())
     }

@@ -77,8 +77,11 @@ impl Executor {
 
     /// Run `exe` once. Inputs and caches are matched by name; every input is
     /// checked against its declared dtype and dims (symbols must agree across
-    /// inputs and caches) and every kernel whose arguments are all available
-    /// up front validates them, all before the first kernel writes anything.
+    /// inputs and caches) and every kernel checks its arguments, all before
+    /// the first kernel writes anything. (A check that depends on the
+    /// *values* of a tensor an earlier node computes would see them unwritten;
+    /// the kernel checks again when it runs, so memory safety never depends
+    /// on the plan. No shipped op takes index values from another node.)
     /// Caches are written in place; their lengths are not advanced.
     pub fn run(
         &self,
@@ -89,66 +92,44 @@ impl Executor {
         let input_refs = self.bind_inputs(exe, inputs, caches)?;
         let mut cache_refs = Self::cache_order(exe, caches)?;
 
-        let args_available =
-            |slots: &[Slot]| slots.iter().all(|s| !matches!(s, Slot::StepOutput { .. }));
-        for step in exe.steps() {
-            if args_available(&step.inputs) {
-                let args: Vec<&Tensor> = step
-                    .inputs
-                    .iter()
-                    .map(|s| Self::resolve(exe, &input_refs, &[], *s))
-                    .collect();
-                let step_caches: Vec<&PagedKVCacheCollection> = step
-                    .caches
-                    .iter()
-                    .map(|&c| &**cache_refs[c].as_ref().expect("every cache is present"))
-                    .collect();
-                step.kernel
-                    .check(&args, &step_caches)
-                    .map_err(|source| RuntimeError::Kernel {
-                        step: step.label.clone(),
-                        key: step.kernel.key().to_string(),
-                        source,
-                    })?;
-            }
-        }
-
+        // Plan: every kernel checks its arguments and sizes its outputs, in
+        // order, before any kernel runs. Earlier steps' outputs are allocated
+        // here and passed to later checks (their shapes are final; their
+        // values are written by the run).
         let mut produced: Vec<Vec<Tensor>> = Vec::with_capacity(exe.steps().len());
-        let mut timings = Vec::with_capacity(exe.steps().len());
         for step in exe.steps() {
-            let kernel_error = |source| RuntimeError::Kernel {
-                step: step.label.clone(),
-                key: step.kernel.key().to_string(),
-                source,
-            };
-            let args: Vec<&Tensor> = step
-                .inputs
-                .iter()
-                .map(|s| Self::resolve(exe, &input_refs, &produced, *s))
-                .collect();
-            let mut step_caches: Vec<&mut PagedKVCacheCollection> =
-                Vec::with_capacity(step.caches.len());
-            // Each step names distinct caches, so the borrows are disjoint;
-            // take them out of the table and put them back after the call.
-            for &c in &step.caches {
-                step_caches.push(
-                    std::mem::take(&mut cache_refs[c]).expect("cache used twice in one step"),
-                );
-            }
-            let specs = {
-                let shared: Vec<&PagedKVCacheCollection> =
-                    step_caches.iter().map(|c| &**c).collect();
-                step.kernel.check(&args, &shared).map_err(kernel_error)?
-            };
-            let mut outputs = specs
+            let kernel_error =
+                |source| RuntimeError::Kernel { step: step.label.clone(), key: step.kernel.key().to_string(), source };
+            let args: Vec<&Tensor> =
+                step.inputs.iter().map(|s| Self::resolve(exe, &input_refs, &produced, *s)).collect();
+            let step_caches: Vec<&PagedKVCacheCollection> =
+                step.caches.iter().map(|&c| &**cache_refs[c].as_ref().expect("every cache is present")).collect();
+            let specs = step.kernel.check(&args, &step_caches).map_err(kernel_error)?;
+            let outputs = specs
                 .iter()
                 .map(|(dtype, shape)| Tensor::zeros(*dtype, shape))
                 .collect::<kvjit_core::Result<Vec<_>>>()
                 .map_err(kernel_error)?;
+            produced.push(outputs);
+        }
+
+        let mut timings = Vec::with_capacity(exe.steps().len());
+        for (index, step) in exe.steps().iter().enumerate() {
+            let (earlier, rest) = produced.split_at_mut(index);
+            let outputs = &mut rest[0];
+            let args: Vec<&Tensor> = step.inputs.iter().map(|s| Self::resolve(exe, &input_refs, earlier, *s)).collect();
+            let mut step_caches: Vec<&mut PagedKVCacheCollection> = Vec::with_capacity(step.caches.len());
+            // Each step names distinct caches, so the borrows are disjoint;
+            // take them out of the table and put them back after the call.
+            for &c in &step.caches {
+                step_caches.push(std::mem::take(&mut cache_refs[c]).expect("cache used twice in one step"));
+            }
             let start = Instant::now();
-            step.kernel
-                .run(&args, &mut step_caches, &mut outputs, &self.ctx)
-                .map_err(kernel_error)?;
+            step.kernel.run(&args, &mut step_caches, outputs, &self.ctx).map_err(|source| RuntimeError::Kernel {
+                step: step.label.clone(),
+                key: step.kernel.key().to_string(),
+                source,
+            })?;
             timings.push(StepTiming {
                 label: step.label.clone(),
                 key: step.kernel.key().to_string(),
@@ -157,28 +138,17 @@ impl Executor {
             for (&c, cache) in step.caches.iter().zip(step_caches) {
                 cache_refs[c] = Some(cache);
             }
-            produced.push(outputs);
         }
 
         let outputs = exe
             .outputs()
             .iter()
-            .map(|(name, slot)| {
-                (
-                    name.clone(),
-                    Self::resolve(exe, &input_refs, &produced, *slot).clone(),
-                )
-            })
+            .map(|(name, slot)| (name.clone(), Self::resolve(exe, &input_refs, &produced, *slot).clone()))
             .collect();
         Ok(RunOutput { outputs, timings })
     }
 
-    fn resolve<'a>(
-        exe: &'a Executable,
-        inputs: &[&'a Tensor],
-        produced: &'a [Vec<Tensor>],
-        slot: Slot,
-    ) -> &'a Tensor {
+    fn resolve<'a>(exe: &'a Executable, inputs: &[&'a Tensor], produced: &'a [Vec<Tensor>], slot: Slot) -> &'a Tensor {
         match slot {
             Slot::Input(i) => inputs[i],
             Slot::Constant(i) => exe.constant(i),
@@ -200,27 +170,18 @@ impl Executor {
                 .chain(exe.caches().iter().map(|c| c.name.as_str()))
                 .collect::<Vec<_>>()
         };
-        for name in inputs.keys().chain(caches.keys()) {
-            let is_input =
-                exe.inputs().iter().any(|i| &i.name == name) && inputs.contains_key(name);
-            let is_cache =
-                exe.caches().iter().any(|c| &c.name == name) && caches.contains_key(name);
-            if !is_input && !is_cache {
-                return Err(RuntimeError::UnexpectedInput {
-                    name: name.clone(),
-                    known: known().join(", "),
-                });
-            }
+        let stray_input = inputs.keys().find(|name| !exe.inputs().iter().any(|i| &i.name == *name));
+        let stray_cache = caches.keys().find(|name| !exe.caches().iter().any(|c| &c.name == *name));
+        if let Some(name) = stray_input.or(stray_cache) {
+            return Err(RuntimeError::UnexpectedInput { name: name.clone(), known: known().join(", ") });
         }
         let mut bindings = Bindings::default();
         let mut refs = Vec::with_capacity(exe.inputs().len());
         for spec in exe.inputs() {
-            let tensor = inputs
-                .get(&spec.name)
-                .ok_or_else(|| RuntimeError::MissingInput {
-                    name: spec.name.clone(),
-                    expected: format!("{}{}", spec.dtype, shape_string(&spec.shape)),
-                })?;
+            let tensor = inputs.get(&spec.name).ok_or_else(|| RuntimeError::MissingInput {
+                name: spec.name.clone(),
+                expected: format!("{}{}", spec.dtype, shape_string(&spec.shape)),
+            })?;
             if tensor.dtype() != spec.dtype {
                 return Err(RuntimeError::InputDType {
                     name: spec.name.clone(),
@@ -244,27 +205,17 @@ impl Executor {
             refs.push(tensor);
         }
         for spec in exe.caches() {
-            let cache = caches
-                .get(&spec.name)
-                .ok_or_else(|| RuntimeError::MissingCache(spec.name.clone()))?;
+            let cache = caches.get(&spec.name).ok_or_else(|| RuntimeError::MissingCache(spec.name.clone()))?;
             if cache.params() != &spec.params {
                 return Err(RuntimeError::CacheMismatch {
                     name: spec.name.clone(),
-                    problem: format!(
-                        "layout is {:?}, the graph expects {:?}",
-                        cache.params(),
-                        spec.params
-                    ),
+                    problem: format!("layout is {:?}, the graph expects {:?}", cache.params(), spec.params),
                 });
             }
             for (what, dim, size) in [
                 ("num_pages", &spec.num_pages, cache.num_pages()),
                 ("batch", &spec.batch, cache.batch_size()),
-                (
-                    "max_pages_per_seq",
-                    &spec.max_pages_per_seq,
-                    cache.max_pages_per_seq(),
-                ),
+                ("max_pages_per_seq", &spec.max_pages_per_seq, cache.max_pages_per_seq()),
             ] {
                 if !bindings.check(dim, size, || format!("cache {} {what}", spec.name))? {
                     return Err(RuntimeError::CacheMismatch {

@@ -19,11 +19,7 @@ pub trait Kernel: Send + Sync {
 
     /// Validate a call's inputs and caches and give the output shapes,
     /// writing nothing.
-    fn check(
-        &self,
-        inputs: &[&Tensor],
-        caches: &[&PagedKVCacheCollection],
-    ) -> kvjit_core::Result<Vec<OutputSpec>>;
+    fn check(&self, inputs: &[&Tensor], caches: &[&PagedKVCacheCollection]) -> kvjit_core::Result<Vec<OutputSpec>>;
 
     /// Run the kernel: read `inputs`, write `outputs` (allocated to the shapes
     /// `check` gave) and the caches.

@@ -38,20 +38,12 @@ impl CallShape {
 }
 
 fn shape_error(arg: &str, expected: String, got: &Tensor) -> Error {
-    Error::ShapeMismatch {
-        arg: arg.into(),
-        expected,
-        got: got.shape().to_vec(),
-    }
+    Error::ShapeMismatch { arg: arg.into(), expected, got: got.shape().to_vec() }
 }
 
 fn expect_dtype(arg: &str, t: &Tensor, expected: DType) -> Result<()> {
     if t.dtype() != expected {
-        return Err(Error::DTypeMismatch {
-            arg: arg.into(),
-            expected,
-            got: t.dtype(),
-        });
+        return Err(Error::DTypeMismatch { arg: arg.into(), expected, got: t.dtype() });
     }
     if !t.is_contiguous() {
         return Err(Error::NotContiguous { arg: arg.into() });
@@ -73,10 +65,7 @@ pub fn check_call(
 ) -> Result<CallShape> {
     let dtype = hidden_state.dtype();
     if !dtype.is_float() {
-        return Err(Error::NotFloat {
-            what: "hidden_state".into(),
-            dtype,
-        });
+        return Err(Error::NotFloat { what: "hidden_state".into(), dtype });
     }
     expect_dtype("hidden_state", hidden_state, dtype)?;
     expect_dtype("weight", weight, dtype)?;
@@ -84,11 +73,7 @@ pub fn check_call(
     expect_dtype("valid_lengths", valid_lengths, DType::U32)?;
 
     let &[batch, seq, k] = hidden_state.shape() else {
-        return Err(shape_error(
-            "hidden_state",
-            "[B, S, K]".into(),
-            hidden_state,
-        ));
+        return Err(shape_error("hidden_state", "[B, S, K]".into(), hidden_state));
     };
     let params = kv_collection.params();
     let kv_dim = params.kv_dim();
@@ -98,9 +83,7 @@ pub fn check_call(
     if weight_k != k || n <= 2 * kv_dim {
         return Err(shape_error(
             "weight",
-            format!(
-                "[q_dim + 2*{kv_dim}, {k}] with q_dim >= 1 (K = {k} from hidden_state, kv_dim = Hkv*D = {kv_dim})"
-            ),
+            format!("[q_dim + 2*{kv_dim}, {k}] with q_dim >= 1 (K = {k} from hidden_state, kv_dim = Hkv*D = {kv_dim})"),
             weight,
         ));
     }
@@ -108,11 +91,7 @@ pub fn check_call(
         return Err(shape_error("layer_idx", "[] (a scalar)".into(), layer_idx));
     }
     if valid_lengths.shape() != [batch] {
-        return Err(shape_error(
-            "valid_lengths",
-            format!("[{batch}] (B from hidden_state)"),
-            valid_lengths,
-        ));
+        return Err(shape_error("valid_lengths", format!("[{batch}] (B from hidden_state)"), valid_lengths));
     }
     if kv_collection.batch_size() != batch {
         return Err(Error::ShapeMismatch {
@@ -124,19 +103,12 @@ pub fn check_call(
 
     let layer = layer_idx.as_slice::<u32>()?[0];
     if layer as usize >= params.num_layers {
-        return Err(Error::LayerOutOfRange {
-            layer_idx: layer,
-            num_layers: params.num_layers,
-        });
+        return Err(Error::LayerOutOfRange { layer_idx: layer, num_layers: params.num_layers });
     }
     let valid = valid_lengths.as_slice::<u32>()?;
     for (b, &v) in valid.iter().enumerate() {
         if v as usize > seq {
-            return Err(Error::ValidLengthTooLong {
-                batch: b,
-                valid_length: v,
-                seq_len: seq,
-            });
+            return Err(Error::ValidLengthTooLong { batch: b, valid_length: v, seq_len: seq });
         }
     }
 
@@ -196,11 +168,7 @@ pub fn check_call(
 pub(crate) fn check_output(shape: &CallShape, dtype: DType, output: &Tensor) -> Result<()> {
     expect_dtype("output", output, dtype)?;
     if output.shape() != shape.output_shape() {
-        return Err(shape_error(
-            "output",
-            format!("{:?} ([B, S, q_dim])", shape.output_shape()),
-            output,
-        ));
+        return Err(shape_error("output", format!("{:?} ([B, S, q_dim])", shape.output_shape()), output));
     }
     Ok(())
 }

@@ -5,8 +5,7 @@ use std::sync::Arc;
 
 use kvjit_core::{DType, KernelKey, Target, Tensor};
 use kvjit_graph::{
-    ArgKind, ArgSpec, Dim, GraphError, OpDef, Params, TensorType, ValueType, param_dtype,
-    param_usize, same_dim,
+    ArgKind, ArgSpec, Dim, GraphError, OpDef, Params, TensorType, ValueType, param_dtype, param_usize, same_dim,
 };
 use kvjit_runtime::{Kernel, KernelBuilder, RuntimeError, cuda_availability};
 
@@ -25,50 +24,24 @@ pub const OP_ALIAS: &str = "mo.fused_qkv_matmul.padded.paged";
 pub struct FusedQkvOp;
 
 const INPUTS: &[ArgSpec] = &[
-    ArgSpec {
-        name: "hidden_state",
-        kind: ArgKind::Tensor,
-    },
-    ArgSpec {
-        name: "weight",
-        kind: ArgKind::Tensor,
-    },
-    ArgSpec {
-        name: "kv_collection",
-        kind: ArgKind::KvCache,
-    },
-    ArgSpec {
-        name: "layer_idx",
-        kind: ArgKind::Tensor,
-    },
-    ArgSpec {
-        name: "valid_lengths",
-        kind: ArgKind::Tensor,
-    },
+    ArgSpec { name: "hidden_state", kind: ArgKind::Tensor },
+    ArgSpec { name: "weight", kind: ArgKind::Tensor },
+    ArgSpec { name: "kv_collection", kind: ArgKind::KvCache },
+    ArgSpec { name: "layer_idx", kind: ArgKind::Tensor },
+    ArgSpec { name: "valid_lengths", kind: ArgKind::Tensor },
 ];
 
 fn input_error(arg: &str, expected: String, got: &impl std::fmt::Display) -> GraphError {
-    GraphError::InputType {
-        arg: arg.into(),
-        expected,
-        got: got.to_string(),
-    }
+    GraphError::InputType { arg: arg.into(), expected, got: got.to_string() }
 }
 
 fn tensor<'a>(inputs: &[&'a ValueType], i: usize) -> &'a TensorType {
-    inputs[i]
-        .as_tensor()
-        .expect("argument kinds are checked before infer")
+    inputs[i].as_tensor().expect("argument kinds are checked before infer")
 }
 
 impl FusedQkvOp {
     /// Check params and inputs; return the kernel spec (with `target`).
-    fn spec(
-        &self,
-        params: &Params,
-        inputs: &[&ValueType],
-        target: Target,
-    ) -> Result<FusedQkvSpec, GraphError> {
+    fn spec(&self, params: &Params, inputs: &[&ValueType], target: Target) -> Result<FusedQkvSpec, GraphError> {
         let dtype = param_dtype(params, "dtype")?;
         if !dtype.is_float() {
             return Err(GraphError::Param {
@@ -79,44 +52,35 @@ impl FusedQkvOp {
         let num_kv_heads = param_usize(params, "num_kv_heads")?;
         let head_size = param_usize(params, "head_size")?;
         let page_size = param_usize(params, "page_size")?;
-        let kv_dim = num_kv_heads * head_size;
+        let kv_dim = num_kv_heads.checked_mul(head_size).filter(|kv| kv.checked_mul(2).is_some()).ok_or_else(|| {
+            GraphError::Param {
+                param: "num_kv_heads".into(),
+                problem: format!("times head_size ({num_kv_heads} * {head_size}) is too large"),
+            }
+        })?;
 
         let hidden = tensor(inputs, 0);
         let [batch, seq, k] = match hidden.shape.as_slice() {
             [b, s, k] if hidden.dtype == dtype => [b, s, k],
             _ => {
-                return Err(input_error(
-                    "hidden_state",
-                    format!("{dtype}[B, S, K]"),
-                    hidden,
-                ));
+                return Err(input_error("hidden_state", format!("{dtype}[B, S, K]"), hidden));
             }
         };
         let Some(k_static) = k.as_static() else {
-            return Err(input_error(
-                "hidden_state",
-                format!("{dtype}[B, S, K] with a static K"),
-                hidden,
-            ));
+            return Err(input_error("hidden_state", format!("{dtype}[B, S, K] with a static K"), hidden));
         };
         let weight = tensor(inputs, 1);
         let n = match weight.shape.as_slice() {
-            [Dim::Static(n), wk] if weight.dtype == dtype && same_dim(wk, k) && *n > 2 * kv_dim => {
-                *n
-            }
+            [Dim::Static(n), wk] if weight.dtype == dtype && same_dim(wk, k) && *n > 2 * kv_dim => *n,
             _ => {
                 return Err(input_error(
                     "weight",
-                    format!(
-                        "{dtype}[q_dim + 2*{kv_dim}, {k}] with q_dim >= 1 (kv_dim = num_kv_heads*head_size)"
-                    ),
+                    format!("{dtype}[q_dim + 2*{kv_dim}, {k}] with q_dim >= 1 (kv_dim = num_kv_heads*head_size)"),
                     weight,
                 ));
             }
         };
-        let cache = inputs[2]
-            .as_kv_cache()
-            .expect("argument kinds are checked before infer");
+        let cache = inputs[2].as_kv_cache().expect("argument kinds are checked before infer");
         let layout_ok = cache.num_kv_heads == num_kv_heads
             && cache.head_size == head_size
             && cache.page_size == page_size
@@ -132,18 +96,11 @@ impl FusedQkvOp {
             ));
         }
         let layer_idx = tensor(inputs, 3);
-        if layer_idx.dtype != DType::U32
-            || !matches!(layer_idx.shape.as_slice(), [] | [Dim::Static(1)])
-        {
-            return Err(input_error(
-                "layer_idx",
-                "u32[] (a scalar)".into(),
-                layer_idx,
-            ));
+        if layer_idx.dtype != DType::U32 || !matches!(layer_idx.shape.as_slice(), [] | [Dim::Static(1)]) {
+            return Err(input_error("layer_idx", "u32[] (a scalar)".into(), layer_idx));
         }
         let valid = tensor(inputs, 4);
-        if valid.dtype != DType::U32 || !matches!(valid.shape.as_slice(), [b] if same_dim(b, batch))
-        {
+        if valid.dtype != DType::U32 || !matches!(valid.shape.as_slice(), [b] if same_dim(b, batch)) {
             return Err(input_error("valid_lengths", format!("u32[{batch}]"), valid));
         }
         Ok(FusedQkvSpec {
@@ -186,30 +143,17 @@ impl OpDef for FusedQkvOp {
     fn infer(&self, params: &Params, inputs: &[&ValueType]) -> Result<Vec<TensorType>, GraphError> {
         let spec = self.spec(params, inputs, Target::Cpu)?;
         let hidden = tensor(inputs, 0);
-        let shape = vec![
-            hidden.shape[0].clone(),
-            hidden.shape[1].clone(),
-            Dim::Static(spec.q_dim),
-        ];
+        let shape = vec![hidden.shape[0].clone(), hidden.shape[1].clone(), Dim::Static(spec.q_dim)];
         Ok(vec![TensorType::new(spec.dtype, shape)])
     }
 
-    fn kernel_key(
-        &self,
-        params: &Params,
-        inputs: &[&ValueType],
-        target: Target,
-    ) -> Result<KernelKey, GraphError> {
+    fn kernel_key(&self, params: &Params, inputs: &[&ValueType], target: Target) -> Result<KernelKey, GraphError> {
         Ok(self.spec(params, inputs, target)?.kernel_key())
     }
 }
 
 impl KernelBuilder for FusedQkvOp {
-    fn build(
-        &self,
-        key: &KernelKey,
-        _constants: &[Option<Arc<Tensor>>],
-    ) -> kvjit_runtime::Result<Arc<dyn Kernel>> {
+    fn build(&self, key: &KernelKey, _constants: &[Option<Arc<Tensor>>]) -> kvjit_runtime::Result<Arc<dyn Kernel>> {
         let spec = FusedQkvSpec::from_kernel_key(key)
             .ok_or_else(|| RuntimeError::Plan(format!("{key} is not a key of {OP_NAME}")))?;
         match spec.target {

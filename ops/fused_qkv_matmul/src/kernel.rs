@@ -17,10 +17,7 @@ pub struct ReferenceKernel {
 impl ReferenceKernel {
     /// The reference kernel for `spec`.
     pub fn new(spec: FusedQkvSpec) -> Self {
-        Self {
-            key: spec.kernel_key(),
-            spec,
-        }
+        Self { key: spec.kernel_key(), spec }
     }
 }
 
@@ -34,52 +31,23 @@ pub(crate) fn check_against_spec(
     let ([hidden, weight, layer_idx, valid_lengths], [cache]) = (inputs, caches) else {
         return Err(Error::ShapeMismatch {
             arg: "arguments".into(),
-            expected: "4 tensors (hidden_state, weight, layer_idx, valid_lengths) and 1 KV cache"
-                .into(),
+            expected: "4 tensors (hidden_state, weight, layer_idx, valid_lengths) and 1 KV cache".into(),
             got: vec![inputs.len(), caches.len()],
         });
     };
     if hidden.dtype() != spec.dtype {
-        return Err(Error::DTypeMismatch {
-            arg: "hidden_state".into(),
-            expected: spec.dtype,
-            got: hidden.dtype(),
-        });
+        return Err(Error::DTypeMismatch { arg: "hidden_state".into(), expected: spec.dtype, got: hidden.dtype() });
     }
     let params = cache.params();
     for (what, expected, got) in [
-        (
-            "dtype",
-            spec.cache_dtype.to_string(),
-            params.dtype.to_string(),
-        ),
-        (
-            "num_layers",
-            spec.num_layers.to_string(),
-            params.num_layers.to_string(),
-        ),
-        (
-            "page_size",
-            spec.page_size.to_string(),
-            params.page_size.to_string(),
-        ),
-        (
-            "num_kv_heads",
-            spec.num_kv_heads.to_string(),
-            params.num_kv_heads.to_string(),
-        ),
-        (
-            "head_size",
-            spec.head_size.to_string(),
-            params.head_size.to_string(),
-        ),
+        ("dtype", spec.cache_dtype.to_string(), params.dtype.to_string()),
+        ("num_layers", spec.num_layers.to_string(), params.num_layers.to_string()),
+        ("page_size", spec.page_size.to_string(), params.page_size.to_string()),
+        ("num_kv_heads", spec.num_kv_heads.to_string(), params.num_kv_heads.to_string()),
+        ("head_size", spec.head_size.to_string(), params.head_size.to_string()),
     ] {
         if expected != got {
-            return Err(Error::CacheParamsMismatch {
-                what,
-                expected,
-                got,
-            });
+            return Err(Error::CacheParamsMismatch { what, expected, got });
         }
     }
     let shape = check_call(hidden, weight, cache, layer_idx, valid_lengths)?;
@@ -113,11 +81,7 @@ impl Kernel for ReferenceKernel {
         &self.key
     }
 
-    fn check(
-        &self,
-        inputs: &[&Tensor],
-        caches: &[&PagedKVCacheCollection],
-    ) -> Result<Vec<OutputSpec>> {
+    fn check(&self, inputs: &[&Tensor], caches: &[&PagedKVCacheCollection]) -> Result<Vec<OutputSpec>> {
         let shape = check_against_spec(&self.spec, inputs, caches)?;
         Ok(vec![(self.spec.dtype, shape.output_shape())])
     }
@@ -131,10 +95,13 @@ impl Kernel for ReferenceKernel {
     ) -> Result<()> {
         let shared: Vec<&PagedKVCacheCollection> = caches.iter().map(|c| &**c).collect();
         check_against_spec(&self.spec, inputs, &shared)?;
-        let ([hidden, weight, layer_idx, valid_lengths], [cache], [output]) =
-            (inputs, caches, outputs)
-        else {
-            unreachable!("argument counts checked above");
+        let output_count = outputs.len();
+        let ([hidden, weight, layer_idx, valid_lengths], [cache], [output]) = (inputs, caches, outputs) else {
+            return Err(Error::ShapeMismatch {
+                arg: "outputs".into(),
+                expected: "1 output tensor".into(),
+                got: vec![output_count],
+            });
         };
         reference::fused_qkv_matmul(hidden, weight, cache, layer_idx, valid_lengths, output)?;
         Ok(())

@@ -25,13 +25,7 @@ pub fn fused_qkv_matmul(
     valid_lengths: &Tensor,
     output: &mut Tensor,
 ) -> Result<CallShape> {
-    let shape = check_call(
-        hidden_state,
-        weight,
-        kv_collection,
-        layer_idx,
-        valid_lengths,
-    )?;
+    let shape = check_call(hidden_state, weight, kv_collection, layer_idx, valid_lengths)?;
     check_output(&shape, hidden_state.dtype(), output)?;
     let valid = valid_lengths.as_slice::<u32>()?;
     match (hidden_state.data(), weight.data(), output.dtype()) {
@@ -73,16 +67,7 @@ fn run_typed<T: Element, C: Element>(
     valid: &[u32],
     output: &mut [T],
 ) {
-    let CallShape {
-        batch,
-        seq,
-        k,
-        n,
-        q_dim,
-        kv_dim,
-        layer,
-        ..
-    } = *shape;
+    let CallShape { batch, seq, k, n, q_dim, kv_dim, layer, .. } = *shape;
     let head_size = cache.params().head_size;
     let mut row = vec![0f32; k];
     let mut c = vec![0f32; n];
@@ -94,10 +79,7 @@ fn run_typed<T: Element, C: Element>(
             }
             for (col, out) in c.iter_mut().enumerate() {
                 let w_row = &w[col * k..(col + 1) * k];
-                *out = row
-                    .iter()
-                    .zip(w_row)
-                    .fold(0f32, |acc, (&xv, wv)| acc + xv * wv.to_f32());
+                *out = row.iter().zip(w_row).fold(0f32, |acc, (&xv, wv)| acc + xv * wv.to_f32());
             }
             for (col, &value) in c[..q_dim].iter().enumerate() {
                 output[r * q_dim + col] = T::from_f32(value);
@@ -106,17 +88,12 @@ fn run_typed<T: Element, C: Element>(
                 continue;
             }
             let position = cache.cache_lengths()[b] as usize + t;
-            let (page, slot) = cache
-                .locate(b, position)
-                .expect("check_call validated every valid token's page");
+            let (page, slot) = cache.locate(b, position).expect("check_call validated every valid token's page");
             for (j, &value) in c[q_dim..].iter().enumerate() {
                 let kv = j / kv_dim;
                 let (head, d) = ((j % kv_dim) / head_size, j % head_size);
                 let offset = cache.element_offset(page as usize, kv, layer, slot, head, d);
-                cache
-                    .blocks_mut()
-                    .as_mut_slice::<C>()
-                    .expect("cache dtype matched above")[offset] = C::from_f32(value);
+                cache.blocks_slice_mut::<C>().expect("cache dtype matched above")[offset] = C::from_f32(value);
             }
         }
     }

@@ -114,10 +114,7 @@ mod tests {
             seq: Some(1),
         };
         let key = spec.kernel_key();
-        assert_eq!(
-            key.to_string(),
-            "fused_qkv_bshd_paged.cpu.bf16.k4096.q4096.hkv8.d128.p16.l32.kvbf16.bany.s1"
-        );
+        assert_eq!(key.to_string(), "fused_qkv_bshd_paged.cpu.bf16.k4096.q4096.hkv8.d128.p16.l32.kvbf16.bany.s1");
         assert_eq!(FusedQkvSpec::from_kernel_key(&key), Some(spec));
         assert_eq!(spec.n(), 6144);
     }

@@ -16,13 +16,7 @@ pub fn u32s(values: &[u32]) -> Tensor {
 }
 
 /// The contract's blocks shape `[P, 2, L, page_size, Hkv, D]`.
-pub fn blocks_shape(
-    num_pages: usize,
-    layers: usize,
-    page_size: usize,
-    hkv: usize,
-    d: usize,
-) -> [usize; 6] {
+pub fn blocks_shape(num_pages: usize, layers: usize, page_size: usize, hkv: usize, d: usize) -> [usize; 6] {
     [num_pages, 2, layers, page_size, hkv, d]
 }
 
@@ -35,26 +29,17 @@ pub fn cache_from_table(
     max_pages_per_seq: usize,
 ) -> PagedKVCacheCollection {
     let blocks = Tensor::zeros(cache_dtype, &shape).unwrap();
-    PagedKVCacheCollection::from_parts(
-        blocks,
-        cache_lengths.to_vec(),
-        table.to_vec(),
-        max_pages_per_seq,
-    )
-    .unwrap()
+    PagedKVCacheCollection::from_parts(blocks, cache_lengths.to_vec(), table.to_vec(), max_pages_per_seq).unwrap()
 }
 
 /// Row-major index of `[page, kv, layer, slot, head, d]` in blocks of `shape`
 /// (written out here, independently of the library's `element_offset`).
 pub fn block_index(shape: &[usize], idx: [usize; 6]) -> usize {
     assert_eq!(shape.len(), 6);
-    shape
-        .iter()
-        .zip(idx)
-        .fold(0, |acc, (&dim, i)| {
-            assert!(i < dim, "index {idx:?} outside blocks {shape:?}");
-            acc * dim + i
-        })
+    shape.iter().zip(idx).fold(0, |acc, (&dim, i)| {
+        assert!(i < dim, "index {idx:?} outside blocks {shape:?}");
+        acc * dim + i
+    })
 }
 
 /// The inverse of [`block_index`], for failure messages.
@@ -76,7 +61,7 @@ pub fn poison(t: &mut Tensor) {
 /// bytes (what every untouched cache byte must still be afterwards).
 pub fn poison_all(output: &mut Tensor, cache: &mut PagedKVCacheCollection) -> Vec<u8> {
     poison(output);
-    poison(cache.blocks_mut());
+    cache.fill_blocks_f32(f32::NAN).unwrap();
     cache.blocks().as_bytes().to_vec()
 }
 
@@ -107,21 +92,12 @@ impl Snapshot {
     /// the snapshot.
     pub fn assert_unchanged(&self, output: &Tensor, cache: &PagedKVCacheCollection, what: &str) {
         let now = Self::take(output, cache);
-        assert!(
-            now.output == self.output,
-            "{what}: output bytes changed by a rejected call"
-        );
-        assert!(
-            now.blocks == self.blocks,
-            "{what}: cache blocks changed by a rejected call"
-        );
+        assert!(now.output == self.output, "{what}: output bytes changed by a rejected call");
+        assert!(now.blocks == self.blocks, "{what}: cache blocks changed by a rejected call");
         assert_eq!(now.cache_lengths, self.cache_lengths, "{what}: cache_lengths");
         assert_eq!(now.lookup_table, self.lookup_table, "{what}: lookup_table");
         assert_eq!(now.max_seq_length, self.max_seq_length, "{what}: max_seq_length");
-        assert_eq!(
-            now.max_cache_length, self.max_cache_length,
-            "{what}: max_cache_length"
-        );
+        assert_eq!(now.max_cache_length, self.max_cache_length, "{what}: max_cache_length");
     }
 }
 

@@ -1,0 +1,202 @@
+//! JIT-compiling one function and owning its machine code.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use cranelift_codegen::ir::{AbiParam, Signature, Type, Value, types};
+use cranelift_codegen::isa::{CallConv, OwnedTargetIsa};
+use cranelift_codegen::settings::{self, Configurable};
+use cranelift_codegen::{Context, ir};
+use cranelift_frontend::{FunctionBuilder, FunctionBuilderContext};
+use cranelift_jit::{JITBuilder, JITModule};
+use cranelift_module::{Linkage, Module};
+
+use crate::JitError;
+
+static LIVE_CODE_BYTES: AtomicUsize = AtomicUsize::new(0);
+
+/// Bytes of JIT machine code currently alive in this process (compiled and
+/// not yet freed).
+pub fn live_code_bytes() -> usize {
+    LIVE_CODE_BYTES.load(Ordering::SeqCst)
+}
+
+/// The host ISA with native features, at `opt_level=none`; built once.
+pub fn host_isa() -> Result<OwnedTargetIsa, JitError> {
+    static ISA: OnceLock<Result<OwnedTargetIsa, String>> = OnceLock::new();
+    ISA.get_or_init(|| {
+        let mut flags = settings::builder();
+        for (name, value) in [("opt_level", "none"), ("is_pic", "false"), ("enable_verifier", "true")] {
+            flags.set(name, value).map_err(|e| format!("{name}={value}: {e}"))?;
+        }
+        let isa_builder = cranelift_native::builder().map_err(str::to_string)?;
+        isa_builder.finish(settings::Flags::new(flags)).map_err(|e| e.to_string())
+    })
+    .clone()
+    .map_err(JitError::Isa)
+}
+
+/// The pointer type of the host ISA (I64 on 64-bit hosts).
+pub fn pointer_type() -> Type {
+    host_isa().map_or(types::I64, |isa| isa.pointer_type())
+}
+
+/// Which texts to keep from a compile, for introspection.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CaptureText {
+    /// Keep the Cranelift IR (CLIF) text.
+    pub clif: bool,
+    /// Keep the disassembled machine code.
+    pub disasm: bool,
+}
+
+/// A JIT-compiled function and the module that owns its code. Dropping it
+/// frees the code.
+pub struct JitFunction {
+    // Only touched in `drop`; the mutex makes the owner `Sync`
+    // (`JITModule` keeps symbol lookups in a `RefCell`).
+    module: Mutex<Option<JITModule>>,
+    entry: *const u8,
+    name: String,
+    code_size: usize,
+    compile_time: Duration,
+    clif: Option<String>,
+    disasm: Option<String>,
+}
+
+// SAFETY: `entry` points to immutable, finalized machine code that lives as
+// long as `self`; the module is only reached through the mutex.
+unsafe impl Send for JitFunction {}
+// SAFETY: as above; shared access only reads `entry` and the texts.
+unsafe impl Sync for JitFunction {}
+
+impl JitFunction {
+    /// Address of the compiled code; valid while `self` is alive.
+    pub fn entry(&self) -> *const u8 {
+        self.entry
+    }
+
+    /// The function's symbol name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Machine-code bytes.
+    pub fn code_size(&self) -> usize {
+        self.code_size
+    }
+
+    /// Wall time of IR building plus code generation.
+    pub fn compile_time(&self) -> Duration {
+        self.compile_time
+    }
+
+    /// The Cranelift IR, if captured.
+    pub fn clif(&self) -> Option<&str> {
+        self.clif.as_deref()
+    }
+
+    /// The disassembly, if captured.
+    pub fn disasm(&self) -> Option<&str> {
+        self.disasm.as_deref()
+    }
+}
+
+impl Drop for JitFunction {
+    fn drop(&mut self) {
+        let module = self.module.get_mut().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(module) = module {
+            // SAFETY: `entry` is private to this value and every caller
+            // borrows `self` for the whole call, so no call into this code can
+            // be running or start after drop.
+            unsafe { module.free_memory() };
+            LIVE_CODE_BYTES.fetch_sub(self.code_size, Ordering::SeqCst);
+        }
+    }
+}
+
+/// Compile one function `name(params…) -> returns…` (System V call
+/// convention, callable through an `extern "C"` fn pointer). `build` gets the
+/// builder positioned in the entry block and the parameter values, and must
+/// emit the whole body including the return.
+pub fn compile_function(
+    name: &str,
+    params: &[Type],
+    returns: &[Type],
+    capture: CaptureText,
+    build: impl FnOnce(&mut FunctionBuilder, &[Value]),
+) -> Result<JitFunction, JitError> {
+    let started = Instant::now();
+    let isa = host_isa()?;
+    let mut module = JITModule::new(JITBuilder::with_isa(isa.clone(), cranelift_module::default_libcall_names()));
+    let mut sig = Signature::new(CallConv::SystemV);
+    sig.params.extend(params.iter().map(|&t| AbiParam::new(t)));
+    sig.returns.extend(returns.iter().map(|&t| AbiParam::new(t)));
+    let codegen_error = |message: String| JitError::Codegen { name: name.to_string(), message };
+    let id = module.declare_function(name, Linkage::Export, &sig).map_err(|e| codegen_error(e.to_string()))?;
+
+    let mut ctx = Context::new();
+    ctx.func = ir::Function::with_name_signature(ir::UserFuncName::user(0, id.as_u32()), sig);
+    let mut fctx = FunctionBuilderContext::new();
+    {
+        let mut builder = FunctionBuilder::new(&mut ctx.func, &mut fctx);
+        let entry = builder.create_block();
+        builder.append_block_params_for_function_params(entry);
+        builder.switch_to_block(entry);
+        builder.seal_block(entry);
+        let args = builder.block_params(entry).to_vec();
+        build(&mut builder, &args);
+        builder.seal_all_blocks();
+        builder.finalize(module.target_config());
+    }
+    let clif = capture.clif.then(|| ctx.func.display().to_string());
+    ctx.set_disasm(capture.disasm);
+    module.define_function(id, &mut ctx).map_err(|e| codegen_error(format!("{e:?}")))?;
+    let compiled = ctx.compiled_code().expect("define_function compiled the function");
+    let code_size = compiled.code_buffer().len();
+    let disasm = if capture.disasm { compiled.vcode.clone() } else { None };
+    module.finalize_definitions().map_err(|e| codegen_error(e.to_string()))?;
+    let entry = module.get_finalized_function(id);
+    LIVE_CODE_BYTES.fetch_add(code_size, Ordering::SeqCst);
+    Ok(JitFunction {
+        module: Mutex::new(Some(module)),
+        entry,
+        name: name.to_string(),
+        code_size,
+        compile_time: started.elapsed(),
+        clif,
+        disasm,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use cranelift_codegen::ir::InstBuilder;
+
+    use super::*;
+
+    #[test]
+    fn compiles_calls_and_frees_a_function() {
+        let before = live_code_bytes();
+        let f = compile_function(
+            "add_one",
+            &[types::I64],
+            &[types::I64],
+            CaptureText { clif: true, disasm: true },
+            |b, args| {
+                let v = b.ins().iadd_imm_s(args[0], 1);
+                b.ins().return_(&[v]);
+            },
+        )
+        .unwrap();
+        assert!(f.clif().unwrap().contains("iadd"));
+        assert!(f.disasm().is_some());
+        assert!(live_code_bytes() >= before + f.code_size());
+        // SAFETY: the function was compiled with signature (i64) -> i64,
+        // System V, and `f` outlives the call.
+        let add_one: extern "C" fn(i64) -> i64 = unsafe { std::mem::transmute(f.entry()) };
+        assert_eq!(add_one(41), 42);
+        drop(f);
+    }
+}

@@ -1,0 +1,41 @@
+//! kvjit's Cranelift plumbing, shared by every op's CPU emitter.
+//!
+//! - [`host_isa`]: the host's ISA with the features `cranelift_native` detects
+//!   (AVX2/FMA on x86-64; without them an F32X4 `fma` would become libcalls).
+//! - [`compile_function`]: build one function with a [`FunctionBuilder`]
+//!   closure and JIT it into its own module; the returned [`JitFunction`] owns
+//!   the machine code and frees it when dropped.
+//! - [`ir`]: IR-building helpers — counted loops and dtype-converting vector
+//!   loads and stores (bf16/f16 ↔ f32 by integer bit manipulation).
+//! - [`KernelCache`]: compile once per [`KernelKey`](kvjit_core::KernelKey),
+//!   share across nodes, graphs and threads, free when the last user drops,
+//!   and log every compile with its cause.
+//!
+//! Cranelift runs at `opt_level=none`: it keeps the IR order the emitters
+//! choose (the egraph at `speed` hoists every load of an unrolled body and
+//! spills) and compiles several times faster.
+
+mod cache;
+mod function;
+pub mod ir;
+
+pub use cache::{CompileCause, CompileRecord, CompiledArtifact, KernelCache};
+pub use cranelift_codegen;
+pub use cranelift_frontend;
+pub use function::{CaptureText, JitFunction, compile_function, host_isa, live_code_bytes, pointer_type};
+
+/// What can go wrong turning IR into machine code.
+#[derive(Debug, thiserror::Error)]
+pub enum JitError {
+    /// The host ISA could not be set up.
+    #[error("cannot set up the host ISA for JIT compilation: {0}")]
+    Isa(String),
+    /// Cranelift rejected the function (a bug in an emitter).
+    #[error("Cranelift could not compile {name}: {message}")]
+    Codegen {
+        /// Function name.
+        name: String,
+        /// Cranelift's message.
+        message: String,
+    },
+}
