@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use kvjit_core::{Target, Tensor};
 use kvjit_graph::{ArgKind, Dim, Graph, ValueDef, ValueId, specialize};
-use kvjit_runtime::{CacheSpec, Executable, InputSpec, ShapeDim, Slot, Step, cuda_availability};
+use kvjit_runtime::{BuildOptions, CacheSpec, Executable, InputSpec, ShapeDim, Slot, Step, cuda_availability};
 
 use crate::{Registry, Result};
 
@@ -17,11 +17,13 @@ pub struct CompileOptions {
     /// Symbols to bind to sizes now (the rest stay symbolic: their kernels
     /// take those dims at run time).
     pub bindings: BTreeMap<String, usize>,
+    /// Which kernels to build and what to keep of their code.
+    pub build: BuildOptions,
 }
 
 impl Default for CompileOptions {
     fn default() -> Self {
-        Self { target: Target::Cpu, bindings: BTreeMap::new() }
+        Self { target: Target::Cpu, bindings: BTreeMap::new(), build: BuildOptions::default() }
     }
 }
 
@@ -92,7 +94,7 @@ pub fn compile(graph: &Graph, registry: &Registry, options: &CompileOptions) -> 
                 ArgKind::KvCache => cache_args.push(cache_index[&value]),
             }
         }
-        let kernel = registry.kernel_builder(op.name())?.build(key, &tensor_constants)?;
+        let kernel = registry.kernel_builder(op.name())?.build(key, &tensor_constants, &options.build)?;
         for (output, &value) in node.outputs.iter().enumerate() {
             slots.insert(value, Slot::StepOutput { step: steps.len(), output });
         }

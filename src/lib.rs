@@ -42,4 +42,6 @@ pub use kvjit_graph::{
     TensorType, ValueDef, ValueId, graph_from_json, graph_to_json, load_graph, save_graph, specialize,
 };
 pub use kvjit_op_fused_qkv as fused_qkv;
-pub use kvjit_runtime::{DeviceContextPtr, Executable, Executor, RunOutput, RuntimeError};
+pub use kvjit_runtime::{
+    BuildOptions, CodeInfo, DeviceContextPtr, Executable, Executor, KernelImpl, RunOutput, RuntimeError,
+};

@@ -133,11 +133,8 @@ fn given_inputs(dir: &Path) -> GivenInputs {
     GivenInputs { path, expected_q, expected_cache: cache, valid }
 }
 
-#[test]
-fn output_file_holds_what_a_direct_reference_call_computes() {
-    let dir = tempfile::tempdir().unwrap();
-    let given = given_inputs(dir.path());
-    let out_path = dir.path().join("out.safetensors");
+fn run_given(dir: &Path, given: &GivenInputs, kernel: &str) -> BTreeMap<String, Tensor> {
+    let out_path = dir.join(format!("out-{kernel}.safetensors"));
     let out = kvjit(&[
         "run",
         &example("small_two_layers.json"),
@@ -147,9 +144,37 @@ fn output_file_holds_what_a_direct_reference_call_computes() {
         out_path.to_str().unwrap(),
         "--steps",
         "0",
+        "--kernel",
+        kernel,
     ]);
     assert!(out.status.success(), "{}", stderr(&out));
-    let written = read_safetensors(&out_path).unwrap();
+    assert!(stdout(&out).contains(&format!("[{kernel}]")), "{}", stdout(&out));
+    read_safetensors(&out_path).unwrap()
+}
+
+/// Largest |a - b| over two float tensors of one shape.
+fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
+    assert_eq!(a.shape(), b.shape());
+    a.to_f32_vec().unwrap().iter().zip(b.to_f32_vec().unwrap()).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
+
+#[test]
+fn jit_output_file_matches_the_reference_within_tolerance() {
+    let dir = tempfile::tempdir().unwrap();
+    let given = given_inputs(dir.path());
+    let written = run_given(dir.path(), &given, "jit");
+    // K = 64 products of values below 1 in magnitude: f32 rounding differences
+    // (FMA, summation order) stay far below 1e-4.
+    assert!(max_abs_diff(&written["layers.0.q"], &given.expected_q[0]) < 1e-4);
+    assert!(max_abs_diff(&written["layers.1.q"], &given.expected_q[1]) < 1e-4);
+    assert!(max_abs_diff(&written["kv_cache.blocks"], given.expected_cache.blocks()) < 1e-4);
+}
+
+#[test]
+fn output_file_holds_what_a_direct_reference_call_computes() {
+    let dir = tempfile::tempdir().unwrap();
+    let given = given_inputs(dir.path());
+    let written = run_given(dir.path(), &given, "reference");
     assert_eq!(written["layers.0.q"], given.expected_q[0]);
     assert_eq!(written["layers.1.q"], given.expected_q[1]);
     assert_eq!(&written["kv_cache.blocks"], given.expected_cache.blocks());

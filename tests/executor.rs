@@ -340,7 +340,7 @@ fn a_bad_node_after_a_dependency_stops_the_run_before_anything_is_written() {
 fn the_cuda_target_is_a_typed_unavailable_error() {
     let registry = standard_registry();
     let graph = small_graph(&registry);
-    let options = CompileOptions { target: Target::Cuda, ..CompileOptions::default() };
+    let options = CompileOptions { target: Target::Cuda, ..common::reference_options() };
     let err = match compile(&graph, &registry, &options) {
         Ok(_) => panic!("this build has no CUDA backend"),
         Err(e) => e,
@@ -359,7 +359,7 @@ fn binding_an_unknown_symbol_or_zero_is_a_binding_error() {
         ("heads", 2, "is not a symbol of this graph (its symbols: batch, seq)"),
         ("seq", 0, "must be bound to at least 1"),
     ] {
-        let options = CompileOptions { bindings: [(symbol.to_string(), size)].into(), ..CompileOptions::default() };
+        let options = CompileOptions { bindings: [(symbol.to_string(), size)].into(), ..common::reference_options() };
         let err = match compile(&graph, &registry, &options) {
             Ok(_) => panic!("{symbol}={size} was accepted"),
             Err(e) => e,
@@ -379,7 +379,7 @@ fn binding_an_unknown_symbol_or_zero_is_a_binding_error() {
 fn inputs_that_contradict_a_binding_are_an_input_shape_error() {
     let registry = standard_registry();
     let graph = small_graph(&registry);
-    let options = CompileOptions { bindings: [("batch".to_string(), 3)].into(), ..CompileOptions::default() };
+    let options = CompileOptions { bindings: [("batch".to_string(), 3)].into(), ..common::reference_options() };
     let exe = compile(&graph, &registry, &options).unwrap();
     let mut four = Scenario::prefill(&graph, 11).unwrap();
     let err = run_err(&exe, &four.inputs, &mut four.caches);
@@ -406,7 +406,7 @@ fn bound_symbols_are_baked_into_kernel_keys_and_do_not_change_results() {
     let generic = compile_cpu(&graph, &registry);
     let options = CompileOptions {
         bindings: [("batch".to_string(), 2), ("seq".to_string(), 5)].into(),
-        ..CompileOptions::default()
+        ..common::reference_options()
     };
     let specialized = compile(&graph, &registry, &options).unwrap();
     let keys = |exe: &Executable| exe.steps().iter().map(|s| s.kernel.key().to_string()).collect::<Vec<_>>();
@@ -416,7 +416,7 @@ fn bound_symbols_are_baked_into_kernel_keys_and_do_not_change_results() {
     assert!(specialized.steps().iter().all(|s| s.kernel.key().is_fully_static()));
     assert!(!generic.steps()[0].kernel.key().is_fully_static());
 
-    let seq_only = CompileOptions { bindings: [("seq".to_string(), 1)].into(), ..CompileOptions::default() };
+    let seq_only = CompileOptions { bindings: [("seq".to_string(), 1)].into(), ..common::reference_options() };
     let decode = compile(&graph, &registry, &seq_only).unwrap();
     assert!(keys(&decode).iter().all(|k| k.ends_with(".bany.s1")));
 

@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 use clap::{Parser, Subcommand};
 use kvjit::demo::{LayerConfig, Scenario};
 use kvjit::{
-    CompileOptions, DeviceContextPtr, Error, Executor, Graph, Registry, Result, Target, Tensor, ValueDef, compile,
-    demo, load_graph, read_safetensors, specialize, standard_registry, write_safetensors,
+    BuildOptions, CompileOptions, DeviceContextPtr, Error, Executor, Graph, KernelImpl, Registry, Result, Target,
+    Tensor, ValueDef, compile, demo, load_graph, read_safetensors, specialize, standard_registry, write_safetensors,
 };
 
 #[derive(Parser)]
@@ -35,6 +35,12 @@ enum Command {
         /// Bind a symbol to a size (repeatable), e.g. --bind batch=4.
         #[arg(long = "bind", value_parser = parse_binding)]
         bindings: Vec<(String, usize)>,
+        /// Compile every kernel and print its Cranelift IR.
+        #[arg(long)]
+        dump_clif: bool,
+        /// Compile every kernel and print its machine code.
+        #[arg(long)]
+        disasm: bool,
     },
     /// Load and validate a graph file, and nothing else.
     Validate {
@@ -75,6 +81,27 @@ struct RunArgs {
     /// Bind a symbol at compile time (repeatable), e.g. --bind batch=4.
     #[arg(long = "bind", value_parser = parse_binding)]
     bindings: Vec<(String, usize)>,
+    /// Which kernels run: the JIT-compiled fast path or the plain reference.
+    #[arg(long, value_enum, default_value = "jit")]
+    kernel: KernelChoice,
+}
+
+/// `--kernel` values.
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum KernelChoice {
+    /// Machine code generated for each kernel key (the fast path).
+    Jit,
+    /// The plain Rust reference implementation.
+    Reference,
+}
+
+impl KernelChoice {
+    fn implementation(self) -> KernelImpl {
+        match self {
+            KernelChoice::Jit => KernelImpl::Fast,
+            KernelChoice::Reference => KernelImpl::Reference,
+        }
+    }
 }
 
 fn parse_binding(text: &str) -> std::result::Result<(String, usize), String> {
@@ -100,8 +127,9 @@ fn main() -> ExitCode {
     let registry = standard_registry();
     let result = match cli.command {
         Command::Run(args) => run(&registry, &args),
-        Command::Inspect { graph, target, bindings } => {
-            inspect(&registry, &graph, target, bindings.into_iter().collect())
+        Command::Inspect { graph, target, bindings, dump_clif, disasm } => {
+            let build = BuildOptions { keep_ir: dump_clif, keep_disasm: disasm, ..BuildOptions::default() };
+            inspect(&registry, &graph, target, bindings.into_iter().collect(), build)
         }
         Command::Validate { graph } => validate(&registry, &graph),
     };
@@ -129,9 +157,17 @@ fn validate(registry: &Registry, path: &Path) -> Result<()> {
     Ok(())
 }
 
-fn inspect(registry: &Registry, path: &Path, target: Target, bindings: BTreeMap<String, usize>) -> Result<()> {
+fn inspect(
+    registry: &Registry,
+    path: &Path,
+    target: Target,
+    bindings: BTreeMap<String, usize>,
+    build: BuildOptions,
+) -> Result<()> {
     let graph = load(registry, path)?;
     let specialized = specialize(&graph, registry.ops(), target, &bindings)?;
+    let options = CompileOptions { target, bindings: bindings.clone(), build };
+    let exe = compile(&graph, registry, &options)?;
     let graph = specialized.graph();
     println!("graph '{}': {} nodes, symbols [{}]", graph.name(), graph.nodes().len(), graph.symbols().join(", "));
     println!("values:");
@@ -164,6 +200,27 @@ fn inspect(registry: &Registry, path: &Path, target: Target, bindings: BTreeMap<
     for out in graph.outputs() {
         println!("  {} = {}  {}", out.name, out.value, graph.value(out.value).ty);
     }
+    println!("kernels:");
+    for step in exe.steps() {
+        let info = step.kernel.code_info();
+        println!(
+            "  {:<4} {} [{}] compiled in {}, {} bytes of code",
+            step.label,
+            step.kernel.key(),
+            step.kernel.implementation(),
+            format_duration(info.compile_time),
+            info.code_size
+        );
+    }
+    for step in exe.steps() {
+        let info = step.kernel.code_info();
+        if let Some(ir) = info.ir {
+            println!("\n;; Cranelift IR of {} ({})\n{ir}", step.label, step.kernel.key());
+        }
+        if let Some(disasm) = info.disasm {
+            println!("\n;; machine code of {} ({})\n{disasm}", step.label, step.kernel.key());
+        }
+    }
     Ok(())
 }
 
@@ -183,7 +240,11 @@ fn run(registry: &Registry, args: &RunArgs) -> Result<()> {
         Some(path) => load(registry, path)?,
         None => demo::layer_graph(&LayerConfig::llama3_8b(), registry.ops())?,
     };
-    let options = CompileOptions { target: args.target, bindings: args.bindings.iter().cloned().collect() };
+    let options = CompileOptions {
+        target: args.target,
+        bindings: args.bindings.iter().cloned().collect(),
+        build: BuildOptions { implementation: args.kernel.implementation(), ..BuildOptions::default() },
+    };
     let compile_start = Instant::now();
     let exe = compile(&graph, registry, &options)?;
     let compile_time = compile_start.elapsed();
@@ -206,7 +267,7 @@ fn run(registry: &Registry, args: &RunArgs) -> Result<()> {
     );
     println!("compiled {} kernel(s) in {}", exe.steps().len(), format_duration(compile_time));
     for step in exe.steps() {
-        println!("  {:<4} {}", step.label, step.kernel.key());
+        println!("  {:<4} {} [{}]", step.label, step.kernel.key(), step.kernel.implementation());
     }
     println!();
     println!(

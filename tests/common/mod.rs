@@ -40,7 +40,17 @@ pub fn small_graph(registry: &Registry) -> Graph {
 
 /// Compile for the CPU with no bindings.
 pub fn compile_cpu(graph: &Graph, registry: &Registry) -> Executable {
-    compile(graph, registry, &CompileOptions::default()).expect("graph compiles for the CPU")
+    compile(graph, registry, &reference_options()).expect("graph compiles for the CPU")
+}
+
+/// CPU compile options with reference kernels: these tests pin graph and
+/// executor semantics bit for bit against direct reference calls (the JIT
+/// kernels are tested against the reference, with tolerances, in the op crate).
+pub fn reference_options() -> CompileOptions {
+    CompileOptions {
+        build: kvjit::BuildOptions { implementation: kvjit::KernelImpl::Reference, ..Default::default() },
+        ..CompileOptions::default()
+    }
 }
 
 /// Run once, panicking with the error's message on failure.

@@ -30,6 +30,14 @@ pub enum JitError {
     /// The host ISA could not be set up.
     #[error("cannot set up the host ISA for JIT compilation: {0}")]
     Isa(String),
+    /// A kernel whose sizes the generated code cannot address.
+    #[error("cannot generate code for {key}: {reason}")]
+    Unsupported {
+        /// The kernel key.
+        key: String,
+        /// Which size is out of range.
+        reason: String,
+    },
     /// Cranelift rejected the function (a bug in an emitter).
     #[error("Cranelift could not compile {name}: {message}")]
     Codegen {

@@ -9,6 +9,40 @@ use crate::{DeviceContextPtr, Result};
 /// Dtype and shape of one kernel output for a given call.
 pub type OutputSpec = (DType, Vec<usize>);
 
+/// Which implementation of an op to build.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum KernelImpl {
+    /// The target's fast kernel (on the CPU: JIT-compiled machine code).
+    #[default]
+    Fast,
+    /// The plain reference implementation (CPU only), for checking results.
+    Reference,
+}
+
+/// How to build kernels.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct BuildOptions {
+    /// Which implementation.
+    pub implementation: KernelImpl,
+    /// Keep the generated IR text (`kvjit inspect --dump-clif`).
+    pub keep_ir: bool,
+    /// Keep the disassembled machine code (`kvjit inspect --disasm`).
+    pub keep_disasm: bool,
+}
+
+/// What a compiled kernel can say about its code.
+#[derive(Clone, Debug, Default)]
+pub struct CodeInfo {
+    /// How long compiling took (zero for kernels that need no compile).
+    pub compile_time: std::time::Duration,
+    /// Machine-code bytes.
+    pub code_size: usize,
+    /// Generated IR, if kept.
+    pub ir: Option<String>,
+    /// Disassembly, if kept.
+    pub disasm: Option<String>,
+}
+
 /// A compiled kernel for one [`KernelKey`].
 ///
 /// `check` and `run` both validate every argument; `run` must not write a
@@ -16,6 +50,14 @@ pub type OutputSpec = (DType, Vec<usize>);
 pub trait Kernel: Send + Sync {
     /// The key this kernel was built for (its canonical name).
     fn key(&self) -> &KernelKey;
+
+    /// Which implementation this is, in a word (`jit`, `reference`, …).
+    fn implementation(&self) -> &'static str;
+
+    /// What the kernel knows about its generated code (nothing, by default).
+    fn code_info(&self) -> CodeInfo {
+        CodeInfo::default()
+    }
 
     /// Validate a call's inputs and caches and give the output shapes,
     /// writing nothing.
@@ -37,5 +79,10 @@ pub trait KernelBuilder: Send + Sync {
     /// Build (or fetch) the kernel for `key`. `constants[i]` holds input `i`'s
     /// data when that input is a graph constant, so kernels can prepare it
     /// (e.g. pack weights) once, at build time.
-    fn build(&self, key: &KernelKey, constants: &[Option<Arc<Tensor>>]) -> Result<Arc<dyn Kernel>>;
+    fn build(
+        &self,
+        key: &KernelKey,
+        constants: &[Option<Arc<Tensor>>],
+        options: &BuildOptions,
+    ) -> Result<Arc<dyn Kernel>>;
 }

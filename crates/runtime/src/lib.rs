@@ -17,4 +17,4 @@ pub use context::{CpuContext, DeviceContext, DeviceContextPtr, cuda_availability
 pub use error::{Result, RuntimeError};
 pub use executable::{CacheSpec, Executable, InputSpec, ShapeDim, Slot, Step};
 pub use executor::{Executor, RunOutput, StepTiming};
-pub use kernel::{Kernel, KernelBuilder, OutputSpec};
+pub use kernel::{BuildOptions, CodeInfo, Kernel, KernelBuilder, KernelImpl, OutputSpec};

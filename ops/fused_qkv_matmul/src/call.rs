@@ -112,42 +112,13 @@ pub fn check_call(
         }
     }
 
-    let page_size = params.page_size as u64;
-    let max_pages = kv_collection.max_pages_per_seq();
-    let table = kv_collection.lookup_table();
-    let mut writers: HashMap<(u32, u64), (usize, usize)> = HashMap::new();
+    let mut writers: HashMap<(u32, usize), (usize, usize)> = HashMap::new();
     for (b, &v) in valid.iter().enumerate() {
-        let start = kv_collection.cache_lengths()[b] as u64;
+        let start = kv_collection.cache_lengths()[b] as usize;
         for t in 0..v as usize {
-            let position = start + t as u64;
-            let logical = position / page_size;
-            if logical >= max_pages as u64 {
-                return Err(Error::LogicalPageOutOfRange {
-                    batch: b,
-                    position,
-                    logical_page: logical,
-                    max_pages_per_seq: max_pages,
-                });
-            }
-            let page = table[b * max_pages + logical as usize];
-            if page as usize >= kv_collection.num_pages() {
-                return Err(Error::PhysicalPageOutOfRange {
-                    batch: b,
-                    logical_page: logical as usize,
-                    physical_page: page,
-                    num_pages: kv_collection.num_pages(),
-                });
-            }
-            let slot = position % page_size;
+            let (page, slot) = kv_collection.locate(b, start + t)?;
             if let Some((first_batch, first_t)) = writers.insert((page, slot), (b, t)) {
-                return Err(Error::SlotCollision {
-                    first_batch,
-                    first_t,
-                    second_batch: b,
-                    second_t: t,
-                    page,
-                    slot: slot as usize,
-                });
+                return Err(Error::SlotCollision { first_batch, first_t, second_batch: b, second_t: t, page, slot });
             }
         }
     }
@@ -164,8 +135,29 @@ pub fn check_call(
     })
 }
 
+/// For each row `r = b·S + t` of a validated call, the element offset in
+/// `blocks` of `[page, 0, layer, slot, 0, 0]` where row r's K goes (its V is
+/// one K/V stride further), or -1 for padded rows that write no cache.
+pub fn cache_row_offsets(
+    shape: &CallShape,
+    kv_collection: &PagedKVCacheCollection,
+    valid_lengths: &Tensor,
+) -> Result<Vec<i64>> {
+    let valid = valid_lengths.as_slice::<u32>()?;
+    let mut offsets = vec![-1i64; shape.batch * shape.seq];
+    for (b, &v) in valid.iter().enumerate() {
+        let start = kv_collection.cache_lengths()[b] as usize;
+        for t in 0..v as usize {
+            let (page, slot) = kv_collection.locate(b, start + t)?;
+            let offset = kv_collection.element_offset(page as usize, 0, shape.layer, slot, 0, 0);
+            offsets[b * shape.seq + t] = offset as i64;
+        }
+    }
+    Ok(offsets)
+}
+
 /// Check a caller-provided output buffer against a validated call.
-pub(crate) fn check_output(shape: &CallShape, dtype: DType, output: &Tensor) -> Result<()> {
+pub fn check_output(shape: &CallShape, dtype: DType, output: &Tensor) -> Result<()> {
     expect_dtype("output", output, dtype)?;
     if output.shape() != shape.output_shape() {
         return Err(shape_error("output", format!("{:?} ([B, S, q_dim])", shape.output_shape()), output));

@@ -7,9 +7,10 @@ use kvjit_core::{DType, KernelKey, Target, Tensor};
 use kvjit_graph::{
     ArgKind, ArgSpec, Dim, GraphError, OpDef, Params, TensorType, ValueType, param_dtype, param_usize, same_dim,
 };
-use kvjit_runtime::{Kernel, KernelBuilder, RuntimeError, cuda_availability};
+use kvjit_jit::CaptureText;
+use kvjit_runtime::{BuildOptions, Kernel, KernelBuilder, KernelImpl, RuntimeError, cuda_availability};
 
-use crate::{FusedQkvSpec, ReferenceKernel};
+use crate::{FusedQkvSpec, JitKernel, ReferenceKernel};
 
 /// Canonical op name (MAX's function name).
 pub const OP_NAME: &str = "generic_fused_qkv_matmul_kv_cache_bshd_paged";
@@ -153,12 +154,24 @@ impl OpDef for FusedQkvOp {
 }
 
 impl KernelBuilder for FusedQkvOp {
-    fn build(&self, key: &KernelKey, _constants: &[Option<Arc<Tensor>>]) -> kvjit_runtime::Result<Arc<dyn Kernel>> {
+    fn build(
+        &self,
+        key: &KernelKey,
+        constants: &[Option<Arc<Tensor>>],
+        options: &BuildOptions,
+    ) -> kvjit_runtime::Result<Arc<dyn Kernel>> {
         let spec = FusedQkvSpec::from_kernel_key(key)
             .ok_or_else(|| RuntimeError::Plan(format!("{key} is not a key of {OP_NAME}")))?;
-        match spec.target {
-            Target::Cpu => Ok(Arc::new(ReferenceKernel::new(spec))),
-            Target::Cuda => {
+        match (spec.target, options.implementation) {
+            (Target::Cpu, KernelImpl::Reference) => Ok(Arc::new(ReferenceKernel::new(spec))),
+            (Target::Cpu, KernelImpl::Fast) => {
+                let weight = constants.get(1).and_then(|w| w.as_deref());
+                let capture = CaptureText { clif: options.keep_ir, disasm: options.keep_disasm };
+                let kernel = JitKernel::new(spec, weight, capture)
+                    .map_err(|e| RuntimeError::Plan(format!("JIT compile of {key} failed: {e}")))?;
+                Ok(Arc::new(kernel))
+            }
+            (Target::Cuda, _) => {
                 cuda_availability()?;
                 Err(RuntimeError::TargetUnavailable {
                     target: Target::Cuda,

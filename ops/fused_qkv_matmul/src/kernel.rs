@@ -81,6 +81,10 @@ impl Kernel for ReferenceKernel {
         &self.key
     }
 
+    fn implementation(&self) -> &'static str {
+        "reference"
+    }
+
     fn check(&self, inputs: &[&Tensor], caches: &[&PagedKVCacheCollection]) -> Result<Vec<OutputSpec>> {
         let shape = check_against_spec(&self.spec, inputs, caches)?;
         Ok(vec![(self.spec.dtype, shape.output_shape())])

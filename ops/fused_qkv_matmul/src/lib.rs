@@ -14,12 +14,14 @@
 //! ([`reference`]), and its kernels.
 
 mod call;
+pub mod cpu_jit;
 mod def;
 mod kernel;
 pub mod reference;
 mod spec;
 
-pub use call::{CallShape, check_call};
+pub use call::{CallShape, cache_row_offsets, check_call};
+pub use cpu_jit::JitKernel;
 pub use def::{FusedQkvOp, OP_ALIAS, OP_NAME};
 pub use kernel::ReferenceKernel;
 pub use spec::FusedQkvSpec;

@@ -1,0 +1,620 @@
+//! The CPU kernel: machine code Cranelift emits for one [`FusedQkvSpec`].
+//!
+//! Everything the spec fixes is a constant in the code: K, the Q/K/V column
+//! ranges, the K→V stride of the cache, dtypes, and — for a fully specialized
+//! key — the row count M. The weight is packed once (at graph build when it
+//! is a constant) into panels of [`NR`] columns, k-major (`[K][NR]`), one
+//! run of panels per Q, K and V segment, each zero-padded to a whole panel.
+//!
+//! Schedule, for each thread's range of panels:
+//!
+//! ```text
+//! for each block of MC rows:                  (X block stays in cache across panels)
+//!   for each panel p in the thread's range:   (a [K][NR] weight panel, read from DRAM once per block)
+//!     for each group of MR rows:              (register tile: MR×NR f32 accumulators)
+//!       acc = Σ_k x[r, k] · w[p][k][:]        (F32X4 fma, k-split accumulators when MR is small)
+//!       epilogue: Q columns → output[r, col]; K/V columns → blocks[row_offset[r] + col]
+//!                 (skipped for padded rows: row_offset = -1), rounded to the dtype
+//! ```
+//!
+//! With M ≤ MC (decode) every weight panel is read from memory exactly once
+//! for all rows, and the panels are split between the worker threads: the
+//! kernel streams the weight once. Each output element is computed by one
+//! call with the same code whatever the thread count, so results are
+//! bit-identical for any number of threads.
+//!
+//! The micro-kernel ([`emit_tile`]) is one swappable piece: a wider tier
+//! replaces it without touching packing, scheduling or the epilogue.
+
+use std::sync::{Arc, LazyLock};
+
+use half::slice::HalfFloatSliceExt;
+use kvjit_core::{DType, Error, KernelKey, PagedKVCacheCollection, Result, Tensor, TensorData, bf16, f16};
+use kvjit_jit::cranelift_codegen::ir::{InstBuilder, Value, condcodes::IntCC, types};
+use kvjit_jit::cranelift_frontend::FunctionBuilder;
+use kvjit_jit::ir::{counted_loop, load_f32x4_raw, load_splat_f32x4, mem, store_f32x4, store_lane};
+use kvjit_jit::{CaptureText, CompileCause, CompileRecord, JitError, JitFunction, KernelCache, compile_function};
+use kvjit_runtime::{CodeInfo, DeviceContextPtr, Kernel, OutputSpec};
+
+use crate::call::{cache_row_offsets, check_output};
+use crate::kernel::check_against_spec;
+use crate::{CallShape, FusedQkvSpec};
+
+/// Columns per weight panel (two F32X4 vectors).
+pub const NR: usize = 8;
+/// Rows per register tile.
+pub const MR: usize = 4;
+/// Rows per block: the X block that stays in cache while panels stream by.
+pub const MC: usize = 64;
+
+/// Every compiled fused-QKV CPU kernel in the process, by key.
+static KERNELS: LazyLock<KernelCache<JitFunction>> = LazyLock::new(KernelCache::new);
+
+/// The compile log of the CPU JIT: every kernel compiled so far and why.
+pub fn compile_log() -> Vec<CompileRecord> {
+    KERNELS.log()
+}
+
+/// Where a segment's columns go.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Destination {
+    Q,
+    K,
+    V,
+}
+
+/// A run of columns with one destination, and its panels.
+#[derive(Clone, Copy, Debug)]
+struct Segment {
+    destination: Destination,
+    first_column: usize,
+    columns: usize,
+    first_panel: usize,
+}
+
+impl Segment {
+    fn panels(&self) -> usize {
+        self.columns.div_ceil(NR)
+    }
+}
+
+/// How the weight's columns are cut into panels.
+#[derive(Clone, Copy, Debug)]
+pub struct PanelLayout {
+    segments: [Segment; 3],
+    k: usize,
+}
+
+impl PanelLayout {
+    /// The layout for a spec.
+    pub fn new(spec: &FusedQkvSpec) -> Self {
+        let kv = spec.kv_dim();
+        let q = Segment { destination: Destination::Q, first_column: 0, columns: spec.q_dim, first_panel: 0 };
+        let k = Segment { destination: Destination::K, first_column: spec.q_dim, columns: kv, first_panel: q.panels() };
+        let v = Segment {
+            destination: Destination::V,
+            first_column: spec.q_dim + kv,
+            columns: kv,
+            first_panel: q.panels() + k.panels(),
+        };
+        Self { segments: [q, k, v], k: spec.k }
+    }
+
+    /// Panels in all.
+    pub fn total_panels(&self) -> usize {
+        self.segments.iter().map(Segment::panels).sum()
+    }
+
+    /// Elements of the packed weight.
+    pub fn packed_len(&self) -> usize {
+        self.total_panels() * self.k * NR
+    }
+
+    /// Pack a `[N, K]` weight into panels (zero-padded), keeping its dtype.
+    pub fn pack(&self, weight: &Tensor) -> Result<Tensor> {
+        fn pack_typed<T: Copy + Default>(layout: &PanelLayout, w: &[T]) -> Vec<T> {
+            let k = layout.k;
+            let mut packed = vec![T::default(); layout.packed_len()];
+            for seg in &layout.segments {
+                for p in 0..seg.panels() {
+                    let panel = &mut packed[(seg.first_panel + p) * k * NR..][..k * NR];
+                    for c in 0..NR.min(seg.columns - p * NR) {
+                        let row = &w[(seg.first_column + p * NR + c) * k..][..k];
+                        for (kk, &value) in row.iter().enumerate() {
+                            panel[kk * NR + c] = value;
+                        }
+                    }
+                }
+            }
+            packed
+        }
+        let len = self.packed_len();
+        match weight.data() {
+            TensorData::F32(w) => Tensor::from_vec(&[len], pack_typed(self, w)),
+            TensorData::BF16(w) => Tensor::from_vec(&[len], pack_typed(self, w)),
+            TensorData::F16(w) => Tensor::from_vec(&[len], pack_typed(self, w)),
+            TensorData::U32(_) => Err(Error::NotFloat { what: "weight".into(), dtype: DType::U32 }),
+        }
+    }
+}
+
+/// Refuse specs whose offsets the generated code could not form: byte
+/// offsets of the cache and of rows must fit in i64, and the constant
+/// displacements inside a tile (up to MR rows of K f32) in i32.
+fn addressable(spec: &FusedQkvSpec) -> Result<(), JitError> {
+    let fits = || -> Option<()> {
+        let kv_stride = spec.num_layers.checked_mul(spec.page_size)?.checked_mul(spec.kv_dim())?;
+        let blocks_bytes = kv_stride.checked_mul(2)?.checked_mul(spec.cache_dtype.size_bytes())?;
+        let tile_bytes = spec.k.checked_mul(4 * MR)?;
+        let n = spec.q_dim.checked_add(spec.kv_dim().checked_mul(2)?)?;
+        let panel_bytes = spec.k.checked_mul(NR * spec.dtype.size_bytes())?.checked_mul(n.div_ceil(NR) + 3)?;
+        (i64::try_from(blocks_bytes).is_ok() && i32::try_from(tile_bytes).is_ok() && i64::try_from(panel_bytes).is_ok())
+            .then_some(())
+    };
+    fits().ok_or_else(|| JitError::Unsupported {
+        key: spec.kernel_key().to_string(),
+        reason: "its sizes overflow the offsets the kernel computes".into(),
+    })
+}
+
+/// Kernel parameters, in order: x (f32 rows), packed weight, output, cache
+/// blocks, row offsets, M, first panel, end panel.
+const PARAMS: usize = 8;
+
+/// Compile the kernel for `spec` (or fetch it from the process-wide cache).
+/// Kept IR/disassembly bypass the cache so the texts always exist.
+pub fn compile(spec: &FusedQkvSpec, capture: CaptureText) -> Result<Arc<JitFunction>, JitError> {
+    let key = spec.kernel_key();
+    let build = || emit_and_compile(spec, &key, capture);
+    if capture.clif || capture.disasm {
+        return build().map(Arc::new);
+    }
+    KERNELS.get_or_compile(&key, CompileCause::GraphBuild, build)
+}
+
+fn emit_and_compile(spec: &FusedQkvSpec, key: &KernelKey, capture: CaptureText) -> Result<JitFunction, JitError> {
+    let ptr = kvjit_jit::pointer_type();
+    compile_function(&key.symbol(), &[ptr; PARAMS], &[], capture, |b, args| {
+        Emitter::new(spec).emit(b, args);
+        b.ins().return_(&[]);
+    })
+}
+
+/// Emits the kernel body for one spec.
+struct Emitter {
+    spec: FusedQkvSpec,
+    layout: PanelLayout,
+    /// Rows, when the key fixes them.
+    m: Option<usize>,
+}
+
+/// The values every tile needs.
+#[derive(Clone, Copy)]
+struct Bases {
+    x: Value,
+    out: Value,
+    blocks: Value,
+    row_offsets: Value,
+}
+
+impl Emitter {
+    fn new(spec: &FusedQkvSpec) -> Self {
+        let m = spec.batch.zip(spec.seq).map(|(b, s)| b * s);
+        Self { spec: *spec, layout: PanelLayout::new(spec), m }
+    }
+
+    fn emit(&self, b: &mut FunctionBuilder, args: &[Value]) {
+        let &[x, w, out, blocks, row_offsets, m_arg, panel_begin, panel_end] = args else {
+            unreachable!("the signature has {PARAMS} parameters");
+        };
+        let bases = Bases { x, out, blocks, row_offsets };
+        let m = match self.m {
+            Some(m) => b.ins().iconst(types::I64, m as i64),
+            None => m_arg,
+        };
+        let zero = b.ins().iconst(types::I64, 0);
+        counted_loop(b, zero, m, MC as i64, &[], |b, block_start, _| {
+            let block_end = b.ins().iadd_imm_s(block_start, MC as i64);
+            let block_end = b.ins().smin(block_end, m);
+            for seg in self.layout.segments {
+                let full = seg.columns / NR;
+                let tail = seg.columns % NR;
+                for (first, count, width) in
+                    [(seg.first_panel, full, NR), (seg.first_panel + full, usize::from(tail > 0), tail)]
+                {
+                    if count == 0 {
+                        continue;
+                    }
+                    let lo = b.ins().iconst(types::I64, first as i64);
+                    let lo = b.ins().smax(lo, panel_begin);
+                    let hi = b.ins().iconst(types::I64, (first + count) as i64);
+                    let hi = b.ins().smin(hi, panel_end);
+                    counted_loop(b, lo, hi, 1, &[], |b, panel, _| {
+                        let panel_bytes = (self.layout.k * NR * self.spec.dtype.size_bytes()) as i64;
+                        let offset = b.ins().imul_imm_s(panel, panel_bytes);
+                        let w_panel = b.ins().iadd(w, offset);
+                        let rel = b.ins().iadd_imm_s(panel, -(seg.first_panel as i64));
+                        let column = b.ins().imul_imm_s(rel, NR as i64);
+                        self.emit_row_groups(b, bases, block_start, block_end, w_panel, column, seg.destination, width);
+                        Vec::new()
+                    });
+                }
+            }
+            Vec::new()
+        });
+    }
+
+    /// Tiles of MR rows over `[start, end)`, then one smaller tile for the rest.
+    #[allow(clippy::too_many_arguments)] // the emitter's loop state, passed down one level
+    fn emit_row_groups(
+        &self,
+        b: &mut FunctionBuilder,
+        bases: Bases,
+        start: Value,
+        end: Value,
+        w_panel: Value,
+        column: Value,
+        destination: Destination,
+        width: usize,
+    ) {
+        let rows = b.ins().isub(end, start);
+        let whole = b.ins().band_imm_s(rows, !(MR as i64 - 1));
+        let full_end = b.ins().iadd(start, whole);
+        counted_loop(b, start, full_end, MR as i64, &[], |b, row, _| {
+            self.emit_tile(b, bases, MR, row, w_panel, column, destination, width);
+            Vec::new()
+        });
+        let rest = b.ins().isub(end, full_end);
+        let remainders: Vec<usize> = match self.m {
+            Some(m) => Some(m % MR).filter(|&r| r > 0).into_iter().collect(),
+            None => (1..MR).collect(),
+        };
+        let done = b.create_block();
+        for mr in remainders {
+            let this = b.create_block();
+            let next = b.create_block();
+            let is_this = b.ins().icmp_imm_s(IntCC::Equal, rest, mr as i64);
+            b.ins().brif(is_this, this, &[], next, &[]);
+            b.switch_to_block(this);
+            self.emit_tile(b, bases, mr, full_end, w_panel, column, destination, width);
+            b.ins().jump(done, &[]);
+            b.switch_to_block(next);
+        }
+        b.ins().jump(done, &[]);
+        b.switch_to_block(done);
+    }
+
+    /// The micro-kernel: an `mr`×NR tile of C = X·Wᵀ in registers, then its
+    /// epilogue. Small tiles split k over several accumulator sets so the
+    /// FMA latency chain does not limit them.
+    #[allow(clippy::too_many_arguments)] // see emit_row_groups
+    fn emit_tile(
+        &self,
+        b: &mut FunctionBuilder,
+        bases: Bases,
+        mr: usize,
+        row: Value,
+        w_panel: Value,
+        column: Value,
+        destination: Destination,
+        width: usize,
+    ) {
+        let k = self.layout.k;
+        let w_dtype = self.spec.dtype;
+        let w_size = w_dtype.size_bytes() as i32;
+        let sets = match mr {
+            1 => 4,
+            2 => 2,
+            _ => 1,
+        };
+        let zero = b.ins().f32const(0.0);
+        let zero = b.ins().splat(types::F32X4, zero);
+        let x_row_bytes = (k * 4) as i64;
+        let row_offset = b.ins().imul_imm_s(row, x_row_bytes);
+        let x_rows = b.ins().iadd(bases.x, row_offset);
+        // Accumulator index: (set, row, half).
+        let acc_index = |set: usize, i: usize, h: usize| (set * mr + i) * 2 + h;
+        let step = |b: &mut FunctionBuilder, kk: Value, first_set: usize, count: usize, accs: &mut [Value]| {
+            let x_off = b.ins().ishl_imm_u(kk, 2);
+            let x_at = b.ins().iadd(x_rows, x_off);
+            let w_off = b.ins().imul_imm_s(kk, (NR as i32 * w_size) as i64);
+            let w_at = b.ins().iadd(w_panel, w_off);
+            for u in 0..count {
+                let w0 = load_f32x4_raw(b, w_dtype, w_at, (u * NR) as i32 * w_size);
+                let w1 = load_f32x4_raw(b, w_dtype, w_at, (u * NR + 4) as i32 * w_size);
+                for i in 0..mr {
+                    let xb = load_splat_f32x4(b, DType::F32, x_at, ((i * k + u) * 4) as i32);
+                    let set = first_set + u;
+                    accs[acc_index(set, i, 0)] = b.ins().fma(xb, w0, accs[acc_index(set, i, 0)]);
+                    accs[acc_index(set, i, 1)] = b.ins().fma(xb, w1, accs[acc_index(set, i, 1)]);
+                }
+            }
+        };
+        let main = k - k % sets;
+        let start = b.ins().iconst(types::I64, 0);
+        let end = b.ins().iconst(types::I64, main as i64);
+        let mut accs = counted_loop(b, start, end, sets as i64, &vec![zero; sets * mr * 2], |b, kk, carried| {
+            let mut accs = carried.to_vec();
+            step(b, kk, 0, sets, &mut accs);
+            accs
+        });
+        for kk in main..k {
+            let kk = b.ins().iconst(types::I64, kk as i64);
+            step(b, kk, 0, 1, &mut accs);
+        }
+        for set in 1..sets {
+            for i in 0..mr {
+                for h in 0..2 {
+                    accs[acc_index(0, i, h)] = b.ins().fadd(accs[acc_index(0, i, h)], accs[acc_index(set, i, h)]);
+                }
+            }
+        }
+        for i in 0..mr {
+            let halves = [accs[acc_index(0, i, 0)], accs[acc_index(0, i, 1)]];
+            self.emit_store_row(b, bases, row, i, column, destination, width, halves);
+        }
+    }
+
+    /// Store one row of a tile where its segment goes.
+    #[allow(clippy::too_many_arguments)] // see emit_row_groups
+    fn emit_store_row(
+        &self,
+        b: &mut FunctionBuilder,
+        bases: Bases,
+        row: Value,
+        i: usize,
+        column: Value,
+        destination: Destination,
+        width: usize,
+        halves: [Value; 2],
+    ) {
+        let r = b.ins().iadd_imm_s(row, i as i64);
+        let (dtype, base, after) = match destination {
+            Destination::Q => {
+                let element = b.ins().imul_imm_s(r, self.spec.q_dim as i64);
+                let element = b.ins().iadd(element, column);
+                let bytes = b.ins().imul_imm_s(element, self.spec.dtype.size_bytes() as i64);
+                (self.spec.dtype, b.ins().iadd(bases.out, bytes), None)
+            }
+            Destination::K | Destination::V => {
+                let slot_at = b.ins().ishl_imm_u(r, 3);
+                let slot_at = b.ins().iadd(bases.row_offsets, slot_at);
+                let slot = b.ins().load(types::I64, mem(), slot_at, 0);
+                let store = b.create_block();
+                let after = b.create_block();
+                let writes = b.ins().icmp_imm_s(IntCC::SignedGreaterThanOrEqual, slot, 0);
+                b.ins().brif(writes, store, &[], after, &[]);
+                b.switch_to_block(store);
+                let stride = if destination == Destination::V { self.kv_stride() } else { 0 };
+                let element = b.ins().iadd_imm_s(slot, stride as i64);
+                let element = b.ins().iadd(element, column);
+                let bytes = b.ins().imul_imm_s(element, self.spec.cache_dtype.size_bytes() as i64);
+                (self.spec.cache_dtype, b.ins().iadd(bases.blocks, bytes), Some(after))
+            }
+        };
+        let size = dtype.size_bytes() as i32;
+        for (h, &value) in halves.iter().enumerate() {
+            let lanes = width.saturating_sub(4 * h).min(4);
+            if lanes == 4 {
+                store_f32x4(b, dtype, value, base, 4 * h as i32 * size);
+            } else {
+                for lane in 0..lanes {
+                    store_lane(b, dtype, value, lane as u8, base, (4 * h + lane) as i32 * size);
+                }
+            }
+        }
+        if let Some(after) = after {
+            b.ins().jump(after, &[]);
+            b.switch_to_block(after);
+        }
+    }
+
+    /// Elements from a token's K to its V in the blocks tensor:
+    /// `L · page_size · Hkv · D`.
+    fn kv_stride(&self) -> usize {
+        self.spec.num_layers * self.spec.page_size * self.spec.kv_dim()
+    }
+}
+
+/// The fused op as JIT-compiled machine code for one kernel key.
+///
+/// Tensor inputs, in order: `hidden_state`, `weight`, `layer_idx`,
+/// `valid_lengths`; one cache; one output.
+pub struct JitKernel {
+    spec: FusedQkvSpec,
+    key: KernelKey,
+    layout: PanelLayout,
+    code: Arc<JitFunction>,
+    packed_weight: Option<Arc<Tensor>>,
+}
+
+type KernelFn = unsafe extern "C" fn(
+    x: *const f32,
+    w: *const u8,
+    out: *mut u8,
+    blocks: *mut u8,
+    row_offsets: *const i64,
+    m: i64,
+    panel_begin: i64,
+    panel_end: i64,
+);
+
+/// Addresses handed to worker threads.
+#[derive(Clone, Copy)]
+struct CallAddresses {
+    x: usize,
+    w: usize,
+    out: usize,
+    blocks: usize,
+    row_offsets: usize,
+    m: i64,
+}
+
+impl JitKernel {
+    /// Compile (or fetch) the kernel for `spec`; pack `weight` now when it
+    /// is a graph constant.
+    pub fn new(spec: FusedQkvSpec, weight: Option<&Tensor>, capture: CaptureText) -> Result<Self, JitError> {
+        addressable(&spec)?;
+        let layout = PanelLayout::new(&spec);
+        let packed_weight = match weight {
+            Some(w) if w.dtype() == spec.dtype && w.shape() == [spec.n(), spec.k] && w.is_contiguous() => {
+                Some(Arc::new(layout.pack(w).expect("a float weight packs")))
+            }
+            _ => None,
+        };
+        Ok(Self { key: spec.kernel_key(), spec, layout, code: compile(&spec, capture)?, packed_weight })
+    }
+
+    fn call(&self, shape: &CallShape, addresses: CallAddresses, ctx: &DeviceContextPtr) {
+        // SAFETY: the code was compiled for this kernel's spec with the
+        // `KernelFn` signature (8 pointer-sized args, System V) and lives as
+        // long as `self.code`.
+        let f: KernelFn = unsafe { std::mem::transmute::<*const u8, KernelFn>(self.code.entry()) };
+        let total = self.layout.total_panels();
+        let run_range = |begin: usize, end: usize| {
+            let a = addresses;
+            // SAFETY: `check_against_spec` validated every argument against
+            // the spec (dtypes, contiguity, K, q_dim, cache layout, B·S rows,
+            // valid lengths ≤ S, every valid token's page and slot inside the
+            // cache and no two tokens sharing one), so every load stays inside
+            // `x` (M·K f32) and the packed weight (built for this layout),
+            // every Q store inside `output` (M·q_dim), and every K/V store at
+            // `row_offsets[r] + col (+ kv_stride)` inside `blocks`, distinct
+            // per row; threads get disjoint panel ranges, so no two calls
+            // write the same element.
+            unsafe {
+                f(
+                    a.x as *const f32,
+                    a.w as *const u8,
+                    a.out as *mut u8,
+                    a.blocks as *mut u8,
+                    a.row_offsets as *const i64,
+                    a.m,
+                    begin as i64,
+                    end as i64,
+                )
+            }
+        };
+        let threads = ctx.cpu_context().map_or(1, |c| c.threads()).min(total).max(1);
+        if threads == 1 || shape.batch * shape.seq == 0 {
+            run_range(0, total);
+            return;
+        }
+        let pool = ctx.cpu_context().expect("more than one thread means a CPU pool").pool();
+        pool.scope(|s| {
+            for t in 0..threads {
+                let (begin, end) = (total * t / threads, total * (t + 1) / threads);
+                s.spawn(move |_| run_range(begin, end));
+            }
+        });
+    }
+}
+
+fn hidden_as_f32(hidden: &Tensor) -> std::borrow::Cow<'_, [f32]> {
+    let convert = |len: usize, f: &dyn Fn(&mut [f32])| {
+        let mut out = vec![0f32; len];
+        f(&mut out);
+        std::borrow::Cow::Owned(out)
+    };
+    match hidden.data() {
+        TensorData::F32(x) => std::borrow::Cow::Borrowed(x),
+        TensorData::BF16(x) => convert(x.len(), &|out| <[bf16]>::convert_to_f32_slice(x, out)),
+        TensorData::F16(x) => convert(x.len(), &|out| <[f16]>::convert_to_f32_slice(x, out)),
+        TensorData::U32(_) => unreachable!("check_call accepts float hidden states only"),
+    }
+}
+
+impl Kernel for JitKernel {
+    fn key(&self) -> &KernelKey {
+        &self.key
+    }
+
+    fn implementation(&self) -> &'static str {
+        "jit"
+    }
+
+    fn code_info(&self) -> CodeInfo {
+        CodeInfo {
+            compile_time: self.code.compile_time(),
+            code_size: self.code.code_size(),
+            ir: self.code.clif().map(str::to_string),
+            disasm: self.code.disasm().map(str::to_string),
+        }
+    }
+
+    fn check(&self, inputs: &[&Tensor], caches: &[&PagedKVCacheCollection]) -> Result<Vec<OutputSpec>> {
+        let shape = check_against_spec(&self.spec, inputs, caches)?;
+        Ok(vec![(self.spec.dtype, shape.output_shape())])
+    }
+
+    fn run(
+        &self,
+        inputs: &[&Tensor],
+        caches: &mut [&mut PagedKVCacheCollection],
+        outputs: &mut [Tensor],
+        ctx: &DeviceContextPtr,
+    ) -> Result<()> {
+        let counts = vec![inputs.len(), caches.len(), outputs.len()];
+        let ([hidden, weight, layer_idx, valid_lengths], [cache], [output]) = (inputs, caches, outputs) else {
+            return Err(Error::ShapeMismatch {
+                arg: "arguments".into(),
+                expected: "4 tensors, 1 KV cache and 1 output".into(),
+                got: counts,
+            });
+        };
+        {
+            let shape = check_against_spec(&self.spec, inputs, &[&**cache])?;
+            check_output(&shape, self.spec.dtype, output)?;
+        }
+        self.run_into(hidden, weight, cache, layer_idx, valid_lengths, output.as_bytes_mut(), ctx)
+    }
+}
+
+impl JitKernel {
+    /// Run with the Q output written into raw bytes (exactly `B·S·q_dim`
+    /// elements of the dtype), so callers — tests with guard regions around
+    /// the output, benchmarks reusing a buffer — choose where it lives.
+    /// Validates everything first, like [`Kernel::run`].
+    #[allow(clippy::too_many_arguments)] // the op's five arguments plus the output and context
+    pub fn run_into(
+        &self,
+        hidden: &Tensor,
+        weight: &Tensor,
+        cache: &mut PagedKVCacheCollection,
+        layer_idx: &Tensor,
+        valid_lengths: &Tensor,
+        output: &mut [u8],
+        ctx: &DeviceContextPtr,
+    ) -> Result<()> {
+        let shape = check_against_spec(&self.spec, &[hidden, weight, layer_idx, valid_lengths], &[&*cache])?;
+        let expected = shape.batch * shape.seq * shape.q_dim * self.spec.dtype.size_bytes();
+        if output.len() != expected {
+            return Err(Error::ByteCount {
+                dtype: self.spec.dtype,
+                shape: shape.output_shape(),
+                expected,
+                got: output.len(),
+            });
+        }
+        let row_offsets = cache_row_offsets(&shape, cache, valid_lengths)?;
+        let x = hidden_as_f32(hidden);
+        let packed_now;
+        let packed = match &self.packed_weight {
+            Some(p) => p.as_ref(),
+            None => {
+                packed_now = self.layout.pack(weight)?;
+                &packed_now
+            }
+        };
+        let addresses = CallAddresses {
+            x: x.as_ptr() as usize,
+            w: packed.as_bytes().as_ptr() as usize,
+            out: output.as_mut_ptr() as usize,
+            blocks: cache.blocks_bytes_mut().as_mut_ptr() as usize,
+            row_offsets: row_offsets.as_ptr() as usize,
+            m: (shape.batch * shape.seq) as i64,
+        };
+        self.call(&shape, addresses, ctx);
+        Ok(())
+    }
+}
