@@ -84,6 +84,10 @@ struct RunArgs {
     /// Which kernels run: the JIT-compiled fast path or the plain reference.
     #[arg(long, value_enum, default_value = "jit")]
     kernel: KernelChoice,
+    /// Where batch/seq are symbolic, compile a kernel for each shape seen at
+    /// run time (instead of running the generic kernel).
+    #[arg(long)]
+    specialize_shapes: bool,
 }
 
 /// `--kernel` values.
@@ -212,6 +216,7 @@ fn inspect(
             info.code_size
         );
     }
+    print_compile_log();
     for step in exe.steps() {
         let info = step.kernel.code_info();
         if let Some(ir) = info.ir {
@@ -222,6 +227,24 @@ fn inspect(
         }
     }
     Ok(())
+}
+
+/// Every JIT compile this process made, with its cause.
+fn print_compile_log() {
+    let log = kvjit::fused_qkv::cpu_jit::compile_log();
+    if log.is_empty() {
+        return;
+    }
+    println!("JIT compile log:");
+    for record in log {
+        println!(
+            "  {:>10}  {:>6} B  {}  ({})",
+            format_duration(record.duration),
+            record.code_size,
+            record.key,
+            record.cause
+        );
+    }
 }
 
 /// Sum and sum of magnitudes of a float tensor, as a quick fingerprint.
@@ -243,7 +266,11 @@ fn run(registry: &Registry, args: &RunArgs) -> Result<()> {
     let options = CompileOptions {
         target: args.target,
         bindings: args.bindings.iter().cloned().collect(),
-        build: BuildOptions { implementation: args.kernel.implementation(), ..BuildOptions::default() },
+        build: BuildOptions {
+            implementation: args.kernel.implementation(),
+            specialize_shapes: args.specialize_shapes,
+            ..BuildOptions::default()
+        },
     };
     let compile_start = Instant::now();
     let exe = compile(&graph, registry, &options)?;
@@ -316,6 +343,7 @@ fn run(registry: &Registry, args: &RunArgs) -> Result<()> {
     for (name, cache) in &scenario.caches {
         println!("cache '{name}': {total_tokens} tokens written, lengths now {:?}", cache.cache_lengths());
     }
+    print_compile_log();
     for (name, tensor) in &out.outputs {
         let (sum, abs) = checksum(tensor)?;
         println!("output '{name}': {}{:?} checksum sum={sum:.6} abs_sum={abs:.6}", tensor.dtype(), tensor.shape());

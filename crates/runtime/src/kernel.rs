@@ -28,6 +28,10 @@ pub struct BuildOptions {
     pub keep_ir: bool,
     /// Keep the disassembled machine code (`kvjit inspect --disasm`).
     pub keep_disasm: bool,
+    /// When a kernel's key leaves dims symbolic, compile a kernel specialized
+    /// for each shape it sees at run time (up to a few per kernel) instead of
+    /// always running the generic one.
+    pub specialize_shapes: bool,
 }
 
 /// What a compiled kernel can say about its code.

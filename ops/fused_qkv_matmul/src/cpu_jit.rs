@@ -26,7 +26,8 @@
 //! The micro-kernel ([`emit_tile`]) is one swappable piece: a wider tier
 //! replaces it without touching packing, scheduling or the epilogue.
 
-use std::sync::{Arc, LazyLock};
+use std::collections::HashMap;
+use std::sync::{Arc, LazyLock, Mutex};
 
 use half::slice::HalfFloatSliceExt;
 use kvjit_core::{DType, Error, KernelKey, PagedKVCacheCollection, Result, Tensor, TensorData, bf16, f16};
@@ -46,6 +47,12 @@ pub const NR: usize = 8;
 pub const MR: usize = 4;
 /// Rows per block: the X block that stays in cache while panels stream by.
 pub const MC: usize = 64;
+/// Shapes a generic kernel specializes for, at most, under the seen-shapes
+/// policy (beyond that it runs its generic code).
+pub const MAX_SEEN_SHAPES: usize = 16;
+/// k values per iteration of the micro-kernel loop (amortizes the loop's
+/// overhead and the accumulator moves on its back edge).
+pub const K_UNROLL: usize = 4;
 
 /// Every compiled fused-QKV CPU kernel in the process, by key.
 static KERNELS: LazyLock<KernelCache<JitFunction>> = LazyLock::new(KernelCache::new);
@@ -148,6 +155,10 @@ fn addressable(spec: &FusedQkvSpec) -> Result<(), JitError> {
         let tile_bytes = spec.k.checked_mul(4 * MR)?;
         let n = spec.q_dim.checked_add(spec.kv_dim().checked_mul(2)?)?;
         let panel_bytes = spec.k.checked_mul(NR * spec.dtype.size_bytes())?.checked_mul(n.div_ceil(NR) + 3)?;
+        if let (Some(batch), Some(seq)) = (spec.batch, spec.seq) {
+            let rows = i64::try_from(batch.checked_mul(seq)?).ok()?;
+            rows.checked_add(MC as i64)?;
+        }
         (i64::try_from(blocks_bytes).is_ok() && i32::try_from(tile_bytes).is_ok() && i64::try_from(panel_bytes).is_ok())
             .then_some(())
     };
@@ -173,6 +184,7 @@ pub fn compile(spec: &FusedQkvSpec, capture: CaptureText) -> Result<Arc<JitFunct
 }
 
 fn emit_and_compile(spec: &FusedQkvSpec, key: &KernelKey, capture: CaptureText) -> Result<JitFunction, JitError> {
+    addressable(spec)?;
     let ptr = kvjit_jit::pointer_type();
     compile_function(&key.symbol(), &[ptr; PARAMS], &[], capture, |b, args| {
         Emitter::new(spec).emit(b, args);
@@ -314,33 +326,40 @@ impl Emitter {
         let x_rows = b.ins().iadd(bases.x, row_offset);
         // Accumulator index: (set, row, half).
         let acc_index = |set: usize, i: usize, h: usize| (set * mr + i) * 2 + h;
-        let step = |b: &mut FunctionBuilder, kk: Value, first_set: usize, count: usize, accs: &mut [Value]| {
+        // `count` consecutive k values from `kk`; k value u uses accumulator
+        // set u % sets. Each FMA gets its own broadcast load of x: a splat
+        // with one use folds into `vbroadcastss mem`, while a shared one costs
+        // a register copy per FMA (x64 FMAs overwrite a multiplicand).
+        let step = |b: &mut FunctionBuilder, kk: Value, count: usize, accs: &mut [Value]| {
             let x_off = b.ins().ishl_imm_u(kk, 2);
             let x_at = b.ins().iadd(x_rows, x_off);
             let w_off = b.ins().imul_imm_s(kk, (NR as i32 * w_size) as i64);
             let w_at = b.ins().iadd(w_panel, w_off);
             for u in 0..count {
-                let w0 = load_f32x4_raw(b, w_dtype, w_at, (u * NR) as i32 * w_size);
-                let w1 = load_f32x4_raw(b, w_dtype, w_at, (u * NR + 4) as i32 * w_size);
+                let halves = [
+                    load_f32x4_raw(b, w_dtype, w_at, (u * NR) as i32 * w_size),
+                    load_f32x4_raw(b, w_dtype, w_at, (u * NR + 4) as i32 * w_size),
+                ];
                 for i in 0..mr {
-                    let xb = load_splat_f32x4(b, DType::F32, x_at, ((i * k + u) * 4) as i32);
-                    let set = first_set + u;
-                    accs[acc_index(set, i, 0)] = b.ins().fma(xb, w0, accs[acc_index(set, i, 0)]);
-                    accs[acc_index(set, i, 1)] = b.ins().fma(xb, w1, accs[acc_index(set, i, 1)]);
+                    for (h, &w) in halves.iter().enumerate() {
+                        let xb = load_splat_f32x4(b, DType::F32, x_at, ((i * k + u) * 4) as i32);
+                        let acc = &mut accs[acc_index(u % sets, i, h)];
+                        *acc = b.ins().fma(xb, w, *acc);
+                    }
                 }
             }
         };
-        let main = k - k % sets;
+        let main = k - k % K_UNROLL;
         let start = b.ins().iconst(types::I64, 0);
         let end = b.ins().iconst(types::I64, main as i64);
-        let mut accs = counted_loop(b, start, end, sets as i64, &vec![zero; sets * mr * 2], |b, kk, carried| {
+        let mut accs = counted_loop(b, start, end, K_UNROLL as i64, &vec![zero; sets * mr * 2], |b, kk, carried| {
             let mut accs = carried.to_vec();
-            step(b, kk, 0, sets, &mut accs);
+            step(b, kk, K_UNROLL, &mut accs);
             accs
         });
-        for kk in main..k {
-            let kk = b.ins().iconst(types::I64, kk as i64);
-            step(b, kk, 0, 1, &mut accs);
+        if main < k {
+            let kk = b.ins().iconst(types::I64, main as i64);
+            step(b, kk, k - main, &mut accs);
         }
         for set in 1..sets {
             for i in 0..mr {
@@ -423,6 +442,9 @@ impl Emitter {
 pub struct JitKernel {
     spec: FusedQkvSpec,
     key: KernelKey,
+    /// Kernels specialized for shapes seen at run time, by (B, S), when the
+    /// key leaves them symbolic and the policy asks for it.
+    seen_shapes: Option<Mutex<HashMap<(usize, usize), Arc<JitFunction>>>>,
     layout: PanelLayout,
     code: Arc<JitFunction>,
     packed_weight: Option<Arc<Tensor>>,
@@ -454,7 +476,20 @@ impl JitKernel {
     /// Compile (or fetch) the kernel for `spec`; pack `weight` now when it
     /// is a graph constant.
     pub fn new(spec: FusedQkvSpec, weight: Option<&Tensor>, capture: CaptureText) -> Result<Self, JitError> {
-        addressable(&spec)?;
+        Self::with_policy(spec, weight, capture, false)
+    }
+
+    /// Like [`new`](Self::new); with `specialize_shapes`, a kernel whose key
+    /// leaves B or S symbolic also compiles (and caches, process-wide) a
+    /// kernel for each (B, S) it runs with, up to [`MAX_SEEN_SHAPES`] per
+    /// kernel, and runs that one instead of the generic code.
+    pub fn with_policy(
+        spec: FusedQkvSpec,
+        weight: Option<&Tensor>,
+        capture: CaptureText,
+        specialize_shapes: bool,
+    ) -> Result<Self, JitError> {
+        let code = compile(&spec, capture)?;
         let layout = PanelLayout::new(&spec);
         let packed_weight = match weight {
             Some(w) if w.dtype() == spec.dtype && w.shape() == [spec.n(), spec.k] && w.is_contiguous() => {
@@ -462,14 +497,51 @@ impl JitKernel {
             }
             _ => None,
         };
-        Ok(Self { key: spec.kernel_key(), spec, layout, code: compile(&spec, capture)?, packed_weight })
+        let generic = spec.batch.is_none() || spec.seq.is_none();
+        Ok(Self {
+            key: spec.kernel_key(),
+            seen_shapes: (specialize_shapes && generic).then(Default::default),
+            spec,
+            layout,
+            code,
+            packed_weight,
+        })
+    }
+
+    /// The code to run for a call of this shape: a kernel specialized for it
+    /// when the policy allows, else this kernel's own.
+    fn code_for(&self, shape: &CallShape) -> Arc<JitFunction> {
+        let Some(seen) = &self.seen_shapes else { return self.code.clone() };
+        let mut seen = seen.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(code) = seen.get(&(shape.batch, shape.seq)) {
+            return code.clone();
+        }
+        if seen.len() >= MAX_SEEN_SHAPES {
+            return self.code.clone();
+        }
+        let spec = FusedQkvSpec { batch: Some(shape.batch), seq: Some(shape.seq), ..self.spec };
+        let cause = CompileCause::ShapeSeen(format!("B={}, S={} for {}", shape.batch, shape.seq, self.key));
+        match KERNELS.get_or_compile(&spec.kernel_key(), cause, || {
+            emit_and_compile(&spec, &spec.kernel_key(), CaptureText::default())
+        }) {
+            Ok(code) => {
+                seen.insert((shape.batch, shape.seq), code.clone());
+                code
+            }
+            Err(error) => {
+                tracing::warn!(%error, "specializing for a seen shape failed; running the generic kernel");
+                self.code.clone()
+            }
+        }
     }
 
     fn call(&self, shape: &CallShape, addresses: CallAddresses, ctx: &DeviceContextPtr) {
-        // SAFETY: the code was compiled for this kernel's spec with the
-        // `KernelFn` signature (8 pointer-sized args, System V) and lives as
-        // long as `self.code`.
-        let f: KernelFn = unsafe { std::mem::transmute::<*const u8, KernelFn>(self.code.entry()) };
+        let code = self.code_for(shape);
+        // SAFETY: the code was compiled for this kernel's spec — or for the
+        // same spec with this call's B and S baked in — with the `KernelFn`
+        // signature (8 pointer-sized args, System V); `code` keeps it alive
+        // until the end of this function, after every thread has returned.
+        let f: KernelFn = unsafe { std::mem::transmute::<*const u8, KernelFn>(code.entry()) };
         let total = self.layout.total_panels();
         let run_range = |begin: usize, end: usize| {
             let a = addresses;

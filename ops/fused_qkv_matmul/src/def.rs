@@ -167,7 +167,7 @@ impl KernelBuilder for FusedQkvOp {
             (Target::Cpu, KernelImpl::Fast) => {
                 let weight = constants.get(1).and_then(|w| w.as_deref());
                 let capture = CaptureText { clif: options.keep_ir, disasm: options.keep_disasm };
-                let kernel = JitKernel::new(spec, weight, capture)
+                let kernel = JitKernel::with_policy(spec, weight, capture, options.specialize_shapes)
                     .map_err(|e| RuntimeError::Plan(format!("JIT compile of {key} failed: {e}")))?;
                 Ok(Arc::new(kernel))
             }
