@@ -7,7 +7,7 @@ use kvjit_core::{Target, Tensor};
 use kvjit_graph::{ArgKind, Dim, Graph, ValueDef, ValueId, specialize};
 use kvjit_runtime::{BuildOptions, CacheSpec, Executable, InputSpec, ShapeDim, Slot, Step, cuda_availability};
 
-use crate::{Registry, Result};
+use crate::{Error, Registry, Result};
 
 /// How to compile a graph.
 #[derive(Clone, Debug)]
@@ -19,11 +19,77 @@ pub struct CompileOptions {
     pub bindings: BTreeMap<String, usize>,
     /// Which kernels to build and what to keep of their code.
     pub build: BuildOptions,
+    /// Refuse graphs whose buffers (see [`MemoryEstimate`]) need more bytes
+    /// than this, before anything is allocated for them.
+    pub memory_budget: Option<u64>,
 }
 
 impl Default for CompileOptions {
     fn default() -> Self {
-        Self { target: Target::Cpu, bindings: BTreeMap::new(), build: BuildOptions::default() }
+        Self { target: Target::Cpu, bindings: BTreeMap::new(), build: BuildOptions::default(), memory_budget: None }
+    }
+}
+
+/// The bytes a compiled graph's buffers take, as far as build time knows:
+/// constants (doubled for JIT kernels, which keep a packed copy of their
+/// weights), node outputs and the KV caches it declares. Dims left symbolic
+/// count as unknown and are named in `unknown`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct MemoryEstimate {
+    /// Constant data, plus packed copies.
+    pub constants: u64,
+    /// Node outputs of static shape.
+    pub outputs: u64,
+    /// KV caches of static size.
+    pub caches: u64,
+    /// Values whose size depends on symbols left unbound.
+    pub unknown: Vec<String>,
+}
+
+impl MemoryEstimate {
+    /// Everything known, in bytes.
+    pub fn total(&self) -> u64 {
+        self.constants.saturating_add(self.outputs).saturating_add(self.caches)
+    }
+
+    /// Estimate for a (specialized) graph built with `build`.
+    pub fn of(graph: &Graph, build: &BuildOptions) -> Self {
+        let packed_copies = if build.implementation == kvjit_runtime::KernelImpl::Fast { 2 } else { 1 };
+        let bytes = |dims: &[Dim], elem: usize| -> Option<u64> {
+            dims.iter().try_fold(elem as u64, |acc, d| d.as_static().and_then(|v| acc.checked_mul(v as u64)))
+        };
+        let mut estimate = MemoryEstimate::default();
+        for (id, value) in graph.values().iter().enumerate() {
+            let name = value.name.clone().unwrap_or_else(|| format!("v{id}"));
+            match (&value.def, &value.ty) {
+                (ValueDef::Constant { data, .. }, _) => {
+                    let size = (data.numel() * data.dtype().size_bytes()) as u64;
+                    estimate.constants = estimate.constants.saturating_add(size.saturating_mul(packed_copies));
+                }
+                (ValueDef::NodeOutput { .. }, kvjit_graph::ValueType::Tensor(t)) => {
+                    match bytes(&t.shape, t.dtype.size_bytes()) {
+                        Some(b) => estimate.outputs = estimate.outputs.saturating_add(b),
+                        None => estimate.unknown.push(name),
+                    }
+                }
+                (ValueDef::KvCache, kvjit_graph::ValueType::KvCache(c)) => {
+                    let dims = [
+                        c.num_pages.clone(),
+                        Dim::Static(2),
+                        Dim::Static(c.num_layers),
+                        Dim::Static(c.page_size),
+                        Dim::Static(c.num_kv_heads),
+                        Dim::Static(c.head_size),
+                    ];
+                    match bytes(&dims, c.dtype.size_bytes()) {
+                        Some(b) => estimate.caches = estimate.caches.saturating_add(b),
+                        None => estimate.unknown.push(name),
+                    }
+                }
+                _ => {}
+            }
+        }
+        estimate
     }
 }
 
@@ -43,6 +109,12 @@ pub fn compile(graph: &Graph, registry: &Registry, options: &CompileOptions) -> 
     }
     let specialized = specialize(graph, registry.ops(), options.target, &options.bindings)?;
     let graph = specialized.graph();
+    if let Some(budget) = options.memory_budget {
+        let estimate = MemoryEstimate::of(graph, &options.build);
+        if estimate.total() > budget {
+            return Err(Error::MemoryBudget { needed: estimate.total(), budget, estimate });
+        }
+    }
 
     let mut slots: HashMap<ValueId, Slot> = HashMap::new();
     let mut inputs = Vec::new();

@@ -16,6 +16,19 @@ pub enum Error {
     /// Target, executable or run problem.
     #[error(transparent)]
     Runtime(#[from] kvjit_runtime::RuntimeError),
+    /// A graph whose buffers need more memory than the compile budget.
+    #[error(
+        "graph needs {needed} bytes ({} constants, {} outputs, {} KV caches), more than the memory budget of {budget} bytes",
+        estimate.constants, estimate.outputs, estimate.caches
+    )]
+    MemoryBudget {
+        /// Bytes needed (known part).
+        needed: u64,
+        /// The budget.
+        budget: u64,
+        /// The breakdown.
+        estimate: crate::MemoryEstimate,
+    },
     /// A request the caller made that cannot be met (e.g. an example scenario
     /// for a graph it does not fit).
     #[error("{0}")]

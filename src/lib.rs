@@ -28,7 +28,7 @@ pub mod demo;
 mod error;
 mod registry;
 
-pub use compile::{CompileOptions, compile};
+pub use compile::{CompileOptions, MemoryEstimate, compile};
 pub use error::{Error, Result};
 pub use registry::{Registry, standard_registry};
 

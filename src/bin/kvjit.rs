@@ -88,6 +88,24 @@ struct RunArgs {
     /// run time (instead of running the generic kernel).
     #[arg(long)]
     specialize_shapes: bool,
+    /// Refuse graphs whose buffers need more than this many bytes (suffixes
+    /// K, M, G: powers of 1024), before allocating them.
+    #[arg(long, value_parser = parse_bytes)]
+    memory_budget: Option<u64>,
+}
+
+fn parse_bytes(text: &str) -> std::result::Result<u64, String> {
+    let (digits, scale) = match text.as_bytes().last() {
+        Some(b'K' | b'k') => (&text[..text.len() - 1], 1 << 10),
+        Some(b'M' | b'm') => (&text[..text.len() - 1], 1 << 20),
+        Some(b'G' | b'g') => (&text[..text.len() - 1], 1 << 30),
+        _ => (text, 1),
+    };
+    digits
+        .parse::<u64>()
+        .ok()
+        .and_then(|v| v.checked_mul(scale))
+        .ok_or_else(|| format!("'{text}' is not a byte count (e.g. 512M, 8G)"))
 }
 
 /// `--kernel` values.
@@ -170,7 +188,7 @@ fn inspect(
 ) -> Result<()> {
     let graph = load(registry, path)?;
     let specialized = specialize(&graph, registry.ops(), target, &bindings)?;
-    let options = CompileOptions { target, bindings: bindings.clone(), build };
+    let options = CompileOptions { target, bindings: bindings.clone(), build, memory_budget: None };
     let exe = compile(&graph, registry, &options)?;
     let graph = specialized.graph();
     println!("graph '{}': {} nodes, symbols [{}]", graph.name(), graph.nodes().len(), graph.symbols().join(", "));
@@ -271,6 +289,7 @@ fn run(registry: &Registry, args: &RunArgs) -> Result<()> {
             specialize_shapes: args.specialize_shapes,
             ..BuildOptions::default()
         },
+        memory_budget: args.memory_budget,
     };
     let compile_start = Instant::now();
     let exe = compile(&graph, registry, &options)?;

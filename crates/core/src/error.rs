@@ -26,6 +26,12 @@ pub enum Error {
     /// A shape whose element count overflows usize.
     #[error("shape {0:?} has more elements than fit in memory")]
     ShapeOverflow(Vec<usize>),
+    /// The system could not provide memory for a tensor.
+    #[error("cannot allocate {bytes} bytes for a tensor")]
+    OutOfMemory {
+        /// Bytes requested.
+        bytes: usize,
+    },
     /// Storage length does not match the shape.
     #[error("shape {shape:?} needs {expected} elements, got {got}")]
     ElementCount {

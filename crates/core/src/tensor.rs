@@ -67,13 +67,22 @@ storable!(u32, U32);
 
 impl TensorData {
     /// Zero-filled storage of `len` elements.
-    pub fn zeros(dtype: DType, len: usize) -> Self {
-        match dtype {
-            DType::F32 => TensorData::F32(vec![0.0; len]),
-            DType::BF16 => TensorData::BF16(vec![bf16::ZERO; len]),
-            DType::F16 => TensorData::F16(vec![f16::ZERO; len]),
-            DType::U32 => TensorData::U32(vec![0; len]),
+    /// Zero-filled storage of `len` elements; an allocation the system
+    /// cannot satisfy is an error ([`Error::OutOfMemory`]), not an abort.
+    pub fn zeros(dtype: DType, len: usize) -> Result<Self> {
+        fn filled<T: Clone>(len: usize, value: T, dtype: DType) -> Result<Vec<T>> {
+            let mut v = Vec::new();
+            v.try_reserve_exact(len)
+                .map_err(|_| Error::OutOfMemory { bytes: len.saturating_mul(dtype.size_bytes()) })?;
+            v.resize(len, value);
+            Ok(v)
         }
+        Ok(match dtype {
+            DType::F32 => TensorData::F32(filled(len, 0.0, dtype)?),
+            DType::BF16 => TensorData::BF16(filled(len, bf16::ZERO, dtype)?),
+            DType::F16 => TensorData::F16(filled(len, f16::ZERO, dtype)?),
+            DType::U32 => TensorData::U32(filled(len, 0, dtype)?),
+        })
     }
 
     /// The dtype of the stored elements.
@@ -121,10 +130,10 @@ impl TensorData {
         }
     }
 
-    fn from_le_bytes(dtype: DType, bytes: &[u8]) -> Self {
-        let mut data = TensorData::zeros(dtype, bytes.len() / dtype.size_bytes());
+    fn from_le_bytes(dtype: DType, bytes: &[u8]) -> Result<Self> {
+        let mut data = TensorData::zeros(dtype, bytes.len() / dtype.size_bytes())?;
         data.as_bytes_mut().copy_from_slice(bytes);
-        data
+        Ok(data)
     }
 }
 
@@ -153,7 +162,7 @@ impl Tensor {
     /// A zero-filled contiguous tensor.
     pub fn zeros(dtype: DType, shape: &[usize]) -> Result<Self> {
         let numel = checked_numel(shape)?;
-        Ok(Self { shape: shape.to_vec(), strides: contiguous_strides(shape), data: TensorData::zeros(dtype, numel) })
+        Ok(Self { shape: shape.to_vec(), strides: contiguous_strides(shape), data: TensorData::zeros(dtype, numel)? })
     }
 
     /// A contiguous tensor over `values`, which must hold exactly `shape`'s
@@ -178,7 +187,7 @@ impl Tensor {
         if bytes.len() != expected {
             return Err(Error::ByteCount { dtype, shape: shape.to_vec(), expected, got: bytes.len() });
         }
-        Self::from_data(shape, TensorData::from_le_bytes(dtype, bytes))
+        Self::from_data(shape, TensorData::from_le_bytes(dtype, bytes)?)
     }
 
     /// A floating tensor from f32 values, each rounded to `dtype`.
@@ -203,8 +212,20 @@ impl Tensor {
     /// to `dtype`.
     pub fn random(dtype: DType, shape: &[usize], rng: &mut impl Rng, low: f32, high: f32) -> Result<Self> {
         let numel = checked_numel(shape)?;
-        let values: Vec<f32> = (0..numel).map(|_| rng.gen_range(low..high)).collect();
-        Self::from_f32(dtype, shape, &values)
+        let mut t = Self::zeros(dtype, shape)?;
+        fn fill<T: Element>(values: &mut [T], rng: &mut impl Rng, low: f32, high: f32) {
+            for v in values {
+                *v = T::from_f32(rng.gen_range(low..high));
+            }
+        }
+        match &mut t.data {
+            TensorData::F32(v) => fill(v, rng, low, high),
+            TensorData::BF16(v) => fill(v, rng, low, high),
+            TensorData::F16(v) => fill(v, rng, low, high),
+            TensorData::U32(_) => return Err(Error::NotFloat { what: "random".into(), dtype }),
+        }
+        debug_assert_eq!(t.numel(), numel);
+        Ok(t)
     }
 
     /// The element type.

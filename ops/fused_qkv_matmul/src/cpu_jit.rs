@@ -444,11 +444,14 @@ pub struct JitKernel {
     key: KernelKey,
     /// Kernels specialized for shapes seen at run time, by (B, S), when the
     /// key leaves them symbolic and the policy asks for it.
-    seen_shapes: Option<Mutex<HashMap<(usize, usize), Arc<JitFunction>>>>,
+    seen_shapes: Option<Mutex<SeenShapes>>,
     layout: PanelLayout,
     code: Arc<JitFunction>,
     packed_weight: Option<Arc<Tensor>>,
 }
+
+/// Kernels compiled for (B, S) shapes a generic kernel has run with.
+type SeenShapes = HashMap<(usize, usize), Arc<JitFunction>>;
 
 type KernelFn = unsafe extern "C" fn(
     x: *const f32,

@@ -144,3 +144,76 @@ pub fn assert_cache(blocks: &Tensor, before: &[u8], expected: &HashMap<usize, Ex
         }
     }
 }
+
+/// The canary byte at position `i` of a guard region: position-dependent,
+/// so a shifted or partial copy into a guard is caught too.
+pub fn canary(i: usize) -> u8 {
+    (i as u8).wrapping_mul(151).wrapping_add(0x3d)
+}
+
+/// `count` elements of `dtype` holding the quiet NaN `fill_f32(NaN)` writes.
+pub fn nan_bytes(dtype: DType, count: usize) -> Vec<u8> {
+    let mut t = Tensor::zeros(dtype, &[count]).unwrap();
+    poison(&mut t);
+    t.as_bytes().to_vec()
+}
+
+/// A byte buffer laid out `[front guard | body | back guard]`, the guards
+/// filled with [`canary`] bytes: hand [`body_mut`](Self::body_mut) to a
+/// kernel as its output, then [`assert_guards`](Self::assert_guards).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Guarded {
+    bytes: Vec<u8>,
+    front: usize,
+    body: usize,
+}
+
+impl Guarded {
+    /// `front` canary bytes, a copy of `body`, `back` canary bytes.
+    pub fn new(front: usize, body: &[u8], back: usize) -> Self {
+        let mut bytes: Vec<u8> = (0..front + body.len() + back).map(canary).collect();
+        bytes[front..front + body.len()].copy_from_slice(body);
+        Self { bytes, front, body: body.len() }
+    }
+
+    /// The body.
+    pub fn body(&self) -> &[u8] {
+        &self.bytes[self.front..self.front + self.body]
+    }
+
+    /// The body, writable.
+    pub fn body_mut(&mut self) -> &mut [u8] {
+        &mut self.bytes[self.front..self.front + self.body]
+    }
+
+    /// Guards and body together.
+    pub fn all(&self) -> &[u8] {
+        &self.bytes
+    }
+
+    /// Panics (naming `what` and the first touched byte) unless both guards
+    /// still hold their canary bytes.
+    pub fn assert_guards(&self, what: &str) {
+        let end = self.front + self.body;
+        for (i, &byte) in self.bytes.iter().enumerate() {
+            if (i < self.front || i >= end) && byte != canary(i) {
+                let (side, at) = if i < self.front {
+                    ("front", i as isize - self.front as isize)
+                } else {
+                    ("back", (i - end) as isize)
+                };
+                panic!("{what}: {side} guard byte at {at:+} from the output's edge was overwritten ({byte:#04x})");
+            }
+        }
+    }
+}
+
+/// `t` with the same shape and values, stored with its axes reordered by
+/// `perm` (which must be its own inverse), so the view is strided.
+pub fn strided_view(t: &Tensor, perm: &[usize]) -> Tensor {
+    let stored = t.permuted(perm).unwrap().to_contiguous();
+    let view = stored.permuted(perm).unwrap();
+    assert_eq!(view.shape(), t.shape());
+    assert!(!view.is_contiguous());
+    view
+}
