@@ -340,9 +340,13 @@ fn a_bad_node_after_a_dependency_stops_the_run_before_anything_is_written() {
 fn the_cuda_target_is_a_typed_unavailable_error() {
     let registry = standard_registry();
     let graph = small_graph(&registry);
-    let options = CompileOptions { target: Target::Cuda, ..common::reference_options() };
+    if kvjit_runtime::cuda_availability().is_ok() {
+        eprintln!("skipped: a CUDA device is present, so the CUDA target is available");
+        return;
+    }
+    let options = CompileOptions { target: Target::Cuda, ..CompileOptions::default() };
     let err = match compile(&graph, &registry, &options) {
-        Ok(_) => panic!("this build has no CUDA backend"),
+        Ok(_) => panic!("no CUDA device here, yet the CUDA target compiled"),
         Err(e) => e,
     };
     assert!(matches!(err, Error::Runtime(RuntimeError::TargetUnavailable { target: Target::Cuda, .. })), "{err:?}");

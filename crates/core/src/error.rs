@@ -229,6 +229,11 @@ pub enum Error {
         cache_length: u32,
     },
 
+    // ---- devices ----
+    /// A device (GPU) operation failed while running a kernel.
+    #[error("device error: {0}")]
+    Device(String),
+
     // ---- tensor files ----
     /// A tensor file could not be read or written.
     #[error("{}: {source}", path.display())]

@@ -8,7 +8,7 @@ use kvjit_graph::{
     ArgKind, ArgSpec, Dim, GraphError, OpDef, Params, TensorType, ValueType, param_dtype, param_usize, same_dim,
 };
 use kvjit_jit::CaptureText;
-use kvjit_runtime::{BuildOptions, Kernel, KernelBuilder, KernelImpl, RuntimeError, cuda_availability};
+use kvjit_runtime::{BuildOptions, Kernel, KernelBuilder, KernelImpl, RuntimeError};
 
 use crate::{FusedQkvSpec, JitKernel, ReferenceKernel};
 
@@ -171,12 +171,14 @@ impl KernelBuilder for FusedQkvOp {
                     .map_err(|e| RuntimeError::Plan(format!("JIT compile of {key} failed: {e}")))?;
                 Ok(Arc::new(kernel))
             }
-            (Target::Cuda, _) => {
-                cuda_availability()?;
-                Err(RuntimeError::TargetUnavailable {
-                    target: Target::Cuda,
-                    reason: format!("no CUDA variant serves {key}"),
-                })
+            (Target::Cuda, KernelImpl::Reference) => Err(RuntimeError::Plan(format!(
+                "{key}: the reference implementation runs on the CPU only (use the CPU target to check results)"
+            ))),
+            // Picks the precompiled variants for the key (refusing keys none
+            // serves) without touching a GPU; the kernel loads them on the
+            // device of the first context it runs on.
+            (Target::Cuda, KernelImpl::Fast) => {
+                Ok(Arc::new(crate::CudaKernel::new(spec, constants.get(1).cloned().flatten())?))
             }
         }
     }

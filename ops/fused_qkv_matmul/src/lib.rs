@@ -15,6 +15,7 @@
 
 mod call;
 pub mod cpu_jit;
+pub mod cuda_kernel;
 mod def;
 mod kernel;
 pub mod reference;
@@ -22,6 +23,7 @@ mod spec;
 
 pub use call::{CallShape, cache_row_offsets, check_call};
 pub use cpu_jit::JitKernel;
+pub use cuda_kernel::CudaKernel;
 pub use def::{FusedQkvOp, OP_ALIAS, OP_NAME};
 pub use kernel::ReferenceKernel;
 pub use spec::FusedQkvSpec;

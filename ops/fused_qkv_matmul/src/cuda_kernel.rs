@@ -1,0 +1,717 @@
+//! The CUDA kernel of the op: precompiled PTX variants of
+//! `cuda/fused_qkv.cu`, chosen per [`KernelKey`] when the graph is built,
+//! launched through [`kvjit_cuda`].
+//!
+//! **Variants.** A variant is one `extern "C"` kernel of the `.cu`, for one
+//! schedule ([`Schedule`]: `decode` for M = B·S ≤ 16, streaming the weight
+//! once; `prefill` for larger M, tensor-core tiles) and one pair of compute
+//! and cache dtypes (f32, bf16, f16 each). Its name is the symbol of
+//! [`variant_key`], which is derived from the op's own
+//! [`FusedQkvSpec::kernel_key`] — the `.cu` spells the same names through one
+//! macro, and a test checks every name this module can ask for against both
+//! committed PTX files. Head size, Hkv, q_dim and K are run-time arguments:
+//! the epilogue needs only `kv_dim = Hkv·D` and the K→V stride, so baking D
+//! in would multiply the PTX without changing any instruction. What the key
+//! does decide, [`choose_variants`] decides at build time: both dtypes, the
+//! schedule when B and S are static (generic keys load both schedules and
+//! pick by M per call), and the refusals — `K % 8 != 0` (rows are read as
+//! 16-byte vectors) or dimensions past the kernels' 32-bit indexing.
+//!
+//! **PTX.** `cuda/fused_qkv.compute_80.ptx` and `.compute_90.ptx` are
+//! generated from the `.cu` by `scripts/gen-ptx.sh` with the pinned CUDA 13.0
+//! toolchain and committed; each starts with the SHA-256 of the `.cu` it came
+//! from, and a unit test fails when the `.cu` changed without regenerating.
+//! The device loads the newest image not newer than itself.
+//!
+//! **A call.** `run` validates exactly as the CPU kernels do
+//! ([`check_against_spec`], [`check_output`]), computes each row's cache
+//! offset on the host with [`cache_row_offsets`] (the pass that checks the
+//! page table), and only then touches the device: upload X (and W unless it
+//! is the graph constant, which is uploaded once per device), launch the
+//! fused kernel, gather the K/V rows it wrote into one staging buffer, and
+//! download Q and the staged rows.
+//!
+//! **The cache stays on the device.** Each cache's blocks live in a device
+//! buffer kept resident across calls and steps
+//! ([`CudaDevice::with_resident`], keyed by the host blocks' address, size
+//! and layout), uploaded once, when first seen. Kernels write K/V there; the
+//! host copy — which the `Kernel` interface and the callers read
+//! (`--output`, tests, the next step's validation) — receives exactly the
+//! rows written, from the staging buffer, so both copies agree on every slot
+//! a CUDA kernel wrote. Per step only X, the row offsets, Q and the new K/V
+//! rows cross the bus. Edits a caller makes to the host blocks between calls
+//! are not re-uploaded; no result depends on them, since this op only writes
+//! the cache. (A future device reader of the cache — attention — needs a
+//! dirty-page signal from `PagedKVCacheCollection`, or a device-owned cache
+//! type, to see such edits; see the README's CUDA section.)
+
+use std::hash::{Hash, Hasher};
+use std::sync::{Arc, Mutex, PoisonError};
+
+use kvjit_core::{DType, Error, KernelKey, KvCacheParams, PagedKVCacheCollection, Result, Target, Tensor};
+use kvjit_cuda::{CudaDevice, CudaError, DeviceBuffer, Function, KernelArg, LaunchShape, PtxImage, ResidentKey};
+use kvjit_runtime::{DeviceContextPtr, Kernel, OutputSpec, RuntimeError};
+
+use crate::call::check_output;
+use crate::kernel::check_against_spec;
+use crate::spec::KERNEL_NAME;
+use crate::{CallShape, FusedQkvSpec, cache_row_offsets};
+
+/// The CUDA source every variant is compiled from.
+pub const CUDA_SOURCE: &str = include_str!("../cuda/fused_qkv.cu");
+
+/// The PTX of [`CUDA_SOURCE`], one image per virtual architecture.
+pub const PTX: [PtxImage; 2] = [
+    PtxImage { arch: 80, ptx: include_str!("../cuda/fused_qkv.compute_80.ptx") },
+    PtxImage { arch: 90, ptx: include_str!("../cuda/fused_qkv.compute_90.ptx") },
+];
+
+/// The module name [`PTX`] is loaded under.
+pub const PTX_MODULE: &str = "fused_qkv";
+
+// Launch geometry; the `.cu` defines the same constants (checked by a test).
+/// Threads per block of every kernel.
+pub const THREADS: u32 = 256;
+/// The most rows (B·S) the decode schedule serves.
+pub const DECODE_MAX_ROWS: usize = 16;
+const DEC_MMA_COLS: u32 = 16;
+const DEC_SIMT_COLS: u32 = 4;
+const PF_TILE: u32 = 128;
+const PS_TILE: u32 = 64;
+/// Rows the kernels index: 32-bit ints, and prefill grids at most 65535 row
+/// tiles of 64.
+const MAX_ROWS: usize = 65535 * PS_TILE as usize;
+
+/// How a variant schedules the GEMM (see `cuda/fused_qkv.cu`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Schedule {
+    /// M ≤ [`DECODE_MAX_ROWS`]: every weight element is read once (bf16/f16:
+    /// `mma.sync` with X as one 16-row tile, split-K over 8 warps; f32: SIMT).
+    Decode,
+    /// Larger M: 128×128 tensor-core tiles, 3-stage `cp.async` pipeline
+    /// (f32: SIMT 64×64 tiles).
+    Prefill,
+}
+
+impl Schedule {
+    /// Both schedules.
+    pub const ALL: [Schedule; 2] = [Schedule::Decode, Schedule::Prefill];
+
+    /// Its name in variant keys.
+    pub fn name(self) -> &'static str {
+        match self {
+            Schedule::Decode => "decode",
+            Schedule::Prefill => "prefill",
+        }
+    }
+
+    /// The schedule that serves `rows` rows.
+    pub fn for_rows(rows: usize) -> Self {
+        if rows <= DECODE_MAX_ROWS { Schedule::Decode } else { Schedule::Prefill }
+    }
+
+    /// Grid and block for `rows` × `n` outputs of compute dtype `dtype`.
+    pub fn launch_shape(self, dtype: DType, rows: usize, n: usize) -> LaunchShape {
+        let blocks = |len: usize, tile: u32| len.div_ceil(tile as usize) as u32;
+        let simt = dtype == DType::F32;
+        let grid = match self {
+            Schedule::Decode => (blocks(n, if simt { DEC_SIMT_COLS } else { DEC_MMA_COLS }), 1, 1),
+            Schedule::Prefill => {
+                let tile = if simt { PS_TILE } else { PF_TILE };
+                (blocks(n, tile), blocks(rows, tile), 1)
+            }
+        };
+        LaunchShape { grid, block: (THREADS, 1, 1) }
+    }
+}
+
+/// The key naming a CUDA variant: the op's kernel key reduced to what the
+/// variant bakes in (compute and cache dtype) under the op name plus the
+/// schedule, e.g. `fused_qkv_bshd_paged_decode.cuda.bf16.kvbf16`. Its
+/// [`symbol`](KernelKey::symbol) is the `extern "C"` kernel name.
+pub fn variant_key(spec: &FusedQkvSpec, schedule: Schedule) -> KernelKey {
+    let key = FusedQkvSpec { target: Target::Cuda, ..*spec }.kernel_key();
+    let cache = key.get("kv").expect("kernel_key always records the cache dtype");
+    KernelKey::new(&format!("{}_{}", key.op(), schedule.name()), key.target(), key.dtype()).with("kv", cache)
+}
+
+/// The key naming the row-gather kernel for a cache dtype, e.g.
+/// `fused_qkv_bshd_paged_gather.cuda.bf16`.
+pub fn gather_key(cache_dtype: DType) -> KernelKey {
+    KernelKey::new(&format!("{KERNEL_NAME}_gather"), Target::Cuda, cache_dtype)
+}
+
+/// Every kernel name this module can ask the PTX for.
+pub fn all_kernel_symbols() -> Vec<String> {
+    let floats = [DType::F32, DType::BF16, DType::F16];
+    let mut symbols = Vec::new();
+    for dtype in floats {
+        for cache_dtype in floats {
+            let spec = FusedQkvSpec {
+                target: Target::Cuda,
+                dtype,
+                cache_dtype,
+                k: 8,
+                q_dim: 1,
+                num_kv_heads: 1,
+                head_size: 1,
+                page_size: 1,
+                num_layers: 1,
+                batch: None,
+                seq: None,
+            };
+            symbols.extend(Schedule::ALL.map(|s| variant_key(&spec, s).symbol()));
+        }
+        symbols.push(gather_key(dtype).symbol());
+    }
+    symbols
+}
+
+/// The variants a kernel key uses.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VariantPlan {
+    /// The decode variant, unless B·S is static and larger than [`DECODE_MAX_ROWS`].
+    pub decode: Option<KernelKey>,
+    /// The prefill variant, unless B·S is static and at most [`DECODE_MAX_ROWS`].
+    pub prefill: Option<KernelKey>,
+    /// The row-gather kernel for the cache dtype.
+    pub gather: KernelKey,
+}
+
+impl VariantPlan {
+    /// The schedule serving a call of `rows` rows, if this plan has it.
+    pub fn schedule_for(&self, rows: usize) -> Option<Schedule> {
+        let schedule = Schedule::for_rows(rows);
+        let have = match schedule {
+            Schedule::Decode => self.decode.is_some(),
+            Schedule::Prefill => self.prefill.is_some(),
+        };
+        have.then_some(schedule)
+    }
+}
+
+fn fits_i32(v: usize) -> bool {
+    i32::try_from(v).is_ok()
+}
+
+/// Map a kernel key to the variants that serve it, or say why none does.
+pub fn choose_variants(spec: &FusedQkvSpec) -> std::result::Result<VariantPlan, String> {
+    if spec.target != Target::Cuda {
+        return Err(format!("{} is not a CUDA key", spec.kernel_key()));
+    }
+    for (what, dtype) in [("compute", spec.dtype), ("cache", spec.cache_dtype)] {
+        if !dtype.is_float() {
+            return Err(format!("CUDA variants exist for f32, bf16 and f16 {what} dtypes, not {dtype}"));
+        }
+    }
+    if !spec.k.is_multiple_of(8) {
+        return Err(format!(
+            "the CUDA kernels read rows of hidden_state and weight as 16-byte vectors and need K % 8 == 0, got K = {}",
+            spec.k
+        ));
+    }
+    let kv_dim = spec.kv_dim();
+    let n = spec.q_dim.checked_add(2 * kv_dim);
+    if ![spec.k, spec.q_dim, kv_dim].into_iter().all(fits_i32) || !n.is_some_and(fits_i32) {
+        return Err(format!(
+            "the CUDA kernels index K, q_dim and N with 32-bit ints; K = {}, q_dim = {}, kv_dim = {kv_dim} is too large",
+            spec.k, spec.q_dim
+        ));
+    }
+    let rows = match (spec.batch, spec.seq) {
+        (Some(b), Some(s)) => match b.checked_mul(s).filter(|&m| m <= MAX_ROWS) {
+            Some(m) => Some(m),
+            None => return Err(format!("B·S = {b}·{s} rows is more than the CUDA kernels' {MAX_ROWS}")),
+        },
+        _ => None,
+    };
+    Ok(VariantPlan {
+        decode: rows.is_none_or(|m| m <= DECODE_MAX_ROWS).then(|| variant_key(spec, Schedule::Decode)),
+        prefill: rows.is_none_or(|m| m > DECODE_MAX_ROWS).then(|| variant_key(spec, Schedule::Prefill)),
+        gather: gather_key(spec.cache_dtype),
+    })
+}
+
+/// A CUDA error as the `Kernel` interface's error type.
+///
+/// `kvjit_core::Error` has no device variant yet, so the typed [`CudaError`]
+/// travels as the source of an `Io` error on the path `CUDA device`
+/// (downcast it with `std::io::Error::get_ref`). Messages read
+/// `CUDA device: cuLaunchKernel failed: CUDA_ERROR_…: …`.
+pub fn device_error(error: CudaError) -> Error {
+    Error::Device(format!("CUDA: {error}"))
+}
+
+/// The scalars of one launch, each checked to fit the kernel's parameter type.
+#[derive(Clone, Copy, Debug)]
+struct LaunchDims {
+    rows: usize,
+    m: i32,
+    k: i32,
+    n: i32,
+    q_dim: i32,
+    kv_dim: i32,
+    kv_stride: i64,
+}
+
+impl LaunchDims {
+    fn new(shape: &CallShape, params: &KvCacheParams) -> Result<Self> {
+        let rows = shape.batch * shape.seq;
+        let too_large = |what: &str, expected: String, got: Vec<usize>| Error::ShapeMismatch {
+            arg: what.into(),
+            expected: format!("{expected} (the CUDA kernels' indexing limit)"),
+            got,
+        };
+        if rows > MAX_ROWS {
+            return Err(too_large(
+                "hidden_state",
+                format!("at most {MAX_ROWS} rows B·S"),
+                vec![shape.batch, shape.seq],
+            ));
+        }
+        let int = |v: usize, what: &str| {
+            i32::try_from(v).map_err(|_| too_large(what, format!("a size below {}", i32::MAX), vec![v]))
+        };
+        let kv_stride = params.num_layers * params.page_size * shape.kv_dim;
+        Ok(Self {
+            rows,
+            m: int(rows, "hidden_state")?,
+            k: int(shape.k, "hidden_state")?,
+            n: int(shape.n, "weight")?,
+            q_dim: int(shape.q_dim, "weight")?,
+            kv_dim: int(shape.kv_dim, "kv_collection")?,
+            kv_stride: i64::try_from(kv_stride)
+                .map_err(|_| too_large("kv_collection", "a smaller cache".into(), vec![]))?,
+        })
+    }
+}
+
+fn le_bytes(values: &[i64]) -> Vec<u8> {
+    values.iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
+/// Device buffers reused from call to call (grown when too small).
+#[derive(Default)]
+struct Scratch {
+    x: Option<DeviceBuffer>,
+    w: Option<DeviceBuffer>,
+    out: Option<DeviceBuffer>,
+    row_off: Option<DeviceBuffer>,
+    written: Option<DeviceBuffer>,
+    staged: Option<DeviceBuffer>,
+}
+
+/// What one kernel keeps per device: its functions, the constant weight,
+/// scratch buffers.
+struct DeviceState {
+    device: Arc<CudaDevice>,
+    decode: Option<Function>,
+    prefill: Option<Function>,
+    gather: Function,
+    weight: Option<DeviceBuffer>,
+    scratch: Scratch,
+}
+
+/// The host side of one call, validated.
+struct Call<'a> {
+    dtype: DType,
+    schedule: Schedule,
+    dims: LaunchDims,
+    hidden: &'a [u8],
+    weight: &'a [u8],
+    weight_is_constant: bool,
+    row_off: &'a [i64],
+    written: &'a [i64],
+    blocks: &'a [u8],
+    blocks_key: ResidentKey,
+}
+
+impl DeviceState {
+    fn new(device: Arc<CudaDevice>, plan: &VariantPlan) -> kvjit_cuda::Result<Self> {
+        let load = |key: &KernelKey| device.function(PTX_MODULE, &PTX, &key.symbol());
+        Ok(Self {
+            decode: plan.decode.as_ref().map(load).transpose()?,
+            prefill: plan.prefill.as_ref().map(load).transpose()?,
+            gather: load(&plan.gather)?,
+            device,
+            weight: None,
+            scratch: Scratch::default(),
+        })
+    }
+
+    /// Everything on the device. Returns with `output` holding Q and
+    /// `staged` the K/V rows written (`[written, 2, kv_dim]`, cache dtype).
+    fn execute(&mut self, call: &Call<'_>, output: &mut [u8], staged: &mut [u8]) -> kvjit_cuda::Result<()> {
+        let device = self.device.clone();
+        let upload = |slot: &mut Option<DeviceBuffer>, bytes: &[u8]| -> kvjit_cuda::Result<()> {
+            let buffer = device.ensure(slot, bytes.len())?;
+            device.upload(bytes, buffer)
+        };
+        let s = &mut self.scratch;
+        upload(&mut s.x, call.hidden)?;
+        upload(&mut s.row_off, &le_bytes(call.row_off))?;
+        upload(&mut s.written, &le_bytes(call.written))?;
+        device.ensure(&mut s.out, output.len())?;
+        device.ensure(&mut s.staged, staged.len())?;
+        if !call.weight_is_constant {
+            upload(&mut s.w, call.weight)?;
+        } else if self.weight.is_none() {
+            upload(&mut self.weight, call.weight)?;
+        }
+
+        let s = &self.scratch;
+        let present = "uploaded or allocated above";
+        let (x, out, row_off, written, staged_dev) = (
+            s.x.as_ref().expect(present),
+            s.out.as_ref().expect(present),
+            s.row_off.as_ref().expect(present),
+            s.written.as_ref().expect(present),
+            s.staged.as_ref().expect(present),
+        );
+        let w = if call.weight_is_constant { &self.weight } else { &s.w }.as_ref().expect(present);
+        let fused = match call.schedule {
+            Schedule::Decode => self.decode.as_ref(),
+            Schedule::Prefill => self.prefill.as_ref(),
+        }
+        .expect("DeviceState::new loaded every schedule of the plan, and the plan served this call");
+        let d = call.dims;
+        let fused_shape = call.schedule.launch_shape(call.dtype, d.rows, d.n as usize);
+        let gather_shape = LaunchShape { grid: (call.written.len() as u32, 1, 1), block: (THREADS, 1, 1) };
+        let gather = &self.gather;
+
+        device.with_resident(call.blocks_key, call.blocks, |blocks| {
+            let blocks: &DeviceBuffer = blocks;
+            let args = [
+                KernelArg::Buffer(x),
+                KernelArg::Buffer(w),
+                KernelArg::Buffer(out),
+                KernelArg::Buffer(blocks),
+                KernelArg::Buffer(row_off),
+                KernelArg::I32(d.m),
+                KernelArg::I32(d.k),
+                KernelArg::I32(d.n),
+                KernelArg::I32(d.q_dim),
+                KernelArg::I32(d.kv_dim),
+                KernelArg::I64(d.kv_stride),
+            ];
+            // SAFETY: `args` follow KVJIT_FUSED_PARAMS (x, w, out, blocks,
+            // row_off, M, K, N, q_dim, kv_dim, kv_stride) of the variant
+            // named by `variant_key(spec, schedule)`, whose element types are
+            // the spec's dtypes, which `check_against_spec` confirmed for
+            // hidden_state, weight and the cache. Bounds: `check_call`
+            // proved X is [M, K] and W is [N, K] (uploaded whole), out holds
+            // M·q_dim elements (`check_output`), K % 8 == 0
+            // (`choose_variants`, for the 16-byte loads), `blocks` is the
+            // whole resident copy of the cache's blocks (the key includes
+            // their size), and `row_off` holds M offsets from
+            // `cache_row_offsets`, each inside `blocks` with its V row
+            // kv_stride further and no two equal — what `check_call`
+            // established for every valid token; padded rows are -1 and
+            // store nothing.
+            unsafe { device.launch(fused, fused_shape, &args) }?;
+            if !call.written.is_empty() {
+                let args = [
+                    KernelArg::Buffer(blocks),
+                    KernelArg::Buffer(written),
+                    KernelArg::I32(d.kv_dim),
+                    KernelArg::I64(d.kv_stride),
+                    KernelArg::Buffer(staged_dev),
+                ];
+                // SAFETY: `args` follow the gather kernel's parameters
+                // (blocks, offs, kv_dim, kv_stride, staged) for the cache
+                // dtype; one block per entry of `written`, which are the
+                // valid offsets of `row_off` (in bounds, see above), and
+                // `staged_dev` holds written·2·kv_dim elements (allocated
+                // from `staged.len()`).
+                unsafe { device.launch(gather, gather_shape, &args) }?;
+            }
+            Ok(())
+        })?;
+        device.download(out, output)?;
+        device.download(staged_dev, staged)?;
+        device.synchronize()
+    }
+}
+
+/// Whether `given` is the very tensor the kernel was built with.
+fn same_data(constant: &Tensor, given: &Tensor) -> bool {
+    constant.dtype() == given.dtype()
+        && constant.shape() == given.shape()
+        && std::ptr::eq(constant.as_bytes(), given.as_bytes())
+}
+
+/// Tells apart resident copies of the same host memory used with another
+/// layout.
+fn layout_tag(params: &KvCacheParams) -> u64 {
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    ("fused_qkv blocks", params).hash(&mut hasher);
+    hasher.finish()
+}
+
+/// The op's CUDA kernel for one key (see the module docs).
+///
+/// Tensor inputs, in order: `hidden_state`, `weight`, `layer_idx`,
+/// `valid_lengths`; one cache; one output. Runs only on a CUDA
+/// [`DeviceContextPtr`]; building it needs no GPU.
+pub struct CudaKernel {
+    spec: FusedQkvSpec,
+    key: KernelKey,
+    plan: VariantPlan,
+    weight: Option<Arc<Tensor>>,
+    states: Mutex<Vec<DeviceState>>,
+}
+
+impl CudaKernel {
+    /// The kernel for `spec`, or [`RuntimeError::TargetUnavailable`] naming
+    /// the key when no variant serves it. `weight` is the weight when it is
+    /// a graph constant (uploaded once per device instead of every call).
+    pub fn new(spec: FusedQkvSpec, weight: Option<Arc<Tensor>>) -> std::result::Result<Self, RuntimeError> {
+        let key = spec.kernel_key();
+        let plan = choose_variants(&spec).map_err(|why| RuntimeError::TargetUnavailable {
+            target: Target::Cuda,
+            reason: format!("no CUDA variant serves {key}: {why}"),
+        })?;
+        Ok(Self { spec, key, plan, weight, states: Mutex::new(Vec::new()) })
+    }
+
+    /// The variants this kernel uses.
+    pub fn plan(&self) -> &VariantPlan {
+        &self.plan
+    }
+}
+
+impl Kernel for CudaKernel {
+    fn key(&self) -> &KernelKey {
+        &self.key
+    }
+
+    fn implementation(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn check(&self, inputs: &[&Tensor], caches: &[&PagedKVCacheCollection]) -> Result<Vec<OutputSpec>> {
+        let shape = check_against_spec(&self.spec, inputs, caches)?;
+        LaunchDims::new(&shape, caches[0].params())?;
+        Ok(vec![(self.spec.dtype, shape.output_shape())])
+    }
+
+    fn run(
+        &self,
+        inputs: &[&Tensor],
+        caches: &mut [&mut PagedKVCacheCollection],
+        outputs: &mut [Tensor],
+        ctx: &DeviceContextPtr,
+    ) -> Result<()> {
+        // The same validation as the CPU kernels, before anything is written.
+        let shared: Vec<&PagedKVCacheCollection> = caches.iter().map(|c| &**c).collect();
+        let shape = check_against_spec(&self.spec, inputs, &shared)?;
+        let output_count = outputs.len();
+        let ([hidden, weight, _layer_idx, valid_lengths], [cache], [output]) = (inputs, caches, outputs) else {
+            return Err(Error::ShapeMismatch {
+                arg: "outputs".into(),
+                expected: "1 output tensor".into(),
+                got: vec![output_count],
+            });
+        };
+        check_output(&shape, self.spec.dtype, output)?;
+        let dims = LaunchDims::new(&shape, cache.params())?;
+        let row_off = cache_row_offsets(&shape, cache, valid_lengths)?;
+        let Some(cuda) = ctx.cuda_context() else {
+            return Err(device_error(CudaError::Unavailable(format!(
+                "{} runs on a CUDA device context, not a {} one",
+                self.key,
+                ctx.target()
+            ))));
+        };
+        let Some(schedule) = self.plan.schedule_for(dims.rows) else {
+            // check_against_spec matched static B and S, so the plan has it.
+            return Err(Error::ShapeMismatch {
+                arg: "hidden_state".into(),
+                expected: format!("the shape {} was built for", self.key),
+                got: hidden.shape().to_vec(),
+            });
+        };
+        if dims.rows == 0 {
+            return Ok(());
+        }
+
+        let written: Vec<i64> = row_off.iter().copied().filter(|&o| o >= 0).collect();
+        let params = *cache.params();
+        let elem = params.dtype.size_bytes();
+        let row_bytes = shape.kv_dim * elem;
+        let mut staged = vec![0u8; written.len() * 2 * row_bytes];
+        {
+            let blocks = cache.blocks().as_bytes();
+            let call = Call {
+                dtype: self.spec.dtype,
+                schedule,
+                dims,
+                hidden: hidden.as_bytes(),
+                weight: weight.as_bytes(),
+                weight_is_constant: self.weight.as_deref().is_some_and(|c| same_data(c, weight)),
+                row_off: &row_off,
+                written: &written,
+                blocks,
+                blocks_key: ResidentKey {
+                    host_addr: blocks.as_ptr() as usize,
+                    bytes: blocks.len(),
+                    tag: layout_tag(&params),
+                },
+            };
+            let mut states = self.states.lock().unwrap_or_else(PoisonError::into_inner);
+            let index = match states.iter().position(|s| Arc::ptr_eq(&s.device, cuda.device())) {
+                Some(index) => index,
+                None => {
+                    states.push(DeviceState::new(cuda.device().clone(), &self.plan).map_err(device_error)?);
+                    states.len() - 1
+                }
+            };
+            states[index].execute(&call, output.as_bytes_mut(), &mut staged).map_err(device_error)?;
+        }
+
+        // Mirror the K/V rows the kernel wrote on the device into the host
+        // cache (offsets validated by check_call, as on the device).
+        let kv_stride = dims.kv_stride as usize;
+        let host = cache.blocks_bytes_mut();
+        for (&off, rows) in written.iter().zip(staged.chunks_exact(2 * row_bytes)) {
+            let (k, v) = rows.split_at(row_bytes);
+            let off = off as usize;
+            host[off * elem..][..row_bytes].copy_from_slice(k);
+            host[(off + kv_stride) * elem..][..row_bytes].copy_from_slice(v);
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use sha2::{Digest, Sha256};
+
+    use super::*;
+
+    fn spec(dtype: DType, k: usize, batch: Option<usize>, seq: Option<usize>) -> FusedQkvSpec {
+        FusedQkvSpec {
+            target: Target::Cuda,
+            dtype,
+            cache_dtype: dtype,
+            k,
+            q_dim: 4096,
+            num_kv_heads: 8,
+            head_size: 128,
+            page_size: 16,
+            num_layers: 32,
+            batch,
+            seq,
+        }
+    }
+
+    /// A `.cu` edited without `scripts/gen-ptx.sh` must fail the build's
+    /// tests: every committed PTX names the SHA-256 of the source it came from.
+    #[test]
+    fn committed_ptx_was_generated_from_this_cu() {
+        let sha: String = Sha256::digest(CUDA_SOURCE.as_bytes()).iter().map(|b| format!("{b:02x}")).collect();
+        for image in &PTX {
+            let header = image
+                .ptx
+                .lines()
+                .take(5)
+                .find_map(|l| l.strip_prefix("// kvjit-source-sha256: "))
+                .unwrap_or_else(|| panic!("compute_{} PTX has no kvjit-source-sha256 header", image.arch));
+            assert_eq!(
+                header, sha,
+                "cuda/fused_qkv.compute_{}.ptx was generated from another fused_qkv.cu: run scripts/gen-ptx.sh",
+                image.arch
+            );
+            assert!(image.ptx.contains(&format!(".target sm_{}", image.arch)), "compute_{} PTX", image.arch);
+            assert!(image.ptx.contains("\n.version 9.0\n"), "driver 580 loads PTX ISA 9.0 (CUDA 13.0), not newer");
+        }
+    }
+
+    /// Every kernel name this module can ask for is an entry of both images.
+    #[test]
+    fn every_variant_the_rust_side_names_is_in_the_ptx() {
+        let symbols = all_kernel_symbols();
+        assert_eq!(symbols.len(), 3 * 3 * 2 + 3);
+        for image in &PTX {
+            for symbol in &symbols {
+                assert!(
+                    image.ptx.contains(&format!(".visible .entry {symbol}(")),
+                    "{symbol} missing from compute_{} PTX",
+                    image.arch
+                );
+            }
+            assert_eq!(image.ptx.matches(".visible .entry ").count(), symbols.len(), "no unnamed extra kernels");
+        }
+        assert!(symbols.contains(&"fused_qkv_bshd_paged_decode_cuda_bf16_kvbf16".to_string()));
+    }
+
+    /// The launch geometry mirrored here is the one the `.cu` defines.
+    #[test]
+    fn launch_constants_match_the_cu() {
+        for line in [
+            format!("constexpr int THREADS = {THREADS};"),
+            format!("constexpr int DEC_MAX_M = {DECODE_MAX_ROWS};"),
+            format!("constexpr int DEC_MMA_COLS = {DEC_MMA_COLS};"),
+            format!("constexpr int DEC_SIMT_COLS = {DEC_SIMT_COLS};"),
+            format!("constexpr int PF_BM = {PF_TILE}, PF_BN = {PF_TILE},"),
+            format!("constexpr int PS_BM = {PS_TILE}, PS_BN = {PS_TILE},"),
+        ] {
+            assert!(CUDA_SOURCE.contains(&line), "fused_qkv.cu does not say `{line}`");
+        }
+    }
+
+    #[test]
+    fn variant_names_come_from_the_kernel_key() {
+        let s = spec(DType::BF16, 4096, None, None);
+        assert_eq!(variant_key(&s, Schedule::Decode).to_string(), "fused_qkv_bshd_paged_decode.cuda.bf16.kvbf16");
+        assert_eq!(variant_key(&s, Schedule::Prefill).symbol(), "fused_qkv_bshd_paged_prefill_cuda_bf16_kvbf16");
+        // a CPU spec still names the CUDA variant
+        let cpu = FusedQkvSpec { target: Target::Cpu, cache_dtype: DType::F32, ..s };
+        assert_eq!(variant_key(&cpu, Schedule::Decode).symbol(), "fused_qkv_bshd_paged_decode_cuda_bf16_kvf32");
+        assert_eq!(gather_key(DType::F16).symbol(), "fused_qkv_bshd_paged_gather_cuda_f16");
+    }
+
+    #[test]
+    fn static_keys_get_one_schedule_generic_keys_both() {
+        let decode = choose_variants(&spec(DType::BF16, 4096, Some(4), Some(4))).unwrap();
+        assert!(decode.decode.is_some() && decode.prefill.is_none());
+        assert_eq!(decode.schedule_for(16), Some(Schedule::Decode));
+        let prefill = choose_variants(&spec(DType::BF16, 4096, Some(1), Some(17))).unwrap();
+        assert!(prefill.decode.is_none() && prefill.prefill.is_some());
+        for (b, s) in [(None, None), (Some(4), None), (None, Some(1))] {
+            let generic = choose_variants(&spec(DType::F16, 4096, b, s)).unwrap();
+            assert_eq!(generic.schedule_for(1), Some(Schedule::Decode));
+            assert_eq!(generic.schedule_for(16), Some(Schedule::Decode));
+            assert_eq!(generic.schedule_for(17), Some(Schedule::Prefill));
+            assert_eq!(generic.schedule_for(2048), Some(Schedule::Prefill));
+        }
+    }
+
+    #[test]
+    fn keys_no_variant_serves_are_refused_with_the_reason() {
+        let why = choose_variants(&spec(DType::F32, 4100, None, None)).unwrap_err();
+        assert!(why.contains("K % 8 == 0, got K = 4100"), "{why}");
+        let why = choose_variants(&spec(DType::F32, 4096, Some(1 << 20), Some(1 << 20))).unwrap_err();
+        assert!(why.contains("rows"), "{why}");
+        let why =
+            choose_variants(&FusedQkvSpec { target: Target::Cpu, ..spec(DType::F32, 8, None, None) }).unwrap_err();
+        assert!(why.contains("not a CUDA key"), "{why}");
+        let err = CudaKernel::new(spec(DType::BF16, 12, None, None), None).err().expect("refused");
+        assert_eq!(
+            err.to_string(),
+            "CUDA target unavailable: no CUDA variant serves \
+             fused_qkv_bshd_paged.cuda.bf16.k12.q4096.hkv8.d128.p16.l32.kvbf16.bany.sany: the CUDA kernels read rows \
+             of hidden_state and weight as 16-byte vectors and need K % 8 == 0, got K = 12"
+        );
+    }
+
+    #[test]
+    fn launch_shapes_cover_every_output() {
+        let decode = Schedule::Decode.launch_shape(DType::BF16, 1, 6144);
+        assert_eq!(decode.grid, (384, 1, 1));
+        assert_eq!(Schedule::Decode.launch_shape(DType::F32, 16, 6145).grid, (1537, 1, 1));
+        assert_eq!(Schedule::Prefill.launch_shape(DType::BF16, 2048, 6144).grid, (48, 16, 1));
+        assert_eq!(Schedule::Prefill.launch_shape(DType::F32, 129, 65).grid, (2, 3, 1));
+        assert_eq!(decode.block, (256, 1, 1));
+    }
+}

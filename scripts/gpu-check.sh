@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# The CUDA target on a machine with an NVIDIA GPU (sm_80 or newer, driver 580+),
+# in one command that fits in 10 minutes:
+#   1. the CUDA tests of ops/fused_qkv_matmul/tests/cuda.rs against the CPU
+#      reference: random shapes in every dtype pair and both schedules,
+#      poisoned outputs and caches, guard regions around every device buffer,
+#      bad inputs, steps over one resident cache (a missing device fails);
+#   2. `kvjit run --target cuda` on the built-in Llama-3-8B layer (prefill +
+#      3 decode steps), next to the same run on the CPU;
+#   3. the 8B QKV shape at M = 1, 16, 256, 2048: fused kernel vs cuBLAS GEMM +
+#      scatter (CUDA events), Kernel::run end to end, % of copy bandwidth.
+#
+#   scripts/gpu-check.sh               build with cargo (release, feature cublas), then run
+#   scripts/gpu-check.sh --build-only  build only, into target/gpu-check/ (any machine with cargo;
+#                                      carry that folder to a GPU machine that has no Rust)
+#   scripts/gpu-check.sh --prebuilt    run the binaries in target/gpu-check/ (no cargo needed)
+#
+# cuBLAS is loaded at run time; where it ships only inside Python wheels
+# (nvidia/cu13/lib), the script adds that folder to LD_LIBRARY_PATH.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+MODE=${1:-all}
+BUNDLE=target/gpu-check
+
+build() {
+    mkdir -p "$BUNDLE"
+    cargo build --release --bin kvjit
+    cp target/release/kvjit "$BUNDLE/kvjit"
+    local exe
+    exe=$(cargo test --release -p kvjit-op-fused-qkv --features cublas --test cuda --no-run --message-format=json \
+        | python3 -c 'import json,sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "cuda":
+        print(m["executable"])')
+    cp "$exe" "$BUNDLE/cuda-tests"
+    echo "built $BUNDLE/kvjit and $BUNDLE/cuda-tests"
+}
+
+add_cublas_to_loader_path() {
+    if ldconfig -p 2>/dev/null | grep -q 'libcublas\.so'; then return; fi
+    local dir
+    for dir in $(python3 -c 'import glob, os, site
+roots = site.getsitepackages() + [site.getusersitepackages()]
+print("\n".join(d for r in roots for d in glob.glob(os.path.join(r, "nvidia", "*", "lib"))))' 2>/dev/null || true); do
+        if compgen -G "$dir/libcublas.so*" >/dev/null; then
+            export LD_LIBRARY_PATH="$dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+            echo "cuBLAS from $dir"
+            return
+        fi
+    done
+    echo "warning: libcublas not found; the timing step will fail" >&2
+}
+
+run() {
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || true
+    add_cublas_to_loader_path
+    export KVJIT_REQUIRE_CUDA=1
+    echo "== 1. CUDA correctness tests (vs the CPU reference)"
+    "$BUNDLE/cuda-tests" --test-threads=1
+    echo "== 2. kvjit run --target cuda vs --target cpu (8B layer: prefill + 3 decode steps)"
+    "$BUNDLE/kvjit" run --target cuda --steps 3 | tail -n 12
+    "$BUNDLE/kvjit" run --target cpu --steps 3 | tail -n 12
+    echo "== 3. 8B QKV timing"
+    "$BUNDLE/cuda-tests" --ignored --nocapture --test-threads=1 time_8b_qkv_against_cublas_gemm_plus_scatter
+}
+
+case "$MODE" in
+    --build-only) build ;;
+    --prebuilt) run ;;
+    all) build && run ;;
+    *) echo "usage: $0 [--build-only|--prebuilt]" >&2; exit 2 ;;
+esac
