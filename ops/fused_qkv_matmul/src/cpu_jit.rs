@@ -37,8 +37,8 @@ use kvjit_jit::ir::{counted_loop, load_f32x4_raw, load_splat_f32x4, mem, store_f
 use kvjit_jit::{CaptureText, CompileCause, CompileRecord, JitError, JitFunction, KernelCache, compile_function};
 use kvjit_runtime::{CodeInfo, DeviceContextPtr, Kernel, OutputSpec};
 
-use crate::call::{cache_row_offsets, check_output};
-use crate::kernel::check_against_spec;
+use crate::call::cache_row_offsets;
+use crate::kernel::{check_against_spec, checked_call};
 use crate::{CallShape, FusedQkvSpec};
 
 /// Columns per weight panel (two F32X4 vectors).
@@ -629,19 +629,16 @@ impl Kernel for JitKernel {
         outputs: &mut [Tensor],
         ctx: &DeviceContextPtr,
     ) -> Result<()> {
-        let counts = vec![inputs.len(), caches.len(), outputs.len()];
-        let ([hidden, weight, layer_idx, valid_lengths], [cache], [output]) = (inputs, caches, outputs) else {
-            return Err(Error::ShapeMismatch {
-                arg: "arguments".into(),
-                expected: "4 tensors, 1 KV cache and 1 output".into(),
-                got: counts,
-            });
-        };
-        {
-            let shape = check_against_spec(&self.spec, inputs, &[&**cache])?;
-            check_output(&shape, self.spec.dtype, output)?;
-        }
-        self.run_into(hidden, weight, cache, layer_idx, valid_lengths, output.as_bytes_mut(), ctx)
+        let call = checked_call(&self.spec, inputs, caches, outputs)?;
+        self.launch(
+            &call.shape,
+            call.hidden,
+            call.weight,
+            call.cache,
+            call.valid_lengths,
+            call.output.as_bytes_mut(),
+            ctx,
+        )
     }
 }
 
@@ -671,6 +668,23 @@ impl JitKernel {
                 got: output.len(),
             });
         }
+        self.launch(&shape, hidden, weight, cache, valid_lengths, output, ctx)
+    }
+
+    /// Run a validated call: `shape` came from `check_against_spec` on
+    /// exactly these arguments and `output` holds `B·S·q_dim` elements.
+    #[allow(clippy::too_many_arguments)] // a validated call's pieces
+    fn launch(
+        &self,
+        shape: &CallShape,
+        hidden: &Tensor,
+        weight: &Tensor,
+        cache: &mut PagedKVCacheCollection,
+        valid_lengths: &Tensor,
+        output: &mut [u8],
+        ctx: &DeviceContextPtr,
+    ) -> Result<()> {
+        let shape = *shape;
         let row_offsets = cache_row_offsets(&shape, cache, valid_lengths)?;
         let x = hidden_as_f32(hidden);
         let packed_now;

@@ -52,8 +52,7 @@ use kvjit_core::{DType, Error, KernelKey, KvCacheParams, PagedKVCacheCollection,
 use kvjit_cuda::{CudaDevice, CudaError, DeviceBuffer, Function, KernelArg, LaunchShape, PtxImage, ResidentKey};
 use kvjit_runtime::{DeviceContextPtr, Kernel, OutputSpec, RuntimeError};
 
-use crate::call::check_output;
-use crate::kernel::check_against_spec;
+use crate::kernel::{CheckedCall, check_against_spec, checked_call};
 use crate::spec::KERNEL_NAME;
 use crate::{CallShape, FusedQkvSpec, cache_row_offsets};
 
@@ -503,17 +502,8 @@ impl Kernel for CudaKernel {
         ctx: &DeviceContextPtr,
     ) -> Result<()> {
         // The same validation as the CPU kernels, before anything is written.
-        let shared: Vec<&PagedKVCacheCollection> = caches.iter().map(|c| &**c).collect();
-        let shape = check_against_spec(&self.spec, inputs, &shared)?;
-        let output_count = outputs.len();
-        let ([hidden, weight, _layer_idx, valid_lengths], [cache], [output]) = (inputs, caches, outputs) else {
-            return Err(Error::ShapeMismatch {
-                arg: "outputs".into(),
-                expected: "1 output tensor".into(),
-                got: vec![output_count],
-            });
-        };
-        check_output(&shape, self.spec.dtype, output)?;
+        let CheckedCall { shape, hidden, weight, valid_lengths, cache, output, .. } =
+            checked_call(&self.spec, inputs, caches, outputs)?;
         let dims = LaunchDims::new(&shape, cache.params())?;
         let row_off = cache_row_offsets(&shape, cache, valid_lengths)?;
         let Some(cuda) = ctx.cuda_context() else {

@@ -3,6 +3,7 @@
 use kvjit_core::{Error, KernelKey, PagedKVCacheCollection, Result, Tensor};
 use kvjit_runtime::{DeviceContextPtr, Kernel, OutputSpec};
 
+use crate::call::check_output;
 use crate::{CallShape, FusedQkvSpec, check_call, reference};
 
 /// The reference implementation as a CPU kernel, for one kernel key.
@@ -97,17 +98,48 @@ impl Kernel for ReferenceKernel {
         outputs: &mut [Tensor],
         _ctx: &DeviceContextPtr,
     ) -> Result<()> {
-        let shared: Vec<&PagedKVCacheCollection> = caches.iter().map(|c| &**c).collect();
-        check_against_spec(&self.spec, inputs, &shared)?;
-        let output_count = outputs.len();
-        let ([hidden, weight, layer_idx, valid_lengths], [cache], [output]) = (inputs, caches, outputs) else {
-            return Err(Error::ShapeMismatch {
-                arg: "outputs".into(),
-                expected: "1 output tensor".into(),
-                got: vec![output_count],
-            });
-        };
-        reference::fused_qkv_matmul(hidden, weight, cache, layer_idx, valid_lengths, output)?;
+        let call = checked_call(&self.spec, inputs, caches, outputs)?;
+        reference::fused_qkv_matmul(
+            call.hidden,
+            call.weight,
+            call.cache,
+            call.layer_idx,
+            call.valid_lengths,
+            call.output,
+        )?;
         Ok(())
     }
+}
+
+/// A kernel call's arguments, unpacked, checked against the spec and each
+/// other (including the output): where every target's `run` starts.
+pub(crate) struct CheckedCall<'a> {
+    pub shape: CallShape,
+    pub hidden: &'a Tensor,
+    pub weight: &'a Tensor,
+    pub layer_idx: &'a Tensor,
+    pub valid_lengths: &'a Tensor,
+    pub cache: &'a mut PagedKVCacheCollection,
+    pub output: &'a mut Tensor,
+}
+
+/// Unpack and check a `Kernel::run` call: 4 tensors, 1 cache, 1 output, all
+/// valid for `spec`. Writes nothing.
+pub(crate) fn checked_call<'a>(
+    spec: &FusedQkvSpec,
+    inputs: &[&'a Tensor],
+    caches: &'a mut [&mut PagedKVCacheCollection],
+    outputs: &'a mut [Tensor],
+) -> Result<CheckedCall<'a>> {
+    let counts = vec![inputs.len(), caches.len(), outputs.len()];
+    let (&[hidden, weight, layer_idx, valid_lengths], [cache], [output]) = (inputs, caches, outputs) else {
+        return Err(Error::ShapeMismatch {
+            arg: "arguments".into(),
+            expected: "4 tensors (hidden_state, weight, layer_idx, valid_lengths), 1 KV cache and 1 output".into(),
+            got: counts,
+        });
+    };
+    let shape = check_against_spec(spec, inputs, &[&**cache])?;
+    check_output(&shape, spec.dtype, output)?;
+    Ok(CheckedCall { shape, hidden, weight, layer_idx, valid_lengths, cache, output })
 }
