@@ -7,7 +7,9 @@
 //! - [`compile`] specializes a graph for a target and lowers it to an
 //!   [`Executable`];
 //! - [`Executor::run`] runs it with named inputs and KV caches;
-//! - [`demo`] builds the example graphs and their random inputs.
+//! - [`demo`] builds the example graphs and their random inputs;
+//! - [`bench`](mod@bench) times the kernels against peers and the machine's roofs
+//!   (`kvjit bench`, `cargo bench`).
 //!
 //! ```no_run
 //! use kvjit::{CompileOptions, DeviceContextPtr, Executor, compile, demo, standard_registry};
@@ -23,6 +25,7 @@
 //! println!("{:?}", out.outputs["q"].shape());
 //! ```
 
+pub mod bench;
 mod compile;
 pub mod demo;
 mod error;

@@ -1,0 +1,350 @@
+//! The implementations a benchmark compares, behind one [`Runner`].
+//!
+//! - [`Implementation::Specialized`]: the JIT kernel compiled for the call's
+//!   exact B and S (a fully static key, `…b4.s16`);
+//! - [`Implementation::Generic`]: the JIT kernel of the symbolic key
+//!   (`…bany.sany`), which reads M at run time — one kernel serves every M;
+//! - [`Implementation::Reference`]: the plain Rust reference, one thread;
+//! - the peers, written as a user of a GEMM library writes the op: multiply
+//!   into an `[M, N]` f32 buffer, copy Q out, then scatter each valid token's
+//!   K and V through the page table with
+//!   [`PagedKVCacheCollection::locate`] / [`element_offset`](PagedKVCacheCollection::element_offset):
+//!   - [`Implementation::GemmScatter`] — the `gemm` crate (what candle's CPU
+//!     path uses), parallel on the context's worker pool;
+//!   - [`Implementation::MatrixMultiplyScatter`] — `matrixmultiply::sgemm`
+//!     (what ndarray uses), its columns split over the worker threads (its
+//!     own threading is fixed by an environment variable at first use).
+//!
+//! Both GEMM libraries are f32-only here (`gemm` has no bf16). For bf16 and
+//! f16 the peers run as such a user would: the weight converted to f32 once
+//! when loaded (not timed; they then stream twice the weight bytes), X
+//! widened per call, results rounded back when stored (timed).
+
+use std::sync::Arc;
+
+use half::slice::HalfFloatSliceExt;
+use kvjit_core::{DType, PagedKVCacheCollection, TensorData};
+use kvjit_jit::CaptureText;
+use kvjit_op_fused_qkv::JitKernel;
+use kvjit_op_fused_qkv::reference::fused_qkv_matmul;
+use kvjit_runtime::{DeviceContextPtr, RuntimeError};
+
+use super::problem::{ModelShape, Problem, Weights, convert_to_f32};
+use crate::{Error, Result};
+
+/// Something a benchmark can time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Implementation {
+    /// JIT kernel with B and S baked in.
+    Specialized,
+    /// JIT kernel with B and S read at run time.
+    Generic,
+    /// The plain Rust reference (one thread).
+    Reference,
+    /// `gemm` crate into `[M, N]`, then copy Q and scatter K/V.
+    GemmScatter,
+    /// `matrixmultiply::sgemm` into `[M, N]`, then copy Q and scatter K/V.
+    MatrixMultiplyScatter,
+}
+
+impl Implementation {
+    /// Every implementation, in report order.
+    pub const ALL: [Implementation; 5] = [
+        Implementation::Specialized,
+        Implementation::Generic,
+        Implementation::Reference,
+        Implementation::GemmScatter,
+        Implementation::MatrixMultiplyScatter,
+    ];
+
+    /// The peers (GEMM library + scatter).
+    pub const PEERS: [Implementation; 2] = [Implementation::GemmScatter, Implementation::MatrixMultiplyScatter];
+
+    /// Identifier used in benchmark ids, JSON and `--impls`.
+    pub fn id(self) -> &'static str {
+        match self {
+            Implementation::Specialized => "specialized",
+            Implementation::Generic => "generic",
+            Implementation::Reference => "reference",
+            Implementation::GemmScatter => "gemm_scatter",
+            Implementation::MatrixMultiplyScatter => "matrixmultiply_scatter",
+        }
+    }
+
+    /// Name for tables and plots.
+    pub fn label(self) -> &'static str {
+        match self {
+            Implementation::Specialized => "kvjit specialized",
+            Implementation::Generic => "kvjit generic",
+            Implementation::Reference => "reference",
+            Implementation::GemmScatter => "gemm+scatter",
+            Implementation::MatrixMultiplyScatter => "matrixmultiply+scatter",
+        }
+    }
+
+    /// Parse an [`id`](Self::id).
+    pub fn parse(text: &str) -> std::result::Result<Self, String> {
+        Self::ALL.into_iter().find(|i| i.id() == text).ok_or_else(|| {
+            let ids: Vec<&str> = Self::ALL.iter().map(|i| i.id()).collect();
+            format!("unknown implementation '{text}': known are {}", ids.join(", "))
+        })
+    }
+}
+
+fn jit_error(e: kvjit_jit::JitError) -> Error {
+    Error::Runtime(RuntimeError::Plan(format!("JIT compile failed: {e}")))
+}
+
+/// JIT kernels for one spec, one per weight layer (they share one compiled
+/// function through the kernel cache; each packs its own layer's weight, as
+/// each node of a model does).
+pub type LayerKernels = Arc<Vec<JitKernel>>;
+
+fn layer_kernels(spec: kvjit_op_fused_qkv::FusedQkvSpec, weights: &Weights) -> Result<LayerKernels> {
+    let kernels = weights
+        .layers
+        .iter()
+        .map(|w| JitKernel::new(spec, Some(w), CaptureText::default()).map_err(jit_error))
+        .collect::<Result<Vec<_>>>()?;
+    Ok(Arc::new(kernels))
+}
+
+/// The generic JIT kernels of a shape (weights packed now, as for graph
+/// constants); they serve every M of that shape, dtype and page size.
+pub fn generic_kernels(shape: &ModelShape, dtype: DType, page_size: usize, weights: &Weights) -> Result<LayerKernels> {
+    layer_kernels(shape.spec(dtype, page_size, None), weights)
+}
+
+/// One implementation, ready to run calls of one [`Problem`].
+pub struct Runner {
+    implementation: Implementation,
+    state: State,
+    /// The weight layer of the next call: calls cycle through them.
+    next_layer: usize,
+}
+
+enum State {
+    Jit(LayerKernels),
+    Reference,
+    Peer(PeerBuffers),
+}
+
+/// The peers' per-call buffers: X widened to f32 (non-f32 dtypes), and C.
+struct PeerBuffers {
+    x: Vec<f32>,
+    c: Vec<f32>,
+}
+
+impl Runner {
+    /// A runner for `implementation` on `problem`. `generic` are the
+    /// shape's generic kernels (made here when `None` and needed).
+    pub fn new(implementation: Implementation, problem: &Problem, generic: Option<&LayerKernels>) -> Result<Self> {
+        let point = &problem.point;
+        let state = match implementation {
+            Implementation::Specialized => {
+                let spec = point.shape.spec(point.dtype, point.page_size, Some((problem.batch, problem.seq)));
+                State::Jit(layer_kernels(spec, &problem.weights)?)
+            }
+            Implementation::Generic => State::Jit(match generic {
+                Some(kernels) => kernels.clone(),
+                None => generic_kernels(&point.shape, point.dtype, point.page_size, &problem.weights)?,
+            }),
+            Implementation::Reference => State::Reference,
+            Implementation::GemmScatter | Implementation::MatrixMultiplyScatter => {
+                let x_len = if point.dtype == DType::F32 { 0 } else { point.m * point.shape.k };
+                State::Peer(PeerBuffers { x: vec![0.0; x_len], c: vec![0.0; point.m * point.shape.n()] })
+            }
+        };
+        Ok(Self { implementation, state, next_layer: 0 })
+    }
+
+    /// Which implementation this is.
+    pub fn implementation(&self) -> Implementation {
+        self.implementation
+    }
+
+    /// The canonical kernel key of a JIT implementation.
+    pub fn kernel_key(&self) -> Option<String> {
+        match &self.state {
+            State::Jit(kernels) => Some(kvjit_runtime::Kernel::key(&kernels[0]).to_string()),
+            _ => None,
+        }
+    }
+
+    /// Run one call with the next weight layer: Q into `problem.output`,
+    /// K/V into `problem.cache`.
+    pub fn run(&mut self, problem: &mut Problem, ctx: &DeviceContextPtr) -> Result<()> {
+        let p = problem;
+        let l = self.next_layer % p.weights.count();
+        self.next_layer = l + 1;
+        let weight = &p.weights.layers[l];
+        match &mut self.state {
+            State::Jit(kernels) => {
+                let out = p.output.as_bytes_mut();
+                kernels[l].run_into(&p.hidden, weight, &mut p.cache, &p.layer, &p.valid, out, ctx)?;
+            }
+            State::Reference => {
+                fused_qkv_matmul(&p.hidden, weight, &mut p.cache, &p.layer, &p.valid, &mut p.output)?;
+            }
+            State::Peer(buffers) => {
+                let PeerBuffers { x, c } = buffers;
+                let x: &[f32] = match p.hidden.data() {
+                    TensorData::F32(values) => values,
+                    _ => {
+                        convert_to_f32(&p.hidden, &mut x[..]);
+                        &x[..]
+                    }
+                };
+                let (m, n, k) = (p.point.m, p.point.shape.n(), p.point.shape.k);
+                let w = p.weights.as_f32(l);
+                match self.implementation {
+                    Implementation::GemmScatter => gemm_f32(m, n, k, x, w, c, ctx),
+                    _ => matrixmultiply_f32(m, n, k, x, w, c, ctx),
+                }
+                scatter(p, c)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+fn threads_of(ctx: &DeviceContextPtr) -> usize {
+    ctx.cpu_context().map_or(1, |c| c.threads())
+}
+
+/// `c[M, N] = x[M, K] · w[N, K]ᵀ` with the `gemm` crate, on the context's pool.
+fn gemm_f32(m: usize, n: usize, k: usize, x: &[f32], w: &[f32], c: &mut [f32], ctx: &DeviceContextPtr) {
+    assert!(x.len() >= m * k && w.len() >= n * k && c.len() >= m * n, "peer buffers sized for the problem");
+    let threads = threads_of(ctx);
+    let parallelism = if threads > 1 { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None };
+    let mut call = move || {
+        // SAFETY: the assert above: x is [m, k] and w is [n, k], both
+        // row-major, read here as lhs [m, k] (row stride k) and rhs [k, n]
+        // (column stride k, i.e. w transposed); c is [m, n] row-major and not
+        // aliased by either.
+        unsafe {
+            gemm::gemm(
+                m,
+                n,
+                k,
+                c.as_mut_ptr(),
+                1,
+                n as isize,
+                false,
+                x.as_ptr(),
+                1,
+                k as isize,
+                w.as_ptr(),
+                k as isize,
+                1,
+                0.0,
+                1.0,
+                false,
+                false,
+                false,
+                parallelism,
+            )
+        }
+    };
+    match ctx.cpu_context() {
+        Some(cpu) => cpu.pool().install(call),
+        None => call(),
+    }
+}
+
+/// `c[M, N] = x[M, K] · w[N, K]ᵀ` with `matrixmultiply::sgemm`, the N
+/// columns split evenly (in multiples of 8) over the context's threads.
+fn matrixmultiply_f32(m: usize, n: usize, k: usize, x: &[f32], w: &[f32], c: &mut [f32], ctx: &DeviceContextPtr) {
+    assert!(x.len() >= m * k && w.len() >= n * k && c.len() >= m * n, "peer buffers sized for the problem");
+    let threads = threads_of(ctx).clamp(1, n.div_ceil(8).max(1));
+    let (x_at, w_at, c_at) = (x.as_ptr() as usize, w.as_ptr() as usize, c.as_mut_ptr() as usize);
+    let columns = |t: usize| ((n.div_ceil(8) * t / threads) * 8).min(n);
+    let run = move |first: usize, end: usize| {
+        // SAFETY: the assert above: x [m, k] and w [n, k] are row-major; this
+        // call reads w's rows first..end (as the [k, end - first] matrix with
+        // column stride k) and writes only columns first..end of c [m, n]
+        // (row stride n); the ranges of different calls are disjoint, so no
+        // two threads write one element.
+        unsafe {
+            matrixmultiply::sgemm(
+                m,
+                k,
+                end - first,
+                1.0,
+                x_at as *const f32,
+                k as isize,
+                1,
+                (w_at as *const f32).add(first * k),
+                1,
+                k as isize,
+                0.0,
+                (c_at as *mut f32).add(first),
+                n as isize,
+                1,
+            )
+        }
+    };
+    match ctx.cpu_context() {
+        Some(cpu) if threads > 1 => cpu.pool().scope(|s| {
+            for t in 0..threads {
+                let (first, end) = (columns(t), columns(t + 1));
+                if end > first {
+                    s.spawn(move |_| run(first, end));
+                }
+            }
+        }),
+        _ => run(0, n),
+    }
+}
+
+/// The epilogue a GEMM-library user writes: Q rows copied into the output,
+/// each valid token's K and V stored at its page slot.
+fn scatter(p: &mut Problem, c: &[f32]) -> Result<()> {
+    let shape = &p.point.shape;
+    let (n, q_dim, kv_dim) = (shape.n(), shape.q_dim(), shape.kv_dim());
+    let rows = p.batch * p.seq;
+    let layer = p.layer.to_u32_vec()?[0] as usize;
+    match p.output.data() {
+        TensorData::F32(_) => {
+            let out = p.output.as_mut_slice::<f32>()?;
+            for r in 0..rows {
+                out[r * q_dim..][..q_dim].copy_from_slice(&c[r * n..][..q_dim]);
+            }
+        }
+        TensorData::BF16(_) => {
+            let out = p.output.as_mut_slice::<half::bf16>()?;
+            for r in 0..rows {
+                out[r * q_dim..][..q_dim].convert_from_f32_slice(&c[r * n..][..q_dim]);
+            }
+        }
+        TensorData::F16(_) => {
+            let out = p.output.as_mut_slice::<half::f16>()?;
+            for r in 0..rows {
+                out[r * q_dim..][..q_dim].convert_from_f32_slice(&c[r * n..][..q_dim]);
+            }
+        }
+        TensorData::U32(_) => unreachable!("benchmark outputs are floats"),
+    }
+    let valid = p.valid.as_slice::<u32>()?;
+    let cache: &mut PagedKVCacheCollection = &mut p.cache;
+    let lengths = cache.cache_lengths().to_vec();
+    for (b, &valid_length) in valid.iter().enumerate() {
+        for t in 0..valid_length as usize {
+            let r = b * p.seq + t;
+            let (page, slot) = cache.locate(b, lengths[b] as usize + t)?;
+            for kv in 0..2 {
+                let start = cache.element_offset(page as usize, kv, layer, slot, 0, 0);
+                let src = &c[r * n + q_dim + kv * kv_dim..][..kv_dim];
+                match cache.blocks().dtype() {
+                    DType::F32 => cache.blocks_slice_mut::<f32>()?[start..][..kv_dim].copy_from_slice(src),
+                    DType::BF16 => {
+                        cache.blocks_slice_mut::<half::bf16>()?[start..][..kv_dim].convert_from_f32_slice(src)
+                    }
+                    DType::F16 => cache.blocks_slice_mut::<half::f16>()?[start..][..kv_dim].convert_from_f32_slice(src),
+                    DType::U32 => unreachable!("caches hold floats"),
+                }
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,295 @@
+//! `kvjit bench` end to end on toy sizes (`--tiny`): the Markdown table, the
+//! JSON figures and the SVG plot are all there and well-formed, options pick
+//! what runs, and bad options fail with one `error:` line. No test looks at
+//! how fast anything is.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+fn kvjit(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_kvjit")).args(args).output().expect("the kvjit binary starts")
+}
+
+fn stdout(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+/// Exit status 1 and exactly one line on stderr, starting with `error: `.
+fn assert_one_line_error(out: &Output, needle: &str) {
+    let err = stderr(out);
+    assert_eq!(out.status.code(), Some(1), "stderr: {err}");
+    assert_eq!(err.lines().count(), 1, "one line expected: {err}");
+    assert!(err.starts_with("error: "), "{err}");
+    assert!(err.contains(needle), "'{needle}' not in: {err}");
+    assert!(out.stdout.is_empty(), "nothing on stdout: {}", stdout(out));
+}
+
+/// A minimal XML well-formedness check: balanced, properly nested tags with
+/// quoted attributes, one root element, `&` only in entities.
+fn check_well_formed_xml(text: &str) -> Result<String, String> {
+    fn check_entities(s: &str) -> Result<(), String> {
+        for (i, _) in s.match_indices('&') {
+            let rest = &s[i + 1..];
+            let end = rest.find(';').ok_or_else(|| format!("bare '&' in {s:?}"))?;
+            let name = &rest[..end];
+            let ok = ["amp", "lt", "gt", "quot", "apos"].contains(&name)
+                || name
+                    .strip_prefix('#')
+                    .is_some_and(|n| !n.is_empty() && n.chars().all(|c| c.is_ascii_alphanumeric()));
+            if !ok {
+                return Err(format!("unknown entity &{name};"));
+            }
+        }
+        Ok(())
+    }
+    let mut stack: Vec<String> = Vec::new();
+    let mut root = None;
+    let mut rest = text;
+    while let Some(open) = rest.find('<') {
+        let between = &rest[..open];
+        if stack.is_empty() && !between.trim().is_empty() {
+            return Err(format!("text outside the root: {between:?}"));
+        }
+        check_entities(between)?;
+        rest = &rest[open..];
+        if let Some(body) = rest.strip_prefix("<?") {
+            rest = &body[body.find("?>").ok_or("unclosed <?")? + 2..];
+            continue;
+        }
+        if let Some(body) = rest.strip_prefix("<!--") {
+            rest = &body[body.find("-->").ok_or("unclosed comment")? + 3..];
+            continue;
+        }
+        let close = rest.find('>').ok_or("unclosed tag")?;
+        let tag = &rest[1..close];
+        rest = &rest[close + 1..];
+        if let Some(name) = tag.strip_prefix('/') {
+            let open_name = stack.pop().ok_or_else(|| format!("</{name}> closes nothing"))?;
+            if open_name != name.trim() {
+                return Err(format!("<{open_name}> closed by </{name}>"));
+            }
+            continue;
+        }
+        let self_closing = tag.ends_with('/');
+        let tag = tag.trim_end_matches('/');
+        let name_end = tag.find(char::is_whitespace).unwrap_or(tag.len());
+        let name = &tag[..name_end];
+        if name.is_empty() || !name.chars().all(|c| c.is_ascii_alphanumeric() || "-_:".contains(c)) {
+            return Err(format!("bad tag name in <{tag}>"));
+        }
+        // Attributes: name="value", separated by whitespace.
+        let mut attrs = tag[name_end..].trim();
+        while !attrs.is_empty() {
+            let eq = attrs.find("=\"").ok_or_else(|| format!("unquoted attribute in <{tag}>"))?;
+            let attr = attrs[..eq].trim();
+            if attr.is_empty() || !attr.chars().all(|c| c.is_ascii_alphanumeric() || "-_:".contains(c)) {
+                return Err(format!("bad attribute name {attr:?} in <{name}>"));
+            }
+            let value_and_rest = &attrs[eq + 2..];
+            let end = value_and_rest.find('"').ok_or_else(|| format!("unterminated attribute in <{name}>"))?;
+            check_entities(&value_and_rest[..end])?;
+            if value_and_rest[..end].contains('<') {
+                return Err(format!("'<' in an attribute of <{name}>"));
+            }
+            attrs = value_and_rest[end + 1..].trim_start();
+        }
+        if stack.is_empty() {
+            if root.is_some() {
+                return Err(format!("second root element <{name}>"));
+            }
+            root = Some(name.to_string());
+        }
+        if !self_closing {
+            stack.push(name.to_string());
+        }
+    }
+    if !rest.trim().is_empty() {
+        return Err(format!("text after the root: {rest:?}"));
+    }
+    if let Some(open) = stack.pop() {
+        return Err(format!("<{open}> never closed"));
+    }
+    root.ok_or_else(|| "no element".to_string())
+}
+
+#[test]
+fn the_xml_check_catches_what_it_should() {
+    assert_eq!(check_well_formed_xml(r#"<svg a="1"><g><text>a &amp; b</text></g><line/></svg>"#).unwrap(), "svg");
+    for bad in
+        ["<svg><g></svg>", "<svg>a & b</svg>", r#"<svg a=1/>"#, "<svg/><svg/>", "<svg>", r#"<svg a="<"/>"#, "</svg>"]
+    {
+        assert!(check_well_formed_xml(bad).is_err(), "{bad}");
+    }
+}
+
+fn read_json(path: &Path) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(path).expect("JSON written")).expect("valid JSON")
+}
+
+fn assert_stats(v: &Value, what: &str) {
+    for field in ["median", "min", "max", "q1", "q3"] {
+        let x = v[field].as_f64().unwrap_or_else(|| panic!("{what}.{field} missing: {v}"));
+        assert!(x.is_finite() && x > 0.0, "{what}.{field} = {x}");
+    }
+    assert!(v["min"].as_f64() <= v["median"].as_f64() && v["median"].as_f64() <= v["max"].as_f64(), "{what}: {v}");
+    assert!(v["samples"].as_u64().unwrap() >= 2, "{what}: {v}");
+}
+
+#[test]
+fn tiny_bench_prints_table_and_writes_json_and_svg() {
+    let dir = tempfile::tempdir().unwrap();
+    let json_path = dir.path().join("bench.json");
+    let out = kvjit(&["bench", "--tiny", "--json", json_path.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+
+    // The table: header with every column, one row per implementation and M.
+    let text = stdout(&out);
+    let header = "| M | implementation | median | spread | GFLOP/s | weight GB/s | vs kvjit generic | vs gemm+scatter \
+                  | vs matrixmultiply+scatter | roof | of roof |";
+    assert!(text.contains(header), "{text}");
+    assert!(text.contains("Roofs, 2 threads"), "{text}");
+    assert!(text.contains("`fused_qkv_bshd_paged.cpu.f32.k64.q64.hkv2.d16.p4.l1.kvf32.bany.sany`"), "{text}");
+    for m in ["1", "8"] {
+        for label in ["kvjit specialized", "kvjit generic", "reference", "gemm+scatter", "matrixmultiply+scatter"] {
+            let row = format!("| {m} | {label} |");
+            let line = text.lines().find(|l| l.starts_with(&row)).unwrap_or_else(|| panic!("no row {row}: {text}"));
+            assert_eq!(line.matches('|').count(), 12, "{line}");
+            assert!(line.contains("bandwidth") || line.contains("fma"), "{line}");
+        }
+    }
+    assert!(text.contains("## Compile latency"), "{text}");
+    for case in ["1 node", "4 layers (one key)", "graph file + safetensors → first output"] {
+        assert!(text.contains(case), "{case}: {text}");
+    }
+    assert!(stderr(&out).contains("roofline probes"), "progress on stderr: {}", stderr(&out));
+
+    // The JSON: every figure with medians and spreads.
+    let json = read_json(&json_path);
+    assert_eq!(json["format"], "kvjit-bench");
+    assert_eq!(json["mode"], "tiny");
+    assert_eq!(json["threads"], 2);
+    assert_stats(&json["roof"]["read_gbs"], "roof.read_gbs");
+    assert_stats(&json["roof"]["fma_gflops"], "roof.fma_gflops");
+    let groups = json["groups"].as_array().unwrap();
+    assert_eq!(groups.len(), 1);
+    let group = &groups[0];
+    assert_eq!(group["dtype"], "f32");
+    assert_eq!(group["page_size"], 4);
+    assert_eq!(group["shape"]["k"], 64);
+    let points = group["points"].as_array().unwrap();
+    assert_eq!(points.iter().map(|p| p["m"].as_u64().unwrap()).collect::<Vec<_>>(), vec![1, 8]);
+    for p in points {
+        assert!(["bandwidth", "fma"].contains(&p["roof"]["bound"].as_str().unwrap()), "{p}");
+        assert!(p["roof"]["gflops"].as_f64().unwrap() > 0.0);
+        assert!(p["flops"].as_f64().unwrap() > 0.0 && p["weight_bytes"].as_f64().unwrap() > 0.0);
+        let impls = p["implementations"].as_array().unwrap();
+        let ids: Vec<&str> = impls.iter().map(|i| i["implementation"].as_str().unwrap()).collect();
+        assert_eq!(ids, ["specialized", "generic", "reference", "gemm_scatter", "matrixmultiply_scatter"]);
+        for i in impls {
+            let id = i["implementation"].as_str().unwrap();
+            assert_stats(&i["time_s"], id);
+            assert_stats(&i["gflops"], id);
+            assert_stats(&i["weight_gbs"], id);
+            assert!(i["fraction_of_roof"].as_f64().unwrap() > 0.0);
+            for baseline in ["generic", "gemm_scatter", "matrixmultiply_scatter"] {
+                assert!(i["speedup_vs"][baseline].as_f64().unwrap() > 0.0, "{id} vs {baseline}: {i}");
+            }
+            let key = i["kernel_key"].as_str();
+            assert_eq!(key.is_some(), id == "specialized" || id == "generic", "{i}");
+        }
+        let specialized = impls[0]["kernel_key"].as_str().unwrap();
+        assert!(specialized.ends_with(&format!(".b{}.s{}", p["batch"], p["seq"])), "{specialized}");
+    }
+    let cases = json["compile_latency"]["cases"].as_array().unwrap();
+    let ids: Vec<&str> = cases.iter().map(|c| c["case"].as_str().unwrap()).collect();
+    assert_eq!(ids, ["graph_1_node", "graph_4_layers", "file_to_first_output"]);
+    for c in cases {
+        assert_stats(&c["time_s"], c["case"].as_str().unwrap());
+        assert_eq!(c["jit_compiles"], 1, "the kernel cache compiles one key once: {c}");
+    }
+
+    // The plot, next to the JSON.
+    let svg = std::fs::read_to_string(dir.path().join("bench.svg")).expect("SVG written next to the JSON");
+    assert_eq!(check_well_formed_xml(&svg), Ok("svg".to_string()), "{svg}");
+    assert!(svg.contains("stroke-dasharray"), "the roof is drawn");
+    assert!(svg.matches("<polyline").count() >= 6, "five implementations and the roof: {svg}");
+    assert!(stderr(&out).contains("bench.svg"), "{}", stderr(&out));
+}
+
+#[test]
+fn options_pick_shapes_dtypes_pages_ms_implementations_and_threads() {
+    let dir = tempfile::tempdir().unwrap();
+    let json_path = dir.path().join("picked.json");
+    let svg_path = dir.path().join("plot.svg");
+    let out = kvjit(&[
+        "bench",
+        "--tiny",
+        "--shapes",
+        "32/2/1/16,48/3/1/8",
+        "--dtypes",
+        "bf16",
+        "--pages",
+        "8,2",
+        "--ms",
+        "3",
+        "--impls",
+        "gemm_scatter,specialized",
+        "--threads",
+        "1",
+        "--no-compile",
+        "--json",
+        json_path.to_str().unwrap(),
+        "--svg",
+        svg_path.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    assert!(text.contains("| 3 | kvjit specialized |") && text.contains("| 3 | gemm+scatter |"), "{text}");
+    assert!(!text.contains("kvjit generic |") && !text.contains("| reference |"), "{text}");
+    assert!(!text.contains("vs kvjit generic") && !text.contains("Compile latency"), "{text}");
+    assert!(text.contains("Roofs, 1 threads"), "{text}");
+    let json = read_json(&json_path);
+    assert_eq!(json["threads"], 1);
+    assert!(json["compile_latency"].is_null());
+    let groups = json["groups"].as_array().unwrap();
+    let picked: Vec<(u64, &str, u64)> = groups
+        .iter()
+        .map(|g| (g["shape"]["k"].as_u64().unwrap(), g["dtype"].as_str().unwrap(), g["page_size"].as_u64().unwrap()))
+        .collect();
+    assert_eq!(picked, [(32, "bf16", 8), (32, "bf16", 2), (48, "bf16", 8), (48, "bf16", 2)]);
+    for g in groups {
+        let impls = g["points"][0]["implementations"].as_array().unwrap();
+        assert_eq!(impls.len(), 2);
+        assert_eq!(g["points"][0]["batch"], 3);
+    }
+    let svg = std::fs::read_to_string(&svg_path).expect("--svg names the plot");
+    check_well_formed_xml(&svg).unwrap();
+    assert!(!dir.path().join("picked.svg").exists());
+}
+
+#[test]
+fn bad_options_fail_with_one_error_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("no/such/dir/bench.json");
+    let cases: [(&[&str], &str); 9] = [
+        (&["bench", "--tiny", "--dtypes", "f64"], "f64"),
+        (&["bench", "--tiny", "--dtypes", "u32"], "not a float type"),
+        (&["bench", "--tiny", "--shapes", "7b"], "unknown shape '7b'"),
+        (&["bench", "--tiny", "--shapes", "64/4/2"], "K/QH/KVH/D"),
+        (&["bench", "--tiny", "--ms", "0"], "M must be at least 1"),
+        (&["bench", "--tiny", "--pages", "0"], "page sizes must be at least 1"),
+        (&["bench", "--tiny", "--impls", "cublas"], "unknown implementation 'cublas'"),
+        (&["bench", "--tiny", "--json", missing.to_str().unwrap()], "cannot write"),
+        (&["bench", "--quick", "--tiny"], "cannot be used with"),
+    ];
+    for (args, needle) in cases {
+        assert_one_line_error(&kvjit(args), needle);
+    }
+    assert!(!missing.exists());
+}
