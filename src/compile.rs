@@ -83,7 +83,11 @@ impl MemoryEstimate {
                     ];
                     match bytes(&dims, c.dtype.size_bytes()) {
                         Some(b) => estimate.caches = estimate.caches.saturating_add(b),
-                        None => estimate.unknown.push(name),
+                        None => estimate.unknown.push(name.clone()),
+                    }
+                    match bytes(&[c.batch.clone(), c.max_pages_per_seq.clone()], 4) {
+                        Some(b) => estimate.caches = estimate.caches.saturating_add(b),
+                        None => estimate.unknown.push(format!("{name}.lookup_table")),
                     }
                 }
                 _ => {}

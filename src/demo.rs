@@ -220,6 +220,11 @@ impl Scenario {
     /// sequence fills all `seq`, the others a random 1..=seq; each sequence
     /// starts with a random amount of cached history.
     pub fn prefill_with(graph: &Graph, seed: u64, batch: usize, seq: usize) -> Result<Self> {
+        if batch == 0 || seq == 0 {
+            return Err(Error::Usage(format!(
+                "the example scenario needs batch and seq of at least 1, got {batch} and {seq}"
+            )));
+        }
         let roles = Roles::of(graph)?;
         let mut rng = StdRng::seed_from_u64(seed);
         let bindings: BTreeMap<String, usize> = [("batch".to_string(), batch), ("seq".to_string(), seq)].into();

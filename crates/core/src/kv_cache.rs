@@ -91,7 +91,14 @@ impl PagedKVCacheCollection {
             params,
             blocks: Tensor::zeros(params.dtype, &shape)?,
             cache_lengths: vec![0; batch_size],
-            lookup_table: vec![UNASSIGNED_PAGE; lookup_len],
+            lookup_table: {
+                let mut table = Vec::new();
+                table
+                    .try_reserve_exact(lookup_len)
+                    .map_err(|_| Error::OutOfMemory { bytes: lookup_len.saturating_mul(4) })?;
+                table.resize(lookup_len, UNASSIGNED_PAGE);
+                table
+            },
             max_pages_per_seq,
             max_seq_length: 0,
             max_cache_length: 0,

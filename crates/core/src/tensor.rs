@@ -139,9 +139,11 @@ impl TensorData {
 
 /// Row-major strides (in elements) of a contiguous tensor of `shape`.
 pub fn contiguous_strides(shape: &[usize]) -> Vec<usize> {
-    let mut strides = vec![1; shape.len()];
+    let mut strides = vec![1usize; shape.len()];
     for i in (0..shape.len().saturating_sub(1)).rev() {
-        strides[i] = strides[i + 1] * shape[i + 1];
+        // Saturating: only a tensor with a zero dim can overflow here, and it
+        // has no element to address.
+        strides[i] = strides[i + 1].saturating_mul(shape[i + 1]);
     }
     strides
 }

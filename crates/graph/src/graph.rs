@@ -36,10 +36,10 @@ impl RandomInit {
             expected: "a fully static shape".into(),
             got: ty.to_string(),
         })?;
-        if !(self.low < self.high && self.low.is_finite() && self.high.is_finite()) {
+        if !(self.low < self.high && (self.high - self.low).is_finite()) {
             return Err(crate::GraphError::Param {
                 param: "init".into(),
-                problem: format!("needs finite low < high, got [{}, {})", self.low, self.high),
+                problem: format!("needs finite low < high with a finite width, got [{}, {})", self.low, self.high),
             });
         }
         let mut rng = rand::rngs::StdRng::seed_from_u64(self.seed);

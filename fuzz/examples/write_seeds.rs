@@ -1,0 +1,130 @@
+//! Writes the committed seed corpora of the `graph_file` and
+//! `safetensors_inputs` targets (the `op_call` seeds are libFuzzer's own
+//! minimized finds). Run from the repository root:
+//!
+//! ```sh
+//! cargo run --manifest-path fuzz/Cargo.toml --example write_seeds
+//! cargo run --manifest-path fuzz/Cargo.toml --example write_seeds -- --replay   # run them, no libFuzzer
+//! ```
+
+use std::path::Path;
+
+use kvjit::demo::{LayerConfig, layer_graph};
+use kvjit::{
+    DType, KvCacheParams, PagedKVCacheCollection, Tensor, graph_to_json, standard_registry, tensors_to_safetensors,
+};
+use kvjit_fuzz::{TINY_DTYPES, tiny_graph};
+use rand::SeedableRng;
+use rand::rngs::StdRng;
+
+fn write(dir: &Path, name: &str, bytes: &[u8]) {
+    std::fs::create_dir_all(dir).unwrap();
+    std::fs::write(dir.join(name), bytes).unwrap();
+    println!("{} ({} bytes)", dir.join(name).display(), bytes.len());
+}
+
+fn main() {
+    if std::env::args().nth(1).as_deref() == Some("--replay") {
+        replay();
+        return;
+    }
+    let registry = standard_registry();
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("corpus");
+
+    // graph_file: the tiny chain (random-init weights), a small layer with a
+    // data constant followed by its weights file, and the two-layer example.
+    let graphs = root.join("graph_file");
+    let tiny = tiny_graph(&registry, DType::BF16, DType::F16);
+    write(&graphs, "tiny_chain.json", graph_to_json(&tiny, None).as_bytes());
+    let small = layer_graph(
+        &LayerConfig {
+            hidden_size: 8,
+            num_q_heads: 2,
+            num_kv_heads: 1,
+            head_size: 4,
+            num_pages: 6,
+            max_pages_per_seq: 3,
+            num_layers: 1,
+            ..LayerConfig::small()
+        },
+        registry.ops(),
+    )
+    .unwrap();
+    write(&graphs, "one_layer.json", graph_to_json(&small, None).as_bytes());
+    let mut b = kvjit::GraphBuilder::new("data_weight", registry.ops());
+    let hidden = b.input("hidden_state", DType::F32, &["batch".into(), "seq".into(), 4.into()]).unwrap();
+    let valid = b.input("valid_lengths", DType::U32, &["batch".into()]).unwrap();
+    let idx = b.input("layer_idx", DType::U32, &[]).unwrap();
+    let cache = b
+        .kv_cache(
+            "kv_cache",
+            kvjit::KvCacheType {
+                dtype: DType::F32,
+                num_layers: 1,
+                page_size: 2,
+                num_kv_heads: 1,
+                head_size: 2,
+                num_pages: 6.into(),
+                batch: "batch".into(),
+                max_pages_per_seq: 3.into(),
+            },
+        )
+        .unwrap();
+    let weight =
+        Tensor::from_f32(DType::F32, &[6, 4], &(0..24).map(|i| i as f32 / 24.0 - 0.5).collect::<Vec<_>>()).unwrap();
+    let w = b.constant("qkv_weight", weight.clone()).unwrap();
+    let params: kvjit::Params = [
+        ("dtype", kvjit::ParamValue::from(DType::F32)),
+        ("num_kv_heads", 1usize.into()),
+        ("head_size", 2usize.into()),
+        ("page_size", 2usize.into()),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect();
+    let q = b.node("mo.fused_qkv_matmul.padded.paged", params, &[hidden, w, cache, idx, valid]).unwrap();
+    b.output("q", q[0]).unwrap();
+    let graph = b.finish().unwrap();
+    let mut bytes = graph_to_json(&graph, Some("w.safetensors")).into_bytes();
+    bytes.push(0);
+    bytes.extend(tensors_to_safetensors([("qkv_weight", &weight)]).unwrap());
+    write(&graphs, "data_weight.bin", &bytes);
+
+    // safetensors_inputs: a prefill step of the tiny chain per dtype pair:
+    // 2 sequences padded to 3 tokens, 1 and 2 tokens of history, pages
+    // handed out out of order.
+    let inputs = root.join("safetensors_inputs");
+    let mut rng = StdRng::seed_from_u64(5);
+    for (dtype, cache_dtype) in TINY_DTYPES {
+        let params = KvCacheParams { dtype: cache_dtype, num_layers: 2, page_size: 2, num_kv_heads: 1, head_size: 2 };
+        let mut cache = PagedKVCacheCollection::new(params, 6, 2, 3).unwrap();
+        cache.set_allocation_order(vec![4, 1, 5, 0, 3, 2]).unwrap();
+        cache.set_blocks(Tensor::random(cache_dtype, cache.blocks().shape(), &mut rng, -1.0, 1.0).unwrap()).unwrap();
+        cache.reserve(&[1, 2]).unwrap();
+        cache.advance(&[1, 2]).unwrap();
+        cache.reserve(&[3, 2]).unwrap();
+        let mut named: Vec<(String, Tensor)> = vec![
+            ("hidden_state".into(), Tensor::random(dtype, &[2, 3, 4], &mut rng, -1.0, 1.0).unwrap()),
+            ("valid_lengths".into(), Tensor::from_vec(&[2], vec![3u32, 2]).unwrap()),
+            ("layer_idx".into(), Tensor::scalar_u32(0)),
+            ("layers.1.layer_idx".into(), Tensor::scalar_u32(1)),
+        ];
+        named.extend(cache.to_tensors("kv_cache").unwrap());
+        let bytes = tensors_to_safetensors(named.iter().map(|(n, t)| (n.as_str(), t))).unwrap();
+        write(&inputs, &format!("prefill_{dtype}_{cache_dtype}.safetensors"), &bytes);
+    }
+}
+
+/// Run every committed seed through its target's harness (no libFuzzer).
+fn replay() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("corpus");
+    for (target, harness) in
+        [("graph_file", kvjit_fuzz::graph_file as fn(&[u8])), ("safetensors_inputs", kvjit_fuzz::safetensors_inputs)]
+    {
+        for entry in std::fs::read_dir(root.join(target)).unwrap() {
+            let path = entry.unwrap().path();
+            println!("{}", path.display());
+            harness(&std::fs::read(&path).unwrap());
+        }
+    }
+}

@@ -1,0 +1,385 @@
+//! What the `graph_file` and `safetensors_inputs` fuzz targets do with their
+//! bytes, and the tiny graphs they run (the `op_call` target lives in its own
+//! file: it shares the property tests' differential checker instead).
+//!
+//! Properties asserted (a violation panics, which libFuzzer reports as a crash):
+//!
+//! - no input makes a loader, the compile step, the demo scenario or the
+//!   executor panic: every failure is a typed error whose message formats;
+//! - a graph that loads saves to JSON that loads again and saves to the same
+//!   text (`graph_to_json` ∘ `graph_from_json` is a fixed point);
+//! - tensors that parse serialize and parse back to the same tensors, and a
+//!   cache that assembles from them round-trips through `to_tensors`;
+//! - a run the executor refuses leaves every cache byte-identical, with the
+//!   JIT kernels and with the reference kernels, and both refuse with the same
+//!   message; a run both accept gives close outputs and caches.
+//!
+//! Memory: the graph-file target skips files declaring a random-init constant
+//! of more than [`MAX_CONSTANT_ELEMENTS`] elements (the loader materializes
+//! them; see the README's "Guarantees and errors"), and runs a loaded graph
+//! only when its compiled buffers fit [`RUN_BUDGET`] bytes.
+
+use std::cell::RefCell;
+use std::collections::BTreeMap;
+
+use kvjit::demo::Scenario;
+use kvjit::{
+    BuildOptions, CompileOptions, DType, DeviceContextPtr, Dim, Executable, Executor, Graph, GraphBuilder, KernelImpl,
+    KvCacheType, PagedKVCacheCollection, ParamValue, Params, RandomInit, Registry, Tensor, ValueDef, compile,
+    graph_from_json, graph_to_json, standard_registry, tensors_from_safetensors, tensors_to_safetensors,
+};
+
+/// Largest random-init constant (elements) the graph-file target loads.
+pub const MAX_CONSTANT_ELEMENTS: u64 = 1 << 20;
+/// Largest graph (bytes of constants, outputs and caches, as
+/// `MemoryEstimate` counts them) the graph-file target runs.
+pub const RUN_BUDGET: u64 = 8 << 20;
+
+/// KV caches by name.
+pub type Caches = BTreeMap<String, PagedKVCacheCollection>;
+
+thread_local! {
+    static REGISTRY: Registry = standard_registry();
+    static EXECUTOR: Executor = Executor::new(DeviceContextPtr::cpu(2).expect("a CPU pool"));
+    static TINY: RefCell<Vec<Tiny>> = const { RefCell::new(Vec::new()) };
+}
+
+fn options(implementation: KernelImpl, bindings: BTreeMap<String, usize>, budget: u64) -> CompileOptions {
+    CompileOptions {
+        bindings,
+        build: BuildOptions { implementation, ..BuildOptions::default() },
+        memory_budget: Some(budget),
+        ..CompileOptions::default()
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Running a graph with both kernel implementations
+// ---------------------------------------------------------------------------
+
+/// One cache's bytes and metadata, for byte-for-byte comparison (NaN-safe).
+fn cache_bytes(c: &PagedKVCacheCollection) -> (Vec<u8>, Vec<u32>, Vec<u32>, u32, u32) {
+    (
+        c.blocks().as_bytes().to_vec(),
+        c.cache_lengths().to_vec(),
+        c.lookup_table().to_vec(),
+        c.max_seq_length,
+        c.max_cache_length,
+    )
+}
+
+fn caches_identical(a: &Caches, b: &Caches) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|((na, ca), (nb, cb))| na == nb && cache_bytes(ca) == cache_bytes(cb))
+}
+
+/// What one run left: its outputs (or error message) and the caches.
+struct Ran {
+    result: Result<BTreeMap<String, Tensor>, String>,
+    caches: Caches,
+}
+
+/// Run on clones of `caches`; a refused run must leave them byte-identical.
+fn run(exe: &Executable, inputs: &BTreeMap<String, Tensor>, caches: &Caches, what: &str) -> Ran {
+    let mut after = caches.clone();
+    let result = EXECUTOR.with(|e| e.run(exe, inputs, &mut after)).map(|o| o.outputs).map_err(|e| e.to_string());
+    if let Err(message) = &result {
+        assert!(caches_identical(&after, caches), "{what}: a refused run ({message}) changed a cache");
+    }
+    Ran { result, caches: after }
+}
+
+fn max_abs(t: &Tensor) -> f64 {
+    t.to_f32_vec().map_or(0.0, |v| v.iter().fold(0f64, |m, &x| m.max(f64::from(x).abs())))
+}
+
+/// `got` close to `want` where `want` is finite and moderate: within 2% of
+/// the tensor's largest magnitude (the executor-level check; the op-level
+/// target compares element by element with exact tolerances).
+fn assert_close(what: &str, got: &Tensor, want: &Tensor) {
+    assert_eq!((got.dtype(), got.shape()), (want.dtype(), want.shape()), "{what}: dtype and shape");
+    let (Ok(g), Ok(w)) = (got.to_f32_vec(), want.to_f32_vec()) else { return };
+    if w.iter().any(|v| !v.is_finite() || v.abs() > 1e6) {
+        return;
+    }
+    let tol = 0.02 * (1.0 + max_abs(want));
+    for (i, (&a, &b)) in g.iter().zip(&w).enumerate() {
+        assert!((f64::from(a) - f64::from(b)).abs() <= tol, "{what}: element {i} is {a}, the reference has {b}");
+    }
+}
+
+/// Compare a JIT run with a reference run of the same inputs.
+fn assert_same_runs(jit: &Ran, reference: &Ran, what: &str) {
+    match (&jit.result, &reference.result) {
+        (Err(a), Err(b)) => assert_eq!(a, b, "{what}: JIT and reference kernels refuse differently"),
+        (Ok(a), Ok(b)) => {
+            assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>(), "{what}: output names");
+            for (name, t) in b {
+                assert_close(&format!("{what}: output '{name}'"), &a[name], t);
+            }
+            for (name, c) in &reference.caches {
+                assert_close(&format!("{what}: cache '{name}'"), jit.caches[name].blocks(), c.blocks());
+            }
+        }
+        (a, b) => panic!(
+            "{what}: the JIT run gives {a:?}, the reference run {b:?}",
+            a = a.as_ref().err(),
+            b = b.as_ref().err()
+        ),
+    }
+}
+
+// ---------------------------------------------------------------------------
+// graph_file
+// ---------------------------------------------------------------------------
+
+/// Whether every random-init constant the JSON declares is small enough to
+/// materialize here (JSON that does not parse is "small": the loader's
+/// error is what is being tested).
+fn constants_are_small(text: &str) -> bool {
+    let Ok(json) = serde_json::from_str::<serde_json::Value>(text) else { return true };
+    let Some(values) = json.get("values").and_then(|v| v.as_array()) else { return true };
+    values.iter().filter(|v| v.get("init").is_some()).all(|v| {
+        let dims = v.get("shape").and_then(|s| s.as_array()).map(|s| s.iter().map(|d| d.as_u64()).collect::<Vec<_>>());
+        match dims {
+            Some(dims) => dims
+                .iter()
+                .try_fold(1u64, |acc, d| acc.checked_mul(d.unwrap_or(0)))
+                .is_some_and(|n| n <= MAX_CONSTANT_ELEMENTS),
+            None => true,
+        }
+    })
+}
+
+/// The `graph_file` target: graph-file JSON, optionally followed by a NUL
+/// byte and the bytes of a safetensors weights file.
+pub fn graph_file(data: &[u8]) {
+    let (text, weights) = match data.iter().position(|&b| b == 0) {
+        Some(i) => (&data[..i], Some(&data[i + 1..])),
+        None => (data, None),
+    };
+    let Ok(text) = std::str::from_utf8(text) else { return };
+    if !constants_are_small(text) {
+        return;
+    }
+    let weights = match weights.map(tensors_from_safetensors) {
+        Some(Ok(w)) => Some(w),
+        Some(Err(e)) => {
+            let _ = e.to_string();
+            None
+        }
+        None => None,
+    };
+    REGISTRY.with(|registry| {
+        let graph = match graph_from_json(text, registry.ops(), weights.as_ref()) {
+            Ok(graph) => graph,
+            Err(e) => {
+                let _ = e.to_string();
+                return;
+            }
+        };
+        round_trip(&graph, registry);
+        compile_and_run(&graph, registry);
+    });
+}
+
+/// Save → load → save gives the same text.
+fn round_trip(graph: &Graph, registry: &Registry) {
+    let saved = graph_to_json(graph, Some("weights.safetensors"));
+    let stored: BTreeMap<String, Tensor> = graph
+        .constants()
+        .filter_map(|(_, v)| match &v.def {
+            ValueDef::Constant { data, init: None } => Some((v.name.clone().unwrap_or_default(), (**data).clone())),
+            _ => None,
+        })
+        .collect();
+    let again = graph_from_json(&saved, registry.ops(), Some(&stored))
+        .unwrap_or_else(|e| panic!("a saved graph does not load again: {e}\n{saved}"));
+    assert_eq!(graph_to_json(&again, Some("weights.safetensors")), saved, "save → load → save changed the file");
+}
+
+/// Compile with both implementations (under a budget); where the graph
+/// runs with the demo scenario (`kvjit run GRAPH`), run both and compare.
+fn compile_and_run(graph: &Graph, registry: &Registry) {
+    for implementation in [KernelImpl::Reference, KernelImpl::Fast] {
+        if let Err(e) = compile(graph, registry, &options(implementation, BTreeMap::new(), 64 << 20)) {
+            let _ = e.to_string();
+        }
+    }
+    let symbols = graph.symbols();
+    let bindings: BTreeMap<String, usize> = [("batch", 2), ("seq", 3)]
+        .into_iter()
+        .filter(|(s, _)| symbols.iter().any(|x| x == s))
+        .map(|(s, v)| (s.into(), v))
+        .collect();
+    let compiled = [KernelImpl::Reference, KernelImpl::Fast]
+        .map(|i| compile(graph, registry, &options(i, bindings.clone(), RUN_BUDGET)));
+    let [Ok(reference), Ok(jit)] = compiled else { return };
+    let Ok(scenario) = Scenario::prefill_with(graph, 1, 2, 3) else { return };
+    let want = run(&reference, &scenario.inputs, &scenario.caches, "graph file, reference");
+    let got = run(&jit, &scenario.inputs, &scenario.caches, "graph file, JIT");
+    assert_same_runs(&got, &want, "graph file");
+}
+
+// ---------------------------------------------------------------------------
+// safetensors_inputs
+// ---------------------------------------------------------------------------
+
+/// A tiny two-layer chain in one dtype pair: layer 1 reads layer 0's Q
+/// (K = q_dim = 4; Hkv = 1, D = 2, page size 2, L = 2), both write one cache
+/// whose page count and table width are symbols too, so an inputs file may
+/// choose them.
+pub struct Tiny {
+    /// Activation dtype.
+    pub dtype: DType,
+    /// The graph.
+    pub graph: Graph,
+    reference: Executable,
+    jit: Executable,
+}
+
+/// Activation and cache dtype of the tiny graphs.
+pub const TINY_DTYPES: [(DType, DType); 3] =
+    [(DType::F32, DType::F32), (DType::BF16, DType::F16), (DType::F16, DType::BF16)];
+
+/// Build the tiny graph for one dtype pair.
+pub fn tiny_graph(registry: &Registry, dtype: DType, cache_dtype: DType) -> Graph {
+    let mut b = GraphBuilder::new("tiny_chain", registry.ops());
+    let batch = Dim::from("batch");
+    let hidden = b.input("hidden_state", dtype, &[batch.clone(), Dim::from("seq"), Dim::from(4)]).unwrap();
+    let valid = b.input("valid_lengths", DType::U32, std::slice::from_ref(&batch)).unwrap();
+    let cache = b
+        .kv_cache(
+            "kv_cache",
+            KvCacheType {
+                dtype: cache_dtype,
+                num_layers: 2,
+                page_size: 2,
+                num_kv_heads: 1,
+                head_size: 2,
+                num_pages: Dim::from("pages"),
+                batch,
+                max_pages_per_seq: Dim::from("width"),
+            },
+        )
+        .unwrap();
+    let params: Params = [
+        ("dtype", ParamValue::from(dtype)),
+        ("num_kv_heads", 1usize.into()),
+        ("head_size", 2usize.into()),
+        ("page_size", 2usize.into()),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect();
+    let mut x = hidden;
+    for layer in 0..2 {
+        let w = b
+            .random_constant(
+                &format!("layers.{layer}.qkv_weight"),
+                dtype,
+                &[8, 4],
+                RandomInit { seed: layer, low: -0.5, high: 0.5 },
+            )
+            .unwrap();
+        let name = if layer == 0 { "layer_idx".to_string() } else { "layers.1.layer_idx".to_string() };
+        let idx = b.input(&name, DType::U32, &[]).unwrap();
+        x = b.node(kvjit::fused_qkv::OP_NAME, params.clone(), &[x, w, cache, idx, valid]).unwrap()[0];
+        b.output(&format!("layers.{layer}.q"), x).unwrap();
+    }
+    b.finish().unwrap()
+}
+
+fn with_tiny<R>(dtype: DType, f: impl FnOnce(&Tiny) -> R) -> R {
+    TINY.with(|tiny| {
+        let mut tiny = tiny.borrow_mut();
+        if tiny.is_empty() {
+            REGISTRY.with(|registry| {
+                for (dtype, cache_dtype) in TINY_DTYPES {
+                    let graph = tiny_graph(registry, dtype, cache_dtype);
+                    let [reference, jit] = [KernelImpl::Reference, KernelImpl::Fast]
+                        .map(|i| compile(&graph, registry, &options(i, BTreeMap::new(), 1 << 20)).unwrap());
+                    tiny.push(Tiny { dtype, graph, reference, jit });
+                }
+            });
+        }
+        f(tiny.iter().find(|t| t.dtype == dtype).unwrap_or(&tiny[0]))
+    })
+}
+
+/// The `safetensors_inputs` target: the bytes of a `kvjit run --inputs`
+/// file.
+pub fn safetensors_inputs(data: &[u8]) {
+    let tensors = match tensors_from_safetensors(data) {
+        Ok(t) => t,
+        Err(e) => {
+            let _ = e.to_string();
+            return;
+        }
+    };
+    let bytes = tensors_to_safetensors(tensors.iter().map(|(n, t)| (n.as_str(), t))).expect("parsed tensors serialize");
+    let back = tensors_from_safetensors(&bytes).expect("serialized tensors parse");
+    assert!(
+        back.len() == tensors.len()
+            && back.iter().zip(&tensors).all(|((na, a), (nb, b))| na == nb
+                && a.dtype() == b.dtype()
+                && a.shape() == b.shape()
+                && a.as_bytes() == b.as_bytes()),
+        "tensors changed in a safetensors round trip"
+    );
+
+    match PagedKVCacheCollection::from_tensors("kv_cache", &mut tensors.clone()) {
+        Ok(cache) => exercise_cache(&cache),
+        Err(e) => {
+            let _ = e.to_string();
+        }
+    }
+
+    let dtype = tensors.get("hidden_state").map_or(DType::F32, Tensor::dtype);
+    with_tiny(dtype, |tiny| {
+        let scenario = match Scenario::from_tensors(&tiny.graph, tensors, 0) {
+            Ok(s) => s,
+            Err(e) => {
+                let _ = e.to_string();
+                return;
+            }
+        };
+        let want = run(&tiny.reference, &scenario.inputs, &scenario.caches, "inputs file, reference");
+        let got = run(&tiny.jit, &scenario.inputs, &scenario.caches, "inputs file, JIT");
+        assert_same_runs(&got, &want, "inputs file");
+    });
+}
+
+/// Cache helpers on a cache assembled from arbitrary tensors: no panics,
+/// all-or-nothing updates, and a `to_tensors` round trip.
+fn exercise_cache(cache: &PagedKVCacheCollection) {
+    let mut map: BTreeMap<String, Tensor> = cache.to_tensors("kv_cache").unwrap().into_iter().collect();
+    let back = PagedKVCacheCollection::from_tensors("kv_cache", &mut map).expect("a cache's own tensors assemble");
+    assert!(cache_bytes(&back) == cache_bytes(cache) && back.params() == cache.params(), "cache round trip");
+
+    let b = cache.batch_size();
+    for new_tokens in [vec![1u32; b], vec![u32::MAX; b], vec![0; b + 1]] {
+        let mut c = cache.clone();
+        if c.reserve(&new_tokens).is_err() {
+            assert!(cache_bytes(&c) == cache_bytes(cache), "a failed reserve changed the cache");
+        }
+        let mut c = cache.clone();
+        if c.advance(&new_tokens).is_err() {
+            assert!(cache_bytes(&c) == cache_bytes(cache), "a failed advance changed the cache");
+        }
+    }
+    for batch in 0..b.min(4) + 1 {
+        let length = cache.cache_lengths().get(batch).copied().unwrap_or(0) as usize;
+        for position in [0, length.saturating_sub(1), length, usize::MAX / 2] {
+            let _ = cache.locate(batch, position);
+            for layer in [0, 1, cache.params().num_layers] {
+                let _ = cache.read_token(layer, batch, position);
+            }
+        }
+    }
+    let mut c = cache.clone();
+    if b > 0 {
+        c.release(b - 1).expect("release of a sequence in range");
+    }
+    let _ = c.release(b);
+    let _ = c.free_pages();
+}
