@@ -23,6 +23,7 @@
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
@@ -108,7 +109,7 @@ impl CompileBench {
         ));
         std::fs::create_dir_all(&dir).map_err(|e| crate::Error::Usage(format!("{}: {e}", dir.display())))?;
         let bench = Self {
-            weight: Weights::new(shape, dtype, seed, 0)?.layers.swap_remove(0),
+            weight: Arc::unwrap_or_clone(Weights::new(shape, dtype, seed, 0)?.layers.swap_remove(0)),
             shape: shape.clone(),
             dtype,
             page_size,

@@ -104,7 +104,7 @@ fn layer_kernels(spec: kvjit_op_fused_qkv::FusedQkvSpec, weights: &Weights) -> R
     let kernels = weights
         .layers
         .iter()
-        .map(|w| JitKernel::new(spec, Some(w), CaptureText::default()).map_err(jit_error))
+        .map(|w| JitKernel::new(spec, Some(w.clone()), CaptureText::default()).map_err(jit_error))
         .collect::<Result<Vec<_>>>()?;
     Ok(Arc::new(kernels))
 }

@@ -189,7 +189,7 @@ impl Point {
 /// once, when loading them.
 pub struct Weights {
     /// `[N, K]` in the benchmark dtype, one per layer.
-    pub layers: Vec<Tensor>,
+    pub layers: Vec<Arc<Tensor>>,
     /// The same as f32, for the peers; empty when the dtype is f32.
     f32_layers: Vec<Vec<f32>>,
 }
@@ -207,7 +207,7 @@ impl Weights {
             TensorData::F32(_) => Vec::new(),
             _ => vec![to_f32(&weight); count],
         };
-        Ok(Self { layers: vec![weight; count], f32_layers })
+        Ok(Self { layers: (0..count).map(|_| Arc::new(weight.clone())).collect(), f32_layers })
     }
 
     /// Number of layers (copies).

@@ -19,6 +19,7 @@
 
 use std::collections::HashMap;
 use std::fmt;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use cudarc::driver::{
@@ -52,11 +53,28 @@ impl PtxImage {
 #[derive(Clone, Debug)]
 pub struct Function(CudaFunction);
 
+/// Bytes of device memory held by live [`DeviceBuffer`]s, all devices.
+static LIVE_DEVICE_BYTES: AtomicUsize = AtomicUsize::new(0);
+
+/// Bytes of device memory kvjit holds right now, over every device: the sum
+/// of the allocations of all live [`DeviceBuffer`]s (scratch, uploaded
+/// weights, resident caches). Tests use it to see that dropping a context
+/// or a kernel gives its memory back.
+pub fn live_device_bytes() -> usize {
+    LIVE_DEVICE_BYTES.load(Ordering::SeqCst)
+}
+
 /// Device memory: `len` bytes (the allocation is at least one byte, and
 /// 256-byte aligned like every `cuMemAlloc`).
 pub struct DeviceBuffer {
     slice: CudaSlice<u8>,
     len: usize,
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        LIVE_DEVICE_BYTES.fetch_sub(self.slice.len(), Ordering::SeqCst);
+    }
 }
 
 impl DeviceBuffer {
@@ -240,6 +258,7 @@ impl CudaDevice {
         // (download, kernels) is told how many bytes the caller wrote.
         let slice = unsafe { self.stream.alloc::<u8>(bytes.max(1)) }
             .map_err(|e| CudaError::driver(format!("cuMemAlloc({bytes} bytes)"), e))?;
+        LIVE_DEVICE_BYTES.fetch_add(slice.len(), Ordering::SeqCst);
         Ok(DeviceBuffer { slice, len: bytes })
     }
 

@@ -19,7 +19,9 @@ mod device;
 mod error;
 mod probe;
 
-pub use device::{CudaDevice, DeviceBuffer, Function, KernelArg, LaunchShape, PtxImage, ResidentKey};
+pub use device::{
+    CudaDevice, DeviceBuffer, Function, KernelArg, LaunchShape, PtxImage, ResidentKey, live_device_bytes,
+};
 pub use error::{CudaError, Result};
 pub use probe::availability;
 

@@ -13,7 +13,7 @@ mod executable;
 mod executor;
 mod kernel;
 
-pub use context::{CpuContext, CudaContext, DeviceContext, DeviceContextPtr, cuda_availability};
+pub use context::{CpuContext, CudaContext, DeviceContext, DeviceContextPtr, KernelStateOwner, cuda_availability};
 pub use error::{Result, RuntimeError};
 pub use executable::{CacheSpec, Executable, InputSpec, ShapeDim, Slot, Step};
 pub use executor::{Executor, RunOutput, StepTiming};

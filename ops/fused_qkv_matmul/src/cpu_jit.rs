@@ -38,7 +38,7 @@ use kvjit_jit::{CaptureText, CompileCause, CompileRecord, JitError, JitFunction,
 use kvjit_runtime::{CodeInfo, DeviceContextPtr, Kernel, OutputSpec};
 
 use crate::call::cache_row_offsets;
-use crate::kernel::{check_against_spec, checked_call};
+use crate::kernel::{check_against_spec, checked_call, same_data};
 use crate::{CallShape, FusedQkvSpec};
 
 /// Columns per weight panel (two F32X4 vectors).
@@ -447,7 +447,16 @@ pub struct JitKernel {
     seen_shapes: Option<Mutex<SeenShapes>>,
     layout: PanelLayout,
     code: Arc<JitFunction>,
-    packed_weight: Option<Arc<Tensor>>,
+    /// The graph's constant weight and its packed copy, made at build. Used
+    /// only when a call's weight is that very tensor ([`same_data`]); any
+    /// other weight is packed for its call.
+    constant_weight: Option<PackedConstant>,
+}
+
+/// A constant weight and its panels.
+struct PackedConstant {
+    weight: Arc<Tensor>,
+    packed: Tensor,
 }
 
 /// Kernels compiled for (B, S) shapes a generic kernel has run with.
@@ -477,8 +486,10 @@ struct CallAddresses {
 
 impl JitKernel {
     /// Compile (or fetch) the kernel for `spec`; pack `weight` now when it
-    /// is a graph constant.
-    pub fn new(spec: FusedQkvSpec, weight: Option<&Tensor>, capture: CaptureText) -> Result<Self, JitError> {
+    /// is a graph constant. Calls whose weight is that same tensor (the same
+    /// allocation) use the packed copy; calls with any other weight pack
+    /// theirs per call.
+    pub fn new(spec: FusedQkvSpec, weight: Option<Arc<Tensor>>, capture: CaptureText) -> Result<Self, JitError> {
         Self::with_policy(spec, weight, capture, false)
     }
 
@@ -488,15 +499,15 @@ impl JitKernel {
     /// kernel, and runs that one instead of the generic code.
     pub fn with_policy(
         spec: FusedQkvSpec,
-        weight: Option<&Tensor>,
+        weight: Option<Arc<Tensor>>,
         capture: CaptureText,
         specialize_shapes: bool,
     ) -> Result<Self, JitError> {
         let code = compile(&spec, capture)?;
         let layout = PanelLayout::new(&spec);
-        let packed_weight = match weight {
+        let constant_weight = match weight {
             Some(w) if w.dtype() == spec.dtype && w.shape() == [spec.n(), spec.k] && w.is_contiguous() => {
-                Some(Arc::new(layout.pack(w).expect("a float weight packs")))
+                Some(PackedConstant { packed: layout.pack(&w).expect("a float weight packs"), weight: w })
             }
             _ => None,
         };
@@ -507,7 +518,7 @@ impl JitKernel {
             spec,
             layout,
             code,
-            packed_weight,
+            constant_weight,
         })
     }
 
@@ -688,9 +699,9 @@ impl JitKernel {
         let row_offsets = cache_row_offsets(&shape, cache, valid_lengths)?;
         let x = hidden_as_f32(hidden);
         let packed_now;
-        let packed = match &self.packed_weight {
-            Some(p) => p.as_ref(),
-            None => {
+        let packed = match &self.constant_weight {
+            Some(constant) if same_data(&constant.weight, weight) => &constant.packed,
+            _ => {
                 packed_now = self.layout.pack(weight)?;
                 &packed_now
             }

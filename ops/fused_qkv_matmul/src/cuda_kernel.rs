@@ -29,7 +29,13 @@
 //! page table), and only then touches the device: upload X (and W unless it
 //! is the graph constant, which is uploaded once per device), launch the
 //! fused kernel, gather the K/V rows it wrote into one staging buffer, and
-//! download Q and the staged rows.
+//! download Q and the staged rows into host staging copies. Only when every
+//! device step succeeded are Q copied into the output and the rows into the
+//! host cache, so a device error leaves both exactly as they were.
+//!
+//! **Per-context state.** The loaded functions, the uploaded constant weight
+//! and the scratch buffers are kept in the [`DeviceContextPtr`] the kernel
+//! ran on, and freed when that context (or this kernel) is dropped.
 //!
 //! **The cache stays on the device.** Each cache's blocks live in a device
 //! buffer kept resident across calls and steps
@@ -46,13 +52,13 @@
 //! type, to see such edits; see the README's CUDA section.)
 
 use std::hash::{Hash, Hasher};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 
 use kvjit_core::{DType, Error, KernelKey, KvCacheParams, PagedKVCacheCollection, Result, Target, Tensor};
 use kvjit_cuda::{CudaDevice, CudaError, DeviceBuffer, Function, KernelArg, LaunchShape, PtxImage, ResidentKey};
-use kvjit_runtime::{DeviceContextPtr, Kernel, OutputSpec, RuntimeError};
+use kvjit_runtime::{DeviceContextPtr, Kernel, KernelStateOwner, OutputSpec, RuntimeError};
 
-use crate::kernel::{CheckedCall, check_against_spec, checked_call};
+use crate::kernel::{CheckedCall, check_against_spec, checked_call, same_data};
 use crate::spec::KERNEL_NAME;
 use crate::{CallShape, FusedQkvSpec, cache_row_offsets};
 
@@ -300,10 +306,10 @@ struct Scratch {
     staged: Option<DeviceBuffer>,
 }
 
-/// What one kernel keeps per device: its functions, the constant weight,
-/// scratch buffers.
+/// What one kernel keeps per device context: its functions, the constant
+/// weight, scratch buffers. Kept in the context
+/// ([`DeviceContextPtr::with_kernel_state`]), so it is freed with it.
 struct DeviceState {
-    device: Arc<CudaDevice>,
     decode: Option<Function>,
     prefill: Option<Function>,
     gather: Function,
@@ -326,22 +332,27 @@ struct Call<'a> {
 }
 
 impl DeviceState {
-    fn new(device: Arc<CudaDevice>, plan: &VariantPlan) -> kvjit_cuda::Result<Self> {
+    fn new(device: &CudaDevice, plan: &VariantPlan) -> kvjit_cuda::Result<Self> {
         let load = |key: &KernelKey| device.function(PTX_MODULE, &PTX, &key.symbol());
         Ok(Self {
             decode: plan.decode.as_ref().map(load).transpose()?,
             prefill: plan.prefill.as_ref().map(load).transpose()?,
             gather: load(&plan.gather)?,
-            device,
             weight: None,
             scratch: Scratch::default(),
         })
     }
 
     /// Everything on the device. Returns with `output` holding Q and
-    /// `staged` the K/V rows written (`[written, 2, kv_dim]`, cache dtype).
-    fn execute(&mut self, call: &Call<'_>, output: &mut [u8], staged: &mut [u8]) -> kvjit_cuda::Result<()> {
-        let device = self.device.clone();
+    /// `staged` the K/V rows written (`[written, 2, kv_dim]`, cache dtype),
+    /// both host staging buffers the caller commits.
+    fn execute(
+        &mut self,
+        device: &CudaDevice,
+        call: &Call<'_>,
+        output: &mut [u8],
+        staged: &mut [u8],
+    ) -> kvjit_cuda::Result<()> {
         let upload = |slot: &mut Option<DeviceBuffer>, bytes: &[u8]| -> kvjit_cuda::Result<()> {
             let buffer = device.ensure(slot, bytes.len())?;
             device.upload(bytes, buffer)
@@ -432,13 +443,6 @@ impl DeviceState {
     }
 }
 
-/// Whether `given` is the very tensor the kernel was built with.
-fn same_data(constant: &Tensor, given: &Tensor) -> bool {
-    constant.dtype() == given.dtype()
-        && constant.shape() == given.shape()
-        && std::ptr::eq(constant.as_bytes(), given.as_bytes())
-}
-
 /// Tells apart resident copies of the same host memory used with another
 /// layout.
 fn layout_tag(params: &KvCacheParams) -> u64 {
@@ -457,7 +461,8 @@ pub struct CudaKernel {
     key: KernelKey,
     plan: VariantPlan,
     weight: Option<Arc<Tensor>>,
-    states: Mutex<Vec<DeviceState>>,
+    /// The key under which each context keeps this kernel's device state.
+    state_owner: KernelStateOwner,
 }
 
 impl CudaKernel {
@@ -470,12 +475,89 @@ impl CudaKernel {
             target: Target::Cuda,
             reason: format!("no CUDA variant serves {key}: {why}"),
         })?;
-        Ok(Self { spec, key, plan, weight, states: Mutex::new(Vec::new()) })
+        Ok(Self { spec, key, plan, weight, state_owner: KernelStateOwner::new() })
     }
 
     /// The variants this kernel uses.
     pub fn plan(&self) -> &VariantPlan {
         &self.plan
+    }
+}
+
+impl CudaKernel {
+    /// A validated call, staged, then committed: everything is checked
+    /// before any device work; `device_work` fills a host staging copy of Q
+    /// and of the K/V rows written (`[written, 2, kv_dim]`, cache dtype);
+    /// only when it succeeds are Q copied into the output and the rows into
+    /// the host cache. A device error therefore leaves output and cache
+    /// exactly as they were. `ready` is the context check, reported after
+    /// the argument checks and before any device work.
+    fn run_staged(
+        &self,
+        inputs: &[&Tensor],
+        caches: &mut [&mut PagedKVCacheCollection],
+        outputs: &mut [Tensor],
+        ready: Result<()>,
+        device_work: impl FnOnce(&Call<'_>, &mut [u8], &mut [u8]) -> Result<()>,
+    ) -> Result<()> {
+        // The same validation as the CPU kernels, before anything is written.
+        let CheckedCall { shape, hidden, weight, valid_lengths, cache, output, .. } =
+            checked_call(&self.spec, inputs, caches, outputs)?;
+        let dims = LaunchDims::new(&shape, cache.params())?;
+        let row_off = cache_row_offsets(&shape, cache, valid_lengths)?;
+        ready?;
+        let Some(schedule) = self.plan.schedule_for(dims.rows) else {
+            // check_against_spec matched static B and S, so the plan has it.
+            return Err(Error::ShapeMismatch {
+                arg: "hidden_state".into(),
+                expected: format!("the shape {} was built for", self.key),
+                got: hidden.shape().to_vec(),
+            });
+        };
+        if dims.rows == 0 {
+            return Ok(());
+        }
+
+        let written: Vec<i64> = row_off.iter().copied().filter(|&o| o >= 0).collect();
+        let params = *cache.params();
+        let elem = params.dtype.size_bytes();
+        let row_bytes = shape.kv_dim * elem;
+        let mut q = vec![0u8; output.as_bytes().len()];
+        let mut staged = vec![0u8; written.len() * 2 * row_bytes];
+        {
+            let blocks = cache.blocks().as_bytes();
+            let call = Call {
+                dtype: self.spec.dtype,
+                schedule,
+                dims,
+                hidden: hidden.as_bytes(),
+                weight: weight.as_bytes(),
+                weight_is_constant: self.weight.as_deref().is_some_and(|c| same_data(c, weight)),
+                row_off: &row_off,
+                written: &written,
+                blocks,
+                blocks_key: ResidentKey {
+                    host_addr: blocks.as_ptr() as usize,
+                    bytes: blocks.len(),
+                    tag: layout_tag(&params),
+                },
+            };
+            device_work(&call, &mut q, &mut staged)?;
+        }
+
+        // Commit: Q into the output, and the K/V rows the kernel wrote on
+        // the device into the host cache (offsets validated by check_call,
+        // as on the device).
+        output.as_bytes_mut().copy_from_slice(&q);
+        let kv_stride = dims.kv_stride as usize;
+        let host = cache.blocks_bytes_mut();
+        for (&off, rows) in written.iter().zip(staged.chunks_exact(2 * row_bytes)) {
+            let (k, v) = rows.split_at(row_bytes);
+            let off = off as usize;
+            host[off * elem..][..row_bytes].copy_from_slice(k);
+            host[(off + kv_stride) * elem..][..row_bytes].copy_from_slice(v);
+        }
+        Ok(())
     }
 }
 
@@ -501,75 +583,25 @@ impl Kernel for CudaKernel {
         outputs: &mut [Tensor],
         ctx: &DeviceContextPtr,
     ) -> Result<()> {
-        // The same validation as the CPU kernels, before anything is written.
-        let CheckedCall { shape, hidden, weight, valid_lengths, cache, output, .. } =
-            checked_call(&self.spec, inputs, caches, outputs)?;
-        let dims = LaunchDims::new(&shape, cache.params())?;
-        let row_off = cache_row_offsets(&shape, cache, valid_lengths)?;
-        let Some(cuda) = ctx.cuda_context() else {
-            return Err(device_error(CudaError::Unavailable(format!(
+        let device = ctx.cuda_context().map(|cuda| cuda.device());
+        let ready = match device {
+            Some(_) => Ok(()),
+            None => Err(device_error(CudaError::Unavailable(format!(
                 "{} runs on a CUDA device context, not a {} one",
                 self.key,
                 ctx.target()
-            ))));
+            )))),
         };
-        let Some(schedule) = self.plan.schedule_for(dims.rows) else {
-            // check_against_spec matched static B and S, so the plan has it.
-            return Err(Error::ShapeMismatch {
-                arg: "hidden_state".into(),
-                expected: format!("the shape {} was built for", self.key),
-                got: hidden.shape().to_vec(),
-            });
-        };
-        if dims.rows == 0 {
-            return Ok(());
-        }
-
-        let written: Vec<i64> = row_off.iter().copied().filter(|&o| o >= 0).collect();
-        let params = *cache.params();
-        let elem = params.dtype.size_bytes();
-        let row_bytes = shape.kv_dim * elem;
-        let mut staged = vec![0u8; written.len() * 2 * row_bytes];
-        {
-            let blocks = cache.blocks().as_bytes();
-            let call = Call {
-                dtype: self.spec.dtype,
-                schedule,
-                dims,
-                hidden: hidden.as_bytes(),
-                weight: weight.as_bytes(),
-                weight_is_constant: self.weight.as_deref().is_some_and(|c| same_data(c, weight)),
-                row_off: &row_off,
-                written: &written,
-                blocks,
-                blocks_key: ResidentKey {
-                    host_addr: blocks.as_ptr() as usize,
-                    bytes: blocks.len(),
-                    tag: layout_tag(&params),
-                },
-            };
-            let mut states = self.states.lock().unwrap_or_else(PoisonError::into_inner);
-            let index = match states.iter().position(|s| Arc::ptr_eq(&s.device, cuda.device())) {
-                Some(index) => index,
-                None => {
-                    states.push(DeviceState::new(cuda.device().clone(), &self.plan).map_err(device_error)?);
-                    states.len() - 1
-                }
-            };
-            states[index].execute(&call, output.as_bytes_mut(), &mut staged).map_err(device_error)?;
-        }
-
-        // Mirror the K/V rows the kernel wrote on the device into the host
-        // cache (offsets validated by check_call, as on the device).
-        let kv_stride = dims.kv_stride as usize;
-        let host = cache.blocks_bytes_mut();
-        for (&off, rows) in written.iter().zip(staged.chunks_exact(2 * row_bytes)) {
-            let (k, v) = rows.split_at(row_bytes);
-            let off = off as usize;
-            host[off * elem..][..row_bytes].copy_from_slice(k);
-            host[(off + kv_stride) * elem..][..row_bytes].copy_from_slice(v);
-        }
-        Ok(())
+        self.run_staged(inputs, caches, outputs, ready, |call, q, staged| {
+            let device = device.expect("run_staged returns the context error before any device work");
+            // This kernel's functions, constant weight and scratch live in
+            // the context and are freed with it (or with this kernel).
+            ctx.with_kernel_state(
+                &self.state_owner,
+                || DeviceState::new(device, &self.plan).map_err(device_error),
+                |state| state.execute(device, call, q, staged).map_err(device_error),
+            )
+        })
     }
 }
 
@@ -693,6 +725,116 @@ mod tests {
              fused_qkv_bshd_paged.cuda.bf16.k12.q4096.hkv8.d128.p16.l32.kvbf16.bany.sany: the CUDA kernels read rows \
              of hidden_state and weight as 16-byte vectors and need K % 8 == 0, got K = 12"
         );
+    }
+
+    /// A small valid call: B = 2, S = 3 (valid lengths 3 and 1), K = 8,
+    /// q_dim = 8, Hkv = 1, D = 4, page size 2, random values everywhere.
+    fn small_call() -> (CudaKernel, [Tensor; 4], PagedKVCacheCollection, Tensor) {
+        use rand::{SeedableRng, rngs::StdRng};
+        let spec = FusedQkvSpec {
+            target: Target::Cuda,
+            dtype: DType::F32,
+            cache_dtype: DType::F32,
+            k: 8,
+            q_dim: 8,
+            num_kv_heads: 1,
+            head_size: 4,
+            page_size: 2,
+            num_layers: 1,
+            batch: None,
+            seq: None,
+        };
+        let mut rng = StdRng::seed_from_u64(5);
+        let params = KvCacheParams { dtype: DType::F32, num_layers: 1, page_size: 2, num_kv_heads: 1, head_size: 4 };
+        let mut cache = PagedKVCacheCollection::new(params, 8, 2, 4).unwrap();
+        cache.reserve(&[3, 1]).unwrap();
+        cache.set_blocks(Tensor::random(DType::F32, cache.blocks().shape(), &mut rng, -1.0, 1.0).unwrap()).unwrap();
+        let inputs = [
+            Tensor::random(DType::F32, &[2, 3, 8], &mut rng, -1.0, 1.0).unwrap(),
+            Tensor::random(DType::F32, &[16, 8], &mut rng, -1.0, 1.0).unwrap(),
+            Tensor::scalar_u32(0),
+            Tensor::from_vec(&[2], vec![3u32, 1]).unwrap(),
+        ];
+        let output = Tensor::random(DType::F32, &[2, 3, 8], &mut rng, -1.0, 1.0).unwrap();
+        (CudaKernel::new(spec, None).unwrap(), inputs, cache, output)
+    }
+
+    /// A device error after Q came back (here: the device work fills the Q
+    /// staging buffer and part of the rows, then fails) leaves the output and
+    /// the cache byte for byte as they were. Before the fix, Q was downloaded
+    /// straight into the output ahead of the K/V rows.
+    #[test]
+    fn a_device_error_half_way_writes_neither_output_nor_cache() {
+        let (kernel, inputs, mut cache, mut output) = small_call();
+        let (cache_before, output_before) = (cache.blocks().as_bytes().to_vec(), output.as_bytes().to_vec());
+        let inputs: Vec<&Tensor> = inputs.iter().collect();
+        let result = kernel.run_staged(
+            &inputs,
+            &mut [&mut cache],
+            std::slice::from_mut(&mut output),
+            Ok(()),
+            |_call, q, staged| {
+                q.fill(0xab);
+                staged[..4].fill(0xcd);
+                Err(device_error(CudaError::Unavailable("injected failure after Q was downloaded".into())))
+            },
+        );
+        let error = result.unwrap_err().to_string();
+        assert!(error.contains("injected failure"), "{error}");
+        assert_eq!(output.as_bytes(), output_before, "the output changed though the call failed");
+        assert_eq!(cache.blocks().as_bytes(), cache_before, "the cache changed though the call failed");
+    }
+
+    /// When the device work succeeds, exactly the staged Q and the staged
+    /// rows of valid tokens land in the host output and cache; padded tokens'
+    /// slots and every other byte stay.
+    #[test]
+    fn a_successful_call_commits_q_and_exactly_the_valid_rows() {
+        let (kernel, inputs, mut cache, mut output) = small_call();
+        let before = cache.clone();
+        let inputs: Vec<&Tensor> = inputs.iter().collect();
+        kernel
+            .run_staged(&inputs, &mut [&mut cache], std::slice::from_mut(&mut output), Ok(()), |call, q, staged| {
+                assert_eq!(call.written.len(), 4, "3 + 1 valid tokens");
+                for (i, v) in q.chunks_exact_mut(4).enumerate() {
+                    v.copy_from_slice(&(i as f32).to_le_bytes());
+                }
+                for (i, v) in staged.chunks_exact_mut(4).enumerate() {
+                    v.copy_from_slice(&(1000.0 + i as f32).to_le_bytes());
+                }
+                Ok(())
+            })
+            .unwrap();
+        let q = output.to_f32_vec().unwrap();
+        assert!(q.iter().enumerate().all(|(i, &v)| v == i as f32), "{q:?}");
+        let blocks = cache.blocks().to_f32_vec().unwrap();
+        let old = before.blocks().to_f32_vec().unwrap();
+        let mut expected = old.clone();
+        let tokens = [(0usize, 0usize), (0, 1), (0, 2), (1, 0)];
+        for (row, &(b, t)) in tokens.iter().enumerate() {
+            let page = before.lookup_table()[b * 4 + t / 2] as usize;
+            for kv in 0..2 {
+                for d in 0..4 {
+                    let at = before.element_offset(page, kv, 0, t % 2, 0, d);
+                    expected[at] = 1000.0 + (row * 8 + kv * 4 + d) as f32;
+                }
+            }
+        }
+        assert_eq!(blocks, expected);
+    }
+
+    /// The context check comes after the argument checks, and before any
+    /// device work.
+    #[test]
+    fn a_non_cuda_context_is_refused_before_any_device_work() {
+        let (kernel, inputs, mut cache, mut output) = small_call();
+        let before = output.as_bytes().to_vec();
+        let ctx = DeviceContextPtr::cpu(1).unwrap();
+        let inputs: Vec<&Tensor> = inputs.iter().collect();
+        let error = kernel.run(&inputs, &mut [&mut cache], std::slice::from_mut(&mut output), &ctx).unwrap_err();
+        assert!(error.to_string().contains("runs on a CUDA device context, not a cpu one"), "{error}");
+        assert_eq!(output.as_bytes(), before);
+        assert_eq!(ctx.kernel_states(), 0, "nothing was kept in a context the kernel cannot use");
     }
 
     #[test]

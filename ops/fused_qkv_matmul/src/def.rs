@@ -97,7 +97,7 @@ impl FusedQkvOp {
             ));
         }
         let layer_idx = tensor(inputs, 3);
-        if layer_idx.dtype != DType::U32 || !matches!(layer_idx.shape.as_slice(), [] | [Dim::Static(1)]) {
+        if layer_idx.dtype != DType::U32 || !layer_idx.shape.is_empty() {
             return Err(input_error("layer_idx", "u32[] (a scalar)".into(), layer_idx));
         }
         let valid = tensor(inputs, 4);
@@ -165,7 +165,7 @@ impl KernelBuilder for FusedQkvOp {
         match (spec.target, options.implementation) {
             (Target::Cpu, KernelImpl::Reference) => Ok(Arc::new(ReferenceKernel::new(spec))),
             (Target::Cpu, KernelImpl::Fast) => {
-                let weight = constants.get(1).and_then(|w| w.as_deref());
+                let weight = constants.get(1).cloned().flatten();
                 let capture = CaptureText { clif: options.keep_ir, disasm: options.keep_disasm };
                 let kernel = JitKernel::with_policy(spec, weight, capture, options.specialize_shapes)
                     .map_err(|e| RuntimeError::Plan(format!("JIT compile of {key} failed: {e}")))?;

@@ -111,6 +111,17 @@ impl Kernel for ReferenceKernel {
     }
 }
 
+/// Whether `given` is the very tensor a kernel was built with (the same
+/// allocation, dtype and shape), so a copy made from the constant at build —
+/// packed panels, a device upload — may stand in for it. Equal contents in
+/// another allocation do not count: a caller may change its own tensor
+/// between calls.
+pub(crate) fn same_data(constant: &Tensor, given: &Tensor) -> bool {
+    constant.dtype() == given.dtype()
+        && constant.shape() == given.shape()
+        && std::ptr::eq(constant.as_bytes(), given.as_bytes())
+}
+
 /// A kernel call's arguments, unpacked, checked against the spec and each
 /// other (including the output): where every target's `run` starts.
 pub(crate) struct CheckedCall<'a> {

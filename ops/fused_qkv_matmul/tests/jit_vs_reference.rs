@@ -16,7 +16,7 @@
 
 mod common;
 
-use std::sync::LazyLock;
+use std::sync::{Arc, LazyLock};
 
 use common::{Guarded, Snapshot, block_index, cache_from_table, nan_bytes, poison, strided_view, u32s, unravel};
 use half::{bf16, f16};
@@ -351,7 +351,7 @@ impl Case {
         let guard_pages = (0..front).chain(num_pages - back..num_pages).collect();
         Prepared {
             hidden,
-            weight,
+            weight: Arc::new(weight),
             layer_idx: Tensor::scalar_u32(self.layer as u32),
             valid: u32s(&self.valid),
             cache,
@@ -364,7 +364,7 @@ impl Case {
     }
 
     fn kernel(&self, prep: &Prepared) -> JitKernel {
-        JitKernel::new(self.spec(), self.const_weight.then_some(&prep.weight), CaptureText::default())
+        JitKernel::new(self.spec(), self.const_weight.then(|| prep.weight.clone()), CaptureText::default())
             .unwrap_or_else(|e| panic!("{self:?}: JitKernel::new failed: {e}"))
     }
 }
@@ -372,7 +372,7 @@ impl Case {
 /// A case's buffers, before any call.
 struct Prepared {
     hidden: Tensor,
-    weight: Tensor,
+    weight: Arc<Tensor>,
     layer_idx: Tensor,
     valid: Tensor,
     /// Poisoned with NaN; every call works on its own clone.
@@ -415,7 +415,7 @@ fn run_jit(case: &Case, prep: &Prepared, kernel: &JitKernel, ctx: &DeviceContext
             buffer.body().to_vec()
         }
         Call::Run => {
-            let inputs = [&prep.hidden, &prep.weight, &prep.layer_idx, &prep.valid];
+            let inputs = [&prep.hidden, &*prep.weight, &prep.layer_idx, &prep.valid];
             let specs = kernel.check(&inputs, &[&cache]).unwrap_or_else(|e| panic!("{case:?}: check failed: {e}"));
             assert_eq!(specs, vec![(case.dtype, out_shape.to_vec())], "{case:?}: check's output spec");
             let mut outputs = [Tensor::zeros(case.dtype, &out_shape).unwrap()];
@@ -988,7 +988,7 @@ const PTABLE: [u32; PB * PMAX] = [
 #[derive(Clone, Debug)]
 struct Fixture {
     hidden: Tensor,
-    weight: Tensor,
+    weight: Arc<Tensor>,
     cache: PagedKVCacheCollection,
     layer_idx: Tensor,
     valid: Tensor,
@@ -1007,7 +1007,7 @@ impl Fixture {
         cache.set_blocks(Tensor::random(dtype, &PBLOCKS, &mut rng, -1.0, 1.0).unwrap()).unwrap();
         Self {
             hidden: dyadic(&mut rng, &[PB, PS, PK]),
-            weight: dyadic(&mut rng, &[PN, PK]),
+            weight: Arc::new(dyadic(&mut rng, &[PN, PK])),
             cache,
             layer_idx: Tensor::scalar_u32(1),
             valid: u32s(&PVALID),
@@ -1029,13 +1029,13 @@ impl Fixture {
     }
 
     fn inputs(&self) -> [&Tensor; 4] {
-        [&self.hidden, &self.weight, &self.layer_idx, &self.valid]
+        [&self.hidden, &*self.weight, &self.layer_idx, &self.valid]
     }
 
     /// `check` then `run` of any kernel; both verdicts.
     fn check_and_run(&mut self, kernel: &dyn Kernel) -> (Result<()>, Result<()>) {
         let checked = kernel.check(&self.inputs(), &[&self.cache]).map(|_| ());
-        let inputs = [&self.hidden, &self.weight, &self.layer_idx, &self.valid];
+        let inputs = [&self.hidden, &*self.weight, &self.layer_idx, &self.valid];
         let ran = kernel.run(&inputs, &mut [&mut self.cache], std::slice::from_mut(&mut self.output), cpu(2));
         (checked, ran)
     }
@@ -1084,7 +1084,11 @@ fn mutations(dtype: DType) -> Vec<Mutation> {
         m("valid as built", Accepted, Box::new(|_| {})),
         m("padded rows aliasing another sequence's page", Accepted, table(PMAX + 1, 4)),
         m("static batch and seq that match", Accepted, spec(|s| FusedQkvSpec { batch: Some(PB), seq: Some(PS), ..s })),
-        m("weight of another dtype", Inputs, Box::new(move |fx| fx.weight = Tensor::zeros(other, &[PN, PK]).unwrap())),
+        m(
+            "weight of another dtype",
+            Inputs,
+            Box::new(move |fx| fx.weight = Arc::new(Tensor::zeros(other, &[PN, PK]).unwrap())),
+        ),
         m(
             "hidden state of another dtype",
             Inputs,
@@ -1095,18 +1099,18 @@ fn mutations(dtype: DType) -> Vec<Mutation> {
             Inputs,
             Box::new(|fx| fx.hidden = Tensor::from_vec(&[PB, PS, PK], vec![1u32; PB * PS * PK]).unwrap()),
         ),
-        m("weight K - 1", Inputs, Box::new(move |fx| fx.weight = zeros(&[PN, PK - 1]))),
-        m("weight K + 1", Inputs, Box::new(move |fx| fx.weight = zeros(&[PN, PK + 1]))),
+        m("weight K - 1", Inputs, Box::new(move |fx| fx.weight = Arc::new(zeros(&[PN, PK - 1])))),
+        m("weight K + 1", Inputs, Box::new(move |fx| fx.weight = Arc::new(zeros(&[PN, PK + 1])))),
         m(
             "weight without Q columns",
             Inputs,
             Box::new(move |fx| {
-                fx.weight = zeros(&[PN - PQ, PK]);
+                fx.weight = Arc::new(zeros(&[PN - PQ, PK]));
                 fx.output = zeros(&[PB, PS, 0]);
             }),
         ),
-        m("weight of rank 1", Inputs, Box::new(move |fx| fx.weight = zeros(&[PN * PK]))),
-        m("weight of rank 3", Inputs, Box::new(move |fx| fx.weight = zeros(&[1, PN, PK]))),
+        m("weight of rank 1", Inputs, Box::new(move |fx| fx.weight = Arc::new(zeros(&[PN * PK])))),
+        m("weight of rank 3", Inputs, Box::new(move |fx| fx.weight = Arc::new(zeros(&[1, PN, PK])))),
         m("hidden state of rank 2", Inputs, Box::new(move |fx| fx.hidden = zeros(&[PB * PS, PK]))),
         m("hidden state of rank 4", Inputs, Box::new(move |fx| fx.hidden = zeros(&[1, PB, PS, PK]))),
         m("valid_lengths too short", Inputs, Box::new(|fx| fx.valid = u32s(&[3, 2]))),
@@ -1146,7 +1150,7 @@ fn mutations(dtype: DType) -> Vec<Mutation> {
             Box::new(move |fx| fx.cache = cache_from_table(dtype, PBLOCKS, &[0; PB + 1], &[U; (PB + 1) * PMAX], PMAX)),
         ),
         m("hidden state not contiguous", Inputs, Box::new(|fx| fx.hidden = strided_view(&fx.hidden, &[1, 0, 2]))),
-        m("weight not contiguous", Inputs, Box::new(|fx| fx.weight = strided_view(&fx.weight, &[1, 0]))),
+        m("weight not contiguous", Inputs, Box::new(|fx| fx.weight = Arc::new(strided_view(&fx.weight, &[1, 0])))),
         m("spec: cache dtype", Inputs, Box::new(move |fx| fx.spec.cache_dtype = other)),
         m("spec: num_layers", Inputs, spec(|s| FusedQkvSpec { num_layers: PL + 1, ..s })),
         m("spec: page_size", Inputs, spec(|s| FusedQkvSpec { page_size: 2 * PPAGE, ..s })),
@@ -1200,7 +1204,7 @@ fn check_parity(dtype: DType) {
 
         for const_weight in [false, true] {
             let what = format!("{what} (weight packed {})", if const_weight { "at build" } else { "per run" });
-            let kernel = JitKernel::new(spec, const_weight.then_some(&fx.weight), CaptureText::default())
+            let kernel = JitKernel::new(spec, const_weight.then(|| fx.weight.clone()), CaptureText::default())
                 .unwrap_or_else(|e| panic!("{what}: {e}"));
 
             let mut jit_fx = fx.clone();
@@ -1294,9 +1298,9 @@ fn run_rejects_the_wrong_number_of_arguments_like_the_reference() {
     let kernels: [&dyn Kernel; 2] = [&reference, &jit];
     let mut verdicts = Vec::new();
     for kernel in kernels {
-        let three = [&fx.hidden, &fx.weight, &fx.layer_idx];
+        let three = [&fx.hidden, &*fx.weight, &fx.layer_idx];
         let a = kernel.run(&three, &mut [&mut fx.cache], std::slice::from_mut(&mut fx.output), cpu(1));
-        let four = [&fx.hidden, &fx.weight, &fx.layer_idx, &fx.valid];
+        let four = [&fx.hidden, &*fx.weight, &fx.layer_idx, &fx.valid];
         let mut other = fx.cache.clone();
         let b = kernel.run(&four, &mut [&mut fx.cache, &mut other], std::slice::from_mut(&mut fx.output), cpu(1));
         let b_none = kernel.run(&four, &mut [], std::slice::from_mut(&mut fx.output), cpu(1));
@@ -1617,5 +1621,49 @@ fn one_kernel_runs_concurrently_from_several_threads() {
         assert!(a.output == t.output, "call {i}: output differs when run concurrently");
         assert!(a.cache.blocks().as_bytes() == t.cache.blocks().as_bytes(), "call {i}: cache differs");
         assert_matches_reference(&cases[i], &preps[i], a, &run_reference(&cases[i], &preps[i]));
+    }
+}
+
+/// A kernel built with a constant weight packs it once and uses that packed
+/// copy only when a call's weight *is* the constant (the same allocation). A
+/// call handed another weight of the same shape and dtype — different values,
+/// or a copy of the constant — computes with the weight it was given, exactly
+/// as the reference does. (Before the fix the kernel used the build-time
+/// panels for every call of the right shape.)
+#[test]
+fn a_call_with_another_weight_computes_with_that_weight_not_the_build_constant() {
+    for dtype in DType::FLOATS {
+        let fx = Fixture::new(dtype);
+        let kernel = JitKernel::new(fx.spec, Some(fx.weight.clone()), CaptureText::default()).unwrap();
+        let reference = ReferenceKernel::new(fx.spec);
+        let values = fx.weight.to_f32_vec().unwrap();
+        let negated: Vec<f32> = values.iter().map(|v| -v - 0.125).collect();
+        let others = [
+            ("the constant itself", fx.weight.clone()),
+            ("another weight", Arc::new(Tensor::from_f32(dtype, fx.weight.shape(), &negated).unwrap())),
+            ("a copy of the constant", Arc::new((*fx.weight).clone())),
+            ("the constant again after the other weights", fx.weight.clone()),
+        ];
+        for (what, weight) in others {
+            let run = |kernel: &dyn Kernel| {
+                let mut fx = fx.clone();
+                let inputs = [&fx.hidden, &*weight, &fx.layer_idx, &fx.valid];
+                kernel.run(&inputs, &mut [&mut fx.cache], std::slice::from_mut(&mut fx.output), cpu(2)).unwrap();
+                (fx.output, fx.cache)
+            };
+            let (jit_out, jit_cache) = run(&kernel);
+            let (ref_out, ref_cache) = run(&reference);
+            assert_eq!(jit_out.as_bytes(), ref_out.as_bytes(), "{dtype}, {what}: output");
+            assert_eq!(jit_cache.blocks().as_bytes(), ref_cache.blocks().as_bytes(), "{dtype}, {what}: cache");
+        }
+        // run_into goes through the same choice.
+        let other = Arc::new(Tensor::from_f32(dtype, fx.weight.shape(), &negated).unwrap());
+        let (mut a, mut b) = (fx.clone(), fx.clone());
+        let mut bytes = vec![0u8; a.output.as_bytes().len()];
+        kernel.run_into(&a.hidden, &other, &mut a.cache, &a.layer_idx, &a.valid, &mut bytes, cpu(1)).unwrap();
+        let inputs = [&b.hidden, &*other, &b.layer_idx, &b.valid];
+        reference.run(&inputs, &mut [&mut b.cache], std::slice::from_mut(&mut b.output), cpu(1)).unwrap();
+        assert_eq!(bytes, b.output.as_bytes(), "{dtype}: run_into with another weight");
+        assert_eq!(a.cache.blocks().as_bytes(), b.cache.blocks().as_bytes(), "{dtype}: run_into cache");
     }
 }

@@ -373,7 +373,7 @@ pub struct Built {
     /// `hidden_state`.
     pub hidden: Tensor,
     /// `weight`.
-    pub weight: Tensor,
+    pub weight: Arc<Tensor>,
     /// `layer_idx`.
     pub layer_idx: Tensor,
     /// `valid_lengths`.
@@ -476,11 +476,11 @@ impl Built {
             Tweak::OutputDType => output.0 = other_float(p.dtype),
             _ => {}
         }
-        Self { hidden, weight, layer_idx, valid, cache, output, guard_pages }
+        Self { hidden, weight: Arc::new(weight), layer_idx, valid, cache, output, guard_pages }
     }
 
     fn inputs(&self) -> [&Tensor; 4] {
-        [&self.hidden, &self.weight, &self.layer_idx, &self.valid]
+        [&self.hidden, &*self.weight, &self.layer_idx, &self.valid]
     }
 
     fn input_bytes(&self) -> Vec<Vec<u8>> {
@@ -621,7 +621,7 @@ pub fn keep_kernels(n: usize) {
 }
 
 /// The JIT kernel for `spec`, with `weight` packed at build when given.
-pub fn jit_kernel(spec: FusedQkvSpec, weight: Option<&Tensor>) -> Arc<JitKernel> {
+pub fn jit_kernel(spec: FusedQkvSpec, weight: Option<Arc<Tensor>>) -> Arc<JitKernel> {
     let generic = {
         let mut kept = KEPT.lock().unwrap_or_else(|p| p.into_inner());
         match kept.iter().find(|(s, _)| *s == spec) {
@@ -766,7 +766,7 @@ pub fn check(p: &Problem) {
         assert!(!unwritten || p.values == Values::Special, "{p:?}: the reference left output elements unwritten");
     }
 
-    let kernel = jit_kernel(spec, p.const_weight.then_some(&built.weight));
+    let kernel = jit_kernel(spec, p.const_weight.then(|| built.weight.clone()));
     let ctx = cpu(p.threads);
     match p.entry {
         Entry::RunInto { front, back } => {
