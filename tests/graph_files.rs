@@ -610,6 +610,24 @@ fn load_error(path: &Path) -> GraphError {
     }
 }
 
+/// A constant that has an `init` recipe and also a tensor in the weights
+/// file is ambiguous: refused, naming the constant (it used to be accepted
+/// silently, the recipe winning).
+#[test]
+fn a_constant_with_both_a_recipe_and_data_in_the_weights_file_is_refused_by_name() {
+    let (_dir, path, weights) = saved_chain();
+    let mut json: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    assert!(read_safetensors(&weights).unwrap().contains_key("layers.0.qkv_weight"));
+    value_entry(&mut json, "layers.0.qkv_weight")["init"] = json!({"seed": 1, "low": -1.0, "high": 1.0});
+    std::fs::write(&path, json.to_string()).unwrap();
+    let err = load_error(&path);
+    assert!(matches!(&err, GraphError::AmbiguousConstant { name } if name == "layers.0.qkv_weight"), "{err:?}");
+    assert_message(
+        &err,
+        &["constant 'layers.0.qkv_weight'", "both an \"init\" recipe and a tensor in the weights file"],
+    );
+}
+
 #[test]
 fn a_tensor_missing_from_the_weights_file_is_named() {
     let (_dir, path, weights) = saved_chain();
@@ -820,6 +838,10 @@ fn an_input_shape_the_op_rejects_is_named_with_its_argument() {
     value_entry(&mut valid_other_batch, "valid_lengths")["shape"] = json!(["sequences"]);
     let mut layer_idx_vector = good.clone();
     value_entry(&mut layer_idx_vector, "layers.1.layer_idx")["shape"] = json!([2]);
+    // A one-element vector is not a scalar either: refused here, when the
+    // node is added, not only when the graph runs.
+    let mut layer_idx_one = good.clone();
+    value_entry(&mut layer_idx_one, "layers.1.layer_idx")["shape"] = json!([1]);
     let mut cache_page_size = good.clone();
     value_entry(&mut cache_page_size, "kv_cache")["page_size"] = json!(8);
 
@@ -831,6 +853,7 @@ fn an_input_shape_the_op_rejects_is_named_with_its_argument() {
         (symbolic_k, "hidden_state", "with a static K"),
         (valid_other_batch, "valid_lengths", "u32[batch]"),
         (layer_idx_vector, "layer_idx", "u32[] (a scalar)"),
+        (layer_idx_one, "layer_idx", "u32[] (a scalar)"),
         (cache_page_size, "kv_collection", "page_size=4"),
     ] {
         let err = rejected(&json);

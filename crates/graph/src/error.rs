@@ -120,6 +120,15 @@ pub enum GraphError {
         /// The type its op infers.
         inferred: String,
     },
+    /// A constant with both an `init` recipe and data in the weights file:
+    /// which one is meant cannot be told.
+    #[error(
+        "constant '{name}' has both an \"init\" recipe and a tensor in the weights file: keep one (remove the recipe to use the file's data)"
+    )]
+    AmbiguousConstant {
+        /// Constant name.
+        name: String,
+    },
     /// Constant data that does not match its declared type.
     #[error("constant '{name}': declared {declared}, but its data is {dtype}{shape:?}")]
     ConstantMismatch {

@@ -267,6 +267,9 @@ pub fn graph_from_json(text: &str, registry: &OpRegistry, weights: Option<&BTree
         let new_id = match value {
             ValueEntry::Input { name, dtype, shape, .. } => builder.input(name, *dtype, shape)?,
             ValueEntry::Constant { name, dtype, shape, init: Some(init), .. } => {
+                if weights.is_some_and(|w| w.contains_key(name)) {
+                    return Err(GraphError::AmbiguousConstant { name: name.clone() });
+                }
                 builder.random_constant(name, *dtype, shape, *init)?
             }
             ValueEntry::Constant { name, dtype, shape, init: None, .. } => {
