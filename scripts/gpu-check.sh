@@ -6,9 +6,15 @@
 #      poisoned outputs and caches, guard regions around every device buffer,
 #      bad inputs, steps over one resident cache (a missing device fails);
 #   2. `kvjit run --target cuda` on the built-in Llama-3-8B layer (prefill +
-#      3 decode steps), next to the same run on the CPU;
+#      3 decode steps) and on examples/small_two_layers.json, each next to
+#      the same run on the CPU; `kvjit compare` then checks every output and
+#      cache tensor of the two runs (normalized max error within the default
+#      tolerance: f32 1e-4, bf16 2^-6, f16 2^-9) and the script fails naming
+#      the first tensor that differs and its max error;
 #   3. the 8B QKV shape at M = 1, 16, 256, 2048: fused kernel vs cuBLAS GEMM +
-#      scatter (CUDA events), Kernel::run end to end, % of copy bandwidth.
+#      scatter (CUDA events), Kernel::run end to end, % of copy bandwidth;
+#   4. (not with --prebuilt) the README's test command, `cargo test
+#      --workspace`, with KVJIT_REQUIRE_CUDA=1 so no CUDA test may skip.
 #
 #   scripts/gpu-check.sh               build with cargo (release, feature cublas), then run
 #   scripts/gpu-check.sh --build-only  build only, into target/gpu-check/ (any machine with cargo;
@@ -52,22 +58,46 @@ print("\n".join(d for r in roots for d in glob.glob(os.path.join(r, "nvidia", "*
     echo "warning: libcublas not found; the timing step will fail" >&2
 }
 
+# Run the same graph on the CPU and on CUDA, write every output and cache,
+# and compare them tensor by tensor (exit status 1 names the first mismatch).
+compare_targets() {
+    local label=$1; shift
+    local dir
+    dir=$(mktemp -d)
+    "$BUNDLE/kvjit" run "$@" --target cuda --output "$dir/cuda.safetensors" | tail -n 8
+    "$BUNDLE/kvjit" run "$@" --target cpu --output "$dir/cpu.safetensors" | tail -n 8
+    echo "-- $label: CUDA vs CPU, every output and cache tensor"
+    local status=0
+    "$BUNDLE/kvjit" compare "$dir/cuda.safetensors" "$dir/cpu.safetensors" || status=$?
+    rm -rf "$dir"
+    if [ "$status" -ne 0 ]; then
+        echo "gpu-check: FAILED: $label: CUDA and CPU disagree (see the MISMATCH lines above)" >&2
+        return "$status"
+    fi
+}
+
 run() {
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || true
     add_cublas_to_loader_path
     export KVJIT_REQUIRE_CUDA=1
     echo "== 1. CUDA correctness tests (vs the CPU reference)"
     "$BUNDLE/cuda-tests" --test-threads=1
-    echo "== 2. kvjit run --target cuda vs --target cpu (8B layer: prefill + 3 decode steps)"
-    "$BUNDLE/kvjit" run --target cuda --steps 3 | tail -n 12
-    "$BUNDLE/kvjit" run --target cpu --steps 3 | tail -n 12
+    echo "== 2. kvjit run --target cuda vs --target cpu, compared tensor by tensor"
+    compare_targets "8B layer (prefill + 3 decode steps)" --steps 3
+    compare_targets "examples/small_two_layers.json" examples/small_two_layers.json --steps 3
     echo "== 3. 8B QKV timing"
     "$BUNDLE/cuda-tests" --ignored --nocapture --test-threads=1 time_8b_qkv_against_cublas_gemm_plus_scatter
+}
+
+# The README's test command, on this machine (needs cargo).
+readme_tests() {
+    echo "== 4. the README's test command: cargo test --workspace (KVJIT_REQUIRE_CUDA=1)"
+    KVJIT_REQUIRE_CUDA=1 cargo test --workspace
 }
 
 case "$MODE" in
     --build-only) build ;;
     --prebuilt) run ;;
-    all) build && run ;;
+    all) build && run && readme_tests ;;
     *) echo "usage: $0 [--build-only|--prebuilt]" >&2; exit 2 ;;
 esac

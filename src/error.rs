@@ -29,6 +29,16 @@ pub enum Error {
         /// The breakdown.
         estimate: crate::MemoryEstimate,
     },
+    /// `kvjit compare`: tensors that differ beyond the tolerance.
+    #[error("{count} of {total} tensors differ beyond the tolerance; first: {first}")]
+    Mismatch {
+        /// Tensors that differ.
+        count: usize,
+        /// Tensors compared.
+        total: usize,
+        /// The first that differs, with its max error.
+        first: String,
+    },
     /// A request the caller made that cannot be met (e.g. an example scenario
     /// for a graph it does not fit).
     #[error("{0}")]

@@ -26,6 +26,7 @@
 //! ```
 
 pub mod bench;
+pub mod compare;
 mod compile;
 pub mod demo;
 mod error;
@@ -47,4 +48,5 @@ pub use kvjit_graph::{
 pub use kvjit_op_fused_qkv as fused_qkv;
 pub use kvjit_runtime::{
     BuildOptions, CodeInfo, DeviceContextPtr, Executable, Executor, KernelImpl, RunOutput, RuntimeError,
+    cuda_availability,
 };

@@ -44,6 +44,19 @@ enum Command {
         #[arg(long)]
         disasm: bool,
     },
+    /// Compare two safetensors files of named tensors (e.g. `run --output`
+    /// from two targets); exit 1 naming the first tensor that differs.
+    Compare {
+        /// First file (the one compared).
+        a: PathBuf,
+        /// Second file (the one compared against: errors are normalized by
+        /// its largest magnitude).
+        b: PathBuf,
+        /// Normalized max error allowed for every float dtype (default: f32
+        /// 1e-4, bf16 2^-6, f16 2^-9).
+        #[arg(long)]
+        tolerance: Option<f64>,
+    },
     /// Load and validate a graph file, and nothing else.
     Validate {
         /// Graph file (JSON).
@@ -206,6 +219,7 @@ fn main() -> ExitCode {
             inspect(&registry, &graph, target, bindings.into_iter().collect(), build)
         }
         Command::Validate { graph } => validate(&registry, &graph),
+        Command::Compare { a, b, tolerance } => compare_files(&a, &b, tolerance),
         Command::Bench(args) => bench(&args),
     };
     match result {
@@ -219,6 +233,23 @@ fn main() -> ExitCode {
 
 fn load(registry: &Registry, path: &Path) -> Result<Graph> {
     Ok(load_graph(path, registry.ops())?)
+}
+
+fn compare_files(a: &Path, b: &Path, tolerance: Option<f64>) -> Result<()> {
+    use kvjit::compare::{Tolerance, compare_sets};
+    let tolerance = tolerance.map_or_else(Tolerance::default, Tolerance::uniform);
+    let results = compare_sets(&read_safetensors(a)?, &read_safetensors(b)?, &tolerance);
+    for c in &results {
+        println!("{} {c}", if c.matches() { "ok      " } else { "MISMATCH" });
+    }
+    let differ: Vec<_> = results.iter().filter(|c| !c.matches()).collect();
+    match differ.first() {
+        None => {
+            println!("ok: {} tensors match ({} vs {})", results.len(), a.display(), b.display());
+            Ok(())
+        }
+        Some(first) => Err(Error::Mismatch { count: differ.len(), total: results.len(), first: first.to_string() }),
+    }
 }
 
 fn validate(registry: &Registry, path: &Path) -> Result<()> {

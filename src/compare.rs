@@ -1,0 +1,215 @@
+//! Comparing two sets of named tensors — e.g. the `--output` files of the
+//! same `kvjit run` on two targets — within a named tolerance.
+//!
+//! Float tensors are compared by their **normalized max error**:
+//! `max_i |a_i − b_i| / max_i |b_i|` (the largest difference relative to the
+//! tensor's largest magnitude, so elements near zero, where a relative error
+//! means nothing, do not dominate). NaN matches only NaN. Integer tensors
+//! (cache lengths, page tables) must be equal. A tensor in one set only, or
+//! of another dtype or shape, is a mismatch.
+
+use std::collections::BTreeMap;
+
+use kvjit_core::{DType, Tensor};
+
+/// How far two float tensors may differ, as a normalized max error per
+/// stored dtype (see the module docs).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Tolerance {
+    /// For f32 tensors.
+    pub f32: f64,
+    /// For bf16 tensors.
+    pub bf16: f64,
+    /// For f16 tensors.
+    pub f16: f64,
+}
+
+impl Default for Tolerance {
+    /// Two correct kernels that sum the same products in different orders:
+    /// f32 `1e-4` (the f32 roundoff of a K = 4096 dot product is ~1e-5 of its
+    /// largest value); bf16 `2⁻⁶` and f16 `2⁻⁹` (four half-ulps of the stored
+    /// dtype: one rounding apart, plus the sums' own error). A wrong
+    /// element — a missed column, a stale page slot — is off by the order of
+    /// the values themselves, far beyond any of these.
+    fn default() -> Self {
+        Self { f32: 1e-4, bf16: 1.0 / 64.0, f16: 1.0 / 512.0 }
+    }
+}
+
+impl Tolerance {
+    /// Every dtype's tolerance set to `value`.
+    pub fn uniform(value: f64) -> Self {
+        Self { f32: value, bf16: value, f16: value }
+    }
+
+    /// The tolerance for tensors stored as `dtype` (0 for integers: exact).
+    pub fn for_dtype(&self, dtype: DType) -> f64 {
+        match dtype {
+            DType::F32 => self.f32,
+            DType::BF16 => self.bf16,
+            DType::F16 => self.f16,
+            _ => 0.0,
+        }
+    }
+}
+
+/// How one named tensor compared.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TensorComparison {
+    /// The tensor's name.
+    pub name: String,
+    /// `dtype[shape]` of the first set's tensor (or `-` when absent).
+    pub ty: String,
+    /// Largest absolute difference (infinite for NaN against a number or a
+    /// dtype/shape/presence mismatch).
+    pub max_error: f64,
+    /// `max_error / max |b|` (equal to `max_error` when `b` is all zero).
+    pub normalized_error: f64,
+    /// Flat index of the element with the largest difference.
+    pub worst_element: Option<usize>,
+    /// The tolerance it was held to.
+    pub tolerance: f64,
+    /// Why it cannot be compared element by element, if so.
+    pub problem: Option<String>,
+}
+
+impl TensorComparison {
+    /// Within tolerance.
+    pub fn matches(&self) -> bool {
+        self.problem.is_none() && self.normalized_error <= self.tolerance
+    }
+}
+
+impl std::fmt::Display for TensorComparison {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "tensor '{}' ({})", self.name, self.ty)?;
+        if let Some(problem) = &self.problem {
+            return write!(f, ": {problem}");
+        }
+        write!(f, ": max error {:.3e} (normalized {:.3e}", self.max_error, self.normalized_error)?;
+        if let Some(i) = self.worst_element.filter(|_| self.max_error > 0.0) {
+            write!(f, ", at element {i}")?;
+        }
+        write!(f, "; tolerance {:.1e})", self.tolerance)
+    }
+}
+
+fn type_of(t: &Tensor) -> String {
+    format!("{}{:?}", t.dtype(), t.shape())
+}
+
+/// Compare two tensors of one name.
+pub fn compare_tensors(name: &str, a: &Tensor, b: &Tensor, tolerance: &Tolerance) -> TensorComparison {
+    let mut result = TensorComparison {
+        name: name.to_string(),
+        ty: type_of(a),
+        max_error: f64::INFINITY,
+        normalized_error: f64::INFINITY,
+        worst_element: None,
+        tolerance: tolerance.for_dtype(a.dtype()),
+        problem: None,
+    };
+    if a.dtype() != b.dtype() || a.shape() != b.shape() {
+        result.problem = Some(format!("the other is {}", type_of(b)));
+        return result;
+    }
+    let values = |t: &Tensor| -> Vec<f64> {
+        match t.dtype() {
+            DType::U32 => t.to_u32_vec().map(|v| v.into_iter().map(f64::from).collect()),
+            _ => t.to_f32_vec().map(|v| v.into_iter().map(f64::from).collect()),
+        }
+        .unwrap_or_default()
+    };
+    let (a, b) = (values(a), values(b));
+    let (mut max_error, mut worst, mut scale) = (0.0f64, None, 0.0f64);
+    for (i, (&x, &y)) in a.iter().zip(&b).enumerate() {
+        let error = match (x.is_nan(), y.is_nan()) {
+            (true, true) => 0.0,
+            (false, false) if x == y => 0.0, // also equal infinities
+            (false, false) => (x - y).abs(),
+            _ => f64::INFINITY,
+        };
+        if error > max_error || (error.is_nan() && !max_error.is_nan()) {
+            (max_error, worst) = (error, Some(i));
+        }
+        if y.is_finite() {
+            scale = scale.max(y.abs());
+        }
+    }
+    result.max_error = max_error;
+    result.normalized_error = if scale > 0.0 { max_error / scale } else { max_error };
+    result.worst_element = worst;
+    result
+}
+
+/// Compare every tensor of `a` with the same name in `b` (and report names
+/// found in only one of them), in name order.
+pub fn compare_sets(
+    a: &BTreeMap<String, Tensor>,
+    b: &BTreeMap<String, Tensor>,
+    tolerance: &Tolerance,
+) -> Vec<TensorComparison> {
+    let missing = |name: &str, ty: String, which: &str| TensorComparison {
+        name: name.to_string(),
+        ty,
+        max_error: f64::INFINITY,
+        normalized_error: f64::INFINITY,
+        worst_element: None,
+        tolerance: 0.0,
+        problem: Some(format!("only in the {which} set")),
+    };
+    let mut results: Vec<TensorComparison> = a
+        .iter()
+        .map(|(name, ta)| match b.get(name) {
+            Some(tb) => compare_tensors(name, ta, tb, tolerance),
+            None => missing(name, type_of(ta), "first"),
+        })
+        .collect();
+    results.extend(b.iter().filter(|(n, _)| !a.contains_key(*n)).map(|(n, t)| missing(n, type_of(t), "second")));
+    results.sort_by(|x, y| x.name.cmp(&y.name));
+    results
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn f32s(values: &[f32]) -> Tensor {
+        Tensor::from_f32(DType::F32, &[values.len()], values).unwrap()
+    }
+
+    #[test]
+    fn differences_are_normalized_by_the_largest_magnitude() {
+        let t = Tolerance::default();
+        let c = compare_tensors("x", &f32s(&[10.0, 0.01, -4.0]), &f32s(&[10.0005, 0.0, -4.0]), &t);
+        assert!((c.max_error - 0.01).abs() < 1e-7, "{c}");
+        assert!((c.normalized_error - 0.01 / 10.0005).abs() < 1e-7, "{c}");
+        assert_eq!(c.worst_element, Some(1));
+        assert!(!c.matches(), "1e-4 of the scale is the f32 tolerance: {c}");
+        assert!(compare_tensors("x", &f32s(&[10.0, 0.0001]), &f32s(&[10.0, 0.0]), &t).matches());
+    }
+
+    #[test]
+    fn nan_matches_only_nan_and_integers_must_be_equal() {
+        let t = Tolerance::uniform(0.5);
+        assert!(compare_tensors("x", &f32s(&[f32::NAN, 1.0]), &f32s(&[f32::NAN, 1.0]), &t).matches());
+        let c = compare_tensors("x", &f32s(&[f32::NAN, 1.0]), &f32s(&[0.0, 1.0]), &t);
+        assert!(!c.matches() && c.max_error.is_infinite() && c.worst_element == Some(0), "{c}");
+        let u = |v: Vec<u32>| Tensor::from_vec(&[v.len()], v).unwrap();
+        assert!(compare_tensors("l", &u(vec![1, 2]), &u(vec![1, 2]), &t).matches());
+        assert!(!compare_tensors("l", &u(vec![1, 2]), &u(vec![1, 3]), &t).matches(), "integers are exact");
+    }
+
+    #[test]
+    fn other_types_and_missing_names_are_mismatches() {
+        let t = Tolerance::default();
+        let c = compare_tensors("x", &f32s(&[1.0]), &f32s(&[1.0, 2.0]), &t);
+        assert_eq!(c.to_string(), "tensor 'x' (f32[1]): the other is f32[2]");
+        let a = BTreeMap::from([("q".to_string(), f32s(&[1.0])), ("only_a".to_string(), f32s(&[1.0]))]);
+        let b = BTreeMap::from([("q".to_string(), f32s(&[1.0])), ("only_b".to_string(), f32s(&[1.0]))]);
+        let results = compare_sets(&a, &b, &t);
+        let names: Vec<(&str, bool)> = results.iter().map(|c| (c.name.as_str(), c.matches())).collect();
+        assert_eq!(names, [("only_a", false), ("only_b", false), ("q", true)]);
+        assert_eq!(results[1].to_string(), "tensor 'only_b' (f32[1]): only in the second set");
+    }
+}
