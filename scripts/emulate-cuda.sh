@@ -2,17 +2,142 @@
 # Run the fused op's CUDA kernel bodies on the CPU and check them against a
 # double-precision reference: every variant (decode/prefill x f32/bf16/f16 x
 # cache dtype) and the row-gather kernel, on fixed and random shapes with
-# tails in every dimension, NaN-poisoned outputs and caches, and guard bytes
-# around every buffer. See ops/fused_qkv_matmul/cuda/emulate/emulate.cpp for
-# what the emulation covers (the kernels' logic, fragment layouts, barriers)
-# and what it cannot (nvcc/ptxas code generation, real timing): that needs a
-# GPU, scripts/gpu-check.sh.
+# tails in every dimension and prefill pipelines up to 19 k-tiles deep,
+# NaN-poisoned outputs, caches and shared memory, guard bytes around every
+# buffer, deferred cp.async copies, barrier hazard checks and deterministic
+# adversarial thread orders. See ops/fused_qkv_matmul/cuda/emulate/emulate.cpp
+# for what the emulation covers (the kernels' logic, fragment layouts,
+# barriers, cp.async groups) and what it cannot (nvcc/ptxas code generation,
+# real timing): that needs a GPU, scripts/gpu-check.sh.
 #
-#   scripts/emulate-cuda.sh [SEED]     (needs g++ with C++20; ~30 s on 2 cores)
+#   scripts/emulate-cuda.sh [SEED]            the emulation (g++ with C++20; ~20 s on 2 cores)
+#   scripts/emulate-cuda.sh --mutants [SEED]  the emulation, and a mutation check next to it
+#       (~1 min in all on 2 idle cores, ~100 CPU-seconds): the emulation built against copies
+#       of fused_qkv.cu with one pipeline or barrier bug each (a wrong cp.async.wait_group
+#       depth, a removed or misplaced __syncthreads, ...) must fail, as the unmodified kernels
+#       must pass. A mutant whose edit no longer matches the source is an error: update its
+#       pattern along with the kernel.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+mode=run
+if [[ ${1:-} == --mutants ]]; then
+    mode=mutants
+    shift
+fi
+seed=${1:-7}
+if [[ ! $seed =~ ^[0-9]+$ || $# -gt 1 ]]; then
+    echo "usage: $0 [--mutants] [SEED]" >&2
+    exit 2
+fi
+
+dir=ops/fused_qkv_matmul/cuda
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
-g++ -std=c++20 -O2 -pthread -Wall -Wextra -Werror -Wno-unknown-pragmas -x c++ \
-    ops/fused_qkv_matmul/cuda/emulate/emulate.cpp -o "$out/emulate"
-"$out/emulate" "${1:-7}"
+
+# build BINARY [KERNEL_SOURCE]: the emulator, with ../fused_qkv.cu or the given copy.
+build() {
+    local flags=(-std=c++20 -O2 -Wall -Wextra -Werror -Wno-unknown-pragmas)
+    if [[ $# -gt 1 ]]; then flags+=("-DKVJIT_KERNEL_SOURCE=\"$2\""); fi
+    g++ "${flags[@]}" -x c++ "$dir/emulate/emulate.cpp" -o "$1"
+}
+
+if [[ $mode == run ]]; then
+    build "$out/emulate"
+    "$out/emulate" "$seed"
+    exit 0
+fi
+
+# ---------------------------------------------------------------- mutants
+
+# mutant NAME CHANGED_LINES SED_ARGS...: writes $out/NAME/result. The copy must
+# differ from fused_qkv.cu in exactly CHANGED_LINES diff lines ("<" and ">"),
+# so a pattern that stopped matching is caught. NAME "control" is the plain
+# emulation of the real source and must pass; every mutant must fail a check.
+mutant() {
+    local name=$1 changed=$2 m=$out/$1
+    shift 2
+    mkdir -p "$m"
+    local src=()
+    if [[ $name != control ]]; then
+        sed "$@" "$dir/fused_qkv.cu" >"$m/fused_qkv.cu"
+        local n
+        n=$(diff "$dir/fused_qkv.cu" "$m/fused_qkv.cu" | grep -c '^[<>]' || true)
+        if [[ $n != "$changed" ]]; then
+            echo "ERROR   $name: the edit changed $n diff lines, expected $changed (pattern out of date?)" >"$m/result"
+            return 0
+        fi
+        src=("$m/fused_qkv.cu")
+    fi
+    if ! build "$m/emulate" "${src[@]}" >"$m/build.log" 2>&1; then
+        { echo "ERROR   $name: does not compile"; sed 's/^/    /' "$m/build.log" | head -20; } >"$m/result"
+        return 0
+    fi
+    local rc=0 args=("$seed")
+    [[ $name == control ]] || args+=(--fail-fast)
+    "$m/emulate" "${args[@]}" >"$m/log" 2>&1 || rc=$?
+    if [[ $name == control ]]; then
+        if [[ $rc == 0 ]]; then
+            echo "passed  control (the unmodified kernels): $(tail -n 1 "$m/log")" >"$m/result"
+        else
+            echo "ERROR   control (the unmodified kernels) failed, exit $rc" >"$m/result"
+        fi
+    elif [[ $rc == 1 ]] && grep -q '^  FAIL' "$m/log"; then
+        {
+            echo "killed  $name:"
+            awk '/^  FAIL/ { if (!shown) print "    " last; shown = 1; print "    " $0; next } { last = $0 }' "$m/log"
+        } >"$m/result"
+    elif [[ $rc == 0 ]]; then
+        echo "SURVIVED $name: every case passed" >"$m/result"
+    else
+        { echo "ERROR   $name: exit $rc without a failed check"; tail -n 5 "$m/log"; } >"$m/result"
+    fi
+}
+
+names=()
+jobs_max=$(nproc 2>/dev/null || echo 2)
+spawn() {
+    names+=("$1")
+    while [[ $(jobs -rp | wc -l) -ge $jobs_max ]]; do wait -n || true; done
+    mutant "$@" &
+}
+
+# The bf16/f16 prefill pipeline: tile kt is read after cp_async_wait<PF_STAGES - 2>
+# and a barrier; the barrier also guards the prefetch that refills the stage
+# computed in the previous iteration.
+loop_wait='cp_async_wait<PF_STAGES - 2>();'
+prefetch='if (next < ktiles) load_tile(next % PF_STAGES, next);'
+spawn control 0
+# 1. wait depth one too shallow: tile kt is read while its copies are pending.
+spawn wait-depth 2 -e "s/$loop_wait/cp_async_wait<PF_STAGES - 1>();/"
+# 2. no barrier in the main loop: other warps' copies unseen, stages refilled under readers.
+spawn no-loop-barrier 1 -e "/$loop_wait/{n;/^ *sync_block();\$/d}"
+# 3. the barrier after the prefetch instead of before: reads are ordered, but the
+#    prefetch refills the stage that slower warps still read (needs >= 4 k-tiles).
+spawn barrier-after-prefetch 2 -e "/$loop_wait/{n;/^ *sync_block();\$/d}" \
+    -e "/$prefetch/{n;s/^\\( *\\)cp_async_commit();\$/&\\n\\1sync_block();/}"
+# 4. commit only when a tile was loaded: the tail iterations' wait depth no longer
+#    covers the last tile.
+spawn commit-if-loaded 3 -e "/$prefetch/{N;s/$prefetch\\n *cp_async_commit();/if (next < ktiles) { load_tile(next % PF_STAGES, next); cp_async_commit(); }/}"
+# 5. f32 prefill: no barrier between computing on the tile and overwriting it.
+spawn f32-prefill-war-barrier 1 -e '/acc\[i\]\[j\] = fmaf(a\[i\], b\[j\], acc\[i\]\[j\]);/{n;n;/^ *sync_block();$/d}'
+# 6. f32 prefill: no barrier between storing the tile and computing on it.
+spawn f32-prefill-raw-barrier 1 -e '/Bs\[lk + e\]\[lrow\] = bv\[e\];/{n;n;/^ *sync_block();$/d}'
+# 7. bf16/f16 decode: no barrier before the split-K reduction.
+spawn decode-reduction-barrier 1 -e '/red\[warp\]\[g + 8\]\[c + 1\] = acc\[tile\]\[3\];/{n;n;/^ *sync_block();$/d}'
+wait
+
+[[ -f $out/control/log ]] && cat "$out/control/log"
+echo
+status=0
+for name in "${names[@]}"; do
+    [[ -f $out/$name/result ]] || echo "ERROR   $name: no result (the job died)" >"$out/$name/result"
+    cat "$out/$name/result"
+    case $(head -c 6 "$out/$name/result") in killed | passed) ;; *) status=1 ;; esac
+done
+if [[ $status == 0 ]]; then
+    echo "mutation check: the unmodified kernels pass and all $((${#names[@]} - 1)) mutants are killed"
+else
+    echo "mutation check FAILED"
+fi
+exit $status

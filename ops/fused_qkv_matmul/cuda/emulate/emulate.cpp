@@ -4,31 +4,92 @@
 // This is not a CUDA emulator in general: it supplies just the primitives
 // fused_qkv.cu keeps in its KVJIT_EMULATE block (16-byte loads, cp.async,
 // ldmatrix, mma.sync m16n8k16, warp shuffles, __syncthreads, bf16/f16
-// rounding), with the fragment layouts of the PTX ISA manual, and runs each
-// block as 256 OS threads (one per CUDA thread; blocks one after another, so
-// a function-local `static` is exactly one block's shared memory). Races the
-// kernels' barriers should prevent would show up here as wrong results.
-// What it cannot check: that nvcc/ptxas compile the same code the same way,
-// real memory ordering, timing. That needs a GPU (scripts/gpu-check.sh).
+// rounding), with the fragment layouts of the PTX ISA manual.
 //
-// Build and run: scripts/emulate-cuda.sh (g++ -std=c++20 -O2 -pthread).
-// Exit status 0 when every case passes.
+// Threads. A block runs as 256 fibers (ucontext), one per CUDA thread, on one
+// OS thread; blocks run one after another. A fiber runs until it reaches a
+// barrier (sync_block, or a warp collective: ldmatrix, mma, shuffle), then a
+// deterministic scheduler resumes the runnable thread that comes first in a
+// priority order of the warps and of the lanes within a warp. So between two
+// __syncthreads the first warp runs as far as it can before the second
+// starts, and so on: the most skewed schedule there is. Cases take turns
+// with three orders:
+//   asc   warps and lanes in ascending order;
+//   desc  descending;
+//   perm  a random permutation of the warps and one of the lanes, drawn again
+//         (seeded) at every __syncthreads.
+// Without a barrier between a write to shared memory and another warp's read
+// of it, an order that runs the reader first shows it the old contents (or
+// poison), and one that runs the writer first lets it run on to its next
+// write before the reader comes. Finer interleavings (warps in lockstep) are
+// not explored: it is the skewed schedules that expose a missing barrier. A
+// run is deterministic for a seed.
+//
+// Shared memory. `__shared__` is `static thread_local`: one copy, as every
+// fiber runs on the one OS thread, and the executable's TLS block is exactly
+// the kernels' shared memory (this file declares no thread_local of its own).
+// It is filled with 0xFF bytes, NaN in every dtype, before every block: what
+// a block reads without having written it is NaN.
+//
+// cp.async is deferred, per thread, like the hardware's async-copy groups:
+// cp_async16 records (dst, src, zero-fill) and fills the 16 destination bytes
+// with 0xFF at once; cp_async_commit closes the thread's open group;
+// cp_async_wait<N> performs, oldest first, every committed group but the
+// newest N. A destination thus holds NaN from the issue until the issuing
+// thread's wait: the copy clobbers the old contents as early, and lands as
+// late, as the hardware may do either. A wait depth too shallow reads NaN, and
+// refilling a stage that a warp still reads (a missing barrier) hands that
+// warp NaN.
+//
+// Hazard checks, on top of the value checks. Shared memory is tracked in
+// 16-byte chunks, with an epoch that every __syncthreads ends; a case fails
+// when
+//   - ldmatrix reads a chunk whose cp.async its issuer has not waited for;
+//   - ldmatrix reads a chunk that a thread of another warp's wait_group
+//     completed in the current epoch (wait_group makes a copy visible to its
+//     own thread; other warps need a __syncthreads first);
+//   - cp.async targets a chunk that another warp read with ldmatrix in the
+//     current epoch (a stage refilled without a barrier), or one with a copy
+//     still pending;
+//   - a thread ends the kernel with copies not waited for, a 16-byte load or
+//     copy is misaligned (or its shared address outside shared memory), or a
+//     barrier is not reached by every thread (a deadlock).
+// These see a missing barrier or wait whether or not the order at hand made
+// it corrupt a value. Plain shared loads and stores (the f32 tiles, the
+// split-K reductions) are not tracked; races on them show up through the
+// poison and the orders.
+//
+// What it cannot check: that nvcc/ptxas compile the same code the same way,
+// the memory model beyond the above, timing. That needs a GPU
+// (scripts/gpu-check.sh).
+//
+// Build and run: scripts/emulate-cuda.sh (g++ -std=c++20 -O2; Linux/glibc for
+// ucontext and the TLS block). `emulate [SEED] [--fail-fast]` exits 0 when
+// every case passes. -DKVJIT_KERNEL_SOURCE='"path"' builds it on another copy
+// of the kernels: scripts/emulate-cuda.sh --mutants does, to check that each
+// of a set of broken wait depths and barriers fails.
+
+#include <link.h>
+#include <sys/mman.h>
+#include <ucontext.h>
 
 #include <algorithm>
-#include <barrier>
 #include <cmath>
+#include <cstdarg>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <functional>
-#include <memory>
 #include <random>
 #include <string>
-#include <thread>
 #include <vector>
 
 #define KVJIT_EMULATE 1
+#ifndef KVJIT_KERNEL_SOURCE
+#define KVJIT_KERNEL_SOURCE "../fused_qkv.cu"
+#endif
 
 // ---------------------------------------------------------------- CUDA surface
 
@@ -36,7 +97,7 @@
 #define __device__
 #define __forceinline__ inline
 #define __launch_bounds__(...)
-#define __shared__ static
+#define __shared__ static thread_local  // see "Shared memory" above
 #define __align__(n) __attribute__((aligned(n)))
 
 struct uint4 {
@@ -46,8 +107,7 @@ inline uint4 make_uint4(uint32_t x, uint32_t y, uint32_t z, uint32_t w) { return
 struct dim3 {
     unsigned x = 1, y = 1, z = 1;
 };
-thread_local dim3 threadIdx, blockIdx;
-dim3 gridDim;
+dim3 threadIdx, blockIdx, gridDim;  // set by the scheduler on every switch
 inline int min(int a, int b) { return a < b ? a : b; }
 
 struct kv_bf16 {
@@ -86,61 +146,336 @@ static float f16_value(uint16_t b) {
     return static_cast<float>(h);
 }
 
-// One block's synchronization state (blocks run one at a time).
+// ---------------------------------------------------------------- the machine
+
+namespace emu {
+
+constexpr int NT = 256, NW = NT / 32;
+constexpr size_t STACK = 128 * 1024, PAGE = 4096;
+
+enum class Order { Asc, Desc, Perm };
+inline const char* order_name(Order o) { return o == Order::Asc ? "asc" : o == Order::Desc ? "desc" : "perm"; }
+
+struct Copy {
+    uint8_t* dst;
+    const uint8_t* src;
+    bool pred;  // false: zero-fill
+};
+struct Thread {
+    ucontext_t ctx;
+    std::vector<Copy> open;                 // issued since the last commit
+    std::deque<std::vector<Copy>> groups;   // committed, not yet waited for; oldest first
+    unsigned collectives = 0;               // warp collectives so far (parity picks the mailbox)
+};
+// A warp's mailboxes for collectives, two so that a lane may run one
+// collective ahead of the slowest lane's read of the previous one.
 struct Warp {
-    std::barrier<> bar{32};
-    uint64_t slot[32][8];
+    int arrived = 0;
+    uint64_t slot[2][32][8];
+    uint8_t rows[2][32][16];  // ldmatrix: the 32 rows, read at once
 };
-struct Block {
-    std::barrier<> bar{256};
-    Warp warp[8];
+// One 16-byte chunk of shared memory.
+struct Chunk {
+    int pending = -1;    // thread whose cp.async into it has not completed
+    int landed_by = -1;  // thread whose wait_group completed the last copy into it
+    uint64_t issued_epoch = 0, landed_epoch = 0, read_epoch = 0;
+    unsigned read_warps = 0;  // warps that read it with ldmatrix in read_epoch
 };
-static Block* g_block = nullptr;
+
+struct Machine {
+    Thread thread[NT];
+    Warp warp[NW];
+    ucontext_t main;
+    uint64_t ready[NT / 64] = {};
+    int current = 0, live = 0, block_arrived = 0;
+    uint64_t epoch = 0;
+    Order order = Order::Asc;
+    std::mt19937_64 rng;  // draws the perm order
+    int warp_order[NW], lane_order[32];
+    const std::function<void()>* kernel = nullptr;
+    uint8_t* stacks = nullptr;
+    uint8_t* smem = nullptr;
+    size_t smem_bytes = 0;
+    std::vector<Chunk> chunk;
+    long hazards = 0;
+    std::string first_hazard;
+};
+static Machine* mach = nullptr;
+
+__attribute__((format(printf, 1, 2))) static void hazard(const char* fmt, ...) {
+    if (mach->hazards++ > 0) return;
+    char msg[600];
+    va_list ap;
+    va_start(ap, fmt);
+    std::vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    char where[64];
+    std::snprintf(where, sizeof where, "block (%u, %u): ", blockIdx.x, blockIdx.y);
+    mach->first_hazard = std::string(where) + msg;
+}
+
+inline void set_ready(int t) { mach->ready[t >> 6] |= uint64_t{1} << (t & 63); }
+inline void clear_ready(int t) { mach->ready[t >> 6] &= ~(uint64_t{1} << (t & 63)); }
+
+// The priority order for the next epoch (block start, and every __syncthreads).
+static void reorder() {
+    Machine& m = *mach;
+    for (int i = 0; i < NW; ++i) m.warp_order[i] = m.order == Order::Desc ? NW - 1 - i : i;
+    for (int i = 0; i < 32; ++i) m.lane_order[i] = m.order == Order::Desc ? 31 - i : i;
+    if (m.order == Order::Perm) {
+        std::shuffle(m.warp_order, m.warp_order + NW, m.rng);
+        std::shuffle(m.lane_order, m.lane_order + 32, m.rng);
+    }
+}
+
+// The runnable thread first in priority order, or -1.
+static int pick() {
+    const Machine& m = *mach;
+    for (int w : m.warp_order) {
+        const uint32_t lanes = static_cast<uint32_t>(m.ready[w / 2] >> (32 * (w % 2)));
+        if (!lanes) continue;
+        for (int l : m.lane_order)
+            if (lanes >> l & 1) return w * 32 + l;
+    }
+    return -1;
+}
+
+// Back to the scheduler; returns when it picks this thread again.
+inline void suspend() { swapcontext(&mach->thread[mach->current].ctx, &mach->main); }
+
+// Warp barrier; the last lane to arrive runs done(warp, mailbox) first.
+inline void warp_sync(void (*done)(int, int), int bank) {
+    const int t = mach->current, w = t / 32;
+    Warp& ws = mach->warp[w];
+    if (++ws.arrived == 32) {
+        ws.arrived = 0;
+        if (done) done(w, bank);
+        mach->ready[w / 2] |= uint64_t{0xffffffffu} << (32 * (w % 2));
+    } else {
+        clear_ready(t);
+    }
+    suspend();
+}
+
+inline void block_sync() {
+    if (++mach->block_arrived == NT) {
+        mach->block_arrived = 0;
+        ++mach->epoch;
+        reorder();
+        for (uint64_t& r : mach->ready) r = ~uint64_t{0};
+    } else {
+        clear_ready(mach->current);
+    }
+    suspend();
+}
+
+inline int next_bank() { return static_cast<int>(mach->thread[mach->current].collectives++ & 1); }
+
+inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// The chunk at p, or null (and a hazard) when p is not a 16-byte aligned shared address.
+inline Chunk* chunk_at(const void* p, const char* what) {
+    const auto* b = static_cast<const uint8_t*>(p);
+    if (b < mach->smem || b + 16 > mach->smem + mach->smem_bytes || !aligned16(b)) {
+        hazard("%s %p is not a 16-byte aligned shared-memory address", what, p);
+        return nullptr;
+    }
+    return &mach->chunk[static_cast<size_t>(b - mach->smem) / 16];
+}
+inline size_t offset_of(const Chunk* c) { return static_cast<size_t>(c - mach->chunk.data()) * 16; }
+
+inline void cp_async(uint8_t* dst, const uint8_t* src, bool pred) {
+    const int t = mach->current, w = t / 32;
+    Chunk* c = chunk_at(dst, "cp.async destination");
+    if (!c) return;
+    if (pred && !aligned16(src))
+        hazard("thread %d: cp.async source %p is not 16-byte aligned", t, static_cast<const void*>(src));
+    if (c->pending >= 0) {
+        hazard("thread %d: cp.async into shared +%zu, whose cp.async by thread %d is still pending", t, offset_of(c),
+               c->pending);
+    } else if (c->read_epoch == mach->epoch && (c->read_warps & ~(1u << w))) {
+        hazard("thread %d (warp %d): cp.async overwrites shared +%zu, which warp %d read since the last "
+               "__syncthreads (stage refilled without a barrier)",
+               t, w, offset_of(c), __builtin_ctz(c->read_warps & ~(1u << w)));
+    }
+    c->pending = t;
+    c->issued_epoch = mach->epoch;
+    std::memset(dst, 0xFF, 16);
+    mach->thread[t].open.push_back(Copy{dst, src, pred});
+}
+
+inline void commit() {
+    Thread& th = mach->thread[mach->current];
+    th.groups.push_back(std::move(th.open));
+    th.open.clear();
+}
+
+inline void wait_group(size_t n) {
+    const int t = mach->current;
+    Thread& th = mach->thread[t];
+    while (th.groups.size() > n) {
+        for (const Copy& cp : th.groups.front()) {
+            if (cp.pred) {
+                std::memcpy(cp.dst, cp.src, 16);
+            } else {
+                std::memset(cp.dst, 0, 16);
+            }
+            Chunk& c = mach->chunk[static_cast<size_t>(cp.dst - mach->smem) / 16];
+            if (c.pending == t) c.pending = -1;
+            c.landed_by = t;
+            c.landed_epoch = mach->epoch;
+        }
+        th.groups.pop_front();
+    }
+}
+
+// ldmatrix, run by the last lane to arrive: all 32 rows are read at once.
+inline void ldmatrix_rows(int w, int bank) {
+    Warp& ws = mach->warp[w];
+    for (int l = 0; l < 32; ++l) {
+        const auto* p = reinterpret_cast<const uint8_t*>(ws.slot[bank][l][0]);
+        Chunk* c = chunk_at(p, "ldmatrix row address");
+        if (!c) {
+            std::memset(ws.rows[bank][l], 0xFF, 16);
+            continue;
+        }
+        if (c->pending >= 0 && c->issued_epoch < mach->epoch) {
+            hazard("warp %d: ldmatrix reads shared +%zu, whose cp.async by thread %d (issued before the last "
+                   "__syncthreads) has not been waited for (cp.async.wait_group depth too shallow?)",
+                   w, offset_of(c), c->pending);
+        } else if (c->pending >= 0) {
+            hazard("warp %d: ldmatrix reads shared +%zu, which thread %d refilled with a cp.async since the last "
+                   "__syncthreads (a stage refilled while in use, or read with no barrier after its wait?)",
+                   w, offset_of(c), c->pending);
+        } else if (c->landed_epoch == mach->epoch && c->landed_by / 32 != w) {
+            hazard("warp %d: ldmatrix reads shared +%zu, which thread %d's cp.async.wait_group completed with no "
+                   "__syncthreads since",
+                   w, offset_of(c), c->landed_by);
+        }
+        if (c->read_epoch != mach->epoch) {
+            c->read_epoch = mach->epoch;
+            c->read_warps = 0;
+        }
+        c->read_warps |= 1u << w;
+        std::memcpy(ws.rows[bank][l], p, 16);
+    }
+}
+
+static void fiber_main() {
+    (*mach->kernel)();
+    clear_ready(mach->current);
+    --mach->live;
+}  // returns to the scheduler through uc_link
+
+static int find_tls(dl_phdr_info* info, size_t, void*) {
+    for (int i = 0; i < info->dlpi_phnum; ++i) {
+        if (info->dlpi_phdr[i].p_type == PT_TLS) {
+            mach->smem = static_cast<uint8_t*>(info->dlpi_tls_data);
+            mach->smem_bytes = info->dlpi_phdr[i].p_memsz;
+        }
+    }
+    return 1;  // the first module is the executable
+}
+
+static void init() {
+    mach = new Machine;
+    void* s = mmap(nullptr, NT * (STACK + PAGE), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (s == MAP_FAILED) {
+        std::perror("mmap");
+        std::exit(2);
+    }
+    mach->stacks = static_cast<uint8_t*>(s);
+    for (int t = 0; t < NT; ++t) mprotect(mach->stacks + t * (STACK + PAGE), PAGE, PROT_NONE);  // guard pages
+    dl_iterate_phdr(find_tls, nullptr);
+    if (!mach->smem || mach->smem_bytes == 0 || !aligned16(mach->smem)) {
+        std::fprintf(stderr, "emulate: cannot find the kernels' shared memory (the executable's TLS block)\n");
+        std::exit(2);
+    }
+    mach->chunk.resize((mach->smem_bytes + 15) / 16);
+}
+
+// Runs one block (blockIdx set) to completion under the current order.
+static void run_block(const std::function<void()>& kernel) {
+    Machine& m = *mach;
+    ++m.epoch;
+    std::memset(m.smem, 0xFF, m.smem_bytes);  // uninitialized shared memory
+    std::fill(m.chunk.begin(), m.chunk.end(), Chunk{});
+    for (Warp& w : m.warp) w.arrived = 0;
+    m.block_arrived = 0;
+    m.kernel = &kernel;
+    reorder();
+    for (int t = 0; t < NT; ++t) {
+        Thread& th = m.thread[t];
+        th.open.clear();
+        th.groups.clear();
+        th.collectives = 0;
+        getcontext(&th.ctx);
+        th.ctx.uc_stack.ss_sp = m.stacks + t * (STACK + PAGE) + PAGE;
+        th.ctx.uc_stack.ss_size = STACK;
+        th.ctx.uc_link = &m.main;
+        makecontext(&th.ctx, fiber_main, 0);
+        set_ready(t);
+    }
+    m.live = NT;
+    while (m.live > 0) {
+        const int t = pick();
+        if (t < 0) {
+            hazard("deadlock: %d thread(s) wait at a barrier (%d at __syncthreads) that the others never reach",
+                   m.live, m.block_arrived);
+            break;  // the stuck fibers are abandoned; the next block makes new ones
+        }
+        m.current = t;
+        threadIdx = dim3{static_cast<unsigned>(t), 0, 0};
+        swapcontext(&m.main, &m.thread[t].ctx);
+    }
+    for (int t = 0; t < NT; ++t) {
+        size_t n = m.thread[t].open.size();
+        for (const auto& g : m.thread[t].groups) n += g.size();
+        if (n) hazard("thread %d ends the kernel with %zu cp.async copies not waited for", t, n);
+    }
+}
+
+}  // namespace emu
 
 namespace kvjit {
 
 inline uint4 ldg16(const void* p) {
+    if (!emu::aligned16(p)) emu::hazard("thread %d: misaligned 16-byte global load from %p", emu::mach->current, p);
     uint4 v;
     std::memcpy(&v, p, 16);
     return v;
 }
 inline uint4 ldcs16(const void* p) { return ldg16(p); }
-inline void sync_block() { g_block->bar.arrive_and_wait(); }
+inline void sync_block() { emu::block_sync(); }
 
 inline float shfl_xor(float v, int mask) {
-    Warp& w = g_block->warp[threadIdx.x / 32];
-    const unsigned lane = threadIdx.x % 32;
-    w.slot[lane][0] = bits_of_f32(v);
-    w.bar.arrive_and_wait();
-    const float r = f32_of_bits(static_cast<uint32_t>(w.slot[lane ^ mask][0]));
-    w.bar.arrive_and_wait();
-    return r;
+    const int t = emu::mach->current, lane = t % 32, bank = emu::next_bank();
+    emu::Warp& w = emu::mach->warp[t / 32];
+    w.slot[bank][lane][0] = bits_of_f32(v);
+    emu::warp_sync(nullptr, bank);
+    return f32_of_bits(static_cast<uint32_t>(w.slot[bank][lane ^ mask][0]));
 }
 
-// Synchronous: the copy is done when the call returns (a superset of the
-// orders the hardware allows, so a missing wait/barrier shows up as a race).
+// Deferred: see "cp.async" in the header.
 inline void cp_async16(void* smem, const void* src, bool pred) {
-    if (pred) {
-        std::memcpy(smem, src, 16);
-    } else {
-        std::memset(smem, 0, 16);
-    }
+    emu::cp_async(static_cast<uint8_t*>(smem), static_cast<const uint8_t*>(src), pred);
 }
-inline void cp_async_commit() {}
+inline void cp_async_commit() { emu::commit(); }
 template <int N>
-inline void cp_async_wait() {}
+inline void cp_async_wait() {
+    static_assert(N >= 0, "cp.async.wait_group takes a non-negative count");
+    emu::wait_group(N);
+}
 
 inline void ldmatrix_x4(uint32_t (&r)[4], const void* smem) {
-    Warp& w = g_block->warp[threadIdx.x / 32];
-    const unsigned lane = threadIdx.x % 32;
-    w.slot[lane][0] = reinterpret_cast<uint64_t>(smem);
-    w.bar.arrive_and_wait();
+    const int t = emu::mach->current, lane = t % 32, bank = emu::next_bank();
+    emu::Warp& w = emu::mach->warp[t / 32];
+    w.slot[bank][lane][0] = reinterpret_cast<uint64_t>(smem);
+    emu::warp_sync(emu::ldmatrix_rows, bank);
     for (int j = 0; j < 4; ++j) {
         // matrix j, row lane / 4 (its address came from lane 8j + lane / 4), elements 2·(lane % 4) + {0, 1}
-        const auto* row = reinterpret_cast<const uint8_t*>(w.slot[8 * j + lane / 4][0]);
-        std::memcpy(&r[j], row + 4 * (lane % 4), 4);
+        std::memcpy(&r[j], w.rows[bank][8 * j + lane / 4] + 4 * (lane % 4), 4);
     }
-    w.bar.arrive_and_wait();
 }
 
 template <typename T>
@@ -159,34 +494,51 @@ float elem<kv_f16>(uint32_t reg, int half) {
 // g = lane >> 2, t = lane % 4;
 // A: a0 (g, 2t+i), a1 (g+8, 2t+i), a2 (g, 2t+8+i), a3 (g+8, 2t+8+i);
 // B: b0 (k 2t+i, n g), b1 (k 2t+8+i, n g); C: c0,c1 (g, 2t+i), c2,c3 (g+8, 2t+i).
+// Slots: a0..a3, b0, b1, then (c0, c1) and (c2, c3) as f32 bit pairs, in and out.
 template <typename T>
-inline void mma16816(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
-    Warp& w = g_block->warp[threadIdx.x / 32];
-    const unsigned lane = threadIdx.x % 32;
-    for (int i = 0; i < 4; ++i) w.slot[lane][i] = a[i];
-    w.slot[lane][4] = b[0];
-    w.slot[lane][5] = b[1];
-    w.bar.arrive_and_wait();
+void mma_tile(int warp, int bank) {
+    auto& s = emu::mach->warp[warp].slot[bank];
     float A[16][16], B[16][8];
     for (int l = 0; l < 32; ++l) {
         const int g = l >> 2, t = l & 3;
         for (int i = 0; i < 2; ++i) {
-            A[g][2 * t + i] = elem<T>(static_cast<uint32_t>(w.slot[l][0]), i);
-            A[g + 8][2 * t + i] = elem<T>(static_cast<uint32_t>(w.slot[l][1]), i);
-            A[g][2 * t + 8 + i] = elem<T>(static_cast<uint32_t>(w.slot[l][2]), i);
-            A[g + 8][2 * t + 8 + i] = elem<T>(static_cast<uint32_t>(w.slot[l][3]), i);
-            B[2 * t + i][g] = elem<T>(static_cast<uint32_t>(w.slot[l][4]), i);
-            B[2 * t + 8 + i][g] = elem<T>(static_cast<uint32_t>(w.slot[l][5]), i);
+            A[g][2 * t + i] = elem<T>(static_cast<uint32_t>(s[l][0]), i);
+            A[g + 8][2 * t + i] = elem<T>(static_cast<uint32_t>(s[l][1]), i);
+            A[g][2 * t + 8 + i] = elem<T>(static_cast<uint32_t>(s[l][2]), i);
+            A[g + 8][2 * t + 8 + i] = elem<T>(static_cast<uint32_t>(s[l][3]), i);
+            B[2 * t + i][g] = elem<T>(static_cast<uint32_t>(s[l][4]), i);
+            B[2 * t + 8 + i][g] = elem<T>(static_cast<uint32_t>(s[l][5]), i);
         }
     }
-    w.bar.arrive_and_wait();
-    const int g = lane >> 2, t = lane & 3;
-    for (int e = 0; e < 4; ++e) {
-        const int row = g + 8 * (e >> 1), col = 2 * t + (e & 1);
-        float s = 0.f;
-        for (int k = 0; k < 16; ++k) s = std::fma(A[row][k], B[k][col], s);
-        d[e] += s;
+    for (int l = 0; l < 32; ++l) {
+        const int g = l >> 2, t = l & 3;
+        float d[4] = {f32_of_bits(static_cast<uint32_t>(s[l][6])), f32_of_bits(static_cast<uint32_t>(s[l][6] >> 32)),
+                      f32_of_bits(static_cast<uint32_t>(s[l][7])), f32_of_bits(static_cast<uint32_t>(s[l][7] >> 32))};
+        for (int e = 0; e < 4; ++e) {
+            const int row = g + 8 * (e >> 1), col = 2 * t + (e & 1);
+            float sum = 0.f;
+            for (int k = 0; k < 16; ++k) sum = std::fma(A[row][k], B[k][col], sum);
+            d[e] += sum;
+        }
+        s[l][6] = bits_of_f32(d[0]) | static_cast<uint64_t>(bits_of_f32(d[1])) << 32;
+        s[l][7] = bits_of_f32(d[2]) | static_cast<uint64_t>(bits_of_f32(d[3])) << 32;
     }
+}
+
+template <typename T>
+inline void mma16816(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+    const int t = emu::mach->current, lane = t % 32, bank = emu::next_bank();
+    auto& s = emu::mach->warp[t / 32].slot[bank][lane];
+    for (int i = 0; i < 4; ++i) s[i] = a[i];
+    s[4] = b[0];
+    s[5] = b[1];
+    s[6] = bits_of_f32(d[0]) | static_cast<uint64_t>(bits_of_f32(d[1])) << 32;
+    s[7] = bits_of_f32(d[2]) | static_cast<uint64_t>(bits_of_f32(d[3])) << 32;
+    emu::warp_sync(mma_tile<T>, bank);
+    d[0] = f32_of_bits(static_cast<uint32_t>(s[6]));
+    d[1] = f32_of_bits(static_cast<uint32_t>(s[6] >> 32));
+    d[2] = f32_of_bits(static_cast<uint32_t>(s[7]));
+    d[3] = f32_of_bits(static_cast<uint32_t>(s[7] >> 32));
 }
 
 template <typename T>
@@ -217,33 +569,19 @@ inline void as_f32x4(const uint4& raw, float (&f)[4]) {
 
 }  // namespace kvjit
 
-#include "../fused_qkv.cu"
+#include KVJIT_KERNEL_SOURCE
 
 // ---------------------------------------------------------------- launching
 
-// 256 threads per launch; each runs every block in turn, with a block-wide
-// barrier between blocks so one block's shared memory (the statics) is never
-// overwritten while another thread still uses it.
+// Blocks one after another; each runs as 256 fibers (see "Threads" above).
 static void launch(dim3 grid, const std::function<void()>& kernel) {
     gridDim = grid;
-    auto block = std::make_unique<Block>();
-    g_block = block.get();
-    std::vector<std::thread> threads;
-    threads.reserve(256);
-    for (unsigned tid = 0; tid < 256; ++tid) {
-        threads.emplace_back([&, tid] {
-            threadIdx = dim3{tid, 0, 0};
-            for (unsigned by = 0; by < grid.y; ++by) {
-                for (unsigned bx = 0; bx < grid.x; ++bx) {
-                    blockIdx = dim3{bx, by, 0};
-                    kernel();
-                    g_block->bar.arrive_and_wait();
-                }
-            }
-        });
+    for (unsigned by = 0; by < grid.y; ++by) {
+        for (unsigned bx = 0; bx < grid.x; ++bx) {
+            blockIdx = dim3{bx, by, 0};
+            emu::run_block(kernel);
+        }
     }
-    for (auto& t : threads) t.join();
-    g_block = nullptr;
 }
 
 // ---------------------------------------------------------------- the check
@@ -300,7 +638,7 @@ struct Case {
     int batch, seq, k, q_dim, hkv, d, page, layers, pages, layer;
 };
 
-static int failures = 0;
+static int failures = 0, failed_cases = 0;
 #define CHECK(cond, ...)                          \
     do {                                          \
         if (!(cond)) {                            \
@@ -352,12 +690,8 @@ static void dispatch_c(const Case& cs, Guarded& x, Guarded& w, Guarded& out, Gua
     }
 }
 
-static void run_case(const Case& cs, std::mt19937_64& rng) {
+static void check_case(const Case& cs, std::mt19937_64& rng) {
     const int M = cs.batch * cs.seq, K = cs.k, kv_dim = cs.hkv * cs.d, N = cs.q_dim + 2 * kv_dim;
-    std::printf("%s %s kv%s B=%d S=%d K=%d q=%d hkv=%d d=%d p=%d L=%d layer=%d\n", cs.decode ? "decode " : "prefill",
-                dt_name(cs.t), dt_name(cs.c), cs.batch, cs.seq, K, cs.q_dim, cs.hkv, cs.d, cs.page, cs.layers,
-                cs.layer);
-    std::fflush(stdout);
     std::uniform_real_distribution<float> uni(-1.f, 1.f);
 
     // Inputs, already rounded to their dtype so the reference sees the same values.
@@ -476,18 +810,69 @@ static void run_case(const Case& cs, std::mt19937_64& rng) {
     }
 }
 
+// Case `index` of a run: its own random stream (its data does not depend on
+// the cases before it) and its scheduling order, by turns; hazards fail a
+// case as a check of their own.
+static void run_case(const Case& cs, unsigned long long seed, size_t index) {
+    std::seed_seq seq{static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32), static_cast<uint32_t>(index)};
+    std::mt19937_64 rng(seq);
+    emu::mach->order = static_cast<emu::Order>(index % 3);
+    emu::mach->rng.seed(rng());
+    emu::mach->hazards = 0;
+    emu::mach->first_hazard.clear();
+    std::printf("%s %s kv%s B=%d S=%d K=%d q=%d hkv=%d d=%d p=%d L=%d layer=%d order=%s\n",
+                cs.decode ? "decode " : "prefill", dt_name(cs.t), dt_name(cs.c), cs.batch, cs.seq, cs.k, cs.q_dim,
+                cs.hkv, cs.d, cs.page, cs.layers, cs.layer, emu::order_name(emu::mach->order));
+    std::fflush(stdout);
+    const int before = failures;
+    check_case(cs, rng);
+    if (emu::mach->hazards) {
+        std::fprintf(stderr, "  FAIL: %ld hazard(s); the first: %s\n", emu::mach->hazards,
+                     emu::mach->first_hazard.c_str());
+        ++failures;
+    }
+    if (failures > before) ++failed_cases;
+    std::fflush(stderr);
+}
+
+static int pages_for(int batch, int seq, int page) { return batch * ((seq + 2 * page) / page + 2); }
+
 int main(int argc, char** argv) {
-    const unsigned long long seed = argc > 1 ? std::strtoull(argv[1], nullptr, 10) : 7;
+    unsigned long long seed = 7;
+    bool fail_fast = false;  // stop after the first failing case (the mutation check)
+    for (int i = 1; i < argc; ++i) {
+        const std::string a = argv[i];
+        if (a == "--fail-fast") {
+            fail_fast = true;
+        } else if (!a.empty() && a.find_first_not_of("0123456789") == std::string::npos) {
+            seed = std::strtoull(a.c_str(), nullptr, 10);
+        } else {
+            std::fprintf(stderr, "usage: emulate [SEED] [--fail-fast]\n");
+            return 2;
+        }
+    }
+    emu::init();
     std::mt19937_64 rng(seed);
     const DT dts[] = {DT::F32, DT::BF16, DT::F16};
     std::vector<Case> cases;
     // Fixed shapes covering tails in every dimension, then random ones.
+    int variant = 0;
     for (DT t : dts) {
         for (DT c : dts) {
             // decode: M <= 16, N not a multiple of the column tile, K not a multiple of 32
             cases.push_back(Case{t, c, true, 3, 5, 72, 24, 2, 6, 4, 2, 16, 1});
             // prefill: M and N both span two tiles with tails, odd pairs off
             cases.push_back(Case{t, c, false, 3, 50, 40, 132, 1, 8, 16, 2, 24, 1});
+            // prefill, deep pipelines, every stage of the 3-stage cp.async ring reused many times:
+            // M = 100 (one row tile) x N = 250 (two column tiles) with K = 520 / 544 / 584 (k-tiles of
+            // PF_BK = 32: 17 with a tail, 17, 19 with a tail), and M = 140 (two row tiles) x N = 113
+            // with K = 264 / 328 / 512 (9, 11 with tails, 16): every k-tile count mod 3, odd q_dim
+            // too. f32 (PS_BK = 16): 17 to 37 k-steps.
+            const int deep_k[] = {520, 544, 584}, mid_k[] = {264, 328, 512};
+            const int deep = deep_k[variant % 3], mid = mid_k[variant % 3];
+            cases.push_back(Case{t, c, false, 1, 100, deep, 90, 2, 40, 16, 2, pages_for(1, 100, 16), 1});
+            cases.push_back(Case{t, c, false, 2, 70, mid, 65, 1, 24, 8, 1, pages_for(2, 70, 8), 0});
+            ++variant;
         }
     }
     std::uniform_int_distribution<int> pick(0, 2);
@@ -497,22 +882,25 @@ int main(int argc, char** argv) {
         cs.batch = std::uniform_int_distribution<int>(1, 4)(rng);
         cs.seq = decode ? std::uniform_int_distribution<int>(1, 16 / cs.batch)(rng)
                         : std::uniform_int_distribution<int>(1, 90)(rng);
-        cs.k = 8 * std::uniform_int_distribution<int>(1, 12)(rng);
+        cs.k = 8 * std::uniform_int_distribution<int>(1, decode ? 12 : 72)(rng);  // prefill: up to 18 k-tiles
         cs.q_dim = std::uniform_int_distribution<int>(1, 70)(rng);  // odd q_dim takes the unpaired stores
         cs.hkv = std::uniform_int_distribution<int>(1, 3)(rng);
         cs.d = std::uniform_int_distribution<int>(1, 20)(rng);
         cs.page = std::uniform_int_distribution<int>(1, 8)(rng);
         cs.layers = std::uniform_int_distribution<int>(1, 3)(rng);
         cs.layer = std::uniform_int_distribution<int>(0, cs.layers - 1)(rng);
-        cs.pages = cs.batch * ((cs.seq + 2 * cs.page) / cs.page + 2);
+        cs.pages = pages_for(cs.batch, cs.seq, cs.page);
         cases.push_back(cs);
     }
     // the 8B decode shape's column count (N = 6144) with a short K
     cases.push_back(Case{DT::BF16, DT::BF16, true, 2, 1, 64, 4096, 8, 128, 16, 1, 4, 0});
 
-    for (const Case& cs : cases) run_case(cs, rng);
-    if (failures) {
-        std::fprintf(stderr, "%d case(s) failed\n", failures);
+    for (size_t i = 0; i < cases.size(); ++i) {
+        run_case(cases[i], seed, i);
+        if (fail_fast && failed_cases) break;
+    }
+    if (failed_cases) {
+        std::fprintf(stderr, "%d case(s) failed\n", failed_cases);
         return 1;
     }
     std::printf("all %zu cases passed\n", cases.size());
