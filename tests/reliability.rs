@@ -36,7 +36,7 @@ use std::sync::Barrier;
 use common::{Caches, Inputs, assert_caches_identical, assert_outputs_identical, constant_data, small_graph};
 use kvjit::demo::{LayerConfig, Scenario, layer_graph};
 use kvjit::fused_qkv::cpu_jit::compile_log;
-use kvjit::fused_qkv::{FusedQkvSpec, JitKernel, OP_NAME};
+use kvjit::fused_qkv::{FusedQkvError, FusedQkvSpec, JitKernel, OP_NAME};
 use kvjit::{
     BuildOptions, CompileOptions, CoreError, DType, DeviceContextPtr, Dim, Error, Executable, Executor, Graph,
     GraphBuilder, KernelImpl, KvCacheParams, KvCacheType, MemoryEstimate, PagedKVCacheCollection, ParamValue, Params,
@@ -374,7 +374,7 @@ fn kernel_errors_leave_output_and_cache_byte_identical_on_every_target() {
                 let params = KvCacheParams { page_size: 8, ..*c.cache.params() };
                 c.cache = PagedKVCacheCollection::new(params, 48, 4, 16).unwrap();
             },
-            |e| matches!(e, CoreError::CacheParamsMismatch { what: "page_size", .. }),
+            |e| matches!(e.op_error(), Some(FusedQkvError::CacheLayout { what: "page_size", .. })),
         ),
         (
             "strided weight",

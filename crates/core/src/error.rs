@@ -1,9 +1,14 @@
-//! The error enum of kvjit's core: tensors, caches, files and op-call
-//! validation.
+//! The error enum of kvjit's core: tensors, caches, files, devices, and the
+//! argument checks every paged op shares.
 //!
-//! Op-call validation errors live here, not in each op, because they are about
-//! tensors and the paged cache that every op (and every target: reference,
-//! JIT, CUDA) checks the same way before writing a byte.
+//! What lives here is about tensors and the paged cache: a tensor argument of
+//! the wrong dtype or shape, a layer the cache does not have, a page table
+//! that points outside the cache, two tokens writing one slot. Every op that
+//! reads or writes the cache (and every target: reference, JIT, CUDA) checks
+//! these the same way, through the same functions of this crate, before
+//! writing a byte. What only one op checks is that op's own error type,
+//! carried as [`Error::Op`]; a device failure keeps its typed source in
+//! [`Error::Device`].
 
 use std::path::PathBuf;
 
@@ -105,16 +110,6 @@ pub enum Error {
     NotContiguous {
         /// Argument name.
         arg: String,
-    },
-    /// The KV cache's layout does not match the op's parameters.
-    #[error("kv_collection: {what} is {got}, but the op was built for {expected}")]
-    CacheParamsMismatch {
-        /// Which parameter.
-        what: &'static str,
-        /// The op's value.
-        expected: String,
-        /// The cache's value.
-        got: String,
     },
     /// A sequence claims more valid tokens than the padded length.
     #[error("valid_lengths[{batch}] = {valid_length} exceeds the padded seq_len {seq_len}")]
@@ -229,10 +224,24 @@ pub enum Error {
         cache_length: u32,
     },
 
-    // ---- devices ----
+    // ---- ops and devices ----
+    /// An op's own contract error (its crate defines the type; downcast with
+    /// [`Error::op_error`]). Displays as the source.
+    #[error("{source}")]
+    Op {
+        /// The op's canonical name.
+        op: &'static str,
+        /// The op's error.
+        source: Box<dyn std::error::Error + Send + Sync + 'static>,
+    },
     /// A device (GPU) operation failed while running a kernel.
-    #[error("device error: {0}")]
-    Device(String),
+    #[error("device error: {backend}: {source}")]
+    Device {
+        /// The backend, e.g. `CUDA`.
+        backend: &'static str,
+        /// The backend's typed error (e.g. `kvjit_cuda::CudaError`).
+        source: Box<dyn std::error::Error + Send + Sync + 'static>,
+    },
 
     // ---- tensor files ----
     /// A tensor file could not be read or written.
@@ -262,4 +271,32 @@ pub enum Error {
         /// Where it was looked for (may be empty).
         context: String,
     },
+}
+
+impl Error {
+    /// Wrap `error`, an op's own contract error, for op `op`.
+    pub fn op(op: &'static str, error: impl std::error::Error + Send + Sync + 'static) -> Self {
+        Error::Op { op, source: Box::new(error) }
+    }
+
+    /// A device failure with its typed source.
+    pub fn device(backend: &'static str, error: impl std::error::Error + Send + Sync + 'static) -> Self {
+        Error::Device { backend, source: Box::new(error) }
+    }
+
+    /// The op's own error, if this is an [`Error::Op`] carrying an `E`.
+    pub fn op_error<E: std::error::Error + 'static>(&self) -> Option<&E> {
+        match self {
+            Error::Op { source, .. } => source.downcast_ref::<E>(),
+            _ => None,
+        }
+    }
+
+    /// The device's own error, if this is an [`Error::Device`] carrying an `E`.
+    pub fn device_error<E: std::error::Error + 'static>(&self) -> Option<&E> {
+        match self {
+            Error::Device { source, .. } => source.downcast_ref::<E>(),
+            _ => None,
+        }
+    }
 }

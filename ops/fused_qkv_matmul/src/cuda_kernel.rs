@@ -237,14 +237,12 @@ pub fn choose_variants(spec: &FusedQkvSpec) -> std::result::Result<VariantPlan, 
     })
 }
 
-/// A CUDA error as the `Kernel` interface's error type.
-///
-/// `kvjit_core::Error` has no device variant yet, so the typed [`CudaError`]
-/// travels as the source of an `Io` error on the path `CUDA device`
-/// (downcast it with `std::io::Error::get_ref`). Messages read
-/// `CUDA device: cuLaunchKernel failed: CUDA_ERROR_…: …`.
+/// A CUDA error as the `Kernel` interface's error type: `Error::Device`
+/// with the typed [`CudaError`] as its source (get it back with
+/// `Error::device_error::<CudaError>()`). Messages read
+/// `device error: CUDA: cuLaunchKernel failed: CUDA_ERROR_…: …`.
 pub fn device_error(error: CudaError) -> Error {
-    Error::Device(format!("CUDA: {error}"))
+    Error::device("CUDA", error)
 }
 
 /// The scalars of one launch, each checked to fit the kernel's parameter type.

@@ -3,6 +3,7 @@
 use kvjit_core::{Error, KernelKey, PagedKVCacheCollection, Result, Tensor};
 use kvjit_runtime::{DeviceContextPtr, Kernel, OutputSpec};
 
+use crate::FusedQkvError;
 use crate::call::check_output;
 use crate::{CallShape, FusedQkvSpec, check_call, reference};
 
@@ -30,11 +31,11 @@ pub(crate) fn check_against_spec(
     caches: &[&PagedKVCacheCollection],
 ) -> Result<CallShape> {
     let ([hidden, weight, layer_idx, valid_lengths], [cache]) = (inputs, caches) else {
-        return Err(Error::ShapeMismatch {
-            arg: "arguments".into(),
-            expected: "4 tensors (hidden_state, weight, layer_idx, valid_lengths) and 1 KV cache".into(),
+        return Err(FusedQkvError::Arguments {
+            expected: "4 tensors (hidden_state, weight, layer_idx, valid_lengths) and 1 KV cache",
             got: vec![inputs.len(), caches.len()],
-        });
+        }
+        .into());
     };
     if hidden.dtype() != spec.dtype {
         return Err(Error::DTypeMismatch { arg: "hidden_state".into(), expected: spec.dtype, got: hidden.dtype() });
@@ -48,15 +49,15 @@ pub(crate) fn check_against_spec(
         ("head_size", spec.head_size.to_string(), params.head_size.to_string()),
     ] {
         if expected != got {
-            return Err(Error::CacheParamsMismatch { what, expected, got });
+            return Err(FusedQkvError::CacheLayout { what, expected, got }.into());
         }
     }
     let shape = check_call(hidden, weight, cache, layer_idx, valid_lengths)?;
     let dim_ok = |baked: Option<usize>, got: usize| baked.is_none_or(|b| b == got);
     if shape.k != spec.k || !dim_ok(spec.batch, shape.batch) || !dim_ok(spec.seq, shape.seq) {
         let dim = |d: Option<usize>, name: &str| d.map_or(name.to_string(), |v| v.to_string());
-        return Err(Error::ShapeMismatch {
-            arg: "hidden_state".into(),
+        return Err(FusedQkvError::NotBuiltFor {
+            arg: "hidden_state",
             expected: format!(
                 "[{}, {}, {}] (baked into {})",
                 dim(spec.batch, "B"),
@@ -65,14 +66,16 @@ pub(crate) fn check_against_spec(
                 spec.kernel_key()
             ),
             got: hidden.shape().to_vec(),
-        });
+        }
+        .into());
     }
     if shape.q_dim != spec.q_dim {
-        return Err(Error::ShapeMismatch {
-            arg: "weight".into(),
+        return Err(FusedQkvError::NotBuiltFor {
+            arg: "weight",
             expected: format!("[{}, {}]", spec.n(), spec.k),
             got: weight.shape().to_vec(),
-        });
+        }
+        .into());
     }
     Ok(shape)
 }
@@ -144,11 +147,11 @@ pub(crate) fn checked_call<'a>(
 ) -> Result<CheckedCall<'a>> {
     let counts = vec![inputs.len(), caches.len(), outputs.len()];
     let (&[hidden, weight, layer_idx, valid_lengths], [cache], [output]) = (inputs, caches, outputs) else {
-        return Err(Error::ShapeMismatch {
-            arg: "arguments".into(),
-            expected: "4 tensors (hidden_state, weight, layer_idx, valid_lengths), 1 KV cache and 1 output".into(),
+        return Err(FusedQkvError::Arguments {
+            expected: "4 tensors (hidden_state, weight, layer_idx, valid_lengths), 1 KV cache and 1 output",
             got: counts,
-        });
+        }
+        .into());
     };
     let shape = check_against_spec(spec, inputs, &[&**cache])?;
     check_output(&shape, spec.dtype, output)?;

@@ -8,8 +8,8 @@
 //!   [`Executable`];
 //! - [`Executor::run`] runs it with named inputs and KV caches;
 //! - [`demo`] builds the example graphs and their random inputs;
-//! - [`bench`](mod@bench) times the kernels against peers and the machine's roofs
-//!   (`kvjit bench`, `cargo bench`).
+//! - the benchmarks (`kvjit bench`, `cargo bench -p kvjit-bench`) are the
+//!   `kvjit-bench` crate.
 //!
 //! ```no_run
 //! use kvjit::{CompileOptions, DeviceContextPtr, Executor, compile, demo, standard_registry};
@@ -25,7 +25,6 @@
 //! println!("{:?}", out.outputs["q"].shape());
 //! ```
 
-pub mod bench;
 pub mod compare;
 mod compile;
 pub mod demo;

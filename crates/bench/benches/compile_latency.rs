@@ -18,13 +18,13 @@
 //! `kvjit bench` reports the same cases with the JIT's share from its compile
 //! log.
 //!
-//! `cargo bench --bench compile_latency`.
+//! `cargo bench -p kvjit-bench --bench compile_latency`.
 
 use std::time::Duration;
 
 use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
-use kvjit::bench::{CompileBench, CompileCase, ModelShape};
 use kvjit::{DType, DeviceContextPtr};
+use kvjit_bench::{CompileBench, CompileCase, ModelShape};
 
 const THREADS: usize = 2;
 const SEED: u64 = 7;

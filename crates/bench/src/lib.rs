@@ -2,7 +2,7 @@
 //! the generic kernel, the reference and two GEMM libraries, on the roofs of
 //! this machine; and how long compiling takes.
 //!
-//! This module is shared by the criterion suite (`benches/`) and `kvjit
+//! This crate is shared by the criterion suite (`benches/`) and `kvjit
 //! bench`, so both time exactly the same code:
 //!
 //! - [`problem`]: model shapes, call shapes ([`Point`]) and their inputs
@@ -13,13 +13,15 @@
 //! - [`timing`]: interleaved sampling, medians and spreads;
 //! - [`roofline`]: read-bandwidth and FMA-rate probes, the roofline bound;
 //! - [`compile`]: compile latency (graph build → JIT, file → first output);
-//! - [`report`]: the results, as Markdown, JSON and SVG.
+//! - [`report`]: the results, as Markdown, JSON and SVG;
+//! - [`cli`]: the `kvjit bench` subcommand (options, progress, output files).
 //!
 //! [`run`] runs a whole [`BenchConfig`]: the roofs, then for every shape,
 //! dtype, page size and M all implementations interleaved, then compile
 //! latency, then the roofs again (both roof measurements are pooled, so
 //! their spread shows how much the machine drifted during the run).
 
+pub mod cli;
 pub mod compile;
 pub mod impls;
 pub mod problem;
@@ -40,7 +42,9 @@ pub use report::{CompileReport, CompileResult, GroupResult, ImplResult, PointRes
 pub use roofline::{Bound, FmaProbe, ReadProbe, Roof, RoofPlan, RoofSamples};
 pub use timing::{Measurement, Plan, Stats, measure_interleaved};
 
-use crate::{Error, Result};
+/// The benchmarks fail with the facade's error: every layer's error, plus
+/// [`Error::Usage`] for requests that cannot run.
+pub use kvjit::{Error, Result};
 
 /// The M values of the suite.
 pub const ALL_MS: [usize; 7] = [1, 4, 16, 64, 256, 1024, 2048];

@@ -23,7 +23,7 @@
 //! The `roofline` group runs first: `read_2threads` is this machine's
 //! 2-thread read bandwidth (throughput in bytes/s), `fma128_2threads` its
 //! 2-thread F32X4 FMA rate (elements/s = FLOP/s), the JIT-compiled loop of
-//! `kvjit::bench::roofline`.
+//! `kvjit_bench::roofline`.
 //!
 //! How to read: criterion's throughput shows elements/s = **FLOP/s** (2·M·N·K
 //! per call) and bytes/s = **weight bytes/s**. At small M compare the bytes/s
@@ -34,7 +34,7 @@
 //! one table with ratios.
 //!
 //! The whole suite takes the better part of an hour; pick with a filter, e.g.
-//! `cargo bench --bench specialization -- 'bf16.k4096.q4096.hkv8.*p16'` or
+//! `cargo bench -p kvjit-bench --bench specialization -- 'bf16.k4096.q4096.hkv8.*p16'` or
 //! `-- roofline`.
 
 use std::cell::OnceCell;
@@ -42,11 +42,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use criterion::{BenchmarkId, Criterion, SamplingMode, Throughput, criterion_group, criterion_main};
-use kvjit::bench::{
+use kvjit::{DType, DeviceContextPtr};
+use kvjit_bench::{
     ALL_MS, FmaProbe, Implementation, LayerKernels, ModelShape, Point, Problem, ReadProbe, Runner, Weights,
     generic_kernels,
 };
-use kvjit::{DType, DeviceContextPtr};
 
 const THREADS: usize = 2;
 const SEED: u64 = 7;

@@ -27,13 +27,14 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
+use kvjit::{CompileOptions, Registry, compile, standard_registry};
 use kvjit_core::{DType, KvCacheParams, PagedKVCacheCollection, Tensor};
 use kvjit_graph::{Dim, Graph, GraphBuilder, KvCacheType, ParamValue, Params, load_graph, save_graph};
 use kvjit_op_fused_qkv::{FusedQkvSpec, OP_NAME, cpu_jit};
 use kvjit_runtime::{DeviceContextPtr, Executable, Executor};
 
 use super::problem::{ModelShape, Weights};
-use crate::{CompileOptions, Registry, Result, compile, standard_registry};
+use crate::Result;
 
 /// Pages of the benchmark graphs' cache.
 const NUM_PAGES: usize = 16;

@@ -1,0 +1,169 @@
+//! The `kvjit bench` subcommand: its options ([`BenchArgs`], a clap
+//! `Args` struct the `kvjit` binary embeds) and [`run_bench`], which turns
+//! them into a [`BenchConfig`], runs it with a progress display on stderr,
+//! prints the Markdown report and writes the JSON and SVG files.
+
+use std::path::PathBuf;
+
+use kvjit_core::DType;
+
+use crate::{BenchConfig, Error, Implementation, ModelShape, Progress, Result};
+
+/// Options of `kvjit bench`.
+#[derive(Clone, Debug, clap::Args)]
+pub struct BenchArgs {
+    /// About a minute: Llama-3-8B shape, f32 and bf16, page 16, M up to 1024
+    /// (default: the full suite, tens of minutes).
+    #[arg(long)]
+    pub quick: bool,
+    /// Toy sizes, to test the plumbing (the numbers mean nothing).
+    #[arg(long, hide = true, conflicts_with = "quick")]
+    pub tiny: bool,
+    /// Model shapes, comma-separated: 1b, 8b, mha, or K/QH/KVH/D.
+    #[arg(long, value_delimiter = ',', value_parser = ModelShape::parse)]
+    pub shapes: Option<Vec<ModelShape>>,
+    /// Dtypes, comma-separated: f32, bf16, f16.
+    #[arg(long, value_delimiter = ',')]
+    pub dtypes: Option<Vec<DType>>,
+    /// Cache page sizes, comma-separated.
+    #[arg(long, value_delimiter = ',')]
+    pub pages: Option<Vec<usize>>,
+    /// Rows M (batch × tokens), comma-separated.
+    #[arg(long, value_delimiter = ',')]
+    pub ms: Option<Vec<usize>>,
+    /// Implementations, comma-separated: specialized, generic, reference,
+    /// gemm_scatter, matrixmultiply_scatter.
+    #[arg(long, value_delimiter = ',', value_parser = Implementation::parse)]
+    pub impls: Option<Vec<Implementation>>,
+    /// Worker threads of kernels, peers and roof probes (0: one per core; default 2).
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Run the reference only up to this M (it is ~100× slower).
+    #[arg(long)]
+    pub reference_max_m: Option<usize>,
+    /// Model shape of the compile-latency graphs (default 1b; bf16).
+    #[arg(long, value_parser = ModelShape::parse)]
+    pub compile_shape: Option<ModelShape>,
+    /// Skip compile latency.
+    #[arg(long)]
+    pub no_compile: bool,
+    /// Write every figure (medians and spreads) to this JSON file, and the
+    /// plot next to it (same name, .svg).
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// Write the plot here instead.
+    #[arg(long)]
+    pub svg: Option<PathBuf>,
+}
+
+impl BenchArgs {
+    /// The run these options ask for: a preset with the given overrides.
+    pub fn config(&self) -> BenchConfig {
+        let mut config = if self.tiny {
+            BenchConfig::tiny()
+        } else if self.quick {
+            BenchConfig::quick()
+        } else {
+            BenchConfig::full()
+        };
+        if let Some(v) = &self.shapes {
+            config.shapes = v.clone();
+        }
+        if let Some(v) = &self.dtypes {
+            config.dtypes = v.clone();
+        }
+        if let Some(v) = &self.pages {
+            config.page_sizes = v.clone();
+        }
+        if let Some(v) = &self.ms {
+            config.ms = v.clone();
+        }
+        if let Some(v) = &self.impls {
+            config.implementations = v.clone();
+            config.implementations.sort();
+            config.implementations.dedup();
+        }
+        if let Some(v) = self.threads {
+            config.threads = v;
+        }
+        if let Some(v) = self.reference_max_m {
+            config.reference_max_m = v;
+        }
+        match (&mut config.compile, &self.compile_shape) {
+            (_, _) if self.no_compile => config.compile = None,
+            (Some(c), Some(shape)) => c.shape = shape.clone(),
+            _ => {}
+        }
+        config
+    }
+}
+
+/// Run `kvjit bench`: progress on stderr, the Markdown report on stdout, the
+/// JSON and SVG files where `args` says.
+pub fn run_bench(args: &BenchArgs) -> Result<()> {
+    let config = args.config();
+    config.check()?;
+    // Open the output files now, so a bad path fails before the run, not after.
+    let svg_path = args.svg.clone().or_else(|| args.json.as_ref().map(|j| j.with_extension("svg")));
+    if let (Some(json), Some(svg)) = (&args.json, &svg_path)
+        && json == svg
+    {
+        return Err(Error::Usage(format!(
+            "--json {} would be overwritten by the plot; name it *.json",
+            json.display()
+        )));
+    }
+    let create = |path: &PathBuf| {
+        std::fs::File::create(path).map_err(|e| Error::Usage(format!("cannot write {}: {e}", path.display())))
+    };
+    let json_file = args.json.as_ref().map(create).transpose()?;
+    let svg_file = svg_path.as_ref().map(create).transpose()?;
+
+    let tty = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let report = crate::run(&config, &mut |p| show_progress(p, tty));
+    if tty {
+        eprintln!();
+    }
+    let report = report.inspect_err(|_| {
+        // Leave no empty result files behind a failed run.
+        for path in args.json.iter().chain(&svg_path) {
+            let _ = std::fs::remove_file(path);
+        }
+    })?;
+    print!("{}", report.to_markdown());
+    let write = |file: Option<std::fs::File>, path: &Option<PathBuf>, text: String| -> Result<()> {
+        if let (Some(mut file), Some(path)) = (file, path) {
+            std::io::Write::write_all(&mut file, text.as_bytes())
+                .map_err(|e| Error::Usage(format!("cannot write {}: {e}", path.display())))?;
+            eprintln!("wrote {}", path.display());
+        }
+        Ok(())
+    };
+    let json_text = serde_json::to_string_pretty(&report.to_json()).expect("JSON values serialize") + "\n";
+    write(json_file, &args.json, json_text)?;
+    write(svg_file, &svg_path, report.to_svg())?;
+    Ok(())
+}
+
+/// A progress bar on stderr: redrawn in place on a terminal, one line per
+/// step otherwise.
+fn show_progress(p: &Progress, tty: bool) {
+    const WIDTH: usize = 24;
+    let filled = WIDTH * p.done / p.total.max(1);
+    let secs = p.elapsed.as_secs();
+    let line = format!(
+        "[{}{}] {:>3}/{} {:>3}:{:02}  {}",
+        "#".repeat(filled),
+        ".".repeat(WIDTH - filled),
+        p.done,
+        p.total,
+        secs / 60,
+        secs % 60,
+        p.what
+    );
+    if tty {
+        eprint!("\r{line}\x1b[K");
+    } else {
+        eprintln!("{line}");
+    }
+}

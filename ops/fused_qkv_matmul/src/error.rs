@@ -1,0 +1,47 @@
+//! The op's own contract errors: what only this op checks. The checks every
+//! paged op shares (tensor dtypes and shapes, `layer_idx < L`, valid lengths,
+//! page tables, slot collisions) are `kvjit_core::Error` variants raised by
+//! core's functions; these are carried as `kvjit_core::Error::Op` (downcast
+//! with `Error::op_error::<FusedQkvError>()`).
+
+use crate::OP_NAME;
+
+/// A call this op's kernels refuse, beyond the shared argument checks.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum FusedQkvError {
+    /// Not the op's argument list: 4 tensors, 1 cache (and 1 output).
+    #[error("arguments: expected shape {expected}, got {got:?}")]
+    Arguments {
+        /// What the kernel takes.
+        expected: &'static str,
+        /// Tensors, caches (and outputs) it was handed.
+        got: Vec<usize>,
+    },
+    /// The cache's layout is not the one the kernel was built for.
+    #[error("kv_collection: {what} is {got}, but the op was built for {expected}")]
+    CacheLayout {
+        /// Which parameter.
+        what: &'static str,
+        /// The kernel's value.
+        expected: String,
+        /// The cache's value.
+        got: String,
+    },
+    /// A dim the kernel's key baked in differs in this call.
+    #[error("{arg}: expected shape {expected}, got {got:?}")]
+    NotBuiltFor {
+        /// Argument name.
+        arg: &'static str,
+        /// The shape the kernel was built for.
+        expected: String,
+        /// The call's shape.
+        got: Vec<usize>,
+    },
+}
+
+impl From<FusedQkvError> for kvjit_core::Error {
+    fn from(error: FusedQkvError) -> Self {
+        kvjit_core::Error::op(OP_NAME, error)
+    }
+}
