@@ -9,9 +9,10 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
+use kvjit::ops::{FusedQkvParams, fused_qkv_matmul};
 use kvjit::{
     CompileOptions, DType, DeviceContextPtr, Dim, Executor, GraphBuilder, KvCacheType, PagedKVCacheCollection,
-    ParamValue, Params, RandomInit, Tensor, compile, load_graph, save_graph, standard_registry,
+    RandomInit, Tensor, compile, load_graph, save_graph, standard_registry,
 };
 use rand::SeedableRng;
 
@@ -39,15 +40,9 @@ fn main() -> kvjit::Result<()> {
         max_pages_per_seq: Dim::from(16),
     };
     let kv = b.kv_cache("kv_cache", cache_type.clone())?;
-    let params: Params = [
-        ("dtype".to_string(), ParamValue::from(DType::F32)),
-        ("num_kv_heads".to_string(), kv_heads.into()),
-        ("head_size".to_string(), head.into()),
-        ("page_size".to_string(), page.into()),
-    ]
-    .into();
-    let q = b.node("mo.fused_qkv_matmul.padded.paged", params, &[x, w, kv, layer, valid])?;
-    b.output("q", q[0])?;
+    let params = FusedQkvParams { dtype: DType::F32, num_kv_heads: kv_heads, head_size: head, page_size: page };
+    let q = fused_qkv_matmul(&mut b, [x, w, kv, layer, valid], params)?;
+    b.output("q", q)?;
     let graph = b.finish()?;
 
     // 2. Save and load back: the loaded graph passes the same validator.
@@ -74,9 +69,8 @@ fn main() -> kvjit::Result<()> {
             ("valid_lengths".to_string(), Tensor::from_vec(&[3], prompt.clone())?),
             ("layer_idx".to_string(), Tensor::scalar_u32(0)),
         ]);
-        let mut caches = BTreeMap::from([("kv_cache".to_string(), cache)]);
-        let out = executor.run(&exe, &inputs, &mut caches)?;
-        cache = caches.remove("kv_cache").expect("the cache comes back");
+        // The cache stays in this function's variable: the run borrows it.
+        let out = executor.run_with_caches(&exe, &inputs, &mut [("kv_cache", &mut cache)])?;
         cache.advance(&prompt)?;
         println!(
             "step {step}: q {:?} in {:.1} ms, cache lengths now {:?}",

@@ -217,7 +217,9 @@ fn tiny_bench_prints_table_and_writes_json_and_svg() {
     // The plot, next to the JSON.
     let svg = std::fs::read_to_string(dir.path().join("bench.svg")).expect("SVG written next to the JSON");
     assert_eq!(check_well_formed_xml(&svg), Ok("svg".to_string()), "{svg}");
-    assert!(svg.contains("stroke-dasharray"), "the roof is drawn");
+    assert!(svg.contains("roof: min(FMA, bandwidth × FLOP/byte)"), "the roof is in the legend: {svg}");
+    let black_lines = svg.lines().filter(|l| l.starts_with("<polyline") && l.contains(r##"stroke="#000000""##)).count();
+    assert!(black_lines >= 10, "the roof is drawn, dashed (black segments): {svg}");
     assert!(svg.matches("<polyline").count() >= 6, "five implementations and the roof: {svg}");
     assert!(stderr(&out).contains("bench.svg"), "{}", stderr(&out));
 }

@@ -6,18 +6,16 @@ mod common;
 
 use std::collections::BTreeMap;
 
-use common::{
-    Caches, Inputs, assert_caches_identical, assert_outputs_identical, chain_graph, chain_graph_with, compile_cpu,
-    executor, reference_run, run_ok, small_graph,
-};
+use common::{chain_graph, chain_graph_with, compile_cpu, executor, reference_run, run_ok, small_graph};
 use kvjit::demo::Scenario;
 use kvjit::{
     CompileOptions, DType, DeviceContextPtr, Error, Executable, GraphError, KvCacheParams, PagedKVCacheCollection,
     RuntimeError, Target, Tensor, UNASSIGNED_PAGE, compile, standard_registry,
 };
+use kvjit_testkit::{Caches, Tensors, assert_caches_identical, assert_outputs_identical};
 
 /// Run expecting failure; the caches must come back byte-identical.
-fn run_err(exe: &Executable, inputs: &Inputs, caches: &mut Caches) -> RuntimeError {
+fn run_err(exe: &Executable, inputs: &Tensors, caches: &mut Caches) -> RuntimeError {
     let before = caches.clone();
     let err = match executor().run(exe, inputs, caches) {
         Ok(_) => panic!("the run succeeded"),
@@ -441,7 +439,7 @@ fn bound_symbols_are_baked_into_kernel_keys_and_do_not_change_results() {
 // ---------------------------------------------------------------- sharing
 
 /// Prefill and two decode steps; outputs and caches after each step.
-fn steps_alone(exe: &Executable, mut scenario: Scenario) -> Vec<(Inputs, Caches)> {
+fn steps_alone(exe: &Executable, mut scenario: Scenario) -> Vec<(Tensors, Caches)> {
     let mut results = Vec::new();
     for step in 0..3 {
         if step > 0 {

@@ -13,10 +13,7 @@ use std::collections::BTreeMap;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::{Path, PathBuf};
 
-use common::{
-    Caches, Inputs, assert_caches_identical, assert_outputs_identical, assert_tensors_identical, chain_graph,
-    compile_cpu, constant_data, reference_run, run_ok, small_graph,
-};
+use common::{chain_graph, compile_cpu, constant_data, reference_run, run_ok, small_graph};
 use kvjit::demo::{LayerConfig, Scenario};
 use kvjit::fused_qkv::{OP_ALIAS, OP_NAME};
 use kvjit::{
@@ -24,6 +21,7 @@ use kvjit::{
     graph_to_json, load_graph, read_safetensors, save_graph, specialize, standard_registry, write_safetensors,
 };
 use kvjit_graph::ValueDef;
+use kvjit_testkit::{Caches, Tensors, assert_caches_identical, assert_outputs_identical, assert_tensors_identical};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
@@ -127,7 +125,7 @@ fn assert_same_runs(
                 b.next_decode_step().unwrap();
             }
         }
-        let (inputs_b, mut caches_b): (Inputs, Caches) = match &b {
+        let (inputs_b, mut caches_b): (Tensors, Caches) = match &b {
             Some(b) => {
                 assert_outputs_identical(&b.inputs, &a.inputs);
                 assert_caches_identical(&b.caches, &a.caches);

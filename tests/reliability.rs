@@ -33,7 +33,7 @@ use std::collections::BTreeMap;
 use std::process::Command;
 use std::sync::Barrier;
 
-use common::{Caches, Inputs, assert_caches_identical, assert_outputs_identical, constant_data, small_graph};
+use common::{constant_data, small_graph};
 use kvjit::demo::{LayerConfig, Scenario, layer_graph};
 use kvjit::fused_qkv::cpu_jit::compile_log;
 use kvjit::fused_qkv::{FusedQkvError, FusedQkvSpec, JitKernel, OP_NAME};
@@ -44,16 +44,18 @@ use kvjit::{
 };
 use kvjit_jit::CaptureText;
 use kvjit_runtime::Kernel;
+use kvjit_testkit::values::dyadic;
+use kvjit_testkit::{Caches, Tensors, assert_caches_identical, assert_outputs_identical};
 use proptest::prelude::*;
+use rand::SeedableRng;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
-use rand::{Rng, SeedableRng};
 
 // ---------------------------------------------------------------------------
 // Targets
 // ---------------------------------------------------------------------------
 
-/// A target the promises are checked on.
+/// A target the promises are checked on, with what the facade needs for it.
 struct OnTarget {
     name: &'static str,
     options: CompileOptions,
@@ -64,24 +66,22 @@ fn build(implementation: KernelImpl) -> BuildOptions {
     BuildOptions { implementation, ..BuildOptions::default() }
 }
 
-/// CPU JIT, CPU reference, and CUDA when a device exists (otherwise a line
-/// `skipped: no CUDA device (<reason>)`).
+/// The kit's targets — CPU JIT, CPU reference, and CUDA when a device
+/// exists (otherwise a line `skipped: no CUDA device (<reason>)`) — each
+/// with compile options and an executor on its context.
 fn targets() -> Vec<OnTarget> {
-    let cpu = |name, implementation| OnTarget {
-        name,
-        options: CompileOptions { build: build(implementation), ..CompileOptions::default() },
-        executor: Executor::new(DeviceContextPtr::cpu(2).unwrap()),
-    };
-    let mut targets = vec![cpu("cpu jit", KernelImpl::Fast), cpu("cpu reference", KernelImpl::Reference)];
-    match kvjit_runtime::cuda_availability().and_then(|()| DeviceContextPtr::cuda(0)) {
-        Ok(ctx) => targets.push(OnTarget {
-            name: "cuda",
-            options: CompileOptions { target: Target::Cuda, ..CompileOptions::default() },
-            executor: Executor::new(ctx),
-        }),
-        Err(e) => eprintln!("skipped: no CUDA device ({e})"),
-    }
-    targets
+    kvjit_testkit::targets()
+        .into_iter()
+        .map(|t| OnTarget {
+            name: t.name(),
+            options: CompileOptions {
+                target: t.target.device(),
+                build: t.target.build_options(),
+                ..CompileOptions::default()
+            },
+            executor: Executor::new(t.ctx),
+        })
+        .collect()
 }
 
 // ---------------------------------------------------------------------------
@@ -117,7 +117,7 @@ fn slot_of(cache: &PagedKVCacheCollection, b: usize, t: usize) -> (usize, u32, u
     (pos / cache.params().page_size, page, slot)
 }
 
-type Mutation = fn(&mut Inputs, &mut Caches);
+type Mutation = fn(&mut Tensors, &mut Caches);
 /// A named mutation of a valid step and the error it must give.
 type Case = (&'static str, Mutation, fn(&RuntimeError) -> bool);
 
@@ -454,7 +454,7 @@ fn kernel_errors_leave_output_and_cache_byte_identical_on_every_target() {
 // ---------------------------------------------------------------------------
 
 /// Three steps (a prefill, two decodes) of `scenario`: outputs and caches after each.
-fn three_steps(exe: &Executable, executor: &Executor, mut scenario: Scenario) -> Vec<(Inputs, Caches)> {
+fn three_steps(exe: &Executable, executor: &Executor, mut scenario: Scenario) -> Vec<(Tensors, Caches)> {
     let mut results = Vec::new();
     for step in 0..3 {
         if step > 0 {
@@ -585,12 +585,8 @@ fn the_kernel_cache_compiles_different_keys_side_by_side() {
 /// order gives the same bits.
 fn unusual_call(seq: usize) -> (Tensor, Tensor, Tensor, Tensor, PagedKVCacheCollection) {
     let mut rng = StdRng::seed_from_u64(seq as u64);
-    let mut dyadic = |shape: &[usize], d: i32| {
-        let v: Vec<f32> = (0..shape.iter().product()).map(|_| rng.gen_range(-d..=d) as f32 / d as f32).collect();
-        Tensor::from_f32(DType::BF16, shape, &v).unwrap()
-    };
-    let hidden = dyadic(&[1, seq, 1019], 4);
-    let weight = dyadic(&[31 + 42, 1019], 8);
+    let hidden = dyadic(&mut rng, DType::BF16, &[1, seq, 1019], 4);
+    let weight = dyadic(&mut rng, DType::BF16, &[31 + 42, 1019], 8);
     let params = KvCacheParams { dtype: DType::F16, num_layers: 5, page_size: 13, num_kv_heads: 3, head_size: 7 };
     let mut cache = PagedKVCacheCollection::new(params, 5, 1, 4).unwrap();
     cache.set_allocation_order(vec![3, 0, 4, 1, 2]).unwrap();
@@ -612,7 +608,7 @@ fn colliding_slot_writes_are_refused_with_nothing_written_on_every_target() {
     for target in targets() {
         let exe = compile(&graph, &registry, &target.options).unwrap();
         let mut rng = StdRng::seed_from_u64(3);
-        let inputs: Inputs = [
+        let inputs: Tensors = [
             ("hidden_state", Tensor::random(DType::F32, &[2, 3, 64], &mut rng, -1.0, 1.0).unwrap()),
             ("valid_lengths", Tensor::from_vec(&[2], vec![3u32, 3]).unwrap()),
             ("layer_idx", Tensor::scalar_u32(0)),
@@ -744,7 +740,7 @@ fn a_graph_over_the_memory_budget_is_refused_at_build_with_nothing_compiled() {
     }
     let bound_graph = specialize(&graph, registry.ops(), Target::Cpu, &bound.bindings).unwrap();
     assert_eq!(
-        MemoryEstimate::of(bound_graph.graph(), &bound.build).total(),
+        MemoryEstimate::of(bound_graph.graph(), &registry, bound.target, &bound.build).total(),
         jit_needs + 2 * 4 * 8 * 72 * 4 + 4 * 16 * 4
     );
 }
@@ -890,13 +886,6 @@ fn graph_case() -> impl Strategy<Value = GraphCase> {
         })
 }
 
-/// Multiples of `1/d` in [-1, 1] in `dtype`: exact in every dtype here, and
-/// their products and sums (for the sizes drawn) exact in f32.
-fn dyadic(rng: &mut StdRng, dtype: DType, shape: &[usize], d: i32) -> Tensor {
-    let v: Vec<f32> = (0..shape.iter().product()).map(|_| rng.gen_range(-d..=d) as f32 / d as f32).collect();
-    Tensor::from_f32(dtype, shape, &v).unwrap()
-}
-
 impl GraphCase {
     fn pages_per_seq(&self) -> usize {
         (6 + self.seq).div_ceil(self.page_size)
@@ -956,9 +945,9 @@ impl GraphCase {
         b.finish().unwrap()
     }
 
-    fn step(&self) -> (Inputs, Caches) {
+    fn step(&self) -> (Tensors, Caches) {
         let mut rng = StdRng::seed_from_u64(self.seed ^ 0x5eed);
-        let mut inputs: Inputs = BTreeMap::new();
+        let mut inputs: Tensors = BTreeMap::new();
         inputs.insert("hidden_state".into(), dyadic(&mut rng, self.dtype, &[self.batch, self.seq, self.k], 4));
         inputs.insert("valid_lengths".into(), Tensor::from_vec(&[self.batch], self.valid.clone()).unwrap());
         for (i, node) in self.nodes.iter().enumerate() {

@@ -1,9 +1,9 @@
 //! Fuzz target: the fused-QKV op's argument check, fed arbitrary shapes,
 //! lengths and page tables (and at most one broken argument or spec).
 //!
-//! The input is decoded with `arbitrary` into a small [`Problem`], and
+//! The input is decoded with `arbitrary` into a small [`Call`], and
 //! checked by the same differential checker the property tests use
-//! (`ops/fused_qkv_matmul/tests/common/differential.rs`): the verdict must
+//! (`kvjit_testkit::fused_qkv::differential`): the verdict must
 //! match an independent model of the contract; whatever passes is run
 //! through the reference and the JIT kernel (output between canary guards,
 //! cache with canary guard pages and NaN-poisoned slots) and must agree
@@ -21,14 +21,9 @@
 //! freely.
 #![no_main]
 
-#[path = "../../ops/fused_qkv_matmul/tests/common/mod.rs"]
-mod common;
-#[path = "../../ops/fused_qkv_matmul/tests/common/differential.rs"]
-mod differential;
-
 use arbitrary::Arbitrary;
-use differential::{Entry, Page, Problem, Tweak, Values};
 use kvjit_core::DType;
+use kvjit_testkit::fused_qkv::differential::{self, Call, Entry, Page, Tweak, Values};
 use libfuzzer_sys::fuzz_target;
 
 /// The raw draw; every field is folded into a small range below.
@@ -88,13 +83,13 @@ fn length(v: u32, common: u32) -> u32 {
 }
 
 impl Raw {
-    fn problem(&self) -> Problem {
+    fn call(&self) -> Call {
         let (dtype, cache_dtype, k, num_kv_heads, head_size, q_dim, page_size, num_layers, static_b, static_s) =
             family(self.family as usize % FAMILIES);
         let static_batch = self.kernel & 0x06 == 0x06;
         let static_seq = self.kernel & 0x18 == 0x18;
         let inner_pages = self.inner_pages as usize % 13;
-        Problem {
+        Call {
             seed: self.seed as u64,
             dtype,
             cache_dtype,
@@ -150,6 +145,6 @@ fuzz_target!(
         differential::keep_kernels(2048);
     },
     |raw: Raw| {
-        differential::check(&raw.problem());
+        differential::check(&raw.call());
     }
 );

@@ -1,6 +1,7 @@
 //! What the `graph_file` and `safetensors_inputs` fuzz targets do with their
 //! bytes, and the tiny graphs they run (the `op_call` target lives in its own
-//! file: it shares the property tests' differential checker instead).
+//! file: it runs the test kit's differential checker,
+//! `kvjit_testkit::fused_qkv::differential`, which the property tests share).
 //!
 //! Properties asserted (a violation panics, which libFuzzer reports as a crash):
 //!
@@ -28,6 +29,8 @@ use kvjit::{
     KvCacheType, PagedKVCacheCollection, ParamValue, Params, RandomInit, Registry, Tensor, ValueDef, compile,
     graph_from_json, graph_to_json, standard_registry, tensors_from_safetensors, tensors_to_safetensors,
 };
+use kvjit_testkit::values::max_abs_finite;
+use kvjit_testkit::{CacheSnapshot, Tolerance, caches_identical, compare};
 
 /// Largest random-init constant (elements) the graph-file target loads.
 pub const MAX_CONSTANT_ELEMENTS: u64 = 1 << 20;
@@ -35,8 +38,7 @@ pub const MAX_CONSTANT_ELEMENTS: u64 = 1 << 20;
 /// `MemoryEstimate` counts them) the graph-file target runs.
 pub const RUN_BUDGET: u64 = 8 << 20;
 
-/// KV caches by name.
-pub type Caches = BTreeMap<String, PagedKVCacheCollection>;
+pub use kvjit_testkit::Caches;
 
 thread_local! {
     static REGISTRY: Registry = standard_registry();
@@ -57,21 +59,6 @@ fn options(implementation: KernelImpl, bindings: BTreeMap<String, usize>, budget
 // Running a graph with both kernel implementations
 // ---------------------------------------------------------------------------
 
-/// One cache's bytes and metadata, for byte-for-byte comparison (NaN-safe).
-fn cache_bytes(c: &PagedKVCacheCollection) -> (Vec<u8>, Vec<u32>, Vec<u32>, u32, u32) {
-    (
-        c.blocks().as_bytes().to_vec(),
-        c.cache_lengths().to_vec(),
-        c.lookup_table().to_vec(),
-        c.max_seq_length,
-        c.max_cache_length,
-    )
-}
-
-fn caches_identical(a: &Caches, b: &Caches) -> bool {
-    a.len() == b.len() && a.iter().zip(b).all(|((na, ca), (nb, cb))| na == nb && cache_bytes(ca) == cache_bytes(cb))
-}
-
 /// What one run left: its outputs (or error message) and the caches.
 struct Ran {
     result: Result<BTreeMap<String, Tensor>, String>,
@@ -88,10 +75,6 @@ fn run(exe: &Executable, inputs: &BTreeMap<String, Tensor>, caches: &Caches, wha
     Ran { result, caches: after }
 }
 
-fn max_abs(t: &Tensor) -> f64 {
-    t.to_f32_vec().map_or(0.0, |v| v.iter().fold(0f64, |m, &x| m.max(f64::from(x).abs())))
-}
-
 /// `got` close to `want` where `want` is finite and moderate: within 2% of
 /// the tensor's largest magnitude (the executor-level check; the op-level
 /// target compares element by element with exact tolerances).
@@ -101,10 +84,9 @@ fn assert_close(what: &str, got: &Tensor, want: &Tensor) {
     if w.iter().any(|v| !v.is_finite() || v.abs() > 1e6) {
         return;
     }
-    let tol = 0.02 * (1.0 + max_abs(want));
-    for (i, (&a, &b)) in g.iter().zip(&w).enumerate() {
-        assert!((f64::from(a) - f64::from(b)).abs() <= tol, "{what}: element {i} is {a}, the reference has {b}");
-    }
+    let tolerance = Tolerance::AbsRel { abs: 0.02 * (1.0 + max_abs_finite(want)), rel: 0.0 };
+    let widen = |v: Vec<f32>| v.into_iter().map(f64::from).collect::<Vec<_>>();
+    compare(tolerance, &widen(g), &widen(w)).assert_ok(what);
 }
 
 /// Compare a JIT run with a reference run of the same inputs.
@@ -354,17 +336,20 @@ pub fn safetensors_inputs(data: &[u8]) {
 fn exercise_cache(cache: &PagedKVCacheCollection) {
     let mut map: BTreeMap<String, Tensor> = cache.to_tensors("kv_cache").unwrap().into_iter().collect();
     let back = PagedKVCacheCollection::from_tensors("kv_cache", &mut map).expect("a cache's own tensors assemble");
-    assert!(cache_bytes(&back) == cache_bytes(cache) && back.params() == cache.params(), "cache round trip");
+    assert!(
+        CacheSnapshot::take(&back) == CacheSnapshot::take(cache) && back.params() == cache.params(),
+        "cache round trip"
+    );
 
     let b = cache.batch_size();
     for new_tokens in [vec![1u32; b], vec![u32::MAX; b], vec![0; b + 1]] {
         let mut c = cache.clone();
         if c.reserve(&new_tokens).is_err() {
-            assert!(cache_bytes(&c) == cache_bytes(cache), "a failed reserve changed the cache");
+            assert!(CacheSnapshot::take(&c) == CacheSnapshot::take(cache), "a failed reserve changed the cache");
         }
         let mut c = cache.clone();
         if c.advance(&new_tokens).is_err() {
-            assert!(cache_bytes(&c) == cache_bytes(cache), "a failed advance changed the cache");
+            assert!(CacheSnapshot::take(&c) == CacheSnapshot::take(cache), "a failed advance changed the cache");
         }
     }
     for batch in 0..b.min(4) + 1 {

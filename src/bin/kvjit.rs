@@ -243,14 +243,7 @@ fn inspect(
     for (node, key) in graph.nodes().iter().zip(specialized.kernel_keys()) {
         let list = |ids: &[kvjit::ValueId]| ids.iter().map(|v| v.to_string()).collect::<Vec<_>>().join(", ");
         println!("  {}  {}({}) -> {}", node.id, node.op, list(&node.inputs), list(&node.outputs));
-        let params: Vec<String> = node
-            .params
-            .iter()
-            .map(|(k, v)| match v {
-                kvjit::ParamValue::Int(i) => format!("{k}={i}"),
-                kvjit::ParamValue::Str(s) => format!("{k}={s}"),
-            })
-            .collect();
+        let params: Vec<String> = node.params.iter().map(|(k, v)| format!("{k}={v}")).collect();
         println!("      params: {}", params.join(" "));
         println!("      kernel: {key}{}", if key.is_fully_static() { "" } else { "  (generic in the 'any' dims)" });
     }

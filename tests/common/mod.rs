@@ -1,7 +1,8 @@
 //! Helpers shared by the integration tests: the registry and the graphs the
-//! tests run, a reference interpreter for graphs of fused-QKV nodes (the
-//! "expected" side of every numeric check), and byte-level comparisons of
-//! outputs and caches.
+//! tests run, and a reference interpreter for graphs of fused-QKV nodes (the
+//! "expected" side of every numeric check). The byte-level comparisons of
+//! outputs and caches, and the `Tensors` / `Caches` maps, are the test kit's
+//! (`kvjit_testkit::snapshot`).
 //!
 //! Numeric checks here are bit-exact on purpose: the CPU kernel and the
 //! reference accumulate in the same order today, and a graph file round trip
@@ -10,23 +11,19 @@
 // Each test binary includes this module and uses a different subset of it.
 #![allow(dead_code)]
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 
 use kvjit::demo::LayerConfig;
 use kvjit::fused_qkv::OP_NAME;
 use kvjit::fused_qkv::reference::fused_qkv_matmul;
 use kvjit::{
-    CompileOptions, DType, DeviceContextPtr, Dim, Executable, Executor, Graph, GraphBuilder, KvCacheType,
-    PagedKVCacheCollection, ParamValue, Params, Registry, RunOutput, Tensor, ValueId, compile,
+    CompileOptions, DType, DeviceContextPtr, Dim, Executable, Executor, Graph, GraphBuilder, KvCacheType, ParamValue,
+    Params, Registry, RunOutput, Tensor, ValueId, compile,
 };
 use kvjit_graph::ValueDef;
+use kvjit_testkit::{Caches, Tensors};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
-
-/// Graph inputs by name.
-pub type Inputs = BTreeMap<String, Tensor>;
-/// KV caches by name.
-pub type Caches = BTreeMap<String, PagedKVCacheCollection>;
 
 /// A CPU executor with two workers.
 pub fn executor() -> Executor {
@@ -54,7 +51,7 @@ pub fn reference_options() -> CompileOptions {
 }
 
 /// Run once, panicking with the error's message on failure.
-pub fn run_ok(exe: &Executable, inputs: &Inputs, caches: &mut Caches) -> RunOutput {
+pub fn run_ok(exe: &Executable, inputs: &Tensors, caches: &mut Caches) -> RunOutput {
     executor().run(exe, inputs, caches).unwrap_or_else(|e| panic!("run failed: {e}"))
 }
 
@@ -138,7 +135,7 @@ pub fn constant_data(graph: &Graph, name: &str) -> Tensor {
 /// Run a graph of fused-QKV nodes with the plain reference implementation,
 /// node by node in graph order, writing `caches` in place: the expected side
 /// of every numeric check.
-pub fn reference_run(graph: &Graph, inputs: &Inputs, caches: &mut Caches) -> Inputs {
+pub fn reference_run(graph: &Graph, inputs: &Tensors, caches: &mut Caches) -> Tensors {
     let mut produced: HashMap<ValueId, Tensor> = HashMap::new();
     let tensor = |id: ValueId, produced: &HashMap<ValueId, Tensor>| -> Tensor {
         let value = graph.value(id);
@@ -170,45 +167,4 @@ pub fn reference_run(graph: &Graph, inputs: &Inputs, caches: &mut Caches) -> Inp
         produced.insert(node.outputs[0], output);
     }
     graph.outputs().iter().map(|o| (o.name.clone(), tensor(o.value, &produced))).collect()
-}
-
-/// Index of the first differing byte, if any.
-fn first_difference(a: &[u8], b: &[u8]) -> Option<usize> {
-    a.iter().zip(b).position(|(x, y)| x != y).or((a.len() != b.len()).then_some(a.len().min(b.len())))
-}
-
-/// Same dtype, shape and bytes.
-pub fn assert_tensors_identical(what: &str, got: &Tensor, want: &Tensor) {
-    assert_eq!(got.dtype(), want.dtype(), "{what}: dtype");
-    assert_eq!(got.shape(), want.shape(), "{what}: shape");
-    let (got, want) = (got.to_contiguous(), want.to_contiguous());
-    if let Some(i) = first_difference(got.as_bytes(), want.as_bytes()) {
-        panic!("{what}: bytes differ, first at byte {i}");
-    }
-}
-
-/// Same output names, each byte-identical.
-pub fn assert_outputs_identical(got: &Inputs, want: &Inputs) {
-    assert_eq!(got.keys().collect::<Vec<_>>(), want.keys().collect::<Vec<_>>(), "output names");
-    for (name, tensor) in want {
-        assert_tensors_identical(&format!("output '{name}'"), &got[name], tensor);
-    }
-}
-
-/// Same cache names; each cache byte-identical: layout, blocks, lengths,
-/// page table and the MAX scalars.
-pub fn assert_caches_identical(got: &Caches, want: &Caches) {
-    assert_eq!(got.keys().collect::<Vec<_>>(), want.keys().collect::<Vec<_>>(), "cache names");
-    for (name, want) in want {
-        let got = &got[name];
-        assert_eq!(got.params(), want.params(), "cache '{name}': layout");
-        assert_tensors_identical(&format!("cache '{name}' blocks"), got.blocks(), want.blocks());
-        assert_eq!(got.cache_lengths(), want.cache_lengths(), "cache '{name}': cache_lengths");
-        assert_eq!(got.lookup_table(), want.lookup_table(), "cache '{name}': lookup_table");
-        assert_eq!(
-            (got.max_seq_length, got.max_cache_length),
-            (want.max_seq_length, want.max_cache_length),
-            "cache '{name}': max_seq_length, max_cache_length"
-        );
-    }
 }

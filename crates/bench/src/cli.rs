@@ -4,7 +4,9 @@
 //! prints the Markdown report and writes the JSON and SVG files.
 
 use std::path::PathBuf;
+use std::time::Duration;
 
+use indicatif::{ProgressBar, ProgressStyle};
 use kvjit_core::DType;
 
 use crate::{BenchConfig, Error, Implementation, ModelShape, Progress, Result};
@@ -119,11 +121,12 @@ pub fn run_bench(args: &BenchArgs) -> Result<()> {
     let json_file = args.json.as_ref().map(create).transpose()?;
     let svg_file = svg_path.as_ref().map(create).transpose()?;
 
-    let tty = std::io::IsTerminal::is_terminal(&std::io::stderr());
-    let report = crate::run(&config, &mut |p| show_progress(p, tty));
-    if tty {
-        eprintln!();
-    }
+    let report = {
+        let mut progress = ProgressDisplay::new(std::io::IsTerminal::is_terminal(&std::io::stderr()));
+        let report = crate::run(&config, &mut |p| progress.show(p));
+        progress.finish(report.is_ok());
+        report
+    };
     let report = report.inspect_err(|_| {
         // Leave no empty result files behind a failed run.
         for path in args.json.iter().chain(&svg_path) {
@@ -145,25 +148,59 @@ pub fn run_bench(args: &BenchArgs) -> Result<()> {
     Ok(())
 }
 
-/// A progress bar on stderr: redrawn in place on a terminal, one line per
-/// step otherwise.
-fn show_progress(p: &Progress, tty: bool) {
-    const WIDTH: usize = 24;
-    let filled = WIDTH * p.done / p.total.max(1);
-    let secs = p.elapsed.as_secs();
-    let line = format!(
-        "[{}{}] {:>3}/{} {:>3}:{:02}  {}",
-        "#".repeat(filled),
-        ".".repeat(WIDTH - filled),
-        p.done,
-        p.total,
-        secs / 60,
-        secs % 60,
-        p.what
-    );
-    if tty {
-        eprint!("\r{line}\x1b[K");
-    } else {
-        eprintln!("{line}");
+/// Progress on stderr: an `indicatif` bar redrawn in place on a terminal;
+/// one line per step otherwise (logs, pipes), where a redrawn bar would be
+/// hidden.
+struct ProgressDisplay {
+    bar: Option<ProgressBar>,
+}
+
+impl ProgressDisplay {
+    fn new(tty: bool) -> Self {
+        let bar = tty.then(|| {
+            let style = ProgressStyle::with_template("[{bar:24}] {pos:>3}/{len} {elapsed_precise}  {wide_msg}")
+                .expect("a valid progress template")
+                .progress_chars("#.");
+            let bar = ProgressBar::new(0).with_style(style);
+            // The clock moves on during long steps too.
+            bar.enable_steady_tick(Duration::from_millis(500));
+            bar
+        });
+        Self { bar }
+    }
+
+    fn show(&mut self, p: &Progress) {
+        match &self.bar {
+            Some(bar) => {
+                bar.set_length(p.total as u64);
+                bar.set_position(p.done as u64);
+                bar.set_message(p.what.clone());
+            }
+            None => {
+                const WIDTH: usize = 24;
+                let filled = WIDTH * p.done / p.total.max(1);
+                let secs = p.elapsed.as_secs();
+                eprintln!(
+                    "[{}{}] {:>3}/{} {:>3}:{:02}  {}",
+                    "#".repeat(filled),
+                    ".".repeat(WIDTH - filled),
+                    p.done,
+                    p.total,
+                    secs / 60,
+                    secs % 60,
+                    p.what
+                );
+            }
+        }
+    }
+
+    /// Leave the bar on the terminal: full if the run `completed`, else
+    /// where it stopped.
+    fn finish(self, completed: bool) {
+        match self.bar {
+            Some(bar) if completed => bar.finish(),
+            Some(bar) => bar.abandon(),
+            None => {}
+        }
     }
 }

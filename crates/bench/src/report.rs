@@ -349,8 +349,9 @@ impl Report {
         })
     }
 
-    /// An SVG plot: one panel per group, GFLOP/s against M (both log scale),
-    /// one line per implementation, the roofline dashed.
+    /// An SVG plot (drawn with `plotters`): one panel per group, GFLOP/s
+    /// against M (both log scale), one line per implementation, the roofline
+    /// dashed.
     pub fn to_svg(&self) -> String {
         svg::plot(self)
     }
@@ -369,29 +370,39 @@ fn shape_json(shape: &ModelShape) -> Value {
 }
 
 mod svg {
-    use std::fmt::Write as _;
+    use plotters::coord::Shift;
+    use plotters::prelude::*;
+    use plotters::style::text_anchor::{HPos, Pos, VPos};
 
-    use super::{Implementation, Report};
+    use super::{GroupResult, Implementation, Report};
 
-    const PANEL_W: f64 = 460.0;
-    const PANEL_H: f64 = 300.0;
-    const LEFT: f64 = 62.0;
-    const RIGHT: f64 = 16.0;
-    const TOP: f64 = 34.0;
-    const BOTTOM: f64 = 44.0;
+    const PANEL_W: u32 = 460;
+    const PANEL_H: u32 = 300;
+    const LEFT: u32 = 62;
+    const RIGHT: u32 = 16;
+    const TOP: u32 = 34;
+    const BOTTOM: u32 = 44;
+    /// Font sizes in px as the SVG shows them (plotters writes size / 1.24).
+    const SMALL: f64 = 11.0 * 1.24;
+    const PANEL_TITLE: f64 = 11.5 * 1.24;
+    const TITLE: f64 = 13.0 * 1.24;
 
-    fn color(i: Implementation) -> &'static str {
+    type Area<'a> = DrawingArea<SVGBackend<'a>, Shift>;
+    type DrawResult<T> = Result<T, DrawingAreaErrorKind<std::io::Error>>;
+
+    fn color(i: Implementation) -> RGBColor {
         match i {
-            Implementation::Specialized => "#d62728",
-            Implementation::Generic => "#ff7f0e",
-            Implementation::Reference => "#7f7f7f",
-            Implementation::GemmScatter => "#1f77b4",
-            Implementation::MatrixMultiplyScatter => "#2ca02c",
+            Implementation::Specialized => RGBColor(0xd6, 0x27, 0x28),
+            Implementation::Generic => RGBColor(0xff, 0x7f, 0x0e),
+            Implementation::Reference => RGBColor(0x7f, 0x7f, 0x7f),
+            Implementation::GemmScatter => RGBColor(0x1f, 0x77, 0xb4),
+            Implementation::MatrixMultiplyScatter => RGBColor(0x2c, 0xa0, 0x2c),
         }
     }
 
-    pub(super) fn escape(text: &str) -> String {
-        text.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;").replace('"', "&quot;")
+    fn font(size: f64, bold: bool) -> TextStyle<'static> {
+        let font = ("sans-serif", size).into_font();
+        if bold { font.style(FontStyle::Bold).into() } else { font.into() }
     }
 
     /// Tick values for a log axis over `[lo, hi]` (positive): 1-2-5 steps
@@ -416,173 +427,158 @@ mod svg {
         if v >= 1.0 { format!("{v:.0}") } else { format!("{v}") }
     }
 
+    /// A dashed horizontal legend sample from `x` to `x + 24` at `y`.
+    fn dashes(x: i32, y: i32) -> impl Iterator<Item = PathElement<(i32, i32)>> {
+        (0..3).map(move |i| PathElement::new(vec![(x + 8 * i, y), (x + 8 * i + 5, y)], BLACK.stroke_width(2)))
+    }
+
+    /// # Panics
+    ///
+    /// Never in practice: drawing into a `String` cannot fail.
     pub(super) fn plot(report: &Report) -> String {
         let groups = &report.groups;
-        let cols = groups.len().clamp(1, 2);
-        let rows = groups.len().div_ceil(cols).max(1);
-        let width = cols as f64 * PANEL_W;
-        // Legend entries: (colour, dashed, label), flowed into rows.
-        let mut entries: Vec<(&str, bool, String)> = Implementation::ALL
+        let cols = groups.len().clamp(1, 2) as u32;
+        let rows = (groups.len() as u32).div_ceil(cols).max(1);
+        let width = cols * PANEL_W;
+        // Legend entries (implementation, or None for the roof), flowed into rows.
+        let mut entries: Vec<(Option<Implementation>, String)> = Implementation::ALL
             .into_iter()
             .filter(|i| groups.iter().flat_map(|g| &g.points).any(|p| p.median(*i).is_some()))
-            .map(|i| (color(i), false, i.label().to_string()))
+            .map(|i| (Some(i), i.label().to_string()))
             .collect();
-        entries.push(("black", true, "roof: min(FMA, bandwidth × FLOP/byte)".into()));
+        entries.push((None, "roof: min(FMA, bandwidth × FLOP/byte)".into()));
         let mut placed = Vec::new();
         let (mut x, mut y) = (10.0, 40.0);
-        for (colour, dashed, label) in entries {
+        for (implementation, label) in entries {
             let w = 44.0 + 6.6 * label.chars().count() as f64;
-            if x + w > width - 10.0 && x > 10.0 {
+            if x + w > f64::from(width) - 10.0 && x > 10.0 {
                 x = 10.0;
                 y += 18.0;
             }
-            placed.push((x, y, colour, dashed, label));
+            placed.push((x as i32, y as i32, implementation, label));
             x += w;
         }
-        let header = y + 16.0;
-        let height = header + rows as f64 * PANEL_H;
-        let mut s = String::new();
-        let _ = writeln!(
-            s,
-            r#"<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0}" height="{height:.0}" viewBox="0 0 {width:.0} {height:.0}" font-family="sans-serif" font-size="11">"#
-        );
-        let _ = writeln!(s, "<title>kvjit bench: GFLOP/s against M</title>");
-        let _ = writeln!(s, r#"<rect width="100%" height="100%" fill="white"/>"#);
-        let _ = writeln!(
-            s,
-            r#"<text x="10" y="20" font-size="13" font-weight="bold">kvjit bench ({}, {} threads): GFLOP/s vs M (medians)</text>"#,
-            escape(&report.mode),
-            report.threads
-        );
-        for (x, y, colour, dashed, label) in placed {
-            let dash = if dashed { r#" stroke-dasharray="5,3""# } else { "" };
-            let _ = write!(
-                s,
-                r#"<line x1="{x:.0}" y1="{y:.0}" x2="{:.0}" y2="{y:.0}" stroke="{colour}" stroke-width="2"{dash}/>"#,
-                x + 24.0
-            );
-            if !dashed {
-                let _ = write!(s, r#"<circle cx="{:.0}" cy="{y:.0}" r="3" fill="{colour}"/>"#, x + 12.0);
-            }
-            let _ = writeln!(s, r#"<text x="{:.0}" y="{:.0}">{}</text>"#, x + 30.0, y + 4.0, escape(&label));
+        let header = y as u32 + 16;
+        let height = header + rows * PANEL_H;
+        let mut svg = String::new();
+        {
+            let root = SVGBackend::with_string(&mut svg, (width, height)).into_drawing_area();
+            draw(&root, report, header, (rows, cols), &placed).expect("drawing into a String cannot fail");
+            root.present().expect("drawing into a String cannot fail");
         }
-        for (gi, g) in groups.iter().enumerate() {
-            let ox = (gi % cols) as f64 * PANEL_W;
-            let oy = header + (gi / cols) as f64 * PANEL_H;
-            panel(&mut s, report, g, ox, oy);
-        }
-        s.push_str("</svg>\n");
-        s
+        svg
     }
 
-    fn panel(s: &mut String, report: &Report, g: &super::GroupResult, ox: f64, oy: f64) {
-        let (x0, x1) = (ox + LEFT, ox + PANEL_W - RIGHT);
-        let (y0, y1) = (oy + PANEL_H - BOTTOM, oy + TOP);
-        let _ = writeln!(
-            s,
-            r#"<text x="{:.1}" y="{:.1}" font-size="11.5" font-weight="bold">{} · {} · page {}</text>"#,
-            ox + 12.0,
-            oy + 20.0,
-            escape(&g.shape.description),
-            g.dtype,
-            g.page_size
-        );
+    fn draw(
+        root: &Area,
+        report: &Report,
+        header: u32,
+        (rows, cols): (u32, u32),
+        legend: &[(i32, i32, Option<Implementation>, String)],
+    ) -> DrawResult<()> {
+        root.fill(&WHITE)?;
+        let title = format!("kvjit bench ({}, {} threads): GFLOP/s vs M (medians)", report.mode, report.threads);
+        root.draw(&Text::new(title, (10, 20), font(TITLE, true).pos(Pos::new(HPos::Left, VPos::Bottom))))?;
+        let label_style = font(SMALL, false).pos(Pos::new(HPos::Left, VPos::Center));
+        for (x, y, implementation, label) in legend {
+            let (x, y) = (*x, *y);
+            match implementation {
+                Some(i) => {
+                    root.draw(&PathElement::new(vec![(x, y), (x + 24, y)], color(*i).stroke_width(2)))?;
+                    root.draw(&Circle::new((x + 12, y), 3, color(*i).filled()))?;
+                }
+                None => {
+                    for dash in dashes(x, y) {
+                        root.draw(&dash)?;
+                    }
+                }
+            }
+            root.draw(&Text::new(label.as_str(), (x + 30, y), label_style.clone()))?;
+        }
+        let (_, body) = root.split_vertically(header);
+        for (g, area) in report.groups.iter().zip(body.split_evenly((rows as usize, cols as usize))) {
+            panel(&area, report, g)?;
+        }
+        Ok(())
+    }
+
+    fn panel(area: &Area, report: &Report, g: &GroupResult) -> DrawResult<()> {
+        let title = format!("{} · {} · page {}", g.shape.description, g.dtype, g.page_size);
+        area.draw(&Text::new(title, (12, 20), font(PANEL_TITLE, true).pos(Pos::new(HPos::Left, VPos::Bottom))))?;
         if g.points.is_empty() {
-            return;
+            return Ok(());
         }
         let ms: Vec<f64> = g.points.iter().map(|p| p.point.m as f64).collect();
         let (m_lo, m_hi) = (ms.iter().cloned().fold(f64::MAX, f64::min), ms.iter().cloned().fold(0.0, f64::max));
+        // One M: a decade around it, so the axis has a width.
+        let (x_lo, x_hi) = if m_hi > m_lo { (m_lo, m_hi) } else { (m_lo / 3.0, m_hi * 3.0) };
         // FLOPs and least traffic are linear in M: draw the roof for real M.
         let first = &g.points[0].point;
         let flops_per_row = first.flops() / first.m as f64;
         let bytes_per_row = (first.min_traffic_bytes() - first.weight_bytes()) / first.m as f64;
         let roof_at =
             |m: f64| report.roof.attainable(m * flops_per_row, first.weight_bytes() + m * bytes_per_row).1 / 1e9;
-        let roof_ms: Vec<f64> = if m_hi > m_lo {
-            (0..=48).map(|i| m_lo * (m_hi / m_lo).powf(i as f64 / 48.0)).collect()
-        } else {
-            vec![m_lo]
-        };
-        let roof_values: Vec<f64> = roof_ms.iter().map(|&m| roof_at(m)).collect();
+        let roof: Vec<(f64, f64)> = (0..=48)
+            .map(|i| x_lo * (x_hi / x_lo).powf(f64::from(i) / 48.0))
+            .map(|m| (m, roof_at(m)))
+            .filter(|(_, v)| v.is_finite() && *v > 0.0)
+            .collect();
         let values: Vec<f64> = g
             .points
             .iter()
             .flat_map(|p| p.impls.iter().map(|r| r.gflops(&p.point)))
-            .chain(roof_values.iter().copied())
+            .chain(roof.iter().map(|(_, v)| *v))
             .filter(|v| v.is_finite() && *v > 0.0)
             .collect();
+        if values.is_empty() {
+            return Ok(());
+        }
         let v_lo = 10f64.powf(values.iter().cloned().fold(f64::MAX, f64::min).log10().floor());
         let v_hi = 10f64.powf(values.iter().cloned().fold(0.0, f64::max).log10().ceil()).max(v_lo * 10.0);
-        let px = |m: f64| {
-            if m_hi > m_lo { x0 + (m / m_lo).ln() / (m_hi / m_lo).ln() * (x1 - x0) } else { (x0 + x1) / 2.0 }
-        };
-        let py = |v: f64| y0 - (v / v_lo).ln() / (v_hi / v_lo).ln() * (y0 - y1);
-        // Frame, grid and ticks.
-        let _ = writeln!(
-            s,
-            r##"<rect x="{x0:.1}" y="{y1:.1}" width="{:.1}" height="{:.1}" fill="none" stroke="#444"/>"##,
-            x1 - x0,
-            y0 - y1
-        );
-        for v in log_ticks(v_lo, v_hi) {
-            let y = py(v);
-            let _ = writeln!(
-                s,
-                r##"<line x1="{x0:.1}" y1="{y:.1}" x2="{x1:.1}" y2="{y:.1}" stroke="#ddd"/><text x="{:.1}" y="{:.1}" text-anchor="end">{}</text>"##,
-                x0 - 4.0,
-                y + 4.0,
-                tick_label(v)
-            );
-        }
-        for &m in &ms {
-            let x = px(m);
-            let _ = writeln!(
-                s,
-                r##"<line x1="{x:.1}" y1="{y0:.1}" x2="{x:.1}" y2="{y1:.1}" stroke="#eee"/><text x="{x:.1}" y="{:.1}" text-anchor="middle">{m}</text>"##,
-                y0 + 14.0
-            );
-        }
-        let _ = writeln!(
-            s,
-            r#"<text x="{:.1}" y="{:.1}" text-anchor="middle">M = batch × tokens (log scale)</text>"#,
-            (x0 + x1) / 2.0,
-            y0 + 32.0
-        );
-        let _ = writeln!(
-            s,
-            r#"<text transform="translate({:.1},{:.1}) rotate(-90)" text-anchor="middle">GFLOP/s (log scale)</text>"#,
-            ox + 16.0,
-            (y0 + y1) / 2.0
-        );
-        // Roofline.
-        let roof_points: Vec<String> =
-            roof_ms.iter().zip(&roof_values).map(|(&m, &v)| format!("{:.1},{:.1}", px(m), py(v))).collect();
-        let _ = writeln!(
-            s,
-            r#"<polyline points="{}" fill="none" stroke="black" stroke-width="1.5" stroke-dasharray="5,3"/>"#,
-            roof_points.join(" ")
-        );
-        // One line per implementation.
+
+        let mut chart = ChartBuilder::on(area)
+            .margin_top(TOP)
+            .margin_right(RIGHT)
+            .margin_left(0)
+            .margin_bottom(0)
+            .x_label_area_size(BOTTOM)
+            .y_label_area_size(LEFT)
+            .build_cartesian_2d(
+                (x_lo..x_hi).log_scale().with_key_points(ms),
+                (v_lo..v_hi).log_scale().with_key_points(log_ticks(v_lo, v_hi)),
+            )?;
+        chart
+            .configure_mesh()
+            .bold_line_style(RGBColor(0xe4, 0xe4, 0xe4))
+            .axis_style(RGBColor(0x44, 0x44, 0x44))
+            .label_style(font(SMALL, false))
+            .axis_desc_style(font(SMALL, false))
+            .x_desc("M = batch × tokens (log scale)")
+            .y_desc("GFLOP/s (log scale)")
+            .x_label_formatter(&|m| format!("{m:.0}"))
+            .y_label_formatter(&|v| tick_label(*v))
+            .draw()?;
+        // Frame.
+        chart
+            .plotting_area()
+            .draw(&Rectangle::new([(x_lo, v_lo), (x_hi, v_hi)], RGBColor(0x44, 0x44, 0x44).stroke_width(1)))?;
+        // Roofline, dashed.
+        chart.draw_series(DashedLineSeries::new(roof, 5, 3, BLACK.stroke_width(1)))?;
+        // One line per implementation, a dot per point.
         for i in Implementation::ALL {
             let pts: Vec<(f64, f64)> = g
                 .points
                 .iter()
                 .filter_map(|p| p.impls.iter().find(|r| r.implementation == i).map(|r| (p, r)))
-                .map(|(p, r)| (px(p.point.m as f64), py(r.gflops(&p.point))))
+                .map(|(p, r)| (p.point.m as f64, r.gflops(&p.point)))
+                .filter(|(_, v)| v.is_finite() && *v > 0.0)
                 .collect();
             if pts.is_empty() {
                 continue;
             }
-            let list: Vec<String> = pts.iter().map(|(x, y)| format!("{x:.1},{y:.1}")).collect();
-            let _ = writeln!(
-                s,
-                r#"<polyline points="{}" fill="none" stroke="{}" stroke-width="2"/>"#,
-                list.join(" "),
-                color(i)
-            );
-            for (x, y) in pts {
-                let _ = writeln!(s, r#"<circle cx="{x:.1}" cy="{y:.1}" r="3" fill="{}"/>"#, color(i));
-            }
+            chart.draw_series(LineSeries::new(pts.iter().copied(), color(i).stroke_width(2)))?;
+            chart.draw_series(pts.iter().map(|&p| Circle::new(p, 3, color(i).filled())))?;
         }
+        Ok(())
     }
 }

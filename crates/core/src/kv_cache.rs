@@ -58,6 +58,37 @@ impl KvCacheParams {
     }
 }
 
+/// Which blocks a cache holds and how often they were handed out for
+/// writing: what a device mirror of the blocks (the CUDA target keeps one)
+/// compares to know whether its copy is current. A clone is a new cache: it
+/// gets a new id. Not part of a cache's value (equality ignores it).
+#[derive(Debug)]
+struct BlocksVersion {
+    /// Unique in the process, per cache instance.
+    id: u64,
+    /// Bumped every time the blocks are borrowed mutably or replaced.
+    generation: u64,
+}
+
+impl BlocksVersion {
+    fn new() -> Self {
+        static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+        Self { id: NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed), generation: 0 }
+    }
+}
+
+impl Clone for BlocksVersion {
+    fn clone(&self) -> Self {
+        Self::new()
+    }
+}
+
+impl PartialEq for BlocksVersion {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
+}
+
 /// A paged KV cache and the page table of the batch that uses it.
 #[derive(Clone, Debug, PartialEq)]
 pub struct PagedKVCacheCollection {
@@ -71,9 +102,25 @@ pub struct PagedKVCacheCollection {
     /// Longest cached length in the batch (as in MAX).
     pub max_cache_length: u32,
     allocation_order: Vec<u32>,
+    version: BlocksVersion,
 }
 
 impl PagedKVCacheCollection {
+    /// A process-unique id of this cache's blocks (a clone has its own).
+    pub fn blocks_id(&self) -> u64 {
+        self.version.id
+    }
+
+    /// How many times the blocks were borrowed mutably or replaced so far:
+    /// a device copy made at generation `g` is current while this is `g`.
+    pub fn blocks_generation(&self) -> u64 {
+        self.version.generation
+    }
+
+    fn blocks_written(&mut self) {
+        self.version.generation += 1;
+    }
+
     /// Allocate a zeroed cache of `num_pages` pages for `batch_size` sequences,
     /// each able to hold `max_pages_per_seq` pages. No page is assigned yet.
     pub fn new(params: KvCacheParams, num_pages: usize, batch_size: usize, max_pages_per_seq: usize) -> Result<Self> {
@@ -103,6 +150,7 @@ impl PagedKVCacheCollection {
             max_seq_length: 0,
             max_cache_length: 0,
             allocation_order: (0..num_pages as u32).collect(),
+            version: BlocksVersion::new(),
         })
     }
 
@@ -152,6 +200,7 @@ impl PagedKVCacheCollection {
             max_pages_per_seq,
             max_seq_length: 0,
             max_cache_length,
+            version: BlocksVersion::new(),
         })
     }
 
@@ -207,23 +256,27 @@ impl PagedKVCacheCollection {
             return Err(Error::NotContiguous { arg: "kv_collection.blocks".into() });
         }
         self.blocks = blocks;
+        self.blocks_written();
         Ok(())
     }
 
     /// The blocks' elements, writable (kernels write K/V through this); fails
     /// if `T` is not the cache dtype. The shape and layout stay fixed.
     pub fn blocks_slice_mut<T: crate::tensor::Storable>(&mut self) -> Result<&mut [T]> {
+        self.blocks_written();
         self.blocks.as_mut_slice()
     }
 
     /// The blocks' raw bytes, writable.
     pub fn blocks_bytes_mut(&mut self) -> &mut [u8] {
+        self.blocks_written();
         self.blocks.as_bytes_mut()
     }
 
     /// Set every block element to `value` rounded to the cache dtype (tests
     /// poison caches with NaN this way).
     pub fn fill_blocks_f32(&mut self, value: f32) -> Result<()> {
+        self.blocks_written();
         self.blocks.fill_f32(value)
     }
 
@@ -501,6 +554,24 @@ mod tests {
 
     fn params() -> KvCacheParams {
         KvCacheParams { dtype: DType::F32, num_layers: 2, page_size: 4, num_kv_heads: 2, head_size: 3 }
+    }
+
+    #[test]
+    fn blocks_versions_tell_caches_and_writes_apart() {
+        let params = KvCacheParams { dtype: DType::F32, num_layers: 1, page_size: 2, num_kv_heads: 1, head_size: 2 };
+        let mut cache = PagedKVCacheCollection::new(params, 4, 1, 2).unwrap();
+        let (id, generation) = (cache.blocks_id(), cache.blocks_generation());
+        let copy = cache.clone();
+        assert_ne!(copy.blocks_id(), id, "a clone is another cache");
+        assert_eq!(copy, cache, "the version is not part of the value");
+        let _ = cache.blocks();
+        assert_eq!(cache.blocks_generation(), generation, "reading changes nothing");
+        cache.blocks_bytes_mut()[0] = 1;
+        cache.fill_blocks_f32(2.0).unwrap();
+        cache.blocks_slice_mut::<f32>().unwrap()[0] = 3.0;
+        cache.set_blocks(copy.blocks().clone()).unwrap();
+        assert_eq!(cache.blocks_generation(), generation + 4);
+        assert_eq!(cache.blocks_id(), id);
     }
 
     #[test]

@@ -1,12 +1,18 @@
 //! Host tensors.
 //!
-//! A [`Tensor`] owns typed storage ([`TensorData`], one `Vec` per dtype, so
+//! A [`Tensor`] holds typed storage ([`TensorData`], one `Vec` per dtype, so
 //! every element is naturally aligned and no byte reinterpretation is needed
-//! to read it) plus a shape and element strides. Tensors made by the
+//! to read it) plus a shape and element strides. The storage is shared
+//! copy-on-write: cloning a tensor, [`Tensor::reshaped`] and
+//! [`Tensor::permuted`] copy no elements, and the first write through a
+//! tensor whose storage is shared copies it (so a clone never sees another
+//! clone's writes, and a tensor that is written while shared pays one copy). Tensors made by the
 //! constructors are contiguous row-major; [`Tensor::permuted`] makes strided
 //! views for callers that hold transposed data, and [`Tensor::to_contiguous`]
 //! packs them back. Kernels require contiguous tensors and say so when they
 //! get anything else.
+
+use std::sync::Arc;
 
 use half::{bf16, f16};
 use rand::Rng;
@@ -157,14 +163,18 @@ fn checked_numel(shape: &[usize]) -> Result<usize> {
 pub struct Tensor {
     shape: Vec<usize>,
     strides: Vec<usize>,
-    data: TensorData,
+    data: Arc<TensorData>,
 }
 
 impl Tensor {
     /// A zero-filled contiguous tensor.
     pub fn zeros(dtype: DType, shape: &[usize]) -> Result<Self> {
         let numel = checked_numel(shape)?;
-        Ok(Self { shape: shape.to_vec(), strides: contiguous_strides(shape), data: TensorData::zeros(dtype, numel)? })
+        Ok(Self {
+            shape: shape.to_vec(),
+            strides: contiguous_strides(shape),
+            data: Arc::new(TensorData::zeros(dtype, numel)?),
+        })
     }
 
     /// A contiguous tensor over `values`, which must hold exactly `shape`'s
@@ -179,7 +189,7 @@ impl Tensor {
         if numel != data.len() {
             return Err(Error::ElementCount { shape: shape.to_vec(), expected: numel, got: data.len() });
         }
-        Ok(Self { shape: shape.to_vec(), strides: contiguous_strides(shape), data })
+        Ok(Self { shape: shape.to_vec(), strides: contiguous_strides(shape), data: Arc::new(data) })
     }
 
     /// A contiguous tensor from little-endian bytes, as stored in files.
@@ -207,7 +217,7 @@ impl Tensor {
 
     /// A u32 scalar (shape `[]`), as used for `layer_idx`.
     pub fn scalar_u32(value: u32) -> Self {
-        Self { shape: Vec::new(), strides: Vec::new(), data: TensorData::U32(vec![value]) }
+        Self { shape: Vec::new(), strides: Vec::new(), data: Arc::new(TensorData::U32(vec![value])) }
     }
 
     /// A floating tensor of values drawn uniformly from `[low, high)`, rounded
@@ -220,7 +230,7 @@ impl Tensor {
                 *v = T::from_f32(rng.gen_range(low..high));
             }
         }
-        match &mut t.data {
+        match Arc::make_mut(&mut t.data) {
             TensorData::F32(v) => fill(v, rng, low, high),
             TensorData::BF16(v) => fill(v, rng, low, high),
             TensorData::F16(v) => fill(v, rng, low, high),
@@ -275,7 +285,7 @@ impl Tensor {
     /// The storage as a writable typed slice; fails if `T` is not the dtype.
     pub fn as_mut_slice<T: Storable>(&mut self) -> Result<&mut [T]> {
         let dtype = self.dtype();
-        T::slice_mut(&mut self.data).ok_or(Error::WrongDType { expected: T::DTYPE, got: dtype })
+        T::slice_mut(Arc::make_mut(&mut self.data)).ok_or(Error::WrongDType { expected: T::DTYPE, got: dtype })
     }
 
     /// The storage's raw little-endian bytes.
@@ -283,9 +293,29 @@ impl Tensor {
         self.data.as_bytes()
     }
 
-    /// The storage's raw bytes, writable (used to poison buffers in tests).
+    /// The storage's raw bytes, writable (kernels write outputs through
+    /// this). Copies the storage first if it is shared.
     pub fn as_bytes_mut(&mut self) -> &mut [u8] {
-        self.data.as_bytes_mut()
+        Arc::make_mut(&mut self.data).as_bytes_mut()
+    }
+
+    /// Whether `self` and `other` share storage (a clone, view or reshape of
+    /// one another that neither has written since).
+    pub fn shares_storage_with(&self, other: &Tensor) -> bool {
+        Arc::ptr_eq(&self.data, &other.data)
+    }
+
+    /// The same contiguous elements under another shape with as many
+    /// elements, sharing the storage (no copy).
+    pub fn reshaped(&self, shape: &[usize]) -> Result<Self> {
+        if !self.is_contiguous() {
+            return Err(Error::NotContiguous { arg: "reshape".into() });
+        }
+        let numel = checked_numel(shape)?;
+        if numel != self.numel() {
+            return Err(Error::ElementCount { shape: shape.to_vec(), expected: numel, got: self.numel() });
+        }
+        Ok(Self { shape: shape.to_vec(), strides: contiguous_strides(shape), data: self.data.clone() })
     }
 
     /// Every element widened to f32, in logical row-major order.
@@ -293,7 +323,7 @@ impl Tensor {
         fn widen<T: Element>(t: &Tensor, values: &[T]) -> Vec<f32> {
             t.logical_offsets().map(|o| values[o].to_f32()).collect()
         }
-        Ok(match &self.data {
+        Ok(match &*self.data {
             TensorData::F32(v) => widen(self, v),
             TensorData::BF16(v) => widen(self, v),
             TensorData::F16(v) => widen(self, v),
@@ -311,7 +341,7 @@ impl Tensor {
 
     /// Set every stored element to `value` rounded to the dtype (floats only).
     pub fn fill_f32(&mut self, value: f32) -> Result<()> {
-        match &mut self.data {
+        match Arc::make_mut(&mut self.data) {
             TensorData::F32(v) => v.fill(value),
             TensorData::BF16(v) => v.fill(bf16::from_f32(value)),
             TensorData::F16(v) => v.fill(f16::from_f32(value)),
@@ -322,8 +352,8 @@ impl Tensor {
         Ok(())
     }
 
-    /// The same elements seen with dims reordered by `perm` (no copy of
-    /// meaning, a copy of storage): `permuted(&[1, 0])` is a transpose.
+    /// The same elements seen with dims reordered by `perm`, sharing the
+    /// storage: `permuted(&[1, 0])` is a transpose.
     pub fn permuted(&self, perm: &[usize]) -> Result<Self> {
         let mut seen = vec![false; self.shape.len()];
         let valid = perm.len() == self.shape.len()
@@ -346,13 +376,13 @@ impl Tensor {
         fn gather<T: Storable>(t: &Tensor, values: &[T]) -> Vec<T> {
             t.logical_offsets().map(|o| values[o]).collect()
         }
-        let data = match &self.data {
+        let data = match &*self.data {
             TensorData::F32(v) => TensorData::F32(gather(self, v)),
             TensorData::BF16(v) => TensorData::BF16(gather(self, v)),
             TensorData::F16(v) => TensorData::F16(gather(self, v)),
             TensorData::U32(v) => TensorData::U32(gather(self, v)),
         };
-        Self { shape: self.shape.clone(), strides: contiguous_strides(&self.shape), data }
+        Self { shape: self.shape.clone(), strides: contiguous_strides(&self.shape), data: Arc::new(data) }
     }
 
     /// Storage offsets of the elements in logical row-major order.

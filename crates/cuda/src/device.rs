@@ -1,5 +1,5 @@
 //! [`CudaDevice`]: one GPU, the stream kvjit's kernels run on, the PTX
-//! modules loaded on it, and the buffers kept resident there.
+//! modules loaded on it, and the KV caches kept resident there.
 //!
 //! **One stream.** Every copy and launch goes to the device's stream in
 //! order, so a launch sees the copies issued before it, and a download sees
@@ -7,15 +7,9 @@
 //! host buffer may be reused (uploads) or has been filled (downloads), so
 //! host slices never outlive a pending copy.
 //!
-//! **Resident buffers.** A buffer that should live on the device across
-//! calls — a KV cache's blocks — is kept in a small table keyed by what it
-//! mirrors ([`ResidentKey`]: the host address and size of the data, plus a
-//! tag). The first call uploads the host data; later calls find it there.
-//! What keeps the two copies consistent is the caller's business (see the
-//! fused op's `cuda_kernel.rs`); the table only guarantees that a copy whose
-//! update failed half-way is dropped, so the next call starts from the host
-//! again. At most [`MAX_RESIDENT`](CudaDevice::MAX_RESIDENT) copies are kept;
-//! the least recently used one is freed first.
+//! **Resident KV caches.** The device copies of KV caches live in the device
+//! ([`CudaDevice::with_kv_cache`], see `kv_cache.rs`), so they are freed with
+//! it.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -27,6 +21,7 @@ use cudarc::driver::{
 };
 use cudarc::nvrtc::Ptx;
 
+use crate::kv_cache::KvCacheTable;
 use crate::{CudaError, Result, probe};
 
 /// PTX for one virtual architecture, generated ahead of time and embedded in
@@ -125,31 +120,6 @@ pub struct LaunchShape {
     pub block: (u32, u32, u32),
 }
 
-/// What a resident buffer mirrors: the host data's address and size, and a
-/// tag the caller picks (e.g. a hash of the layout) so unrelated uses of the
-/// same host memory never share a copy.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct ResidentKey {
-    /// Address of the host data.
-    pub host_addr: usize,
-    /// Bytes of host data.
-    pub bytes: usize,
-    /// Caller's tag.
-    pub tag: u64,
-}
-
-struct ResidentEntry {
-    key: ResidentKey,
-    buffer: DeviceBuffer,
-    last_used: u64,
-}
-
-#[derive(Default)]
-struct ResidentTable {
-    entries: Vec<ResidentEntry>,
-    clock: u64,
-}
-
 /// One GPU with its stream (see the module docs).
 pub struct CudaDevice {
     ctx: Arc<CudaContext>,
@@ -157,7 +127,7 @@ pub struct CudaDevice {
     name: String,
     compute_capability: (i32, i32),
     modules: Mutex<HashMap<(String, u32), Arc<CudaModule>>>,
-    resident: Mutex<ResidentTable>,
+    kv_caches: Mutex<KvCacheTable<DeviceBuffer>>,
 }
 
 impl fmt::Debug for CudaDevice {
@@ -177,9 +147,6 @@ fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 impl CudaDevice {
-    /// Resident buffers kept per device.
-    pub const MAX_RESIDENT: usize = 8;
-
     /// Open device `ordinal` with a new stream. Fails with
     /// [`CudaError::Unavailable`] (never a panic) when CUDA cannot be used.
     pub fn new(ordinal: usize) -> Result<Arc<Self>> {
@@ -194,7 +161,7 @@ impl CudaDevice {
             name,
             compute_capability,
             modules: Mutex::new(HashMap::new()),
-            resident: Mutex::new(ResidentTable::default()),
+            kv_caches: Mutex::new(KvCacheTable::default()),
         }))
     }
 
@@ -365,42 +332,9 @@ impl CudaDevice {
         unsafe { builder.launch(config) }.map(|_| ()).map_err(|e| CudaError::driver("cuLaunchKernel", e))
     }
 
-    /// Run `f` on the resident device copy of `host` (uploading it the first
-    /// time `key` is seen). If `f` fails, the copy is dropped: it may be
-    /// half-updated, and the next call starts again from the host data.
-    pub fn with_resident<R>(
-        &self,
-        key: ResidentKey,
-        host: &[u8],
-        f: impl FnOnce(&mut DeviceBuffer) -> Result<R>,
-    ) -> Result<R> {
-        let mut table = lock(&self.resident);
-        table.clock += 1;
-        let now = table.clock;
-        let index = match table.entries.iter().position(|e| e.key == key) {
-            Some(index) => index,
-            None => {
-                if table.entries.len() >= Self::MAX_RESIDENT {
-                    let oldest = (0..table.entries.len()).min_by_key(|&i| table.entries[i].last_used).expect("full");
-                    table.entries.swap_remove(oldest);
-                }
-                let mut buffer = self.alloc(host.len())?;
-                self.upload(host, &mut buffer)?;
-                table.entries.push(ResidentEntry { key, buffer, last_used: now });
-                table.entries.len() - 1
-            }
-        };
-        table.entries[index].last_used = now;
-        let result = f(&mut table.entries[index].buffer);
-        if result.is_err() {
-            table.entries.swap_remove(index);
-        }
-        result
-    }
-
-    /// Drop the resident copy of `key`, if any (the next use uploads again).
-    pub fn forget_resident(&self, key: ResidentKey) {
-        lock(&self.resident).entries.retain(|e| e.key != key);
+    /// The table of KV-cache copies (see `kv_cache.rs`).
+    pub(crate) fn kv_caches(&self) -> std::sync::MutexGuard<'_, KvCacheTable<DeviceBuffer>> {
+        lock(&self.kv_caches)
     }
 }
 

@@ -2,9 +2,9 @@
 //! be used here ([`availability`]), a device with its stream
 //! ([`CudaDevice`]), precompiled PTX modules ([`PtxImage`],
 //! [`CudaDevice::function`]), device buffers and host↔device copies
-//! ([`DeviceBuffer`]), kernel launches ([`CudaDevice::launch`]), and buffers
-//! that stay resident on the device across calls
-//! ([`CudaDevice::with_resident`]).
+//! ([`DeviceBuffer`]), kernel launches ([`CudaDevice::launch`]), and the
+//! device-side KV cache every op's kernels read and write, kept across calls
+//! and re-uploaded when the host wrote it ([`CudaDevice::with_kv_cache`]).
 //!
 //! Start with [`availability`] (never panics, even without a driver), then
 //! [`CudaDevice::new`].
@@ -17,11 +17,10 @@
 
 mod device;
 mod error;
+mod kv_cache;
 mod probe;
 
-pub use device::{
-    CudaDevice, DeviceBuffer, Function, KernelArg, LaunchShape, PtxImage, ResidentKey, live_device_bytes,
-};
+pub use device::{CudaDevice, DeviceBuffer, Function, KernelArg, LaunchShape, PtxImage, live_device_bytes};
 pub use error::{CudaError, Result};
 pub use probe::availability;
 

@@ -25,7 +25,10 @@ pub use error::{GraphError, Result};
 pub use file::{FORMAT_NAME, FORMAT_VERSION, graph_from_json, graph_to_json, load_graph, save_graph};
 pub use graph::{Graph, GraphOutput, Node, RandomInit, Value, ValueDef};
 pub use ids::{NodeId, ValueId};
-pub use op::{ArgKind, ArgSpec, OpDef, OpRegistry, ParamValue, Params, param_dtype, param_usize};
+pub use op::{
+    ArgKind, ArgRole, ArgSpec, OpDef, OpRegistry, ParamKind, ParamSpec, ParamValue, Params, param_bool, param_choice,
+    param_dims, param_dtype, param_f64_opt, param_usize, param_usize_opt,
+};
 pub use specialize::{SpecializedGraph, specialize};
 pub use types::{Dim, KvCacheType, TensorType, ValueType, same_dim};
 pub use validate::validate;

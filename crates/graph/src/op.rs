@@ -11,21 +11,60 @@ use std::sync::Arc;
 use kvjit_core::{DType, KernelKey, Target};
 use serde::{Deserialize, Serialize};
 
-use crate::{GraphError, Result, TensorType, ValueType};
+use crate::{Dim, GraphError, Result, TensorType, ValueType};
 
-/// A node parameter value as graph files spell it.
-#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+/// A node parameter value as graph files spell it: `true`, `16`, `0.125`,
+/// `"bf16"`, `[4, "seq", 32, 128]`.
+///
+/// Which values a parameter accepts is the op's [`ParamSpec`]; the validator
+/// checks every node's parameters against its op's specs before the op sees
+/// them.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(untagged)]
 pub enum ParamValue {
+    /// A flag.
+    Bool(bool),
     /// A non-negative integer (sizes, counts).
     Int(u64),
+    /// A number with a fraction or a sign (a softmax scale, a RoPE base).
+    Float(f64),
     /// A name (dtypes and other enumerations).
     Str(String),
+    /// A list of dims: sizes or graph symbols (a reshape's target shape).
+    Dims(Vec<Dim>),
+}
+
+impl std::fmt::Display for ParamValue {
+    /// The value as a graph file spells it.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ParamValue::Bool(b) => write!(f, "{b}"),
+            ParamValue::Int(i) => write!(f, "{i}"),
+            ParamValue::Float(x) => write!(f, "{x:?}"),
+            ParamValue::Str(s) => write!(f, "{s}"),
+            ParamValue::Dims(dims) => {
+                let dims: Vec<String> = dims.iter().map(|d| d.to_string()).collect();
+                write!(f, "[{}]", dims.join(", "))
+            }
+        }
+    }
 }
 
 impl From<usize> for ParamValue {
     fn from(v: usize) -> Self {
         ParamValue::Int(v as u64)
+    }
+}
+
+impl From<bool> for ParamValue {
+    fn from(b: bool) -> Self {
+        ParamValue::Bool(b)
+    }
+}
+
+impl From<f64> for ParamValue {
+    fn from(x: f64) -> Self {
+        ParamValue::Float(x)
     }
 }
 
@@ -41,22 +80,119 @@ impl From<DType> for ParamValue {
     }
 }
 
+impl From<Vec<Dim>> for ParamValue {
+    fn from(dims: Vec<Dim>) -> Self {
+        ParamValue::Dims(dims)
+    }
+}
+
 /// A node's parameters, by name.
 pub type Params = BTreeMap<String, ParamValue>;
+
+/// What a parameter takes, and in what range.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum ParamKind {
+    /// An integer in `min..=max`.
+    Int {
+        /// Smallest value.
+        min: u64,
+        /// Largest value.
+        max: u64,
+    },
+    /// A finite number in `min..=max` (integers are accepted as numbers).
+    Float {
+        /// Smallest value.
+        min: f64,
+        /// Largest value.
+        max: f64,
+    },
+    /// `true` or `false`.
+    Bool,
+    /// A dtype name (its op says which dtypes it serves).
+    DType,
+    /// One of these names.
+    Choice(&'static [&'static str]),
+    /// A list of dims: sizes ≥ 1 or symbol names.
+    Dims,
+}
+
+impl ParamKind {
+    /// A size or count: an integer in 1..=u32::MAX.
+    pub const SIZE: ParamKind = ParamKind::Int { min: 1, max: u32::MAX as u64 };
+
+    /// Why `value` is not of this kind, if it is not.
+    pub fn check(&self, value: &ParamValue) -> std::result::Result<(), String> {
+        let ok = match (self, value) {
+            (ParamKind::Int { min, max }, ParamValue::Int(v)) => (min..=max).contains(&v),
+            (ParamKind::Float { min, max }, ParamValue::Float(v)) => v.is_finite() && (min..=max).contains(&v),
+            (ParamKind::Float { min, max }, ParamValue::Int(v)) => (min..=max).contains(&&(*v as f64)),
+            (ParamKind::Bool, ParamValue::Bool(_)) => true,
+            (ParamKind::DType, ParamValue::Str(s)) => {
+                return s.parse::<DType>().map(|_| ()).map_err(|e| e.to_string());
+            }
+            (ParamKind::Choice(names), ParamValue::Str(s)) => names.contains(&s.as_str()),
+            (ParamKind::Dims, ParamValue::Dims(dims)) => dims.iter().all(|d| d.as_static() != Some(0)),
+            _ => false,
+        };
+        if ok { Ok(()) } else { Err(format!("must be {self}, got {value:?}")) }
+    }
+}
+
+impl std::fmt::Display for ParamKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ParamKind::Int { min, max } => write!(f, "an integer in {min}..={max}"),
+            ParamKind::Float { min, max } => write!(f, "a finite number in [{min:?}, {max:?}]"),
+            ParamKind::Bool => write!(f, "true or false"),
+            ParamKind::DType => write!(f, "a dtype name"),
+            ParamKind::Choice(names) => write!(f, "one of {}", names.join(", ")),
+            ParamKind::Dims => write!(f, "a list of dims (sizes >= 1 or symbol names)"),
+        }
+    }
+}
+
+/// One parameter an op takes.
+#[derive(Clone, Copy, Debug)]
+pub struct ParamSpec {
+    /// Its name in graph files.
+    pub name: &'static str,
+    /// What it takes.
+    pub kind: ParamKind,
+    /// Whether a node must give it (optional ones have a documented default).
+    pub required: bool,
+}
+
+impl ParamSpec {
+    /// A required parameter.
+    pub const fn required(name: &'static str, kind: ParamKind) -> Self {
+        Self { name, kind, required: true }
+    }
+
+    /// An optional parameter.
+    pub const fn optional(name: &'static str, kind: ParamKind) -> Self {
+        Self { name, kind, required: false }
+    }
+}
 
 fn param<'p>(params: &'p Params, name: &str) -> Result<&'p ParamValue> {
     params.get(name).ok_or_else(|| GraphError::Param { param: name.to_string(), problem: "is missing".into() })
 }
 
-/// A required positive-integer parameter.
+fn wrong(name: &str, kind: ParamKind, value: &ParamValue) -> GraphError {
+    GraphError::Param { param: name.to_string(), problem: format!("must be {kind}, got {value:?}") }
+}
+
+/// A required size parameter (an integer in 1..=u32::MAX).
 pub fn param_usize(params: &Params, name: &str) -> Result<usize> {
     match param(params, name)? {
         ParamValue::Int(v) if *v > 0 && *v <= u32::MAX as u64 => Ok(*v as usize),
-        other => Err(GraphError::Param {
-            param: name.to_string(),
-            problem: format!("must be an integer in 1..=4294967295, got {other:?}"),
-        }),
+        other => Err(wrong(name, ParamKind::SIZE, other)),
     }
+}
+
+/// An optional size parameter.
+pub fn param_usize_opt(params: &Params, name: &str) -> Result<Option<usize>> {
+    params.contains_key(name).then(|| param_usize(params, name)).transpose()
 }
 
 /// A required dtype parameter.
@@ -65,9 +201,42 @@ pub fn param_dtype(params: &Params, name: &str) -> Result<DType> {
         ParamValue::Str(s) => s
             .parse()
             .map_err(|e: kvjit_core::Error| GraphError::Param { param: name.to_string(), problem: e.to_string() }),
-        other => {
-            Err(GraphError::Param { param: name.to_string(), problem: format!("must be a dtype name, got {other:?}") })
-        }
+        other => Err(wrong(name, ParamKind::DType, other)),
+    }
+}
+
+/// An optional flag, `default` when absent.
+pub fn param_bool(params: &Params, name: &str, default: bool) -> Result<bool> {
+    match params.get(name) {
+        None => Ok(default),
+        Some(ParamValue::Bool(b)) => Ok(*b),
+        Some(other) => Err(wrong(name, ParamKind::Bool, other)),
+    }
+}
+
+/// An optional finite number, `None` when absent.
+pub fn param_f64_opt(params: &Params, name: &str) -> Result<Option<f64>> {
+    match params.get(name) {
+        None => Ok(None),
+        Some(ParamValue::Float(x)) if x.is_finite() => Ok(Some(*x)),
+        Some(ParamValue::Int(i)) => Ok(Some(*i as f64)),
+        Some(other) => Err(wrong(name, ParamKind::Float { min: f64::MIN, max: f64::MAX }, other)),
+    }
+}
+
+/// A required name out of `choices`.
+pub fn param_choice<'p>(params: &'p Params, name: &str, choices: &'static [&'static str]) -> Result<&'p str> {
+    match param(params, name)? {
+        ParamValue::Str(s) if choices.contains(&s.as_str()) => Ok(s),
+        other => Err(wrong(name, ParamKind::Choice(choices), other)),
+    }
+}
+
+/// A required list of dims.
+pub fn param_dims<'p>(params: &'p Params, name: &str) -> Result<&'p [Dim]> {
+    match param(params, name)? {
+        ParamValue::Dims(dims) => Ok(dims),
+        other => Err(wrong(name, ParamKind::Dims, other)),
     }
 }
 
@@ -80,6 +249,21 @@ pub enum ArgKind {
     KvCache,
 }
 
+/// What an input means beyond its type — what a generator of example
+/// inputs needs to know to make *valid* values for it (see `kvjit::demo`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ArgRole {
+    /// Any values of its type (activations, weights).
+    Data,
+    /// A u32 scalar naming a layer of the node's KV cache (`< L`).
+    LayerIndex,
+    /// u32 `[B]`: the valid tokens of each padded sequence (`≤ S`); the
+    /// node's cache advances by them after a step.
+    ValidLengths,
+    /// The paged KV cache.
+    Cache,
+}
+
 /// One input of an op's signature.
 #[derive(Clone, Copy, Debug)]
 pub struct ArgSpec {
@@ -87,6 +271,30 @@ pub struct ArgSpec {
     pub name: &'static str,
     /// What kind of value it takes.
     pub kind: ArgKind,
+    /// What its values mean.
+    pub role: ArgRole,
+}
+
+impl ArgSpec {
+    /// A tensor of any values.
+    pub const fn tensor(name: &'static str) -> Self {
+        Self { name, kind: ArgKind::Tensor, role: ArgRole::Data }
+    }
+
+    /// The paged KV cache.
+    pub const fn cache(name: &'static str) -> Self {
+        Self { name, kind: ArgKind::KvCache, role: ArgRole::Cache }
+    }
+
+    /// A u32 scalar layer index into the node's cache.
+    pub const fn layer_index(name: &'static str) -> Self {
+        Self { name, kind: ArgKind::Tensor, role: ArgRole::LayerIndex }
+    }
+
+    /// The u32 `[B]` valid lengths of a padded batch.
+    pub const fn valid_lengths(name: &'static str) -> Self {
+        Self { name, kind: ArgKind::Tensor, role: ArgRole::ValidLengths }
+    }
 }
 
 /// The IR-level definition of an op: one per op, registered in an
@@ -98,17 +306,38 @@ pub trait OpDef: Send + Sync {
     fn aliases(&self) -> &'static [&'static str] {
         &[]
     }
-    /// Names of the parameters the op takes (all required).
-    fn param_names(&self) -> &'static [&'static str];
+    /// The parameters the op takes, with their kinds and ranges; the
+    /// validator refuses unknown names, missing required ones and values
+    /// out of kind or range before [`infer`](Self::infer) runs.
+    fn params(&self) -> &'static [ParamSpec];
     /// Input signature, in order.
     fn inputs(&self) -> &'static [ArgSpec];
     /// Output names, in order.
     fn outputs(&self) -> &'static [&'static str];
     /// Check the parameters and input types and infer the output types.
     fn infer(&self, params: &Params, inputs: &[&ValueType]) -> Result<Vec<TensorType>>;
-    /// The kernel key for these (already inferred) inputs on `target`; refuses
-    /// combinations no kernel serves.
+    /// The kernel key for these (already inferred) inputs on `target`.
     fn kernel_key(&self, params: &Params, inputs: &[&ValueType], target: Target) -> Result<KernelKey>;
+    /// Whether a kernel exists for `key` on its target: `Err(reason)` when
+    /// none does (no CUDA variant for it, sizes past what the generated code
+    /// can address, ...). [`specialize`](crate::specialize) refuses such keys
+    /// as [`GraphError::Unsupported`], so no key that cannot be built is ever
+    /// shown or compiled. Default: every key is served.
+    fn supports(&self, key: &KernelKey) -> std::result::Result<(), String> {
+        let _ = key;
+        Ok(())
+    }
+    /// Inputs whose constant data this op's fast CPU kernel keeps a packed
+    /// copy of (counted by memory estimates). Default: none.
+    fn packed_constant_inputs(&self) -> &'static [usize] {
+        &[]
+    }
+    /// Whether the op runs no kernel: its output is a view of its first
+    /// input's buffer, with the inferred type (a reshape). The executor hands
+    /// the consumer that view; no kernel is built.
+    fn is_view(&self) -> bool {
+        false
+    }
 }
 
 /// Every op a graph may use, found by name or alias.

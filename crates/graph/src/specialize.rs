@@ -73,7 +73,12 @@ pub fn specialize(
         .map(|node| {
             let op = registry.get(&node.op)?;
             let inputs: Vec<_> = node.inputs.iter().map(|&v| &bound.value(v).ty).collect();
-            op.kernel_key(&node.params, &inputs, target).map_err(|e| e.in_node(node.id, &node.op))
+            let key = op.kernel_key(&node.params, &inputs, target).map_err(|e| e.in_node(node.id, &node.op))?;
+            op.supports(&key).map_err(|reason| {
+                GraphError::Unsupported(format!("no {target} kernel for op {} with key {key}: {reason}", op.name()))
+                    .in_node(node.id, &node.op)
+            })?;
+            Ok(key)
         })
         .collect::<Result<Vec<_>>>()?;
     Ok(SpecializedGraph { graph: bound, target, kernel_keys })

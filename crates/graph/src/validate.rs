@@ -15,13 +15,19 @@ pub(crate) fn check_op(
     inputs: &[&ValueType],
 ) -> Result<(Arc<dyn OpDef>, Vec<TensorType>)> {
     let op = registry.get(op_name)?.clone();
-    for name in params.keys() {
-        if !op.param_names().contains(&name.as_str()) {
+    let specs = op.params();
+    for (name, value) in params {
+        let Some(spec) = specs.iter().find(|s| s.name == name) else {
+            let names: Vec<&str> = specs.iter().map(|s| s.name).collect();
             return Err(GraphError::Param {
                 param: name.clone(),
-                problem: format!("is not a parameter of this op (it takes {})", op.param_names().join(", ")),
+                problem: format!("is not a parameter of this op (it takes {})", names.join(", ")),
             });
-        }
+        };
+        spec.kind.check(value).map_err(|problem| GraphError::Param { param: name.clone(), problem })?;
+    }
+    if let Some(missing) = specs.iter().find(|s| s.required && !params.contains_key(s.name)) {
+        return Err(GraphError::Param { param: missing.name.into(), problem: "is missing".into() });
     }
     if inputs.len() != op.inputs().len() {
         return Err(GraphError::ArgCount {

@@ -63,6 +63,9 @@ pub struct JitFunction {
     compile_time: Duration,
     clif: Option<String>,
     disasm: Option<String>,
+    /// Compiled by [`compile_kernel`](crate::compile_kernel) with the kernel
+    /// ABI, so [`launch`](crate::launch) may call it.
+    pub(crate) kernel_abi: bool,
 }
 
 // SAFETY: `entry` points to immutable, finalized machine code that lives as
@@ -167,6 +170,7 @@ pub fn compile_function(
         compile_time: started.elapsed(),
         clif,
         disasm,
+        kernel_abi: false,
     })
 }
 

@@ -7,9 +7,15 @@
 //!   the machine code and frees it when dropped.
 //! - [`ir`]: IR-building helpers — counted loops and dtype-converting vector
 //!   loads and stores (bf16/f16 ↔ f32 by integer bit manipulation).
-//! - [`KernelCache`]: compile once per [`KernelKey`](kvjit_core::KernelKey),
-//!   share across nodes, graphs and threads, free when the last user drops,
-//!   and log every compile with its cause.
+//! - [`compile_kernel`] / [`launch`]: the one ABI every CPU kernel has
+//!   (`fn(args: *const u64, begin, end)`) and the one typed, documented
+//!   `unsafe` entry that splits a kernel's work items over the worker pool
+//!   of a `DeviceContextPtr`.
+//! - [`kernels`]: the process-wide [`KernelCache`] — compile once per
+//!   [`KernelKey`](kvjit_core::KernelKey), share across nodes, graphs and
+//!   threads, free when the last user drops, and log every compile with its
+//!   cause ([`compile_log`]); [`SeenShapes`], the policy that specializes a
+//!   generic kernel for the shapes it runs with.
 //!
 //! Cranelift runs at `opt_level=none`: it keeps the IR order the emitters
 //! choose (the egraph at `speed` hoists every load of an unrolled body and
@@ -18,11 +24,13 @@
 mod cache;
 mod function;
 pub mod ir;
+mod kernel;
 
 pub use cache::{CompileCause, CompileRecord, CompiledArtifact, KernelCache};
 pub use cranelift_codegen;
 pub use cranelift_frontend;
 pub use function::{CaptureText, JitFunction, compile_function, host_isa, live_code_bytes, pointer_type};
+pub use kernel::{KernelParams, MAX_SEEN_SHAPES, SeenShapes, compile_kernel, compile_log, kernels, launch};
 
 /// What can go wrong turning IR into machine code.
 #[derive(Debug, thiserror::Error)]

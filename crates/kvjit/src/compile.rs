@@ -31,8 +31,8 @@ impl Default for CompileOptions {
 }
 
 /// The bytes a compiled graph's buffers take, as far as build time knows:
-/// constants (doubled for JIT kernels, which keep a packed copy of their
-/// weights), node outputs and the KV caches it declares. Dims left symbolic
+/// constants (and the packed copies JIT kernels keep of them), node outputs
+/// (but not views) and the KV caches it declares. Dims left symbolic
 /// count as unknown and are named in `unknown`.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct MemoryEstimate {
@@ -52,20 +52,35 @@ impl MemoryEstimate {
         self.constants.saturating_add(self.outputs).saturating_add(self.caches)
     }
 
-    /// Estimate for a (specialized) graph built with `build`.
-    pub fn of(graph: &Graph, build: &BuildOptions) -> Self {
-        let packed_copies = if build.implementation == kvjit_runtime::KernelImpl::Fast { 2 } else { 1 };
+    /// Estimate for a (specialized) graph built for `target` with `build`:
+    /// constants once, plus once more for each node whose fast CPU kernel
+    /// keeps a packed copy of it ([`OpDef::packed_constant_inputs`]); outputs
+    /// of view ops (a reshape) share their input's storage and count nothing.
+    pub fn of(graph: &Graph, registry: &Registry, target: Target, build: &BuildOptions) -> Self {
+        let packs = target == Target::Cpu && build.implementation == kvjit_runtime::KernelImpl::Fast;
         let bytes = |dims: &[Dim], elem: usize| -> Option<u64> {
             dims.iter().try_fold(elem as u64, |acc, d| d.as_static().and_then(|v| acc.checked_mul(v as u64)))
         };
+        let op_of = |node: kvjit_graph::NodeId| registry.ops().get(&graph.nodes()[node.index()].op).ok();
+        let mut packed_copies: HashMap<ValueId, u64> = HashMap::new();
+        for node in graph.nodes().iter().filter(|_| packs) {
+            let Ok(op) = registry.ops().get(&node.op) else { continue };
+            for &input in op.packed_constant_inputs() {
+                if let Some(&value) = node.inputs.get(input) {
+                    *packed_copies.entry(value).or_default() += 1;
+                }
+            }
+        }
         let mut estimate = MemoryEstimate::default();
         for (id, value) in graph.values().iter().enumerate() {
             let name = value.name.clone().unwrap_or_else(|| format!("v{id}"));
             match (&value.def, &value.ty) {
                 (ValueDef::Constant { data, .. }, _) => {
                     let size = (data.numel() * data.dtype().size_bytes()) as u64;
-                    estimate.constants = estimate.constants.saturating_add(size.saturating_mul(packed_copies));
+                    let copies = 1 + packed_copies.get(&ValueId(id as u32)).copied().unwrap_or(0);
+                    estimate.constants = estimate.constants.saturating_add(size.saturating_mul(copies));
                 }
+                (ValueDef::NodeOutput { node, .. }, _) if op_of(*node).is_some_and(|op| op.is_view()) => {}
                 (ValueDef::NodeOutput { .. }, kvjit_graph::ValueType::Tensor(t)) => {
                     match bytes(&t.shape, t.dtype.size_bytes()) {
                         Some(b) => estimate.outputs = estimate.outputs.saturating_add(b),
@@ -114,7 +129,7 @@ pub fn compile(graph: &Graph, registry: &Registry, options: &CompileOptions) -> 
     let specialized = specialize(graph, registry.ops(), options.target, &options.bindings)?;
     let graph = specialized.graph();
     if let Some(budget) = options.memory_budget {
-        let estimate = MemoryEstimate::of(graph, &options.build);
+        let estimate = MemoryEstimate::of(graph, registry, options.target, &options.build);
         if estimate.total() > budget {
             return Err(Error::MemoryBudget { needed: estimate.total(), budget, estimate });
         }

@@ -3,15 +3,19 @@
 //! [`LayerConfig::llama3_8b`] is one Llama-3-8B attention layer's QKV
 //! projection (hidden 4096, 32 query heads, 8 KV heads of 128, page size 16);
 //! [`LayerConfig::small`] is a two-layer toy that runs in microseconds.
-//! [`Scenario`] makes seeded inputs and a KV cache for any graph of fused-QKV
-//! nodes: sequences with different cache and valid lengths, pages handed out
+//! [`Scenario`] makes seeded, valid inputs and KV caches for any graph of
+//! registered ops — the ops' signatures ([`ArgRole`]) say which inputs are
+//! layer indices and valid lengths, so a new op gets scenarios for free:
+//! sequences with different cache and valid lengths, pages handed out
 //! in a shuffled order (scattered page tables, as a long-running server has),
 //! a cache pre-filled with random history, and decode steps that grow it.
 
 use std::collections::{BTreeMap, BTreeSet};
 
 use kvjit_core::{DType, PagedKVCacheCollection, Tensor};
-use kvjit_graph::{Dim, Graph, GraphBuilder, KvCacheType, OpRegistry, ParamValue, Params, RandomInit, ValueDef};
+use kvjit_graph::{
+    ArgRole, Dim, Graph, GraphBuilder, KvCacheType, OpRegistry, ParamValue, Params, RandomInit, ValueDef, ValueId,
+};
 use kvjit_op_fused_qkv::OP_NAME;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
@@ -144,42 +148,51 @@ pub fn layer_graph(config: &LayerConfig, ops: &OpRegistry) -> Result<Graph> {
     Ok(b.finish()?)
 }
 
-/// What each graph input and cache is to the fused-QKV nodes that use it.
+/// What each graph input and cache is to the nodes that use it, read from
+/// the ops' signatures ([`ArgRole`]), so any registered op gets valid example
+/// inputs.
 #[derive(Clone, Debug, Default)]
 struct Roles {
+    /// Padded activations `[B, S, …]`: the first data input of each node
+    /// that takes valid lengths.
     hidden: BTreeSet<String>,
     valid_lengths: BTreeSet<String>,
-    /// layer_idx input → the layer it selects (node order modulo L).
+    /// layer_idx input → the layer it selects (order of first use modulo L).
     layer_idx: BTreeMap<String, u32>,
     /// cache → the valid_lengths input of the first node writing it.
     cache_lengths_from: BTreeMap<String, String>,
 }
 
 impl Roles {
-    fn of(graph: &Graph) -> Result<Self> {
+    fn of(graph: &Graph, ops: &OpRegistry) -> Result<Self> {
         let mut roles = Roles::default();
-        let name = |v: kvjit_graph::ValueId| graph.value(v).name.clone();
-        for node in graph.nodes().iter().filter(|n| n.op == OP_NAME) {
-            let [hidden, _, cache, layer, valid] = node.inputs[..] else {
-                continue;
+        let input_name = |v: ValueId| match graph.value(v).def {
+            ValueDef::Input => graph.value(v).name.clone(),
+            _ => None,
+        };
+        for node in graph.nodes() {
+            let op = ops.get(&node.op)?;
+            let with_role = |role: ArgRole| {
+                op.inputs().iter().zip(&node.inputs).filter(move |(spec, _)| spec.role == role).map(|(_, &v)| v)
             };
-            let (Some(hidden), Some(cache), Some(layer), Some(valid)) =
-                (name(hidden), name(cache), name(layer), name(valid))
-            else {
-                continue;
-            };
-            let num_layers = graph.value(node.inputs[2]).ty.as_kv_cache().map_or(1, |c| c.num_layers);
-            if matches!(graph.value(node.inputs[3]).def, ValueDef::Input) {
+            let cache = with_role(ArgRole::Cache).next();
+            let num_layers = cache.and_then(|c| graph.value(c).ty.as_kv_cache()).map_or(1, |c| c.num_layers);
+            for layer in with_role(ArgRole::LayerIndex).filter_map(input_name) {
                 let next = roles.layer_idx.len() as u32;
                 roles.layer_idx.entry(layer).or_insert(next % num_layers as u32);
             }
-            roles.hidden.insert(hidden);
-            roles.cache_lengths_from.entry(cache).or_insert_with(|| valid.clone());
+            let Some(valid) = with_role(ArgRole::ValidLengths).find_map(input_name) else { continue };
+            if let Some(hidden) = with_role(ArgRole::Data).next().and_then(input_name) {
+                roles.hidden.insert(hidden);
+            }
+            if let Some(cache) = cache.and_then(|c| graph.value(c).name.clone()) {
+                roles.cache_lengths_from.entry(cache).or_insert_with(|| valid.clone());
+            }
             roles.valid_lengths.insert(valid);
         }
         if roles.hidden.is_empty() {
             return Err(Error::Usage(format!(
-                "graph '{}' has no {OP_NAME} node whose inputs are graph inputs; give its inputs with --inputs",
+                "graph '{}' has no node taking valid lengths whose inputs are graph inputs; give its inputs with --inputs",
                 graph.name()
             )));
         }
@@ -187,8 +200,9 @@ impl Roles {
     }
 }
 
-/// Seeded inputs and caches for a graph of fused-QKV nodes, stepped through a
-/// prefill and any number of decode steps.
+/// Seeded, valid inputs and caches for any graph of registered ops (the
+/// ops' signatures say which inputs are layer indices and valid lengths),
+/// stepped through a prefill and any number of decode steps.
 pub struct Scenario {
     /// Graph inputs by name, for the current step.
     pub inputs: BTreeMap<String, Tensor>,
@@ -225,7 +239,7 @@ impl Scenario {
                 "the example scenario needs batch and seq of at least 1, got {batch} and {seq}"
             )));
         }
-        let roles = Roles::of(graph)?;
+        let roles = Roles::of(graph, crate::standard_registry().ops())?;
         let mut rng = StdRng::seed_from_u64(seed);
         let bindings: BTreeMap<String, usize> = [("batch".to_string(), batch), ("seq".to_string(), seq)].into();
         let mut caches = BTreeMap::new();
@@ -273,7 +287,7 @@ impl Scenario {
             })?;
             caches.insert(name, cache);
         }
-        let roles = Roles::of(graph).unwrap_or_default();
+        let roles = Roles::of(graph, crate::standard_registry().ops()).unwrap_or_default();
         Ok(Self { inputs: tensors, caches, graph: graph.clone(), roles, rng: StdRng::seed_from_u64(seed) })
     }
 

@@ -45,6 +45,33 @@ pub use kvjit_graph::{
     TensorType, ValueDef, ValueId, graph_from_json, graph_to_json, load_graph, save_graph, specialize,
 };
 pub use kvjit_op_fused_qkv as fused_qkv;
+pub use kvjit_op_reshape as reshape;
+
+/// Typed builder functions, one per op, on top of
+/// [`GraphBuilder::node`](GraphBuilder::node) (which graph files use): a
+/// graph reads like the model.
+///
+/// ```no_run
+/// use kvjit::ops::{FusedQkvParams, fused_qkv_matmul, reshape};
+/// use kvjit::{DType, Dim, GraphBuilder, KvCacheType, standard_registry};
+///
+/// let registry = standard_registry();
+/// let mut b = GraphBuilder::new("step", registry.ops());
+/// let (batch, seq) = (Dim::from("batch"), Dim::from("seq"));
+/// let x = b.input("hidden_state", DType::BF16, &[batch.clone(), seq.clone(), 4096.into()]).unwrap();
+/// # let (w, kv, layer, valid) = (x, x, x, x);
+/// let q = fused_qkv_matmul(
+///     &mut b,
+///     [x, w, kv, layer, valid],
+///     FusedQkvParams { dtype: DType::BF16, num_kv_heads: 8, head_size: 128, page_size: 16 },
+/// )
+/// .unwrap();
+/// let q_heads = reshape(&mut b, q, &[batch, seq, 32.into(), 128.into()]).unwrap();
+/// ```
+pub mod ops {
+    pub use kvjit_op_fused_qkv::{FusedQkvParams, fused_qkv_matmul};
+    pub use kvjit_op_reshape::reshape;
+}
 pub use kvjit_runtime::{
     BuildOptions, CodeInfo, DeviceContextPtr, Executable, Executor, KernelImpl, RunOutput, RuntimeError,
     cuda_availability,

@@ -20,9 +20,27 @@ pub enum RuntimeError {
     /// The worker pool could not be started.
     #[error("cannot start the CPU worker pool: {0}")]
     ThreadPool(String),
-    /// An executable whose parts do not fit together (a compiler bug).
+    /// An executable whose parts do not fit together (a compiler bug, and
+    /// only that).
     #[error("malformed executable: {0}")]
     Plan(String),
+    /// A kernel's code could not be generated (e.g. the JIT refused it).
+    #[error("cannot compile the kernel {key}: {source}")]
+    Compile {
+        /// The kernel key.
+        key: String,
+        /// The backend's typed error.
+        source: Box<dyn std::error::Error + Send + Sync + 'static>,
+    },
+    /// A kernel implementation that does not exist for this key (e.g. the
+    /// CPU-only reference asked for a CUDA key).
+    #[error("{key}: {reason}")]
+    NoImplementation {
+        /// The kernel key.
+        key: String,
+        /// Why.
+        reason: String,
+    },
     /// A graph input the caller did not supply.
     #[error("missing input '{name}' ({expected})")]
     MissingInput {
@@ -31,6 +49,9 @@ pub enum RuntimeError {
         /// Its expected type.
         expected: String,
     },
+    /// A KV cache named twice in one run.
+    #[error("KV cache '{0}' is given twice")]
+    DuplicateCache(String),
     /// A KV cache the caller did not supply.
     #[error("missing KV cache '{0}'")]
     MissingCache(String),

@@ -89,7 +89,30 @@ impl Executor {
         inputs: &BTreeMap<String, Tensor>,
         caches: &mut BTreeMap<String, PagedKVCacheCollection>,
     ) -> Result<RunOutput> {
-        let input_refs = self.bind_inputs(exe, inputs, caches)?;
+        let mut named: Vec<(&str, &mut PagedKVCacheCollection)> =
+            caches.iter_mut().map(|(name, cache)| (name.as_str(), cache)).collect();
+        self.run_with_caches(exe, inputs, &mut named)
+    }
+
+    /// [`run`](Self::run) with the caches named in place, so a caller keeps
+    /// its caches where they live (fields of its own types, a `Vec`, …)
+    /// across steps instead of moving them into a map and back:
+    /// `executor.run_with_caches(&exe, &inputs, &mut [("kv_cache", &mut cache)])`.
+    pub fn run_with_caches(
+        &self,
+        exe: &Executable,
+        inputs: &BTreeMap<String, Tensor>,
+        caches: &mut [(&str, &mut PagedKVCacheCollection)],
+    ) -> Result<RunOutput> {
+        for (i, (name, _)) in caches.iter().enumerate() {
+            if caches[..i].iter().any(|(other, _)| other == name) {
+                return Err(RuntimeError::DuplicateCache(name.to_string()));
+            }
+        }
+        let input_refs = {
+            let by_name: Vec<(&str, &PagedKVCacheCollection)> = caches.iter().map(|(n, c)| (*n, &**c)).collect();
+            self.bind_inputs(exe, inputs, &by_name)?
+        };
         let mut cache_refs = Self::cache_order(exe, caches)?;
 
         // Plan: every kernel checks its arguments and sizes its outputs, in
@@ -97,6 +120,7 @@ impl Executor {
         // here and passed to later checks (their shapes are final; their
         // values are written by the run).
         let mut produced: Vec<Vec<Tensor>> = Vec::with_capacity(exe.steps().len());
+        let mut view_shapes: Vec<Option<Vec<usize>>> = Vec::with_capacity(exe.steps().len());
         for step in exe.steps() {
             let kernel_error =
                 |source| RuntimeError::Kernel { step: step.label.clone(), key: step.kernel.key().to_string(), source };
@@ -105,11 +129,22 @@ impl Executor {
             let step_caches: Vec<&PagedKVCacheCollection> =
                 step.caches.iter().map(|&c| &**cache_refs[c].as_ref().expect("every cache is present")).collect();
             let specs = step.kernel.check(&args, &step_caches).map_err(kernel_error)?;
-            let outputs = specs
-                .iter()
-                .map(|(dtype, shape)| Tensor::zeros(*dtype, shape))
-                .collect::<kvjit_core::Result<Vec<_>>>()
-                .map_err(kernel_error)?;
+            let outputs = if step.kernel.is_view() {
+                // The view is made after its producer ran; until then a
+                // placeholder of the right shape stands in (no storage).
+                let [(dtype, shape)] = specs.as_slice() else {
+                    return Err(RuntimeError::Plan(format!("view step {} has {} outputs", step.label, specs.len())));
+                };
+                view_shapes.push(Some(shape.clone()));
+                vec![Tensor::zeros(*dtype, &[0]).map_err(kernel_error)?]
+            } else {
+                view_shapes.push(None);
+                specs
+                    .iter()
+                    .map(|(dtype, shape)| Tensor::zeros(*dtype, shape))
+                    .collect::<kvjit_core::Result<Vec<_>>>()
+                    .map_err(kernel_error)?
+            };
             produced.push(outputs);
         }
 
@@ -118,6 +153,22 @@ impl Executor {
             let (earlier, rest) = produced.split_at_mut(index);
             let outputs = &mut rest[0];
             let args: Vec<&Tensor> = step.inputs.iter().map(|s| Self::resolve(exe, &input_refs, earlier, *s)).collect();
+            if let Some(shape) = &view_shapes[index] {
+                // A view: the consumer gets the producer's storage under the
+                // new shape; nothing is computed or copied.
+                let start = Instant::now();
+                outputs[0] = args[0].reshaped(shape).map_err(|source| RuntimeError::Kernel {
+                    step: step.label.clone(),
+                    key: step.kernel.key().to_string(),
+                    source,
+                })?;
+                timings.push(StepTiming {
+                    label: step.label.clone(),
+                    key: step.kernel.key().to_string(),
+                    elapsed: start.elapsed(),
+                });
+                continue;
+            }
             let mut step_caches: Vec<&mut PagedKVCacheCollection> = Vec::with_capacity(step.caches.len());
             // Each step names distinct caches, so the borrows are disjoint;
             // take them out of the table and put them back after the call.
@@ -161,7 +212,7 @@ impl Executor {
         &self,
         exe: &Executable,
         inputs: &'a BTreeMap<String, Tensor>,
-        caches: &BTreeMap<String, PagedKVCacheCollection>,
+        caches: &[(&str, &PagedKVCacheCollection)],
     ) -> Result<Vec<&'a Tensor>> {
         let known = || {
             exe.inputs()
@@ -171,9 +222,10 @@ impl Executor {
                 .collect::<Vec<_>>()
         };
         let stray_input = inputs.keys().find(|name| !exe.inputs().iter().any(|i| &i.name == *name));
-        let stray_cache = caches.keys().find(|name| !exe.caches().iter().any(|c| &c.name == *name));
-        if let Some(name) = stray_input.or(stray_cache) {
-            return Err(RuntimeError::UnexpectedInput { name: name.clone(), known: known().join(", ") });
+        let stray_cache =
+            caches.iter().map(|(name, _)| *name).find(|name| !exe.caches().iter().any(|c| c.name == *name));
+        if let Some(name) = stray_input.map(String::as_str).or(stray_cache) {
+            return Err(RuntimeError::UnexpectedInput { name: name.to_string(), known: known().join(", ") });
         }
         let mut bindings = Bindings::default();
         let mut refs = Vec::with_capacity(exe.inputs().len());
@@ -205,7 +257,11 @@ impl Executor {
             refs.push(tensor);
         }
         for spec in exe.caches() {
-            let cache = caches.get(&spec.name).ok_or_else(|| RuntimeError::MissingCache(spec.name.clone()))?;
+            let cache = caches
+                .iter()
+                .find(|(name, _)| *name == spec.name)
+                .map(|(_, cache)| *cache)
+                .ok_or_else(|| RuntimeError::MissingCache(spec.name.clone()))?;
             if cache.params() != &spec.params {
                 return Err(RuntimeError::CacheMismatch {
                     name: spec.name.clone(),
@@ -230,10 +286,10 @@ impl Executor {
 
     fn cache_order<'c>(
         exe: &Executable,
-        caches: &'c mut BTreeMap<String, PagedKVCacheCollection>,
+        caches: &'c mut [(&str, &mut PagedKVCacheCollection)],
     ) -> Result<Vec<Option<&'c mut PagedKVCacheCollection>>> {
         let mut by_name: HashMap<&str, &'c mut PagedKVCacheCollection> =
-            caches.iter_mut().map(|(k, v)| (k.as_str(), v)).collect();
+            caches.iter_mut().map(|(name, cache)| (*name, &mut **cache)).collect();
         exe.caches()
             .iter()
             .map(|spec| {

@@ -67,6 +67,14 @@ pub trait Kernel: Send + Sync {
     /// writing nothing.
     fn check(&self, inputs: &[&Tensor], caches: &[&PagedKVCacheCollection]) -> kvjit_core::Result<Vec<OutputSpec>>;
 
+    /// Whether this "kernel" computes nothing: its one output is its first
+    /// tensor input seen with the shape [`check`](Self::check) gives (a
+    /// reshape). The executor then hands consumers a view sharing the
+    /// producer's storage — no copy, and [`run`](Self::run) is not called.
+    fn is_view(&self) -> bool {
+        false
+    }
+
     /// Run the kernel: read `inputs`, write `outputs` (allocated to the shapes
     /// `check` gave) and the caches.
     fn run(

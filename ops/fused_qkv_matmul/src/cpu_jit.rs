@@ -26,15 +26,14 @@
 //! The micro-kernel ([`emit_tile`]) is one swappable piece: a wider tier
 //! replaces it without touching packing, scheduling or the epilogue.
 
-use std::collections::HashMap;
-use std::sync::{Arc, LazyLock, Mutex};
+use std::sync::Arc;
 
 use half::slice::HalfFloatSliceExt;
 use kvjit_core::{DType, Error, KernelKey, PagedKVCacheCollection, Result, Tensor, TensorData, bf16, f16};
 use kvjit_jit::cranelift_codegen::ir::{InstBuilder, Value, condcodes::IntCC, types};
 use kvjit_jit::cranelift_frontend::FunctionBuilder;
 use kvjit_jit::ir::{counted_loop, load_f32x4_raw, load_splat_f32x4, mem, store_f32x4, store_lane};
-use kvjit_jit::{CaptureText, CompileCause, CompileRecord, JitError, JitFunction, KernelCache, compile_function};
+use kvjit_jit::{CaptureText, CompileCause, JitError, JitFunction, SeenShapes, compile_kernel};
 use kvjit_runtime::{CodeInfo, DeviceContextPtr, Kernel, OutputSpec};
 
 use crate::call::cache_row_offsets;
@@ -47,20 +46,16 @@ pub const NR: usize = 8;
 pub const MR: usize = 4;
 /// Rows per block: the X block that stays in cache while panels stream by.
 pub const MC: usize = 64;
-/// Shapes a generic kernel specializes for, at most, under the seen-shapes
-/// policy (beyond that it runs its generic code).
-pub const MAX_SEEN_SHAPES: usize = 16;
 /// k values per iteration of the micro-kernel loop (amortizes the loop's
 /// overhead and the accumulator moves on its back edge).
 pub const K_UNROLL: usize = 4;
 
-/// Every compiled fused-QKV CPU kernel in the process, by key.
-static KERNELS: LazyLock<KernelCache<JitFunction>> = LazyLock::new(KernelCache::new);
-
-/// The compile log of the CPU JIT: every kernel compiled so far and why.
-pub fn compile_log() -> Vec<CompileRecord> {
-    KERNELS.log()
-}
+/// Shapes a generic kernel specializes for, at most (the shared policy's
+/// limit, [`kvjit_jit::MAX_SEEN_SHAPES`]).
+pub use kvjit_jit::MAX_SEEN_SHAPES;
+/// The compile log of the CPU JIT (every op's kernels: the registry is
+/// shared), re-exported where this op's users look for it.
+pub use kvjit_jit::compile_log;
 
 /// Where a segment's columns go.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -148,7 +143,7 @@ impl PanelLayout {
 /// Refuse specs whose offsets the generated code could not form: byte
 /// offsets of the cache and of rows must fit in i64, and the constant
 /// displacements inside a tile (up to MR rows of K f32) in i32.
-fn addressable(spec: &FusedQkvSpec) -> Result<(), JitError> {
+pub(crate) fn addressable(spec: &FusedQkvSpec) -> Result<(), JitError> {
     let fits = || -> Option<()> {
         let kv_stride = spec.num_layers.checked_mul(spec.page_size)?.checked_mul(spec.kv_dim())?;
         let blocks_bytes = kv_stride.checked_mul(2)?.checked_mul(spec.cache_dtype.size_bytes())?;
@@ -168,58 +163,97 @@ fn addressable(spec: &FusedQkvSpec) -> Result<(), JitError> {
     })
 }
 
-/// Kernel parameters, in order: x (f32 rows), packed weight, output, cache
-/// blocks, row offsets, M, first panel, end panel.
-const PARAMS: usize = 8;
+/// The kernel's argument words ([`kvjit_jit::KernelParams::arg`]), in
+/// order; the work items of a launch are weight panels.
+mod arg {
+    /// Activations as f32 rows, `[M, K]`.
+    pub const X: usize = 0;
+    /// The packed weight.
+    pub const W: usize = 1;
+    /// The Q output, `[M, q_dim]`.
+    pub const OUT: usize = 2;
+    /// The cache's blocks.
+    pub const BLOCKS: usize = 3;
+    /// Per row, the element offset of its K in `blocks` (-1: padded row).
+    pub const ROW_OFFSETS: usize = 4;
+    /// Rows M (read when the key leaves B or S symbolic).
+    pub const M: usize = 5;
+    /// Words in all.
+    pub const COUNT: usize = 6;
+}
 
-/// Compile the kernel for `spec` (or fetch it from the process-wide cache).
-/// Kept IR/disassembly bypass the cache so the texts always exist.
+/// Compile the kernel for `spec` (or fetch it from the process-wide
+/// registry). Kept IR/disassembly bypass the registry so the texts always
+/// exist.
 pub fn compile(spec: &FusedQkvSpec, capture: CaptureText) -> Result<Arc<JitFunction>, JitError> {
     let key = spec.kernel_key();
     let build = || emit_and_compile(spec, &key, capture);
     if capture.clif || capture.disasm {
         return build().map(Arc::new);
     }
-    KERNELS.get_or_compile(&key, CompileCause::GraphBuild, build)
+    kvjit_jit::kernels().get_or_compile(&key, CompileCause::GraphBuild, build)
 }
 
 fn emit_and_compile(spec: &FusedQkvSpec, key: &KernelKey, capture: CaptureText) -> Result<JitFunction, JitError> {
     addressable(spec)?;
-    let ptr = kvjit_jit::pointer_type();
-    compile_function(&key.symbol(), &[ptr; PARAMS], &[], capture, |b, args| {
-        Emitter::new(spec).emit(b, args);
-        b.ins().return_(&[]);
+    compile_kernel(key, capture, |b, params| {
+        let bases = Bases {
+            x: params.arg(b, arg::X),
+            w: params.arg(b, arg::W),
+            out: params.arg(b, arg::OUT),
+            blocks: params.arg(b, arg::BLOCKS),
+            row_offsets: params.arg(b, arg::ROW_OFFSETS),
+        };
+        let m_arg = params.arg(b, arg::M);
+        Emitter::new(spec, bases).emit(b, m_arg, params.begin, params.end);
     })
 }
 
-/// Emits the kernel body for one spec.
+/// The emitter's state for one kernel body — everything the loop nest and
+/// the tiles share — so each level of the schedule takes the builder, this
+/// context and only what its own loop adds (rustc_codegen_cranelift's
+/// `FunctionCx` is the model).
 struct Emitter {
     spec: FusedQkvSpec,
     layout: PanelLayout,
     /// Rows, when the key fixes them.
     m: Option<usize>,
+    /// The call's buffers.
+    bases: Bases,
 }
 
-/// The values every tile needs.
+/// The call's buffer addresses, loaded once at entry.
 #[derive(Clone, Copy)]
 struct Bases {
     x: Value,
+    w: Value,
     out: Value,
     blocks: Value,
     row_offsets: Value,
 }
 
+/// The panel loop's state, which every tile of the panel shares.
+#[derive(Clone, Copy)]
+struct Panel {
+    /// Address of the packed panel.
+    w: Value,
+    /// Its first column within its segment.
+    column: Value,
+    /// Where its columns go.
+    destination: Destination,
+    /// Columns it holds (NR, or fewer in a segment's last panel).
+    width: usize,
+}
+
 impl Emitter {
-    fn new(spec: &FusedQkvSpec) -> Self {
+    fn new(spec: &FusedQkvSpec, bases: Bases) -> Self {
         let m = spec.batch.zip(spec.seq).map(|(b, s)| b * s);
-        Self { spec: *spec, layout: PanelLayout::new(spec), m }
+        Self { spec: *spec, layout: PanelLayout::new(spec), m, bases }
     }
 
-    fn emit(&self, b: &mut FunctionBuilder, args: &[Value]) {
-        let &[x, w, out, blocks, row_offsets, m_arg, panel_begin, panel_end] = args else {
-            unreachable!("the signature has {PARAMS} parameters");
-        };
-        let bases = Bases { x, out, blocks, row_offsets };
+    /// The schedule: blocks of MC rows, then this invocation's panels of
+    /// each segment, then row groups of MR.
+    fn emit(&self, b: &mut FunctionBuilder, m_arg: Value, panel_begin: Value, panel_end: Value) {
         let m = match self.m {
             Some(m) => b.ins().iconst(types::I64, m as i64),
             None => m_arg,
@@ -241,13 +275,17 @@ impl Emitter {
                     let lo = b.ins().smax(lo, panel_begin);
                     let hi = b.ins().iconst(types::I64, (first + count) as i64);
                     let hi = b.ins().smin(hi, panel_end);
-                    counted_loop(b, lo, hi, 1, &[], |b, panel, _| {
+                    counted_loop(b, lo, hi, 1, &[], |b, index, _| {
                         let panel_bytes = (self.layout.k * NR * self.spec.dtype.size_bytes()) as i64;
-                        let offset = b.ins().imul_imm_s(panel, panel_bytes);
-                        let w_panel = b.ins().iadd(w, offset);
-                        let rel = b.ins().iadd_imm_s(panel, -(seg.first_panel as i64));
-                        let column = b.ins().imul_imm_s(rel, NR as i64);
-                        self.emit_row_groups(b, bases, block_start, block_end, w_panel, column, seg.destination, width);
+                        let offset = b.ins().imul_imm_s(index, panel_bytes);
+                        let rel = b.ins().iadd_imm_s(index, -(seg.first_panel as i64));
+                        let panel = Panel {
+                            w: b.ins().iadd(self.bases.w, offset),
+                            column: b.ins().imul_imm_s(rel, NR as i64),
+                            destination: seg.destination,
+                            width,
+                        };
+                        self.emit_row_groups(b, block_start, block_end, panel);
                         Vec::new()
                     });
                 }
@@ -257,23 +295,12 @@ impl Emitter {
     }
 
     /// Tiles of MR rows over `[start, end)`, then one smaller tile for the rest.
-    #[allow(clippy::too_many_arguments)] // the emitter's loop state, passed down one level
-    fn emit_row_groups(
-        &self,
-        b: &mut FunctionBuilder,
-        bases: Bases,
-        start: Value,
-        end: Value,
-        w_panel: Value,
-        column: Value,
-        destination: Destination,
-        width: usize,
-    ) {
+    fn emit_row_groups(&self, b: &mut FunctionBuilder, start: Value, end: Value, panel: Panel) {
         let rows = b.ins().isub(end, start);
         let whole = b.ins().band_imm_s(rows, !(MR as i64 - 1));
         let full_end = b.ins().iadd(start, whole);
         counted_loop(b, start, full_end, MR as i64, &[], |b, row, _| {
-            self.emit_tile(b, bases, MR, row, w_panel, column, destination, width);
+            self.emit_tile(b, MR, row, panel);
             Vec::new()
         });
         let rest = b.ins().isub(end, full_end);
@@ -288,7 +315,7 @@ impl Emitter {
             let is_this = b.ins().icmp_imm_s(IntCC::Equal, rest, mr as i64);
             b.ins().brif(is_this, this, &[], next, &[]);
             b.switch_to_block(this);
-            self.emit_tile(b, bases, mr, full_end, w_panel, column, destination, width);
+            self.emit_tile(b, mr, full_end, panel);
             b.ins().jump(done, &[]);
             b.switch_to_block(next);
         }
@@ -299,18 +326,7 @@ impl Emitter {
     /// The micro-kernel: an `mr`×NR tile of C = X·Wᵀ in registers, then its
     /// epilogue. Small tiles split k over several accumulator sets so the
     /// FMA latency chain does not limit them.
-    #[allow(clippy::too_many_arguments)] // see emit_row_groups
-    fn emit_tile(
-        &self,
-        b: &mut FunctionBuilder,
-        bases: Bases,
-        mr: usize,
-        row: Value,
-        w_panel: Value,
-        column: Value,
-        destination: Destination,
-        width: usize,
-    ) {
+    fn emit_tile(&self, b: &mut FunctionBuilder, mr: usize, row: Value, panel: Panel) {
         let k = self.layout.k;
         let w_dtype = self.spec.dtype;
         let w_size = w_dtype.size_bytes() as i32;
@@ -323,7 +339,7 @@ impl Emitter {
         let zero = b.ins().splat(types::F32X4, zero);
         let x_row_bytes = (k * 4) as i64;
         let row_offset = b.ins().imul_imm_s(row, x_row_bytes);
-        let x_rows = b.ins().iadd(bases.x, row_offset);
+        let x_rows = b.ins().iadd(self.bases.x, row_offset);
         // Accumulator index: (set, row, half).
         let acc_index = |set: usize, i: usize, h: usize| (set * mr + i) * 2 + h;
         // `count` consecutive k values from `kk`; k value u uses accumulator
@@ -334,7 +350,7 @@ impl Emitter {
             let x_off = b.ins().ishl_imm_u(kk, 2);
             let x_at = b.ins().iadd(x_rows, x_off);
             let w_off = b.ins().imul_imm_s(kk, (NR as i32 * w_size) as i64);
-            let w_at = b.ins().iadd(w_panel, w_off);
+            let w_at = b.ins().iadd(panel.w, w_off);
             for u in 0..count {
                 let halves = [
                     load_f32x4_raw(b, w_dtype, w_at, (u * NR) as i32 * w_size),
@@ -370,50 +386,39 @@ impl Emitter {
         }
         for i in 0..mr {
             let halves = [accs[acc_index(0, i, 0)], accs[acc_index(0, i, 1)]];
-            self.emit_store_row(b, bases, row, i, column, destination, width, halves);
+            self.emit_store_row(b, row, i, panel, halves);
         }
     }
 
-    /// Store one row of a tile where its segment goes.
-    #[allow(clippy::too_many_arguments)] // see emit_row_groups
-    fn emit_store_row(
-        &self,
-        b: &mut FunctionBuilder,
-        bases: Bases,
-        row: Value,
-        i: usize,
-        column: Value,
-        destination: Destination,
-        width: usize,
-        halves: [Value; 2],
-    ) {
+    /// Store row `row + i` of a tile where its panel's columns go.
+    fn emit_store_row(&self, b: &mut FunctionBuilder, row: Value, i: usize, panel: Panel, halves: [Value; 2]) {
         let r = b.ins().iadd_imm_s(row, i as i64);
-        let (dtype, base, after) = match destination {
+        let (dtype, base, after) = match panel.destination {
             Destination::Q => {
                 let element = b.ins().imul_imm_s(r, self.spec.q_dim as i64);
-                let element = b.ins().iadd(element, column);
+                let element = b.ins().iadd(element, panel.column);
                 let bytes = b.ins().imul_imm_s(element, self.spec.dtype.size_bytes() as i64);
-                (self.spec.dtype, b.ins().iadd(bases.out, bytes), None)
+                (self.spec.dtype, b.ins().iadd(self.bases.out, bytes), None)
             }
             Destination::K | Destination::V => {
                 let slot_at = b.ins().ishl_imm_u(r, 3);
-                let slot_at = b.ins().iadd(bases.row_offsets, slot_at);
+                let slot_at = b.ins().iadd(self.bases.row_offsets, slot_at);
                 let slot = b.ins().load(types::I64, mem(), slot_at, 0);
                 let store = b.create_block();
                 let after = b.create_block();
                 let writes = b.ins().icmp_imm_s(IntCC::SignedGreaterThanOrEqual, slot, 0);
                 b.ins().brif(writes, store, &[], after, &[]);
                 b.switch_to_block(store);
-                let stride = if destination == Destination::V { self.kv_stride() } else { 0 };
+                let stride = if panel.destination == Destination::V { self.kv_stride() } else { 0 };
                 let element = b.ins().iadd_imm_s(slot, stride as i64);
-                let element = b.ins().iadd(element, column);
+                let element = b.ins().iadd(element, panel.column);
                 let bytes = b.ins().imul_imm_s(element, self.spec.cache_dtype.size_bytes() as i64);
-                (self.spec.cache_dtype, b.ins().iadd(bases.blocks, bytes), Some(after))
+                (self.spec.cache_dtype, b.ins().iadd(self.bases.blocks, bytes), Some(after))
             }
         };
         let size = dtype.size_bytes() as i32;
         for (h, &value) in halves.iter().enumerate() {
-            let lanes = width.saturating_sub(4 * h).min(4);
+            let lanes = panel.width.saturating_sub(4 * h).min(4);
             if lanes == 4 {
                 store_f32x4(b, dtype, value, base, 4 * h as i32 * size);
             } else {
@@ -444,7 +449,7 @@ pub struct JitKernel {
     key: KernelKey,
     /// Kernels specialized for shapes seen at run time, by (B, S), when the
     /// key leaves them symbolic and the policy asks for it.
-    seen_shapes: Option<Mutex<SeenShapes>>,
+    seen_shapes: Option<SeenShapes>,
     layout: PanelLayout,
     code: Arc<JitFunction>,
     /// The graph's constant weight and its packed copy, made at build. Used
@@ -457,31 +462,6 @@ pub struct JitKernel {
 struct PackedConstant {
     weight: Arc<Tensor>,
     packed: Tensor,
-}
-
-/// Kernels compiled for (B, S) shapes a generic kernel has run with.
-type SeenShapes = HashMap<(usize, usize), Arc<JitFunction>>;
-
-type KernelFn = unsafe extern "C" fn(
-    x: *const f32,
-    w: *const u8,
-    out: *mut u8,
-    blocks: *mut u8,
-    row_offsets: *const i64,
-    m: i64,
-    panel_begin: i64,
-    panel_end: i64,
-);
-
-/// Addresses handed to worker threads.
-#[derive(Clone, Copy)]
-struct CallAddresses {
-    x: usize,
-    w: usize,
-    out: usize,
-    blocks: usize,
-    row_offsets: usize,
-    m: i64,
 }
 
 impl JitKernel {
@@ -514,7 +494,7 @@ impl JitKernel {
         let generic = spec.batch.is_none() || spec.seq.is_none();
         Ok(Self {
             key: spec.kernel_key(),
-            seen_shapes: (specialize_shapes && generic).then(Default::default),
+            seen_shapes: (specialize_shapes && generic).then(SeenShapes::new),
             spec,
             layout,
             code,
@@ -526,73 +506,11 @@ impl JitKernel {
     /// when the policy allows, else this kernel's own.
     fn code_for(&self, shape: &CallShape) -> Arc<JitFunction> {
         let Some(seen) = &self.seen_shapes else { return self.code.clone() };
-        let mut seen = seen.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(code) = seen.get(&(shape.batch, shape.seq)) {
-            return code.clone();
-        }
-        if seen.len() >= MAX_SEEN_SHAPES {
-            return self.code.clone();
-        }
         let spec = FusedQkvSpec { batch: Some(shape.batch), seq: Some(shape.seq), ..self.spec };
-        let cause = CompileCause::ShapeSeen(format!("B={}, S={} for {}", shape.batch, shape.seq, self.key));
-        match KERNELS.get_or_compile(&spec.kernel_key(), cause, || {
-            emit_and_compile(&spec, &spec.kernel_key(), CaptureText::default())
-        }) {
-            Ok(code) => {
-                seen.insert((shape.batch, shape.seq), code.clone());
-                code
-            }
-            Err(error) => {
-                tracing::warn!(%error, "specializing for a seen shape failed; running the generic kernel");
-                self.code.clone()
-            }
-        }
-    }
-
-    fn call(&self, shape: &CallShape, addresses: CallAddresses, ctx: &DeviceContextPtr) {
-        let code = self.code_for(shape);
-        // SAFETY: the code was compiled for this kernel's spec — or for the
-        // same spec with this call's B and S baked in — with the `KernelFn`
-        // signature (8 pointer-sized args, System V); `code` keeps it alive
-        // until the end of this function, after every thread has returned.
-        let f: KernelFn = unsafe { std::mem::transmute::<*const u8, KernelFn>(code.entry()) };
-        let total = self.layout.total_panels();
-        let run_range = |begin: usize, end: usize| {
-            let a = addresses;
-            // SAFETY: `check_against_spec` validated every argument against
-            // the spec (dtypes, contiguity, K, q_dim, cache layout, B·S rows,
-            // valid lengths ≤ S, every valid token's page and slot inside the
-            // cache and no two tokens sharing one), so every load stays inside
-            // `x` (M·K f32) and the packed weight (built for this layout),
-            // every Q store inside `output` (M·q_dim), and every K/V store at
-            // `row_offsets[r] + col (+ kv_stride)` inside `blocks`, distinct
-            // per row; threads get disjoint panel ranges, so no two calls
-            // write the same element.
-            unsafe {
-                f(
-                    a.x as *const f32,
-                    a.w as *const u8,
-                    a.out as *mut u8,
-                    a.blocks as *mut u8,
-                    a.row_offsets as *const i64,
-                    a.m,
-                    begin as i64,
-                    end as i64,
-                )
-            }
-        };
-        let threads = ctx.cpu_context().map_or(1, |c| c.threads()).min(total).max(1);
-        if threads == 1 || shape.batch * shape.seq == 0 {
-            run_range(0, total);
-            return;
-        }
-        let pool = ctx.cpu_context().expect("more than one thread means a CPU pool").pool();
-        pool.scope(|s| {
-            for t in 0..threads {
-                let (begin, end) = (total * t / threads, total * (t + 1) / threads);
-                s.spawn(move |_| run_range(begin, end));
-            }
-        });
+        let key = spec.kernel_key();
+        seen.code_for(&[("B", shape.batch), ("S", shape.seq)], (&self.code, &self.key), &key, || {
+            emit_and_compile(&spec, &key, CaptureText::default())
+        })
     }
 }
 
@@ -706,15 +624,31 @@ impl JitKernel {
                 &packed_now
             }
         };
-        let addresses = CallAddresses {
-            x: x.as_ptr() as usize,
-            w: packed.as_bytes().as_ptr() as usize,
-            out: output.as_mut_ptr() as usize,
-            blocks: cache.blocks_bytes_mut().as_mut_ptr() as usize,
-            row_offsets: row_offsets.as_ptr() as usize,
-            m: (shape.batch * shape.seq) as i64,
-        };
-        self.call(&shape, addresses, ctx);
+        let mut args = [0u64; arg::COUNT];
+        args[arg::X] = x.as_ptr() as u64;
+        args[arg::W] = packed.as_bytes().as_ptr() as u64;
+        args[arg::OUT] = output.as_mut_ptr() as u64;
+        args[arg::BLOCKS] = cache.blocks_bytes_mut().as_mut_ptr() as u64;
+        args[arg::ROW_OFFSETS] = row_offsets.as_ptr() as u64;
+        args[arg::M] = (shape.batch * shape.seq) as u64;
+        if shape.batch * shape.seq == 0 {
+            return Ok(());
+        }
+        let code = self.code_for(&shape);
+        // SAFETY: `code` was compiled by `emit_and_compile` for this kernel's
+        // spec (or the same spec with this call's B and S baked in), reading
+        // the argument words in `arg`'s layout. `check_against_spec`
+        // validated every argument against the spec (dtypes, contiguity, K,
+        // q_dim, cache layout, B·S rows, valid lengths ≤ S, every valid
+        // token's page and slot inside the cache and no two tokens sharing
+        // one), so for any panel range every load stays inside `x` (M·K f32)
+        // and the packed weight (built for this layout), every Q store inside
+        // `output` (M·q_dim, checked by the caller), and every K/V store at
+        // `row_offsets[r] + col (+ kv_stride)` inside `blocks`, distinct per
+        // row; different panel ranges write different columns. `x`,
+        // `packed`, `row_offsets` and the borrowed output and cache outlive
+        // the launch.
+        unsafe { kvjit_jit::launch(&code, &args, self.layout.total_panels(), ctx) };
         Ok(())
     }
 }

@@ -38,24 +38,22 @@
 //! ran on, and freed when that context (or this kernel) is dropped.
 //!
 //! **The cache stays on the device.** Each cache's blocks live in a device
-//! buffer kept resident across calls and steps
-//! ([`CudaDevice::with_resident`], keyed by the host blocks' address, size
-//! and layout), uploaded once, when first seen. Kernels write K/V there; the
-//! host copy — which the `Kernel` interface and the callers read
-//! (`--output`, tests, the next step's validation) — receives exactly the
-//! rows written, from the staging buffer, so both copies agree on every slot
-//! a CUDA kernel wrote. Per step only X, the row offsets, Q and the new K/V
-//! rows cross the bus. Edits a caller makes to the host blocks between calls
-//! are not re-uploaded; no result depends on them, since this op only writes
-//! the cache. (A future device reader of the cache — attention — needs a
-//! dirty-page signal from `PagedKVCacheCollection`, or a device-owned cache
-//! type, to see such edits; see the README's CUDA section.)
+//! buffer kept across calls and steps ([`CudaDevice::with_kv_cache`], keyed
+//! by the host cache's identity and layout), uploaded when first seen and
+//! again only after a host-side write (the host cache's blocks generation
+//! moved). Kernels write K/V there; the host copy — which the `Kernel`
+//! interface and the callers read (`--output`, tests, the next step's
+//! validation) — receives exactly the rows written, from the staging
+//! buffer, after which the device copy is marked current
+//! ([`CudaDevice::kv_cache_synced`]). Per step only X, the row offsets, Q and
+//! the new K/V rows cross the bus; a caller's or a CPU kernel's edit of the
+//! host blocks between steps is seen by the next CUDA call.
 
 use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 
 use kvjit_core::{DType, Error, KernelKey, KvCacheParams, PagedKVCacheCollection, Result, Target, Tensor};
-use kvjit_cuda::{CudaDevice, CudaError, DeviceBuffer, Function, KernelArg, LaunchShape, PtxImage, ResidentKey};
+use kvjit_cuda::{CudaDevice, CudaError, DeviceBuffer, Function, KernelArg, LaunchShape, PtxImage};
 use kvjit_runtime::{DeviceContextPtr, Kernel, KernelStateOwner, OutputSpec, RuntimeError};
 
 use crate::kernel::{CheckedCall, check_against_spec, checked_call, same_data};
@@ -325,8 +323,10 @@ struct Call<'a> {
     weight_is_constant: bool,
     row_off: &'a [i64],
     written: &'a [i64],
-    blocks: &'a [u8],
-    blocks_key: ResidentKey,
+    /// The host cache, whose device copy the kernel writes.
+    cache: &'a PagedKVCacheCollection,
+    /// The layout tag of that copy.
+    cache_tag: u64,
 }
 
 impl DeviceState {
@@ -387,7 +387,7 @@ impl DeviceState {
         let gather_shape = LaunchShape { grid: (call.written.len() as u32, 1, 1), block: (THREADS, 1, 1) };
         let gather = &self.gather;
 
-        device.with_resident(call.blocks_key, call.blocks, |blocks| {
+        device.with_kv_cache(call.cache, call.cache_tag, |blocks| {
             let blocks: &DeviceBuffer = blocks;
             let args = [
                 KernelArg::Buffer(x),
@@ -523,7 +523,6 @@ impl CudaKernel {
         let mut q = vec![0u8; output.as_bytes().len()];
         let mut staged = vec![0u8; written.len() * 2 * row_bytes];
         {
-            let blocks = cache.blocks().as_bytes();
             let call = Call {
                 dtype: self.spec.dtype,
                 schedule,
@@ -533,12 +532,8 @@ impl CudaKernel {
                 weight_is_constant: self.weight.as_deref().is_some_and(|c| same_data(c, weight)),
                 row_off: &row_off,
                 written: &written,
-                blocks,
-                blocks_key: ResidentKey {
-                    host_addr: blocks.as_ptr() as usize,
-                    bytes: blocks.len(),
-                    tag: layout_tag(&params),
-                },
+                cache,
+                cache_tag: layout_tag(&params),
             };
             device_work(&call, &mut q, &mut staged)?;
         }
@@ -599,7 +594,13 @@ impl Kernel for CudaKernel {
                 || DeviceState::new(device, &self.plan).map_err(device_error),
                 |state| state.execute(device, call, q, staged).map_err(device_error),
             )
-        })
+        })?;
+        // The kernel wrote the same rows into the device copy and (committed)
+        // into the host blocks: the copy is current, not stale.
+        if let (Some(device), [cache]) = (device, &*caches) {
+            device.kv_cache_synced(cache, layout_tag(cache.params()));
+        }
+        Ok(())
     }
 }
 

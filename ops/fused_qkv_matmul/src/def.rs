@@ -5,7 +5,8 @@ use std::sync::Arc;
 
 use kvjit_core::{DType, KernelKey, Target, Tensor};
 use kvjit_graph::{
-    ArgKind, ArgSpec, Dim, GraphError, OpDef, Params, TensorType, ValueType, param_dtype, param_usize, same_dim,
+    ArgSpec, Dim, GraphBuilder, GraphError, OpDef, ParamKind, ParamSpec, ParamValue, Params, TensorType, ValueId,
+    ValueType, param_dtype, param_usize, same_dim,
 };
 use kvjit_jit::CaptureText;
 use kvjit_runtime::{BuildOptions, Kernel, KernelBuilder, KernelImpl, RuntimeError};
@@ -17,6 +18,43 @@ pub const OP_NAME: &str = "generic_fused_qkv_matmul_kv_cache_bshd_paged";
 /// The name MAX graphs use for the same op.
 pub const OP_ALIAS: &str = "mo.fused_qkv_matmul.padded.paged";
 
+/// The parameters of a fused QKV node, for [`fused_qkv_matmul`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FusedQkvParams {
+    /// Dtype of hidden state, weight and output.
+    pub dtype: DType,
+    /// KV heads Hkv.
+    pub num_kv_heads: usize,
+    /// Head size D.
+    pub head_size: usize,
+    /// Tokens per cache page.
+    pub page_size: usize,
+}
+
+impl FusedQkvParams {
+    /// The node parameters as a graph file spells them.
+    pub fn to_params(&self) -> Params {
+        Params::from([
+            ("dtype".to_string(), ParamValue::from(self.dtype)),
+            ("num_kv_heads".to_string(), ParamValue::from(self.num_kv_heads)),
+            ("head_size".to_string(), ParamValue::from(self.head_size)),
+            ("page_size".to_string(), ParamValue::from(self.page_size)),
+        ])
+    }
+}
+
+/// Add a fused QKV node to `b`: `Q = (hidden_state · weightᵀ)[:, :q_dim]`
+/// out, K and V into `kv_collection` at layer `layer_idx` for the valid
+/// tokens. Returns Q (`[B, S, q_dim]`). The typed form of
+/// `b.node(OP_NAME, params, &[hidden_state, weight, kv_collection, layer_idx, valid_lengths])`.
+pub fn fused_qkv_matmul(
+    b: &mut GraphBuilder<'_>,
+    [hidden_state, weight, kv_collection, layer_idx, valid_lengths]: [ValueId; 5],
+    params: FusedQkvParams,
+) -> Result<ValueId, GraphError> {
+    Ok(b.node(OP_NAME, params.to_params(), &[hidden_state, weight, kv_collection, layer_idx, valid_lengths])?[0])
+}
+
 /// The fused QKV matmul op. Parameters: `dtype` (f32, bf16, f16),
 /// `num_kv_heads`, `head_size`, `page_size`. Inputs: `hidden_state [B, S, K]`,
 /// `weight [N, K]`, `kv_collection`, `layer_idx` (u32 scalar),
@@ -25,11 +63,11 @@ pub const OP_ALIAS: &str = "mo.fused_qkv_matmul.padded.paged";
 pub struct FusedQkvOp;
 
 const INPUTS: &[ArgSpec] = &[
-    ArgSpec { name: "hidden_state", kind: ArgKind::Tensor },
-    ArgSpec { name: "weight", kind: ArgKind::Tensor },
-    ArgSpec { name: "kv_collection", kind: ArgKind::KvCache },
-    ArgSpec { name: "layer_idx", kind: ArgKind::Tensor },
-    ArgSpec { name: "valid_lengths", kind: ArgKind::Tensor },
+    ArgSpec::tensor("hidden_state"),
+    ArgSpec::tensor("weight"),
+    ArgSpec::cache("kv_collection"),
+    ArgSpec::layer_index("layer_idx"),
+    ArgSpec::valid_lengths("valid_lengths"),
 ];
 
 fn input_error(arg: &str, expected: String, got: &impl std::fmt::Display) -> GraphError {
@@ -129,8 +167,14 @@ impl OpDef for FusedQkvOp {
         &[OP_ALIAS]
     }
 
-    fn param_names(&self) -> &'static [&'static str] {
-        &["dtype", "num_kv_heads", "head_size", "page_size"]
+    fn params(&self) -> &'static [ParamSpec] {
+        const PARAMS: &[ParamSpec] = &[
+            ParamSpec::required("dtype", ParamKind::DType),
+            ParamSpec::required("num_kv_heads", ParamKind::SIZE),
+            ParamSpec::required("head_size", ParamKind::SIZE),
+            ParamSpec::required("page_size", ParamKind::SIZE),
+        ];
+        PARAMS
     }
 
     fn inputs(&self) -> &'static [ArgSpec] {
@@ -151,6 +195,21 @@ impl OpDef for FusedQkvOp {
     fn kernel_key(&self, params: &Params, inputs: &[&ValueType], target: Target) -> Result<KernelKey, GraphError> {
         Ok(self.spec(params, inputs, target)?.kernel_key())
     }
+
+    /// The JIT kernel packs a constant weight into panels at build.
+    fn packed_constant_inputs(&self) -> &'static [usize] {
+        &[1]
+    }
+
+    /// CPU: sizes the generated code can address; CUDA: a precompiled
+    /// variant for the dtypes, K and row count.
+    fn supports(&self, key: &KernelKey) -> Result<(), String> {
+        let spec = FusedQkvSpec::from_kernel_key(key).ok_or_else(|| format!("{key} is not a key of {OP_NAME}"))?;
+        match spec.target {
+            Target::Cpu => crate::cpu_jit::addressable(&spec).map_err(|e| e.to_string()),
+            Target::Cuda => crate::cuda_kernel::choose_variants(&spec).map(|_| ()),
+        }
+    }
 }
 
 impl KernelBuilder for FusedQkvOp {
@@ -168,12 +227,14 @@ impl KernelBuilder for FusedQkvOp {
                 let weight = constants.get(1).cloned().flatten();
                 let capture = CaptureText { clif: options.keep_ir, disasm: options.keep_disasm };
                 let kernel = JitKernel::with_policy(spec, weight, capture, options.specialize_shapes)
-                    .map_err(|e| RuntimeError::Plan(format!("JIT compile of {key} failed: {e}")))?;
+                    .map_err(|e| RuntimeError::Compile { key: key.to_string(), source: Box::new(e) })?;
                 Ok(Arc::new(kernel))
             }
-            (Target::Cuda, KernelImpl::Reference) => Err(RuntimeError::Plan(format!(
-                "{key}: the reference implementation runs on the CPU only (use the CPU target to check results)"
-            ))),
+            (Target::Cuda, KernelImpl::Reference) => Err(RuntimeError::NoImplementation {
+                key: key.to_string(),
+                reason: "the reference implementation runs on the CPU only (use the CPU target to check results)"
+                    .into(),
+            }),
             // Picks the precompiled variants for the key (refusing keys none
             // serves) without touching a GPU; the kernel loads them on the
             // device of the first context it runs on.

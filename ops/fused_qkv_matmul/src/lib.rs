@@ -25,7 +25,7 @@ mod spec;
 pub use call::{CallShape, cache_row_offsets, check_call};
 pub use cpu_jit::JitKernel;
 pub use cuda_kernel::CudaKernel;
-pub use def::{FusedQkvOp, OP_ALIAS, OP_NAME};
+pub use def::{FusedQkvOp, FusedQkvParams, OP_ALIAS, OP_NAME, fused_qkv_matmul};
 pub use error::FusedQkvError;
 pub use kernel::ReferenceKernel;
 pub use spec::FusedQkvSpec;

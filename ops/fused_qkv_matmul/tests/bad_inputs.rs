@@ -6,12 +6,11 @@
 //! broken thing can sit late in the batch it does, so that earlier, valid
 //! sequences would already have been written by an op that checks as it goes.
 
-mod common;
-
-use common::{Snapshot, cache_from_table, u32s};
 use kvjit_core::{DType, Error, PagedKVCacheCollection, Result, Target, Tensor, UNASSIGNED_PAGE};
 use kvjit_op_fused_qkv::{CallShape, FusedQkvError, FusedQkvSpec, ReferenceKernel, reference::fused_qkv_matmul};
 use kvjit_runtime::{DeviceContextPtr, Kernel};
+use kvjit_testkit::values::uniform;
+use kvjit_testkit::{Snapshot, cache_from_table, u32s};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 
@@ -55,22 +54,18 @@ struct Fixture {
     output: Tensor,
 }
 
-fn random(rng: &mut StdRng, dtype: DType, shape: &[usize]) -> Tensor {
-    Tensor::random(dtype, shape, rng, -1.0, 1.0).unwrap()
-}
-
 impl Fixture {
     fn new(dtype: DType) -> Self {
         let mut rng = StdRng::seed_from_u64(7);
         let mut cache = cache_from_table(dtype, BLOCKS, &CACHE_LENGTHS, &TABLE, MAX_PAGES);
-        cache.set_blocks(random(&mut rng, dtype, &BLOCKS)).unwrap();
+        cache.set_blocks(uniform(&mut rng, dtype, &BLOCKS)).unwrap();
         Self {
-            hidden: random(&mut rng, dtype, &[B, S, K]),
-            weight: random(&mut rng, dtype, &[N, K]),
+            hidden: uniform(&mut rng, dtype, &[B, S, K]),
+            weight: uniform(&mut rng, dtype, &[N, K]),
             cache,
             layer_idx: Tensor::scalar_u32(1),
             valid: u32s(&VALID),
-            output: random(&mut rng, dtype, &[B, S, Q_DIM]),
+            output: uniform(&mut rng, dtype, &[B, S, Q_DIM]),
         }
     }
 
@@ -415,8 +410,8 @@ fn kernel_rejects_a_hidden_state_whose_k_differs_from_its_spec() {
     let mut fx = Fixture::f32();
     let spec = fx.spec();
     let mut rng = StdRng::seed_from_u64(3);
-    fx.hidden = random(&mut rng, DType::F32, &[B, S, K + 1]);
-    fx.weight = random(&mut rng, DType::F32, &[N, K + 1]);
+    fx.hidden = uniform(&mut rng, DType::F32, &[B, S, K + 1]);
+    fx.weight = uniform(&mut rng, DType::F32, &[N, K + 1]);
     assert_rejected!(fx, via |fx: &mut Fixture| fx.call_kernel(spec),
         e if matches!(e.op_error(), Some(FusedQkvError::NotBuiltFor { arg: "hidden_state", .. })));
 }

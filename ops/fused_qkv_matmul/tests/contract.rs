@@ -8,13 +8,11 @@
 //! from `W` instead of `Wᵀ` selects `(n - 1) % K` and shows up at once. The
 //! (page, slot) every valid token lands in is written out by hand in each test.
 
-mod common;
-
 use std::collections::HashMap;
 
-use common::{Expect, assert_cache, block_index, blocks_shape, cache_from_table, poison_all, u32s};
 use kvjit_core::{DType, Error, PagedKVCacheCollection, Tensor, UNASSIGNED_PAGE, bf16, f16};
 use kvjit_op_fused_qkv::{CallShape, check_call, reference::fused_qkv_matmul};
+use kvjit_testkit::{Expect, assert_cache, block_index, blocks_shape, cache_from_table, poison_all, u32s};
 
 const U: u32 = UNASSIGNED_PAGE;
 

@@ -17,44 +17,16 @@ use kvjit_cuda::{CudaDevice, KernelArg};
 use kvjit_op_fused_qkv::cuda_kernel::{PTX, PTX_MODULE, Schedule, variant_key};
 use kvjit_op_fused_qkv::{CudaKernel, FusedQkvSpec, ReferenceKernel, cache_row_offsets, check_call, reference};
 use kvjit_runtime::{DeviceContextPtr, Kernel};
+use kvjit_testkit::{CacheSnapshot, Guarded, Tolerance, cuda_or_skip};
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 
 /// Random problems per (dtype, cache dtype) pair and schedule.
 const CASES_PER_PAIR: usize = 6;
-/// Allowed difference between two f32 accumulations of the same products in
-/// different orders, per term, relative to `Σ_k |x_k·w_k|` (4 roundoffs).
-const F32_TOL_PER_K: f64 = 4.0 / (1u64 << 24) as f64;
 /// Guard bytes on each side of every buffer in the guarded launch (a multiple
 /// of 256 keeps the kernels' alignment).
 const GUARD: usize = 256;
-const GUARD_BYTE: u8 = 0xA5;
-
-/// A context on CUDA device 0, or `None` after printing why the test is
-/// skipped. With `KVJIT_REQUIRE_CUDA=1` (scripts/gpu-check.sh) a missing
-/// device fails the test instead.
-fn cuda_or_skip() -> Option<DeviceContextPtr> {
-    match DeviceContextPtr::cuda(0) {
-        Ok(ctx) => Some(ctx),
-        Err(e) if std::env::var_os("KVJIT_REQUIRE_CUDA").is_some_and(|v| v == "1") => {
-            panic!("KVJIT_REQUIRE_CUDA=1 but {e}")
-        }
-        Err(e) => {
-            eprintln!("skipped: no CUDA device ({e})");
-            None
-        }
-    }
-}
-
-/// Half an ulp at 1.0 of a stored dtype, relative.
-fn unit_roundoff(dtype: DType) -> f64 {
-    match dtype {
-        DType::BF16 => 1.0 / 256.0,
-        DType::F16 => 1.0 / 2048.0,
-        _ => 1.0 / (1u64 << 24) as f64,
-    }
-}
 
 /// One call's arguments, on the host.
 #[derive(Clone)]
@@ -181,9 +153,10 @@ fn abs_products(p: &Problem) -> Vec<f64> {
     sums
 }
 
+/// Within [`Tolerance::RelativeToTerms`]: both sides rounded once to `store`
+/// from f32 sums of the same `k` products, `abs_sum = Σ_k |x_k·w_k|`.
 fn close(got: f32, want: f32, store: DType, k: usize, abs_sum: f64) -> bool {
-    let tol = 2.0 * unit_roundoff(store) * (want.abs() as f64) + k as f64 * F32_TOL_PER_K * abs_sum + 1e-30;
-    got.is_finite() && ((got as f64) - (want as f64)).abs() <= tol
+    got.is_finite() && Tolerance::RelativeToTerms { dtype: store, k, abs_sum }.allows(got.into(), want.into())
 }
 
 /// Compare a CUDA result with the reference: Q everywhere, K/V where the
@@ -240,11 +213,7 @@ fn assert_matches_reference(p: &Problem, output: &Tensor, cache: &PagedKVCacheCo
 /// Byte-for-byte equality of everything a call may change in a cache (NaN
 /// poison compares equal to itself here, unlike with `==` on the values).
 fn unchanged(after: &PagedKVCacheCollection, before: &PagedKVCacheCollection) -> bool {
-    after.blocks().as_bytes() == before.blocks().as_bytes()
-        && after.cache_lengths() == before.cache_lengths()
-        && after.lookup_table() == before.lookup_table()
-        && after.max_seq_length == before.max_seq_length
-        && after.max_cache_length == before.max_cache_length
+    CacheSnapshot::take(after) == CacheSnapshot::take(before)
 }
 
 fn run_cuda(
@@ -519,11 +488,8 @@ fn guard_regions_around_every_device_buffer_stay_untouched() {
     }
 }
 
-fn guarded(data: &[u8]) -> Vec<u8> {
-    let mut v = vec![GUARD_BYTE; GUARD];
-    v.extend_from_slice(data);
-    v.extend(std::iter::repeat_n(GUARD_BYTE, GUARD));
-    v
+fn guarded(data: &[u8]) -> Guarded {
+    Guarded::new(GUARD, data, GUARD)
 }
 
 /// Launch `schedule`'s variant on guarded copies of `p`; return the output
@@ -541,8 +507,8 @@ fn guarded_launch(device: &Arc<CudaDevice>, p: &Problem, schedule: Schedule, wha
     ];
     let mut buffers = Vec::new();
     for host in &hosts {
-        let mut buffer = device.alloc(host.len()).unwrap();
-        device.upload(host, &mut buffer).unwrap();
+        let mut buffer = device.alloc(host.all().len()).unwrap();
+        device.upload(host.all(), &mut buffer).unwrap();
         buffers.push(buffer);
     }
     let at = |i: usize| KernelArg::Address(buffers[i].address() + GUARD as u64);
@@ -568,23 +534,19 @@ fn guarded_launch(device: &Arc<CudaDevice>, p: &Problem, schedule: Schedule, wha
     // `offsets` come from `cache_row_offsets` after `check_call` accepted the
     // call; K % 8 == 0 (drawn so); the decode schedule gets at most 16 rows.
     unsafe { device.launch(&function, schedule.launch_shape(p.spec.dtype, rows, shape.n), &args) }.unwrap();
-    let mut back: Vec<Vec<u8>> = hosts.iter().map(|h| vec![0; h.len()]).collect();
+    let mut back = hosts.clone();
     for (buffer, host) in buffers.iter().zip(&mut back) {
-        device.download(buffer, host).unwrap();
+        host.all_mut().fill(0); // a download that wrote nothing fails the guards
+        device.download(buffer, host.all_mut()).unwrap();
     }
     device.synchronize().unwrap();
     for (i, host) in back.iter().enumerate() {
-        let len = host.len();
-        assert!(
-            host[..GUARD].iter().chain(&host[len - GUARD..]).all(|&b| b == GUARD_BYTE),
-            "{what}: guard bytes of buffer {i} changed"
-        );
+        host.assert_guards(&format!("{what}: buffer {i}"));
         if i != 2 && i != 3 {
-            assert_eq!(host, &hosts[i], "{what}: input buffer {i} changed");
+            assert!(host == &hosts[i], "{what}: input buffer {i} changed");
         }
     }
-    let strip = |v: &Vec<u8>| v[GUARD..v.len() - GUARD].to_vec();
-    (strip(&back[2]), strip(&back[3]))
+    (back[2].body().to_vec(), back[3].body().to_vec())
 }
 
 // ------------------------------------------------------------- timing

@@ -6,83 +6,32 @@
 //! between two guard regions of canary bytes, and the cache (all NaN) has
 //! guard pages at both ends that no page-table entry names. Afterwards the
 //! guards must be intact, every output element and every cache element the
-//! contract writes must match the reference (within the named tolerances
-//! below, or bit for bit when the arithmetic is exact), and every other cache
-//! byte must still be the poisoned byte.
+//! contract writes must match the reference (within
+//! [`Tolerance::RelativeToScale`], or bit for bit when the arithmetic is
+//! exact), and every other cache byte must still be the poisoned byte.
 //!
 //! Also here: bit-identical results for any thread count and for generic
 //! versus specialized kernels, validation parity with the reference kernel,
 //! the panel packing, the kernel cache, and named regression cases.
 
-mod common;
-
 use std::sync::{Arc, LazyLock};
 
-use common::{Guarded, Snapshot, block_index, cache_from_table, nan_bytes, poison, strided_view, u32s, unravel};
-use half::{bf16, f16};
+use half::f16;
 use kvjit_core::{DType, Error, PagedKVCacheCollection, Result, Target, Tensor, UNASSIGNED_PAGE};
 use kvjit_jit::CaptureText;
 use kvjit_jit::CompileCause;
 use kvjit_op_fused_qkv::cpu_jit::{self, MAX_SEEN_SHAPES, MC, MR, NR, PanelLayout};
 use kvjit_op_fused_qkv::{FusedQkvSpec, JitKernel, ReferenceKernel, reference};
 use kvjit_runtime::{DeviceContextPtr, Kernel};
+use kvjit_testkit::values::{dyadic, dyadic_scaled, max_abs_finite, uniform};
+use kvjit_testkit::{
+    Guarded, Snapshot, Tolerance, block_index, cache_from_table, nan_bytes, poison, strided_view, u32s, unravel,
+};
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 
 const U: u32 = UNASSIGNED_PAGE;
-
-// ---------------------------------------------------------------------------
-// Tolerances
-// ---------------------------------------------------------------------------
-
-/// f32 accumulation: `|jit − reference| ≤ F32_TOL_PER_K · K · max|x| · max|w|`
-/// (maxima over the whole hidden state and weight of the case).
-///
-/// Both sides sum the same K products (exact in f32 for bf16/f16 inputs; one
-/// rounding for f32 inputs) in different orders: the reference left to right
-/// with separate multiply and add, the JIT with FMA and, for tiles of fewer
-/// than [`MR`] rows, 2 or 4 k-split partial sums. Each order's error is a
-/// random walk of about 2^-24·|partial sum| per step, well inside 4 units of
-/// 2^-24 per term at the largest product.
-const F32_TOL_PER_K: f64 = 4.0 / (1u64 << 24) as f64;
-
-/// bf16/f16 results: on top of the f32 tolerance, this many units of the
-/// destination dtype's spacing (ulp) at the result's magnitude. Two f32 sums
-/// within the f32 tolerance of each other round, to nearest, to values at
-/// most one ulp further apart.
-const ROUNDING_UNITS: f64 = 1.0;
-
-/// The spacing of `dtype` values at magnitude `|v|`: from `|v|` rounded to
-/// `dtype` up to the next representable value.
-fn ulp(dtype: DType, v: f64) -> f64 {
-    let a = v.abs();
-    match dtype {
-        DType::F32 => {
-            let r = a as f32;
-            f64::from(f32::from_bits(r.to_bits() + 1)) - f64::from(r)
-        }
-        DType::BF16 => {
-            let r = bf16::from_f64(a);
-            bf16::from_bits(r.to_bits() + 1).to_f64() - r.to_f64()
-        }
-        DType::F16 => {
-            let r = f16::from_f64(a);
-            f16::from_bits(r.to_bits() + 1).to_f64() - r.to_f64()
-        }
-        DType::U32 => unreachable!("floats only"),
-    }
-}
-
-/// Allowed `|got − want|` for a result of `dtype` accumulated over `k`
-/// products whose largest possible magnitude is `scale` (`max|x|·max|w|`).
-fn tolerance(dtype: DType, k: usize, scale: f64, want: f64, got: f64) -> f64 {
-    let accumulation = F32_TOL_PER_K * k as f64 * scale;
-    match dtype {
-        DType::F32 => accumulation,
-        _ => accumulation + ROUNDING_UNITS * ulp(dtype, want.abs().max(got.abs())),
-    }
-}
 
 // ---------------------------------------------------------------------------
 // Worker pools (built once: a pool per thread count)
@@ -274,17 +223,11 @@ impl Case {
 
     /// Uniform values, or multiples of `1/denominator` in [-1, 1] (times
     /// `tiny` for [`Values::Tiny`]).
-    fn tensor(&self, rng: &mut StdRng, shape: &[usize], denominator: f32, tiny: f32) -> Tensor {
+    fn tensor(&self, rng: &mut StdRng, shape: &[usize], denominator: i32, tiny: f32) -> Tensor {
         match self.values {
-            Values::Uniform => Tensor::random(self.dtype, shape, rng, -1.0, 1.0).unwrap(),
-            Values::Dyadic | Values::Tiny => {
-                let scale = if self.values == Values::Tiny { tiny } else { 1.0 };
-                let numel = shape.iter().product();
-                let values: Vec<f32> = (0..numel)
-                    .map(|_| rng.gen_range(-(denominator as i32)..=denominator as i32) as f32 / denominator * scale)
-                    .collect();
-                Tensor::from_f32(self.dtype, shape, &values).unwrap()
-            }
+            Values::Uniform => uniform(rng, self.dtype, shape),
+            Values::Dyadic => dyadic(rng, self.dtype, shape, denominator),
+            Values::Tiny => dyadic_scaled(rng, self.dtype, shape, denominator, tiny),
         }
     }
 
@@ -293,10 +236,9 @@ impl Case {
         assert_eq!(self.cache_lengths.len(), self.batch, "case: cache_lengths per sequence");
         assert_eq!(self.valid.len(), self.batch, "case: valid lengths per sequence");
         let mut rng = StdRng::seed_from_u64(self.seed);
-        let hidden = self.tensor(&mut rng, &[self.batch, self.seq, self.k], 4.0, TINY_X);
-        let weight = self.tensor(&mut rng, &[self.n(), self.k], 8.0, TINY_W);
-        let max_abs = |t: &Tensor| t.to_f32_vec().unwrap().iter().fold(0f64, |m, &v| m.max(f64::from(v).abs()));
-        let scale = max_abs(&hidden) * max_abs(&weight);
+        let hidden = self.tensor(&mut rng, &[self.batch, self.seq, self.k], 4, TINY_X);
+        let weight = self.tensor(&mut rng, &[self.n(), self.k], 8, TINY_W);
+        let scale = max_abs_finite(&hidden) * max_abs_finite(&weight);
 
         let (need, span) = (self.needed_pages(), self.spanned_pages());
         let max_pages = span.iter().copied().max().unwrap_or(0).max(1) + self.extra_table_pages;
@@ -433,12 +375,20 @@ fn to_f32(dtype: DType, bytes: &[u8]) -> Vec<f32> {
     Tensor::from_le_bytes(dtype, &[bytes.len() / dtype.size_bytes()], bytes).unwrap().to_f32_vec().unwrap()
 }
 
-/// `got` (JIT) against `want` (reference) for one element of `dtype`.
+/// `got` (JIT) against `want` (reference) for one element of `dtype`: bit
+/// for bit when the case's arithmetic is exact, else within
+/// [`Tolerance::RelativeToScale`] (f32 accumulation over K products of at
+/// most `max|x|·max|w|`, plus an ulp of bf16/f16 rounding).
 fn assert_close(case: &Case, prep: &Prepared, dtype: DType, got: f32, want: f32, what: impl Fn() -> String) {
     assert!(want.is_finite(), "{case:?}: the reference left {} = {want}", what());
-    let tol = tolerance(dtype, case.k, prep.scale, f64::from(want), f64::from(got));
-    let err = (f64::from(got) - f64::from(want)).abs();
-    let ok = if case.values.exact() { got.to_bits() == want.to_bits() } else { got.is_finite() && err <= tol };
+    let rule = if case.values.exact() {
+        Tolerance::Exact
+    } else {
+        Tolerance::RelativeToScale { dtype, k: case.k, scale: prep.scale }
+    };
+    let (g, w) = (f64::from(got), f64::from(want));
+    let (tol, err) = (rule.bound(g, w), (g - w).abs());
+    let ok = got.is_finite() && rule.allows(g, w);
     if !ok {
         let rule = if case.values.exact() {
             "exact arithmetic must agree bit for bit".to_string()
@@ -999,15 +949,11 @@ struct Fixture {
 impl Fixture {
     fn new(dtype: DType) -> Self {
         let mut rng = StdRng::seed_from_u64(11);
-        let dyadic = |rng: &mut StdRng, shape: &[usize]| {
-            let values: Vec<f32> = (0..shape.iter().product()).map(|_| rng.gen_range(-8..=8) as f32 / 8.0).collect();
-            Tensor::from_f32(dtype, shape, &values).unwrap()
-        };
         let mut cache = cache_from_table(dtype, PBLOCKS, &PCACHE_LENGTHS, &PTABLE, PMAX);
         cache.set_blocks(Tensor::random(dtype, &PBLOCKS, &mut rng, -1.0, 1.0).unwrap()).unwrap();
         Self {
-            hidden: dyadic(&mut rng, &[PB, PS, PK]),
-            weight: Arc::new(dyadic(&mut rng, &[PN, PK])),
+            hidden: dyadic(&mut rng, dtype, &[PB, PS, PK], 8),
+            weight: Arc::new(dyadic(&mut rng, dtype, &[PN, PK], 8)),
             cache,
             layer_idx: Tensor::scalar_u32(1),
             valid: u32s(&PVALID),

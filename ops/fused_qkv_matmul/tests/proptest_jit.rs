@@ -1,7 +1,8 @@
 //! Property tests: the JIT kernel against the reference implementation on
 //! random shapes, dtypes, page sizes, cache and valid lengths and page
 //! tables, every run inside guarded, poisoned buffers (see
-//! `common/differential.rs` for exactly what each case asserts).
+//! [`kvjit_testkit::fused_qkv::differential`] for exactly what each case
+//! asserts).
 //!
 //! Two generators:
 //! - [`valid_problem`]: valid calls (scattered page tables from a shuffled
@@ -18,12 +19,8 @@
 //! (no regression files are written); shrunk failures become named tests at
 //! the end of this file.
 
-mod common;
-#[path = "common/differential.rs"]
-mod differential;
-
-use differential::{Entry, Page, Problem, SpecTweak, Tweak, Values, check};
 use kvjit_core::DType;
+use kvjit_testkit::fused_qkv::differential::{Call, Entry, Page, SpecTweak, Tweak, Values, check};
 use proptest::prelude::*;
 use proptest::test_runner::Config;
 
@@ -65,7 +62,7 @@ fn flavour() -> impl Strategy<Value = (bool, bool, bool, usize)> {
 }
 
 /// Valid calls with scattered page tables.
-fn valid_problem() -> impl Strategy<Value = Problem> {
+fn valid_problem() -> impl Strategy<Value = Call> {
     (sizes(), dtype(), dtype(), any::<u64>(), values(), entry(), flavour()).prop_flat_map(
         |((b, s, k, hkv, d, q, ps, l), dt, cdt, seed, values, entry, flavour)| {
             let lengths = proptest::collection::vec((0u32..=(2 * ps as u32 + 3), 0u32..=s as u32), b);
@@ -94,7 +91,7 @@ fn valid_problem() -> impl Strategy<Value = Problem> {
                         }
                     }
                     let (const_weight, static_batch, static_seq, threads) = flavour;
-                    Problem {
+                    Call {
                         seed,
                         dtype: dt,
                         cache_dtype: cdt,
@@ -147,7 +144,7 @@ fn tweak() -> impl Strategy<Value = Tweak> {
 }
 
 /// Anything: random tables and lengths, and at most one broken argument.
-fn any_problem() -> impl Strategy<Value = Problem> {
+fn any_problem() -> impl Strategy<Value = Call> {
     let tables = (
         proptest::collection::vec(length(12), 0..=5),
         proptest::collection::vec(page_entry(), 0..=24),
@@ -161,7 +158,7 @@ fn any_problem() -> impl Strategy<Value = Problem> {
         |((b, s, k, hkv, d, q, ps, l), dt, cdt, seed, values, entry, flavour, tweak, tables)| {
             let (cache_lengths, lookup_table, valid_lengths, inner, guards, width, layer) = tables;
             let (const_weight, static_batch, static_seq, threads) = flavour;
-            Problem {
+            Call {
                 seed,
                 dtype: dt,
                 cache_dtype: cdt,
@@ -211,8 +208,8 @@ proptest! {
 // ---------------------------------------------------------------------------
 
 /// The smallest valid call the generators make, as a base for named cases.
-fn base() -> Problem {
-    Problem {
+fn base() -> Call {
+    Call {
         seed: 0,
         dtype: DType::F32,
         cache_dtype: DType::F32,
@@ -246,7 +243,7 @@ fn the_base_case_and_each_tweak_of_it() {
     for i in 0..Tweak::COUNT {
         for (axis, grow) in [(0, true), (1, false), (2, true)] {
             for entry in [Entry::RunInto { front: 3, back: 5 }, Entry::Run] {
-                check(&Problem {
+                check(&Call {
                     batch: 2,
                     seq: 3,
                     k: 5,
@@ -270,7 +267,7 @@ fn special_values_propagate_alike_in_every_dtype_pair() {
     for dtype in DType::FLOATS {
         for cache_dtype in DType::FLOATS {
             for seed in 0..4 {
-                check(&Problem {
+                check(&Call {
                     seed,
                     dtype,
                     cache_dtype,
@@ -309,7 +306,7 @@ fn spec_tweaks_are_all_refused_by_the_jit() {
         SpecTweak::Batch,
         SpecTweak::Seq,
     ] {
-        check(&Problem { tweak: Tweak::Spec(t), ..base() });
-        check(&Problem { tweak: Tweak::Spec(t), entry: Entry::Run, ..base() });
+        check(&Call { tweak: Tweak::Spec(t), ..base() });
+        check(&Call { tweak: Tweak::Spec(t), entry: Entry::Run, ..base() });
     }
 }

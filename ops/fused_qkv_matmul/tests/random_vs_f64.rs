@@ -5,40 +5,24 @@
 //!
 //! Before each call the output and the whole cache are poisoned with NaN.
 //! Afterwards every output element must be finite and close to the
-//! reference, every cache element the contract writes must be close to the
-//! reference, and every other cache byte must still be the poisoned byte.
-
-mod common;
+//! reference (within [`Tolerance::AgainstExact`]), every cache element the
+//! contract writes must be close to the reference, and every other cache
+//! byte must still be the poisoned byte.
 
 use std::collections::HashMap;
 
-use common::{Expect, assert_cache, block_index, poison_all, u32s};
 use kvjit_core::{DType, KvCacheParams, PagedKVCacheCollection, Target, Tensor};
 use kvjit_op_fused_qkv::{FusedQkvSpec, ReferenceKernel, reference::fused_qkv_matmul};
 use kvjit_runtime::{DeviceContextPtr, Kernel};
+use kvjit_testkit::tolerance::to_f64;
+use kvjit_testkit::values::uniform_nonzero;
+use kvjit_testkit::{Expect, Tolerance, assert_cache, block_index, poison_all, u32s};
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 
 /// Random cases per activation dtype (cache dtypes cycle through all three).
 const CASES_PER_DTYPE: u64 = 300;
-
-/// f32 accumulation error allowed per accumulated term, relative to
-/// `Σ_k |x_k·w_k|`: 4 units of f32 roundoff (2^-24), so the bound
-/// `K · F32_TOL_PER_K · Σ|x·w|` covers any summation order.
-const F32_TOL_PER_K: f64 = 4.0 / (1u64 << 24) as f64;
-/// bf16 unit roundoff (half an ulp, relative): 8 significant bits.
-const BF16_UNIT_ROUNDOFF: f64 = 1.0 / 256.0;
-/// f16 unit roundoff (half an ulp, relative): 11 significant bits.
-const F16_UNIT_ROUNDOFF: f64 = 1.0 / 2048.0;
-/// Allowed error of a value stored as bf16, in units of its unit roundoff
-/// (1 = correctly rounded from an accurate f32 sum).
-const BF16_TOL_UNITS: f64 = 1.0;
-/// Allowed error of a value stored as f16, in units of its unit roundoff.
-const F16_TOL_UNITS: f64 = 1.0;
-/// Half the spacing of f16 subnormals (2^-25): the absolute rounding error
-/// below f16's normal range.
-const F16_SUBNORMAL_HALF_STEP: f64 = 1.0 / (1u64 << 25) as f64;
 
 const DIMS_K: &[usize] = &[1, 2, 3, 5, 7, 8, 13, 16, 17, 31, 32, 33, 48];
 const DIMS_D: &[usize] = &[1, 3, 8, 16];
@@ -154,22 +138,6 @@ impl Draw {
     }
 }
 
-/// Uniform in [-1, 1), never zero.
-fn random_tensor(rng: &mut StdRng, dtype: DType, shape: &[usize]) -> Tensor {
-    let numel = shape.iter().product();
-    let values: Vec<f32> = (0..numel)
-        .map(|_| {
-            loop {
-                let v: f32 = rng.gen_range(-1.0..1.0);
-                if v.abs() >= 1e-3 {
-                    break v;
-                }
-            }
-        })
-        .collect();
-    Tensor::from_f32(dtype, shape, &values).unwrap()
-}
-
 /// `C = X·Wᵀ` in f64 (`[rows, N]`) and `Σ_k |x·w|` per element, the scale of
 /// the f32 accumulation error.
 fn reference_c(x: &[f64], w: &[f64], k: usize) -> (Vec<f64>, Vec<f64>) {
@@ -189,25 +157,12 @@ fn reference_c(x: &[f64], w: &[f64], k: usize) -> (Vec<f64>, Vec<f64>) {
     (c, abs)
 }
 
-/// Allowed |stored − reference| for a value accumulated over `k` terms with
-/// absolute-product sum `abs_sum`, then stored as `dtype`.
-fn tolerance(dtype: DType, reference: f64, abs_sum: f64, k: usize) -> f64 {
-    let accumulation = F32_TOL_PER_K * k as f64 * abs_sum;
-    let (units, roundoff, floor) = match dtype {
-        DType::F32 => return accumulation,
-        DType::BF16 => (BF16_TOL_UNITS, BF16_UNIT_ROUNDOFF, 0.0),
-        DType::F16 => (F16_TOL_UNITS, F16_UNIT_ROUNDOFF, F16_SUBNORMAL_HALF_STEP),
-        DType::U32 => unreachable!("floats only"),
-    };
-    units * roundoff * reference.abs() + (1.0 + roundoff) * accumulation + floor
-}
-
 fn run_case(seed: u64, dtype: DType, cache_dtype: DType) {
     let (draw, mut rng) = Draw::new(seed, dtype, cache_dtype);
     let ctx = format!("seed {:#x} ({} activations): {draw:?}", draw.seed, draw.dtype);
     let (b, s, k, n, q_dim) = (draw.batch, draw.seq, draw.k, draw.n(), draw.q_dim);
-    let hidden = random_tensor(&mut rng, dtype, &[b, s, k]);
-    let weight = random_tensor(&mut rng, dtype, &[n, k]);
+    let hidden = uniform_nonzero(&mut rng, dtype, &[b, s, k], 1e-3);
+    let weight = uniform_nonzero(&mut rng, dtype, &[n, k], 1e-3);
     let mut cache = draw.cache(&mut rng);
     let mut output = Tensor::zeros(dtype, &[b, s, q_dim]).unwrap();
     let poisoned = poison_all(&mut output, &mut cache);
@@ -246,7 +201,6 @@ fn run_case(seed: u64, dtype: DType, cache_dtype: DType) {
     assert_eq!(cache.cache_lengths(), lengths, "{ctx}: cache_lengths changed");
     assert_eq!(cache.lookup_table(), table, "{ctx}: lookup table changed");
 
-    let to_f64 = |t: &Tensor| -> Vec<f64> { t.to_f32_vec().unwrap().into_iter().map(f64::from).collect() };
     let (c, abs) = reference_c(&to_f64(&hidden), &to_f64(&weight), k);
 
     // Q: every row, padded or not.
@@ -254,7 +208,7 @@ fn run_case(seed: u64, dtype: DType, cache_dtype: DType) {
     for r in 0..b * s {
         for col in 0..q_dim {
             let (want, got) = (c[r * n + col], out[r * q_dim + col]);
-            let tol = tolerance(dtype, want, abs[r * n + col], k);
+            let tol = Tolerance::AgainstExact { dtype, k, abs_sum: abs[r * n + col] }.bound(got.into(), want);
             assert!(
                 got.is_finite() && (got as f64 - want).abs() <= tol,
                 "{ctx}: output[row {r}, {col}] = {got}, want {want} ± {tol}"
@@ -276,7 +230,8 @@ fn run_case(seed: u64, dtype: DType, cache_dtype: DType) {
                     for d in 0..draw.d {
                         let col = q_dim + kv * draw.kv_dim() + h * draw.d + d;
                         let want = c[r * n + col];
-                        let tol = tolerance(cache_dtype, want, abs[r * n + col], k);
+                        let rule = Tolerance::AgainstExact { dtype: cache_dtype, k, abs_sum: abs[r * n + col] };
+                        let tol = rule.bound(want, want);
                         let idx = block_index(&shape, [page, kv, draw.layer, slot, h, d]);
                         let dup = expected.insert(idx, Expect { value: want, tol });
                         assert!(dup.is_none(), "{ctx}: the test's page table collides");
@@ -314,7 +269,7 @@ fn random_f16_cases_match_the_f64_reference() {
 fn tolerances_are_tight_enough_to_tell_the_dtypes_apart() {
     // A value of 1 after one product: bf16 may be off by 2^-8, f16 by 2^-11
     // (plus the subnormal floor), f32 by 4·2^-24 only.
-    let tol = |dtype| tolerance(dtype, 1.0, 1.0, 1);
+    let tol = |dtype| Tolerance::AgainstExact { dtype, k: 1, abs_sum: 1.0 }.bound(1.0, 1.0);
     assert!(tol(DType::F32) < 3e-7);
     assert!(tol(DType::F16) < 5e-4 && tol(DType::F16) > tol(DType::F32));
     assert!(tol(DType::BF16) < 4e-3 && tol(DType::BF16) > tol(DType::F16));

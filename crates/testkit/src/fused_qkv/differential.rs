@@ -1,8 +1,8 @@
-//! One fused-QKV call, described as data ([`Problem`]), checked three ways
+//! One fused-QKV call, described as data ([`Call`]), checked three ways
 //! at once: against an independent model of the contract's validity rules,
 //! through the reference implementation, and through the JIT kernel.
 //!
-//! A problem may be valid or not: any shapes, lengths and page tables, plus
+//! A call may be valid or not: any shapes, lengths and page tables, plus
 //! at most one [`Tweak`] that breaks a shape, a dtype, contiguity or what the
 //! JIT kernel's spec baked in. [`check`] builds the buffers and asserts:
 //!
@@ -15,44 +15,35 @@
 //!   byte-identical afterwards.
 //! - **Accepted calls write exactly the contract.** The JIT's output and the
 //!   K/V elements the model says are written match a reference run within
-//!   the named tolerance (bit for bit for [`Values::Dyadic`]); every other
-//!   cache byte — the poisoned (NaN) unwritten slots, the other layers, and
-//!   the guard pages at both ends of the cache, filled with [`canary`] bytes
-//!   and named by no page-table entry — is unchanged, and so are the guard
-//!   regions around the output. Outputs are poisoned (NaN) before each run.
+//!   [`Tolerance::RelativeToScale`] ([`Tolerance::Exact`] for
+//!   [`Values::Dyadic`]); every other cache byte — the poisoned (NaN)
+//!   unwritten slots, the other layers, and the guard pages at both ends of
+//!   the cache, filled with [`canary`] bytes and named by no page-table
+//!   entry — is unchanged, and so are the guard regions around the output.
+//!   Outputs are poisoned (NaN) before each run.
 //!
 //! Inputs are only read; they are compared byte for byte after each run
 //! (an out-of-bounds *read* cannot be seen by a canary).
 //!
-//! Used by `tests/proptest_jit.rs` (proptest strategies) and by the
+//! Used by the op's `tests/proptest_jit.rs` (proptest strategies) and by the
 //! `op_call` fuzz target (`fuzz/fuzz_targets/op_call.rs`, `arbitrary`).
-#![allow(dead_code)]
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, LazyLock, Mutex};
 
-use half::{bf16, f16};
 use kvjit_core::{DType, PagedKVCacheCollection, Target, Tensor, UNASSIGNED_PAGE};
 use kvjit_jit::CaptureText;
 use kvjit_op_fused_qkv::{FusedQkvSpec, JitKernel, ReferenceKernel, reference};
 use kvjit_runtime::{DeviceContextPtr, Kernel};
+use rand::SeedableRng;
 use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
 
-use crate::common::{Guarded, Snapshot, block_index, canary, nan_bytes, poison, strided_view, unravel};
-
-/// f32 accumulation: `|jit − reference| ≤ F32_TOL_PER_K · K · max|x| · max|w|`
-/// (maxima over the finite values of the case). Both sides sum the same K
-/// products in different orders (the JIT with FMA and k-split partial sums);
-/// each order is within about 2^-24 of the partial sums per step, well
-/// inside 4 units of 2^-24 per term at the largest product.
-pub const F32_TOL_PER_K: f64 = 4.0 / (1u64 << 24) as f64;
-
-/// bf16/f16 results: on top of the f32 tolerance, this many units of the
-/// destination's spacing at the result's magnitude (two f32 sums within the
-/// f32 tolerance round, to nearest, at most one unit further apart).
-pub const ROUNDING_UNITS: f64 = 1.0;
+use crate::layout::{block_index, strided_view, unravel};
+use crate::poison::{Guarded, canary, nan_bytes, poison};
+use crate::snapshot::Snapshot;
+use crate::tolerance::Tolerance;
+use crate::values::{dyadic, max_abs_finite, uniform, with_specials};
 
 /// How input values are drawn.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -228,7 +219,7 @@ impl Tweak {
 
 /// One call, as data.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
-pub struct Problem {
+pub struct Call {
     /// Seed of the tensor values.
     pub seed: u64,
     /// Activation dtype (hidden state, weight, output).
@@ -281,7 +272,7 @@ pub struct Problem {
     pub entry: Entry,
 }
 
-impl Problem {
+impl Call {
     fn kv_dim(&self) -> usize {
         self.num_kv_heads * self.head_size
     }
@@ -338,37 +329,15 @@ fn cycled<T: Copy>(values: &[T], len: usize, default: T) -> Vec<T> {
     (0..len).map(|i| if values.is_empty() { default } else { values[i % values.len()] }).collect()
 }
 
-/// A special value (or a uniform one) of `dtype`.
-fn special(rng: &mut StdRng, dtype: DType) -> f32 {
-    let tiny = match dtype {
-        DType::F32 => f32::from_bits(3),
-        DType::BF16 => bf16::from_bits(5).to_f32(),
-        _ => f16::from_bits(7).to_f32(),
-    };
-    match rng.gen_range(0..6) {
-        0 => f32::NAN,
-        1 => f32::INFINITY,
-        2 => f32::NEG_INFINITY,
-        3 => -0.0,
-        4 => tiny * if rng.gen_bool(0.5) { 1.0 } else { -1.0 },
-        _ => rng.gen_range(-1.0..1.0),
+fn float_tensor(rng: &mut StdRng, dtype: DType, shape: &[usize], values: Values, denominator: i32) -> Tensor {
+    match values {
+        Values::Uniform => uniform(rng, dtype, shape),
+        Values::Dyadic => dyadic(rng, dtype, shape, denominator),
+        Values::Special => with_specials(rng, dtype, shape),
     }
 }
 
-fn float_tensor(rng: &mut StdRng, dtype: DType, shape: &[usize], values: Values, denominator: i32) -> Tensor {
-    let numel = shape.iter().product();
-    let data: Vec<f32> = (0..numel)
-        .map(|_| match values {
-            Values::Uniform => rng.gen_range(-1.0..1.0),
-            Values::Dyadic => rng.gen_range(-denominator..=denominator) as f32 / denominator as f32,
-            Values::Special if rng.gen_ratio(1, 8) => special(rng, dtype),
-            Values::Special => rng.gen_range(-1.0..1.0),
-        })
-        .collect();
-    Tensor::from_f32(dtype, shape, &data).expect("a float tensor")
-}
-
-/// A problem's buffers, before any call.
+/// A call's buffers, before any call.
 pub struct Built {
     /// `hidden_state`.
     pub hidden: Tensor,
@@ -388,7 +357,7 @@ pub struct Built {
 
 impl Built {
     /// Build the buffers of `p`.
-    pub fn new(p: &Problem) -> Self {
+    pub fn new(p: &Call) -> Self {
         let mut rng = StdRng::seed_from_u64(p.seed);
         let kv_dim = p.kv_dim();
         let n = p.q_dim + 2 * kv_dim;
@@ -646,59 +615,11 @@ pub fn jit_kernel(spec: FusedQkvSpec, weight: Option<Arc<Tensor>>) -> Arc<JitKer
 // Comparisons
 // ---------------------------------------------------------------------------
 
-/// The spacing of `dtype` values at magnitude `|v|`.
-fn ulp(dtype: DType, v: f64) -> f64 {
-    let a = v.abs();
-    match dtype {
-        DType::F32 => {
-            let r = a as f32;
-            f64::from(f32::from_bits(r.to_bits() + 1)) - f64::from(r)
-        }
-        DType::BF16 => {
-            let r = bf16::from_f64(a);
-            bf16::from_bits(r.to_bits() + 1).to_f64() - r.to_f64()
-        }
-        _ => {
-            let r = f16::from_f64(a);
-            f16::from_bits(r.to_bits() + 1).to_f64() - r.to_f64()
-        }
-    }
-}
-
-fn max_finite(dtype: DType) -> f64 {
-    match dtype {
-        DType::F32 => f64::from(f32::MAX),
-        DType::BF16 => bf16::MAX.to_f64(),
-        _ => f16::MAX.to_f64(),
-    }
-}
-
-/// JIT value `got` against reference value `want`, both of `dtype`.
+/// JIT value `got` against reference value `want`, both of `dtype`: bit for
+/// bit when `exact`, else within [`Tolerance::RelativeToScale`].
 fn close(dtype: DType, k: usize, scale: f64, exact: bool, got: f32, want: f32) -> bool {
-    if want.is_nan() || got.is_nan() {
-        return want.is_nan() && got.is_nan();
-    }
-    if exact {
-        return got.to_bits() == want.to_bits();
-    }
-    let (g, w) = (f64::from(got), f64::from(want));
-    let tol = F32_TOL_PER_K * k as f64 * scale
-        + if dtype == DType::F32 {
-            0.0
-        } else {
-            ROUNDING_UNITS * ulp(dtype, g.abs().max(w.abs()).min(max_finite(dtype)))
-        };
-    if want.is_infinite() || got.is_infinite() {
-        // Equal infinities; or rounding to a narrow dtype that overflowed on
-        // one side only, from a sum within the tolerance of its largest value.
-        let finite = if want.is_infinite() { g } else { w };
-        return got == want || (got.signum() == want.signum() && finite.abs() + tol >= max_finite(dtype));
-    }
-    (g - w).abs() <= tol
-}
-
-fn max_abs_finite(t: &Tensor) -> f64 {
-    t.to_f32_vec().unwrap().iter().filter(|v| v.is_finite()).fold(0f64, |m, &v| m.max(f64::from(v).abs()))
+    let tolerance = if exact { Tolerance::Exact } else { Tolerance::RelativeToScale { dtype, k, scale } };
+    tolerance.allows(f64::from(got), f64::from(want))
 }
 
 fn widen(dtype: DType, bytes: &[u8]) -> Vec<f32> {
@@ -712,7 +633,7 @@ fn widen(dtype: DType, bytes: &[u8]) -> Vec<f32> {
 /// Build `p`, run it through the model, the reference and the JIT kernel,
 /// and assert everything the module docs list. Panics with the problem and
 /// what went wrong.
-pub fn check(p: &Problem) {
+pub fn check(p: &Call) {
     let built = Built::new(p);
     let inputs_before = built.input_bytes();
     let model = model_call(&built.hidden, &built.weight, &built.cache, &built.layer_idx, &built.valid);
@@ -840,7 +761,7 @@ pub fn check(p: &Problem) {
 /// The reference's cache differs from the prepared one exactly at elements
 /// the model says are written (or, where it wrote the poison value back,
 /// nowhere else), and its lengths, table and scalars are unchanged.
-fn assert_writes_only(p: &Problem, built: &Built, cache: &PagedKVCacheCollection, m: &ModelCall, who: &str) {
+fn assert_writes_only(p: &Call, built: &Built, cache: &PagedKVCacheCollection, m: &ModelCall, who: &str) {
     let size = p.cache_dtype.size_bytes();
     let (now, was) = (cache.blocks().as_bytes(), built.cache.blocks().as_bytes());
     let mut written = vec![false; now.len() / size];
@@ -866,7 +787,7 @@ fn assert_writes_only(p: &Problem, built: &Built, cache: &PagedKVCacheCollection
 
 /// A JIT run's output bytes and cache against the reference's.
 fn assert_same_result(
-    p: &Problem,
+    p: &Call,
     built: &Built,
     written: &[usize],
     output: &[u8],

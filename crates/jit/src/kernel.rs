@@ -1,0 +1,239 @@
+//! The one ABI every kvjit CPU kernel is compiled for, the process-wide
+//! registry of compiled kernels, the seen-shape specialization policy, and
+//! the one place JIT code is called.
+//!
+//! **The kernel ABI.** Every kernel is
+//! `extern "C" fn(args: *const u64, begin: i64, end: i64)` (System V): `args`
+//! points at the call's argument words — buffer addresses and run-time
+//! sizes, in the order the op's emitter reads them with
+//! [`KernelParams::arg`] — and `[begin, end)` is the range of work items
+//! (weight panels, heads, …) this invocation computes. One signature for
+//! every op means one typed entry point ([`launch`]) instead of a
+//! `transmute` per op, and the split of work over the worker pool lives here
+//! once: [`launch`] cuts `0..items` into one contiguous range per worker of
+//! the context's pool.
+//!
+//! **The registry.** [`kernels`] is the process-wide [`KernelCache`]: one
+//! compiled kernel per [`KernelKey`], shared by every node, graph and thread
+//! while anyone holds it, freed with its last user; [`compile_log`] lists
+//! every compile and its cause (also a `tracing` event).
+//!
+//! **The seen-shape policy.** A kernel whose key leaves dims symbolic can ask
+//! [`SeenShapes`] for code specialized to the dims of each call, compiled on
+//! first sight (at most [`MAX_SEEN_SHAPES`] per kernel) and cached in the
+//! registry like any other key.
+
+use std::collections::HashMap;
+use std::sync::{Arc, LazyLock, Mutex, PoisonError};
+
+use cranelift_codegen::ir::{InstBuilder, Value, types};
+use cranelift_frontend::FunctionBuilder;
+use kvjit_core::KernelKey;
+use kvjit_runtime::DeviceContextPtr;
+
+use crate::ir::mem;
+use crate::{CaptureText, CompileCause, CompileRecord, JitError, JitFunction, KernelCache, compile_function};
+
+/// The parameters of a kernel's entry block: where its argument words are,
+/// and the range of work items this invocation computes.
+#[derive(Clone, Copy, Debug)]
+pub struct KernelParams {
+    /// Address of the argument words (`*const u64`).
+    pub args: Value,
+    /// First work item (inclusive), an `i64`.
+    pub begin: Value,
+    /// Last work item (exclusive), an `i64`.
+    pub end: Value,
+}
+
+impl KernelParams {
+    /// Load argument word `index` (an address or a size) as an `i64`.
+    pub fn arg(&self, b: &mut FunctionBuilder, index: usize) -> Value {
+        let offset = i32::try_from(index * 8).expect("a kernel has a handful of argument words");
+        b.ins().load(types::I64, mem().with_readonly(), self.args, offset)
+    }
+}
+
+/// Compile a kernel for `key` with the kernel ABI. `build` emits the body
+/// from the entry block (the `return` is appended after it).
+pub fn compile_kernel(
+    key: &KernelKey,
+    capture: CaptureText,
+    build: impl FnOnce(&mut FunctionBuilder, KernelParams),
+) -> Result<JitFunction, JitError> {
+    let ptr = crate::pointer_type();
+    let mut function = compile_function(&key.symbol(), &[ptr, types::I64, types::I64], &[], capture, |b, params| {
+        let &[args, begin, end] = params else { unreachable!("the kernel ABI has three parameters") };
+        build(b, KernelParams { args, begin, end });
+        b.ins().return_(&[]);
+    })?;
+    function.kernel_abi = true;
+    Ok(function)
+}
+
+/// The machine-code type of every kernel (see the module docs).
+type KernelEntry = unsafe extern "C" fn(args: *const u64, begin: i64, end: i64);
+
+/// Run `code` over the work items `0..items`, one contiguous range per
+/// worker of `ctx`'s CPU pool (inline when it has one worker or there is at
+/// most one item; a non-CPU context runs inline too). Returns when every
+/// range is done.
+///
+/// Which range a worker gets never changes what an item computes, so results
+/// do not depend on the number of threads as long as the kernel computes each
+/// item the same way wherever it runs.
+///
+/// # Safety
+///
+/// `code` must come from [`compile_kernel`] for an op whose emitter reads its
+/// argument words in the layout `args` follows, and for every range inside
+/// `0..items` every load and store the code makes must be inside the buffers
+/// `args` points to, with different ranges writing disjoint memory. Callers
+/// state which validation established that (for kvjit's ops: the op's
+/// argument check, run before any kernel writes).
+pub unsafe fn launch(code: &JitFunction, args: &[u64], items: usize, ctx: &DeviceContextPtr) {
+    assert!(code.kernel_abi, "{} was not compiled with the kernel ABI", code.name());
+    // SAFETY: `compile_kernel` compiled `code` with exactly this signature
+    // (pointer, i64, i64; System V) — checked by the flag above — and `code`
+    // outlives every call below (they end before this function returns).
+    let entry = unsafe { std::mem::transmute::<*const u8, KernelEntry>(code.entry()) };
+    let run = |begin: usize, end: usize| {
+        // SAFETY: the caller guarantees every access of the code for a range
+        // inside 0..items stays inside the buffers of `args`, and that ranges
+        // write disjoint memory; `args` is borrowed for the whole call.
+        unsafe { entry(args.as_ptr(), begin as i64, end as i64) }
+    };
+    let threads = ctx.cpu_context().map_or(1, |c| c.threads()).min(items).max(1);
+    match ctx.cpu_context() {
+        Some(cpu) if threads > 1 => cpu.pool().scope(|s| {
+            for t in 0..threads {
+                let (begin, end) = (items * t / threads, items * (t + 1) / threads);
+                s.spawn(move |_| run(begin, end));
+            }
+        }),
+        _ => run(0, items),
+    }
+}
+
+/// Every compiled CPU kernel in the process, by key.
+static KERNELS: LazyLock<KernelCache<JitFunction>> = LazyLock::new(KernelCache::new);
+
+/// The process-wide kernel registry (see the module docs).
+pub fn kernels() -> &'static KernelCache<JitFunction> {
+    &KERNELS
+}
+
+/// Every CPU kernel compiled in this process so far and why, oldest first.
+pub fn compile_log() -> Vec<CompileRecord> {
+    KERNELS.log()
+}
+
+/// Shapes a generic kernel specializes for, at most, under the seen-shape
+/// policy (beyond that it runs its generic code).
+pub const MAX_SEEN_SHAPES: usize = 16;
+
+/// The seen-shape policy of one generic kernel: code specialized for each set
+/// of run-time dims it has run with, compiled on first sight.
+#[derive(Default)]
+pub struct SeenShapes {
+    compiled: Mutex<HashMap<Vec<usize>, Arc<JitFunction>>>,
+}
+
+impl SeenShapes {
+    /// An empty policy.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The code for a call with the run-time `dims` (named, e.g.
+    /// `[("B", 4), ("S", 1)]`): the specialized kernel for them (compiled
+    /// through the registry on first sight, `key` naming it and `compile`
+    /// making it; the log's cause reads `B=4, S=1 for <generic_key>`), or
+    /// `generic` once [`MAX_SEEN_SHAPES`] shapes have been specialized or
+    /// when the compile fails (logged).
+    pub fn code_for(
+        &self,
+        dims: &[(&str, usize)],
+        generic: (&Arc<JitFunction>, &KernelKey),
+        key: &KernelKey,
+        compile: impl FnOnce() -> Result<JitFunction, JitError>,
+    ) -> Arc<JitFunction> {
+        let (generic, generic_key) = generic;
+        let sizes: Vec<usize> = dims.iter().map(|&(_, size)| size).collect();
+        let mut compiled = self.compiled.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(code) = compiled.get(&sizes) {
+            return code.clone();
+        }
+        if compiled.len() >= MAX_SEEN_SHAPES {
+            return generic.clone();
+        }
+        let named: Vec<String> = dims.iter().map(|(name, size)| format!("{name}={size}")).collect();
+        let cause = CompileCause::ShapeSeen(format!("{} for {generic_key}", named.join(", ")));
+        match KERNELS.get_or_compile(key, cause, compile) {
+            Ok(code) => {
+                compiled.insert(sizes, code.clone());
+                code
+            }
+            Err(error) => {
+                tracing::warn!(%error, %key, "specializing for a seen shape failed; running the generic kernel");
+                generic.clone()
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicI64, Ordering};
+
+    use kvjit_core::{DType, Target};
+
+    use super::*;
+
+    /// `out[i] = args[1] + i` for every item i of the range (args[0] = out).
+    fn fill_kernel(name: &str) -> JitFunction {
+        let key = KernelKey::new(name, Target::Cpu, DType::U32);
+        compile_kernel(&key, CaptureText::default(), |b, p| {
+            let out = p.arg(b, 0);
+            let base = p.arg(b, 1);
+            crate::ir::counted_loop(b, p.begin, p.end, 1, &[], |b, i, _| {
+                let value = b.ins().iadd(base, i);
+                let at = b.ins().ishl_imm_u(i, 3);
+                let at = b.ins().iadd(out, at);
+                b.ins().store(mem(), value, at, 0);
+                Vec::new()
+            });
+        })
+        .unwrap()
+    }
+
+    #[test]
+    fn launch_covers_every_item_once_for_any_thread_count() {
+        let code = fill_kernel("fill_test");
+        for threads in [1, 2, 3, 8] {
+            let ctx = DeviceContextPtr::cpu(threads).unwrap();
+            for items in [0, 1, 2, 7, 64] {
+                let out: Vec<AtomicI64> = (0..items + 2).map(|_| AtomicI64::new(-1)).collect();
+                let args = [out.as_ptr() as u64, 100];
+                // SAFETY: the kernel writes out[i] for i in its range, and
+                // every range is inside 0..items < out.len().
+                unsafe { launch(&code, &args, items, &ctx) };
+                let got: Vec<i64> = out.iter().map(|v| v.load(Ordering::SeqCst)).collect();
+                let mut want: Vec<i64> = (0..items as i64).map(|i| 100 + i).collect();
+                want.extend([-1, -1]);
+                assert_eq!(got, want, "{threads} threads, {items} items");
+            }
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "was not compiled with the kernel ABI")]
+    fn launch_refuses_a_function_of_another_signature() {
+        let f = compile_function("other", &[types::I64], &[], CaptureText::default(), |b, _| {
+            b.ins().return_(&[]);
+        })
+        .unwrap();
+        // SAFETY: refused before any call.
+        unsafe { launch(&f, &[], 1, &DeviceContextPtr::cpu(1).unwrap()) };
+    }
+}
