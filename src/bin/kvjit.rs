@@ -278,7 +278,7 @@ fn inspect(
 
 /// Every JIT compile this process made, with its cause.
 fn print_compile_log() {
-    let log = kvjit::fused_qkv::cpu_jit::compile_log();
+    let log = kvjit::compile_log();
     if log.is_empty() {
         return;
     }

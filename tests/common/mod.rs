@@ -1,6 +1,6 @@
 //! Helpers shared by the integration tests: the registry and the graphs the
-//! tests run, and a reference interpreter for graphs of fused-QKV nodes (the
-//! "expected" side of every numeric check). The byte-level comparisons of
+//! tests run, and a reference interpreter for graphs of any registered ops
+//! (the "expected" side of every numeric check). The byte-level comparisons of
 //! outputs and caches, and the `Tensors` / `Caches` maps, are the test kit's
 //! (`kvjit_testkit::snapshot`).
 //!
@@ -11,16 +11,16 @@
 // Each test binary includes this module and uses a different subset of it.
 #![allow(dead_code)]
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 use kvjit::demo::LayerConfig;
 use kvjit::fused_qkv::OP_NAME;
-use kvjit::fused_qkv::reference::fused_qkv_matmul;
 use kvjit::{
-    CompileOptions, DType, DeviceContextPtr, Dim, Executable, Executor, Graph, GraphBuilder, KvCacheType, ParamValue,
-    Params, Registry, RunOutput, Tensor, ValueId, compile,
+    BuildOptions, CompileOptions, DType, DeviceContextPtr, Dim, Executable, Executor, Graph, GraphBuilder, KernelImpl,
+    KvCacheType, PagedKVCacheCollection, ParamValue, Params, Registry, RunOutput, Target, Tensor, ValueId, compile,
+    specialize,
 };
-use kvjit_graph::ValueDef;
+use kvjit_graph::{ArgKind, ValueDef};
 use kvjit_testkit::{Caches, Tensors};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
@@ -132,10 +132,15 @@ pub fn constant_data(graph: &Graph, name: &str) -> Tensor {
     }
 }
 
-/// Run a graph of fused-QKV nodes with the plain reference implementation,
-/// node by node in graph order, writing `caches` in place: the expected side
-/// of every numeric check.
+/// Run a graph of any registered ops with their plain reference
+/// implementations, node by node in graph order (views made by reshaping),
+/// writing `caches` in place: the expected side of every numeric check. The
+/// ops' signatures say which inputs are tensors and which are caches.
 pub fn reference_run(graph: &Graph, inputs: &Tensors, caches: &mut Caches) -> Tensors {
+    let registry = kvjit::standard_registry();
+    let specialized = specialize(graph, registry.ops(), Target::Cpu, &BTreeMap::new()).expect("the graph specializes");
+    let options = BuildOptions { implementation: KernelImpl::Reference, ..BuildOptions::default() };
+    let ctx = DeviceContextPtr::cpu(1).expect("a CPU context starts");
     let mut produced: HashMap<ValueId, Tensor> = HashMap::new();
     let tensor = |id: ValueId, produced: &HashMap<ValueId, Tensor>| -> Tensor {
         let value = graph.value(id);
@@ -149,22 +154,39 @@ pub fn reference_run(graph: &Graph, inputs: &Tensors, caches: &mut Caches) -> Te
             ValueDef::KvCache => panic!("{id} is a cache, not a tensor"),
         }
     };
-    for node in graph.nodes() {
-        assert_eq!(node.op, OP_NAME, "the reference interpreter runs fused-QKV nodes only");
-        let [hidden, weight, cache, layer_idx, valid] = node.inputs[..] else {
-            panic!("node {} has {} inputs", node.id, node.inputs.len());
-        };
-        let hidden = tensor(hidden, &produced);
-        let weight = tensor(weight, &produced);
-        let layer_idx = tensor(layer_idx, &produced);
-        let valid = tensor(valid, &produced);
-        let cache_name = graph.value(cache).name.clone().expect("caches are named");
-        let cache = caches.get_mut(&cache_name).unwrap_or_else(|| panic!("no cache '{cache_name}'"));
-        let q_dim = weight.shape()[0] - 2 * cache.params().kv_dim();
-        let mut output = Tensor::zeros(hidden.dtype(), &[hidden.shape()[0], hidden.shape()[1], q_dim]).unwrap();
-        fused_qkv_matmul(&hidden, &weight, cache, &layer_idx, &valid, &mut output)
+    for (node, key) in graph.nodes().iter().zip(specialized.kernel_keys()) {
+        let op = registry.ops().get(&node.op).expect("a registered op");
+        let kernel = registry.kernel_builder(op.name()).unwrap().build(key, &[], &options).expect("a reference kernel");
+        let mut args = Vec::new();
+        let mut cache_names = Vec::new();
+        for (spec, &value) in op.inputs().iter().zip(&node.inputs) {
+            match spec.kind {
+                ArgKind::Tensor => args.push(tensor(value, &produced)),
+                ArgKind::KvCache => cache_names.push(graph.value(value).name.clone().expect("caches are named")),
+            }
+        }
+        let mut node_caches: Vec<PagedKVCacheCollection> =
+            cache_names.iter().map(|name| caches.remove(name).unwrap_or_else(|| panic!("no cache '{name}'"))).collect();
+        let arg_refs: Vec<&Tensor> = args.iter().collect();
+        let specs = kernel
+            .check(&arg_refs, &node_caches.iter().collect::<Vec<_>>())
             .unwrap_or_else(|e| panic!("reference rejected node {}: {e}", node.id));
-        produced.insert(node.outputs[0], output);
+        let outputs = if kernel.is_view() {
+            vec![args[0].reshaped(&specs[0].1).expect("a checked view")]
+        } else {
+            let mut outputs: Vec<Tensor> = specs.iter().map(|(d, s)| Tensor::zeros(*d, s).unwrap()).collect();
+            let mut cache_refs: Vec<&mut PagedKVCacheCollection> = node_caches.iter_mut().collect();
+            kernel
+                .run(&arg_refs, &mut cache_refs, &mut outputs, &ctx)
+                .unwrap_or_else(|e| panic!("reference rejected node {}: {e}", node.id));
+            outputs
+        };
+        for (name, cache) in cache_names.into_iter().zip(node_caches) {
+            caches.insert(name, cache);
+        }
+        for (&value, output) in node.outputs.iter().zip(outputs) {
+            produced.insert(value, output);
+        }
     }
     graph.outputs().iter().map(|o| (o.name.clone(), tensor(o.value, &produced))).collect()
 }

@@ -2,7 +2,7 @@
 //!
 //! - [`host_isa`]: the host's ISA with the features `cranelift_native` detects
 //!   (AVX2/FMA on x86-64; without them an F32X4 `fma` would become libcalls).
-//! - [`compile_function`]: build one function with a [`FunctionBuilder`]
+//! - [`compile_function`]: build one function with a [`FunctionBuilder`](cranelift_frontend::FunctionBuilder)
 //!   closure and JIT it into its own module; the returned [`JitFunction`] owns
 //!   the machine code and frees it when dropped.
 //! - [`ir`]: IR-building helpers — counted loops and dtype-converting vector

@@ -54,7 +54,7 @@ impl MemoryEstimate {
 
     /// Estimate for a (specialized) graph built for `target` with `build`:
     /// constants once, plus once more for each node whose fast CPU kernel
-    /// keeps a packed copy of it ([`OpDef::packed_constant_inputs`]); outputs
+    /// keeps a packed copy of it ([`OpDef::packed_constant_inputs`](kvjit_graph::OpDef::packed_constant_inputs)); outputs
     /// of view ops (a reshape) share their input's storage and count nothing.
     pub fn of(graph: &Graph, registry: &Registry, target: Target, build: &BuildOptions) -> Self {
         let packs = target == Target::Cpu && build.implementation == kvjit_runtime::KernelImpl::Fast;

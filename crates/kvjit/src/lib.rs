@@ -44,6 +44,7 @@ pub use kvjit_graph::{
     Dim, Graph, GraphBuilder, GraphError, KvCacheType, OpRegistry, ParamValue, Params, RandomInit, SpecializedGraph,
     TensorType, ValueDef, ValueId, graph_from_json, graph_to_json, load_graph, save_graph, specialize,
 };
+pub use kvjit_jit::{CompileCause, CompileRecord, compile_log};
 pub use kvjit_op_fused_qkv as fused_qkv;
 pub use kvjit_op_reshape as reshape;
 

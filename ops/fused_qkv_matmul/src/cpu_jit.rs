@@ -23,7 +23,7 @@
 //! call with the same code whatever the thread count, so results are
 //! bit-identical for any number of threads.
 //!
-//! The micro-kernel ([`emit_tile`]) is one swappable piece: a wider tier
+//! The micro-kernel (`Emitter::emit_tile`) is one swappable piece: a wider tier
 //! replaces it without touching packing, scheduling or the epilogue.
 
 use std::sync::Arc;

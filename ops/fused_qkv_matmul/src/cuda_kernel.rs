@@ -24,7 +24,7 @@
 //! The device loads the newest image not newer than itself.
 //!
 //! **A call.** `run` validates exactly as the CPU kernels do
-//! ([`check_against_spec`], [`check_output`]), computes each row's cache
+//! (`check_against_spec`, `check_output`), computes each row's cache
 //! offset on the host with [`cache_row_offsets`] (the pass that checks the
 //! page table), and only then touches the device: upload X (and W unless it
 //! is the graph constant, which is uploaded once per device), launch the

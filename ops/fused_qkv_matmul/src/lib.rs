@@ -11,7 +11,7 @@
 //! Everything about the op lives here: its IR definition ([`FusedQkvOp`],
 //! parameters, shape rules, kernel key), the run-time argument check every
 //! target shares ([`check_call`]), the plain reference implementation
-//! ([`reference`]), and its kernels.
+//! ([`reference`](mod@reference)), and its kernels.
 
 mod call;
 pub mod cpu_jit;
