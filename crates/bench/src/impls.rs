@@ -25,8 +25,8 @@ use std::sync::Arc;
 use half::slice::HalfFloatSliceExt;
 use kvjit_core::{DType, PagedKVCacheCollection, TensorData};
 use kvjit_jit::CaptureText;
-use kvjit_op_fused_qkv::JitKernel;
 use kvjit_op_fused_qkv::reference::fused_qkv_matmul;
+use kvjit_op_fused_qkv::{JitKernel, QkvArgs};
 use kvjit_runtime::{DeviceContextPtr, RuntimeError};
 
 use super::problem::{ModelShape, Problem, Weights, convert_to_f32};
@@ -92,7 +92,11 @@ impl Implementation {
 }
 
 fn jit_error(e: kvjit_jit::JitError) -> Error {
-    Error::Runtime(RuntimeError::Plan(format!("JIT compile failed: {e}")))
+    let key = match &e {
+        kvjit_jit::JitError::Unsupported { key, .. } => key.clone(),
+        _ => "a benchmark kernel".into(),
+    };
+    Error::Runtime(RuntimeError::Compile { key, source: Box::new(e) })
 }
 
 /// JIT kernels for one spec, one per weight layer (they share one compiled
@@ -181,7 +185,17 @@ impl Runner {
         match &mut self.state {
             State::Jit(kernels) => {
                 let out = p.output.as_bytes_mut();
-                kernels[l].run_into(&p.hidden, weight, &mut p.cache, &p.layer, &p.valid, out, ctx)?;
+                kernels[l].run_into(
+                    QkvArgs {
+                        hidden_state: &p.hidden,
+                        weight,
+                        kv_collection: &mut p.cache,
+                        layer_idx: &p.layer,
+                        valid_lengths: &p.valid,
+                    },
+                    out,
+                    ctx,
+                )?;
             }
             State::Reference => {
                 fused_qkv_matmul(&p.hidden, weight, &mut p.cache, &p.layer, &p.valid, &mut p.output)?;

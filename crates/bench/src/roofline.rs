@@ -14,9 +14,10 @@
 //! `min(FMA rate, bandwidth · F/B)`. Small M is bandwidth-bound (the weight
 //! dominates the bytes), large M FMA-bound.
 
+use kvjit_core::{DType, KernelKey, Target};
 use kvjit_jit::cranelift_codegen::ir::{InstBuilder, types};
 use kvjit_jit::ir::{mem, splat_f32};
-use kvjit_jit::{CaptureText, JitFunction, compile_function};
+use kvjit_jit::{CaptureText, JitFunction, compile_kernel};
 use kvjit_runtime::{DeviceContextPtr, RuntimeError};
 use rayon::prelude::*;
 
@@ -56,8 +57,6 @@ impl ReadProbe {
     }
 }
 
-type FmaFn = unsafe extern "C" fn(iterations: i64, out: *mut f32);
-
 /// A JIT-compiled F32X4 FMA loop run on every thread of a CPU context.
 pub struct FmaProbe {
     code: JitFunction,
@@ -66,11 +65,14 @@ pub struct FmaProbe {
 
 impl FmaProbe {
     /// Compile the loop; each thread runs `iterations` iterations per call.
+    /// It is a kernel of the common ABI (argument words: iterations, the
+    /// output address; one work item per thread, each storing one F32X4).
     pub fn new(iterations: usize) -> Result<Self> {
-        let ptr = kvjit_jit::pointer_type();
-        let code =
-            compile_function("kvjit_bench_fma_probe", &[types::I64, ptr], &[], CaptureText::default(), |b, args| {
-                let (iterations, out) = (args[0], args[1]);
+        let key = KernelKey::new("bench_fma_probe", Target::Cpu, DType::F32);
+        let code = compile_kernel(&key, CaptureText::default(), |b, params| {
+            let iterations = params.arg(b, 0);
+            let out = params.arg(b, 1);
+            kvjit_jit::ir::counted_loop(b, params.begin, params.end, 1, &[], |b, item, _| {
                 // acc ← acc·m + c stays bounded (m < 1) and never denormal.
                 let m = splat_f32(b, 0.999_999);
                 let c = splat_f32(b, 1e-6);
@@ -86,10 +88,13 @@ impl FmaProbe {
                     accs
                 });
                 let total = accs.into_iter().reduce(|a, v| b.ins().fadd(a, v)).expect("at least one accumulator");
-                b.ins().store(mem(), total, out, 0);
-                b.ins().return_(&[]);
-            })
-            .map_err(|e| Error::Runtime(RuntimeError::Plan(format!("FMA probe: {e}"))))?;
+                let offset = b.ins().imul_imm_s(item, 16);
+                let at = b.ins().iadd(out, offset);
+                b.ins().store(mem(), total, at, 0);
+                Vec::new()
+            });
+        })
+        .map_err(|e| Error::Runtime(RuntimeError::Compile { key: key.to_string(), source: Box::new(e) }))?;
         Ok(Self { code, iterations: iterations.max(1) as i64 })
     }
 
@@ -100,21 +105,14 @@ impl FmaProbe {
 
     /// Run the loop once on every thread of the pool, concurrently.
     pub fn run(&self, ctx: &DeviceContextPtr) -> Result<f32> {
-        let pool = pool_of(ctx)?;
-        let threads = pool.current_num_threads();
+        let threads = pool_of(ctx)?.current_num_threads();
         let mut out = vec![0f32; 4 * threads];
-        // SAFETY: the code was compiled just above with signature
-        // (i64, pointer) -> () in the System V convention; `self.code` keeps
-        // it alive for the whole call.
-        let f: FmaFn = unsafe { std::mem::transmute::<*const u8, FmaFn>(self.code.entry()) };
-        let iterations = self.iterations;
-        pool.scope(|s| {
-            for slot in out.chunks_mut(4) {
-                // SAFETY: the function stores one F32X4 (16 bytes) at `out`,
-                // and each thread gets its own 4-float chunk.
-                s.spawn(move |_| unsafe { f(iterations, slot.as_mut_ptr()) });
-            }
-        });
+        let args = [self.iterations as u64, out.as_mut_ptr() as u64];
+        // SAFETY: the probe was compiled with the kernel ABI reading
+        // (iterations, out) and stores one F32X4 at `out + 16·item` for each
+        // item of its range; items are 0..threads and `out` holds 4·threads
+        // floats, so ranges write disjoint, in-bounds memory.
+        unsafe { kvjit_jit::launch(&self.code, &args, threads, ctx) };
         Ok(out.iter().sum())
     }
 }

@@ -9,6 +9,23 @@ use std::collections::HashMap;
 
 use kvjit_core::{DType, Error, PagedKVCacheCollection, Result, Tensor};
 
+/// The op's arguments for one call, by name (what [`JitKernel::run_into`]
+/// takes; `Kernel::run` takes them as slices in this order).
+///
+/// [`JitKernel::run_into`]: crate::JitKernel::run_into
+pub struct QkvArgs<'a> {
+    /// `[B, S, K]`, the compute dtype.
+    pub hidden_state: &'a Tensor,
+    /// `[N, K]`, the compute dtype.
+    pub weight: &'a Tensor,
+    /// The paged cache K and V are written into.
+    pub kv_collection: &'a mut PagedKVCacheCollection,
+    /// u32 scalar.
+    pub layer_idx: &'a Tensor,
+    /// u32 `[B]`.
+    pub valid_lengths: &'a Tensor,
+}
+
 /// The sizes of one validated call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CallShape {

@@ -38,7 +38,7 @@ use kvjit_runtime::{CodeInfo, DeviceContextPtr, Kernel, OutputSpec};
 
 use crate::call::cache_row_offsets;
 use crate::kernel::{check_against_spec, checked_call, same_data};
-use crate::{CallShape, FusedQkvSpec};
+use crate::{CallShape, FusedQkvSpec, QkvArgs};
 
 /// Columns per weight panel (two F32X4 vectors).
 pub const NR: usize = 8;
@@ -559,15 +559,14 @@ impl Kernel for JitKernel {
         ctx: &DeviceContextPtr,
     ) -> Result<()> {
         let call = checked_call(&self.spec, inputs, caches, outputs)?;
-        self.launch(
-            &call.shape,
-            call.hidden,
-            call.weight,
-            call.cache,
-            call.valid_lengths,
-            call.output.as_bytes_mut(),
-            ctx,
-        )
+        let args = QkvArgs {
+            hidden_state: call.hidden,
+            weight: call.weight,
+            kv_collection: call.cache,
+            layer_idx: call.layer_idx,
+            valid_lengths: call.valid_lengths,
+        };
+        self.launch(&call.shape, args, call.output.as_bytes_mut(), ctx)
     }
 }
 
@@ -576,18 +575,9 @@ impl JitKernel {
     /// elements of the dtype), so callers — tests with guard regions around
     /// the output, benchmarks reusing a buffer — choose where it lives.
     /// Validates everything first, like [`Kernel::run`].
-    #[allow(clippy::too_many_arguments)] // the op's five arguments plus the output and context
-    pub fn run_into(
-        &self,
-        hidden: &Tensor,
-        weight: &Tensor,
-        cache: &mut PagedKVCacheCollection,
-        layer_idx: &Tensor,
-        valid_lengths: &Tensor,
-        output: &mut [u8],
-        ctx: &DeviceContextPtr,
-    ) -> Result<()> {
-        let shape = check_against_spec(&self.spec, &[hidden, weight, layer_idx, valid_lengths], &[&*cache])?;
+    pub fn run_into(&self, args: QkvArgs<'_>, output: &mut [u8], ctx: &DeviceContextPtr) -> Result<()> {
+        let inputs = [args.hidden_state, args.weight, args.layer_idx, args.valid_lengths];
+        let shape = check_against_spec(&self.spec, &inputs, &[&*args.kv_collection])?;
         let expected = shape.batch * shape.seq * shape.q_dim * self.spec.dtype.size_bytes();
         if output.len() != expected {
             return Err(Error::ByteCount {
@@ -597,25 +587,16 @@ impl JitKernel {
                 got: output.len(),
             });
         }
-        self.launch(&shape, hidden, weight, cache, valid_lengths, output, ctx)
+        self.launch(&shape, args, output, ctx)
     }
 
     /// Run a validated call: `shape` came from `check_against_spec` on
     /// exactly these arguments and `output` holds `B·S·q_dim` elements.
-    #[allow(clippy::too_many_arguments)] // a validated call's pieces
-    fn launch(
-        &self,
-        shape: &CallShape,
-        hidden: &Tensor,
-        weight: &Tensor,
-        cache: &mut PagedKVCacheCollection,
-        valid_lengths: &Tensor,
-        output: &mut [u8],
-        ctx: &DeviceContextPtr,
-    ) -> Result<()> {
+    fn launch(&self, shape: &CallShape, args: QkvArgs<'_>, output: &mut [u8], ctx: &DeviceContextPtr) -> Result<()> {
         let shape = *shape;
+        let QkvArgs { hidden_state, weight, kv_collection: cache, valid_lengths, .. } = args;
         let row_offsets = cache_row_offsets(&shape, cache, valid_lengths)?;
-        let x = hidden_as_f32(hidden);
+        let x = hidden_as_f32(hidden_state);
         let packed_now;
         let packed = match &self.constant_weight {
             Some(constant) if same_data(&constant.weight, weight) => &constant.packed,

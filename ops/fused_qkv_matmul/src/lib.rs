@@ -22,7 +22,7 @@ mod kernel;
 pub mod reference;
 mod spec;
 
-pub use call::{CallShape, cache_row_offsets, check_call};
+pub use call::{CallShape, QkvArgs, cache_row_offsets, check_call};
 pub use cpu_jit::JitKernel;
 pub use cuda_kernel::CudaKernel;
 pub use def::{FusedQkvOp, FusedQkvParams, OP_ALIAS, OP_NAME, fused_qkv_matmul};

@@ -100,3 +100,27 @@ fn fresh_contexts_and_dropped_kernels_give_their_device_memory_back() {
     drop(ctx);
     assert_eq!(live_device_bytes(), baseline, "the context's resident cache copy stayed");
 }
+
+/// The device copy of a cache is uploaded once, stays current across the
+/// kernel's own writes (mirrored into the host), and is uploaded again after
+/// any other write to the host blocks — what a device reader of the cache
+/// (attention) relies on.
+#[test]
+fn the_device_cache_is_uploaded_again_only_after_a_host_write() {
+    let Some(ctx) = cuda_or_skip() else { return };
+    let device = ctx.cuda_context().expect("a CUDA context").device().clone();
+    let p = problem();
+    let kernel = CudaKernel::new(p.spec, Some(p.inputs[1].clone())).unwrap();
+    let inputs: Vec<&Tensor> = p.inputs.iter().map(|t| &**t).collect();
+    let (mut output, mut cache) = (p.output.clone(), p.cache.clone());
+    let mut call = |cache: &mut PagedKVCacheCollection| {
+        kernel.run(&inputs, &mut [cache], std::slice::from_mut(&mut output), &ctx).unwrap();
+        device.kv_cache_uploads()
+    };
+    let first = call(&mut cache);
+    assert_eq!(call(&mut cache), first, "the kernel's own writes left the copy current");
+    cache.blocks_bytes_mut()[0] ^= 1; // a host edit
+    assert_eq!(call(&mut cache), first + 1, "a host write makes the copy stale");
+    let mut other = cache.clone(); // another cache: its own copy
+    assert_eq!(call(&mut other), first + 2);
+}

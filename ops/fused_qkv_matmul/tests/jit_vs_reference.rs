@@ -21,7 +21,7 @@ use kvjit_core::{DType, Error, PagedKVCacheCollection, Result, Target, Tensor, U
 use kvjit_jit::CaptureText;
 use kvjit_jit::CompileCause;
 use kvjit_op_fused_qkv::cpu_jit::{self, MAX_SEEN_SHAPES, MC, MR, NR, PanelLayout};
-use kvjit_op_fused_qkv::{FusedQkvSpec, JitKernel, ReferenceKernel, reference};
+use kvjit_op_fused_qkv::{FusedQkvSpec, JitKernel, QkvArgs, ReferenceKernel, reference};
 use kvjit_runtime::{DeviceContextPtr, Kernel};
 use kvjit_testkit::values::{dyadic, dyadic_scaled, max_abs_finite, uniform};
 use kvjit_testkit::{
@@ -351,7 +351,17 @@ fn run_jit(case: &Case, prep: &Prepared, kernel: &JitKernel, ctx: &DeviceContext
         Call::RunInto { front, back } => {
             let mut buffer = Guarded::new(front, &nan_bytes(case.dtype, case.rows() * case.q_dim()), back);
             kernel
-                .run_into(&prep.hidden, &prep.weight, &mut cache, &prep.layer_idx, &prep.valid, buffer.body_mut(), ctx)
+                .run_into(
+                    QkvArgs {
+                        hidden_state: &prep.hidden,
+                        weight: &prep.weight,
+                        kv_collection: &mut cache,
+                        layer_idx: &prep.layer_idx,
+                        valid_lengths: &prep.valid,
+                    },
+                    buffer.body_mut(),
+                    ctx,
+                )
                 .unwrap_or_else(|e| panic!("{case:?}: run_into failed: {e}"));
             buffer.assert_guards(&format!("{case:?}"));
             buffer.body().to_vec()
@@ -991,11 +1001,13 @@ impl Fixture {
     fn run_into(&mut self, kernel: &JitKernel) -> (Result<()>, Guarded) {
         let mut buffer = Guarded::new(5, self.output.as_bytes(), 7);
         let result = kernel.run_into(
-            &self.hidden,
-            &self.weight,
-            &mut self.cache,
-            &self.layer_idx,
-            &self.valid,
+            QkvArgs {
+                hidden_state: &self.hidden,
+                weight: &self.weight,
+                kv_collection: &mut self.cache,
+                layer_idx: &self.layer_idx,
+                valid_lengths: &self.valid,
+            },
             buffer.body_mut(),
             cpu(2),
         );
@@ -1216,11 +1228,13 @@ fn run_into_rejects_an_output_of_the_wrong_length() {
             let body = vec![0x5a; len];
             let mut buffer = Guarded::new(3, &body, 9);
             let result = kernel.run_into(
-                &fx.hidden,
-                &fx.weight,
-                &mut fx.cache,
-                &fx.layer_idx,
-                &fx.valid,
+                QkvArgs {
+                    hidden_state: &fx.hidden,
+                    weight: &fx.weight,
+                    kv_collection: &mut fx.cache,
+                    layer_idx: &fx.layer_idx,
+                    valid_lengths: &fx.valid,
+                },
                 buffer.body_mut(),
                 cpu(2),
             );
@@ -1606,7 +1620,19 @@ fn a_call_with_another_weight_computes_with_that_weight_not_the_build_constant()
         let other = Arc::new(Tensor::from_f32(dtype, fx.weight.shape(), &negated).unwrap());
         let (mut a, mut b) = (fx.clone(), fx.clone());
         let mut bytes = vec![0u8; a.output.as_bytes().len()];
-        kernel.run_into(&a.hidden, &other, &mut a.cache, &a.layer_idx, &a.valid, &mut bytes, cpu(1)).unwrap();
+        kernel
+            .run_into(
+                QkvArgs {
+                    hidden_state: &a.hidden,
+                    weight: &other,
+                    kv_collection: &mut a.cache,
+                    layer_idx: &a.layer_idx,
+                    valid_lengths: &a.valid,
+                },
+                &mut bytes,
+                cpu(1),
+            )
+            .unwrap();
         let inputs = [&b.hidden, &*other, &b.layer_idx, &b.valid];
         reference.run(&inputs, &mut [&mut b.cache], std::slice::from_mut(&mut b.output), cpu(1)).unwrap();
         assert_eq!(bytes, b.output.as_bytes(), "{dtype}: run_into with another weight");

@@ -34,7 +34,7 @@ use std::sync::{Arc, LazyLock, Mutex};
 
 use kvjit_core::{DType, PagedKVCacheCollection, Target, Tensor, UNASSIGNED_PAGE};
 use kvjit_jit::CaptureText;
-use kvjit_op_fused_qkv::{FusedQkvSpec, JitKernel, ReferenceKernel, reference};
+use kvjit_op_fused_qkv::{FusedQkvSpec, JitKernel, QkvArgs, ReferenceKernel, reference};
 use kvjit_runtime::{DeviceContextPtr, Kernel};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
@@ -699,11 +699,13 @@ pub fn check(p: &Call) {
             let mut buffer = Guarded::new(front, &body, back);
             let mut cache = built.cache.clone();
             let verdict = kernel.run_into(
-                &built.hidden,
-                &built.weight,
-                &mut cache,
-                &built.layer_idx,
-                &built.valid,
+                QkvArgs {
+                    hidden_state: &built.hidden,
+                    weight: &built.weight,
+                    kv_collection: &mut cache,
+                    layer_idx: &built.layer_idx,
+                    valid_lengths: &built.valid,
+                },
                 buffer.body_mut(),
                 ctx,
             );
