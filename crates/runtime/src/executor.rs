@@ -153,30 +153,23 @@ impl Executor {
             let (earlier, rest) = produced.split_at_mut(index);
             let outputs = &mut rest[0];
             let args: Vec<&Tensor> = step.inputs.iter().map(|s| Self::resolve(exe, &input_refs, earlier, *s)).collect();
-            if let Some(shape) = &view_shapes[index] {
+            let start = Instant::now();
+            let mut step_caches: Vec<&mut PagedKVCacheCollection> = Vec::with_capacity(step.caches.len());
+            let ran = match &view_shapes[index] {
                 // A view: the consumer gets the producer's storage under the
                 // new shape; nothing is computed or copied.
-                let start = Instant::now();
-                outputs[0] = args[0].reshaped(shape).map_err(|source| RuntimeError::Kernel {
-                    step: step.label.clone(),
-                    key: step.kernel.key().to_string(),
-                    source,
-                })?;
-                timings.push(StepTiming {
-                    label: step.label.clone(),
-                    key: step.kernel.key().to_string(),
-                    elapsed: start.elapsed(),
-                });
-                continue;
-            }
-            let mut step_caches: Vec<&mut PagedKVCacheCollection> = Vec::with_capacity(step.caches.len());
-            // Each step names distinct caches, so the borrows are disjoint;
-            // take them out of the table and put them back after the call.
-            for &c in &step.caches {
-                step_caches.push(std::mem::take(&mut cache_refs[c]).expect("cache used twice in one step"));
-            }
-            let start = Instant::now();
-            step.kernel.run(&args, &mut step_caches, outputs, &self.ctx).map_err(|source| RuntimeError::Kernel {
+                Some(shape) => args[0].reshaped(shape).map(|view| outputs[0] = view),
+                None => {
+                    // Each step names distinct caches, so the borrows are
+                    // disjoint; take them out of the table and put them back
+                    // after the call.
+                    for &c in &step.caches {
+                        step_caches.push(std::mem::take(&mut cache_refs[c]).expect("cache used twice in one step"));
+                    }
+                    step.kernel.run(&args, &mut step_caches, outputs, &self.ctx)
+                }
+            };
+            ran.map_err(|source| RuntimeError::Kernel {
                 step: step.label.clone(),
                 key: step.kernel.key().to_string(),
                 source,
