@@ -252,6 +252,12 @@ pub enum Error {
         /// What went wrong.
         source: std::io::Error,
     },
+    /// A path that is not a regular file (a device, a FIFO, a folder).
+    #[error("{}: not a regular file (kvjit reads tensors from regular files only)", path.display())]
+    NotARegularFile {
+        /// The path.
+        path: PathBuf,
+    },
     /// A safetensors file is malformed or truncated.
     #[error("malformed safetensors data: {0}")]
     Safetensors(String),

@@ -18,7 +18,9 @@ pub use dtype::{DType, Element, Target};
 pub use error::{Error, Result};
 pub use kernel_key::{KernelKey, KeyField};
 pub use kv_cache::{KvCacheParams, PagedKVCacheCollection, UNASSIGNED_PAGE};
-pub use safetensors_io::{read_safetensors, tensors_from_safetensors, tensors_to_safetensors, write_safetensors};
+pub use safetensors_io::{
+    read_regular_file, read_safetensors, tensors_from_safetensors, tensors_to_safetensors, write_safetensors,
+};
 pub use tensor::{Tensor, TensorData};
 
 /// Re-exported so users name the same `bf16`/`f16` types kvjit uses.

@@ -59,15 +59,51 @@ pub fn write_safetensors<'a>(path: &Path, tensors: impl IntoIterator<Item = (&'a
     std::fs::write(path, bytes).map_err(|source| Error::Io { path: path.to_path_buf(), source })
 }
 
-/// Read every tensor of a safetensors file.
+/// Read every tensor of a safetensors file. Only a regular file is read (a
+/// device such as `/dev/zero` or a FIFO is refused before it is opened, so
+/// it can neither block nor feed endless data), and never more bytes than
+/// the file's size when it was opened; the header's ranges are then checked
+/// against those bytes by the `safetensors` parser.
 pub fn read_safetensors(path: &Path) -> Result<BTreeMap<String, Tensor>> {
-    let bytes = std::fs::read(path).map_err(|source| Error::Io { path: path.to_path_buf(), source })?;
-    tensors_from_safetensors(&bytes)
+    tensors_from_safetensors(&read_regular_file(path)?)
+}
+
+/// The bytes of `path`, which must be a regular file (after symlinks).
+pub fn read_regular_file(path: &Path) -> Result<Vec<u8>> {
+    use std::io::Read;
+    let io = |source| Error::Io { path: path.to_path_buf(), source };
+    let not_regular = || Error::NotARegularFile { path: path.to_path_buf() };
+    if !std::fs::metadata(path).map_err(io)?.is_file() {
+        return Err(not_regular());
+    }
+    let file = std::fs::File::open(path).map_err(io)?;
+    let metadata = file.metadata().map_err(io)?;
+    if !metadata.is_file() {
+        return Err(not_regular()); // replaced between the two checks
+    }
+    let mut bytes = Vec::new();
+    bytes
+        .try_reserve_exact(metadata.len() as usize)
+        .map_err(|_| Error::OutOfMemory { bytes: metadata.len() as usize })?;
+    file.take(metadata.len()).read_to_end(&mut bytes).map_err(io)?;
+    Ok(bytes)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_regular_files_are_read() {
+        for path in ["/dev/zero", "/dev/null", "/"] {
+            let err = read_safetensors(Path::new(path)).unwrap_err();
+            assert!(matches!(err, Error::NotARegularFile { .. }), "{path}: {err:?}");
+            assert_eq!(
+                err.to_string(),
+                format!("{path}: not a regular file (kvjit reads tensors from regular files only)")
+            );
+        }
+    }
 
     #[test]
     fn round_trip_keeps_dtype_shape_and_bits() {

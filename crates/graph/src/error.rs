@@ -120,6 +120,14 @@ pub enum GraphError {
         /// The type its op infers.
         inferred: String,
     },
+    /// A graph file's `weights` path that kvjit will not open.
+    #[error("weights file '{name}' {problem}")]
+    WeightsPath {
+        /// The path as the graph file spells it.
+        name: String,
+        /// Why it is refused.
+        problem: String,
+    },
     /// A constant with both an `init` recipe and data in the weights file:
     /// which one is meant cannot be told.
     #[error(

@@ -9,7 +9,7 @@
 //! execution order on load.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use kvjit_core::{DType, Tensor, read_safetensors, write_safetensors};
 use serde::{Deserialize, Serialize};
@@ -378,17 +378,52 @@ fn graph_needs_weights(graph: &Graph) -> bool {
     graph.constants().any(|(_, v)| matches!(v.def, ValueDef::Constant { init: None, .. }))
 }
 
-/// Load a graph file, and the weights file it names (relative to it).
+/// Load a graph file, and the weights file it names.
+///
+/// The graph file may come from anywhere, so the weights path it names is
+/// confined before anything is opened: it must be a relative path of plain
+/// names (no root, no `..`), it must resolve — after symlinks — inside the
+/// graph file's folder, and it must be a regular file (not a device or a
+/// FIFO). Each refusal is a [`GraphError::WeightsPath`].
 pub fn load_graph(path: &Path, registry: &OpRegistry) -> Result<Graph> {
-    let text = std::fs::read_to_string(path).map_err(|source| GraphError::Io { path: path.to_path_buf(), source })?;
+    let io = |source| GraphError::Io { path: path.to_path_buf(), source };
+    let bytes = kvjit_core::read_regular_file(path).map_err(|e| match e {
+        kvjit_core::Error::Io { source, .. } => io(source),
+        other => GraphError::Tensor(other),
+    })?;
+    let text = String::from_utf8(bytes)
+        .map_err(|e| io(std::io::Error::new(std::io::ErrorKind::InvalidData, e.utf8_error())))?;
     let json: serde_json::Value = serde_json::from_str(&text)?;
     check_marker(&json)?;
     let weights = match json.get("weights").and_then(|w| w.as_str()) {
-        Some(name) => {
-            let weights_path = path.parent().unwrap_or(Path::new(".")).join(name);
-            Some(read_safetensors(&weights_path)?)
-        }
+        Some(name) => Some(read_safetensors(&confined_weights_path(path, name)?)?),
         None => None,
     };
     graph_from_json(&text, registry, weights.as_ref())
+}
+
+/// The weights file `name` of the graph file at `graph`, checked to be a
+/// relative path inside the graph file's folder (after symlinks) that names
+/// a regular file.
+pub fn confined_weights_path(graph: &Path, name: &str) -> Result<PathBuf> {
+    let refuse = |problem: &str| GraphError::WeightsPath { name: name.to_string(), problem: problem.to_string() };
+    let relative = Path::new(name);
+    if name.is_empty() || !relative.components().all(|c| matches!(c, std::path::Component::Normal(_))) {
+        return Err(refuse("must be a relative path of plain names inside the graph file's folder (no root, no '..')"));
+    }
+    let folder = graph.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let io = |source| GraphError::Tensor(kvjit_core::Error::Io { path: folder.join(relative), source });
+    let folder = folder.canonicalize().map_err(|source| GraphError::Io { path: folder.to_path_buf(), source })?;
+    let resolved = folder.join(relative).canonicalize().map_err(io)?;
+    if !resolved.starts_with(&folder) {
+        return Err(refuse(&format!(
+            "resolves to {}, outside the graph file's folder {}",
+            resolved.display(),
+            folder.display()
+        )));
+    }
+    if !std::fs::metadata(&resolved).map_err(io)?.is_file() {
+        return Err(refuse("is not a regular file"));
+    }
+    Ok(resolved)
 }

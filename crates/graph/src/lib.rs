@@ -22,7 +22,9 @@ mod validate;
 
 pub use builder::GraphBuilder;
 pub use error::{GraphError, Result};
-pub use file::{FORMAT_NAME, FORMAT_VERSION, graph_from_json, graph_to_json, load_graph, save_graph};
+pub use file::{
+    FORMAT_NAME, FORMAT_VERSION, confined_weights_path, graph_from_json, graph_to_json, load_graph, save_graph,
+};
 pub use graph::{Graph, GraphOutput, Node, RandomInit, Value, ValueDef};
 pub use ids::{NodeId, ValueId};
 pub use op::{
