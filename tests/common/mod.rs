@@ -17,8 +17,7 @@ use kvjit::demo::LayerConfig;
 use kvjit::fused_qkv::OP_NAME;
 use kvjit::{
     BuildOptions, CompileOptions, DType, DeviceContextPtr, Dim, Executable, Executor, Graph, GraphBuilder, KernelImpl,
-    KvCacheType, PagedKVCacheCollection, ParamValue, Params, Registry, RunOutput, Target, Tensor, ValueId, compile,
-    specialize,
+    PagedKVCacheCollection, Registry, RunOutput, Target, Tensor, ValueId, compile, specialize,
 };
 use kvjit_graph::{ArgKind, ValueDef};
 use kvjit_testkit::{Caches, Tensors};
@@ -55,33 +54,6 @@ pub fn run_ok(exe: &Executable, inputs: &Tensors, caches: &mut Caches) -> RunOut
     executor().run(exe, inputs, caches).unwrap_or_else(|e| panic!("run failed: {e}"))
 }
 
-/// The fused-QKV parameters of a layer config.
-pub fn qkv_params(config: &LayerConfig) -> Params {
-    [
-        ("dtype", ParamValue::from(config.dtype)),
-        ("num_kv_heads", config.num_kv_heads.into()),
-        ("head_size", config.head_size.into()),
-        ("page_size", config.page_size.into()),
-    ]
-    .into_iter()
-    .map(|(k, v)| (k.to_string(), v))
-    .collect()
-}
-
-/// The cache type of a layer config, with `batch` symbolic.
-pub fn cache_type(config: &LayerConfig) -> KvCacheType {
-    KvCacheType {
-        dtype: config.dtype,
-        num_layers: config.num_layers,
-        page_size: config.page_size,
-        num_kv_heads: config.num_kv_heads,
-        head_size: config.head_size,
-        num_pages: Dim::from(config.num_pages),
-        batch: Dim::from("batch"),
-        max_pages_per_seq: Dim::from(config.max_pages_per_seq),
-    }
-}
-
 /// A two-node chain over the small config in `dtype`, built with data
 /// constants ([`GraphBuilder::constant`]): layer 1 reads layer 0's Q output
 /// as its hidden state (the small config has q_dim == hidden size), so node
@@ -102,11 +74,11 @@ pub fn chain_graph_with(registry: &Registry, dtype: DType, layer1_idx_input: boo
     let hidden =
         b.input("hidden_state", dtype, &[Dim::from("batch"), Dim::from("seq"), Dim::from(config.hidden_size)]).unwrap();
     let valid = b.input("valid_lengths", DType::U32, &[Dim::from("batch")]).unwrap();
-    let cache = b.kv_cache("kv_cache", cache_type(&config)).unwrap();
+    let cache = b.kv_cache("kv_cache", config.cache_type()).unwrap();
     let layer0 = b.input("layer_idx", DType::U32, &[]).unwrap();
     let w0 = Tensor::random(dtype, &[config.n(), config.hidden_size], &mut rng, -0.2, 0.2).unwrap();
     let w0 = b.constant("layers.0.qkv_weight", w0).unwrap();
-    let q0 = b.node(OP_NAME, qkv_params(&config), &[hidden, w0, cache, layer0, valid]).unwrap();
+    let q0 = b.node(OP_NAME, config.qkv_params().to_params(), &[hidden, w0, cache, layer0, valid]).unwrap();
     let w1 = Tensor::random(dtype, &[config.n(), config.hidden_size], &mut rng, -0.2, 0.2).unwrap();
     let w1 = b.constant("layers.1.qkv_weight", w1).unwrap();
     let layer1 = if layer1_idx_input {
@@ -114,7 +86,7 @@ pub fn chain_graph_with(registry: &Registry, dtype: DType, layer1_idx_input: boo
     } else {
         b.constant("layers.1.layer_idx", Tensor::scalar_u32(1)).unwrap()
     };
-    let q1 = b.node(OP_NAME, qkv_params(&config), &[q0[0], w1, cache, layer1, valid]).unwrap();
+    let q1 = b.node(OP_NAME, config.qkv_params().to_params(), &[q0[0], w1, cache, layer1, valid]).unwrap();
     b.output("layers.0.q", q0[0]).unwrap();
     b.output("layers.1.q", q1[0]).unwrap();
     b.finish().expect("chain graph validates")

@@ -13,10 +13,8 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use kvjit_core::{DType, PagedKVCacheCollection, Tensor};
-use kvjit_graph::{
-    ArgRole, Dim, Graph, GraphBuilder, KvCacheType, OpRegistry, ParamValue, Params, RandomInit, ValueDef, ValueId,
-};
-use kvjit_op_fused_qkv::OP_NAME;
+use kvjit_graph::{ArgRole, Dim, Graph, GraphBuilder, KvCacheType, OpRegistry, RandomInit, ValueDef, ValueId};
+use kvjit_op_fused_qkv::{FusedQkvParams, fused_qkv_matmul};
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
@@ -94,6 +92,30 @@ impl LayerConfig {
     pub fn n(&self) -> usize {
         self.q_dim() + 2 * self.num_kv_heads * self.head_size
     }
+
+    /// The fused QKV node's parameters.
+    pub fn qkv_params(&self) -> FusedQkvParams {
+        FusedQkvParams {
+            dtype: self.dtype,
+            num_kv_heads: self.num_kv_heads,
+            head_size: self.head_size,
+            page_size: self.page_size,
+        }
+    }
+
+    /// The cache type, with `batch` symbolic.
+    pub fn cache_type(&self) -> KvCacheType {
+        KvCacheType {
+            dtype: self.dtype,
+            num_layers: self.num_layers,
+            page_size: self.page_size,
+            num_kv_heads: self.num_kv_heads,
+            head_size: self.head_size,
+            num_pages: Dim::from(self.num_pages),
+            batch: Dim::from("batch"),
+            max_pages_per_seq: Dim::from(self.max_pages_per_seq),
+        }
+    }
 }
 
 /// Name of layer `l`'s output: `q` for one layer, `layers.{l}.q` for more.
@@ -110,28 +132,8 @@ pub fn layer_graph(config: &LayerConfig, ops: &OpRegistry) -> Result<Graph> {
     let hidden =
         b.input("hidden_state", config.dtype, &[batch.clone(), Dim::from("seq"), Dim::from(config.hidden_size)])?;
     let valid = b.input("valid_lengths", DType::U32, std::slice::from_ref(&batch))?;
-    let cache = b.kv_cache(
-        "kv_cache",
-        KvCacheType {
-            dtype: config.dtype,
-            num_layers: config.num_layers,
-            page_size: config.page_size,
-            num_kv_heads: config.num_kv_heads,
-            head_size: config.head_size,
-            num_pages: Dim::from(config.num_pages),
-            batch,
-            max_pages_per_seq: Dim::from(config.max_pages_per_seq),
-        },
-    )?;
-    let params: Params = [
-        ("dtype", ParamValue::from(config.dtype)),
-        ("num_kv_heads", config.num_kv_heads.into()),
-        ("head_size", config.head_size.into()),
-        ("page_size", config.page_size.into()),
-    ]
-    .into_iter()
-    .map(|(k, v)| (k.to_string(), v))
-    .collect();
+    let cache = b.kv_cache("kv_cache", config.cache_type())?;
+    let params = config.qkv_params();
     let bound = 1.0 / (config.hidden_size as f32).sqrt();
     for layer in 0..config.num_layers {
         let prefix = if config.num_layers == 1 { String::new() } else { format!("layers.{layer}.") };
@@ -142,8 +144,8 @@ pub fn layer_graph(config: &LayerConfig, ops: &OpRegistry) -> Result<Graph> {
             RandomInit { seed: config.weight_seed + layer as u64, low: -bound, high: bound },
         )?;
         let layer_idx = b.input(&format!("{prefix}layer_idx"), DType::U32, &[])?;
-        let q = b.node(OP_NAME, params.clone(), &[hidden, weight, cache, layer_idx, valid])?;
-        b.output(&output_name(config, layer), q[0])?;
+        let q = fused_qkv_matmul(&mut b, [hidden, weight, cache, layer_idx, valid], params)?;
+        b.output(&output_name(config, layer), q)?;
     }
     Ok(b.finish()?)
 }

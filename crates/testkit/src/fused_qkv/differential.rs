@@ -110,6 +110,22 @@ pub enum SpecTweak {
     Seq,
 }
 
+impl SpecTweak {
+    /// Every spec tweak.
+    pub const ALL: [SpecTweak; 10] = [
+        SpecTweak::DType,
+        SpecTweak::CacheDType,
+        SpecTweak::K,
+        SpecTweak::QDim,
+        SpecTweak::Heads,
+        SpecTweak::HeadSize,
+        SpecTweak::PageSize,
+        SpecTweak::Layers,
+        SpecTweak::Batch,
+        SpecTweak::Seq,
+    ];
+}
+
 /// At most one thing wrong with a call besides its lengths and page table.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Tweak {
@@ -183,18 +199,6 @@ impl Tweak {
     /// Tweak number `i % COUNT` (0 is [`Tweak::None`]; generators shrink
     /// towards it), with `axis` and `grow` where the tweak takes them.
     pub fn from_index(i: usize, axis: usize, grow: bool) -> Self {
-        const SPECS: [SpecTweak; 10] = [
-            SpecTweak::DType,
-            SpecTweak::CacheDType,
-            SpecTweak::K,
-            SpecTweak::QDim,
-            SpecTweak::Heads,
-            SpecTweak::HeadSize,
-            SpecTweak::PageSize,
-            SpecTweak::Layers,
-            SpecTweak::Batch,
-            SpecTweak::Seq,
-        ];
         match i % Self::COUNT {
             0 => Tweak::None,
             1 => Tweak::HiddenDim { axis, grow },
@@ -212,7 +216,7 @@ impl Tweak {
             13 => Tweak::OutputDim { axis, grow },
             14 => Tweak::OutputDType,
             15 => Tweak::CacheBatch { grow },
-            i => Tweak::Spec(SPECS[i - 16]),
+            i => Tweak::Spec(SpecTweak::ALL[i - 16]),
         }
     }
 }
