@@ -193,7 +193,10 @@ fn bad_inputs_files_are_one_line_errors() {
     let bytes = std::fs::read(&given.path).unwrap();
     let truncated = dir.path().join("truncated.safetensors");
     std::fs::write(&truncated, &bytes[..bytes.len() / 2]).unwrap();
-    assert_one_line_error(&kvjit(&["run", &graph, "--inputs", truncated.to_str().unwrap()]), "malformed safetensors");
+    assert_one_line_error(
+        &kvjit(&["run", &graph, "--inputs", truncated.to_str().unwrap()]),
+        "not a valid safetensors file",
+    );
 
     let mut tensors: BTreeMap<String, Tensor> = read_safetensors(&given.path).unwrap();
     tensors.remove("kv_cache.lookup_table");

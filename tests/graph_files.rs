@@ -687,8 +687,8 @@ fn a_truncated_weights_file_is_a_safetensors_error() {
     for cut in [0, 7, 8, 100, bytes.len() / 2, bytes.len() - 1] {
         std::fs::write(&weights, &bytes[..cut]).unwrap();
         let err = load_error(&path);
-        assert!(matches!(err, GraphError::Tensor(kvjit_core::Error::Safetensors(_))), "cut at {cut}: {err:?}");
-        assert_message(&err, &["malformed safetensors data"]);
+        assert!(matches!(err, GraphError::Tensor(kvjit_core::Error::BadTensorFile { .. })), "cut at {cut}: {err:?}");
+        assert_message(&err, &["not a valid safetensors file"]);
     }
 }
 

@@ -1,5 +1,5 @@
-//! Writes the committed seed corpora of the `graph_file` and
-//! `safetensors_inputs` targets (the `op_call` seeds are libFuzzer's own
+//! Writes the committed seed corpora of the `graph_file`,
+//! `safetensors_inputs` and `artifact` targets (the `op_call` seeds are libFuzzer's own
 //! minimized finds). Run from the repository root:
 //!
 //! ```sh
@@ -90,6 +90,20 @@ fn main() {
     bytes.extend(tensors_to_safetensors([("qkv_weight", &weight)]).unwrap());
     write(&graphs, "data_weight.bin", &bytes);
 
+    // artifact: the tiny chain compiled (weights in the JIT's packed layout).
+    let artifacts = root.join("artifact");
+    std::fs::create_dir_all(&artifacts).unwrap();
+    for (dtype, cache_dtype) in TINY_DTYPES {
+        let graph = tiny_graph(&registry, dtype, cache_dtype);
+        let path = artifacts.join(format!("tiny_{dtype}_{cache_dtype}.kvjit"));
+        let options = kvjit::CompileOptions {
+            bindings: [("batch".to_string(), 2), ("seq".to_string(), 3)].into(),
+            ..Default::default()
+        };
+        kvjit::write_artifact(&graph, &registry, &options, &path, None).unwrap();
+        println!("{}", path.display());
+    }
+
     // safetensors_inputs: a prefill step of the tiny chain per dtype pair:
     // 2 sequences padded to 3 tokens, 1 and 2 tokens of history, pages
     // handed out out of order.
@@ -118,9 +132,11 @@ fn main() {
 /// Run every committed seed through its target's harness (no libFuzzer).
 fn replay() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("corpus");
-    for (target, harness) in
-        [("graph_file", kvjit_fuzz::graph_file as fn(&[u8])), ("safetensors_inputs", kvjit_fuzz::safetensors_inputs)]
-    {
+    for (target, harness) in [
+        ("graph_file", kvjit_fuzz::graph_file as fn(&[u8])),
+        ("safetensors_inputs", kvjit_fuzz::safetensors_inputs),
+        ("artifact", kvjit_fuzz::artifact_file),
+    ] {
         for entry in std::fs::read_dir(root.join(target)).unwrap() {
             let path = entry.unwrap().path();
             println!("{}", path.display());

@@ -203,6 +203,46 @@ fn compile_and_run(graph: &Graph, registry: &Registry) {
 }
 
 // ---------------------------------------------------------------------------
+// artifact
+// ---------------------------------------------------------------------------
+
+/// The `artifact` target: the bytes of a compiled artifact (`kvjit run
+/// model.kvjit`). It is written to a file (the reader maps files) and
+/// loaded; one that loads and fits [`RUN_BUDGET`] is compiled and, when
+/// the demo scenario fits it, run, with the JIT kernels taking its prepared
+/// weights; every failure must be a typed error.
+pub fn artifact_file(data: &[u8]) {
+    let path = std::env::temp_dir().join(format!("kvjit-fuzz-{}.kvjit", std::process::id()));
+    std::fs::write(&path, data).expect("the fuzz artifact file is written");
+    REGISTRY.with(|registry| {
+        let loaded = match kvjit::load_artifact(&path, registry) {
+            Ok(loaded) => loaded,
+            Err(e) => {
+                let _ = e.to_string();
+                return;
+            }
+        };
+        let estimate = kvjit::MemoryEstimate::of(&loaded.graph, registry, loaded.options.target, &loaded.options.build);
+        if estimate.total() > RUN_BUDGET || !estimate.unknown.is_empty() {
+            return;
+        }
+        let exe = match loaded.compile(registry) {
+            Ok(exe) => exe,
+            Err(e) => {
+                let _ = e.to_string();
+                return;
+            }
+        };
+        let Ok(scenario) = Scenario::prefill_with(&loaded.graph, 1, 2, 3) else { return };
+        let mut caches = scenario.caches.clone();
+        let executor = Executor::new(DeviceContextPtr::cpu(1).expect("a CPU context starts"));
+        if let Err(e) = executor.run(&exe, &scenario.inputs, &mut caches) {
+            let _ = e.to_string();
+        }
+    });
+}
+
+// ---------------------------------------------------------------------------
 // safetensors_inputs
 // ---------------------------------------------------------------------------
 

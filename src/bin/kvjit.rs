@@ -11,7 +11,8 @@ use clap::{Parser, Subcommand};
 use kvjit::demo::{LayerConfig, Scenario};
 use kvjit::{
     BuildOptions, CompileOptions, DeviceContextPtr, Error, Executor, Graph, KernelImpl, Registry, Result, Target,
-    Tensor, ValueDef, compile, demo, load_graph, read_safetensors, specialize, standard_registry, write_safetensors,
+    Tensor, ValueDef, WeightLoad, compile, demo, load_artifact, load_graph_with, read_safetensors, specialize,
+    standard_registry, write_artifact, write_safetensors,
 };
 
 #[derive(Parser)]
@@ -55,10 +56,30 @@ enum Command {
         #[arg(long)]
         tolerance: Option<f64>,
     },
-    /// Load and validate a graph file, and nothing else.
+    /// Load and validate a graph file (reading only the header of its
+    /// weights file) or a compiled artifact, and nothing else.
     Validate {
+        /// Graph file (JSON) or compiled artifact.
+        graph: PathBuf,
+    },
+    /// Compile a graph file into an artifact that `kvjit run` starts from
+    /// without packing or copying weights: the specialized graph, its
+    /// kernel keys, and every constant in its kernel's layout.
+    Compile {
         /// Graph file (JSON).
         graph: PathBuf,
+        /// Where to write the artifact (e.g. model.kvjit).
+        #[arg(short, long)]
+        output: PathBuf,
+        /// Target the kernels are built for.
+        #[arg(long, default_value = "cpu")]
+        target: Target,
+        /// Bind a symbol to a size (repeatable), e.g. --bind batch=4.
+        #[arg(long = "bind", value_parser = parse_binding)]
+        bindings: Vec<(String, usize)>,
+        /// Which kernels the artifact is built for.
+        #[arg(long, value_enum, default_value = "jit")]
+        kernel: KernelChoice,
     },
     /// Time the fused QKV kernels (specialized, generic) against the
     /// reference and GEMM-library peers, on this machine's roofs; print a
@@ -68,8 +89,14 @@ enum Command {
 
 #[derive(clap::Args)]
 struct RunArgs {
-    /// Graph file (JSON); without it, the built-in Llama-3-8B layer runs.
+    /// Graph file (JSON) or compiled artifact (`kvjit compile`); without
+    /// it, the built-in Llama-3-8B layer runs.
     graph: Option<PathBuf>,
+    /// How a graph file's weights come into memory: `map` borrows them from
+    /// the page cache (zero-copy); `copy` reads them into memory advised to
+    /// use huge pages.
+    #[arg(long, default_value = "map")]
+    weights: WeightLoad,
     /// Safetensors file with graph inputs and caches by name
     /// (`<cache>.blocks`, `.cache_lengths`, `.lookup_table`) for the first step.
     #[arg(long)]
@@ -171,6 +198,9 @@ fn main() -> ExitCode {
             inspect(&registry, &graph, target, bindings.into_iter().collect(), build)
         }
         Command::Validate { graph } => validate(&registry, &graph),
+        Command::Compile { graph, output, target, bindings, kernel } => {
+            compile_artifact(&registry, &graph, &output, target, bindings.into_iter().collect(), kernel)
+        }
         Command::Compare { a, b, tolerance } => compare_files(&a, &b, tolerance),
         Command::Bench(args) => kvjit_bench::cli::run_bench(&args),
     };
@@ -183,8 +213,8 @@ fn main() -> ExitCode {
     }
 }
 
-fn load(registry: &Registry, path: &Path) -> Result<Graph> {
-    Ok(load_graph(path, registry.ops())?)
+fn load(registry: &Registry, path: &Path, weights: WeightLoad) -> Result<Graph> {
+    Ok(load_graph_with(path, registry.ops(), weights)?)
 }
 
 fn compare_files(a: &Path, b: &Path, tolerance: Option<f64>) -> Result<()> {
@@ -204,8 +234,57 @@ fn compare_files(a: &Path, b: &Path, tolerance: Option<f64>) -> Result<()> {
     }
 }
 
+fn compile_artifact(
+    registry: &Registry,
+    graph_path: &Path,
+    output: &Path,
+    target: Target,
+    bindings: BTreeMap<String, usize>,
+    kernel: KernelChoice,
+) -> Result<()> {
+    let started = Instant::now();
+    let graph = load(registry, graph_path, WeightLoad::Map)?;
+    let build = BuildOptions { implementation: kernel.implementation(), ..BuildOptions::default() };
+    let options = CompileOptions { target, bindings, build, memory_budget: None };
+    let summary = write_artifact(&graph, registry, &options, output, Some(graph_path))?;
+    println!(
+        "wrote {} ({} bytes: {} constant(s) in kernel layout, {} plain) in {}",
+        output.display(),
+        summary.bytes,
+        summary.prepared,
+        summary.plain,
+        format_duration(started.elapsed())
+    );
+    Ok(())
+}
+
+/// A graph file or artifact, ready to compile: the graph and, for an
+/// artifact, the options it was made with.
+struct Loaded {
+    graph: Graph,
+    artifact: Option<kvjit::LoadedArtifact>,
+}
+
+/// Load `path` as an artifact (by its magic) or a graph file. A stale
+/// artifact whose source graph file lies beside it is rebuilt from that
+/// file (and said so); without one it is an error.
+fn load_any(registry: &Registry, path: &Path, weights: WeightLoad) -> Result<Loaded> {
+    if !kvjit::is_artifact(path) {
+        return Ok(Loaded { graph: load(registry, path, weights)?, artifact: None });
+    }
+    match load_artifact(path, registry) {
+        Ok(artifact) => Ok(Loaded { graph: artifact.graph.clone(), artifact: Some(artifact) }),
+        Err(Error::Artifact(stale @ kvjit::ArtifactError::Stale { .. })) => {
+            let source = kvjit::artifact::source_graph_beside(path).ok_or(Error::Artifact(stale))?;
+            eprintln!("note: {}: stale artifact; building from {} instead", path.display(), source.display());
+            Ok(Loaded { graph: load(registry, &source, weights)?, artifact: None })
+        }
+        Err(e) => Err(e),
+    }
+}
+
 fn validate(registry: &Registry, path: &Path) -> Result<()> {
-    let graph = load(registry, path)?;
+    let graph = load_any(registry, path, WeightLoad::Map)?.graph;
     println!(
         "ok: graph '{}' is valid ({} nodes, {} outputs)",
         graph.name(),
@@ -222,7 +301,7 @@ fn inspect(
     bindings: BTreeMap<String, usize>,
     build: BuildOptions,
 ) -> Result<()> {
-    let graph = load(registry, path)?;
+    let graph = load_any(registry, path, WeightLoad::Map)?.graph;
     let specialized = specialize(&graph, registry.ops(), target, &bindings)?;
     let options = CompileOptions { target, bindings: bindings.clone(), build, memory_budget: None };
     let exe = compile(&graph, registry, &options)?;
@@ -234,6 +313,7 @@ fn inspect(
             ValueDef::Input => "input",
             ValueDef::Constant { init: Some(_), .. } => "constant (random init)",
             ValueDef::Constant { .. } => "constant",
+            ValueDef::Prepared { .. } => "constant (kernel layout)",
             ValueDef::KvCache => "kv cache",
             ValueDef::NodeOutput { .. } => "node output",
         };
@@ -300,16 +380,26 @@ fn checksum(t: &Tensor) -> Result<(f64, f64)> {
     Ok(values.iter().fold((0.0, 0.0), |(s, a), &v| (s + v as f64, a + (v as f64).abs())))
 }
 
+/// This process's peak resident set (Linux: `VmHWM`), mapped file pages
+/// included.
+fn peak_rss_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
 fn format_duration(d: Duration) -> String {
     let secs = d.as_secs_f64();
     if secs >= 1.0 { format!("{secs:.2} s") } else { format!("{:.3} ms", secs * 1e3) }
 }
 
 fn run(registry: &Registry, args: &RunArgs) -> Result<()> {
-    let graph = match &args.graph {
-        Some(path) => load(registry, path)?,
-        None => demo::layer_graph(&LayerConfig::llama3_8b(), registry.ops())?,
+    let loaded = match &args.graph {
+        Some(path) => load_any(registry, path, args.weights)?,
+        None => Loaded { graph: demo::layer_graph(&LayerConfig::llama3_8b(), registry.ops())?, artifact: None },
     };
+    let graph = loaded.graph;
     let options = CompileOptions {
         target: args.target,
         bindings: args.bindings.iter().cloned().collect(),
@@ -321,7 +411,23 @@ fn run(registry: &Registry, args: &RunArgs) -> Result<()> {
         memory_budget: args.memory_budget,
     };
     let compile_start = Instant::now();
-    let exe = compile(&graph, registry, &options)?;
+    let exe = match &loaded.artifact {
+        Some(artifact) => {
+            if artifact.options.target != options.target {
+                return Err(Error::Usage(format!(
+                    "the artifact was compiled for the {} target; run it with --target {} or compile it again",
+                    artifact.options.target, artifact.options.target
+                )));
+            }
+            if artifact.options.build.implementation != options.build.implementation {
+                return Err(Error::Usage(
+                    "the artifact was compiled for the other --kernel choice; compile it again with that choice".into(),
+                ));
+            }
+            artifact.compile(registry)?
+        }
+        None => compile(&graph, registry, &options)?,
+    };
     let compile_time = compile_start.elapsed();
     let ctx = DeviceContextPtr::for_target(args.target, args.threads)?;
     let threads = ctx.cpu_context().map_or(0, |c| c.threads());
@@ -395,6 +501,10 @@ fn run(registry: &Registry, args: &RunArgs) -> Result<()> {
     for (name, tensor) in &out.outputs {
         let (sum, abs) = checksum(tensor)?;
         println!("output '{name}': {}{:?} checksum sum={sum:.6} abs_sum={abs:.6}", tensor.dtype(), tensor.shape());
+    }
+
+    if let Some(peak) = peak_rss_bytes() {
+        println!("peak RSS: {:.1} MB", peak as f64 / 1e6);
     }
 
     if let Some(path) = &args.output {

@@ -122,6 +122,7 @@ pub fn reference_run(graph: &Graph, inputs: &Tensors, caches: &mut Caches) -> Te
                 inputs.get(name).unwrap_or_else(|| panic!("no input '{name}'")).clone()
             }
             ValueDef::Constant { data, .. } => (**data).clone(),
+            ValueDef::Prepared { .. } => panic!("{id} is in a kernel's layout; the reference cannot read it"),
             ValueDef::NodeOutput { .. } => produced[&id].clone(),
             ValueDef::KvCache => panic!("{id} is a cache, not a tensor"),
         }

@@ -261,6 +261,17 @@ pub enum Error {
     /// A safetensors file is malformed or truncated.
     #[error("malformed safetensors data: {0}")]
     Safetensors(String),
+    /// A tensor file whose header does not fit the file: refused before
+    /// anything is mapped or allocated for its data.
+    #[error("{}: not a valid {format} file: {problem}", path.display())]
+    BadTensorFile {
+        /// The file.
+        path: PathBuf,
+        /// The format it was read as (`safetensors`, `kvjit artifact`).
+        format: &'static str,
+        /// What does not fit.
+        problem: String,
+    },
     /// A safetensors tensor in a dtype kvjit does not handle.
     #[error("tensor '{name}' has dtype {dtype}, which kvjit does not support (f32, bf16, f16, u32)")]
     UnsupportedFileDType {

@@ -19,63 +19,51 @@ use rand::Rng;
 
 use crate::{DType, Element, Error, Result};
 
-/// Typed storage of a tensor.
-#[derive(Clone, Debug, PartialEq)]
-pub enum TensorData {
+/// A tensor's elements, borrowed and typed: what [`Tensor::data`] gives.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum TensorData<'a> {
     /// f32 elements.
-    F32(Vec<f32>),
+    F32(&'a [f32]),
     /// bf16 elements.
-    BF16(Vec<bf16>),
+    BF16(&'a [bf16]),
     /// f16 elements.
-    F16(Vec<f16>),
+    F16(&'a [f16]),
     /// u32 elements.
-    U32(Vec<u32>),
+    U32(&'a [u32]),
 }
 
 /// An element type a [`Tensor`] can store.
 pub trait Storable: bytemuck::Pod + Send + Sync + 'static {
     /// The dtype tag of this element type.
     const DTYPE: DType;
-    /// The storage as a slice of this type, if it holds this type.
-    fn slice(data: &TensorData) -> Option<&[Self]>;
-    /// The storage as a mutable slice of this type, if it holds this type.
-    fn slice_mut(data: &mut TensorData) -> Option<&mut [Self]>;
-    /// Wrap a vector of this type as storage.
-    fn wrap(values: Vec<Self>) -> TensorData;
+}
+impl Storable for f32 {
+    const DTYPE: DType = DType::F32;
+}
+impl Storable for bf16 {
+    const DTYPE: DType = DType::BF16;
+}
+impl Storable for f16 {
+    const DTYPE: DType = DType::F16;
+}
+impl Storable for u32 {
+    const DTYPE: DType = DType::U32;
 }
 
-macro_rules! storable {
-    ($ty:ty, $variant:ident) => {
-        impl Storable for $ty {
-            const DTYPE: DType = DType::$variant;
-            fn slice(data: &TensorData) -> Option<&[Self]> {
-                match data {
-                    TensorData::$variant(v) => Some(v),
-                    _ => None,
-                }
-            }
-            fn slice_mut(data: &mut TensorData) -> Option<&mut [Self]> {
-                match data {
-                    TensorData::$variant(v) => Some(v),
-                    _ => None,
-                }
-            }
-            fn wrap(values: Vec<Self>) -> TensorData {
-                TensorData::$variant(values)
-            }
-        }
-    };
+/// Elements the process owns: one `Vec` per dtype, so every element is
+/// naturally aligned.
+#[derive(Clone, Debug)]
+enum OwnedData {
+    F32(Vec<f32>),
+    BF16(Vec<bf16>),
+    F16(Vec<f16>),
+    U32(Vec<u32>),
 }
-storable!(f32, F32);
-storable!(bf16, BF16);
-storable!(f16, F16);
-storable!(u32, U32);
 
-impl TensorData {
-    /// Zero-filled storage of `len` elements.
+impl OwnedData {
     /// Zero-filled storage of `len` elements; an allocation the system
     /// cannot satisfy is an error ([`Error::OutOfMemory`]), not an abort.
-    pub fn zeros(dtype: DType, len: usize) -> Result<Self> {
+    fn zeros(dtype: DType, len: usize) -> Result<Self> {
         fn filled<T: Clone>(len: usize, value: T, dtype: DType) -> Result<Vec<T>> {
             let mut v = Vec::new();
             v.try_reserve_exact(len)
@@ -84,63 +72,143 @@ impl TensorData {
             Ok(v)
         }
         Ok(match dtype {
-            DType::F32 => TensorData::F32(filled(len, 0.0, dtype)?),
-            DType::BF16 => TensorData::BF16(filled(len, bf16::ZERO, dtype)?),
-            DType::F16 => TensorData::F16(filled(len, f16::ZERO, dtype)?),
-            DType::U32 => TensorData::U32(filled(len, 0, dtype)?),
+            DType::F32 => OwnedData::F32(filled(len, 0.0, dtype)?),
+            DType::BF16 => OwnedData::BF16(filled(len, bf16::ZERO, dtype)?),
+            DType::F16 => OwnedData::F16(filled(len, f16::ZERO, dtype)?),
+            DType::U32 => OwnedData::U32(filled(len, 0, dtype)?),
         })
     }
 
-    /// The dtype of the stored elements.
-    pub fn dtype(&self) -> DType {
-        match self {
-            TensorData::F32(_) => DType::F32,
-            TensorData::BF16(_) => DType::BF16,
-            TensorData::F16(_) => DType::F16,
-            TensorData::U32(_) => DType::U32,
-        }
-    }
-
-    /// Number of stored elements.
-    pub fn len(&self) -> usize {
-        match self {
-            TensorData::F32(v) => v.len(),
-            TensorData::BF16(v) => v.len(),
-            TensorData::F16(v) => v.len(),
-            TensorData::U32(v) => v.len(),
-        }
-    }
-
-    /// Whether no element is stored.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// The raw little-endian bytes of the storage.
-    pub fn as_bytes(&self) -> &[u8] {
-        match self {
-            TensorData::F32(v) => bytemuck::cast_slice(v),
-            TensorData::BF16(v) => bytemuck::cast_slice(v),
-            TensorData::F16(v) => bytemuck::cast_slice(v),
-            TensorData::U32(v) => bytemuck::cast_slice(v),
-        }
-    }
-
-    /// The raw bytes of the storage, writable.
-    pub fn as_bytes_mut(&mut self) -> &mut [u8] {
-        match self {
-            TensorData::F32(v) => bytemuck::cast_slice_mut(v),
-            TensorData::BF16(v) => bytemuck::cast_slice_mut(v),
-            TensorData::F16(v) => bytemuck::cast_slice_mut(v),
-            TensorData::U32(v) => bytemuck::cast_slice_mut(v),
+    /// Take a typed vector without copying it.
+    fn from_vec<T: Storable>(values: Vec<T>) -> Self {
+        let values: Box<dyn std::any::Any> = Box::new(values);
+        let wrong = "Storable is implemented for the four dtypes only";
+        match T::DTYPE {
+            DType::F32 => OwnedData::F32(*values.downcast().expect(wrong)),
+            DType::BF16 => OwnedData::BF16(*values.downcast().expect(wrong)),
+            DType::F16 => OwnedData::F16(*values.downcast().expect(wrong)),
+            DType::U32 => OwnedData::U32(*values.downcast().expect(wrong)),
         }
     }
 
     fn from_le_bytes(dtype: DType, bytes: &[u8]) -> Result<Self> {
-        let mut data = TensorData::zeros(dtype, bytes.len() / dtype.size_bytes())?;
+        let mut data = OwnedData::zeros(dtype, bytes.len() / dtype.size_bytes())?;
         data.as_bytes_mut().copy_from_slice(bytes);
         Ok(data)
     }
+
+    fn dtype(&self) -> DType {
+        match self {
+            OwnedData::F32(_) => DType::F32,
+            OwnedData::BF16(_) => DType::BF16,
+            OwnedData::F16(_) => DType::F16,
+            OwnedData::U32(_) => DType::U32,
+        }
+    }
+
+    fn as_bytes(&self) -> &[u8] {
+        match self {
+            OwnedData::F32(v) => bytemuck::cast_slice(v),
+            OwnedData::BF16(v) => bytemuck::cast_slice(v),
+            OwnedData::F16(v) => bytemuck::cast_slice(v),
+            OwnedData::U32(v) => bytemuck::cast_slice(v),
+        }
+    }
+
+    fn as_bytes_mut(&mut self) -> &mut [u8] {
+        match self {
+            OwnedData::F32(v) => bytemuck::cast_slice_mut(v),
+            OwnedData::BF16(v) => bytemuck::cast_slice_mut(v),
+            OwnedData::F16(v) => bytemuck::cast_slice_mut(v),
+            OwnedData::U32(v) => bytemuck::cast_slice_mut(v),
+        }
+    }
+}
+
+/// Elements borrowed from a read-only memory mapping (a weights file, a
+/// compiled artifact, or anonymous memory filled once): `len` bytes at
+/// `offset`, aligned for `dtype`.
+#[derive(Clone)]
+pub struct MappedBytes {
+    map: Arc<memmap2::Mmap>,
+    offset: usize,
+    len: usize,
+    dtype: DType,
+}
+
+impl MappedBytes {
+    /// `len` bytes at `offset` of `map` as elements of `dtype`, or `None`
+    /// when the range is outside the mapping, not a whole number of
+    /// elements, or not aligned for the dtype (the caller copies those).
+    pub fn new(map: Arc<memmap2::Mmap>, offset: usize, len: usize, dtype: DType) -> Option<Self> {
+        let end = offset.checked_add(len)?;
+        let bytes = map.get(offset..end)?;
+        let aligned = (bytes.as_ptr() as usize).is_multiple_of(dtype.size_bytes());
+        (aligned && len.is_multiple_of(dtype.size_bytes())).then_some(Self { map, offset, len, dtype })
+    }
+
+    fn as_bytes(&self) -> &[u8] {
+        &self.map[self.offset..self.offset + self.len]
+    }
+}
+
+impl std::fmt::Debug for MappedBytes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "MappedBytes({} bytes of {} at offset {})", self.len, self.dtype, self.offset)
+    }
+}
+
+/// Where a tensor's elements live.
+#[derive(Clone, Debug)]
+enum Storage {
+    Owned(OwnedData),
+    Mapped(MappedBytes),
+}
+
+impl Storage {
+    fn dtype(&self) -> DType {
+        match self {
+            Storage::Owned(data) => data.dtype(),
+            Storage::Mapped(mapped) => mapped.dtype,
+        }
+    }
+
+    fn as_bytes(&self) -> &[u8] {
+        match self {
+            Storage::Owned(data) => data.as_bytes(),
+            Storage::Mapped(mapped) => mapped.as_bytes(),
+        }
+    }
+
+    /// Number of stored elements.
+    fn len(&self) -> usize {
+        self.as_bytes().len() / self.dtype().size_bytes()
+    }
+
+    /// The elements, typed. Mapped bytes were checked aligned for their
+    /// dtype when mapped, so the casts cannot fail.
+    fn typed(&self) -> TensorData<'_> {
+        let bytes = self.as_bytes();
+        match self.dtype() {
+            DType::F32 => TensorData::F32(bytemuck::cast_slice(bytes)),
+            DType::BF16 => TensorData::BF16(bytemuck::cast_slice(bytes)),
+            DType::F16 => TensorData::F16(bytemuck::cast_slice(bytes)),
+            DType::U32 => TensorData::U32(bytemuck::cast_slice(bytes)),
+        }
+    }
+}
+
+/// A graph constant in a kernel's own layout (packed panels, say), made
+/// once from the constant's data: what a compiled artifact stores in its
+/// place, so loading it needs no packing.
+#[derive(Clone, Debug)]
+pub struct PreparedConstant {
+    /// Names the layout and everything it depends on (kernel, tile sizes,
+    /// dims); a kernel takes a prepared constant only in the layout it
+    /// would make itself.
+    pub layout: String,
+    /// The data in that layout.
+    pub data: Arc<Tensor>,
 }
 
 /// Row-major strides (in elements) of a contiguous tensor of `shape`.
@@ -159,85 +227,120 @@ fn checked_numel(shape: &[usize]) -> Result<usize> {
 }
 
 /// A host tensor: typed storage, a shape and element strides.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug)]
 pub struct Tensor {
     shape: Vec<usize>,
     strides: Vec<usize>,
-    data: Arc<TensorData>,
+    data: Arc<Storage>,
+}
+
+/// Equal dtype, shape, strides and stored bytes (wherever they live).
+impl PartialEq for Tensor {
+    fn eq(&self, other: &Self) -> bool {
+        self.dtype() == other.dtype()
+            && self.shape == other.shape
+            && self.strides == other.strides
+            && self.as_bytes() == other.as_bytes()
+    }
 }
 
 impl Tensor {
+    fn contiguous(shape: &[usize], data: Storage) -> Self {
+        Self { shape: shape.to_vec(), strides: contiguous_strides(shape), data: Arc::new(data) }
+    }
+
     /// A zero-filled contiguous tensor.
     pub fn zeros(dtype: DType, shape: &[usize]) -> Result<Self> {
         let numel = checked_numel(shape)?;
-        Ok(Self {
-            shape: shape.to_vec(),
-            strides: contiguous_strides(shape),
-            data: Arc::new(TensorData::zeros(dtype, numel)?),
-        })
+        Ok(Self::contiguous(shape, Storage::Owned(OwnedData::zeros(dtype, numel)?)))
     }
 
     /// A contiguous tensor over `values`, which must hold exactly `shape`'s
     /// element count.
     pub fn from_vec<T: Storable>(shape: &[usize], values: Vec<T>) -> Result<Self> {
-        Self::from_data(shape, T::wrap(values))
-    }
-
-    /// A contiguous tensor over typed storage.
-    pub fn from_data(shape: &[usize], data: TensorData) -> Result<Self> {
         let numel = checked_numel(shape)?;
-        if numel != data.len() {
-            return Err(Error::ElementCount { shape: shape.to_vec(), expected: numel, got: data.len() });
+        if numel != values.len() {
+            return Err(Error::ElementCount { shape: shape.to_vec(), expected: numel, got: values.len() });
         }
-        Ok(Self { shape: shape.to_vec(), strides: contiguous_strides(shape), data: Arc::new(data) })
+        Ok(Self::contiguous(shape, Storage::Owned(OwnedData::from_vec(values))))
     }
 
-    /// A contiguous tensor from little-endian bytes, as stored in files.
-    pub fn from_le_bytes(dtype: DType, shape: &[usize], bytes: &[u8]) -> Result<Self> {
+    fn check_byte_count(dtype: DType, shape: &[usize], bytes: usize) -> Result<()> {
         let numel = checked_numel(shape)?;
         let expected = numel.checked_mul(dtype.size_bytes()).ok_or_else(|| Error::ShapeOverflow(shape.to_vec()))?;
-        if bytes.len() != expected {
-            return Err(Error::ByteCount { dtype, shape: shape.to_vec(), expected, got: bytes.len() });
+        if bytes != expected {
+            return Err(Error::ByteCount { dtype, shape: shape.to_vec(), expected, got: bytes });
         }
-        Self::from_data(shape, TensorData::from_le_bytes(dtype, bytes)?)
+        Ok(())
+    }
+
+    /// A contiguous tensor from little-endian bytes, as stored in files
+    /// (copied into memory the tensor owns).
+    pub fn from_le_bytes(dtype: DType, shape: &[usize], bytes: &[u8]) -> Result<Self> {
+        Self::check_byte_count(dtype, shape, bytes.len())?;
+        Ok(Self::contiguous(shape, Storage::Owned(OwnedData::from_le_bytes(dtype, bytes)?)))
+    }
+
+    /// A contiguous tensor whose elements are `mapped` bytes, borrowed (no
+    /// copy). Writing through it copies the elements first.
+    pub fn from_mapped(shape: &[usize], mapped: MappedBytes) -> Result<Self> {
+        Self::check_byte_count(mapped.dtype, shape, mapped.len)?;
+        Ok(Self::contiguous(shape, Storage::Mapped(mapped)))
     }
 
     /// A floating tensor from f32 values, each rounded to `dtype`.
     pub fn from_f32(dtype: DType, shape: &[usize], values: &[f32]) -> Result<Self> {
-        let data = match dtype {
-            DType::F32 => TensorData::F32(values.to_vec()),
-            DType::BF16 => TensorData::BF16(values.iter().map(|&v| bf16::from_f32(v)).collect()),
-            DType::F16 => TensorData::F16(values.iter().map(|&v| f16::from_f32(v)).collect()),
-            DType::U32 => {
-                return Err(Error::NotFloat { what: "from_f32".into(), dtype });
-            }
-        };
-        Self::from_data(shape, data)
+        match dtype {
+            DType::F32 => Self::from_vec(shape, values.to_vec()),
+            DType::BF16 => Self::from_vec(shape, values.iter().map(|&v| bf16::from_f32(v)).collect()),
+            DType::F16 => Self::from_vec(shape, values.iter().map(|&v| f16::from_f32(v)).collect()),
+            DType::U32 => Err(Error::NotFloat { what: "from_f32".into(), dtype }),
+        }
     }
 
     /// A u32 scalar (shape `[]`), as used for `layer_idx`.
     pub fn scalar_u32(value: u32) -> Self {
-        Self { shape: Vec::new(), strides: Vec::new(), data: Arc::new(TensorData::U32(vec![value])) }
+        Self::contiguous(&[], Storage::Owned(OwnedData::U32(vec![value])))
     }
 
     /// A floating tensor of values drawn uniformly from `[low, high)`, rounded
     /// to `dtype`.
     pub fn random(dtype: DType, shape: &[usize], rng: &mut impl Rng, low: f32, high: f32) -> Result<Self> {
-        let numel = checked_numel(shape)?;
         let mut t = Self::zeros(dtype, shape)?;
         fn fill<T: Element>(values: &mut [T], rng: &mut impl Rng, low: f32, high: f32) {
             for v in values {
                 *v = T::from_f32(rng.gen_range(low..high));
             }
         }
-        match Arc::make_mut(&mut t.data) {
-            TensorData::F32(v) => fill(v, rng, low, high),
-            TensorData::BF16(v) => fill(v, rng, low, high),
-            TensorData::F16(v) => fill(v, rng, low, high),
-            TensorData::U32(_) => return Err(Error::NotFloat { what: "random".into(), dtype }),
+        match t.owned_mut() {
+            OwnedData::F32(v) => fill(v, rng, low, high),
+            OwnedData::BF16(v) => fill(v, rng, low, high),
+            OwnedData::F16(v) => fill(v, rng, low, high),
+            OwnedData::U32(_) => return Err(Error::NotFloat { what: "random".into(), dtype }),
         }
-        debug_assert_eq!(t.numel(), numel);
         Ok(t)
+    }
+
+    /// The storage, owned by this tensor alone: a shared or mapped storage
+    /// is copied first (copy-on-write).
+    fn owned_mut(&mut self) -> &mut OwnedData {
+        let unique_owned = matches!(*self.data, Storage::Owned(_)) && Arc::get_mut(&mut self.data).is_some();
+        if !unique_owned {
+            let copy = match &*self.data {
+                Storage::Owned(data) => data.clone(),
+                Storage::Mapped(mapped) => {
+                    // The mapping was validated when made; a copy of valid
+                    // bytes of its dtype always converts.
+                    OwnedData::from_le_bytes(mapped.dtype, mapped.as_bytes())
+                        .unwrap_or_else(|e| panic!("copying mapped tensor data: {e}"))
+                }
+            };
+            self.data = Arc::new(Storage::Owned(copy));
+        }
+        match Arc::get_mut(&mut self.data) {
+            Some(Storage::Owned(data)) => data,
+            _ => unreachable!("the storage was just made owned and unique"),
+        }
     }
 
     /// The element type.
@@ -271,21 +374,34 @@ impl Tensor {
                 .all(|((&dim, &stride), want)| dim <= 1 || stride == want)
     }
 
-    /// The typed storage.
-    pub fn data(&self) -> &TensorData {
-        &self.data
+    /// Whether the elements are borrowed from a memory mapping (a weights
+    /// file, an artifact) rather than owned.
+    pub fn is_mapped(&self) -> bool {
+        matches!(*self.data, Storage::Mapped(_))
+    }
+
+    /// The stored elements, typed.
+    pub fn data(&self) -> TensorData<'_> {
+        self.data.typed()
     }
 
     /// The storage as a typed slice; fails if `T` is not the tensor's dtype.
     pub fn as_slice<T: Storable>(&self) -> Result<&[T]> {
         let dtype = self.dtype();
-        T::slice(&self.data).ok_or(Error::WrongDType { expected: T::DTYPE, got: dtype })
+        if dtype != T::DTYPE {
+            return Err(Error::WrongDType { expected: T::DTYPE, got: dtype });
+        }
+        Ok(bytemuck::cast_slice(self.as_bytes()))
     }
 
     /// The storage as a writable typed slice; fails if `T` is not the dtype.
+    /// Copies the storage first if it is shared or mapped.
     pub fn as_mut_slice<T: Storable>(&mut self) -> Result<&mut [T]> {
         let dtype = self.dtype();
-        T::slice_mut(Arc::make_mut(&mut self.data)).ok_or(Error::WrongDType { expected: T::DTYPE, got: dtype })
+        if dtype != T::DTYPE {
+            return Err(Error::WrongDType { expected: T::DTYPE, got: dtype });
+        }
+        Ok(bytemuck::cast_slice_mut(self.owned_mut().as_bytes_mut()))
     }
 
     /// The storage's raw little-endian bytes.
@@ -294,9 +410,9 @@ impl Tensor {
     }
 
     /// The storage's raw bytes, writable (kernels write outputs through
-    /// this). Copies the storage first if it is shared.
+    /// this). Copies the storage first if it is shared or mapped.
     pub fn as_bytes_mut(&mut self) -> &mut [u8] {
-        Arc::make_mut(&mut self.data).as_bytes_mut()
+        self.owned_mut().as_bytes_mut()
     }
 
     /// Whether `self` and `other` share storage (a clone, view or reshape of
@@ -323,7 +439,7 @@ impl Tensor {
         fn widen<T: Element>(t: &Tensor, values: &[T]) -> Vec<f32> {
             t.logical_offsets().map(|o| values[o].to_f32()).collect()
         }
-        Ok(match &*self.data {
+        Ok(match self.data() {
             TensorData::F32(v) => widen(self, v),
             TensorData::BF16(v) => widen(self, v),
             TensorData::F16(v) => widen(self, v),
@@ -341,13 +457,14 @@ impl Tensor {
 
     /// Set every stored element to `value` rounded to the dtype (floats only).
     pub fn fill_f32(&mut self, value: f32) -> Result<()> {
-        match Arc::make_mut(&mut self.data) {
-            TensorData::F32(v) => v.fill(value),
-            TensorData::BF16(v) => v.fill(bf16::from_f32(value)),
-            TensorData::F16(v) => v.fill(f16::from_f32(value)),
-            TensorData::U32(_) => {
-                return Err(Error::NotFloat { what: "fill_f32".into(), dtype: DType::U32 });
-            }
+        if self.dtype() == DType::U32 {
+            return Err(Error::NotFloat { what: "fill_f32".into(), dtype: DType::U32 });
+        }
+        match self.owned_mut() {
+            OwnedData::F32(v) => v.fill(value),
+            OwnedData::BF16(v) => v.fill(bf16::from_f32(value)),
+            OwnedData::F16(v) => v.fill(f16::from_f32(value)),
+            OwnedData::U32(_) => unreachable!("checked above"),
         }
         Ok(())
     }
@@ -373,16 +490,16 @@ impl Tensor {
         if self.is_contiguous() {
             return self.clone();
         }
-        fn gather<T: Storable>(t: &Tensor, values: &[T]) -> Vec<T> {
-            t.logical_offsets().map(|o| values[o]).collect()
+        fn gather<T: Storable>(t: &Tensor, values: &[T]) -> OwnedData {
+            OwnedData::from_vec(t.logical_offsets().map(|o| values[o]).collect())
         }
-        let data = match &*self.data {
-            TensorData::F32(v) => TensorData::F32(gather(self, v)),
-            TensorData::BF16(v) => TensorData::BF16(gather(self, v)),
-            TensorData::F16(v) => TensorData::F16(gather(self, v)),
-            TensorData::U32(v) => TensorData::U32(gather(self, v)),
+        let data = match self.data() {
+            TensorData::F32(v) => gather(self, v),
+            TensorData::BF16(v) => gather(self, v),
+            TensorData::F16(v) => gather(self, v),
+            TensorData::U32(v) => gather(self, v),
         };
-        Self { shape: self.shape.clone(), strides: contiguous_strides(&self.shape), data: Arc::new(data) }
+        Self::contiguous(&self.shape, Storage::Owned(data))
     }
 
     /// Storage offsets of the elements in logical row-major order.

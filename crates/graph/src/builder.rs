@@ -70,6 +70,17 @@ impl<'r> GraphBuilder<'r> {
         self.add_value(Some(name), ValueType::Tensor(ty), ValueDef::Constant { data: Arc::new(data), init: Some(init) })
     }
 
+    /// A constant of type `ty` whose data a kernel prepared in its own
+    /// layout (see [`ValueDef::Prepared`]).
+    pub fn prepared_constant(
+        &mut self,
+        name: &str,
+        ty: TensorType,
+        data: kvjit_core::PreparedConstant,
+    ) -> Result<ValueId> {
+        self.add_value(Some(name), ValueType::Tensor(ty), ValueDef::Prepared { data })
+    }
+
     /// A paged KV cache the caller supplies at run time and nodes write in place.
     pub fn kv_cache(&mut self, name: &str, ty: KvCacheType) -> Result<ValueId> {
         if !ty.dtype.is_float() {

@@ -149,6 +149,10 @@ pub enum GraphError {
         /// Data shape.
         shape: Vec<usize>,
     },
+    /// A graph with kernel-prepared constants (from a compiled artifact)
+    /// saved as a graph file, which stores plain data only.
+    #[error("constant '{0}' holds data in a kernel's layout (from a compiled artifact); a graph file cannot store it")]
+    PreparedConstant(String),
     /// A symbol bound to a size where the graph needs a different one, or an
     /// invalid binding.
     #[error("symbol '{symbol}': {problem}")]

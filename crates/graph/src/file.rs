@@ -11,7 +11,7 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 
-use kvjit_core::{DType, Tensor, read_safetensors, write_safetensors};
+use kvjit_core::{DType, Tensor, WeightLoad, load_safetensors, write_safetensors};
 use serde::{Deserialize, Serialize};
 
 use crate::{
@@ -132,6 +132,13 @@ pub fn graph_to_json(graph: &Graph, weights_file: Option<&str>) -> String {
                     shape: data.shape().to_vec(),
                     init: *init,
                 }),
+                (ValueDef::Prepared { .. }, ValueType::Tensor(t)) => Some(ValueEntry::Constant {
+                    id,
+                    name,
+                    dtype: t.dtype,
+                    shape: t.shape.iter().map(|d| d.as_static().unwrap_or(0)).collect(),
+                    init: None,
+                }),
                 (ValueDef::KvCache, ValueType::KvCache(c)) => Some(ValueEntry::KvCache {
                     id,
                     name,
@@ -249,6 +256,17 @@ fn topological_order(nodes: &[NodeEntry], declared: &HashSet<ValueId>) -> Result
 /// Parse graph-file JSON. Constants without a recipe take their data from
 /// `weights` by name.
 pub fn graph_from_json(text: &str, registry: &OpRegistry, weights: Option<&BTreeMap<String, Tensor>>) -> Result<Graph> {
+    graph_from_json_prepared(text, registry, weights, &BTreeMap::new())
+}
+
+/// [`graph_from_json`] where the constants named in `prepared` take that
+/// kernel-prepared data (a compiled artifact's) instead of plain weights.
+pub fn graph_from_json_prepared(
+    text: &str,
+    registry: &OpRegistry,
+    weights: Option<&BTreeMap<String, Tensor>>,
+    prepared: &BTreeMap<String, kvjit_core::PreparedConstant>,
+) -> Result<Graph> {
     let json: serde_json::Value = serde_json::from_str(text)?;
     check_marker(&json)?;
     let file: GraphFile = serde_json::from_value(json)?;
@@ -271,6 +289,10 @@ pub fn graph_from_json(text: &str, registry: &OpRegistry, weights: Option<&BTree
                     return Err(GraphError::AmbiguousConstant { name: name.clone() });
                 }
                 builder.random_constant(name, *dtype, shape, *init)?
+            }
+            ValueEntry::Constant { name, dtype, shape, init: None, .. } if prepared.contains_key(name) => {
+                let ty = crate::TensorType::new(*dtype, shape.iter().map(|&d| Dim::Static(d)));
+                builder.prepared_constant(name, ty, prepared[name].clone())?
             }
             ValueEntry::Constant { name, dtype, shape, init: None, .. } => {
                 let data = weights.and_then(|w| w.get(name)).ok_or_else(|| {
@@ -358,6 +380,9 @@ pub fn save_graph(graph: &Graph, path: &Path) -> Result<()> {
             ),
         });
     }
+    if let Some((_, v)) = graph.constants().find(|(_, v)| matches!(v.def, ValueDef::Prepared { .. })) {
+        return Err(GraphError::PreparedConstant(v.name.clone().unwrap_or_default()));
+    }
     let stored: Vec<(&str, &Tensor)> = graph
         .constants()
         .filter_map(|(_, v)| match &v.def {
@@ -384,8 +409,16 @@ fn graph_needs_weights(graph: &Graph) -> bool {
 /// confined before anything is opened: it must be a relative path of plain
 /// names (no root, no `..`), it must resolve — after symlinks — inside the
 /// graph file's folder, and it must be a regular file (not a device or a
-/// FIFO). Each refusal is a [`GraphError::WeightsPath`].
+/// FIFO). Each refusal is a [`GraphError::WeightsPath`]. The weights are
+/// memory-mapped ([`WeightLoad::Map`]); see [`load_graph_with`].
 pub fn load_graph(path: &Path, registry: &OpRegistry) -> Result<Graph> {
+    load_graph_with(path, registry, WeightLoad::Map)
+}
+
+/// [`load_graph`], loading the weights file as `weights` says: mapped
+/// (zero-copy, the default) or copied into huge-page memory.
+pub fn load_graph_with(path: &Path, registry: &OpRegistry, weights: WeightLoad) -> Result<Graph> {
+    let mode = weights;
     let io = |source| GraphError::Io { path: path.to_path_buf(), source };
     let bytes = kvjit_core::read_regular_file(path).map_err(|e| match e {
         kvjit_core::Error::Io { source, .. } => io(source),
@@ -396,7 +429,15 @@ pub fn load_graph(path: &Path, registry: &OpRegistry) -> Result<Graph> {
     let json: serde_json::Value = serde_json::from_str(&text)?;
     check_marker(&json)?;
     let weights = match json.get("weights").and_then(|w| w.as_str()) {
-        Some(name) => Some(read_safetensors(&confined_weights_path(path, name)?)?),
+        Some(name) => {
+            let loaded = load_safetensors(&confined_weights_path(path, name)?, mode)?;
+            tracing::debug!(
+                mapped_bytes = loaded.mapped_bytes,
+                copied_bytes = loaded.copied_bytes,
+                "loaded weights file {name}"
+            );
+            Some(loaded.tensors)
+        }
         None => None,
     };
     graph_from_json(&text, registry, weights.as_ref())

@@ -59,6 +59,14 @@ pub enum ValueDef {
         /// How the data was generated, if it was (saved instead of the data).
         init: Option<RandomInit>,
     },
+    /// A constant whose data a kernel prepared in its own layout (a weight
+    /// in packed panels, from a compiled artifact). The value's type is
+    /// the constant's logical type; only kernels that take this layout can
+    /// consume it, and it cannot be saved to a graph file.
+    Prepared {
+        /// The data, in the kernel's layout.
+        data: kvjit_core::PreparedConstant,
+    },
     /// A paged KV cache supplied by the caller and written in place.
     KvCache,
     /// Output `index` of a node.
@@ -155,7 +163,7 @@ impl Graph {
 
     /// Values with handles, filtered to constants.
     pub fn constants(&self) -> impl Iterator<Item = (ValueId, &Value)> {
-        self.enumerate().filter(|(_, v)| matches!(v.def, ValueDef::Constant { .. }))
+        self.enumerate().filter(|(_, v)| matches!(v.def, ValueDef::Constant { .. } | ValueDef::Prepared { .. }))
     }
 
     fn enumerate(&self) -> impl Iterator<Item = (ValueId, &Value)> {

@@ -23,7 +23,8 @@ mod validate;
 pub use builder::GraphBuilder;
 pub use error::{GraphError, Result};
 pub use file::{
-    FORMAT_NAME, FORMAT_VERSION, confined_weights_path, graph_from_json, graph_to_json, load_graph, save_graph,
+    FORMAT_NAME, FORMAT_VERSION, confined_weights_path, graph_from_json, graph_from_json_prepared, graph_to_json,
+    load_graph, load_graph_with, save_graph,
 };
 pub use graph::{Graph, GraphOutput, Node, RandomInit, Value, ValueDef};
 pub use ids::{NodeId, ValueId};

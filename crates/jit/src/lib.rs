@@ -19,7 +19,9 @@
 //!
 //! Cranelift runs at `opt_level=none`: it keeps the IR order the emitters
 //! choose (the egraph at `speed` hoists every load of an unrolled body and
-//! spills) and compiles several times faster.
+//! spills) and compiles several times faster. Its IR verifier runs only in
+//! builds with debug assertions (every `cargo test`) or with
+//! `KVJIT_JIT_VERIFY=1` (see [`host_isa`]).
 
 mod cache;
 mod function;

@@ -5,7 +5,10 @@ use std::sync::Arc;
 
 use kvjit_core::{Target, Tensor};
 use kvjit_graph::{ArgKind, Dim, Graph, ValueDef, ValueId, specialize};
-use kvjit_runtime::{BuildOptions, CacheSpec, Executable, InputSpec, ShapeDim, Slot, Step, cuda_availability};
+use kvjit_runtime::{
+    BuildOptions, CacheSpec, ConstantInput, Executable, InputSpec, ShapeDim, Slot, Step, cuda_availability,
+};
+use rayon::prelude::*;
 
 use crate::{Error, Registry, Result};
 
@@ -80,6 +83,9 @@ impl MemoryEstimate {
                     let copies = 1 + packed_copies.get(&ValueId(id as u32)).copied().unwrap_or(0);
                     estimate.constants = estimate.constants.saturating_add(size.saturating_mul(copies));
                 }
+                (ValueDef::Prepared { data }, _) => {
+                    estimate.constants = estimate.constants.saturating_add(data.data.as_bytes().len() as u64);
+                }
                 (ValueDef::NodeOutput { node, .. }, _) if op_of(*node).is_some_and(|op| op.is_view()) => {}
                 (ValueDef::NodeOutput { .. }, kvjit_graph::ValueType::Tensor(t)) => {
                     match bytes(&t.shape, t.dtype.size_bytes()) {
@@ -148,10 +154,13 @@ pub fn compile(graph: &Graph, registry: &Registry, options: &CompileOptions) -> 
     }
     let mut constants: Vec<Arc<Tensor>> = Vec::new();
     for (id, value) in graph.constants() {
-        if let ValueDef::Constant { data, .. } = &value.def {
-            slots.insert(id, Slot::Constant(constants.len()));
-            constants.push(data.clone());
-        }
+        let data = match &value.def {
+            ValueDef::Constant { data, .. } => data.clone(),
+            ValueDef::Prepared { data } => data.data.clone(),
+            _ => continue,
+        };
+        slots.insert(id, Slot::Constant(constants.len()));
+        constants.push(data);
     }
     let mut cache_index: HashMap<ValueId, usize> = HashMap::new();
     let mut caches = Vec::new();
@@ -167,30 +176,82 @@ pub fn compile(graph: &Graph, registry: &Registry, options: &CompileOptions) -> 
         });
     }
 
-    let mut steps = Vec::with_capacity(graph.nodes().len());
-    for (node, key) in graph.nodes().iter().zip(specialized.kernel_keys()) {
-        let op = registry.ops().get(&node.op)?;
-        let mut tensor_slots = Vec::new();
-        let mut tensor_constants = Vec::new();
-        let mut cache_args = Vec::new();
-        for (spec, &value) in op.inputs().iter().zip(&node.inputs) {
+    // Kernels are built in parallel (JIT compiles and weight packing are
+    // independent per node; one key is compiled once however many nodes
+    // share it), then laid out in node order.
+    struct NodePlan {
+        op: Arc<dyn kvjit_graph::OpDef>,
+        tensor_constants: Vec<Option<ConstantInput>>,
+        cache_args: Vec<usize>,
+    }
+    let mut plans = Vec::with_capacity(graph.nodes().len());
+    for node in graph.nodes() {
+        let op = registry.ops().get(&node.op)?.clone();
+        let mut plan = NodePlan { op, tensor_constants: Vec::new(), cache_args: Vec::new() };
+        for (spec, &value) in plan.op.inputs().iter().zip(&node.inputs) {
             match spec.kind {
                 ArgKind::Tensor => {
-                    tensor_slots.push(slots[&value]);
-                    tensor_constants.push(match &graph.value(value).def {
-                        ValueDef::Constant { data, .. } => Some(data.clone()),
+                    plan.tensor_constants.push(match &graph.value(value).def {
+                        ValueDef::Constant { data, .. } => Some(ConstantInput::Plain(data.clone())),
+                        ValueDef::Prepared { data } => Some(ConstantInput::Prepared(data.clone())),
                         _ => None,
                     });
                 }
-                ArgKind::KvCache => cache_args.push(cache_index[&value]),
+                ArgKind::KvCache => plan.cache_args.push(cache_index[&value]),
             }
         }
-        let kernel = registry.kernel_builder(op.name())?.build(key, &tensor_constants, &options.build)?;
+        plans.push(plan);
+    }
+    let keys = specialized.kernel_keys();
+    let kernels: Vec<Result<Arc<dyn kvjit_runtime::Kernel>>> = plans
+        .par_iter()
+        .zip(keys.par_iter())
+        .map(|(plan, key)| {
+            let kernel = registry.kernel_builder(plan.op.name())?.build(key, &plan.tensor_constants, &options.build)?;
+            Ok(kernel)
+        })
+        .collect();
+
+    let mut steps = Vec::with_capacity(graph.nodes().len());
+    for ((node, plan), kernel) in graph.nodes().iter().zip(plans).zip(kernels) {
+        let kernel = kernel?;
+        refuse_untaken_prepared(graph, node, &plan.tensor_constants, kernel.as_ref())?;
+        let tensor_slots = plan
+            .op
+            .inputs()
+            .iter()
+            .zip(&node.inputs)
+            .filter(|(spec, _)| spec.kind == ArgKind::Tensor)
+            .map(|(_, value)| slots[value])
+            .collect();
         for (output, &value) in node.outputs.iter().enumerate() {
             slots.insert(value, Slot::StepOutput { step: steps.len(), output });
         }
-        steps.push(Step { label: node.id.to_string(), kernel, inputs: tensor_slots, caches: cache_args });
+        steps.push(Step { label: node.id.to_string(), kernel, inputs: tensor_slots, caches: plan.cache_args });
     }
     let outputs = graph.outputs().iter().map(|o| (o.name.clone(), slots[&o.value])).collect();
     Ok(Executable::new(inputs, caches, constants, steps, outputs)?)
+}
+
+/// A prepared constant (from an artifact) may only go to a kernel that
+/// takes it in that very layout; anything else is refused, never run.
+fn refuse_untaken_prepared(
+    graph: &Graph,
+    node: &kvjit_graph::Node,
+    constants: &[Option<ConstantInput>],
+    kernel: &dyn kvjit_runtime::Kernel,
+) -> Result<()> {
+    let taken = kernel.prepared_constants();
+    let tensor_inputs = node.inputs.iter().filter(|v| graph.value(**v).ty.as_tensor().is_some());
+    for ((input, constant), &value) in constants.iter().enumerate().zip(tensor_inputs) {
+        let Some(ConstantInput::Prepared(prepared)) = constant else { continue };
+        if !taken.iter().any(|(i, p)| *i == input && p.layout == prepared.layout) {
+            return Err(Error::PreparedNotTaken {
+                constant: graph.value(value).name.clone().unwrap_or_default(),
+                layout: prepared.layout.clone(),
+                key: kernel.key().to_string(),
+            });
+        }
+    }
+    Ok(())
 }

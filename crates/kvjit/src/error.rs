@@ -16,6 +16,9 @@ pub enum Error {
     /// Target, executable or run problem.
     #[error(transparent)]
     Runtime(#[from] kvjit_runtime::RuntimeError),
+    /// A compiled artifact that cannot be used.
+    #[error(transparent)]
+    Artifact(#[from] crate::artifact::ArtifactError),
     /// A graph whose buffers need more memory than the compile budget.
     #[error(
         "graph needs {needed} bytes ({} constants, {} outputs, {} KV caches), more than the memory budget of {budget} bytes",
@@ -28,6 +31,19 @@ pub enum Error {
         budget: u64,
         /// The breakdown.
         estimate: crate::MemoryEstimate,
+    },
+    /// A constant stored in a kernel's layout (by a compiled artifact) that
+    /// the kernel built for its consumer does not take.
+    #[error(
+        "constant '{constant}' is stored in the kernel layout {layout}, which the kernel {key} does not take (the artifact was made for other kernels or build options; compile it again)"
+    )]
+    PreparedNotTaken {
+        /// The constant.
+        constant: String,
+        /// Its stored layout.
+        layout: String,
+        /// The kernel that refused it.
+        key: String,
     },
     /// `kvjit compare`: tensors that differ beyond the tolerance.
     #[error("{count} of {total} tensors differ beyond the tolerance; first: {first}")]

@@ -25,24 +25,27 @@
 //! println!("{:?}", out.outputs["q"].shape());
 //! ```
 
+pub mod artifact;
 pub mod compare;
 mod compile;
 pub mod demo;
 mod error;
 mod registry;
 
+pub use artifact::{ArtifactError, LoadedArtifact, is_artifact, load_artifact, write_artifact};
 pub use compile::{CompileOptions, MemoryEstimate, compile};
 pub use error::{Error, Result};
 pub use registry::{Registry, standard_registry};
 
 pub use kvjit_core::Error as CoreError;
 pub use kvjit_core::{
-    DType, Element, KernelKey, KeyField, KvCacheParams, PagedKVCacheCollection, Target, Tensor, TensorData,
-    UNASSIGNED_PAGE, bf16, f16, read_safetensors, tensors_from_safetensors, tensors_to_safetensors, write_safetensors,
+    DType, Element, KernelKey, KeyField, KvCacheParams, LoadedTensors, PagedKVCacheCollection, PreparedConstant,
+    Target, Tensor, TensorData, UNASSIGNED_PAGE, WeightLoad, bf16, f16, load_safetensors, read_safetensors,
+    read_safetensors_header, tensors_from_safetensors, tensors_to_safetensors, write_safetensors,
 };
 pub use kvjit_graph::{
     Dim, Graph, GraphBuilder, GraphError, KvCacheType, OpRegistry, ParamValue, Params, RandomInit, SpecializedGraph,
-    TensorType, ValueDef, ValueId, graph_from_json, graph_to_json, load_graph, save_graph, specialize,
+    TensorType, ValueDef, ValueId, graph_from_json, graph_to_json, load_graph, load_graph_with, save_graph, specialize,
 };
 pub use kvjit_jit::{CompileCause, CompileRecord, compile_log};
 pub use kvjit_op_fused_qkv as fused_qkv;

@@ -153,6 +153,11 @@ impl Executable {
         &self.outputs
     }
 
+    /// The constants, in [`Slot::Constant`] order.
+    pub fn constants(&self) -> &[Arc<Tensor>] {
+        &self.constants
+    }
+
     pub(crate) fn constant(&self, i: usize) -> &Tensor {
         &self.constants[i]
     }

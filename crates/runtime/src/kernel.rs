@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use kvjit_core::{DType, KernelKey, PagedKVCacheCollection, Tensor};
+use kvjit_core::{DType, KernelKey, PagedKVCacheCollection, PreparedConstant, Tensor};
 
 use crate::{DeviceContextPtr, Result};
 
@@ -75,6 +75,14 @@ pub trait Kernel: Send + Sync {
         false
     }
 
+    /// Constant inputs this kernel keeps in its own layout, by input index
+    /// (a JIT kernel's packed weight panels). A compiled artifact stores
+    /// these instead of the plain data; the kernel accepts the prepared
+    /// tensor itself as that input's argument. Default: none.
+    fn prepared_constants(&self) -> Vec<(usize, PreparedConstant)> {
+        Vec::new()
+    }
+
     /// Run the kernel: read `inputs`, write `outputs` (allocated to the shapes
     /// `check` gave) and the caches.
     fn run(
@@ -86,15 +94,45 @@ pub trait Kernel: Send + Sync {
     ) -> kvjit_core::Result<()>;
 }
 
+/// A graph constant as a kernel builder gets it.
+#[derive(Clone, Debug)]
+pub enum ConstantInput {
+    /// The constant's data, in the graph's layout.
+    Plain(Arc<Tensor>),
+    /// Data a kernel prepared earlier in its own layout (from a compiled
+    /// artifact). A builder that cannot take this layout ignores it; the
+    /// compile step then refuses the graph.
+    Prepared(PreparedConstant),
+}
+
+impl ConstantInput {
+    /// The plain data, if that is what this is.
+    pub fn plain(&self) -> Option<&Arc<Tensor>> {
+        match self {
+            ConstantInput::Plain(data) => Some(data),
+            ConstantInput::Prepared(_) => None,
+        }
+    }
+
+    /// The prepared data, if that is what this is.
+    pub fn prepared(&self) -> Option<&PreparedConstant> {
+        match self {
+            ConstantInput::Prepared(prepared) => Some(prepared),
+            ConstantInput::Plain(_) => None,
+        }
+    }
+}
+
 /// Builds kernels for an op: one implementation per op, covering its targets.
 pub trait KernelBuilder: Send + Sync {
     /// Build (or fetch) the kernel for `key`. `constants[i]` holds input `i`'s
     /// data when that input is a graph constant, so kernels can prepare it
-    /// (e.g. pack weights) once, at build time.
+    /// (e.g. pack weights) once, at build time — or take it already
+    /// prepared ([`ConstantInput::Prepared`]).
     fn build(
         &self,
         key: &KernelKey,
-        constants: &[Option<Arc<Tensor>>],
+        constants: &[Option<ConstantInput>],
         options: &BuildOptions,
     ) -> Result<Arc<dyn Kernel>>;
 }

@@ -17,4 +17,4 @@ pub use context::{CpuContext, CudaContext, DeviceContext, DeviceContextPtr, Kern
 pub use error::{Result, RuntimeError};
 pub use executable::{CacheSpec, Executable, InputSpec, ShapeDim, Slot, Step};
 pub use executor::{Executor, RunOutput, StepTiming};
-pub use kernel::{BuildOptions, CodeInfo, Kernel, KernelBuilder, KernelImpl, OutputSpec};
+pub use kernel::{BuildOptions, CodeInfo, ConstantInput, Kernel, KernelBuilder, KernelImpl, OutputSpec};

@@ -58,6 +58,21 @@ fn shape_error(arg: &str, expected: String, got: &Tensor) -> Error {
     Error::ShapeMismatch { arg: arg.into(), expected, got: got.shape().to_vec() }
 }
 
+/// A call's weight as the checks see it.
+#[derive(Clone, Copy)]
+pub(crate) enum WeightArg<'a> {
+    /// A `[N, K]` tensor, checked like any argument.
+    Tensor(&'a Tensor),
+    /// The kernel's own prepared (packed) weight of `[n, k]`, whose dtype
+    /// and layout were checked when the kernel took it.
+    Prepared {
+        /// Rows.
+        n: usize,
+        /// Columns.
+        k: usize,
+    },
+}
+
 fn expect_dtype(arg: &str, t: &Tensor, expected: DType) -> Result<()> {
     if t.dtype() != expected {
         return Err(Error::DTypeMismatch { arg: arg.into(), expected, got: t.dtype() });
@@ -80,12 +95,25 @@ pub fn check_call(
     layer_idx: &Tensor,
     valid_lengths: &Tensor,
 ) -> Result<CallShape> {
+    check_call_with(hidden_state, WeightArg::Tensor(weight), kv_collection, layer_idx, valid_lengths)
+}
+
+/// [`check_call`] with the weight possibly a kernel's prepared one.
+pub(crate) fn check_call_with(
+    hidden_state: &Tensor,
+    weight: WeightArg<'_>,
+    kv_collection: &PagedKVCacheCollection,
+    layer_idx: &Tensor,
+    valid_lengths: &Tensor,
+) -> Result<CallShape> {
     let dtype = hidden_state.dtype();
     if !dtype.is_float() {
         return Err(Error::NotFloat { what: "hidden_state".into(), dtype });
     }
     expect_dtype("hidden_state", hidden_state, dtype)?;
-    expect_dtype("weight", weight, dtype)?;
+    if let WeightArg::Tensor(weight) = weight {
+        expect_dtype("weight", weight, dtype)?;
+    }
     expect_dtype("layer_idx", layer_idx, DType::U32)?;
     expect_dtype("valid_lengths", valid_lengths, DType::U32)?;
 
@@ -94,15 +122,21 @@ pub fn check_call(
     };
     let params = kv_collection.params();
     let kv_dim = params.kv_dim();
-    let &[n, weight_k] = weight.shape() else {
-        return Err(shape_error("weight", format!("[N, {k}]"), weight));
+    let (n, weight_k) = match weight {
+        WeightArg::Tensor(weight) => match *weight.shape() {
+            [n, weight_k] => (n, weight_k),
+            _ => return Err(shape_error("weight", format!("[N, {k}]"), weight)),
+        },
+        WeightArg::Prepared { n, k } => (n, k),
     };
     if weight_k != k || n <= 2 * kv_dim {
-        return Err(shape_error(
-            "weight",
-            format!("[q_dim + 2*{kv_dim}, {k}] with q_dim >= 1 (K = {k} from hidden_state, kv_dim = Hkv*D = {kv_dim})"),
-            weight,
-        ));
+        return Err(Error::ShapeMismatch {
+            arg: "weight".into(),
+            expected: format!(
+                "[q_dim + 2*{kv_dim}, {k}] with q_dim >= 1 (K = {k} from hidden_state, kv_dim = Hkv*D = {kv_dim})"
+            ),
+            got: vec![n, weight_k],
+        });
     }
     if !matches!(layer_idx.shape(), [] | [1]) {
         return Err(shape_error("layer_idx", "[] (a scalar)".into(), layer_idx));

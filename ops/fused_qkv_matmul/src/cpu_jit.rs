@@ -29,7 +29,9 @@
 use std::sync::Arc;
 
 use half::slice::HalfFloatSliceExt;
-use kvjit_core::{DType, Error, KernelKey, PagedKVCacheCollection, Result, Tensor, TensorData, bf16, f16};
+use kvjit_core::{
+    DType, Error, KernelKey, PagedKVCacheCollection, PreparedConstant, Result, Tensor, TensorData, bf16, f16,
+};
 use kvjit_jit::cranelift_codegen::ir::{InstBuilder, Value, condcodes::IntCC, types};
 use kvjit_jit::cranelift_frontend::FunctionBuilder;
 use kvjit_jit::ir::{counted_loop, load_f32x4_raw, load_splat_f32x4, mem, store_f32x4, store_lane};
@@ -37,8 +39,8 @@ use kvjit_jit::{CaptureText, CompileCause, JitError, JitFunction, SeenShapes, co
 use kvjit_runtime::{CodeInfo, DeviceContextPtr, Kernel, OutputSpec};
 
 use crate::call::cache_row_offsets;
-use crate::kernel::{check_against_spec, checked_call, same_data};
-use crate::{CallShape, FusedQkvSpec, QkvArgs};
+use crate::kernel::{check_against_spec_with, checked_call_with, same_data};
+use crate::{CallShape, FusedQkvError, FusedQkvSpec, OP_NAME, QkvArgs};
 
 /// Columns per weight panel (two F32X4 vectors).
 pub const NR: usize = 8;
@@ -105,6 +107,13 @@ impl PanelLayout {
     /// Panels in all.
     pub fn total_panels(&self) -> usize {
         self.segments.iter().map(Segment::panels).sum()
+    }
+
+    /// Names this layout and everything it depends on (the prepared
+    /// constant's [`layout`](kvjit_core::PreparedConstant::layout)).
+    pub fn id(&self, dtype: DType) -> String {
+        let [q, k, v] = self.segments.map(|s| s.columns);
+        format!("fused_qkv.panels.v1.nr{NR}.{dtype}.k{}.cols{q}+{k}+{v}", self.k)
     }
 
     /// Elements of the packed weight.
@@ -452,16 +461,25 @@ pub struct JitKernel {
     seen_shapes: Option<SeenShapes>,
     layout: PanelLayout,
     code: Arc<JitFunction>,
-    /// The graph's constant weight and its packed copy, made at build. Used
-    /// only when a call's weight is that very tensor ([`same_data`]); any
-    /// other weight is packed for its call.
+    /// The graph's constant weight and its packed copy, made at build (or
+    /// taken prepared from an artifact). Used only when a call's weight is
+    /// that very tensor or the packed one itself ([`same_data`]); any other
+    /// weight is packed for its call.
     constant_weight: Option<PackedConstant>,
 }
 
-/// A constant weight and its panels.
+/// A constant weight (absent when it came prepared) and its panels.
 struct PackedConstant {
-    weight: Arc<Tensor>,
-    packed: Tensor,
+    plain: Option<Arc<Tensor>>,
+    packed: Arc<Tensor>,
+}
+
+impl PackedConstant {
+    /// The panels to use for a call's `weight`, if it is this constant.
+    fn panels_for(&self, weight: &Tensor) -> Option<&Tensor> {
+        let is_plain = self.plain.as_deref().is_some_and(|plain| same_data(plain, weight));
+        (is_plain || same_data(&self.packed, weight)).then_some(&*self.packed)
+    }
 }
 
 impl JitKernel {
@@ -483,14 +501,55 @@ impl JitKernel {
         capture: CaptureText,
         specialize_shapes: bool,
     ) -> Result<Self, JitError> {
-        let code = compile(&spec, capture)?;
         let layout = PanelLayout::new(&spec);
         let constant_weight = match weight {
             Some(w) if w.dtype() == spec.dtype && w.shape() == [spec.n(), spec.k] && w.is_contiguous() => {
-                Some(PackedConstant { packed: layout.pack(&w).expect("a float weight packs"), weight: w })
+                Some(PackedConstant {
+                    packed: Arc::new(layout.pack(&w).expect("a float weight packs")),
+                    plain: Some(w),
+                })
             }
             _ => None,
         };
+        Self::with_constant(spec, constant_weight, capture, specialize_shapes)
+    }
+
+    /// Like [`with_policy`](Self::with_policy), with the weight already
+    /// packed (a prepared constant from a compiled artifact): no packing at
+    /// build. Calls pass that packed tensor itself as the weight. A weight
+    /// in another layout, dtype or size is refused.
+    pub fn with_prepared_weight(
+        spec: FusedQkvSpec,
+        prepared: &PreparedConstant,
+        capture: CaptureText,
+        specialize_shapes: bool,
+    ) -> Result<Self> {
+        let layout = PanelLayout::new(&spec);
+        let expected = layout.id(spec.dtype);
+        let data = &prepared.data;
+        if prepared.layout != expected
+            || data.dtype() != spec.dtype
+            || data.shape() != [layout.packed_len()]
+            || !data.is_contiguous()
+        {
+            return Err(FusedQkvError::PreparedWeight {
+                expected: format!("{expected} ({}[{}])", spec.dtype, layout.packed_len()),
+                got: format!("{} ({}{:?})", prepared.layout, data.dtype(), data.shape()),
+            }
+            .into());
+        }
+        let constant = PackedConstant { plain: None, packed: data.clone() };
+        Self::with_constant(spec, Some(constant), capture, specialize_shapes).map_err(|e| Error::op(OP_NAME, e))
+    }
+
+    fn with_constant(
+        spec: FusedQkvSpec,
+        constant_weight: Option<PackedConstant>,
+        capture: CaptureText,
+        specialize_shapes: bool,
+    ) -> Result<Self, JitError> {
+        let code = compile(&spec, capture)?;
+        let layout = PanelLayout::new(&spec);
         let generic = spec.batch.is_none() || spec.seq.is_none();
         Ok(Self {
             key: spec.kernel_key(),
@@ -547,8 +606,13 @@ impl Kernel for JitKernel {
     }
 
     fn check(&self, inputs: &[&Tensor], caches: &[&PagedKVCacheCollection]) -> Result<Vec<OutputSpec>> {
-        let shape = check_against_spec(&self.spec, inputs, caches)?;
+        let shape = check_against_spec_with(&self.spec, inputs, caches, self.packed_weight())?;
         Ok(vec![(self.spec.dtype, shape.output_shape())])
+    }
+
+    fn prepared_constants(&self) -> Vec<(usize, PreparedConstant)> {
+        let Some(constant) = &self.constant_weight else { return Vec::new() };
+        vec![(1, PreparedConstant { layout: self.layout.id(self.spec.dtype), data: constant.packed.clone() })]
     }
 
     fn run(
@@ -558,7 +622,7 @@ impl Kernel for JitKernel {
         outputs: &mut [Tensor],
         ctx: &DeviceContextPtr,
     ) -> Result<()> {
-        let call = checked_call(&self.spec, inputs, caches, outputs)?;
+        let call = checked_call_with(&self.spec, inputs, caches, outputs, self.packed_weight())?;
         let args = QkvArgs {
             hidden_state: call.hidden,
             weight: call.weight,
@@ -571,13 +635,18 @@ impl Kernel for JitKernel {
 }
 
 impl JitKernel {
+    /// The packed constant weight, which calls may pass as the weight.
+    fn packed_weight(&self) -> Option<&Tensor> {
+        self.constant_weight.as_ref().map(|c| &*c.packed)
+    }
+
     /// Run with the Q output written into raw bytes (exactly `B·S·q_dim`
     /// elements of the dtype), so callers — tests with guard regions around
     /// the output, benchmarks reusing a buffer — choose where it lives.
     /// Validates everything first, like [`Kernel::run`].
     pub fn run_into(&self, args: QkvArgs<'_>, output: &mut [u8], ctx: &DeviceContextPtr) -> Result<()> {
         let inputs = [args.hidden_state, args.weight, args.layer_idx, args.valid_lengths];
-        let shape = check_against_spec(&self.spec, &inputs, &[&*args.kv_collection])?;
+        let shape = check_against_spec_with(&self.spec, &inputs, &[&*args.kv_collection], self.packed_weight())?;
         let expected = shape.batch * shape.seq * shape.q_dim * self.spec.dtype.size_bytes();
         if output.len() != expected {
             return Err(Error::ByteCount {
@@ -598,9 +667,9 @@ impl JitKernel {
         let row_offsets = cache_row_offsets(&shape, cache, valid_lengths)?;
         let x = hidden_as_f32(hidden_state);
         let packed_now;
-        let packed = match &self.constant_weight {
-            Some(constant) if same_data(&constant.weight, weight) => &constant.packed,
-            _ => {
+        let packed = match self.constant_weight.as_ref().and_then(|c| c.panels_for(weight)) {
+            Some(panels) => panels,
+            None => {
                 packed_now = self.layout.pack(weight)?;
                 &packed_now
             }

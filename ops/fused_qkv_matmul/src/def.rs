@@ -3,13 +3,13 @@
 
 use std::sync::Arc;
 
-use kvjit_core::{DType, KernelKey, Target, Tensor};
+use kvjit_core::{DType, KernelKey, Target};
 use kvjit_graph::{
     ArgSpec, Dim, GraphBuilder, GraphError, OpDef, ParamKind, ParamSpec, ParamValue, Params, TensorType, ValueId,
     ValueType, param_dtype, param_usize, same_dim,
 };
 use kvjit_jit::CaptureText;
-use kvjit_runtime::{BuildOptions, Kernel, KernelBuilder, KernelImpl, RuntimeError};
+use kvjit_runtime::{BuildOptions, ConstantInput, Kernel, KernelBuilder, KernelImpl, RuntimeError};
 
 use crate::{FusedQkvSpec, JitKernel, ReferenceKernel};
 
@@ -216,7 +216,7 @@ impl KernelBuilder for FusedQkvOp {
     fn build(
         &self,
         key: &KernelKey,
-        constants: &[Option<Arc<Tensor>>],
+        constants: &[Option<ConstantInput>],
         options: &BuildOptions,
     ) -> kvjit_runtime::Result<Arc<dyn Kernel>> {
         let spec = FusedQkvSpec::from_kernel_key(key)
@@ -224,10 +224,22 @@ impl KernelBuilder for FusedQkvOp {
         match (spec.target, options.implementation) {
             (Target::Cpu, KernelImpl::Reference) => Ok(Arc::new(ReferenceKernel::new(spec))),
             (Target::Cpu, KernelImpl::Fast) => {
-                let weight = constants.get(1).cloned().flatten();
                 let capture = CaptureText { clif: options.keep_ir, disasm: options.keep_disasm };
-                let kernel = JitKernel::with_policy(spec, weight, capture, options.specialize_shapes)
-                    .map_err(|e| RuntimeError::Compile { key: key.to_string(), source: Box::new(e) })?;
+                let compile_error = |e: Box<dyn std::error::Error + Send + Sync>| RuntimeError::Compile {
+                    key: key.to_string(),
+                    source: e,
+                };
+                let kernel = match constants.get(1).and_then(Option::as_ref) {
+                    Some(ConstantInput::Prepared(prepared)) => {
+                        JitKernel::with_prepared_weight(spec, prepared, capture, options.specialize_shapes)
+                            .map_err(|e| compile_error(Box::new(e)))?
+                    }
+                    weight => {
+                        let weight = weight.and_then(ConstantInput::plain).cloned();
+                        JitKernel::with_policy(spec, weight, capture, options.specialize_shapes)
+                            .map_err(|e| compile_error(Box::new(e)))?
+                    }
+                };
                 Ok(Arc::new(kernel))
             }
             (Target::Cuda, KernelImpl::Reference) => Err(RuntimeError::NoImplementation {
@@ -239,7 +251,8 @@ impl KernelBuilder for FusedQkvOp {
             // serves) without touching a GPU; the kernel loads them on the
             // device of the first context it runs on.
             (Target::Cuda, KernelImpl::Fast) => {
-                Ok(Arc::new(crate::CudaKernel::new(spec, constants.get(1).cloned().flatten())?))
+                let weight = constants.get(1).and_then(Option::as_ref).and_then(ConstantInput::plain).cloned();
+                Ok(Arc::new(crate::CudaKernel::new(spec, weight)?))
             }
         }
     }

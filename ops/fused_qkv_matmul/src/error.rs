@@ -38,6 +38,15 @@ pub enum FusedQkvError {
         /// The call's shape.
         got: Vec<usize>,
     },
+    /// A prepared (packed) weight, from a compiled artifact, that is not in
+    /// the layout this kernel packs.
+    #[error("prepared weight: expected layout {expected}, got {got}")]
+    PreparedWeight {
+        /// The layout (and packed size) the kernel makes.
+        expected: String,
+        /// What the artifact holds.
+        got: String,
+    },
 }
 
 impl From<FusedQkvError> for kvjit_core::Error {

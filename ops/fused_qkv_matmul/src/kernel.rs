@@ -4,8 +4,8 @@ use kvjit_core::{Error, KernelKey, PagedKVCacheCollection, Result, Tensor};
 use kvjit_runtime::{DeviceContextPtr, Kernel, OutputSpec};
 
 use crate::FusedQkvError;
-use crate::call::check_output;
-use crate::{CallShape, FusedQkvSpec, check_call, reference};
+use crate::call::{WeightArg, check_call_with, check_output};
+use crate::{CallShape, FusedQkvSpec, reference};
 
 /// The reference implementation as a CPU kernel, for one kernel key.
 ///
@@ -30,6 +30,17 @@ pub(crate) fn check_against_spec(
     inputs: &[&Tensor],
     caches: &[&PagedKVCacheCollection],
 ) -> Result<CallShape> {
+    check_against_spec_with(spec, inputs, caches, None)
+}
+
+/// [`check_against_spec`] for a kernel holding a prepared weight: a call
+/// whose weight is that very tensor passes it as `[N, K]`.
+pub(crate) fn check_against_spec_with(
+    spec: &FusedQkvSpec,
+    inputs: &[&Tensor],
+    caches: &[&PagedKVCacheCollection],
+    prepared_weight: Option<&Tensor>,
+) -> Result<CallShape> {
     let ([hidden, weight, layer_idx, valid_lengths], [cache]) = (inputs, caches) else {
         return Err(FusedQkvError::Arguments {
             expected: "4 tensors (hidden_state, weight, layer_idx, valid_lengths) and 1 KV cache",
@@ -52,7 +63,11 @@ pub(crate) fn check_against_spec(
             return Err(FusedQkvError::CacheLayout { what, expected, got }.into());
         }
     }
-    let shape = check_call(hidden, weight, cache, layer_idx, valid_lengths)?;
+    let weight_arg = match prepared_weight {
+        Some(prepared) if same_data(prepared, weight) => WeightArg::Prepared { n: spec.n(), k: spec.k },
+        _ => WeightArg::Tensor(weight),
+    };
+    let shape = check_call_with(hidden, weight_arg, cache, layer_idx, valid_lengths)?;
     let dim_ok = |baked: Option<usize>, got: usize| baked.is_none_or(|b| b == got);
     if shape.k != spec.k || !dim_ok(spec.batch, shape.batch) || !dim_ok(spec.seq, shape.seq) {
         let dim = |d: Option<usize>, name: &str| d.map_or(name.to_string(), |v| v.to_string());
@@ -73,7 +88,7 @@ pub(crate) fn check_against_spec(
         return Err(FusedQkvError::NotBuiltFor {
             arg: "weight",
             expected: format!("[{}, {}]", spec.n(), spec.k),
-            got: weight.shape().to_vec(),
+            got: vec![shape.n, shape.k],
         }
         .into());
     }
@@ -145,6 +160,17 @@ pub(crate) fn checked_call<'a>(
     caches: &'a mut [&mut PagedKVCacheCollection],
     outputs: &'a mut [Tensor],
 ) -> Result<CheckedCall<'a>> {
+    checked_call_with(spec, inputs, caches, outputs, None)
+}
+
+/// [`checked_call`] for a kernel holding a prepared weight.
+pub(crate) fn checked_call_with<'a>(
+    spec: &FusedQkvSpec,
+    inputs: &[&'a Tensor],
+    caches: &'a mut [&mut PagedKVCacheCollection],
+    outputs: &'a mut [Tensor],
+    prepared_weight: Option<&Tensor>,
+) -> Result<CheckedCall<'a>> {
     let counts = vec![inputs.len(), caches.len(), outputs.len()];
     let (&[hidden, weight, layer_idx, valid_lengths], [cache], [output]) = (inputs, caches, outputs) else {
         return Err(FusedQkvError::Arguments {
@@ -153,7 +179,7 @@ pub(crate) fn checked_call<'a>(
         }
         .into());
     };
-    let shape = check_against_spec(spec, inputs, &[&**cache])?;
+    let shape = check_against_spec_with(spec, inputs, &[&**cache], prepared_weight)?;
     check_output(&shape, spec.dtype, output)?;
     Ok(CheckedCall { shape, hidden, weight, layer_idx, valid_lengths, cache, output })
 }

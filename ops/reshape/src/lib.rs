@@ -20,7 +20,7 @@ use kvjit_graph::{
     ArgSpec, Dim, GraphBuilder, GraphError, OpDef, ParamKind, ParamSpec, ParamValue, Params, TensorType, ValueId,
     ValueType, param_dims,
 };
-use kvjit_runtime::{BuildOptions, DeviceContextPtr, Kernel, KernelBuilder, OutputSpec, RuntimeError};
+use kvjit_runtime::{BuildOptions, ConstantInput, DeviceContextPtr, Kernel, KernelBuilder, OutputSpec, RuntimeError};
 
 /// The op's name in graphs (MAX's).
 pub const OP_NAME: &str = "mo.reshape";
@@ -143,7 +143,7 @@ impl KernelBuilder for ReshapeOp {
     fn build(
         &self,
         key: &KernelKey,
-        _constants: &[Option<Arc<Tensor>>],
+        _constants: &[Option<ConstantInput>],
         _options: &BuildOptions,
     ) -> kvjit_runtime::Result<Arc<dyn Kernel>> {
         let plan = key
