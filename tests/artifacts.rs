@@ -14,7 +14,7 @@ use kvjit::artifact::{ARTIFACT_ALIGN, ARTIFACT_MAGIC, ArtifactHeader};
 use kvjit::demo::Scenario;
 use kvjit::{
     ArtifactError, CompileOptions, DType, Error, Executor, Graph, Registry, RunOutput, ValueDef, WeightLoad, compile,
-    load_artifact, load_graph_with, save_graph, standard_registry, write_artifact,
+    load_artifact, load_artifact_with, load_graph_with, save_graph, standard_registry, write_artifact,
 };
 use kvjit_testkit::{assert_caches_identical, assert_outputs_identical};
 
@@ -60,7 +60,7 @@ fn running_from_an_artifact_equals_running_from_the_graph_file_bit_for_bit() {
             let from_graph = compile(&graph, &registry, &CompileOptions::default()).unwrap();
             let (expected, expected_scenario) = run_steps(&from_graph, &graph);
 
-            let loaded = load_artifact(&artifact, &registry).unwrap();
+            let loaded = load_artifact_with(&artifact, &registry, weights).unwrap();
             let from_artifact = loaded.compile(&registry).unwrap();
             let (got, got_scenario) = run_steps(&from_artifact, &loaded.graph);
             eprintln!("checking {dtype} with {weights:?} weights");
@@ -241,9 +241,11 @@ fn the_cli_compiles_and_runs_an_artifact_and_rebuilds_a_stale_one_from_its_graph
     let from_graph = outputs(&["run", g], "graph.safetensors");
     let from_copy = outputs(&["run", g, "--weights", "copy"], "copy.safetensors");
     let from_artifact = outputs(&["run", a], "artifact.safetensors");
+    let from_artifact_copy = outputs(&["run", a, "--weights", "copy"], "artifact-copy.safetensors");
     let bytes = |p: &Path| std::fs::read(p).unwrap();
     assert_eq!(bytes(&from_graph), bytes(&from_artifact), "artifact run differs from the graph-file run");
     assert_eq!(bytes(&from_graph), bytes(&from_copy), "copied weights differ from mapped ones");
+    assert_eq!(bytes(&from_graph), bytes(&from_artifact_copy), "copied artifact weights differ");
 
     let validated = kvjit(&["validate", a]);
     assert!(validated.status.success() && String::from_utf8_lossy(&validated.stdout).starts_with("ok: graph"));

@@ -11,8 +11,8 @@ use clap::{Parser, Subcommand};
 use kvjit::demo::{LayerConfig, Scenario};
 use kvjit::{
     BuildOptions, CompileOptions, DeviceContextPtr, Error, Executor, Graph, KernelImpl, Registry, Result, Target,
-    Tensor, ValueDef, WeightLoad, compile, demo, load_artifact, load_graph_with, read_safetensors, specialize,
-    standard_registry, write_artifact, write_safetensors,
+    Tensor, ValueDef, WeightLoad, compile, demo, load_graph_with, read_safetensors, specialize, standard_registry,
+    write_artifact, write_safetensors,
 };
 
 #[derive(Parser)]
@@ -92,9 +92,9 @@ struct RunArgs {
     /// Graph file (JSON) or compiled artifact (`kvjit compile`); without
     /// it, the built-in Llama-3-8B layer runs.
     graph: Option<PathBuf>,
-    /// How a graph file's weights come into memory: `map` borrows them from
-    /// the page cache (zero-copy); `copy` reads them into memory advised to
-    /// use huge pages.
+    /// How weights (a graph file's weights file, an artifact's packed
+    /// weights) come into memory: `map` borrows them from the page cache
+    /// (zero-copy); `copy` reads them into memory advised to use huge pages.
     #[arg(long, default_value = "map")]
     weights: WeightLoad,
     /// Safetensors file with graph inputs and caches by name
@@ -272,7 +272,7 @@ fn load_any(registry: &Registry, path: &Path, weights: WeightLoad) -> Result<Loa
     if !kvjit::is_artifact(path) {
         return Ok(Loaded { graph: load(registry, path, weights)?, artifact: None });
     }
-    match load_artifact(path, registry) {
+    match kvjit::load_artifact_with(path, registry, weights) {
         Ok(artifact) => Ok(Loaded { graph: artifact.graph.clone(), artifact: Some(artifact) }),
         Err(Error::Artifact(stale @ kvjit::ArtifactError::Stale { .. })) => {
             let source = kvjit::artifact::source_graph_beside(path).ok_or(Error::Artifact(stale))?;

@@ -19,8 +19,9 @@ pub use error::{Error, Result};
 pub use kernel_key::{KernelKey, KeyField};
 pub use kv_cache::{KvCacheParams, PagedKVCacheCollection, UNASSIGNED_PAGE};
 pub use safetensors_io::{
-    LoadedTensors, SafetensorsHeader, WeightLoad, load_safetensors, map_file, open_regular_file, read_regular_file,
-    read_safetensors, read_safetensors_header, tensors_from_safetensors, tensors_to_safetensors, write_safetensors,
+    LoadedTensors, SafetensorsHeader, WeightLoad, copy_to_anonymous, load_safetensors, map_file, open_regular_file,
+    read_regular_file, read_safetensors, read_safetensors_header, tensors_from_safetensors, tensors_to_safetensors,
+    write_safetensors,
 };
 pub use tensor::{MappedBytes, PreparedConstant, Storable, Tensor, TensorData};
 

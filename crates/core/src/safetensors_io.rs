@@ -222,8 +222,9 @@ pub fn map_file(path: &Path, file: &std::fs::File) -> Result<Option<Arc<memmap2:
 }
 
 /// `len` bytes of `file` from `offset`, read into anonymous memory advised
-/// to use transparent huge pages, then made read-only.
-fn copy_to_anonymous(
+/// to use transparent huge pages, then made read-only (`None` when `len`
+/// is 0).
+pub fn copy_to_anonymous(
     path: &Path,
     file: &mut std::fs::File,
     offset: u64,

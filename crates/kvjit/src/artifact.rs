@@ -28,7 +28,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use kvjit_core::{DType, MappedBytes, PreparedConstant, Target, Tensor};
+use kvjit_core::{DType, MappedBytes, PreparedConstant, Target, Tensor, WeightLoad};
 use kvjit_graph::{Graph, ValueDef, graph_from_json_prepared, graph_to_json, specialize};
 use kvjit_runtime::{BuildOptions, Executable, KernelImpl, Slot};
 use serde::{Deserialize, Serialize};
@@ -342,6 +342,12 @@ pub fn is_artifact(path: &Path) -> bool {
 /// as [`ArtifactError::Stale`], one made by another kvjit version, for
 /// another target, or on a CPU with other features.
 pub fn load_artifact(path: &Path, registry: &Registry) -> Result<LoadedArtifact> {
+    load_artifact_with(path, registry, WeightLoad::Map)
+}
+
+/// [`load_artifact`], with the constants mapped ([`WeightLoad::Map`]) or
+/// read into memory advised to use huge pages ([`WeightLoad::Copy`]).
+pub fn load_artifact_with(path: &Path, registry: &Registry, weights: WeightLoad) -> Result<LoadedArtifact> {
     use std::io::Read;
     let malformed =
         |problem: String| crate::Error::from(ArtifactError::Malformed { path: path.to_path_buf(), problem });
@@ -432,13 +438,19 @@ pub fn load_artifact(path: &Path, registry: &Registry) -> Result<LoadedArtifact>
         return Err(malformed(format!("constants '{}' and '{}' overlap", w[0].2, w[1].2)));
     }
 
-    let map = kvjit_core::map_file(path, &file)?;
+    let (map, base) = match weights {
+        WeightLoad::Map => (kvjit_core::map_file(path, &file)?, data_start),
+        WeightLoad::Copy => {
+            let copied = kvjit_core::copy_to_anonymous(path, &mut file, data_start.min(file_len), data_len as usize)?;
+            (copied, 0)
+        }
+    };
     let mut plain = BTreeMap::new();
     let mut prepared = BTreeMap::new();
     for c in &header.constants {
         let tensor = match &map {
             Some(map) => {
-                let mapped = MappedBytes::new(map.clone(), (data_start + c.offset) as usize, c.len as usize, c.dtype)
+                let mapped = MappedBytes::new(map.clone(), (base + c.offset) as usize, c.len as usize, c.dtype)
                     .ok_or_else(|| malformed(format!("constant '{}' cannot be mapped aligned", c.name)))?;
                 Tensor::from_mapped(&c.shape, mapped)?
             }

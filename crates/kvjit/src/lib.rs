@@ -32,7 +32,7 @@ pub mod demo;
 mod error;
 mod registry;
 
-pub use artifact::{ArtifactError, LoadedArtifact, is_artifact, load_artifact, write_artifact};
+pub use artifact::{ArtifactError, LoadedArtifact, is_artifact, load_artifact, load_artifact_with, write_artifact};
 pub use compile::{CompileOptions, MemoryEstimate, compile};
 pub use error::{Error, Result};
 pub use registry::{Registry, standard_registry};
