@@ -1,0 +1,1 @@
+//! Paged flash attention (`mo.mha.padded.paged`): under construction.

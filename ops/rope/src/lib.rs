@@ -1,0 +1,1 @@
+//! Paged RoPE (`mo.fused_qk_rope.padded.paged`): under construction.
