@@ -1,7 +1,8 @@
 //! The `kvjit bench` subcommand: its options ([`BenchArgs`], a clap
 //! `Args` struct the `kvjit` binary embeds) and [`run_bench`], which turns
 //! them into a [`BenchConfig`], runs it with a progress display on stderr,
-//! prints the Markdown report and writes the JSON and SVG files.
+//! prints the Markdown report and writes the JSON and SVG files; with
+//! `--startup`, runs the start-up benchmark ([`crate::startup`]) instead.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -9,6 +10,7 @@ use std::time::Duration;
 use indicatif::{ProgressBar, ProgressStyle};
 use kvjit_core::DType;
 
+use crate::startup::{StartupConfig, run_startup};
 use crate::{BenchConfig, Error, Implementation, ModelShape, Progress, Result};
 
 /// Options of `kvjit bench`.
@@ -56,9 +58,42 @@ pub struct BenchArgs {
     /// Write the plot here instead.
     #[arg(long)]
     pub svg: Option<PathBuf>,
+    /// Instead of the kernel suite, time start-up: fresh `kvjit` processes
+    /// from a Llama-3-8B bf16 graph file or compiled artifact to the first
+    /// output (vs `cat` of the weights), `validate`, peak RSS, JIT compile
+    /// times and decode speed with mapped vs copied weights.
+    #[arg(long, conflicts_with_all = [
+        "quick", "tiny", "shapes", "dtypes", "pages", "ms", "impls",
+        "reference_max_m", "compile_shape", "no_compile", "svg",
+    ])]
+    pub startup: bool,
+    /// Layers of the start-up graph (default 32: 1.61 GB of weights).
+    #[arg(long, requires = "startup")]
+    pub startup_layers: Option<usize>,
+    /// Measured runs of each start-up process, after a warm-up run (default 5).
+    #[arg(long, requires = "startup")]
+    pub startup_runs: Option<usize>,
+    /// Write the start-up files here and keep them (default: a temporary
+    /// directory, removed after the run).
+    #[arg(long, requires = "startup", hide = true)]
+    pub startup_dir: Option<PathBuf>,
 }
 
 impl BenchArgs {
+    /// The start-up run these options ask for, its children running `kvjit`.
+    pub fn startup_config(&self, kvjit: PathBuf) -> StartupConfig {
+        let mut config = StartupConfig::new(kvjit);
+        if let Some(v) = self.startup_layers {
+            config.layers = v;
+        }
+        if let Some(v) = self.startup_runs {
+            config.runs = v;
+        }
+        config.threads = self.threads;
+        config.keep_dir = self.startup_dir.clone();
+        config
+    }
+
     /// The run these options ask for: a preset with the given overrides.
     pub fn config(&self) -> BenchConfig {
         let mut config = if self.tiny {
@@ -103,6 +138,9 @@ impl BenchArgs {
 /// Run `kvjit bench`: progress on stderr, the Markdown report on stdout, the
 /// JSON and SVG files where `args` says.
 pub fn run_bench(args: &BenchArgs) -> Result<()> {
+    if args.startup {
+        return run_startup_bench(args);
+    }
     let config = args.config();
     config.check()?;
     // Open the output files now, so a bad path fails before the run, not after.
@@ -145,6 +183,42 @@ pub fn run_bench(args: &BenchArgs) -> Result<()> {
     let json_text = serde_json::to_string_pretty(&report.to_json()).expect("JSON values serialize") + "\n";
     write(json_file, &args.json, json_text)?;
     write(svg_file, &svg_path, report.to_svg())?;
+    Ok(())
+}
+
+/// Run `kvjit bench --startup`: this executable is the `kvjit` binary its
+/// child processes run. Progress on stderr, the Markdown table on stdout,
+/// the JSON file where `args` says.
+fn run_startup_bench(args: &BenchArgs) -> Result<()> {
+    let kvjit =
+        std::env::current_exe().map_err(|e| Error::Usage(format!("cannot find the kvjit executable to run: {e}")))?;
+    let config = args.startup_config(kvjit);
+    config.check()?;
+    let json_file = args
+        .json
+        .as_ref()
+        .map(|path| {
+            std::fs::File::create(path).map_err(|e| Error::Usage(format!("cannot write {}: {e}", path.display())))
+        })
+        .transpose()?;
+    let report = {
+        let mut progress = ProgressDisplay::new(std::io::IsTerminal::is_terminal(&std::io::stderr()));
+        let report = run_startup(&config, &mut |p| progress.show(p));
+        progress.finish(report.is_ok());
+        report
+    };
+    let report = report.inspect_err(|_| {
+        if let Some(path) = &args.json {
+            let _ = std::fs::remove_file(path);
+        }
+    })?;
+    print!("{}", report.to_markdown());
+    if let (Some(mut file), Some(path)) = (json_file, &args.json) {
+        let text = serde_json::to_string_pretty(&report.to_json()).expect("JSON values serialize") + "\n";
+        std::io::Write::write_all(&mut file, text.as_bytes())
+            .map_err(|e| Error::Usage(format!("cannot write {}: {e}", path.display())))?;
+        eprintln!("wrote {}", path.display());
+    }
     Ok(())
 }
 

@@ -27,6 +27,7 @@ pub mod impls;
 pub mod problem;
 pub mod report;
 pub mod roofline;
+pub mod startup;
 pub mod timing;
 
 use std::sync::Arc;
