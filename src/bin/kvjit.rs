@@ -311,7 +311,7 @@ fn inspect(
     for (i, value) in graph.values().iter().enumerate() {
         let kind = match value.def {
             ValueDef::Input => "input",
-            ValueDef::Constant { init: Some(_), .. } => "constant (random init)",
+            ValueDef::Constant { init: Some(_), .. } => "constant (recipe)",
             ValueDef::Constant { .. } => "constant",
             ValueDef::Prepared { .. } => "constant (kernel layout)",
             ValueDef::KvCache => "kv cache",

@@ -7,8 +7,8 @@ use kvjit_core::{DType, Tensor};
 
 use crate::validate::check_op;
 use crate::{
-    Dim, Graph, GraphError, GraphOutput, KvCacheType, Node, NodeId, OpRegistry, Params, RandomInit, Result, TensorType,
-    Value, ValueDef, ValueId, ValueType, validate,
+    ConstantInit, Dim, Graph, GraphError, GraphOutput, KvCacheType, Node, NodeId, OpRegistry, Params, RandomInit,
+    Result, TensorType, Value, ValueDef, ValueId, ValueType, validate,
 };
 
 /// Builds a [`Graph`] step by step. Every call checks what it adds, so a
@@ -65,6 +65,18 @@ impl<'r> GraphBuilder<'r> {
     /// A constant with deterministic random contents; graph files save the
     /// recipe instead of the data.
     pub fn random_constant(&mut self, name: &str, dtype: DType, shape: &[usize], init: RandomInit) -> Result<ValueId> {
+        self.recipe_constant(name, dtype, shape, init.into())
+    }
+
+    /// A constant made by a recipe (random values, a RoPE table); graph
+    /// files save the recipe instead of the data.
+    pub fn recipe_constant(
+        &mut self,
+        name: &str,
+        dtype: DType,
+        shape: &[usize],
+        init: ConstantInit,
+    ) -> Result<ValueId> {
         let ty = TensorType::new(dtype, shape.iter().map(|&d| Dim::Static(d)));
         let data = init.materialize(&ty)?;
         self.add_value(Some(name), ValueType::Tensor(ty), ValueDef::Constant { data: Arc::new(data), init: Some(init) })

@@ -15,7 +15,7 @@ use kvjit_core::{DType, Tensor, WeightLoad, load_safetensors, write_safetensors}
 use serde::{Deserialize, Serialize};
 
 use crate::{
-    Dim, Graph, GraphBuilder, GraphError, KvCacheType, NodeId, OpRegistry, Params, RandomInit, Result, ValueDef,
+    ConstantInit, Dim, Graph, GraphBuilder, GraphError, KvCacheType, NodeId, OpRegistry, Params, Result, ValueDef,
     ValueId, ValueType,
 };
 
@@ -53,7 +53,7 @@ enum ValueEntry {
         dtype: DType,
         shape: Vec<usize>,
         #[serde(default, skip_serializing_if = "Option::is_none")]
-        init: Option<RandomInit>,
+        init: Option<ConstantInit>,
     },
     KvCache {
         id: ValueId,
@@ -288,7 +288,7 @@ pub fn graph_from_json_prepared(
                 if weights.is_some_and(|w| w.contains_key(name)) {
                     return Err(GraphError::AmbiguousConstant { name: name.clone() });
                 }
-                builder.random_constant(name, *dtype, shape, *init)?
+                builder.recipe_constant(name, *dtype, shape, *init)?
             }
             ValueEntry::Constant { name, dtype, shape, init: None, .. } if prepared.contains_key(name) => {
                 let ty = crate::TensorType::new(*dtype, shape.iter().map(|&d| Dim::Static(d)));

@@ -26,7 +26,7 @@ pub use file::{
     FORMAT_NAME, FORMAT_VERSION, confined_weights_path, graph_from_json, graph_from_json_prepared, graph_to_json,
     load_graph, load_graph_with, save_graph,
 };
-pub use graph::{Graph, GraphOutput, Node, RandomInit, Value, ValueDef};
+pub use graph::{ConstantInit, Graph, GraphOutput, Llama3Scaling, Node, RandomInit, RopeInit, Value, ValueDef};
 pub use ids::{NodeId, ValueId};
 pub use op::{
     ArgKind, ArgRole, ArgSpec, OpDef, OpRegistry, ParamKind, ParamSpec, ParamValue, Params, param_bool, param_choice,

@@ -44,8 +44,9 @@ pub use kvjit_core::{
     read_safetensors_header, tensors_from_safetensors, tensors_to_safetensors, write_safetensors,
 };
 pub use kvjit_graph::{
-    Dim, Graph, GraphBuilder, GraphError, KvCacheType, OpRegistry, ParamValue, Params, RandomInit, SpecializedGraph,
-    TensorType, ValueDef, ValueId, graph_from_json, graph_to_json, load_graph, load_graph_with, save_graph, specialize,
+    ConstantInit, Dim, Graph, GraphBuilder, GraphError, KvCacheType, Llama3Scaling, OpRegistry, ParamValue, Params,
+    RandomInit, RopeInit, SpecializedGraph, TensorType, ValueDef, ValueId, graph_from_json, graph_to_json, load_graph,
+    load_graph_with, save_graph, specialize,
 };
 pub use kvjit_jit::{CompileCause, CompileRecord, compile_log};
 pub use kvjit_op_fused_qkv as fused_qkv;
