@@ -308,8 +308,9 @@ impl Tensor {
     pub fn random(dtype: DType, shape: &[usize], rng: &mut impl Rng, low: f32, high: f32) -> Result<Self> {
         let mut t = Self::zeros(dtype, shape)?;
         fn fill<T: Element>(values: &mut [T], rng: &mut impl Rng, low: f32, high: f32) {
-            for v in values {
-                *v = T::from_f32(rng.gen_range(low..high));
+            let uniform = rand::distributions::Uniform::new(low, high);
+            for (v, x) in values.iter_mut().zip(rng.sample_iter(uniform)) {
+                *v = T::from_f32(x);
             }
         }
         match t.owned_mut() {

@@ -150,6 +150,37 @@ pub fn layer_graph(config: &LayerConfig, ops: &OpRegistry) -> Result<Graph> {
     Ok(b.finish()?)
 }
 
+/// Random K and V for every slot of the cached history (every layer, both
+/// K and V), written through the page table; slots no sequence holds stay
+/// zero. A fast generator seeded from the scenario's keeps large caches
+/// cheap.
+fn fill_history(cache: &mut PagedKVCacheCollection, history: &[u32], rng: &mut StdRng) -> Result<()> {
+    let params = cache.params();
+    let elem = params.dtype.size_bytes();
+    let row_bytes = params.kv_dim() * elem;
+    let rows = history.iter().map(|&h| h as usize).sum::<usize>() * 2 * params.num_layers;
+    let mut fast = rand::rngs::SmallRng::seed_from_u64(rng.r#gen());
+    let values = Tensor::random(params.dtype, &[rows * params.kv_dim()], &mut fast, -1.0, 1.0)?;
+    let mut chunks = values.as_bytes().chunks_exact(row_bytes);
+    let mut offsets = Vec::with_capacity(rows);
+    for (b, &h) in history.iter().enumerate() {
+        for position in 0..h as usize {
+            let (page, slot) = cache.locate(b, position)?;
+            for kv in 0..2 {
+                for layer in 0..params.num_layers {
+                    offsets.push(cache.element_offset(page as usize, kv, layer, slot, 0, 0) * elem);
+                }
+            }
+        }
+    }
+    let blocks = cache.blocks_bytes_mut();
+    for offset in offsets {
+        let chunk = chunks.next().expect("one random row per history slot");
+        blocks[offset..offset + row_bytes].copy_from_slice(chunk);
+    }
+    Ok(())
+}
+
 /// What each graph input and cache is to the nodes that use it, read from
 /// the ops' signatures ([`ArgRole`]), so any registered op gets valid example
 /// inputs.
@@ -258,13 +289,12 @@ impl Scenario {
             let mut order: Vec<u32> = (0..cache.num_pages() as u32).collect();
             order.shuffle(&mut rng);
             cache.set_allocation_order(order)?;
-            let filled = Tensor::random(ty.dtype, cache.blocks().shape(), &mut rng, -1.0, 1.0)?;
-            cache.set_blocks(filled)?;
             let capacity = cache.max_pages_per_seq() * ty.page_size;
             let budget = (cache.num_pages() * ty.page_size / batch.max(1)).min(capacity);
             let max_history = budget.saturating_sub(seq + 2 * ty.page_size);
             let history: Vec<u32> = (0..batch).map(|_| rng.gen_range(0..=max_history) as u32).collect();
             cache.reserve(&history)?;
+            fill_history(&mut cache, &history, &mut rng)?;
             cache.advance(&history)?;
             caches.insert(name, cache);
         }

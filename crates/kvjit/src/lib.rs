@@ -50,6 +50,7 @@ pub use kvjit_graph::{
 };
 pub use kvjit_jit::{CompileCause, CompileRecord, compile_log};
 pub use kvjit_op_fused_qkv as fused_qkv;
+pub use kvjit_op_attention as attention;
 pub use kvjit_op_reshape as reshape;
 
 /// Typed builder functions, one per op, on top of
@@ -75,6 +76,7 @@ pub use kvjit_op_reshape as reshape;
 /// ```
 pub mod ops {
     pub use kvjit_op_fused_qkv::{FusedQkvParams, fused_qkv_matmul};
+    pub use kvjit_op_attention::{Mask, MhaParams, mha};
     pub use kvjit_op_reshape::reshape;
 }
 pub use kvjit_runtime::{

@@ -1,1 +1,34 @@
-//! Paged flash attention (`mo.mha.padded.paged`): under construction.
+//! Paged flash attention: Modular MAX's `mo.mha.padded.paged`.
+//!
+//! For each valid query `(b, s)` (`s < valid_lengths[b]`) and query head
+//! `h`: `out = softmax(scale · q·Kᵀ) · V` over the cache entries of sequence
+//! b at positions `p < cache_lengths[b] + valid_lengths[b]` (this step's
+//! tokens were already written by the QKV op), with `p ≤ cache_lengths[b] +
+//! s` under the `causal` mask and `p > cache_lengths[b] + s − window` with a
+//! sliding window; query head h reads KV head `h / (Hq / Hkv)`. Padded query
+//! rows are zero. The exact contract is in [`reference`](mod@reference).
+//!
+//! - [`MhaOp`]: definition (params, signature, shape rules, kernel key);
+//!   [`mha`]: the typed builder.
+//! - [`check_call`]: the run-time argument check every kernel runs first.
+//! - [`reference`](mod@reference): plain Rust in f64, the ground truth.
+//! - [`cpu_jit`]: the Cranelift kernel (split-KV flash decoding, tiled
+//!   prefill) reading K/V in place through the page table.
+//! - [`exp`]: the vectorized `exp` emitter any op can reuse.
+
+mod call;
+pub mod cpu_jit;
+mod def;
+mod error;
+pub mod exp;
+mod kernel;
+pub mod reference;
+mod spec;
+
+pub use call::{AttentionConfig, CallShape, check_call, check_output, key_row_offsets};
+pub use cpu_jit::JitKernel;
+pub use def::{MhaOp, MhaParams, NO_CUDA, OP_NAME, mha};
+pub use error::AttentionError;
+pub use exp::{EXP_MAX_REL_ERROR, emit_exp_f32x4};
+pub use kernel::ReferenceKernel;
+pub use spec::{KERNEL_NAME, Mask, MhaSpec};

@@ -1,0 +1,202 @@
+//! The run-time argument check every target runs before writing anything.
+//!
+//! The JIT kernel indexes memory without bounds checks; this check is what
+//! keeps it memory-safe: when it returns `Ok`, every key position a valid
+//! query reads lies on a page that is inside the lookup table and the cache,
+//! the layer exists, and `q`/`valid_lengths` have the shapes the kernel
+//! indexes with.
+
+use kvjit_core::{DType, Error, PagedKVCacheCollection, Result, Tensor};
+
+use crate::{AttentionError, Mask};
+
+/// What an attention call computes besides its tensors: mask, window, scale.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AttentionConfig {
+    /// The mask.
+    pub mask: Mask,
+    /// Sliding window size (keys `p > cache_length + s − window`), if any.
+    pub window: Option<usize>,
+    /// Softmax scale.
+    pub scale: f32,
+}
+
+impl AttentionConfig {
+    /// Key positions `[lo, hi)` query `s` of a sequence with `cache_length`
+    /// cached and `valid_length` new tokens reads.
+    pub fn key_range(&self, cache_length: usize, valid_length: usize, s: usize) -> (usize, usize) {
+        let hi = match self.mask {
+            Mask::Causal => cache_length + s + 1,
+            Mask::Null => cache_length + valid_length,
+        };
+        let lo = self.window.map_or(0, |w| (cache_length + s + 1).saturating_sub(w));
+        (lo, hi)
+    }
+}
+
+/// The sizes of one validated call.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CallShape {
+    /// Sequences B.
+    pub batch: usize,
+    /// Padded sequence length S.
+    pub seq: usize,
+    /// Query heads Hq.
+    pub num_heads: usize,
+    /// KV heads Hkv.
+    pub num_kv_heads: usize,
+    /// Head size D.
+    pub head_size: usize,
+    /// The layer read.
+    pub layer: usize,
+    /// Per sequence, the key positions `[lo, hi)` its valid queries read
+    /// together (`(0, 0)` when it has none); every page they fall on was
+    /// checked.
+    pub key_ranges: Vec<(usize, usize)>,
+}
+
+impl CallShape {
+    /// Shape of `q` and the output `[B, S, Hq, D]`.
+    pub fn output_shape(&self) -> Vec<usize> {
+        vec![self.batch, self.seq, self.num_heads, self.head_size]
+    }
+
+    /// Query heads per KV head.
+    pub fn group(&self) -> usize {
+        self.num_heads / self.num_kv_heads
+    }
+}
+
+fn shape_error(arg: &str, expected: String, got: &Tensor) -> Error {
+    Error::ShapeMismatch { arg: arg.into(), expected, got: got.shape().to_vec() }
+}
+
+fn expect_dtype(arg: &str, t: &Tensor, expected: DType) -> Result<()> {
+    if t.dtype() != expected {
+        return Err(Error::DTypeMismatch { arg: arg.into(), expected, got: t.dtype() });
+    }
+    if !t.is_contiguous() {
+        return Err(Error::NotContiguous { arg: arg.into() });
+    }
+    Ok(())
+}
+
+/// Check every argument of a call against the op contract and each other;
+/// writes nothing. In order: dtypes and contiguity, shapes (`q [B, S, Hq,
+/// D]` with D the cache's head size, Hq a multiple of Hkv, B the cache's
+/// batch), `layer_idx < L`, `valid_lengths[b] ≤ S`, `cache_lengths[b] +
+/// valid_lengths[b]` fits u32, and for every key position a valid query
+/// reads that its logical page is inside the lookup table and its physical
+/// page inside the cache (core's [`PagedKVCacheCollection::locate`]).
+pub fn check_call(
+    q: &Tensor,
+    kv_collection: &PagedKVCacheCollection,
+    layer_idx: &Tensor,
+    valid_lengths: &Tensor,
+    config: &AttentionConfig,
+) -> Result<CallShape> {
+    let dtype = q.dtype();
+    if !dtype.is_float() {
+        return Err(Error::NotFloat { what: "q".into(), dtype });
+    }
+    expect_dtype("q", q, dtype)?;
+    expect_dtype("layer_idx", layer_idx, DType::U32)?;
+    expect_dtype("valid_lengths", valid_lengths, DType::U32)?;
+    let params = kv_collection.params();
+    let &[batch, seq, num_heads, head_size] = q.shape() else {
+        return Err(shape_error("q", format!("[B, S, Hq, {}]", params.head_size), q));
+    };
+    if head_size != params.head_size || num_heads == 0 {
+        return Err(shape_error("q", format!("[B, S, Hq, {}] (D = the cache's head_size)", params.head_size), q));
+    }
+    if !num_heads.is_multiple_of(params.num_kv_heads) {
+        return Err(AttentionError::HeadGroups { num_heads, num_kv_heads: params.num_kv_heads }.into());
+    }
+    if !matches!(layer_idx.shape(), [] | [1]) {
+        return Err(shape_error("layer_idx", "[] (a scalar)".into(), layer_idx));
+    }
+    if valid_lengths.shape() != [batch] {
+        return Err(shape_error("valid_lengths", format!("[{batch}] (B from q)"), valid_lengths));
+    }
+    if kv_collection.batch_size() != batch {
+        return Err(Error::ShapeMismatch {
+            arg: "kv_collection.cache_lengths".into(),
+            expected: format!("[{batch}] (B from q)"),
+            got: vec![kv_collection.batch_size()],
+        });
+    }
+    let layer = layer_idx.as_slice::<u32>()?[0];
+    if layer as usize >= params.num_layers {
+        return Err(Error::LayerOutOfRange { layer_idx: layer, num_layers: params.num_layers });
+    }
+    let valid = valid_lengths.as_slice::<u32>()?;
+    for (b, &v) in valid.iter().enumerate() {
+        if v as usize > seq {
+            return Err(Error::ValidLengthTooLong { batch: b, valid_length: v, seq_len: seq });
+        }
+        let cache_length = kv_collection.cache_lengths()[b];
+        if cache_length.checked_add(v).is_none() {
+            return Err(AttentionError::LengthOverflow { batch: b, cache_length, valid_length: v }.into());
+        }
+    }
+    let page_size = params.page_size;
+    let mut key_ranges = Vec::with_capacity(batch);
+    for (b, &v) in valid.iter().enumerate() {
+        let (v, cache_length) = (v as usize, kv_collection.cache_lengths()[b] as usize);
+        if v == 0 {
+            key_ranges.push((0, 0));
+            continue;
+        }
+        // Query 0 has the lowest `lo`; every query's `hi` is at most cl + v.
+        let (lo, _) = config.key_range(cache_length, v, 0);
+        let hi = cache_length + v;
+        for logical in lo / page_size..hi.div_ceil(page_size) {
+            kv_collection.locate(b, (logical * page_size).max(lo))?;
+        }
+        key_ranges.push((lo, hi));
+    }
+    Ok(CallShape {
+        batch,
+        seq,
+        num_heads,
+        num_kv_heads: params.num_kv_heads,
+        head_size,
+        layer: layer as usize,
+        key_ranges,
+    })
+}
+
+/// Check a caller-provided output against a validated call.
+pub fn check_output(shape: &CallShape, dtype: DType, output: &Tensor) -> Result<()> {
+    expect_dtype("output", output, dtype)?;
+    if output.shape() != shape.output_shape() {
+        return Err(shape_error("output", format!("{:?} ([B, S, Hq, D])", shape.output_shape()), output));
+    }
+    Ok(())
+}
+
+/// For every sequence b and key position `p < stride` (`stride` ≥ every
+/// `key_ranges[b].1`), the element offset in `blocks` of `[page, 0, layer,
+/// slot, 0, 0]` (its K row; V is `L·page_size·Hkv·D` further), from one
+/// [`locate`](PagedKVCacheCollection::locate) per page. Positions outside
+/// the sequence's checked key range get 0 (element 0 of the blocks: in
+/// bounds, never used).
+pub fn key_row_offsets(shape: &CallShape, kv_collection: &PagedKVCacheCollection, stride: usize) -> Result<Vec<i64>> {
+    let page_size = kv_collection.params().page_size;
+    let kv_dim = kv_collection.params().kv_dim();
+    let mut offsets = vec![0i64; shape.batch * stride];
+    for (b, &(lo, hi)) in shape.key_ranges.iter().enumerate() {
+        let row = &mut offsets[b * stride..][..stride];
+        let mut p = lo;
+        while p < hi {
+            let (page, slot) = kv_collection.locate(b, p)?;
+            let base = kv_collection.element_offset(page as usize, 0, shape.layer, 0, 0, 0);
+            let end = hi.min((p / page_size + 1) * page_size);
+            for (i, offset) in row[p..end].iter_mut().enumerate() {
+                *offset = (base + (slot + i) * kv_dim) as i64;
+            }
+            p = end;
+        }
+    }
+    Ok(offsets)
+}

@@ -1,0 +1,239 @@
+//! Every bad call is refused before anything is written: the output keeps
+//! its poison, the cache its bytes; and the graph-level definition.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::{Case, jit};
+use kvjit_core::{DType, Error, KernelKey, PagedKVCacheCollection, Target, Tensor, UNASSIGNED_PAGE};
+use kvjit_graph::{Dim, GraphBuilder, KvCacheType, OpDef, OpRegistry};
+use kvjit_op_attention::{AttentionError, Mask, MhaOp, MhaParams, MhaSpec, NO_CUDA, mha};
+use kvjit_runtime::{DeviceContextPtr, Kernel};
+use kvjit_testkit::{Snapshot, poison, u32s};
+
+fn base_case() -> Case {
+    Case {
+        dtype: DType::BF16,
+        cache_dtype: DType::F16,
+        batch: 2,
+        seq: 3,
+        num_heads: 4,
+        num_kv_heads: 2,
+        head_size: 8,
+        page_size: 4,
+        num_layers: 2,
+        layer: 1,
+        cache_lengths: vec![5, 0],
+        valid_lengths: vec![3, 2],
+        mask: Mask::Causal,
+        window: None,
+        scale: 0.3,
+        seed: 11,
+    }
+}
+
+/// Run `edit`ed arguments through the JIT and reference kernels; both must
+/// refuse with an error `expect` accepts, writing nothing.
+fn refused(what: &str, edit: impl Fn(&mut Vec<Tensor>, &mut PagedKVCacheCollection), expect: impl Fn(&Error) -> bool) {
+    let case = base_case();
+    let (mut inputs, mut cache) = case.inputs();
+    edit(&mut inputs, &mut cache);
+    let reference: Arc<dyn Kernel> = Arc::new(kvjit_op_attention::ReferenceKernel::new(case.spec()));
+    let kernels: [Arc<dyn Kernel>; 2] = [Arc::new(jit(&case)), reference];
+    for kernel in kernels {
+        let mut output = Tensor::zeros(case.dtype, &[2, 3, 4, 8]).unwrap();
+        poison(&mut output);
+        let before = Snapshot::take(&output, &cache);
+        let refs: Vec<&Tensor> = inputs.iter().collect();
+        let mut outputs = [output];
+        let err =
+            kernel.run(&refs, &mut [&mut cache], &mut outputs, &DeviceContextPtr::cpu(2).unwrap()).expect_err(what);
+        assert!(expect(&err), "{what} ({}): unexpected error {err}", kernel.implementation());
+        before.assert_unchanged(&outputs[0], &cache, what);
+        assert!(kernel.check(&refs, &[&cache]).is_err(), "{what}: check agrees");
+    }
+}
+
+fn op_error(err: &Error) -> Option<&AttentionError> {
+    err.op_error::<AttentionError>()
+}
+
+#[test]
+fn bad_calls_are_refused_with_nothing_written() {
+    refused(
+        "q dtype",
+        |i, _| i[0] = Tensor::zeros(DType::F32, &[2, 3, 4, 8]).unwrap(),
+        |e| matches!(e, Error::DTypeMismatch { .. }),
+    );
+    refused(
+        "q head size",
+        |i, _| i[0] = Tensor::zeros(DType::BF16, &[2, 3, 4, 4]).unwrap(),
+        |e| matches!(e, Error::ShapeMismatch { .. }),
+    );
+    refused(
+        "q heads not a multiple of Hkv",
+        |i, _| i[0] = Tensor::zeros(DType::BF16, &[2, 3, 3, 8]).unwrap(),
+        |e| matches!(op_error(e), Some(AttentionError::HeadGroups { .. })),
+    );
+    refused(
+        "q heads not built for",
+        |i, _| i[0] = Tensor::zeros(DType::BF16, &[2, 3, 8, 8]).unwrap(),
+        |e| matches!(op_error(e), Some(AttentionError::NotBuiltFor { .. })),
+    );
+    refused(
+        "q batch",
+        |i, _| i[0] = Tensor::zeros(DType::BF16, &[3, 3, 4, 8]).unwrap(),
+        |e| matches!(e, Error::ShapeMismatch { .. }),
+    );
+    refused(
+        "q not contiguous",
+        |i, _| i[0] = kvjit_testkit::strided_view(&i[0], &[1, 0, 2, 3]),
+        |e| matches!(e, Error::NotContiguous { .. } | Error::ShapeMismatch { .. }),
+    );
+    refused("layer out of range", |i, _| i[1] = Tensor::scalar_u32(2), |e| matches!(e, Error::LayerOutOfRange { .. }));
+    refused(
+        "layer_idx dtype",
+        |i, _| i[1] = Tensor::zeros(DType::F32, &[]).unwrap(),
+        |e| matches!(e, Error::DTypeMismatch { .. }),
+    );
+    refused("valid length > S", |i, _| i[2] = u32s(&[4, 1]), |e| matches!(e, Error::ValidLengthTooLong { .. }));
+    refused("valid_lengths shape", |i, _| i[2] = u32s(&[1]), |e| matches!(e, Error::ShapeMismatch { .. }));
+    refused(
+        "length overflow",
+        |_, c| c.cache_lengths_mut()[0] = u32::MAX - 1,
+        |e| matches!(op_error(e), Some(AttentionError::LengthOverflow { .. })),
+    );
+    refused(
+        "unassigned page",
+        |_, c| {
+            let width = c.max_pages_per_seq();
+            c.lookup_table_mut()[width] = UNASSIGNED_PAGE;
+        },
+        |e| matches!(e, Error::PhysicalPageOutOfRange { batch: 1, .. }),
+    );
+    refused(
+        "page beyond the cache",
+        |_, c| {
+            let pages = c.num_pages() as u32;
+            c.lookup_table_mut()[1] = pages;
+        },
+        |e| matches!(e, Error::PhysicalPageOutOfRange { batch: 0, .. }),
+    );
+    refused(
+        "positions past the assigned pages",
+        |_, c| c.cache_lengths_mut()[1] = 100,
+        |e| matches!(e, Error::LogicalPageOutOfRange { .. } | Error::PhysicalPageOutOfRange { .. }),
+    );
+    refused(
+        "positions past the lookup table",
+        |_, c| {
+            let width = c.max_pages_per_seq();
+            c.lookup_table_mut()[width..].fill(0);
+            c.cache_lengths_mut()[1] = (width * 4) as u32;
+        },
+        |e| matches!(e, Error::LogicalPageOutOfRange { batch: 1, .. }),
+    );
+    refused(
+        "cache dtype",
+        |_, c| *c = cache_like(c, DType::BF16, 4),
+        |e| matches!(op_error(e), Some(AttentionError::CacheLayout { what: "dtype", .. })),
+    );
+    refused(
+        "cache page size",
+        |_, c| *c = cache_like(c, DType::F16, 8),
+        |e| matches!(op_error(e), Some(AttentionError::CacheLayout { what: "page_size", .. })),
+    );
+    refused("argument count", |i, _| drop(i.pop()), |e| matches!(op_error(e), Some(AttentionError::Arguments { .. })));
+}
+
+fn cache_like(c: &PagedKVCacheCollection, dtype: DType, page_size: usize) -> PagedKVCacheCollection {
+    let mut shape = c.blocks().shape().to_vec();
+    shape[3] = page_size;
+    let blocks = Tensor::zeros(dtype, &shape).unwrap();
+    PagedKVCacheCollection::from_parts(
+        blocks,
+        c.cache_lengths().to_vec(),
+        c.lookup_table().to_vec(),
+        c.max_pages_per_seq(),
+    )
+    .unwrap()
+}
+
+#[test]
+fn window_pages_below_the_window_are_not_needed() {
+    // With a window, pages wholly before every query's window are never
+    // read: an unassigned entry there is fine.
+    let mut case = base_case();
+    case.window = Some(3);
+    case.cache_lengths = vec![9, 0];
+    let (inputs, mut cache) = case.inputs();
+    cache.lookup_table_mut()[0] = UNASSIGNED_PAGE; // positions 0..4; lowest key read is 9+1-3 = 7
+    let refs: Vec<&Tensor> = inputs.iter().collect();
+    let mut out = vec![0u8; 2 * 3 * 4 * 8 * 2];
+    jit(&case).run_into(&refs, &cache, &mut out, &DeviceContextPtr::cpu(1).unwrap()).unwrap();
+}
+
+#[test]
+fn the_op_definition_builds_graphs_and_refuses_cuda() {
+    let mut registry = OpRegistry::new();
+    registry.register(Arc::new(MhaOp)).unwrap();
+    let mut b = GraphBuilder::new("attention", &registry);
+    let q =
+        b.input("q", DType::BF16, &[Dim::from("batch"), Dim::from("seq"), Dim::Static(32), Dim::Static(128)]).unwrap();
+    let kv = b
+        .kv_cache(
+            "kv_cache",
+            KvCacheType {
+                dtype: DType::BF16,
+                num_layers: 2,
+                page_size: 16,
+                num_kv_heads: 8,
+                head_size: 128,
+                num_pages: Dim::Static(64),
+                batch: Dim::from("batch"),
+                max_pages_per_seq: Dim::Static(8),
+            },
+        )
+        .unwrap();
+    let layer = b.input("layer_idx", DType::U32, &[]).unwrap();
+    let valid = b.input("valid_lengths", DType::U32, &[Dim::from("batch")]).unwrap();
+    let params = MhaParams {
+        dtype: DType::BF16,
+        mask: Mask::Causal,
+        scale: None,
+        local_window_size: None,
+        num_kv_heads: 8,
+        head_size: 128,
+        page_size: 16,
+    };
+    let out = mha(&mut b, [q, kv, layer, valid], params).unwrap();
+    b.output("out", out).unwrap();
+    b.finish().unwrap();
+    // A bad node is refused when added.
+    let wrong = MhaParams { head_size: 64, ..params };
+    assert!(mha(&mut GraphBuilder::new("x", &registry), [q, kv, layer, valid], wrong).is_err());
+
+    let spec = MhaSpec {
+        target: Target::Cuda,
+        dtype: DType::BF16,
+        cache_dtype: DType::BF16,
+        num_heads: 32,
+        num_kv_heads: 8,
+        head_size: 128,
+        page_size: 16,
+        num_layers: 2,
+        mask: Mask::Causal,
+        window: None,
+        scale: 1.0 / 128f32.sqrt(),
+        batch: None,
+        seq: None,
+    };
+    assert_eq!(MhaOp.supports(&spec.kernel_key()).unwrap_err(), NO_CUDA);
+    let cpu = MhaSpec { target: Target::Cpu, ..spec };
+    MhaOp.supports(&cpu.kernel_key()).unwrap();
+    let odd = MhaSpec { head_size: 30, ..cpu };
+    assert!(MhaOp.supports(&odd.kernel_key()).unwrap_err().contains("head_size % 4"));
+    let other = KernelKey::new("other", Target::Cpu, DType::F32);
+    assert!(MhaOp.supports(&other).is_err());
+}

@@ -1,0 +1,218 @@
+//! Shared helpers: random valid calls, the tolerance, running the JIT
+//! kernel into a guarded, NaN-poisoned output.
+
+#![allow(dead_code)]
+
+use kvjit_core::{DType, KvCacheParams, PagedKVCacheCollection, Target, Tensor};
+use kvjit_jit::CaptureText;
+use kvjit_op_attention::{AttentionConfig, JitKernel, Mask, MhaSpec, reference};
+use kvjit_runtime::DeviceContextPtr;
+use kvjit_testkit::{Guarded, nan_bytes, u32s};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+/// One random valid call.
+#[derive(Clone, Debug)]
+pub struct Case {
+    pub dtype: DType,
+    pub cache_dtype: DType,
+    pub batch: usize,
+    pub seq: usize,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_size: usize,
+    pub page_size: usize,
+    pub num_layers: usize,
+    pub layer: usize,
+    pub cache_lengths: Vec<u32>,
+    pub valid_lengths: Vec<u32>,
+    pub mask: Mask,
+    pub window: Option<usize>,
+    pub scale: f32,
+    pub seed: u64,
+}
+
+impl Case {
+    pub fn spec(&self) -> MhaSpec {
+        MhaSpec {
+            target: Target::Cpu,
+            dtype: self.dtype,
+            cache_dtype: self.cache_dtype,
+            num_heads: self.num_heads,
+            num_kv_heads: self.num_kv_heads,
+            head_size: self.head_size,
+            page_size: self.page_size,
+            num_layers: self.num_layers,
+            mask: self.mask,
+            window: self.window,
+            scale: self.scale,
+            batch: None,
+            seq: None,
+        }
+    }
+
+    pub fn config(&self) -> AttentionConfig {
+        AttentionConfig { mask: self.mask, window: self.window, scale: self.scale }
+    }
+
+    /// q, layer_idx, valid_lengths and the cache. The cache is NaN except
+    /// the K/V of positions `< cache_length + valid_length` of every
+    /// sequence (all layers and heads): a kernel that used any other slot
+    /// would produce NaN. Pages are handed out in a shuffled order.
+    pub fn inputs(&self) -> (Vec<Tensor>, PagedKVCacheCollection) {
+        let mut rng = StdRng::seed_from_u64(self.seed);
+        let params = KvCacheParams {
+            dtype: self.cache_dtype,
+            num_layers: self.num_layers,
+            page_size: self.page_size,
+            num_kv_heads: self.num_kv_heads,
+            head_size: self.head_size,
+        };
+        let totals: Vec<u32> = self.cache_lengths.iter().zip(&self.valid_lengths).map(|(c, v)| c + v).collect();
+        let pages: usize = totals.iter().map(|&t| (t as usize).div_ceil(self.page_size)).sum::<usize>() + 2;
+        let max_pages = totals.iter().map(|&t| (t as usize).div_ceil(self.page_size)).max().unwrap_or(0) + 1;
+        let mut cache = PagedKVCacheCollection::new(params, pages, self.batch, max_pages).unwrap();
+        let mut order: Vec<u32> = (0..pages as u32).collect();
+        for i in (1..order.len()).rev() {
+            order.swap(i, rng.gen_range(0..=i));
+        }
+        cache.set_allocation_order(order).unwrap();
+        cache.reserve(&totals).unwrap();
+        let mut blocks = vec![f32::NAN; cache.blocks().numel()];
+        for (b, &total) in totals.iter().enumerate() {
+            for p in 0..total as usize {
+                let (page, slot) = cache.locate(b, p).unwrap();
+                for layer in 0..self.num_layers {
+                    for kv in 0..2 {
+                        for h in 0..self.num_kv_heads {
+                            for d in 0..self.head_size {
+                                let at = cache.element_offset(page as usize, kv, layer, slot, h, d);
+                                blocks[at] = rng.gen_range(-1.0f32..1.0);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        let shape = cache.blocks().shape().to_vec();
+        cache.set_blocks(Tensor::from_f32(self.cache_dtype, &shape, &blocks).unwrap()).unwrap();
+        cache.cache_lengths_mut().copy_from_slice(&self.cache_lengths);
+        let q =
+            Tensor::random(self.dtype, &[self.batch, self.seq, self.num_heads, self.head_size], &mut rng, -2.0, 2.0)
+                .unwrap();
+        let layer = Tensor::scalar_u32(self.layer as u32);
+        (vec![q, layer, u32s(&self.valid_lengths)], cache)
+    }
+
+    /// A random case; `decode` fixes S = 1.
+    pub fn random(rng: &mut impl Rng, decode: bool) -> Self {
+        let dtypes = [DType::F32, DType::BF16, DType::F16];
+        let head_size = [24, 64, 72, 80, 128, 256][rng.gen_range(0..6)];
+        let group = [1, 4, 8][rng.gen_range(0..3)];
+        let num_kv_heads = rng.gen_range(1..=2);
+        let page_size = [1, 2, 3, 5, 16, 33, 64, 256][rng.gen_range(0..8)];
+        let batch = rng.gen_range(1..=3);
+        let seq = if decode { 1 } else { rng.gen_range(2..=19) };
+        let long = rng.gen_bool(0.3);
+        let cache_lengths: Vec<u32> = (0..batch)
+            .map(|_| match rng.gen_range(0..4) {
+                0 => 0,
+                _ if long => rng.gen_range(200..700),
+                _ => rng.gen_range(1..80),
+            })
+            .collect();
+        let valid_lengths: Vec<u32> =
+            (0..batch).map(|_| if rng.gen_bool(0.15) { 0 } else { rng.gen_range(1..=seq as u32) }).collect();
+        let num_layers = rng.gen_range(1..=2);
+        Case {
+            dtype: dtypes[rng.gen_range(0..3)],
+            cache_dtype: dtypes[rng.gen_range(0..3)],
+            batch,
+            seq,
+            num_heads: num_kv_heads * group,
+            num_kv_heads,
+            head_size,
+            page_size,
+            num_layers,
+            layer: rng.gen_range(0..num_layers),
+            cache_lengths,
+            valid_lengths,
+            mask: if rng.gen_bool(0.5) { Mask::Causal } else { Mask::Null },
+            window: rng.gen_bool(0.3).then(|| rng.gen_range(1..40)),
+            scale: if rng.gen_bool(0.5) { 1.0 / (head_size as f32).sqrt() } else { rng.gen_range(0.01..0.5) },
+            seed: rng.r#gen(),
+        }
+    }
+}
+
+/// Run the JIT kernel into a NaN-poisoned output with guard regions on
+/// both sides; check the guards and that the cache was not touched.
+pub fn run_jit(kernel: &JitKernel, case: &Case, threads: usize) -> Vec<f32> {
+    let (inputs, cache) = case.inputs();
+    let before = cache.blocks().as_bytes().to_vec();
+    let elements = case.batch * case.seq * case.num_heads * case.head_size;
+    let mut out = Guarded::new(64, &nan_bytes(case.dtype, elements), 64);
+    let refs: Vec<&Tensor> = inputs.iter().collect();
+    kernel.run_into(&refs, &cache, out.body_mut(), &DeviceContextPtr::cpu(threads).unwrap()).unwrap();
+    out.assert_guards("attention output");
+    assert!(cache.blocks().as_bytes() == before.as_slice(), "the cache must be byte-identical after the call");
+    Tensor::from_le_bytes(case.dtype, &[elements], out.body()).unwrap().to_f32_vec().unwrap()
+}
+
+pub fn jit(case: &Case) -> JitKernel {
+    JitKernel::new(case.spec(), CaptureText::default()).unwrap()
+}
+
+/// The bound `|got − exact|` must meet, per element of a valid row:
+///
+/// `vmax · 2^-24 · (16 + 4·D·qk + 4·T)` for the f32 computation (score
+/// rounding in D products each at most `qk = scale·max|q|·max|k|` — a
+/// score error δ moves the output by at most 2·vmax·δ —, the exp's
+/// 1.3 units, and T terms of f32 accumulation in the sum and in acc), plus
+/// for bf16/f16 outputs one rounding: `unit_roundoff · |exact|` and half an
+/// f16 subnormal step. vmax = 1 (cache values in [-1, 1)).
+pub fn tolerance(case: &Case, keys: usize, exact: f64) -> f64 {
+    let u = 2f64.powi(-24);
+    let qk = f64::from(case.scale) * 2.0;
+    let f32_part = u * (16.0 + 4.0 * case.head_size as f64 * qk + 4.0 * keys as f64);
+    let rounding = match case.dtype {
+        DType::F32 => 0.0,
+        DType::BF16 => exact.abs() / 256.0,
+        _ => exact.abs() / 2048.0 + 2f64.powi(-25),
+    };
+    f32_part + rounding
+}
+
+/// Compare the JIT output with the exact reference: valid rows within
+/// [`tolerance`], padded rows exactly zero. Returns the worst error/bound.
+pub fn check_against_reference(case: &Case, got: &[f32]) -> f64 {
+    let (inputs, cache) = case.inputs();
+    let (_, exact) = reference::mha_f64(&inputs[0], &cache, &inputs[1], &inputs[2], &case.config()).unwrap();
+    let (hq, d) = (case.num_heads, case.head_size);
+    let mut worst = 0f64;
+    for b in 0..case.batch {
+        let (cl, v) = (case.cache_lengths[b] as usize, case.valid_lengths[b] as usize);
+        for s in 0..case.seq {
+            let (lo, hi) = case.config().key_range(cl, v, s);
+            for h in 0..hq {
+                for i in 0..d {
+                    let at = ((b * case.seq + s) * hq + h) * d + i;
+                    let g = got[at];
+                    if s >= v {
+                        assert_eq!(g.to_bits(), 0, "{case:?}: padded row (b {b}, s {s}) must be +0, got {g}");
+                        continue;
+                    }
+                    let bound = tolerance(case, hi - lo, exact[at]);
+                    let err = (f64::from(g) - exact[at]).abs();
+                    assert!(
+                        err <= bound,
+                        "{case:?}: (b {b}, s {s}, h {h}, d {i}) got {g}, want {}, error {err:e} > bound {bound:e}",
+                        exact[at]
+                    );
+                    worst = worst.max(err / bound);
+                }
+            }
+        }
+    }
+    worst
+}

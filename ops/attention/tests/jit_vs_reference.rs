@@ -1,0 +1,126 @@
+//! The JIT kernel against the f64 reference on random valid calls (decode
+//! and prefill), outputs poisoned with NaN and guarded, the cache checked
+//! byte-identical afterwards.
+
+mod common;
+
+use common::{Case, check_against_reference, jit, run_jit};
+use kvjit_core::DType;
+use kvjit_op_attention::Mask;
+use rand::SeedableRng;
+use rand::rngs::StdRng;
+
+fn run_random(decode: bool, cases: usize, seed: u64) {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut worst = 0f64;
+    for _ in 0..cases {
+        let case = Case::random(&mut rng, decode);
+        let kernel = jit(&case);
+        let got = run_jit(&kernel, &case, 2);
+        worst = worst.max(check_against_reference(&case, &got));
+    }
+    println!("worst error / bound: {worst:.4}");
+}
+
+#[test]
+fn decode_random_cases_match_the_reference() {
+    run_random(true, 60, 1);
+}
+
+#[test]
+fn prefill_random_cases_match_the_reference() {
+    run_random(false, 40, 2);
+}
+
+#[test]
+fn long_decode_context_splits_into_chunks() {
+    for (dtype, cache_dtype, page_size) in [(DType::F32, DType::F32, 16), (DType::BF16, DType::BF16, 7)] {
+        let case = Case {
+            dtype,
+            cache_dtype,
+            batch: 2,
+            seq: 1,
+            num_heads: 8,
+            num_kv_heads: 2,
+            head_size: 128,
+            page_size,
+            num_layers: 1,
+            layer: 0,
+            cache_lengths: vec![2100, 700],
+            valid_lengths: vec![1, 1],
+            mask: Mask::Causal,
+            window: None,
+            scale: 1.0 / 128f32.sqrt(),
+            seed: 7,
+        };
+        let got = run_jit(&jit(&case), &case, 2);
+        check_against_reference(&case, &got);
+    }
+}
+
+#[test]
+fn results_do_not_depend_on_the_thread_count() {
+    let mut rng = StdRng::seed_from_u64(3);
+    for decode in [true, false] {
+        for _ in 0..4 {
+            let case = Case::random(&mut rng, decode);
+            let kernel = jit(&case);
+            let one = run_jit(&kernel, &case, 1);
+            let three = run_jit(&kernel, &case, 3);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&one), bits(&three), "{case:?}");
+        }
+    }
+}
+
+#[test]
+fn empty_batches_and_zero_lengths() {
+    let mut rng = StdRng::seed_from_u64(4);
+    let mut case = Case::random(&mut rng, false);
+    case.valid_lengths.iter_mut().for_each(|v| *v = 0);
+    let got = run_jit(&jit(&case), &case, 2);
+    assert!(got.iter().all(|x| x.to_bits() == 0), "all rows padded: all zero");
+    // Cache length 0 and one token: the output is that token's V.
+    case.cache_lengths.iter_mut().for_each(|c| *c = 0);
+    case.valid_lengths.iter_mut().for_each(|v| *v = 1);
+    let got = run_jit(&jit(&case), &case, 2);
+    check_against_reference(&case, &got);
+}
+
+/// Rough decode timing (not a benchmark): `cargo test -p kvjit-op-attention
+/// --test jit_vs_reference -- --ignored --nocapture`.
+#[test]
+#[ignore = "timing, not a check"]
+fn decode_timing() {
+    let case = Case {
+        dtype: DType::BF16,
+        cache_dtype: DType::BF16,
+        batch: 1,
+        seq: 1,
+        num_heads: 32,
+        num_kv_heads: 8,
+        head_size: 128,
+        page_size: 16,
+        num_layers: 1,
+        layer: 0,
+        cache_lengths: vec![4095],
+        valid_lengths: vec![1],
+        mask: Mask::Causal,
+        window: None,
+        scale: 1.0 / 128f32.sqrt(),
+        seed: 9,
+    };
+    let kernel = jit(&case);
+    let (inputs, cache) = case.inputs();
+    let refs: Vec<&kvjit_core::Tensor> = inputs.iter().collect();
+    let mut out = vec![0u8; 32 * 128 * 2];
+    let ctx = kvjit_runtime::DeviceContextPtr::cpu(2).unwrap();
+    let runs = 50;
+    let start = std::time::Instant::now();
+    for _ in 0..runs {
+        kernel.run_into(&refs, &cache, &mut out, &ctx).unwrap();
+    }
+    let per = start.elapsed().as_secs_f64() / runs as f64;
+    let bytes = 2.0 * 4096.0 * 8.0 * 128.0 * 2.0;
+    println!("decode ctx 4096: {:.3} ms per call, {:.2} GB/s of K/V", per * 1e3, bytes / per / 1e9);
+}
