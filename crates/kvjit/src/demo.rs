@@ -3,6 +3,8 @@
 //! [`LayerConfig::llama3_8b`] is one Llama-3-8B attention layer's QKV
 //! projection (hidden 4096, 32 query heads, 8 KV heads of 128, page size 16);
 //! [`LayerConfig::small`] is a two-layer toy that runs in microseconds.
+//! [`attention_step_graph`] builds a whole attention step on top of it
+//! (fused QKV → reshape → paged RoPE → paged flash attention, per layer).
 //! [`Scenario`] makes seeded, valid inputs and KV caches for any graph of
 //! registered ops — the ops' signatures ([`ArgRole`]) say which inputs are
 //! layer indices and valid lengths, so a new op gets scenarios for free:
@@ -13,8 +15,13 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use kvjit_core::{DType, PagedKVCacheCollection, Tensor};
-use kvjit_graph::{ArgRole, Dim, Graph, GraphBuilder, KvCacheType, OpRegistry, RandomInit, ValueDef, ValueId};
+use kvjit_graph::{
+    ArgRole, Dim, Graph, GraphBuilder, KvCacheType, Llama3Scaling, OpRegistry, RandomInit, RopeInit, ValueDef, ValueId,
+};
+use kvjit_op_attention::{Mask, MhaParams, mha};
 use kvjit_op_fused_qkv::{FusedQkvParams, fused_qkv_matmul};
+use kvjit_op_reshape::reshape;
+use kvjit_op_rope::{RopeParams, fused_qk_rope};
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
@@ -179,6 +186,110 @@ fn fill_history(cache: &mut PagedKVCacheCollection, history: &[u32], rng: &mut S
         blocks[offset..offset + row_bytes].copy_from_slice(chunk);
     }
     Ok(())
+}
+
+/// One attention step of a model: per layer, the fused QKV projection
+/// (K and V into the paged cache), a reshape to heads, paged RoPE (Q out, K
+/// rotated in the cache) and paged causal flash attention, the layers
+/// chained (each layer's attention output is the next one's hidden state,
+/// so `q_dim` must equal the hidden size).
+#[derive(Clone, Debug)]
+pub struct AttentionConfig {
+    /// Shapes, dtype, cache and weights (as for the QKV graph).
+    pub layer: LayerConfig,
+    /// RoPE base θ.
+    pub rope_theta: f64,
+    /// Llama-3.1 frequency scaling of the RoPE table, if any.
+    pub llama3_scaling: Option<Llama3Scaling>,
+    /// RoPE pair layout (false: Hugging Face `rotate_half`, as Llama uses).
+    pub interleaved: bool,
+}
+
+impl AttentionConfig {
+    /// Llama-3-8B's attention (hidden 4096, 32 q heads, 8 KV heads of 128,
+    /// θ = 500000 with Llama-3.1 scaling) in bf16, one layer, page 16.
+    pub fn llama3_8b() -> Self {
+        Self {
+            layer: LayerConfig { name: "llama3_8b_attention".into(), dtype: DType::BF16, ..LayerConfig::llama3_8b() },
+            rope_theta: 500000.0,
+            llama3_scaling: Some(Llama3Scaling::LLAMA_3_1),
+            interleaved: false,
+        }
+    }
+
+    /// Two small layers (hidden 64, 4 q heads, 2 KV heads of 16, page 4), f32.
+    pub fn small() -> Self {
+        Self {
+            layer: LayerConfig { name: "small_attention".into(), ..LayerConfig::small() },
+            rope_theta: 10000.0,
+            llama3_scaling: None,
+            interleaved: false,
+        }
+    }
+
+    /// Rows of the RoPE table: every position a sequence's lookup table can
+    /// address.
+    pub fn max_positions(&self) -> usize {
+        self.layer.max_pages_per_seq * self.layer.page_size
+    }
+}
+
+/// Build the attention-step graph of `config`: inputs `hidden_state [batch,
+/// seq, K]`, `valid_lengths [batch]` and a `layer_idx` per layer; the cache
+/// `kv_cache`; the RoPE table `freqs_cis` as a recipe constant; the output
+/// `attention [batch, seq, Hq·D]` of the last layer.
+pub fn attention_step_graph(config: &AttentionConfig, ops: &OpRegistry) -> Result<Graph> {
+    let layer = &config.layer;
+    if layer.q_dim() != layer.hidden_size {
+        return Err(Error::Usage(format!(
+            "an attention step chains its layers, so q_dim ({}) must equal the hidden size ({})",
+            layer.q_dim(),
+            layer.hidden_size
+        )));
+    }
+    let mut b = GraphBuilder::new(&layer.name, ops);
+    let (batch, seq) = (Dim::from("batch"), Dim::from("seq"));
+    let mut x = b.input("hidden_state", layer.dtype, &[batch.clone(), seq.clone(), Dim::from(layer.hidden_size)])?;
+    let valid = b.input("valid_lengths", DType::U32, std::slice::from_ref(&batch))?;
+    let cache = b.kv_cache("kv_cache", layer.cache_type())?;
+    let rope = RopeInit { rope_theta: config.rope_theta, llama3_scaling: config.llama3_scaling };
+    let freqs = b.recipe_constant("freqs_cis", layer.dtype, &[config.max_positions(), layer.head_size], rope.into())?;
+    let rope_params = RopeParams {
+        dtype: layer.dtype,
+        interleaved: config.interleaved,
+        num_kv_heads: layer.num_kv_heads,
+        head_size: layer.head_size,
+        page_size: layer.page_size,
+    };
+    let mha_params = MhaParams {
+        dtype: layer.dtype,
+        mask: Mask::Causal,
+        scale: None,
+        local_window_size: None,
+        num_kv_heads: layer.num_kv_heads,
+        head_size: layer.head_size,
+        page_size: layer.page_size,
+    };
+    let heads = [batch.clone(), seq.clone(), Dim::from(layer.num_q_heads), Dim::from(layer.head_size)];
+    let flat = [batch.clone(), seq.clone(), Dim::from(layer.q_dim())];
+    let bound = 1.0 / (layer.hidden_size as f32).sqrt();
+    for l in 0..layer.num_layers {
+        let prefix = if layer.num_layers == 1 { String::new() } else { format!("layers.{l}.") };
+        let weight = b.random_constant(
+            &format!("{prefix}qkv_weight"),
+            layer.dtype,
+            &[layer.n(), layer.hidden_size],
+            RandomInit { seed: layer.weight_seed + l as u64, low: -bound, high: bound },
+        )?;
+        let layer_idx = b.input(&format!("{prefix}layer_idx"), DType::U32, &[])?;
+        let q = fused_qkv_matmul(&mut b, [x, weight, cache, layer_idx, valid], layer.qkv_params())?;
+        let q = reshape(&mut b, q, &heads)?;
+        let q = fused_qk_rope(&mut b, [q, cache, freqs, layer_idx, valid], rope_params)?;
+        let attention = mha(&mut b, [q, cache, layer_idx, valid], mha_params)?;
+        x = reshape(&mut b, attention, &flat)?;
+    }
+    b.output("attention", x)?;
+    Ok(b.finish()?)
 }
 
 /// What each graph input and cache is to the nodes that use it, read from

@@ -49,9 +49,10 @@ pub use kvjit_graph::{
     load_graph_with, save_graph, specialize,
 };
 pub use kvjit_jit::{CompileCause, CompileRecord, compile_log};
-pub use kvjit_op_fused_qkv as fused_qkv;
 pub use kvjit_op_attention as attention;
+pub use kvjit_op_fused_qkv as fused_qkv;
 pub use kvjit_op_reshape as reshape;
+pub use kvjit_op_rope as rope;
 
 /// Typed builder functions, one per op, on top of
 /// [`GraphBuilder::node`](GraphBuilder::node) (which graph files use): a
@@ -75,9 +76,10 @@ pub use kvjit_op_reshape as reshape;
 /// let q_heads = reshape(&mut b, q, &[batch, seq, 32.into(), 128.into()]).unwrap();
 /// ```
 pub mod ops {
-    pub use kvjit_op_fused_qkv::{FusedQkvParams, fused_qkv_matmul};
     pub use kvjit_op_attention::{Mask, MhaParams, mha};
+    pub use kvjit_op_fused_qkv::{FusedQkvParams, fused_qkv_matmul};
     pub use kvjit_op_reshape::reshape;
+    pub use kvjit_op_rope::{RopeParams, fused_qk_rope};
 }
 pub use kvjit_runtime::{
     BuildOptions, CodeInfo, DeviceContextPtr, Executable, Executor, KernelImpl, RunOutput, RuntimeError,

@@ -42,6 +42,7 @@ pub fn standard_registry() -> Registry {
     let mut registry = Registry::default();
     registry.register(kvjit_op_fused_qkv::FusedQkvOp).expect("built-in op names are distinct");
     registry.register(kvjit_op_reshape::ReshapeOp).expect("built-in op names are distinct");
+    registry.register(kvjit_op_rope::RopeOp).expect("built-in op names are distinct");
     registry.register(kvjit_op_attention::MhaOp).expect("built-in op names are distinct");
     registry
 }

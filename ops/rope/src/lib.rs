@@ -1,1 +1,38 @@
-//! Paged RoPE (`mo.fused_qk_rope.padded.paged`): under construction.
+//! Paged rotary position embedding: Modular MAX's
+//! `mo.fused_qk_rope.padded.paged`.
+//!
+//! For every valid token (`s < valid_lengths[b]`) at position
+//! `pos = cache_lengths[b] + s` — the cache lengths *before* this step, as
+//! the fused QKV op used them when it wrote K/V — Q (`q_proj [B, S, Hq, D]`)
+//! is rotated into the output, and the K of every KV head is rotated **in
+//! place in the paged cache** at (`layer_idx`, page of pos, slot of pos).
+//! `freqs_cis [max_seq, D]` holds `cos(pos·θ_j), sin(pos·θ_j)` interleaved
+//! per pair j < D/2. `interleaved = true` rotates `(x[2j], x[2j+1])` (GGUF),
+//! `false` rotates `(x[j], x[j + D/2])` (Hugging Face `rotate_half`):
+//! `a' = a·cos − b·sin`, `b' = b·cos + a·sin`. V is never touched. Rows of
+//! padded tokens are **zero** in the output (MAX leaves them undefined).
+//! The cache dtype may differ from the activation dtype: K is read in the
+//! cache dtype, rotated in f32 and rounded once back.
+//!
+//! Everything about the op lives here: its IR definition ([`RopeOp`],
+//! parameters, shape rules, kernel key [`RopeSpec`]), the run-time argument
+//! check every target shares ([`check_call`]: nothing is written unless the
+//! whole call is valid), the f64 reference ([`reference`](mod@reference)),
+//! and the Cranelift kernel ([`cpu_jit`]). There is no CUDA variant yet:
+//! `supports` refuses CUDA keys, so specializing a graph for CUDA fails with
+//! a clear error.
+
+mod call;
+pub mod cpu_jit;
+mod def;
+mod error;
+mod kernel;
+pub mod reference;
+mod spec;
+
+pub use call::{CallShape, RopeArgs, RowPlan, check_call, check_output, row_plans};
+pub use cpu_jit::JitKernel;
+pub use def::{MAX_JIT_HEAD_SIZE, OP_NAME, RopeOp, RopeParams, fused_qk_rope};
+pub use error::RopeError;
+pub use kernel::ReferenceKernel;
+pub use spec::{KERNEL_NAME, RopeSpec};

@@ -1,0 +1,453 @@
+//! The CPU kernel: machine code Cranelift emits for one [`RopeSpec`].
+//!
+//! The spec fixes dtypes, layout, Hq, Hkv and D; B and S do not change the
+//! code (so it is compiled and cached under the spec's generic key, shared by
+//! every (B, S)). A launch's work items are token rows `r = b·S + s`; the
+//! host validates the call and then gives each row a [`RowPlan`]: where its
+//! cos/sin row starts in `freqs_cis` (or -1: a padded row) and where its K
+//! heads start in `blocks`. The machine code does no page lookups and no
+//! bounds checks.
+//!
+//! Per row:
+//!
+//! ```text
+//! padded row:  output[r, :, :] = 0 (16 bytes at a time)
+//! valid row:   table = cos/sin of the row, widened to f32, laid out for the
+//!              layout's rotation (a stack buffer of 8·D bytes, built once per
+//!              row and reused by all Hq + Hkv heads)
+//!              for each Q head:  output[r, h, :] = rotate(q_proj[r, h, :])
+//!              for each KV head: K[h, :] = rotate(K[h, :]) in place, in the cache dtype
+//! ```
+//!
+//! Everything is F32X4 (x64 Cranelift lowers 128-bit vectors only), four
+//! pairs per vector:
+//!
+//! - **non-interleaved** (`rotate_half`): the table holds `cos[0..D/2]` then
+//!   `sin[0..D/2]` (deinterleaved from `freqs_cis` with two `shufps`); a
+//!   head's chunk `a = x[j..j+4]`, `b = x[j+D/2..j+D/2+4]` becomes
+//!   `a·c − b·s`, `b·c + a·s`.
+//! - **interleaved**: the table holds `cc = (c0, c0, c1, c1, …)` and
+//!   `ss = (−s0, s0, −s1, s1, …)`; a chunk `x = (a0, b0, a1, b1)` becomes
+//!   `x·cc + swap(x)·ss` with `swap(x) = (b0, a0, b1, a1)` (one `pshufd`).
+//!
+//! Each result is one `fmul` and one `fma` in f32, rounded once to the
+//! output's (or cache's) dtype by the shared store helpers (ties to even,
+//! bit for bit as `half`). A row is computed by one invocation with the same
+//! code wherever it runs, so results do not depend on the thread count.
+//!
+//! Requirements (refused at specialize through `supports`): D a multiple of
+//! 8 (whole vectors of pairs in both layouts) and at most
+//! [`MAX_JIT_HEAD_SIZE`](crate::MAX_JIT_HEAD_SIZE).
+
+use std::sync::Arc;
+
+use kvjit_core::{DType, Error, KernelKey, PagedKVCacheCollection, Result, Tensor};
+use kvjit_jit::cranelift_codegen::ir::{
+    ConstantData, Endianness, InstBuilder, MemFlagsData, StackSlotData, StackSlotKind, Value, condcodes::IntCC, types,
+};
+use kvjit_jit::cranelift_frontend::FunctionBuilder;
+use kvjit_jit::ir::{counted_loop, load_f32x4_raw, mem, splat_f32, store_f32x4};
+use kvjit_jit::{CaptureText, CompileCause, JitError, JitFunction, compile_kernel};
+use kvjit_runtime::{CodeInfo, DeviceContextPtr, Kernel, OutputSpec};
+
+use crate::call::{RowPlan, row_plans};
+use crate::kernel::{check_against_spec, checked_call};
+use crate::{CallShape, MAX_JIT_HEAD_SIZE, RopeArgs, RopeSpec};
+
+/// The kernel's argument words ([`kvjit_jit::KernelParams::arg`]), in
+/// order; the work items of a launch are token rows.
+mod arg {
+    /// `q_proj`, `[B·S, Hq, D]` in the dtype.
+    pub const Q: usize = 0;
+    /// The output, `[B·S, Hq, D]` in the dtype.
+    pub const OUT: usize = 1;
+    /// `freqs_cis`, `[max_seq, D]` in the dtype.
+    pub const FREQS: usize = 2;
+    /// The cache's blocks.
+    pub const BLOCKS: usize = 3;
+    /// Per row, its [`RowPlan`](super::RowPlan) (two i64 words).
+    pub const ROWS: usize = 4;
+    /// Words in all.
+    pub const COUNT: usize = 5;
+}
+
+/// Refuse specs the generated code does not handle: D not a multiple of 8
+/// or above [`MAX_JIT_HEAD_SIZE`], or a row too large for the offsets it
+/// forms.
+pub(crate) fn supported(spec: &RopeSpec) -> Result<(), JitError> {
+    let unsupported = |reason: String| JitError::Unsupported { key: spec.kernel_key().to_string(), reason };
+    let d = spec.head_size;
+    if !d.is_multiple_of(8) || d > MAX_JIT_HEAD_SIZE {
+        return Err(unsupported(format!(
+            "the CPU kernel needs head_size to be a multiple of 8 and at most {MAX_JIT_HEAD_SIZE}, got {d}"
+        )));
+    }
+    let row_bytes = spec.num_q_heads.checked_mul(d).and_then(|e| e.checked_mul(spec.dtype.size_bytes()));
+    if row_bytes.and_then(|b| i64::try_from(b).ok()).is_none() {
+        return Err(unsupported("a row of q_proj overflows the offsets the kernel computes".into()));
+    }
+    Ok(())
+}
+
+/// Compile the kernel for `spec` (or fetch it from the process-wide
+/// registry, under the spec's generic key). Kept IR/disassembly bypass the
+/// registry so the texts always exist.
+pub fn compile(spec: &RopeSpec, capture: CaptureText) -> Result<Arc<JitFunction>, JitError> {
+    let generic = spec.generic();
+    let key = generic.kernel_key();
+    let build = || emit_and_compile(&generic, &key, capture);
+    if capture.clif || capture.disasm {
+        return build().map(Arc::new);
+    }
+    kvjit_jit::kernels().get_or_compile(&key, CompileCause::GraphBuild, build)
+}
+
+fn emit_and_compile(spec: &RopeSpec, key: &KernelKey, capture: CaptureText) -> Result<JitFunction, JitError> {
+    supported(spec)?;
+    compile_kernel(key, capture, |b, params| {
+        let bases = Bases {
+            q: params.arg(b, arg::Q),
+            out: params.arg(b, arg::OUT),
+            freqs: params.arg(b, arg::FREQS),
+            blocks: params.arg(b, arg::BLOCKS),
+            rows: params.arg(b, arg::ROWS),
+        };
+        Emitter { spec: *spec }.emit(b, bases, params.begin, params.end);
+    })
+}
+
+/// The call's buffer addresses, loaded once at entry.
+#[derive(Clone, Copy)]
+struct Bases {
+    q: Value,
+    out: Value,
+    freqs: Value,
+    blocks: Value,
+    rows: Value,
+}
+
+/// Byte order for bitcasts that change the lane count.
+fn little() -> MemFlagsData {
+    MemFlagsData::new().with_endianness(Endianness::Little)
+}
+
+/// Lanes `lanes` of the 8 f32 lanes of `x` (0..4) and `y` (4..8), as an
+/// F32X4 (`shufps` / `pshufd` for the patterns used here).
+fn shuffle_f32(b: &mut FunctionBuilder, x: Value, y: Value, lanes: [u8; 4]) -> Value {
+    let xi = b.ins().bitcast(types::I8X16, little(), x);
+    let yi = b.ins().bitcast(types::I8X16, little(), y);
+    let mask: Vec<u8> = lanes.iter().flat_map(|&l| (0..4).map(move |k| 4 * l + k)).collect();
+    let mask = b.func.dfg.immediates.push(ConstantData::from(mask));
+    let shuffled = b.ins().shuffle(xi, yi, mask);
+    b.ins().bitcast(types::F32X4, little(), shuffled)
+}
+
+/// The emitter for one kernel body.
+struct Emitter {
+    spec: RopeSpec,
+}
+
+/// Chunks of 4 f32 lanes handled per loop iteration, for `count` chunks.
+fn unroll_for(count: usize) -> usize {
+    [4, 3, 2, 1].into_iter().find(|&u| count.is_multiple_of(u)).expect("1 divides everything")
+}
+
+/// `count` chunks of `step` units each (elements or bytes), `unroll_for(count)`
+/// per iteration: calls `body(b, at, u)` for each `u < unroll`, where `at`
+/// (a Value) is the iteration's first chunk times `step` and the caller adds
+/// chunk `u`'s part as constant displacements.
+fn chunk_loop(
+    b: &mut FunctionBuilder,
+    count: usize,
+    step: i64,
+    mut body: impl FnMut(&mut FunctionBuilder, Value, usize),
+) {
+    let unroll = unroll_for(count);
+    let start = b.ins().iconst(types::I64, 0);
+    let end = b.ins().iconst(types::I64, count as i64 * step);
+    counted_loop(b, start, end, unroll as i64 * step, &[], |b, at, _| {
+        for u in 0..unroll {
+            body(b, at, u);
+        }
+        Vec::new()
+    });
+}
+
+impl Emitter {
+    fn d(&self) -> usize {
+        self.spec.head_size
+    }
+
+    /// Bytes of one output (and q_proj) row: Hq·D elements.
+    fn row_bytes(&self) -> i64 {
+        (self.spec.num_q_heads * self.d() * self.spec.dtype.size_bytes()) as i64
+    }
+
+    /// The loop over this invocation's rows.
+    fn emit(&self, b: &mut FunctionBuilder, bases: Bases, begin: Value, end: Value) {
+        let table_slot =
+            b.create_sized_stack_slot(StackSlotData::new(StackSlotKind::ExplicitSlot, (8 * self.d()) as u32, 4));
+        counted_loop(b, begin, end, 1, &[], |b, r, _| {
+            let plan_at = b.ins().imul_imm_s(r, size_of::<RowPlan>() as i64);
+            let plan_at = b.ins().iadd(bases.rows, plan_at);
+            let freqs_offset = b.ins().load(types::I64, mem(), plan_at, 0);
+            let row_offset = b.ins().imul_imm_s(r, self.row_bytes());
+            let out_row = b.ins().iadd(bases.out, row_offset);
+
+            let padded = b.create_block();
+            let valid = b.create_block();
+            let done = b.create_block();
+            let is_padded = b.ins().icmp_imm_s(IntCC::SignedLessThan, freqs_offset, 0);
+            b.ins().brif(is_padded, padded, &[], valid, &[]);
+
+            b.switch_to_block(padded);
+            self.emit_zero_row(b, out_row);
+            b.ins().jump(done, &[]);
+
+            b.switch_to_block(valid);
+            let k_offset = b.ins().load(types::I64, mem(), plan_at, 8);
+            let table = b.ins().stack_addr(kvjit_jit::pointer_type(), table_slot, 0);
+            let freqs_bytes = b.ins().imul_imm_s(freqs_offset, self.spec.dtype.size_bytes() as i64);
+            let freqs_row = b.ins().iadd(bases.freqs, freqs_bytes);
+            self.emit_table(b, freqs_row, table);
+            let q_row = b.ins().iadd(bases.q, row_offset);
+            self.emit_heads(b, q_row, out_row, self.spec.num_q_heads, self.spec.dtype, table);
+            let k_bytes = b.ins().imul_imm_s(k_offset, self.spec.cache_dtype.size_bytes() as i64);
+            let k_row = b.ins().iadd(bases.blocks, k_bytes);
+            self.emit_heads(b, k_row, k_row, self.spec.num_kv_heads, self.spec.cache_dtype, table);
+            b.ins().jump(done, &[]);
+
+            b.switch_to_block(done);
+            Vec::new()
+        });
+    }
+
+    /// Zero the `Hq·D` elements of a padded row (a multiple of 16 bytes).
+    fn emit_zero_row(&self, b: &mut FunctionBuilder, out_row: Value) {
+        let zero = splat_f32(b, 0.0);
+        chunk_loop(b, self.row_bytes() as usize / 16, 16, |b, at, u| {
+            let p = b.ins().iadd(out_row, at);
+            b.ins().store(mem(), zero, p, (16 * u) as i32);
+        });
+    }
+
+    /// Widen the row's cos/sin (`[c0, s0, c1, s1, …]`, D elements) into the
+    /// f32 table the rotation reads (see the module docs).
+    fn emit_table(&self, b: &mut FunctionBuilder, freqs_row: Value, table: Value) {
+        let dtype = self.spec.dtype;
+        let size = dtype.size_bytes() as i64;
+        let d = self.d();
+        if self.spec.interleaved {
+            // One chunk: 2 pairs (4 elements) → 4 lanes of cc and of ss.
+            let sign = splat_sign_even_lanes(b);
+            chunk_loop(b, d / 4, 4, |b, at, u| {
+                let src = b.ins().imul_imm_s(at, size);
+                let src = b.ins().iadd(freqs_row, src);
+                let v = load_f32x4_raw(b, dtype, src, (4 * u) as i32 * size as i32);
+                let cc = shuffle_f32(b, v, v, [0, 0, 2, 2]);
+                let ss = shuffle_f32(b, v, v, [1, 1, 3, 3]);
+                let ss = b.ins().bxor(ss, sign);
+                let dst = b.ins().imul_imm_s(at, 4);
+                let dst = b.ins().iadd(table, dst);
+                b.ins().store(mem(), cc, dst, (16 * u) as i32);
+                b.ins().store(mem(), ss, dst, (16 * u + 4 * d) as i32);
+            });
+        } else {
+            // One chunk: 4 pairs (8 elements) → 4 lanes of cos and of sin.
+            chunk_loop(b, d / 8, 4, |b, at, u| {
+                let src = b.ins().imul_imm_s(at, 2 * size);
+                let src = b.ins().iadd(freqs_row, src);
+                let v0 = load_f32x4_raw(b, dtype, src, (8 * u) as i32 * size as i32);
+                let v1 = load_f32x4_raw(b, dtype, src, (8 * u + 4) as i32 * size as i32);
+                let cos = shuffle_f32(b, v0, v1, [0, 2, 4, 6]);
+                let sin = shuffle_f32(b, v0, v1, [1, 3, 5, 7]);
+                let dst = b.ins().imul_imm_s(at, 4);
+                let dst = b.ins().iadd(table, dst);
+                b.ins().store(mem(), cos, dst, (16 * u) as i32);
+                b.ins().store(mem(), sin, dst, (16 * u + 2 * d) as i32);
+            });
+        }
+    }
+
+    /// Rotate `heads` consecutive heads of D `dtype` elements at `src` into
+    /// `dst` (the same address for K, rotated in place: every chunk is read
+    /// before it is written, and chunks do not overlap).
+    fn emit_heads(&self, b: &mut FunctionBuilder, src: Value, dst: Value, heads: usize, dtype: DType, table: Value) {
+        let size = dtype.size_bytes();
+        let d = self.d();
+        let head_bytes = (d * size) as i64;
+        let start = b.ins().iconst(types::I64, 0);
+        let end = b.ins().iconst(types::I64, heads as i64 * head_bytes);
+        counted_loop(b, start, end, head_bytes, &[], |b, h, _| {
+            let src = b.ins().iadd(src, h);
+            let dst = b.ins().iadd(dst, h);
+            if self.spec.interleaved {
+                chunk_loop(b, d / 4, 4, |b, at, u| {
+                    let tab = b.ins().imul_imm_s(at, 4);
+                    let tab = b.ins().iadd(table, tab);
+                    let x_at = b.ins().imul_imm_s(at, size as i64);
+                    let (x_src, x_dst) = (b.ins().iadd(src, x_at), b.ins().iadd(dst, x_at));
+                    let disp = (4 * u * size) as i32;
+                    let x = load_f32x4_raw(b, dtype, x_src, disp);
+                    let cc = b.ins().load(types::F32X4, mem(), tab, (16 * u) as i32);
+                    let ss = b.ins().load(types::F32X4, mem(), tab, (16 * u + 4 * d) as i32);
+                    let swapped = shuffle_f32(b, x, x, [1, 0, 3, 2]);
+                    let xc = b.ins().fmul(x, cc);
+                    let rotated = b.ins().fma(swapped, ss, xc);
+                    store_f32x4(b, dtype, rotated, x_dst, disp);
+                });
+            } else {
+                let half_bytes = (d / 2 * size) as i32;
+                chunk_loop(b, d / 8, 4, |b, at, u| {
+                    let tab = b.ins().imul_imm_s(at, 4);
+                    let tab = b.ins().iadd(table, tab);
+                    let x_at = b.ins().imul_imm_s(at, size as i64);
+                    let (x_src, x_dst) = (b.ins().iadd(src, x_at), b.ins().iadd(dst, x_at));
+                    let disp = (4 * u * size) as i32;
+                    let xa = load_f32x4_raw(b, dtype, x_src, disp);
+                    let xb = load_f32x4_raw(b, dtype, x_src, disp + half_bytes);
+                    let cos = b.ins().load(types::F32X4, mem(), tab, (16 * u) as i32);
+                    let sin = b.ins().load(types::F32X4, mem(), tab, (16 * u + 2 * d) as i32);
+                    // a' = a·c − b·s, b' = b·c + a·s: one product rounded, one fma.
+                    let bs = b.ins().fmul(xb, sin);
+                    let neg_bs = b.ins().fneg(bs);
+                    let ra = b.ins().fma(xa, cos, neg_bs);
+                    let bc = b.ins().fmul(xb, cos);
+                    let rb = b.ins().fma(xa, sin, bc);
+                    store_f32x4(b, dtype, ra, x_dst, disp);
+                    store_f32x4(b, dtype, rb, x_dst, disp + half_bytes);
+                });
+            }
+            Vec::new()
+        });
+    }
+}
+
+/// `(0x8000_0000, 0, 0x8000_0000, 0)` as F32X4: XOR flips the sign of the
+/// even lanes (the `−s` of each pair).
+fn splat_sign_even_lanes(b: &mut FunctionBuilder) -> Value {
+    let bytes: Vec<u8> = [0x8000_0000u32, 0, 0x8000_0000, 0].iter().flat_map(|v| v.to_le_bytes()).collect();
+    let c = b.func.dfg.constants.insert(bytes.into());
+    let v = b.ins().vconst(types::I32X4, c);
+    b.ins().bitcast(types::F32X4, MemFlagsData::new(), v)
+}
+
+/// The op as JIT-compiled machine code for one kernel key.
+///
+/// Tensor inputs, in order: `q_proj`, `freqs_cis`, `layer_idx`,
+/// `valid_lengths`; one cache; one output.
+pub struct JitKernel {
+    spec: RopeSpec,
+    key: KernelKey,
+    code: Arc<JitFunction>,
+}
+
+impl JitKernel {
+    /// Compile (or fetch from the process-wide registry) the kernel for
+    /// `spec`.
+    pub fn new(spec: RopeSpec, capture: CaptureText) -> Result<Self, JitError> {
+        let code = compile(&spec, capture)?;
+        Ok(Self { key: spec.kernel_key(), spec, code })
+    }
+
+    /// Run with the output written into raw bytes (exactly `B·S·Hq·D`
+    /// elements of the dtype), so callers — tests with guard regions around
+    /// the output, benchmarks reusing a buffer — choose where it lives.
+    /// Validates everything first, like [`Kernel::run`].
+    pub fn run_into(&self, args: RopeArgs<'_>, output: &mut [u8], ctx: &DeviceContextPtr) -> Result<()> {
+        let inputs = [args.q_proj, args.freqs_cis, args.layer_idx, args.valid_lengths];
+        let shape = check_against_spec(&self.spec, &inputs, &[&*args.kv_collection])?;
+        let expected = shape.rows() * shape.num_q_heads * shape.head_size * self.spec.dtype.size_bytes();
+        if output.len() != expected {
+            return Err(Error::ByteCount {
+                dtype: self.spec.dtype,
+                shape: shape.output_shape(),
+                expected,
+                got: output.len(),
+            });
+        }
+        self.launch(&shape, args, output, ctx)
+    }
+
+    /// Run a validated call: `shape` came from `check_against_spec` on
+    /// exactly these arguments and `output` holds `B·S·Hq·D` elements.
+    fn launch(&self, shape: &CallShape, args: RopeArgs<'_>, output: &mut [u8], ctx: &DeviceContextPtr) -> Result<()> {
+        let RopeArgs { q_proj, kv_collection: cache, freqs_cis, valid_lengths, .. } = args;
+        let plans = row_plans(shape, cache, valid_lengths)?;
+        if shape.rows() == 0 || shape.num_q_heads * shape.head_size == 0 {
+            return Ok(());
+        }
+        let mut words = [0u64; arg::COUNT];
+        words[arg::Q] = q_proj.as_bytes().as_ptr() as u64;
+        words[arg::OUT] = output.as_mut_ptr() as u64;
+        words[arg::FREQS] = freqs_cis.as_bytes().as_ptr() as u64;
+        words[arg::ROWS] = plans.as_ptr() as u64;
+        // Only a call with valid tokens borrows the blocks mutably (which
+        // bumps the cache's blocks generation, and copies shared storage).
+        if shape.cache_tokens > 0 {
+            words[arg::BLOCKS] = cache.blocks_bytes_mut().as_mut_ptr() as u64;
+        }
+        // SAFETY: `self.code` was compiled by `emit_and_compile` for this
+        // kernel's spec without B and S (which the code does not depend on),
+        // reading the argument words in `arg`'s layout. `check_against_spec`
+        // validated every argument against the spec and each other: dtypes,
+        // contiguity, q_proj `[B, S, Hq, D]` with this spec's Hq and D (so
+        // row r reads/writes `Hq·D` elements at `r·Hq·D` inside `q_proj` and
+        // `output`, whose byte length the caller checked); `freqs_cis
+        // [max_seq, D]` with every valid token's position `< max_seq` (so
+        // `freqs_offset + D ≤ max_seq·D`); the cache layout equal to the
+        // spec's, `layer_idx < L`, every valid token's page inside the lookup
+        // table and the cache, and no two tokens sharing a (page, slot) (so
+        // `k_offset + Hkv·D` lies inside `blocks` and rows write disjoint K
+        // slots). `row_plans` made one plan per row from exactly these
+        // validated values; padded rows (`freqs_offset < 0`) only zero their
+        // own output row and never touch `blocks` (which is null only when
+        // no row is valid). Rows of different ranges write disjoint memory.
+        // `plans`, the tensors and the borrowed output and cache outlive the
+        // launch.
+        unsafe { kvjit_jit::launch(&self.code, &words, shape.rows(), ctx) };
+        Ok(())
+    }
+}
+
+impl Kernel for JitKernel {
+    fn key(&self) -> &KernelKey {
+        &self.key
+    }
+
+    fn implementation(&self) -> &'static str {
+        "jit"
+    }
+
+    fn code_info(&self) -> CodeInfo {
+        CodeInfo {
+            compile_time: self.code.compile_time(),
+            code_size: self.code.code_size(),
+            ir: self.code.clif().map(str::to_string),
+            disasm: self.code.disasm().map(str::to_string),
+        }
+    }
+
+    fn check(&self, inputs: &[&Tensor], caches: &[&PagedKVCacheCollection]) -> Result<Vec<OutputSpec>> {
+        let shape = check_against_spec(&self.spec, inputs, caches)?;
+        Ok(vec![(self.spec.dtype, shape.output_shape())])
+    }
+
+    fn run(
+        &self,
+        inputs: &[&Tensor],
+        caches: &mut [&mut PagedKVCacheCollection],
+        outputs: &mut [Tensor],
+        ctx: &DeviceContextPtr,
+    ) -> Result<()> {
+        let call = checked_call(&self.spec, inputs, caches, outputs)?;
+        let args = RopeArgs {
+            q_proj: call.q_proj,
+            kv_collection: call.cache,
+            freqs_cis: call.freqs_cis,
+            layer_idx: call.layer_idx,
+            valid_lengths: call.valid_lengths,
+        };
+        self.launch(&call.shape, args, call.output.as_bytes_mut(), ctx)
+    }
+}

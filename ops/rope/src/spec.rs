@@ -1,0 +1,136 @@
+//! [`RopeSpec`]: the typed form of this op's kernel key.
+
+use kvjit_core::{DType, KernelKey, KeyField, Target};
+
+/// Short op name used in kernel keys and symbols.
+pub const KERNEL_NAME: &str = "fused_qk_rope_paged";
+
+/// Everything a kernel for this op may bake in. `batch`/`seq` are `None`
+/// when symbolic. The JIT's machine code depends on neither (its work items
+/// are token rows), so every (B, S) of one layout shares one compiled body;
+/// they stay in the key so a kernel built for static dims refuses others.
+///
+/// The freqs table's length (`max_seq`) is not part of the key: the kernel
+/// reads rows of it at positions the host checked against its run-time
+/// shape.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct RopeSpec {
+    /// Target.
+    pub target: Target,
+    /// Dtype of `q_proj`, `freqs_cis` and the output.
+    pub dtype: DType,
+    /// Dtype of the cache (K is read, rotated in f32 and rounded back to it).
+    pub cache_dtype: DType,
+    /// Pairs are `(x[2j], x[2j+1])` (GGUF) rather than `(x[j], x[j + D/2])`.
+    pub interleaved: bool,
+    /// Query heads Hq (a multiple of Hkv).
+    pub num_q_heads: usize,
+    /// KV heads Hkv.
+    pub num_kv_heads: usize,
+    /// Head size D.
+    pub head_size: usize,
+    /// Tokens per page.
+    pub page_size: usize,
+    /// Layers in the cache.
+    pub num_layers: usize,
+    /// Batch B, if static.
+    pub batch: Option<usize>,
+    /// Padded sequence length S, if static.
+    pub seq: Option<usize>,
+}
+
+impl RopeSpec {
+    /// The canonical kernel key (the one function that names this op's
+    /// kernels), e.g.
+    /// `fused_qk_rope_paged.cpu.bf16.hq32.hkv8.d128.p16.l32.kvbf16.il0.bany.s1`.
+    pub fn kernel_key(&self) -> KernelKey {
+        let dim = |v: Option<usize>| v.map_or(KeyField::Dynamic, |v| KeyField::Static(v as u64));
+        KernelKey::new(KERNEL_NAME, self.target, self.dtype)
+            .with("hq", KeyField::Static(self.num_q_heads as u64))
+            .with("hkv", KeyField::Static(self.num_kv_heads as u64))
+            .with("d", KeyField::Static(self.head_size as u64))
+            .with("p", KeyField::Static(self.page_size as u64))
+            .with("l", KeyField::Static(self.num_layers as u64))
+            .with("kv", KeyField::DType(self.cache_dtype))
+            .with("il", KeyField::Static(u64::from(self.interleaved)))
+            .with("b", dim(self.batch))
+            .with("s", dim(self.seq))
+    }
+
+    /// Read a key made by [`kernel_key`](Self::kernel_key) back; `None` if it
+    /// is not this op's.
+    pub fn from_kernel_key(key: &KernelKey) -> Option<Self> {
+        if key.op() != KERNEL_NAME {
+            return None;
+        }
+        let stat = |label| match key.get(label)? {
+            KeyField::Static(v) => usize::try_from(v).ok(),
+            _ => None,
+        };
+        let dynamic = |label| match key.get(label)? {
+            KeyField::Static(v) => Some(usize::try_from(v).ok()),
+            KeyField::Dynamic => Some(None),
+            KeyField::DType(_) => None,
+        };
+        let spec = Self {
+            target: key.target(),
+            dtype: key.dtype(),
+            cache_dtype: match key.get("kv")? {
+                KeyField::DType(d) => d,
+                _ => return None,
+            },
+            interleaved: match stat("il")? {
+                0 => false,
+                1 => true,
+                _ => return None,
+            },
+            num_q_heads: stat("hq")?,
+            num_kv_heads: stat("hkv")?,
+            head_size: stat("d")?,
+            page_size: stat("p")?,
+            num_layers: stat("l")?,
+            batch: dynamic("b")?,
+            seq: dynamic("s")?,
+        };
+        (spec.kernel_key() == *key).then_some(spec)
+    }
+
+    /// The same spec with B and S symbolic: the key the JIT compiles (and
+    /// caches) the machine code under, shared by every (B, S).
+    pub fn generic(&self) -> Self {
+        Self { batch: None, seq: None, ..*self }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn key_round_trips_and_names_itself() {
+        let spec = RopeSpec {
+            target: Target::Cpu,
+            dtype: DType::BF16,
+            cache_dtype: DType::F32,
+            interleaved: false,
+            num_q_heads: 32,
+            num_kv_heads: 8,
+            head_size: 128,
+            page_size: 16,
+            num_layers: 32,
+            batch: None,
+            seq: Some(1),
+        };
+        let key = spec.kernel_key();
+        assert_eq!(key.to_string(), "fused_qk_rope_paged.cpu.bf16.hq32.hkv8.d128.p16.l32.kvf32.il0.bany.s1");
+        assert_eq!(RopeSpec::from_kernel_key(&key), Some(spec));
+        let interleaved = RopeSpec { interleaved: true, ..spec };
+        assert_eq!(RopeSpec::from_kernel_key(&interleaved.kernel_key()), Some(interleaved));
+        assert_eq!(
+            spec.generic().kernel_key().to_string(),
+            "fused_qk_rope_paged.cpu.bf16.hq32.hkv8.d128.p16.l32.kvf32.il0.bany.sany"
+        );
+        let other = KernelKey::new("reshape", Target::Cpu, DType::F32);
+        assert_eq!(RopeSpec::from_kernel_key(&other), None);
+    }
+}
