@@ -8,7 +8,7 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use clap::{Parser, Subcommand};
-use kvjit::demo::{LayerConfig, Scenario};
+use kvjit::demo::{AttentionConfig, Scenario};
 use kvjit::{
     BuildOptions, CompileOptions, DeviceContextPtr, Error, Executor, Graph, KernelImpl, Registry, Result, Target,
     Tensor, ValueDef, WeightLoad, compile, demo, load_graph_with, read_safetensors, specialize, standard_registry,
@@ -24,7 +24,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Compile and run a graph file (default: a built-in Llama-3-8B layer).
+    /// Compile and run a graph file (default: a built-in Llama-3-8B
+    /// attention step: fused QKV → RoPE → attention on the paged cache).
     Run(RunArgs),
     /// Show a graph's inputs, nodes, shapes and kernel keys.
     Inspect {
@@ -90,7 +91,7 @@ enum Command {
 #[derive(clap::Args)]
 struct RunArgs {
     /// Graph file (JSON) or compiled artifact (`kvjit compile`); without
-    /// it, the built-in Llama-3-8B layer runs.
+    /// it, the built-in Llama-3-8B attention step runs.
     graph: Option<PathBuf>,
     /// How weights (a graph file's weights file, an artifact's packed
     /// weights) come into memory: `map` borrows them from the page cache
@@ -397,7 +398,10 @@ fn format_duration(d: Duration) -> String {
 fn run(registry: &Registry, args: &RunArgs) -> Result<()> {
     let loaded = match &args.graph {
         Some(path) => load_any(registry, path, args.weights)?,
-        None => Loaded { graph: demo::layer_graph(&LayerConfig::llama3_8b(), registry.ops())?, artifact: None },
+        None => Loaded {
+            graph: demo::attention_step_graph(&AttentionConfig::llama3_8b(), registry.ops())?,
+            artifact: None,
+        },
     };
     let graph = loaded.graph;
     let options = CompileOptions {

@@ -130,13 +130,15 @@ impl Executor {
                 step.caches.iter().map(|&c| &**cache_refs[c].as_ref().expect("every cache is present")).collect();
             let specs = step.kernel.check(&args, &step_caches).map_err(kernel_error)?;
             let outputs = if step.kernel.is_view() {
-                // The view is made after its producer ran; until then a
-                // placeholder of the right shape stands in (no storage).
-                let [(dtype, shape)] = specs.as_slice() else {
+                // Later checks see the view of the (not yet written)
+                // producer output; it is dropped before anything runs, so
+                // the producer writes its own storage, and made again after
+                // the producer ran.
+                let [(_, shape)] = specs.as_slice() else {
                     return Err(RuntimeError::Plan(format!("view step {} has {} outputs", step.label, specs.len())));
                 };
                 view_shapes.push(Some(shape.clone()));
-                vec![Tensor::zeros(*dtype, &[0]).map_err(kernel_error)?]
+                vec![args[0].reshaped(shape).map_err(kernel_error)?]
             } else {
                 view_shapes.push(None);
                 specs
@@ -146,6 +148,12 @@ impl Executor {
                     .map_err(kernel_error)?
             };
             produced.push(outputs);
+        }
+
+        for (outputs, shape) in produced.iter_mut().zip(&view_shapes) {
+            if shape.is_some() {
+                outputs[0] = Tensor::zeros(outputs[0].dtype(), &[0]).map_err(|e| RuntimeError::Plan(e.to_string()))?;
+            }
         }
 
         let mut timings = Vec::with_capacity(exe.steps().len());
