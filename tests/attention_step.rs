@@ -188,3 +188,35 @@ fn a_bf16_step_with_wider_head_groups_matches_within_bf16_rounding() {
     // chained over two layers the output error stays within 2^-6 (seen: 2.5e-3).
     check_steps(config, 3, 1.0 / 64.0);
 }
+
+#[test]
+fn the_cuda_target_refuses_rope_and_attention_at_specialize_naming_the_op() {
+    let registry = standard_registry();
+    let graph = attention_step_graph(&AttentionConfig::small(), registry.ops()).unwrap();
+    let err = kvjit::specialize(&graph, registry.ops(), kvjit::Target::Cuda, &BTreeMap::new()).unwrap_err();
+    let message = err.to_string();
+    assert!(message.contains("no cuda kernel for op mo.fused_qk_rope.padded.paged"), "{message}");
+    assert!(message.contains("no CUDA variant for op mo.fused_qk_rope.padded.paged yet"), "{message}");
+    // Without RoPE, attention is refused the same way.
+    let mut b = kvjit::GraphBuilder::new("mha_only", registry.ops());
+    let layer = &AttentionConfig::small().layer;
+    let q = b.input("q", DType::F32, &["batch".into(), "seq".into(), 4.into(), 16.into()]).unwrap();
+    let valid = b.input("valid_lengths", DType::U32, &["batch".into()]).unwrap();
+    let idx = b.input("layer_idx", DType::U32, &[]).unwrap();
+    let cache = b.kv_cache("kv_cache", layer.cache_type()).unwrap();
+    let params = kvjit::ops::MhaParams {
+        dtype: DType::F32,
+        mask: kvjit::ops::Mask::Causal,
+        scale: None,
+        local_window_size: None,
+        num_kv_heads: layer.num_kv_heads,
+        head_size: layer.head_size,
+        page_size: layer.page_size,
+    };
+    let out = kvjit::ops::mha(&mut b, [q, cache, idx, valid], params).unwrap();
+    b.output("out", out).unwrap();
+    let graph = b.finish().unwrap();
+    let message =
+        kvjit::specialize(&graph, registry.ops(), kvjit::Target::Cuda, &BTreeMap::new()).unwrap_err().to_string();
+    assert!(message.contains("no CUDA variant for op mo.mha.padded.paged yet"), "{message}");
+}

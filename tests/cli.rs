@@ -38,13 +38,20 @@ fn assert_one_line_error(out: &Output, needle: &str) {
 }
 
 #[test]
-fn default_run_is_the_8b_layer() {
+fn default_run_is_the_8b_attention_step() {
     let out = kvjit(&["run", "--steps", "1", "--batch", "2", "--seq", "3"]);
     assert!(out.status.success(), "{}", stderr(&out));
     let text = stdout(&out);
-    assert!(text.contains("graph 'llama3_8b_layer'"), "{text}");
-    assert!(text.contains("fused_qkv_bshd_paged.cpu.f32.k4096.q4096.hkv8.d128.p16.l1.kvf32.bany.sany"), "{text}");
-    assert!(text.contains("output 'q': f32[2, 1, 4096] checksum"), "{text}");
+    assert!(text.contains("graph 'llama3_8b_attention'"), "{text}");
+    for key in [
+        "fused_qkv_bshd_paged.cpu.bf16.k4096.q4096.hkv8.d128.p16.l1.kvbf16.bany.sany [jit]",
+        "reshape.cpu.bf16.o0in0.o1in1.o2x32.o3x128 [view]",
+        "fused_qk_rope_paged.cpu.bf16.hq32.hkv8.d128.p16.l1.kvbf16.il0.bany.sany [jit]",
+        "mha_padded_paged.cpu.bf16.hq32.hkv8.d128.p16.l1.kvbf16.causal1.w0.",
+    ] {
+        assert!(text.contains(key), "{key} not in {text}");
+    }
+    assert!(text.contains("output 'attention': bf16[2, 1, 4096] checksum"), "{text}");
     assert!(text.contains("tokens written"), "{text}");
 }
 

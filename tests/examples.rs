@@ -1,15 +1,15 @@
 //! The example graph files under `examples/` are exactly what the builder API
-//! makes for the example configs (a snapshot of the graph files, not of any
+//! makes for the example configs (QKV layers and attention steps) (a snapshot of the graph files, not of any
 //! generated code). Regenerate them with `KVJIT_BLESS=1 cargo test --test examples`.
 
 use std::path::Path;
 
-use kvjit::demo::{LayerConfig, layer_graph};
-use kvjit::{ValueDef, graph_to_json, load_graph, standard_registry};
+use kvjit::demo::{AttentionConfig, LayerConfig, attention_step_graph, layer_graph};
+use kvjit::{Graph, ValueDef, graph_to_json, load_graph, standard_registry};
 
-fn check_example(config: LayerConfig, file: &str) {
+fn check_example(graph: impl FnOnce(&kvjit::OpRegistry) -> Graph, file: &str) {
     let registry = standard_registry();
-    let graph = layer_graph(&config, registry.ops()).unwrap();
+    let graph = graph(registry.ops());
     let json = graph_to_json(&graph, None);
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples").join(file);
     if std::env::var_os("KVJIT_BLESS").is_some() {
@@ -29,10 +29,20 @@ fn check_example(config: LayerConfig, file: &str) {
 
 #[test]
 fn llama3_8b_layer_file_matches_the_builder() {
-    check_example(LayerConfig::llama3_8b(), "llama3_8b_layer.json");
+    check_example(|ops| layer_graph(&LayerConfig::llama3_8b(), ops).unwrap(), "llama3_8b_layer.json");
 }
 
 #[test]
 fn small_two_layer_file_matches_the_builder() {
-    check_example(LayerConfig::small(), "small_two_layers.json");
+    check_example(|ops| layer_graph(&LayerConfig::small(), ops).unwrap(), "small_two_layers.json");
+}
+
+#[test]
+fn llama3_8b_attention_file_matches_the_builder() {
+    check_example(|ops| attention_step_graph(&AttentionConfig::llama3_8b(), ops).unwrap(), "llama3_8b_attention.json");
+}
+
+#[test]
+fn small_attention_file_matches_the_builder() {
+    check_example(|ops| attention_step_graph(&AttentionConfig::small(), ops).unwrap(), "small_attention.json");
 }
