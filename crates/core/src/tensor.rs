@@ -288,6 +288,31 @@ impl Tensor {
         Ok(Self::contiguous(shape, Storage::Mapped(mapped)))
     }
 
+    /// A contiguous tensor of `dtype` and `shape` in fresh anonymous memory
+    /// advised to use transparent huge pages, its bytes written once by
+    /// `fill` and read-only after: for large constants made at build
+    /// (packed weights), which then cost few page faults to make and few
+    /// TLB misses to stream.
+    pub fn anonymous(dtype: DType, shape: &[usize], fill: impl FnOnce(&mut [u8])) -> Result<Self> {
+        let numel = checked_numel(shape)?;
+        let len = numel.checked_mul(dtype.size_bytes()).ok_or_else(|| Error::ShapeOverflow(shape.to_vec()))?;
+        if len == 0 {
+            let mut t = Self::zeros(dtype, shape)?;
+            fill(t.as_bytes_mut());
+            return Ok(t);
+        }
+        let mut memory = memmap2::MmapMut::map_anon(len).map_err(|_| Error::OutOfMemory { bytes: len })?;
+        #[cfg(target_os = "linux")]
+        {
+            // Advice only: where transparent huge pages are off it changes nothing.
+            let _ = memory.advise(memmap2::Advice::HugePage);
+        }
+        fill(&mut memory);
+        let map = memory.make_read_only().map_err(|_| Error::OutOfMemory { bytes: len })?;
+        let mapped = MappedBytes::new(Arc::new(map), 0, len, dtype).expect("a fresh mapping is page-aligned");
+        Self::from_mapped(shape, mapped)
+    }
+
     /// A floating tensor from f32 values, each rounded to `dtype`.
     pub fn from_f32(dtype: DType, shape: &[usize], values: &[f32]) -> Result<Self> {
         match dtype {

@@ -123,27 +123,36 @@ impl PanelLayout {
 
     /// Pack a `[N, K]` weight into panels (zero-padded), keeping its dtype.
     pub fn pack(&self, weight: &Tensor) -> Result<Tensor> {
-        fn pack_typed<T: Copy + Default>(layout: &PanelLayout, w: &[T]) -> Vec<T> {
+        // Panel by panel, row kk of the panel gathers element kk of its NR
+        // weight rows: the writes stream, the reads walk NR rows side by
+        // side. The panels go to huge-page memory (few faults to make, few
+        // TLB misses to stream).
+        fn pack_typed<T: Copy + Default + bytemuck::Pod>(layout: &PanelLayout, w: &[T], out: &mut [u8]) {
             let k = layout.k;
-            let mut packed = vec![T::default(); layout.packed_len()];
+            if k == 0 {
+                return; // no elements: nothing to pack
+            }
+            let out: &mut [T] = bytemuck::cast_slice_mut(out);
+            let mut panels = out.chunks_exact_mut(k * NR);
             for seg in &layout.segments {
                 for p in 0..seg.panels() {
-                    let panel = &mut packed[(seg.first_panel + p) * k * NR..][..k * NR];
-                    for c in 0..NR.min(seg.columns - p * NR) {
-                        let row = &w[(seg.first_column + p * NR + c) * k..][..k];
-                        for (kk, &value) in row.iter().enumerate() {
-                            panel[kk * NR + c] = value;
+                    let columns = NR.min(seg.columns - p * NR);
+                    let first = seg.first_column + p * NR;
+                    let rows: Vec<&[T]> = (0..columns).map(|c| &w[(first + c) * k..][..k]).collect();
+                    let panel = panels.next().expect("packed_len counts every panel");
+                    for (kk, out_row) in panel.chunks_exact_mut(NR).enumerate() {
+                        for (c, slot) in out_row.iter_mut().enumerate() {
+                            *slot = rows.get(c).map_or(T::default(), |row| row[kk]);
                         }
                     }
                 }
             }
-            packed
         }
-        let len = self.packed_len();
+        let shape = [self.packed_len()];
         match weight.data() {
-            TensorData::F32(w) => Tensor::from_vec(&[len], pack_typed(self, w)),
-            TensorData::BF16(w) => Tensor::from_vec(&[len], pack_typed(self, w)),
-            TensorData::F16(w) => Tensor::from_vec(&[len], pack_typed(self, w)),
+            TensorData::F32(w) => Tensor::anonymous(DType::F32, &shape, |out| pack_typed(self, w, out)),
+            TensorData::BF16(w) => Tensor::anonymous(DType::BF16, &shape, |out| pack_typed(self, w, out)),
+            TensorData::F16(w) => Tensor::anonymous(DType::F16, &shape, |out| pack_typed(self, w, out)),
             TensorData::U32(_) => Err(Error::NotFloat { what: "weight".into(), dtype: DType::U32 }),
         }
     }
