@@ -5,7 +5,7 @@
 #      reference: random shapes in every dtype pair and both schedules,
 #      poisoned outputs and caches, guard regions around every device buffer,
 #      bad inputs, steps over one resident cache (a missing device fails);
-#   2. `kvjit run --target cuda` on the built-in Llama-3-8B layer (prefill +
+#   2. `kvjit run --target cuda` on examples/llama3_8b_layer.json (prefill +
 #      3 decode steps) and on examples/small_two_layers.json, each next to
 #      the same run on the CPU; `kvjit compare` then checks every output and
 #      cache tensor of the two runs (normalized max error within the default
@@ -83,7 +83,7 @@ run() {
     echo "== 1. CUDA correctness tests (vs the CPU reference)"
     "$BUNDLE/cuda-tests" --test-threads=1
     echo "== 2. kvjit run --target cuda vs --target cpu, compared tensor by tensor"
-    compare_targets "8B layer (prefill + 3 decode steps)" --steps 3
+    compare_targets "examples/llama3_8b_layer.json (prefill + 3 decode steps)" examples/llama3_8b_layer.json --steps 3
     compare_targets "examples/small_two_layers.json" examples/small_two_layers.json --steps 3
     echo "== 3. 8B QKV timing"
     "$BUNDLE/cuda-tests" --ignored --nocapture --test-threads=1 time_8b_qkv_against_cublas_gemm_plus_scatter
