@@ -220,3 +220,26 @@ fn the_cuda_target_refuses_rope_and_attention_at_specialize_naming_the_op() {
         kvjit::specialize(&graph, registry.ops(), kvjit::Target::Cuda, &BTreeMap::new()).unwrap_err().to_string();
     assert!(message.contains("no CUDA variant for op mo.mha.padded.paged yet"), "{message}");
 }
+
+#[test]
+fn binding_batch_and_seq_at_compile_gives_the_same_step_bit_for_bit() {
+    // The reshapes name `batch` and `seq` in their target shape: binding
+    // them must bind those too (it once left them dangling).
+    let registry = standard_registry();
+    let graph = attention_step_graph(&AttentionConfig::small(), registry.ops()).unwrap();
+    let scenario = Scenario::prefill_with(&graph, 9, 3, 5).unwrap();
+    let bound = CompileOptions {
+        bindings: [("batch".to_string(), 3), ("seq".to_string(), 5)].into(),
+        ..CompileOptions::default()
+    };
+    let executor = Executor::new(DeviceContextPtr::cpu(2).unwrap());
+    let mut runs = Vec::new();
+    for options in [CompileOptions::default(), bound] {
+        let exe = compile(&graph, &registry, &options).unwrap();
+        let mut caches = scenario.caches.clone();
+        let out = executor.run(&exe, &scenario.inputs, &mut caches).unwrap();
+        runs.push((out.outputs["attention"].clone(), caches["kv_cache"].blocks().clone()));
+    }
+    assert_eq!(runs[0].0.as_bytes(), runs[1].0.as_bytes(), "outputs differ");
+    assert_eq!(runs[0].1.as_bytes(), runs[1].1.as_bytes(), "caches differ");
+}

@@ -374,7 +374,7 @@ fn kernel_errors_leave_output_and_cache_byte_identical_on_every_target() {
                 let params = KvCacheParams { page_size: 8, ..*c.cache.params() };
                 c.cache = PagedKVCacheCollection::new(params, 48, 4, 16).unwrap();
             },
-            |e| matches!(e.op_error(), Some(FusedQkvError::CacheLayout { what: "page_size", .. })),
+            |e| matches!(e, kvjit_core::Error::CacheLayout { what: "page_size", .. }),
         ),
         (
             "strided weight",

@@ -261,6 +261,35 @@ pub enum Error {
     /// A safetensors file is malformed or truncated.
     #[error("malformed safetensors data: {0}")]
     Safetensors(String),
+    /// A kernel handed another number of tensors, caches or outputs than
+    /// its op takes.
+    #[error("arguments: expected {expected}, got {got:?}")]
+    KernelArguments {
+        /// What the kernel takes.
+        expected: &'static str,
+        /// Tensors, caches (and outputs) it was handed.
+        got: Vec<usize>,
+    },
+    /// A cache whose layout is not the one the kernel was built for.
+    #[error("kv_collection: {what} is {got}, but the op was built for {expected}")]
+    CacheLayout {
+        /// Which parameter.
+        what: &'static str,
+        /// The kernel's value.
+        expected: String,
+        /// The cache's value.
+        got: String,
+    },
+    /// A dim the kernel's key baked in that differs in this call.
+    #[error("{arg}: expected shape {expected}, got {got:?}")]
+    NotBuiltFor {
+        /// Argument name.
+        arg: &'static str,
+        /// The shape the kernel was built for.
+        expected: String,
+        /// The call's shape.
+        got: Vec<usize>,
+    },
     /// A tensor file whose header does not fit the file: refused before
     /// anything is mapped or allocated for its data.
     #[error("{}: not a valid {format} file: {problem}", path.display())]

@@ -35,6 +35,24 @@ pub struct KvCacheParams {
 }
 
 impl KvCacheParams {
+    /// Check that a cache of these params is one a kernel built for
+    /// `built_for` may use: every field equal, else
+    /// [`Error::CacheLayout`] naming the first that differs.
+    pub fn expect_built_for(&self, built_for: &KvCacheParams) -> Result<()> {
+        for (what, expected, got) in [
+            ("dtype", built_for.dtype.to_string(), self.dtype.to_string()),
+            ("num_layers", built_for.num_layers.to_string(), self.num_layers.to_string()),
+            ("page_size", built_for.page_size.to_string(), self.page_size.to_string()),
+            ("num_kv_heads", built_for.num_kv_heads.to_string(), self.num_kv_heads.to_string()),
+            ("head_size", built_for.head_size.to_string(), self.head_size.to_string()),
+        ] {
+            if expected != got {
+                return Err(Error::CacheLayout { what, expected, got });
+            }
+        }
+        Ok(())
+    }
+
     /// Elements of K (or V) per token: Hkv·D.
     pub fn kv_dim(&self) -> usize {
         self.num_kv_heads * self.head_size
@@ -433,6 +451,28 @@ impl PagedKVCacheCollection {
                 expected: format!("[{}] (one per sequence)", self.batch_size()),
                 got: vec![lengths.len()],
             });
+        }
+        Ok(())
+    }
+
+    /// Check one step's valid lengths against its padded length `seq` and
+    /// this cache, in sequence order: `valid[b] ≤ seq`
+    /// ([`Error::ValidLengthTooLong`]) and `cache_lengths[b] + valid[b]`
+    /// representable ([`Error::SequenceTooLong`]). Every paged op runs this
+    /// before it locates a single token.
+    pub fn check_step_lengths(&self, valid: &[u32], seq: usize) -> Result<()> {
+        for (b, (&v, &start)) in valid.iter().zip(&self.cache_lengths).enumerate() {
+            if v as usize > seq {
+                return Err(Error::ValidLengthTooLong { batch: b, valid_length: v, seq_len: seq });
+            }
+            if start.checked_add(v).is_none() {
+                return Err(Error::SequenceTooLong {
+                    batch: b,
+                    tokens: u64::from(start) + u64::from(v),
+                    max_pages_per_seq: self.max_pages_per_seq,
+                    page_size: self.params.page_size,
+                });
+            }
         }
         Ok(())
     }

@@ -66,6 +66,22 @@ pub fn specialize(
             }
         }
     }
+    // Dims in node parameters (a reshape's target shape) name the same
+    // symbols: bind them alike, or the node would refer to a symbol its
+    // bound inputs no longer carry.
+    for node in &mut bound.nodes {
+        for value in node.params.values_mut() {
+            if let crate::ParamValue::Dims(dims) = value {
+                for dim in dims {
+                    if let Dim::Symbolic(s) = dim
+                        && let Some(&size) = bindings.get(s.as_str())
+                    {
+                        *dim = Dim::Static(size);
+                    }
+                }
+            }
+        }
+    }
     validate(&bound, registry)?;
     let kernel_keys = bound
         .nodes

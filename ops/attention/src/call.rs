@@ -130,15 +130,7 @@ pub fn check_call(
         return Err(Error::LayerOutOfRange { layer_idx: layer, num_layers: params.num_layers });
     }
     let valid = valid_lengths.as_slice::<u32>()?;
-    for (b, &v) in valid.iter().enumerate() {
-        if v as usize > seq {
-            return Err(Error::ValidLengthTooLong { batch: b, valid_length: v, seq_len: seq });
-        }
-        let cache_length = kv_collection.cache_lengths()[b];
-        if cache_length.checked_add(v).is_none() {
-            return Err(AttentionError::LengthOverflow { batch: b, cache_length, valid_length: v }.into());
-        }
-    }
+    kv_collection.check_step_lengths(valid, seq)?;
     let page_size = params.page_size;
     let mut key_ranges = Vec::with_capacity(batch);
     for (b, &v) in valid.iter().enumerate() {

@@ -6,7 +6,7 @@ use kvjit_runtime::{DeviceContextPtr, Kernel, OutputSpec};
 
 use crate::call::{CallShape, check_call, check_output};
 use crate::cpu_jit::config_of;
-use crate::{AttentionError, MhaSpec, reference};
+use crate::{MhaSpec, reference};
 
 /// Check a call's arguments (tensors `q`, `layer_idx`, `valid_lengths`; one
 /// cache) against the contract and against what `spec` baked in (dtypes,
@@ -17,32 +17,20 @@ pub(crate) fn check_against_spec(
     caches: &[&PagedKVCacheCollection],
 ) -> Result<CallShape> {
     let ([q, layer_idx, valid_lengths], [cache]) = (inputs, caches) else {
-        return Err(AttentionError::Arguments {
+        return Err(Error::KernelArguments {
             expected: "3 tensors (q, layer_idx, valid_lengths) and 1 KV cache",
             got: vec![inputs.len(), caches.len()],
-        }
-        .into());
+        });
     };
     if q.dtype() != spec.dtype {
         return Err(Error::DTypeMismatch { arg: "q".into(), expected: spec.dtype, got: q.dtype() });
     }
-    let params = cache.params();
-    for (what, expected, got) in [
-        ("dtype", spec.cache_dtype.to_string(), params.dtype.to_string()),
-        ("num_layers", spec.num_layers.to_string(), params.num_layers.to_string()),
-        ("page_size", spec.page_size.to_string(), params.page_size.to_string()),
-        ("num_kv_heads", spec.num_kv_heads.to_string(), params.num_kv_heads.to_string()),
-        ("head_size", spec.head_size.to_string(), params.head_size.to_string()),
-    ] {
-        if expected != got {
-            return Err(AttentionError::CacheLayout { what, expected, got }.into());
-        }
-    }
+    cache.params().expect_built_for(&spec.cache_params())?;
     let shape = check_call(q, cache, layer_idx, valid_lengths, &config_of(spec))?;
     let dim_ok = |baked: Option<usize>, got: usize| baked.is_none_or(|b| b == got);
     if shape.num_heads != spec.num_heads || !dim_ok(spec.batch, shape.batch) || !dim_ok(spec.seq, shape.seq) {
         let dim = |d: Option<usize>, name: &str| d.map_or(name.to_string(), |v| v.to_string());
-        return Err(AttentionError::NotBuiltFor {
+        return Err(Error::NotBuiltFor {
             arg: "q",
             expected: format!(
                 "[{}, {}, {}, {}] (baked into {})",
@@ -53,8 +41,7 @@ pub(crate) fn check_against_spec(
                 spec.kernel_key()
             ),
             got: q.shape().to_vec(),
-        }
-        .into());
+        });
     }
     Ok(shape)
 }
@@ -79,11 +66,10 @@ pub(crate) fn checked_call<'a>(
 ) -> Result<CheckedCall<'a>> {
     let counts = vec![inputs.len(), caches.len(), outputs.len()];
     let (&[q, layer_idx, valid_lengths], [cache], [output]) = (inputs, caches, outputs) else {
-        return Err(AttentionError::Arguments {
+        return Err(Error::KernelArguments {
             expected: "3 tensors (q, layer_idx, valid_lengths), 1 KV cache and 1 output",
             got: counts,
-        }
-        .into());
+        });
     };
     let cache: &PagedKVCacheCollection = cache;
     let shape = check_against_spec(spec, inputs, &[cache])?;

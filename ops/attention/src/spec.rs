@@ -69,6 +69,17 @@ pub struct MhaSpec {
 }
 
 impl MhaSpec {
+    /// The cache layout the kernel is built for.
+    pub fn cache_params(&self) -> kvjit_core::KvCacheParams {
+        kvjit_core::KvCacheParams {
+            dtype: self.cache_dtype,
+            num_layers: self.num_layers,
+            page_size: self.page_size,
+            num_kv_heads: self.num_kv_heads,
+            head_size: self.head_size,
+        }
+    }
+
     /// Query heads per KV head, Hq / Hkv.
     pub fn group(&self) -> usize {
         self.num_heads / self.num_kv_heads

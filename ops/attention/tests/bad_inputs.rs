@@ -79,7 +79,7 @@ fn bad_calls_are_refused_with_nothing_written() {
     refused(
         "q heads not built for",
         |i, _| i[0] = Tensor::zeros(DType::BF16, &[2, 3, 8, 8]).unwrap(),
-        |e| matches!(op_error(e), Some(AttentionError::NotBuiltFor { .. })),
+        |e| matches!(e, kvjit_core::Error::NotBuiltFor { .. }),
     );
     refused(
         "q batch",
@@ -102,7 +102,7 @@ fn bad_calls_are_refused_with_nothing_written() {
     refused(
         "length overflow",
         |_, c| c.cache_lengths_mut()[0] = u32::MAX - 1,
-        |e| matches!(op_error(e), Some(AttentionError::LengthOverflow { .. })),
+        |e| matches!(e, Error::SequenceTooLong { .. }),
     );
     refused(
         "unassigned page",
@@ -137,14 +137,14 @@ fn bad_calls_are_refused_with_nothing_written() {
     refused(
         "cache dtype",
         |_, c| *c = cache_like(c, DType::BF16, 4),
-        |e| matches!(op_error(e), Some(AttentionError::CacheLayout { what: "dtype", .. })),
+        |e| matches!(e, kvjit_core::Error::CacheLayout { what: "dtype", .. }),
     );
     refused(
         "cache page size",
         |_, c| *c = cache_like(c, DType::F16, 8),
-        |e| matches!(op_error(e), Some(AttentionError::CacheLayout { what: "page_size", .. })),
+        |e| matches!(e, kvjit_core::Error::CacheLayout { what: "page_size", .. }),
     );
-    refused("argument count", |i, _| drop(i.pop()), |e| matches!(op_error(e), Some(AttentionError::Arguments { .. })));
+    refused("argument count", |i, _| drop(i.pop()), |e| matches!(e, kvjit_core::Error::KernelArguments { .. }));
 }
 
 fn cache_like(c: &PagedKVCacheCollection, dtype: DType, page_size: usize) -> PagedKVCacheCollection {

@@ -3,7 +3,6 @@
 use kvjit_core::{Error, KernelKey, PagedKVCacheCollection, Result, Tensor};
 use kvjit_runtime::{DeviceContextPtr, Kernel, OutputSpec};
 
-use crate::FusedQkvError;
 use crate::call::{WeightArg, check_call_with, check_output};
 use crate::{CallShape, FusedQkvSpec, reference};
 
@@ -42,27 +41,15 @@ pub(crate) fn check_against_spec_with(
     prepared_weight: Option<&Tensor>,
 ) -> Result<CallShape> {
     let ([hidden, weight, layer_idx, valid_lengths], [cache]) = (inputs, caches) else {
-        return Err(FusedQkvError::Arguments {
+        return Err(Error::KernelArguments {
             expected: "4 tensors (hidden_state, weight, layer_idx, valid_lengths) and 1 KV cache",
             got: vec![inputs.len(), caches.len()],
-        }
-        .into());
+        });
     };
     if hidden.dtype() != spec.dtype {
         return Err(Error::DTypeMismatch { arg: "hidden_state".into(), expected: spec.dtype, got: hidden.dtype() });
     }
-    let params = cache.params();
-    for (what, expected, got) in [
-        ("dtype", spec.cache_dtype.to_string(), params.dtype.to_string()),
-        ("num_layers", spec.num_layers.to_string(), params.num_layers.to_string()),
-        ("page_size", spec.page_size.to_string(), params.page_size.to_string()),
-        ("num_kv_heads", spec.num_kv_heads.to_string(), params.num_kv_heads.to_string()),
-        ("head_size", spec.head_size.to_string(), params.head_size.to_string()),
-    ] {
-        if expected != got {
-            return Err(FusedQkvError::CacheLayout { what, expected, got }.into());
-        }
-    }
+    cache.params().expect_built_for(&spec.cache_params())?;
     let weight_arg = match prepared_weight {
         Some(prepared) if same_data(prepared, weight) => WeightArg::Prepared { n: spec.n(), k: spec.k },
         _ => WeightArg::Tensor(weight),
@@ -71,7 +58,7 @@ pub(crate) fn check_against_spec_with(
     let dim_ok = |baked: Option<usize>, got: usize| baked.is_none_or(|b| b == got);
     if shape.k != spec.k || !dim_ok(spec.batch, shape.batch) || !dim_ok(spec.seq, shape.seq) {
         let dim = |d: Option<usize>, name: &str| d.map_or(name.to_string(), |v| v.to_string());
-        return Err(FusedQkvError::NotBuiltFor {
+        return Err(Error::NotBuiltFor {
             arg: "hidden_state",
             expected: format!(
                 "[{}, {}, {}] (baked into {})",
@@ -81,16 +68,14 @@ pub(crate) fn check_against_spec_with(
                 spec.kernel_key()
             ),
             got: hidden.shape().to_vec(),
-        }
-        .into());
+        });
     }
     if shape.q_dim != spec.q_dim {
-        return Err(FusedQkvError::NotBuiltFor {
+        return Err(Error::NotBuiltFor {
             arg: "weight",
             expected: format!("[{}, {}]", spec.n(), spec.k),
             got: vec![shape.n, shape.k],
-        }
-        .into());
+        });
     }
     Ok(shape)
 }
@@ -173,11 +158,10 @@ pub(crate) fn checked_call_with<'a>(
 ) -> Result<CheckedCall<'a>> {
     let counts = vec![inputs.len(), caches.len(), outputs.len()];
     let (&[hidden, weight, layer_idx, valid_lengths], [cache], [output]) = (inputs, caches, outputs) else {
-        return Err(FusedQkvError::Arguments {
+        return Err(Error::KernelArguments {
             expected: "4 tensors (hidden_state, weight, layer_idx, valid_lengths), 1 KV cache and 1 output",
             got: counts,
-        }
-        .into());
+        });
     };
     let shape = check_against_spec_with(spec, inputs, &[&**cache], prepared_weight)?;
     check_output(&shape, spec.dtype, output)?;

@@ -34,6 +34,17 @@ pub struct FusedQkvSpec {
 }
 
 impl FusedQkvSpec {
+    /// The cache layout the kernel is built for.
+    pub fn cache_params(&self) -> kvjit_core::KvCacheParams {
+        kvjit_core::KvCacheParams {
+            dtype: self.cache_dtype,
+            num_layers: self.num_layers,
+            page_size: self.page_size,
+            num_kv_heads: self.num_kv_heads,
+            head_size: self.head_size,
+        }
+    }
+
     /// K (or V) columns: Hkv·D.
     pub fn kv_dim(&self) -> usize {
         self.num_kv_heads * self.head_size

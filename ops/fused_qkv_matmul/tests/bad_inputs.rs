@@ -7,7 +7,7 @@
 //! sequences would already have been written by an op that checks as it goes.
 
 use kvjit_core::{DType, Error, PagedKVCacheCollection, Result, Target, Tensor, UNASSIGNED_PAGE};
-use kvjit_op_fused_qkv::{CallShape, FusedQkvError, FusedQkvSpec, ReferenceKernel, reference::fused_qkv_matmul};
+use kvjit_op_fused_qkv::{CallShape, FusedQkvSpec, ReferenceKernel, reference::fused_qkv_matmul};
 use kvjit_runtime::{DeviceContextPtr, Kernel};
 use kvjit_testkit::values::uniform;
 use kvjit_testkit::{Snapshot, cache_from_table, u32s};
@@ -400,7 +400,7 @@ fn kernel_rejects_a_cache_laid_out_differently_from_its_spec() {
     for (field, spec) in variants {
         let mut fx = fx.clone();
         assert_rejected!(fx, via |fx: &mut Fixture| fx.call_kernel(spec),
-            e if matches!(e.op_error(), Some(FusedQkvError::CacheLayout { what, .. }) if *what == field));
+            e if matches!(e, kvjit_core::Error::CacheLayout { what, .. } if *what == field));
     }
 }
 
@@ -413,7 +413,7 @@ fn kernel_rejects_a_hidden_state_whose_k_differs_from_its_spec() {
     fx.hidden = uniform(&mut rng, DType::F32, &[B, S, K + 1]);
     fx.weight = uniform(&mut rng, DType::F32, &[N, K + 1]);
     assert_rejected!(fx, via |fx: &mut Fixture| fx.call_kernel(spec),
-        e if matches!(e.op_error(), Some(FusedQkvError::NotBuiltFor { arg: "hidden_state", .. })));
+        e if matches!(e, kvjit_core::Error::NotBuiltFor { arg: "hidden_state", .. }));
 }
 
 #[test]
@@ -426,7 +426,7 @@ fn kernel_rejects_what_else_its_spec_baked_in() {
     ] {
         let mut fx = Fixture::f32();
         assert_rejected!(fx, via |fx: &mut Fixture| fx.call_kernel(spec),
-            e if matches!(e.op_error(), Some(FusedQkvError::NotBuiltFor { arg: got, .. }) if *got == arg));
+            e if matches!(e, kvjit_core::Error::NotBuiltFor { arg: got, .. } if *got == arg));
     }
     // The spec's activation dtype.
     let mut fx = Fixture::f32();
@@ -448,11 +448,11 @@ fn kernel_rejects_the_wrong_number_of_arguments() {
     let ctx = DeviceContextPtr::cpu(1).unwrap();
     let three = [&fx.hidden, &fx.weight, &fx.layer_idx];
     let result = kernel.run(&three, &mut [&mut fx.cache], std::slice::from_mut(&mut fx.output), &ctx);
-    assert!(matches!(&result, Err(e) if matches!(e.op_error(), Some(FusedQkvError::Arguments { .. }))), "{result:?}");
+    assert!(matches!(&result, Err(e) if matches!(e, kvjit_core::Error::KernelArguments { .. })), "{result:?}");
     let four = [&fx.hidden, &fx.weight, &fx.layer_idx, &fx.valid];
     let mut other = fx.cache.clone();
     let result = kernel.run(&four, &mut [&mut fx.cache, &mut other], std::slice::from_mut(&mut fx.output), &ctx);
-    assert!(matches!(&result, Err(e) if matches!(e.op_error(), Some(FusedQkvError::Arguments { .. }))), "{result:?}");
+    assert!(matches!(&result, Err(e) if matches!(e, kvjit_core::Error::KernelArguments { .. })), "{result:?}");
     before.assert_unchanged(&fx.output, &fx.cache, "argument counts");
 }
 
@@ -465,7 +465,7 @@ fn kernel_rejects_the_wrong_number_of_outputs() {
     let inputs = [&fx.hidden, &fx.weight, &fx.layer_idx, &fx.valid];
     let mut outputs = [fx.output.clone(), fx.output.clone()];
     let result = kernel.run(&inputs, &mut [&mut fx.cache], &mut outputs, &ctx);
-    assert!(matches!(&result, Err(e) if matches!(e.op_error(), Some(FusedQkvError::Arguments { .. }))), "{result:?}");
+    assert!(matches!(&result, Err(e) if matches!(e, kvjit_core::Error::KernelArguments { .. })), "{result:?}");
     assert_eq!(outputs[0].as_bytes(), before.output, "output written");
     before.assert_unchanged(&fx.output, &fx.cache, "two outputs");
 }

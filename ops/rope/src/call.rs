@@ -142,23 +142,11 @@ pub fn check_call(
         return Err(Error::LayerOutOfRange { layer_idx: layer, num_layers: params.num_layers });
     }
     let valid = valid_lengths.as_slice::<u32>()?;
-    for (b, &v) in valid.iter().enumerate() {
-        if v as usize > seq {
-            return Err(Error::ValidLengthTooLong { batch: b, valid_length: v, seq_len: seq });
-        }
-    }
+    kv_collection.check_step_lengths(valid, seq)?;
     let cache_lengths = kv_collection.cache_lengths();
     for (b, (&v, &start)) in valid.iter().zip(cache_lengths).enumerate() {
         if v == 0 {
             continue;
-        }
-        if start.checked_add(v).is_none() {
-            return Err(Error::SequenceTooLong {
-                batch: b,
-                tokens: u64::from(start) + u64::from(v),
-                max_pages_per_seq: kv_collection.max_pages_per_seq(),
-                page_size: params.page_size,
-            });
         }
         let last = u64::from(start) + u64::from(v) - 1;
         if last >= max_seq as u64 {

@@ -10,34 +10,6 @@ use crate::OP_NAME;
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum RopeError {
-    /// Not the op's argument list: 4 tensors, 1 cache (and 1 output).
-    #[error("arguments: expected {expected}, got {got:?}")]
-    Arguments {
-        /// What the kernel takes.
-        expected: &'static str,
-        /// Tensors, caches (and outputs) it was handed.
-        got: Vec<usize>,
-    },
-    /// The cache's layout is not the one the kernel was built for.
-    #[error("kv_collection: {what} is {got}, but the op was built for {expected}")]
-    CacheLayout {
-        /// Which parameter.
-        what: &'static str,
-        /// The kernel's value.
-        expected: String,
-        /// The cache's value.
-        got: String,
-    },
-    /// A dim the kernel's key baked in differs in this call.
-    #[error("{arg}: expected shape {expected}, got {got:?}")]
-    NotBuiltFor {
-        /// Argument name.
-        arg: &'static str,
-        /// The shape the kernel was built for.
-        expected: String,
-        /// The call's shape.
-        got: Vec<usize>,
-    },
     /// An odd head size: RoPE rotates pairs of elements.
     #[error("head_size {head_size} is odd: rotary embedding rotates pairs of elements")]
     OddHeadSize {

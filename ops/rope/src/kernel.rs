@@ -5,7 +5,7 @@ use kvjit_core::{Error, KernelKey, PagedKVCacheCollection, Result, Tensor};
 use kvjit_runtime::{DeviceContextPtr, Kernel, OutputSpec};
 
 use crate::call::{check_call, check_output};
-use crate::{CallShape, RopeError, RopeSpec, reference};
+use crate::{CallShape, RopeSpec, reference};
 
 /// Check a call's arguments against the contract and against what `spec`
 /// baked in (dtypes, the cache layout, Hq, static B and S).
@@ -15,32 +15,20 @@ pub(crate) fn check_against_spec(
     caches: &[&PagedKVCacheCollection],
 ) -> Result<CallShape> {
     let ([q_proj, freqs_cis, layer_idx, valid_lengths], [cache]) = (inputs, caches) else {
-        return Err(RopeError::Arguments {
+        return Err(Error::KernelArguments {
             expected: "4 tensors (q_proj, freqs_cis, layer_idx, valid_lengths) and 1 KV cache",
             got: vec![inputs.len(), caches.len()],
-        }
-        .into());
+        });
     };
     if q_proj.dtype() != spec.dtype {
         return Err(Error::DTypeMismatch { arg: "q_proj".into(), expected: spec.dtype, got: q_proj.dtype() });
     }
-    let params = cache.params();
-    for (what, expected, got) in [
-        ("dtype", spec.cache_dtype.to_string(), params.dtype.to_string()),
-        ("num_layers", spec.num_layers.to_string(), params.num_layers.to_string()),
-        ("page_size", spec.page_size.to_string(), params.page_size.to_string()),
-        ("num_kv_heads", spec.num_kv_heads.to_string(), params.num_kv_heads.to_string()),
-        ("head_size", spec.head_size.to_string(), params.head_size.to_string()),
-    ] {
-        if expected != got {
-            return Err(RopeError::CacheLayout { what, expected, got }.into());
-        }
-    }
+    cache.params().expect_built_for(&spec.cache_params())?;
     let shape = check_call(q_proj, cache, freqs_cis, layer_idx, valid_lengths)?;
     let dim_ok = |baked: Option<usize>, got: usize| baked.is_none_or(|b| b == got);
     if shape.num_q_heads != spec.num_q_heads || !dim_ok(spec.batch, shape.batch) || !dim_ok(spec.seq, shape.seq) {
         let dim = |d: Option<usize>, name: &str| d.map_or(name.to_string(), |v| v.to_string());
-        return Err(RopeError::NotBuiltFor {
+        return Err(Error::NotBuiltFor {
             arg: "q_proj",
             expected: format!(
                 "[{}, {}, {}, {}] (baked into {})",
@@ -51,8 +39,7 @@ pub(crate) fn check_against_spec(
                 spec.kernel_key()
             ),
             got: q_proj.shape().to_vec(),
-        }
-        .into());
+        });
     }
     Ok(shape)
 }
@@ -79,11 +66,10 @@ pub(crate) fn checked_call<'a>(
 ) -> Result<CheckedCall<'a>> {
     let counts = vec![inputs.len(), caches.len(), outputs.len()];
     let (&[q_proj, freqs_cis, layer_idx, valid_lengths], [cache], [output]) = (inputs, caches, outputs) else {
-        return Err(RopeError::Arguments {
+        return Err(Error::KernelArguments {
             expected: "4 tensors (q_proj, freqs_cis, layer_idx, valid_lengths), 1 KV cache and 1 output",
             got: counts,
-        }
-        .into());
+        });
     };
     let shape = check_against_spec(spec, inputs, &[&**cache])?;
     check_output(&shape, spec.dtype, output)?;

@@ -40,6 +40,17 @@ pub struct RopeSpec {
 }
 
 impl RopeSpec {
+    /// The cache layout the kernel is built for.
+    pub fn cache_params(&self) -> kvjit_core::KvCacheParams {
+        kvjit_core::KvCacheParams {
+            dtype: self.cache_dtype,
+            num_layers: self.num_layers,
+            page_size: self.page_size,
+            num_kv_heads: self.num_kv_heads,
+            head_size: self.head_size,
+        }
+    }
+
     /// The canonical kernel key (the one function that names this op's
     /// kernels), e.g.
     /// `fused_qk_rope_paged.cpu.bf16.hq32.hkv8.d128.p16.l32.kvbf16.il0.bany.s1`.

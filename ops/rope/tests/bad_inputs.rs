@@ -295,7 +295,7 @@ fn kernels_refuse_outputs_of_the_wrong_size() {
         assert!(matches!(result, Err(Error::ShapeMismatch { ref arg, .. }) if arg == "output"), "{result:?}");
         before.assert_unchanged(&fx.output, &fx.cache, "wrong output");
         let no_output = kernel.run(&inputs, &mut [&mut fx.cache], &mut [], &ctx);
-        assert!(matches!(op_error(no_output.as_ref().unwrap_err()), Some(RopeError::Arguments { .. })));
+        assert!(matches!(no_output, Err(Error::KernelArguments { .. })), "{no_output:?}");
         before.cache.assert_unchanged(&fx.cache, "no output");
     }
     let mut fx = fx.clone();
@@ -381,30 +381,30 @@ fn kernels_refuse_calls_they_were_not_built_for() {
     // Another cache layout than the key's.
     let mut fx = Fixture::f32();
     fx.spec.page_size = 4;
-    let msg = assert_rejected!(kernels fx, Error::Op { .. });
+    let msg = assert_rejected!(kernels fx, Error::CacheLayout { what: "page_size", .. });
     assert_eq!(msg, "kv_collection: page_size is 2, but the op was built for 4");
     let mut fx = Fixture::f32();
     fx.spec.cache_dtype = DType::BF16;
-    let msg = assert_rejected!(kernels fx, Error::Op { .. });
+    let msg = assert_rejected!(kernels fx, Error::CacheLayout { what: "dtype", .. });
     assert_eq!(msg, "kv_collection: dtype is f32, but the op was built for bf16");
 
     // Another Hq (a valid multiple of Hkv) or a static B the call does not have.
     let mut fx = Fixture::f32();
     fx.spec.num_q_heads = 2;
-    let msg = assert_rejected!(kernels fx, Error::Op { .. });
+    let msg = assert_rejected!(kernels fx, Error::NotBuiltFor { arg: "q_proj", .. });
     assert!(msg.starts_with("q_proj: expected shape [B, S, 2, 8]"), "{msg}");
     let mut fx = Fixture::f32();
     fx.spec.batch = Some(2);
-    let msg = assert_rejected!(kernels fx, Error::Op { .. });
+    let msg = assert_rejected!(kernels fx, Error::NotBuiltFor { arg: "q_proj", .. });
     assert!(msg.starts_with("q_proj: expected shape [2, S, 4, 8]"), "{msg}");
 
     // Wrong argument counts.
     let fx = Fixture::f32();
     let kernel = ReferenceKernel::new(fx.spec);
     let err = kernel.check(&[&fx.q], &[&fx.cache]).unwrap_err();
-    assert!(matches!(op_error(&err), Some(RopeError::Arguments { .. })), "{err}");
+    assert!(matches!(&err, kvjit_core::Error::KernelArguments { .. }), "{err}");
     let err = kernel.check(&fx.inputs(), &[]).unwrap_err();
-    assert!(matches!(op_error(&err), Some(RopeError::Arguments { .. })), "{err}");
+    assert!(matches!(&err, kvjit_core::Error::KernelArguments { .. }), "{err}");
 }
 
 #[test]
