@@ -10,12 +10,30 @@ use std::time::Duration;
 use indicatif::{ProgressBar, ProgressStyle};
 use kvjit_core::DType;
 
+use crate::attention::{AttentionBenchConfig, run_attention};
 use crate::startup::{StartupConfig, run_startup};
 use crate::{BenchConfig, Error, Implementation, ModelShape, Progress, Result};
+
+/// Which suite `kvjit bench` runs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum BenchOps {
+    /// The fused QKV projection against GEMM-library peers (the default).
+    #[default]
+    Qkv,
+    /// Paged flash attention (decode and prefill) against gather + `gemm`,
+    /// RoPE's share of a step, and the whole attention-step graph, on the
+    /// roofs (Llama-3-8B heads).
+    Attention,
+}
 
 /// Options of `kvjit bench`.
 #[derive(Clone, Debug, clap::Args)]
 pub struct BenchArgs {
+    /// The suite: qkv (fused QKV kernels), or attention (paged attention,
+    /// RoPE and the whole attention step; honours --quick, --threads,
+    /// --dtypes of the decode runs, --json).
+    #[arg(long, value_enum, default_value_t = BenchOps::Qkv, conflicts_with = "startup")]
+    pub ops: BenchOps,
     /// About a minute: Llama-3-8B shape, f32 and bf16, page 16, M up to 1024
     /// (default: the full suite, tens of minutes).
     #[arg(long)]
@@ -94,6 +112,39 @@ impl BenchArgs {
         config
     }
 
+    /// The `--ops attention` run these options ask for: a preset with the
+    /// given overrides; options of the QKV suite are refused.
+    pub fn attention_config(&self) -> Result<AttentionBenchConfig> {
+        let qkv_only = [
+            ("--shapes", self.shapes.is_some()),
+            ("--pages", self.pages.is_some()),
+            ("--ms", self.ms.is_some()),
+            ("--impls", self.impls.is_some()),
+            ("--reference-max-m", self.reference_max_m.is_some()),
+            ("--compile-shape", self.compile_shape.is_some()),
+            ("--no-compile", self.no_compile),
+            ("--svg", self.svg.is_some()),
+        ];
+        if let Some((flag, _)) = qkv_only.iter().find(|(_, given)| *given) {
+            return Err(Error::Usage(format!("{flag} applies to --ops qkv only")));
+        }
+        let mut config = if self.tiny {
+            AttentionBenchConfig::tiny()
+        } else if self.quick {
+            AttentionBenchConfig::quick()
+        } else {
+            AttentionBenchConfig::full()
+        };
+        if let Some(v) = &self.dtypes {
+            config.dtypes = v.clone();
+        }
+        if let Some(v) = self.threads {
+            config.threads = v;
+        }
+        config.check()?;
+        Ok(config)
+    }
+
     /// The run these options ask for: a preset with the given overrides.
     pub fn config(&self) -> BenchConfig {
         let mut config = if self.tiny {
@@ -140,6 +191,9 @@ impl BenchArgs {
 pub fn run_bench(args: &BenchArgs) -> Result<()> {
     if args.startup {
         return run_startup_bench(args);
+    }
+    if args.ops == BenchOps::Attention {
+        return run_attention_bench(args);
     }
     let config = args.config();
     config.check()?;
@@ -218,6 +272,48 @@ fn run_startup_bench(args: &BenchArgs) -> Result<()> {
         std::io::Write::write_all(&mut file, text.as_bytes())
             .map_err(|e| Error::Usage(format!("cannot write {}: {e}", path.display())))?;
         eprintln!("wrote {}", path.display());
+    }
+    Ok(())
+}
+
+/// Run `kvjit bench --ops attention`: progress on stderr, the Markdown
+/// report on stdout, the JSON file where `args` says. A configuration whose
+/// JIT output and peer output disagree shows an error instead of figures,
+/// and the command then fails.
+fn run_attention_bench(args: &BenchArgs) -> Result<()> {
+    let config = args.attention_config()?;
+    let json_file = args
+        .json
+        .as_ref()
+        .map(|path| {
+            std::fs::File::create(path).map_err(|e| Error::Usage(format!("cannot write {}: {e}", path.display())))
+        })
+        .transpose()?;
+    let report = {
+        let mut progress = ProgressDisplay::new(std::io::IsTerminal::is_terminal(&std::io::stderr()));
+        let report = run_attention(&config, &mut |p| progress.show(p));
+        progress.finish(report.is_ok());
+        report
+    };
+    let report = report.inspect_err(|_| {
+        if let Some(path) = &args.json {
+            let _ = std::fs::remove_file(path);
+        }
+    })?;
+    print!("{}", report.to_markdown());
+    if let (Some(mut file), Some(path)) = (json_file, &args.json) {
+        let text = serde_json::to_string_pretty(&report.to_json()).expect("JSON values serialize") + "\n";
+        std::io::Write::write_all(&mut file, text.as_bytes())
+            .map_err(|e| Error::Usage(format!("cannot write {}: {e}", path.display())))?;
+        eprintln!("wrote {}", path.display());
+    }
+    let failures = report.failures();
+    if !failures.is_empty() {
+        return Err(Error::Usage(format!(
+            "{} attention configuration(s) failed validation: {}",
+            failures.len(),
+            failures.join("; ")
+        )));
     }
     Ok(())
 }

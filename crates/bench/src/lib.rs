@@ -21,6 +21,7 @@
 //! latency, then the roofs again (both roof measurements are pooled, so
 //! their spread shows how much the machine drifted during the run).
 
+pub mod attention;
 pub mod cli;
 pub mod compile;
 pub mod impls;
