@@ -33,11 +33,14 @@ fn rotate(x: &mut [f64], freqs: &[f64], pos: usize) {
     }
 }
 
-/// The naive model of one step: the output `[B, S, Hq·D]` and, per layer,
-/// the rotated K and the V of every valid token, by (b, position).
+/// A token's rotated K and its V, by (layer, sequence, position).
+type TokenKv = BTreeMap<(usize, usize, usize), (Vec<f64>, Vec<f64>)>;
+
+/// The naive model of one step: the output `[B, S, Hq·D]` and the K and V
+/// of every valid token.
 struct NaiveStep {
     output: Vec<f64>,
-    new_kv: BTreeMap<(usize, usize, usize), (Vec<f64>, Vec<f64>)>,
+    new_kv: TokenKv,
 }
 
 fn naive_step(

@@ -398,10 +398,9 @@ fn format_duration(d: Duration) -> String {
 fn run(registry: &Registry, args: &RunArgs) -> Result<()> {
     let loaded = match &args.graph {
         Some(path) => load_any(registry, path, args.weights)?,
-        None => Loaded {
-            graph: demo::attention_step_graph(&AttentionConfig::llama3_8b(), registry.ops())?,
-            artifact: None,
-        },
+        None => {
+            Loaded { graph: demo::attention_step_graph(&AttentionConfig::llama3_8b(), registry.ops())?, artifact: None }
+        }
     };
     let graph = loaded.graph;
     let options = CompileOptions {

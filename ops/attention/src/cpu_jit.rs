@@ -3,31 +3,44 @@
 //! Baked in: D, Hq, Hkv, the page layout (K→V stride), dtypes, mask, window
 //! and nothing else; B, S and the context lengths are read at run time.
 //!
-//! **Work items** are `(b, kv_head, query block, key chunk)`: a block of
-//! `QB` query positions times the `G = Hq/Hkv` query heads that share the KV
-//! head (`R = QB·G` rows), against one chunk of `CH` key positions. Decode
-//! (S = 1) is split-KV flash decoding: the chunks of one `(b, kv_head)` run
-//! in parallel and each leaves a partial `(max, sum, acc[D])` per row; the
-//! host merges the chunks of each row (`out = Σ e^{m_c−M}·acc_c / Σ
-//! e^{m_c−M}·l_c`, f32) and rounds once to the dtype. Prefill uses the same
-//! code with QB = 8 and, when there are enough items, one chunk.
+//! **Work items** are `(b, query block, key chunk)`, all KV heads: a block
+//! of `QB` query positions; for each KV head the `G = Hq/Hkv` query heads
+//! that share it (`QB·G` rows, padded to whole **row tiles** of 4), against
+//! one chunk of `CH` key positions. Decode (S = 1) is split-KV flash
+//! decoding when there are too few sequences to feed the pool: the chunks
+//! of one sequence run in parallel and each leaves a partial `(max, sum,
+//! acc[D])` per row; the host merges the chunks of each row (`out = Σ
+//! e^{m_c−M}·acc_c / Σ e^{m_c−M}·l_c`, f32) and rounds once to the dtype.
+//! Prefill uses the same code with QB = 8 and, when there are enough items,
+//! one chunk.
 //!
-//! Inside an item, keys go in blocks of [`KB`]; per block and row:
+//! Inside an item, keys go in blocks of up to [`KB`]. Each block is first
+//! **gathered**: the K and V rows of its keys (all KV heads: `Hkv·D`
+//! contiguous elements, consecutive slots of a page adjacent, so the
+//! hardware prefetchers stream them) are copied, found through the
+//! per-position table of row offsets, into a buffer of the invocation, KV
+//! head major. Reading the cache's scattered single-head rows directly
+//! stalled on one miss after another, and their 2 KB strides mapped a
+//! block's rows onto a few L1 sets. Then per KV head and row tile (4 rows:
+//! for Llama's G = 4 decode, all the query heads of the KV head, so every
+//! K and V row is read once for all of them):
 //!
 //! ```text
-//! scores[j] = q_row · K[p0+j]        (4 keys at a time: F32X4 FMAs along D, 2 accumulator
-//!                                     sets, then a 4×4 transpose-add; lanes outside the row's
-//!                                     key range → -inf)
-//! m' = max(m, max_j scores)          (guarded: a row with no key yet uses 0, so -inf − -inf never occurs)
-//! p[j] = exp(scores[j] − m'), α = exp(m − m')      (vector polynomial exp, crate::exp)
-//! l = α·l + Σ p ;  acc = α·acc + Σ_j p[j]·V[p0+j]  (only the row's valid keys; 8 F32X4
-//!                                                    accumulators per pass over D)
+//! S[j] = q_tile · K[p0+j]            (2 keys at a time: 4 rows × 2 keys of F32X4 FMAs along D,
+//!                                     a 4×4 transpose-add per key gives the 4 rows' scores in
+//!                                     the lanes of one F32X4; rows' keys outside their range → -inf)
+//! m' = max(m, max_j S[j])            (per lane; a row with no key yet uses 0, so -inf − -inf never occurs)
+//! P[j] = exp(S[j] − m'), α = exp(m − m')      (vector polynomial exp, crate::exp)
+//! l = α·l + Σ_j P[j]
+//! acc = α·acc + Σ_j P[j]·V[p0+j]     (per 2 F32X4 of D: a 4 rows × 2 register tile, keys inner,
+//!                                     4 keys per iteration; the block's key count is padded to a
+//!                                     multiple of 4 with copies of its last key, whose P is 0)
 //! ```
 //!
-//! K and V are read in place through a per-position table of row offsets
-//! (`kv_row_offsets`), built on the host from one checked
-//! [`locate`](kvjit_core::PagedKVCacheCollection::locate) per page; q is
-//! pre-scaled by `scale` and widened to f32 on the host (B·S·Hq·D values).
+//! The offsets table (`kv_row_offsets`) is built on the host from one
+//! checked [`locate`](kvjit_core::PagedKVCacheCollection::locate) per page;
+//! q is pre-scaled by `scale`, widened to f32 and packed per (b, query
+//! block) in row-tile order on the host (padded rows zero).
 
 use std::sync::Arc;
 
@@ -45,19 +58,51 @@ use crate::exp::emit_exp_f32x4;
 use crate::kernel::{check_against_spec, checked_call};
 use crate::{Mask, MhaSpec};
 
-/// Keys per block (scores and probabilities of one block live in the item's
-/// scratch).
-pub const KB: usize = 16;
-/// Key positions per chunk in split-KV (decode) launches.
-pub const DECODE_CHUNK: usize = 256;
+/// Keys per block (the scores, probabilities and K/V row addresses of one
+/// block live in the item's scratch).
+pub const KB: usize = 32;
+/// Smallest chunk of key positions in split-KV (decode) launches.
+pub const MIN_CHUNK: usize = 128;
+/// Work items per pool thread split-KV aims for (load balance).
+const ITEMS_PER_THREAD: usize = 8;
 /// Query positions per work item in prefill.
 pub const PREFILL_QUERY_BLOCK: usize = 8;
-/// F32X4 accumulators per pass over D in the P·V update.
-const PV_VECTORS: usize = 8;
+/// Rows per row tile (the lanes of an F32X4).
+pub const ROW_TILE: usize = 4;
+/// F32X4 accumulators along D per row in the P·V register tile.
+const PV_VECTORS: usize = 2;
+/// Keys per iteration of the P·V loop (the block's key count is padded to
+/// a multiple of it).
+const PV_UNROLL: usize = 4;
+
+/// Byte layout of one item's scratch and state in the partials.
+mod layout {
+    use super::KB;
+    /// KB scores (then probabilities), one F32X4 (the row tile's 4 rows) per key.
+    pub const SCORES: i32 = 0;
+    /// The current row tile's α (F32X4).
+    pub const ALPHA: i32 = 16 * KB as i32;
+    /// Row tiles, `tiles_per_head` per KV head, KV head major: `[m: F32X4,
+    /// l: F32X4, lo: I32X4, hi: I32X4, acc: 4 rows × D f32]`.
+    pub const TILES: i32 = ALPHA + 16;
+    /// Within a tile.
+    pub const M: i32 = 0;
+    pub const L: i32 = 16;
+    pub const LO: i32 = 32;
+    pub const HI: i32 = 48;
+    pub const ACC: i32 = 64;
+    /// f32 values of the scratch before the tiles.
+    pub const HEAD_FLOATS: usize = TILES as usize / 4;
+    /// f32 values of one tile.
+    pub fn tile_floats(d: usize) -> usize {
+        ACC as usize / 4 + super::ROW_TILE * d
+    }
+}
 
 /// The kernel's argument words, in order.
 mod arg {
-    /// q, pre-scaled, as f32 `[B, S, Hq, D]`.
+    /// q, pre-scaled, as f32 `[B·query blocks, Hkv·tiles_per_head·4, D]`
+    /// (rows in row-tile order, padded rows zero).
     pub const Q: usize = 0;
     /// The cache's blocks.
     pub const BLOCKS: usize = 1;
@@ -65,24 +110,33 @@ mod arg {
     pub const KEY_OFFSETS: usize = 2;
     /// i64 `[B, 2]`: cache length and valid length of each sequence.
     pub const LENGTHS: usize = 3;
-    /// f32 partials: per item `[2·KB scratch | R rows × (m, l, acc[D])]`.
+    /// f32 partials: per item `[scratch | Hkv·tiles_per_head × (m, l, lo, hi, acc[4·D])]`.
     pub const PARTIALS: usize = 4;
-    /// S.
-    pub const SEQ: usize = 5;
-    /// T, the stride of the offsets table (≥ C·CH + KB).
+    /// Row tiles per KV head in an item.
+    pub const TILES: usize = 5;
+    /// T, the stride of the offsets table (≥ C·CH).
     pub const STRIDE: usize = 6;
-    /// Query blocks per (b, kv head).
+    /// Query blocks per sequence.
     pub const QUERY_BLOCKS: usize = 7;
     /// Query positions per block, QB.
     pub const QUERY_BLOCK: usize = 8;
-    /// Key chunks per (b, kv head, query block), C.
+    /// Key chunks per (b, query block), C.
     pub const CHUNKS: usize = 9;
-    /// Key positions per chunk, CH (a multiple of KB).
+    /// Key positions per chunk, CH.
     pub const CHUNK: usize = 10;
     /// f32 values per item in the partials.
     pub const ITEM_FLOATS: usize = 11;
+    /// Block buffers: `items × block_buffer_bytes`; an invocation of items
+    /// `[begin, end)` uses only buffer `begin`.
+    pub const BUFFERS: usize = 12;
     /// Words in all.
-    pub const COUNT: usize = 12;
+    pub const COUNT: usize = 13;
+}
+
+/// Bytes of one block buffer: K then V rows of KB keys, KV head major
+/// (`[2, Hkv, KB, D]` of the cache dtype).
+fn block_buffer_bytes(spec: &MhaSpec) -> usize {
+    2 * spec.num_kv_heads * KB * spec.head_size * spec.cache_dtype.size_bytes()
 }
 
 /// Refuse specs the kernel cannot serve: D must be a multiple of 4 (whole
@@ -96,7 +150,11 @@ pub(crate) fn supported(spec: &MhaSpec) -> Result<(), JitError> {
             let kv_stride = kv_stride.checked_mul(spec.head_size)?;
             let bytes = kv_stride.checked_mul(2 * spec.cache_dtype.size_bytes())?;
             let row = spec.head_size.checked_mul(4 * (spec.num_heads + 2))?;
-            (i64::try_from(bytes).is_ok() && i32::try_from(row).is_ok()).then_some(())
+            let tile = layout::tile_floats(spec.head_size).checked_mul(4)?;
+            let buffer = 2usize.checked_mul(spec.num_kv_heads)?.checked_mul(KB)?.checked_mul(spec.head_size)?;
+            let buffer = buffer.checked_mul(spec.cache_dtype.size_bytes())?;
+            let small = |v: usize| i32::try_from(v).is_ok();
+            (i64::try_from(bytes).is_ok() && small(row) && small(tile) && small(buffer)).then_some(())
         };
         fits().is_none().then(|| "its sizes overflow the offsets the kernel computes".to_string())
     };
@@ -121,7 +179,7 @@ fn emit_and_compile(spec: &MhaSpec, key: &KernelKey, capture: CaptureText) -> Re
     supported(spec)?;
     compile_kernel(key, capture, |b, params| {
         let words: Vec<Value> = (0..arg::COUNT).map(|i| params.arg(b, i)).collect();
-        let e = Emitter { spec: *spec, words };
+        let e = Emitter { spec: *spec, words, begin: params.begin };
         counted_loop(b, params.begin, params.end, 1, &[], |b, item, _| {
             e.emit_item(b, item);
             Vec::new()
@@ -132,48 +190,32 @@ fn emit_and_compile(spec: &MhaSpec, key: &KernelKey, capture: CaptureText) -> Re
 struct Emitter {
     spec: MhaSpec,
     words: Vec<Value>,
+    /// The invocation's first item (its block buffer's index).
+    begin: Value,
 }
 
-/// What one row's pass over a key block needs.
-struct RowBlock {
-    /// Address of the row's partial (m, l, acc).
-    row: Value,
-    /// Address of the row's f32 query.
+/// What one row tile's pass over a key block needs.
+struct TileBlock {
+    /// Address of the tile's state (m, l, lo, hi, acc).
+    tile: Value,
+    /// Address of the tile's 4 f32 query rows.
     q: Value,
-    /// Address of the sequence's key offsets at position p0.
-    offsets: Value,
-    /// Scratch: KB scores then KB probabilities.
+    /// This KV head's K and V rows of the block in the block buffer.
+    k: Value,
+    v: Value,
+    /// The item's scratch.
     scratch: Value,
-    /// Valid keys of the block for this row, `[ja, je)` relative to p0.
-    ja: Value,
-    je: Value,
-    /// Byte offset of the KV head within a K row.
-    head_bytes: Value,
+    /// First key position of the block (i64).
+    p0: Value,
+    /// Keys of the block, padded to a multiple of [`PV_UNROLL`] (i64).
+    n_pad: Value,
+    /// `[p0, p0 + n)` as splat I32X4.
+    p0_v: Value,
+    end_v: Value,
 }
 
 fn iconst(b: &mut FunctionBuilder, v: i64) -> Value {
     b.ins().iconst(types::I64, v)
-}
-
-/// `if cond { then } else { otherwise }` returning one value of type `ty`.
-fn if_else(
-    b: &mut FunctionBuilder,
-    cond: Value,
-    ty: ir::Type,
-    then: impl FnOnce(&mut FunctionBuilder) -> Value,
-    otherwise: impl FnOnce(&mut FunctionBuilder) -> Value,
-) -> Value {
-    let (t, f, join) = (b.create_block(), b.create_block(), b.create_block());
-    b.append_block_param(join, ty);
-    b.ins().brif(cond, t, &[], f, &[]);
-    b.switch_to_block(t);
-    let v = then(b);
-    b.ins().jump(join, &[ir::BlockArg::Value(v)]);
-    b.switch_to_block(f);
-    let v = otherwise(b);
-    b.ins().jump(join, &[ir::BlockArg::Value(v)]);
-    b.switch_to_block(join);
-    b.block_params(join)[0]
 }
 
 /// `if cond { then }`.
@@ -211,14 +253,9 @@ fn transpose_sum(b: &mut FunctionBuilder, a: [Value; 4]) -> Value {
     b.ins().fadd(lo, hi)
 }
 
-/// Horizontal reduction of an `F32X4` with `op` (fadd or fmax), as a scalar.
-fn reduce(b: &mut FunctionBuilder, v: Value, max: bool) -> Value {
-    let op = |b: &mut FunctionBuilder, x: Value, y: Value| if max { b.ins().fmax(x, y) } else { b.ins().fadd(x, y) };
-    let hi = shuffle32(b, v, v, [2, 3, 2, 3]);
-    let v = op(b, v, hi);
-    let odd = shuffle32(b, v, v, [1, 1, 1, 1]);
-    let v = op(b, v, odd);
-    b.ins().extractlane(v, 0)
+/// An F32X4 comparison mask as F32X4 (for `bitselect`).
+fn as_f32x4(b: &mut FunctionBuilder, v: Value) -> Value {
+    b.ins().bitcast(types::F32X4, MemFlagsData::new(), v)
 }
 
 impl Emitter {
@@ -226,17 +263,12 @@ impl Emitter {
         self.words[i]
     }
 
-    fn g(&self) -> i64 {
-        self.spec.group() as i64
-    }
-
     fn d(&self) -> i64 {
         self.spec.head_size as i64
     }
 
-    /// Bytes of one row's partial: m, l, acc[D].
-    fn row_bytes(&self) -> i64 {
-        (self.d() + 2) * 4
+    fn tile_bytes(&self) -> i64 {
+        4 * layout::tile_floats(self.spec.head_size) as i64
     }
 
     /// Elements from a K row to its V row: L·page_size·Hkv·D.
@@ -244,48 +276,76 @@ impl Emitter {
         (self.spec.num_layers * self.spec.page_size * self.spec.num_kv_heads * self.spec.head_size) as i64
     }
 
+    /// Bytes of one K or V row of one KV head.
+    fn row_bytes(&self) -> i64 {
+        self.d() * self.spec.cache_dtype.size_bytes() as i64
+    }
+
     fn emit_item(&self, b: &mut FunctionBuilder, item: Value) {
+        let hkv_count = self.spec.num_kv_heads as i64;
         let chunks = self.word(arg::CHUNKS);
         let c = b.ins().urem(item, chunks);
-        let rest = b.ins().udiv(item, chunks);
+        let group_index = b.ins().udiv(item, chunks);
         let nqb = self.word(arg::QUERY_BLOCKS);
-        let qb = b.ins().urem(rest, nqb);
-        let rest = b.ins().udiv(rest, nqb);
-        let hkv_count = iconst(b, self.spec.num_kv_heads as i64);
-        let hkv = b.ins().urem(rest, hkv_count);
-        let batch = b.ins().udiv(rest, hkv_count);
+        let qb = b.ins().urem(group_index, nqb);
+        let batch = b.ins().udiv(group_index, nqb);
 
         let item_bytes = b.ins().imul(item, self.word(arg::ITEM_FLOATS));
         let item_bytes = b.ins().ishl_imm_u(item_bytes, 2);
         let scratch = b.ins().iadd(self.word(arg::PARTIALS), item_bytes);
-        let rows_base = b.ins().iadd_imm_s(scratch, (2 * KB * 4) as i64);
-
-        let query_block = self.word(arg::QUERY_BLOCK);
-        let rows = b.ins().imul_imm_s(query_block, self.g());
-        // Every row starts empty: m = -inf, l = 0, acc = 0.
-        let zero = iconst(b, 0);
-        counted_loop(b, zero, rows, 1, &[], |b, r, _| {
-            let at = b.ins().imul_imm_s(r, self.row_bytes());
-            let at = b.ins().iadd(rows_base, at);
-            let ninf = b.ins().f32const(f32::NEG_INFINITY);
-            let z = b.ins().f32const(0.0);
-            b.ins().store(mem(), ninf, at, 0);
-            b.ins().store(mem(), z, at, 4);
-            let zv = splat_f32(b, 0.0);
-            for i in 0..self.spec.head_size / 4 {
-                b.ins().store(mem(), zv, at, 8 + 16 * i as i32);
-            }
-            Vec::new()
-        });
+        let tiles_base = b.ins().iadd_imm_s(scratch, i64::from(layout::TILES));
+        let tiles_per_head = self.word(arg::TILES);
+        let tiles = b.ins().imul_imm_s(tiles_per_head, hkv_count);
+        let buffer = b.ins().imul_imm_s(self.begin, block_buffer_bytes(&self.spec) as i64);
+        let buffer = b.ins().iadd(self.word(arg::BUFFERS), buffer);
+        // This (b, query block)'s packed q: Hkv·tiles_per_head·4 rows of D f32.
+        let q_group = b.ins().imul(group_index, tiles);
+        let q_group = b.ins().imul_imm_s(q_group, ROW_TILE as i64 * self.d() * 4);
+        let q_group = b.ins().iadd(self.word(arg::Q), q_group);
 
         // The sequence's lengths and this block's valid queries.
         let lengths_at = b.ins().ishl_imm_u(batch, 4);
         let lengths_at = b.ins().iadd(self.word(arg::LENGTHS), lengths_at);
         let cl = b.ins().load(types::I64, mem(), lengths_at, 0);
         let valid = b.ins().load(types::I64, mem(), lengths_at, 8);
+        let query_block = self.word(arg::QUERY_BLOCK);
         let s0 = b.ins().imul(qb, query_block);
         let s_end = b.ins().iadd(s0, query_block);
         let s_end = b.ins().smin(s_end, valid);
+
+        // Every tile starts empty (m = -inf, l = 0, acc = 0), with each
+        // row's key range ([0, 0) for padded rows).
+        let zero = iconst(b, 0);
+        counted_loop(b, zero, tiles, 1, &[], |b, t, _| {
+            let tile = b.ins().imul_imm_s(t, self.tile_bytes());
+            let tile = b.ins().iadd(tiles_base, tile);
+            let ninf = splat_f32(b, f32::NEG_INFINITY);
+            b.ins().store(mem(), ninf, tile, layout::M);
+            let zv = splat_f32(b, 0.0);
+            b.ins().store(mem(), zv, tile, layout::L);
+            for i in 0..ROW_TILE * self.spec.head_size / 4 {
+                b.ins().store(mem(), zv, tile, layout::ACC + 16 * i as i32);
+            }
+            // Rows of a head's tiles: r = (t % tiles_per_head)·4 + i.
+            let t_in_head = b.ins().urem(t, tiles_per_head);
+            let first_row = b.ins().imul_imm_s(t_in_head, ROW_TILE as i64);
+            for i in 0..ROW_TILE {
+                let r = b.ins().iadd_imm_s(first_row, i as i64);
+                let (ds, _) = self.div_group(b, r);
+                let s = b.ins().iadd(s0, ds);
+                let (lo, hi) = self.row_range(b, cl, valid, s);
+                let real = b.ins().icmp(IntCC::SignedLessThan, s, s_end);
+                let zero = iconst(b, 0);
+                let lo = b.ins().select(real, lo, zero);
+                let hi = b.ins().select(real, hi, zero);
+                let lo = b.ins().ireduce(types::I32, lo);
+                let hi = b.ins().ireduce(types::I32, hi);
+                b.ins().store(mem(), lo, tile, layout::LO + 4 * i as i32);
+                b.ins().store(mem(), hi, tile, layout::HI + 4 * i as i32);
+            }
+            Vec::new()
+        });
+
         let any = b.ins().icmp(IntCC::SignedLessThan, s0, s_end);
         when(b, any, |b| {
             let s_last = b.ins().iadd_imm_s(s_end, -1);
@@ -296,46 +356,86 @@ impl Emitter {
             let c_hi = b.ins().iadd(c_lo, chunk);
             let lo = b.ins().smax(item_lo, c_lo);
             let hi = b.ins().smin(item_hi, c_hi);
-            let valid_rows = b.ins().isub(s_end, s0);
-            let valid_rows = b.ins().imul_imm_s(valid_rows, self.g());
             let stride = self.word(arg::STRIDE);
             let seq_offsets = b.ins().imul(batch, stride);
-            let head_bytes = b.ins().imul_imm_s(hkv, self.d() * self.spec.cache_dtype.size_bytes() as i64);
             counted_loop(b, lo, hi, KB as i64, &[], |b, p0, _| {
                 let p0_end = b.ins().iadd_imm_s(p0, KB as i64);
-                let block_hi = b.ins().smin(p0_end, c_hi);
-                let offsets = b.ins().iadd(seq_offsets, p0);
-                let offsets = b.ins().ishl_imm_u(offsets, 3);
-                let offsets = b.ins().iadd(self.word(arg::KEY_OFFSETS), offsets);
+                let block_hi = b.ins().smin(p0_end, hi);
+                let n = b.ins().isub(block_hi, p0);
+                let n_pad = b.ins().iadd_imm_s(n, PV_UNROLL as i64 - 1);
+                let n_pad = b.ins().band_imm_s(n_pad, -(PV_UNROLL as i64));
+                self.emit_gather(b, buffer, seq_offsets, p0, n, n_pad);
+                let p0_32 = b.ins().ireduce(types::I32, p0);
+                let p0_v = b.ins().splat(types::I32X4, p0_32);
+                let end_32 = b.ins().ireduce(types::I32, block_hi);
+                let end_v = b.ins().splat(types::I32X4, end_32);
                 let zero = iconst(b, 0);
-                counted_loop(b, zero, valid_rows, 1, &[], |b, r, _| {
-                    let (ds, g) = self.div_group(b, r);
-                    let s = b.ins().iadd(s0, ds);
-                    let (row_lo, row_hi) = self.row_range(b, cl, valid, s);
-                    let a = b.ins().smax(row_lo, p0);
-                    let e = b.ins().smin(row_hi, block_hi);
-                    let some = b.ins().icmp(IntCC::SignedLessThan, a, e);
-                    when(b, some, |b| {
-                        // Row r of the item: (s0 + r / G, head hkv·G + r % G).
-                        let row = b.ins().imul_imm_s(r, self.row_bytes());
-                        let row = b.ins().iadd(rows_base, row);
-                        let seq = self.word(arg::SEQ);
-                        let q_row = b.ins().imul(batch, seq);
-                        let q_row = b.ins().iadd(q_row, s);
-                        let q_row = b.ins().imul_imm_s(q_row, self.spec.num_heads as i64);
-                        let head = b.ins().imul_imm_s(hkv, self.g());
-                        let head = b.ins().iadd(head, g);
-                        let q_row = b.ins().iadd(q_row, head);
-                        let q_row = b.ins().imul_imm_s(q_row, self.d() * 4);
-                        let q = b.ins().iadd(self.word(arg::Q), q_row);
-                        let ja = b.ins().isub(a, p0);
-                        let je = b.ins().isub(e, p0);
-                        self.emit_row_block(b, &RowBlock { row, q, offsets, scratch, ja, je, head_bytes });
-                    });
+                let head_rows = KB as i64 * self.row_bytes();
+                counted_loop(b, zero, tiles, 1, &[], |b, t, _| {
+                    let tile = b.ins().imul_imm_s(t, self.tile_bytes());
+                    let tile = b.ins().iadd(tiles_base, tile);
+                    let q = b.ins().imul_imm_s(t, ROW_TILE as i64 * self.d() * 4);
+                    let q = b.ins().iadd(q_group, q);
+                    let hkv = b.ins().udiv(t, tiles_per_head);
+                    let k = b.ins().imul_imm_s(hkv, head_rows);
+                    let k = b.ins().iadd(buffer, k);
+                    let v = b.ins().iadd_imm_s(k, hkv_count * head_rows);
+                    self.emit_tile_block(b, &TileBlock { tile, q, k, v, scratch, p0, n_pad, p0_v, end_v });
                     Vec::new()
                 });
                 Vec::new()
             });
+        });
+    }
+
+    /// Copy the K and V rows (all KV heads) of keys `p0 + j`, `j < n_pad`,
+    /// into the block buffer, KV head major; keys `j ≥ n` (padding) repeat
+    /// key `n − 1`. Each key's rows are read whole and in order (`Hkv·D`
+    /// contiguous elements each, consecutive keys of a page adjacent), so
+    /// the hardware prefetchers stream them; everything after reads the
+    /// buffer from cache.
+    fn emit_gather(
+        &self,
+        b: &mut FunctionBuilder,
+        buffer: Value,
+        seq_offsets: Value,
+        p0: Value,
+        n: Value,
+        n_pad: Value,
+    ) {
+        let csize = self.spec.cache_dtype.size_bytes() as i64;
+        let row_bytes = self.row_bytes();
+        let head_rows = KB as i64 * row_bytes;
+        let hkv_count = self.spec.num_kv_heads as i64;
+        let offsets = b.ins().iadd(seq_offsets, p0);
+        let offsets = b.ins().ishl_imm_u(offsets, 3);
+        let offsets = b.ins().iadd(self.word(arg::KEY_OFFSETS), offsets);
+        let last = b.ins().iadd_imm_s(n, -1);
+        let zero = iconst(b, 0);
+        counted_loop(b, zero, n_pad, 1, &[], |b, j, _| {
+            let key = b.ins().smin(j, last);
+            let at = b.ins().ishl_imm_u(key, 3);
+            let at = b.ins().iadd(offsets, at);
+            let off = b.ins().load(types::I64, mem(), at, 0);
+            let off = b.ins().imul_imm_s(off, csize);
+            let k_src = b.ins().iadd(self.word(arg::BLOCKS), off);
+            let v_src = b.ins().iadd_imm_s(k_src, self.kv_stride() * csize);
+            let dst = b.ins().imul_imm_s(j, row_bytes);
+            let dst = b.ins().iadd(buffer, dst);
+            for (kv, src) in [k_src, v_src].into_iter().enumerate() {
+                for h in 0..hkv_count {
+                    let from = h * row_bytes;
+                    let to = (kv as i64 * hkv_count + h) * head_rows;
+                    let mut o = 0;
+                    while o < row_bytes {
+                        let ty = if row_bytes - o >= 16 { types::I32X4 } else { types::I64 };
+                        let x = b.ins().load(ty, mem(), src, (from + o) as i32);
+                        b.ins().store(mem(), x, dst, (to + o) as i32);
+                        o += i64::from(ty.bytes());
+                    }
+                }
+            }
+            Vec::new()
         });
     }
 
@@ -372,131 +472,129 @@ impl Emitter {
         (lo, hi)
     }
 
-    /// One row against one key block: scores, online softmax, P·V.
-    fn emit_row_block(&self, b: &mut FunctionBuilder, rb: &RowBlock) {
+    /// One row tile against one key block: scores, online softmax, P·V.
+    fn emit_tile_block(&self, b: &mut FunctionBuilder, tb: &TileBlock) {
         let cdt = self.spec.cache_dtype;
         let csize = cdt.size_bytes() as i64;
-        let dv = self.spec.head_size / 4;
-        let ja32 = b.ins().ireduce(types::I32, rb.ja);
-        let ja_v = b.ins().splat(types::I32X4, ja32);
-        let je32 = b.ins().ireduce(types::I32, rb.je);
-        let je_v = b.ins().splat(types::I32X4, je32);
+        let d = self.spec.head_size;
+        let dv = d / 4;
+        let row_bytes = self.row_bytes();
+        // The rows' key ranges clipped to the block, as I32X4.
+        let lo_v = b.ins().load(types::I32X4, mem(), tb.tile, layout::LO);
+        let lo_v = b.ins().smax(lo_v, tb.p0_v);
+        let hi_v = b.ins().load(types::I32X4, mem(), tb.tile, layout::HI);
+        let hi_v = b.ins().smin(hi_v, tb.end_v);
+
+        // Scores, 2 keys at a time; the block max per row.
+        let zero = iconst(b, 0);
         let ninf = splat_f32(b, f32::NEG_INFINITY);
-        let mut block_max = ninf;
-        for grp in 0..KB / 4 {
-            let first = iconst(b, 4 * grp as i64);
-            let last = iconst(b, 4 * grp as i64 + 4);
-            let starts_before_end = b.ins().icmp(IntCC::SignedLessThan, first, rb.je);
-            let ends_after_start = b.ins().icmp(IntCC::SignedGreaterThan, last, rb.ja);
-            let needed = b.ins().band(starts_before_end, ends_after_start);
-            let scores = if_else(
-                b,
-                needed,
-                types::F32X4,
-                |b| {
-                    let keys: Vec<Value> = (0..4)
-                        .map(|j| {
-                            let off = b.ins().load(types::I64, mem(), rb.offsets, (8 * (4 * grp + j)) as i32);
-                            let off = b.ins().imul_imm_s(off, csize);
-                            let at = b.ins().iadd(self.word(arg::BLOCKS), off);
-                            b.ins().iadd(at, rb.head_bytes)
-                        })
-                        .collect();
-                    let zero = splat_f32(b, 0.0);
-                    let sets = if dv >= 2 { 2 } else { 1 };
-                    let mut acc = vec![[zero; 4]; sets];
-                    for i in 0..dv {
-                        let qv = b.ins().load(types::F32X4, mem(), rb.q, 16 * i as i32);
-                        for (j, &key) in keys.iter().enumerate() {
-                            let kv = load_f32x4_raw(b, cdt, key, (4 * i as i64 * csize) as i32);
-                            acc[i % sets][j] = b.ins().fma(qv, kv, acc[i % sets][j]);
-                        }
+        let block_max = counted_loop(b, zero, tb.n_pad, 2, &[ninf], |b, j, carried| {
+            let key = b.ins().imul_imm_s(j, row_bytes);
+            let key = b.ins().iadd(tb.k, key);
+            let zv = splat_f32(b, 0.0);
+            // acc[k][r]: key k, row r.
+            let mut acc = [[zv; ROW_TILE]; 2];
+            for i in 0..dv {
+                let kv: Vec<Value> = (0..2)
+                    .map(|k| load_f32x4_raw(b, cdt, key, (k * row_bytes + 4 * i as i64 * csize) as i32))
+                    .collect();
+                for r in 0..ROW_TILE {
+                    for (acc_k, &kv) in acc.iter_mut().zip(&kv) {
+                        // A separate load per use (the FMA takes it from memory).
+                        let qv = b.ins().load(types::F32X4, mem(), tb.q, (4 * (r * d + 4 * i)) as i32);
+                        acc_k[r] = b.ins().fma(qv, kv, acc_k[r]);
                     }
-                    let mut sums = acc[0];
-                    if sets == 2 {
-                        for j in 0..4 {
-                            sums[j] = b.ins().fadd(acc[0][j], acc[1][j]);
-                        }
-                    }
-                    let s = transpose_sum(b, sums);
-                    // Lanes outside [ja, je) → -inf.
-                    let lane =
-                        b.func.dfg.constants.insert(
-                            (0..4u32).flat_map(|j| (4 * grp as u32 + j).to_le_bytes()).collect::<Vec<u8>>().into(),
-                        );
-                    let lane = b.ins().vconst(types::I32X4, lane);
-                    let ge = b.ins().icmp(IntCC::SignedGreaterThanOrEqual, lane, ja_v);
-                    let lt = b.ins().icmp(IntCC::SignedLessThan, lane, je_v);
-                    let inside = b.ins().band(ge, lt);
-                    let inside = b.ins().bitcast(types::F32X4, MemFlagsData::new(), inside);
-                    let ninf = splat_f32(b, f32::NEG_INFINITY);
-                    b.ins().bitselect(inside, s, ninf)
-                },
-                |b| splat_f32(b, f32::NEG_INFINITY),
-            );
-            b.ins().store(mem(), scores, rb.scratch, 16 * grp as i32);
-            block_max = b.ins().fmax(block_max, scores);
-        }
-        let block_max = reduce(b, block_max, true);
+                }
+            }
+            let pos = b.ins().iadd(tb.p0, j);
+            let pos = b.ins().ireduce(types::I32, pos);
+            let mut max = carried[0];
+            let at = b.ins().ishl_imm_u(j, 4);
+            let at = b.ins().iadd(tb.scratch, at);
+            for (k, &column) in acc.iter().enumerate() {
+                let s = transpose_sum(b, column);
+                // Lanes whose row does not read this key → -inf.
+                let p = b.ins().iadd_imm_s(pos, k as i64);
+                let p = b.ins().splat(types::I32X4, p);
+                let ge = b.ins().icmp(IntCC::SignedGreaterThanOrEqual, p, lo_v);
+                let lt = b.ins().icmp(IntCC::SignedLessThan, p, hi_v);
+                let inside = b.ins().band(ge, lt);
+                let inside = as_f32x4(b, inside);
+                let s = b.ins().bitselect(inside, s, ninf);
+                b.ins().store(mem(), s, at, layout::SCORES + 16 * k as i32);
+                max = b.ins().fmax(max, s);
+            }
+            vec![max]
+        })[0];
 
-        // Online softmax, guarded against a row with no key yet.
-        let m_old = b.ins().load(types::F32, mem(), rb.row, 0);
-        let l_old = b.ins().load(types::F32, mem(), rb.row, 4);
+        // Online softmax per lane, guarded against a row with no key yet.
+        let m_old = b.ins().load(types::F32X4, mem(), tb.tile, layout::M);
         let m_new = b.ins().fmax(m_old, block_max);
-        let ninf_s = b.ins().f32const(f32::NEG_INFINITY);
-        let empty = b.ins().fcmp(FloatCC::Equal, m_new, ninf_s);
-        let zero_s = b.ins().f32const(0.0);
-        let m_use = b.ins().select(empty, zero_s, m_new);
-        let m_use_v = b.ins().splat(types::F32X4, m_use);
-        let m_old_v = b.ins().splat(types::F32X4, m_old);
-        let alpha_arg = b.ins().fsub(m_old_v, m_use_v);
-        let alpha_v = emit_exp_f32x4(b, alpha_arg);
-        let mut psum = splat_f32(b, 0.0);
-        for grp in 0..KB / 4 {
-            let s = b.ins().load(types::F32X4, mem(), rb.scratch, 16 * grp as i32);
-            let x = b.ins().fsub(s, m_use_v);
+        let empty = b.ins().fcmp(FloatCC::Equal, m_new, ninf);
+        let empty = as_f32x4(b, empty);
+        let zv = splat_f32(b, 0.0);
+        let m_use = b.ins().bitselect(empty, zv, m_new);
+        let alpha_arg = b.ins().fsub(m_old, m_use);
+        let alpha = emit_exp_f32x4(b, alpha_arg);
+        b.ins().store(mem(), m_new, tb.tile, layout::M);
+        b.ins().store(mem(), alpha, tb.scratch, layout::ALPHA);
+        let zero = iconst(b, 0);
+        let psum = counted_loop(b, zero, tb.n_pad, 1, &[zv], |b, j, carried| {
+            let at = b.ins().ishl_imm_u(j, 4);
+            let at = b.ins().iadd(tb.scratch, at);
+            let s = b.ins().load(types::F32X4, mem(), at, layout::SCORES);
+            let x = b.ins().fsub(s, m_use);
             let p = emit_exp_f32x4(b, x);
-            b.ins().store(mem(), p, rb.scratch, (4 * KB + 16 * grp) as i32);
-            psum = b.ins().fadd(psum, p);
-        }
-        let psum = reduce(b, psum, false);
-        let alpha = b.ins().extractlane(alpha_v, 0);
-        let l_new = b.ins().fma(l_old, alpha, psum);
-        b.ins().store(mem(), m_new, rb.row, 0);
-        b.ins().store(mem(), l_new, rb.row, 4);
+            b.ins().store(mem(), p, at, layout::SCORES);
+            vec![b.ins().fadd(carried[0], p)]
+        })[0];
+        let l_old = b.ins().load(types::F32X4, mem(), tb.tile, layout::L);
+        let l_new = b.ins().fma(alpha, l_old, psum);
+        b.ins().store(mem(), l_new, tb.tile, layout::L);
 
-        // acc = α·acc + Σ_j p_j·V_j over the row's valid keys.
-        let v_bytes = self.kv_stride() * csize;
+        // acc = α·acc + Σ_j P[j]·V[j], PV_VECTORS F32X4 of D per pass.
         let mut first = 0;
         while first < dv {
             let count = PV_VECTORS.min(dv - first);
-            let accs: Vec<Value> = (0..count)
-                .map(|i| {
-                    let a = b.ins().load(types::F32X4, mem(), rb.row, (8 + 16 * (first + i)) as i32);
-                    b.ins().fmul(a, alpha_v)
-                })
-                .collect();
-            let accs = counted_loop(b, rb.ja, rb.je, 1, &accs, |b, j, accs| {
-                let p_at = b.ins().ishl_imm_u(j, 2);
-                let p_at = b.ins().iadd(rb.scratch, p_at);
-                let off_at = b.ins().ishl_imm_u(j, 3);
-                let off_at = b.ins().iadd(rb.offsets, off_at);
-                let off = b.ins().load(types::I64, mem(), off_at, 0);
-                let off = b.ins().imul_imm_s(off, csize);
-                let at = b.ins().iadd(self.word(arg::BLOCKS), off);
-                let at = b.ins().iadd(at, rb.head_bytes);
-                let p = b.ins().load(types::F32, mem(), p_at, (4 * KB) as i32);
-                let p = b.ins().splat(types::F32X4, p);
-                (0..count)
-                    .map(|i| {
-                        let disp = v_bytes + (4 * (first + i)) as i64 * csize;
-                        let v = load_f32x4_raw(b, cdt, at, disp as i32);
-                        b.ins().fma(p, v, accs[i])
-                    })
-                    .collect()
+            let acc_at = |r: usize, i: usize| layout::ACC + (4 * (r * d + 4 * (first + i))) as i32;
+            let mut accs = Vec::with_capacity(ROW_TILE * count);
+            for r in 0..ROW_TILE {
+                for i in 0..count {
+                    let a = b.ins().load(types::F32X4, mem(), tb.tile, acc_at(r, i));
+                    let alpha_r = b.ins().load(types::F32, mem(), tb.scratch, layout::ALPHA + 4 * r as i32);
+                    let alpha_r = b.ins().splat(types::F32X4, alpha_r);
+                    accs.push(b.ins().fmul(a, alpha_r));
+                }
+            }
+            let zero = iconst(b, 0);
+            let accs = counted_loop(b, zero, tb.n_pad, PV_UNROLL as i64, &accs, |b, j, accs| {
+                let mut accs = accs.to_vec();
+                let p_at = b.ins().ishl_imm_u(j, 4);
+                let p_at = b.ins().iadd(tb.scratch, p_at);
+                let v_at = b.ins().imul_imm_s(j, row_bytes);
+                let v_at = b.ins().iadd(tb.v, v_at);
+                for u in 0..PV_UNROLL {
+                    let vs: Vec<Value> = (0..count)
+                        .map(|i| {
+                            let at = u as i64 * row_bytes + 4 * (first + i) as i64 * csize;
+                            load_f32x4_raw(b, cdt, v_at, at as i32)
+                        })
+                        .collect();
+                    for r in 0..ROW_TILE {
+                        for (i, &v) in vs.iter().enumerate() {
+                            let p_off = layout::SCORES + (16 * u + 4 * r) as i32;
+                            let p = b.ins().load(types::F32, mem(), p_at, p_off);
+                            let p = b.ins().splat(types::F32X4, p);
+                            accs[r * count + i] = b.ins().fma(p, v, accs[r * count + i]);
+                        }
+                    }
+                }
+                accs
             });
-            for (i, &a) in accs.iter().enumerate() {
-                b.ins().store(mem(), a, rb.row, (8 + 16 * (first + i)) as i32);
+            for r in 0..ROW_TILE {
+                for i in 0..count {
+                    b.ins().store(mem(), accs[r * count + i], tb.tile, acc_at(r, i));
+                }
             }
             first += count;
         }
@@ -508,11 +606,13 @@ impl Emitter {
 struct Plan {
     query_block: usize,
     query_blocks: usize,
+    /// Row tiles per KV head.
+    tiles: usize,
     chunk: usize,
     chunks: usize,
     stride: usize,
-    rows: usize,
     item_floats: usize,
+    groups: usize,
     items: usize,
 }
 
@@ -522,22 +622,24 @@ impl Plan {
         let max_hi = shape.key_ranges.iter().map(|r| r.1).max().unwrap_or(0).max(1);
         let query_block = shape.seq.clamp(1, PREFILL_QUERY_BLOCK);
         let query_blocks = shape.seq.div_ceil(query_block).max(1);
-        let outer = shape.batch * shape.num_kv_heads * query_blocks;
-        // One chunk per row when there is enough parallel work already
-        // (prefill), else split the keys (decode).
-        let chunk = if shape.seq > 1 && outer >= 4 * threads { max_hi.div_ceil(KB) * KB } else { DECODE_CHUNK };
+        let groups = shape.batch * query_blocks;
+        // Split the keys only as far as needed to give every thread
+        // several items (decode at small B); chunks of at least MIN_CHUNK.
+        let want_chunks = (ITEMS_PER_THREAD * threads).div_ceil(groups).max(1);
+        let chunk = max_hi.div_ceil(want_chunks).next_multiple_of(KB).max(MIN_CHUNK);
         let chunks = max_hi.div_ceil(chunk);
-        let rows = query_block * group;
-        let item_floats = 2 * KB + rows * (spec.head_size + 2);
+        let tiles = (query_block * group).div_ceil(ROW_TILE);
+        let item_floats = layout::HEAD_FLOATS + shape.num_kv_heads * tiles * layout::tile_floats(spec.head_size);
         Plan {
             query_block,
             query_blocks,
+            tiles,
             chunk,
             chunks,
             stride: chunks * chunk + KB,
-            rows,
             item_floats,
-            items: outer * chunks,
+            groups,
+            items: groups * chunks,
         }
     }
 }
@@ -599,24 +701,27 @@ impl JitKernel {
         let mut out = vec![0f32; shape.output_shape().iter().product()];
         if valid.iter().any(|&v| v > 0) {
             let offsets = key_row_offsets(shape, cache, plan.stride)?;
-            let scale = self.spec.scale;
-            let q: Vec<f32> = q.to_f32_vec()?.into_iter().map(|x| x * scale).collect();
+            let q = pack_q(shape, &plan, valid, self.spec.scale, &q.to_f32_vec()?);
             let lengths: Vec<i64> =
                 (0..shape.batch).flat_map(|b| [i64::from(cache.cache_lengths()[b]), i64::from(valid[b])]).collect();
             let mut partials = vec![0f32; plan.items * plan.item_floats];
+            // Zeroed (calloc): only the buffers of the invocations' first
+            // items are ever touched.
+            let mut buffers = vec![0u8; plan.items * block_buffer_bytes(&self.spec)];
             let mut args = [0u64; arg::COUNT];
             args[arg::Q] = q.as_ptr() as u64;
             args[arg::BLOCKS] = cache.blocks().as_bytes().as_ptr() as u64;
             args[arg::KEY_OFFSETS] = offsets.as_ptr() as u64;
             args[arg::LENGTHS] = lengths.as_ptr() as u64;
             args[arg::PARTIALS] = partials.as_mut_ptr() as u64;
-            args[arg::SEQ] = shape.seq as u64;
+            args[arg::TILES] = plan.tiles as u64;
             args[arg::STRIDE] = plan.stride as u64;
             args[arg::QUERY_BLOCKS] = plan.query_blocks as u64;
             args[arg::QUERY_BLOCK] = plan.query_block as u64;
             args[arg::CHUNKS] = plan.chunks as u64;
             args[arg::CHUNK] = plan.chunk as u64;
             args[arg::ITEM_FLOATS] = plan.item_floats as u64;
+            args[arg::BUFFERS] = buffers.as_mut_ptr() as u64;
             // SAFETY: `code` was compiled by `emit_and_compile` for this
             // kernel's spec, reading the argument words in `arg`'s layout.
             // `check_against_spec` validated the call against the spec (q is
@@ -624,15 +729,21 @@ impl JitKernel {
             // the spec's layout and B sequences, layer < L, valid_lengths[b] ≤
             // S, cl + v fits u32, and every page holding a key position in
             // `key_ranges[b]` is inside the lookup table and the cache). So:
-            // q reads stay in `q` (B·S·Hq·D f32, rows s < v ≤ S); every K/V
-            // read is at `offsets[b·T + p]` (p < C·CH + KB = T: the item loops
-            // stay below c_hi ≤ C·CH, blocks read at most KB past p0) plus
-            // head·D + d (+ the K→V stride), where each offset is either a
-            // checked row `[page, 0, layer, slot]` of the blocks or 0, both
-            // leaving a whole K and V row inside `blocks`; `lengths` has 2·B
-            // words; each item writes only its own `item_floats` values of
-            // `partials` (items·item_floats long), so ranges write disjoint
-            // memory. The cache is only read. All buffers outlive the launch.
+            // item i reads q only in its group's `Hkv·tiles·4·D` values of
+            // the packed q (groups·Hkv·tiles·4·D long, group = i / C <
+            // groups); every K/V read is of a whole row `[page, kv, layer,
+            // slot, 0..Hkv, 0..D]` at `offsets[b·T + p]` (+ the K→V stride)
+            // for a position p of the item's range (p < c_hi ≤ C·CH < T;
+            // padding keys repeat the block's last key), and each such
+            // offset is a checked row of the blocks (p lies in
+            // `key_ranges[b]`), leaving a whole K and V row (all heads)
+            // inside `blocks`; `lengths` has 2·B words; each item reads and
+            // writes only its own `item_floats` values of `partials`
+            // (items·item_floats long), and an invocation of items [begin,
+            // end) only buffer `begin` of `buffers` (items buffers of
+            // `block_buffer_bytes`; the pool's ranges are disjoint, so their
+            // first items differ), so ranges write disjoint memory. The
+            // cache is only read. All buffers outlive the launch.
             unsafe { kvjit_jit::launch(&self.code, &args, plan.items, ctx) };
             merge(shape, &plan, valid, &partials, &mut out);
         }
@@ -641,23 +752,53 @@ impl JitKernel {
     }
 }
 
+/// q scaled and packed per (b, query block) group: for each KV head,
+/// `tiles·4` rows of D f32, row r = (position `r / G` of the block, head
+/// `r % G` of the KV head's group); rows past the block or the sequence's
+/// valid length are zero.
+fn pack_q(shape: &CallShape, plan: &Plan, valid: &[u32], scale: f32, q: &[f32]) -> Vec<f32> {
+    let (d, hq, group) = (shape.head_size, shape.num_heads, shape.group());
+    let rows = plan.tiles * ROW_TILE;
+    let mut packed = vec![0f32; plan.groups * shape.num_kv_heads * rows * d];
+    for (index, dst) in packed.chunks_exact_mut(rows * d).enumerate() {
+        let (hkv, rest) = (index % shape.num_kv_heads, index / shape.num_kv_heads);
+        let (qb, b) = (rest % plan.query_blocks, rest / plan.query_blocks);
+        for (r, dst) in dst.chunks_exact_mut(d).enumerate().take(plan.query_block * group) {
+            let (ds, g) = (r / group, r % group);
+            let s = qb * plan.query_block + ds;
+            if s < valid[b] as usize {
+                let src = &q[((b * shape.seq + s) * hq + hkv * group + g) * d..][..d];
+                for (o, &x) in dst.iter_mut().zip(src) {
+                    *o = x * scale;
+                }
+            }
+        }
+    }
+    packed
+}
+
 /// Combine the chunks' partials of every valid row into `out` (f32,
 /// `[B, S, Hq, D]`); padded rows stay zero.
 fn merge(shape: &CallShape, plan: &Plan, valid: &[u32], partials: &[f32], out: &mut [f32]) {
     let (d, hq, group) = (shape.head_size, shape.num_heads, shape.group());
-    let row_floats = d + 2;
+    let tile_floats = layout::tile_floats(d);
     let mut acc = vec![0f32; d];
     for b in 0..shape.batch {
         for s in 0..valid[b] as usize {
             let (qb, ds) = (s / plan.query_block, s % plan.query_block);
             for h in 0..hq {
                 let (hkv, g) = (h / group, h % group);
-                let first_item = ((b * shape.num_kv_heads + hkv) * plan.query_blocks + qb) * plan.chunks;
+                let first_item = (b * plan.query_blocks + qb) * plan.chunks;
+                let r = ds * group + g;
+                let (tile, lane) = (hkv * plan.tiles + r / ROW_TILE, r % ROW_TILE);
+                // (m, l, acc[D]) of row r in chunk c.
                 let row = |c: usize| {
-                    let at = (first_item + c) * plan.item_floats + 2 * KB + (ds * group + g) * row_floats;
-                    &partials[at..at + row_floats]
+                    let at = (first_item + c) * plan.item_floats + layout::HEAD_FLOATS + tile * tile_floats;
+                    let state = &partials[at..at + tile_floats];
+                    let acc_at = layout::ACC as usize / 4 + lane * d;
+                    (state[lane], state[4 + lane], &state[acc_at..acc_at + d])
                 };
-                let max = (0..plan.chunks).map(|c| row(c)[0]).fold(f32::NEG_INFINITY, f32::max);
+                let max = (0..plan.chunks).map(|c| row(c).0).fold(f32::NEG_INFINITY, f32::max);
                 let dst = &mut out[((b * shape.seq + s) * hq + h) * d..][..d];
                 if max == f32::NEG_INFINITY {
                     dst.fill(0.0);
@@ -666,13 +807,13 @@ fn merge(shape: &CallShape, plan: &Plan, valid: &[u32], partials: &[f32], out: &
                 acc.fill(0.0);
                 let mut total = 0f32;
                 for c in 0..plan.chunks {
-                    let part = row(c);
-                    if part[0] == f32::NEG_INFINITY {
+                    let (m, l, part) = row(c);
+                    if m == f32::NEG_INFINITY {
                         continue;
                     }
-                    let w = (part[0] - max).exp();
-                    total += w * part[1];
-                    for (a, &x) in acc.iter_mut().zip(&part[2..]) {
+                    let w = (m - max).exp();
+                    total += w * l;
+                    for (a, &x) in acc.iter_mut().zip(part) {
                         *a += w * x;
                     }
                 }

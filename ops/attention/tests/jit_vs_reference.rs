@@ -58,6 +58,44 @@ fn long_decode_context_splits_into_chunks() {
     }
 }
 
+/// Llama-3-8B heads (GQA 4, 8 KV heads, D 128, page 16): decode split
+/// into key chunks over the pool (B 1) or not (B 3, uneven lengths), blocks
+/// with padded tails, both cache dtypes; and a causal prefill spanning
+/// several query blocks and a sliding window.
+#[test]
+fn llama_shapes_match_the_reference() {
+    let llama = |cache_dtype: DType, seq: usize, cache_lengths: Vec<u32>, valid: u32, window: Option<usize>| Case {
+        dtype: DType::BF16,
+        cache_dtype,
+        batch: cache_lengths.len(),
+        seq,
+        num_heads: 32,
+        num_kv_heads: 8,
+        head_size: 128,
+        page_size: 16,
+        num_layers: 2,
+        layer: 1,
+        valid_lengths: vec![valid; cache_lengths.len()],
+        cache_lengths,
+        mask: Mask::Causal,
+        window,
+        scale: 1.0 / 128f32.sqrt(),
+        seed: 11,
+    };
+    for cache_dtype in [DType::BF16, DType::F32] {
+        for (case, threads) in [
+            (llama(cache_dtype, 1, vec![1229], 1, None), 2),
+            (llama(cache_dtype, 1, vec![1229], 1, None), 5),
+            (llama(cache_dtype, 1, vec![300, 0, 77], 1, None), 2),
+            (llama(cache_dtype, 19, vec![45], 19, None), 2),
+            (llama(cache_dtype, 12, vec![70, 3], 11, Some(37)), 3),
+        ] {
+            let got = run_jit(&jit(&case), &case, threads);
+            check_against_reference(&case, &got);
+        }
+    }
+}
+
 #[test]
 fn results_do_not_depend_on_the_thread_count() {
     let mut rng = StdRng::seed_from_u64(3);
