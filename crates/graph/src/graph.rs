@@ -145,14 +145,29 @@ impl RopeInit {
 }
 
 /// A recipe that makes a constant's data when the graph is built or loaded
-/// (graph files save the recipe, not the data).
-#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+/// (graph files save the recipe, not the data). In a file it is the
+/// recipe's own fields: an object with `rope_theta` is a [`RopeInit`],
+/// anything else a [`RandomInit`] (whose errors then name the field that
+/// is wrong).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
 #[serde(untagged)]
 pub enum ConstantInit {
     /// Seeded uniform random values.
     Random(RandomInit),
     /// The standard RoPE `freqs_cis` table.
     Rope(RopeInit),
+}
+
+impl<'de> Deserialize<'de> for ConstantInit {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> std::result::Result<Self, D::Error> {
+        use serde::de::Error;
+        let value = serde_json::Value::deserialize(deserializer)?;
+        if value.get("rope_theta").is_some() {
+            serde_json::from_value(value).map(ConstantInit::Rope).map_err(D::Error::custom)
+        } else {
+            serde_json::from_value(value).map(ConstantInit::Random).map_err(D::Error::custom)
+        }
+    }
 }
 
 impl ConstantInit {
