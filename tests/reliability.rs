@@ -758,9 +758,10 @@ fn assert_one_line_error(out: &std::process::Output, needle: &str) {
 
 #[test]
 fn the_cli_refuses_a_graph_over_its_memory_budget_in_one_line() {
-    // The built-in 8B layer: a 6144 × 4096 f32 weight (and its packed copy)
+    // The 8B QKV layer: a 6144 × 4096 f32 weight (and its packed copy)
     // alone is 192 MiB.
-    let out = kvjit_cli(&["run", "--memory-budget", "100M"]);
+    let layer = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/llama3_8b_layer.json");
+    let out = kvjit_cli(&["run", layer, "--memory-budget", "100M"]);
     assert_one_line_error(&out, "more than the memory budget of 104857600 bytes");
     assert!(String::from_utf8_lossy(&out.stderr).starts_with("error: graph needs 209"), "{out:?}");
     assert!(out.stdout.is_empty(), "nothing ran: {}", String::from_utf8_lossy(&out.stdout));
