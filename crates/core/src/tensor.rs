@@ -64,18 +64,18 @@ impl OwnedData {
     /// Zero-filled storage of `len` elements; an allocation the system
     /// cannot satisfy is an error ([`Error::OutOfMemory`]), not an abort.
     fn zeros(dtype: DType, len: usize) -> Result<Self> {
-        fn filled<T: Clone>(len: usize, value: T, dtype: DType) -> Result<Vec<T>> {
-            let mut v = Vec::new();
-            v.try_reserve_exact(len)
-                .map_err(|_| Error::OutOfMemory { bytes: len.saturating_mul(dtype.size_bytes()) })?;
-            v.resize(len, value);
-            Ok(v)
+        // Zero is all-zero bits in every dtype, so the allocator's zeroed
+        // memory serves as is: large buffers come as untouched zero pages
+        // (no memset, no faults until first written).
+        fn zeroed<T: bytemuck::Zeroable>(len: usize, dtype: DType) -> Result<Vec<T>> {
+            bytemuck::allocation::try_zeroed_vec(len)
+                .map_err(|_| Error::OutOfMemory { bytes: len.saturating_mul(dtype.size_bytes()) })
         }
         Ok(match dtype {
-            DType::F32 => OwnedData::F32(filled(len, 0.0, dtype)?),
-            DType::BF16 => OwnedData::BF16(filled(len, bf16::ZERO, dtype)?),
-            DType::F16 => OwnedData::F16(filled(len, f16::ZERO, dtype)?),
-            DType::U32 => OwnedData::U32(filled(len, 0, dtype)?),
+            DType::F32 => OwnedData::F32(zeroed(len, dtype)?),
+            DType::BF16 => OwnedData::BF16(zeroed(len, dtype)?),
+            DType::F16 => OwnedData::F16(zeroed(len, dtype)?),
+            DType::U32 => OwnedData::U32(zeroed(len, dtype)?),
         })
     }
 
