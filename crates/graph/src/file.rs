@@ -108,7 +108,7 @@ fn file_ids(graph: &Graph) -> Vec<ValueId> {
     ids
 }
 
-/// The graph as graph-file JSON. Constants with a [`RandomInit`] are saved
+/// The graph as graph-file JSON. Constants with a recipe ([`ConstantInit`]) are saved
 /// as their recipe; other constants are expected in the safetensors file
 /// named `weights_file` (relative to the graph file).
 pub fn graph_to_json(graph: &Graph, weights_file: Option<&str>) -> String {

@@ -37,7 +37,7 @@
 //!
 //! Requirements (refused at specialize through `supports`): D a multiple of
 //! 8 (whole vectors of pairs in both layouts) and at most
-//! [`MAX_JIT_HEAD_SIZE`](crate::MAX_JIT_HEAD_SIZE).
+//! [`MAX_JIT_HEAD_SIZE`].
 
 use std::sync::Arc;
 
