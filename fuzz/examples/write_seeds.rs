@@ -96,11 +96,7 @@ fn main() {
     for (dtype, cache_dtype) in TINY_DTYPES {
         let graph = tiny_graph(&registry, dtype, cache_dtype);
         let path = artifacts.join(format!("tiny_{dtype}_{cache_dtype}.kvjit"));
-        let options = kvjit::CompileOptions {
-            bindings: [("batch".to_string(), 2), ("seq".to_string(), 3)].into(),
-            ..Default::default()
-        };
-        kvjit::write_artifact(&graph, &registry, &options, &path, None).unwrap();
+        kvjit::write_artifact(&graph, &registry, &kvjit::CompileOptions::default(), &path, None).unwrap();
         println!("{}", path.display());
     }
 
