@@ -23,7 +23,7 @@ pub use safetensors_io::{
     read_regular_file, read_safetensors, read_safetensors_header, tensors_from_safetensors, tensors_to_safetensors,
     write_safetensors,
 };
-pub use tensor::{MappedBytes, PreparedConstant, Storable, Tensor, TensorData};
+pub use tensor::{MappedBytes, PreparedConstant, Storable, Tensor, TensorData, expect_arg, shape_mismatch};
 
 /// Re-exported so users name the same `bf16`/`f16` types kvjit uses.
 pub use half::{bf16, f16};

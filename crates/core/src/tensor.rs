@@ -211,6 +211,25 @@ pub struct PreparedConstant {
     pub data: Arc<Tensor>,
 }
 
+/// Check an op argument: `expected` dtype and contiguous row-major
+/// ([`Error::DTypeMismatch`], [`Error::NotContiguous`], naming `arg`). Every
+/// kernel's argument check starts with this.
+pub fn expect_arg(arg: &str, tensor: &Tensor, expected: DType) -> Result<()> {
+    if tensor.dtype() != expected {
+        return Err(Error::DTypeMismatch { arg: arg.into(), expected, got: tensor.dtype() });
+    }
+    if !tensor.is_contiguous() {
+        return Err(Error::NotContiguous { arg: arg.into() });
+    }
+    Ok(())
+}
+
+/// [`Error::ShapeMismatch`] for argument `arg`: what was `expected`, and
+/// the shape `got` has.
+pub fn shape_mismatch(arg: &str, expected: String, got: &Tensor) -> Error {
+    Error::ShapeMismatch { arg: arg.into(), expected, got: got.shape().to_vec() }
+}
+
 /// Row-major strides (in elements) of a contiguous tensor of `shape`.
 pub fn contiguous_strides(shape: &[usize]) -> Vec<usize> {
     let mut strides = vec![1usize; shape.len()];

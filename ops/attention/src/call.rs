@@ -6,7 +6,7 @@
 //! the layer exists, and `q`/`valid_lengths` have the shapes the kernel
 //! indexes with.
 
-use kvjit_core::{DType, Error, PagedKVCacheCollection, Result, Tensor};
+use kvjit_core::{DType, Error, PagedKVCacheCollection, Result, Tensor, expect_arg, shape_mismatch};
 
 use crate::{AttentionError, Mask};
 
@@ -67,20 +67,6 @@ impl CallShape {
     }
 }
 
-fn shape_error(arg: &str, expected: String, got: &Tensor) -> Error {
-    Error::ShapeMismatch { arg: arg.into(), expected, got: got.shape().to_vec() }
-}
-
-fn expect_dtype(arg: &str, t: &Tensor, expected: DType) -> Result<()> {
-    if t.dtype() != expected {
-        return Err(Error::DTypeMismatch { arg: arg.into(), expected, got: t.dtype() });
-    }
-    if !t.is_contiguous() {
-        return Err(Error::NotContiguous { arg: arg.into() });
-    }
-    Ok(())
-}
-
 /// Check every argument of a call against the op contract and each other;
 /// writes nothing. In order: dtypes and contiguity, shapes (`q [B, S, Hq,
 /// D]` with D the cache's head size, Hq a multiple of Hkv, B the cache's
@@ -99,24 +85,24 @@ pub fn check_call(
     if !dtype.is_float() {
         return Err(Error::NotFloat { what: "q".into(), dtype });
     }
-    expect_dtype("q", q, dtype)?;
-    expect_dtype("layer_idx", layer_idx, DType::U32)?;
-    expect_dtype("valid_lengths", valid_lengths, DType::U32)?;
+    expect_arg("q", q, dtype)?;
+    expect_arg("layer_idx", layer_idx, DType::U32)?;
+    expect_arg("valid_lengths", valid_lengths, DType::U32)?;
     let params = kv_collection.params();
     let &[batch, seq, num_heads, head_size] = q.shape() else {
-        return Err(shape_error("q", format!("[B, S, Hq, {}]", params.head_size), q));
+        return Err(shape_mismatch("q", format!("[B, S, Hq, {}]", params.head_size), q));
     };
     if head_size != params.head_size || num_heads == 0 {
-        return Err(shape_error("q", format!("[B, S, Hq, {}] (D = the cache's head_size)", params.head_size), q));
+        return Err(shape_mismatch("q", format!("[B, S, Hq, {}] (D = the cache's head_size)", params.head_size), q));
     }
     if !num_heads.is_multiple_of(params.num_kv_heads) {
         return Err(AttentionError::HeadGroups { num_heads, num_kv_heads: params.num_kv_heads }.into());
     }
     if !matches!(layer_idx.shape(), [] | [1]) {
-        return Err(shape_error("layer_idx", "[] (a scalar)".into(), layer_idx));
+        return Err(shape_mismatch("layer_idx", "[] (a scalar)".into(), layer_idx));
     }
     if valid_lengths.shape() != [batch] {
-        return Err(shape_error("valid_lengths", format!("[{batch}] (B from q)"), valid_lengths));
+        return Err(shape_mismatch("valid_lengths", format!("[{batch}] (B from q)"), valid_lengths));
     }
     if kv_collection.batch_size() != batch {
         return Err(Error::ShapeMismatch {
@@ -160,9 +146,9 @@ pub fn check_call(
 
 /// Check a caller-provided output against a validated call.
 pub fn check_output(shape: &CallShape, dtype: DType, output: &Tensor) -> Result<()> {
-    expect_dtype("output", output, dtype)?;
+    expect_arg("output", output, dtype)?;
     if output.shape() != shape.output_shape() {
-        return Err(shape_error("output", format!("{:?} ([B, S, Hq, D])", shape.output_shape()), output));
+        return Err(shape_mismatch("output", format!("{:?} ([B, S, Hq, D])", shape.output_shape()), output));
     }
     Ok(())
 }

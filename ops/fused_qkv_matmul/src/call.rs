@@ -7,7 +7,7 @@
 
 use std::collections::HashMap;
 
-use kvjit_core::{DType, Error, PagedKVCacheCollection, Result, Tensor};
+use kvjit_core::{DType, Error, PagedKVCacheCollection, Result, Tensor, expect_arg, shape_mismatch};
 
 /// The op's arguments for one call, by name (what [`JitKernel::run_into`]
 /// takes; `Kernel::run` takes them as slices in this order).
@@ -54,10 +54,6 @@ impl CallShape {
     }
 }
 
-fn shape_error(arg: &str, expected: String, got: &Tensor) -> Error {
-    Error::ShapeMismatch { arg: arg.into(), expected, got: got.shape().to_vec() }
-}
-
 /// A call's weight as the checks see it.
 #[derive(Clone, Copy)]
 pub(crate) enum WeightArg<'a> {
@@ -71,16 +67,6 @@ pub(crate) enum WeightArg<'a> {
         /// Columns.
         k: usize,
     },
-}
-
-fn expect_dtype(arg: &str, t: &Tensor, expected: DType) -> Result<()> {
-    if t.dtype() != expected {
-        return Err(Error::DTypeMismatch { arg: arg.into(), expected, got: t.dtype() });
-    }
-    if !t.is_contiguous() {
-        return Err(Error::NotContiguous { arg: arg.into() });
-    }
-    Ok(())
 }
 
 /// Check every argument of a call against the op contract and against each
@@ -110,22 +96,22 @@ pub(crate) fn check_call_with(
     if !dtype.is_float() {
         return Err(Error::NotFloat { what: "hidden_state".into(), dtype });
     }
-    expect_dtype("hidden_state", hidden_state, dtype)?;
+    expect_arg("hidden_state", hidden_state, dtype)?;
     if let WeightArg::Tensor(weight) = weight {
-        expect_dtype("weight", weight, dtype)?;
+        expect_arg("weight", weight, dtype)?;
     }
-    expect_dtype("layer_idx", layer_idx, DType::U32)?;
-    expect_dtype("valid_lengths", valid_lengths, DType::U32)?;
+    expect_arg("layer_idx", layer_idx, DType::U32)?;
+    expect_arg("valid_lengths", valid_lengths, DType::U32)?;
 
     let &[batch, seq, k] = hidden_state.shape() else {
-        return Err(shape_error("hidden_state", "[B, S, K]".into(), hidden_state));
+        return Err(shape_mismatch("hidden_state", "[B, S, K]".into(), hidden_state));
     };
     let params = kv_collection.params();
     let kv_dim = params.kv_dim();
     let (n, weight_k) = match weight {
         WeightArg::Tensor(weight) => match *weight.shape() {
             [n, weight_k] => (n, weight_k),
-            _ => return Err(shape_error("weight", format!("[N, {k}]"), weight)),
+            _ => return Err(shape_mismatch("weight", format!("[N, {k}]"), weight)),
         },
         WeightArg::Prepared { n, k } => (n, k),
     };
@@ -139,10 +125,10 @@ pub(crate) fn check_call_with(
         });
     }
     if !matches!(layer_idx.shape(), [] | [1]) {
-        return Err(shape_error("layer_idx", "[] (a scalar)".into(), layer_idx));
+        return Err(shape_mismatch("layer_idx", "[] (a scalar)".into(), layer_idx));
     }
     if valid_lengths.shape() != [batch] {
-        return Err(shape_error("valid_lengths", format!("[{batch}] (B from hidden_state)"), valid_lengths));
+        return Err(shape_mismatch("valid_lengths", format!("[{batch}] (B from hidden_state)"), valid_lengths));
     }
     if kv_collection.batch_size() != batch {
         return Err(Error::ShapeMismatch {
@@ -209,9 +195,9 @@ pub fn cache_row_offsets(
 
 /// Check a caller-provided output buffer against a validated call.
 pub fn check_output(shape: &CallShape, dtype: DType, output: &Tensor) -> Result<()> {
-    expect_dtype("output", output, dtype)?;
+    expect_arg("output", output, dtype)?;
     if output.shape() != shape.output_shape() {
-        return Err(shape_error("output", format!("{:?} ([B, S, q_dim])", shape.output_shape()), output));
+        return Err(shape_mismatch("output", format!("{:?} ([B, S, q_dim])", shape.output_shape()), output));
     }
     Ok(())
 }

@@ -9,7 +9,7 @@
 
 use std::collections::HashMap;
 
-use kvjit_core::{DType, Error, PagedKVCacheCollection, Result, Tensor};
+use kvjit_core::{DType, Error, PagedKVCacheCollection, Result, Tensor, expect_arg, shape_mismatch};
 
 use crate::RopeError;
 
@@ -63,20 +63,6 @@ impl CallShape {
     }
 }
 
-fn shape_error(arg: &str, expected: String, got: &Tensor) -> Error {
-    Error::ShapeMismatch { arg: arg.into(), expected, got: got.shape().to_vec() }
-}
-
-fn expect_dtype(arg: &str, t: &Tensor, expected: DType) -> Result<()> {
-    if t.dtype() != expected {
-        return Err(Error::DTypeMismatch { arg: arg.into(), expected, got: t.dtype() });
-    }
-    if !t.is_contiguous() {
-        return Err(Error::NotContiguous { arg: arg.into() });
-    }
-    Ok(())
-}
-
 /// Check every argument of a call against the op contract and against each
 /// other; writes nothing. Checks, in order: dtypes and contiguity; shapes
 /// (`q_proj [B, S, Hq, D]` with `D` the cache's head size, even, and `Hq` a
@@ -97,10 +83,10 @@ pub fn check_call(
     if !dtype.is_float() {
         return Err(Error::NotFloat { what: "q_proj".into(), dtype });
     }
-    expect_dtype("q_proj", q_proj, dtype)?;
-    expect_dtype("freqs_cis", freqs_cis, dtype)?;
-    expect_dtype("layer_idx", layer_idx, DType::U32)?;
-    expect_dtype("valid_lengths", valid_lengths, DType::U32)?;
+    expect_arg("q_proj", q_proj, dtype)?;
+    expect_arg("freqs_cis", freqs_cis, dtype)?;
+    expect_arg("layer_idx", layer_idx, DType::U32)?;
+    expect_arg("valid_lengths", valid_lengths, DType::U32)?;
 
     let params = kv_collection.params();
     let (hkv, d) = (params.num_kv_heads, params.head_size);
@@ -108,10 +94,10 @@ pub fn check_call(
         return Err(RopeError::OddHeadSize { head_size: d }.into());
     }
     let &[batch, seq, num_q_heads, q_d] = q_proj.shape() else {
-        return Err(shape_error("q_proj", format!("[B, S, Hq, {d}]"), q_proj));
+        return Err(shape_mismatch("q_proj", format!("[B, S, Hq, {d}]"), q_proj));
     };
     if q_d != d || num_q_heads == 0 || !num_q_heads.is_multiple_of(hkv) {
-        return Err(shape_error(
+        return Err(shape_mismatch(
             "q_proj",
             format!(
                 "[B, S, Hq, {d}] with Hq a positive multiple of {hkv} (D = head_size, Hkv = num_kv_heads of the cache)"
@@ -121,13 +107,13 @@ pub fn check_call(
     }
     let max_seq = match *freqs_cis.shape() {
         [max_seq, freqs_d] if freqs_d == d => max_seq,
-        _ => return Err(shape_error("freqs_cis", format!("[max_seq, {d}] (D = head_size)"), freqs_cis)),
+        _ => return Err(shape_mismatch("freqs_cis", format!("[max_seq, {d}] (D = head_size)"), freqs_cis)),
     };
     if !matches!(layer_idx.shape(), [] | [1]) {
-        return Err(shape_error("layer_idx", "[] (a scalar)".into(), layer_idx));
+        return Err(shape_mismatch("layer_idx", "[] (a scalar)".into(), layer_idx));
     }
     if valid_lengths.shape() != [batch] {
-        return Err(shape_error("valid_lengths", format!("[{batch}] (B from q_proj)"), valid_lengths));
+        return Err(shape_mismatch("valid_lengths", format!("[{batch}] (B from q_proj)"), valid_lengths));
     }
     if kv_collection.batch_size() != batch {
         return Err(Error::ShapeMismatch {
@@ -223,9 +209,9 @@ pub fn row_plans(
 
 /// Check a caller-provided output tensor against a validated call.
 pub fn check_output(shape: &CallShape, dtype: DType, output: &Tensor) -> Result<()> {
-    expect_dtype("output", output, dtype)?;
+    expect_arg("output", output, dtype)?;
     if output.shape() != shape.output_shape() {
-        return Err(shape_error("output", format!("{:?} ([B, S, Hq, D])", shape.output_shape()), output));
+        return Err(shape_mismatch("output", format!("{:?} ([B, S, Hq, D])", shape.output_shape()), output));
     }
     Ok(())
 }
