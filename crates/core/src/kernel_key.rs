@@ -16,6 +16,18 @@ pub enum KeyField {
     DType(DType),
 }
 
+impl KeyField {
+    /// A size baked into the kernel.
+    pub fn size(size: usize) -> Self {
+        KeyField::Static(size as u64)
+    }
+
+    /// A dim: baked in when known, else left to run time.
+    pub fn dim(size: Option<usize>) -> Self {
+        size.map_or(KeyField::Dynamic, KeyField::size)
+    }
+}
+
 impl fmt::Display for KeyField {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
@@ -77,6 +89,33 @@ impl KernelKey {
     /// The field with this label, if the key has it.
     pub fn get(&self, label: &str) -> Option<KeyField> {
         self.fields.iter().find(|(l, _)| l == label).map(|(_, d)| *d)
+    }
+
+    /// The size a [`KeyField::Static`] field holds; `None` if the field is
+    /// absent, of another kind, or past `usize`.
+    pub fn size(&self, label: &str) -> Option<usize> {
+        match self.get(label)? {
+            KeyField::Static(v) => usize::try_from(v).ok(),
+            _ => None,
+        }
+    }
+
+    /// A dim field: `Some(Some(size))` when baked in, `Some(None)` when left
+    /// to run time, `None` if absent or not a dim.
+    pub fn dim(&self, label: &str) -> Option<Option<usize>> {
+        match self.get(label)? {
+            KeyField::Static(v) => Some(usize::try_from(v).ok()),
+            KeyField::Dynamic => Some(None),
+            KeyField::DType(_) => None,
+        }
+    }
+
+    /// The dtype a [`KeyField::DType`] field holds.
+    pub fn dtype_field(&self, label: &str) -> Option<DType> {
+        match self.get(label)? {
+            KeyField::DType(d) => Some(d),
+            _ => None,
+        }
     }
 
     /// Whether no dim is left to run time (a fully specialized kernel).

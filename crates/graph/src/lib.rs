@@ -29,8 +29,9 @@ pub use file::{
 pub use graph::{ConstantInit, Graph, GraphOutput, Llama3Scaling, Node, RandomInit, RopeInit, Value, ValueDef};
 pub use ids::{NodeId, ValueId};
 pub use op::{
-    ArgKind, ArgRole, ArgSpec, OpDef, OpRegistry, ParamKind, ParamSpec, ParamValue, Params, param_bool, param_choice,
-    param_dims, param_dtype, param_f64_opt, param_usize, param_usize_opt,
+    ArgKind, ArgRole, ArgSpec, OpDef, OpRegistry, PagedParams, ParamKind, ParamSpec, ParamValue, Params, input_error,
+    paged_cache_input, param_bool, param_choice, param_dims, param_dtype, param_f64_opt, param_usize, param_usize_opt,
+    step_inputs, tensor_input,
 };
 pub use specialize::{SpecializedGraph, specialize};
 pub use types::{Dim, KvCacheType, TensorType, ValueType, same_dim};

@@ -297,6 +297,73 @@ impl ArgSpec {
     }
 }
 
+/// [`GraphError::InputType`] for argument `arg`: what was `expected`, and
+/// the type it got.
+pub fn input_error(arg: &str, expected: String, got: &impl std::fmt::Display) -> GraphError {
+    GraphError::InputType { arg: arg.into(), expected, got: got.to_string() }
+}
+
+/// Input `i` of a node as a tensor type (argument kinds are checked before
+/// [`OpDef::infer`] runs, so an [`ArgSpec::tensor`] input is one).
+pub fn tensor_input<'a>(inputs: &[&'a ValueType], i: usize) -> &'a TensorType {
+    inputs[i].as_tensor().expect("argument kinds are checked before infer")
+}
+
+/// The KV-cache parameters a paged op is built for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PagedParams {
+    /// KV heads.
+    pub num_kv_heads: usize,
+    /// Head size D.
+    pub head_size: usize,
+    /// Tokens per page.
+    pub page_size: usize,
+}
+
+/// The build-time check every paged op makes of its cache argument (input
+/// `i`): a float cache with `params`' layout whose batch is `batch`. Gives
+/// the cache's type.
+pub fn paged_cache_input<'a>(
+    inputs: &[&'a ValueType],
+    i: usize,
+    params: PagedParams,
+    batch: &Dim,
+) -> Result<&'a crate::KvCacheType> {
+    let PagedParams { num_kv_heads, head_size, page_size } = params;
+    let cache = inputs[i].as_kv_cache().expect("argument kinds are checked before infer");
+    let layout_ok = cache.num_kv_heads == num_kv_heads
+        && cache.head_size == head_size
+        && cache.page_size == page_size
+        && cache.dtype.is_float()
+        && crate::same_dim(&cache.batch, batch);
+    if !layout_ok {
+        return Err(input_error(
+            "kv_collection",
+            format!(
+                "a float cache with num_kv_heads={num_kv_heads}, head_size={head_size}, page_size={page_size}, batch={batch}"
+            ),
+            cache,
+        ));
+    }
+    Ok(cache)
+}
+
+/// The build-time check every paged op makes of its step arguments:
+/// `layer_idx` (input `layer`) a u32 scalar, `valid_lengths` (input
+/// `valid`) u32 `[batch]`.
+pub fn step_inputs(inputs: &[&ValueType], [layer, valid]: [usize; 2], batch: &Dim) -> Result<()> {
+    let layer_idx = tensor_input(inputs, layer);
+    if layer_idx.dtype != DType::U32 || !layer_idx.shape.is_empty() {
+        return Err(input_error("layer_idx", "u32[] (a scalar)".into(), layer_idx));
+    }
+    let valid_lengths = tensor_input(inputs, valid);
+    if valid_lengths.dtype != DType::U32 || !matches!(valid_lengths.shape.as_slice(), [b] if crate::same_dim(b, batch))
+    {
+        return Err(input_error("valid_lengths", format!("u32[{batch}]"), valid_lengths));
+    }
+    Ok(())
+}
+
 /// The IR-level definition of an op: one per op, registered in an
 /// [`OpRegistry`].
 pub trait OpDef: Send + Sync {

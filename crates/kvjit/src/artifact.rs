@@ -348,30 +348,9 @@ pub fn load_artifact(path: &Path, registry: &Registry) -> Result<LoadedArtifact>
 /// [`load_artifact`], with the constants mapped ([`WeightLoad::Map`]) or
 /// read into memory advised to use huge pages ([`WeightLoad::Copy`]).
 pub fn load_artifact_with(path: &Path, registry: &Registry, weights: WeightLoad) -> Result<LoadedArtifact> {
-    use std::io::Read;
     let malformed =
         |problem: String| crate::Error::from(ArtifactError::Malformed { path: path.to_path_buf(), problem });
-    let io = |source| kvjit_core::Error::Io { path: path.to_path_buf(), source };
-    let (mut file, file_len) = kvjit_core::open_regular_file(path)?;
-    if file_len < 16 {
-        return Err(malformed(format!("{file_len} bytes is too short for the 16-byte preamble")));
-    }
-    let mut preamble = [0u8; 16];
-    file.read_exact(&mut preamble).map_err(io)?;
-    if &preamble[..8] != ARTIFACT_MAGIC {
-        return Err(malformed("it does not start with KVJITART".into()));
-    }
-    let header_len = u64::from_le_bytes(preamble[8..].try_into().expect("8 bytes"));
-    if header_len > file_len - 16 || header_len > MAX_HEADER_BYTES {
-        return Err(malformed(format!("header length {header_len} runs past the end of the {file_len}-byte file")));
-    }
-    let mut header_bytes = Vec::with_capacity(header_len as usize);
-    (&mut file).take(header_len).read_to_end(&mut header_bytes).map_err(io)?;
-    if header_bytes.len() as u64 != header_len {
-        return Err(malformed("the file ended inside its header".into()));
-    }
-    let marker: serde_json::Value =
-        serde_json::from_slice(&header_bytes).map_err(|e| malformed(format!("header: {e}")))?;
+    let RawHeader { mut file, file_len, header_len, json: marker } = read_raw_header(path)?;
     let (format, version) = (marker.get("format").and_then(|f| f.as_str()), marker.get("version"));
     if format != Some(ARTIFACT_FORMAT) {
         return Err(malformed(format!("header format is {format:?}, expected {ARTIFACT_FORMAT:?}")));
@@ -481,19 +460,47 @@ pub fn load_artifact_with(path: &Path, registry: &Registry, weights: WeightLoad)
 /// path: a plain relative name resolving inside the folder, a regular
 /// file). Read even from a stale artifact, to rebuild from.
 pub fn source_graph_beside(path: &Path) -> Option<PathBuf> {
-    use std::io::Read;
-    let (mut file, file_len) = kvjit_core::open_regular_file(path).ok()?;
-    let mut preamble = [0u8; 16];
-    file.read_exact(&mut preamble).ok()?;
-    let header_len = u64::from_le_bytes(preamble[8..].try_into().ok()?);
-    if &preamble[..8] != ARTIFACT_MAGIC || header_len > file_len - 16 || header_len > MAX_HEADER_BYTES {
-        return None;
-    }
-    let mut header = Vec::new();
-    file.take(header_len).read_to_end(&mut header).ok()?;
-    let header: serde_json::Value = serde_json::from_slice(&header).ok()?;
+    let header = read_raw_header(path).ok()?.json;
     let name = header.get("source_graph")?.as_str()?;
     kvjit_graph::confined_weights_path(path, name).ok()
+}
+
+/// An artifact's file, opened, with its header as JSON (not yet checked
+/// against [`ArtifactHeader`]).
+struct RawHeader {
+    file: std::fs::File,
+    file_len: u64,
+    header_len: u64,
+    json: serde_json::Value,
+}
+
+/// Open `path` (a regular file), check its preamble — the magic, a header
+/// length inside the file — and parse the header as JSON.
+fn read_raw_header(path: &Path) -> Result<RawHeader> {
+    use std::io::Read;
+    let malformed =
+        |problem: String| crate::Error::from(ArtifactError::Malformed { path: path.to_path_buf(), problem });
+    let io = |source| kvjit_core::Error::Io { path: path.to_path_buf(), source };
+    let (mut file, file_len) = kvjit_core::open_regular_file(path)?;
+    if file_len < 16 {
+        return Err(malformed(format!("{file_len} bytes is too short for the 16-byte preamble")));
+    }
+    let mut preamble = [0u8; 16];
+    file.read_exact(&mut preamble).map_err(io)?;
+    if &preamble[..8] != ARTIFACT_MAGIC {
+        return Err(malformed("it does not start with KVJITART".into()));
+    }
+    let header_len = u64::from_le_bytes(preamble[8..].try_into().expect("8 bytes"));
+    if header_len > file_len - 16 || header_len > MAX_HEADER_BYTES {
+        return Err(malformed(format!("header length {header_len} runs past the end of the {file_len}-byte file")));
+    }
+    let mut header_bytes = Vec::with_capacity(header_len as usize);
+    (&mut file).take(header_len).read_to_end(&mut header_bytes).map_err(io)?;
+    if header_bytes.len() as u64 != header_len {
+        return Err(malformed("the file ended inside its header".into()));
+    }
+    let json = serde_json::from_slice(&header_bytes).map_err(|e| malformed(format!("header: {e}")))?;
+    Ok(RawHeader { file, file_len, header_len, json })
 }
 
 fn stale(path: &Path, what: &'static str, made: String, here: impl ToString) -> crate::Error {

@@ -5,8 +5,9 @@ use std::sync::Arc;
 
 use kvjit_core::{DType, KernelKey, Target};
 use kvjit_graph::{
-    ArgSpec, Dim, GraphBuilder, GraphError, OpDef, ParamKind, ParamSpec, ParamValue, Params, TensorType, ValueId,
-    ValueType, param_choice, param_dtype, param_f64_opt, param_usize, param_usize_opt, same_dim,
+    ArgSpec, Dim, GraphBuilder, GraphError, OpDef, PagedParams, ParamKind, ParamSpec, ParamValue, Params, TensorType,
+    ValueId, ValueType, input_error, paged_cache_input, param_choice, param_dtype, param_f64_opt, param_usize,
+    param_usize_opt, step_inputs, tensor_input,
 };
 use kvjit_jit::CaptureText;
 use kvjit_runtime::{BuildOptions, ConstantInput, Kernel, KernelBuilder, KernelImpl, RuntimeError};
@@ -85,14 +86,6 @@ const INPUTS: &[ArgSpec] = &[
     ArgSpec::valid_lengths("valid_lengths"),
 ];
 
-fn input_error(arg: &str, expected: String, got: &impl std::fmt::Display) -> GraphError {
-    GraphError::InputType { arg: arg.into(), expected, got: got.to_string() }
-}
-
-fn tensor<'a>(inputs: &[&'a ValueType], i: usize) -> &'a TensorType {
-    inputs[i].as_tensor().expect("argument kinds are checked before infer")
-}
-
 impl MhaOp {
     /// Check params and inputs; return the kernel spec (with `target`).
     fn spec(&self, params: &Params, inputs: &[&ValueType], target: Target) -> Result<MhaSpec, GraphError> {
@@ -116,7 +109,7 @@ impl MhaOp {
             return Err(GraphError::Param { param: "scale".into(), problem: "must be a finite f32".into() });
         }
 
-        let q = tensor(inputs, 0);
+        let q = tensor_input(inputs, 0);
         let [batch, seq, hq, d] = match q.shape.as_slice() {
             [b, s, h, d] if q.dtype == dtype => [b, s, h, d],
             _ => return Err(input_error("q", format!("{dtype}[B, S, Hq, {head_size}]"), q)),
@@ -131,29 +124,9 @@ impl MhaOp {
                 q,
             ));
         }
-        let cache = inputs[1].as_kv_cache().expect("argument kinds are checked before infer");
-        let layout_ok = cache.num_kv_heads == num_kv_heads
-            && cache.head_size == head_size
-            && cache.page_size == page_size
-            && cache.dtype.is_float()
-            && same_dim(&cache.batch, batch);
-        if !layout_ok {
-            return Err(input_error(
-                "kv_collection",
-                format!(
-                    "a float cache with num_kv_heads={num_kv_heads}, head_size={head_size}, page_size={page_size}, batch={batch}"
-                ),
-                cache,
-            ));
-        }
-        let layer_idx = tensor(inputs, 2);
-        if layer_idx.dtype != DType::U32 || !layer_idx.shape.is_empty() {
-            return Err(input_error("layer_idx", "u32[] (a scalar)".into(), layer_idx));
-        }
-        let valid = tensor(inputs, 3);
-        if valid.dtype != DType::U32 || !matches!(valid.shape.as_slice(), [b] if same_dim(b, batch)) {
-            return Err(input_error("valid_lengths", format!("u32[{batch}]"), valid));
-        }
+        let paged = PagedParams { num_kv_heads, head_size, page_size };
+        let cache = paged_cache_input(inputs, 1, paged, batch)?;
+        step_inputs(inputs, [2, 3], batch)?;
         Ok(MhaSpec {
             target,
             dtype,
@@ -201,7 +174,7 @@ impl OpDef for MhaOp {
 
     fn infer(&self, params: &Params, inputs: &[&ValueType]) -> Result<Vec<TensorType>, GraphError> {
         let spec = self.spec(params, inputs, Target::Cpu)?;
-        let q = tensor(inputs, 0);
+        let q = tensor_input(inputs, 0);
         let shape: Vec<Dim> = q.shape.clone();
         Ok(vec![TensorType::new(spec.dtype, shape)])
     }

@@ -89,20 +89,18 @@ impl MhaSpec {
     /// `mha_padded_paged.cpu.bf16.hq32.hkv8.d128.p16.l32.kvbf16.causal1.w0.sc1035098028.bany.s1`
     /// (`w0`: no window; `sc`: the f32 bit pattern of the scale).
     pub fn kernel_key(&self) -> KernelKey {
-        let stat = |v: usize| KeyField::Static(v as u64);
-        let dim = |v: Option<usize>| v.map_or(KeyField::Dynamic, stat);
         KernelKey::new(KERNEL_NAME, self.target, self.dtype)
-            .with("hq", stat(self.num_heads))
-            .with("hkv", stat(self.num_kv_heads))
-            .with("d", stat(self.head_size))
-            .with("p", stat(self.page_size))
-            .with("l", stat(self.num_layers))
+            .with("hq", KeyField::size(self.num_heads))
+            .with("hkv", KeyField::size(self.num_kv_heads))
+            .with("d", KeyField::size(self.head_size))
+            .with("p", KeyField::size(self.page_size))
+            .with("l", KeyField::size(self.num_layers))
             .with("kv", KeyField::DType(self.cache_dtype))
-            .with("causal", stat(usize::from(self.mask == Mask::Causal)))
-            .with("w", stat(self.window.unwrap_or(0)))
+            .with("causal", KeyField::size(usize::from(self.mask == Mask::Causal)))
+            .with("w", KeyField::size(self.window.unwrap_or(0)))
             .with("sc", KeyField::Static(u64::from(self.scale.to_bits())))
-            .with("b", dim(self.batch))
-            .with("s", dim(self.seq))
+            .with("b", KeyField::dim(self.batch))
+            .with("s", KeyField::dim(self.seq))
     }
 
     /// Read a key made by [`kernel_key`](Self::kernel_key) back; `None` if it
@@ -111,36 +109,24 @@ impl MhaSpec {
         if key.op() != KERNEL_NAME {
             return None;
         }
-        let stat = |label| match key.get(label)? {
-            KeyField::Static(v) => usize::try_from(v).ok(),
-            _ => None,
-        };
-        let dynamic = |label| match key.get(label)? {
-            KeyField::Static(v) => Some(usize::try_from(v).ok()),
-            KeyField::Dynamic => Some(None),
-            KeyField::DType(_) => None,
-        };
         let spec = Self {
             target: key.target(),
             dtype: key.dtype(),
-            cache_dtype: match key.get("kv")? {
-                KeyField::DType(d) => d,
-                _ => return None,
-            },
-            num_heads: stat("hq")?,
-            num_kv_heads: stat("hkv")?,
-            head_size: stat("d")?,
-            page_size: stat("p")?,
-            num_layers: stat("l")?,
-            mask: match stat("causal")? {
+            cache_dtype: key.dtype_field("kv")?,
+            num_heads: key.size("hq")?,
+            num_kv_heads: key.size("hkv")?,
+            head_size: key.size("d")?,
+            page_size: key.size("p")?,
+            num_layers: key.size("l")?,
+            mask: match key.size("causal")? {
                 1 => Mask::Causal,
                 0 => Mask::Null,
                 _ => return None,
             },
-            window: Some(stat("w")?).filter(|&w| w > 0),
-            scale: f32::from_bits(u32::try_from(stat("sc")?).ok()?),
-            batch: dynamic("b")?,
-            seq: dynamic("s")?,
+            window: Some(key.size("w")?).filter(|&w| w > 0),
+            scale: f32::from_bits(u32::try_from(key.size("sc")?).ok()?),
+            batch: key.dim("b")?,
+            seq: key.dim("s")?,
         };
         let valid = spec.dtype.is_float()
             && spec.cache_dtype.is_float()

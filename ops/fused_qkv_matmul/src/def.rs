@@ -5,8 +5,8 @@ use std::sync::Arc;
 
 use kvjit_core::{DType, KernelKey, Target};
 use kvjit_graph::{
-    ArgSpec, Dim, GraphBuilder, GraphError, OpDef, ParamKind, ParamSpec, ParamValue, Params, TensorType, ValueId,
-    ValueType, param_dtype, param_usize, same_dim,
+    ArgSpec, Dim, GraphBuilder, GraphError, OpDef, PagedParams, ParamKind, ParamSpec, ParamValue, Params, TensorType,
+    ValueId, ValueType, input_error, paged_cache_input, param_dtype, param_usize, same_dim, step_inputs, tensor_input,
 };
 use kvjit_jit::CaptureText;
 use kvjit_runtime::{BuildOptions, ConstantInput, Kernel, KernelBuilder, KernelImpl, RuntimeError};
@@ -70,14 +70,6 @@ const INPUTS: &[ArgSpec] = &[
     ArgSpec::valid_lengths("valid_lengths"),
 ];
 
-fn input_error(arg: &str, expected: String, got: &impl std::fmt::Display) -> GraphError {
-    GraphError::InputType { arg: arg.into(), expected, got: got.to_string() }
-}
-
-fn tensor<'a>(inputs: &[&'a ValueType], i: usize) -> &'a TensorType {
-    inputs[i].as_tensor().expect("argument kinds are checked before infer")
-}
-
 impl FusedQkvOp {
     /// Check params and inputs; return the kernel spec (with `target`).
     fn spec(&self, params: &Params, inputs: &[&ValueType], target: Target) -> Result<FusedQkvSpec, GraphError> {
@@ -98,7 +90,7 @@ impl FusedQkvOp {
             }
         })?;
 
-        let hidden = tensor(inputs, 0);
+        let hidden = tensor_input(inputs, 0);
         let [batch, seq, k] = match hidden.shape.as_slice() {
             [b, s, k] if hidden.dtype == dtype => [b, s, k],
             _ => {
@@ -108,7 +100,7 @@ impl FusedQkvOp {
         let Some(k_static) = k.as_static() else {
             return Err(input_error("hidden_state", format!("{dtype}[B, S, K] with a static K"), hidden));
         };
-        let weight = tensor(inputs, 1);
+        let weight = tensor_input(inputs, 1);
         let n = match weight.shape.as_slice() {
             [Dim::Static(n), wk] if weight.dtype == dtype && same_dim(wk, k) && *n > 2 * kv_dim => *n,
             _ => {
@@ -119,29 +111,9 @@ impl FusedQkvOp {
                 ));
             }
         };
-        let cache = inputs[2].as_kv_cache().expect("argument kinds are checked before infer");
-        let layout_ok = cache.num_kv_heads == num_kv_heads
-            && cache.head_size == head_size
-            && cache.page_size == page_size
-            && cache.dtype.is_float()
-            && same_dim(&cache.batch, batch);
-        if !layout_ok {
-            return Err(input_error(
-                "kv_collection",
-                format!(
-                    "a float cache with num_kv_heads={num_kv_heads}, head_size={head_size}, page_size={page_size}, batch={batch}"
-                ),
-                cache,
-            ));
-        }
-        let layer_idx = tensor(inputs, 3);
-        if layer_idx.dtype != DType::U32 || !layer_idx.shape.is_empty() {
-            return Err(input_error("layer_idx", "u32[] (a scalar)".into(), layer_idx));
-        }
-        let valid = tensor(inputs, 4);
-        if valid.dtype != DType::U32 || !matches!(valid.shape.as_slice(), [b] if same_dim(b, batch)) {
-            return Err(input_error("valid_lengths", format!("u32[{batch}]"), valid));
-        }
+        let paged = PagedParams { num_kv_heads, head_size, page_size };
+        let cache = paged_cache_input(inputs, 2, paged, batch)?;
+        step_inputs(inputs, [3, 4], batch)?;
         Ok(FusedQkvSpec {
             target,
             dtype,
@@ -187,7 +159,7 @@ impl OpDef for FusedQkvOp {
 
     fn infer(&self, params: &Params, inputs: &[&ValueType]) -> Result<Vec<TensorType>, GraphError> {
         let spec = self.spec(params, inputs, Target::Cpu)?;
-        let hidden = tensor(inputs, 0);
+        let hidden = tensor_input(inputs, 0);
         let shape = vec![hidden.shape[0].clone(), hidden.shape[1].clone(), Dim::Static(spec.q_dim)];
         Ok(vec![TensorType::new(spec.dtype, shape)])
     }

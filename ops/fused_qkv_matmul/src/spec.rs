@@ -57,17 +57,16 @@ impl FusedQkvSpec {
 
     /// The canonical kernel key (the one function that names this op's kernels).
     pub fn kernel_key(&self) -> KernelKey {
-        let dim = |v: Option<usize>| v.map_or(KeyField::Dynamic, |v| KeyField::Static(v as u64));
         KernelKey::new(KERNEL_NAME, self.target, self.dtype)
-            .with("k", KeyField::Static(self.k as u64))
-            .with("q", KeyField::Static(self.q_dim as u64))
-            .with("hkv", KeyField::Static(self.num_kv_heads as u64))
-            .with("d", KeyField::Static(self.head_size as u64))
-            .with("p", KeyField::Static(self.page_size as u64))
-            .with("l", KeyField::Static(self.num_layers as u64))
+            .with("k", KeyField::size(self.k))
+            .with("q", KeyField::size(self.q_dim))
+            .with("hkv", KeyField::size(self.num_kv_heads))
+            .with("d", KeyField::size(self.head_size))
+            .with("p", KeyField::size(self.page_size))
+            .with("l", KeyField::size(self.num_layers))
             .with("kv", KeyField::DType(self.cache_dtype))
-            .with("b", dim(self.batch))
-            .with("s", dim(self.seq))
+            .with("b", KeyField::dim(self.batch))
+            .with("s", KeyField::dim(self.seq))
     }
 
     /// Read a key made by [`kernel_key`](Self::kernel_key) back; `None` if it
@@ -76,30 +75,18 @@ impl FusedQkvSpec {
         if key.op() != KERNEL_NAME {
             return None;
         }
-        let stat = |label| match key.get(label)? {
-            KeyField::Static(v) => usize::try_from(v).ok(),
-            _ => None,
-        };
-        let dynamic = |label| match key.get(label)? {
-            KeyField::Static(v) => Some(usize::try_from(v).ok()),
-            KeyField::Dynamic => Some(None),
-            KeyField::DType(_) => None,
-        };
         let spec = Self {
             target: key.target(),
             dtype: key.dtype(),
-            cache_dtype: match key.get("kv")? {
-                KeyField::DType(d) => d,
-                _ => return None,
-            },
-            k: stat("k")?,
-            q_dim: stat("q")?,
-            num_kv_heads: stat("hkv")?,
-            head_size: stat("d")?,
-            page_size: stat("p")?,
-            num_layers: stat("l")?,
-            batch: dynamic("b")?,
-            seq: dynamic("s")?,
+            cache_dtype: key.dtype_field("kv")?,
+            k: key.size("k")?,
+            q_dim: key.size("q")?,
+            num_kv_heads: key.size("hkv")?,
+            head_size: key.size("d")?,
+            page_size: key.size("p")?,
+            num_layers: key.size("l")?,
+            batch: key.dim("b")?,
+            seq: key.dim("s")?,
         };
         (spec.kernel_key() == *key).then_some(spec)
     }

@@ -5,8 +5,9 @@ use std::sync::Arc;
 
 use kvjit_core::{DType, KernelKey, Target};
 use kvjit_graph::{
-    ArgSpec, Dim, GraphBuilder, GraphError, OpDef, ParamKind, ParamSpec, ParamValue, Params, TensorType, ValueId,
-    ValueType, param_bool, param_dtype, param_usize, same_dim,
+    ArgSpec, Dim, GraphBuilder, GraphError, OpDef, PagedParams, ParamKind, ParamSpec, ParamValue, Params, TensorType,
+    ValueId, ValueType, input_error, paged_cache_input, param_bool, param_dtype, param_usize, step_inputs,
+    tensor_input,
 };
 use kvjit_jit::CaptureText;
 use kvjit_runtime::{BuildOptions, ConstantInput, Kernel, KernelBuilder, KernelImpl, RuntimeError};
@@ -78,14 +79,6 @@ const INPUTS: &[ArgSpec] = &[
 /// on the stack: `8·D` bytes).
 pub const MAX_JIT_HEAD_SIZE: usize = 1024;
 
-fn input_error(arg: &str, expected: String, got: &impl std::fmt::Display) -> GraphError {
-    GraphError::InputType { arg: arg.into(), expected, got: got.to_string() }
-}
-
-fn tensor<'a>(inputs: &[&'a ValueType], i: usize) -> &'a TensorType {
-    inputs[i].as_tensor().expect("argument kinds are checked before infer")
-}
-
 impl RopeOp {
     /// Check params and inputs; return the kernel spec (with `target`).
     fn spec(&self, params: &Params, inputs: &[&ValueType], target: Target) -> Result<RopeSpec, GraphError> {
@@ -107,7 +100,7 @@ impl RopeOp {
             });
         }
 
-        let q = tensor(inputs, 0);
+        let q = tensor_input(inputs, 0);
         let expected_q = || format!("{dtype}[B, S, Hq, {head_size}] with Hq a multiple of {num_kv_heads}");
         let (batch, seq, num_q_heads) = match q.shape.as_slice() {
             [b, s, Dim::Static(hq), Dim::Static(d)]
@@ -117,33 +110,13 @@ impl RopeOp {
             }
             _ => return Err(input_error("q_proj", expected_q(), q)),
         };
-        let cache = inputs[1].as_kv_cache().expect("argument kinds are checked before infer");
-        let layout_ok = cache.num_kv_heads == num_kv_heads
-            && cache.head_size == head_size
-            && cache.page_size == page_size
-            && cache.dtype.is_float()
-            && same_dim(&cache.batch, batch);
-        if !layout_ok {
-            return Err(input_error(
-                "kv_collection",
-                format!(
-                    "a float cache with num_kv_heads={num_kv_heads}, head_size={head_size}, page_size={page_size}, batch={batch}"
-                ),
-                cache,
-            ));
-        }
-        let freqs = tensor(inputs, 2);
+        let paged = PagedParams { num_kv_heads, head_size, page_size };
+        let cache = paged_cache_input(inputs, 1, paged, batch)?;
+        let freqs = tensor_input(inputs, 2);
         if freqs.dtype != dtype || !matches!(freqs.shape.as_slice(), [_, Dim::Static(d)] if *d == head_size) {
             return Err(input_error("freqs_cis", format!("{dtype}[max_seq, {head_size}]"), freqs));
         }
-        let layer_idx = tensor(inputs, 3);
-        if layer_idx.dtype != DType::U32 || !layer_idx.shape.is_empty() {
-            return Err(input_error("layer_idx", "u32[] (a scalar)".into(), layer_idx));
-        }
-        let valid = tensor(inputs, 4);
-        if valid.dtype != DType::U32 || !matches!(valid.shape.as_slice(), [b] if same_dim(b, batch)) {
-            return Err(input_error("valid_lengths", format!("u32[{batch}]"), valid));
-        }
+        step_inputs(inputs, [3, 4], batch)?;
         Ok(RopeSpec {
             target,
             dtype,
@@ -186,7 +159,7 @@ impl OpDef for RopeOp {
 
     fn infer(&self, params: &Params, inputs: &[&ValueType]) -> Result<Vec<TensorType>, GraphError> {
         let spec = self.spec(params, inputs, Target::Cpu)?;
-        Ok(vec![TensorType::new(spec.dtype, tensor(inputs, 0).shape.clone())])
+        Ok(vec![TensorType::new(spec.dtype, tensor_input(inputs, 0).shape.clone())])
     }
 
     fn kernel_key(&self, params: &Params, inputs: &[&ValueType], target: Target) -> Result<KernelKey, GraphError> {

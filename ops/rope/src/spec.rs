@@ -55,17 +55,16 @@ impl RopeSpec {
     /// kernels), e.g.
     /// `fused_qk_rope_paged.cpu.bf16.hq32.hkv8.d128.p16.l32.kvbf16.il0.bany.s1`.
     pub fn kernel_key(&self) -> KernelKey {
-        let dim = |v: Option<usize>| v.map_or(KeyField::Dynamic, |v| KeyField::Static(v as u64));
         KernelKey::new(KERNEL_NAME, self.target, self.dtype)
-            .with("hq", KeyField::Static(self.num_q_heads as u64))
-            .with("hkv", KeyField::Static(self.num_kv_heads as u64))
-            .with("d", KeyField::Static(self.head_size as u64))
-            .with("p", KeyField::Static(self.page_size as u64))
-            .with("l", KeyField::Static(self.num_layers as u64))
+            .with("hq", KeyField::size(self.num_q_heads))
+            .with("hkv", KeyField::size(self.num_kv_heads))
+            .with("d", KeyField::size(self.head_size))
+            .with("p", KeyField::size(self.page_size))
+            .with("l", KeyField::size(self.num_layers))
             .with("kv", KeyField::DType(self.cache_dtype))
             .with("il", KeyField::Static(u64::from(self.interleaved)))
-            .with("b", dim(self.batch))
-            .with("s", dim(self.seq))
+            .with("b", KeyField::dim(self.batch))
+            .with("s", KeyField::dim(self.seq))
     }
 
     /// Read a key made by [`kernel_key`](Self::kernel_key) back; `None` if it
@@ -74,34 +73,22 @@ impl RopeSpec {
         if key.op() != KERNEL_NAME {
             return None;
         }
-        let stat = |label| match key.get(label)? {
-            KeyField::Static(v) => usize::try_from(v).ok(),
-            _ => None,
-        };
-        let dynamic = |label| match key.get(label)? {
-            KeyField::Static(v) => Some(usize::try_from(v).ok()),
-            KeyField::Dynamic => Some(None),
-            KeyField::DType(_) => None,
-        };
         let spec = Self {
             target: key.target(),
             dtype: key.dtype(),
-            cache_dtype: match key.get("kv")? {
-                KeyField::DType(d) => d,
-                _ => return None,
-            },
-            interleaved: match stat("il")? {
+            cache_dtype: key.dtype_field("kv")?,
+            interleaved: match key.size("il")? {
                 0 => false,
                 1 => true,
                 _ => return None,
             },
-            num_q_heads: stat("hq")?,
-            num_kv_heads: stat("hkv")?,
-            head_size: stat("d")?,
-            page_size: stat("p")?,
-            num_layers: stat("l")?,
-            batch: dynamic("b")?,
-            seq: dynamic("s")?,
+            num_q_heads: key.size("hq")?,
+            num_kv_heads: key.size("hkv")?,
+            head_size: key.size("d")?,
+            page_size: key.size("p")?,
+            num_layers: key.size("l")?,
+            batch: key.dim("b")?,
+            seq: key.dim("s")?,
         };
         (spec.kernel_key() == *key).then_some(spec)
     }
