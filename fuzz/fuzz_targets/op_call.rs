@@ -22,7 +22,7 @@
 #![no_main]
 
 use arbitrary::Arbitrary;
-use kvjit_core::DType;
+use kvjit_core::{CpuTier, DType};
 use kvjit_testkit::fused_qkv::differential::{self, Call, Entry, Page, Tweak, Values};
 use libfuzzer_sys::fuzz_target;
 
@@ -128,6 +128,7 @@ impl Raw {
                 Tweak::from_index(self.tweak as usize, self.tweak_axis as usize, self.tweak_axis & 4 != 0)
             },
             const_weight: self.kernel & 1 != 0,
+            tier: if self.kernel & 0x20 != 0 { CpuTier::Avx2 } else { CpuTier::Cranelift },
             static_batch,
             static_seq,
             threads: 1 + (self.flags >> 6) as usize % 3,

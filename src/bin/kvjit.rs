@@ -10,9 +10,9 @@ use std::time::{Duration, Instant};
 use clap::{Parser, Subcommand};
 use kvjit::demo::{AttentionConfig, Scenario};
 use kvjit::{
-    BuildOptions, CompileOptions, DeviceContextPtr, Error, Executor, Graph, KernelImpl, Registry, Result, Target,
-    Tensor, ValueDef, WeightLoad, compile, demo, load_graph_with, read_safetensors, specialize, standard_registry,
-    write_artifact, write_safetensors,
+    BuildOptions, CompileOptions, CpuTier, DeviceContextPtr, Error, Executor, Graph, KernelImpl, Registry, Result,
+    Target, Tensor, ValueDef, WeightLoad, compile, demo, load_graph_with, read_safetensors, specialize,
+    standard_registry, write_artifact, write_safetensors,
 };
 
 #[derive(Parser)]
@@ -43,6 +43,11 @@ enum Command {
         /// Compile every kernel and print its machine code.
         #[arg(long)]
         disasm: bool,
+        /// CPU code tier of the JIT kernels: auto (the widest this CPU
+        /// runs), cranelift (pure Cranelift vectors) or avx2 (Cranelift
+        /// driver + 256-bit micro-kernels).
+        #[arg(long, default_value = "auto")]
+        cpu_tier: CpuTier,
     },
     /// Compare two safetensors files of named tensors (e.g. `run --output`
     /// from two targets); exit 1 naming the first tensor that differs.
@@ -81,6 +86,11 @@ enum Command {
         /// Which kernels the artifact is built for.
         #[arg(long, value_enum, default_value = "jit")]
         kernel: KernelChoice,
+        /// CPU code tier of the JIT kernels: auto (the widest this CPU
+        /// runs), cranelift (pure Cranelift vectors) or avx2 (Cranelift
+        /// driver + 256-bit micro-kernels).
+        #[arg(long, default_value = "auto")]
+        cpu_tier: CpuTier,
     },
     /// Time the fused QKV kernels (specialized, generic) against the
     /// reference and GEMM-library peers, on this machine's roofs; print a
@@ -133,6 +143,12 @@ struct RunArgs {
     /// run time (instead of running the generic kernel).
     #[arg(long)]
     specialize_shapes: bool,
+    /// CPU code tier of the JIT kernels: auto (the widest this CPU runs),
+    /// cranelift (pure Cranelift vectors) or avx2 (Cranelift driver +
+    /// 256-bit micro-kernels). An artifact runs on the tier it was compiled
+    /// for.
+    #[arg(long, default_value = "auto")]
+    cpu_tier: CpuTier,
     /// Refuse graphs whose buffers need more than this many bytes (suffixes
     /// K, M, G: powers of 1024), before allocating them.
     #[arg(long, value_parser = parse_bytes)]
@@ -194,13 +210,14 @@ fn main() -> ExitCode {
     let registry = standard_registry();
     let result = match cli.command {
         Command::Run(args) => run(&registry, &args),
-        Command::Inspect { graph, target, bindings, dump_clif, disasm } => {
-            let build = BuildOptions { keep_ir: dump_clif, keep_disasm: disasm, ..BuildOptions::default() };
+        Command::Inspect { graph, target, bindings, dump_clif, disasm, cpu_tier } => {
+            let build = BuildOptions { keep_ir: dump_clif, keep_disasm: disasm, cpu_tier, ..BuildOptions::default() };
             inspect(&registry, &graph, target, bindings.into_iter().collect(), build)
         }
         Command::Validate { graph } => validate(&registry, &graph),
-        Command::Compile { graph, output, target, bindings, kernel } => {
-            compile_artifact(&registry, &graph, &output, target, bindings.into_iter().collect(), kernel)
+        Command::Compile { graph, output, target, bindings, kernel, cpu_tier } => {
+            let build = BuildOptions { implementation: kernel.implementation(), cpu_tier, ..BuildOptions::default() };
+            compile_artifact(&registry, &graph, &output, target, bindings.into_iter().collect(), build)
         }
         Command::Compare { a, b, tolerance } => compare_files(&a, &b, tolerance),
         Command::Bench(args) => kvjit_bench::cli::run_bench(&args),
@@ -241,11 +258,10 @@ fn compile_artifact(
     output: &Path,
     target: Target,
     bindings: BTreeMap<String, usize>,
-    kernel: KernelChoice,
+    build: BuildOptions,
 ) -> Result<()> {
     let started = Instant::now();
     let graph = load(registry, graph_path, WeightLoad::Map)?;
-    let build = BuildOptions { implementation: kernel.implementation(), ..BuildOptions::default() };
     let options = CompileOptions { target, bindings, build, memory_budget: None };
     let summary = write_artifact(&graph, registry, &options, output, Some(graph_path))?;
     println!(
@@ -409,6 +425,7 @@ fn run(registry: &Registry, args: &RunArgs) -> Result<()> {
         build: BuildOptions {
             implementation: args.kernel.implementation(),
             specialize_shapes: args.specialize_shapes,
+            cpu_tier: args.cpu_tier,
             ..BuildOptions::default()
         },
         memory_budget: args.memory_budget,
@@ -426,6 +443,13 @@ fn run(registry: &Registry, args: &RunArgs) -> Result<()> {
                 return Err(Error::Usage(
                     "the artifact was compiled for the other --kernel choice; compile it again with that choice".into(),
                 ));
+            }
+            let compiled_for = artifact.options.build.cpu_tier;
+            if args.cpu_tier != CpuTier::Auto && args.cpu_tier != compiled_for {
+                return Err(Error::Usage(format!(
+                    "the artifact was compiled for --cpu-tier {compiled_for}; run it without --cpu-tier or compile it again with --cpu-tier {}",
+                    args.cpu_tier
+                )));
             }
             artifact.compile(registry)?
         }

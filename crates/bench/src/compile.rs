@@ -212,7 +212,10 @@ impl CompileBench {
             _ => 1,
         };
         let spec = FusedQkvSpec { num_layers: layers, ..self.shape.spec(self.dtype, self.page_size, Some((1, 1))) };
-        spec.kernel_key().to_string()
+        // The graphs build their kernels on the widest tier this CPU runs.
+        let tier =
+            kvjit_jit::microkernel::resolve_tier(kvjit_core::CpuTier::Auto).unwrap_or(kvjit_core::CpuTier::Cranelift);
+        kvjit_op_fused_qkv::cpu_jit::tier_key(&spec, tier).to_string()
     }
 
     /// One decode token for the one-layer graph: inputs and a cache.

@@ -4,6 +4,11 @@
 //!   exact B and S (a fully static key, `…b4.s16`);
 //! - [`Implementation::Generic`]: the JIT kernel of the symbolic key
 //!   (`…bany.sany`), which reads M at run time — one kernel serves every M;
+//! - both on the widest CPU tier this machine runs (`…cpu-avx2…` where it
+//!   has AVX2), and again on the pure-Cranelift tier
+//!   ([`Implementation::SpecializedCranelift`],
+//!   [`Implementation::GenericCranelift`]), so a run shows what the 256-bit
+//!   tier buys;
 //! - [`Implementation::Reference`]: the plain Rust reference, one thread;
 //! - the peers, written as a user of a GEMM library writes the op: multiply
 //!   into an `[M, N]` f32 buffer, copy Q out, then scatter each valid token's
@@ -13,61 +18,91 @@
 //!     path uses), parallel on the context's worker pool;
 //!   - [`Implementation::MatrixMultiplyScatter`] — `matrixmultiply::sgemm`
 //!     (what ndarray uses), its columns split over the worker threads (its
-//!     own threading is fixed by an environment variable at first use).
+//!     own threading is fixed by an environment variable at first use);
+//!   - `Implementation::OpenBlasScatter` (only with the crate feature
+//!     `openblas`, which links the system's `libopenblas`; see
+//!     `scripts/install-openblas.sh`) — OpenBLAS's `cblas_sgemm`, called on
+//!     the calling thread with OpenBLAS's own pool set to the context's
+//!     thread count.
 //!
-//! Both GEMM libraries are f32-only here (`gemm` has no bf16). For bf16 and
-//! f16 the peers run as such a user would: the weight converted to f32 once
-//! when loaded (not timed; they then stream twice the weight bytes), X
+//! The GEMM libraries are used f32-only here (`gemm` has no bf16). For bf16
+//! and f16 the peers run as such a user would: the weight converted to f32
+//! once when loaded (not timed; they then stream twice the weight bytes), X
 //! widened per call, results rounded back when stored (timed).
 
 use std::sync::Arc;
 
 use half::slice::HalfFloatSliceExt;
-use kvjit_core::{DType, PagedKVCacheCollection, TensorData};
+use kvjit_core::{CpuTier, DType, PagedKVCacheCollection, TensorData};
 use kvjit_jit::CaptureText;
 use kvjit_op_fused_qkv::reference::fused_qkv_matmul;
 use kvjit_op_fused_qkv::{JitKernel, QkvArgs};
 use kvjit_runtime::{DeviceContextPtr, RuntimeError};
 
-use super::problem::{ModelShape, Problem, Weights, convert_to_f32};
+use super::problem::{ModelShape, Point, Problem, Weights, convert_to_f32};
 use crate::{Error, Result};
 
 /// Something a benchmark can time.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Implementation {
-    /// JIT kernel with B and S baked in.
+    /// JIT kernel with B and S baked in, on the widest CPU tier (the
+    /// 256-bit tier where the CPU has AVX2).
     Specialized,
-    /// JIT kernel with B and S read at run time.
+    /// JIT kernel with B and S read at run time, on the widest CPU tier.
     Generic,
+    /// [`Specialized`](Self::Specialized) on the pure-Cranelift tier.
+    SpecializedCranelift,
+    /// [`Generic`](Self::Generic) on the pure-Cranelift tier.
+    GenericCranelift,
     /// The plain Rust reference (one thread).
     Reference,
     /// `gemm` crate into `[M, N]`, then copy Q and scatter K/V.
     GemmScatter,
     /// `matrixmultiply::sgemm` into `[M, N]`, then copy Q and scatter K/V.
     MatrixMultiplyScatter,
+    /// OpenBLAS's `cblas_sgemm` into `[M, N]`, then copy Q and scatter K/V
+    /// (crate feature `openblas`).
+    #[cfg(feature = "openblas")]
+    OpenBlasScatter,
 }
+
+/// How many peers exist only with a crate feature and are built in.
+const OPTIONAL_PEERS: usize = cfg!(feature = "openblas") as usize;
 
 impl Implementation {
     /// Every implementation, in report order.
-    pub const ALL: [Implementation; 5] = [
+    pub const ALL: [Implementation; 7 + OPTIONAL_PEERS] = [
         Implementation::Specialized,
         Implementation::Generic,
+        Implementation::SpecializedCranelift,
+        Implementation::GenericCranelift,
         Implementation::Reference,
         Implementation::GemmScatter,
         Implementation::MatrixMultiplyScatter,
+        #[cfg(feature = "openblas")]
+        Implementation::OpenBlasScatter,
     ];
 
     /// The peers (GEMM library + scatter).
-    pub const PEERS: [Implementation; 2] = [Implementation::GemmScatter, Implementation::MatrixMultiplyScatter];
+    pub const PEERS: [Implementation; 2 + OPTIONAL_PEERS] = [
+        Implementation::GemmScatter,
+        Implementation::MatrixMultiplyScatter,
+        #[cfg(feature = "openblas")]
+        Implementation::OpenBlasScatter,
+    ];
 
     /// Identifier used in benchmark ids, JSON and `--impls`.
     pub fn id(self) -> &'static str {
         match self {
             Implementation::Specialized => "specialized",
             Implementation::Generic => "generic",
+            Implementation::SpecializedCranelift => "specialized_cranelift",
+            Implementation::GenericCranelift => "generic_cranelift",
             Implementation::Reference => "reference",
             Implementation::GemmScatter => "gemm_scatter",
             Implementation::MatrixMultiplyScatter => "matrixmultiply_scatter",
+            #[cfg(feature = "openblas")]
+            Implementation::OpenBlasScatter => "openblas_scatter",
         }
     }
 
@@ -76,9 +111,22 @@ impl Implementation {
         match self {
             Implementation::Specialized => "kvjit specialized",
             Implementation::Generic => "kvjit generic",
+            Implementation::SpecializedCranelift => "kvjit specialized (Cranelift tier)",
+            Implementation::GenericCranelift => "kvjit generic (Cranelift tier)",
             Implementation::Reference => "reference",
             Implementation::GemmScatter => "gemm+scatter",
             Implementation::MatrixMultiplyScatter => "matrixmultiply+scatter",
+            #[cfg(feature = "openblas")]
+            Implementation::OpenBlasScatter => "OpenBLAS+scatter",
+        }
+    }
+
+    /// The CPU tier a JIT implementation builds its kernels for.
+    pub fn cpu_tier(self) -> Option<CpuTier> {
+        match self {
+            Implementation::Specialized | Implementation::Generic => Some(CpuTier::Auto),
+            Implementation::SpecializedCranelift | Implementation::GenericCranelift => Some(CpuTier::Cranelift),
+            _ => None,
         }
     }
 
@@ -104,19 +152,20 @@ fn jit_error(e: kvjit_jit::JitError) -> Error {
 /// each node of a model does).
 pub type LayerKernels = Arc<Vec<JitKernel>>;
 
-fn layer_kernels(spec: kvjit_op_fused_qkv::FusedQkvSpec, weights: &Weights) -> Result<LayerKernels> {
+fn layer_kernels(spec: kvjit_op_fused_qkv::FusedQkvSpec, weights: &Weights, tier: CpuTier) -> Result<LayerKernels> {
     let kernels = weights
         .layers
         .iter()
-        .map(|w| JitKernel::new(spec, Some(w.clone()), CaptureText::default()).map_err(jit_error))
+        .map(|w| JitKernel::with_tier(spec, Some(w.clone()), CaptureText::default(), false, tier).map_err(jit_error))
         .collect::<Result<Vec<_>>>()?;
     Ok(Arc::new(kernels))
 }
 
-/// The generic JIT kernels of a shape (weights packed now, as for graph
-/// constants); they serve every M of that shape, dtype and page size.
+/// The generic JIT kernels of a shape on the widest CPU tier (weights
+/// packed now, as for graph constants); they serve every M of that shape,
+/// dtype and page size.
 pub fn generic_kernels(shape: &ModelShape, dtype: DType, page_size: usize, weights: &Weights) -> Result<LayerKernels> {
-    layer_kernels(shape.spec(dtype, page_size, None), weights)
+    layer_kernels(shape.spec(dtype, page_size, None), weights, CpuTier::Auto)
 }
 
 /// One implementation, ready to run calls of one [`Problem`].
@@ -139,25 +188,36 @@ struct PeerBuffers {
     c: Vec<f32>,
 }
 
+impl PeerBuffers {
+    fn new(point: &Point) -> Self {
+        let x_len = if point.dtype == DType::F32 { 0 } else { point.m * point.shape.k };
+        Self { x: vec![0.0; x_len], c: vec![0.0; point.m * point.shape.n()] }
+    }
+}
+
 impl Runner {
     /// A runner for `implementation` on `problem`. `generic` are the
     /// shape's generic kernels (made here when `None` and needed).
     pub fn new(implementation: Implementation, problem: &Problem, generic: Option<&LayerKernels>) -> Result<Self> {
         let point = &problem.point;
         let state = match implementation {
-            Implementation::Specialized => {
+            Implementation::Specialized | Implementation::SpecializedCranelift => {
                 let spec = point.shape.spec(point.dtype, point.page_size, Some((problem.batch, problem.seq)));
-                State::Jit(layer_kernels(spec, &problem.weights)?)
+                let tier = implementation.cpu_tier().unwrap_or_default();
+                State::Jit(layer_kernels(spec, &problem.weights, tier)?)
             }
             Implementation::Generic => State::Jit(match generic {
                 Some(kernels) => kernels.clone(),
                 None => generic_kernels(&point.shape, point.dtype, point.page_size, &problem.weights)?,
             }),
-            Implementation::Reference => State::Reference,
-            Implementation::GemmScatter | Implementation::MatrixMultiplyScatter => {
-                let x_len = if point.dtype == DType::F32 { 0 } else { point.m * point.shape.k };
-                State::Peer(PeerBuffers { x: vec![0.0; x_len], c: vec![0.0; point.m * point.shape.n()] })
+            Implementation::GenericCranelift => {
+                let spec = point.shape.spec(point.dtype, point.page_size, None);
+                State::Jit(layer_kernels(spec, &problem.weights, CpuTier::Cranelift)?)
             }
+            Implementation::Reference => State::Reference,
+            Implementation::GemmScatter | Implementation::MatrixMultiplyScatter => State::Peer(PeerBuffers::new(point)),
+            #[cfg(feature = "openblas")]
+            Implementation::OpenBlasScatter => State::Peer(PeerBuffers::new(point)),
         };
         Ok(Self { implementation, state, next_layer: 0 })
     }
@@ -213,6 +273,8 @@ impl Runner {
                 let w = p.weights.as_f32(l);
                 match self.implementation {
                     Implementation::GemmScatter => gemm_f32(m, n, k, x, w, c, ctx),
+                    #[cfg(feature = "openblas")]
+                    Implementation::OpenBlasScatter => openblas::sgemm_f32(m, n, k, x, w, c, threads_of(ctx)),
                     _ => matrixmultiply_f32(m, n, k, x, w, c, ctx),
                 }
                 scatter(p, c)?;
@@ -308,6 +370,81 @@ fn matrixmultiply_f32(m: usize, n: usize, k: usize, x: &[f32], w: &[f32], c: &mu
             }
         }),
         _ => run(0, n),
+    }
+}
+
+/// OpenBLAS, linked from the system (`libopenblas.so`, LP64: 32-bit `int`
+/// dimensions, as Debian's `libopenblas-dev` ships it); the two functions
+/// used are declared here as in OpenBLAS's `cblas.h`.
+#[cfg(feature = "openblas")]
+mod openblas {
+    use std::ffi::c_int;
+
+    /// `CblasRowMajor` (`enum CBLAS_ORDER`, passed as an `int`).
+    const ROW_MAJOR: c_int = 101;
+    /// `CblasNoTrans` (`enum CBLAS_TRANSPOSE`).
+    const NO_TRANS: c_int = 111;
+    /// `CblasTrans`.
+    const TRANS: c_int = 112;
+
+    #[link(name = "openblas")]
+    unsafe extern "C" {
+        fn cblas_sgemm(
+            order: c_int,
+            trans_a: c_int,
+            trans_b: c_int,
+            m: c_int,
+            n: c_int,
+            k: c_int,
+            alpha: f32,
+            a: *const f32,
+            lda: c_int,
+            b: *const f32,
+            ldb: c_int,
+            beta: f32,
+            c: *mut f32,
+            ldc: c_int,
+        );
+        fn openblas_set_num_threads(num_threads: c_int);
+    }
+
+    /// `c[M, N] = x[M, K] · w[N, K]ᵀ` with `cblas_sgemm` on the calling
+    /// thread, OpenBLAS's own pool set to `threads` first (a process-wide
+    /// setting; cheap when unchanged).
+    pub(super) fn sgemm_f32(m: usize, n: usize, k: usize, x: &[f32], w: &[f32], c: &mut [f32], threads: usize) {
+        assert!(x.len() >= m * k && w.len() >= n * k && c.len() >= m * n, "peer buffers sized for the problem");
+        let dim = |d: usize| c_int::try_from(d).expect("GEMM dimensions fit OpenBLAS's 32-bit int");
+        let (mi, ni, ki) = (dim(m), dim(n), dim(k));
+        let threads = dim(threads.max(1));
+        // SAFETY: no pointers cross; `threads` is at least 1 and fits in an
+        // int (checked just above), the range OpenBLAS documents; it clamps
+        // the count to its compile-time maximum and takes its server lock
+        // when it grows its pool.
+        unsafe { openblas_set_num_threads(threads) };
+        // SAFETY: the assert and `dim` checks above: x is [m, k] row-major
+        // (A, not transposed, lda = k), w is [n, k] row-major, read as
+        // Bᵀ [k, n] (B transposed, ldb = k), and c is [m, n] row-major
+        // (ldc = n), each at least that long; every dimension fits in an int;
+        // c is a unique borrow, so it aliases neither input; OpenBLAS returns
+        // only when the product is written.
+        unsafe {
+            cblas_sgemm(
+                ROW_MAJOR,
+                NO_TRANS,
+                TRANS,
+                mi,
+                ni,
+                ki,
+                1.0,
+                x.as_ptr(),
+                ki,
+                w.as_ptr(),
+                ki,
+                0.0,
+                c.as_mut_ptr(),
+                ni,
+            )
+        }
     }
 }
 

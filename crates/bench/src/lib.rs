@@ -41,7 +41,7 @@ pub use compile::{CompileBench, CompileCase, CompileRun};
 pub use impls::{Implementation, LayerKernels, Runner, generic_kernels};
 pub use problem::{ModelShape, Point, Problem, Weights};
 pub use report::{CompileReport, CompileResult, GroupResult, ImplResult, PointResult, Report};
-pub use roofline::{Bound, FmaProbe, ReadProbe, Roof, RoofPlan, RoofSamples};
+pub use roofline::{Bound, Fma256Probe, FmaProbe, ReadProbe, Roof, RoofPlan, RoofSamples};
 pub use timing::{Measurement, Plan, Stats, measure_interleaved};
 
 /// The benchmarks fail with the facade's error: every layer's error, plus
@@ -350,6 +350,7 @@ pub fn run(config: &BenchConfig, progress: &mut dyn FnMut(&Progress)) -> Result<
         mode: config.mode.clone(),
         threads,
         cpu: cpu_name(),
+        thp: roofline::thp_mode(),
         duration: started.elapsed(),
         roof: roof_samples.roof(threads),
         groups,

@@ -26,6 +26,9 @@ pub struct Report {
     pub threads: usize,
     /// The CPU, as the OS names it.
     pub cpu: String,
+    /// The transparent-huge-page mode (`always`, `madvise`, `never`, or
+    /// `unknown`): see [`crate::roofline::thp_mode`].
+    pub thp: String,
     /// Wall time of the whole run.
     pub duration: Duration,
     /// The roofs, measured at the start and at the end of the run.
@@ -109,9 +112,14 @@ impl PointResult {
         self.impls.iter().find(|r| r.implementation == implementation).map(|r| r.time.median)
     }
 
-    /// Which roof binds here and the FLOP/s it allows.
+    /// Which roof binds here and the FLOP/s it allows (128-bit FMA).
     pub fn roof(&self, roof: &Roof) -> (Bound, f64) {
         roof.attainable(self.point.flops(), self.point.min_traffic_bytes())
+    }
+
+    /// The same on the 256-bit FMA rate, where it was measured.
+    pub fn roof_256(&self, roof: &Roof) -> Option<(Bound, f64)> {
+        roof.attainable_256(self.point.flops(), self.point.min_traffic_bytes())
     }
 }
 
@@ -151,6 +159,14 @@ fn format_rate(value: f64) -> String {
     if value >= 100.0 { format!("{value:.0}") } else { format!("{value:.1}") }
 }
 
+/// `madvise (read-probe buffer 100% in huge pages)`, or the mode alone.
+fn huge_pages_line(thp: &str, roof: &Roof) -> String {
+    match roof.read_huge_page_fraction {
+        Some(f) => format!("{thp} (read-probe buffer {:.0}% in huge pages)", f * 100.0),
+        None => thp.to_string(),
+    }
+}
+
 fn stats_json(s: &Stats) -> Value {
     json!({ "median": s.median, "min": s.min, "max": s.max, "q1": s.q1, "q3": s.q3, "samples": s.samples })
 }
@@ -170,15 +186,26 @@ impl Report {
         let _ = writeln!(s, "# kvjit bench ({}, {} threads)\n", self.mode, self.threads);
         let _ = writeln!(
             s,
-            "CPU: {}; kvjit {}; run took {:.0} s.\n",
+            "CPU: {}; transparent huge pages: {}; kvjit {}; run took {:.0} s.\n",
             self.cpu,
+            huge_pages_line(&self.thp, roof),
             env!("CARGO_PKG_VERSION"),
             self.duration.as_secs_f64()
         );
+        let fma256 = match &roof.fma256_flops_per_s {
+            Some(f) => format!(
+                "; 256-bit FMA **{:.1} GFLOP/s** ({:.1}–{:.1}), AVX2 (the GEMM-library peers' width)",
+                f.median / 1e9,
+                f.min / 1e9,
+                f.max / 1e9
+            ),
+            None => "; no 256-bit FMA (no AVX2 + FMA)".into(),
+        };
         let _ = writeln!(
             s,
             "Roofs, {} threads, measured at the start and end of this run (median, min–max): read bandwidth \
-             **{:.1} GB/s** ({:.1}–{:.1}); 128-bit FMA **{:.1} GFLOP/s** ({:.1}–{:.1}).\n",
+             **{:.1} GB/s** ({:.1}–{:.1}); 128-bit FMA **{:.1} GFLOP/s** ({:.1}–{:.1}){fma256}. The *roof* column \
+             uses the 128-bit rate; the plot draws both FMA roofs.\n",
             roof.threads,
             roof.read_bytes_per_s.median / 1e9,
             roof.read_bytes_per_s.min / 1e9,
@@ -190,7 +217,7 @@ impl Report {
         s.push_str(
             "Times are medians of interleaved samples (spread: fastest–slowest sample). GFLOP/s = 2·M·N·K / time; \
              weight GB/s = weight bytes / time. *vs X* = X's median time / this one's (above 1: faster than X). \
-             *roof* = min(FMA rate, bandwidth × FLOPs per byte of least traffic), named by which one binds; \
+             *roof* = min(128-bit FMA rate, bandwidth × FLOPs per byte of least traffic), named by which one binds; \
              *of roof* = GFLOP/s / roof.\n",
         );
         let baselines = self.baselines();
@@ -300,6 +327,9 @@ impl Report {
                             "weight_bytes": p.point.weight_bytes(),
                             "min_traffic_bytes": p.point.min_traffic_bytes(),
                             "roof": { "bound": bound.id(), "gflops": attainable / 1e9 },
+                            "roof_256": p.roof_256(roof).map(|(bound, attainable)| {
+                                json!({ "bound": bound.id(), "gflops": attainable / 1e9 })
+                            }),
                             "implementations": impls,
                         })
                     })
@@ -336,13 +366,17 @@ impl Report {
             "mode": self.mode,
             "threads": self.threads,
             "cpu": self.cpu,
+            "thp": self.thp,
             "duration_s": self.duration.as_secs_f64(),
             "statistics": "time_s: seconds per call over samples (median, min, max, quartiles); rates are work / time \
-                           of the same statistic; speedup_vs.X = X median time / this median time",
+                           of the same statistic; speedup_vs.X = X median time / this median time; roof uses the \
+                           128-bit FMA rate, roof_256 the 256-bit (AVX2) one",
             "roof": {
                 "threads": roof.threads,
                 "read_gbs": stats_json(&roof.read_bytes_per_s.scaled(1e-9)),
                 "fma_gflops": stats_json(&roof.fma_flops_per_s.scaled(1e-9)),
+                "fma256_gflops": roof.fma256_flops_per_s.map(|f| stats_json(&f.scaled(1e-9))),
+                "read_huge_page_fraction": roof.read_huge_page_fraction,
             },
             "groups": groups,
             "compile_latency": compile,
@@ -351,7 +385,8 @@ impl Report {
 
     /// An SVG plot (drawn with `plotters`): one panel per group, GFLOP/s
     /// against M (both log scale), one line per implementation, the roofline
-    /// dashed.
+    /// on the 128-bit FMA rate dashed black, the one on the 256-bit rate
+    /// (where measured) dashed brown.
     pub fn to_svg(&self) -> String {
         svg::plot(self)
     }
@@ -376,6 +411,19 @@ mod svg {
 
     use super::{GroupResult, Implementation, Report};
 
+    /// What a legend entry shows.
+    #[derive(Clone, Copy)]
+    enum Key {
+        Implementation(Implementation),
+        /// The roofline on the 128-bit FMA rate.
+        Roof,
+        /// The roofline on the 256-bit FMA rate.
+        Roof256,
+    }
+
+    /// The 256-bit roof's colour.
+    const ROOF_256: RGBColor = RGBColor(0x8c, 0x56, 0x4b);
+
     const PANEL_W: u32 = 460;
     const PANEL_H: u32 = 300;
     const LEFT: u32 = 62;
@@ -394,9 +442,13 @@ mod svg {
         match i {
             Implementation::Specialized => RGBColor(0xd6, 0x27, 0x28),
             Implementation::Generic => RGBColor(0xff, 0x7f, 0x0e),
+            Implementation::SpecializedCranelift => RGBColor(0xe3, 0x77, 0xc2),
+            Implementation::GenericCranelift => RGBColor(0xbc, 0xbd, 0x22),
             Implementation::Reference => RGBColor(0x7f, 0x7f, 0x7f),
             Implementation::GemmScatter => RGBColor(0x1f, 0x77, 0xb4),
             Implementation::MatrixMultiplyScatter => RGBColor(0x2c, 0xa0, 0x2c),
+            #[cfg(feature = "openblas")]
+            Implementation::OpenBlasScatter => RGBColor(0x94, 0x67, 0xbd),
         }
     }
 
@@ -428,8 +480,8 @@ mod svg {
     }
 
     /// A dashed horizontal legend sample from `x` to `x + 24` at `y`.
-    fn dashes(x: i32, y: i32) -> impl Iterator<Item = PathElement<(i32, i32)>> {
-        (0..3).map(move |i| PathElement::new(vec![(x + 8 * i, y), (x + 8 * i + 5, y)], BLACK.stroke_width(2)))
+    fn dashes(x: i32, y: i32, color: RGBColor) -> impl Iterator<Item = PathElement<(i32, i32)>> {
+        (0..3).map(move |i| PathElement::new(vec![(x + 8 * i, y), (x + 8 * i + 5, y)], color.stroke_width(2)))
     }
 
     /// # Panics
@@ -440,22 +492,25 @@ mod svg {
         let cols = groups.len().clamp(1, 2) as u32;
         let rows = (groups.len() as u32).div_ceil(cols).max(1);
         let width = cols * PANEL_W;
-        // Legend entries (implementation, or None for the roof), flowed into rows.
-        let mut entries: Vec<(Option<Implementation>, String)> = Implementation::ALL
+        // Legend entries (implementations, then the roofs), flowed into rows.
+        let mut entries: Vec<(Key, String)> = Implementation::ALL
             .into_iter()
             .filter(|i| groups.iter().flat_map(|g| &g.points).any(|p| p.median(*i).is_some()))
-            .map(|i| (Some(i), i.label().to_string()))
+            .map(|i| (Key::Implementation(i), i.label().to_string()))
             .collect();
-        entries.push((None, "roof: min(FMA, bandwidth × FLOP/byte)".into()));
+        entries.push((Key::Roof, "128-bit FMA roof: min(FMA, bandwidth × FLOP/byte)".into()));
+        if report.roof.fma256_flops_per_s.is_some() {
+            entries.push((Key::Roof256, "256-bit FMA roof: min(FMA256, bandwidth × FLOP/byte)".into()));
+        }
         let mut placed = Vec::new();
         let (mut x, mut y) = (10.0, 40.0);
-        for (implementation, label) in entries {
+        for (key, label) in entries {
             let w = 44.0 + 6.6 * label.chars().count() as f64;
             if x + w > f64::from(width) - 10.0 && x > 10.0 {
                 x = 10.0;
                 y += 18.0;
             }
-            placed.push((x as i32, y as i32, implementation, label));
+            placed.push((x as i32, y as i32, key, label));
             x += w;
         }
         let header = y as u32 + 16;
@@ -474,21 +529,22 @@ mod svg {
         report: &Report,
         header: u32,
         (rows, cols): (u32, u32),
-        legend: &[(i32, i32, Option<Implementation>, String)],
+        legend: &[(i32, i32, Key, String)],
     ) -> DrawResult<()> {
         root.fill(&WHITE)?;
         let title = format!("kvjit bench ({}, {} threads): GFLOP/s vs M (medians)", report.mode, report.threads);
         root.draw(&Text::new(title, (10, 20), font(TITLE, true).pos(Pos::new(HPos::Left, VPos::Bottom))))?;
         let label_style = font(SMALL, false).pos(Pos::new(HPos::Left, VPos::Center));
-        for (x, y, implementation, label) in legend {
+        for (x, y, key, label) in legend {
             let (x, y) = (*x, *y);
-            match implementation {
-                Some(i) => {
-                    root.draw(&PathElement::new(vec![(x, y), (x + 24, y)], color(*i).stroke_width(2)))?;
-                    root.draw(&Circle::new((x + 12, y), 3, color(*i).filled()))?;
+            match *key {
+                Key::Implementation(i) => {
+                    root.draw(&PathElement::new(vec![(x, y), (x + 24, y)], color(i).stroke_width(2)))?;
+                    root.draw(&Circle::new((x + 12, y), 3, color(i).filled()))?;
                 }
-                None => {
-                    for dash in dashes(x, y) {
+                Key::Roof | Key::Roof256 => {
+                    let roof_color = if matches!(key, Key::Roof) { BLACK } else { ROOF_256 };
+                    for dash in dashes(x, y, roof_color) {
                         root.draw(&dash)?;
                     }
                 }
@@ -516,18 +572,21 @@ mod svg {
         let first = &g.points[0].point;
         let flops_per_row = first.flops() / first.m as f64;
         let bytes_per_row = (first.min_traffic_bytes() - first.weight_bytes()) / first.m as f64;
-        let roof_at =
-            |m: f64| report.roof.attainable(m * flops_per_row, first.weight_bytes() + m * bytes_per_row).1 / 1e9;
-        let roof: Vec<(f64, f64)> = (0..=48)
-            .map(|i| x_lo * (x_hi / x_lo).powf(f64::from(i) / 48.0))
-            .map(|m| (m, roof_at(m)))
-            .filter(|(_, v)| v.is_finite() && *v > 0.0)
-            .collect();
+        let bytes_at = |m: f64| first.weight_bytes() + m * bytes_per_row;
+        let curve = |roof_at: &dyn Fn(f64) -> Option<f64>| -> Vec<(f64, f64)> {
+            (0..=48)
+                .map(|i| x_lo * (x_hi / x_lo).powf(f64::from(i) / 48.0))
+                .filter_map(|m| Some((m, roof_at(m)? / 1e9)))
+                .filter(|(_, v)| v.is_finite() && *v > 0.0)
+                .collect()
+        };
+        let roof = curve(&|m| Some(report.roof.attainable(m * flops_per_row, bytes_at(m)).1));
+        let roof_256 = curve(&|m| Some(report.roof.attainable_256(m * flops_per_row, bytes_at(m))?.1));
         let values: Vec<f64> = g
             .points
             .iter()
             .flat_map(|p| p.impls.iter().map(|r| r.gflops(&p.point)))
-            .chain(roof.iter().map(|(_, v)| *v))
+            .chain(roof.iter().chain(&roof_256).map(|(_, v)| *v))
             .filter(|v| v.is_finite() && *v > 0.0)
             .collect();
         if values.is_empty() {
@@ -562,8 +621,11 @@ mod svg {
         chart
             .plotting_area()
             .draw(&Rectangle::new([(x_lo, v_lo), (x_hi, v_hi)], RGBColor(0x44, 0x44, 0x44).stroke_width(1)))?;
-        // Roofline, dashed.
+        // Rooflines, dashed: 128-bit FMA black, 256-bit FMA brown.
         chart.draw_series(DashedLineSeries::new(roof, 5, 3, BLACK.stroke_width(1)))?;
+        if !roof_256.is_empty() {
+            chart.draw_series(DashedLineSeries::new(roof_256, 8, 4, ROOF_256.stroke_width(1)))?;
+        }
         // One line per implementation, a dot per point.
         for i in Implementation::ALL {
             let pts: Vec<(f64, f64)> = g
@@ -580,5 +642,80 @@ mod svg {
             chart.draw_series(pts.iter().map(|&p| Circle::new(p, 3, color(i).filled())))?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn report(fma256: bool) -> Report {
+        let stats = |v: f64| Stats::from_samples(&[v]);
+        let shape = ModelShape::parse("64/4/2/16").unwrap();
+        let points = [1, 8]
+            .into_iter()
+            .map(|m| {
+                let point = Point { shape: shape.clone(), dtype: DType::F32, page_size: 4, m };
+                let impls = [Implementation::Specialized, Implementation::GemmScatter]
+                    .into_iter()
+                    .map(|implementation| ImplResult {
+                        implementation,
+                        kernel_key: None,
+                        time: stats(1e-6 * m as f64),
+                        calls_per_sample: 1,
+                    })
+                    .collect();
+                PointResult { point, batch: 1, seq: m, impls }
+            })
+            .collect();
+        Report {
+            mode: "test".into(),
+            threads: 2,
+            cpu: "a CPU".into(),
+            thp: "madvise".into(),
+            duration: Duration::from_secs(1),
+            roof: Roof {
+                threads: 2,
+                read_bytes_per_s: stats(150e9),
+                fma_flops_per_s: stats(90e9),
+                fma256_flops_per_s: fma256.then(|| stats(180e9)),
+                read_huge_page_fraction: Some(1.0),
+            },
+            groups: vec![GroupResult { shape, dtype: DType::F32, page_size: 4, generic_key: "g".into(), points }],
+            compile: None,
+        }
+    }
+
+    #[test]
+    fn header_and_roofs_render_in_every_format() {
+        let with = report(true);
+        let markdown = with.to_markdown();
+        assert!(
+            markdown.contains("transparent huge pages: madvise (read-probe buffer 100% in huge pages)"),
+            "{markdown}"
+        );
+        assert!(
+            markdown.contains("128-bit FMA **90.0 GFLOP/s**") && markdown.contains("256-bit FMA **180.0 GFLOP/s**")
+        );
+        let json = with.to_json();
+        assert_eq!(json["thp"], "madvise");
+        let gflops = |what: &str| json["roof"][what]["median"].as_f64().unwrap();
+        assert!((gflops("fma_gflops") - 90.0).abs() < 1e-9 && (gflops("fma256_gflops") - 180.0).abs() < 1e-9);
+        assert_eq!(json["roof"]["read_huge_page_fraction"], 1.0);
+        let point = &json["groups"][0]["points"][1];
+        // At M = 8 both roofs are FMA-bound (over 3 FLOP/byte × 150 GB/s > 180 GFLOP/s).
+        assert_eq!((&point["roof"]["bound"], &point["roof_256"]["bound"]), (&json!("fma"), &json!("fma")));
+        assert_eq!((point["roof"]["gflops"].as_f64(), point["roof_256"]["gflops"].as_f64()), (Some(90.0), Some(180.0)));
+        let svg = with.to_svg().to_lowercase();
+        assert!(svg.contains("128-bit fma roof: min(fma, bandwidth × flop/byte)"), "{svg}");
+        assert!(svg.contains("256-bit fma roof"), "{svg}");
+        assert!(svg.lines().any(|l| l.starts_with("<polyline") && l.contains(r##"stroke="#8c564b""##)), "{svg}");
+
+        let without = report(false);
+        assert!(without.to_markdown().contains("no 256-bit FMA"));
+        let json = without.to_json();
+        assert!(json["roof"]["fma256_gflops"].is_null() && json["groups"][0]["points"][0]["roof_256"].is_null());
+        let svg = without.to_svg().to_lowercase();
+        assert!(!svg.contains("256-bit fma roof") && !svg.contains(r##"stroke="#8c564b""##), "{svg}");
     }
 }

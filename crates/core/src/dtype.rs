@@ -105,6 +105,54 @@ impl FromStr for Target {
     }
 }
 
+/// Which code the CPU target's JIT kernels run: Cranelift's own vectors
+/// (128-bit on x86-64, NEON on aarch64; every machine), or the Cranelift
+/// driver calling ahead-of-time AVX2+FMA micro-kernels for the innermost
+/// tile (x86-64 with AVX2, FMA and F16C). `Auto` picks the widest the CPU runs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CpuTier {
+    /// The widest tier this CPU runs (resolved when a kernel is built).
+    #[default]
+    Auto,
+    /// Pure Cranelift code.
+    Cranelift,
+    /// Cranelift driver + AVX2/FMA micro-kernels.
+    Avx2,
+}
+
+impl CpuTier {
+    /// Every tier name the CLI and graph files accept.
+    pub const NAMES: [&'static str; 3] = ["auto", "cranelift", "avx2"];
+
+    /// The lowercase name used in kernel keys (`cpu-avx2`) and the CLI.
+    pub fn name(self) -> &'static str {
+        match self {
+            CpuTier::Auto => "auto",
+            CpuTier::Cranelift => "cranelift",
+            CpuTier::Avx2 => "avx2",
+        }
+    }
+}
+
+impl fmt::Display for CpuTier {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for CpuTier {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self, Error> {
+        match s {
+            "auto" => Ok(CpuTier::Auto),
+            "cranelift" => Ok(CpuTier::Cranelift),
+            "avx2" => Ok(CpuTier::Avx2),
+            other => Err(Error::UnknownCpuTier(other.to_string())),
+        }
+    }
+}
+
 /// A floating element type that kernels convert to and from f32.
 ///
 /// `from_f32` rounds to nearest, ties to even (what `half` does), so every

@@ -28,6 +28,9 @@ pub enum Error {
     /// A target name that kvjit does not know.
     #[error("unknown target '{0}': expected cpu or cuda")]
     UnknownTarget(String),
+    /// A CPU tier name that kvjit does not know.
+    #[error("unknown CPU tier '{0}': expected auto, cranelift or avx2")]
+    UnknownCpuTier(String),
     /// A shape whose element count overflows usize.
     #[error("shape {0:?} has more elements than fit in memory")]
     ShapeOverflow(Vec<usize>),

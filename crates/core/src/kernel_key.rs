@@ -50,6 +50,9 @@ impl fmt::Display for KeyField {
 pub struct KernelKey {
     op: String,
     target: Target,
+    /// The code tier within the target (`avx2` in `cpu-avx2`), when the
+    /// kernel's code depends on one.
+    variant: Option<String>,
     dtype: DType,
     fields: Vec<(String, KeyField)>,
 }
@@ -57,7 +60,19 @@ pub struct KernelKey {
 impl KernelKey {
     /// A key with no dims yet.
     pub fn new(op: &str, target: Target, dtype: DType) -> Self {
-        Self { op: op.to_string(), target, dtype, fields: Vec::new() }
+        Self { op: op.to_string(), target, variant: None, dtype, fields: Vec::new() }
+    }
+
+    /// Name the code tier the kernel is built for; the key's target then
+    /// reads `target-variant` (e.g. `cpu-avx2`).
+    pub fn with_variant(mut self, variant: &str) -> Self {
+        self.variant = Some(variant.to_string());
+        self
+    }
+
+    /// The code tier, if the key names one.
+    pub fn variant(&self) -> Option<&str> {
+        self.variant.as_deref()
     }
 
     /// Append a labelled field (labels are short lowercase tags like `k`, `hkv`).
@@ -132,7 +147,11 @@ impl KernelKey {
 
 impl fmt::Display for KernelKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}.{}.{}", self.op, self.target, self.dtype)?;
+        write!(f, "{}.{}", self.op, self.target)?;
+        if let Some(variant) = &self.variant {
+            write!(f, "-{variant}")?;
+        }
+        write!(f, ".{}", self.dtype)?;
         for (label, dim) in &self.fields {
             write!(f, ".{label}{dim}")?;
         }
@@ -153,5 +172,9 @@ mod tests {
         assert_eq!(key.symbol(), "fused_qkv_bshd_paged_cpu_bf16_hkv8_bany");
         assert!(!key.is_fully_static());
         assert_eq!(key.get("hkv"), Some(KeyField::Static(8)));
+        let tiered = key.clone().with_variant("avx2");
+        assert_eq!(tiered.to_string(), "fused_qkv_bshd_paged.cpu-avx2.bf16.hkv8.bany");
+        assert_eq!(tiered.variant(), Some("avx2"));
+        assert_ne!(tiered, key);
     }
 }

@@ -14,7 +14,7 @@ mod kv_cache;
 mod safetensors_io;
 mod tensor;
 
-pub use dtype::{DType, Element, Target};
+pub use dtype::{CpuTier, DType, Element, Target};
 pub use error::{Error, Result};
 pub use kernel_key::{KernelKey, KeyField};
 pub use kv_cache::{KvCacheParams, PagedKVCacheCollection, UNASSIGNED_PAGE};

@@ -11,6 +11,9 @@
 //!   (`fn(args: *const u64, begin, end)`) and the one typed, documented
 //!   `unsafe` entry that splits a kernel's work items over the worker pool
 //!   of a `DeviceContextPtr`.
+//! - [`microkernel`]: the 256-bit tier — AVX2/FMA tile micro-kernels compiled
+//!   ahead of time, which Cranelift-emitted drivers call once per register
+//!   tile; [`microkernel::resolve_tier`] picks the tier a kernel is built for.
 //! - [`kernels`]: the process-wide [`KernelCache`] — compile once per
 //!   [`KernelKey`](kvjit_core::KernelKey), share across nodes, graphs and
 //!   threads, free when the last user drops, and log every compile with its
@@ -27,6 +30,7 @@ mod cache;
 mod function;
 pub mod ir;
 mod kernel;
+pub mod microkernel;
 
 pub use cache::{CompileCause, CompileRecord, CompiledArtifact, KernelCache};
 pub use cranelift_codegen;

@@ -28,7 +28,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use kvjit_core::{DType, MappedBytes, PreparedConstant, Target, Tensor, WeightLoad};
+use kvjit_core::{CpuTier, DType, MappedBytes, PreparedConstant, Target, Tensor, WeightLoad};
 use kvjit_graph::{Graph, ValueDef, graph_from_json_prepared, graph_to_json, specialize};
 use kvjit_runtime::{BuildOptions, Executable, KernelImpl, Slot};
 use serde::{Deserialize, Serialize};
@@ -94,6 +94,10 @@ pub struct ArtifactHeader {
     pub target: Target,
     /// `fast` or `reference`.
     pub implementation: String,
+    /// The CPU tier its kernels were asked for (`auto` resolves on the
+    /// machine that runs it; the kernel keys name the tier they resolved to).
+    #[serde(default)]
+    pub cpu_tier: CpuTier,
     /// CPU features of the machine that prepared the constants.
     pub cpu_features: Vec<String>,
     /// The graph file it was compiled from, if any (a plain file name
@@ -213,6 +217,7 @@ pub fn write_artifact(
         kvjit_version: env!("CARGO_PKG_VERSION").to_string(),
         target: options.target,
         implementation: implementation_name(options.build.implementation).to_string(),
+        cpu_tier: options.build.cpu_tier,
         cpu_features: cpu_features(),
         source_graph,
         graph: graph_json,
@@ -449,7 +454,7 @@ pub fn load_artifact_with(path: &Path, registry: &Registry, weights: WeightLoad)
     let options = CompileOptions {
         target: header.target,
         bindings: BTreeMap::new(),
-        build: BuildOptions { implementation, ..BuildOptions::default() },
+        build: BuildOptions { implementation, cpu_tier: header.cpu_tier, ..BuildOptions::default() },
         memory_budget: None,
     };
     Ok(LoadedArtifact { path: path.to_path_buf(), header, graph, options })

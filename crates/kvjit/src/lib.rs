@@ -39,9 +39,9 @@ pub use registry::{Registry, standard_registry};
 
 pub use kvjit_core::Error as CoreError;
 pub use kvjit_core::{
-    DType, Element, KernelKey, KeyField, KvCacheParams, LoadedTensors, PagedKVCacheCollection, PreparedConstant,
-    Target, Tensor, TensorData, UNASSIGNED_PAGE, WeightLoad, bf16, f16, load_safetensors, read_safetensors,
-    read_safetensors_header, tensors_from_safetensors, tensors_to_safetensors, write_safetensors,
+    CpuTier, DType, Element, KernelKey, KeyField, KvCacheParams, LoadedTensors, PagedKVCacheCollection,
+    PreparedConstant, Target, Tensor, TensorData, UNASSIGNED_PAGE, WeightLoad, bf16, f16, load_safetensors,
+    read_safetensors, read_safetensors_header, tensors_from_safetensors, tensors_to_safetensors, write_safetensors,
 };
 pub use kvjit_graph::{
     ConstantInit, Dim, Graph, GraphBuilder, GraphError, KvCacheType, Llama3Scaling, OpRegistry, ParamValue, Params,

@@ -32,6 +32,9 @@ pub struct BuildOptions {
     /// for each shape it sees at run time (up to a few per kernel) instead of
     /// always running the generic one.
     pub specialize_shapes: bool,
+    /// Which CPU code tier JIT kernels run on (`Auto`: the widest the CPU
+    /// runs). Ops without a 256-bit tier ignore it.
+    pub cpu_tier: kvjit_core::CpuTier,
 }
 
 /// What a compiled kernel can say about its code.

@@ -30,24 +30,57 @@ use std::sync::Arc;
 
 use half::slice::HalfFloatSliceExt;
 use kvjit_core::{
-    DType, Error, KernelKey, PagedKVCacheCollection, PreparedConstant, Result, Tensor, TensorData, bf16, f16,
+    CpuTier, DType, Error, KernelKey, PagedKVCacheCollection, PreparedConstant, Result, Tensor, TensorData, bf16, f16,
 };
-use kvjit_jit::cranelift_codegen::ir::{InstBuilder, Value, condcodes::IntCC, types};
+use kvjit_jit::cranelift_codegen::ir::{
+    AbiParam, InstBuilder, Signature, StackSlot, StackSlotData, StackSlotKind, Value, condcodes::IntCC, types,
+};
 use kvjit_jit::cranelift_frontend::FunctionBuilder;
 use kvjit_jit::ir::{counted_loop, load_f32x4_raw, load_splat_f32x4, mem, store_f32x4, store_lane};
-use kvjit_jit::{CaptureText, CompileCause, JitError, JitFunction, SeenShapes, compile_kernel};
+use kvjit_jit::microkernel::{self, MAX_TILE_ROWS, TILE_COLUMNS};
+use kvjit_jit::{CaptureText, CompileCause, JitError, JitFunction, SeenShapes, compile_kernel, pointer_type};
 use kvjit_runtime::{CodeInfo, DeviceContextPtr, Kernel, OutputSpec};
 
 use crate::call::cache_row_offsets;
 use crate::kernel::{check_against_spec_with, checked_call_with, same_data};
 use crate::{CallShape, FusedQkvError, FusedQkvSpec, OP_NAME, QkvArgs};
 
-/// Columns per weight panel (two F32X4 vectors).
+/// Columns per weight panel of the Cranelift tier (two F32X4 vectors).
 pub const NR: usize = 8;
-/// Rows per register tile.
+/// Rows per register tile of the Cranelift tier.
 pub const MR: usize = 4;
-/// Rows per block: the X block that stays in cache while panels stream by.
+/// Rows per block of the Cranelift tier: the X block that stays in cache
+/// while panels stream by.
 pub const MC: usize = 64;
+
+/// The loop-nest sizes of a tier (see the module docs for the loops).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Schedule {
+    /// Columns per weight panel (the packed layout's width).
+    pub panel_columns: usize,
+    /// Rows of the largest register tile.
+    pub tile_rows: usize,
+    /// Rows per block (the X block kept in cache while panels stream by).
+    pub block_rows: usize,
+}
+
+impl Schedule {
+    /// The schedule of a resolved tier (`Auto` is never built: kernels
+    /// resolve it first).
+    pub fn of(tier: CpuTier) -> Self {
+        match tier {
+            CpuTier::Avx2 => {
+                Schedule { panel_columns: TILE_COLUMNS, tile_rows: MAX_TILE_ROWS, block_rows: AVX2_BLOCK_ROWS }
+            }
+            CpuTier::Auto | CpuTier::Cranelift => Schedule { panel_columns: NR, tile_rows: MR, block_rows: MC },
+        }
+    }
+}
+
+/// Rows per block of the 256-bit tier: 32 tiles of 6 rows, an X block of
+/// 3 MiB at K = 4096 (in L3 while each thread's panels stream by; each
+/// panel stays in L2 for the block's 32 tiles).
+pub const AVX2_BLOCK_ROWS: usize = 192;
 /// k values per iteration of the micro-kernel loop (amortizes the loop's
 /// overhead and the accumulator moves on its back edge).
 pub const K_UNROLL: usize = 4;
@@ -77,8 +110,8 @@ struct Segment {
 }
 
 impl Segment {
-    fn panels(&self) -> usize {
-        self.columns.div_ceil(NR)
+    fn panels(&self, nr: usize) -> usize {
+        self.columns.div_ceil(nr)
     }
 }
 
@@ -87,38 +120,48 @@ impl Segment {
 pub struct PanelLayout {
     segments: [Segment; 3],
     k: usize,
+    /// Columns per panel.
+    nr: usize,
 }
 
 impl PanelLayout {
-    /// The layout for a spec.
-    pub fn new(spec: &FusedQkvSpec) -> Self {
+    /// The layout for a spec, in panels of `panel_columns` columns (the
+    /// tier's [`Schedule::panel_columns`]).
+    pub fn new(spec: &FusedQkvSpec, panel_columns: usize) -> Self {
+        let nr = panel_columns;
         let kv = spec.kv_dim();
         let q = Segment { destination: Destination::Q, first_column: 0, columns: spec.q_dim, first_panel: 0 };
-        let k = Segment { destination: Destination::K, first_column: spec.q_dim, columns: kv, first_panel: q.panels() };
+        let k =
+            Segment { destination: Destination::K, first_column: spec.q_dim, columns: kv, first_panel: q.panels(nr) };
         let v = Segment {
             destination: Destination::V,
             first_column: spec.q_dim + kv,
             columns: kv,
-            first_panel: q.panels() + k.panels(),
+            first_panel: q.panels(nr) + k.panels(nr),
         };
-        Self { segments: [q, k, v], k: spec.k }
+        Self { segments: [q, k, v], k: spec.k, nr }
+    }
+
+    /// Columns per panel.
+    pub fn panel_columns(&self) -> usize {
+        self.nr
     }
 
     /// Panels in all.
     pub fn total_panels(&self) -> usize {
-        self.segments.iter().map(Segment::panels).sum()
+        self.segments.iter().map(|s| s.panels(self.nr)).sum()
     }
 
     /// Names this layout and everything it depends on (the prepared
     /// constant's [`layout`](kvjit_core::PreparedConstant::layout)).
     pub fn id(&self, dtype: DType) -> String {
         let [q, k, v] = self.segments.map(|s| s.columns);
-        format!("fused_qkv.panels.v1.nr{NR}.{dtype}.k{}.cols{q}+{k}+{v}", self.k)
+        format!("fused_qkv.panels.v1.nr{}.{dtype}.k{}.cols{q}+{k}+{v}", self.nr, self.k)
     }
 
     /// Elements of the packed weight.
     pub fn packed_len(&self) -> usize {
-        self.total_panels() * self.k * NR
+        self.total_panels() * self.k * self.nr
     }
 
     /// Pack a `[N, K]` weight into panels (zero-padded), keeping its dtype.
@@ -128,19 +171,19 @@ impl PanelLayout {
         // side. The panels go to huge-page memory (few faults to make, few
         // TLB misses to stream).
         fn pack_typed<T: Copy + Default + bytemuck::Pod>(layout: &PanelLayout, w: &[T], out: &mut [u8]) {
-            let k = layout.k;
+            let (k, nr) = (layout.k, layout.nr);
             if k == 0 {
                 return; // no elements: nothing to pack
             }
             let out: &mut [T] = bytemuck::cast_slice_mut(out);
-            let mut panels = out.chunks_exact_mut(k * NR);
+            let mut panels = out.chunks_exact_mut(k * nr);
             for seg in &layout.segments {
-                for p in 0..seg.panels() {
-                    let columns = NR.min(seg.columns - p * NR);
-                    let first = seg.first_column + p * NR;
+                for p in 0..seg.panels(nr) {
+                    let columns = nr.min(seg.columns - p * nr);
+                    let first = seg.first_column + p * nr;
                     let rows: Vec<&[T]> = (0..columns).map(|c| &w[(first + c) * k..][..k]).collect();
                     let panel = panels.next().expect("packed_len counts every panel");
-                    for (kk, out_row) in panel.chunks_exact_mut(NR).enumerate() {
+                    for (kk, out_row) in panel.chunks_exact_mut(nr).enumerate() {
                         for (c, slot) in out_row.iter_mut().enumerate() {
                             *slot = rows.get(c).map_or(T::default(), |row| row[kk]);
                         }
@@ -158,19 +201,20 @@ impl PanelLayout {
     }
 }
 
-/// Refuse specs whose offsets the generated code could not form: byte
-/// offsets of the cache and of rows must fit in i64, and the constant
-/// displacements inside a tile (up to MR rows of K f32) in i32.
+/// Refuse specs whose offsets the generated code could not form (on either
+/// tier): byte offsets of the cache and of rows must fit in i64, and the
+/// constant displacements inside a tile (up to 6 rows of K f32) in i32.
 pub(crate) fn addressable(spec: &FusedQkvSpec) -> Result<(), JitError> {
     let fits = || -> Option<()> {
+        let (nr, mr, mc) = (TILE_COLUMNS.max(NR), MAX_TILE_ROWS.max(MR), AVX2_BLOCK_ROWS.max(MC));
         let kv_stride = spec.num_layers.checked_mul(spec.page_size)?.checked_mul(spec.kv_dim())?;
         let blocks_bytes = kv_stride.checked_mul(2)?.checked_mul(spec.cache_dtype.size_bytes())?;
-        let tile_bytes = spec.k.checked_mul(4 * MR)?;
+        let tile_bytes = spec.k.checked_mul(4 * mr)?;
         let n = spec.q_dim.checked_add(spec.kv_dim().checked_mul(2)?)?;
-        let panel_bytes = spec.k.checked_mul(NR * spec.dtype.size_bytes())?.checked_mul(n.div_ceil(NR) + 3)?;
+        let panel_bytes = spec.k.checked_mul(nr * spec.dtype.size_bytes())?.checked_mul(n.div_ceil(NR) + 3)?;
         if let (Some(batch), Some(seq)) = (spec.batch, spec.seq) {
             let rows = i64::try_from(batch.checked_mul(seq)?).ok()?;
-            rows.checked_add(MC as i64)?;
+            rows.checked_add(mc as i64)?;
         }
         (i64::try_from(blocks_bytes).is_ok() && i32::try_from(tile_bytes).is_ok() && i64::try_from(panel_bytes).is_ok())
             .then_some(())
@@ -196,24 +240,43 @@ mod arg {
     pub const ROW_OFFSETS: usize = 4;
     /// Rows M (read when the key leaves B or S symbolic).
     pub const M: usize = 5;
+    /// The 256-bit tier's activation layout: rows interleaved in tiles of
+    /// this many (see [`super::pack_activations`]); 1 when X is one plain row.
+    pub const X_STEP: usize = 6;
     /// Words in all.
-    pub const COUNT: usize = 6;
+    pub const COUNT: usize = 7;
 }
 
-/// Compile the kernel for `spec` (or fetch it from the process-wide
-/// registry). Kept IR/disassembly bypass the registry so the texts always
-/// exist.
-pub fn compile(spec: &FusedQkvSpec, capture: CaptureText) -> Result<Arc<JitFunction>, JitError> {
-    let key = spec.kernel_key();
-    let build = || emit_and_compile(spec, &key, capture);
+/// The key of the JIT kernel for `spec` on a resolved `tier`: the op's key
+/// with the tier named in its target (`…cpu-avx2…`).
+pub fn tier_key(spec: &FusedQkvSpec, tier: CpuTier) -> KernelKey {
+    spec.kernel_key().with_variant(tier.name())
+}
+
+/// Compile the kernel for `spec` on a resolved `tier` (or fetch it from the
+/// process-wide registry). Kept IR/disassembly bypass the registry so the
+/// texts always exist.
+pub fn compile(spec: &FusedQkvSpec, tier: CpuTier, capture: CaptureText) -> Result<Arc<JitFunction>, JitError> {
+    let key = tier_key(spec, tier);
+    let build = || emit_and_compile(spec, tier, &key, capture);
     if capture.clif || capture.disasm {
         return build().map(Arc::new);
     }
     kvjit_jit::kernels().get_or_compile(&key, CompileCause::GraphBuild, build)
 }
 
-fn emit_and_compile(spec: &FusedQkvSpec, key: &KernelKey, capture: CaptureText) -> Result<JitFunction, JitError> {
+fn emit_and_compile(
+    spec: &FusedQkvSpec,
+    tier: CpuTier,
+    key: &KernelKey,
+    capture: CaptureText,
+) -> Result<JitFunction, JitError> {
     addressable(spec)?;
+    if tier == CpuTier::Auto {
+        return Err(JitError::Unsupported { key: key.to_string(), reason: "the CPU tier was not resolved".into() });
+    }
+    // Resolving again refuses a 256-bit kernel on a CPU without AVX2.
+    microkernel::resolve_tier(tier)?;
     compile_kernel(key, capture, |b, params| {
         let bases = Bases {
             x: params.arg(b, arg::X),
@@ -221,9 +284,15 @@ fn emit_and_compile(spec: &FusedQkvSpec, key: &KernelKey, capture: CaptureText) 
             out: params.arg(b, arg::OUT),
             blocks: params.arg(b, arg::BLOCKS),
             row_offsets: params.arg(b, arg::ROW_OFFSETS),
+            x_step: params.arg(b, arg::X_STEP),
         };
         let m_arg = params.arg(b, arg::M);
-        Emitter::new(spec, bases).emit(b, m_arg, params.begin, params.end);
+        // The 256-bit tiles hand their accumulators back through this slot.
+        let tile_buffer = (tier == CpuTier::Avx2).then(|| {
+            let bytes = (AVX2_BLOCK_ROWS * TILE_COLUMNS * 4) as u32;
+            b.create_sized_stack_slot(StackSlotData::new(StackSlotKind::ExplicitSlot, bytes, 5))
+        });
+        Emitter::new(spec, tier, bases, tile_buffer).emit(b, m_arg, params.begin, params.end);
     })
 }
 
@@ -233,6 +302,12 @@ fn emit_and_compile(spec: &FusedQkvSpec, key: &KernelKey, capture: CaptureText) 
 /// `FunctionCx` is the model).
 struct Emitter {
     spec: FusedQkvSpec,
+    /// Which code computes a tile.
+    tier: CpuTier,
+    schedule: Schedule,
+    /// The accumulators of a block's rows for one panel, `[block_rows][16]`
+    /// f32 on the stack (the 256-bit tier only).
+    tile_buffer: Option<StackSlot>,
     layout: PanelLayout,
     /// Rows, when the key fixes them.
     m: Option<usize>,
@@ -248,6 +323,8 @@ struct Bases {
     out: Value,
     blocks: Value,
     row_offsets: Value,
+    /// The activation layout of the 256-bit tier ([`arg::X_STEP`]).
+    x_step: Value,
 }
 
 /// The panel loop's state, which every tile of the panel shares.
@@ -264,27 +341,30 @@ struct Panel {
 }
 
 impl Emitter {
-    fn new(spec: &FusedQkvSpec, bases: Bases) -> Self {
+    fn new(spec: &FusedQkvSpec, tier: CpuTier, bases: Bases, tile_buffer: Option<StackSlot>) -> Self {
         let m = spec.batch.zip(spec.seq).map(|(b, s)| b * s);
-        Self { spec: *spec, layout: PanelLayout::new(spec), m, bases }
+        let schedule = Schedule::of(tier);
+        let layout = PanelLayout::new(spec, schedule.panel_columns);
+        Self { spec: *spec, tier, schedule, tile_buffer, layout, m, bases }
     }
 
-    /// The schedule: blocks of MC rows, then this invocation's panels of
-    /// each segment, then row groups of MR.
+    /// The schedule: blocks of `block_rows` rows, then this invocation's
+    /// panels of each segment, then row groups of `tile_rows`.
     fn emit(&self, b: &mut FunctionBuilder, m_arg: Value, panel_begin: Value, panel_end: Value) {
         let m = match self.m {
             Some(m) => b.ins().iconst(types::I64, m as i64),
             None => m_arg,
         };
+        let (nr, mc) = (self.schedule.panel_columns, self.schedule.block_rows);
         let zero = b.ins().iconst(types::I64, 0);
-        counted_loop(b, zero, m, MC as i64, &[], |b, block_start, _| {
-            let block_end = b.ins().iadd_imm_s(block_start, MC as i64);
+        counted_loop(b, zero, m, mc as i64, &[], |b, block_start, _| {
+            let block_end = b.ins().iadd_imm_s(block_start, mc as i64);
             let block_end = b.ins().smin(block_end, m);
             for seg in self.layout.segments {
-                let full = seg.columns / NR;
-                let tail = seg.columns % NR;
+                let full = seg.columns / nr;
+                let tail = seg.columns % nr;
                 for (first, count, width) in
-                    [(seg.first_panel, full, NR), (seg.first_panel + full, usize::from(tail > 0), tail)]
+                    [(seg.first_panel, full, nr), (seg.first_panel + full, usize::from(tail > 0), tail)]
                 {
                     if count == 0 {
                         continue;
@@ -294,16 +374,21 @@ impl Emitter {
                     let hi = b.ins().iconst(types::I64, (first + count) as i64);
                     let hi = b.ins().smin(hi, panel_end);
                     counted_loop(b, lo, hi, 1, &[], |b, index, _| {
-                        let panel_bytes = (self.layout.k * NR * self.spec.dtype.size_bytes()) as i64;
+                        let panel_bytes = (self.layout.k * nr * self.spec.dtype.size_bytes()) as i64;
                         let offset = b.ins().imul_imm_s(index, panel_bytes);
                         let rel = b.ins().iadd_imm_s(index, -(seg.first_panel as i64));
                         let panel = Panel {
                             w: b.ins().iadd(self.bases.w, offset),
-                            column: b.ins().imul_imm_s(rel, NR as i64),
+                            column: b.ins().imul_imm_s(rel, nr as i64),
                             destination: seg.destination,
                             width,
                         };
-                        self.emit_row_groups(b, block_start, block_end, panel);
+                        match self.tier {
+                            CpuTier::Avx2 => self.emit_avx2_panel(b, block_start, block_end, panel),
+                            CpuTier::Auto | CpuTier::Cranelift => {
+                                self.emit_row_groups(b, block_start, block_end, panel)
+                            }
+                        }
                         Vec::new()
                     });
                 }
@@ -312,19 +397,41 @@ impl Emitter {
         });
     }
 
-    /// Tiles of MR rows over `[start, end)`, then one smaller tile for the rest.
+    /// Tiles of `tile_rows` rows over `[start, end)`, then one smaller tile
+    /// for the rest. Blocks start at multiples of `block_rows`, itself a
+    /// multiple of `tile_rows`, so with a known M the rest is known too.
     fn emit_row_groups(&self, b: &mut FunctionBuilder, start: Value, end: Value, panel: Panel) {
+        self.emit_row_tiles(b, start, end, &|b, mr, row| self.emit_cranelift_tile(b, mr, row, panel));
+    }
+
+    /// Tiles of `tile_rows` rows over `[start, end)` (`tile(b, rows, first
+    /// row)` emits one), then one smaller tile for the rest. Blocks start at
+    /// multiples of `block_rows`, itself a multiple of `tile_rows`, so with a
+    /// known M the rest is known too.
+    fn emit_row_tiles(
+        &self,
+        b: &mut FunctionBuilder,
+        start: Value,
+        end: Value,
+        tile: &dyn Fn(&mut FunctionBuilder, usize, Value),
+    ) {
+        let mr = self.schedule.tile_rows;
         let rows = b.ins().isub(end, start);
-        let whole = b.ins().band_imm_s(rows, !(MR as i64 - 1));
+        let whole = if mr.is_power_of_two() {
+            b.ins().band_imm_s(rows, !(mr as i64 - 1))
+        } else {
+            let tiles = b.ins().udiv_imm_u(rows, mr as i64);
+            b.ins().imul_imm_s(tiles, mr as i64)
+        };
         let full_end = b.ins().iadd(start, whole);
-        counted_loop(b, start, full_end, MR as i64, &[], |b, row, _| {
-            self.emit_tile(b, MR, row, panel);
+        counted_loop(b, start, full_end, mr as i64, &[], |b, row, _| {
+            tile(b, mr, row);
             Vec::new()
         });
         let rest = b.ins().isub(end, full_end);
         let remainders: Vec<usize> = match self.m {
-            Some(m) => Some(m % MR).filter(|&r| r > 0).into_iter().collect(),
-            None => (1..MR).collect(),
+            Some(m) => Some(m % mr).filter(|&r| r > 0).into_iter().collect(),
+            None => (1..mr).collect(),
         };
         let done = b.create_block();
         for mr in remainders {
@@ -333,7 +440,7 @@ impl Emitter {
             let is_this = b.ins().icmp_imm_s(IntCC::Equal, rest, mr as i64);
             b.ins().brif(is_this, this, &[], next, &[]);
             b.switch_to_block(this);
-            self.emit_tile(b, mr, full_end, panel);
+            tile(b, mr, full_end);
             b.ins().jump(done, &[]);
             b.switch_to_block(next);
         }
@@ -341,10 +448,137 @@ impl Emitter {
         b.switch_to_block(done);
     }
 
-    /// The micro-kernel: an `mr`×NR tile of C = X·Wᵀ in registers, then its
-    /// epilogue. Small tiles split k over several accumulator sets so the
-    /// FMA latency chain does not limit them.
-    fn emit_tile(&self, b: &mut FunctionBuilder, mr: usize, row: Value, panel: Panel) {
+    /// One panel of the 256-bit tier over rows `[start, end)`: the panel's
+    /// columns of C for those rows accumulate in the stack buffer, k block
+    /// by k block ([`Emitter::k_block`]), each block of the panel (L1-sized)
+    /// reused by every row tile while the next streams in; then the epilogue
+    /// stores every row. With one row (decode) the whole of K is one block:
+    /// a streaming GEMV.
+    fn emit_avx2_panel(&self, b: &mut FunctionBuilder, start: Value, end: Value, panel: Panel) {
+        let slot = self.tile_buffer.expect("the avx2 tier's kernels have a tile buffer");
+        let ptr = pointer_type();
+        let c = b.ins().stack_addr(ptr, slot, 0);
+        let zero = b.ins().f32const(0.0);
+        let zero = b.ins().splat(types::F32X4, zero);
+        counted_loop(b, start, end, 1, &[], |b, row, _| {
+            let at = self.tile_row_address(b, c, start, row);
+            for v in 0..TILE_COLUMNS / 4 {
+                b.ins().store(mem(), zero, at, (16 * v) as i32);
+            }
+            Vec::new()
+        });
+        match self.m {
+            Some(1) => self.emit_avx2_k_blocks(b, start, end, panel, c, self.layout.k),
+            Some(_) => self.emit_avx2_k_blocks(b, start, end, panel, c, self.k_block()),
+            None => {
+                // The generic kernel picks the schedule at run time: one row
+                // streams the whole of K (GEMV), more rows go k block by k
+                // block.
+                let gemv = b.create_block();
+                let blocked = b.create_block();
+                let done = b.create_block();
+                let rows = b.ins().isub(end, start);
+                let one_row = b.ins().icmp_imm_s(IntCC::Equal, rows, 1);
+                b.ins().brif(one_row, gemv, &[], blocked, &[]);
+                b.switch_to_block(gemv);
+                self.emit_avx2_k_blocks(b, start, end, panel, c, self.layout.k);
+                b.ins().jump(done, &[]);
+                b.switch_to_block(blocked);
+                self.emit_avx2_k_blocks(b, start, end, panel, c, self.k_block());
+                b.ins().jump(done, &[]);
+                b.switch_to_block(done);
+            }
+        }
+        counted_loop(b, start, end, 1, &[], |b, row, _| {
+            let at = self.tile_row_address(b, c, start, row);
+            let vectors: Vec<Value> =
+                (0..TILE_COLUMNS / 4).map(|v| b.ins().load(types::F32X4, mem(), at, (16 * v) as i32)).collect();
+            self.emit_store_row(b, row, 0, panel, &vectors);
+            Vec::new()
+        });
+    }
+
+    /// The row tiles of rows `[start, end)` over all of K in blocks of `kc`
+    /// k values (the last block shorter), adding into the accumulators at `c`.
+    fn emit_avx2_k_blocks(&self, b: &mut FunctionBuilder, start: Value, end: Value, panel: Panel, c: Value, kc: usize) {
+        let k = self.layout.k;
+        let kc = kc.max(1);
+        let whole = k - k % kc;
+        let tiles = |b: &mut FunctionBuilder, kb: Value, kc: usize| {
+            self.emit_row_tiles(b, start, end, &|b, mr, row| self.emit_avx2_tile(b, mr, row, start, kb, kc, panel, c));
+        };
+        if whole > 0 {
+            let first = b.ins().iconst(types::I64, 0);
+            let last = b.ins().iconst(types::I64, whole as i64);
+            counted_loop(b, first, last, kc as i64, &[], |b, kb, _| {
+                tiles(b, kb, kc);
+                Vec::new()
+            });
+        }
+        if whole < k {
+            let kb = b.ins().iconst(types::I64, whole as i64);
+            tiles(b, kb, k - whole);
+        }
+    }
+
+    /// k values per block of the 256-bit schedule for more than one row:
+    /// a block of the panel fills half of a 32 KiB L1 (256 f32 or 512
+    /// bf16/f16 values of k) and every row tile of the block reuses it. One
+    /// row (decode) streams the whole of K instead: nothing to reuse.
+    fn k_block(&self) -> usize {
+        (16 << 10) / (TILE_COLUMNS * self.spec.dtype.size_bytes())
+    }
+
+    /// The address of row `row`'s accumulators in the stack buffer of a
+    /// block starting at `start`.
+    fn tile_row_address(&self, b: &mut FunctionBuilder, c: Value, start: Value, row: Value) -> Value {
+        let index = b.ins().isub(row, start);
+        let offset = b.ins().imul_imm_s(index, (TILE_COLUMNS * 4) as i64);
+        b.ins().iadd(c, offset)
+    }
+
+    /// One call of the ahead-of-time micro-kernel for `mr` rows from `row`
+    /// and k values `[kb, kb + kc)` (its address baked into the code); it
+    /// adds into those rows' accumulators in the stack buffer.
+    #[allow(clippy::too_many_arguments)]
+    fn emit_avx2_tile(
+        &self,
+        b: &mut FunctionBuilder,
+        mr: usize,
+        row: Value,
+        start: Value,
+        kb: Value,
+        kc: usize,
+        panel: Panel,
+        c: Value,
+    ) {
+        let tile = microkernel::gemm_tile(self.spec.dtype, mr)
+            .expect("emit_and_compile resolved the avx2 tier, which has a tile of every height up to MAX_TILE_ROWS");
+        let ptr = pointer_type();
+        let mut signature = Signature::new(b.func.signature.call_conv);
+        signature.params.extend([ptr, types::I64, ptr, types::I64, ptr].map(AbiParam::new));
+        let signature = b.import_signature(signature);
+        let callee = b.ins().iconst(ptr, tile as usize as i64);
+        // Tiles start at multiples of the packing step (or at row 0 of a
+        // single plain row), so the tile's x starts at element row·K +
+        // kb·step of the packed activations.
+        let k = self.layout.k as i64;
+        let x_row = b.ins().imul_imm_s(row, k);
+        let x_k = b.ins().imul(kb, self.bases.x_step);
+        let x_element = b.ins().iadd(x_row, x_k);
+        let x_offset = b.ins().ishl_imm_u(x_element, 2);
+        let x = b.ins().iadd(self.bases.x, x_offset);
+        let w_offset = b.ins().imul_imm_s(kb, (TILE_COLUMNS * self.spec.dtype.size_bytes()) as i64);
+        let w = b.ins().iadd(panel.w, w_offset);
+        let kc = b.ins().iconst(types::I64, kc as i64);
+        let c = self.tile_row_address(b, c, start, row);
+        b.ins().call_indirect(signature, callee, &[x, self.bases.x_step, w, kc, c]);
+    }
+
+    /// The Cranelift tile: an `mr`×NR tile of C = X·Wᵀ in registers, then
+    /// its epilogue. Small tiles split k over several accumulator sets so
+    /// the FMA latency chain does not limit them.
+    fn emit_cranelift_tile(&self, b: &mut FunctionBuilder, mr: usize, row: Value, panel: Panel) {
         let k = self.layout.k;
         let w_dtype = self.spec.dtype;
         let w_size = w_dtype.size_bytes() as i32;
@@ -404,12 +638,13 @@ impl Emitter {
         }
         for i in 0..mr {
             let halves = [accs[acc_index(0, i, 0)], accs[acc_index(0, i, 1)]];
-            self.emit_store_row(b, row, i, panel, halves);
+            self.emit_store_row(b, row, i, panel, &halves);
         }
     }
 
-    /// Store row `row + i` of a tile where its panel's columns go.
-    fn emit_store_row(&self, b: &mut FunctionBuilder, row: Value, i: usize, panel: Panel, halves: [Value; 2]) {
+    /// Store row `row + i` of a tile (its F32X4 vectors, four columns each)
+    /// where its panel's columns go.
+    fn emit_store_row(&self, b: &mut FunctionBuilder, row: Value, i: usize, panel: Panel, vectors: &[Value]) {
         let r = b.ins().iadd_imm_s(row, i as i64);
         let (dtype, base, after) = match panel.destination {
             Destination::Q => {
@@ -435,7 +670,7 @@ impl Emitter {
             }
         };
         let size = dtype.size_bytes() as i32;
-        for (h, &value) in halves.iter().enumerate() {
+        for (h, &value) in vectors.iter().enumerate() {
             let lanes = panel.width.saturating_sub(4 * h).min(4);
             if lanes == 4 {
                 store_f32x4(b, dtype, value, base, 4 * h as i32 * size);
@@ -464,6 +699,8 @@ impl Emitter {
 /// `valid_lengths`; one cache; one output.
 pub struct JitKernel {
     spec: FusedQkvSpec,
+    /// The resolved tier the code runs on.
+    tier: CpuTier,
     key: KernelKey,
     /// Kernels specialized for shapes seen at run time, by (B, S), when the
     /// key leaves them symbolic and the policy asks for it.
@@ -492,10 +729,10 @@ impl PackedConstant {
 }
 
 impl JitKernel {
-    /// Compile (or fetch) the kernel for `spec`; pack `weight` now when it
-    /// is a graph constant. Calls whose weight is that same tensor (the same
-    /// allocation) use the packed copy; calls with any other weight pack
-    /// theirs per call.
+    /// Compile (or fetch) the kernel for `spec` on the widest tier this CPU
+    /// runs; pack `weight` now when it is a graph constant. Calls whose
+    /// weight is that same tensor (the same allocation) use the packed copy;
+    /// calls with any other weight pack theirs per call.
     pub fn new(spec: FusedQkvSpec, weight: Option<Arc<Tensor>>, capture: CaptureText) -> Result<Self, JitError> {
         Self::with_policy(spec, weight, capture, false)
     }
@@ -510,7 +747,21 @@ impl JitKernel {
         capture: CaptureText,
         specialize_shapes: bool,
     ) -> Result<Self, JitError> {
-        let layout = PanelLayout::new(&spec);
+        Self::with_tier(spec, weight, capture, specialize_shapes, CpuTier::Auto)
+    }
+
+    /// Like [`with_policy`](Self::with_policy), on the CPU tier `requested`
+    /// (`Auto`: the widest this CPU runs; `Avx2` on a CPU without it is
+    /// refused).
+    pub fn with_tier(
+        spec: FusedQkvSpec,
+        weight: Option<Arc<Tensor>>,
+        capture: CaptureText,
+        specialize_shapes: bool,
+        requested: CpuTier,
+    ) -> Result<Self, JitError> {
+        let tier = microkernel::resolve_tier(requested)?;
+        let layout = PanelLayout::new(&spec, Schedule::of(tier).panel_columns);
         let constant_weight = match weight {
             Some(w) if w.dtype() == spec.dtype && w.shape() == [spec.n(), spec.k] && w.is_contiguous() => {
                 Some(PackedConstant {
@@ -520,20 +771,23 @@ impl JitKernel {
             }
             _ => None,
         };
-        Self::with_constant(spec, constant_weight, capture, specialize_shapes)
+        Self::with_constant(spec, tier, constant_weight, capture, specialize_shapes)
     }
 
-    /// Like [`with_policy`](Self::with_policy), with the weight already
-    /// packed (a prepared constant from a compiled artifact): no packing at
-    /// build. Calls pass that packed tensor itself as the weight. A weight
-    /// in another layout, dtype or size is refused.
+    /// Like [`with_tier`](Self::with_tier), with the weight already packed
+    /// (a prepared constant from a compiled artifact): no packing at build.
+    /// Calls pass that packed tensor itself as the weight. A weight in
+    /// another layout (another tier's panels included), dtype or size is
+    /// refused.
     pub fn with_prepared_weight(
         spec: FusedQkvSpec,
         prepared: &PreparedConstant,
         capture: CaptureText,
         specialize_shapes: bool,
+        requested: CpuTier,
     ) -> Result<Self> {
-        let layout = PanelLayout::new(&spec);
+        let tier = microkernel::resolve_tier(requested).map_err(|e| Error::op(OP_NAME, e))?;
+        let layout = PanelLayout::new(&spec, Schedule::of(tier).panel_columns);
         let expected = layout.id(spec.dtype);
         let data = &prepared.data;
         if prepared.layout != expected
@@ -548,20 +802,22 @@ impl JitKernel {
             .into());
         }
         let constant = PackedConstant { plain: None, packed: data.clone() };
-        Self::with_constant(spec, Some(constant), capture, specialize_shapes).map_err(|e| Error::op(OP_NAME, e))
+        Self::with_constant(spec, tier, Some(constant), capture, specialize_shapes).map_err(|e| Error::op(OP_NAME, e))
     }
 
     fn with_constant(
         spec: FusedQkvSpec,
+        tier: CpuTier,
         constant_weight: Option<PackedConstant>,
         capture: CaptureText,
         specialize_shapes: bool,
     ) -> Result<Self, JitError> {
-        let code = compile(&spec, capture)?;
-        let layout = PanelLayout::new(&spec);
+        let code = compile(&spec, tier, capture)?;
+        let layout = PanelLayout::new(&spec, Schedule::of(tier).panel_columns);
         let generic = spec.batch.is_none() || spec.seq.is_none();
         Ok(Self {
-            key: spec.kernel_key(),
+            key: tier_key(&spec, tier),
+            tier,
             seen_shapes: (specialize_shapes && generic).then(SeenShapes::new),
             spec,
             layout,
@@ -575,11 +831,38 @@ impl JitKernel {
     fn code_for(&self, shape: &CallShape) -> Arc<JitFunction> {
         let Some(seen) = &self.seen_shapes else { return self.code.clone() };
         let spec = FusedQkvSpec { batch: Some(shape.batch), seq: Some(shape.seq), ..self.spec };
-        let key = spec.kernel_key();
+        let key = tier_key(&spec, self.tier);
         seen.code_for(&[("B", shape.batch), ("S", shape.seq)], (&self.code, &self.key), &key, || {
-            emit_and_compile(&spec, &key, CaptureText::default())
+            emit_and_compile(&spec, self.tier, &key, CaptureText::default())
         })
     }
+
+    /// The tier the kernel's code runs on.
+    pub fn tier(&self) -> CpuTier {
+        self.tier
+    }
+}
+
+/// The 256-bit tier's activation layout: rows in tiles of `step`, each
+/// tile k-major with its rows interleaved (`[M/step][K][step]`, the last
+/// tile zero-padded), so a tile's micro-kernel reads one sequential stream
+/// of x instead of `step` rows 4·K bytes apart (which share L1 sets when K is
+/// a multiple of 1024).
+fn pack_activations(x: &[f32], rows: usize, k: usize, step: usize) -> Vec<f32> {
+    let tiles = rows.div_ceil(step);
+    let mut packed = vec![0f32; tiles * k * step];
+    if k == 0 {
+        return packed; // no elements
+    }
+    for (t, tile) in packed.chunks_exact_mut(k * step).enumerate() {
+        for i in 0..step.min(rows - t * step) {
+            let row = &x[(t * step + i) * k..][..k];
+            for (slot, &value) in tile[i..].iter_mut().step_by(step).zip(row) {
+                *slot = value;
+            }
+        }
+    }
+    packed
 }
 
 fn hidden_as_f32(hidden: &Tensor) -> std::borrow::Cow<'_, [f32]> {
@@ -674,7 +957,13 @@ impl JitKernel {
         let shape = *shape;
         let QkvArgs { hidden_state, weight, kv_collection: cache, valid_lengths, .. } = args;
         let row_offsets = cache_row_offsets(&shape, cache, valid_lengths)?;
+        let rows = shape.batch * shape.seq;
         let x = hidden_as_f32(hidden_state);
+        let x_step = match self.tier {
+            CpuTier::Avx2 if rows > 1 => MAX_TILE_ROWS,
+            _ => 1,
+        };
+        let x = if x_step > 1 { std::borrow::Cow::Owned(pack_activations(&x, rows, self.spec.k, x_step)) } else { x };
         let packed_now;
         let packed = match self.constant_weight.as_ref().and_then(|c| c.panels_for(weight)) {
             Some(panels) => panels,
@@ -689,7 +978,8 @@ impl JitKernel {
         args[arg::OUT] = output.as_mut_ptr() as u64;
         args[arg::BLOCKS] = cache.blocks_bytes_mut().as_mut_ptr() as u64;
         args[arg::ROW_OFFSETS] = row_offsets.as_ptr() as u64;
-        args[arg::M] = (shape.batch * shape.seq) as u64;
+        args[arg::M] = rows as u64;
+        args[arg::X_STEP] = x_step as u64;
         if shape.batch * shape.seq == 0 {
             return Ok(());
         }
@@ -700,7 +990,9 @@ impl JitKernel {
         // validated every argument against the spec (dtypes, contiguity, K,
         // q_dim, cache layout, B·S rows, valid lengths ≤ S, every valid
         // token's page and slot inside the cache and no two tokens sharing
-        // one), so for any panel range every load stays inside `x` (M·K f32)
+        // one), so for any panel range every load stays inside `x` (M·K f32;
+        // packed in tiles of `x_step` rows, ⌈M/x_step⌉·x_step·K, where a
+        // tile reads rows < x_step of its own tile)
         // and the packed weight (built for this layout), every Q store inside
         // `output` (M·q_dim, checked by the caller), and every K/V store at
         // `row_offsets[r] + col (+ kv_stride)` inside `blocks`, distinct per

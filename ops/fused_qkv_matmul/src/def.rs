@@ -202,13 +202,17 @@ impl KernelBuilder for FusedQkvOp {
                     source: e,
                 };
                 let kernel = match constants.get(1).and_then(Option::as_ref) {
-                    Some(ConstantInput::Prepared(prepared)) => {
-                        JitKernel::with_prepared_weight(spec, prepared, capture, options.specialize_shapes)
-                            .map_err(|e| compile_error(Box::new(e)))?
-                    }
+                    Some(ConstantInput::Prepared(prepared)) => JitKernel::with_prepared_weight(
+                        spec,
+                        prepared,
+                        capture,
+                        options.specialize_shapes,
+                        options.cpu_tier,
+                    )
+                    .map_err(|e| compile_error(Box::new(e)))?,
                     weight => {
                         let weight = weight.and_then(ConstantInput::plain).cloned();
-                        JitKernel::with_policy(spec, weight, capture, options.specialize_shapes)
+                        JitKernel::with_tier(spec, weight, capture, options.specialize_shapes, options.cpu_tier)
                             .map_err(|e| compile_error(Box::new(e)))?
                     }
                 };

@@ -17,10 +17,10 @@
 use std::sync::{Arc, LazyLock};
 
 use half::f16;
-use kvjit_core::{DType, Error, PagedKVCacheCollection, Result, Target, Tensor, UNASSIGNED_PAGE};
+use kvjit_core::{CpuTier, DType, Error, PagedKVCacheCollection, Result, Target, Tensor, UNASSIGNED_PAGE};
 use kvjit_jit::CaptureText;
 use kvjit_jit::CompileCause;
-use kvjit_op_fused_qkv::cpu_jit::{self, MAX_SEEN_SHAPES, MC, MR, NR, PanelLayout};
+use kvjit_op_fused_qkv::cpu_jit::{self, MAX_SEEN_SHAPES, MC, NR, PanelLayout, Schedule};
 use kvjit_op_fused_qkv::{FusedQkvSpec, JitKernel, QkvArgs, ReferenceKernel, reference};
 use kvjit_runtime::{DeviceContextPtr, Kernel};
 use kvjit_testkit::values::{dyadic, dyadic_scaled, max_abs_finite, uniform};
@@ -38,6 +38,16 @@ const U: u32 = UNASSIGNED_PAGE;
 // ---------------------------------------------------------------------------
 
 const THREADS: [usize; 4] = [1, 2, 3, 8];
+
+/// The CPU tiers this machine runs: the Cranelift tier everywhere, the
+/// 256-bit tier where the CPU has AVX2/FMA/F16C.
+fn tiers() -> Vec<CpuTier> {
+    let mut tiers = vec![CpuTier::Cranelift];
+    if kvjit_jit::microkernel::avx2_available() {
+        tiers.push(CpuTier::Avx2);
+    }
+    tiers
+}
 
 static CONTEXTS: LazyLock<Vec<DeviceContextPtr>> =
     LazyLock::new(|| THREADS.iter().map(|&t| DeviceContextPtr::cpu(t).unwrap()).collect());
@@ -133,6 +143,9 @@ struct Case {
     static_seq: bool,
     threads: usize,
     call: Call,
+    /// The CPU tier the JIT kernel is built for (`Auto` in [`check_case`]:
+    /// every tier this CPU has).
+    tier: CpuTier,
 }
 
 impl Case {
@@ -162,7 +175,13 @@ impl Case {
             static_seq: false,
             threads: 1,
             call: Call::RunInto { front: 16, back: 16 },
+            tier: CpuTier::Auto,
         }
+    }
+
+    /// The schedule of the case's tier.
+    fn schedule(&self) -> Schedule {
+        Schedule::of(self.tier)
     }
 
     fn q_dim(&self) -> usize {
@@ -306,8 +325,9 @@ impl Case {
     }
 
     fn kernel(&self, prep: &Prepared) -> JitKernel {
-        JitKernel::new(self.spec(), self.const_weight.then(|| prep.weight.clone()), CaptureText::default())
-            .unwrap_or_else(|e| panic!("{self:?}: JitKernel::new failed: {e}"))
+        let weight = self.const_weight.then(|| prep.weight.clone());
+        JitKernel::with_tier(self.spec(), weight, CaptureText::default(), false, self.tier)
+            .unwrap_or_else(|e| panic!("{self:?}: JitKernel::with_tier failed: {e}"))
     }
 }
 
@@ -459,7 +479,15 @@ fn assert_matches_reference(case: &Case, prep: &Prepared, jit: &Ran, reference: 
 }
 
 /// Run a case through the JIT and the reference and compare.
+/// Run `case` through the JIT kernel and the reference and compare; a case
+/// of tier `Auto` runs on every tier this CPU has.
 fn check_case(case: &Case) {
+    if case.tier == CpuTier::Auto {
+        for tier in tiers() {
+            check_case(&Case { tier, ..case.clone() });
+        }
+        return;
+    }
     let prep = case.prepare();
     let kernel = case.kernel(&prep);
     let reference = run_reference(case, &prep);
@@ -481,7 +509,9 @@ const CACHE_BUDGET: usize = 1_000_000;
 const HEADS_SMALL: [usize; 4] = [1, 3, 5, 8];
 const HEADS_REAL: [usize; 4] = [64, 80, 128, 256];
 const RATIOS: [usize; 3] = [1, 4, 8];
-const DIMS_K: [usize; 17] = [1, 2, 3, 4, 5, 7, 8, 9, 13, 16, 17, 31, 33, 64, 100, 129, 130];
+/// K values: small ones, and ones around the 256-bit tier's k blocks (256
+/// f32 or 512 bf16/f16 values) — one block and a tail, several blocks.
+const DIMS_K: [usize; 21] = [1, 2, 3, 4, 5, 7, 8, 9, 13, 16, 17, 31, 33, 64, 100, 129, 130, 256, 300, 515, 1030];
 const PAGE_SIZES: [usize; 12] = [1, 2, 3, 4, 5, 7, 8, 16, 32, 64, 128, 256];
 
 fn pick<T: Copy>(rng: &mut StdRng, items: &[T]) -> T {
@@ -494,11 +524,12 @@ fn draw(seed: u64, dtype: DType) -> Case {
         let real_heads = rng.gen_bool(0.5);
         let d = pick(&mut rng, if real_heads { &HEADS_REAL } else { &HEADS_SMALL });
         let hkv = rng.gen_range(1..=if real_heads { 2 } else { 4 });
-        let (batch, seq) = match rng.gen_range(0..4) {
-            0 => (rng.gen_range(1..=5), 1),                      // decode
-            1 => (rng.gen_range(1..=3), rng.gen_range(1..=12)),  // short prefill
-            2 => (rng.gen_range(1..=3), rng.gen_range(20..=75)), // M around and past MC
-            _ => (1, rng.gen_range(60..=150)),                   // one long row block run
+        let (batch, seq) = match rng.gen_range(0..5) {
+            0 => (rng.gen_range(1..=5), 1),                        // decode
+            1 => (rng.gen_range(1..=3), rng.gen_range(1..=12)),    // short prefill
+            2 => (rng.gen_range(1..=3), rng.gen_range(20..=75)),   // M around and past MC
+            3 => (1, rng.gen_range(60..=150)),                     // one long row block run
+            _ => (rng.gen_range(1..=2), rng.gen_range(100..=220)), // past the 256-bit tier's block
         };
         let page_size = pick(&mut rng, &PAGE_SIZES);
         let layers = rng.gen_range(1..=4);
@@ -544,6 +575,7 @@ fn draw(seed: u64, dtype: DType) -> Case {
             static_seq: rng.gen_bool(0.4),
             threads: pick(&mut rng, &[1, 2, 3]),
             call,
+            tier: pick(&mut rng, &tiers()),
         };
         if case.rows() * case.n() * case.k <= MAC_BUDGET && case.cache_elements() <= CACHE_BUDGET {
             return case;
@@ -585,13 +617,16 @@ fn random_cases_cover_the_kernel_paths() {
         .flat_map(|(dtype, base)| (0..CASES_PER_DTYPE).map(move |i| draw(base + i, dtype)))
         .collect();
     let count = |f: &dyn Fn(&Case) -> bool| cases.iter().filter(|c| f(c)).count();
-    let checks: [Property; 19] = [
-        ("M % MR != 0", &|c| !c.rows().is_multiple_of(MR)),
-        ("M > MC", &|c| c.rows() > MC),
-        ("M > 2·MC", &|c| c.rows() > 2 * MC),
+    let checks: [Property; 22] = [
+        ("M % tile rows != 0", &|c| !c.rows().is_multiple_of(c.schedule().tile_rows)),
+        ("M > block rows", &|c| c.rows() > c.schedule().block_rows),
+        ("M > 2·MC (Cranelift tier)", &|c| c.tier == CpuTier::Cranelift && c.rows() > 2 * MC),
         ("K % 4 != 0", &|c| !c.k.is_multiple_of(4)),
-        ("q_dim % NR != 0", &|c| !c.q_dim().is_multiple_of(NR)),
-        ("kv_dim % NR != 0", &|c| !c.kv_dim().is_multiple_of(NR)),
+        ("K past a k block", &|c| c.k > (16 << 10) / (16 * c.dtype.size_bytes())),
+        ("q_dim % panel columns != 0", &|c| !c.q_dim().is_multiple_of(c.schedule().panel_columns)),
+        ("kv_dim % panel columns != 0", &|c| !c.kv_dim().is_multiple_of(c.schedule().panel_columns)),
+        ("Cranelift tier", &|c| c.tier == CpuTier::Cranelift),
+        ("256-bit tier (where the CPU has it)", &|c| c.tier == *tiers().last().unwrap()),
         ("head 256", &|c| c.d == 256),
         ("GQA 8", &|c| c.ratio == 8),
         ("page size 1", &|c| c.page_size == 1),
@@ -642,6 +677,7 @@ fn realistic(dtype: DType, cache_dtype: DType, batch: usize, seq: usize, valid: 
         static_seq: false,
         threads: 2,
         call: Call::RunInto { front: 64, back: 64 },
+        tier: CpuTier::Auto,
     }
 }
 
@@ -702,30 +738,36 @@ fn empty_batch_and_empty_sequences() {
     }
 }
 
-/// Every tile height the generic kernel dispatches on (M % MR = 0..3, whole
-/// MC blocks plus each remainder) with a specialized twin, one row at a time.
+/// Every tile height the generic kernel dispatches on (every remainder of M
+/// by the tile height, whole blocks plus each remainder) with a specialized
+/// twin, one row count at a time, on every tier.
 #[test]
 fn every_row_count_up_to_two_blocks_plus_one() {
-    for m in 1..=2 * MC + 1 {
-        let dtype = DType::FLOATS[m % 3];
-        let case = Case {
-            seed: m as u64,
-            batch: 1,
-            seq: m,
-            k: 3 + m % 5,
-            hkv: 1,
-            d: 3,
-            ratio: 3,
-            page_size: 5,
-            cache_lengths: vec![m as u32 % 7],
-            valid: vec![(m - m / 3) as u32],
-            values: if m.is_multiple_of(2) { Values::Dyadic } else { Values::Uniform },
-            static_batch: m % 4 == 1,
-            static_seq: m % 4 == 1,
-            threads: 1 + m % 3,
-            ..Case::base(dtype)
-        };
-        check_case(&case);
+    for tier in tiers() {
+        for m in 1..=2 * Schedule::of(tier).block_rows + 1 {
+            check_case(&row_count_case(m, tier));
+        }
+    }
+}
+
+fn row_count_case(m: usize, tier: CpuTier) -> Case {
+    Case {
+        seed: m as u64,
+        batch: 1,
+        seq: m,
+        k: 3 + m % 5,
+        hkv: 1,
+        d: 3,
+        ratio: 3,
+        page_size: 5,
+        cache_lengths: vec![m as u32 % 7],
+        valid: vec![(m - m / 3) as u32],
+        values: if m.is_multiple_of(2) { Values::Dyadic } else { Values::Uniform },
+        static_batch: m % 4 == 1,
+        static_seq: m % 4 == 1,
+        threads: 1 + m % 3,
+        tier,
+        ..Case::base(DType::FLOATS[m % 3])
     }
 }
 
@@ -806,9 +848,14 @@ fn bitwise_cases() -> Vec<Case> {
     ]
 }
 
+/// The bitwise cases on every tier.
+fn bitwise_cases_on_every_tier() -> Vec<Case> {
+    tiers().into_iter().flat_map(|tier| bitwise_cases().into_iter().map(move |c| Case { tier, ..c })).collect()
+}
+
 #[test]
 fn any_thread_count_gives_identical_bytes() {
-    for case in bitwise_cases() {
+    for case in bitwise_cases_on_every_tier() {
         let prep = case.prepare();
         let kernel = case.kernel(&prep);
         let runs: Vec<Ran> = THREADS.iter().map(|&t| run_jit(&case, &prep, &kernel, cpu(t))).collect();
@@ -825,10 +872,13 @@ fn any_thread_count_gives_identical_bytes() {
 
 #[test]
 fn generic_and_specialized_kernels_give_identical_bytes() {
-    let mut cases = bitwise_cases();
-    for (m, s) in [(1, 1), (5, 5), (66, 22), (130, 65), (64, 64), (4, 1)] {
+    let mut cases = bitwise_cases_on_every_tier();
+    for (m, s, tier) in tiers().into_iter().flat_map(|tier| {
+        [(1, 1), (5, 5), (66, 22), (130, 65), (64, 64), (4, 1), (6, 6), (200, 100)].map(|(m, s)| (m, s, tier))
+    }) {
         let batch = m / s;
         cases.push(Case {
+            tier,
             seed: m as u64,
             batch,
             seq: s,
@@ -885,7 +935,7 @@ fn seen_shape_specialization_gives_identical_bytes() {
     let policy = JitKernel::with_policy(spec, None, CaptureText::default(), true).unwrap();
     let plain = JitKernel::new(spec, None, CaptureText::default()).unwrap();
     let seen_compiles = || {
-        let generic = spec.kernel_key().to_string();
+        let generic = policy.key().to_string();
         cpu_jit::compile_log()
             .iter()
             .filter(|r| matches!(&r.cause, CompileCause::ShapeSeen(why) if why.ends_with(&format!(" for {generic}"))))
@@ -1305,44 +1355,46 @@ fn packing_puts_every_weight_element_at_its_panel_position_and_pads_with_zero() 
         };
         let kv_dim = hkv * d;
         let n = spec.n();
-        let panels = q_dim.div_ceil(NR) + 2 * kv_dim.div_ceil(NR);
-        let layout = PanelLayout::new(&spec);
-        assert_eq!(layout.total_panels(), panels, "{spec:?}");
-        assert_eq!(layout.packed_len(), panels * k * NR, "{spec:?}");
-        // Distinct nonzero values (some round together in bf16).
-        let values: Vec<f32> = (0..n * k).map(|i| (i + 1) as f32).collect();
-        for dtype in DType::FLOATS {
-            let weight = Tensor::from_f32(dtype, &[n, k], &values).unwrap();
-            let values = weight.to_f32_vec().unwrap();
-            let packed = layout.pack(&weight).unwrap();
-            assert_eq!(packed.dtype(), dtype, "packing keeps the dtype");
-            assert_eq!(packed.shape(), [layout.packed_len()]);
-            let packed = packed.to_f32_vec().unwrap();
-            let mut filled = vec![false; packed.len()];
-            for col in 0..n {
-                // Segment of the column: its first column and first panel.
-                let (first_col, first_panel) = if col < q_dim {
-                    (0, 0)
-                } else if col < q_dim + kv_dim {
-                    (q_dim, q_dim.div_ceil(NR))
-                } else {
-                    (q_dim + kv_dim, q_dim.div_ceil(NR) + kv_dim.div_ceil(NR))
-                };
-                let j = col - first_col;
-                for kk in 0..k {
-                    let at = (first_panel + j / NR) * k * NR + kk * NR + j % NR;
-                    assert_eq!(packed[at], values[col * k + kk], "{dtype} {spec:?}: w[{col}, {kk}] at {at}");
-                    assert!(!filled[at], "{dtype} {spec:?}: two elements packed at {at}");
-                    filled[at] = true;
+        for nr in [NR, Schedule::of(CpuTier::Avx2).panel_columns] {
+            let panels = q_dim.div_ceil(nr) + 2 * kv_dim.div_ceil(nr);
+            let layout = PanelLayout::new(&spec, nr);
+            assert_eq!(layout.total_panels(), panels, "{spec:?}");
+            assert_eq!(layout.packed_len(), panels * k * nr, "{spec:?}");
+            // Distinct nonzero values (some round together in bf16).
+            let values: Vec<f32> = (0..n * k).map(|i| (i + 1) as f32).collect();
+            for dtype in DType::FLOATS {
+                let weight = Tensor::from_f32(dtype, &[n, k], &values).unwrap();
+                let values = weight.to_f32_vec().unwrap();
+                let packed = layout.pack(&weight).unwrap();
+                assert_eq!(packed.dtype(), dtype, "packing keeps the dtype");
+                assert_eq!(packed.shape(), [layout.packed_len()]);
+                let packed = packed.to_f32_vec().unwrap();
+                let mut filled = vec![false; packed.len()];
+                for col in 0..n {
+                    // Segment of the column: its first column and first panel.
+                    let (first_col, first_panel) = if col < q_dim {
+                        (0, 0)
+                    } else if col < q_dim + kv_dim {
+                        (q_dim, q_dim.div_ceil(nr))
+                    } else {
+                        (q_dim + kv_dim, q_dim.div_ceil(nr) + kv_dim.div_ceil(nr))
+                    };
+                    let j = col - first_col;
+                    for kk in 0..k {
+                        let at = (first_panel + j / nr) * k * nr + kk * nr + j % nr;
+                        assert_eq!(packed[at], values[col * k + kk], "{dtype} {spec:?}: w[{col}, {kk}] at {at}");
+                        assert!(!filled[at], "{dtype} {spec:?}: two elements packed at {at}");
+                        filled[at] = true;
+                    }
                 }
+                for (at, _) in filled.iter().enumerate().filter(|(_, f)| !**f) {
+                    assert_eq!(packed[at].to_bits(), 0, "{dtype} {spec:?}: padding at {at} is not +0");
+                }
+                assert_eq!(filled.iter().filter(|f| **f).count(), n * k);
             }
-            for (at, _) in filled.iter().enumerate().filter(|(_, f)| !**f) {
-                assert_eq!(packed[at].to_bits(), 0, "{dtype} {spec:?}: padding at {at} is not +0");
-            }
-            assert_eq!(filled.iter().filter(|f| **f).count(), n * k);
+            let ints = Tensor::from_vec(&[n, k], vec![1u32; n * k]).unwrap();
+            assert!(matches!(layout.pack(&ints), Err(Error::NotFloat { dtype: DType::U32, .. })));
         }
-        let ints = Tensor::from_vec(&[n, k], vec![1u32; n * k]).unwrap();
-        assert!(matches!(layout.pack(&ints), Err(Error::NotFloat { dtype: DType::U32, .. })));
     }
 }
 
@@ -1366,7 +1418,8 @@ fn kernels_for_one_spec_share_their_code() {
         batch: None,
         seq: Some(3),
     };
-    let key = spec.kernel_key().to_string();
+    let tier = kvjit_jit::microkernel::resolve_tier(CpuTier::Auto).unwrap();
+    let key = cpu_jit::tier_key(&spec, tier).to_string();
     let compiles = || cpu_jit::compile_log().iter().filter(|r| r.key == key).count();
     assert_eq!(compiles(), 0, "{key} compiled before the test");
     let first = JitKernel::new(spec, None, CaptureText::default()).unwrap();
@@ -1379,11 +1432,15 @@ fn kernels_for_one_spec_share_their_code() {
     assert_eq!(a.ir, None, "no text without capture");
     // Kept texts bypass the cache: a fresh compile, not logged.
     let captured = JitKernel::new(spec, None, CaptureText { clif: true, disasm: false }).unwrap();
-    assert!(captured.code_info().ir.is_some_and(|ir| ir.contains("fma")));
+    // The Cranelift tier's FMAs are in the IR; the 256-bit tier's tile is a
+    // call to the micro-kernel.
+    let tile = if tier == CpuTier::Avx2 { "call_indirect" } else { "fma" };
+    assert!(captured.code_info().ir.is_some_and(|ir| ir.contains(tile)));
     assert_eq!(compiles(), 1, "a capturing compile entered the kernel cache");
     let record = cpu_jit::compile_log().into_iter().find(|r| r.key == key).unwrap();
     assert_eq!(record.code_size, a.code_size);
-    assert_eq!(first.key(), &spec.kernel_key());
+    assert_eq!(first.key().to_string(), key);
+    assert!(key.contains(&format!(".cpu-{tier}.")), "{key} names its tier");
     assert_eq!(first.implementation(), "jit");
     // Both kernels run (and agree).
     let case = Case {
@@ -1434,7 +1491,9 @@ fn absurd_specs_are_refused() {
             Ok(_) => panic!("{what}: a kernel was built for {bad:?}"),
         }
         assert!(
-            cpu_jit::compile_log()[before..].iter().all(|r| r.key != bad.kernel_key().to_string()),
+            cpu_jit::compile_log()[before..].iter().all(|r| {
+                [CpuTier::Cranelift, CpuTier::Avx2].iter().all(|&t| r.key != cpu_jit::tier_key(&bad, t).to_string())
+            }),
             "{what}: a refused spec entered the compile log"
         );
     }

@@ -19,7 +19,7 @@
 //! (no regression files are written); shrunk failures become named tests at
 //! the end of this file.
 
-use kvjit_core::DType;
+use kvjit_core::{CpuTier, DType};
 use kvjit_testkit::fused_qkv::differential::{Call, Entry, Page, SpecTweak, Tweak, Values, check};
 use proptest::prelude::*;
 use proptest::test_runner::Config;
@@ -93,6 +93,7 @@ fn valid_problem() -> impl Strategy<Value = Call> {
                     let (const_weight, static_batch, static_seq, threads) = flavour;
                     Call {
                         seed,
+                        tier: if seed % 2 == 0 { CpuTier::Cranelift } else { CpuTier::Avx2 },
                         dtype: dt,
                         cache_dtype: cdt,
                         batch: b,
@@ -160,6 +161,7 @@ fn any_problem() -> impl Strategy<Value = Call> {
             let (const_weight, static_batch, static_seq, threads) = flavour;
             Call {
                 seed,
+                tier: if seed % 2 == 0 { CpuTier::Cranelift } else { CpuTier::Avx2 },
                 dtype: dt,
                 cache_dtype: cdt,
                 batch: b,
@@ -235,6 +237,7 @@ fn base() -> Call {
         static_seq: false,
         threads: 1,
         entry: Entry::RunInto { front: 1, back: 1 },
+        tier: CpuTier::Cranelift,
     }
 }
 

@@ -32,7 +32,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, LazyLock, Mutex};
 
-use kvjit_core::{DType, PagedKVCacheCollection, Target, Tensor, UNASSIGNED_PAGE};
+use kvjit_core::{CpuTier, DType, PagedKVCacheCollection, Target, Tensor, UNASSIGNED_PAGE};
 use kvjit_jit::CaptureText;
 use kvjit_op_fused_qkv::{FusedQkvSpec, JitKernel, QkvArgs, ReferenceKernel, reference};
 use kvjit_runtime::{DeviceContextPtr, Kernel};
@@ -274,6 +274,19 @@ pub struct Call {
     pub threads: usize,
     /// The JIT entry point.
     pub entry: Entry,
+    /// The CPU tier the JIT kernel is built for (`Auto`: the widest this
+    /// CPU runs; `Avx2` becomes `Auto` on a CPU without it, see
+    /// [`runnable_tier`]).
+    pub tier: CpuTier,
+}
+
+/// `tier`, or `Auto` where this CPU cannot run it (so generated calls stay
+/// runnable on every machine).
+pub fn runnable_tier(tier: CpuTier) -> CpuTier {
+    match tier {
+        CpuTier::Avx2 if !kvjit_jit::microkernel::avx2_available() => CpuTier::Auto,
+        tier => tier,
+    }
 }
 
 impl Call {
@@ -582,7 +595,7 @@ pub fn cpu(threads: usize) -> &'static DeviceContextPtr {
 
 /// Kernels kept alive so their code stays in the process-wide kernel cache
 /// between cases (a fresh `JitKernel` for a live key costs no compile).
-type Kept = VecDeque<(FusedQkvSpec, Arc<JitKernel>)>;
+type Kept = VecDeque<(FusedQkvSpec, CpuTier, Arc<JitKernel>)>;
 static KEPT: LazyLock<Mutex<Kept>> = LazyLock::new(Default::default);
 /// How many kernels [`KEPT`] holds (see [`keep_kernels`]).
 static KEEP: AtomicUsize = AtomicUsize::new(64);
@@ -593,24 +606,28 @@ pub fn keep_kernels(n: usize) {
     KEEP.store(n.max(1), Ordering::Relaxed);
 }
 
-/// The JIT kernel for `spec`, with `weight` packed at build when given.
-pub fn jit_kernel(spec: FusedQkvSpec, weight: Option<Arc<Tensor>>) -> Arc<JitKernel> {
+/// The JIT kernel for `spec` on `tier`, with `weight` packed at build when
+/// given.
+pub fn jit_kernel(spec: FusedQkvSpec, weight: Option<Arc<Tensor>>, tier: CpuTier) -> Arc<JitKernel> {
+    let tier = runnable_tier(tier);
+    let build =
+        |weight| JitKernel::with_tier(spec, weight, CaptureText::default(), false, tier).expect("small specs compile");
     let generic = {
         let mut kept = KEPT.lock().unwrap_or_else(|p| p.into_inner());
-        match kept.iter().find(|(s, _)| *s == spec) {
-            Some((_, k)) => k.clone(),
+        match kept.iter().find(|(s, t, _)| *s == spec && *t == tier) {
+            Some((_, _, k)) => k.clone(),
             None => {
-                let k = Arc::new(JitKernel::new(spec, None, CaptureText::default()).expect("small specs compile"));
+                let k = Arc::new(build(None));
                 while kept.len() >= KEEP.load(Ordering::Relaxed) {
                     kept.pop_front();
                 }
-                kept.push_back((spec, k.clone()));
+                kept.push_back((spec, tier, k.clone()));
                 k
             }
         }
     };
     match weight {
-        Some(w) => Arc::new(JitKernel::new(spec, Some(w), CaptureText::default()).expect("small specs compile")),
+        Some(w) => Arc::new(build(Some(w))),
         None => generic,
     }
 }
@@ -691,7 +708,7 @@ pub fn check(p: &Call) {
         assert!(!unwritten || p.values == Values::Special, "{p:?}: the reference left output elements unwritten");
     }
 
-    let kernel = jit_kernel(spec, p.const_weight.then(|| built.weight.clone()));
+    let kernel = jit_kernel(spec, p.const_weight.then(|| built.weight.clone()), p.tier);
     let ctx = cpu(p.threads);
     match p.entry {
         Entry::RunInto { front, back } => {

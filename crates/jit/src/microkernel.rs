@@ -1,0 +1,377 @@
+//! The 256-bit tier: small GEMM micro-kernels compiled ahead of time with
+//! `std::arch` (AVX2 + FMA, F16C for f16 weights), which Cranelift-emitted
+//! drivers call once per register tile.
+//!
+//! Cranelift 0.135 lowers only 128-bit vectors on x86-64 and never folds a
+//! broadcast into `vfmadd231ps`, so the innermost loop of a GEMM is the one
+//! place kvjit does not emit itself. Everything around it stays JIT code,
+//! specialized per kernel key: the loops over row blocks, panels and row
+//! tiles, the schedule, the fused epilogue (the tile comes back through a
+//! small buffer on the driver's stack) and the threading.
+//!
+//! A tile is `rows × 16` f32 accumulators, added into `c` (so a driver can
+//! split k into blocks):
+//!
+//! ```text
+//! c[i][j] += Σ_k x[k·x_step + i] · w[k·16 + j]      i < rows, j < 16
+//! ```
+//!
+//! `x` is f32 activations with the rows of a tile interleaved (`x_step` =
+//! the tile height the driver packed them in; 1 for a single row, which is
+//! then just that row); `w` is one packed panel (`[K][16]`, k-major) of f32,
+//! bf16 or f16 values, widened in registers. Tiles of 1–3 rows split k over
+//! several accumulator sets, so every tile keeps ≥ 8 independent FMA chains
+//! in flight (two 256-bit FMA pipes with a latency of 4 cycles); every tile
+//! prefetches its panel [`PREFETCH_BYTES`] ahead of the loads.
+
+use kvjit_core::{CpuTier, DType};
+
+use crate::JitError;
+
+/// Columns of a tile (two 256-bit vectors of f32): the panel width the
+/// 256-bit tier packs weights in.
+pub const TILE_COLUMNS: usize = 16;
+/// Rows of the largest tile (6 × 2 accumulators + 2 weight vectors + 1
+/// broadcast = 15 of the 16 ymm registers).
+pub const MAX_TILE_ROWS: usize = 6;
+/// How far ahead of its loads a tile prefetches its weight panel.
+pub const PREFETCH_BYTES: usize = 1024;
+
+/// The C ABI of a tile micro-kernel: `c[i·16 + j] += Σ_k x[k·x_step + i] ·
+/// w[k·16 + j]` for `i < rows ≤ x_step`, `j < 16` (see the module docs).
+pub type GemmTile = unsafe extern "C" fn(x: *const f32, x_step: usize, w: *const u8, k: usize, c: *mut f32);
+
+/// Whether this CPU runs the 256-bit tier (x86-64 with AVX2, FMA and F16C).
+pub fn avx2_available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("fma")
+            && std::arch::is_x86_feature_detected!("f16c")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// The tier a kernel is built for: `Auto` becomes the widest this CPU runs;
+/// `Avx2` on a CPU without it is refused with a clear message.
+pub fn resolve_tier(requested: CpuTier) -> Result<CpuTier, JitError> {
+    match requested {
+        CpuTier::Auto if avx2_available() => Ok(CpuTier::Avx2),
+        CpuTier::Auto | CpuTier::Cranelift => Ok(CpuTier::Cranelift),
+        CpuTier::Avx2 if avx2_available() => Ok(CpuTier::Avx2),
+        CpuTier::Avx2 => Err(JitError::Isa(format!(
+            "the avx2 CPU tier needs an x86-64 CPU with AVX2, FMA and F16C; this {} CPU lacks them (use --cpu-tier cranelift or auto)",
+            std::env::consts::ARCH
+        ))),
+    }
+}
+
+/// The tile micro-kernel for `rows` rows (1..=[`MAX_TILE_ROWS`]) of f32
+/// activations against a panel of `weights`; `None` when this CPU lacks the
+/// tier or no such tile exists.
+pub fn gemm_tile(weights: DType, rows: usize) -> Option<GemmTile> {
+    if !avx2_available() {
+        return None;
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        x86::tile(weights, rows)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (weights, rows);
+        None
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    use kvjit_core::DType;
+
+    use super::{GemmTile, PREFETCH_BYTES, TILE_COLUMNS};
+
+    /// k steps per iteration of the main loop.
+    const UNROLL: usize = 4;
+
+    /// A weight element type, widened to f32 in registers.
+    trait Weights {
+        /// Bytes per element.
+        const BYTES: usize;
+        /// Eight consecutive elements at `p` as f32.
+        ///
+        /// # Safety
+        /// `p` must be readable for 8 elements; the CPU must have AVX2, FMA
+        /// and F16C.
+        unsafe fn load8(p: *const u8) -> __m256;
+    }
+
+    struct F32;
+    struct Bf16;
+    struct F16;
+
+    impl Weights for F32 {
+        const BYTES: usize = 4;
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn load8(p: *const u8) -> __m256 {
+            // SAFETY: the caller guarantees 8 readable f32 at `p`.
+            unsafe { _mm256_loadu_ps(p.cast()) }
+        }
+    }
+
+    impl Weights for Bf16 {
+        const BYTES: usize = 2;
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn load8(p: *const u8) -> __m256 {
+            // SAFETY: the caller guarantees 8 readable bf16 (16 bytes) at `p`.
+            let h = unsafe { _mm_loadu_si128(p.cast()) };
+            // A bf16 is the top half of an f32: widen and shift up.
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
+        }
+    }
+
+    impl Weights for F16 {
+        const BYTES: usize = 2;
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn load8(p: *const u8) -> __m256 {
+            // SAFETY: the caller guarantees 8 readable f16 (16 bytes) at `p`.
+            _mm256_cvtph_ps(unsafe { _mm_loadu_si128(p.cast()) })
+        }
+    }
+
+    /// One tile: `MR` rows, `SETS` accumulator sets that k steps rotate over
+    /// (summed at the end).
+    ///
+    /// # Safety
+    /// The CPU has AVX2, FMA and F16C; `x` is readable for rows
+    /// `x[k·x_step + i]` for `i < MR ≤ x_step` and k < `k`; `w` is readable for
+    /// `k · 16` elements of `W`; `c` is readable and writable for `MR · 16`
+    /// f32.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe extern "C" fn tile_kernel<W: Weights, const MR: usize, const SETS: usize>(
+        x: *const f32,
+        x_step: usize,
+        w: *const u8,
+        k: usize,
+        c: *mut f32,
+    ) {
+        let row_bytes = TILE_COLUMNS * W::BYTES;
+        let mut acc = [[[_mm256_setzero_ps(); 2]; MR]; SETS];
+        // SAFETY (whole body): every k step reads w[kk·16 .. kk·16 + 16] and
+        // x[kk·x_step + i] with kk < k and i < MR — inside the buffers the
+        // caller vouches for; prefetches form their addresses with
+        // `wrapping_add` and never fault.
+        let step = |acc: &mut [[__m256; 2]; MR], kk: usize| unsafe {
+            let wp = w.add(kk * row_bytes);
+            let w0 = W::load8(wp);
+            let w1 = W::load8(wp.add(8 * W::BYTES));
+            for (i, row) in acc.iter_mut().enumerate() {
+                let xb = _mm256_broadcast_ss(&*x.add(kk * x_step + i));
+                row[0] = _mm256_fmadd_ps(xb, w0, row[0]);
+                row[1] = _mm256_fmadd_ps(xb, w1, row[1]);
+            }
+        };
+        let main = k - k % UNROLL;
+        let mut kk = 0;
+        while kk < main {
+            let ahead = w.wrapping_add(kk * row_bytes + PREFETCH_BYTES);
+            for line in (0..UNROLL * row_bytes).step_by(64) {
+                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line).cast());
+            }
+            for u in 0..UNROLL {
+                step(&mut acc[u % SETS], kk + u);
+            }
+            kk += UNROLL;
+        }
+        while kk < k {
+            step(&mut acc[0], kk);
+            kk += 1;
+        }
+        let (first, rest) = acc.split_at_mut(1);
+        for set in rest {
+            for (sum, row) in first[0].iter_mut().zip(set.iter()) {
+                sum[0] = _mm256_add_ps(sum[0], row[0]);
+                sum[1] = _mm256_add_ps(sum[1], row[1]);
+            }
+        }
+        // SAFETY: c holds MR·16 f32.
+        unsafe { add_rows(c, &first[0]) };
+    }
+
+    /// `c[i·16 ..][..16] += rows[i]`.
+    ///
+    /// # Safety
+    /// `c` is readable and writable for `rows.len() · 16` f32; AVX2.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn add_rows(c: *mut f32, rows: &[[__m256; 2]]) {
+        for (i, row) in rows.iter().enumerate() {
+            // SAFETY: the caller's bound on c.
+            unsafe {
+                let at = c.add(i * TILE_COLUMNS);
+                _mm256_storeu_ps(at, _mm256_add_ps(_mm256_loadu_ps(at), row[0]));
+                _mm256_storeu_ps(at.add(8), _mm256_add_ps(_mm256_loadu_ps(at.add(8)), row[1]));
+            }
+        }
+    }
+
+    /// Streams of the one-row tile (a GEMV over one panel).
+    const GEMV_STREAMS: usize = 4;
+
+    /// The one-row tile: a GEMV over one panel, read as [`GEMV_STREAMS`]
+    /// sequential streams (k split into that many contiguous ranges, each
+    /// with its own accumulators). Several streams per core keep more
+    /// cache-line fills in flight than one: the weight, read once, is all
+    /// this tile's cost.
+    ///
+    /// # Safety
+    /// As for [`tile_kernel`] with one row.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe extern "C" fn gemv_kernel<W: Weights>(x: *const f32, x_step: usize, w: *const u8, k: usize, c: *mut f32) {
+        let row_bytes = TILE_COLUMNS * W::BYTES;
+        let span = k / GEMV_STREAMS;
+        let mut acc = [[_mm256_setzero_ps(); 2]; GEMV_STREAMS];
+        // SAFETY (whole body): stream s reads k values s·span + j for
+        // j < span, and the tail reads GEMV_STREAMS·span ..< k: every
+        // k < k of x (x[k·x_step]) and of the panel.
+        let step = |acc: &mut [__m256; 2], kk: usize| unsafe {
+            let wp = w.add(kk * row_bytes);
+            let xb = _mm256_broadcast_ss(&*x.add(kk * x_step));
+            acc[0] = _mm256_fmadd_ps(xb, W::load8(wp), acc[0]);
+            acc[1] = _mm256_fmadd_ps(xb, W::load8(wp.add(8 * W::BYTES)), acc[1]);
+        };
+        for j in 0..span {
+            for (s, stream) in acc.iter_mut().enumerate() {
+                step(stream, s * span + j);
+            }
+        }
+        for kk in GEMV_STREAMS * span..k {
+            step(&mut acc[0], kk);
+        }
+        let mut sum = acc[0];
+        for stream in &acc[1..] {
+            sum[0] = _mm256_add_ps(sum[0], stream[0]);
+            sum[1] = _mm256_add_ps(sum[1], stream[1]);
+        }
+        // SAFETY: c holds 16 f32.
+        unsafe { add_rows(c, &[sum]) };
+    }
+
+    fn tiles<W: Weights>(rows: usize) -> Option<GemmTile> {
+        // Accumulator sets per tile height: ≥ 8 FMA chains, ≤ 12 accumulators.
+        Some(match rows {
+            1 => gemv_kernel::<W> as GemmTile,
+            2 => tile_kernel::<W, 2, 2>,
+            3 => tile_kernel::<W, 3, 2>,
+            4 => tile_kernel::<W, 4, 1>,
+            5 => tile_kernel::<W, 5, 1>,
+            6 => tile_kernel::<W, 6, 1>,
+            _ => return None,
+        })
+    }
+
+    pub(super) fn tile(weights: DType, rows: usize) -> Option<GemmTile> {
+        match weights {
+            DType::F32 => tiles::<F32>(rows),
+            DType::BF16 => tiles::<Bf16>(rows),
+            DType::F16 => tiles::<F16>(rows),
+            DType::U32 => None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use half::{bf16, f16};
+    use rand::{Rng, SeedableRng};
+
+    use super::*;
+
+    /// Every tile against an f64 sum on random data (added into random
+    /// accumulators), with k not a multiple of the unroll and a guard after
+    /// the tile's output.
+    #[test]
+    fn tiles_match_an_f64_sum() {
+        if !avx2_available() {
+            eprintln!("skipped: this CPU has no AVX2/FMA/F16C");
+            return;
+        }
+        let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            for rows in 1..=MAX_TILE_ROWS {
+                for k in [1, 3, 4, 7, 64, 129] {
+                    let x_step = rows + (k % 2); // tiles may read fewer rows than were packed
+                    let x: Vec<f32> = (0..k * x_step).map(|_| rng.gen_range(-1.0..1.0)).collect();
+                    let w32: Vec<f32> = (0..k * TILE_COLUMNS).map(|_| rng.gen_range(-1.0..1.0)).collect();
+                    let (w_bytes, w_exact): (Vec<u8>, Vec<f32>) = match dtype {
+                        DType::F32 => (bytemuck_bytes(&w32), w32.clone()),
+                        DType::BF16 => {
+                            let h: Vec<bf16> = w32.iter().map(|&v| bf16::from_f32(v)).collect();
+                            (
+                                h.iter().flat_map(|v| v.to_bits().to_le_bytes()).collect(),
+                                h.iter().map(|v| v.to_f32()).collect(),
+                            )
+                        }
+                        _ => {
+                            let h: Vec<f16> = w32.iter().map(|&v| f16::from_f32(v)).collect();
+                            (
+                                h.iter().flat_map(|v| v.to_bits().to_le_bytes()).collect(),
+                                h.iter().map(|v| v.to_f32()).collect(),
+                            )
+                        }
+                    };
+                    let c0: Vec<f32> = (0..rows * TILE_COLUMNS).map(|_| rng.gen_range(-1.0..1.0)).collect();
+                    let mut c = c0.clone();
+                    c.extend([f32::NAN; 8]); // a guard after the tile
+                    let tile = gemm_tile(dtype, rows).expect("every height from 1 to 6 has a tile");
+                    // SAFETY: x holds k·x_step f32 (rows ≤ x_step), w
+                    // holds k·16 elements of dtype, c holds ≥ rows·16 f32;
+                    // avx2_available() was checked above.
+                    unsafe { tile(x.as_ptr(), x_step, w_bytes.as_ptr(), k, c.as_mut_ptr()) };
+                    for i in 0..rows {
+                        for j in 0..TILE_COLUMNS {
+                            let exact: f64 = c0[i * TILE_COLUMNS + j] as f64
+                                + (0..k)
+                                    .map(|kk| x[kk * x_step + i] as f64 * w_exact[kk * TILE_COLUMNS + j] as f64)
+                                    .sum::<f64>();
+                            let got = c[i * TILE_COLUMNS + j] as f64;
+                            let bound = 1e-6 * (k as f64).sqrt() * 4.0;
+                            assert!(
+                                (got - exact).abs() <= bound,
+                                "{dtype} rows {rows} k {k} c[{i}][{j}] = {got}, f64 {exact}"
+                            );
+                        }
+                    }
+                    assert!(
+                        c[rows * TILE_COLUMNS..].iter().all(|v| v.is_nan()),
+                        "{dtype} rows {rows} k {k}: wrote past its tile"
+                    );
+                }
+            }
+        }
+    }
+
+    fn bytemuck_bytes(values: &[f32]) -> Vec<u8> {
+        values.iter().flat_map(|v| v.to_le_bytes()).collect()
+    }
+
+    #[test]
+    fn tiers_resolve_to_what_the_cpu_runs() {
+        assert_eq!(resolve_tier(CpuTier::Cranelift).unwrap(), CpuTier::Cranelift);
+        let auto = resolve_tier(CpuTier::Auto).unwrap();
+        assert_eq!(auto == CpuTier::Avx2, avx2_available());
+        match resolve_tier(CpuTier::Avx2) {
+            Ok(tier) => assert!(avx2_available() && tier == CpuTier::Avx2),
+            Err(e) => assert!(!avx2_available() && e.to_string().contains("AVX2"), "{e}"),
+        }
+        assert!(gemm_tile(DType::F32, 0).is_none() && gemm_tile(DType::F32, MAX_TILE_ROWS + 1).is_none());
+        assert!(gemm_tile(DType::U32, 1).is_none());
+    }
+}
