@@ -150,16 +150,27 @@ fn tiny_bench_prints_table_and_writes_json_and_svg() {
 
     // The table: header with every column, one row per implementation and M.
     let text = stdout(&out);
-    let header = "| M | implementation | median | spread | GFLOP/s | weight GB/s | vs kvjit generic | vs gemm+scatter \
-                  | vs matrixmultiply+scatter | roof | of roof |";
+    let header = "| M | implementation | median | spread | GFLOP/s | weight GB/s | vs kvjit generic \
+                  | vs kvjit specialized (Cranelift tier) | vs gemm+scatter | vs matrixmultiply+scatter | roof | of roof |";
     assert!(text.contains(header), "{text}");
     assert!(text.contains("Roofs, 2 threads"), "{text}");
-    assert!(text.contains("`fused_qkv_bshd_paged.cpu.f32.k64.q64.hkv2.d16.p4.l1.kvf32.bany.sany`"), "{text}");
+    let tier = kvjit::widest_cpu_tier();
+    let key = format!("`fused_qkv_bshd_paged.cpu-{tier}.f32.k64.q64.hkv2.d16.p4.l1.kvf32.bany.sany`");
+    assert!(text.contains(&key), "{key}: {text}");
+    let labels = [
+        "kvjit specialized",
+        "kvjit generic",
+        "kvjit specialized (Cranelift tier)",
+        "kvjit generic (Cranelift tier)",
+        "reference",
+        "gemm+scatter",
+        "matrixmultiply+scatter",
+    ];
     for m in ["1", "8"] {
-        for label in ["kvjit specialized", "kvjit generic", "reference", "gemm+scatter", "matrixmultiply+scatter"] {
+        for label in labels {
             let row = format!("| {m} | {label} |");
             let line = text.lines().find(|l| l.starts_with(&row)).unwrap_or_else(|| panic!("no row {row}: {text}"));
-            assert_eq!(line.matches('|').count(), 12, "{line}");
+            assert_eq!(line.matches('|').count(), 13, "{line}");
             assert!(line.contains("bandwidth") || line.contains("fma"), "{line}");
         }
     }
@@ -190,18 +201,29 @@ fn tiny_bench_prints_table_and_writes_json_and_svg() {
         assert!(p["flops"].as_f64().unwrap() > 0.0 && p["weight_bytes"].as_f64().unwrap() > 0.0);
         let impls = p["implementations"].as_array().unwrap();
         let ids: Vec<&str> = impls.iter().map(|i| i["implementation"].as_str().unwrap()).collect();
-        assert_eq!(ids, ["specialized", "generic", "reference", "gemm_scatter", "matrixmultiply_scatter"]);
+        assert_eq!(
+            ids,
+            [
+                "specialized",
+                "generic",
+                "specialized_cranelift",
+                "generic_cranelift",
+                "reference",
+                "gemm_scatter",
+                "matrixmultiply_scatter"
+            ]
+        );
         for i in impls {
             let id = i["implementation"].as_str().unwrap();
             assert_stats(&i["time_s"], id);
             assert_stats(&i["gflops"], id);
             assert_stats(&i["weight_gbs"], id);
             assert!(i["fraction_of_roof"].as_f64().unwrap() > 0.0);
-            for baseline in ["generic", "gemm_scatter", "matrixmultiply_scatter"] {
+            for baseline in ["generic", "specialized_cranelift", "gemm_scatter", "matrixmultiply_scatter"] {
                 assert!(i["speedup_vs"][baseline].as_f64().unwrap() > 0.0, "{id} vs {baseline}: {i}");
             }
             let key = i["kernel_key"].as_str();
-            assert_eq!(key.is_some(), id == "specialized" || id == "generic", "{i}");
+            assert_eq!(key.is_some(), id.starts_with("specialized") || id.starts_with("generic"), "{i}");
         }
         let specialized = impls[0]["kernel_key"].as_str().unwrap();
         assert!(specialized.ends_with(&format!(".b{}.s{}", p["batch"], p["seq"])), "{specialized}");

@@ -43,13 +43,14 @@ fn default_run_is_the_8b_attention_step() {
     assert!(out.status.success(), "{}", stderr(&out));
     let text = stdout(&out);
     assert!(text.contains("graph 'llama3_8b_attention'"), "{text}");
+    let tier = kvjit::widest_cpu_tier();
     for key in [
-        "fused_qkv_bshd_paged.cpu.bf16.k4096.q4096.hkv8.d128.p16.l1.kvbf16.bany.sany [jit]",
-        "reshape.cpu.bf16.o0in0.o1in1.o2x32.o3x128 [view]",
-        "fused_qk_rope_paged.cpu.bf16.hq32.hkv8.d128.p16.l1.kvbf16.il0.bany.sany [jit]",
-        "mha_padded_paged.cpu.bf16.hq32.hkv8.d128.p16.l1.kvbf16.causal1.w0.",
+        format!("fused_qkv_bshd_paged.cpu-{tier}.bf16.k4096.q4096.hkv8.d128.p16.l1.kvbf16.bany.sany [jit]"),
+        "reshape.cpu.bf16.o0in0.o1in1.o2x32.o3x128 [view]".into(),
+        "fused_qk_rope_paged.cpu.bf16.hq32.hkv8.d128.p16.l1.kvbf16.il0.bany.sany [jit]".into(),
+        "mha_padded_paged.cpu.bf16.hq32.hkv8.d128.p16.l1.kvbf16.causal1.w0.".into(),
     ] {
-        assert!(text.contains(key), "{key} not in {text}");
+        assert!(text.contains(&key), "{key} not in {text}");
     }
     assert!(text.contains("output 'attention': bf16[2, 1, 4096] checksum"), "{text}");
     assert!(text.contains("tokens written"), "{text}");
@@ -325,4 +326,44 @@ fn validate_and_inspect_describe_the_graph() {
     let help = kvjit(&["--help"]);
     assert!(help.status.success());
     assert!(stdout(&help).contains("inspect"));
+}
+
+/// `--cpu-tier` picks the JIT kernels' code tier: the key names it, both
+/// tiers agree with the reference run, an artifact runs on the tier it was
+/// compiled for (and refuses another), and an unknown tier is a one-line
+/// error.
+#[test]
+fn cpu_tier_option_picks_the_tier_and_every_tier_agrees_with_the_reference() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = |name: &str| dir.path().join(name).display().to_string();
+    let graph = example("small_two_layers.json");
+    let reference =
+        kvjit(&["run", &graph, "--kernel", "reference", "--steps", "1", "--output", &file("reference.safetensors")]);
+    assert!(reference.status.success(), "{}", stderr(&reference));
+    let mut tiers = vec!["cranelift".to_string()];
+    if kvjit::widest_cpu_tier() != kvjit::CpuTier::Cranelift {
+        tiers.push(kvjit::widest_cpu_tier().to_string());
+    }
+    for tier in &tiers {
+        let out = file(&format!("{tier}.safetensors"));
+        let run = kvjit(&["run", &graph, "--cpu-tier", tier, "--steps", "1", "--output", &out]);
+        assert!(run.status.success(), "{}", stderr(&run));
+        assert!(stdout(&run).contains(&format!("fused_qkv_bshd_paged.cpu-{tier}.f32.")), "{}", stdout(&run));
+        let same = kvjit(&["compare", &out, &file("reference.safetensors")]);
+        assert!(same.status.success(), "{tier}: {}{}", stdout(&same), stderr(&same));
+    }
+
+    let artifact = file("model.kvjit");
+    let compiled = kvjit(&["compile", &graph, "-o", &artifact, "--cpu-tier", "cranelift"]);
+    assert!(compiled.status.success(), "{}", stderr(&compiled));
+    let run = kvjit(&["run", &artifact, "--steps", "1"]);
+    assert!(run.status.success(), "{}", stderr(&run));
+    assert!(stdout(&run).contains("fused_qkv_bshd_paged.cpu-cranelift.f32."), "{}", stdout(&run));
+    if tiers.len() > 1 {
+        let other = kvjit(&["run", &artifact, "--steps", "1", "--cpu-tier", &tiers[1]]);
+        assert_one_line_error(&other, "the artifact was compiled for --cpu-tier cranelift");
+    }
+    let unknown = kvjit(&["run", &graph, "--cpu-tier", "avx512"]);
+    assert!(!unknown.status.success());
+    assert!(stderr(&unknown).contains("unknown CPU tier 'avx512'"), "{}", stderr(&unknown));
 }

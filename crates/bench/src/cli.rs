@@ -53,8 +53,10 @@ pub struct BenchArgs {
     /// Rows M (batch × tokens), comma-separated.
     #[arg(long, value_delimiter = ',')]
     pub ms: Option<Vec<usize>>,
-    /// Implementations, comma-separated: specialized, generic, reference,
-    /// gemm_scatter, matrixmultiply_scatter.
+    /// Implementations, comma-separated: specialized, generic (the widest
+    /// CPU tier), specialized_cranelift, generic_cranelift (the pure
+    /// Cranelift tier), reference, gemm_scatter, matrixmultiply_scatter,
+    /// openblas_scatter (with the crate feature `openblas`).
     #[arg(long, value_delimiter = ',', value_parser = Implementation::parse)]
     pub impls: Option<Vec<Implementation>>,
     /// Worker threads of kernels, peers and roof probes (0: one per core; default 2).

@@ -405,11 +405,27 @@ mod openblas {
             c: *mut f32,
             ldc: c_int,
         );
+        fn cblas_sgemv(
+            order: c_int,
+            trans: c_int,
+            m: c_int,
+            n: c_int,
+            alpha: f32,
+            a: *const f32,
+            lda: c_int,
+            x: *const f32,
+            incx: c_int,
+            beta: f32,
+            y: *mut f32,
+            incy: c_int,
+        );
         fn openblas_set_num_threads(num_threads: c_int);
     }
 
     /// `c[M, N] = x[M, K] · w[N, K]ᵀ` with `cblas_sgemm` on the calling
-    /// thread, OpenBLAS's own pool set to `threads` first (a process-wide
+    /// thread (with `cblas_sgemv` when M = 1, as a user multiplying one
+    /// vector calls it — OpenBLAS's GEMV streams the weight at the read
+    /// roof), OpenBLAS's own pool set to `threads` first (a process-wide
     /// setting; cheap when unchanged).
     pub(super) fn sgemm_f32(m: usize, n: usize, k: usize, x: &[f32], w: &[f32], c: &mut [f32], threads: usize) {
         assert!(x.len() >= m * k && w.len() >= n * k && c.len() >= m * n, "peer buffers sized for the problem");
@@ -421,6 +437,16 @@ mod openblas {
         // the count to its compile-time maximum and takes its server lock
         // when it grows its pool.
         unsafe { openblas_set_num_threads(threads) };
+        if m == 1 {
+            // SAFETY: the assert and `dim` checks above: w is [n, k]
+            // row-major (A, lda = k), x holds k values (one row, incx 1),
+            // c holds n (incy 1); c is a unique borrow, so it aliases
+            // neither input.
+            unsafe {
+                cblas_sgemv(ROW_MAJOR, NO_TRANS, ni, ki, 1.0, w.as_ptr(), ki, x.as_ptr(), 1, 0.0, c.as_mut_ptr(), 1)
+            };
+            return;
+        }
         // SAFETY: the assert and `dim` checks above: x is [m, k] row-major
         // (A, not transposed, lda = k), w is [n, k] row-major, read as
         // Bᵀ [k, n] (B transposed, ldb = k), and c is [m, n] row-major

@@ -183,7 +183,7 @@ impl Point {
 /// through them reads its weight from DRAM as a model's layers do, instead of
 /// finding one small weight still in cache from the previous call.
 ///
-/// The copies hold the same values in different memory (cloned, not
+/// The copies hold the same values in different memory (copied, not
 /// regenerated). The GEMM peers multiply with an f32 copy of each when the
 /// dtype is not f32: a user of an f32-only GEMM library converts the weights
 /// once, when loading them.
@@ -207,7 +207,12 @@ impl Weights {
             TensorData::F32(_) => Vec::new(),
             _ => vec![to_f32(&weight); count],
         };
-        Ok(Self { layers: (0..count).map(|_| Arc::new(weight.clone())).collect(), f32_layers })
+        // Distinct memory per layer: a `Tensor` clone shares its storage, so
+        // each copy is made from the bytes.
+        let layers = (0..count)
+            .map(|_| Tensor::from_le_bytes(dtype, weight.shape(), weight.as_bytes()).map(Arc::new))
+            .collect::<kvjit_core::Result<Vec<_>>>()?;
+        Ok(Self { layers, f32_layers })
     }
 
     /// Number of layers (copies).

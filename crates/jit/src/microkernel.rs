@@ -6,8 +6,8 @@
 //! broadcast into `vfmadd231ps`, so the innermost loop of a GEMM is the one
 //! place kvjit does not emit itself. Everything around it stays JIT code,
 //! specialized per kernel key: the loops over row blocks, panels and row
-//! tiles, the schedule, the fused epilogue (the tile comes back through a
-//! small buffer on the driver's stack) and the threading.
+//! tiles, the schedule, the fused epilogue (the tiles add into accumulators
+//! in a buffer on the driver's stack) and the threading.
 //!
 //! A tile is `rows × 16` f32 accumulators, added into `c` (so a driver can
 //! split k into blocks):
@@ -19,10 +19,13 @@
 //! `x` is f32 activations with the rows of a tile interleaved (`x_step` =
 //! the tile height the driver packed them in; 1 for a single row, which is
 //! then just that row); `w` is one packed panel (`[K][16]`, k-major) of f32,
-//! bf16 or f16 values, widened in registers. Tiles of 1–3 rows split k over
-//! several accumulator sets, so every tile keeps ≥ 8 independent FMA chains
-//! in flight (two 256-bit FMA pipes with a latency of 4 cycles); every tile
-//! prefetches its panel [`PREFETCH_BYTES`] ahead of the loads.
+//! bf16 or f16 values, widened in registers. Tiles of 2–3 rows split k over
+//! two accumulator sets, so every tile keeps ≥ 8 independent FMA chains in
+//! flight (two 256-bit FMA pipes with a latency of 4 cycles), and prefetch
+//! their panel [`PREFETCH_BYTES`] ahead of the loads. The one-row tile is a
+//! GEMV: it reads its panel as four sequential streams (k split in four
+//! contiguous ranges, one accumulator pair each), which keeps more line
+//! fills in flight per core than one stream.
 
 use kvjit_core::{CpuTier, DType};
 

@@ -49,6 +49,13 @@ pub use kvjit_graph::{
     load_graph_with, save_graph, specialize,
 };
 pub use kvjit_jit::{CompileCause, CompileRecord, compile_log};
+
+/// The CPU tier `CpuTier::Auto` resolves to on this machine (`Avx2` on an
+/// x86-64 CPU with AVX2, FMA and F16C, else `Cranelift`): the tier JIT
+/// kernels' keys name (`…cpu-avx2…`) unless a build asks for another.
+pub fn widest_cpu_tier() -> CpuTier {
+    kvjit_jit::microkernel::resolve_tier(CpuTier::Auto).unwrap_or(CpuTier::Cranelift)
+}
 pub use kvjit_op_attention as attention;
 pub use kvjit_op_fused_qkv as fused_qkv;
 pub use kvjit_op_reshape as reshape;

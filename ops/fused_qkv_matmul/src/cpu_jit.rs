@@ -1,30 +1,39 @@
-//! The CPU kernel: machine code Cranelift emits for one [`FusedQkvSpec`].
+//! The CPU kernel: machine code Cranelift emits for one [`FusedQkvSpec`] on
+//! one CPU tier.
 //!
 //! Everything the spec fixes is a constant in the code: K, the Q/K/V column
 //! ranges, the K→V stride of the cache, dtypes, and — for a fully specialized
 //! key — the row count M. The weight is packed once (at graph build when it
-//! is a constant) into panels of [`NR`] columns, k-major (`[K][NR]`), one
-//! run of panels per Q, K and V segment, each zero-padded to a whole panel.
+//! is a constant) into panels of the tier's width (8 columns on the
+//! Cranelift tier, 16 on the 256-bit tier), k-major (`[K][width]`), one run
+//! of panels per Q, K and V segment, each zero-padded to a whole panel.
 //!
-//! Schedule, for each thread's range of panels:
+//! The driver — the loops, the schedule, the fused epilogue, the threading —
+//! is always Cranelift-emitted code specialized for the key. Only the
+//! innermost tile differs between the tiers ([`Schedule::of`]):
 //!
 //! ```text
-//! for each block of MC rows:                  (X block stays in cache across panels)
-//!   for each panel p in the thread's range:   (a [K][NR] weight panel, read from DRAM once per block)
-//!     for each group of MR rows:              (register tile: MR×NR f32 accumulators)
-//!       acc = Σ_k x[r, k] · w[p][k][:]        (F32X4 fma, k-split accumulators when MR is small)
-//!       epilogue: Q columns → output[r, col]; K/V columns → blocks[row_offset[r] + col]
-//!                 (skipped for padded rows: row_offset = -1), rounded to the dtype
+//! for each block of block_rows rows:            (X block stays in cache across panels)
+//!   for each panel p in the thread's range:     (a weight panel, read from DRAM once per block)
+//!     Cranelift tier: for each group of 4 rows: a 4×8 tile of F32X4 fmas in registers over all of K
+//!     256-bit tier:   for each k block (L1-sized; all of K when M = 1):
+//!                       for each group of 6 rows: call the AVX2 micro-kernel for the tile,
+//!                       adding into the block's accumulators on the stack
+//!     epilogue: Q columns → output[r, col]; K/V columns → blocks[row_offset[r] + col]
+//!               (skipped for padded rows: row_offset = -1), rounded to the dtype
 //! ```
 //!
-//! With M ≤ MC (decode) every weight panel is read from memory exactly once
-//! for all rows, and the panels are split between the worker threads: the
-//! kernel streams the weight once. Each output element is computed by one
-//! call with the same code whatever the thread count, so results are
-//! bit-identical for any number of threads.
+//! The 256-bit tier reads activations packed per 6-row tile
+//! ([`pack_activations`]: one sequential stream per tile); one row (decode)
+//! is a GEMV that streams each panel as four sequential streams. A generic
+//! kernel (M read at run time) picks between the GEMV and the blocked
+//! schedule per call.
 //!
-//! The micro-kernel (`Emitter::emit_tile`) is one swappable piece: a wider tier
-//! replaces it without touching packing, scheduling or the epilogue.
+//! With M ≤ block_rows (decode) every weight panel is read from memory
+//! exactly once for all rows, and the panels are split between the worker
+//! threads: the kernel streams the weight once. Each output element is
+//! computed by one call with the same code whatever the thread count, so
+//! results are bit-identical for any number of threads.
 
 use std::sync::Arc;
 
