@@ -44,6 +44,28 @@ pub const PREFETCH_BYTES: usize = 1024;
 /// w[k·16 + j]` for `i < rows ≤ x_step`, `j < 16` (see the module docs).
 pub type GemmTile = unsafe extern "C" fn(x: *const f32, x_step: usize, w: *const u8, k: usize, c: *mut f32);
 
+/// The C ABI of a widening kernel: `out[i] = w[i]` as f32 for `i < count`
+/// (`w` of bf16 or f16), so a driver can widen a block of a panel once and
+/// let every row tile of the block read f32.
+pub type WidenBlock = unsafe extern "C" fn(w: *const u8, count: usize, out: *mut f32);
+
+/// The widening kernel for `weights` (bf16 or f16); `None` for f32 (nothing
+/// to widen) or when this CPU lacks the tier.
+pub fn widen_block(weights: DType) -> Option<WidenBlock> {
+    if !avx2_available() {
+        return None;
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        x86::widen(weights)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = weights;
+        None
+    }
+}
+
 /// Whether this CPU runs the 256-bit tier (x86-64 with AVX2, FMA and F16C).
 pub fn avx2_available() -> bool {
     #[cfg(target_arch = "x86_64")]
@@ -280,6 +302,38 @@ mod x86 {
         })
     }
 
+    /// Widen `count` elements of `W` at `w` to f32 at `out`.
+    ///
+    /// # Safety
+    /// `w` readable for `count` elements, `out` writable for `count` f32;
+    /// AVX2, FMA, F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe extern "C" fn widen_kernel<W: Weights>(w: *const u8, count: usize, out: *mut f32) {
+        let whole = count - count % 8;
+        // SAFETY: i + 8 ≤ count inside the loop; the tail goes through a
+        // zero-padded copy of its < 8 elements.
+        unsafe {
+            for i in (0..whole).step_by(8) {
+                _mm256_storeu_ps(out.add(i), W::load8(w.add(i * W::BYTES)));
+            }
+            if whole < count {
+                let mut tail = [0u8; 8 * 4];
+                std::ptr::copy_nonoverlapping(w.add(whole * W::BYTES), tail.as_mut_ptr(), (count - whole) * W::BYTES);
+                let mut wide = [0f32; 8];
+                _mm256_storeu_ps(wide.as_mut_ptr(), W::load8(tail.as_ptr()));
+                std::ptr::copy_nonoverlapping(wide.as_ptr(), out.add(whole), count - whole);
+            }
+        }
+    }
+
+    pub(super) fn widen(weights: DType) -> Option<super::WidenBlock> {
+        match weights {
+            DType::BF16 => Some(widen_kernel::<Bf16>),
+            DType::F16 => Some(widen_kernel::<F16>),
+            DType::F32 | DType::U32 => None,
+        }
+    }
+
     pub(super) fn tile(weights: DType, rows: usize) -> Option<GemmTile> {
         match weights {
             DType::F32 => tiles::<F32>(rows),
@@ -363,6 +417,37 @@ mod tests {
 
     fn bytemuck_bytes(values: &[f32]) -> Vec<u8> {
         values.iter().flat_map(|v| v.to_le_bytes()).collect()
+    }
+
+    /// Widening matches `half` on every bf16 and f16 bit pattern, with
+    /// lengths that leave a tail, and writes nothing past `count`.
+    #[test]
+    fn widening_matches_half_on_every_pattern() {
+        if !avx2_available() {
+            eprintln!("skipped: this CPU has no AVX2/FMA/F16C");
+            return;
+        }
+        assert!(widen_block(DType::F32).is_none());
+        for dtype in [DType::BF16, DType::F16] {
+            let widen = widen_block(dtype).expect("bf16 and f16 widen");
+            for count in [65536, 65533, 5] {
+                let bits: Vec<u16> = (0..count as u32).map(|i| (i * 40503 % 65536) as u16).collect();
+                let bytes: Vec<u8> = bits.iter().flat_map(|b| b.to_le_bytes()).collect();
+                let mut out = vec![-7.0f32; count + 3];
+                // SAFETY: bytes holds count 2-byte elements, out ≥ count f32.
+                unsafe { widen(bytes.as_ptr(), count, out.as_mut_ptr()) };
+                for (i, &b) in bits.iter().enumerate() {
+                    let want =
+                        if dtype == DType::BF16 { bf16::from_bits(b).to_f32() } else { f16::from_bits(b).to_f32() };
+                    assert!(
+                        out[i].to_bits() == want.to_bits() || (out[i].is_nan() && want.is_nan()),
+                        "{dtype} {b:#06x}: {} vs {want}",
+                        out[i]
+                    );
+                }
+                assert!(out[count..].iter().all(|&v| v == -7.0), "{dtype}: wrote past count");
+            }
+        }
     }
 
     #[test]

@@ -90,6 +90,10 @@ impl Schedule {
 /// 3 MiB at K = 4096 (in L3 while each thread's panels stream by; each
 /// panel stays in L2 for the block's 32 tiles).
 pub const AVX2_BLOCK_ROWS: usize = 192;
+
+/// Bytes of a k block of a panel on the 256-bit tier, as f32 (half a 32 KiB
+/// L1): 256 values of k × 16 columns.
+pub const AVX2_BLOCK_BYTES: usize = 16 << 10;
 /// k values per iteration of the micro-kernel loop (amortizes the loop's
 /// overhead and the accumulator moves on its back edge).
 pub const K_UNROLL: usize = 4;
@@ -175,10 +179,8 @@ impl PanelLayout {
 
     /// Pack a `[N, K]` weight into panels (zero-padded), keeping its dtype.
     pub fn pack(&self, weight: &Tensor) -> Result<Tensor> {
-        // Panel by panel, row kk of the panel gathers element kk of its NR
-        // weight rows: the writes stream, the reads walk NR rows side by
-        // side. The panels go to huge-page memory (few faults to make, few
-        // TLB misses to stream).
+        // Panel by panel, column by column (see below). The panels go to
+        // huge-page memory (few faults to make, few TLB misses to stream).
         fn pack_typed<T: Copy + Default + bytemuck::Pod>(layout: &PanelLayout, w: &[T], out: &mut [u8]) {
             let (k, nr) = (layout.k, layout.nr);
             if k == 0 {
@@ -190,11 +192,20 @@ impl PanelLayout {
                 for p in 0..seg.panels(nr) {
                     let columns = nr.min(seg.columns - p * nr);
                     let first = seg.first_column + p * nr;
-                    let rows: Vec<&[T]> = (0..columns).map(|c| &w[(first + c) * k..][..k]).collect();
                     let panel = panels.next().expect("packed_len counts every panel");
-                    for (kk, out_row) in panel.chunks_exact_mut(nr).enumerate() {
-                        for (c, slot) in out_row.iter_mut().enumerate() {
-                            *slot = rows.get(c).map_or(T::default(), |row| row[kk]);
+                    // Column by column: each weight row is read as one
+                    // sequential stream (reading the panel's rows side by
+                    // side would make `nr` streams 4·K bytes apart, which
+                    // share L1 sets), written at stride `nr` into the panel,
+                    // which stays in cache.
+                    for c in 0..nr {
+                        let slots = panel[c..].iter_mut().step_by(nr);
+                        if c < columns {
+                            for (slot, &value) in slots.zip(&w[(first + c) * k..][..k]) {
+                                *slot = value;
+                            }
+                        } else {
+                            slots.for_each(|slot| *slot = T::default());
                         }
                     }
                 }
@@ -297,11 +308,12 @@ fn emit_and_compile(
         };
         let m_arg = params.arg(b, arg::M);
         // The 256-bit tiles hand their accumulators back through this slot.
-        let tile_buffer = (tier == CpuTier::Avx2).then(|| {
-            let bytes = (AVX2_BLOCK_ROWS * TILE_COLUMNS * 4) as u32;
-            b.create_sized_stack_slot(StackSlotData::new(StackSlotKind::ExplicitSlot, bytes, 5))
-        });
-        Emitter::new(spec, tier, bases, tile_buffer).emit(b, m_arg, params.begin, params.end);
+        let avx2 = tier == CpuTier::Avx2;
+        let mut slot =
+            |bytes: usize| b.create_sized_stack_slot(StackSlotData::new(StackSlotKind::ExplicitSlot, bytes as u32, 5));
+        let tile_buffer = avx2.then(|| slot(AVX2_BLOCK_ROWS * TILE_COLUMNS * 4));
+        let widened_block = (avx2 && spec.dtype != DType::F32).then(|| slot(AVX2_BLOCK_BYTES));
+        Emitter::new(spec, tier, bases, (tile_buffer, widened_block)).emit(b, m_arg, params.begin, params.end);
     })
 }
 
@@ -317,6 +329,9 @@ struct Emitter {
     /// The accumulators of a block's rows for one panel, `[block_rows][16]`
     /// f32 on the stack (the 256-bit tier only).
     tile_buffer: Option<StackSlot>,
+    /// A k block of a bf16/f16 panel widened to f32 (the 256-bit tier with
+    /// 2-byte weights only).
+    widened_block: Option<StackSlot>,
     layout: PanelLayout,
     /// Rows, when the key fixes them.
     m: Option<usize>,
@@ -350,11 +365,16 @@ struct Panel {
 }
 
 impl Emitter {
-    fn new(spec: &FusedQkvSpec, tier: CpuTier, bases: Bases, tile_buffer: Option<StackSlot>) -> Self {
+    fn new(
+        spec: &FusedQkvSpec,
+        tier: CpuTier,
+        bases: Bases,
+        (tile_buffer, widened_block): (Option<StackSlot>, Option<StackSlot>),
+    ) -> Self {
         let m = spec.batch.zip(spec.seq).map(|(b, s)| b * s);
         let schedule = Schedule::of(tier);
         let layout = PanelLayout::new(spec, schedule.panel_columns);
-        Self { spec: *spec, tier, schedule, tile_buffer, layout, m, bases }
+        Self { spec: *spec, tier, schedule, tile_buffer, widened_block, layout, m, bases }
     }
 
     /// The schedule: blocks of `block_rows` rows, then this invocation's
@@ -477,8 +497,8 @@ impl Emitter {
             Vec::new()
         });
         match self.m {
-            Some(1) => self.emit_avx2_k_blocks(b, start, end, panel, c, self.layout.k),
-            Some(_) => self.emit_avx2_k_blocks(b, start, end, panel, c, self.k_block()),
+            Some(1) => self.emit_avx2_k_blocks(b, start, end, panel, c, None),
+            Some(_) => self.emit_avx2_k_blocks(b, start, end, panel, c, Some(self.k_block())),
             None => {
                 // The generic kernel picks the schedule at run time: one row
                 // streams the whole of K (GEMV), more rows go k block by k
@@ -490,10 +510,10 @@ impl Emitter {
                 let one_row = b.ins().icmp_imm_s(IntCC::Equal, rows, 1);
                 b.ins().brif(one_row, gemv, &[], blocked, &[]);
                 b.switch_to_block(gemv);
-                self.emit_avx2_k_blocks(b, start, end, panel, c, self.layout.k);
+                self.emit_avx2_k_blocks(b, start, end, panel, c, None);
                 b.ins().jump(done, &[]);
                 b.switch_to_block(blocked);
-                self.emit_avx2_k_blocks(b, start, end, panel, c, self.k_block());
+                self.emit_avx2_k_blocks(b, start, end, panel, c, Some(self.k_block()));
                 b.ins().jump(done, &[]);
                 b.switch_to_block(done);
             }
@@ -507,14 +527,46 @@ impl Emitter {
         });
     }
 
-    /// The row tiles of rows `[start, end)` over all of K in blocks of `kc`
-    /// k values (the last block shorter), adding into the accumulators at `c`.
-    fn emit_avx2_k_blocks(&self, b: &mut FunctionBuilder, start: Value, end: Value, panel: Panel, c: Value, kc: usize) {
+    /// The row tiles of rows `[start, end)` over all of K, adding into the
+    /// accumulators at `c`: in blocks of `k_block` k values (the last one
+    /// shorter; bf16/f16 blocks widened to f32 first, once for all the row
+    /// tiles), or — `None`, the GEMV — all of K at once, read as stored.
+    fn emit_avx2_k_blocks(
+        &self,
+        b: &mut FunctionBuilder,
+        start: Value,
+        end: Value,
+        panel: Panel,
+        c: Value,
+        k_block: Option<usize>,
+    ) {
         let k = self.layout.k;
-        let kc = kc.max(1);
+        let kc = k_block.unwrap_or(k).max(1);
         let whole = k - k % kc;
+        let size = self.spec.dtype.size_bytes() as i64;
+        // The widened block holds k_block·16 f32 (AVX2_BLOCK_BYTES).
+        let widened = self.widened_block.filter(|_| k_block.is_some());
+        debug_assert!(widened.is_none() || kc * TILE_COLUMNS * 4 <= AVX2_BLOCK_BYTES);
         let tiles = |b: &mut FunctionBuilder, kb: Value, kc: usize| {
-            self.emit_row_tiles(b, start, end, &|b, mr, row| self.emit_avx2_tile(b, mr, row, start, kb, kc, panel, c));
+            let w_offset = b.ins().imul_imm_s(kb, TILE_COLUMNS as i64 * size);
+            let mut w = b.ins().iadd(panel.w, w_offset);
+            let mut w_dtype = self.spec.dtype;
+            if let Some(slot) = widened {
+                let widen = microkernel::widen_block(self.spec.dtype)
+                    .expect("the avx2 tier has widening kernels for bf16 and f16");
+                let ptr = pointer_type();
+                let mut signature = Signature::new(b.func.signature.call_conv);
+                signature.params.extend([ptr, types::I64, ptr].map(AbiParam::new));
+                let signature = b.import_signature(signature);
+                let callee = b.ins().iconst(ptr, widen as usize as i64);
+                let count = b.ins().iconst(types::I64, (kc * TILE_COLUMNS) as i64);
+                let out = b.ins().stack_addr(ptr, slot, 0);
+                b.ins().call_indirect(signature, callee, &[w, count, out]);
+                (w, w_dtype) = (out, DType::F32);
+            }
+            self.emit_row_tiles(b, start, end, &|b, mr, row| {
+                self.emit_avx2_tile(b, mr, row, start, kb, kc, (w, w_dtype), c)
+            });
         };
         if whole > 0 {
             let first = b.ins().iconst(types::I64, 0);
@@ -531,11 +583,12 @@ impl Emitter {
     }
 
     /// k values per block of the 256-bit schedule for more than one row:
-    /// a block of the panel fills half of a 32 KiB L1 (256 f32 or 512
-    /// bf16/f16 values of k) and every row tile of the block reuses it. One
-    /// row (decode) streams the whole of K instead: nothing to reuse.
+    /// a block of the panel, as f32, fills half of a 32 KiB L1 (256 values
+    /// of k; bf16/f16 blocks are widened into such a block first) and every
+    /// row tile of the block reuses it. One row (decode) streams the whole of
+    /// K instead: nothing to reuse, and half the bytes to read for bf16.
     fn k_block(&self) -> usize {
-        (16 << 10) / (TILE_COLUMNS * self.spec.dtype.size_bytes())
+        AVX2_BLOCK_BYTES / (TILE_COLUMNS * 4)
     }
 
     /// The address of row `row`'s accumulators in the stack buffer of a
@@ -547,8 +600,9 @@ impl Emitter {
     }
 
     /// One call of the ahead-of-time micro-kernel for `mr` rows from `row`
-    /// and k values `[kb, kb + kc)` (its address baked into the code); it
-    /// adds into those rows' accumulators in the stack buffer.
+    /// and k values `[kb, kb + kc)` (its address baked into the code),
+    /// reading the block's weights `w` (at k = kb, of its dtype); it adds
+    /// into those rows' accumulators in the stack buffer.
     #[allow(clippy::too_many_arguments)]
     fn emit_avx2_tile(
         &self,
@@ -558,10 +612,10 @@ impl Emitter {
         start: Value,
         kb: Value,
         kc: usize,
-        panel: Panel,
+        (w, w_dtype): (Value, DType),
         c: Value,
     ) {
-        let tile = microkernel::gemm_tile(self.spec.dtype, mr)
+        let tile = microkernel::gemm_tile(w_dtype, mr)
             .expect("emit_and_compile resolved the avx2 tier, which has a tile of every height up to MAX_TILE_ROWS");
         let ptr = pointer_type();
         let mut signature = Signature::new(b.func.signature.call_conv);
@@ -577,8 +631,6 @@ impl Emitter {
         let x_element = b.ins().iadd(x_row, x_k);
         let x_offset = b.ins().ishl_imm_u(x_element, 2);
         let x = b.ins().iadd(self.bases.x, x_offset);
-        let w_offset = b.ins().imul_imm_s(kb, (TILE_COLUMNS * self.spec.dtype.size_bytes()) as i64);
-        let w = b.ins().iadd(panel.w, w_offset);
         let kc = b.ins().iconst(types::I64, kc as i64);
         let c = self.tile_row_address(b, c, start, row);
         b.ins().call_indirect(signature, callee, &[x, self.bases.x_step, w, kc, c]);
