@@ -150,27 +150,33 @@ fn tiny_bench_prints_table_and_writes_json_and_svg() {
 
     // The table: header with every column, one row per implementation and M.
     let text = stdout(&out);
-    let header = "| M | implementation | median | spread | GFLOP/s | weight GB/s | vs kvjit generic \
-                  | vs kvjit specialized (Cranelift tier) | vs gemm+scatter | vs matrixmultiply+scatter | roof | of roof |";
-    assert!(text.contains(header), "{text}");
+    let avx2 = kvjit::widest_cpu_tier() == kvjit::CpuTier::Avx2;
+    let unspecialized_column = if avx2 { " vs kvjit unspecialized |" } else { "" };
+    let header = format!(
+        "| M | implementation | median | spread | GFLOP/s | weight GB/s | vs kvjit generic |{unspecialized_column} \
+         vs kvjit specialized (Cranelift tier) | vs gemm+scatter | vs matrixmultiply+scatter | roof | of roof |"
+    );
+    assert!(text.contains(&header), "{header}\n{text}");
     assert!(text.contains("Roofs, 2 threads"), "{text}");
     let tier = kvjit::widest_cpu_tier();
     let key = format!("`fused_qkv_bshd_paged.cpu-{tier}.f32.k64.q64.hkv2.d16.p4.l1.kvf32.bany.sany`");
     assert!(text.contains(&key), "{key}: {text}");
-    let labels = [
-        "kvjit specialized",
-        "kvjit generic",
+    let mut labels = vec!["kvjit specialized", "kvjit generic"];
+    if avx2 {
+        labels.push("kvjit unspecialized");
+    }
+    labels.extend([
         "kvjit specialized (Cranelift tier)",
         "kvjit generic (Cranelift tier)",
         "reference",
         "gemm+scatter",
         "matrixmultiply+scatter",
-    ];
+    ]);
     for m in ["1", "8"] {
-        for label in labels {
+        for &label in &labels {
             let row = format!("| {m} | {label} |");
             let line = text.lines().find(|l| l.starts_with(&row)).unwrap_or_else(|| panic!("no row {row}: {text}"));
-            assert_eq!(line.matches('|').count(), 13, "{line}");
+            assert_eq!(line.matches('|').count(), 13 + usize::from(avx2), "{line}");
             assert!(line.contains("bandwidth") || line.contains("fma"), "{line}");
         }
     }
@@ -201,17 +207,21 @@ fn tiny_bench_prints_table_and_writes_json_and_svg() {
         assert!(p["flops"].as_f64().unwrap() > 0.0 && p["weight_bytes"].as_f64().unwrap() > 0.0);
         let impls = p["implementations"].as_array().unwrap();
         let ids: Vec<&str> = impls.iter().map(|i| i["implementation"].as_str().unwrap()).collect();
+        let unspecialized = if avx2 { vec!["unspecialized"] } else { vec![] };
         assert_eq!(
             ids,
             [
-                "specialized",
-                "generic",
-                "specialized_cranelift",
-                "generic_cranelift",
-                "reference",
-                "gemm_scatter",
-                "matrixmultiply_scatter"
+                vec!["specialized", "generic"],
+                unspecialized,
+                vec![
+                    "specialized_cranelift",
+                    "generic_cranelift",
+                    "reference",
+                    "gemm_scatter",
+                    "matrixmultiply_scatter"
+                ]
             ]
+            .concat()
         );
         for i in impls {
             let id = i["implementation"].as_str().unwrap();
@@ -219,11 +229,16 @@ fn tiny_bench_prints_table_and_writes_json_and_svg() {
             assert_stats(&i["gflops"], id);
             assert_stats(&i["weight_gbs"], id);
             assert!(i["fraction_of_roof"].as_f64().unwrap() > 0.0);
-            for baseline in ["generic", "specialized_cranelift", "gemm_scatter", "matrixmultiply_scatter"] {
+            let unspecialized = avx2.then_some("unspecialized");
+            for baseline in ["generic", "specialized_cranelift", "gemm_scatter", "matrixmultiply_scatter"]
+                .into_iter()
+                .chain(unspecialized)
+            {
                 assert!(i["speedup_vs"][baseline].as_f64().unwrap() > 0.0, "{id} vs {baseline}: {i}");
             }
             let key = i["kernel_key"].as_str();
-            assert_eq!(key.is_some(), id.starts_with("specialized") || id.starts_with("generic"), "{i}");
+            let jit = ["specialized", "generic", "unspecialized"].iter().any(|p| id.starts_with(p));
+            assert_eq!(key.is_some(), jit, "{i}");
         }
         let specialized = impls[0]["kernel_key"].as_str().unwrap();
         assert!(specialized.ends_with(&format!(".b{}.s{}", p["batch"], p["seq"])), "{specialized}");

@@ -53,8 +53,9 @@ pub struct BenchArgs {
     /// Rows M (batch × tokens), comma-separated.
     #[arg(long, value_delimiter = ',')]
     pub ms: Option<Vec<usize>>,
-    /// Implementations, comma-separated: specialized, generic (the widest
-    /// CPU tier), specialized_cranelift, generic_cranelift (the pure
+    /// Implementations, comma-separated: specialized, generic,
+    /// unspecialized (the widest CPU tier; unspecialized needs AVX2),
+    /// specialized_cranelift, generic_cranelift (the pure
     /// Cranelift tier), reference, gemm_scatter, matrixmultiply_scatter,
     /// openblas_scatter (with the crate feature `openblas`).
     #[arg(long, value_delimiter = ',', value_parser = Implementation::parse)]

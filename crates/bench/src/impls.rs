@@ -4,7 +4,10 @@
 //!   exact B and S (a fully static key, `…b4.s16`);
 //! - [`Implementation::Generic`]: the JIT kernel of the symbolic key
 //!   (`…bany.sany`), which reads M at run time — one kernel serves every M;
-//! - both on the widest CPU tier this machine runs (`…cpu-avx2…` where it
+//! - [`Implementation::Unspecialized`]: the same generator with K, the
+//!   column counts and the cache layout read at run time too (one kernel
+//!   for every shape of its dtypes; 256-bit tier only);
+//! - all on the widest CPU tier this machine runs (`…cpu-avx2…` where it
 //!   has AVX2), and again on the pure-Cranelift tier
 //!   ([`Implementation::SpecializedCranelift`],
 //!   [`Implementation::GenericCranelift`]), so a run shows what the 256-bit
@@ -50,6 +53,10 @@ pub enum Implementation {
     Specialized,
     /// JIT kernel with B and S read at run time, on the widest CPU tier.
     Generic,
+    /// The same generator with K, the column counts and the cache layout
+    /// read at run time too (only the dtypes baked in; the 256-bit tier
+    /// only, see [`Implementation::available`]).
+    Unspecialized,
     /// [`Specialized`](Self::Specialized) on the pure-Cranelift tier.
     SpecializedCranelift,
     /// [`Generic`](Self::Generic) on the pure-Cranelift tier.
@@ -71,9 +78,10 @@ const OPTIONAL_PEERS: usize = cfg!(feature = "openblas") as usize;
 
 impl Implementation {
     /// Every implementation, in report order.
-    pub const ALL: [Implementation; 7 + OPTIONAL_PEERS] = [
+    pub const ALL: [Implementation; 8 + OPTIONAL_PEERS] = [
         Implementation::Specialized,
         Implementation::Generic,
+        Implementation::Unspecialized,
         Implementation::SpecializedCranelift,
         Implementation::GenericCranelift,
         Implementation::Reference,
@@ -96,6 +104,7 @@ impl Implementation {
         match self {
             Implementation::Specialized => "specialized",
             Implementation::Generic => "generic",
+            Implementation::Unspecialized => "unspecialized",
             Implementation::SpecializedCranelift => "specialized_cranelift",
             Implementation::GenericCranelift => "generic_cranelift",
             Implementation::Reference => "reference",
@@ -111,6 +120,7 @@ impl Implementation {
         match self {
             Implementation::Specialized => "kvjit specialized",
             Implementation::Generic => "kvjit generic",
+            Implementation::Unspecialized => "kvjit unspecialized",
             Implementation::SpecializedCranelift => "kvjit specialized (Cranelift tier)",
             Implementation::GenericCranelift => "kvjit generic (Cranelift tier)",
             Implementation::Reference => "reference",
@@ -124,10 +134,18 @@ impl Implementation {
     /// The CPU tier a JIT implementation builds its kernels for.
     pub fn cpu_tier(self) -> Option<CpuTier> {
         match self {
-            Implementation::Specialized | Implementation::Generic => Some(CpuTier::Auto),
+            Implementation::Specialized | Implementation::Generic | Implementation::Unspecialized => {
+                Some(CpuTier::Auto)
+            }
             Implementation::SpecializedCranelift | Implementation::GenericCranelift => Some(CpuTier::Cranelift),
             _ => None,
         }
+    }
+
+    /// Whether this machine runs it: the unspecialized kernel exists on the
+    /// 256-bit tier only (a CPU with AVX2, FMA and F16C).
+    pub fn available(self) -> bool {
+        self != Implementation::Unspecialized || kvjit_jit::microkernel::avx2_available()
     }
 
     /// Parse an [`id`](Self::id).
@@ -213,6 +231,16 @@ impl Runner {
             Implementation::GenericCranelift => {
                 let spec = point.shape.spec(point.dtype, point.page_size, None);
                 State::Jit(layer_kernels(spec, &problem.weights, CpuTier::Cranelift)?)
+            }
+            Implementation::Unspecialized => {
+                let spec = point.shape.spec(point.dtype, point.page_size, None);
+                let kernels = problem
+                    .weights
+                    .layers
+                    .iter()
+                    .map(|w| JitKernel::unspecialized(spec, Some(w.clone()), CpuTier::Auto).map_err(jit_error))
+                    .collect::<Result<Vec<_>>>()?;
+                State::Jit(Arc::new(kernels))
             }
             Implementation::Reference => State::Reference,
             Implementation::GemmScatter | Implementation::MatrixMultiplyScatter => State::Peer(PeerBuffers::new(point)),

@@ -136,10 +136,11 @@ impl ImplResult {
 }
 
 /// Implementations that a ratio column is shown against, if they ran: the
-/// generic kernel (what specialization buys), the Cranelift tier's
+/// generic and unspecialized kernels (what specialization buys), the Cranelift tier's
 /// specialized kernel (what the 256-bit tier buys) and the peers.
-const BASELINES: [Implementation; 4 + cfg!(feature = "openblas") as usize] = [
+const BASELINES: [Implementation; 5 + cfg!(feature = "openblas") as usize] = [
     Implementation::Generic,
+    Implementation::Unspecialized,
     Implementation::SpecializedCranelift,
     Implementation::GemmScatter,
     Implementation::MatrixMultiplyScatter,
@@ -450,6 +451,7 @@ mod svg {
         match i {
             Implementation::Specialized => RGBColor(0xd6, 0x27, 0x28),
             Implementation::Generic => RGBColor(0xff, 0x7f, 0x0e),
+            Implementation::Unspecialized => RGBColor(0x17, 0xbe, 0xcf),
             Implementation::SpecializedCranelift => RGBColor(0xe3, 0x77, 0xc2),
             Implementation::GenericCranelift => RGBColor(0xbc, 0xbd, 0x22),
             Implementation::Reference => RGBColor(0x7f, 0x7f, 0x7f),

@@ -24,7 +24,7 @@
 //! ```
 //!
 //! The 256-bit tier reads activations packed per 6-row tile
-//! ([`pack_activations`]: one sequential stream per tile); one row (decode)
+//! (`pack_activations`: one sequential stream per tile); one row (decode)
 //! is a GEMV that streams each panel as four sequential streams. A generic
 //! kernel (M read at run time) picks between the GEMV and the blocked
 //! schedule per call.
@@ -39,7 +39,8 @@ use std::sync::Arc;
 
 use half::slice::HalfFloatSliceExt;
 use kvjit_core::{
-    CpuTier, DType, Error, KernelKey, PagedKVCacheCollection, PreparedConstant, Result, Tensor, TensorData, bf16, f16,
+    CpuTier, DType, Error, KernelKey, KeyField, PagedKVCacheCollection, PreparedConstant, Result, Tensor, TensorData,
+    bf16, f16,
 };
 use kvjit_jit::cranelift_codegen::ir::{
     AbiParam, InstBuilder, Signature, StackSlot, StackSlotData, StackSlotKind, Value, condcodes::IntCC, types,
@@ -263,8 +264,16 @@ mod arg {
     /// The 256-bit tier's activation layout: rows interleaved in tiles of
     /// this many (see [`super::pack_activations`]); 1 when X is one plain row.
     pub const X_STEP: usize = 6;
+    /// K (read by an unspecialized kernel only, like the next three).
+    pub const K: usize = 7;
+    /// Q columns.
+    pub const Q_DIM: usize = 8;
+    /// K (and V) columns, Hkv·D.
+    pub const KV_DIM: usize = 9;
+    /// Elements from a token's K to its V in the blocks, L·page_size·Hkv·D.
+    pub const KV_STRIDE: usize = 10;
     /// Words in all.
-    pub const COUNT: usize = 7;
+    pub const COUNT: usize = 11;
 }
 
 /// The key of the JIT kernel for `spec` on a resolved `tier`: the op's key
@@ -273,12 +282,39 @@ pub fn tier_key(spec: &FusedQkvSpec, tier: CpuTier) -> KernelKey {
     spec.kernel_key().with_variant(tier.name())
 }
 
+/// The key of the unspecialized kernel for `spec`'s dtypes on `tier`: every
+/// size left to run time (`…cpu-avx2.f32.kany.qany.hkvany.dany.pany.lany.kvf32.bany.sany`).
+pub fn unspecialized_key(spec: &FusedQkvSpec, tier: CpuTier) -> KernelKey {
+    let any = KeyField::Dynamic;
+    KernelKey::new(crate::spec::KERNEL_NAME, spec.target, spec.dtype)
+        .with_variant(tier.name())
+        .with("k", any)
+        .with("q", any)
+        .with("hkv", any)
+        .with("d", any)
+        .with("p", any)
+        .with("l", any)
+        .with("kv", KeyField::DType(spec.cache_dtype))
+        .with("b", any)
+        .with("s", any)
+}
+
 /// Compile the kernel for `spec` on a resolved `tier` (or fetch it from the
 /// process-wide registry). Kept IR/disassembly bypass the registry so the
 /// texts always exist.
 pub fn compile(spec: &FusedQkvSpec, tier: CpuTier, capture: CaptureText) -> Result<Arc<JitFunction>, JitError> {
-    let key = tier_key(spec, tier);
-    let build = || emit_and_compile(spec, tier, &key, capture);
+    compile_sized(spec, tier, false, capture)
+}
+
+/// [`compile`], or with `runtime_sizes` the unspecialized kernel.
+fn compile_sized(
+    spec: &FusedQkvSpec,
+    tier: CpuTier,
+    runtime_sizes: bool,
+    capture: CaptureText,
+) -> Result<Arc<JitFunction>, JitError> {
+    let key = if runtime_sizes { unspecialized_key(spec, tier) } else { tier_key(spec, tier) };
+    let build = || emit_and_compile(spec, tier, &key, capture, runtime_sizes);
     if capture.clif || capture.disasm {
         return build().map(Arc::new);
     }
@@ -290,10 +326,17 @@ fn emit_and_compile(
     tier: CpuTier,
     key: &KernelKey,
     capture: CaptureText,
+    runtime_sizes: bool,
 ) -> Result<JitFunction, JitError> {
     addressable(spec)?;
     if tier == CpuTier::Auto {
         return Err(JitError::Unsupported { key: key.to_string(), reason: "the CPU tier was not resolved".into() });
+    }
+    if runtime_sizes && tier != CpuTier::Avx2 {
+        return Err(JitError::Unsupported {
+            key: key.to_string(),
+            reason: "the unspecialized kernel exists on the avx2 tier only (the Cranelift tile unrolls K)".into(),
+        });
     }
     // Resolving again refuses a 256-bit kernel on a CPU without AVX2.
     microkernel::resolve_tier(tier)?;
@@ -307,14 +350,59 @@ fn emit_and_compile(
             x_step: params.arg(b, arg::X_STEP),
         };
         let m_arg = params.arg(b, arg::M);
+        let sizes = runtime_sizes.then(|| Sizes {
+            k: Size::Runtime(params.arg(b, arg::K)),
+            q_dim: Size::Runtime(params.arg(b, arg::Q_DIM)),
+            kv_dim: Size::Runtime(params.arg(b, arg::KV_DIM)),
+            kv_stride: Size::Runtime(params.arg(b, arg::KV_STRIDE)),
+        });
         // The 256-bit tiles hand their accumulators back through this slot.
         let avx2 = tier == CpuTier::Avx2;
         let mut slot =
             |bytes: usize| b.create_sized_stack_slot(StackSlotData::new(StackSlotKind::ExplicitSlot, bytes as u32, 5));
         let tile_buffer = avx2.then(|| slot(AVX2_BLOCK_ROWS * TILE_COLUMNS * 4));
         let widened_block = (avx2 && spec.dtype != DType::F32).then(|| slot(AVX2_BLOCK_BYTES));
-        Emitter::new(spec, tier, bases, (tile_buffer, widened_block)).emit(b, m_arg, params.begin, params.end);
+        Emitter::new(spec, tier, bases, (tile_buffer, widened_block), sizes).emit(b, m_arg, params.begin, params.end);
     })
+}
+
+/// A size the code either bakes in or reads from an argument word.
+#[derive(Clone, Copy)]
+enum Size {
+    Known(usize),
+    Runtime(Value),
+}
+
+impl Size {
+    /// `v · self · factor`.
+    fn times(self, b: &mut FunctionBuilder, v: Value, factor: i64) -> Value {
+        match self {
+            Size::Known(n) => b.ins().imul_imm_s(v, n as i64 * factor),
+            Size::Runtime(n) => {
+                let scaled = if factor == 1 { n } else { b.ins().imul_imm_s(n, factor) };
+                b.ins().imul(v, scaled)
+            }
+        }
+    }
+
+    /// The size as a value.
+    fn value(self, b: &mut FunctionBuilder) -> Value {
+        match self {
+            Size::Known(n) => b.ins().iconst(types::I64, n as i64),
+            Size::Runtime(n) => n,
+        }
+    }
+}
+
+/// Which sizes a kernel bakes in: all the spec's (a specialized or generic
+/// kernel), or none but the dtypes (an unspecialized kernel, which reads K,
+/// the column counts and the cache's K→V stride from its argument words).
+#[derive(Clone, Copy)]
+struct Sizes {
+    k: Size,
+    q_dim: Size,
+    kv_dim: Size,
+    kv_stride: Size,
 }
 
 /// The emitter's state for one kernel body — everything the loop nest and
@@ -333,6 +421,8 @@ struct Emitter {
     /// 2-byte weights only).
     widened_block: Option<StackSlot>,
     layout: PanelLayout,
+    /// Sizes baked in or read at run time.
+    sizes: Sizes,
     /// Rows, when the key fixes them.
     m: Option<usize>,
     /// The call's buffers.
@@ -351,6 +441,16 @@ struct Bases {
     x_step: Value,
 }
 
+/// Where a segment's panels start and how many there are.
+#[derive(Clone, Copy)]
+struct SegmentBounds {
+    first_panel: Size,
+    /// Whole panels.
+    full: Size,
+    /// Columns of the last, narrower panel (0: there is none).
+    tail: Size,
+}
+
 /// The panel loop's state, which every tile of the panel shares.
 #[derive(Clone, Copy)]
 struct Panel {
@@ -361,7 +461,7 @@ struct Panel {
     /// Where its columns go.
     destination: Destination,
     /// Columns it holds (NR, or fewer in a segment's last panel).
-    width: usize,
+    width: Size,
 }
 
 impl Emitter {
@@ -370,11 +470,19 @@ impl Emitter {
         tier: CpuTier,
         bases: Bases,
         (tile_buffer, widened_block): (Option<StackSlot>, Option<StackSlot>),
+        runtime_sizes: Option<Sizes>,
     ) -> Self {
-        let m = spec.batch.zip(spec.seq).map(|(b, s)| b * s);
         let schedule = Schedule::of(tier);
         let layout = PanelLayout::new(spec, schedule.panel_columns);
-        Self { spec: *spec, tier, schedule, tile_buffer, widened_block, layout, m, bases }
+        let baked = Sizes {
+            k: Size::Known(spec.k),
+            q_dim: Size::Known(spec.q_dim),
+            kv_dim: Size::Known(spec.kv_dim()),
+            kv_stride: Size::Known(spec.num_layers * spec.page_size * spec.kv_dim()),
+        };
+        let m = spec.batch.zip(spec.seq).map(|(b, s)| b * s).filter(|_| runtime_sizes.is_none());
+        let sizes = runtime_sizes.unwrap_or(baked);
+        Self { spec: *spec, tier, schedule, tile_buffer, widened_block, layout, sizes, m, bases }
     }
 
     /// The schedule: blocks of `block_rows` rows, then this invocation's
@@ -389,23 +497,43 @@ impl Emitter {
         counted_loop(b, zero, m, mc as i64, &[], |b, block_start, _| {
             let block_end = b.ins().iadd_imm_s(block_start, mc as i64);
             let block_end = b.ins().smin(block_end, m);
-            for seg in self.layout.segments {
-                let full = seg.columns / nr;
-                let tail = seg.columns % nr;
-                for (first, count, width) in
-                    [(seg.first_panel, full, nr), (seg.first_panel + full, usize::from(tail > 0), tail)]
-                {
-                    if count == 0 {
-                        continue;
+            for (seg, bounds) in self.segment_bounds(b) {
+                let SegmentBounds { first_panel, full, tail } = bounds;
+                // The segment's whole panels, then its narrower last one.
+                let ranges = match (full, tail) {
+                    (Size::Known(full), Size::Known(tail)) => {
+                        let first = match first_panel {
+                            Size::Known(first) => first,
+                            Size::Runtime(_) => unreachable!("known column counts give a known first panel"),
+                        };
+                        [(first, full, Size::Known(nr)), (first + full, usize::from(tail > 0), Size::Known(tail))]
+                            .into_iter()
+                            .filter(|&(_, count, _)| count > 0)
+                            .map(|(first, count, width)| {
+                                let lo = b.ins().iconst(types::I64, first as i64);
+                                let hi = b.ins().iconst(types::I64, (first + count) as i64);
+                                (lo, hi, width)
+                            })
+                            .collect::<Vec<_>>()
                     }
-                    let lo = b.ins().iconst(types::I64, first as i64);
+                    _ => {
+                        let first = first_panel.value(b);
+                        let full = full.value(b);
+                        let tail = tail.value(b);
+                        let whole_end = b.ins().iadd(first, full);
+                        let has_tail = b.ins().icmp_imm_s(IntCC::NotEqual, tail, 0);
+                        let has_tail = b.ins().uextend(types::I64, has_tail);
+                        let tail_end = b.ins().iadd(whole_end, has_tail);
+                        vec![(first, whole_end, Size::Known(nr)), (whole_end, tail_end, Size::Runtime(tail))]
+                    }
+                };
+                let first_panel = first_panel.value(b);
+                for (lo, hi, width) in ranges {
                     let lo = b.ins().smax(lo, panel_begin);
-                    let hi = b.ins().iconst(types::I64, (first + count) as i64);
                     let hi = b.ins().smin(hi, panel_end);
                     counted_loop(b, lo, hi, 1, &[], |b, index, _| {
-                        let panel_bytes = (self.layout.k * nr * self.spec.dtype.size_bytes()) as i64;
-                        let offset = b.ins().imul_imm_s(index, panel_bytes);
-                        let rel = b.ins().iadd_imm_s(index, -(seg.first_panel as i64));
+                        let offset = self.sizes.k.times(b, index, (nr * self.spec.dtype.size_bytes()) as i64);
+                        let rel = b.ins().isub(index, first_panel);
                         let panel = Panel {
                             w: b.ins().iadd(self.bases.w, offset),
                             column: b.ins().imul_imm_s(rel, nr as i64),
@@ -424,6 +552,50 @@ impl Emitter {
             }
             Vec::new()
         });
+    }
+
+    /// Each segment (Q, K, V) with its first panel, its whole panels and the
+    /// width of its last, narrower one (0: none) — constants from the layout,
+    /// or computed from the column counts an unspecialized kernel reads.
+    fn segment_bounds(&self, b: &mut FunctionBuilder) -> Vec<(Segment, SegmentBounds)> {
+        let nr = self.schedule.panel_columns;
+        let (Size::Runtime(q_dim), Size::Runtime(kv_dim)) = (self.sizes.q_dim, self.sizes.kv_dim) else {
+            return self
+                .layout
+                .segments
+                .iter()
+                .map(|seg| {
+                    let bounds = SegmentBounds {
+                        first_panel: Size::Known(seg.first_panel),
+                        full: Size::Known(seg.columns / nr),
+                        tail: Size::Known(seg.columns % nr),
+                    };
+                    (*seg, bounds)
+                })
+                .collect();
+        };
+        let split = |b: &mut FunctionBuilder, columns: Value| {
+            let full = b.ins().ushr_imm_u(columns, nr.trailing_zeros() as i64);
+            let tail = b.ins().band_imm_s(columns, nr as i64 - 1);
+            let panels = b.ins().iadd_imm_s(columns, nr as i64 - 1);
+            let panels = b.ins().ushr_imm_u(panels, nr.trailing_zeros() as i64);
+            (full, tail, panels)
+        };
+        let (q_full, q_tail, q_panels) = split(b, q_dim);
+        let (kv_full, kv_tail, kv_panels) = split(b, kv_dim);
+        let zero = b.ins().iconst(types::I64, 0);
+        let v_first = b.ins().iadd(q_panels, kv_panels);
+        let bounds = |first, full, tail| SegmentBounds {
+            first_panel: Size::Runtime(first),
+            full: Size::Runtime(full),
+            tail: Size::Runtime(tail),
+        };
+        self.layout
+            .segments
+            .iter()
+            .zip([bounds(zero, q_full, q_tail), bounds(q_panels, kv_full, kv_tail), bounds(v_first, kv_full, kv_tail)])
+            .map(|(seg, bounds)| (*seg, bounds))
+            .collect()
     }
 
     /// Tiles of `tile_rows` rows over `[start, end)`, then one smaller tile
@@ -540,14 +712,11 @@ impl Emitter {
         c: Value,
         k_block: Option<usize>,
     ) {
-        let k = self.layout.k;
-        let kc = k_block.unwrap_or(k).max(1);
-        let whole = k - k % kc;
         let size = self.spec.dtype.size_bytes() as i64;
         // The widened block holds k_block·16 f32 (AVX2_BLOCK_BYTES).
         let widened = self.widened_block.filter(|_| k_block.is_some());
-        debug_assert!(widened.is_none() || kc * TILE_COLUMNS * 4 <= AVX2_BLOCK_BYTES);
-        let tiles = |b: &mut FunctionBuilder, kb: Value, kc: usize| {
+        debug_assert!(k_block.is_none_or(|kc| kc * TILE_COLUMNS * 4 <= AVX2_BLOCK_BYTES));
+        let tiles = |b: &mut FunctionBuilder, kb: Value, kc: Size| {
             let w_offset = b.ins().imul_imm_s(kb, TILE_COLUMNS as i64 * size);
             let mut w = b.ins().iadd(panel.w, w_offset);
             let mut w_dtype = self.spec.dtype;
@@ -559,7 +728,8 @@ impl Emitter {
                 signature.params.extend([ptr, types::I64, ptr].map(AbiParam::new));
                 let signature = b.import_signature(signature);
                 let callee = b.ins().iconst(ptr, widen as usize as i64);
-                let count = b.ins().iconst(types::I64, (kc * TILE_COLUMNS) as i64);
+                let one = b.ins().iconst(types::I64, 1);
+                let count = kc.times(b, one, TILE_COLUMNS as i64);
                 let out = b.ins().stack_addr(ptr, slot, 0);
                 b.ins().call_indirect(signature, callee, &[w, count, out]);
                 (w, w_dtype) = (out, DType::F32);
@@ -568,17 +738,44 @@ impl Emitter {
                 self.emit_avx2_tile(b, mr, row, start, kb, kc, (w, w_dtype), c)
             });
         };
-        if whole > 0 {
-            let first = b.ins().iconst(types::I64, 0);
-            let last = b.ins().iconst(types::I64, whole as i64);
-            counted_loop(b, first, last, kc as i64, &[], |b, kb, _| {
-                tiles(b, kb, kc);
-                Vec::new()
-            });
-        }
-        if whole < k {
-            let kb = b.ins().iconst(types::I64, whole as i64);
-            tiles(b, kb, k - whole);
+        match (self.sizes.k, k_block) {
+            (k, None) => {
+                let kb = b.ins().iconst(types::I64, 0);
+                tiles(b, kb, k);
+            }
+            (Size::Known(k), Some(kc)) => {
+                let whole = k - k % kc;
+                if whole > 0 {
+                    let first = b.ins().iconst(types::I64, 0);
+                    let last = b.ins().iconst(types::I64, whole as i64);
+                    counted_loop(b, first, last, kc as i64, &[], |b, kb, _| {
+                        tiles(b, kb, Size::Known(kc));
+                        Vec::new()
+                    });
+                }
+                if whole < k {
+                    let kb = b.ins().iconst(types::I64, whole as i64);
+                    tiles(b, kb, Size::Known(k - whole));
+                }
+            }
+            (Size::Runtime(k), Some(kc)) => {
+                debug_assert!(kc.is_power_of_two());
+                let whole = b.ins().band_imm_s(k, !(kc as i64 - 1));
+                let first = b.ins().iconst(types::I64, 0);
+                counted_loop(b, first, whole, kc as i64, &[], |b, kb, _| {
+                    tiles(b, kb, Size::Known(kc));
+                    Vec::new()
+                });
+                let rest = b.ins().isub(k, whole);
+                let last = b.create_block();
+                let done = b.create_block();
+                let has_rest = b.ins().icmp_imm_s(IntCC::NotEqual, rest, 0);
+                b.ins().brif(has_rest, last, &[], done, &[]);
+                b.switch_to_block(last);
+                tiles(b, whole, Size::Runtime(rest));
+                b.ins().jump(done, &[]);
+                b.switch_to_block(done);
+            }
         }
     }
 
@@ -611,7 +808,7 @@ impl Emitter {
         row: Value,
         start: Value,
         kb: Value,
-        kc: usize,
+        kc: Size,
         (w, w_dtype): (Value, DType),
         c: Value,
     ) {
@@ -625,13 +822,12 @@ impl Emitter {
         // Tiles start at multiples of the packing step (or at row 0 of a
         // single plain row), so the tile's x starts at element row·K +
         // kb·step of the packed activations.
-        let k = self.layout.k as i64;
-        let x_row = b.ins().imul_imm_s(row, k);
+        let x_row = self.sizes.k.times(b, row, 1);
         let x_k = b.ins().imul(kb, self.bases.x_step);
         let x_element = b.ins().iadd(x_row, x_k);
         let x_offset = b.ins().ishl_imm_u(x_element, 2);
         let x = b.ins().iadd(self.bases.x, x_offset);
-        let kc = b.ins().iconst(types::I64, kc as i64);
+        let kc = kc.value(b);
         let c = self.tile_row_address(b, c, start, row);
         b.ins().call_indirect(signature, callee, &[x, self.bases.x_step, w, kc, c]);
     }
@@ -709,7 +905,7 @@ impl Emitter {
         let r = b.ins().iadd_imm_s(row, i as i64);
         let (dtype, base, after) = match panel.destination {
             Destination::Q => {
-                let element = b.ins().imul_imm_s(r, self.spec.q_dim as i64);
+                let element = self.sizes.q_dim.times(b, r, 1);
                 let element = b.ins().iadd(element, panel.column);
                 let bytes = b.ins().imul_imm_s(element, self.spec.dtype.size_bytes() as i64);
                 (self.spec.dtype, b.ins().iadd(self.bases.out, bytes), None)
@@ -723,8 +919,11 @@ impl Emitter {
                 let writes = b.ins().icmp_imm_s(IntCC::SignedGreaterThanOrEqual, slot, 0);
                 b.ins().brif(writes, store, &[], after, &[]);
                 b.switch_to_block(store);
-                let stride = if panel.destination == Destination::V { self.kv_stride() } else { 0 };
-                let element = b.ins().iadd_imm_s(slot, stride as i64);
+                let element = match (panel.destination, self.sizes.kv_stride) {
+                    (Destination::V, Size::Known(stride)) => b.ins().iadd_imm_s(slot, stride as i64),
+                    (Destination::V, Size::Runtime(stride)) => b.ins().iadd(slot, stride),
+                    _ => slot,
+                };
                 let element = b.ins().iadd(element, panel.column);
                 let bytes = b.ins().imul_imm_s(element, self.spec.cache_dtype.size_bytes() as i64);
                 (self.spec.cache_dtype, b.ins().iadd(self.bases.blocks, bytes), Some(after))
@@ -732,12 +931,31 @@ impl Emitter {
         };
         let size = dtype.size_bytes() as i32;
         for (h, &value) in vectors.iter().enumerate() {
-            let lanes = panel.width.saturating_sub(4 * h).min(4);
-            if lanes == 4 {
-                store_f32x4(b, dtype, value, base, 4 * h as i32 * size);
-            } else {
-                for lane in 0..lanes {
-                    store_lane(b, dtype, value, lane as u8, base, (4 * h + lane) as i32 * size);
+            match panel.width {
+                Size::Known(width) => {
+                    let lanes = width.saturating_sub(4 * h).min(4);
+                    if lanes == 4 {
+                        store_f32x4(b, dtype, value, base, 4 * h as i32 * size);
+                    } else {
+                        for lane in 0..lanes {
+                            store_lane(b, dtype, value, lane as u8, base, (4 * h + lane) as i32 * size);
+                        }
+                    }
+                }
+                // A last panel whose width only the run knows: each lane
+                // is stored when its column exists.
+                Size::Runtime(width) => {
+                    for lane in 0..4 {
+                        let column = 4 * h + lane;
+                        let store = b.create_block();
+                        let next = b.create_block();
+                        let exists = b.ins().icmp_imm_s(IntCC::UnsignedGreaterThan, width, column as i64);
+                        b.ins().brif(exists, store, &[], next, &[]);
+                        b.switch_to_block(store);
+                        store_lane(b, dtype, value, lane as u8, base, column as i32 * size);
+                        b.ins().jump(next, &[]);
+                        b.switch_to_block(next);
+                    }
                 }
             }
         }
@@ -745,12 +963,6 @@ impl Emitter {
             b.ins().jump(after, &[]);
             b.switch_to_block(after);
         }
-    }
-
-    /// Elements from a token's K to its V in the blocks tensor:
-    /// `L · page_size · Hkv · D`.
-    fn kv_stride(&self) -> usize {
-        self.spec.num_layers * self.spec.page_size * self.spec.kv_dim()
     }
 }
 
@@ -832,7 +1044,29 @@ impl JitKernel {
             }
             _ => None,
         };
-        Self::with_constant(spec, tier, constant_weight, capture, specialize_shapes)
+        Self::with_constant(spec, tier, constant_weight, capture, specialize_shapes, false)
+    }
+
+    /// The unspecialized kernel, a baseline for what specialization buys:
+    /// the same generator with only the dtypes baked in — K, the Q/K/V
+    /// column counts and the cache's K→V stride are read from argument
+    /// words, M at run time, and one compiled kernel serves every spec of
+    /// these dtypes (`…kany.qany.hkvany…`). Calls are validated against
+    /// `spec` as for any kernel. 256-bit tier only (the Cranelift tile
+    /// unrolls K).
+    pub fn unspecialized(
+        spec: FusedQkvSpec,
+        weight: Option<Arc<Tensor>>,
+        requested: CpuTier,
+    ) -> Result<Self, JitError> {
+        let generic = FusedQkvSpec { batch: None, seq: None, ..spec };
+        let tier = microkernel::resolve_tier(requested)?;
+        let layout = PanelLayout::new(&generic, Schedule::of(tier).panel_columns);
+        let constant_weight =
+            weight.filter(|w| w.dtype() == spec.dtype && w.shape() == [spec.n(), spec.k] && w.is_contiguous()).map(
+                |w| PackedConstant { packed: Arc::new(layout.pack(&w).expect("a float weight packs")), plain: Some(w) },
+            );
+        Self::with_constant(generic, tier, constant_weight, CaptureText::default(), false, true)
     }
 
     /// Like [`with_tier`](Self::with_tier), with the weight already packed
@@ -863,7 +1097,8 @@ impl JitKernel {
             .into());
         }
         let constant = PackedConstant { plain: None, packed: data.clone() };
-        Self::with_constant(spec, tier, Some(constant), capture, specialize_shapes).map_err(|e| Error::op(OP_NAME, e))
+        Self::with_constant(spec, tier, Some(constant), capture, specialize_shapes, false)
+            .map_err(|e| Error::op(OP_NAME, e))
     }
 
     fn with_constant(
@@ -872,12 +1107,13 @@ impl JitKernel {
         constant_weight: Option<PackedConstant>,
         capture: CaptureText,
         specialize_shapes: bool,
+        runtime_sizes: bool,
     ) -> Result<Self, JitError> {
-        let code = compile(&spec, tier, capture)?;
+        let code = compile_sized(&spec, tier, runtime_sizes, capture)?;
         let layout = PanelLayout::new(&spec, Schedule::of(tier).panel_columns);
         let generic = spec.batch.is_none() || spec.seq.is_none();
         Ok(Self {
-            key: tier_key(&spec, tier),
+            key: if runtime_sizes { unspecialized_key(&spec, tier) } else { tier_key(&spec, tier) },
             tier,
             seen_shapes: (specialize_shapes && generic).then(SeenShapes::new),
             spec,
@@ -894,7 +1130,7 @@ impl JitKernel {
         let spec = FusedQkvSpec { batch: Some(shape.batch), seq: Some(shape.seq), ..self.spec };
         let key = tier_key(&spec, self.tier);
         seen.code_for(&[("B", shape.batch), ("S", shape.seq)], (&self.code, &self.key), &key, || {
-            emit_and_compile(&spec, self.tier, &key, CaptureText::default())
+            emit_and_compile(&spec, self.tier, &key, CaptureText::default(), false)
         })
     }
 
@@ -1041,6 +1277,11 @@ impl JitKernel {
         args[arg::ROW_OFFSETS] = row_offsets.as_ptr() as u64;
         args[arg::M] = rows as u64;
         args[arg::X_STEP] = x_step as u64;
+        // Read by the unspecialized kernel only; the others bake them in.
+        args[arg::K] = self.spec.k as u64;
+        args[arg::Q_DIM] = self.spec.q_dim as u64;
+        args[arg::KV_DIM] = self.spec.kv_dim() as u64;
+        args[arg::KV_STRIDE] = (self.spec.num_layers * self.spec.page_size * self.spec.kv_dim()) as u64;
         if shape.batch * shape.seq == 0 {
             return Ok(());
         }

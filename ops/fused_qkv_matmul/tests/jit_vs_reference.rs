@@ -146,6 +146,8 @@ struct Case {
     /// The CPU tier the JIT kernel is built for (`Auto` in [`check_case`]:
     /// every tier this CPU has).
     tier: CpuTier,
+    /// Run the unspecialized kernel (sizes read at run time; avx2 tier).
+    unspecialized: bool,
 }
 
 impl Case {
@@ -176,6 +178,7 @@ impl Case {
             threads: 1,
             call: Call::RunInto { front: 16, back: 16 },
             tier: CpuTier::Auto,
+            unspecialized: false,
         }
     }
 
@@ -326,8 +329,12 @@ impl Case {
 
     fn kernel(&self, prep: &Prepared) -> JitKernel {
         let weight = self.const_weight.then(|| prep.weight.clone());
-        JitKernel::with_tier(self.spec(), weight, CaptureText::default(), false, self.tier)
-            .unwrap_or_else(|e| panic!("{self:?}: JitKernel::with_tier failed: {e}"))
+        let kernel = if self.unspecialized {
+            JitKernel::unspecialized(self.spec(), weight, self.tier)
+        } else {
+            JitKernel::with_tier(self.spec(), weight, CaptureText::default(), false, self.tier)
+        };
+        kernel.unwrap_or_else(|e| panic!("{self:?}: building the JIT kernel failed: {e}"))
     }
 }
 
@@ -576,7 +583,10 @@ fn draw(seed: u64, dtype: DType) -> Case {
             threads: pick(&mut rng, &[1, 2, 3]),
             call,
             tier: pick(&mut rng, &tiers()),
+            unspecialized: false,
         };
+        // A third of the 256-bit cases run the unspecialized kernel.
+        let case = Case { unspecialized: case.tier == CpuTier::Avx2 && rng.gen_bool(0.33), ..case };
         if case.rows() * case.n() * case.k <= MAC_BUDGET && case.cache_elements() <= CACHE_BUDGET {
             return case;
         }
@@ -617,7 +627,7 @@ fn random_cases_cover_the_kernel_paths() {
         .flat_map(|(dtype, base)| (0..CASES_PER_DTYPE).map(move |i| draw(base + i, dtype)))
         .collect();
     let count = |f: &dyn Fn(&Case) -> bool| cases.iter().filter(|c| f(c)).count();
-    let checks: [Property; 22] = [
+    let checks: [Property; 23] = [
         ("M % tile rows != 0", &|c| !c.rows().is_multiple_of(c.schedule().tile_rows)),
         ("M > block rows", &|c| c.rows() > c.schedule().block_rows),
         ("M > 2·MC (Cranelift tier)", &|c| c.tier == CpuTier::Cranelift && c.rows() > 2 * MC),
@@ -626,6 +636,9 @@ fn random_cases_cover_the_kernel_paths() {
         ("q_dim % panel columns != 0", &|c| !c.q_dim().is_multiple_of(c.schedule().panel_columns)),
         ("kv_dim % panel columns != 0", &|c| !c.kv_dim().is_multiple_of(c.schedule().panel_columns)),
         ("Cranelift tier", &|c| c.tier == CpuTier::Cranelift),
+        ("unspecialized kernel (where the CPU has the 256-bit tier)", &|c| {
+            c.unspecialized || !kvjit_jit::microkernel::avx2_available()
+        }),
         ("256-bit tier (where the CPU has it)", &|c| c.tier == *tiers().last().unwrap()),
         ("head 256", &|c| c.d == 256),
         ("GQA 8", &|c| c.ratio == 8),
@@ -678,6 +691,7 @@ fn realistic(dtype: DType, cache_dtype: DType, batch: usize, seq: usize, valid: 
         threads: 2,
         call: Call::RunInto { front: 64, back: 64 },
         tier: CpuTier::Auto,
+        unspecialized: false,
     }
 }
 
@@ -912,6 +926,36 @@ fn generic_and_specialized_kernels_give_identical_bytes() {
         }
         assert_matches_reference(first, &prep, first_run, &run_reference(first, &prep));
     }
+}
+
+/// The unspecialized kernel (K, the column counts and the cache layout read
+/// at run time) runs the same tiles in the same order as the generic one:
+/// identical bytes; and one compiled kernel serves every spec of its dtypes.
+#[test]
+fn unspecialized_and_generic_kernels_give_identical_bytes() {
+    if !kvjit_jit::microkernel::avx2_available() {
+        let spec = Case::base(DType::F32).spec();
+        let refused = JitKernel::unspecialized(spec, None, CpuTier::Cranelift);
+        assert!(refused.is_err_and(|e| e.to_string().contains("avx2 tier only")));
+        return;
+    }
+    let mut cases: Vec<Case> = bitwise_cases().into_iter().map(|c| Case { tier: CpuTier::Avx2, ..c }).collect();
+    cases.extend((0..12).map(|i| Case { tier: CpuTier::Avx2, ..draw(0x5eed_0000 + i, DType::FLOATS[i as usize % 3]) }));
+    for case in cases {
+        let prep = case.prepare();
+        let generic = Case { static_batch: false, static_seq: false, unspecialized: false, ..case.clone() };
+        let unspecialized = Case { unspecialized: true, ..generic.clone() };
+        let a = run_jit(&generic, &prep, &generic.kernel(&prep), cpu(2));
+        let b = run_jit(&unspecialized, &prep, &unspecialized.kernel(&prep), cpu(2));
+        assert!(a.output == b.output, "{case:?}: output differs");
+        assert!(a.cache.blocks().as_bytes() == b.cache.blocks().as_bytes(), "{case:?}: cache differs");
+        assert_matches_reference(&unspecialized, &prep, &b, &run_reference(&unspecialized, &prep));
+    }
+    // One key for every spec of the dtypes.
+    let [x, y] = [Case::base(DType::BF16), Case { k: 77, hkv: 3, d: 5, ..Case::base(DType::BF16) }]
+        .map(|c| JitKernel::unspecialized(c.spec(), None, CpuTier::Avx2).unwrap());
+    assert_eq!(x.key(), y.key());
+    assert!(x.key().to_string().contains(".cpu-avx2.bf16.kany.qany.hkvany.dany.pany.lany."), "{}", x.key());
 }
 
 /// The seen-shape policy (a generic kernel compiling a specialized one per
