@@ -9,6 +9,7 @@
 
 mod dtype;
 mod error;
+pub mod fp8;
 mod kernel_key;
 mod kv_cache;
 mod safetensors_io;

@@ -1,0 +1,146 @@
+//! FP8 E4M3 (OCP "E4M3FN"): 1 sign, 4 exponent (bias 7), 3 mantissa bits;
+//! no infinities, one NaN pattern per sign (`S.1111.111`), largest finite
+//! value ±448, smallest subnormal 2⁻⁹.
+//!
+//! The conversions an FP8 KV cache needs: [`e4m3_from_f32`] rounds to
+//! nearest, ties to even, and saturates to ±448 (what CUDA's
+//! `cvt.rn.satfinite.e4m3x2.f32` does: ±∞ and everything past 448 become
+//! ±448, NaN stays NaN); [`e4m3_to_f32`] is exact.
+
+/// The largest finite E4M3 value.
+pub const E4M3_MAX: f32 = 448.0;
+
+/// The canonical NaN code (positive sign).
+pub const E4M3_NAN: u8 = 0x7f;
+
+/// `value` as E4M3: round to nearest, ties to even; saturated to ±448
+/// (±∞ included); NaN → NaN (its sign kept); −0 → −0.
+pub fn e4m3_from_f32(value: f32) -> u8 {
+    let sign = ((value.to_bits() >> 24) & 0x80) as u8;
+    if value.is_nan() {
+        return sign | E4M3_NAN;
+    }
+    let magnitude = value.abs();
+    if magnitude >= E4M3_MAX {
+        return sign | 0x7e; // 448 = 1.110₂ · 2⁸
+    }
+    if magnitude < f32::from_bits(0x3c80_0000) {
+        // Below 2⁻⁶, the smallest normal: subnormal steps of 2⁻⁹. Scaling
+        // by 2⁹ is exact, and rounding to an integer in 0..=8 gives the code
+        // (8 is the smallest normal, 0x08).
+        return sign | (magnitude * 512.0).round_ties_even() as u8;
+    }
+    // Normal: round the f32 mantissa to 3 bits (ties to even) on the bits;
+    // a carry moves into the exponent, which is rebiased from 127 to 7.
+    let bits = magnitude.to_bits();
+    let rounded = (bits + 0x7_ffff + ((bits >> 20) & 1)) >> 20;
+    sign | (rounded - ((127 - 7) << 3)) as u8
+}
+
+/// The value of an E4M3 code (exact in f32).
+pub fn e4m3_to_f32(code: u8) -> f32 {
+    let magnitude = code & 0x7f;
+    let value = if magnitude == E4M3_NAN {
+        f32::NAN
+    } else if magnitude < 0x08 {
+        f32::from(magnitude) / 512.0
+    } else {
+        // Exponent e (1..=15) and mantissa m: (8 + m) · 2^(e − 10).
+        let exponent = i32::from(magnitude >> 3);
+        f32::from(8 + (magnitude & 7)) * 2f32.powi(exponent - 10)
+    };
+    if code & 0x80 != 0 { -value } else { value }
+}
+
+#[cfg(test)]
+mod tests {
+    use rand::{Rng, SeedableRng};
+
+    use super::*;
+
+    /// Every code's value from the OCP definition, computed another way (in
+    /// f64, from the fields), with NaN as `None`.
+    fn spec_value(code: u8) -> Option<f64> {
+        let sign = if code & 0x80 != 0 { -1.0 } else { 1.0 };
+        let exponent = (code >> 3) & 0xf;
+        let mantissa = f64::from(code & 7);
+        match (exponent, code & 7) {
+            (0xf, 7) => None,
+            (0, _) => Some(sign * mantissa / 8.0 * 2f64.powi(1 - 7)),
+            (e, _) => Some(sign * (1.0 + mantissa / 8.0) * 2f64.powi(i32::from(e) - 7)),
+        }
+    }
+
+    /// The nearest finite code by brute force over the table: ties to the
+    /// even mantissa, past ±448 saturated, NaN to NaN.
+    fn nearest(value: f32) -> u8 {
+        let sign = if value.is_sign_negative() { 0x80 } else { 0 };
+        if value.is_nan() {
+            return sign | E4M3_NAN;
+        }
+        let target = f64::from(value.abs());
+        let mut best = 0u8;
+        for code in 0..=0x7eu8 {
+            let (d, best_d) = ((spec_value(code).unwrap() - target).abs(), (spec_value(best).unwrap() - target).abs());
+            if d < best_d || (d == best_d && code & 1 == 0) {
+                best = code;
+            }
+        }
+        sign | best
+    }
+
+    #[test]
+    fn every_code_decodes_to_its_ocp_value() {
+        for code in 0..=255u8 {
+            let got = e4m3_to_f32(code);
+            match spec_value(code) {
+                None => assert!(got.is_nan(), "{code:#04x}"),
+                Some(want) => assert_eq!(f64::from(got), want, "{code:#04x}"),
+            }
+        }
+        assert_eq!(e4m3_to_f32(0x7e), E4M3_MAX);
+        assert_eq!(e4m3_to_f32(0x01), 2f32.powi(-9));
+    }
+
+    #[test]
+    fn every_finite_code_round_trips() {
+        for code in 0..=255u8 {
+            if code & 0x7f != E4M3_NAN {
+                assert_eq!(e4m3_from_f32(e4m3_to_f32(code)), code, "{code:#04x}");
+            }
+        }
+    }
+
+    /// A million values against the brute-force nearest code: uniform at
+    /// every scale, f32 subnormals, exact midpoints between neighbouring
+    /// codes (ties), values just either side of them, values past 448, ±∞
+    /// and NaN.
+    #[test]
+    fn a_million_values_round_to_the_nearest_even_code() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(8);
+        let finite: Vec<f32> = (0..=0x7eu8).map(e4m3_to_f32).collect();
+        let check = |value: f32| {
+            let (got, want) = (e4m3_from_f32(value), nearest(value));
+            assert_eq!(got, want, "{value:e} ({:#010x}): got {got:#04x}, want {want:#04x}", value.to_bits());
+        };
+        for special in [0.0, -0.0, f32::INFINITY, f32::NEG_INFINITY, f32::NAN, -f32::NAN, 448.0, 464.0, 480.0, 1e30] {
+            check(special);
+        }
+        for pair in finite.windows(2) {
+            let mid = (pair[0] + pair[1]) / 2.0; // exact in f32
+            for value in [mid, f32::from_bits(mid.to_bits() - 1), f32::from_bits(mid.to_bits() + 1)] {
+                check(value);
+                check(-value);
+            }
+        }
+        for _ in 0..1_000_000 {
+            let value = match rng.gen_range(0..4) {
+                0 => rng.gen_range(-500.0f32..500.0),
+                1 => rng.gen_range(-1.0f32..1.0) * 2f32.powi(rng.gen_range(-12..10)),
+                2 => f32::from_bits(rng.gen_range(0..0x0080_0000) | (rng.gen_range(0..2u32) << 31)), // f32 subnormals
+                _ => f32::from_bits(rng.r#gen::<u32>()),                                             // any pattern
+            };
+            check(value);
+        }
+    }
+}
