@@ -52,6 +52,29 @@ pub fn e4m3_to_f32(code: u8) -> f32 {
     if code & 0x80 != 0 { -value } else { value }
 }
 
+/// Quantize one block of values (a token's head, or a `g`-wide part of it)
+/// with its own scale, as the FP8 KV cache stores it: `scale = max|x| /
+/// 448`, each code `e4m3_from_f32(x / scale)` (round to nearest even,
+/// saturated), written to `codes` (as long as `values`). A block of zeros
+/// has scale 0 and stores zeros; a NaN stores NaN. Returns the scale.
+pub fn quantize_block(values: &[f32], codes: &mut [u8]) -> f32 {
+    assert_eq!(values.len(), codes.len(), "one code per value");
+    let max = values.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let scale = max / E4M3_MAX;
+    for (code, &value) in codes.iter_mut().zip(values) {
+        *code = if scale == 0.0 { e4m3_from_f32(value * 0.0) } else { e4m3_from_f32(value / scale) };
+    }
+    scale
+}
+
+/// The values of a block quantized by [`quantize_block`]: `code · scale`.
+pub fn dequantize_block(codes: &[u8], scale: f32, values: &mut [f32]) {
+    assert_eq!(values.len(), codes.len(), "one value per code");
+    for (value, &code) in values.iter_mut().zip(codes) {
+        *value = e4m3_to_f32(code) * scale;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use rand::{Rng, SeedableRng};
@@ -100,6 +123,41 @@ mod tests {
         }
         assert_eq!(e4m3_to_f32(0x7e), E4M3_MAX);
         assert_eq!(e4m3_to_f32(0x01), 2f32.powi(-9));
+    }
+
+    /// Every dequantized element lies within half an E4M3 step of its value
+    /// (at its block's scale), on random blocks of mixed magnitudes; zero
+    /// blocks store scale 0 and zeros; NaN stays NaN.
+    #[test]
+    fn blocks_dequantize_within_half_a_step_of_their_values() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(9);
+        for len in [1, 7, 64, 128] {
+            for _ in 0..2000 {
+                let magnitude = 2f32.powi(rng.gen_range(-20..20));
+                let values: Vec<f32> = (0..len).map(|_| rng.gen_range(-1.0f32..1.0) * magnitude).collect();
+                let mut codes = vec![0xaau8; len];
+                let scale = quantize_block(&values, &mut codes);
+                let mut back = vec![f32::NAN; len];
+                dequantize_block(&codes, scale, &mut back);
+                let max = values.iter().fold(0f32, |m, v| m.max(v.abs()));
+                assert_eq!(scale, max / E4M3_MAX);
+                for (&x, &y) in values.iter().zip(&back) {
+                    // Half a step at |x / scale|: 2⁻⁴ relative for normals,
+                    // 2⁻¹⁰ absolute below 2⁻⁶ (plus f32 rounding).
+                    let q = f64::from((x / scale).abs());
+                    let half_step = if q >= 2f64.powi(-6) { q / 16.0 } else { 2f64.powi(-10) };
+                    let bound = (half_step + q * 1e-6) * f64::from(scale);
+                    assert!(f64::from((x - y).abs()) <= bound, "{x} came back as {y} (scale {scale})");
+                }
+            }
+        }
+        let mut codes = [0xaau8; 4];
+        assert_eq!(quantize_block(&[0.0, -0.0, 0.0, 0.0], &mut codes), 0.0);
+        assert_eq!(codes, [0x00, 0x80, 0x00, 0x00]);
+        let scale = quantize_block(&[1.0, f32::NAN, -2.0, 0.5], &mut codes);
+        assert_eq!(scale, 2.0 / E4M3_MAX);
+        assert!(e4m3_to_f32(codes[1]).is_nan());
+        assert_eq!(e4m3_to_f32(codes[2]), -E4M3_MAX, "the block's largest magnitude maps to ±448");
     }
 
     #[test]
