@@ -213,9 +213,7 @@ impl CompileBench {
         };
         let spec = FusedQkvSpec { num_layers: layers, ..self.shape.spec(self.dtype, self.page_size, Some((1, 1))) };
         // The graphs build their kernels on the widest tier this CPU runs.
-        let tier =
-            kvjit_jit::microkernel::resolve_tier(kvjit_core::CpuTier::Auto).unwrap_or(kvjit_core::CpuTier::Cranelift);
-        kvjit_op_fused_qkv::cpu_jit::tier_key(&spec, tier).to_string()
+        kvjit_op_fused_qkv::cpu_jit::tier_key(&spec, kvjit::widest_cpu_tier()).to_string()
     }
 
     /// One decode token for the one-layer graph: inputs and a cache.

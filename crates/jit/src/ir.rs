@@ -351,3 +351,16 @@ pub fn counted_loop(
     b.switch_to_block(exit);
     b.block_params(exit).to_vec()
 }
+
+/// Call the native function at `address` (an `extern "C"` function of the
+/// host's calling convention, taking `args` by their IR types and returning
+/// nothing): its address is baked into the code as a constant.
+pub fn call_native(b: &mut FunctionBuilder, address: usize, args: &[Value]) {
+    let mut signature = ir::Signature::new(b.func.signature.call_conv);
+    for &arg in args {
+        signature.params.push(ir::AbiParam::new(b.func.dfg.value_type(arg)));
+    }
+    let signature = b.import_signature(signature);
+    let callee = b.ins().iconst(crate::pointer_type(), address as i64);
+    b.ins().call_indirect(signature, callee, args);
+}

@@ -43,10 +43,10 @@ use kvjit_core::{
     bf16, f16,
 };
 use kvjit_jit::cranelift_codegen::ir::{
-    AbiParam, InstBuilder, Signature, StackSlot, StackSlotData, StackSlotKind, Value, condcodes::IntCC, types,
+    InstBuilder, StackSlot, StackSlotData, StackSlotKind, Value, condcodes::IntCC, types,
 };
 use kvjit_jit::cranelift_frontend::FunctionBuilder;
-use kvjit_jit::ir::{counted_loop, load_f32x4_raw, load_splat_f32x4, mem, store_f32x4, store_lane};
+use kvjit_jit::ir::{call_native, counted_loop, load_f32x4_raw, load_splat_f32x4, mem, store_f32x4, store_lane};
 use kvjit_jit::microkernel::{self, MAX_TILE_ROWS, TILE_COLUMNS};
 use kvjit_jit::{CaptureText, CompileCause, JitError, JitFunction, SeenShapes, compile_kernel, pointer_type};
 use kvjit_runtime::{CodeInfo, DeviceContextPtr, Kernel, OutputSpec};
@@ -478,7 +478,7 @@ impl Emitter {
             k: Size::Known(spec.k),
             q_dim: Size::Known(spec.q_dim),
             kv_dim: Size::Known(spec.kv_dim()),
-            kv_stride: Size::Known(spec.num_layers * spec.page_size * spec.kv_dim()),
+            kv_stride: Size::Known(spec.kv_stride()),
         };
         let m = spec.batch.zip(spec.seq).map(|(b, s)| b * s).filter(|_| runtime_sizes.is_none());
         let sizes = runtime_sizes.unwrap_or(baked);
@@ -723,15 +723,10 @@ impl Emitter {
             if let Some(slot) = widened {
                 let widen = microkernel::widen_block(self.spec.dtype)
                     .expect("the avx2 tier has widening kernels for bf16 and f16");
-                let ptr = pointer_type();
-                let mut signature = Signature::new(b.func.signature.call_conv);
-                signature.params.extend([ptr, types::I64, ptr].map(AbiParam::new));
-                let signature = b.import_signature(signature);
-                let callee = b.ins().iconst(ptr, widen as usize as i64);
                 let one = b.ins().iconst(types::I64, 1);
                 let count = kc.times(b, one, TILE_COLUMNS as i64);
-                let out = b.ins().stack_addr(ptr, slot, 0);
-                b.ins().call_indirect(signature, callee, &[w, count, out]);
+                let out = b.ins().stack_addr(pointer_type(), slot, 0);
+                call_native(b, widen as usize, &[w, count, out]);
                 (w, w_dtype) = (out, DType::F32);
             }
             self.emit_row_tiles(b, start, end, &|b, mr, row| {
@@ -814,11 +809,6 @@ impl Emitter {
     ) {
         let tile = microkernel::gemm_tile(w_dtype, mr)
             .expect("emit_and_compile resolved the avx2 tier, which has a tile of every height up to MAX_TILE_ROWS");
-        let ptr = pointer_type();
-        let mut signature = Signature::new(b.func.signature.call_conv);
-        signature.params.extend([ptr, types::I64, ptr, types::I64, ptr].map(AbiParam::new));
-        let signature = b.import_signature(signature);
-        let callee = b.ins().iconst(ptr, tile as usize as i64);
         // Tiles start at multiples of the packing step (or at row 0 of a
         // single plain row), so the tile's x starts at element row·K +
         // kb·step of the packed activations.
@@ -829,7 +819,7 @@ impl Emitter {
         let x = b.ins().iadd(self.bases.x, x_offset);
         let kc = kc.value(b);
         let c = self.tile_row_address(b, c, start, row);
-        b.ins().call_indirect(signature, callee, &[x, self.bases.x_step, w, kc, c]);
+        call_native(b, tile as usize, &[x, self.bases.x_step, w, kc, c]);
     }
 
     /// The Cranelift tile: an `mr`×NR tile of C = X·Wᵀ in registers, then
@@ -1281,7 +1271,7 @@ impl JitKernel {
         args[arg::K] = self.spec.k as u64;
         args[arg::Q_DIM] = self.spec.q_dim as u64;
         args[arg::KV_DIM] = self.spec.kv_dim() as u64;
-        args[arg::KV_STRIDE] = (self.spec.num_layers * self.spec.page_size * self.spec.kv_dim()) as u64;
+        args[arg::KV_STRIDE] = self.spec.kv_stride() as u64;
         if shape.batch * shape.seq == 0 {
             return Ok(());
         }

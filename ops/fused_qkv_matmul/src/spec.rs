@@ -50,6 +50,12 @@ impl FusedQkvSpec {
         self.num_kv_heads * self.head_size
     }
 
+    /// Elements from a token's K to its V in the cache's blocks:
+    /// `L · page_size · Hkv · D`.
+    pub fn kv_stride(&self) -> usize {
+        self.num_layers * self.page_size * self.kv_dim()
+    }
+
     /// All weight rows N = q_dim + 2·kv_dim.
     pub fn n(&self) -> usize {
         self.q_dim + 2 * self.kv_dim()
