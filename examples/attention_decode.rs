@@ -37,6 +37,7 @@ fn main() -> kvjit::Result<()> {
             page_size: page,
             num_kv_heads: kv_heads,
             head_size: head,
+            scale_granularity: None,
             num_pages: (batch * pages_per_seq).into(),
             batch: bs.clone(),
             max_pages_per_seq: pages_per_seq.into(),

@@ -35,6 +35,7 @@ fn main() -> kvjit::Result<()> {
         page_size: page,
         num_kv_heads: kv_heads,
         head_size: head,
+        scale_granularity: None,
         num_pages: Dim::from(64),
         batch: "batch".into(),
         max_pages_per_seq: Dim::from(16),

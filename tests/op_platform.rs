@@ -22,6 +22,7 @@ fn fused_graph(k: usize) -> kvjit::Graph {
         page_size: 4,
         num_kv_heads: 1,
         head_size: 8,
+        scale_granularity: None,
         num_pages: 8.into(),
         batch: "batch".into(),
         max_pages_per_seq: 2.into(),

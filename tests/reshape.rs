@@ -31,6 +31,7 @@ fn attention_input_graph(registry: &kvjit::Registry) -> Graph {
         page_size: 4,
         num_kv_heads: HKV,
         head_size: D,
+        scale_granularity: None,
         num_pages: 16.into(),
         batch: batch.clone(),
         max_pages_per_seq: 4.into(),
@@ -55,7 +56,14 @@ fn a_reshape_between_nodes_is_a_view_of_the_producers_output() {
     assert_eq!(exe.steps()[1].kernel.key().to_string(), "reshape.cpu.f32.o0in0.o1in1.o2x4.o3x16");
 
     let mut rng = StdRng::seed_from_u64(9);
-    let params = KvCacheParams { dtype: DType::F32, num_layers: 1, page_size: 4, num_kv_heads: HKV, head_size: D };
+    let params = KvCacheParams {
+        dtype: DType::F32,
+        num_layers: 1,
+        page_size: 4,
+        num_kv_heads: HKV,
+        head_size: D,
+        scale_granularity: None,
+    };
     let mut cache = PagedKVCacheCollection::new(params, 16, 2, 4).unwrap();
     cache.reserve(&[3, 2]).unwrap();
     let inputs = BTreeMap::from([

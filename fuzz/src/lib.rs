@@ -277,7 +277,7 @@ pub fn tiny_graph(registry: &Registry, dtype: DType, cache_dtype: DType) -> Grap
                 num_layers: 2,
                 page_size: 2,
                 num_kv_heads: 1,
-                head_size: 2,
+                head_size: 2, scale_granularity: None,
                 num_pages: Dim::from("pages"),
                 batch,
                 max_pages_per_seq: Dim::from("width"),

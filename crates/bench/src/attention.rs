@@ -107,6 +107,7 @@ impl Heads {
             target: Target::Cpu,
             dtype,
             cache_dtype: dtype,
+            scale_granularity: None,
             num_heads: self.num_heads,
             num_kv_heads: self.num_kv_heads,
             head_size: self.head_size,
@@ -294,7 +295,7 @@ impl AttentionBenchConfig {
         if self.dtypes.is_empty() {
             return usage("--dtypes needs at least one value".into());
         }
-        if let Some(d) = self.dtypes.iter().find(|d| !d.is_float()) {
+        if let Some(d) = self.dtypes.iter().find(|d| !d.is_compute_float()) {
             return usage(format!("dtype {d} is not a float type: use f32, bf16 or f16"));
         }
         if self.contexts.contains(&0) || self.batches.contains(&0) || self.prefills.contains(&0) {
@@ -353,6 +354,7 @@ fn make_cache(
         page_size: heads.page_size,
         num_kv_heads: heads.num_kv_heads,
         head_size: heads.head_size,
+        scale_granularity: None,
     };
     let pages_per_seq = (history + new_tokens).div_ceil(heads.page_size).max(1);
     let mut cache = PagedKVCacheCollection::new(params, batch * pages_per_seq, batch, pages_per_seq)?;
@@ -377,7 +379,7 @@ fn store(values: &[f32], output: &mut Tensor) -> Result<()> {
         DType::F32 => output.as_mut_slice::<f32>()?.copy_from_slice(values),
         DType::BF16 => output.as_mut_slice::<half::bf16>()?.convert_from_f32_slice(values),
         DType::F16 => output.as_mut_slice::<half::f16>()?.convert_from_f32_slice(values),
-        DType::U32 => unreachable!("attention outputs are floats"),
+        DType::U32 | DType::F8E4M3 => unreachable!("attention outputs are compute floats"),
     }
     Ok(())
 }
@@ -451,6 +453,7 @@ impl Blocks<'_> {
             DType::F32 => Blocks::F32(blocks.as_slice()?),
             DType::BF16 => Blocks::BF16(blocks.as_slice()?),
             DType::F16 => Blocks::F16(blocks.as_slice()?),
+            DType::F8E4M3 => todo!("FP8 attention peer"),
             DType::U32 => unreachable!("caches hold floats"),
         })
     }
@@ -778,6 +781,7 @@ fn run_rope(
         target: Target::Cpu,
         dtype,
         cache_dtype: dtype,
+        scale_granularity: None,
         interleaved: false,
         num_q_heads: heads.num_heads,
         num_kv_heads: heads.num_kv_heads,
@@ -830,6 +834,7 @@ fn step_inputs(
         page_size: config.page_size,
         num_kv_heads: config.num_kv_heads,
         head_size: config.head_size,
+        scale_granularity: None,
     };
     // The graph fixes the cache's pages and table width.
     let mut cache = PagedKVCacheCollection::new(params, config.num_pages, batch, config.max_pages_per_seq)?;

@@ -153,6 +153,7 @@ impl CompileBench {
                 page_size: self.page_size,
                 num_kv_heads: self.shape.kv_heads,
                 head_size: self.shape.head_size,
+                scale_granularity: None,
                 num_pages: Dim::from(NUM_PAGES),
                 batch,
                 max_pages_per_seq: Dim::from(MAX_PAGES_PER_SEQ),
@@ -224,6 +225,7 @@ impl CompileBench {
             page_size: self.page_size,
             num_kv_heads: self.shape.kv_heads,
             head_size: self.shape.head_size,
+            scale_granularity: None,
         };
         let mut cache = PagedKVCacheCollection::new(params, NUM_PAGES, 1, MAX_PAGES_PER_SEQ)?;
         cache.reserve(&[1])?;

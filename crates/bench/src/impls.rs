@@ -528,7 +528,7 @@ fn scatter(p: &mut Problem, c: &[f32]) -> Result<()> {
                 out[r * q_dim..][..q_dim].convert_from_f32_slice(&c[r * n..][..q_dim]);
             }
         }
-        TensorData::U32(_) => unreachable!("benchmark outputs are floats"),
+        TensorData::U32(_) | TensorData::F8E4M3(_) => unreachable!("benchmark outputs are compute floats"),
     }
     let valid = p.valid.as_slice::<u32>()?;
     let cache: &mut PagedKVCacheCollection = &mut p.cache;
@@ -546,6 +546,16 @@ fn scatter(p: &mut Problem, c: &[f32]) -> Result<()> {
                         cache.blocks_slice_mut::<half::bf16>()?[start..][..kv_dim].convert_from_f32_slice(src)
                     }
                     DType::F16 => cache.blocks_slice_mut::<half::f16>()?[start..][..kv_dim].convert_from_f32_slice(src),
+                    DType::F8E4M3 => {
+                        let g = cache.params().scale_granularity.expect("an f8e4m3 cache has a granularity");
+                        let scale_start = start / g;
+                        let (blocks, scales) = cache.blocks_and_scales_mut();
+                        let scales = scales.expect("an f8e4m3 cache has scales");
+                        let codes = blocks[start..][..kv_dim].chunks_exact_mut(g);
+                        for ((codes, values), scale) in codes.zip(src.chunks_exact(g)).zip(&mut scales[scale_start..]) {
+                            *scale = kvjit::fp8::quantize_block(values, codes);
+                        }
+                    }
                     DType::U32 => unreachable!("caches hold floats"),
                 }
             }

@@ -209,7 +209,7 @@ impl BenchConfig {
                 return usage(format!("{what} needs at least one value"));
             }
         }
-        if let Some(d) = self.dtypes.iter().find(|d| !d.is_float()) {
+        if let Some(d) = self.dtypes.iter().find(|d| !d.is_compute_float()) {
             return usage(format!("dtype {d} is not a float type: use f32, bf16 or f16"));
         }
         if self.page_sizes.contains(&0) {

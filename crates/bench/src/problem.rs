@@ -109,6 +109,7 @@ impl ModelShape {
             target: Target::Cpu,
             dtype,
             cache_dtype: dtype,
+            scale_granularity: None,
             k: self.k,
             q_dim: self.q_dim(),
             num_kv_heads: self.kv_heads,
@@ -243,6 +244,7 @@ pub(crate) fn convert_to_f32(t: &Tensor, out: &mut [f32]) {
         TensorData::F32(v) => out.copy_from_slice(v),
         TensorData::BF16(v) => v.convert_to_f32_slice(out),
         TensorData::F16(v) => v.convert_to_f32_slice(out),
+        TensorData::F8E4M3(v) => out.iter_mut().zip(v).for_each(|(o, v)| *o = v.to_f32()),
         TensorData::U32(_) => unreachable!("benchmark tensors are floats"),
     }
 }
@@ -295,6 +297,7 @@ impl Problem {
             page_size: page,
             num_kv_heads: shape.kv_heads,
             head_size: shape.head_size,
+            scale_granularity: None,
         };
         let mut cache = PagedKVCacheCollection::new(params, batch * pages_per_seq, batch, pages_per_seq)?;
         let mut order: Vec<u32> = (0..cache.num_pages() as u32).collect();

@@ -10,8 +10,9 @@ use crate::Error;
 
 /// The element type of a tensor.
 ///
-/// Floating types are what activations, weights and caches hold; `U32` is for
-/// index tensors (cache lengths, page tables, valid lengths, layer indices).
+/// Floating types are what activations, weights and caches hold (`F8E4M3`
+/// only caches: ops compute in [`DType::FLOATS`]); `U32` is for index
+/// tensors (cache lengths, page tables, valid lengths, layer indices).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum DType {
@@ -23,11 +24,15 @@ pub enum DType {
     F16,
     /// Unsigned 32-bit integer (index tensors).
     U32,
+    /// OCP FP8 E4M3FN ([`crate::fp8`]): a KV cache's element type, with a
+    /// scale per block of values beside it.
+    #[serde(rename = "f8e4m3")]
+    F8E4M3,
 }
 
 impl DType {
     /// Every dtype, in a fixed order.
-    pub const ALL: [DType; 4] = [DType::F32, DType::BF16, DType::F16, DType::U32];
+    pub const ALL: [DType; 5] = [DType::F32, DType::BF16, DType::F16, DType::U32, DType::F8E4M3];
     /// The floating dtypes an op may compute in.
     pub const FLOATS: [DType; 3] = [DType::F32, DType::BF16, DType::F16];
 
@@ -36,12 +41,25 @@ impl DType {
         match self {
             DType::F32 | DType::U32 => 4,
             DType::BF16 | DType::F16 => 2,
+            DType::F8E4M3 => 1,
         }
     }
 
-    /// Whether this is a floating-point dtype.
+    /// Whether this is a floating-point dtype (FP8 included).
     pub fn is_float(self) -> bool {
         !matches!(self, DType::U32)
+    }
+
+    /// Whether ops compute in this dtype: one of [`DType::FLOATS`] (FP8 is a
+    /// storage type of KV caches only).
+    pub fn is_compute_float(self) -> bool {
+        DType::FLOATS.contains(&self)
+    }
+
+    /// Whether values of this dtype are stored with per-block scales (an FP8
+    /// cache).
+    pub fn is_quantized(self) -> bool {
+        matches!(self, DType::F8E4M3)
     }
 
     /// The lowercase name used in graph files and kernel keys.
@@ -51,6 +69,7 @@ impl DType {
             DType::BF16 => "bf16",
             DType::F16 => "f16",
             DType::U32 => "u32",
+            DType::F8E4M3 => "f8e4m3",
         }
     }
 }
@@ -179,6 +198,15 @@ impl Element for bf16 {
     }
     fn from_f32(value: f32) -> Self {
         bf16::from_f32(value)
+    }
+}
+
+impl Element for crate::fp8::F8E4M3 {
+    fn to_f32(self) -> f32 {
+        crate::fp8::F8E4M3::to_f32(self)
+    }
+    fn from_f32(value: f32) -> Self {
+        crate::fp8::F8E4M3::from_f32(value)
     }
 }
 

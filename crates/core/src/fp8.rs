@@ -7,6 +7,25 @@
 //! `cvt.rn.satfinite.e4m3x2.f32` does: ±∞ and everything past 448 become
 //! ±448, NaN stays NaN); [`e4m3_to_f32`] is exact.
 
+/// One E4M3 code as a tensor element (the `f8e4m3` dtype): the byte as
+/// stored. [`Element`](crate::Element) converts with [`e4m3_to_f32`] and
+/// [`e4m3_from_f32`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, bytemuck::Pod, bytemuck::Zeroable)]
+#[repr(transparent)]
+pub struct F8E4M3(pub u8);
+
+impl F8E4M3 {
+    /// The code's value (exact in f32; NaN for the NaN codes).
+    pub fn to_f32(self) -> f32 {
+        e4m3_to_f32(self.0)
+    }
+
+    /// `value` rounded to nearest even, saturated to ±448, NaN kept.
+    pub fn from_f32(value: f32) -> Self {
+        Self(e4m3_from_f32(value))
+    }
+}
+
 /// The largest finite E4M3 value.
 pub const E4M3_MAX: f32 = 448.0;
 

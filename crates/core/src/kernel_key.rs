@@ -81,6 +81,15 @@ impl KernelKey {
         self
     }
 
+    /// Append a labelled field when there is one (optional parts of a key,
+    /// like an FP8 cache's scale granularity `g`).
+    pub fn with_if(self, label: &str, dim: Option<KeyField>) -> Self {
+        match dim {
+            Some(dim) => self.with(label, dim),
+            None => self,
+        }
+    }
+
     /// The op's short kernel name.
     pub fn op(&self) -> &str {
         &self.op

@@ -6,6 +6,12 @@
 //! `lookup_table[B, max_pages_per_seq]` (logical page → physical page;
 //! [`UNASSIGNED_PAGE`] where none is assigned yet).
 //!
+//! An FP8 cache (dtype `f8e4m3`) stores beside the blocks one f32 scale per
+//! `g` values of a token's head: `scales [P, 2, L, page_size, Hkv, D / g]`,
+//! where `g` is the cache's [`KvCacheParams::scale_granularity`]; element
+//! `d` of a head uses scale `d / g` and reads as `code · scale`
+//! ([`crate::fp8::quantize_block`] says how a block is written).
+//!
 //! The ops write K/V but never change `cache_lengths`: the caller reserves
 //! pages before a step ([`PagedKVCacheCollection::reserve`]) and advances the
 //! lengths after it ([`PagedKVCacheCollection::advance`]). Free pages are not
@@ -32,6 +38,9 @@ pub struct KvCacheParams {
     pub num_kv_heads: usize,
     /// Head size D.
     pub head_size: usize,
+    /// Values per scale of an FP8 cache (`g`, dividing D; `Some` exactly when
+    /// the dtype is quantized). Graph files call it `scale_granularity`.
+    pub scale_granularity: Option<usize>,
 }
 
 impl KvCacheParams {
@@ -45,6 +54,11 @@ impl KvCacheParams {
             ("page_size", built_for.page_size.to_string(), self.page_size.to_string()),
             ("num_kv_heads", built_for.num_kv_heads.to_string(), self.num_kv_heads.to_string()),
             ("head_size", built_for.head_size.to_string(), self.head_size.to_string()),
+            (
+                "scale_granularity",
+                format!("{:?}", built_for.scale_granularity),
+                format!("{:?}", self.scale_granularity),
+            ),
         ] {
             if expected != got {
                 return Err(Error::CacheLayout { what, expected, got });
@@ -58,9 +72,44 @@ impl KvCacheParams {
         self.num_kv_heads * self.head_size
     }
 
-    fn check(&self) -> Result<()> {
+    /// Scales per token and head of an FP8 cache (D / g; 0 when the cache
+    /// has no scales).
+    pub fn scales_per_head(&self) -> usize {
+        self.scale_granularity.map_or(0, |g| self.head_size / g)
+    }
+
+    /// Bytes one cached token takes in one layer, K and V, scales included.
+    pub fn bytes_per_token(&self) -> usize {
+        2 * self.num_kv_heads * (self.head_size * self.dtype.size_bytes() + self.scales_per_head() * 4)
+    }
+
+    /// Check the params describe a cache kvjit can hold: a float dtype,
+    /// every size at least 1, and a scale granularity exactly for FP8
+    /// ([`Error::InvalidCacheParams`] saying which).
+    pub fn validate(&self) -> Result<()> {
         if !self.dtype.is_float() {
             return Err(Error::InvalidCacheParams(format!("dtype must be a float type, got {}", self.dtype)));
+        }
+        match (self.dtype.is_quantized(), self.scale_granularity) {
+            (true, None) => {
+                return Err(Error::InvalidCacheParams(format!(
+                    "a {} cache needs a scale_granularity (values per scale, dividing head_size)",
+                    self.dtype
+                )));
+            }
+            (false, Some(g)) => {
+                return Err(Error::InvalidCacheParams(format!(
+                    "scale_granularity ({g}) applies to f8e4m3 caches only, not {}",
+                    self.dtype
+                )));
+            }
+            (true, Some(g)) if g == 0 || !self.head_size.is_multiple_of(g) => {
+                return Err(Error::InvalidCacheParams(format!(
+                    "scale_granularity must divide head_size {}, got {g}",
+                    self.head_size
+                )));
+            }
+            _ => {}
         }
         for (name, v) in [
             ("num_layers", self.num_layers),
@@ -112,6 +161,8 @@ impl PartialEq for BlocksVersion {
 pub struct PagedKVCacheCollection {
     params: KvCacheParams,
     blocks: Tensor,
+    /// The f32 scales of an FP8 cache, `[P, 2, L, page_size, Hkv, D / g]`.
+    scales: Option<Tensor>,
     cache_lengths: Vec<u32>,
     lookup_table: Vec<u32>,
     max_pages_per_seq: usize,
@@ -142,7 +193,7 @@ impl PagedKVCacheCollection {
     /// Allocate a zeroed cache of `num_pages` pages for `batch_size` sequences,
     /// each able to hold `max_pages_per_seq` pages. No page is assigned yet.
     pub fn new(params: KvCacheParams, num_pages: usize, batch_size: usize, max_pages_per_seq: usize) -> Result<Self> {
-        params.check()?;
+        params.validate()?;
         if num_pages == 0 || num_pages >= UNASSIGNED_PAGE as usize {
             return Err(Error::InvalidCacheParams(format!(
                 "num_pages must be in 1..{UNASSIGNED_PAGE}, got {num_pages}"
@@ -152,9 +203,14 @@ impl PagedKVCacheCollection {
             .checked_mul(max_pages_per_seq)
             .ok_or_else(|| Error::ShapeOverflow(vec![batch_size, max_pages_per_seq]))?;
         let shape = Self::shape_of(&params, num_pages);
+        let scales = match params.scale_granularity {
+            Some(_) => Some(Tensor::zeros(DType::F32, &Self::scales_shape_of(&params, num_pages))?),
+            None => None,
+        };
         Ok(Self {
             params,
             blocks: Tensor::zeros(params.dtype, &shape)?,
+            scales,
             cache_lengths: vec![0; batch_size],
             lookup_table: {
                 let mut table = Vec::new();
@@ -174,9 +230,23 @@ impl PagedKVCacheCollection {
 
     /// Assemble a cache from its tensors. The layout parameters come from the
     /// blocks' shape `[P, 2, L, page_size, Hkv, D]`; lookup-table entries are
-    /// not checked here (ops check the entries they use, before writing).
+    /// not checked here (ops check the entries they use, before writing). An
+    /// FP8 cache needs its scales: [`from_parts_with_scales`](Self::from_parts_with_scales).
     pub fn from_parts(
         blocks: Tensor,
+        cache_lengths: Vec<u32>,
+        lookup_table: Vec<u32>,
+        max_pages_per_seq: usize,
+    ) -> Result<Self> {
+        Self::from_parts_with_scales(blocks, None, cache_lengths, lookup_table, max_pages_per_seq)
+    }
+
+    /// [`from_parts`](Self::from_parts) with the f32 scales of an FP8 cache,
+    /// `[P, 2, L, page_size, Hkv, D / g]` (`None` for other dtypes); the
+    /// granularity g comes from their last dim.
+    pub fn from_parts_with_scales(
+        blocks: Tensor,
+        scales: Option<Tensor>,
         cache_lengths: Vec<u32>,
         lookup_table: Vec<u32>,
         max_pages_per_seq: usize,
@@ -192,14 +262,34 @@ impl PagedKVCacheCollection {
         if !blocks.is_contiguous() {
             return Err(Error::NotContiguous { arg: "kv_collection.blocks".into() });
         }
+        let scale_granularity = match &scales {
+            None => None,
+            Some(scales) => {
+                let got = scales.shape();
+                let head_scales = got.get(5).copied().unwrap_or(0);
+                if got.len() != 6 || got[..5] != shape[..5] || head_scales == 0 || shape[5] % head_scales != 0 {
+                    return Err(Error::ShapeMismatch {
+                        arg: "kv_collection.scales".into(),
+                        expected: format!(
+                            "[{}, 2, {}, {}, {}, D / g] with g dividing D = {}",
+                            shape[0], shape[2], shape[3], shape[4], shape[5]
+                        ),
+                        got: got.to_vec(),
+                    });
+                }
+                crate::expect_arg("kv_collection.scales", scales, DType::F32)?;
+                Some(shape[5] / head_scales)
+            }
+        };
         let params = KvCacheParams {
             dtype: blocks.dtype(),
             num_layers: shape[2],
             page_size: shape[3],
             num_kv_heads: shape[4],
             head_size: shape[5],
+            scale_granularity,
         };
-        params.check()?;
+        params.validate()?;
         let batch_size = cache_lengths.len();
         if lookup_table.len() != batch_size * max_pages_per_seq {
             return Err(Error::ShapeMismatch {
@@ -213,6 +303,7 @@ impl PagedKVCacheCollection {
             params,
             allocation_order: (0..shape[0] as u32).collect(),
             blocks,
+            scales,
             cache_lengths,
             lookup_table,
             max_pages_per_seq,
@@ -224,6 +315,10 @@ impl PagedKVCacheCollection {
 
     fn shape_of(params: &KvCacheParams, num_pages: usize) -> [usize; 6] {
         [num_pages, 2, params.num_layers, params.page_size, params.num_kv_heads, params.head_size]
+    }
+
+    fn scales_shape_of(params: &KvCacheParams, num_pages: usize) -> [usize; 6] {
+        [num_pages, 2, params.num_layers, params.page_size, params.num_kv_heads, params.scales_per_head()]
     }
 
     /// The layout parameters.
@@ -276,6 +371,58 @@ impl PagedKVCacheCollection {
         self.blocks = blocks;
         self.blocks_written();
         Ok(())
+    }
+
+    /// The scales of an FP8 cache, `[P, 2, L, page_size, Hkv, D / g]` f32
+    /// (`None` for other dtypes).
+    pub fn scales(&self) -> Option<&Tensor> {
+        self.scales.as_ref()
+    }
+
+    /// Replace the scales of an FP8 cache: exactly its scales' shape, f32,
+    /// contiguous.
+    pub fn set_scales(&mut self, scales: Tensor) -> Result<()> {
+        let expected = Self::scales_shape_of(&self.params, self.num_pages());
+        if self.scales.is_none() {
+            return Err(Error::InvalidCacheParams(format!("a {} cache has no scales", self.params.dtype)));
+        }
+        if scales.shape() != expected {
+            return Err(Error::ShapeMismatch {
+                arg: "kv_collection.scales".into(),
+                expected: format!("{expected:?}"),
+                got: scales.shape().to_vec(),
+            });
+        }
+        crate::expect_arg("kv_collection.scales", &scales, DType::F32)?;
+        self.scales = Some(scales);
+        self.blocks_written();
+        Ok(())
+    }
+
+    /// The blocks' raw bytes and the scales (FP8 caches), both writable:
+    /// what a kernel storing quantized K/V writes.
+    pub fn blocks_and_scales_mut(&mut self) -> (&mut [u8], Option<&mut [f32]>) {
+        self.blocks_written();
+        let scales = self.scales.as_mut().map(|s| s.as_mut_slice::<f32>().expect("scales are f32, checked when set"));
+        (self.blocks.as_bytes_mut(), scales)
+    }
+
+    /// Set every scale to `value` (tests poison them with NaN); nothing for
+    /// a cache without scales.
+    pub fn fill_scales(&mut self, value: f32) -> Result<()> {
+        self.blocks_written();
+        match &mut self.scales {
+            Some(scales) => scales.fill_f32(value),
+            None => Ok(()),
+        }
+    }
+
+    /// Index into the scales' storage of scale `[page, kv, layer, slot,
+    /// head, block]` (block = d / g).
+    pub fn scale_offset(&self, page: usize, kv: usize, layer: usize, slot: usize, head: usize, block: usize) -> usize {
+        let p = &self.params;
+        ((((page * 2 + kv) * p.num_layers + layer) * p.page_size + slot) * p.num_kv_heads + head) * p.scales_per_head()
+            + block
     }
 
     /// The blocks' elements, writable (kernels write K/V through this); fails
@@ -516,7 +663,8 @@ impl PagedKVCacheCollection {
         Ok((self.read_slot(page as usize, 0, layer, slot)?, self.read_slot(page as usize, 1, layer, slot)?))
     }
 
-    /// The `Hkv·D` values at `[page, kv, layer, slot, :, :]`, widened to f32.
+    /// The `Hkv·D` values at `[page, kv, layer, slot, :, :]`, widened to f32
+    /// (an FP8 cache's dequantized: `code · scale`).
     pub fn read_slot(&self, page: usize, kv: usize, layer: usize, slot: usize) -> Result<Vec<f32>> {
         fn widen<T: Element>(values: &[T]) -> Vec<f32> {
             values.iter().map(|v| v.to_f32()).collect()
@@ -527,27 +675,41 @@ impl PagedKVCacheCollection {
             TensorData::F32(v) => widen(&v[range]),
             TensorData::BF16(v) => widen(&v[range]),
             TensorData::F16(v) => widen(&v[range]),
+            TensorData::F8E4M3(v) => {
+                let g = self.params.scale_granularity.expect("an f8e4m3 cache has a granularity, checked at build");
+                let scales = self.scales.as_ref().expect("an f8e4m3 cache has scales, checked at build");
+                let scales = &scales.as_slice::<f32>()?[start / g..][..self.params.kv_dim() / g];
+                let mut values = vec![0f32; range.len()];
+                for ((out, codes), &scale) in values.chunks_exact_mut(g).zip(v[range].chunks_exact(g)).zip(scales) {
+                    let codes: &[u8] = bytemuck::cast_slice(codes);
+                    crate::fp8::dequantize_block(codes, scale, out);
+                }
+                values
+            }
             TensorData::U32(_) => {
                 return Err(Error::NotFloat { what: "read_slot".into(), dtype: DType::U32 });
             }
         })
     }
 
-    /// The cache as named tensors, `{prefix}.blocks`, `.cache_lengths`,
+    /// The cache as named tensors, `{prefix}.blocks` (and `.scales` for FP8), `.cache_lengths`,
     /// `.lookup_table`, `.max_seq_length`, `.max_cache_length` (the last two
     /// u32 scalars), for saving to a safetensors file.
     pub fn to_tensors(&self, prefix: &str) -> Result<Vec<(String, Tensor)>> {
         let b = self.batch_size();
-        Ok(vec![
-            (format!("{prefix}.blocks"), self.blocks.clone()),
-            (format!("{prefix}.cache_lengths"), Tensor::from_vec(&[b], self.cache_lengths.clone())?),
-            (
-                format!("{prefix}.lookup_table"),
-                Tensor::from_vec(&[b, self.max_pages_per_seq], self.lookup_table.clone())?,
-            ),
-            (format!("{prefix}.max_seq_length"), Tensor::scalar_u32(self.max_seq_length)),
-            (format!("{prefix}.max_cache_length"), Tensor::scalar_u32(self.max_cache_length)),
-        ])
+        let scales = self.scales.iter().map(|s| (format!("{prefix}.scales"), s.clone()));
+        Ok(std::iter::once((format!("{prefix}.blocks"), self.blocks.clone()))
+            .chain(scales)
+            .chain([
+                (format!("{prefix}.cache_lengths"), Tensor::from_vec(&[b], self.cache_lengths.clone())?),
+                (
+                    format!("{prefix}.lookup_table"),
+                    Tensor::from_vec(&[b, self.max_pages_per_seq], self.lookup_table.clone())?,
+                ),
+                (format!("{prefix}.max_seq_length"), Tensor::scalar_u32(self.max_seq_length)),
+                (format!("{prefix}.max_cache_length"), Tensor::scalar_u32(self.max_cache_length)),
+            ])
+            .collect())
     }
 
     /// Rebuild a cache from the tensors [`to_tensors`](Self::to_tensors)
@@ -559,6 +721,7 @@ impl PagedKVCacheCollection {
             tensors.remove(&name).ok_or(Error::MissingTensor { name, context: String::new() })
         };
         let blocks = take("blocks")?;
+        let scales = if blocks.dtype().is_quantized() { Some(take("scales")?) } else { None };
         let cache_lengths = take("cache_lengths")?;
         let lookup_table = take("lookup_table")?;
         let scalars = [take("max_seq_length").ok(), take("max_cache_length").ok()];
@@ -578,8 +741,13 @@ impl PagedKVCacheCollection {
                 got: table_shape,
             });
         }
-        let mut cache =
-            Self::from_parts(blocks, cache_lengths.to_u32_vec()?, lookup_table.to_u32_vec()?, table_shape[1])?;
+        let mut cache = Self::from_parts_with_scales(
+            blocks,
+            scales,
+            cache_lengths.to_u32_vec()?,
+            lookup_table.to_u32_vec()?,
+            table_shape[1],
+        )?;
         if let [Some(seq), Some(cached)] = scalars {
             cache.max_seq_length = seq.to_u32_vec()?.first().copied().unwrap_or(0);
             cache.max_cache_length = cached.to_u32_vec()?.first().copied().unwrap_or(0);
@@ -593,12 +761,26 @@ mod tests {
     use super::*;
 
     fn params() -> KvCacheParams {
-        KvCacheParams { dtype: DType::F32, num_layers: 2, page_size: 4, num_kv_heads: 2, head_size: 3 }
+        KvCacheParams {
+            dtype: DType::F32,
+            num_layers: 2,
+            page_size: 4,
+            num_kv_heads: 2,
+            head_size: 3,
+            scale_granularity: None,
+        }
     }
 
     #[test]
     fn blocks_versions_tell_caches_and_writes_apart() {
-        let params = KvCacheParams { dtype: DType::F32, num_layers: 1, page_size: 2, num_kv_heads: 1, head_size: 2 };
+        let params = KvCacheParams {
+            dtype: DType::F32,
+            num_layers: 1,
+            page_size: 2,
+            num_kv_heads: 1,
+            head_size: 2,
+            scale_granularity: None,
+        };
         let mut cache = PagedKVCacheCollection::new(params, 4, 1, 2).unwrap();
         let (id, generation) = (cache.blocks_id(), cache.blocks_generation());
         let copy = cache.clone();

@@ -17,6 +17,7 @@ mod tensor;
 
 pub use dtype::{CpuTier, DType, Element, Target};
 pub use error::{Error, Result};
+pub use fp8::F8E4M3;
 pub use kernel_key::{KernelKey, KeyField};
 pub use kv_cache::{KvCacheParams, PagedKVCacheCollection, UNASSIGNED_PAGE};
 pub use safetensors_io::{

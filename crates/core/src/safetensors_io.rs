@@ -15,6 +15,7 @@ fn to_file_dtype(dtype: DType) -> Dtype {
         DType::BF16 => Dtype::BF16,
         DType::F16 => Dtype::F16,
         DType::U32 => Dtype::U32,
+        DType::F8E4M3 => Dtype::F8_E4M3,
     }
 }
 
@@ -24,6 +25,7 @@ fn from_file_dtype(name: &str, dtype: Dtype) -> Result<DType> {
         Dtype::BF16 => Ok(DType::BF16),
         Dtype::F16 => Ok(DType::F16),
         Dtype::U32 => Ok(DType::U32),
+        Dtype::F8_E4M3 => Ok(DType::F8E4M3),
         other => Err(Error::UnsupportedFileDType { name: name.to_string(), dtype: format!("{other:?}") }),
     }
 }

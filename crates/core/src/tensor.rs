@@ -17,6 +17,7 @@ use std::sync::Arc;
 use half::{bf16, f16};
 use rand::Rng;
 
+use crate::fp8::F8E4M3;
 use crate::{DType, Element, Error, Result};
 
 /// A tensor's elements, borrowed and typed: what [`Tensor::data`] gives.
@@ -30,6 +31,8 @@ pub enum TensorData<'a> {
     F16(&'a [f16]),
     /// u32 elements.
     U32(&'a [u32]),
+    /// FP8 E4M3 codes.
+    F8E4M3(&'a [F8E4M3]),
 }
 
 /// An element type a [`Tensor`] can store.
@@ -49,6 +52,9 @@ impl Storable for f16 {
 impl Storable for u32 {
     const DTYPE: DType = DType::U32;
 }
+impl Storable for F8E4M3 {
+    const DTYPE: DType = DType::F8E4M3;
+}
 
 /// Elements the process owns: one `Vec` per dtype, so every element is
 /// naturally aligned.
@@ -58,6 +64,7 @@ enum OwnedData {
     BF16(Vec<bf16>),
     F16(Vec<f16>),
     U32(Vec<u32>),
+    F8E4M3(Vec<F8E4M3>),
 }
 
 impl OwnedData {
@@ -76,18 +83,20 @@ impl OwnedData {
             DType::BF16 => OwnedData::BF16(zeroed(len, dtype)?),
             DType::F16 => OwnedData::F16(zeroed(len, dtype)?),
             DType::U32 => OwnedData::U32(zeroed(len, dtype)?),
+            DType::F8E4M3 => OwnedData::F8E4M3(zeroed(len, dtype)?),
         })
     }
 
     /// Take a typed vector without copying it.
     fn from_vec<T: Storable>(values: Vec<T>) -> Self {
         let values: Box<dyn std::any::Any> = Box::new(values);
-        let wrong = "Storable is implemented for the four dtypes only";
+        let wrong = "Storable is implemented for the five dtypes only";
         match T::DTYPE {
             DType::F32 => OwnedData::F32(*values.downcast().expect(wrong)),
             DType::BF16 => OwnedData::BF16(*values.downcast().expect(wrong)),
             DType::F16 => OwnedData::F16(*values.downcast().expect(wrong)),
             DType::U32 => OwnedData::U32(*values.downcast().expect(wrong)),
+            DType::F8E4M3 => OwnedData::F8E4M3(*values.downcast().expect(wrong)),
         }
     }
 
@@ -103,6 +112,7 @@ impl OwnedData {
             OwnedData::BF16(_) => DType::BF16,
             OwnedData::F16(_) => DType::F16,
             OwnedData::U32(_) => DType::U32,
+            OwnedData::F8E4M3(_) => DType::F8E4M3,
         }
     }
 
@@ -112,6 +122,7 @@ impl OwnedData {
             OwnedData::BF16(v) => bytemuck::cast_slice(v),
             OwnedData::F16(v) => bytemuck::cast_slice(v),
             OwnedData::U32(v) => bytemuck::cast_slice(v),
+            OwnedData::F8E4M3(v) => bytemuck::cast_slice(v),
         }
     }
 
@@ -121,6 +132,7 @@ impl OwnedData {
             OwnedData::BF16(v) => bytemuck::cast_slice_mut(v),
             OwnedData::F16(v) => bytemuck::cast_slice_mut(v),
             OwnedData::U32(v) => bytemuck::cast_slice_mut(v),
+            OwnedData::F8E4M3(v) => bytemuck::cast_slice_mut(v),
         }
     }
 }
@@ -194,6 +206,7 @@ impl Storage {
             DType::BF16 => TensorData::BF16(bytemuck::cast_slice(bytes)),
             DType::F16 => TensorData::F16(bytemuck::cast_slice(bytes)),
             DType::U32 => TensorData::U32(bytemuck::cast_slice(bytes)),
+            DType::F8E4M3 => TensorData::F8E4M3(bytemuck::cast_slice(bytes)),
         }
     }
 }
@@ -338,6 +351,7 @@ impl Tensor {
             DType::F32 => Self::from_vec(shape, values.to_vec()),
             DType::BF16 => Self::from_vec(shape, values.iter().map(|&v| bf16::from_f32(v)).collect()),
             DType::F16 => Self::from_vec(shape, values.iter().map(|&v| f16::from_f32(v)).collect()),
+            DType::F8E4M3 => Self::from_vec(shape, values.iter().map(|&v| F8E4M3::from_f32(v)).collect()),
             DType::U32 => Err(Error::NotFloat { what: "from_f32".into(), dtype }),
         }
     }
@@ -361,6 +375,7 @@ impl Tensor {
             OwnedData::F32(v) => fill(v, rng, low, high),
             OwnedData::BF16(v) => fill(v, rng, low, high),
             OwnedData::F16(v) => fill(v, rng, low, high),
+            OwnedData::F8E4M3(v) => fill(v, rng, low, high),
             OwnedData::U32(_) => return Err(Error::NotFloat { what: "random".into(), dtype }),
         }
         Ok(t)
@@ -488,6 +503,7 @@ impl Tensor {
             TensorData::F32(v) => widen(self, v),
             TensorData::BF16(v) => widen(self, v),
             TensorData::F16(v) => widen(self, v),
+            TensorData::F8E4M3(v) => widen(self, v),
             TensorData::U32(_) => {
                 return Err(Error::NotFloat { what: "to_f32_vec".into(), dtype: DType::U32 });
             }
@@ -509,6 +525,7 @@ impl Tensor {
             OwnedData::F32(v) => v.fill(value),
             OwnedData::BF16(v) => v.fill(bf16::from_f32(value)),
             OwnedData::F16(v) => v.fill(f16::from_f32(value)),
+            OwnedData::F8E4M3(v) => v.fill(F8E4M3::from_f32(value)),
             OwnedData::U32(_) => unreachable!("checked above"),
         }
         Ok(())
@@ -543,6 +560,7 @@ impl Tensor {
             TensorData::BF16(v) => gather(self, v),
             TensorData::F16(v) => gather(self, v),
             TensorData::U32(v) => gather(self, v),
+            TensorData::F8E4M3(v) => gather(self, v),
         };
         Self::contiguous(&self.shape, Storage::Owned(data))
     }

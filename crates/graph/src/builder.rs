@@ -11,6 +11,10 @@ use crate::{
     Result, TensorType, Value, ValueDef, ValueId, ValueType, validate,
 };
 
+/// Values per scale of an `f8e4m3` cache whose type names none (as MAX's
+/// `quantization_granularity` default).
+pub const DEFAULT_SCALE_GRANULARITY: usize = 128;
+
 /// Builds a [`Graph`] step by step. Every call checks what it adds, so a
 /// mistake is reported at the line that made it.
 ///
@@ -93,12 +97,17 @@ impl<'r> GraphBuilder<'r> {
         self.add_value(Some(name), ValueType::Tensor(ty), ValueDef::Prepared { data })
     }
 
-    /// A paged KV cache the caller supplies at run time and nodes write in place.
-    pub fn kv_cache(&mut self, name: &str, ty: KvCacheType) -> Result<ValueId> {
+    /// A paged KV cache the caller supplies at run time and nodes write in
+    /// place. An `f8e4m3` cache without a `scale_granularity` gets
+    /// [`DEFAULT_SCALE_GRANULARITY`].
+    pub fn kv_cache(&mut self, name: &str, mut ty: KvCacheType) -> Result<ValueId> {
+        if ty.dtype.is_quantized() && ty.scale_granularity.is_none() {
+            ty.scale_granularity = Some(DEFAULT_SCALE_GRANULARITY);
+        }
         if !ty.dtype.is_float() {
             return Err(GraphError::InputType {
                 arg: name.to_string(),
-                expected: "a KV cache of f32, bf16 or f16".into(),
+                expected: "a KV cache of f32, bf16, f16 or f8e4m3".into(),
                 got: ty.to_string(),
             });
         }
@@ -114,6 +123,12 @@ impl<'r> GraphBuilder<'r> {
                     problem: format!("of KV cache '{name}' must be at least 1"),
                 });
             }
+        }
+        if let Err(e) = ty.params().validate() {
+            return Err(GraphError::Param {
+                param: "scale_granularity".into(),
+                problem: format!("of KV cache '{name}': {e}"),
+            });
         }
         self.add_value(Some(name), ValueType::KvCache(ty), ValueDef::KvCache)
     }

@@ -20,7 +20,7 @@ mod specialize;
 mod types;
 mod validate;
 
-pub use builder::GraphBuilder;
+pub use builder::{DEFAULT_SCALE_GRANULARITY, GraphBuilder};
 pub use error::{GraphError, Result};
 pub use file::{
     FORMAT_NAME, FORMAT_VERSION, confined_weights_path, graph_from_json, graph_from_json_prepared, graph_to_json,

@@ -104,6 +104,10 @@ pub struct KvCacheType {
     pub num_kv_heads: usize,
     /// Head size D.
     pub head_size: usize,
+    /// Values per scale of an `f8e4m3` cache (g, dividing D; graph files
+    /// write `"scale_granularity"`, default 128 for `f8e4m3` when absent).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scale_granularity: Option<usize>,
     /// Physical pages P.
     pub num_pages: Dim,
     /// Sequences B.
@@ -121,6 +125,7 @@ impl KvCacheType {
             page_size: self.page_size,
             num_kv_heads: self.num_kv_heads,
             head_size: self.head_size,
+            scale_granularity: self.scale_granularity,
         }
     }
 }
@@ -129,12 +134,13 @@ impl fmt::Display for KvCacheType {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "kv_cache<{}, layers={}, page_size={}, kv_heads={}, head_size={}, pages={}, batch={}, max_pages_per_seq={}>",
+            "kv_cache<{}, layers={}, page_size={}, kv_heads={}, head_size={}{}, pages={}, batch={}, max_pages_per_seq={}>",
             self.dtype,
             self.num_layers,
             self.page_size,
             self.num_kv_heads,
             self.head_size,
+            self.scale_granularity.map(|g| format!(", scale_granularity={g}")).unwrap_or_default(),
             self.num_pages,
             self.batch,
             self.max_pages_per_seq

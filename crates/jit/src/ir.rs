@@ -38,8 +38,104 @@ pub fn load_f32x4(b: &mut FunctionBuilder, dtype: DType, ptr: Value, offset: i32
             let h = b.ins().uload16x4(mem(), ptr, offset);
             widen_i32x4(b, dtype, h)
         }
+        DType::F8E4M3 => {
+            let codes = load_e4m3_codes(b, ptr, offset);
+            widen_e4m3_i32x4(b, codes)
+        }
         DType::U32 => no_float_lanes(dtype),
     }
+}
+
+/// Load 4 FP8 codes at `ptr + offset` (one 32-bit load) as the low bytes of
+/// an `I32X4`'s lanes.
+pub fn load_e4m3_codes(b: &mut FunctionBuilder, ptr: Value, offset: i32) -> Value {
+    let word = b.ins().load(types::I32, mem(), ptr, offset);
+    let bytes = b.ins().scalar_to_vector(types::I32X4, word);
+    let bytes = b.ins().bitcast(types::I8X16, little(), bytes);
+    let halves = b.ins().uwiden_low(bytes);
+    b.ins().uwiden_low(halves)
+}
+
+/// The values of E4M3 codes (the low byte of each `I32X4` lane), exactly
+/// as [`kvjit_core::fp8::e4m3_to_f32`]: the 7 magnitude bits placed at
+/// f32's exponent/mantissa boundary (`m << 20`) read as an f32 that is the
+/// value times 2⁻¹²⁰ (an E4M3 subnormal lands on an f32 subnormal), one
+/// exact multiply by 2¹²⁰; the NaN code becomes f32's quiet NaN; the sign is
+/// ORed back last. Relies on subnormals not being flushed (no DAZ/FTZ), the
+/// state Rust programs run in.
+pub fn widen_e4m3_i32x4(b: &mut FunctionBuilder, codes: Value) -> Value {
+    let magnitude = band_const(b, codes, 0x7f);
+    let placed = b.ins().ishl_imm_u(magnitude, 20);
+    let placed = b.ins().bitcast(types::F32X4, MemFlagsData::new(), placed);
+    let rebias = splat_f32(b, f32::from_bits((127 + 120) << 23));
+    let value = b.ins().fmul(placed, rebias);
+    let value = b.ins().bitcast(types::I32X4, MemFlagsData::new(), value);
+    let nan_code = splat_u32(b, u32::from(kvjit_core::fp8::E4M3_NAN));
+    let is_nan = b.ins().icmp(IntCC::Equal, magnitude, nan_code);
+    let nan = splat_u32(b, f32::NAN.to_bits());
+    let value = b.ins().bitselect(is_nan, nan, value);
+    let sign = b.ins().ishl_imm_u(codes, 24);
+    let sign = band_const(b, sign, 0x8000_0000);
+    let value = b.ins().bor(value, sign);
+    b.ins().bitcast(types::F32X4, MemFlagsData::new(), value)
+}
+
+/// Round an `F32X4` to E4M3 codes (in the low byte of each `I32X4` lane),
+/// bit for bit as [`kvjit_core::fp8::e4m3_from_f32`]: to nearest, ties to
+/// even; past ±448 (±∞ included) saturated to ±448; NaN to the NaN code
+/// with its sign; −0 to −0.
+///
+/// - `|x| ≥ 2⁻⁶` (normal): the f32 mantissa rounded to 3 bits on the bits
+///   (`(a + 0x7ffff + lsb) >> 20`), rebiased by `(127 − 7) << 3`.
+/// - `|x| < 2⁻⁶` (subnormal or zero): `|x| · 2⁹` (exact) rounded to an
+///   integer, ties to even (`nearest`), 0..=8 — 8 being the smallest
+///   normal's code.
+pub fn e4m3_codes_i32x4(b: &mut FunctionBuilder, value: Value) -> Value {
+    let x = b.ins().bitcast(types::I32X4, MemFlagsData::new(), value);
+    let a = band_const(b, x, 0x7fff_ffff);
+    let sign = b.ins().ushr_imm_u(x, 24);
+    let sign = band_const(b, sign, 0x80);
+    let t = b.ins().ushr_imm_u(a, 20);
+    let lsb = band_const(b, t, 1);
+    let r = b.ins().iadd(a, lsb);
+    let bias = splat_u32(b, 0x7_ffff);
+    let r = b.ins().iadd(r, bias);
+    let r = b.ins().ushr_imm_u(r, 20);
+    let rebias = splat_u32(b, (127 - 7) << 3);
+    let normal = b.ins().isub(r, rebias);
+    let af = b.ins().bitcast(types::F32X4, MemFlagsData::new(), a);
+    let steps = splat_f32(b, 512.0);
+    let sub = b.ins().fmul(af, steps);
+    let sub = b.ins().nearest(sub);
+    let sub = b.ins().fcvt_to_sint_sat(types::I32X4, sub);
+    let min_normal = splat_u32(b, 0x3c80_0000);
+    let is_sub = b.ins().icmp(IntCC::SignedLessThan, a, min_normal);
+    let code = b.ins().bitselect(is_sub, sub, normal);
+    let max_bits = splat_u32(b, kvjit_core::fp8::E4M3_MAX.to_bits());
+    let saturates = b.ins().icmp(IntCC::SignedGreaterThanOrEqual, a, max_bits);
+    let max_code = splat_u32(b, 0x7e);
+    let code = b.ins().bitselect(saturates, max_code, code);
+    let is_nan = b.ins().fcmp(FloatCC::Unordered, value, value);
+    let nan_code = splat_u32(b, u32::from(kvjit_core::fp8::E4M3_NAN));
+    let code = b.ins().bitselect(is_nan, nan_code, code);
+    b.ins().bor(code, sign)
+}
+
+/// Store the 4 codes of an `I32X4` (low byte of each lane, as
+/// [`e4m3_codes_i32x4`] makes them) at `ptr + offset`: one 32-bit store.
+pub fn store_e4m3_codes(b: &mut FunctionBuilder, codes: Value, ptr: Value, offset: i32) {
+    // Every lane is ≤ 0xff, so both unsigned saturating packs are exact.
+    let halves = b.ins().unarrow(codes, codes);
+    let bytes = b.ins().unarrow(halves, halves);
+    let words = b.ins().bitcast(types::I32X4, little(), bytes);
+    let word = b.ins().extractlane(words, 0);
+    b.ins().store(mem(), word, ptr, offset);
+}
+
+/// Store lane `lane`'s code of an `I32X4` alone at `ptr + offset`.
+pub fn store_e4m3_code_lane(b: &mut FunctionBuilder, codes: Value, lane: u8, ptr: Value, offset: i32) {
+    let code = b.ins().extractlane(codes, lane);
+    b.ins().istore8(mem(), code, ptr, offset);
 }
 
 /// [`load_f32x4`] without quieting bf16 signalling NaNs: bf16 is just
@@ -86,6 +182,11 @@ pub fn load_splat_f32x4(b: &mut FunctionBuilder, dtype: DType, ptr: Value, offse
             let h = b.ins().splat(types::I32X4, h);
             widen_i32x4(b, dtype, h)
         }
+        DType::F8E4M3 => {
+            let code = b.ins().uload8(types::I32, mem(), ptr, offset);
+            let code = b.ins().splat(types::I32X4, code);
+            widen_e4m3_i32x4(b, code)
+        }
         DType::U32 => no_float_lanes(dtype),
     }
 }
@@ -131,6 +232,7 @@ pub fn store_f32x4(b: &mut FunctionBuilder, dtype: DType, value: Value, ptr: Val
             let low = b.ins().extractlane(pair, 0);
             b.ins().store(mem(), low, ptr, offset);
         }
+        DType::F8E4M3 => no_scale(dtype),
         DType::U32 => no_float_lanes(dtype),
     }
 }
@@ -151,6 +253,7 @@ pub fn store_lane(b: &mut FunctionBuilder, dtype: DType, value: Value, lane: u8,
             let x = b.ins().extractlane(halves, 2 * lane);
             b.ins().store(mem(), x, ptr, offset);
         }
+        DType::F8E4M3 => no_scale(dtype),
         DType::U32 => no_float_lanes(dtype),
     }
 }
@@ -264,6 +367,10 @@ pub fn narrow_i32x4(b: &mut FunctionBuilder, dtype: DType, value: Value) -> Valu
         }
         other => panic!("narrow_i32x4 converts bf16 and f16, not {other}"),
     }
+}
+
+fn no_scale(dtype: DType) -> ! {
+    panic!("{dtype} values are stored with a block scale: quantize with e4m3_codes_i32x4 and store_e4m3_codes")
 }
 
 fn no_float_lanes(dtype: DType) -> ! {

@@ -330,7 +330,7 @@ mod x86 {
         match weights {
             DType::BF16 => Some(widen_kernel::<Bf16>),
             DType::F16 => Some(widen_kernel::<F16>),
-            DType::F32 | DType::U32 => None,
+            DType::F32 | DType::U32 | DType::F8E4M3 => None,
         }
     }
 
@@ -339,7 +339,7 @@ mod x86 {
             DType::F32 => tiles::<F32>(rows),
             DType::BF16 => tiles::<Bf16>(rows),
             DType::F16 => tiles::<F16>(rows),
-            DType::U32 => None,
+            DType::U32 | DType::F8E4M3 => None,
         }
     }
 }

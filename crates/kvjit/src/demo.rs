@@ -118,6 +118,7 @@ impl LayerConfig {
             page_size: self.page_size,
             num_kv_heads: self.num_kv_heads,
             head_size: self.head_size,
+            scale_granularity: None,
             num_pages: Dim::from(self.num_pages),
             batch: Dim::from("batch"),
             max_pages_per_seq: Dim::from(self.max_pages_per_seq),

@@ -38,8 +38,9 @@ pub use error::{Error, Result};
 pub use registry::{Registry, standard_registry};
 
 pub use kvjit_core::Error as CoreError;
+pub use kvjit_core::fp8;
 pub use kvjit_core::{
-    CpuTier, DType, Element, KernelKey, KeyField, KvCacheParams, LoadedTensors, PagedKVCacheCollection,
+    CpuTier, DType, Element, F8E4M3, KernelKey, KeyField, KvCacheParams, LoadedTensors, PagedKVCacheCollection,
     PreparedConstant, Target, Tensor, TensorData, UNASSIGNED_PAGE, WeightLoad, bf16, f16, load_safetensors,
     read_safetensors, read_safetensors_header, tensors_from_safetensors, tensors_to_safetensors, write_safetensors,
 };

@@ -125,7 +125,14 @@ mod tests {
     use super::*;
 
     fn cache() -> PagedKVCacheCollection {
-        let params = KvCacheParams { dtype: DType::F16, num_layers: 1, page_size: 2, num_kv_heads: 1, head_size: 2 };
+        let params = KvCacheParams {
+            dtype: DType::F16,
+            num_layers: 1,
+            page_size: 2,
+            num_kv_heads: 1,
+            head_size: 2,
+            scale_granularity: None,
+        };
         PagedKVCacheCollection::new(params, 4, 2, 2).unwrap()
     }
 

@@ -51,6 +51,7 @@ pub fn unit_roundoff(dtype: DType) -> f64 {
         DType::F32 => 1.0 / (1u64 << 24) as f64,
         DType::BF16 => 1.0 / 256.0,
         DType::F16 => 1.0 / 2048.0,
+        DType::F8E4M3 => 1.0 / 16.0,
         DType::U32 => panic!("unit_roundoff: floats only, got {dtype}"),
     }
 }
@@ -65,6 +66,7 @@ pub fn max_finite(dtype: DType) -> f64 {
         DType::F32 => f64::from(f32::MAX),
         DType::BF16 => bf16::MAX.to_f64(),
         DType::F16 => f16::MAX.to_f64(),
+        DType::F8E4M3 => f64::from(kvjit_core::fp8::E4M3_MAX),
         DType::U32 => panic!("max_finite: floats only, got {dtype}"),
     }
 }
@@ -102,6 +104,15 @@ pub fn ulp(dtype: DType, v: f64) -> f64 {
                 r.to_f64() - f16::from_bits(r.to_bits() - 1).to_f64()
             } else {
                 f16::from_bits(r.to_bits() + 1).to_f64() - r.to_f64()
+            }
+        }
+        DType::F8E4M3 => {
+            use kvjit_core::fp8::{e4m3_from_f32, e4m3_to_f32};
+            let r = e4m3_from_f32(a as f32);
+            if r == 0x7e {
+                f64::from(e4m3_to_f32(r)) - f64::from(e4m3_to_f32(r - 1))
+            } else {
+                f64::from(e4m3_to_f32(r + 1)) - f64::from(e4m3_to_f32(r))
             }
         }
         DType::U32 => panic!("ulp: floats only, got {dtype}"),
@@ -222,6 +233,8 @@ impl Tolerance {
                     DType::F32 => return accumulation,
                     DType::BF16 => (unit_roundoff(dtype), 0.0),
                     DType::F16 => (unit_roundoff(dtype), F16_SUBNORMAL_HALF_STEP),
+                    // Unscaled E4M3: subnormal steps of 2⁻⁹.
+                    DType::F8E4M3 => (unit_roundoff(dtype), 1.0 / 1024.0),
                     DType::U32 => panic!("AgainstExact: floats only, got {dtype}"),
                 };
                 STORED_ROUNDOFF_UNITS * roundoff * want.abs() + (1.0 + roundoff) * accumulation + floor

@@ -82,7 +82,7 @@ pub fn check_call(
     config: &AttentionConfig,
 ) -> Result<CallShape> {
     let dtype = q.dtype();
-    if !dtype.is_float() {
+    if !dtype.is_compute_float() {
         return Err(Error::NotFloat { what: "q".into(), dtype });
     }
     expect_arg("q", q, dtype)?;

@@ -90,7 +90,7 @@ impl MhaOp {
     /// Check params and inputs; return the kernel spec (with `target`).
     fn spec(&self, params: &Params, inputs: &[&ValueType], target: Target) -> Result<MhaSpec, GraphError> {
         let dtype = param_dtype(params, "dtype")?;
-        if !dtype.is_float() {
+        if !dtype.is_compute_float() {
             return Err(GraphError::Param {
                 param: "dtype".into(),
                 problem: format!("must be f32, bf16 or f16, got {dtype}"),
@@ -131,6 +131,7 @@ impl MhaOp {
             target,
             dtype,
             cache_dtype: cache.dtype,
+            scale_granularity: cache.scale_granularity,
             num_heads,
             num_kv_heads,
             head_size,

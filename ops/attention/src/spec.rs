@@ -46,6 +46,8 @@ pub struct MhaSpec {
     pub dtype: DType,
     /// Dtype of the cache.
     pub cache_dtype: DType,
+    /// Values per scale of an FP8 cache (`Some` exactly for `f8e4m3`).
+    pub scale_granularity: Option<usize>,
     /// Query heads Hq.
     pub num_heads: usize,
     /// KV heads Hkv (divides Hq).
@@ -77,6 +79,7 @@ impl MhaSpec {
             page_size: self.page_size,
             num_kv_heads: self.num_kv_heads,
             head_size: self.head_size,
+            scale_granularity: self.scale_granularity,
         }
     }
 
@@ -96,6 +99,7 @@ impl MhaSpec {
             .with("p", KeyField::size(self.page_size))
             .with("l", KeyField::size(self.num_layers))
             .with("kv", KeyField::DType(self.cache_dtype))
+            .with_if("g", self.scale_granularity.map(KeyField::size))
             .with("causal", KeyField::size(usize::from(self.mask == Mask::Causal)))
             .with("w", KeyField::size(self.window.unwrap_or(0)))
             .with("sc", KeyField::Static(u64::from(self.scale.to_bits())))
@@ -113,6 +117,7 @@ impl MhaSpec {
             target: key.target(),
             dtype: key.dtype(),
             cache_dtype: key.dtype_field("kv")?,
+            scale_granularity: key.size("g"),
             num_heads: key.size("hq")?,
             num_kv_heads: key.size("hkv")?,
             head_size: key.size("d")?,
@@ -128,7 +133,7 @@ impl MhaSpec {
             batch: key.dim("b")?,
             seq: key.dim("s")?,
         };
-        let valid = spec.dtype.is_float()
+        let valid = spec.dtype.is_compute_float()
             && spec.cache_dtype.is_float()
             && spec.scale.is_finite()
             && [spec.num_heads, spec.num_kv_heads, spec.head_size, spec.page_size, spec.num_layers]
@@ -149,6 +154,7 @@ mod tests {
             target: Target::Cpu,
             dtype: DType::BF16,
             cache_dtype: DType::F16,
+            scale_granularity: None,
             num_heads: 32,
             num_kv_heads: 8,
             head_size: 128,

@@ -93,7 +93,7 @@ pub(crate) fn check_call_with(
     valid_lengths: &Tensor,
 ) -> Result<CallShape> {
     let dtype = hidden_state.dtype();
-    if !dtype.is_float() {
+    if !dtype.is_compute_float() {
         return Err(Error::NotFloat { what: "hidden_state".into(), dtype });
     }
     expect_arg("hidden_state", hidden_state, dtype)?;

@@ -217,7 +217,9 @@ impl PanelLayout {
             TensorData::F32(w) => Tensor::anonymous(DType::F32, &shape, |out| pack_typed(self, w, out)),
             TensorData::BF16(w) => Tensor::anonymous(DType::BF16, &shape, |out| pack_typed(self, w, out)),
             TensorData::F16(w) => Tensor::anonymous(DType::F16, &shape, |out| pack_typed(self, w, out)),
-            TensorData::U32(_) => Err(Error::NotFloat { what: "weight".into(), dtype: DType::U32 }),
+            TensorData::U32(_) | TensorData::F8E4M3(_) => {
+                Err(Error::NotFloat { what: "weight".into(), dtype: weight.dtype() })
+            }
         }
     }
 }
@@ -1162,7 +1164,9 @@ fn hidden_as_f32(hidden: &Tensor) -> std::borrow::Cow<'_, [f32]> {
         TensorData::F32(x) => std::borrow::Cow::Borrowed(x),
         TensorData::BF16(x) => convert(x.len(), &|out| <[bf16]>::convert_to_f32_slice(x, out)),
         TensorData::F16(x) => convert(x.len(), &|out| <[f16]>::convert_to_f32_slice(x, out)),
-        TensorData::U32(_) => unreachable!("check_call accepts float hidden states only"),
+        TensorData::U32(_) | TensorData::F8E4M3(_) => {
+            unreachable!("check_call accepts hidden states of the compute floats only")
+        }
     }
 }
 

@@ -154,6 +154,7 @@ pub fn all_kernel_symbols() -> Vec<String> {
                 target: Target::Cuda,
                 dtype,
                 cache_dtype,
+                scale_granularity: None,
                 k: 8,
                 q_dim: 1,
                 num_kv_heads: 1,
@@ -203,7 +204,7 @@ pub fn choose_variants(spec: &FusedQkvSpec) -> std::result::Result<VariantPlan, 
         return Err(format!("{} is not a CUDA key", spec.kernel_key()));
     }
     for (what, dtype) in [("compute", spec.dtype), ("cache", spec.cache_dtype)] {
-        if !dtype.is_float() {
+        if !dtype.is_compute_float() {
             return Err(format!("CUDA variants exist for f32, bf16 and f16 {what} dtypes, not {dtype}"));
         }
     }
@@ -615,6 +616,7 @@ mod tests {
             target: Target::Cuda,
             dtype,
             cache_dtype: dtype,
+            scale_granularity: None,
             k,
             q_dim: 4096,
             num_kv_heads: 8,
@@ -687,7 +689,7 @@ mod tests {
         assert_eq!(variant_key(&s, Schedule::Decode).to_string(), "fused_qkv_bshd_paged_decode.cuda.bf16.kvbf16");
         assert_eq!(variant_key(&s, Schedule::Prefill).symbol(), "fused_qkv_bshd_paged_prefill_cuda_bf16_kvbf16");
         // a CPU spec still names the CUDA variant
-        let cpu = FusedQkvSpec { target: Target::Cpu, cache_dtype: DType::F32, ..s };
+        let cpu = FusedQkvSpec { target: Target::Cpu, cache_dtype: DType::F32, scale_granularity: None, ..s };
         assert_eq!(variant_key(&cpu, Schedule::Decode).symbol(), "fused_qkv_bshd_paged_decode_cuda_bf16_kvf32");
         assert_eq!(gather_key(DType::F16).symbol(), "fused_qkv_bshd_paged_gather_cuda_f16");
     }
@@ -734,6 +736,7 @@ mod tests {
             target: Target::Cuda,
             dtype: DType::F32,
             cache_dtype: DType::F32,
+            scale_granularity: None,
             k: 8,
             q_dim: 8,
             num_kv_heads: 1,
@@ -744,7 +747,14 @@ mod tests {
             seq: None,
         };
         let mut rng = StdRng::seed_from_u64(5);
-        let params = KvCacheParams { dtype: DType::F32, num_layers: 1, page_size: 2, num_kv_heads: 1, head_size: 4 };
+        let params = KvCacheParams {
+            dtype: DType::F32,
+            num_layers: 1,
+            page_size: 2,
+            num_kv_heads: 1,
+            head_size: 4,
+            scale_granularity: None,
+        };
         let mut cache = PagedKVCacheCollection::new(params, 8, 2, 4).unwrap();
         cache.reserve(&[3, 1]).unwrap();
         cache.set_blocks(Tensor::random(DType::F32, cache.blocks().shape(), &mut rng, -1.0, 1.0).unwrap()).unwrap();

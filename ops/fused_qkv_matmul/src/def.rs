@@ -74,7 +74,7 @@ impl FusedQkvOp {
     /// Check params and inputs; return the kernel spec (with `target`).
     fn spec(&self, params: &Params, inputs: &[&ValueType], target: Target) -> Result<FusedQkvSpec, GraphError> {
         let dtype = param_dtype(params, "dtype")?;
-        if !dtype.is_float() {
+        if !dtype.is_compute_float() {
             return Err(GraphError::Param {
                 param: "dtype".into(),
                 problem: format!("must be f32, bf16 or f16, got {dtype}"),
@@ -118,6 +118,7 @@ impl FusedQkvOp {
             target,
             dtype,
             cache_dtype: cache.dtype,
+            scale_granularity: cache.scale_granularity,
             k: k_static,
             q_dim: n - 2 * kv_dim,
             num_kv_heads,

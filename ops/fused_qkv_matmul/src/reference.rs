@@ -8,9 +8,11 @@
 //! - otherwise, only if `t < valid_lengths[b]`: the K (then V) column
 //!   `j = n − q_dim − kv·kv_dim` is stored at head `j / D`, lane `j % D` of
 //!   slot `pos % page_size` of page `lookup_table[b, pos / page_size]`,
-//!   `pos = cache_lengths[b] + t`, layer `layer_idx`.
+//!   `pos = cache_lengths[b] + t`, layer `layer_idx`. An FP8 cache stores
+//!   each g-block of a head's values with its own scale
+//!   ([`kvjit_core::fp8::quantize_block`]).
 
-use kvjit_core::{Element, PagedKVCacheCollection, Result, Tensor, TensorData, bf16, f16};
+use kvjit_core::{DType, Element, PagedKVCacheCollection, Result, Tensor, TensorData, bf16, f16};
 
 use crate::CallShape;
 use crate::call::{check_call, check_output};
@@ -52,23 +54,61 @@ fn run<T: Element>(
     output: &mut [T],
 ) {
     match cache.blocks().dtype() {
-        kvjit_core::DType::F32 => run_typed::<T, f32>(shape, x, w, cache, valid, output),
-        kvjit_core::DType::BF16 => run_typed::<T, bf16>(shape, x, w, cache, valid, output),
-        kvjit_core::DType::F16 => run_typed::<T, f16>(shape, x, w, cache, valid, output),
-        kvjit_core::DType::U32 => unreachable!("caches hold floats"),
+        DType::F32 => run_typed::<T>(shape, x, w, cache, valid, output, store_plain::<f32>),
+        DType::BF16 => run_typed::<T>(shape, x, w, cache, valid, output, store_plain::<bf16>),
+        DType::F16 => run_typed::<T>(shape, x, w, cache, valid, output, store_plain::<f16>),
+        DType::F8E4M3 => run_typed::<T>(shape, x, w, cache, valid, output, store_quantized),
+        DType::U32 => unreachable!("caches hold floats"),
     }
 }
 
-fn run_typed<T: Element, C: Element>(
+/// Where a token's K/V go: page, slot and layer.
+#[derive(Clone, Copy)]
+struct Slot {
+    page: usize,
+    slot: usize,
+    layer: usize,
+}
+
+/// Store a token's K then V (`kv_values`, 2·Hkv·D values) rounded to the
+/// cache dtype `C`.
+fn store_plain<C: Element>(cache: &mut PagedKVCacheCollection, at: Slot, kv_values: &[f32]) {
+    let p = *cache.params();
+    for (j, &value) in kv_values.iter().enumerate() {
+        let (kv, head, d) = (j / p.kv_dim(), (j % p.kv_dim()) / p.head_size, j % p.head_size);
+        let offset = cache.element_offset(at.page, kv, at.layer, at.slot, head, d);
+        cache.blocks_slice_mut::<C>().expect("cache dtype matched above")[offset] = C::from_f32(value);
+    }
+}
+
+/// Store a token's K then V into an FP8 cache: each g-block of a head
+/// quantized with its own scale ([`kvjit_core::fp8::quantize_block`]).
+fn store_quantized(cache: &mut PagedKVCacheCollection, at: Slot, kv_values: &[f32]) {
+    let p = *cache.params();
+    let g = p.scale_granularity.expect("an f8e4m3 cache has a granularity");
+    let mut codes = vec![0u8; g];
+    for (block, values) in kv_values.chunks_exact(g).enumerate() {
+        let j = block * g;
+        let (kv, head, d) = (j / p.kv_dim(), (j % p.kv_dim()) / p.head_size, j % p.head_size);
+        let scale = kvjit_core::fp8::quantize_block(values, &mut codes);
+        let offset = cache.element_offset(at.page, kv, at.layer, at.slot, head, d);
+        let scale_offset = cache.scale_offset(at.page, kv, at.layer, at.slot, head, d / g);
+        let (blocks, scales) = cache.blocks_and_scales_mut();
+        blocks[offset..offset + g].copy_from_slice(&codes);
+        scales.expect("an f8e4m3 cache has scales")[scale_offset] = scale;
+    }
+}
+
+fn run_typed<T: Element>(
     shape: &CallShape,
     x: &[T],
     w: &[T],
     cache: &mut PagedKVCacheCollection,
     valid: &[u32],
     output: &mut [T],
+    store: fn(&mut PagedKVCacheCollection, Slot, &[f32]),
 ) {
-    let CallShape { batch, seq, k, n, q_dim, kv_dim, layer, .. } = *shape;
-    let head_size = cache.params().head_size;
+    let CallShape { batch, seq, k, n, q_dim, layer, .. } = *shape;
     let mut row = vec![0f32; k];
     let mut c = vec![0f32; n];
     for (b, &valid_length) in valid.iter().enumerate().take(batch) {
@@ -89,12 +129,7 @@ fn run_typed<T: Element, C: Element>(
             }
             let position = cache.cache_lengths()[b] as usize + t;
             let (page, slot) = cache.locate(b, position).expect("check_call validated every valid token's page");
-            for (j, &value) in c[q_dim..].iter().enumerate() {
-                let kv = j / kv_dim;
-                let (head, d) = ((j % kv_dim) / head_size, j % head_size);
-                let offset = cache.element_offset(page as usize, kv, layer, slot, head, d);
-                cache.blocks_slice_mut::<C>().expect("cache dtype matched above")[offset] = C::from_f32(value);
-            }
+            store(cache, Slot { page: page as usize, slot, layer }, &c[q_dim..]);
         }
     }
 }

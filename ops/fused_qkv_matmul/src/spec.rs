@@ -15,6 +15,8 @@ pub struct FusedQkvSpec {
     pub dtype: DType,
     /// Dtype of the cache.
     pub cache_dtype: DType,
+    /// Values per scale of an FP8 cache (`Some` exactly for `f8e4m3`).
+    pub scale_granularity: Option<usize>,
     /// Hidden size K.
     pub k: usize,
     /// Q columns.
@@ -42,6 +44,7 @@ impl FusedQkvSpec {
             page_size: self.page_size,
             num_kv_heads: self.num_kv_heads,
             head_size: self.head_size,
+            scale_granularity: self.scale_granularity,
         }
     }
 
@@ -71,6 +74,7 @@ impl FusedQkvSpec {
             .with("p", KeyField::size(self.page_size))
             .with("l", KeyField::size(self.num_layers))
             .with("kv", KeyField::DType(self.cache_dtype))
+            .with_if("g", self.scale_granularity.map(KeyField::size))
             .with("b", KeyField::dim(self.batch))
             .with("s", KeyField::dim(self.seq))
     }
@@ -85,6 +89,7 @@ impl FusedQkvSpec {
             target: key.target(),
             dtype: key.dtype(),
             cache_dtype: key.dtype_field("kv")?,
+            scale_granularity: key.size("g"),
             k: key.size("k")?,
             q_dim: key.size("q")?,
             num_kv_heads: key.size("hkv")?,
@@ -108,6 +113,7 @@ mod tests {
             target: Target::Cpu,
             dtype: DType::BF16,
             cache_dtype: DType::BF16,
+            scale_granularity: None,
             k: 4096,
             q_dim: 4096,
             num_kv_heads: 8,

@@ -82,6 +82,7 @@ impl Fixture {
             target: Target::Cpu,
             dtype: self.hidden.dtype(),
             cache_dtype: self.cache.blocks().dtype(),
+            scale_granularity: None,
             k: K,
             q_dim: Q_DIM,
             num_kv_heads: HKV,
@@ -391,7 +392,7 @@ fn kernel_rejects_a_cache_laid_out_differently_from_its_spec() {
     let fx = Fixture::f32();
     let spec = fx.spec();
     let variants: [(&str, FusedQkvSpec); 5] = [
-        ("dtype", FusedQkvSpec { cache_dtype: DType::BF16, ..spec }),
+        ("dtype", FusedQkvSpec { cache_dtype: DType::BF16, scale_granularity: None, ..spec }),
         ("num_layers", FusedQkvSpec { num_layers: LAYERS + 1, ..spec }),
         ("page_size", FusedQkvSpec { page_size: PAGE_SIZE * 2, ..spec }),
         ("num_kv_heads", FusedQkvSpec { num_kv_heads: 1, head_size: HKV * D, ..spec }),

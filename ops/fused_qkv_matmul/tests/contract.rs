@@ -521,8 +521,14 @@ fn the_op_leaves_cache_lengths_and_page_table_to_the_caller() {
 fn prefill_then_decode_through_reserve_and_advance() {
     // Page size 2, allocation order [3, 0, 2, 1]: the caller reserves, runs
     // the op, advances; read_token then sees every written token.
-    let params =
-        kvjit_core::KvCacheParams { dtype: DType::F32, num_layers: 2, page_size: 2, num_kv_heads: 1, head_size: 1 };
+    let params = kvjit_core::KvCacheParams {
+        dtype: DType::F32,
+        num_layers: 2,
+        page_size: 2,
+        num_kv_heads: 1,
+        head_size: 1,
+        scale_granularity: None,
+    };
     let mut cache = PagedKVCacheCollection::new(params, 4, 2, 2).unwrap();
     cache.set_allocation_order(vec![3, 0, 2, 1]).unwrap();
     // Hkv = D = 1, q_dim = 1, K = 3: C = [x0, x1, x2] (identity weight).

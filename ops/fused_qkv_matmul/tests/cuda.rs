@@ -97,6 +97,7 @@ fn problem(rng: &mut StdRng, d: &Draw) -> Problem {
         page_size: d.page_size,
         num_kv_heads: d.hkv,
         head_size: d.d,
+        scale_granularity: None,
     };
     let mut cache = PagedKVCacheCollection::new(params, num_pages, d.batch, max_pages_per_seq).unwrap();
     let mut order: Vec<u32> = (0..num_pages as u32).collect();
@@ -113,6 +114,7 @@ fn problem(rng: &mut StdRng, d: &Draw) -> Problem {
             target: Target::Cuda,
             dtype: d.dtype,
             cache_dtype: d.cache_dtype,
+            scale_granularity: None,
             k: d.k,
             q_dim: d.q_dim,
             num_kv_heads: d.hkv,
@@ -416,7 +418,14 @@ fn steps_over_one_resident_cache_match_the_reference() {
     let Some(ctx) = cuda_or_skip() else { return };
     let mut rng = StdRng::seed_from_u64(5);
     let (batch, k, q_dim, hkv, d, page_size, layers) = (3, 64, 64, 2, 16, 4, 2);
-    let params = KvCacheParams { dtype: DType::BF16, num_layers: layers, page_size, num_kv_heads: hkv, head_size: d };
+    let params = KvCacheParams {
+        dtype: DType::BF16,
+        num_layers: layers,
+        page_size,
+        num_kv_heads: hkv,
+        head_size: d,
+        scale_granularity: None,
+    };
     let mut cache = PagedKVCacheCollection::new(params, 40, batch, 12).unwrap();
     let mut order: Vec<u32> = (0..40).collect();
     order.shuffle(&mut rng);
@@ -429,6 +438,7 @@ fn steps_over_one_resident_cache_match_the_reference() {
         target: Target::Cuda,
         dtype: DType::BF16,
         cache_dtype: DType::BF16,
+        scale_granularity: None,
         k,
         q_dim,
         num_kv_heads: hkv,
@@ -606,7 +616,14 @@ fn time_8b_qkv_against_cublas_gemm_plus_scatter() {
         let seq = m / batch;
         let schedule = Schedule::for_rows(m);
         let pages_per_seq = seq.div_ceil(page_size) + 1;
-        let params = KvCacheParams { dtype: DType::BF16, num_layers: 1, page_size, num_kv_heads: hkv, head_size: d };
+        let params = KvCacheParams {
+            dtype: DType::BF16,
+            num_layers: 1,
+            page_size,
+            num_kv_heads: hkv,
+            head_size: d,
+            scale_granularity: None,
+        };
         let mut cache = PagedKVCacheCollection::new(params, batch * pages_per_seq + 1, batch, pages_per_seq).unwrap();
         let valid = vec![seq as u32; batch];
         cache.reserve(&valid).unwrap();
@@ -614,6 +631,7 @@ fn time_8b_qkv_against_cublas_gemm_plus_scatter() {
             target: Target::Cuda,
             dtype: DType::BF16,
             cache_dtype: DType::BF16,
+            scale_granularity: None,
             k,
             q_dim,
             num_kv_heads: hkv,

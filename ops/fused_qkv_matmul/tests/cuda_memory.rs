@@ -30,6 +30,7 @@ fn problem() -> Problem {
         target: Target::Cuda,
         dtype: DType::F32,
         cache_dtype: DType::F32,
+        scale_granularity: None,
         k: 64,
         q_dim: 32,
         num_kv_heads: 2,
@@ -39,7 +40,14 @@ fn problem() -> Problem {
         batch: None,
         seq: None,
     };
-    let params = KvCacheParams { dtype: DType::F32, num_layers: 2, page_size: 4, num_kv_heads: 2, head_size: 8 };
+    let params = KvCacheParams {
+        dtype: DType::F32,
+        num_layers: 2,
+        page_size: 4,
+        num_kv_heads: 2,
+        head_size: 8,
+        scale_granularity: None,
+    };
     let mut cache = PagedKVCacheCollection::new(params, 16, 2, 4).unwrap();
     cache.reserve(&[5, 2]).unwrap();
     cache.set_blocks(uniform(&mut rng, DType::F32, cache.blocks().shape())).unwrap();

@@ -126,6 +126,7 @@ impl Draw {
             page_size: self.page_size,
             num_kv_heads: self.hkv,
             head_size: self.d,
+            scale_granularity: None,
         };
         let mut cache = PagedKVCacheCollection::new(params, self.num_pages, self.batch, self.max_pages).unwrap();
         let mut order: Vec<u32> = (0..self.num_pages as u32).collect();
@@ -175,6 +176,7 @@ fn run_case(seed: u64, dtype: DType, cache_dtype: DType) {
             target: Target::Cpu,
             dtype,
             cache_dtype,
+            scale_granularity: None,
             k,
             q_dim,
             num_kv_heads: draw.hkv,

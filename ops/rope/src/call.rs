@@ -80,7 +80,7 @@ pub fn check_call(
     valid_lengths: &Tensor,
 ) -> Result<CallShape> {
     let dtype = q_proj.dtype();
-    if !dtype.is_float() {
+    if !dtype.is_compute_float() {
         return Err(Error::NotFloat { what: "q_proj".into(), dtype });
     }
     expect_arg("q_proj", q_proj, dtype)?;

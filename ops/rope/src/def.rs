@@ -83,7 +83,7 @@ impl RopeOp {
     /// Check params and inputs; return the kernel spec (with `target`).
     fn spec(&self, params: &Params, inputs: &[&ValueType], target: Target) -> Result<RopeSpec, GraphError> {
         let dtype = param_dtype(params, "dtype")?;
-        if !dtype.is_float() {
+        if !dtype.is_compute_float() {
             return Err(GraphError::Param {
                 param: "dtype".into(),
                 problem: format!("must be f32, bf16 or f16, got {dtype}"),
@@ -121,6 +121,7 @@ impl RopeOp {
             target,
             dtype,
             cache_dtype: cache.dtype,
+            scale_granularity: cache.scale_granularity,
             interleaved,
             num_q_heads,
             num_kv_heads,

@@ -120,6 +120,7 @@ pub fn fused_qk_rope(
                     run::<$t, bf16>(&shape, $q, $f, kv_collection, valid, interleaved, output.as_mut_slice()?)
                 }
                 DType::F16 => run::<$t, f16>(&shape, $q, $f, kv_collection, valid, interleaved, output.as_mut_slice()?),
+                DType::F8E4M3 => todo!("FP8 RoPE: the rope helper replaces this"),
                 DType::U32 => unreachable!("caches hold floats"),
             }
         };

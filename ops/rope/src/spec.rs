@@ -21,6 +21,8 @@ pub struct RopeSpec {
     pub dtype: DType,
     /// Dtype of the cache (K is read, rotated in f32 and rounded back to it).
     pub cache_dtype: DType,
+    /// Values per scale of an FP8 cache (`Some` exactly for `f8e4m3`).
+    pub scale_granularity: Option<usize>,
     /// Pairs are `(x[2j], x[2j+1])` (GGUF) rather than `(x[j], x[j + D/2])`.
     pub interleaved: bool,
     /// Query heads Hq (a multiple of Hkv).
@@ -48,6 +50,7 @@ impl RopeSpec {
             page_size: self.page_size,
             num_kv_heads: self.num_kv_heads,
             head_size: self.head_size,
+            scale_granularity: self.scale_granularity,
         }
     }
 
@@ -62,6 +65,7 @@ impl RopeSpec {
             .with("p", KeyField::size(self.page_size))
             .with("l", KeyField::size(self.num_layers))
             .with("kv", KeyField::DType(self.cache_dtype))
+            .with_if("g", self.scale_granularity.map(KeyField::size))
             .with("il", KeyField::Static(u64::from(self.interleaved)))
             .with("b", KeyField::dim(self.batch))
             .with("s", KeyField::dim(self.seq))
@@ -77,6 +81,7 @@ impl RopeSpec {
             target: key.target(),
             dtype: key.dtype(),
             cache_dtype: key.dtype_field("kv")?,
+            scale_granularity: key.size("g"),
             interleaved: match key.size("il")? {
                 0 => false,
                 1 => true,
@@ -110,6 +115,7 @@ mod tests {
             target: Target::Cpu,
             dtype: DType::BF16,
             cache_dtype: DType::F32,
+            scale_granularity: None,
             interleaved: false,
             num_q_heads: 32,
             num_kv_heads: 8,

@@ -73,6 +73,7 @@ impl Fixture {
                 target: Target::Cpu,
                 dtype,
                 cache_dtype: dtype,
+                scale_granularity: None,
                 interleaved: false,
                 num_q_heads: HQ,
                 num_kv_heads: HKV,

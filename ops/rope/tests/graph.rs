@@ -24,6 +24,7 @@ fn cache_type(dtype: DType, head_size: usize) -> KvCacheType {
         page_size: 16,
         num_kv_heads: 8,
         head_size,
+        scale_granularity: None,
         num_pages: Dim::Static(64),
         batch: Dim::from("batch"),
         max_pages_per_seq: Dim::Static(8),

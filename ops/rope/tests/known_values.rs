@@ -84,6 +84,7 @@ fn check(dtype: DType, cache_dtype: DType, interleaved: bool, ctx: &DeviceContex
         target: Target::Cpu,
         dtype,
         cache_dtype,
+        scale_granularity: None,
         interleaved,
         num_q_heads: 2,
         num_kv_heads: 2,

@@ -304,6 +304,7 @@ impl Call {
             target: Target::Cpu,
             dtype: self.dtype,
             cache_dtype: self.cache_dtype,
+            scale_granularity: None,
             k: self.k,
             q_dim: self.q_dim,
             num_kv_heads: self.num_kv_heads,
@@ -316,7 +317,9 @@ impl Call {
         let Tweak::Spec(t) = self.tweak else { return spec };
         match t {
             SpecTweak::DType => FusedQkvSpec { dtype: other_float(self.dtype), ..spec },
-            SpecTweak::CacheDType => FusedQkvSpec { cache_dtype: other_float(self.cache_dtype), ..spec },
+            SpecTweak::CacheDType => {
+                FusedQkvSpec { cache_dtype: other_float(self.cache_dtype), scale_granularity: None, ..spec }
+            }
             SpecTweak::K => FusedQkvSpec { k: self.k + 1, ..spec },
             SpecTweak::QDim => FusedQkvSpec { q_dim: self.q_dim + 1, ..spec },
             SpecTweak::Heads => FusedQkvSpec { num_kv_heads: self.num_kv_heads + 1, ..spec },

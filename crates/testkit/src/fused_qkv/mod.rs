@@ -82,6 +82,7 @@ impl QkvProblem {
             target: device,
             dtype: self.dtype,
             cache_dtype: self.cache_dtype,
+            scale_granularity: None,
             k: self.k,
             q_dim: self.q_dim,
             num_kv_heads: self.num_kv_heads,
@@ -153,6 +154,7 @@ impl Problem for QkvProblem {
             page_size: self.page_size,
             num_kv_heads: self.num_kv_heads,
             head_size: self.head_size,
+            scale_granularity: None,
         };
         let max_pages_per_seq = (2 * self.page_size + self.seq).div_ceil(self.page_size) + 1;
         let num_pages = self.batch * max_pages_per_seq + 2;

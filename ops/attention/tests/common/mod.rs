@@ -38,6 +38,7 @@ impl Case {
             target: Target::Cpu,
             dtype: self.dtype,
             cache_dtype: self.cache_dtype,
+            scale_granularity: None,
             num_heads: self.num_heads,
             num_kv_heads: self.num_kv_heads,
             head_size: self.head_size,
@@ -67,6 +68,7 @@ impl Case {
             page_size: self.page_size,
             num_kv_heads: self.num_kv_heads,
             head_size: self.head_size,
+            scale_granularity: None,
         };
         let totals: Vec<u32> = self.cache_lengths.iter().zip(&self.valid_lengths).map(|(c, v)| c + v).collect();
         let pages: usize = totals.iter().map(|&t| (t as usize).div_ceil(self.page_size)).sum::<usize>() + 2;

@@ -82,6 +82,7 @@ impl Case {
             target: Target::Cpu,
             dtype: self.dtype,
             cache_dtype: self.cache_dtype,
+            scale_granularity: None,
             interleaved: self.interleaved,
             num_q_heads: self.hq,
             num_kv_heads: self.hkv,
@@ -126,6 +127,7 @@ impl Case {
             page_size: self.page_size,
             num_kv_heads: self.hkv,
             head_size: self.d,
+            scale_granularity: None,
         };
         let shape = [num_pages, 2, self.layers, self.page_size, self.hkv, self.d];
         let blocks = uniform_in(rng, self.cache_dtype, &shape, -2.0, 2.0);
