@@ -367,3 +367,65 @@ fn cpu_tier_option_picks_the_tier_and_every_tier_agrees_with_the_reference() {
     assert!(!unknown.status.success());
     assert!(stderr(&unknown).contains("unknown CPU tier 'avx512'"), "{}", stderr(&unknown));
 }
+
+#[test]
+fn the_built_in_step_runs_on_an_fp8_cache_and_its_files_carry_the_scales() {
+    let dir = tempfile::tempdir().unwrap();
+    let first = dir.path().join("first.safetensors");
+    let out = kvjit(&[
+        "run",
+        "--kv-cache-dtype",
+        "f8e4m3",
+        "--steps",
+        "0",
+        "--batch",
+        "2",
+        "--seq",
+        "3",
+        "--output",
+        first.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    for op in ["fused_qkv_bshd_paged", "fused_qk_rope_paged", "mha_padded_paged"] {
+        assert!(text.lines().any(|l| l.contains(op) && l.contains(".kvf8e4m3.g128.")), "{op} not FP8 in {text}");
+    }
+    let tensors = read_safetensors(&first).unwrap();
+    let scales = &tensors["kv_cache.scales"];
+    assert_eq!(scales.dtype(), DType::F32);
+    assert_eq!(tensors["kv_cache.blocks"].dtype(), DType::F8E4M3);
+    assert_eq!(scales.shape()[..5], tensors["kv_cache.blocks"].shape()[..5]);
+    assert_eq!(scales.shape()[5], 1, "D = 128 = g: one scale per token and head");
+    assert!(scales.to_f32_vec().unwrap().iter().all(|s| s.is_finite() && *s >= 0.0));
+    // The cache it wrote, with a decode step's inputs, is a valid input.
+    let mut next: BTreeMap<String, Tensor> =
+        tensors.iter().filter(|(n, _)| n.starts_with("kv_cache.")).map(|(n, t)| (n.clone(), t.clone())).collect();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+    next.insert("hidden_state".into(), Tensor::random(DType::BF16, &[2, 1, 4096], &mut rng, -1.0, 1.0).unwrap());
+    next.insert("valid_lengths".into(), Tensor::from_vec(&[2], vec![1u32, 1]).unwrap());
+    next.insert("layer_idx".into(), Tensor::scalar_u32(0));
+    let inputs = dir.path().join("next.safetensors");
+    write_safetensors(&inputs, next.iter().map(|(n, t)| (n.as_str(), t))).unwrap();
+    let second = dir.path().join("second.safetensors");
+    let out = kvjit(&[
+        "run",
+        "--kv-cache-dtype",
+        "f8e4m3",
+        "--steps",
+        "0",
+        "--inputs",
+        inputs.to_str().unwrap(),
+        "--output",
+        second.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let after = read_safetensors(&second).unwrap();
+    assert_ne!(after["kv_cache.scales"], tensors["kv_cache.scales"], "the decode step wrote its tokens' scales");
+    // Without its scales the cache is refused with one line.
+    let mut missing = tensors.clone();
+    missing.remove("kv_cache.scales");
+    let broken = dir.path().join("broken.safetensors");
+    write_safetensors(&broken, missing.iter().map(|(n, t)| (n.as_str(), t))).unwrap();
+    let out = kvjit(&["run", "--kv-cache-dtype", "f8e4m3", "--steps", "0", "--inputs", broken.to_str().unwrap()]);
+    assert_one_line_error(&out, "kv_cache.scales");
+}

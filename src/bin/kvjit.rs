@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 use clap::{Parser, Subcommand};
 use kvjit::demo::{AttentionConfig, Scenario};
 use kvjit::{
-    BuildOptions, CompileOptions, CpuTier, DeviceContextPtr, Error, Executor, Graph, KernelImpl, Registry, Result,
-    Target, Tensor, ValueDef, WeightLoad, compile, demo, load_graph_with, read_safetensors, specialize,
+    BuildOptions, CompileOptions, CpuTier, DType, DeviceContextPtr, Error, Executor, Graph, KernelImpl, Registry,
+    Result, Target, Tensor, ValueDef, WeightLoad, compile, demo, load_graph_with, read_safetensors, specialize,
     standard_registry, write_artifact, write_safetensors,
 };
 
@@ -109,7 +109,8 @@ struct RunArgs {
     #[arg(long, default_value = "map")]
     weights: WeightLoad,
     /// Safetensors file with graph inputs and caches by name
-    /// (`<cache>.blocks`, `.cache_lengths`, `.lookup_table`) for the first step.
+    /// (`<cache>.blocks`, `.cache_lengths`, `.lookup_table`, and an FP8
+    /// cache's `.scales`) for the first step.
     #[arg(long)]
     inputs: Option<PathBuf>,
     /// Write every graph output and the updated caches to this safetensors file.
@@ -153,6 +154,10 @@ struct RunArgs {
     /// K, M, G: powers of 1024), before allocating them.
     #[arg(long, value_parser = parse_bytes)]
     memory_budget: Option<u64>,
+    /// The built-in graph's KV cache dtype: bf16 (default) or f8e4m3 (an
+    /// FP8 cache with one scale per 128 values). A graph file names its own.
+    #[arg(long, conflicts_with = "graph")]
+    kv_cache_dtype: Option<DType>,
 }
 
 fn parse_bytes(text: &str) -> std::result::Result<u64, String> {
@@ -415,7 +420,9 @@ fn run(registry: &Registry, args: &RunArgs) -> Result<()> {
     let loaded = match &args.graph {
         Some(path) => load_any(registry, path, args.weights)?,
         None => {
-            Loaded { graph: demo::attention_step_graph(&AttentionConfig::llama3_8b(), registry.ops())?, artifact: None }
+            let mut config = AttentionConfig::llama3_8b();
+            config.layer.cache_dtype = args.kv_cache_dtype;
+            Loaded { graph: demo::attention_step_graph(&config, registry.ops())?, artifact: None }
         }
     };
     let graph = loaded.graph;

@@ -102,7 +102,7 @@ impl Heads {
         2.0 * 2.0 * (self.num_heads * self.head_size) as f64 * (seq * (seq + 1) / 2) as f64
     }
 
-    fn spec(&self, dtype: DType, layers: usize, batch: usize, seq: usize) -> MhaSpec {
+    pub(crate) fn spec(&self, dtype: DType, layers: usize, batch: usize, seq: usize) -> MhaSpec {
         MhaSpec {
             target: Target::Cpu,
             dtype,
@@ -354,7 +354,7 @@ fn make_cache(
         page_size: heads.page_size,
         num_kv_heads: heads.num_kv_heads,
         head_size: heads.head_size,
-        scale_granularity: None,
+        scale_granularity: dtype.is_quantized().then_some(heads.head_size.min(128)),
     };
     let pages_per_seq = (history + new_tokens).div_ceil(heads.page_size).max(1);
     let mut cache = PagedKVCacheCollection::new(params, batch * pages_per_seq, batch, pages_per_seq)?;
@@ -367,10 +367,27 @@ fn make_cache(
     }
     cache.reserve(&vec![new_tokens as u32; batch])?;
     if fill {
-        let shape = cache.blocks().shape().to_vec();
-        cache.set_blocks(Tensor::random(dtype, &shape, rng, -1.0, 1.0)?)?;
+        fill_random(&mut cache, rng)?;
     }
     Ok(cache)
+}
+
+/// Random K/V in the whole cache: uniform in [-1, 1) rounded to the dtype;
+/// an FP8 cache's codes random too (uniform values quantized as codes, never
+/// NaN) with scales uniform in [0.5, 1.5)/448, so values span about ±1.5.
+pub(crate) fn fill_random(cache: &mut PagedKVCacheCollection, rng: &mut SmallRng) -> Result<()> {
+    let shape = cache.blocks().shape().to_vec();
+    let dtype = cache.params().dtype;
+    if dtype.is_quantized() {
+        let codes = Tensor::random(dtype, &shape, rng, -448.0, 448.0)?;
+        cache.set_blocks(codes)?;
+        let scales_shape = cache.scales().expect("an FP8 cache has scales").shape().to_vec();
+        let scales = Tensor::random(DType::F32, &scales_shape, rng, 0.5 / 448.0, 1.5 / 448.0)?;
+        cache.set_scales(scales)?;
+    } else {
+        cache.set_blocks(Tensor::random(dtype, &shape, rng, -1.0, 1.0)?)?;
+    }
+    Ok(())
 }
 
 /// Round `values` into `output` (a float tensor of the same length).
@@ -453,7 +470,7 @@ impl Blocks<'_> {
             DType::F32 => Blocks::F32(blocks.as_slice()?),
             DType::BF16 => Blocks::BF16(blocks.as_slice()?),
             DType::F16 => Blocks::F16(blocks.as_slice()?),
-            DType::F8E4M3 => todo!("FP8 attention peer"),
+            DType::F8E4M3 => return Err(Error::Usage("the gather+gemm peer reads f32, bf16 and f16 caches".into())),
             DType::U32 => unreachable!("caches hold floats"),
         })
     }
@@ -821,21 +838,14 @@ fn op_of(key: &str) -> String {
 }
 
 /// Inputs and the cache of one run of the step graph.
-fn step_inputs(
+pub(crate) fn step_inputs(
     config: &LayerConfig,
     batch: usize,
     history: usize,
     seq: usize,
     rng: &mut SmallRng,
 ) -> Result<(BTreeMap<String, Tensor>, BTreeMap<String, PagedKVCacheCollection>)> {
-    let params = KvCacheParams {
-        dtype: config.dtype,
-        num_layers: config.num_layers,
-        page_size: config.page_size,
-        num_kv_heads: config.num_kv_heads,
-        head_size: config.head_size,
-        scale_granularity: None,
-    };
+    let params = config.cache_type().params();
     // The graph fixes the cache's pages and table width.
     let mut cache = PagedKVCacheCollection::new(params, config.num_pages, batch, config.max_pages_per_seq)?;
     let mut order: Vec<u32> = (0..cache.num_pages() as u32).collect();
@@ -843,8 +853,7 @@ fn step_inputs(
     cache.set_allocation_order(order)?;
     if history > 0 {
         cache.reserve(&vec![history as u32; batch])?;
-        let shape = cache.blocks().shape().to_vec();
-        cache.set_blocks(Tensor::random(config.dtype, &shape, rng, -1.0, 1.0)?)?;
+        fill_random(&mut cache, rng)?;
         cache.advance(&vec![history as u32; batch])?;
     }
     cache.reserve(&vec![seq as u32; batch])?;
@@ -861,7 +870,7 @@ fn step_inputs(
 /// run` does: binding them is refused today (the reshape's target dims stay
 /// symbolic while its input's become static), so its kernels are the
 /// generic ones, which read B and S at run time.
-fn compile_step(config: &AttentionConfig) -> Result<Executable> {
+pub(crate) fn compile_step(config: &AttentionConfig) -> Result<Executable> {
     let registry = standard_registry();
     let graph = attention_step_graph(config, registry.ops())?;
     compile(&graph, &registry, &CompileOptions::default())

@@ -11,6 +11,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use kvjit_core::DType;
 
 use crate::attention::{AttentionBenchConfig, run_attention};
+use crate::fp8::{Fp8BenchConfig, run_fp8};
 use crate::startup::{StartupConfig, run_startup};
 use crate::{BenchConfig, Error, Implementation, ModelShape, Progress, Result};
 
@@ -24,6 +25,10 @@ pub enum BenchOps {
     /// RoPE's share of a step, and the whole attention-step graph, on the
     /// roofs (Llama-3-8B heads).
     Attention,
+    /// An FP8 (f8e4m3, g = 128) KV cache against a bf16 one: the fused
+    /// store, decode attention at contexts 2048 and 8192, the whole step
+    /// graph, bytes per token (honours --quick, --threads, --json).
+    Fp8,
 }
 
 /// Options of `kvjit bench`.
@@ -198,6 +203,9 @@ pub fn run_bench(args: &BenchArgs) -> Result<()> {
     if args.ops == BenchOps::Attention {
         return run_attention_bench(args);
     }
+    if args.ops == BenchOps::Fp8 {
+        return run_fp8_bench(args);
+    }
     let config = args.config();
     config.check()?;
     // Open the output files now, so a bad path fails before the run, not after.
@@ -317,6 +325,44 @@ fn run_attention_bench(args: &BenchArgs) -> Result<()> {
             failures.len(),
             failures.join("; ")
         )));
+    }
+    Ok(())
+}
+
+/// Run `kvjit bench --ops fp8`: a line per step on stderr, the Markdown
+/// report on stdout, the JSON file where `args` says.
+fn run_fp8_bench(args: &BenchArgs) -> Result<()> {
+    let others = [
+        ("--shapes", args.shapes.is_some()),
+        ("--dtypes", args.dtypes.is_some()),
+        ("--pages", args.pages.is_some()),
+        ("--ms", args.ms.is_some()),
+        ("--impls", args.impls.is_some()),
+        ("--reference-max-m", args.reference_max_m.is_some()),
+        ("--compile-shape", args.compile_shape.is_some()),
+        ("--no-compile", args.no_compile),
+        ("--svg", args.svg.is_some()),
+    ];
+    if let Some((flag, _)) = others.iter().find(|(_, given)| *given) {
+        return Err(Error::Usage(format!("{flag} does not apply to --ops fp8")));
+    }
+    let mut config = if args.tiny {
+        Fp8BenchConfig::tiny()
+    } else if args.quick {
+        Fp8BenchConfig::quick()
+    } else {
+        Fp8BenchConfig::full()
+    };
+    if let Some(threads) = args.threads {
+        config.threads = threads;
+    }
+    let started = std::time::Instant::now();
+    let report = run_fp8(&config, &mut |what| eprintln!("[{:>6.1}s] {what}", started.elapsed().as_secs_f64()))?;
+    print!("{}", report.to_markdown());
+    if let Some(path) = &args.json {
+        let text = serde_json::to_string_pretty(&report.to_json()).expect("JSON values serialize") + "\n";
+        std::fs::write(path, text).map_err(|e| Error::Usage(format!("cannot write {}: {e}", path.display())))?;
+        eprintln!("wrote {}", path.display());
     }
     Ok(())
 }

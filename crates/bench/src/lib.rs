@@ -24,6 +24,7 @@
 pub mod attention;
 pub mod cli;
 pub mod compile;
+pub mod fp8;
 pub mod impls;
 pub mod problem;
 pub mod report;

@@ -43,6 +43,11 @@ pub struct KvCacheParams {
     pub scale_granularity: Option<usize>,
 }
 
+/// A scale granularity as errors name it: `g`, or `none` (no scales).
+fn granularity(g: Option<usize>) -> String {
+    g.map_or_else(|| "none".into(), |g| g.to_string())
+}
+
 impl KvCacheParams {
     /// Check that a cache of these params is one a kernel built for
     /// `built_for` may use: every field equal, else
@@ -54,11 +59,7 @@ impl KvCacheParams {
             ("page_size", built_for.page_size.to_string(), self.page_size.to_string()),
             ("num_kv_heads", built_for.num_kv_heads.to_string(), self.num_kv_heads.to_string()),
             ("head_size", built_for.head_size.to_string(), self.head_size.to_string()),
-            (
-                "scale_granularity",
-                format!("{:?}", built_for.scale_granularity),
-                format!("{:?}", self.scale_granularity),
-            ),
+            ("scale_granularity", granularity(built_for.scale_granularity), granularity(self.scale_granularity)),
         ] {
             if expected != got {
                 return Err(Error::CacheLayout { what, expected, got });
@@ -267,7 +268,8 @@ impl PagedKVCacheCollection {
             Some(scales) => {
                 let got = scales.shape();
                 let head_scales = got.get(5).copied().unwrap_or(0);
-                if got.len() != 6 || got[..5] != shape[..5] || head_scales == 0 || shape[5] % head_scales != 0 {
+                if got.len() != 6 || got[..5] != shape[..5] || head_scales == 0 || !shape[5].is_multiple_of(head_scales)
+                {
                     return Err(Error::ShapeMismatch {
                         arg: "kv_collection.scales".into(),
                         expected: format!(
@@ -853,5 +855,85 @@ mod tests {
         assert_eq!(back.lookup_table(), cache.lookup_table());
         assert_eq!((back.max_seq_length, back.max_cache_length), (7, 7));
         assert!(map.is_empty());
+    }
+
+    fn fp8_params(head_size: usize, g: usize) -> KvCacheParams {
+        KvCacheParams {
+            dtype: DType::F8E4M3,
+            num_layers: 2,
+            page_size: 3,
+            num_kv_heads: 2,
+            head_size,
+            scale_granularity: Some(g),
+        }
+    }
+
+    #[test]
+    fn fp8_caches_hold_scales_and_read_back_dequantized() {
+        let mut cache = PagedKVCacheCollection::new(fp8_params(8, 4), 3, 1, 3).unwrap();
+        assert_eq!(cache.scales().unwrap().shape(), &[3, 2, 2, 3, 2, 2]);
+        assert_eq!(cache.params().bytes_per_token(), 2 * 2 * (8 + 2 * 4));
+        cache.reserve(&[2]).unwrap();
+        cache.advance(&[2]).unwrap();
+        let (page, slot) = cache.locate(0, 1).unwrap();
+        let values: Vec<f32> = (0..16).map(|i| (i as f32 - 7.5) * 0.3).collect();
+        for (block, chunk) in values.chunks(4).enumerate() {
+            let mut codes = [0u8; 4];
+            let scale = crate::fp8::quantize_block(chunk, &mut codes);
+            let (head, first) = (block / 2, (block % 2) * 4);
+            let at = cache.element_offset(page as usize, 1, 1, slot, head, first);
+            let scale_at = cache.scale_offset(page as usize, 1, 1, slot, head, first / 4);
+            let (blocks, scales) = cache.blocks_and_scales_mut();
+            blocks[at..at + 4].copy_from_slice(&codes);
+            scales.unwrap()[scale_at] = scale;
+        }
+        let (_, v) = cache.read_token(1, 0, 1).unwrap();
+        for (got, want) in v.iter().zip(&values) {
+            // Half an E4M3 step at the block's scale: at most 16 (half the step
+            // at 448) times the scale max|x| / 448, and 2^-4 relative.
+            assert!((got - want).abs() <= 2.25 / 28.0, "{got} vs {want}");
+            assert!((got - want).abs() <= want.abs() / 16.0 + 1e-6, "{got} vs {want}");
+        }
+        // Saved and loaded with its scales.
+        let mut map: BTreeMap<String, Tensor> = cache.to_tensors("kv").unwrap().into_iter().collect();
+        assert!(map.contains_key("kv.scales"));
+        let back = PagedKVCacheCollection::from_tensors("kv", &mut map).unwrap();
+        assert_eq!(back.params(), cache.params());
+        assert_eq!(back.scales(), cache.scales());
+        assert_eq!(back.read_token(1, 0, 1).unwrap(), cache.read_token(1, 0, 1).unwrap());
+    }
+
+    #[test]
+    fn bad_fp8_layouts_and_scales_are_refused() {
+        let refused = |params: KvCacheParams| PagedKVCacheCollection::new(params, 2, 1, 2).unwrap_err().to_string();
+        assert!(refused(fp8_params(8, 3)).contains("scale_granularity must divide head_size 8, got 3"));
+        assert!(refused(fp8_params(8, 0)).contains("must divide"));
+        assert!(
+            refused(KvCacheParams { scale_granularity: None, ..fp8_params(8, 8) })
+                .contains("needs a scale_granularity")
+        );
+        assert!(refused(KvCacheParams { dtype: DType::BF16, ..fp8_params(8, 8) }).contains("f8e4m3 caches only"));
+
+        let cache = PagedKVCacheCollection::new(fp8_params(8, 4), 2, 1, 2).unwrap();
+        let blocks = cache.blocks().clone();
+        let parts = |scales: Option<Tensor>| {
+            PagedKVCacheCollection::from_parts_with_scales(blocks.clone(), scales, vec![0], vec![0, 1], 2)
+        };
+        let good = cache.scales().unwrap().clone();
+        assert_eq!(parts(Some(good.clone())).unwrap().params(), cache.params());
+        let missing = parts(None).unwrap_err().to_string();
+        assert!(missing.contains("needs a scale_granularity"), "{missing}");
+        for shape in [[2, 2, 2, 3, 2, 3], [2, 2, 2, 3, 1, 2], [2, 2, 2, 3, 2, 0]] {
+            let err = parts(Some(Tensor::zeros(DType::F32, &shape).unwrap())).unwrap_err().to_string();
+            assert!(err.contains("kv_collection.scales"), "{shape:?}: {err}");
+        }
+        let wrong_dtype = parts(Some(Tensor::zeros(DType::BF16, good.shape()).unwrap())).unwrap_err();
+        assert!(matches!(wrong_dtype, Error::DTypeMismatch { .. }), "{wrong_dtype}");
+
+        let mut cache = cache;
+        let before = cache.clone();
+        assert!(cache.set_scales(Tensor::zeros(DType::F32, &[2, 2, 2, 3, 2, 4]).unwrap()).is_err());
+        assert!(cache.set_scales(Tensor::zeros(DType::F16, good.shape()).unwrap()).is_err());
+        assert_eq!(cache, before, "a refused set_scales changed nothing");
     }
 }

@@ -132,6 +132,80 @@ pub fn store_e4m3_codes(b: &mut FunctionBuilder, codes: Value, ptr: Value, offse
     b.ins().store(mem(), word, ptr, offset);
 }
 
+/// Quantize one FP8 block, exactly as [`kvjit_core::fp8::quantize_block`]:
+/// the `count` f32 values at `src` (an `I64` count, any value ≥ 1) become
+/// `count` E4M3 codes at `codes` and one f32 scale at `scale_at`.
+///
+/// Two passes over the block, 4 values at a time and then one by one for
+/// the rest: the largest magnitude (NaN lanes count as 0, like `f32::max`
+/// ignoring NaN), `scale = max / 448` (one f32 division); then each value
+/// divided by the scale (multiplied by 0 when the scale is 0, so a zero
+/// block stores zeros and NaN stays NaN), converted by [`e4m3_codes_i32x4`].
+pub fn quantize_e4m3_block(b: &mut FunctionBuilder, src: Value, count: Value, codes: Value, scale_at: Value) {
+    let whole = b.ins().band_imm_s(count, !3);
+    let zero = b.ins().iconst(types::I64, 0);
+    let magnitude = |b: &mut FunctionBuilder, v: Value| {
+        let a = b.ins().fabs(v);
+        let is_number = b.ins().fcmp(FloatCC::Ordered, v, v);
+        let a = b.ins().bitcast(types::I32X4, MemFlagsData::new(), a);
+        let a = b.ins().band(a, is_number);
+        b.ins().bitcast(types::F32X4, MemFlagsData::new(), a)
+    };
+    let start = splat_f32(b, 0.0);
+    let max = counted_loop(b, zero, whole, 4, &[start], |b, i, carried| {
+        let at = b.ins().ishl_imm_u(i, 2);
+        let at = b.ins().iadd(src, at);
+        let v = b.ins().load(types::F32X4, mem(), at, 0);
+        let a = magnitude(b, v);
+        vec![b.ins().fmax(carried[0], a)]
+    })[0];
+    let max = counted_loop(b, whole, count, 1, &[max], |b, i, carried| {
+        let at = b.ins().ishl_imm_u(i, 2);
+        let at = b.ins().iadd(src, at);
+        let x = b.ins().load(types::F32, mem(), at, 0);
+        let v = b.ins().splat(types::F32X4, x);
+        let a = magnitude(b, v);
+        vec![b.ins().fmax(carried[0], a)]
+    })[0];
+    let lanes: Vec<Value> = (0..4).map(|lane| b.ins().extractlane(max, lane)).collect();
+    let low = b.ins().fmax(lanes[0], lanes[1]);
+    let high = b.ins().fmax(lanes[2], lanes[3]);
+    let max = b.ins().fmax(low, high);
+    let limit = b.ins().f32const(kvjit_core::fp8::E4M3_MAX);
+    let scale = b.ins().fdiv(max, limit);
+    b.ins().store(mem(), scale, scale_at, 0);
+    // x / scale, or x · 0 for a zero scale: selected lane-wise by a mask.
+    let scale = b.ins().splat(types::F32X4, scale);
+    let zeros = splat_f32(b, 0.0);
+    let zero_scale = b.ins().fcmp(FloatCC::Equal, scale, zeros);
+    let zero_scale = b.ins().bitcast(types::F32X4, MemFlagsData::new(), zero_scale);
+    let quotient = |b: &mut FunctionBuilder, v: Value| {
+        let divided = b.ins().fdiv(v, scale);
+        let zeroed = b.ins().fmul(v, zeros);
+        let q = b.ins().bitselect(zero_scale, zeroed, divided);
+        e4m3_codes_i32x4(b, q)
+    };
+    counted_loop(b, zero, whole, 4, &[], |b, i, _| {
+        let at = b.ins().ishl_imm_u(i, 2);
+        let at = b.ins().iadd(src, at);
+        let v = b.ins().load(types::F32X4, mem(), at, 0);
+        let c = quotient(b, v);
+        let out = b.ins().iadd(codes, i);
+        store_e4m3_codes(b, c, out, 0);
+        Vec::new()
+    });
+    counted_loop(b, whole, count, 1, &[], |b, i, _| {
+        let at = b.ins().ishl_imm_u(i, 2);
+        let at = b.ins().iadd(src, at);
+        let x = b.ins().load(types::F32, mem(), at, 0);
+        let v = b.ins().splat(types::F32X4, x);
+        let c = quotient(b, v);
+        let out = b.ins().iadd(codes, i);
+        store_e4m3_code_lane(b, c, 0, out, 0);
+        Vec::new()
+    });
+}
+
 /// Store lane `lane`'s code of an `I32X4` alone at `ptr + offset`.
 pub fn store_e4m3_code_lane(b: &mut FunctionBuilder, codes: Value, lane: u8, ptr: Value, offset: i32) {
     let code = b.ins().extractlane(codes, lane);

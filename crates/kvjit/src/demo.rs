@@ -33,8 +33,11 @@ use crate::{Error, Result};
 pub struct LayerConfig {
     /// Graph name.
     pub name: String,
-    /// Activation, weight and cache dtype.
+    /// Activation and weight dtype (and the cache's, unless `cache_dtype`).
     pub dtype: DType,
+    /// The cache's dtype when it differs: `f8e4m3` for an FP8 cache (its
+    /// scale granularity 128, or D when 128 does not divide D).
+    pub cache_dtype: Option<DType>,
     /// Hidden size K.
     pub hidden_size: usize,
     /// Query heads.
@@ -70,6 +73,7 @@ impl LayerConfig {
             num_pages: 64,
             max_pages_per_seq: 16,
             weight_seed: 8,
+            cache_dtype: None,
         }
     }
 
@@ -87,6 +91,7 @@ impl LayerConfig {
             num_pages: 48,
             max_pages_per_seq: 16,
             weight_seed: 1,
+            cache_dtype: None,
         }
     }
 
@@ -112,13 +117,18 @@ impl LayerConfig {
 
     /// The cache type, with `batch` symbolic.
     pub fn cache_type(&self) -> KvCacheType {
+        let dtype = self.cache_dtype.unwrap_or(self.dtype);
+        let granularity = match self.head_size % kvjit_graph::DEFAULT_SCALE_GRANULARITY {
+            0 => kvjit_graph::DEFAULT_SCALE_GRANULARITY,
+            _ => self.head_size,
+        };
         KvCacheType {
-            dtype: self.dtype,
+            dtype,
             num_layers: self.num_layers,
             page_size: self.page_size,
             num_kv_heads: self.num_kv_heads,
             head_size: self.head_size,
-            scale_granularity: None,
+            scale_granularity: dtype.is_quantized().then_some(granularity),
             num_pages: Dim::from(self.num_pages),
             batch: Dim::from("batch"),
             max_pages_per_seq: Dim::from(self.max_pages_per_seq),
@@ -160,31 +170,45 @@ pub fn layer_graph(config: &LayerConfig, ops: &OpRegistry) -> Result<Graph> {
 
 /// Random K and V for every slot of the cached history (every layer, both
 /// K and V), written through the page table; slots no sequence holds stay
-/// zero. A fast generator seeded from the scenario's keeps large caches
+/// zero. An FP8 cache gets random values quantized per block, with their
+/// scales. A fast generator seeded from the scenario's keeps large caches
 /// cheap.
 fn fill_history(cache: &mut PagedKVCacheCollection, history: &[u32], rng: &mut StdRng) -> Result<()> {
-    let params = cache.params();
+    let params = *cache.params();
+    let quantized = params.dtype.is_quantized();
+    let drawn = if quantized { DType::F32 } else { params.dtype };
     let elem = params.dtype.size_bytes();
     let row_bytes = params.kv_dim() * elem;
     let rows = history.iter().map(|&h| h as usize).sum::<usize>() * 2 * params.num_layers;
     let mut fast = rand::rngs::SmallRng::seed_from_u64(rng.r#gen());
-    let values = Tensor::random(params.dtype, &[rows * params.kv_dim()], &mut fast, -1.0, 1.0)?;
-    let mut chunks = values.as_bytes().chunks_exact(row_bytes);
+    let values = Tensor::random(drawn, &[rows * params.kv_dim()], &mut fast, -1.0, 1.0)?;
     let mut offsets = Vec::with_capacity(rows);
     for (b, &h) in history.iter().enumerate() {
         for position in 0..h as usize {
             let (page, slot) = cache.locate(b, position)?;
             for kv in 0..2 {
                 for layer in 0..params.num_layers {
-                    offsets.push(cache.element_offset(page as usize, kv, layer, slot, 0, 0) * elem);
+                    offsets.push(cache.element_offset(page as usize, kv, layer, slot, 0, 0));
                 }
             }
         }
     }
-    let blocks = cache.blocks_bytes_mut();
-    for offset in offsets {
-        let chunk = chunks.next().expect("one random row per history slot");
-        blocks[offset..offset + row_bytes].copy_from_slice(chunk);
+    let (blocks, scales) = cache.blocks_and_scales_mut();
+    match (quantized, scales, params.scale_granularity) {
+        (true, Some(scales), Some(g)) => {
+            let values = values.as_slice::<f32>()?;
+            for (offset, row) in offsets.into_iter().zip(values.chunks_exact(params.kv_dim())) {
+                let codes = blocks[offset..offset + params.kv_dim()].chunks_exact_mut(g);
+                for ((codes, block), scale) in codes.zip(row.chunks_exact(g)).zip(&mut scales[offset / g..]) {
+                    *scale = kvjit_core::fp8::quantize_block(block, codes);
+                }
+            }
+        }
+        _ => {
+            for (offset, row) in offsets.into_iter().zip(values.as_bytes().chunks_exact(row_bytes)) {
+                blocks[offset * elem..offset * elem + row_bytes].copy_from_slice(row);
+            }
+        }
     }
     Ok(())
 }

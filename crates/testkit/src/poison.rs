@@ -13,7 +13,8 @@ pub fn poison(t: &mut Tensor) {
     t.fill_f32(f32::NAN).expect("a float tensor");
 }
 
-/// Fill the output and the whole cache with NaN; return the poisoned cache
+/// Fill the output and the whole cache (an FP8 cache's scales too) with
+/// NaN; return the poisoned cache
 /// bytes (what every untouched cache byte must still be afterwards).
 ///
 /// # Panics
@@ -22,6 +23,7 @@ pub fn poison(t: &mut Tensor) {
 pub fn poison_all(output: &mut Tensor, cache: &mut PagedKVCacheCollection) -> Vec<u8> {
     poison(output);
     cache.fill_blocks_f32(f32::NAN).expect("a float cache");
+    cache.fill_scales(f32::NAN).expect("f32 scales");
     cache.blocks().as_bytes().to_vec()
 }
 

@@ -6,12 +6,14 @@ use kvjit_core::{PagedKVCacheCollection, Tensor};
 
 use crate::{Caches, Tensors};
 
-/// Everything a call may change in one cache, as bytes: blocks, cache
-/// lengths, page table and the MAX scalars.
+/// Everything a call may change in one cache, as bytes: blocks, an FP8
+/// cache's scales, cache lengths, page table and the MAX scalars.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CacheSnapshot {
     /// The blocks' bytes.
     pub blocks: Vec<u8>,
+    /// The scales' bytes (empty without scales).
+    pub scales: Vec<u8>,
     /// Per-sequence cache lengths.
     pub cache_lengths: Vec<u32>,
     /// The page table.
@@ -27,6 +29,7 @@ impl CacheSnapshot {
     pub fn take(cache: &PagedKVCacheCollection) -> Self {
         Self {
             blocks: cache.blocks().as_bytes().to_vec(),
+            scales: cache.scales().map(|s| s.as_bytes().to_vec()).unwrap_or_default(),
             cache_lengths: cache.cache_lengths().to_vec(),
             lookup_table: cache.lookup_table().to_vec(),
             max_seq_length: cache.max_seq_length,
@@ -39,6 +42,7 @@ impl CacheSnapshot {
     pub fn assert_unchanged(&self, cache: &PagedKVCacheCollection, what: &str) {
         let now = Self::take(cache);
         assert!(now.blocks == self.blocks, "{what}: cache blocks changed by a rejected call");
+        assert!(now.scales == self.scales, "{what}: cache scales changed by a rejected call");
         assert_eq!(now.cache_lengths, self.cache_lengths, "{what}: cache_lengths");
         assert_eq!(now.lookup_table, self.lookup_table, "{what}: lookup_table");
         assert_eq!(now.max_seq_length, self.max_seq_length, "{what}: max_seq_length");
@@ -101,6 +105,9 @@ pub fn assert_caches_identical(got: &Caches, want: &Caches) {
         let got = &got[name];
         assert_eq!(got.params(), want.params(), "cache '{name}': layout");
         assert_tensors_identical(&format!("cache '{name}' blocks"), got.blocks(), want.blocks());
+        if let (Some(got), Some(want)) = (got.scales(), want.scales()) {
+            assert_tensors_identical(&format!("cache '{name}' scales"), got, want);
+        }
         assert_eq!(got.cache_lengths(), want.cache_lengths(), "cache '{name}': cache_lengths");
         assert_eq!(got.lookup_table(), want.lookup_table(), "cache '{name}': lookup_table");
         assert_eq!(

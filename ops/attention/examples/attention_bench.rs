@@ -1,5 +1,6 @@
 //! Timing harness for the JIT attention kernel (not a check): decode at
-//! several contexts (B 1 and 8, bf16 and f32 cache) and causal prefill, on
+//! several contexts (B 1 and 8; bf16, FP8 E4M3 with g = 128, and f32
+//! caches) and causal prefill, on
 //! Llama-3-8B heads (Hq 32, Hkv 8, D 128, page 16), with the machine's
 //! measured read bandwidth for comparison.
 //!
@@ -52,6 +53,7 @@ fn case(cache_dtype: DType, batch: usize, seq: usize, context: usize) -> Case {
         page_size: 16,
         num_layers: 1,
         layer: 0,
+        scale_granularity: (cache_dtype == DType::F8E4M3).then_some(128),
         cache_lengths: vec![(context - seq) as u32; batch],
         valid_lengths: vec![seq as u32; batch],
         mask: Mask::Causal,
@@ -99,7 +101,7 @@ fn main() {
     let bw = read_bandwidth(threads);
     println!("read bandwidth ({threads} threads, 1 GiB sum, median of 7): {bw:.2} GB/s");
     let mut rows = Vec::new();
-    for cache_dtype in [DType::BF16, DType::F32] {
+    for cache_dtype in [DType::BF16, DType::F8E4M3, DType::F32] {
         for batch in [1, 8] {
             for context in [512, 2048, 8192] {
                 rows.push((
@@ -113,10 +115,13 @@ fn main() {
         }
     }
     println!("(cpu ms: CPU time per call over all threads; ms / cpu ms show how much other load took the cores)");
+    let mut times = std::collections::HashMap::new();
     for (name, case) in rows.iter().filter(|(n, _)| n.contains(&filter)) {
         let (secs, cpu) = time_case(case, threads);
+        times.insert(name.clone(), secs);
         let keys: usize = case.cache_lengths.iter().zip(&case.valid_lengths).map(|(c, v)| (c + v) as usize).sum();
-        let bytes = (keys * 2 * case.num_kv_heads * case.head_size * case.cache_dtype.size_bytes()) as f64;
+        // K/V bytes read, an FP8 cache's scales included.
+        let bytes = (keys * case.cache_params().bytes_per_token()) as f64;
         let gbs = bytes / secs / 1e9;
         let rate = if case.seq == 1 {
             format!("{gbs:>7.2} GB/s K/V {:>5.1}% of bw", 100.0 * gbs / bw)
@@ -127,5 +132,12 @@ fn main() {
             format!("{:>7.2} GFLOP/s", flops / secs / 1e9)
         };
         println!("{name:<28} {:>9.3} ms (cpu {:>8.3} ms) {rate}", secs * 1e3, cpu * 1e3);
+    }
+    // The FP8 cache's speed-up over bf16, same run (target: ≥ 1.6× at context ≥ 2048).
+    for (name, _) in rows.iter().filter(|(n, _)| n.contains("bf16")) {
+        let fp8 = name.replace("bf16", "f8e4m3");
+        if let (Some(bf16), Some(f8)) = (times.get(name), times.get(&fp8)) {
+            println!("{:<28} f8e4m3 {:.2}× faster than bf16", name.replace("bf16 ", ""), bf16 / f8);
+        }
     }
 }

@@ -41,6 +41,28 @@
 //! checked [`locate`](kvjit_core::PagedKVCacheCollection::locate) per page;
 //! q is pre-scaled by `scale`, widened to f32 and packed per (b, query
 //! block) in row-tile order on the host (padded rows zero).
+//!
+//! **FP8 (E4M3) cache.** The gather reads 1 byte per element (and the
+//! keys' `Hkv·D/g` f32 scales of K and of V) and re-encodes each code as
+//! the bf16 bits of its unscaled value, which is exact
+//! ([`crate::fp8`]: byte operations, 16 codes at a time), into the same
+//! block buffer a bf16 cache uses, with the keys' scales beside it; no
+//! dequantized copy of anything is made. The loops then read the buffer
+//! as bf16 (the same 2-instruction widening) and apply the scales in
+//! registers, never per element in the inner loops:
+//!
+//! - scores, g = D: `S[j] = (q_tile · codes_j) · s_j`, one multiply of the
+//!   4 rows' scores per key after the transpose-add; g < D: each widened
+//!   F32X4 of K is multiplied by its g-block's scale (one multiply per 4
+//!   elements, shared by the 4 rows);
+//! - P·V: the softmax pass stores, per key and per g-block, `P[j]·s_j,blk`
+//!   (4 rows) in place of `P[j]` (`l` sums the unscaled P), and the P·V
+//!   loop over a block's elements uses those: its inner loop is the bf16
+//!   one, unchanged.
+//!
+//! Against multiplying every element (`Σ q·(code·s)`, `Σ P·(code·s)`), each
+//! product of a scale is rounded once more in f32: relative error ≤ 2⁻²⁴
+//! of a score or of a P·V term, inside the tests' f32 tolerance.
 
 use std::sync::Arc;
 
@@ -55,6 +77,7 @@ use kvjit_runtime::{CodeInfo, DeviceContextPtr, Kernel, OutputSpec};
 
 use crate::call::{AttentionConfig, CallShape, key_row_offsets};
 use crate::exp::emit_exp_f32x4;
+use crate::fp8::E4m3ToBf16;
 use crate::kernel::{check_against_spec, checked_call};
 use crate::{Mask, MhaSpec};
 
@@ -75,16 +98,27 @@ const PV_VECTORS: usize = 2;
 /// a multiple of it).
 const PV_UNROLL: usize = 4;
 
-/// Byte layout of one item's scratch and state in the partials.
+/// Byte layout of one item's scratch and state in the partials. `nb` is
+/// the scale blocks per head of an FP8 cache (D/g), 1 for other caches.
 mod layout {
     use super::KB;
-    /// KB scores (then probabilities), one F32X4 (the row tile's 4 rows) per key.
+    /// KB scores (then probabilities), one F32X4 (the row tile's 4 rows)
+    /// per key, `nb` F32X4 apart (an FP8 cache's P·scale of block `blk`
+    /// goes in the key's F32X4 number `blk`).
     pub const SCORES: i32 = 0;
+    /// Bytes from one key's scores to the next's.
+    pub fn score_stride(nb: usize) -> i32 {
+        16 * nb as i32
+    }
     /// The current row tile's α (F32X4).
-    pub const ALPHA: i32 = 16 * KB as i32;
+    pub fn alpha(nb: usize) -> i32 {
+        KB as i32 * score_stride(nb)
+    }
     /// Row tiles, `tiles_per_head` per KV head, KV head major: `[m: F32X4,
     /// l: F32X4, lo: I32X4, hi: I32X4, acc: 4 rows × D f32]`.
-    pub const TILES: i32 = ALPHA + 16;
+    pub fn tiles(nb: usize) -> i32 {
+        alpha(nb) + 16
+    }
     /// Within a tile.
     pub const M: i32 = 0;
     pub const L: i32 = 16;
@@ -92,7 +126,9 @@ mod layout {
     pub const HI: i32 = 48;
     pub const ACC: i32 = 64;
     /// f32 values of the scratch before the tiles.
-    pub const HEAD_FLOATS: usize = TILES as usize / 4;
+    pub fn head_floats(nb: usize) -> usize {
+        tiles(nb) as usize / 4
+    }
     /// f32 values of one tile.
     pub fn tile_floats(d: usize) -> usize {
         ACC as usize / 4 + super::ROW_TILE * d
@@ -129,32 +165,74 @@ mod arg {
     /// Block buffers: `items × block_buffer_bytes`; an invocation of items
     /// `[begin, end)` uses only buffer `begin`.
     pub const BUFFERS: usize = 12;
+    /// An FP8 cache's f32 scales `[P, 2, L, page_size, Hkv, D/g]` (0 for
+    /// other caches).
+    pub const SCALES: usize = 13;
     /// Words in all.
-    pub const COUNT: usize = 13;
+    pub const COUNT: usize = 14;
+}
+
+/// The dtype of the K/V rows in the block buffer: the cache's, except that
+/// an FP8 cache's codes are re-encoded as (exact) bf16.
+fn buffer_dtype(spec: &MhaSpec) -> DType {
+    match spec.cache_dtype {
+        DType::F8E4M3 => DType::BF16,
+        other => other,
+    }
+}
+
+/// Scale blocks per head of an FP8 cache (D/g), 1 for other caches.
+fn scale_blocks(spec: &MhaSpec) -> usize {
+    match spec.scale_granularity {
+        Some(g) if spec.cache_dtype == DType::F8E4M3 => spec.head_size / g,
+        _ => 1,
+    }
+}
+
+/// Bytes of the K/V rows of one block buffer: `[2, Hkv, KB, D]` of
+/// [`buffer_dtype`].
+fn block_rows_bytes(spec: &MhaSpec) -> usize {
+    2 * spec.num_kv_heads * KB * spec.head_size * buffer_dtype(spec).size_bytes()
 }
 
 /// Bytes of one block buffer: K then V rows of KB keys, KV head major
-/// (`[2, Hkv, KB, D]` of the cache dtype).
+/// (`[2, Hkv, KB, D]` of [`buffer_dtype`]), then for an FP8 cache the keys'
+/// scales, f32 `[2, Hkv, KB, D/g]`.
 fn block_buffer_bytes(spec: &MhaSpec) -> usize {
-    2 * spec.num_kv_heads * KB * spec.head_size * spec.cache_dtype.size_bytes()
+    let scales = match spec.cache_dtype {
+        DType::F8E4M3 => 2 * spec.num_kv_heads * KB * scale_blocks(spec) * 4,
+        _ => 0,
+    };
+    block_rows_bytes(spec) + scales
 }
 
 /// Refuse specs the kernel cannot serve: D must be a multiple of 4 (whole
-/// F32X4 vectors), and the fixed offsets must fit the code's displacements.
+/// F32X4 vectors), an FP8 cache's granularity g a multiple of 4 dividing D
+/// (each F32X4 of a head inside one scale block), and the fixed offsets must
+/// fit the code's displacements.
 pub(crate) fn supported(spec: &MhaSpec) -> Result<(), JitError> {
-    let reason = if !spec.head_size.is_multiple_of(4) {
-        Some(format!("the CPU kernel needs head_size % 4 == 0 (whole F32X4 vectors), got {}", spec.head_size))
+    let d = spec.head_size;
+    let reason = if !d.is_multiple_of(4) {
+        Some(format!("the CPU kernel needs head_size % 4 == 0 (whole F32X4 vectors), got {d}"))
+    } else if let Err(e) = spec.cache_params().validate() {
+        Some(format!("the cache layout is invalid: {e}"))
+    } else if let Some(g) = spec.scale_granularity.filter(|g| !g.is_multiple_of(4)) {
+        Some(format!(
+            "the CPU kernel needs an f8e4m3 cache's scale_granularity to be a multiple of 4 (each F32X4 of a \
+             head inside one scale block), got {g}"
+        ))
     } else {
         let fits = || -> Option<()> {
             let kv_stride = spec.num_layers.checked_mul(spec.page_size)?.checked_mul(spec.num_kv_heads)?;
-            let kv_stride = kv_stride.checked_mul(spec.head_size)?;
+            let kv_stride = kv_stride.checked_mul(d)?;
             let bytes = kv_stride.checked_mul(2 * spec.cache_dtype.size_bytes())?;
-            let row = spec.head_size.checked_mul(4 * (spec.num_heads + 2))?;
-            let tile = layout::tile_floats(spec.head_size).checked_mul(4)?;
-            let buffer = 2usize.checked_mul(spec.num_kv_heads)?.checked_mul(KB)?.checked_mul(spec.head_size)?;
-            let buffer = buffer.checked_mul(spec.cache_dtype.size_bytes())?;
+            let row = d.checked_mul(4 * (spec.num_heads + 2))?;
+            let tile = layout::tile_floats(d).checked_mul(4)?;
+            let head = d.checked_mul(buffer_dtype(spec).size_bytes())?.checked_add(4 * scale_blocks(spec))?;
+            let buffer = 2usize.checked_mul(spec.num_kv_heads)?.checked_mul(KB)?.checked_mul(head)?;
+            let scratch = scale_blocks(spec).checked_mul(16 * KB)?.checked_add(16)?;
             let small = |v: usize| i32::try_from(v).is_ok();
-            (i64::try_from(bytes).is_ok() && small(row) && small(tile) && small(buffer)).then_some(())
+            (i64::try_from(bytes).is_ok() && small(row) && small(tile) && small(buffer) && small(scratch)).then_some(())
         };
         fits().is_none().then(|| "its sizes overflow the offsets the kernel computes".to_string())
     };
@@ -203,6 +281,9 @@ struct TileBlock {
     /// This KV head's K and V rows of the block in the block buffer.
     k: Value,
     v: Value,
+    /// An FP8 cache's: this KV head's K and V scales of the block in the
+    /// block buffer (`[KB, D/g]` f32 each).
+    scales: Option<(Value, Value)>,
     /// The item's scratch.
     scratch: Value,
     /// First key position of the block (i64).
@@ -216,6 +297,22 @@ struct TileBlock {
 
 fn iconst(b: &mut FunctionBuilder, v: i64) -> Value {
     b.ins().iconst(types::I64, v)
+}
+
+/// Copy `bytes` (a multiple of 4) from `src + from` to `dst + to`: 16 bytes
+/// at a time, then 8 and 4.
+fn copy_bytes(b: &mut FunctionBuilder, src: Value, from: i64, dst: Value, to: i64, bytes: i64) {
+    let mut o = 0;
+    while o < bytes {
+        let ty = match bytes - o {
+            16.. => types::I32X4,
+            8.. => types::I64,
+            _ => types::I32,
+        };
+        let x = b.ins().load(ty, mem(), src, (from + o) as i32);
+        b.ins().store(mem(), x, dst, (to + o) as i32);
+        o += i64::from(ty.bytes());
+    }
 }
 
 /// `if cond { then }`.
@@ -276,9 +373,38 @@ impl Emitter {
         (self.spec.num_layers * self.spec.page_size * self.spec.num_kv_heads * self.spec.head_size) as i64
     }
 
-    /// Bytes of one K or V row of one KV head.
+    /// Bytes of one K or V row of one KV head in the block buffer.
     fn row_bytes(&self) -> i64 {
-        self.d() * self.spec.cache_dtype.size_bytes() as i64
+        self.d() * buffer_dtype(&self.spec).size_bytes() as i64
+    }
+
+    /// Whether the cache is FP8 (codes and scales).
+    fn fp8(&self) -> bool {
+        self.spec.cache_dtype == DType::F8E4M3
+    }
+
+    /// Scale blocks per head (D/g; 1 for other caches).
+    fn nb(&self) -> usize {
+        scale_blocks(&self.spec)
+    }
+
+    /// `F32X4` vectors of a head per scale block.
+    fn block_vectors(&self) -> usize {
+        self.spec.head_size / 4 / self.nb()
+    }
+
+    /// Bytes from one key's scores (probabilities) to the next's.
+    fn score_stride(&self) -> i64 {
+        i64::from(layout::score_stride(self.nb()))
+    }
+
+    /// `j · bytes` for an i64 `j` (a shift when `bytes` is a power of 2).
+    fn scaled(&self, b: &mut FunctionBuilder, j: Value, bytes: i64) -> Value {
+        if bytes > 0 && (bytes as u64).is_power_of_two() {
+            b.ins().ishl_imm_u(j, i64::from(bytes.trailing_zeros()))
+        } else {
+            b.ins().imul_imm_s(j, bytes)
+        }
     }
 
     fn emit_item(&self, b: &mut FunctionBuilder, item: Value) {
@@ -293,7 +419,7 @@ impl Emitter {
         let item_bytes = b.ins().imul(item, self.word(arg::ITEM_FLOATS));
         let item_bytes = b.ins().ishl_imm_u(item_bytes, 2);
         let scratch = b.ins().iadd(self.word(arg::PARTIALS), item_bytes);
-        let tiles_base = b.ins().iadd_imm_s(scratch, i64::from(layout::TILES));
+        let tiles_base = b.ins().iadd_imm_s(scratch, i64::from(layout::tiles(self.nb())));
         let tiles_per_head = self.word(arg::TILES);
         let tiles = b.ins().imul_imm_s(tiles_per_head, hkv_count);
         let buffer = b.ins().imul_imm_s(self.begin, block_buffer_bytes(&self.spec) as i64);
@@ -358,13 +484,14 @@ impl Emitter {
             let hi = b.ins().smin(item_hi, c_hi);
             let stride = self.word(arg::STRIDE);
             let seq_offsets = b.ins().imul(batch, stride);
+            let convert = self.fp8().then(|| E4m3ToBf16::new(b));
             counted_loop(b, lo, hi, KB as i64, &[], |b, p0, _| {
                 let p0_end = b.ins().iadd_imm_s(p0, KB as i64);
                 let block_hi = b.ins().smin(p0_end, hi);
                 let n = b.ins().isub(block_hi, p0);
                 let n_pad = b.ins().iadd_imm_s(n, PV_UNROLL as i64 - 1);
                 let n_pad = b.ins().band_imm_s(n_pad, -(PV_UNROLL as i64));
-                self.emit_gather(b, buffer, seq_offsets, p0, n, n_pad);
+                self.emit_gather(b, buffer, seq_offsets, p0, n, n_pad, convert.as_ref());
                 let p0_32 = b.ins().ireduce(types::I32, p0);
                 let p0_v = b.ins().splat(types::I32X4, p0_32);
                 let end_32 = b.ins().ireduce(types::I32, block_hi);
@@ -380,7 +507,16 @@ impl Emitter {
                     let k = b.ins().imul_imm_s(hkv, head_rows);
                     let k = b.ins().iadd(buffer, k);
                     let v = b.ins().iadd_imm_s(k, hkv_count * head_rows);
-                    self.emit_tile_block(b, &TileBlock { tile, q, k, v, scratch, p0, n_pad, p0_v, end_v });
+                    let scales = self.fp8().then(|| {
+                        let head_scales = KB as i64 * self.nb() as i64 * 4;
+                        let ks = b.ins().imul_imm_s(hkv, head_scales);
+                        let ks = b.ins().iadd(buffer, ks);
+                        let ks = b.ins().iadd_imm_s(ks, block_rows_bytes(&self.spec) as i64);
+                        let vs = b.ins().iadd_imm_s(ks, hkv_count * head_scales);
+                        (ks, vs)
+                    });
+                    let tb = TileBlock { tile, q, k, v, scales, scratch, p0, n_pad, p0_v, end_v };
+                    self.emit_tile_block(b, &tb);
                     Vec::new()
                 });
                 Vec::new()
@@ -393,7 +529,10 @@ impl Emitter {
     /// key `n − 1`. Each key's rows are read whole and in order (`Hkv·D`
     /// contiguous elements each, consecutive keys of a page adjacent), so
     /// the hardware prefetchers stream them; everything after reads the
-    /// buffer from cache.
+    /// buffer from cache. An FP8 cache's codes are re-encoded as bf16 on the
+    /// way (`convert`), and the keys' K and V scales (`Hkv·D/g` contiguous
+    /// f32 each) copied beside the rows.
+    #[allow(clippy::too_many_arguments)]
     fn emit_gather(
         &self,
         b: &mut FunctionBuilder,
@@ -402,11 +541,14 @@ impl Emitter {
         p0: Value,
         n: Value,
         n_pad: Value,
+        convert: Option<&E4m3ToBf16>,
     ) {
         let csize = self.spec.cache_dtype.size_bytes() as i64;
+        let src_row_bytes = self.d() * csize;
         let row_bytes = self.row_bytes();
         let head_rows = KB as i64 * row_bytes;
         let hkv_count = self.spec.num_kv_heads as i64;
+        let nb = self.nb() as i64;
         let offsets = b.ins().iadd(seq_offsets, p0);
         let offsets = b.ins().ishl_imm_u(offsets, 3);
         let offsets = b.ins().iadd(self.word(arg::KEY_OFFSETS), offsets);
@@ -416,22 +558,43 @@ impl Emitter {
             let key = b.ins().smin(j, last);
             let at = b.ins().ishl_imm_u(key, 3);
             let at = b.ins().iadd(offsets, at);
-            let off = b.ins().load(types::I64, mem(), at, 0);
-            let off = b.ins().imul_imm_s(off, csize);
+            let element = b.ins().load(types::I64, mem(), at, 0);
+            let off = b.ins().imul_imm_s(element, csize);
             let k_src = b.ins().iadd(self.word(arg::BLOCKS), off);
             let v_src = b.ins().iadd_imm_s(k_src, self.kv_stride() * csize);
             let dst = b.ins().imul_imm_s(j, row_bytes);
             let dst = b.ins().iadd(buffer, dst);
             for (kv, src) in [k_src, v_src].into_iter().enumerate() {
                 for h in 0..hkv_count {
-                    let from = h * row_bytes;
+                    let from = h * src_row_bytes;
                     let to = (kv as i64 * hkv_count + h) * head_rows;
-                    let mut o = 0;
-                    while o < row_bytes {
-                        let ty = if row_bytes - o >= 16 { types::I32X4 } else { types::I64 };
-                        let x = b.ins().load(ty, mem(), src, (from + o) as i32);
-                        b.ins().store(mem(), x, dst, (to + o) as i32);
-                        o += i64::from(ty.bytes());
+                    if let Some(convert) = convert {
+                        convert.convert_row(b, src, from as i32, dst, to as i32, self.spec.head_size);
+                        continue;
+                    }
+                    copy_bytes(b, src, from, dst, to, row_bytes);
+                }
+            }
+            if convert.is_some() {
+                // The key's scales: its row's element offset / g (rows are
+                // whole heads, so the scales row is [page, kv, layer, slot, 0, 0]).
+                let g = (self.spec.head_size / self.nb()) as i64;
+                let row = if (g as u64).is_power_of_two() {
+                    b.ins().ushr_imm_u(element, i64::from(g.trailing_zeros()))
+                } else {
+                    let g = iconst(b, g);
+                    b.ins().udiv(element, g)
+                };
+                let row = b.ins().ishl_imm_u(row, 2);
+                let k_scales = b.ins().iadd(self.word(arg::SCALES), row);
+                let v_scales = b.ins().iadd_imm_s(k_scales, self.kv_stride() / g * 4);
+                let dst = b.ins().imul_imm_s(j, nb * 4);
+                let dst = b.ins().iadd(buffer, dst);
+                let rows_bytes = block_rows_bytes(&self.spec) as i64;
+                for (kv, src) in [k_scales, v_scales].into_iter().enumerate() {
+                    for h in 0..hkv_count {
+                        let to = rows_bytes + (kv as i64 * hkv_count + h) * KB as i64 * nb * 4;
+                        copy_bytes(b, src, h * nb * 4, dst, to, nb * 4);
                     }
                 }
             }
@@ -474,11 +637,15 @@ impl Emitter {
 
     /// One row tile against one key block: scores, online softmax, P·V.
     fn emit_tile_block(&self, b: &mut FunctionBuilder, tb: &TileBlock) {
-        let cdt = self.spec.cache_dtype;
-        let csize = cdt.size_bytes() as i64;
+        let bdt = buffer_dtype(&self.spec);
+        let bsize = bdt.size_bytes() as i64;
         let d = self.spec.head_size;
         let dv = d / 4;
         let row_bytes = self.row_bytes();
+        // FP8: scale blocks per head and F32X4 vectors per block (else 1 and dv).
+        let (nb, vb) = (self.nb(), self.block_vectors());
+        let stride = self.score_stride();
+        let alpha_at = layout::alpha(nb);
         // The rows' key ranges clipped to the block, as I32X4.
         let lo_v = b.ins().load(types::I32X4, mem(), tb.tile, layout::LO);
         let lo_v = b.ins().smax(lo_v, tb.p0_v);
@@ -491,12 +658,34 @@ impl Emitter {
         let block_max = counted_loop(b, zero, tb.n_pad, 2, &[ninf], |b, j, carried| {
             let key = b.ins().imul_imm_s(j, row_bytes);
             let key = b.ins().iadd(tb.k, key);
+            // FP8: the two keys' K scales, `nb` f32 each.
+            let key_scales = tb.scales.map(|(ks, _)| {
+                let at = self.scaled(b, j, nb as i64 * 4);
+                b.ins().iadd(ks, at)
+            });
             let zv = splat_f32(b, 0.0);
             // acc[k][r]: key k, row r.
             let mut acc = [[zv; ROW_TILE]; 2];
+            let mut block_scales = Vec::new();
             for i in 0..dv {
+                // g < D: each F32X4 of K times its block's scale (the 4 rows
+                // share it); g = D scales the scores after the sum instead.
+                if let Some(ks) = key_scales.filter(|_| nb > 1 && i % vb == 0) {
+                    block_scales = (0..2)
+                        .map(|k| {
+                            let x = b.ins().load(types::F32, mem(), ks, (4 * (k * nb + i / vb)) as i32);
+                            b.ins().splat(types::F32X4, x)
+                        })
+                        .collect();
+                }
                 let kv: Vec<Value> = (0..2)
-                    .map(|k| load_f32x4_raw(b, cdt, key, (k * row_bytes + 4 * i as i64 * csize) as i32))
+                    .map(|k| {
+                        let x = load_f32x4_raw(b, bdt, key, (k * row_bytes + 4 * i as i64 * bsize) as i32);
+                        match block_scales.get(k as usize) {
+                            Some(&scale) => b.ins().fmul(x, scale),
+                            None => x,
+                        }
+                    })
                     .collect();
                 for r in 0..ROW_TILE {
                     for (acc_k, &kv) in acc.iter_mut().zip(&kv) {
@@ -509,10 +698,18 @@ impl Emitter {
             let pos = b.ins().iadd(tb.p0, j);
             let pos = b.ins().ireduce(types::I32, pos);
             let mut max = carried[0];
-            let at = b.ins().ishl_imm_u(j, 4);
+            let at = self.scaled(b, j, stride);
             let at = b.ins().iadd(tb.scratch, at);
             for (k, &column) in acc.iter().enumerate() {
                 let s = transpose_sum(b, column);
+                let s = match key_scales {
+                    Some(ks) if nb == 1 => {
+                        let scale = b.ins().load(types::F32, mem(), ks, 4 * k as i32);
+                        let scale = b.ins().splat(types::F32X4, scale);
+                        b.ins().fmul(s, scale)
+                    }
+                    _ => s,
+                };
                 // Lanes whose row does not read this key → -inf.
                 let p = b.ins().iadd_imm_s(pos, k as i64);
                 let p = b.ins().splat(types::I32X4, p);
@@ -521,7 +718,7 @@ impl Emitter {
                 let inside = b.ins().band(ge, lt);
                 let inside = as_f32x4(b, inside);
                 let s = b.ins().bitselect(inside, s, ninf);
-                b.ins().store(mem(), s, at, layout::SCORES + 16 * k as i32);
+                b.ins().store(mem(), s, at, layout::SCORES + (k as i64 * stride) as i32);
                 max = b.ins().fmax(max, s);
             }
             vec![max]
@@ -537,31 +734,48 @@ impl Emitter {
         let alpha_arg = b.ins().fsub(m_old, m_use);
         let alpha = emit_exp_f32x4(b, alpha_arg);
         b.ins().store(mem(), m_new, tb.tile, layout::M);
-        b.ins().store(mem(), alpha, tb.scratch, layout::ALPHA);
+        b.ins().store(mem(), alpha, tb.scratch, alpha_at);
         let zero = iconst(b, 0);
         let psum = counted_loop(b, zero, tb.n_pad, 1, &[zv], |b, j, carried| {
-            let at = b.ins().ishl_imm_u(j, 4);
+            let at = self.scaled(b, j, stride);
             let at = b.ins().iadd(tb.scratch, at);
             let s = b.ins().load(types::F32X4, mem(), at, layout::SCORES);
             let x = b.ins().fsub(s, m_use);
             let p = emit_exp_f32x4(b, x);
-            b.ins().store(mem(), p, at, layout::SCORES);
+            match tb.scales {
+                // FP8: P times each of the key's V block scales, for P·V.
+                Some((_, vs)) => {
+                    let scales_at = self.scaled(b, j, nb as i64 * 4);
+                    let scales_at = b.ins().iadd(vs, scales_at);
+                    for blk in 0..nb {
+                        let scale = b.ins().load(types::F32, mem(), scales_at, 4 * blk as i32);
+                        let scale = b.ins().splat(types::F32X4, scale);
+                        let scaled = b.ins().fmul(p, scale);
+                        b.ins().store(mem(), scaled, at, layout::SCORES + 16 * blk as i32);
+                    }
+                }
+                None => {
+                    b.ins().store(mem(), p, at, layout::SCORES);
+                }
+            }
             vec![b.ins().fadd(carried[0], p)]
         })[0];
         let l_old = b.ins().load(types::F32X4, mem(), tb.tile, layout::L);
         let l_new = b.ins().fma(alpha, l_old, psum);
         b.ins().store(mem(), l_new, tb.tile, layout::L);
 
-        // acc = α·acc + Σ_j P[j]·V[j], PV_VECTORS F32X4 of D per pass.
+        // acc = α·acc + Σ_j P[j]·V[j], PV_VECTORS F32X4 of D per pass (and
+        // within one scale block: FP8's P[j] is P·scale of the pass's block).
         let mut first = 0;
         while first < dv {
-            let count = PV_VECTORS.min(dv - first);
+            let count = PV_VECTORS.min(dv - first).min(vb - first % vb);
+            let blk = first / vb;
             let acc_at = |r: usize, i: usize| layout::ACC + (4 * (r * d + 4 * (first + i))) as i32;
             let mut accs = Vec::with_capacity(ROW_TILE * count);
             for r in 0..ROW_TILE {
                 for i in 0..count {
                     let a = b.ins().load(types::F32X4, mem(), tb.tile, acc_at(r, i));
-                    let alpha_r = b.ins().load(types::F32, mem(), tb.scratch, layout::ALPHA + 4 * r as i32);
+                    let alpha_r = b.ins().load(types::F32, mem(), tb.scratch, alpha_at + 4 * r as i32);
                     let alpha_r = b.ins().splat(types::F32X4, alpha_r);
                     accs.push(b.ins().fmul(a, alpha_r));
                 }
@@ -569,20 +783,20 @@ impl Emitter {
             let zero = iconst(b, 0);
             let accs = counted_loop(b, zero, tb.n_pad, PV_UNROLL as i64, &accs, |b, j, accs| {
                 let mut accs = accs.to_vec();
-                let p_at = b.ins().ishl_imm_u(j, 4);
+                let p_at = self.scaled(b, j, stride);
                 let p_at = b.ins().iadd(tb.scratch, p_at);
                 let v_at = b.ins().imul_imm_s(j, row_bytes);
                 let v_at = b.ins().iadd(tb.v, v_at);
                 for u in 0..PV_UNROLL {
                     let vs: Vec<Value> = (0..count)
                         .map(|i| {
-                            let at = u as i64 * row_bytes + 4 * (first + i) as i64 * csize;
-                            load_f32x4_raw(b, cdt, v_at, at as i32)
+                            let at = u as i64 * row_bytes + 4 * (first + i) as i64 * bsize;
+                            load_f32x4_raw(b, bdt, v_at, at as i32)
                         })
                         .collect();
                     for r in 0..ROW_TILE {
                         for (i, &v) in vs.iter().enumerate() {
-                            let p_off = layout::SCORES + (16 * u + 4 * r) as i32;
+                            let p_off = layout::SCORES + (u as i64 * stride) as i32 + (16 * blk + 4 * r) as i32;
                             let p = b.ins().load(types::F32, mem(), p_at, p_off);
                             let p = b.ins().splat(types::F32X4, p);
                             accs[r * count + i] = b.ins().fma(p, v, accs[r * count + i]);
@@ -611,6 +825,8 @@ struct Plan {
     chunk: usize,
     chunks: usize,
     stride: usize,
+    /// f32 values of an item's scratch before its tiles.
+    head_floats: usize,
     item_floats: usize,
     groups: usize,
     items: usize,
@@ -629,7 +845,8 @@ impl Plan {
         let chunk = max_hi.div_ceil(want_chunks).next_multiple_of(KB).max(MIN_CHUNK);
         let chunks = max_hi.div_ceil(chunk);
         let tiles = (query_block * group).div_ceil(ROW_TILE);
-        let item_floats = layout::HEAD_FLOATS + shape.num_kv_heads * tiles * layout::tile_floats(spec.head_size);
+        let head_floats = layout::head_floats(scale_blocks(spec));
+        let item_floats = head_floats + shape.num_kv_heads * tiles * layout::tile_floats(spec.head_size);
         Plan {
             query_block,
             query_blocks,
@@ -637,6 +854,7 @@ impl Plan {
             chunk,
             chunks,
             stride: chunks * chunk + KB,
+            head_floats,
             item_floats,
             groups,
             items: groups * chunks,
@@ -722,6 +940,7 @@ impl JitKernel {
             args[arg::CHUNK] = plan.chunk as u64;
             args[arg::ITEM_FLOATS] = plan.item_floats as u64;
             args[arg::BUFFERS] = buffers.as_mut_ptr() as u64;
+            args[arg::SCALES] = cache.scales().map_or(0, |scales| scales.as_bytes().as_ptr() as u64);
             // SAFETY: `code` was compiled by `emit_and_compile` for this
             // kernel's spec, reading the argument words in `arg`'s layout.
             // `check_against_spec` validated the call against the spec (q is
@@ -737,7 +956,12 @@ impl JitKernel {
             // padding keys repeat the block's last key), and each such
             // offset is a checked row of the blocks (p lies in
             // `key_ranges[b]`), leaving a whole K and V row (all heads)
-            // inside `blocks`; `lengths` has 2·B words; each item reads and
+            // inside `blocks`; for an FP8 spec the same check found the
+            // cache's scales f32, contiguous, `[P, 2, L, page_size, Hkv,
+            // D/g]` (`check_fp8_scales`), so the scales of a row at element
+            // offset o (a multiple of D = g·D/g) are the `Hkv·D/g` f32 at
+            // o/g (+ the K→V stride / g for V), inside `scales` whenever the
+            // row is inside `blocks`; `lengths` has 2·B words; each item reads and
             // writes only its own `item_floats` values of `partials`
             // (items·item_floats long), and an invocation of items [begin,
             // end) only buffer `begin` of `buffers` (items buffers of
@@ -793,12 +1017,16 @@ fn merge(shape: &CallShape, plan: &Plan, valid: &[u32], partials: &[f32], out: &
                 let (tile, lane) = (hkv * plan.tiles + r / ROW_TILE, r % ROW_TILE);
                 // (m, l, acc[D]) of row r in chunk c.
                 let row = |c: usize| {
-                    let at = (first_item + c) * plan.item_floats + layout::HEAD_FLOATS + tile * tile_floats;
+                    let at = (first_item + c) * plan.item_floats + plan.head_floats + tile * tile_floats;
                     let state = &partials[at..at + tile_floats];
                     let acc_at = layout::ACC as usize / 4 + lane * d;
                     (state[lane], state[4 + lane], &state[acc_at..acc_at + d])
                 };
-                let max = (0..plan.chunks).map(|c| row(c).0).fold(f32::NEG_INFINITY, f32::max);
+                // A NaN score (a NaN in K) makes its chunk's m NaN; keep it
+                // (`f32::max` would drop it) so the row is NaN, as in the reference.
+                let max = (0..plan.chunks)
+                    .map(|c| row(c).0)
+                    .fold(f32::NEG_INFINITY, |a, m| if a.is_nan() || m.is_nan() { f32::NAN } else { a.max(m) });
                 let dst = &mut out[((b * shape.seq + s) * hq + h) * d..][..d];
                 if max == f32::NEG_INFINITY {
                     dst.fill(0.0);

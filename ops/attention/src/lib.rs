@@ -13,7 +13,9 @@
 //! - [`check_call`]: the run-time argument check every kernel runs first.
 //! - [`reference`](mod@reference): plain Rust in f64, the ground truth.
 //! - [`cpu_jit`]: the Cranelift kernel (split-KV flash decoding, tiled
-//!   prefill) reading K/V in place through the page table.
+//!   prefill) reading K/V in place through the page table; an FP8 (E4M3)
+//!   cache's codes are re-encoded exactly as bf16 while gathered and
+//!   scaled by their block scales in the score and P·V loops.
 //! - [`exp`]: the vectorized `exp` emitter any op can reuse.
 
 mod call;
@@ -21,6 +23,7 @@ pub mod cpu_jit;
 mod def;
 mod error;
 pub mod exp;
+mod fp8;
 mod kernel;
 pub mod reference;
 mod spec;

@@ -139,7 +139,8 @@ impl MhaSpec {
             && [spec.num_heads, spec.num_kv_heads, spec.head_size, spec.page_size, spec.num_layers]
                 .iter()
                 .all(|&v| v > 0)
-            && spec.num_heads.is_multiple_of(spec.num_kv_heads);
+            && spec.num_heads.is_multiple_of(spec.num_kv_heads)
+            && spec.cache_params().validate().is_ok();
         (valid && spec.kernel_key() == *key).then_some(spec)
     }
 }

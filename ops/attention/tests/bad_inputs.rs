@@ -5,7 +5,7 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{Case, jit};
+use common::{Case, jit, scale_bytes};
 use kvjit_core::{DType, Error, KernelKey, PagedKVCacheCollection, Target, Tensor, UNASSIGNED_PAGE};
 use kvjit_graph::{Dim, GraphBuilder, KvCacheType, OpDef, OpRegistry};
 use kvjit_op_attention::{AttentionError, Mask, MhaOp, MhaParams, MhaSpec, NO_CUDA, mha};
@@ -24,6 +24,7 @@ fn base_case() -> Case {
         page_size: 4,
         num_layers: 2,
         layer: 1,
+        scale_granularity: None,
         cache_lengths: vec![5, 0],
         valid_lengths: vec![3, 2],
         mask: Mask::Causal,
@@ -36,7 +37,18 @@ fn base_case() -> Case {
 /// Run `edit`ed arguments through the JIT and reference kernels; both must
 /// refuse with an error `expect` accepts, writing nothing.
 fn refused(what: &str, edit: impl Fn(&mut Vec<Tensor>, &mut PagedKVCacheCollection), expect: impl Fn(&Error) -> bool) {
-    let case = base_case();
+    refused_by(&base_case(), what, edit, expect);
+}
+
+/// [`refused`] with kernels built for `case` (output and cache, scales
+/// included, byte-identical afterwards).
+fn refused_by(
+    case: &Case,
+    what: &str,
+    edit: impl Fn(&mut Vec<Tensor>, &mut PagedKVCacheCollection),
+    expect: impl Fn(&Error) -> bool,
+) {
+    let case = case.clone();
     let (mut inputs, mut cache) = case.inputs();
     edit(&mut inputs, &mut cache);
     let reference: Arc<dyn Kernel> = Arc::new(kvjit_op_attention::ReferenceKernel::new(case.spec()));
@@ -45,12 +57,14 @@ fn refused(what: &str, edit: impl Fn(&mut Vec<Tensor>, &mut PagedKVCacheCollecti
         let mut output = Tensor::zeros(case.dtype, &[2, 3, 4, 8]).unwrap();
         poison(&mut output);
         let before = Snapshot::take(&output, &cache);
+        let scales_before = scale_bytes(&cache);
         let refs: Vec<&Tensor> = inputs.iter().collect();
         let mut outputs = [output];
         let err =
             kernel.run(&refs, &mut [&mut cache], &mut outputs, &DeviceContextPtr::cpu(2).unwrap()).expect_err(what);
         assert!(expect(&err), "{what} ({}): unexpected error {err}", kernel.implementation());
         before.assert_unchanged(&outputs[0], &cache, what);
+        assert!(scale_bytes(&cache) == scales_before, "{what}: the cache's scales changed");
         assert!(kernel.check(&refs, &[&cache]).is_err(), "{what}: check agrees");
     }
 }
@@ -145,6 +159,74 @@ fn bad_calls_are_refused_with_nothing_written() {
         |e| matches!(e, kvjit_core::Error::CacheLayout { what: "page_size", .. }),
     );
     refused("argument count", |i, _| drop(i.pop()), |e| matches!(e, kvjit_core::Error::KernelArguments { .. }));
+}
+
+/// [`base_case`] with an FP8 cache of granularity 4 (D = 8: two scales per head).
+fn fp8_case() -> Case {
+    Case { cache_dtype: DType::F8E4M3, scale_granularity: Some(4), ..base_case() }
+}
+
+/// `c`'s layout and page table with an FP8 cache of granularity `g`
+/// (random codes, scales 1).
+fn fp8_cache_like(c: &PagedKVCacheCollection, g: usize) -> PagedKVCacheCollection {
+    let shape = c.blocks().shape().to_vec();
+    let codes: Vec<u8> = (0..c.blocks().numel()).map(|i| (i * 37 % 126) as u8).collect();
+    let mut scales_shape = shape.clone();
+    scales_shape[5] /= g;
+    let scales = Tensor::from_f32(DType::F32, &scales_shape, &vec![1.0; c.blocks().numel() / g]).unwrap();
+    PagedKVCacheCollection::from_parts_with_scales(
+        Tensor::from_le_bytes(DType::F8E4M3, &shape, &codes).unwrap(),
+        Some(scales),
+        c.cache_lengths().to_vec(),
+        c.lookup_table().to_vec(),
+        c.max_pages_per_seq(),
+    )
+    .unwrap()
+}
+
+/// FP8 caches that do not match the kernel: refused before anything is
+/// written (the granularity is part of the layout a kernel is built for).
+#[test]
+fn fp8_cache_mismatches_are_refused_with_nothing_written() {
+    let layout = |what: &'static str| move |e: &Error| matches!(e, Error::CacheLayout { what: w, .. } if *w == what);
+    // Built for g = 4: a g = 8 (one scale per head) or g = 2 cache.
+    refused_by(&fp8_case(), "granularity 8 for 4", |_, c| *c = fp8_cache_like(c, 8), layout("scale_granularity"));
+    refused_by(&fp8_case(), "granularity 2 for 4", |_, c| *c = fp8_cache_like(c, 2), layout("scale_granularity"));
+    // Built for FP8, given f16; built for f16, given FP8.
+    refused_by(&fp8_case(), "f16 cache for FP8", |_, c| *c = cache_like(c, DType::F16, 4), layout("dtype"));
+    refused("FP8 cache for f16", |_, c| *c = fp8_cache_like(c, 4), layout("dtype"));
+    // Every other check still runs first for an FP8 kernel.
+    refused_by(
+        &fp8_case(),
+        "FP8: layer out of range",
+        |i, _| i[1] = Tensor::scalar_u32(2),
+        |e| matches!(e, Error::LayerOutOfRange { .. }),
+    );
+}
+
+/// Kernel keys with an impossible FP8 layout are not keys of the op, and
+/// the JIT refuses granularities that split an F32X4.
+#[test]
+fn fp8_specs_the_kernels_cannot_serve() {
+    let spec = fp8_case().spec();
+    assert_eq!(MhaSpec::from_kernel_key(&spec.kernel_key()), Some(spec));
+    assert!(spec.kernel_key().to_string().contains(".kvf8e4m3.g4."), "{}", spec.kernel_key());
+    MhaOp.supports(&spec.kernel_key()).unwrap();
+    for (cache_dtype, g, why) in [
+        (DType::F8E4M3, Some(3), "g does not divide D"),
+        (DType::F8E4M3, None, "an FP8 cache needs g"),
+        (DType::F16, Some(4), "g only for FP8"),
+    ] {
+        let bad = MhaSpec { cache_dtype, scale_granularity: g, ..spec };
+        assert_eq!(MhaSpec::from_kernel_key(&bad.kernel_key()), None, "{why}");
+        assert!(MhaOp.supports(&bad.kernel_key()).is_err(), "{why}");
+    }
+    // g = 6 divides D = 12 but splits F32X4 vectors: the reference serves it, the JIT not.
+    let split = MhaSpec { head_size: 12, scale_granularity: Some(6), ..spec };
+    assert_eq!(MhaSpec::from_kernel_key(&split.kernel_key()), Some(split));
+    let err = MhaOp.supports(&split.kernel_key()).unwrap_err();
+    assert!(err.contains("multiple of 4"), "{err}");
+    assert!(kvjit_op_attention::JitKernel::new(split, Default::default()).is_err());
 }
 
 fn cache_like(c: &PagedKVCacheCollection, dtype: DType, page_size: usize) -> PagedKVCacheCollection {

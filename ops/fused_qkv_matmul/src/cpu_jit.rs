@@ -29,6 +29,17 @@
 //! kernel (M read at run time) picks between the GEMV and the blocked
 //! schedule per call.
 //!
+//! **FP8 caches.** With an `f8e4m3` cache the epilogue stores each row's
+//! K/V columns as f32 into a staging buffer (`[M, 2·Hkv·D]`, a few KiB per
+//! decode step, still in L1/L2 when read back), and a second Cranelift
+//! kernel of the same launch sequence quantizes every valid row's g-blocks
+//! into the cache, rows split between the threads
+//! ([`kvjit_jit::ir::quantize_e4m3_block`]: absmax, scale, round to nearest
+//! even with saturation, exactly as the reference). A g-block spans several
+//! panels, and panels are split between threads, so its absmax is only
+//! known once every panel of the row is done: the staging is where the
+//! epilogue hands the block over.
+//!
 //! With M ≤ block_rows (decode) every weight panel is read from memory
 //! exactly once for all rows, and the panels are split between the worker
 //! threads: the kernel streams the weight once. Each output element is
@@ -39,14 +50,16 @@ use std::sync::Arc;
 
 use half::slice::HalfFloatSliceExt;
 use kvjit_core::{
-    CpuTier, DType, Error, KernelKey, KeyField, PagedKVCacheCollection, PreparedConstant, Result, Tensor, TensorData,
-    bf16, f16,
+    CpuTier, DType, Error, KernelKey, KeyField, PagedKVCacheCollection, PreparedConstant, Result, Target, Tensor,
+    TensorData, bf16, f16,
 };
 use kvjit_jit::cranelift_codegen::ir::{
     InstBuilder, StackSlot, StackSlotData, StackSlotKind, Value, condcodes::IntCC, types,
 };
 use kvjit_jit::cranelift_frontend::FunctionBuilder;
-use kvjit_jit::ir::{call_native, counted_loop, load_f32x4_raw, load_splat_f32x4, mem, store_f32x4, store_lane};
+use kvjit_jit::ir::{
+    call_native, counted_loop, load_f32x4_raw, load_splat_f32x4, mem, quantize_e4m3_block, store_f32x4, store_lane,
+};
 use kvjit_jit::microkernel::{self, MAX_TILE_ROWS, TILE_COLUMNS};
 use kvjit_jit::{CaptureText, CompileCause, JitError, JitFunction, SeenShapes, compile_kernel, pointer_type};
 use kvjit_runtime::{CodeInfo, DeviceContextPtr, Kernel, OutputSpec};
@@ -297,6 +310,7 @@ pub fn unspecialized_key(spec: &FusedQkvSpec, tier: CpuTier) -> KernelKey {
         .with("p", any)
         .with("l", any)
         .with("kv", KeyField::DType(spec.cache_dtype))
+        .with_if("g", spec.scale_granularity.map(|_| any))
         .with("b", any)
         .with("s", any)
 }
@@ -366,6 +380,122 @@ fn emit_and_compile(
         let widened_block = (avx2 && spec.dtype != DType::F32).then(|| slot(AVX2_BLOCK_BYTES));
         Emitter::new(spec, tier, bases, (tile_buffer, widened_block), sizes).emit(b, m_arg, params.begin, params.end);
     })
+}
+
+/// The dtype the epilogue stores K/V in: the cache's, or f32 into the
+/// staging buffer of an FP8 cache.
+fn kv_store_dtype(spec: &FusedQkvSpec) -> DType {
+    if spec.cache_dtype.is_quantized() { DType::F32 } else { spec.cache_dtype }
+}
+
+/// Elements from a row's K to its V where the epilogue stores them: the
+/// cache's K→V stride, or Hkv·D in an FP8 cache's staging rows.
+fn kv_store_stride(spec: &FusedQkvSpec) -> usize {
+    if spec.cache_dtype.is_quantized() { spec.kv_dim() } else { spec.kv_stride() }
+}
+
+/// The argument words of the FP8 store kernel; its work items are rows.
+mod fp8_arg {
+    /// The staged K/V, f32 `[M, 2·kv_dim]` (each row's K then V).
+    pub const STAGE: usize = 0;
+    /// Per row, the element offset of its K in the cache's blocks (-1:
+    /// padded row, nothing stored).
+    pub const ROW_OFFSETS: usize = 1;
+    /// The cache's blocks (one byte per element).
+    pub const BLOCKS: usize = 2;
+    /// The cache's f32 scales.
+    pub const SCALES: usize = 3;
+    /// Hkv·D (read by the unspecialized kernel only, like the next two).
+    pub const KV_DIM: usize = 4;
+    /// Elements from a token's K to its V in the blocks.
+    pub const KV_STRIDE: usize = 5;
+    /// Values per scale, g.
+    pub const G: usize = 6;
+    /// Words in all.
+    pub const COUNT: usize = 7;
+}
+
+/// The key of the FP8 store kernel for `spec` (sizes left to run time for
+/// the unspecialized kernel).
+fn fp8_store_key(spec: &FusedQkvSpec, runtime_sizes: bool) -> KernelKey {
+    let size = |n: usize| if runtime_sizes { KeyField::Dynamic } else { KeyField::size(n) };
+    KernelKey::new("fused_qkv_fp8_store", Target::Cpu, DType::F32)
+        .with("kvdim", size(spec.kv_dim()))
+        .with("g", size(spec.scale_granularity.unwrap_or(0)))
+        .with("kvs", size(spec.kv_stride()))
+}
+
+/// Compile (or fetch) the kernel quantizing an FP8 cache's staged rows:
+/// for each valid row in the thread's range, K then V, each g-block of
+/// Hkv·D values with its own scale (`quantize_e4m3_block`), codes at the
+/// row's page slot and scales at the same index divided by g.
+fn compile_fp8_store(spec: &FusedQkvSpec, runtime_sizes: bool) -> Result<Arc<JitFunction>, JitError> {
+    let key = fp8_store_key(spec, runtime_sizes);
+    let Some(g) = spec.scale_granularity else {
+        return Err(JitError::Unsupported {
+            key: key.to_string(),
+            reason: "an f8e4m3 cache needs a granularity".into(),
+        });
+    };
+    let build = || {
+        compile_kernel(&key, CaptureText::default(), |b, params| {
+            let word = |b: &mut FunctionBuilder, i: usize| params.arg(b, i);
+            let (stage, row_offsets, blocks, scales) = (
+                word(b, fp8_arg::STAGE),
+                word(b, fp8_arg::ROW_OFFSETS),
+                word(b, fp8_arg::BLOCKS),
+                word(b, fp8_arg::SCALES),
+            );
+            let sized = |b: &mut FunctionBuilder, i: usize, n: usize| {
+                if runtime_sizes { word(b, i) } else { b.ins().iconst(types::I64, n as i64) }
+            };
+            let kv_dim = sized(b, fp8_arg::KV_DIM, spec.kv_dim());
+            let kv_stride = sized(b, fp8_arg::KV_STRIDE, spec.kv_stride());
+            let g = sized(b, fp8_arg::G, g);
+            let blocks_per_row = b.ins().udiv(kv_dim, g);
+            let g_bytes = b.ins().ishl_imm_u(g, 2);
+            let row_floats = b.ins().ishl_imm_u(kv_dim, 1);
+            counted_loop(b, params.begin, params.end, 1, &[], |b, row, _| {
+                let at = b.ins().ishl_imm_u(row, 3);
+                let at = b.ins().iadd(row_offsets, at);
+                let slot = b.ins().load(types::I64, mem(), at, 0);
+                let store = b.create_block();
+                let done = b.create_block();
+                let writes = b.ins().icmp_imm_s(IntCC::SignedGreaterThanOrEqual, slot, 0);
+                b.ins().brif(writes, store, &[], done, &[]);
+                b.switch_to_block(store);
+                let first = b.ins().imul(row, row_floats);
+                for kv in 0..2 {
+                    let (element, staged) = if kv == 0 {
+                        (slot, first)
+                    } else {
+                        (b.ins().iadd(slot, kv_stride), b.ins().iadd(first, kv_dim))
+                    };
+                    let src = b.ins().ishl_imm_u(staged, 2);
+                    let src = b.ins().iadd(stage, src);
+                    let codes = b.ins().iadd(blocks, element);
+                    let scale_index = b.ins().udiv(element, g);
+                    let scale_at = b.ins().ishl_imm_u(scale_index, 2);
+                    let scale_at = b.ins().iadd(scales, scale_at);
+                    let zero = b.ins().iconst(types::I64, 0);
+                    counted_loop(b, zero, blocks_per_row, 1, &[], |b, block, _| {
+                        let src_at = b.ins().imul(block, g_bytes);
+                        let src_at = b.ins().iadd(src, src_at);
+                        let codes_at = b.ins().imul(block, g);
+                        let codes_at = b.ins().iadd(codes, codes_at);
+                        let scale = b.ins().ishl_imm_u(block, 2);
+                        let scale = b.ins().iadd(scale_at, scale);
+                        quantize_e4m3_block(b, src_at, g, codes_at, scale);
+                        Vec::new()
+                    });
+                }
+                b.ins().jump(done, &[]);
+                b.switch_to_block(done);
+                Vec::new()
+            });
+        })
+    };
+    kvjit_jit::kernels().get_or_compile(&key, CompileCause::GraphBuild, build)
 }
 
 /// A size the code either bakes in or reads from an argument word.
@@ -480,7 +610,7 @@ impl Emitter {
             k: Size::Known(spec.k),
             q_dim: Size::Known(spec.q_dim),
             kv_dim: Size::Known(spec.kv_dim()),
-            kv_stride: Size::Known(spec.kv_stride()),
+            kv_stride: Size::Known(kv_store_stride(spec)),
         };
         let m = spec.batch.zip(spec.seq).map(|(b, s)| b * s).filter(|_| runtime_sizes.is_none());
         let sizes = runtime_sizes.unwrap_or(baked);
@@ -917,8 +1047,9 @@ impl Emitter {
                     _ => slot,
                 };
                 let element = b.ins().iadd(element, panel.column);
-                let bytes = b.ins().imul_imm_s(element, self.spec.cache_dtype.size_bytes() as i64);
-                (self.spec.cache_dtype, b.ins().iadd(self.bases.blocks, bytes), Some(after))
+                let dtype = kv_store_dtype(&self.spec);
+                let bytes = b.ins().imul_imm_s(element, dtype.size_bytes() as i64);
+                (dtype, b.ins().iadd(self.bases.blocks, bytes), Some(after))
             }
         };
         let size = dtype.size_bytes() as i32;
@@ -972,6 +1103,8 @@ pub struct JitKernel {
     seen_shapes: Option<SeenShapes>,
     layout: PanelLayout,
     code: Arc<JitFunction>,
+    /// The kernel quantizing staged K/V into an FP8 cache (FP8 caches only).
+    fp8_store: Option<Arc<JitFunction>>,
     /// The graph's constant weight and its packed copy, made at build (or
     /// taken prepared from an artifact). Used only when a call's weight is
     /// that very tensor or the packed one itself ([`same_data`]); any other
@@ -1102,6 +1235,10 @@ impl JitKernel {
         runtime_sizes: bool,
     ) -> Result<Self, JitError> {
         let code = compile_sized(&spec, tier, runtime_sizes, capture)?;
+        let fp8_store = match spec.cache_dtype.is_quantized() {
+            true => Some(compile_fp8_store(&spec, runtime_sizes)?),
+            false => None,
+        };
         let layout = PanelLayout::new(&spec, Schedule::of(tier).panel_columns);
         let generic = spec.batch.is_none() || spec.seq.is_none();
         Ok(Self {
@@ -1111,6 +1248,7 @@ impl JitKernel {
             spec,
             layout,
             code,
+            fp8_store,
             constant_weight,
         })
     }
@@ -1263,19 +1401,32 @@ impl JitKernel {
                 &packed_now
             }
         };
+        // An FP8 cache's K/V go to f32 staging rows first (see the module
+        // docs): row r's K at r·2·kv_dim, its V kv_dim after.
+        let kv_dim = self.spec.kv_dim();
+        let mut staging = match self.fp8_store {
+            Some(_) => {
+                let offsets =
+                    row_offsets.iter().enumerate().map(|(r, &o)| if o < 0 { -1 } else { (r * 2 * kv_dim) as i64 });
+                Some((vec![0f32; rows * 2 * kv_dim], offsets.collect::<Vec<i64>>()))
+            }
+            None => None,
+        };
         let mut args = [0u64; arg::COUNT];
         args[arg::X] = x.as_ptr() as u64;
         args[arg::W] = packed.as_bytes().as_ptr() as u64;
         args[arg::OUT] = output.as_mut_ptr() as u64;
-        args[arg::BLOCKS] = cache.blocks_bytes_mut().as_mut_ptr() as u64;
-        args[arg::ROW_OFFSETS] = row_offsets.as_ptr() as u64;
+        (args[arg::BLOCKS], args[arg::ROW_OFFSETS]) = match &mut staging {
+            Some((stage, offsets)) => (stage.as_mut_ptr() as u64, offsets.as_ptr() as u64),
+            None => (cache.blocks_bytes_mut().as_mut_ptr() as u64, row_offsets.as_ptr() as u64),
+        };
         args[arg::M] = rows as u64;
         args[arg::X_STEP] = x_step as u64;
         // Read by the unspecialized kernel only; the others bake them in.
         args[arg::K] = self.spec.k as u64;
         args[arg::Q_DIM] = self.spec.q_dim as u64;
-        args[arg::KV_DIM] = self.spec.kv_dim() as u64;
-        args[arg::KV_STRIDE] = self.spec.kv_stride() as u64;
+        args[arg::KV_DIM] = kv_dim as u64;
+        args[arg::KV_STRIDE] = kv_store_stride(&self.spec) as u64;
         if shape.batch * shape.seq == 0 {
             return Ok(());
         }
@@ -1296,6 +1447,33 @@ impl JitKernel {
         // `packed`, `row_offsets` and the borrowed output and cache outlive
         // the launch.
         unsafe { kvjit_jit::launch(&code, &args, self.layout.total_panels(), ctx) };
+        if let (Some(store), Some((stage, _))) = (&self.fp8_store, &staging) {
+            let (blocks, scales) = cache.blocks_and_scales_mut();
+            let scales = scales.expect("an f8e4m3 cache has scales, and the spec check accepted only such a cache");
+            let mut words = [0u64; fp8_arg::COUNT];
+            words[fp8_arg::STAGE] = stage.as_ptr() as u64;
+            words[fp8_arg::ROW_OFFSETS] = row_offsets.as_ptr() as u64;
+            words[fp8_arg::BLOCKS] = blocks.as_mut_ptr() as u64;
+            words[fp8_arg::SCALES] = scales.as_mut_ptr() as u64;
+            words[fp8_arg::KV_DIM] = kv_dim as u64;
+            words[fp8_arg::KV_STRIDE] = self.spec.kv_stride() as u64;
+            words[fp8_arg::G] = self.spec.scale_granularity.unwrap_or(1) as u64;
+            // SAFETY: `store` was compiled by `compile_fp8_store` for this
+            // spec's kv_dim, g and K→V stride (or reads them from these
+            // words, set from the same spec). `check_against_spec` checked
+            // the cache against the spec (f8e4m3, this granularity, layout),
+            // and the cache keeps its scales `[P, 2, L, page, Hkv, D/g]` f32
+            // for exactly those params. For each row r < M in a launch range
+            // the kernel reads the staged `stage[r·2·kv_dim ..][..2·kv_dim]`
+            // (`stage` holds M rows, written by the launch above) and, when
+            // `row_offsets[r] ≥ 0`, writes kv_dim codes at that offset and at
+            // offset + kv_stride — slots `locate` validated inside the
+            // blocks, distinct per row — and kv_dim / g scales at those
+            // offsets divided by g (inside the scales, which mirror the
+            // blocks' layout with D / g per head). Different rows write
+            // different slots, so the ranges write disjoint memory.
+            unsafe { kvjit_jit::launch(store, &words, rows, ctx) };
+        }
         Ok(())
     }
 }

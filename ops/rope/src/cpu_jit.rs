@@ -19,6 +19,20 @@
 //!              for each KV head: K[h, :] = rotate(K[h, :]) in place, in the cache dtype
 //! ```
 //!
+//! An FP8 (`f8e4m3`) cache goes through an f32 stack buffer of D values per
+//! K head (the rotation pairs elements of different g-blocks):
+//!
+//! ```text
+//! x[d] = value(code[d]) · scale[d / g]      dequantize the whole head
+//! x = rotate(x)                             in place, the f32 code path above
+//! per g-block: scale = max|x| / 448         NaN lanes count as 0, like f32::max
+//!              code[d] = e4m3(x[d] / scale) (x[d] · 0 when scale = 0)
+//! ```
+//!
+//! bit for bit what `kvjit_core::fp8::quantize_block` stores for the same
+//! rotated f32 values. The scales of the row's K heads start at
+//! `k_offset / g` (`k_offset` is a multiple of D, which g divides).
+//!
 //! Everything is F32X4 (x64 Cranelift lowers 128-bit vectors only), four
 //! pairs per vector:
 //!
@@ -37,16 +51,18 @@
 //!
 //! Requirements (refused at specialize through `supports`): D a multiple of
 //! 8 (whole vectors of pairs in both layouts) and at most
-//! [`MAX_JIT_HEAD_SIZE`].
+//! [`MAX_JIT_HEAD_SIZE`]; for an FP8 cache, a scale granularity g that is a
+//! multiple of 4 (whole vectors per g-block).
 
 use std::sync::Arc;
 
 use kvjit_core::{DType, Error, KernelKey, PagedKVCacheCollection, Result, Tensor};
+use kvjit_jit::cranelift_codegen::ir::condcodes::IntCC;
 use kvjit_jit::cranelift_codegen::ir::{
-    ConstantData, Endianness, InstBuilder, MemFlagsData, StackSlotData, StackSlotKind, Value, condcodes::IntCC, types,
+    ConstantData, Endianness, InstBuilder, MemFlagsData, StackSlotData, StackSlotKind, Value, types,
 };
 use kvjit_jit::cranelift_frontend::FunctionBuilder;
-use kvjit_jit::ir::{counted_loop, load_f32x4_raw, mem, splat_f32, store_f32x4};
+use kvjit_jit::ir::{counted_loop, load_f32x4, load_f32x4_raw, mem, quantize_e4m3_block, splat_f32, store_f32x4};
 use kvjit_jit::{CaptureText, CompileCause, JitError, JitFunction, compile_kernel};
 use kvjit_runtime::{CodeInfo, DeviceContextPtr, Kernel, OutputSpec};
 
@@ -67,12 +83,16 @@ mod arg {
     pub const BLOCKS: usize = 3;
     /// Per row, its [`RowPlan`](super::RowPlan) (two i64 words).
     pub const ROWS: usize = 4;
+    /// An FP8 cache's f32 scales (null for other caches).
+    pub const SCALES: usize = 5;
     /// Words in all.
-    pub const COUNT: usize = 5;
+    pub const COUNT: usize = 6;
 }
 
 /// Refuse specs the generated code does not handle: D not a multiple of 8
-/// or above [`MAX_JIT_HEAD_SIZE`], or a row too large for the offsets it
+/// or above [`MAX_JIT_HEAD_SIZE`], a scale granularity that is not a
+/// multiple of 4 dividing D for an FP8 cache (or any granularity for
+/// another cache, or none for FP8), or a row too large for the offsets it
 /// forms.
 pub(crate) fn supported(spec: &RopeSpec) -> Result<(), JitError> {
     let unsupported = |reason: String| JitError::Unsupported { key: spec.kernel_key().to_string(), reason };
@@ -81,6 +101,20 @@ pub(crate) fn supported(spec: &RopeSpec) -> Result<(), JitError> {
         return Err(unsupported(format!(
             "the CPU kernel needs head_size to be a multiple of 8 and at most {MAX_JIT_HEAD_SIZE}, got {d}"
         )));
+    }
+    match (spec.cache_dtype, spec.scale_granularity) {
+        (DType::F8E4M3, Some(g)) if g > 0 && g.is_multiple_of(4) && d.is_multiple_of(g) => {}
+        (DType::F8E4M3, Some(g)) => {
+            return Err(unsupported(format!(
+                "the CPU kernel needs the f8e4m3 cache's scale_granularity to be a multiple of 4 dividing \
+                 head_size {d}, got {g}"
+            )));
+        }
+        (DType::F8E4M3, None) => return Err(unsupported("an f8e4m3 cache needs a scale_granularity".into())),
+        (dtype, Some(g)) => {
+            return Err(unsupported(format!("scale_granularity ({g}) applies to f8e4m3 caches only, not {dtype}")));
+        }
+        (_, None) => {}
     }
     let row_bytes = spec.num_q_heads.checked_mul(d).and_then(|e| e.checked_mul(spec.dtype.size_bytes()));
     if row_bytes.and_then(|b| i64::try_from(b).ok()).is_none() {
@@ -111,6 +145,7 @@ fn emit_and_compile(spec: &RopeSpec, key: &KernelKey, capture: CaptureText) -> R
             freqs: params.arg(b, arg::FREQS),
             blocks: params.arg(b, arg::BLOCKS),
             rows: params.arg(b, arg::ROWS),
+            scales: params.arg(b, arg::SCALES),
         };
         Emitter { spec: *spec }.emit(b, bases, params.begin, params.end);
     })
@@ -124,6 +159,7 @@ struct Bases {
     freqs: Value,
     blocks: Value,
     rows: Value,
+    scales: Value,
 }
 
 /// Byte order for bitcasts that change the lane count.
@@ -183,10 +219,19 @@ impl Emitter {
         (self.spec.num_q_heads * self.d() * self.spec.dtype.size_bytes()) as i64
     }
 
+    /// Values per scale of an FP8 cache (`None` for other caches).
+    fn granularity(&self) -> Option<usize> {
+        (self.spec.cache_dtype == DType::F8E4M3).then(|| self.spec.scale_granularity.expect("checked by `supported`"))
+    }
+
     /// The loop over this invocation's rows.
     fn emit(&self, b: &mut FunctionBuilder, bases: Bases, begin: Value, end: Value) {
         let table_slot =
             b.create_sized_stack_slot(StackSlotData::new(StackSlotKind::ExplicitSlot, (8 * self.d()) as u32, 4));
+        // An FP8 cache's K head, dequantized to f32 (4·D bytes).
+        let head_slot = self.granularity().map(|_| {
+            b.create_sized_stack_slot(StackSlotData::new(StackSlotKind::ExplicitSlot, (4 * self.d()) as u32, 4))
+        });
         counted_loop(b, begin, end, 1, &[], |b, r, _| {
             let plan_at = b.ins().imul_imm_s(r, size_of::<RowPlan>() as i64);
             let plan_at = b.ins().iadd(bases.rows, plan_at);
@@ -214,7 +259,18 @@ impl Emitter {
             self.emit_heads(b, q_row, out_row, self.spec.num_q_heads, self.spec.dtype, table);
             let k_bytes = b.ins().imul_imm_s(k_offset, self.spec.cache_dtype.size_bytes() as i64);
             let k_row = b.ins().iadd(bases.blocks, k_bytes);
-            self.emit_heads(b, k_row, k_row, self.spec.num_kv_heads, self.spec.cache_dtype, table);
+            match (self.granularity(), head_slot) {
+                (Some(g), Some(head_slot)) => {
+                    // The row's first scale: `k_offset / g`, exact (k_offset
+                    // is a multiple of D, which g divides).
+                    let scale_index = b.ins().udiv_imm_u(k_offset, g as i64);
+                    let scale_bytes = b.ins().imul_imm_s(scale_index, 4);
+                    let scale_row = b.ins().iadd(bases.scales, scale_bytes);
+                    let head = b.ins().stack_addr(kvjit_jit::pointer_type(), head_slot, 0);
+                    self.emit_e4m3_heads(b, k_row, scale_row, head, table);
+                }
+                _ => self.emit_heads(b, k_row, k_row, self.spec.num_kv_heads, self.spec.cache_dtype, table),
+            }
             b.ins().jump(done, &[]);
 
             b.switch_to_block(done);
@@ -270,57 +326,132 @@ impl Emitter {
     }
 
     /// Rotate `heads` consecutive heads of D `dtype` elements at `src` into
-    /// `dst` (the same address for K, rotated in place: every chunk is read
-    /// before it is written, and chunks do not overlap).
+    /// `dst` (the same address for K, rotated in place).
     fn emit_heads(&self, b: &mut FunctionBuilder, src: Value, dst: Value, heads: usize, dtype: DType, table: Value) {
-        let size = dtype.size_bytes();
-        let d = self.d();
-        let head_bytes = (d * size) as i64;
+        let head_bytes = (self.d() * dtype.size_bytes()) as i64;
         let start = b.ins().iconst(types::I64, 0);
         let end = b.ins().iconst(types::I64, heads as i64 * head_bytes);
         counted_loop(b, start, end, head_bytes, &[], |b, h, _| {
             let src = b.ins().iadd(src, h);
             let dst = b.ins().iadd(dst, h);
-            if self.spec.interleaved {
-                chunk_loop(b, d / 4, 4, |b, at, u| {
-                    let tab = b.ins().imul_imm_s(at, 4);
-                    let tab = b.ins().iadd(table, tab);
-                    let x_at = b.ins().imul_imm_s(at, size as i64);
-                    let (x_src, x_dst) = (b.ins().iadd(src, x_at), b.ins().iadd(dst, x_at));
-                    let disp = (4 * u * size) as i32;
-                    let x = load_f32x4_raw(b, dtype, x_src, disp);
-                    let cc = b.ins().load(types::F32X4, mem(), tab, (16 * u) as i32);
-                    let ss = b.ins().load(types::F32X4, mem(), tab, (16 * u + 4 * d) as i32);
-                    let swapped = shuffle_f32(b, x, x, [1, 0, 3, 2]);
-                    let xc = b.ins().fmul(x, cc);
-                    let rotated = b.ins().fma(swapped, ss, xc);
-                    store_f32x4(b, dtype, rotated, x_dst, disp);
-                });
-            } else {
-                let half_bytes = (d / 2 * size) as i32;
-                chunk_loop(b, d / 8, 4, |b, at, u| {
-                    let tab = b.ins().imul_imm_s(at, 4);
-                    let tab = b.ins().iadd(table, tab);
-                    let x_at = b.ins().imul_imm_s(at, size as i64);
-                    let (x_src, x_dst) = (b.ins().iadd(src, x_at), b.ins().iadd(dst, x_at));
-                    let disp = (4 * u * size) as i32;
-                    let xa = load_f32x4_raw(b, dtype, x_src, disp);
-                    let xb = load_f32x4_raw(b, dtype, x_src, disp + half_bytes);
-                    let cos = b.ins().load(types::F32X4, mem(), tab, (16 * u) as i32);
-                    let sin = b.ins().load(types::F32X4, mem(), tab, (16 * u + 2 * d) as i32);
-                    // a' = a·c − b·s, b' = b·c + a·s: one product rounded, one fma.
-                    let bs = b.ins().fmul(xb, sin);
-                    let neg_bs = b.ins().fneg(bs);
-                    let ra = b.ins().fma(xa, cos, neg_bs);
-                    let bc = b.ins().fmul(xb, cos);
-                    let rb = b.ins().fma(xa, sin, bc);
-                    store_f32x4(b, dtype, ra, x_dst, disp);
-                    store_f32x4(b, dtype, rb, x_dst, disp + half_bytes);
-                });
-            }
+            self.emit_rotate(b, src, dst, dtype, table);
             Vec::new()
         });
     }
+
+    /// Rotate one head of D `dtype` elements at `src` into `dst` (the same
+    /// address rotates in place: every chunk is read before it is written,
+    /// and chunks do not overlap).
+    fn emit_rotate(&self, b: &mut FunctionBuilder, src: Value, dst: Value, dtype: DType, table: Value) {
+        let size = dtype.size_bytes();
+        let d = self.d();
+        if self.spec.interleaved {
+            chunk_loop(b, d / 4, 4, |b, at, u| {
+                let tab = b.ins().imul_imm_s(at, 4);
+                let tab = b.ins().iadd(table, tab);
+                let x_at = b.ins().imul_imm_s(at, size as i64);
+                let (x_src, x_dst) = (b.ins().iadd(src, x_at), b.ins().iadd(dst, x_at));
+                let disp = (4 * u * size) as i32;
+                let x = load_f32x4_raw(b, dtype, x_src, disp);
+                let cc = b.ins().load(types::F32X4, mem(), tab, (16 * u) as i32);
+                let ss = b.ins().load(types::F32X4, mem(), tab, (16 * u + 4 * d) as i32);
+                let swapped = shuffle_f32(b, x, x, [1, 0, 3, 2]);
+                let xc = b.ins().fmul(x, cc);
+                let rotated = b.ins().fma(swapped, ss, xc);
+                store_f32x4(b, dtype, rotated, x_dst, disp);
+            });
+        } else {
+            let half_bytes = (d / 2 * size) as i32;
+            chunk_loop(b, d / 8, 4, |b, at, u| {
+                let tab = b.ins().imul_imm_s(at, 4);
+                let tab = b.ins().iadd(table, tab);
+                let x_at = b.ins().imul_imm_s(at, size as i64);
+                let (x_src, x_dst) = (b.ins().iadd(src, x_at), b.ins().iadd(dst, x_at));
+                let disp = (4 * u * size) as i32;
+                let xa = load_f32x4_raw(b, dtype, x_src, disp);
+                let xb = load_f32x4_raw(b, dtype, x_src, disp + half_bytes);
+                let cos = b.ins().load(types::F32X4, mem(), tab, (16 * u) as i32);
+                let sin = b.ins().load(types::F32X4, mem(), tab, (16 * u + 2 * d) as i32);
+                // a' = a·c − b·s, b' = b·c + a·s: one product rounded, one fma.
+                let bs = b.ins().fmul(xb, sin);
+                let neg_bs = b.ins().fneg(bs);
+                let ra = b.ins().fma(xa, cos, neg_bs);
+                let bc = b.ins().fmul(xb, cos);
+                let rb = b.ins().fma(xa, sin, bc);
+                store_f32x4(b, dtype, ra, x_dst, disp);
+                store_f32x4(b, dtype, rb, x_dst, disp + half_bytes);
+            });
+        }
+    }
+
+    /// Rotate the Hkv K heads of an FP8 row in place: per head (D codes at
+    /// `codes`, D/g scales at `scales`), dequantize into the f32 buffer
+    /// `head`, rotate it in place, and requantize each g-block with a fresh
+    /// scale (see the module docs).
+    fn emit_e4m3_heads(&self, b: &mut FunctionBuilder, codes: Value, scales: Value, head: Value, table: Value) {
+        let d = self.d();
+        let g = self.granularity().expect("an FP8 cache");
+        let start = b.ins().iconst(types::I64, 0);
+        let end = b.ins().iconst(types::I64, (self.spec.num_kv_heads * d) as i64);
+        // `h`: the head's first code (D bytes per head); its scales advance
+        // by D/g f32 per head, carried.
+        counted_loop(b, start, end, d as i64, &[scales], |b, h, carried| {
+            let codes = b.ins().iadd(codes, h);
+            let scales = carried[0];
+            self.emit_e4m3_blocks(b, codes, scales, head, |b, codes, scale, head| {
+                let scale = b.ins().load(types::F32, mem(), scale, 0);
+                let scale = b.ins().splat(types::F32X4, scale);
+                chunk_loop(b, g / 4, 4, |b, at, u| {
+                    let src = b.ins().iadd(codes, at);
+                    let x = load_f32x4(b, DType::F8E4M3, src, (4 * u) as i32);
+                    let x = b.ins().fmul(x, scale);
+                    let dst = b.ins().imul_imm_s(at, 4);
+                    let dst = b.ins().iadd(head, dst);
+                    b.ins().store(mem(), x, dst, (16 * u) as i32);
+                });
+            });
+            self.emit_rotate(b, head, head, DType::F32, table);
+            self.emit_e4m3_blocks(b, codes, scales, head, |b, codes, scale_at, head| {
+                emit_quantize_block(b, g, head, codes, scale_at);
+            });
+            vec![b.ins().iadd_imm_s(scales, (d / g * 4) as i64)]
+        });
+    }
+
+    /// A loop over the D/g blocks of one FP8 head: calls `body(b, codes,
+    /// scale, values)` with the addresses of block k's first code, its
+    /// scale and its first f32 in `head`.
+    fn emit_e4m3_blocks(
+        &self,
+        b: &mut FunctionBuilder,
+        codes: Value,
+        scales: Value,
+        head: Value,
+        body: impl FnOnce(&mut FunctionBuilder, Value, Value, Value),
+    ) {
+        let g = self.granularity().expect("an FP8 cache");
+        let start = b.ins().iconst(types::I64, 0);
+        let end = b.ins().iconst(types::I64, (self.d() / g) as i64);
+        counted_loop(b, start, end, 1, &[], |b, k, _| {
+            let block_codes = b.ins().imul_imm_s(k, g as i64);
+            let block_codes = b.ins().iadd(codes, block_codes);
+            let scale_at = b.ins().imul_imm_s(k, 4);
+            let scale_at = b.ins().iadd(scales, scale_at);
+            let values = b.ins().imul_imm_s(k, (4 * g) as i64);
+            let values = b.ins().iadd(head, values);
+            body(b, block_codes, scale_at, values);
+            Vec::new()
+        });
+    }
+}
+
+/// Quantize the `g` f32 values at `values` into E4M3 codes at `codes` and
+/// one f32 scale at `scale_at`, bit for bit as
+/// `kvjit_core::fp8::quantize_block` (the shared
+/// [`quantize_e4m3_block`]).
+fn emit_quantize_block(b: &mut FunctionBuilder, g: usize, values: Value, codes: Value, scale_at: Value) {
+    let count = b.ins().iconst(types::I64, g as i64);
+    quantize_e4m3_block(b, values, count, codes, scale_at);
 }
 
 /// `(0x8000_0000, 0, 0x8000_0000, 0)` as F32X4: XOR flips the sign of the
@@ -382,10 +513,13 @@ impl JitKernel {
         words[arg::OUT] = output.as_mut_ptr() as u64;
         words[arg::FREQS] = freqs_cis.as_bytes().as_ptr() as u64;
         words[arg::ROWS] = plans.as_ptr() as u64;
-        // Only a call with valid tokens borrows the blocks mutably (which
-        // bumps the cache's blocks generation, and copies shared storage).
+        // Only a call with valid tokens borrows the blocks (and an FP8
+        // cache's scales) mutably (which bumps the cache's blocks
+        // generation, and copies shared storage).
         if shape.cache_tokens > 0 {
-            words[arg::BLOCKS] = cache.blocks_bytes_mut().as_mut_ptr() as u64;
+            let (blocks, scales) = cache.blocks_and_scales_mut();
+            words[arg::BLOCKS] = blocks.as_mut_ptr() as u64;
+            words[arg::SCALES] = scales.map_or(0, |s| s.as_mut_ptr() as u64);
         }
         // SAFETY: `self.code` was compiled by `emit_and_compile` for this
         // kernel's spec without B and S (which the code does not depend on),
@@ -399,10 +533,19 @@ impl JitKernel {
         // spec's, `layer_idx < L`, every valid token's page inside the lookup
         // table and the cache, and no two tokens sharing a (page, slot) (so
         // `k_offset + Hkv·D` lies inside `blocks` and rows write disjoint K
-        // slots). `row_plans` made one plan per row from exactly these
+        // slots). For an FP8 cache, `expect_built_for` (in
+        // `check_against_spec`) matched the cache's dtype and scale
+        // granularity to the spec's g, and the cache holds scales
+        // `[P, 2, L, page_size, Hkv, D/g]` f32 (its constructors and
+        // `set_scales` check that shape), so the row's scales
+        // `k_offset/g .. k_offset/g + Hkv·D/g` are those of the same
+        // validated (page, layer, slot), inside `scales` and disjoint across
+        // rows. `row_plans` made one plan per row from exactly these
         // validated values; padded rows (`freqs_offset < 0`) only zero their
-        // own output row and never touch `blocks` (which is null only when
-        // no row is valid). Rows of different ranges write disjoint memory.
+        // own output row and never touch `blocks` or `scales` (null only
+        // when no row is valid; `scales` also for caches without scales,
+        // which the code then never reads). Rows of different ranges write
+        // disjoint memory.
         // `plans`, the tensors and the borrowed output and cache outlive the
         // launch.
         unsafe { kvjit_jit::launch(&self.code, &words, shape.rows(), ctx) };

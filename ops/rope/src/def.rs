@@ -76,7 +76,8 @@ const INPUTS: &[ArgSpec] = &[
 ];
 
 /// Largest head size the CPU kernel serves (its per-row cos/sin table lives
-/// on the stack: `8·D` bytes).
+/// on the stack: `8·D` bytes, and for an FP8 cache a dequantized K head,
+/// `4·D` more).
 pub const MAX_JIT_HEAD_SIZE: usize = 1024;
 
 impl RopeOp {
@@ -168,7 +169,8 @@ impl OpDef for RopeOp {
     }
 
     /// CPU: head sizes the generated code handles (a multiple of 8, at most
-    /// [`MAX_JIT_HEAD_SIZE`]) and offsets it can form; CUDA: none yet.
+    /// [`MAX_JIT_HEAD_SIZE`]), for an FP8 cache scale granularities that are
+    /// multiples of 4, and offsets it can form; CUDA: none yet.
     fn supports(&self, key: &KernelKey) -> Result<(), String> {
         let spec = RopeSpec::from_kernel_key(key).ok_or_else(|| format!("{key} is not a key of {OP_NAME}"))?;
         match spec.target {

@@ -12,7 +12,10 @@
 //! `a' = a·cos − b·sin`, `b' = b·cos + a·sin`. V is never touched. Rows of
 //! padded tokens are **zero** in the output (MAX leaves them undefined).
 //! The cache dtype may differ from the activation dtype: K is read in the
-//! cache dtype, rotated in f32 and rounded once back.
+//! cache dtype, rotated in f32 and rounded once back. On an FP8 (`f8e4m3`)
+//! cache each K head is dequantized (`code · scale`), rotated, and every
+//! g-block requantized with a fresh scale (`max|y| / 448`): the codes and
+//! scales of exactly the rotated tokens' K heads change.
 //!
 //! Everything about the op lives here: its IR definition ([`RopeOp`],
 //! parameters, shape rules, kernel key [`RopeSpec`]), the run-time argument

@@ -13,8 +13,16 @@
 //!   (written to `output`) and every KV head of K at layer `layer_idx`,
 //!   page `lookup_table[b, pos / page_size]`, slot `pos % page_size`
 //!   (rewritten in place, in the cache dtype). V is never touched.
+//!
+//! An FP8 (`f8e4m3`) cache stores a K head as D codes and D/g scales:
+//! the head is dequantized whole (`code · scale`, in f32, as the cache reads
+//! it back; the rotation mixes elements of different g-blocks), rotated in
+//! f64, rounded once to f32, and every g-block requantized with a fresh
+//! scale by [`fp8::quantize_block`] (`scale = max|y| / 448`, codes rounded to
+//! nearest even): exactly the K heads' codes and scales of the rotated
+//! tokens change.
 
-use kvjit_core::{DType, Element, PagedKVCacheCollection, Result, Tensor, TensorData, bf16, f16};
+use kvjit_core::{DType, Element, F8E4M3, PagedKVCacheCollection, Result, Tensor, TensorData, bf16, f16, fp8};
 
 use crate::CallShape;
 use crate::call::{check_call, check_output};
@@ -113,17 +121,16 @@ pub fn fused_qk_rope(
     let valid = valid_lengths.as_slice::<u32>()?;
     let cache_dtype = kv_collection.params().dtype;
     macro_rules! dispatch {
-        ($q:expr, $f:expr, $t:ty) => {
+        ($q:expr, $f:expr, $t:ty) => {{
+            let output = output.as_mut_slice()?;
             match cache_dtype {
-                DType::F32 => run::<$t, f32>(&shape, $q, $f, kv_collection, valid, interleaved, output.as_mut_slice()?),
-                DType::BF16 => {
-                    run::<$t, bf16>(&shape, $q, $f, kv_collection, valid, interleaved, output.as_mut_slice()?)
-                }
-                DType::F16 => run::<$t, f16>(&shape, $q, $f, kv_collection, valid, interleaved, output.as_mut_slice()?),
-                DType::F8E4M3 => todo!("FP8 RoPE: the rope helper replaces this"),
+                DType::F32 => run::<$t, f32>(&shape, $q, $f, kv_collection, valid, interleaved, output),
+                DType::BF16 => run::<$t, bf16>(&shape, $q, $f, kv_collection, valid, interleaved, output),
+                DType::F16 => run::<$t, f16>(&shape, $q, $f, kv_collection, valid, interleaved, output),
+                DType::F8E4M3 => run::<$t, F8E4M3>(&shape, $q, $f, kv_collection, valid, interleaved, output),
                 DType::U32 => unreachable!("caches hold floats"),
             }
-        };
+        }};
     }
     match (q_proj.data(), freqs_cis.data()) {
         (TensorData::F32(q), TensorData::F32(f)) => dispatch!(q, f, f32),
@@ -134,7 +141,23 @@ pub fn fused_qk_rope(
     Ok(shape)
 }
 
-fn run<T: Stored, C: Stored>(
+/// Where one K head lives in the cache: `[page, 0, layer, slot, head, :]`.
+#[derive(Clone, Copy)]
+struct KHead {
+    page: usize,
+    layer: usize,
+    slot: usize,
+    head: usize,
+}
+
+/// A cache element type: how the reference rotates one K head stored in it.
+trait CacheElement {
+    /// Rotate `[page, 0, layer, slot, head, :]` in place by the cos/sin row
+    /// `freqs` (f64).
+    fn rotate_k(cache: &mut PagedKVCacheCollection, k: KHead, freqs: &[f64], interleaved: bool);
+}
+
+fn run<T: Stored, C: CacheElement>(
     shape: &CallShape,
     q: &[T],
     freqs_cis: &[T],
@@ -165,16 +188,52 @@ fn run<T: Stored, C: Stored>(
                 }
             }
             let (page, slot) = cache.locate(b, pos).expect("check_call validated every valid token's page");
-            for h in 0..num_kv_heads {
-                let offset = cache.element_offset(page as usize, 0, layer, slot, h, 0);
-                let blocks = cache.blocks_slice_mut::<C>().expect("cache dtype matched above");
-                let k = &mut blocks[offset..offset + d];
-                x.iter_mut().zip(k.iter()).for_each(|(x, v)| *x = v.to_f64());
-                rotate(&x, &freqs, interleaved, &mut rotated);
-                for (k, &v) in k.iter_mut().zip(&rotated) {
-                    *k = C::from_f64(v);
-                }
+            for head in 0..num_kv_heads {
+                C::rotate_k(cache, KHead { page: page as usize, layer, slot, head }, &freqs, interleaved);
             }
+        }
+    }
+}
+
+/// f32, bf16, f16: read, rotate in f64, round once to the cache dtype.
+impl<C: Stored> CacheElement for C {
+    fn rotate_k(cache: &mut PagedKVCacheCollection, k: KHead, freqs: &[f64], interleaved: bool) {
+        let d = cache.params().head_size;
+        let offset = cache.element_offset(k.page, 0, k.layer, k.slot, k.head, 0);
+        let blocks = cache.blocks_slice_mut::<C>().expect("the dispatch matched C to the cache dtype");
+        let head = &mut blocks[offset..offset + d];
+        let x: Vec<f64> = head.iter().map(|v| v.to_f64()).collect();
+        let mut rotated = vec![0f64; d];
+        rotate(&x, freqs, interleaved, &mut rotated);
+        for (k, &v) in head.iter_mut().zip(&rotated) {
+            *k = C::from_f64(v);
+        }
+    }
+}
+
+/// FP8: dequantize all D values (`code · scale`, in f32), rotate in f64,
+/// round to f32, and requantize each g-block with a fresh scale
+/// ([`fp8::quantize_block`]), writing codes and scales.
+impl CacheElement for F8E4M3 {
+    fn rotate_k(cache: &mut PagedKVCacheCollection, k: KHead, freqs: &[f64], interleaved: bool) {
+        let params = *cache.params();
+        let d = params.head_size;
+        let g = params.scale_granularity.expect("an f8e4m3 cache has a granularity (checked when built)");
+        let offset = cache.element_offset(k.page, 0, k.layer, k.slot, k.head, 0);
+        let scale_at = cache.scale_offset(k.page, 0, k.layer, k.slot, k.head, 0);
+        let (blocks, scales) = cache.blocks_and_scales_mut();
+        let codes = &mut blocks[offset..offset + d];
+        let scales = &mut scales.expect("an f8e4m3 cache has scales (checked when built)")[scale_at..][..d / g];
+        let mut values = vec![0f32; d];
+        for ((values, codes), &scale) in values.chunks_exact_mut(g).zip(codes.chunks_exact(g)).zip(scales.iter()) {
+            fp8::dequantize_block(codes, scale, values);
+        }
+        let x: Vec<f64> = values.iter().map(|&v| f64::from(v)).collect();
+        let mut rotated = vec![0f64; d];
+        rotate(&x, freqs, interleaved, &mut rotated);
+        values.iter_mut().zip(&rotated).for_each(|(v, &r)| *v = r as f32);
+        for ((values, codes), scale) in values.chunks_exact(g).zip(codes.chunks_exact_mut(g)).zip(scales.iter_mut()) {
+            *scale = fp8::quantize_block(values, codes);
         }
     }
 }

@@ -1,7 +1,8 @@
 //! The op in a graph: parameters and shape rules checked when the node is
 //! added, the kernel key the specialize step gives, CUDA refused at
-//! specialize with a clear reason, CPU head sizes the JIT cannot serve
-//! refused likewise, and kernels built through `KernelBuilder`.
+//! specialize with a clear reason, CPU head sizes (and FP8 scale
+//! granularities) the JIT cannot serve refused likewise, and kernels built
+//! through `KernelBuilder`.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -37,10 +38,15 @@ fn params(head_size: usize) -> RopeParams {
 
 /// Inputs q `[batch, seq, hq, d]`, cache, freqs `[4096, d]`, layer, valid.
 fn inputs(b: &mut GraphBuilder<'_>, hq: usize, d: usize, cache_dtype: DType) -> [ValueId; 5] {
+    inputs_with_cache(b, hq, d, cache_type(cache_dtype, d))
+}
+
+/// [`inputs`] with the cache of type `cache`.
+fn inputs_with_cache(b: &mut GraphBuilder<'_>, hq: usize, d: usize, cache: KvCacheType) -> [ValueId; 5] {
     [
         b.input("q_proj", DType::BF16, &[Dim::from("batch"), Dim::from("seq"), Dim::Static(hq), Dim::Static(d)])
             .unwrap(),
-        b.kv_cache("kv_cache", cache_type(cache_dtype, d)).unwrap(),
+        b.kv_cache("kv_cache", cache).unwrap(),
         b.input("freqs_cis", DType::BF16, &[Dim::Static(4096), Dim::Static(d)]).unwrap(),
         b.input("layer_idx", DType::U32, &[]).unwrap(),
         b.input("valid_lengths", DType::U32, &[Dim::from("batch")]).unwrap(),
@@ -68,6 +74,38 @@ fn a_node_infers_its_output_and_specializes_to_its_key() {
     }
     assert_eq!(spec.seq, Some(1));
     assert_eq!(spec.batch, None);
+}
+
+#[test]
+fn an_fp8_cache_keys_its_granularity_and_builds_both_kernels() {
+    let registry = registry();
+    let mut b = GraphBuilder::new("rope", &registry);
+    let cache = KvCacheType { scale_granularity: Some(32), ..cache_type(DType::F8E4M3, 128) };
+    let args = inputs_with_cache(&mut b, 32, 128, cache);
+    let out = fused_qk_rope(&mut b, args, params(128)).unwrap();
+    b.output("q_rotated", out).unwrap();
+    let graph = b.finish().unwrap();
+    let specialized = specialize(&graph, &registry, Target::Cpu, &BTreeMap::new()).unwrap();
+    let key = &specialized.kernel_keys()[0];
+    assert_eq!(key.to_string(), "fused_qk_rope_paged.cpu.bf16.hq32.hkv8.d128.p16.l2.kvf8e4m3.g32.il1.bany.sany");
+    assert_eq!(RopeSpec::from_kernel_key(key).unwrap().scale_granularity, Some(32));
+    for implementation in [KernelImpl::Fast, KernelImpl::Reference] {
+        let options = BuildOptions { implementation, ..BuildOptions::default() };
+        RopeOp.build(key, &[None, None, None, None], &options).unwrap();
+    }
+}
+
+#[test]
+fn fp8_granularities_the_jit_cannot_serve_are_refused_at_specialize() {
+    let registry = registry();
+    let mut b = GraphBuilder::new("rope", &registry);
+    let cache = KvCacheType { scale_granularity: Some(6), ..cache_type(DType::F8E4M3, 24) };
+    let args = inputs_with_cache(&mut b, 8, 24, cache);
+    let out = fused_qk_rope(&mut b, args, params(24)).unwrap();
+    b.output("q_rotated", out).unwrap();
+    let graph = b.finish().unwrap();
+    let err = specialize(&graph, &registry, Target::Cpu, &BTreeMap::new()).unwrap_err().to_string();
+    assert!(err.contains("scale_granularity to be a multiple of 4"), "{err}");
 }
 
 #[test]

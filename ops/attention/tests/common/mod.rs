@@ -1,8 +1,9 @@
-//! Shared helpers: random valid calls, the tolerance, running the JIT
-//! kernel into a guarded, NaN-poisoned output.
+//! Shared helpers: random valid calls (f32, bf16, f16 and FP8 caches), the
+//! tolerance, running the JIT kernel into a guarded, NaN-poisoned output.
 
 #![allow(dead_code)]
 
+use kvjit_core::fp8::{E4M3_MAX, quantize_block};
 use kvjit_core::{DType, KvCacheParams, PagedKVCacheCollection, Target, Tensor};
 use kvjit_jit::CaptureText;
 use kvjit_op_attention::{AttentionConfig, JitKernel, Mask, MhaSpec, reference};
@@ -24,6 +25,8 @@ pub struct Case {
     pub page_size: usize,
     pub num_layers: usize,
     pub layer: usize,
+    /// Values per scale of an FP8 cache (`Some` exactly for `f8e4m3`).
+    pub scale_granularity: Option<usize>,
     pub cache_lengths: Vec<u32>,
     pub valid_lengths: Vec<u32>,
     pub mask: Mask,
@@ -38,7 +41,7 @@ impl Case {
             target: Target::Cpu,
             dtype: self.dtype,
             cache_dtype: self.cache_dtype,
-            scale_granularity: None,
+            scale_granularity: self.scale_granularity,
             num_heads: self.num_heads,
             num_kv_heads: self.num_kv_heads,
             head_size: self.head_size,
@@ -56,20 +59,31 @@ impl Case {
         AttentionConfig { mask: self.mask, window: self.window, scale: self.scale }
     }
 
-    /// q, layer_idx, valid_lengths and the cache. The cache is NaN except
-    /// the K/V of positions `< cache_length + valid_length` of every
-    /// sequence (all layers and heads): a kernel that used any other slot
-    /// would produce NaN. Pages are handed out in a shuffled order.
-    pub fn inputs(&self) -> (Vec<Tensor>, PagedKVCacheCollection) {
-        let mut rng = StdRng::seed_from_u64(self.seed);
-        let params = KvCacheParams {
+    /// The cache layout.
+    pub fn cache_params(&self) -> KvCacheParams {
+        KvCacheParams {
             dtype: self.cache_dtype,
             num_layers: self.num_layers,
             page_size: self.page_size,
             num_kv_heads: self.num_kv_heads,
             head_size: self.head_size,
-            scale_granularity: None,
-        };
+            scale_granularity: self.scale_granularity,
+        }
+    }
+
+    /// q, layer_idx, valid_lengths and the cache. The cache is NaN except
+    /// the K/V of positions `< cache_length + valid_length` of every
+    /// sequence (all layers and heads): a kernel that used any other slot
+    /// would produce NaN. Pages are handed out in a shuffled order.
+    ///
+    /// Cached values lie in [-1, 1]. An FP8 cache's g-blocks are, at
+    /// random, random codes (every code but the NaNs 0x7f/0xff) with a
+    /// random scale in [0.25, 1]/448, random values in [-1, 1) quantized
+    /// with [`quantize_block`], or (1 in 20) zeros (scale 0); its unused
+    /// slots hold NaN codes and NaN scales.
+    pub fn inputs(&self) -> (Vec<Tensor>, PagedKVCacheCollection) {
+        let mut rng = StdRng::seed_from_u64(self.seed);
+        let params = self.cache_params();
         let totals: Vec<u32> = self.cache_lengths.iter().zip(&self.valid_lengths).map(|(c, v)| c + v).collect();
         let pages: usize = totals.iter().map(|&t| (t as usize).div_ceil(self.page_size)).sum::<usize>() + 2;
         let max_pages = totals.iter().map(|&t| (t as usize).div_ceil(self.page_size)).max().unwrap_or(0) + 1;
@@ -80,6 +94,22 @@ impl Case {
         }
         cache.set_allocation_order(order).unwrap();
         cache.reserve(&totals).unwrap();
+        if self.cache_dtype == DType::F8E4M3 {
+            self.fill_fp8(&mut cache, &totals, &mut rng);
+        } else {
+            self.fill(&mut cache, &totals, &mut rng);
+        }
+        cache.cache_lengths_mut().copy_from_slice(&self.cache_lengths);
+        let q =
+            Tensor::random(self.dtype, &[self.batch, self.seq, self.num_heads, self.head_size], &mut rng, -2.0, 2.0)
+                .unwrap();
+        let layer = Tensor::scalar_u32(self.layer as u32);
+        (vec![q, layer, u32s(&self.valid_lengths)], cache)
+    }
+
+    /// Random values in [-1, 1) at the first `totals[b]` positions of every
+    /// sequence, NaN elsewhere.
+    fn fill(&self, cache: &mut PagedKVCacheCollection, totals: &[u32], rng: &mut StdRng) {
         let mut blocks = vec![f32::NAN; cache.blocks().numel()];
         for (b, &total) in totals.iter().enumerate() {
             for p in 0..total as usize {
@@ -98,12 +128,52 @@ impl Case {
         }
         let shape = cache.blocks().shape().to_vec();
         cache.set_blocks(Tensor::from_f32(self.cache_dtype, &shape, &blocks).unwrap()).unwrap();
-        cache.cache_lengths_mut().copy_from_slice(&self.cache_lengths);
-        let q =
-            Tensor::random(self.dtype, &[self.batch, self.seq, self.num_heads, self.head_size], &mut rng, -2.0, 2.0)
-                .unwrap();
-        let layer = Tensor::scalar_u32(self.layer as u32);
-        (vec![q, layer, u32s(&self.valid_lengths)], cache)
+    }
+
+    /// [`fill`](Self::fill) for an FP8 cache: codes and scales per g-block
+    /// (see [`inputs`](Self::inputs)).
+    fn fill_fp8(&self, cache: &mut PagedKVCacheCollection, totals: &[u32], rng: &mut StdRng) {
+        let g = self.scale_granularity.expect("an FP8 case has a granularity");
+        let mut codes = vec![0x7fu8; cache.blocks().numel()];
+        let mut scales = vec![f32::NAN; cache.blocks().numel() / g];
+        let mut values = vec![0f32; g];
+        for (b, &total) in totals.iter().enumerate() {
+            for p in 0..total as usize {
+                let (page, slot) = cache.locate(b, p).unwrap();
+                for layer in 0..self.num_layers {
+                    for kv in 0..2 {
+                        for h in 0..self.num_kv_heads {
+                            for block in 0..self.head_size / g {
+                                let at = cache.element_offset(page as usize, kv, layer, slot, h, block * g);
+                                let dst = &mut codes[at..at + g];
+                                let scale = &mut scales[cache.scale_offset(page as usize, kv, layer, slot, h, block)];
+                                match rng.gen_range(0..20) {
+                                    0 => {
+                                        values.fill(0.0);
+                                        *scale = quantize_block(&values, dst);
+                                    }
+                                    1..10 => {
+                                        for code in dst.iter_mut() {
+                                            let c: u8 = rng.gen_range(0..254);
+                                            *code = if c < 0x7f { c } else { c + 1 };
+                                        }
+                                        *scale = rng.gen_range(0.25f32..=1.0) / E4M3_MAX;
+                                    }
+                                    _ => {
+                                        values.iter_mut().for_each(|v| *v = rng.gen_range(-1.0f32..1.0));
+                                        *scale = quantize_block(&values, dst);
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        let shape = cache.blocks().shape().to_vec();
+        cache.set_blocks(Tensor::from_le_bytes(DType::F8E4M3, &shape, &codes).unwrap()).unwrap();
+        let shape = cache.scales().expect("an FP8 cache has scales").shape().to_vec();
+        cache.set_scales(Tensor::from_f32(DType::F32, &shape, &scales).unwrap()).unwrap();
     }
 
     /// A random case; `decode` fixes S = 1.
@@ -137,6 +207,7 @@ impl Case {
             page_size,
             num_layers,
             layer: rng.gen_range(0..num_layers),
+            scale_granularity: None,
             cache_lengths,
             valid_lengths,
             mask: if rng.gen_bool(0.5) { Mask::Causal } else { Mask::Null },
@@ -145,19 +216,49 @@ impl Case {
             seed: rng.r#gen(),
         }
     }
+
+    /// A random case with an FP8 cache: [`random`](Self::random)'s shapes,
+    /// and g = D or (half the time) another multiple of 4 dividing D.
+    pub fn random_fp8(rng: &mut impl Rng, decode: bool) -> Self {
+        let mut case = Self::random(rng, decode);
+        let d = case.head_size;
+        let divisors: Vec<usize> = (4..d).step_by(4).filter(|g| d.is_multiple_of(*g)).collect();
+        let g = if divisors.is_empty() || rng.gen_bool(0.5) { d } else { divisors[rng.gen_range(0..divisors.len())] };
+        case.cache_dtype = DType::F8E4M3;
+        case.scale_granularity = Some(g);
+        case
+    }
+}
+
+/// The bytes of a cache's scales (empty without).
+pub fn scale_bytes(cache: &PagedKVCacheCollection) -> Vec<u8> {
+    cache.scales().map_or(Vec::new(), |s| s.as_bytes().to_vec())
 }
 
 /// Run the JIT kernel into a NaN-poisoned output with guard regions on
 /// both sides; check the guards and that the cache was not touched.
 pub fn run_jit(kernel: &JitKernel, case: &Case, threads: usize) -> Vec<f32> {
     let (inputs, cache) = case.inputs();
+    run_jit_on(kernel, case, &inputs, &cache, threads)
+}
+
+/// [`run_jit`] on given inputs and cache (of `case`'s shapes).
+pub fn run_jit_on(
+    kernel: &JitKernel,
+    case: &Case,
+    inputs: &[Tensor],
+    cache: &PagedKVCacheCollection,
+    threads: usize,
+) -> Vec<f32> {
     let before = cache.blocks().as_bytes().to_vec();
+    let scales_before = scale_bytes(cache);
     let elements = case.batch * case.seq * case.num_heads * case.head_size;
     let mut out = Guarded::new(64, &nan_bytes(case.dtype, elements), 64);
     let refs: Vec<&Tensor> = inputs.iter().collect();
-    kernel.run_into(&refs, &cache, out.body_mut(), &DeviceContextPtr::cpu(threads).unwrap()).unwrap();
+    kernel.run_into(&refs, cache, out.body_mut(), &DeviceContextPtr::cpu(threads).unwrap()).unwrap();
     out.assert_guards("attention output");
     assert!(cache.blocks().as_bytes() == before.as_slice(), "the cache must be byte-identical after the call");
+    assert!(scale_bytes(cache) == scales_before, "the cache's scales must be byte-identical after the call");
     Tensor::from_le_bytes(case.dtype, &[elements], out.body()).unwrap().to_f32_vec().unwrap()
 }
 
@@ -186,10 +287,16 @@ pub fn tolerance(case: &Case, keys: usize, exact: f64) -> f64 {
 }
 
 /// Compare the JIT output with the exact reference: valid rows within
-/// [`tolerance`], padded rows exactly zero. Returns the worst error/bound.
+/// [`tolerance`] (NaN exactly where the reference is NaN), padded rows
+/// exactly zero. Returns the worst error/bound.
 pub fn check_against_reference(case: &Case, got: &[f32]) -> f64 {
     let (inputs, cache) = case.inputs();
-    let (_, exact) = reference::mha_f64(&inputs[0], &cache, &inputs[1], &inputs[2], &case.config()).unwrap();
+    check_against_reference_on(case, &inputs, &cache, got)
+}
+
+/// [`check_against_reference`] on given inputs and cache.
+pub fn check_against_reference_on(case: &Case, inputs: &[Tensor], cache: &PagedKVCacheCollection, got: &[f32]) -> f64 {
+    let (_, exact) = reference::mha_f64(&inputs[0], cache, &inputs[1], &inputs[2], &case.config()).unwrap();
     let (hq, d) = (case.num_heads, case.head_size);
     let mut worst = 0f64;
     for b in 0..case.batch {
@@ -202,6 +309,10 @@ pub fn check_against_reference(case: &Case, got: &[f32]) -> f64 {
                     let g = got[at];
                     if s >= v {
                         assert_eq!(g.to_bits(), 0, "{case:?}: padded row (b {b}, s {s}) must be +0, got {g}");
+                        continue;
+                    }
+                    if exact[at].is_nan() {
+                        assert!(g.is_nan(), "{case:?}: (b {b}, s {s}, h {h}, d {i}) got {g}, want NaN");
                         continue;
                     }
                     let bound = tolerance(case, hi - lo, exact[at]);

@@ -26,6 +26,8 @@ pub const GUARD: usize = 64;
 pub struct Case {
     pub dtype: DType,
     pub cache_dtype: DType,
+    /// Values per scale: `Some` exactly for an `f8e4m3` cache.
+    pub granularity: Option<usize>,
     pub interleaved: bool,
     pub batch: usize,
     pub seq: usize,
@@ -55,11 +57,12 @@ pub struct Call {
 }
 
 impl Case {
-    /// A small f32 case to start from.
+    /// A small case to start from (set `granularity` for an FP8 cache).
     pub fn base(dtype: DType, cache_dtype: DType, interleaved: bool) -> Self {
         Self {
             dtype,
             cache_dtype,
+            granularity: None,
             interleaved,
             batch: 2,
             seq: 3,
@@ -82,7 +85,7 @@ impl Case {
             target: Target::Cpu,
             dtype: self.dtype,
             cache_dtype: self.cache_dtype,
-            scale_granularity: None,
+            scale_granularity: self.granularity,
             interleaved: self.interleaved,
             num_q_heads: self.hq,
             num_kv_heads: self.hkv,
@@ -107,7 +110,9 @@ impl Case {
 
     /// The call: page table with distinct shuffled physical pages for every
     /// logical page a sequence holds, random cache contents everywhere,
-    /// random Q, and a real cos/sin table.
+    /// random Q, and a real cos/sin table. An FP8 cache holds random codes
+    /// (never zero or NaN) and random positive scales (blocks of magnitude
+    /// up to 0.25..4).
     pub fn build(&self, rng: &mut StdRng) -> Call {
         let max_pages = (0..self.batch).map(|b| self.pages_needed(b)).max().unwrap_or(0) + 1;
         let needed: usize = (0..self.batch).map(|b| self.pages_needed(b)).sum();
@@ -127,12 +132,29 @@ impl Case {
             page_size: self.page_size,
             num_kv_heads: self.hkv,
             head_size: self.d,
-            scale_granularity: None,
+            scale_granularity: self.granularity,
         };
         let shape = [num_pages, 2, self.layers, self.page_size, self.hkv, self.d];
-        let blocks = uniform_in(rng, self.cache_dtype, &shape, -2.0, 2.0);
-        let mut cache =
-            PagedKVCacheCollection::from_parts(blocks, self.cache_lengths.clone(), table, max_pages).unwrap();
+        let (blocks, scales) = match self.granularity {
+            None => (uniform_in(rng, self.cache_dtype, &shape, -2.0, 2.0), None),
+            Some(g) => {
+                let codes = random_e4m3_codes(rng, shape.iter().product());
+                let blocks = Tensor::from_le_bytes(DType::F8E4M3, &shape, &codes).unwrap();
+                let scales_shape = [num_pages, 2, self.layers, self.page_size, self.hkv, self.d / g];
+                let scales: Vec<f32> = (0..scales_shape.iter().product::<usize>())
+                    .map(|_| rng.gen_range(0.25f32..4.0) / kvjit_core::fp8::E4M3_MAX)
+                    .collect();
+                (blocks, Some(Tensor::from_f32(DType::F32, &scales_shape, &scales).unwrap()))
+            }
+        };
+        let mut cache = PagedKVCacheCollection::from_parts_with_scales(
+            blocks,
+            scales,
+            self.cache_lengths.clone(),
+            table,
+            max_pages,
+        )
+        .unwrap();
         assert_eq!(*cache.params(), params);
         cache.max_seq_length = self.seq as u32;
         Call {
@@ -143,6 +165,20 @@ impl Case {
             valid: u32s(&self.valid),
         }
     }
+}
+
+/// `count` random E4M3 codes, neither zero (±0) nor NaN.
+pub fn random_e4m3_codes(rng: &mut StdRng, count: usize) -> Vec<u8> {
+    (0..count)
+        .map(|_| {
+            loop {
+                let code: u8 = rng.r#gen();
+                if !matches!(code & 0x7f, 0 | 0x7f) {
+                    break code;
+                }
+            }
+        })
+        .collect()
 }
 
 /// The cos/sin table `[positions, d]` of base `theta`, rounded to `dtype`.
@@ -198,7 +234,6 @@ pub fn expected(case: &Case, call: &Call) -> Expected {
     let (d, hq) = (case.d, case.hq);
     let q = call.q.to_f32_vec().unwrap();
     let freqs = call.freqs.to_f32_vec().unwrap();
-    let blocks = call.cache.blocks().to_f32_vec().unwrap();
     let shape = call.cache.blocks().shape().to_vec();
     let mut output = vec![None; case.batch * case.seq * hq * d];
     let mut cache = HashMap::new();
@@ -217,9 +252,11 @@ pub fn expected(case: &Case, call: &Call) -> Expected {
             }
             let page = call.cache.lookup_table()[b * max_pages + pos / case.page_size] as usize;
             let slot = pos % case.page_size;
+            // The K heads as the cache reads them (an FP8 cache's dequantized).
+            let k = call.cache.read_slot(page, 0, case.layer, slot).unwrap();
             for h in 0..case.hkv {
                 let at = block_index(&shape, [page, 0, case.layer, slot, h, 0]);
-                let x: Vec<f64> = blocks[at..at + d].iter().map(|&v| f64::from(v)).collect();
+                let x: Vec<f64> = k[h * d..(h + 1) * d].iter().map(|&v| f64::from(v)).collect();
                 for (i, m) in model_head(&x, &f, case.interleaved).into_iter().enumerate() {
                     assert!(cache.insert(at + i, m).is_none(), "the fixture gave two tokens one slot");
                 }
@@ -295,9 +332,40 @@ fn values(dtype: DType, bytes: &[u8]) -> Vec<f64> {
 /// within tolerance (padded rows exactly zero), the rotated K slots within
 /// tolerance, every other cache byte — V, other layers, other slots, other
 /// pages — identical to before the call, and the cache's metadata unchanged.
-/// Also checks the reference against the exact model.
+/// Also checks the reference against the exact model. For f32/bf16/f16
+/// caches (an FP8 cache's checks are in `fp8_cache.rs`).
 pub fn assert_matches(case: &Case, call: &Call, jit: &Ran, reference: &Ran) {
+    assert_eq!(case.granularity, None, "FP8 caches have their own checks");
     let model = expected(case, call);
+    assert_output_matches(case, &model, jit, reference);
+    let before = call.cache.blocks().as_bytes();
+    let shape = call.cache.blocks().shape();
+    let size = case.cache_dtype.size_bytes();
+    let (got, want) = (jit.cache.blocks().to_f32_vec().unwrap(), reference.cache.blocks().to_f32_vec().unwrap());
+    let (got_bytes, want_bytes) = (jit.cache.blocks().as_bytes(), reference.cache.blocks().as_bytes());
+    for i in 0..got.len() {
+        let bytes = i * size..(i + 1) * size;
+        let at = || format!("{case:?}: blocks{:?}", unravel(shape, i));
+        match model.cache.get(&i) {
+            Some(m) => {
+                let (g, w) = (f64::from(got[i]), f64::from(want[i]));
+                assert!((w - m.exact).abs() <= reference_tolerance(case.cache_dtype, m.exact), "{}: reference", at());
+                let tol = tolerance(case.cache_dtype, g, w, m.magnitude);
+                assert!(g.is_finite() && (g - w).abs() <= tol, "{}: jit {g} vs reference {w} (tol {tol:e})", at());
+            }
+            None => {
+                assert!(got_bytes[bytes.clone()] == before[bytes.clone()], "{}: jit wrote it", at());
+                assert!(want_bytes[bytes.clone()] == before[bytes], "{}: reference wrote it", at());
+            }
+        }
+    }
+    assert_metadata_unchanged(call, jit, reference);
+}
+
+/// The output half of [`assert_matches`]: padded rows exactly +0 in both,
+/// the reference within half a rounding step of the exact model, the JIT
+/// within [`tolerance`] of the reference.
+pub fn assert_output_matches(case: &Case, model: &Expected, jit: &Ran, reference: &Ran) {
     let (got, want) = (values(case.dtype, &jit.output), values(case.dtype, &reference.output));
     let out_shape = [case.batch, case.seq, case.hq, case.d];
     for (i, m) in model.output.iter().enumerate() {
@@ -328,27 +396,10 @@ pub fn assert_matches(case: &Case, call: &Call, jit: &Ran, reference: &Ran) {
             }
         }
     }
-    let before = call.cache.blocks().as_bytes();
-    let shape = call.cache.blocks().shape();
-    let size = case.cache_dtype.size_bytes();
-    let (got, want) = (jit.cache.blocks().to_f32_vec().unwrap(), reference.cache.blocks().to_f32_vec().unwrap());
-    let (got_bytes, want_bytes) = (jit.cache.blocks().as_bytes(), reference.cache.blocks().as_bytes());
-    for i in 0..got.len() {
-        let bytes = i * size..(i + 1) * size;
-        let at = || format!("{case:?}: blocks{:?}", unravel(shape, i));
-        match model.cache.get(&i) {
-            Some(m) => {
-                let (g, w) = (f64::from(got[i]), f64::from(want[i]));
-                assert!((w - m.exact).abs() <= reference_tolerance(case.cache_dtype, m.exact), "{}: reference", at());
-                let tol = tolerance(case.cache_dtype, g, w, m.magnitude);
-                assert!(g.is_finite() && (g - w).abs() <= tol, "{}: jit {g} vs reference {w} (tol {tol:e})", at());
-            }
-            None => {
-                assert!(got_bytes[bytes.clone()] == before[bytes.clone()], "{}: jit wrote it", at());
-                assert!(want_bytes[bytes.clone()] == before[bytes], "{}: reference wrote it", at());
-            }
-        }
-    }
+}
+
+/// Neither run changed the cache's lengths, page table or MAX scalars.
+pub fn assert_metadata_unchanged(call: &Call, jit: &Ran, reference: &Ran) {
     for ran in [jit, reference] {
         assert_eq!(ran.cache.cache_lengths(), call.cache.cache_lengths());
         assert_eq!(ran.cache.lookup_table(), call.cache.lookup_table());
@@ -381,6 +432,7 @@ pub fn draw(rng: &mut StdRng) -> Case {
     Case {
         dtype,
         cache_dtype,
+        granularity: None,
         interleaved: rng.gen_bool(0.5),
         batch,
         seq,
