@@ -1,7 +1,13 @@
 #!/usr/bin/env bash
 # Run the fused op's CUDA kernel bodies on the CPU and check them against a
 # double-precision reference: every variant (decode/prefill x f32/bf16/f16 x
-# cache dtype) and the row-gather kernel, on fixed and random shapes with
+# cache dtype f32/bf16/f16/f8e4m3) and the row-gather kernel; FP8 variants:
+# Q and the staged f32 K/V against f64, then codes and scales bit for bit
+# against a port of kvjit_core::fp8::quantize_block on those same f32 values,
+# g-blocks inside and across column tiles, NaN/inf/zero blocks, counters
+# left zero, blocks launched in ascending, descending and random orders; the
+# software E4M3 convert on ~5.4M values (every tie) against a port of
+# e4m3_from_f32 and a brute-force search. All on fixed and random shapes with
 # tails in every dimension and prefill pipelines up to 19 k-tiles deep,
 # NaN-poisoned outputs, caches and shared memory, guard bytes around every
 # buffer, deferred cp.async copies, barrier hazard checks and deterministic
@@ -10,12 +16,13 @@
 # barriers, cp.async groups) and what it cannot (nvcc/ptxas code generation,
 # real timing): that needs a GPU, scripts/gpu-check.sh.
 #
-#   scripts/emulate-cuda.sh [SEED]            the emulation (g++ with C++20; ~20 s on 2 cores)
+#   scripts/emulate-cuda.sh [SEED]            the emulation (g++ with C++20; ~30 s on 2 cores)
 #   scripts/emulate-cuda.sh --mutants [SEED]  the emulation, and a mutation check next to it
-#       (~1 min in all on 2 idle cores, ~100 CPU-seconds): the emulation built against copies
-#       of fused_qkv.cu with one pipeline or barrier bug each (a wrong cp.async.wait_group
-#       depth, a removed or misplaced __syncthreads, ...) must fail, as the unmodified kernels
-#       must pass. A mutant whose edit no longer matches the source is an error: update its
+#       (~3 min in all on 2 idle cores): the emulation built against copies of fused_qkv.cu
+#       with one bug each must fail, as the unmodified kernels must pass: pipeline and barrier
+#       bugs (a wrong cp.async.wait_group depth, a removed or misplaced __syncthreads, ...)
+#       and FP8 bugs (rounding of the E4M3 convert, the scale, the absmax, zero blocks, the
+#       scale index, the per-g-block counting across column tiles). A mutant whose edit no longer matches the source is an error: update its
 #       pattern along with the kernel.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -125,6 +132,30 @@ spawn f32-prefill-war-barrier 1 -e '/acc\[i\]\[j\] = fmaf(a\[i\], b\[j\], acc\[i
 spawn f32-prefill-raw-barrier 1 -e '/Bs\[lk + e\]\[lrow\] = bv\[e\];/{n;n;/^ *sync_block();$/d}'
 # 7. bf16/f16 decode: no barrier before the split-K reduction.
 spawn decode-reduction-barrier 1 -e '/red\[warp\]\[g + 8\]\[c + 1\] = acc\[tile\]\[3\];/{n;n;/^ *sync_block();$/d}'
+# The FP8 epilogue and convert (the _kvf8e4m3 variants; the emulation runs e4m3_sw, the sm_80 path).
+# 8. normal values round half up instead of to even.
+spawn fp8-ties-up 2 -e 's#(a + 0x7ffffu + ((a >> 20) \& 1u)) >> 20#(a + 0x80000u) >> 20#'
+# 9. subnormal E4M3 codes round half up.
+spawn fp8-subnormal-ties-up 2 -e 's#(rem > half || (rem == half \&\& (q \& 1u) != 0u))#(rem >= half)#'
+# 10. the scale as amax times the rounded reciprocal of 448 (1 ulp off for some amax).
+spawn fp8-scale-reciprocal 2 -e 's#const float scale = amax / E4M3_MAX;#const float scale = amax * (1.f / E4M3_MAX);#'
+# 11. the absmax of the signed values (a block whose largest magnitude is negative saturates).
+spawn fp8-signed-absmax 2 -e 's#amax = fmaxf(amax, fabsf(v\[r\]));#amax = fmaxf(amax, v[r]);#'
+# 12. an absmax that propagates NaN (sticky NaN in the lane loop and the shuffle); the reference's
+#     f32::max, like fmaxf, ignores NaN: a block with one NaN keeps the scale of its numbers.
+spawn fp8-nan-absmax 4 \
+    -e 's#amax = fmaxf(amax, fabsf(v\[r\]));#amax = (amax != amax || v[r] != v[r]) ? amax + v[r] : fmaxf(amax, fabsf(v[r]));#' \
+    -e 's#amax = fmaxf(amax, shfl_xor(amax, mask));#{ const float o = shfl_xor(amax, mask); amax = (amax != amax || o != o) ? amax + o : fmaxf(amax, o); }#'
+# 13. the absmax pass over values past the registers (g > 256) skips a stride.
+spawn fp8-absmax-tail 2 -e 's#for (int e = sub + FP8_REGS \* S; e < n; e += S) amax#for (int e = sub + (FP8_REGS + 1) * S; e < n; e += S) amax#'
+# 14. a zero block divided by its zero scale (0 / 0: NaN codes) instead of x * 0.
+spawn fp8-zero-scale 2 -e 's#scale == 0.f ? x \* 0.f : x / scale#x / scale#'
+# 15. the V blocks' scale index without the K->V stride (the wrong scale slot).
+spawn fp8-scale-index 2 -e 's#scales\[at / g\] = scale;#scales[(off + j) / g] = scale;#'
+# 16. parts per g-block off by one where a block ends on a tile edge: never complete, never coded.
+spawn fp8-parts 2 -e 's#(first + g - 1) / tile_n#(first + g) / tile_n#'
+# 17. the completing block does not reset its counter: the next launch miscounts.
+spawn fp8-counter-reset 1 -e '/^ *if (last) \*count = 0u;/d'
 wait
 
 [[ -f $out/control/log ]] && cat "$out/control/log"

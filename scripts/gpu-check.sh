@@ -3,8 +3,14 @@
 # in one command that fits in 10 minutes:
 #   1. the CUDA tests of ops/fused_qkv_matmul/tests/cuda.rs against the CPU
 #      reference: random shapes in every dtype pair and both schedules,
-#      poisoned outputs and caches, guard regions around every device buffer,
-#      bad inputs, steps over one resident cache (a missing device fails);
+#      f8e4m3 caches included (random granularities; codes and scales within
+#      half an E4M3 step of the reference's values), poisoned outputs, caches
+#      and scales, guard regions around every device buffer, bad inputs,
+#      steps over one resident cache (a missing device fails); then the E4M3
+#      converts again with their output shown: the architecture's (the
+#      hardware cvt.rn.satfinite.e4m3x2.f32 on sm_90) and the software one,
+#      bit for bit against kvjit_core::fp8::e4m3_from_f32 on ~6M values, and
+#      which NaN code the hardware stores;
 #   2. `kvjit run --target cuda` on examples/llama3_8b_layer.json (prefill +
 #      3 decode steps) and on examples/small_two_layers.json, each next to
 #      the same run on the CPU; `kvjit compare` then checks every output and
@@ -12,7 +18,9 @@
 #      tolerance: f32 1e-4, bf16 2^-6, f16 2^-9) and the script fails naming
 #      the first tensor that differs and its max error;
 #   3. the 8B QKV shape at M = 1, 16, 256, 2048: fused kernel vs cuBLAS GEMM +
-#      scatter (CUDA events), Kernel::run end to end, % of copy bandwidth;
+#      scatter (CUDA events), Kernel::run end to end, % of copy bandwidth,
+#      and the same fused call into an f8e4m3 cache (g = 128) next to the
+#      bf16 store (issue 14's target: within 10% at M >= 16);
 #   4. (not with --prebuilt) the README's test command, `cargo test
 #      --workspace`, with KVJIT_REQUIRE_CUDA=1 so no CUDA test may skip.
 #
@@ -82,6 +90,8 @@ run() {
     export KVJIT_REQUIRE_CUDA=1
     echo "== 1. CUDA correctness tests (vs the CPU reference)"
     "$BUNDLE/cuda-tests" --test-threads=1
+    echo "-- the E4M3 converts on this GPU (NaN codes of the hardware convert)"
+    "$BUNDLE/cuda-tests" --exact e4m3_converts_on_the_gpu_match_the_reference --nocapture 2>&1 | grep -E '^sm_|test result'
     echo "== 2. kvjit run --target cuda vs --target cpu, compared tensor by tensor"
     compare_targets "examples/llama3_8b_layer.json (prefill + 3 decode steps)" examples/llama3_8b_layer.json --steps 3
     compare_targets "examples/small_two_layers.json" examples/small_two_layers.json --steps 3

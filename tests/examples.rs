@@ -46,3 +46,16 @@ fn llama3_8b_attention_file_matches_the_builder() {
 fn small_attention_file_matches_the_builder() {
     check_example(|ops| attention_step_graph(&AttentionConfig::small(), ops).unwrap(), "small_attention.json");
 }
+
+#[test]
+fn llama3_8b_fp8_attention_file_matches_the_builder() {
+    check_example(
+        |ops| {
+            let mut config = AttentionConfig::llama3_8b();
+            config.layer.name = "llama3_8b_attention_fp8".into();
+            config.layer.cache_dtype = Some(kvjit::DType::F8E4M3);
+            attention_step_graph(&config, ops).unwrap()
+        },
+        "llama3_8b_attention_fp8.json",
+    );
+}

@@ -21,7 +21,7 @@ use cudarc::driver::{
 };
 use cudarc::nvrtc::Ptx;
 
-use crate::kv_cache::KvCacheTable;
+use crate::kv_cache::{DeviceKvCache, KvCacheTable};
 use crate::{CudaError, Result, probe};
 
 /// PTX for one virtual architecture, generated ahead of time and embedded in
@@ -127,7 +127,7 @@ pub struct CudaDevice {
     name: String,
     compute_capability: (i32, i32),
     modules: Mutex<HashMap<(String, u32), Arc<CudaModule>>>,
-    kv_caches: Mutex<KvCacheTable<DeviceBuffer>>,
+    kv_caches: Mutex<KvCacheTable<DeviceKvCache>>,
 }
 
 impl fmt::Debug for CudaDevice {
@@ -251,6 +251,12 @@ impl CudaDevice {
         self.stream.memcpy_htod(host, &mut view).map_err(|e| CudaError::driver("cuMemcpyHtoDAsync", e))
     }
 
+    /// Set every byte of `dst` to zero (on the stream, after the work issued
+    /// before it).
+    pub fn zero(&self, dst: &mut DeviceBuffer) -> Result<()> {
+        self.stream.memset_zeros(&mut dst.slice).map_err(|e| CudaError::driver("cuMemsetD8Async", e))
+    }
+
     /// Copy the first `host.len()` bytes of `src` into `host`, waiting for
     /// every earlier launch on the stream.
     pub fn download(&self, src: &DeviceBuffer, host: &mut [u8]) -> Result<()> {
@@ -333,7 +339,7 @@ impl CudaDevice {
     }
 
     /// The table of KV-cache copies (see `kv_cache.rs`).
-    pub(crate) fn kv_caches(&self) -> std::sync::MutexGuard<'_, KvCacheTable<DeviceBuffer>> {
+    pub(crate) fn kv_caches(&self) -> std::sync::MutexGuard<'_, KvCacheTable<DeviceKvCache>> {
         lock(&self.kv_caches)
     }
 }

@@ -1,15 +1,17 @@
 //! The device-side KV cache: a device copy of a host
-//! [`PagedKVCacheCollection`]'s blocks, kept across calls and steps, that
-//! every op's CUDA kernels read and write ([`CudaDevice::with_kv_cache`]).
+//! [`PagedKVCacheCollection`]'s blocks (and, for an FP8 cache, its f32
+//! scales: [`DeviceKvCache`]), kept across calls and steps, that every op's
+//! CUDA kernels read and write ([`CudaDevice::with_kv_cache`]).
 //!
 //! **When the copy is current.** A copy is keyed by the host cache's
 //! [`blocks_id`](PagedKVCacheCollection::blocks_id) (unique per cache
 //! instance) and a layout tag the op picks, and remembers the host cache's
 //! [`blocks_generation`](PagedKVCacheCollection::blocks_generation) it
 //! matches. The host bumps the generation whenever its blocks are borrowed
-//! for writing, so any host-side write — a CPU kernel, a caller's edit,
-//! `set_blocks` — makes the copy stale, and the next use uploads the blocks
-//! again before the kernel runs. A CUDA kernel that wrote the device copy
+//! for writing — the scales included (`set_scales`, `blocks_and_scales_mut`,
+//! `fill_scales`) — so any host-side write (a CPU kernel, a caller's edit,
+//! `set_blocks`) makes the copy stale, and the next use uploads the blocks
+//! and scales again before the kernel runs. A CUDA kernel that wrote the device copy
 //! and mirrored the same rows into the host calls
 //! [`CudaDevice::kv_cache_synced`] afterwards, so its own write does not
 //! count as a host edit. (The tracking is per cache, not per page: after a
@@ -23,7 +25,18 @@
 
 use kvjit_core::PagedKVCacheCollection;
 
-use crate::{CudaDevice, DeviceBuffer, Result};
+use crate::{CudaDevice, CudaError, DeviceBuffer, Result};
+
+/// The device copy of one cache: its blocks, and the scales of an FP8 cache
+/// (`[P, 2, L, page_size, Hkv, D / g]` f32, `None` for other dtypes), each
+/// the whole host tensor's bytes.
+#[derive(Debug)]
+pub struct DeviceKvCache {
+    /// The blocks `[P, 2, L, page_size, Hkv, D]`.
+    pub blocks: DeviceBuffer,
+    /// The scales of an FP8 cache.
+    pub scales: Option<DeviceBuffer>,
+}
 
 /// The table of device copies (generic over the buffer so its bookkeeping is
 /// tested without a GPU).
@@ -110,22 +123,39 @@ impl CudaDevice {
     /// Device copies of KV caches kept per device.
     pub const MAX_KV_CACHES: usize = 8;
 
-    /// Run `f` on the device copy of `cache`'s blocks under layout `tag`
-    /// (uploading them first when the copy is new or the host wrote them
-    /// since; see the module docs). If `f` fails the copy is dropped.
+    /// Run `f` on the device copy of `cache` (its blocks, and its scales if
+    /// it is an FP8 cache) under layout `tag`, uploading both first when the
+    /// copy is new or the host wrote them since (see the module docs). If
+    /// `f` fails the copy is dropped.
     pub fn with_kv_cache<R>(
         &self,
         cache: &PagedKVCacheCollection,
         tag: u64,
-        f: impl FnOnce(&mut DeviceBuffer) -> Result<R>,
+        f: impl FnOnce(&mut DeviceKvCache) -> Result<R>,
     ) -> Result<R> {
         let host = cache.blocks().as_bytes();
+        let host_scales = cache.scales().map(|s| s.as_bytes());
         let version = (cache.blocks_id(), tag, cache.blocks_generation());
         self.kv_caches().with(
             version,
             Self::MAX_KV_CACHES,
-            || self.alloc(host.len()),
-            |buffer| self.upload(host, buffer),
+            || {
+                Ok(DeviceKvCache {
+                    blocks: self.alloc(host.len())?,
+                    scales: host_scales.map(|s| self.alloc(s.len())).transpose()?,
+                })
+            },
+            |copy| {
+                self.upload(host, &mut copy.blocks)?;
+                match (host_scales, copy.scales.as_mut()) {
+                    (Some(host), Some(device)) => self.upload(host, device),
+                    (None, None) => Ok(()),
+                    // A cache keeps its dtype for life, and the tag names the layout.
+                    _ => Err(CudaError::Unavailable(
+                        "the device copy of a KV cache and the cache disagree on having scales".into(),
+                    )),
+                }
+            },
             f,
         )
     }

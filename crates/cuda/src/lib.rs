@@ -3,8 +3,9 @@
 //! ([`CudaDevice`]), precompiled PTX modules ([`PtxImage`],
 //! [`CudaDevice::function`]), device buffers and host↔device copies
 //! ([`DeviceBuffer`]), kernel launches ([`CudaDevice::launch`]), and the
-//! device-side KV cache every op's kernels read and write, kept across calls
-//! and re-uploaded when the host wrote it ([`CudaDevice::with_kv_cache`]).
+//! device-side KV cache every op's kernels read and write (blocks, and an
+//! FP8 cache's scales: [`DeviceKvCache`]), kept across calls and re-uploaded
+//! when the host wrote it ([`CudaDevice::with_kv_cache`]).
 //!
 //! Start with [`availability`] (never panics, even without a driver), then
 //! [`CudaDevice::new`].
@@ -22,6 +23,7 @@ mod probe;
 
 pub use device::{CudaDevice, DeviceBuffer, Function, KernelArg, LaunchShape, PtxImage, live_device_bytes};
 pub use error::{CudaError, Result};
+pub use kv_cache::DeviceKvCache;
 pub use probe::availability;
 
 /// cudarc, for code that needs more than this crate wraps (the GPU check's

@@ -22,6 +22,8 @@ pub struct Tolerance {
     pub bf16: f64,
     /// For f16 tensors.
     pub f16: f64,
+    /// For FP8 cache codes (compared as their unscaled values).
+    pub f8e4m3: f64,
 }
 
 impl Default for Tolerance {
@@ -30,16 +32,18 @@ impl Default for Tolerance {
     /// largest value); bf16 `2⁻⁶` and f16 `2⁻⁹` (four half-ulps of the stored
     /// dtype: one rounding apart, plus the sums' own error). A wrong
     /// element — a missed column, a stale page slot — is off by the order of
-    /// the values themselves, far beyond any of these.
+    /// the values themselves, far beyond any of these. FP8 codes `2⁻³`: one
+    /// E4M3 step (at most 32 at 448), as codes of a block quantized from
+    /// sums a rounding apart may be.
     fn default() -> Self {
-        Self { f32: 1e-4, bf16: 1.0 / 64.0, f16: 1.0 / 512.0 }
+        Self { f32: 1e-4, bf16: 1.0 / 64.0, f16: 1.0 / 512.0, f8e4m3: 1.0 / 8.0 }
     }
 }
 
 impl Tolerance {
     /// Every dtype's tolerance set to `value`.
     pub fn uniform(value: f64) -> Self {
-        Self { f32: value, bf16: value, f16: value }
+        Self { f32: value, bf16: value, f16: value, f8e4m3: value }
     }
 
     /// The tolerance for tensors stored as `dtype` (0 for integers: exact).
@@ -48,7 +52,8 @@ impl Tolerance {
             DType::F32 => self.f32,
             DType::BF16 => self.bf16,
             DType::F16 => self.f16,
-            _ => 0.0,
+            DType::F8E4M3 => self.f8e4m3,
+            DType::U32 => 0.0,
         }
     }
 }

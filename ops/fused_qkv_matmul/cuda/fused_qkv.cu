@@ -32,6 +32,45 @@
 //           tiles, 4x4 outputs per thread.
 // All arithmetic accumulates in f32; stores round to nearest even.
 //
+// FP8 E4M3 cache (variants `..._kvf8e4m3`: both schedules, every compute
+// dtype). `blocks` holds one-byte codes and `scales` one f32 per g values of
+// a token's head, [P, 2, L, page_size, Hkv, D / g]: the blocks' layout with D
+// replaced by D / g, so a g-block whose first element is at blocks offset o
+// (a multiple of g) has its scale at o / g. For every valid row and every
+// g-block x of its K and V columns: scale = max|x| / 448 (fmaxf, so NaN is
+// ignored), code = e4m3(x / scale), or e4m3(x · 0) when scale == 0, rounded
+// to nearest even and saturated to ±448, NaN kept: kvjit_core::fp8::
+// quantize_block. g is a run-time argument, like D: it only bounds the
+// epilogue's loops, and a template parameter would multiply the PTX per g
+// and refuse every g not compiled in.
+//
+// A g-block may span the column tiles of several blocks (decode tiles are 4
+// or 16 columns wide; g is 128 by default, up to D), so the FP8 epilogue
+// runs in two steps inside the one launch (Fp8Epilogue):
+//   1. each block stores the K/V columns of valid rows as f32 into
+//      `scratch` [M, 2·kv_dim] instead of the cache (Q goes to `out` as
+//      always);
+//   2. after a __threadfence and a barrier, it counts itself in with one
+//      atomicAdd per g-block its tile touches, on `counters` [row tiles,
+//      2·kv_dim / g]. The block that completes a count (every column tile
+//      covering that g-block has stored its part) resets the counter to 0
+//      and quantizes the g-block for every valid row of its row tile,
+//      reading the f32 values back through L2 (__ldcg): a group of up to 32
+//      lanes per (row, g-block), a shuffle max-reduction for the absmax,
+//      then one code per lane and element, and the scale.
+// No block ever waits for another, so any launch order or residency works.
+// `counters` must be zero before the first launch (the host zeroes them
+// when it allocates them) and every complete launch leaves them zero.
+// The convert is cvt.rn.satfinite.e4m3x2.f32 on sm_90 and e4m3_sw, a
+// software convert bit-identical to kvjit_core::fp8::e4m3_from_f32, on
+// sm_80. NaN codes may differ from the CPU reference's in the sign bit
+// only: NVIDIA GPU arithmetic returns the canonical NaN 0x7fffffff whatever
+// its inputs, so the GEMM, x / scale and x · 0 hand the convert a positive
+// NaN (code 0x7f) where the CPU's arithmetic may make a negative one (0xff);
+// both decode as NaN. The hardware convert's own NaN code (PTX says only
+// "NaN") is checked on a GPU by tests/cuda.rs, which also checks both
+// converts bit for bit on every other input.
+//
 // Kernel names are generated below by KVJIT_VARIANTS and must equal
 // `variant_key(..).symbol()` in cuda_kernel.rs (a unit test checks every
 // name the Rust side can ask for against the PTX).
@@ -126,6 +165,31 @@ __device__ __forceinline__ void as_f32x4(const uint4& raw, float (&f)[4]) {
     f[3] = __uint_as_float(raw.w);
 }
 
+// FP8 epilogue primitives.
+__device__ __forceinline__ unsigned f32_bits(float v) { return __float_as_uint(v); }
+// A load through L2 only (not the non-coherent L1): sees what other blocks
+// stored before their __threadfence.
+__device__ __forceinline__ float ldcg(const float* p) { return __ldcg(p); }
+__device__ __forceinline__ void fence_gpu() { __threadfence(); }
+__device__ __forceinline__ unsigned atomic_add(unsigned* p, unsigned v) { return atomicAdd(p, v); }
+
+__device__ __forceinline__ unsigned e4m3_sw(float v);  // below, shared with the emulator
+
+// f32 -> E4M3 code. sm_90: the hardware convert (round to nearest even,
+// saturate to ±448, NaN to NaN); it packs its first source into the high
+// byte, so v goes second and lands in the low byte. Its NaN code is not
+// documented beyond "NaN"; the GPU test e4m3_converts_on_the_gpu_match_the_reference
+// (tests/cuda.rs) checks every other input bit for bit and reports it.
+__device__ __forceinline__ unsigned to_e4m3(float v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    unsigned short r;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(r) : "f"(0.f), "f"(v));
+    return r & 0xffu;
+#else
+    return e4m3_sw(v);
+#endif
+}
+
 }  // namespace kvjit
 #endif  // KVJIT_EMULATE
 
@@ -138,6 +202,34 @@ constexpr int DEC_MMA_COLS = 16;  // bf16/f16 decode: columns per block (two n8 
 constexpr int DEC_SIMT_COLS = 4;  // f32 decode: columns per block
 constexpr int PF_BM = 128, PF_BN = 128, PF_BK = 32, PF_STAGES = 3;  // bf16/f16 prefill tile
 constexpr int PS_BM = 64, PS_BN = 64, PS_BK = 16;                   // f32 prefill tile
+
+constexpr float E4M3_MAX = 448.f;  // largest finite E4M3 value
+constexpr int FP8_REGS = 8;        // FP8 epilogue: values per lane kept in registers
+
+// f32 -> E4M3 code (OCP E4M3FN), bit for bit kvjit_core::fp8::e4m3_from_f32
+// by another route: round to nearest, ties to even; |v| >= 448 (and ±inf)
+// saturates to ±448 (0x7e); NaN -> 0x7f with its sign; -0 -> 0x80.
+__device__ __forceinline__ unsigned e4m3_sw(float v) {
+    const unsigned u = f32_bits(v);
+    const unsigned sign = (u >> 24) & 0x80u, a = u & 0x7fffffffu;
+    if (a > 0x7f800000u) return sign | 0x7fu;   // NaN
+    if (a >= 0x43e00000u) return sign | 0x7eu;  // >= 448 = 1.75 · 2^8
+    const int e = static_cast<int>(a >> 23);    // biased f32 exponent
+    if (e >= 121) {
+        // >= 2^-6, a normal E4M3: round the mantissa to 3 bits on the bits
+        // (a carry moves into the exponent), rebias 127 -> 7.
+        const unsigned r = (a + 0x7ffffu + ((a >> 20) & 1u)) >> 20;
+        return sign | (r - (120u << 3));
+    }
+    if (e < 117) return sign;  // below 2^-10, half the smallest subnormal: ±0
+    // Subnormal steps of 2^-9: the code is |v| · 2^9 = m · 2^-(141 - e) for
+    // the 24-bit significand m, rounded to nearest even (at most 8, which is
+    // the smallest normal's code).
+    const unsigned m = (a & 0x7fffffu) | 0x800000u;
+    const int sh = 141 - e;  // 21 ..= 24
+    const unsigned q = m >> sh, rem = m & ((1u << sh) - 1u), half = 1u << (sh - 1);
+    return sign | (q + ((rem > half || (rem == half && (q & 1u) != 0u)) ? 1u : 0u));
+}
 
 template <typename A, typename B>
 struct same_type {
@@ -198,6 +290,127 @@ struct Epilogue {
         // off and kv_stride are multiples of kv_dim, j is even: the pair is aligned.
         store2(blocks + off + kv + j, v0, v1);
     }
+
+    // Every store was final: nothing left to do (see Fp8Epilogue::finish).
+    __device__ __forceinline__ void finish(int, int, int, int, int, int*) const {}
+};
+
+// The FP8 cache's epilogue (see the file header): Q as above; K/V of valid
+// rows staged as f32 in `scratch`, quantized by finish().
+template <typename T>
+struct Fp8Epilogue {
+    T* out;
+    unsigned char* codes;  // the cache's blocks
+    float* scales;         // the cache's scales
+    float* scratch;        // [M, 2·kv_dim] f32
+    unsigned* counters;    // [row tiles, 2·kv_dim / g], zero between launches
+    const long long* row_off;
+    int M, N, q_dim, kv_dim, g;
+    long long kv_stride;
+    bool pairs;
+
+    __device__ __forceinline__ float* staged(int row, int col) const {
+        return scratch + static_cast<long long>(row) * (2 * kv_dim) + (col - q_dim);
+    }
+
+    __device__ __forceinline__ void one(int row, int col, float v) const {
+        if (row >= M || col >= N) return;
+        if (col < q_dim) {
+            out[static_cast<long long>(row) * q_dim + col] = from_f32<T>(v);
+            return;
+        }
+        if (row_off[row] < 0) return;  // padded token: writes no cache
+        *staged(row, col) = v;
+    }
+
+    __device__ __forceinline__ void two(int row, int col, float v0, float v1) const {
+        if (!pairs) {
+            one(row, col, v0);
+            one(row, col + 1, v1);
+            return;
+        }
+        if (row >= M || col >= N) return;
+        if (col < q_dim) {
+            store2(out + static_cast<long long>(row) * q_dim + col, v0, v1);
+            return;
+        }
+        if (row_off[row] < 0) return;
+        store2(staged(row, col), v0, v1);  // kv_dim and col - q_dim even: 8-byte aligned
+    }
+
+    // Called by every thread of the block after its last one()/two(). The
+    // block's tile is rows [m0, m0 + tile_m) x columns [n0, n0 + tile_n) of
+    // C, and `tile_row` its row tile (the counters' row); `flags` is shared
+    // memory for tile_n ints that the block no longer reads (written only
+    // after the first barrier below, so it may alias the main loop's tiles).
+    __device__ __forceinline__ void finish(int tile_row, int m0, int tile_m, int n0, int tile_n, int* flags) const {
+        const int kv0 = max(n0, q_dim) - q_dim, kv1 = min(n0 + tile_n, N) - q_dim;
+        if (kv1 <= kv0) return;  // Q columns only (the same for every thread)
+        const int b0 = kv0 / g, nb = (kv1 - 1) / g - b0 + 1;  // g-blocks touched, nb <= tile_n
+        const int tid = threadIdx.x;
+        // Release: this thread's scratch stores are visible device-wide
+        // before the counts below (issued after the barrier).
+        fence_gpu();
+        sync_block();
+        if (tid < nb) {
+            const int first = q_dim + (b0 + tid) * g;  // the g-block's first column
+            const unsigned parts = static_cast<unsigned>((first + g - 1) / tile_n - first / tile_n + 1);
+            unsigned* count = counters + static_cast<long long>(tile_row) * (2 * kv_dim / g) + b0 + tid;
+            const bool last = atomic_add(count, 1u) == parts - 1u;
+            if (last) *count = 0u;  // every part is in: ready for the next launch
+            fence_gpu();            // acquire: the other parts' stores, before the barrier
+            flags[tid] = last ? 1 : 0;
+        }
+        sync_block();
+
+        // Items (row, g-block) of the completed g-blocks, to groups of S
+        // lanes (a power of two <= min(g, 32), inside one warp): absmax by
+        // a shuffle max over the group, then each lane codes its elements
+        // e = sub, sub + S, ...; the first FP8_REGS of them stay in
+        // registers between the two passes (all of them when g <= 8·S, so
+        // up to g = 256), the rest are read again. Every lane runs the same
+        // trip count (the shuffles need the whole warp); lanes without an
+        // item carry off = -1 along.
+        int S = 1;
+        while (S < 32 && 2 * S <= g) S *= 2;
+        const int groups = THREADS / S, grp = tid / S, sub = tid % S;
+        const int items = min(tile_m, M - m0) * nb;
+        for (int base = 0; base < items; base += groups) {
+            const int item = base + grp, i = item % nb, row = m0 + item / nb;
+            const long long off = (item < items && flags[i]) ? row_off[row] : -1;
+            const int j = (b0 + i) * g;  // first K/V column of the g-block (0 <= j < 2·kv_dim)
+            const float* src = off >= 0 ? staged(row, q_dim + j) : scratch;
+            const int n = off >= 0 ? g : 0;  // elements this group codes
+            float v[FP8_REGS];
+            float amax = 0.f;
+#pragma unroll
+            for (int r = 0; r < FP8_REGS; ++r) {
+                const int e = sub + r * S;
+                v[r] = e < n ? ldcg(src + e) : 0.f;
+                amax = fmaxf(amax, fabsf(v[r]));
+            }
+            for (int e = sub + FP8_REGS * S; e < n; e += S) amax = fmaxf(amax, fabsf(ldcg(src + e)));
+            for (int mask = S / 2; mask > 0; mask >>= 1) amax = fmaxf(amax, shfl_xor(amax, mask));
+            if (off >= 0) {
+                const float scale = amax / E4M3_MAX;
+                // blocks offset of the g-block's first element: K at off + j,
+                // V at off + kv_stride + (j - kv_dim); a multiple of g.
+                const long long at = off + (j < kv_dim ? j : kv_stride + (j - kv_dim));
+#pragma unroll
+                for (int r = 0; r < FP8_REGS; ++r) {
+                    const int e = sub + r * S;
+                    if (e < n) codes[at + e] = code_of(v[r], scale);
+                }
+                for (int e = sub + FP8_REGS * S; e < n; e += S) codes[at + e] = code_of(ldcg(src + e), scale);
+                if (sub == 0) scales[at / g] = scale;
+            }
+        }
+    }
+
+    // x's code in a g-block of scale `scale` (x · 0 for a zero block: ±0, or NaN).
+    __device__ __forceinline__ static unsigned char code_of(float x, float scale) {
+        return static_cast<unsigned char>(to_e4m3(scale == 0.f ? x * 0.f : x / scale));
+    }
 };
 
 // ---------------------------------------------------------------- decode, bf16/f16
@@ -210,8 +423,8 @@ struct Epilogue {
 // {2t, 2t+1, 2t+8, 2t+9} of its first k16 step are taken as physical
 // 8t + {0, 1, 2, 3}, and those of the second step as 8t + {4, 5, 6, 7}. That
 // makes every register operand a piece of one 16-byte load.
-template <typename T, typename C>
-__device__ __forceinline__ void decode_mma(const T* x, const T* w, const Epilogue<T, C>& ep, int M, int K) {
+template <typename T, typename Ep>
+__device__ __forceinline__ void decode_mma(const T* x, const T* w, const Ep& ep, int M, int K) {
     __shared__ float red[WARPS][DEC_MAX_M][DEC_MMA_COLS];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
@@ -260,6 +473,7 @@ __device__ __forceinline__ void decode_mma(const T* x, const T* w, const Epilogu
         for (int i = 0; i < WARPS; ++i) s += red[i][m][c];
         ep.one(m, n0 + c, s);
     }
+    ep.finish(0, 0, DEC_MAX_M, n0, DEC_MMA_COLS, reinterpret_cast<int*>(&red[0][0][0]));
 }
 
 // ---------------------------------------------------------------- decode, f32
@@ -267,9 +481,8 @@ __device__ __forceinline__ void decode_mma(const T* x, const T* w, const Epilogu
 // Block: 4 columns; thread i takes 16-byte chunks i, i + 256, ... of K for
 // all 4 weight rows and every row of X; warp shuffles then shared memory
 // reduce the 256 partial sums of each (row, column).
-template <typename C>
-__device__ __forceinline__ void decode_simt(const float* x, const float* w, const Epilogue<float, C>& ep, int M,
-                                            int K) {
+template <typename Ep>
+__device__ __forceinline__ void decode_simt(const float* x, const float* w, const Ep& ep, int M, int K) {
     __shared__ float red[WARPS][DEC_MAX_M][DEC_SIMT_COLS];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int n0 = blockIdx.x * DEC_SIMT_COLS;
@@ -323,6 +536,7 @@ __device__ __forceinline__ void decode_simt(const float* x, const float* w, cons
             ep.one(m, n0 + c, s);
         }
     }
+    ep.finish(0, 0, DEC_MAX_M, n0, DEC_SIMT_COLS, reinterpret_cast<int*>(&red[0][0][0]));
 }
 
 // ---------------------------------------------------------------- prefill, bf16/f16
@@ -333,8 +547,8 @@ __device__ __forceinline__ void decode_simt(const float* x, const float* w, cons
 // groups.
 __device__ __forceinline__ int swz(int row, int chunk) { return row * 4 + (chunk ^ ((row >> 1) & 3)); }
 
-template <typename T, typename C>
-__device__ __forceinline__ void prefill_mma(const T* x, const T* w, const Epilogue<T, C>& ep, int M, int K) {
+template <typename T, typename Ep>
+__device__ __forceinline__ void prefill_mma(const T* x, const T* w, const Ep& ep, int M, int K) {
     constexpr int CHUNKS = PF_BM * PF_BK * 2 / 16;  // 16-byte chunks per operand tile (512)
     static_assert(PF_BM == PF_BN, "A and B tiles share one layout");
     __shared__ __align__(128) uint4 smem[PF_STAGES][2][CHUNKS];  // 48 KiB
@@ -424,6 +638,7 @@ __device__ __forceinline__ void prefill_mma(const T* x, const T* w, const Epilog
             ep.two(row + 8, col, acc[mi][ni][2], acc[mi][ni][3]);
         }
     }
+    ep.finish(blockIdx.y, m0, PF_BM, n0, PF_BN, reinterpret_cast<int*>(&smem[0][0][0]));
 }
 
 // ---------------------------------------------------------------- prefill, f32
@@ -431,9 +646,8 @@ __device__ __forceinline__ void prefill_mma(const T* x, const T* w, const Epilog
 // 64x64 block tile, k in steps of 16 staged through shared memory stored
 // k-major (transposed); thread (tx, ty) computes rows ty + 16i, columns
 // tx + 16j.
-template <typename C>
-__device__ __forceinline__ void prefill_simt(const float* x, const float* w, const Epilogue<float, C>& ep, int M,
-                                             int K) {
+template <typename Ep>
+__device__ __forceinline__ void prefill_simt(const float* x, const float* w, const Ep& ep, int M, int K) {
     __shared__ float As[PS_BK][PS_BM + 4];
     __shared__ float Bs[PS_BK][PS_BN + 4];
     const int tid = threadIdx.x, tx = tid & 15, ty = tid >> 4;
@@ -474,6 +688,7 @@ __device__ __forceinline__ void prefill_simt(const float* x, const float* w, con
     for (int i = 0; i < 4; ++i)
 #pragma unroll
         for (int j = 0; j < 4; ++j) ep.one(m0 + ty + 16 * i, n0 + tx + 16 * j, acc[i][j]);
+    ep.finish(blockIdx.y, m0, PS_BM, n0, PS_BN, reinterpret_cast<int*>(&As[0][0]));
 }
 
 // ---------------------------------------------------------------- entry bodies
@@ -500,9 +715,9 @@ __device__ __forceinline__ void decode(const T* x, const T* w, T* out, C* blocks
                                        int K, int N, int q_dim, int kv_dim, long long kv_stride) {
     const Epilogue<T, C> ep = make_epilogue<T, C>(out, blocks, row_off, M, N, q_dim, kv_dim, kv_stride);
     if constexpr (same_type<T, float>::value) {
-        decode_simt<C>(x, w, ep, M, K);
+        decode_simt(x, w, ep, M, K);
     } else {
-        decode_mma<T, C>(x, w, ep, M, K);
+        decode_mma<T>(x, w, ep, M, K);
     }
 }
 
@@ -512,9 +727,71 @@ __device__ __forceinline__ void prefill(const T* x, const T* w, T* out, C* block
                                         int K, int N, int q_dim, int kv_dim, long long kv_stride) {
     const Epilogue<T, C> ep = make_epilogue<T, C>(out, blocks, row_off, M, N, q_dim, kv_dim, kv_stride);
     if constexpr (same_type<T, float>::value) {
-        prefill_simt<C>(x, w, ep, M, K);
+        prefill_simt(x, w, ep, M, K);
     } else {
-        prefill_mma<T, C>(x, w, ep, M, K);
+        prefill_mma<T>(x, w, ep, M, K);
+    }
+}
+
+template <typename T>
+__device__ __forceinline__ Fp8Epilogue<T> make_fp8_epilogue(T* out, unsigned char* codes, float* scales,
+                                                            const long long* row_off, int M, int N, int q_dim,
+                                                            int kv_dim, long long kv_stride, int g, float* scratch,
+                                                            unsigned* counters) {
+    Fp8Epilogue<T> ep;
+    ep.out = out;
+    ep.codes = codes;
+    ep.scales = scales;
+    ep.scratch = scratch;
+    ep.counters = counters;
+    ep.row_off = row_off;
+    ep.M = M;
+    ep.N = N;
+    ep.q_dim = q_dim;
+    ep.kv_dim = kv_dim;
+    ep.g = g;
+    ep.kv_stride = kv_stride;
+    ep.pairs = (q_dim % 2 == 0) && (kv_dim % 2 == 0);
+    return ep;
+}
+
+// The FP8-cache variants: decode's and prefill's grids and schedules, with
+// the FP8 epilogue. g divides D (so kv_dim and kv_stride); `scratch` holds
+// M·2·kv_dim f32; `counters` holds (row tiles)·2·kv_dim / g zeros, row tiles
+// = 1 for decode, ceil(M / BM) for prefill.
+template <typename T>
+__device__ __forceinline__ void decode_fp8(const T* x, const T* w, T* out, unsigned char* codes, float* scales,
+                                           const long long* row_off, int M, int K, int N, int q_dim, int kv_dim,
+                                           long long kv_stride, int g, float* scratch, unsigned* counters) {
+    const Fp8Epilogue<T> ep =
+        make_fp8_epilogue<T>(out, codes, scales, row_off, M, N, q_dim, kv_dim, kv_stride, g, scratch, counters);
+    if constexpr (same_type<T, float>::value) {
+        decode_simt(x, w, ep, M, K);
+    } else {
+        decode_mma<T>(x, w, ep, M, K);
+    }
+}
+
+template <typename T>
+__device__ __forceinline__ void prefill_fp8(const T* x, const T* w, T* out, unsigned char* codes, float* scales,
+                                            const long long* row_off, int M, int K, int N, int q_dim, int kv_dim,
+                                            long long kv_stride, int g, float* scratch, unsigned* counters) {
+    const Fp8Epilogue<T> ep =
+        make_fp8_epilogue<T>(out, codes, scales, row_off, M, N, q_dim, kv_dim, kv_stride, g, scratch, counters);
+    if constexpr (same_type<T, float>::value) {
+        prefill_simt(x, w, ep, M, K);
+    } else {
+        prefill_mma<T>(x, w, ep, M, K);
+    }
+}
+
+// Converts n values with to_e4m3 (the architecture's convert: hardware on
+// sm_90) into `hw` and with e4m3_sw into `sw`, for the GPU test of both
+// converts against kvjit_core::fp8::e4m3_from_f32.
+__device__ __forceinline__ void e4m3_probe(const float* in, unsigned char* hw, unsigned char* sw, int n) {
+    for (int i = blockIdx.x * THREADS + threadIdx.x; i < n; i += gridDim.x * THREADS) {
+        hw[i] = static_cast<unsigned char>(to_e4m3(in[i]));
+        sw[i] = static_cast<unsigned char>(e4m3_sw(in[i]));
     }
 }
 
@@ -553,6 +830,23 @@ __device__ __forceinline__ void gather(const C* blocks, const long long* offs, i
         kvjit::prefill<T, C>(KVJIT_FUSED_ARGS);                                                                      \
     }
 
+// FP8 cache: blocks are codes, with the scales, g, the scratch and the counters.
+#define KVJIT_FP8_PARAMS(T)                                                                                          \
+    const T *__restrict__ x, const T *__restrict__ w, T *__restrict__ out, unsigned char *__restrict__ blocks,       \
+        float *__restrict__ scales, const long long *__restrict__ row_off, int M, int K, int N, int q_dim,         \
+        int kv_dim, long long kv_stride, int g, float *__restrict__ scratch, unsigned *__restrict__ counters
+#define KVJIT_FP8_ARGS x, w, out, blocks, scales, row_off, M, K, N, q_dim, kv_dim, kv_stride, g, scratch, counters
+
+#define KVJIT_FP8_VARIANTS(TN, T)                                                                                    \
+    extern "C" __global__ void __launch_bounds__(256)                                                                \
+        fused_qkv_bshd_paged_decode_cuda_##TN##_kvf8e4m3(KVJIT_FP8_PARAMS(T)) {                                      \
+        kvjit::decode_fp8<T>(KVJIT_FP8_ARGS);                                                                        \
+    }                                                                                                                \
+    extern "C" __global__ void __launch_bounds__(256)                                                                \
+        fused_qkv_bshd_paged_prefill_cuda_##TN##_kvf8e4m3(KVJIT_FP8_PARAMS(T)) {                                     \
+        kvjit::prefill_fp8<T>(KVJIT_FP8_ARGS);                                                                       \
+    }
+
 #define KVJIT_GATHER(CN, C)                                                                                          \
     extern "C" __global__ void __launch_bounds__(256) fused_qkv_bshd_paged_gather_cuda_##CN(                         \
         const C *__restrict__ blocks, const long long *__restrict__ offs, int kv_dim, long long kv_stride,           \
@@ -569,6 +863,15 @@ KVJIT_VARIANTS(bf16, kv_bf16, f16, kv_f16)
 KVJIT_VARIANTS(f16, kv_f16, f32, float)
 KVJIT_VARIANTS(f16, kv_f16, bf16, kv_bf16)
 KVJIT_VARIANTS(f16, kv_f16, f16, kv_f16)
+KVJIT_FP8_VARIANTS(f32, float)
+KVJIT_FP8_VARIANTS(bf16, kv_bf16)
+KVJIT_FP8_VARIANTS(f16, kv_f16)
 KVJIT_GATHER(f32, float)
 KVJIT_GATHER(bf16, kv_bf16)
 KVJIT_GATHER(f16, kv_f16)
+KVJIT_GATHER(f8e4m3, unsigned char)
+
+extern "C" __global__ void __launch_bounds__(256) fused_qkv_bshd_paged_e4m3_probe_cuda_f32(
+    const float *__restrict__ in, unsigned char *__restrict__ hw, unsigned char *__restrict__ sw, int n) {
+    kvjit::e4m3_probe(in, hw, sw, n);
+}

@@ -5,17 +5,19 @@
 //! **Variants.** A variant is one `extern "C"` kernel of the `.cu`, for one
 //! schedule ([`Schedule`]: `decode` for M = B·S ≤ 16, streaming the weight
 //! once; `prefill` for larger M, tensor-core tiles) and one pair of compute
-//! and cache dtypes (f32, bf16, f16 each). Its name is the symbol of
-//! [`variant_key`], which is derived from the op's own
+//! (f32, bf16, f16) and cache dtypes (f32, bf16, f16, f8e4m3). Its name is
+//! the symbol of [`variant_key`], which is derived from the op's own
 //! [`FusedQkvSpec::kernel_key`] — the `.cu` spells the same names through one
 //! macro, and a test checks every name this module can ask for against both
 //! committed PTX files. Head size, Hkv, q_dim and K are run-time arguments:
 //! the epilogue needs only `kv_dim = Hkv·D` and the K→V stride, so baking D
-//! in would multiply the PTX without changing any instruction. What the key
-//! does decide, [`choose_variants`] decides at build time: both dtypes, the
-//! schedule when B and S are static (generic keys load both schedules and
-//! pick by M per call), and the refusals — `K % 8 != 0` (rows are read as
-//! 16-byte vectors) or dimensions past the kernels' 32-bit indexing.
+//! in would multiply the PTX without changing any instruction. So is an FP8
+//! cache's granularity g: it only bounds the quantizing epilogue's loops.
+//! What the key does decide, [`choose_variants`] decides at build time: both
+//! dtypes, the schedule when B and S are static (generic keys load both
+//! schedules and pick by M per call), and the refusals — `K % 8 != 0` (rows
+//! are read as 16-byte vectors), an FP8 cache without a granularity dividing
+//! D, or dimensions past the kernels' 32-bit indexing.
 //!
 //! **PTX.** `cuda/fused_qkv.compute_80.ptx` and `.compute_90.ptx` are
 //! generated from the `.cu` by `scripts/gen-ptx.sh` with the pinned CUDA 13.0
@@ -37,11 +39,22 @@
 //! and the scratch buffers are kept in the [`DeviceContextPtr`] the kernel
 //! ran on, and freed when that context (or this kernel) is dropped.
 //!
-//! **The cache stays on the device.** Each cache's blocks live in a device
-//! buffer kept across calls and steps ([`CudaDevice::with_kv_cache`], keyed
-//! by the host cache's identity and layout), uploaded when first seen and
-//! again only after a host-side write (the host cache's blocks generation
-//! moved). Kernels write K/V there; the host copy — which the `Kernel`
+//! **FP8 caches** (`f8e4m3`, the `…_kvf8e4m3` variants): the kernel writes
+//! one-byte codes into the blocks and one f32 scale per g-block into the
+//! cache's scales, quantizing in its epilogue exactly as
+//! `kvjit_core::fp8::quantize_block` does (see the `.cu` header: K/V are
+//! staged as f32 in a scratch buffer, and the block completing a g-block's
+//! columns quantizes it, counted with per-g-block counters the host zeroes
+//! once). Beside the fused launch, the call gathers the written rows' scales
+//! too (the f32 gather kernel on offsets / g, as the scales have the blocks'
+//! layout with D replaced by D / g) and commits them with the codes.
+//!
+//! **The cache stays on the device.** Each cache's blocks (and an FP8
+//! cache's scales) live in device buffers kept across calls and steps
+//! ([`CudaDevice::with_kv_cache`], keyed by the host cache's identity and
+//! layout), uploaded when first seen and again only after a host-side write
+//! (the host cache's blocks generation moved; writes to the scales move it
+//! too). Kernels write K/V there; the host copy — which the `Kernel`
 //! interface and the callers read (`--output`, tests, the next step's
 //! validation) — receives exactly the rows written, from the staging
 //! buffer, after which the device copy is marked current
@@ -144,17 +157,25 @@ pub fn gather_key(cache_dtype: DType) -> KernelKey {
     KernelKey::new(&format!("{KERNEL_NAME}_gather"), Target::Cuda, cache_dtype)
 }
 
+/// The key naming the E4M3 convert probe: `fused_qkv_bshd_paged_e4m3_probe.cuda.f32`,
+/// a test kernel converting f32 values with the architecture's convert (the
+/// hardware's on sm_90) and with the software one the sm_80 variants use.
+pub fn e4m3_probe_key() -> KernelKey {
+    KernelKey::new(&format!("{KERNEL_NAME}_e4m3_probe"), Target::Cuda, DType::F32)
+}
+
 /// Every kernel name this module can ask the PTX for.
 pub fn all_kernel_symbols() -> Vec<String> {
     let floats = [DType::F32, DType::BF16, DType::F16];
+    let caches = [DType::F32, DType::BF16, DType::F16, DType::F8E4M3];
     let mut symbols = Vec::new();
     for dtype in floats {
-        for cache_dtype in floats {
+        for cache_dtype in caches {
             let spec = FusedQkvSpec {
                 target: Target::Cuda,
                 dtype,
                 cache_dtype,
-                scale_granularity: None,
+                scale_granularity: (cache_dtype == DType::F8E4M3).then_some(1),
                 k: 8,
                 q_dim: 1,
                 num_kv_heads: 1,
@@ -168,6 +189,8 @@ pub fn all_kernel_symbols() -> Vec<String> {
         }
         symbols.push(gather_key(dtype).symbol());
     }
+    symbols.push(gather_key(DType::F8E4M3).symbol());
+    symbols.push(e4m3_probe_key().symbol());
     symbols
 }
 
@@ -180,6 +203,8 @@ pub struct VariantPlan {
     pub prefill: Option<KernelKey>,
     /// The row-gather kernel for the cache dtype.
     pub gather: KernelKey,
+    /// FP8 caches: the gather kernel for the f32 scales of the rows written.
+    pub scale_gather: Option<KernelKey>,
 }
 
 impl VariantPlan {
@@ -203,11 +228,18 @@ pub fn choose_variants(spec: &FusedQkvSpec) -> std::result::Result<VariantPlan, 
     if spec.target != Target::Cuda {
         return Err(format!("{} is not a CUDA key", spec.kernel_key()));
     }
-    for (what, dtype) in [("compute", spec.dtype), ("cache", spec.cache_dtype)] {
-        if !dtype.is_compute_float() {
-            return Err(format!("CUDA variants exist for f32, bf16 and f16 {what} dtypes, not {dtype}"));
-        }
+    if !spec.dtype.is_compute_float() {
+        return Err(format!("CUDA variants exist for f32, bf16 and f16 compute dtypes, not {}", spec.dtype));
     }
+    let quantized = spec.cache_dtype == DType::F8E4M3;
+    if !spec.cache_dtype.is_compute_float() && !quantized {
+        return Err(format!(
+            "CUDA variants exist for f32, bf16, f16 and f8e4m3 cache dtypes, not {}",
+            spec.cache_dtype
+        ));
+    }
+    // An FP8 cache needs its granularity, dividing D (what the cache itself requires).
+    spec.cache_params().validate().map_err(|e| e.to_string())?;
     if !spec.k.is_multiple_of(8) {
         return Err(format!(
             "the CUDA kernels read rows of hidden_state and weight as 16-byte vectors and need K % 8 == 0, got K = {}",
@@ -233,6 +265,7 @@ pub fn choose_variants(spec: &FusedQkvSpec) -> std::result::Result<VariantPlan, 
         decode: rows.is_none_or(|m| m <= DECODE_MAX_ROWS).then(|| variant_key(spec, Schedule::Decode)),
         prefill: rows.is_none_or(|m| m > DECODE_MAX_ROWS).then(|| variant_key(spec, Schedule::Prefill)),
         gather: gather_key(spec.cache_dtype),
+        scale_gather: quantized.then(|| gather_key(DType::F32)),
     })
 }
 
@@ -254,6 +287,8 @@ struct LaunchDims {
     q_dim: i32,
     kv_dim: i32,
     kv_stride: i64,
+    /// An FP8 cache's values per scale; 0 for other caches.
+    g: i32,
 }
 
 impl LaunchDims {
@@ -284,7 +319,25 @@ impl LaunchDims {
             kv_dim: int(shape.kv_dim, "kv_collection")?,
             kv_stride: i64::try_from(kv_stride)
                 .map_err(|_| too_large("kv_collection", "a smaller cache".into(), vec![]))?,
+            g: int(params.scale_granularity.unwrap_or(0), "kv_collection")?,
         })
+    }
+
+    /// An FP8 cache's granularity g, if the cache is FP8.
+    fn granularity(&self) -> Option<usize> {
+        (self.g > 0).then_some(self.g as usize)
+    }
+
+    /// FP8: bytes of the f32 K/V staging buffer, `[M, 2·kv_dim]`.
+    fn kv_scratch_bytes(&self) -> usize {
+        self.rows * 2 * self.kv_dim as usize * 4
+    }
+
+    /// FP8: bytes of the per-(row tile, g-block) counters, for the smallest
+    /// row tile (64, the f32 prefill's; decode has one row tile).
+    fn counter_bytes(&self) -> usize {
+        let blocks = 2 * self.kv_dim as usize / self.g as usize;
+        self.rows.div_ceil(PS_TILE as usize) * blocks * 4
     }
 }
 
@@ -301,6 +354,15 @@ struct Scratch {
     row_off: Option<DeviceBuffer>,
     written: Option<DeviceBuffer>,
     staged: Option<DeviceBuffer>,
+    /// FP8: the written rows' scale offsets (`written / g`).
+    scale_written: Option<DeviceBuffer>,
+    /// FP8: their scales, gathered.
+    staged_scales: Option<DeviceBuffer>,
+    /// FP8: K/V as f32 before quantization, `[M, 2·kv_dim]`.
+    kv_scratch: Option<DeviceBuffer>,
+    /// FP8: one counter per (row tile, g-block); zeroed when allocated, and
+    /// every launch leaves them zero (see the `.cu` header).
+    counters: Option<DeviceBuffer>,
 }
 
 /// What one kernel keeps per device context: its functions, the constant
@@ -310,6 +372,8 @@ struct DeviceState {
     decode: Option<Function>,
     prefill: Option<Function>,
     gather: Function,
+    /// FP8 caches: the f32 gather, for the scales.
+    scale_gather: Option<Function>,
     weight: Option<DeviceBuffer>,
     scratch: Scratch,
 }
@@ -337,6 +401,7 @@ impl DeviceState {
             decode: plan.decode.as_ref().map(load).transpose()?,
             prefill: plan.prefill.as_ref().map(load).transpose()?,
             gather: load(&plan.gather)?,
+            scale_gather: plan.scale_gather.as_ref().map(load).transpose()?,
             weight: None,
             scratch: Scratch::default(),
         })
@@ -344,7 +409,8 @@ impl DeviceState {
 
     /// Everything on the device. Returns with `output` holding Q and
     /// `staged` the K/V rows written (`[written, 2, kv_dim]`, cache dtype),
-    /// both host staging buffers the caller commits.
+    /// followed for an FP8 cache by their scales (`[written, 2, kv_dim / g]`
+    /// f32), both host staging buffers the caller commits.
     fn execute(
         &mut self,
         device: &CudaDevice,
@@ -356,12 +422,27 @@ impl DeviceState {
             let buffer = device.ensure(slot, bytes.len())?;
             device.upload(bytes, buffer)
         };
+        let d = call.dims;
+        let g = d.granularity();
+        let scale_bytes = g.map_or(0, |g| call.written.len() * 2 * (d.kv_dim as usize / g) * 4);
+        let (staged_codes, staged_scales) = staged.split_at_mut(staged.len() - scale_bytes);
         let s = &mut self.scratch;
         upload(&mut s.x, call.hidden)?;
         upload(&mut s.row_off, &le_bytes(call.row_off))?;
         upload(&mut s.written, &le_bytes(call.written))?;
         device.ensure(&mut s.out, output.len())?;
-        device.ensure(&mut s.staged, staged.len())?;
+        device.ensure(&mut s.staged, staged_codes.len())?;
+        if let Some(g) = g {
+            let scale_offsets: Vec<i64> = call.written.iter().map(|&o| o / g as i64).collect();
+            upload(&mut s.scale_written, &le_bytes(&scale_offsets))?;
+            device.ensure(&mut s.staged_scales, staged_scales.len())?;
+            device.ensure(&mut s.kv_scratch, d.kv_scratch_bytes())?;
+            let grown = s.counters.as_ref().is_none_or(|c| c.len() < d.counter_bytes());
+            let counters = device.ensure(&mut s.counters, d.counter_bytes())?;
+            if grown {
+                device.zero(counters)?;
+            }
+        }
         if !call.weight_is_constant {
             upload(&mut s.w, call.weight)?;
         } else if self.weight.is_none() {
@@ -383,19 +464,13 @@ impl DeviceState {
             Schedule::Prefill => self.prefill.as_ref(),
         }
         .expect("DeviceState::new loaded every schedule of the plan, and the plan served this call");
-        let d = call.dims;
         let fused_shape = call.schedule.launch_shape(call.dtype, d.rows, d.n as usize);
         let gather_shape = LaunchShape { grid: (call.written.len() as u32, 1, 1), block: (THREADS, 1, 1) };
         let gather = &self.gather;
 
-        device.with_kv_cache(call.cache, call.cache_tag, |blocks| {
-            let blocks: &DeviceBuffer = blocks;
-            let args = [
-                KernelArg::Buffer(x),
-                KernelArg::Buffer(w),
-                KernelArg::Buffer(out),
-                KernelArg::Buffer(blocks),
-                KernelArg::Buffer(row_off),
+        device.with_kv_cache(call.cache, call.cache_tag, |copy| {
+            let blocks = &copy.blocks;
+            let shape_args = [
                 KernelArg::I32(d.m),
                 KernelArg::I32(d.k),
                 KernelArg::I32(d.n),
@@ -403,21 +478,62 @@ impl DeviceState {
                 KernelArg::I32(d.kv_dim),
                 KernelArg::I64(d.kv_stride),
             ];
-            // SAFETY: `args` follow KVJIT_FUSED_PARAMS (x, w, out, blocks,
-            // row_off, M, K, N, q_dim, kv_dim, kv_stride) of the variant
-            // named by `variant_key(spec, schedule)`, whose element types are
-            // the spec's dtypes, which `check_against_spec` confirmed for
-            // hidden_state, weight and the cache. Bounds: `check_call`
-            // proved X is [M, K] and W is [N, K] (uploaded whole), out holds
-            // M·q_dim elements (`check_output`), K % 8 == 0
-            // (`choose_variants`, for the 16-byte loads), `blocks` is the
-            // whole resident copy of the cache's blocks (the key includes
-            // their size), and `row_off` holds M offsets from
-            // `cache_row_offsets`, each inside `blocks` with its V row
-            // kv_stride further and no two equal — what `check_call`
-            // established for every valid token; padded rows are -1 and
-            // store nothing.
-            unsafe { device.launch(fused, fused_shape, &args) }?;
+            match g {
+                None => {
+                    let mut args = vec![
+                        KernelArg::Buffer(x),
+                        KernelArg::Buffer(w),
+                        KernelArg::Buffer(out),
+                        KernelArg::Buffer(blocks),
+                        KernelArg::Buffer(row_off),
+                    ];
+                    args.extend(shape_args);
+                    // SAFETY: `args` follow KVJIT_FUSED_PARAMS (x, w, out, blocks,
+                    // row_off, M, K, N, q_dim, kv_dim, kv_stride) of the variant
+                    // named by `variant_key(spec, schedule)`, whose element types are
+                    // the spec's dtypes, which `check_against_spec` confirmed for
+                    // hidden_state, weight and the cache. Bounds: `check_call`
+                    // proved X is [M, K] and W is [N, K] (uploaded whole), out holds
+                    // M·q_dim elements (`check_output`), K % 8 == 0
+                    // (`choose_variants`, for the 16-byte loads), `blocks` is the
+                    // whole resident copy of the cache's blocks (the key includes
+                    // their size), and `row_off` holds M offsets from
+                    // `cache_row_offsets`, each inside `blocks` with its V row
+                    // kv_stride further and no two equal — what `check_call`
+                    // established for every valid token; padded rows are -1 and
+                    // store nothing.
+                    unsafe { device.launch(fused, fused_shape, &args) }?;
+                }
+                Some(_) => {
+                    let present = "an FP8 cache's copy has scales, and its buffers were allocated above";
+                    let scales = copy.scales.as_ref().expect(present);
+                    let (kv_scratch, counters) =
+                        (s.kv_scratch.as_ref().expect(present), s.counters.as_ref().expect(present));
+                    let mut args = vec![
+                        KernelArg::Buffer(x),
+                        KernelArg::Buffer(w),
+                        KernelArg::Buffer(out),
+                        KernelArg::Buffer(blocks),
+                        KernelArg::Buffer(scales),
+                        KernelArg::Buffer(row_off),
+                    ];
+                    args.extend(shape_args);
+                    args.extend([KernelArg::I32(d.g), KernelArg::Buffer(kv_scratch), KernelArg::Buffer(counters)]);
+                    // SAFETY: `args` follow KVJIT_FP8_PARAMS (x, w, out, blocks,
+                    // scales, row_off, M, K, N, q_dim, kv_dim, kv_stride, g,
+                    // scratch, counters) of the `_kvf8e4m3` variant of the spec's
+                    // compute dtype. Bounds as for the other variants (above), plus:
+                    // `scales` is the whole resident copy of the cache's scales,
+                    // [P, 2, L, page, Hkv, D / g] with g dividing D (the cache's
+                    // params, checked against the spec), so every written block's
+                    // scale (offset / g) is inside it; `kv_scratch` holds
+                    // M·2·kv_dim f32 (`kv_scratch_bytes`); `counters` holds
+                    // ceil(M / 64)·2·kv_dim / g u32, at least the row tiles of
+                    // either schedule, zeroed when allocated and left zero by
+                    // every launch.
+                    unsafe { device.launch(fused, fused_shape, &args) }?;
+                }
+            }
             if !call.written.is_empty() {
                 let args = [
                     KernelArg::Buffer(blocks),
@@ -431,13 +547,35 @@ impl DeviceState {
                 // dtype; one block per entry of `written`, which are the
                 // valid offsets of `row_off` (in bounds, see above), and
                 // `staged_dev` holds written·2·kv_dim elements (allocated
-                // from `staged.len()`).
+                // from the codes part of `staged`).
                 unsafe { device.launch(gather, gather_shape, &args) }?;
+                if let (Some(g), Some(scale_gather)) = (g, self.scale_gather.as_ref()) {
+                    let present = "an FP8 cache's copy has scales, and its buffers were allocated above";
+                    let per_head = d.kv_dim / g as i32;
+                    let args = [
+                        KernelArg::Buffer(copy.scales.as_ref().expect(present)),
+                        KernelArg::Buffer(s.scale_written.as_ref().expect(present)),
+                        KernelArg::I32(per_head),
+                        KernelArg::I64(d.kv_stride / g as i64),
+                        KernelArg::Buffer(s.staged_scales.as_ref().expect(present)),
+                    ];
+                    // SAFETY: the f32 gather's parameters on the scales,
+                    // which have the blocks' layout with D replaced by D / g:
+                    // a written row's K scales start at its offset / g (an
+                    // integer, as g divides the offset) and its V scales
+                    // kv_stride / g further, kv_dim / g of each, inside the
+                    // scales by the same argument as the rows inside the
+                    // blocks; `staged_scales` holds written·2·kv_dim / g f32.
+                    unsafe { device.launch(scale_gather, gather_shape, &args) }?;
+                }
             }
             Ok(())
         })?;
         device.download(out, output)?;
-        device.download(staged_dev, staged)?;
+        device.download(staged_dev, staged_codes)?;
+        if let Some(staged_scales_dev) = s.staged_scales.as_ref().filter(|_| g.is_some()) {
+            device.download(staged_scales_dev, staged_scales)?;
+        }
         device.synchronize()
     }
 }
@@ -486,7 +624,8 @@ impl CudaKernel {
 impl CudaKernel {
     /// A validated call, staged, then committed: everything is checked
     /// before any device work; `device_work` fills a host staging copy of Q
-    /// and of the K/V rows written (`[written, 2, kv_dim]`, cache dtype);
+    /// and of the K/V rows written (`[written, 2, kv_dim]`, cache dtype,
+    /// then for an FP8 cache their scales `[written, 2, kv_dim / g]` f32);
     /// only when it succeeds are Q copied into the output and the rows into
     /// the host cache. A device error therefore leaves output and cache
     /// exactly as they were. `ready` is the context check, reported after
@@ -521,8 +660,10 @@ impl CudaKernel {
         let params = *cache.params();
         let elem = params.dtype.size_bytes();
         let row_bytes = shape.kv_dim * elem;
+        // FP8: the scales of a row's K (then V) head blocks, kv_dim / g of each.
+        let row_scales = params.scale_granularity.map_or(0, |g| shape.kv_dim / g);
         let mut q = vec![0u8; output.as_bytes().len()];
-        let mut staged = vec![0u8; written.len() * 2 * row_bytes];
+        let mut staged = vec![0u8; written.len() * 2 * (row_bytes + row_scales * 4)];
         {
             let call = Call {
                 dtype: self.spec.dtype,
@@ -541,15 +682,27 @@ impl CudaKernel {
 
         // Commit: Q into the output, and the K/V rows the kernel wrote on
         // the device into the host cache (offsets validated by check_call,
-        // as on the device).
+        // as on the device), with an FP8 cache's scales (at offset / g: the
+        // scales have the blocks' layout with D replaced by D / g).
         output.as_bytes_mut().copy_from_slice(&q);
         let kv_stride = dims.kv_stride as usize;
-        let host = cache.blocks_bytes_mut();
-        for (&off, rows) in written.iter().zip(staged.chunks_exact(2 * row_bytes)) {
+        let (staged_rows, staged_scales) = staged.split_at(written.len() * 2 * row_bytes);
+        let (host, host_scales) = cache.blocks_and_scales_mut();
+        for (&off, rows) in written.iter().zip(staged_rows.chunks_exact(2 * row_bytes)) {
             let (k, v) = rows.split_at(row_bytes);
             let off = off as usize;
             host[off * elem..][..row_bytes].copy_from_slice(k);
             host[(off + kv_stride) * elem..][..row_bytes].copy_from_slice(v);
+        }
+        if let (Some(g), Some(host_scales)) = (params.scale_granularity, host_scales) {
+            let values: Vec<f32> =
+                staged_scales.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().expect("4 bytes"))).collect();
+            for (&off, scales) in written.iter().zip(values.chunks_exact(2 * row_scales)) {
+                let (k, v) = scales.split_at(row_scales);
+                let off = off as usize;
+                host_scales[off / g..][..row_scales].copy_from_slice(k);
+                host_scales[(off + kv_stride) / g..][..row_scales].copy_from_slice(v);
+            }
         }
         Ok(())
     }
@@ -654,7 +807,8 @@ mod tests {
     #[test]
     fn every_variant_the_rust_side_names_is_in_the_ptx() {
         let symbols = all_kernel_symbols();
-        assert_eq!(symbols.len(), 3 * 3 * 2 + 3);
+        // (3 compute x 4 cache dtypes) x 2 schedules, 4 gathers, the E4M3 probe
+        assert_eq!(symbols.len(), 3 * 4 * 2 + 4 + 1);
         for image in &PTX {
             for symbol in &symbols {
                 assert!(
@@ -665,7 +819,32 @@ mod tests {
             }
             assert_eq!(image.ptx.matches(".visible .entry ").count(), symbols.len(), "no unnamed extra kernels");
         }
-        assert!(symbols.contains(&"fused_qkv_bshd_paged_decode_cuda_bf16_kvbf16".to_string()));
+        for symbol in [
+            "fused_qkv_bshd_paged_decode_cuda_bf16_kvbf16",
+            "fused_qkv_bshd_paged_decode_cuda_f32_kvf8e4m3",
+            "fused_qkv_bshd_paged_prefill_cuda_f16_kvf8e4m3",
+            "fused_qkv_bshd_paged_gather_cuda_f8e4m3",
+            "fused_qkv_bshd_paged_e4m3_probe_cuda_f32",
+        ] {
+            assert!(symbols.contains(&symbol.to_string()), "{symbol}");
+        }
+    }
+
+    /// The FP8 variants convert with the hardware's cvt on sm_90 only: the
+    /// instruction is in the compute_90 image and not in the compute_80 one
+    /// (which runs the software convert).
+    #[test]
+    fn the_hardware_e4m3_convert_is_in_the_sm90_image_only() {
+        let cvt = "cvt.rn.satfinite.e4m3x2.f32";
+        let [sm80, sm90] = &PTX;
+        assert!(!sm80.ptx.contains(cvt), "compute_80 has no E4M3 convert instruction");
+        assert!(sm90.ptx.contains(cvt), "compute_90 converts with {cvt}");
+        // The quotient x / scale and amax / 448 must round exactly as the
+        // reference's f32 division: IEEE division only, no approximation.
+        for image in &PTX {
+            assert!(!image.ptx.contains("div.approx"), "compute_{}: approximate division", image.arch);
+            assert!(!image.ptx.contains("div.full"), "compute_{}: approximate division", image.arch);
+        }
     }
 
     /// The launch geometry mirrored here is the one the `.cu` defines.
@@ -678,6 +857,7 @@ mod tests {
             format!("constexpr int DEC_SIMT_COLS = {DEC_SIMT_COLS};"),
             format!("constexpr int PF_BM = {PF_TILE}, PF_BN = {PF_TILE},"),
             format!("constexpr int PS_BM = {PS_TILE}, PS_BN = {PS_TILE},"),
+            format!("constexpr float E4M3_MAX = {}.f;", kvjit_core::fp8::E4M3_MAX),
         ] {
             assert!(CUDA_SOURCE.contains(&line), "fused_qkv.cu does not say `{line}`");
         }
@@ -692,6 +872,57 @@ mod tests {
         let cpu = FusedQkvSpec { target: Target::Cpu, cache_dtype: DType::F32, scale_granularity: None, ..s };
         assert_eq!(variant_key(&cpu, Schedule::Decode).symbol(), "fused_qkv_bshd_paged_decode_cuda_bf16_kvf32");
         assert_eq!(gather_key(DType::F16).symbol(), "fused_qkv_bshd_paged_gather_cuda_f16");
+    }
+
+    fn fp8_spec(dtype: DType, g: Option<usize>) -> FusedQkvSpec {
+        FusedQkvSpec { cache_dtype: DType::F8E4M3, scale_granularity: g, ..spec(dtype, 4096, None, None) }
+    }
+
+    /// A spec with an f8e4m3 cache maps to the `_kvf8e4m3` variants of its
+    /// compute dtype (any g dividing D: g is a run-time argument), the u8
+    /// gather for the codes and the f32 gather for the scales.
+    #[test]
+    fn fp8_caches_map_to_the_fp8_variants() {
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            for g in [1, 32, 128] {
+                let plan = choose_variants(&fp8_spec(dtype, Some(g))).unwrap();
+                let name = |s: &str| format!("fused_qkv_bshd_paged_{s}_cuda_{dtype}_kvf8e4m3");
+                assert_eq!(plan.decode.unwrap().symbol(), name("decode"));
+                assert_eq!(plan.prefill.unwrap().symbol(), name("prefill"));
+                assert_eq!(plan.gather.symbol(), "fused_qkv_bshd_paged_gather_cuda_f8e4m3");
+                assert_eq!(plan.scale_gather.unwrap().symbol(), "fused_qkv_bshd_paged_gather_cuda_f32");
+            }
+        }
+        assert_eq!(
+            variant_key(&fp8_spec(DType::BF16, Some(128)), Schedule::Decode).to_string(),
+            "fused_qkv_bshd_paged_decode.cuda.bf16.kvf8e4m3"
+        );
+        let plain = choose_variants(&spec(DType::BF16, 4096, None, None)).unwrap();
+        assert_eq!(plain.scale_gather, None);
+        // Every name an FP8 plan asks for is in both images.
+        let symbols = all_kernel_symbols();
+        let plan = choose_variants(&fp8_spec(DType::F16, Some(64))).unwrap();
+        for key in [plan.decode, plan.prefill, Some(plan.gather), plan.scale_gather].into_iter().flatten() {
+            assert!(symbols.contains(&key.symbol()), "{key}");
+        }
+        // A CudaKernel builds for it (no GPU needed).
+        let kernel = CudaKernel::new(fp8_spec(DType::BF16, Some(128)), None).unwrap();
+        assert!(kernel.plan().scale_gather.is_some());
+    }
+
+    #[test]
+    fn fp8_caches_without_a_valid_granularity_are_refused() {
+        let why = choose_variants(&fp8_spec(DType::BF16, None)).unwrap_err();
+        assert!(why.contains("scale_granularity"), "{why}");
+        let why = choose_variants(&fp8_spec(DType::BF16, Some(48))).unwrap_err();
+        assert!(why.contains("must divide head_size 128, got 48"), "{why}");
+        let why =
+            choose_variants(&FusedQkvSpec { scale_granularity: Some(128), ..spec(DType::BF16, 4096, None, None) })
+                .unwrap_err();
+        assert!(why.contains("f8e4m3 caches only"), "{why}");
+        let why =
+            choose_variants(&FusedQkvSpec { dtype: DType::F8E4M3, ..fp8_spec(DType::BF16, Some(128)) }).unwrap_err();
+        assert!(why.contains("f32, bf16 and f16 compute dtypes, not f8e4m3"), "{why}");
     }
 
     #[test]
@@ -830,6 +1061,82 @@ mod tests {
             }
         }
         assert_eq!(blocks, expected);
+    }
+
+    /// An FP8 call's commit: the staged codes land at the written rows'
+    /// K/V offsets and the staged scales at offset / g (K, then V), and
+    /// nothing else changes — blocks or scales.
+    #[test]
+    fn an_fp8_call_commits_codes_and_scales_of_exactly_the_valid_rows() {
+        use rand::{SeedableRng, rngs::StdRng};
+        let (g, d) = (2, 4);
+        let spec = FusedQkvSpec {
+            target: Target::Cuda,
+            dtype: DType::F32,
+            cache_dtype: DType::F8E4M3,
+            scale_granularity: Some(g),
+            k: 8,
+            q_dim: 8,
+            num_kv_heads: 2,
+            head_size: d,
+            page_size: 2,
+            num_layers: 2,
+            batch: None,
+            seq: None,
+        };
+        let mut rng = StdRng::seed_from_u64(9);
+        let mut cache = PagedKVCacheCollection::new(spec.cache_params(), 8, 2, 4).unwrap();
+        cache.reserve(&[3, 1]).unwrap();
+        cache.set_blocks(Tensor::random(DType::F8E4M3, cache.blocks().shape(), &mut rng, -1.0, 1.0).unwrap()).unwrap();
+        cache
+            .set_scales(Tensor::random(DType::F32, cache.scales().unwrap().shape(), &mut rng, 1.0, 2.0).unwrap())
+            .unwrap();
+        let inputs = [
+            Tensor::random(DType::F32, &[2, 3, 8], &mut rng, -1.0, 1.0).unwrap(),
+            Tensor::random(DType::F32, &[24, 8], &mut rng, -1.0, 1.0).unwrap(),
+            Tensor::scalar_u32(1),
+            Tensor::from_vec(&[2], vec![3u32, 1]).unwrap(),
+        ];
+        let mut output = Tensor::zeros(DType::F32, &[2, 3, 8]).unwrap();
+        let kernel = CudaKernel::new(spec, None).unwrap();
+        let before = cache.clone();
+        let inputs: Vec<&Tensor> = inputs.iter().collect();
+        let (kv_dim, row_scales) = (2 * d, 2 * d / g); // a row's K (or V) values, and their scales
+        kernel
+            .run_staged(&inputs, &mut [&mut cache], std::slice::from_mut(&mut output), Ok(()), |call, _q, staged| {
+                assert_eq!(call.dims.g, g as i32);
+                assert_eq!(staged.len(), 4 * 2 * (kv_dim + row_scales * 4), "4 rows of codes, then scales");
+                let (codes, scales) = staged.split_at_mut(4 * 2 * kv_dim);
+                for (i, c) in codes.iter_mut().enumerate() {
+                    *c = i as u8;
+                }
+                for (i, v) in scales.chunks_exact_mut(4).enumerate() {
+                    v.copy_from_slice(&(1000.0 + i as f32).to_le_bytes());
+                }
+                Ok(())
+            })
+            .unwrap();
+        let (mut want_codes, mut want_scales) =
+            (before.blocks().as_bytes().to_vec(), before.scales().unwrap().to_f32_vec().unwrap());
+        let tokens = [(0usize, 0usize), (0, 1), (0, 2), (1, 0)];
+        for (row, &(b, t)) in tokens.iter().enumerate() {
+            let page = before.lookup_table()[b * 4 + t / 2] as usize;
+            for kv in 0..2 {
+                for head in 0..2 {
+                    for x in 0..d {
+                        let at = before.element_offset(page, kv, 1, t % 2, head, x);
+                        want_codes[at] = (row * 2 * kv_dim + kv * kv_dim + head * d + x) as u8;
+                    }
+                    for block in 0..d / g {
+                        let at = before.scale_offset(page, kv, 1, t % 2, head, block);
+                        want_scales[at] =
+                            1000.0 + (row * 2 * row_scales + kv * row_scales + head * d / g + block) as f32;
+                    }
+                }
+            }
+        }
+        assert_eq!(cache.blocks().as_bytes(), want_codes);
+        assert_eq!(cache.scales().unwrap().to_f32_vec().unwrap(), want_scales);
     }
 
     /// The context check comes after the argument checks, and before any

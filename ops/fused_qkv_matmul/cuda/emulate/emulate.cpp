@@ -4,7 +4,8 @@
 // This is not a CUDA emulator in general: it supplies just the primitives
 // fused_qkv.cu keeps in its KVJIT_EMULATE block (16-byte loads, cp.async,
 // ldmatrix, mma.sync m16n8k16, warp shuffles, __syncthreads, bf16/f16
-// rounding), with the fragment layouts of the PTX ISA manual.
+// rounding, and for the FP8 epilogue __ldcg, __threadfence, atomicAdd and
+// the E4M3 convert), with the fragment layouts of the PTX ISA manual.
 //
 // Threads. A block runs as 256 fibers (ucontext), one per CUDA thread, on one
 // OS thread; blocks run one after another. A fiber runs until it reaches a
@@ -59,6 +60,24 @@
 // split-K reductions) are not tracked; races on them show up through the
 // poison and the orders.
 //
+// FP8 E4M3 caches (the _kvf8e4m3 variants). Blocks run one after another in
+// the case's order (ascending, descending, or a seeded permutation), so the
+// epilogue's "the block completing a g-block quantizes it" is exercised with
+// every part order; a block quantizing too early reads the NaN-poisoned f32
+// staging buffer. The check: Q and the staged f32 K/V against f64, then each
+// g-block's codes and scale bit for bit against a port of
+// kvjit_core::fp8::quantize_block applied to those same staged values,
+// every other code and scale byte unchanged, guards intact, the counters
+// back to zero. Cases put g-blocks inside one column tile and across two to
+// four (decode tiles of 4 and 16 columns, prefill tiles of 64 and 128),
+// g = 1 up to 320 (past the values a lane keeps in registers), odd q_dim,
+// and NaN, +inf and all-zero g-blocks. Before the cases, the software
+// convert e4m3_sw (the sm_80 path; sm_90's hardware cvt needs a GPU:
+// tests/cuda.rs) is checked on ~5.4M values, every tie among them, against
+// the port of e4m3_from_f32 and a brute-force nearest-code search. What the
+// sequential blocks cannot show is a missing __threadfence (memory ordering
+// between concurrently running blocks).
+//
 // What it cannot check: that nvcc/ptxas compile the same code the same way,
 // the memory model beyond the above, timing. That needs a GPU
 // (scripts/gpu-check.sh).
@@ -74,6 +93,7 @@
 #include <ucontext.h>
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstdarg>
 #include <cstdint>
@@ -109,6 +129,7 @@ struct dim3 {
 };
 dim3 threadIdx, blockIdx, gridDim;  // set by the scheduler on every switch
 inline int min(int a, int b) { return a < b ? a : b; }
+inline int max(int a, int b) { return a > b ? a : b; }
 
 struct kv_bf16 {
     uint16_t bits;
@@ -567,28 +588,53 @@ inline void as_f32x4(const uint4& raw, float (&f)[4]) {
     f[3] = f32_of_bits(raw.w);
 }
 
+// FP8 epilogue primitives. Blocks run one after another, so a block's
+// stores are visible to every later block: the fence is a no-op and the
+// atomic a plain read-modify-write. What this cannot show is a missing
+// fence on the GPU; what it does show is the counting itself (a block that
+// quantizes before every part of a g-block landed reads the NaN-poisoned
+// scratch), under ascending, descending and random block orders.
+inline unsigned f32_bits(float v) { return bits_of_f32(v); }
+inline float ldcg(const float* p) { return *p; }
+inline void fence_gpu() {}
+inline unsigned atomic_add(unsigned* p, unsigned v) {
+    const unsigned old = *p;
+    *p = old + v;
+    return old;
+}
+// The sm_80 path: the software convert of the kernel source.
+inline unsigned e4m3_sw(float v);
+inline unsigned to_e4m3(float v) { return e4m3_sw(v); }
+
 }  // namespace kvjit
 
 #include KVJIT_KERNEL_SOURCE
 
 // ---------------------------------------------------------------- launching
 
-// Blocks one after another; each runs as 256 fibers (see "Threads" above).
+// Blocks one after another, each as 256 fibers (see "Threads" above), in
+// the case's order: ascending, descending, or a random permutation (the FP8
+// epilogue's "last block of a g-block quantizes it" must hold in any order).
 static void launch(dim3 grid, const std::function<void()>& kernel) {
     gridDim = grid;
-    for (unsigned by = 0; by < grid.y; ++by) {
-        for (unsigned bx = 0; bx < grid.x; ++bx) {
-            blockIdx = dim3{bx, by, 0};
-            emu::run_block(kernel);
-        }
+    std::vector<dim3> blocks;
+    for (unsigned by = 0; by < grid.y; ++by)
+        for (unsigned bx = 0; bx < grid.x; ++bx) blocks.push_back(dim3{bx, by, 0});
+    if (emu::mach->order == emu::Order::Desc) std::reverse(blocks.begin(), blocks.end());
+    if (emu::mach->order == emu::Order::Perm) std::shuffle(blocks.begin(), blocks.end(), emu::mach->rng);
+    for (const dim3& b : blocks) {
+        blockIdx = b;
+        emu::run_block(kernel);
     }
 }
 
 // ---------------------------------------------------------------- the check
 
-enum class DT { F32, BF16, F16 };
-static const char* dt_name(DT d) { return d == DT::F32 ? "f32" : d == DT::BF16 ? "bf16" : "f16"; }
-static size_t dt_size(DT d) { return d == DT::F32 ? 4 : 2; }
+enum class DT { F32, BF16, F16, F8 };  // F8: E4M3 codes (a cache dtype only)
+static const char* dt_name(DT d) {
+    return d == DT::F32 ? "f32" : d == DT::BF16 ? "bf16" : d == DT::F16 ? "f16" : "f8e4m3";
+}
+static size_t dt_size(DT d) { return d == DT::F32 ? 4 : d == DT::F8 ? 1 : 2; }
 static float round_to(DT d, float v) {
     return d == DT::F32 ? v : d == DT::BF16 ? bf16_value(bf16_bits(v)) : f16_value(f16_bits(v));
 }
@@ -633,22 +679,12 @@ struct Guarded {
 };
 
 struct Case {
-    DT t, c;
+    DT t, c;  // c is ignored when g > 0
     bool decode;
     int batch, seq, k, q_dim, hkv, d, page, layers, pages, layer;
+    int g = 0;             // > 0: an FP8 E4M3 cache with g values per scale (the _kvf8e4m3 variants)
+    bool special = false;  // FP8: a NaN, a +inf and an all-zero g-block among the K/V columns
 };
-
-static int failures = 0, failed_cases = 0;
-#define CHECK(cond, ...)                          \
-    do {                                          \
-        if (!(cond)) {                            \
-            std::fprintf(stderr, "  FAIL: ");     \
-            std::fprintf(stderr, __VA_ARGS__);    \
-            std::fprintf(stderr, "\n");           \
-            ++failures;                           \
-            return;                               \
-        }                                         \
-    } while (0)
 
 template <typename T, typename C>
 static void run_kernel(const Case& cs, bool decode, Guarded& x, Guarded& w, Guarded& out, Guarded& blocks,
@@ -687,7 +723,281 @@ static void dispatch_c(const Case& cs, Guarded& x, Guarded& w, Guarded& out, Gua
         case DT::F32: run_kernel<T, float>(cs, cs.decode, x, w, out, blocks, ro, M, N, kv_stride); break;
         case DT::BF16: run_kernel<T, kv_bf16>(cs, cs.decode, x, w, out, blocks, ro, M, N, kv_stride); break;
         case DT::F16: run_kernel<T, kv_f16>(cs, cs.decode, x, w, out, blocks, ro, M, N, kv_stride); break;
+        case DT::F8: break;  // FP8 cases take check_fp8
     }
+}
+
+// ---------------------------------------------------------------- FP8 E4M3
+
+// The reference: kvjit_core::fp8::e4m3_from_f32 ported line by line (the
+// kernels' e4m3_sw gets there another way).
+static uint8_t e4m3_ref(float value) {
+    const uint8_t sign = static_cast<uint8_t>((bits_of_f32(value) >> 24) & 0x80);
+    if (std::isnan(value)) return sign | 0x7f;
+    const float magnitude = std::fabs(value);
+    if (magnitude >= 448.f) return sign | 0x7e;
+    if (magnitude < f32_of_bits(0x3c800000u))  // nearbyint: ties to even in the default rounding mode
+        return sign | static_cast<uint8_t>(std::nearbyint(magnitude * 512.f));
+    const uint32_t bits = bits_of_f32(magnitude);
+    const uint32_t rounded = (bits + 0x7ffffu + ((bits >> 20) & 1u)) >> 20;
+    return sign | static_cast<uint8_t>(rounded - ((127u - 7u) << 3));
+}
+
+// A code's value from the OCP E4M3FN fields, in double (NaN for S.1111.111).
+static double e4m3_value(uint8_t code) {
+    const double sign = code & 0x80 ? -1.0 : 1.0;
+    const int exponent = (code >> 3) & 0xf, mantissa = code & 7;
+    if (exponent == 0xf && mantissa == 7) return NAN;
+    if (exponent == 0) return sign * mantissa / 8.0 * std::ldexp(1.0, -6);
+    return sign * (1.0 + mantissa / 8.0) * std::ldexp(1.0, exponent - 7);
+}
+
+// The nearest finite code by brute force (ties to the even code, past 448
+// saturated, NaN to NaN with its sign): a third opinion for the convert check.
+static uint8_t e4m3_nearest(float value) {
+    static const std::vector<double> table = [] {
+        std::vector<double> t(0x7f);
+        for (int code = 0; code <= 0x7e; ++code) t[code] = e4m3_value(static_cast<uint8_t>(code));
+        return t;
+    }();
+    const uint8_t sign = std::signbit(value) ? 0x80 : 0;
+    if (std::isnan(value)) return sign | 0x7f;
+    const double target = std::fabs(static_cast<double>(value));
+    if (std::isinf(target)) return sign | 0x7e;
+    int best = 0;
+    for (int code = 1; code <= 0x7e; ++code) {
+        const double d = std::fabs(table[code] - target), best_d = std::fabs(table[best] - target);
+        if (d < best_d || (d == best_d && code % 2 == 0)) best = code;
+    }
+    return sign | static_cast<uint8_t>(best);
+}
+
+// kvjit_core::fp8::quantize_block on the same f32 values.
+static float quantize_block_ref(const float* values, int g, uint8_t* codes) {
+    float max = 0.f;
+    for (int i = 0; i < g; ++i) max = std::fmax(max, std::fabs(values[i]));  // f32::max: NaN ignored
+    const float scale = max / 448.f;
+    for (int i = 0; i < g; ++i) codes[i] = e4m3_ref(scale == 0.f ? values[i] * 0.f : values[i] / scale);
+    return scale;
+}
+
+static int failures = 0, failed_cases = 0;
+#define CHECK(cond, ...)                          \
+    do {                                          \
+        if (!(cond)) {                            \
+            std::fprintf(stderr, "  FAIL: ");     \
+            std::fprintf(stderr, __VA_ARGS__);    \
+            std::fprintf(stderr, "\n");           \
+            ++failures;                           \
+            return;                               \
+        }                                         \
+    } while (0)
+
+// The kernels' software convert (the sm_80 path) against the port and the
+// brute-force search: every (sign, exponent, top 11 mantissa bits) with the
+// low 12 bits 0, 1, 0x7ff, 0x800 and 0xfff (every E4M3 tie, normal and
+// subnormal, and its neighbours), every code's value and the midpoints
+// between neighbouring codes with their f32 neighbours, ±0, ±inf, NaNs of
+// both signs, f32 subnormals, and random bit patterns.
+static void check_convert(unsigned long long seed) {
+    std::printf("convert e4m3_sw (the sm_80 path) vs kvjit_core::fp8::e4m3_from_f32 and a brute-force search\n");
+    std::fflush(stdout);
+    const int before = failures;
+    [&] {
+        long n = 0;
+        const uint32_t lows[] = {0u, 1u, 0x7ffu, 0x800u, 0xfffu};
+        for (uint32_t top = 0; top < (1u << 20); ++top) {
+            for (uint32_t low : lows) {
+                const float v = f32_of_bits(top << 12 | low);
+                const unsigned got = kvjit::e4m3_sw(v), want = e4m3_ref(v);
+                CHECK(got == want, "e4m3_sw(%a = 0x%08x) = 0x%02x, e4m3_from_f32 gives 0x%02x", v, bits_of_f32(v), got,
+                      want);
+                ++n;
+            }
+        }
+        std::vector<float> probe = {0.f, -0.f, INFINITY, -INFINITY, std::nanf(""), -std::nanf(""),
+                                    f32_of_bits(0x7f800001u), f32_of_bits(0xffffffffu), f32_of_bits(1u),
+                                    f32_of_bits(0x807fffffu), 448.f, -448.f, 464.f, 480.f, 1e30f, FLT_MAX};
+        for (int code = 0; code < 256; ++code) {
+            const double v = e4m3_value(static_cast<uint8_t>(code));
+            if (std::isnan(v)) continue;
+            probe.push_back(static_cast<float>(v));
+            const double next = code == 0x7e || code == 0xfe ? v * 480.0 / 448.0 : e4m3_value(static_cast<uint8_t>(code + 1));
+            const float mid = static_cast<float>((v + next) / 2);  // exact: a short binary fraction
+            probe.push_back(mid);
+            probe.push_back(std::nextafter(mid, 0.f));
+            probe.push_back(std::nextafter(mid, 2 * mid));
+        }
+        std::mt19937_64 rng(seed);
+        for (int i = 0; i < 200000; ++i) probe.push_back(f32_of_bits(static_cast<uint32_t>(rng())));
+        for (float v : probe) {
+            const unsigned got = kvjit::e4m3_sw(v), port = e4m3_ref(v), brute = e4m3_nearest(v);
+            CHECK(port == brute, "the port: e4m3_from_f32(%a) = 0x%02x, the nearest code is 0x%02x", v, port, brute);
+            CHECK(got == brute, "e4m3_sw(%a = 0x%08x) = 0x%02x, the nearest code is 0x%02x", v, bits_of_f32(v), got,
+                  brute);
+            ++n;
+        }
+        std::printf("  %ld values, bit for bit\n", n);
+    }();
+    if (failures > before) ++failed_cases;
+    std::fflush(stdout);
+    std::fflush(stderr);
+}
+
+template <typename T>
+static void run_fp8(const Case& cs, Guarded& x, Guarded& w, Guarded& out, Guarded& codes, Guarded& scales,
+                    Guarded& scratch, Guarded& counters, const std::vector<long long>& row_off, int M, int N,
+                    long long kv_stride) {
+    const T* xp = reinterpret_cast<const T*>(x.data());
+    const T* wp = reinterpret_cast<const T*>(w.data());
+    T* op = reinterpret_cast<T*>(out.data());
+    uint8_t* cp = codes.data();
+    float* sp = reinterpret_cast<float*>(scales.data());
+    float* scr = reinterpret_cast<float*>(scratch.data());
+    unsigned* cnt = reinterpret_cast<unsigned*>(counters.data());
+    const long long* ro = row_off.data();
+    const int K = cs.k, q_dim = cs.q_dim, kv_dim = cs.hkv * cs.d, g = cs.g;
+    const bool f32 = kvjit::same_type<T, float>::value;
+    if (cs.decode) {
+        const int cols = f32 ? kvjit::DEC_SIMT_COLS : kvjit::DEC_MMA_COLS;
+        launch(dim3{static_cast<unsigned>((N + cols - 1) / cols), 1, 1}, [&] {
+            kvjit::decode_fp8<T>(xp, wp, op, cp, sp, ro, M, K, N, q_dim, kv_dim, kv_stride, g, scr, cnt);
+        });
+    } else {
+        const int bm = f32 ? kvjit::PS_BM : kvjit::PF_BM, bn = f32 ? kvjit::PS_BN : kvjit::PF_BN;
+        launch(dim3{static_cast<unsigned>((N + bn - 1) / bn), static_cast<unsigned>((M + bm - 1) / bm), 1}, [&] {
+            kvjit::prefill_fp8<T>(xp, wp, op, cp, sp, ro, M, K, N, q_dim, kv_dim, kv_stride, g, scr, cnt);
+        });
+    }
+}
+
+// The f64 value of C[r, n].
+static double c_f64(const std::vector<float>& xv, const std::vector<float>& wv, int K, int r, int n) {
+    double s = 0;
+    for (int k = 0; k < K; ++k)
+        s += static_cast<double>(xv[static_cast<size_t>(r) * K + k]) * wv[static_cast<size_t>(n) * K + k];
+    return s;
+}
+
+// An FP8 case: Q against f64; the f32 K/V the kernel staged in its scratch
+// against f64; then every g-block of every valid row: codes and scale bit for
+// bit what kvjit_core::fp8::quantize_block makes of those same f32 values;
+// every other code and scale byte untouched, guards intact, counters left
+// zero; the gather kernels read the written codes and scales back.
+static void check_fp8(const Case& cs, const std::vector<float>& xv, const std::vector<float>& wv, Guarded& x,
+                      Guarded& w, const std::vector<long long>& row_off, long long kv_stride, size_t cache_elems) {
+    const int M = cs.batch * cs.seq, K = cs.k, kv_dim = cs.hkv * cs.d, N = cs.q_dim + 2 * kv_dim, g = cs.g;
+    const int nblocks = 2 * kv_dim / g;
+    const int bm = cs.t == DT::F32 ? kvjit::PS_BM : kvjit::PF_BM;
+    const int row_tiles = cs.decode ? 1 : (M + bm - 1) / bm;
+    Guarded out(static_cast<size_t>(M) * cs.q_dim * dt_size(cs.t)), codes(cache_elems), scales(cache_elems / g * 4),
+        scratch(static_cast<size_t>(M) * 2 * kv_dim * 4), counters(static_cast<size_t>(row_tiles) * nblocks * 4);
+    out.fill(0xFF);  // NaN everywhere
+    codes.fill(0xFF);
+    scales.fill(0xFF);
+    scratch.fill(0xFF);
+    counters.fill(0);  // the host zeroes them once
+    const std::vector<uint8_t> codes0(codes.data(), codes.data() + codes.bytes),
+        scales0(scales.data(), scales.data() + scales.bytes);
+
+    switch (cs.t) {
+        case DT::F32: run_fp8<float>(cs, x, w, out, codes, scales, scratch, counters, row_off, M, N, kv_stride); break;
+        case DT::BF16: run_fp8<kv_bf16>(cs, x, w, out, codes, scales, scratch, counters, row_off, M, N, kv_stride); break;
+        case DT::F16: run_fp8<kv_f16>(cs, x, w, out, codes, scales, scratch, counters, row_off, M, N, kv_stride); break;
+        case DT::F8: CHECK(false, "no FP8 compute dtype"); break;
+    }
+    CHECK(x.guards_intact() && w.guards_intact(), "input guard bytes changed");
+    CHECK(out.guards_intact(), "output guard bytes changed");
+    CHECK(codes.guards_intact() && scales.guards_intact(), "cache (codes or scales) guard bytes changed");
+    CHECK(scratch.guards_intact() && counters.guards_intact(), "scratch or counters guard bytes changed");
+    for (int i = 0; i < row_tiles * nblocks; ++i) {
+        unsigned c;
+        std::memcpy(&c, counters.data() + 4 * i, 4);
+        CHECK(c == 0, "counter %d (row tile %d, g-block %d) is %u after the launch, not 0", i, i / nblocks, i % nblocks,
+              c);
+    }
+
+    const double tol_scale = std::sqrt(static_cast<double>(K)) * 0.6 + 1.0;
+    std::vector<uint8_t> outb(out.data(), out.data() + out.bytes);
+    const float* staged = reinterpret_cast<const float*>(scratch.data());
+    for (int r = 0; r < M; ++r) {
+        for (int n = 0; n < N; ++n) {
+            if (n >= cs.q_dim && row_off[r] < 0) continue;
+            const double s = c_f64(xv, wv, K, r, n);
+            const double got = n < cs.q_dim ? get(cs.t, outb, static_cast<size_t>(r) * cs.q_dim + n)
+                                            : staged[static_cast<size_t>(r) * 2 * kv_dim + (n - cs.q_dim)];
+            const double tol = (n < cs.q_dim ? eps(cs.t) : 1e-6) * (std::fabs(s) + tol_scale) + 1e-5 * tol_scale;
+            if (std::isnan(s)) {
+                CHECK(std::isnan(got), "C[%d, %d] = %g, expected NaN", r, n, got);
+            } else if (std::isinf(s)) {
+                CHECK(got == s, "C[%d, %d] = %g, expected %g", r, n, got, s);
+            } else {
+                CHECK(std::fabs(got - s) <= tol, "%s[%d, %d] = %g, expected %g", n < cs.q_dim ? "out" : "staged K/V",
+                      r, n, got, s);
+            }
+        }
+    }
+
+    std::vector<uint8_t> written(cache_elems, 0), scale_written(cache_elems / g, 0);
+    std::vector<uint8_t> want(g);
+    long long nan_codes = 0, zero_blocks = 0, saturated = 0;
+    for (int r = 0; r < M; ++r) {
+        if (row_off[r] < 0) continue;
+        for (int b = 0; b < nblocks; ++b) {
+            const int j = b * g;
+            const long long at = row_off[r] + (j < kv_dim ? j : kv_stride + (j - kv_dim));
+            const float want_scale =
+                quantize_block_ref(&staged[static_cast<size_t>(r) * 2 * kv_dim + j], g, want.data());
+            float got_scale;
+            std::memcpy(&got_scale, scales.data() + (at / g) * 4, 4);
+            CHECK(bits_of_f32(got_scale) == bits_of_f32(want_scale),
+                  "row %d g-block %d: scale %a (0x%08x), quantize_block gives %a (0x%08x)", r, b, got_scale,
+                  bits_of_f32(got_scale), want_scale, bits_of_f32(want_scale));
+            zero_blocks += want_scale == 0.f;
+            scale_written[at / g] = 1;
+            for (int e = 0; e < g; ++e) {
+                const uint8_t got = codes.data()[at + e];
+                CHECK(got == want[e], "row %d g-block %d element %d: code 0x%02x, quantize_block gives 0x%02x (of %a)",
+                      r, b, e, got, want[e], staged[static_cast<size_t>(r) * 2 * kv_dim + j + e]);
+                nan_codes += (got & 0x7f) == 0x7f;
+                saturated += (got & 0x7f) == 0x7e;
+                written[at + e] = 1;
+            }
+        }
+    }
+    for (size_t i = 0; i < cache_elems; ++i)
+        CHECK(written[i] || codes.data()[i] == codes0[i], "code %zu changed but no valid token owns it", i);
+    for (size_t i = 0; i < cache_elems / g; ++i)
+        CHECK(scale_written[i] || std::memcmp(scales.data() + 4 * i, &scales0[4 * i], 4) == 0,
+              "scale %zu changed but no valid token owns it", i);
+    if (cs.special) CHECK(nan_codes > 0 && zero_blocks > 0, "the special values reached no g-block");
+
+    // The gather kernels read back exactly the codes and scales written.
+    std::vector<long long> offs, scale_offs;
+    for (long long o : row_off)
+        if (o >= 0) {
+            offs.push_back(o);
+            scale_offs.push_back(o / g);
+        }
+    if (!offs.empty()) {
+        const int per = kv_dim / g;
+        Guarded staged_codes(offs.size() * 2 * kv_dim), staged_scales(offs.size() * 2 * per * 4);
+        run_gather<uint8_t>(codes, offs, kv_dim, kv_stride, staged_codes);
+        run_gather<float>(scales, scale_offs, per, kv_stride / g, staged_scales);
+        CHECK(staged_codes.guards_intact() && staged_scales.guards_intact(), "gather guard bytes changed");
+        for (size_t i = 0; i < offs.size(); ++i)
+            for (int e = 0; e < 2 * kv_dim; ++e) {
+                const int kv = e >= kv_dim ? 1 : 0;
+                const size_t at = static_cast<size_t>(offs[i] + kv * kv_stride + (e - kv * kv_dim));
+                CHECK(staged_codes.data()[i * 2 * kv_dim + e] == codes.data()[at], "gathered code %zu/%d differs", i,
+                      e);
+                if ((e - kv * kv_dim) % g == 0)
+                    CHECK(std::memcmp(staged_scales.data() + 4 * (i * 2 * per + e / g), scales.data() + 4 * (at / g),
+                                      4) == 0,
+                          "gathered scale %zu/%d differs", i, e / g);
+            }
+    }
+    std::printf("  %lld NaN codes, %lld codes of ±448, %lld zero blocks\n", nan_codes, saturated, zero_blocks);
 }
 
 static void check_case(const Case& cs, std::mt19937_64& rng) {
@@ -708,6 +1018,27 @@ static void check_case(const Case& cs, std::mt19937_64& rng) {
     };
     fill(xv, x);
     fill(wv, w);
+    if (cs.g > 0 && cs.special) {
+        // W rows of K/V columns: one NaN (K block 0: that column is NaN in every
+        // row, beside finite values of its g-block), one +inf (the last V block:
+        // scale inf, codes of x / inf), and an all-zero g-block (the first V
+        // block: scale 0, codes of x · 0).
+        const int kvd = cs.hkv * cs.d, blocks = 2 * kvd / cs.g;
+        auto set_w = [&](int n, int k, float v) {
+            const size_t i = static_cast<size_t>(n) * K + k;
+            wv[i] = v;
+            if (cs.t == DT::F32) {
+                std::memcpy(w.data() + i * 4, &v, 4);
+            } else {
+                const uint16_t b = cs.t == DT::BF16 ? bf16_bits(v) : f16_bits(v);
+                std::memcpy(w.data() + i * 2, &b, 2);
+            }
+        };
+        for (int j = kvd; j < kvd + cs.g; ++j)
+            for (int k = 0; k < K; ++k) set_w(cs.q_dim + j, k, 0.f);
+        set_w(cs.q_dim + std::min(1, cs.g - 1), 0, std::nanf(""));
+        if (blocks > 2) set_w(cs.q_dim + 2 * kvd - 1, 0, INFINITY);
+    }
 
     // The page table: shuffled pages, random history and valid lengths.
     std::vector<int> valid(cs.batch), hist(cs.batch);
@@ -742,6 +1073,11 @@ static void check_case(const Case& cs, std::mt19937_64& rng) {
         return;
     }
 
+    if (cs.g > 0) {
+        check_fp8(cs, xv, wv, x, w, row_off, kv_stride, cache_elems);
+        return;
+    }
+
     // Poisoned output and cache.
     Guarded out(static_cast<size_t>(M) * cs.q_dim * dt_size(cs.t)), blocks(cache_elems * dt_size(cs.c));
     out.fill(0xFF);  // NaN in every dtype
@@ -752,6 +1088,7 @@ static void check_case(const Case& cs, std::mt19937_64& rng) {
         case DT::F32: dispatch_c<float>(cs, x, w, out, blocks, row_off, M, N, kv_stride); break;
         case DT::BF16: dispatch_c<kv_bf16>(cs, x, w, out, blocks, row_off, M, N, kv_stride); break;
         case DT::F16: dispatch_c<kv_f16>(cs, x, w, out, blocks, row_off, M, N, kv_stride); break;
+        case DT::F8: CHECK(false, "no FP8 compute dtype"); break;
     }
     CHECK(x.guards_intact() && w.guards_intact(), "input guard bytes changed");
     CHECK(out.guards_intact(), "output guard bytes changed");
@@ -798,6 +1135,7 @@ static void check_case(const Case& cs, std::mt19937_64& rng) {
             case DT::F32: run_gather<float>(blocks, offs, kv_dim, kv_stride, staged); break;
             case DT::BF16: run_gather<kv_bf16>(blocks, offs, kv_dim, kv_stride, staged); break;
             case DT::F16: run_gather<kv_f16>(blocks, offs, kv_dim, kv_stride, staged); break;
+            case DT::F8: run_gather<uint8_t>(blocks, offs, kv_dim, kv_stride, staged); break;
         }
         CHECK(staged.guards_intact(), "gather guard bytes changed");
         for (size_t i = 0; i < offs.size(); ++i)
@@ -820,9 +1158,11 @@ static void run_case(const Case& cs, unsigned long long seed, size_t index) {
     emu::mach->rng.seed(rng());
     emu::mach->hazards = 0;
     emu::mach->first_hazard.clear();
-    std::printf("%s %s kv%s B=%d S=%d K=%d q=%d hkv=%d d=%d p=%d L=%d layer=%d order=%s\n",
-                cs.decode ? "decode " : "prefill", dt_name(cs.t), dt_name(cs.c), cs.batch, cs.seq, cs.k, cs.q_dim,
-                cs.hkv, cs.d, cs.page, cs.layers, cs.layer, emu::order_name(emu::mach->order));
+    char fp8[48] = "";
+    if (cs.g > 0) std::snprintf(fp8, sizeof fp8, " g=%d%s", cs.g, cs.special ? " special" : "");
+    std::printf("%s %s kv%s B=%d S=%d K=%d q=%d hkv=%d d=%d p=%d L=%d layer=%d%s order=%s\n",
+                cs.decode ? "decode " : "prefill", dt_name(cs.t), dt_name(cs.g > 0 ? DT::F8 : cs.c), cs.batch, cs.seq,
+                cs.k, cs.q_dim, cs.hkv, cs.d, cs.page, cs.layers, cs.layer, fp8, emu::order_name(emu::mach->order));
     std::fflush(stdout);
     const int before = failures;
     check_case(cs, rng);
@@ -895,14 +1235,63 @@ int main(int argc, char** argv) {
     // the 8B decode shape's column count (N = 6144) with a short K
     cases.push_back(Case{DT::BF16, DT::BF16, true, 2, 1, 64, 4096, 8, 128, 16, 1, 4, 0});
 
-    for (size_t i = 0; i < cases.size(); ++i) {
-        run_case(cases[i], seed, i);
+    // FP8 E4M3 caches: g-blocks inside one column tile, across 2 to 4 of them
+    // (g = 6 and 40 against 4- or 16-wide decode tiles, 96 and 160 against 64-
+    // and 128-wide prefill tiles), g = 1, odd q_dim (unpaired stores), two and
+    // three row tiles, NaN / +inf / all-zero g-blocks ("special").
+    const size_t first_fp8 = cases.size();
+    auto fp8 = [&](Case cs, int g, bool special) {
+        cs.g = g;
+        cs.special = special;
+        cases.push_back(cs);
+    };
+    for (DT t : dts) {
+        fp8(Case{t, DT::F8, true, 3, 5, 72, 24, 2, 12, 4, 2, 16, 1}, 6, true);
+        fp8(Case{t, DT::F8, true, 2, 3, 64, 13, 2, 40, 4, 2, pages_for(2, 3, 4), 0}, 40, false);
+        fp8(Case{t, DT::F8, false, 3, 50, 40, 132, 2, 96, 16, 2, pages_for(3, 50, 16), 1}, 96, true);
+        fp8(Case{t, DT::F8, false, 2, 70, 64, 70, 1, 160, 8, 1, pages_for(2, 70, 8), 0}, 160, true);
+        fp8(Case{t, DT::F8, false, 1, 40, 24, 9, 1, 5, 4, 1, pages_for(1, 40, 4), 0}, 1, true);
+    }
+    for (int i = 0; i < 6; ++i) {
+        const bool decode = i % 2 == 0;
+        Case cs{dts[pick(rng)], DT::F8, decode, 1, 1, 8, 2, 1, 2, 1, 1, 1, 0};
+        cs.batch = std::uniform_int_distribution<int>(1, 4)(rng);
+        cs.seq = decode ? std::uniform_int_distribution<int>(1, 16 / cs.batch)(rng)
+                        : std::uniform_int_distribution<int>(1, 90)(rng);
+        cs.k = 8 * std::uniform_int_distribution<int>(1, decode ? 12 : 24)(rng);
+        cs.q_dim = std::uniform_int_distribution<int>(1, 70)(rng);
+        cs.hkv = std::uniform_int_distribution<int>(1, 3)(rng);
+        cs.d = std::uniform_int_distribution<int>(1, 48)(rng);
+        cs.page = std::uniform_int_distribution<int>(1, 8)(rng);
+        cs.layers = std::uniform_int_distribution<int>(1, 3)(rng);
+        cs.layer = std::uniform_int_distribution<int>(0, cs.layers - 1)(rng);
+        cs.pages = pages_for(cs.batch, cs.seq, cs.page);
+        std::vector<int> divisors;
+        for (int g = 1; g <= cs.d; ++g)
+            if (cs.d % g == 0) divisors.push_back(g);
+        fp8(cs, divisors[std::uniform_int_distribution<size_t>(0, divisors.size() - 1)(rng)], rng() % 2 == 0);
+    }
+    // g past the values a lane keeps in registers (8 · 32 = 256): the second read of the scratch
+    fp8(Case{DT::BF16, DT::F8, false, 1, 20, 16, 8, 1, 320, 4, 1, pages_for(1, 20, 4), 0}, 320, true);
+    fp8(Case{DT::F32, DT::F8, true, 2, 2, 16, 5, 1, 264, 4, 1, pages_for(2, 2, 4), 0}, 264, true);
+    // the 8B decode shape (N = 6144, D = g = 128) with a short K
+    fp8(Case{DT::BF16, DT::F8, true, 2, 1, 64, 4096, 8, 128, 16, 1, 4, 0}, 128, false);
+
+    // The convert, then the FP8 cases, then the rest (each case keeps its
+    // index, which seeds its data and picks its order): FP8 mutants fail fast.
+    check_convert(seed);
+    std::vector<size_t> run_order;
+    for (size_t i = first_fp8; i < cases.size(); ++i) run_order.push_back(i);
+    for (size_t i = 0; i < first_fp8; ++i) run_order.push_back(i);
+    for (size_t i : run_order) {
         if (fail_fast && failed_cases) break;
+        run_case(cases[i], seed, i);
     }
     if (failed_cases) {
         std::fprintf(stderr, "%d case(s) failed\n", failed_cases);
         return 1;
     }
-    std::printf("all %zu cases passed\n", cases.size());
+    std::printf("all %zu cases passed (%zu of them FP8), and the convert check\n", cases.size(),
+                cases.size() - first_fp8);
     return 0;
 }
