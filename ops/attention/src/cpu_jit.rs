@@ -45,7 +45,7 @@
 //! **FP8 (E4M3) cache.** The gather reads 1 byte per element (and the
 //! keys' `Hkv·D/g` f32 scales of K and of V) and re-encodes each code as
 //! the bf16 bits of its unscaled value, which is exact
-//! ([`crate::fp8`]: byte operations, 16 codes at a time), into the same
+//! (the private `fp8` module: byte operations, 16 codes at a time), into the same
 //! block buffer a bf16 cache uses, with the keys' scales beside it; no
 //! dequantized copy of anything is made. The loops then read the buffer
 //! as bf16 (the same 2-instruction widening) and apply the scales in

@@ -1443,9 +1443,12 @@ impl JitKernel {
         // and the packed weight (built for this layout), every Q store inside
         // `output` (M·q_dim, checked by the caller), and every K/V store at
         // `row_offsets[r] + col (+ kv_stride)` inside `blocks`, distinct per
-        // row; different panel ranges write different columns. `x`,
-        // `packed`, `row_offsets` and the borrowed output and cache outlive
-        // the launch.
+        // row — or, for an FP8 cache, at the staging offsets `r·2·kv_dim +
+        // col (+ kv_dim)` inside the staging buffer of M·2·kv_dim f32, the
+        // store dtype and stride the code was compiled with
+        // (`kv_store_dtype`, `kv_store_stride`); different panel ranges
+        // write different columns. `x`, `packed`, the offsets, the staging
+        // buffer and the borrowed output and cache outlive the launch.
         unsafe { kvjit_jit::launch(&code, &args, self.layout.total_panels(), ctx) };
         if let (Some(store), Some((stage, _))) = (&self.fp8_store, &staging) {
             let (blocks, scales) = cache.blocks_and_scales_mut();
