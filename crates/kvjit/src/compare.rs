@@ -206,6 +206,18 @@ mod tests {
     }
 
     #[test]
+    fn fp8_codes_may_differ_by_one_step_not_two() {
+        let t = Tolerance::default();
+        let codes =
+            |v: &[u8]| Tensor::from_vec(&[v.len()], v.iter().map(|&c| kvjit_core::F8E4M3(c)).collect()).unwrap();
+        // 448 vs 416 (one step at the top, 32/448 of the scale) passes; 448
+        // vs 384 (two steps) and -448 do not.
+        assert!(compare_tensors("c", &codes(&[0x7e, 0x30]), &codes(&[0x7d, 0x30]), &t).matches());
+        assert!(!compare_tensors("c", &codes(&[0x7e, 0x30]), &codes(&[0x7c, 0x30]), &t).matches());
+        assert!(!compare_tensors("c", &codes(&[0x7e, 0x30]), &codes(&[0xfe, 0x30]), &t).matches());
+    }
+
+    #[test]
     fn other_types_and_missing_names_are_mismatches() {
         let t = Tolerance::default();
         let c = compare_tensors("x", &f32s(&[1.0]), &f32s(&[1.0, 2.0]), &t);
