@@ -338,7 +338,7 @@ pub fn tolerance(dtype: DType) -> f64 {
 /// tokens each, with pages reserved for `new_tokens` more; pages handed out
 /// in a shuffled order (scattered page tables), blocks random when `fill`.
 #[allow(clippy::too_many_arguments)]
-fn make_cache(
+pub(crate) fn make_cache(
     heads: &Heads,
     dtype: DType,
     layers: usize,
@@ -354,7 +354,7 @@ fn make_cache(
         page_size: heads.page_size,
         num_kv_heads: heads.num_kv_heads,
         head_size: heads.head_size,
-        scale_granularity: dtype.is_quantized().then_some(heads.head_size.min(128)),
+        scale_granularity: dtype.is_quantized().then_some(crate::fp8::GRANULARITY.min(heads.head_size)),
     };
     let pages_per_seq = (history + new_tokens).div_ceil(heads.page_size).max(1);
     let mut cache = PagedKVCacheCollection::new(params, batch * pages_per_seq, batch, pages_per_seq)?;
@@ -375,7 +375,7 @@ fn make_cache(
 /// Random K/V in the whole cache: uniform in [-1, 1) rounded to the dtype;
 /// an FP8 cache's codes random too (uniform values quantized as codes, never
 /// NaN) with scales uniform in [0.5, 1.5)/448, so values span about ±1.5.
-pub(crate) fn fill_random(cache: &mut PagedKVCacheCollection, rng: &mut SmallRng) -> Result<()> {
+fn fill_random(cache: &mut PagedKVCacheCollection, rng: &mut SmallRng) -> Result<()> {
     let shape = cache.blocks().shape().to_vec();
     let dtype = cache.params().dtype;
     if dtype.is_quantized() {

@@ -19,15 +19,14 @@ use std::time::Duration;
 use kvjit::attention::JitKernel as MhaKernel;
 use kvjit::demo::AttentionConfig;
 use kvjit::fused_qkv::{FusedQkvSpec, JitKernel as QkvKernel, QkvArgs};
-use kvjit_core::{DType, KvCacheParams, PagedKVCacheCollection, Target, Tensor};
+use kvjit_core::{DType, KvCacheParams, Target, Tensor};
 use kvjit_jit::CaptureText;
 use kvjit_runtime::{DeviceContextPtr, Executor};
 use rand::SeedableRng;
 use rand::rngs::SmallRng;
-use rand::seq::SliceRandom;
 use serde_json::{Value, json};
 
-use crate::attention::{Heads, compile_step, fill_random, step_inputs};
+use crate::attention::{Heads, compile_step, make_cache, step_inputs};
 use crate::problem::ModelShape;
 use crate::timing::{Plan, Stats, measure_interleaved};
 use crate::{Error, Result};
@@ -188,30 +187,8 @@ fn cache_params(heads: &Heads, dtype: DType, layers: usize) -> KvCacheParams {
         page_size: heads.page_size,
         num_kv_heads: heads.num_kv_heads,
         head_size: heads.head_size,
-        scale_granularity: dtype.is_quantized().then_some(GRANULARITY),
+        scale_granularity: dtype.is_quantized().then_some(GRANULARITY.min(heads.head_size)),
     }
-}
-
-/// A cache for `batch` sequences of `history` cached tokens and `new`
-/// more, pages handed out in a shuffled order.
-fn cache(
-    params: KvCacheParams,
-    batch: usize,
-    history: usize,
-    new: usize,
-    rng: &mut SmallRng,
-) -> Result<PagedKVCacheCollection> {
-    let pages_per_seq = (history + new).div_ceil(params.page_size).max(1);
-    let mut cache = PagedKVCacheCollection::new(params, batch * pages_per_seq, batch, pages_per_seq)?;
-    let mut order: Vec<u32> = (0..cache.num_pages() as u32).collect();
-    order.shuffle(rng);
-    cache.set_allocation_order(order)?;
-    if history > 0 {
-        cache.reserve(&vec![history as u32; batch])?;
-        cache.advance(&vec![history as u32; batch])?;
-    }
-    cache.reserve(&vec![new as u32; batch])?;
-    Ok(cache)
 }
 
 fn store_pair(
@@ -234,7 +211,7 @@ fn store_pair(
             target: Target::Cpu,
             dtype: DType::BF16,
             cache_dtype: dtype,
-            scale_granularity: dtype.is_quantized().then_some(GRANULARITY),
+            scale_granularity: dtype.is_quantized().then_some(GRANULARITY.min(heads.head_size)),
             k: shape.k,
             q_dim: shape.q_dim(),
             num_kv_heads: shape.kv_heads,
@@ -247,7 +224,7 @@ fn store_pair(
         let kernel = QkvKernel::new(spec, Some(weight.clone()), CaptureText::default())
             .map_err(|e| Error::Usage(format!("{}: {e}", spec.kernel_key())))?;
         kernels.push(kernel);
-        caches.push(cache(cache_params(&heads, dtype, 1), 1, 0, m, rng)?);
+        caches.push(make_cache(&heads, dtype, 1, 1, 0, m, false, rng)?);
     }
     let mut outputs = vec![vec![0u8; m * shape.q_dim() * 2]; 2];
     let measured = measure_interleaved(2, &config.timing, |i| {
@@ -278,17 +255,15 @@ fn attention_pair(
     let layers = ((config.working_set as f64 / bf16_bytes).ceil() as usize).max(1);
     // The same K/V in both caches: random bf16 values, and those values
     // quantized per g-block into the FP8 cache.
-    let mut bf16 = cache(cache_params(heads, DType::BF16, layers), batch, context - 1, 1, rng)?;
-    fill_random(&mut bf16, rng)?;
-    let mut fp8 = cache(cache_params(heads, DType::F8E4M3, layers), batch, context - 1, 1, rng)?;
+    let bf16 = make_cache(heads, DType::BF16, layers, batch, context - 1, 1, true, rng)?;
+    let mut fp8 = make_cache(heads, DType::F8E4M3, layers, batch, context - 1, 1, false, rng)?;
+    let g = fp8.params().scale_granularity.expect("an FP8 cache has a granularity");
     fp8.lookup_table_mut().copy_from_slice(bf16.lookup_table());
     {
         let values = bf16.blocks().to_f32_vec()?;
         let (codes, scales) = fp8.blocks_and_scales_mut();
         let scales = scales.expect("an FP8 cache has scales");
-        for ((block, codes), scale) in
-            values.chunks_exact(GRANULARITY).zip(codes.chunks_exact_mut(GRANULARITY)).zip(scales)
-        {
+        for ((block, codes), scale) in values.chunks_exact(g).zip(codes.chunks_exact_mut(g)).zip(scales) {
             *scale = kvjit_core::fp8::quantize_block(block, codes);
         }
     }
@@ -299,7 +274,7 @@ fn attention_pair(
     for dtype in [DType::BF16, DType::F8E4M3] {
         let mut spec = heads.spec(DType::BF16, layers, batch, 1);
         spec.cache_dtype = dtype;
-        spec.scale_granularity = dtype.is_quantized().then_some(GRANULARITY);
+        spec.scale_granularity = dtype.is_quantized().then_some(g);
         let key = spec.kernel_key().to_string();
         kernels.push(MhaKernel::new(spec, CaptureText::default()).map_err(|e| Error::Usage(format!("{key}: {e}")))?);
     }

@@ -957,8 +957,9 @@ impl JitKernel {
             // offset is a checked row of the blocks (p lies in
             // `key_ranges[b]`), leaving a whole K and V row (all heads)
             // inside `blocks`; for an FP8 spec the same check found the
-            // cache's scales f32, contiguous, `[P, 2, L, page_size, Hkv,
-            // D/g]` (`check_fp8_scales`), so the scales of a row at element
+            // cache FP8 with this g, and such a cache holds f32 scales
+            // `[P, 2, L, page_size, Hkv, D/g]` (every constructor and
+            // `set_scales` enforce it), so the scales of a row at element
             // offset o (a multiple of D = g·D/g) are the `Hkv·D/g` f32 at
             // o/g (+ the K→V stride / g for V), inside `scales` whenever the
             // row is inside `blocks`; `lengths` has 2·B words; each item reads and

@@ -1,7 +1,7 @@
 //! The op's kernels behind the runtime's [`Kernel`] interface, and the
 //! check every kernel of a key runs.
 
-use kvjit_core::{DType, Error, KernelKey, PagedKVCacheCollection, Result, Tensor};
+use kvjit_core::{Error, KernelKey, PagedKVCacheCollection, Result, Tensor};
 use kvjit_runtime::{DeviceContextPtr, Kernel, OutputSpec};
 
 use crate::call::{CallShape, check_call, check_output};
@@ -26,7 +26,6 @@ pub(crate) fn check_against_spec(
         return Err(Error::DTypeMismatch { arg: "q".into(), expected: spec.dtype, got: q.dtype() });
     }
     cache.params().expect_built_for(&spec.cache_params())?;
-    check_fp8_scales(cache)?;
     let shape = check_call(q, cache, layer_idx, valid_lengths, &config_of(spec))?;
     let dim_ok = |baked: Option<usize>, got: usize| baked.is_none_or(|b| b == got);
     if shape.num_heads != spec.num_heads || !dim_ok(spec.batch, shape.batch) || !dim_ok(spec.seq, shape.seq) {
@@ -45,30 +44,6 @@ pub(crate) fn check_against_spec(
         });
     }
     Ok(shape)
-}
-
-/// An FP8 cache's scales must be what the kernels index: f32, contiguous,
-/// `[P, 2, L, page_size, Hkv, D/g]` (the cache's constructors already
-/// guarantee it; checked again here because the JIT kernel reads them
-/// without bounds checks). Nothing for other caches.
-pub(crate) fn check_fp8_scales(cache: &PagedKVCacheCollection) -> Result<()> {
-    let params = cache.params();
-    let Some(g) = params.scale_granularity.filter(|_| params.dtype.is_quantized()) else {
-        return Ok(());
-    };
-    let blocks = cache.blocks().shape();
-    let expected = [blocks[0], 2, params.num_layers, params.page_size, params.num_kv_heads, params.head_size / g];
-    let Some(scales) = cache.scales() else {
-        return Err(Error::InvalidCacheParams(format!("a {} cache needs its scales", params.dtype)));
-    };
-    if scales.shape() != expected {
-        return Err(Error::ShapeMismatch {
-            arg: "kv_collection.scales".into(),
-            expected: format!("{expected:?}"),
-            got: scales.shape().to_vec(),
-        });
-    }
-    kvjit_core::expect_arg("kv_collection.scales", scales, DType::F32)
 }
 
 /// A `Kernel::run` call's arguments, unpacked and checked (output included).
