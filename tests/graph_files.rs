@@ -1013,3 +1013,33 @@ fn single_field_edits_of_a_valid_file_never_panic() {
     assert!(edits > 500, "only {edits} edits tried");
     assert!(panics.is_empty(), "edits that panicked: {panics:#?}");
 }
+
+#[test]
+fn fp8_cache_granularity_defaults_to_128_and_must_divide_the_head_size() {
+    let registry = standard_registry();
+    let graph = kvjit::demo::attention_step_graph(&kvjit::demo::AttentionConfig::llama3_8b(), registry.ops()).unwrap();
+    let mut file: Value = serde_json::from_str(&graph_to_json(&graph, None)).unwrap();
+    let cache = file["values"].as_array_mut().unwrap().iter_mut().find(|v| v["kind"] == "kv_cache").unwrap();
+    cache["dtype"] = json!("f8e4m3");
+    let load = |file: &Value| graph_from_json(&file.to_string(), registry.ops(), None);
+    // Without a granularity: the default, 128, named in every cache-reading key.
+    let loaded = load(&file).unwrap();
+    let (_, value) = loaded.kv_caches().next().unwrap();
+    assert_eq!(value.ty.as_kv_cache().unwrap().scale_granularity, Some(128));
+    for (g, ok) in [(32, true), (48, false), (0, false)] {
+        let cache = file["values"].as_array_mut().unwrap().iter_mut().find(|v| v["kind"] == "kv_cache").unwrap();
+        cache["scale_granularity"] = json!(g);
+        match load(&file) {
+            Ok(_) => assert!(ok, "g = {g} was accepted"),
+            Err(e) => {
+                assert!(!ok, "g = {g}: {e}");
+                assert!(e.to_string().contains("scale_granularity"), "{e}");
+            }
+        }
+    }
+    // A granularity on a bf16 cache is refused too.
+    let cache = file["values"].as_array_mut().unwrap().iter_mut().find(|v| v["kind"] == "kv_cache").unwrap();
+    cache["dtype"] = json!("bf16");
+    cache["scale_granularity"] = json!(128);
+    assert!(load(&file).unwrap_err().to_string().contains("f8e4m3 caches only"));
+}
