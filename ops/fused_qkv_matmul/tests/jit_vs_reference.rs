@@ -731,6 +731,7 @@ fn k_zero_writes_zeros() {
 
 #[test]
 fn empty_batch_and_empty_sequences() {
+    // On every tier, specialized, generic and unspecialized kernels alike.
     for dtype in DType::FLOATS {
         check_case(&Case { batch: 0, seq: 3, cache_lengths: vec![], valid: vec![], threads: 2, ..Case::base(dtype) });
         check_case(&Case {
@@ -750,6 +751,24 @@ fn empty_batch_and_empty_sequences() {
             ..Case::base(dtype)
         };
         check_case(&fully_static);
+        if tiers().contains(&CpuTier::Avx2) {
+            let unspecialized = |case: Case| Case { tier: CpuTier::Avx2, unspecialized: true, ..case };
+            check_case(&unspecialized(Case {
+                batch: 0,
+                seq: 2,
+                cache_lengths: vec![],
+                valid: vec![],
+                ..Case::base(dtype)
+            }));
+            check_case(&unspecialized(Case {
+                batch: 3,
+                seq: 0,
+                cache_lengths: vec![0, 2, 9],
+                valid: vec![0, 0, 0],
+                threads: 2,
+                ..Case::base(dtype)
+            }));
+        }
     }
 }
 

@@ -81,6 +81,25 @@ fn contexts_crossing_pages_and_empty_sequences() {
     }
 }
 
+/// A batch of no sequences and a step of no tokens are no-ops: nothing
+/// written, on every dtype pair and layout, with 1 and 3 threads.
+#[test]
+fn empty_batch_and_empty_step() {
+    for dtype in DType::FLOATS {
+        for cache_dtype in DType::FLOATS {
+            for interleaved in [false, true] {
+                let base = Case::base(dtype, cache_dtype, interleaved);
+                let no_sequences = Case { batch: 0, cache_lengths: vec![], valid: vec![], ..base.clone() };
+                let no_tokens = Case { batch: 2, seq: 0, cache_lengths: vec![3, 0], valid: vec![0, 0], ..base };
+                for threads in [1, 3] {
+                    check(&no_sequences, threads);
+                    check(&no_tokens, threads);
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn any_thread_count_gives_identical_bytes() {
     let case = Case {
