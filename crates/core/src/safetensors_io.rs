@@ -198,8 +198,10 @@ pub fn load_safetensors(path: &Path, mode: WeightLoad) -> Result<LoadedTensors> 
             }
             None => {
                 loaded.copied_bytes += bytes as u64;
-                let map = map.as_ref().expect("a file with data is mapped");
-                Tensor::from_le_bytes(dtype, &shape, &map[base + range.start..base + range.end])?
+                // No mapping only when the data section is empty (every
+                // tensor zero-sized): their ranges are all empty then.
+                let data: &[u8] = map.as_deref().map_or(&[], |map| &map[base..]);
+                Tensor::from_le_bytes(dtype, &shape, &data[range])?
             }
         };
         loaded.tensors.insert(name, tensor);
@@ -420,6 +422,21 @@ mod tests {
         // The bf16 tensor starts right after the header, which the writer
         // pads to 8 bytes: it is aligned and borrowed from the file.
         assert!(mapped.tensors["a"].is_mapped());
+    }
+
+    #[test]
+    fn a_file_of_zero_sized_tensors_loads_in_both_modes() {
+        let dir = tempfile::tempdir().unwrap();
+        let empty = Tensor::zeros(DType::F32, &[0, 4]).unwrap();
+        let also_empty = Tensor::zeros(DType::BF16, &[3, 0]).unwrap();
+        let path = dir.path().join("empty.safetensors");
+        write_safetensors(&path, [("a", &empty), ("b", &also_empty)]).unwrap();
+        for mode in [WeightLoad::Map, WeightLoad::Copy] {
+            let loaded = load_safetensors(&path, mode).unwrap_or_else(|e| panic!("{mode:?}: {e}"));
+            assert_eq!(loaded.tensors["a"], empty, "{mode:?}");
+            assert_eq!(loaded.tensors["b"], also_empty, "{mode:?}");
+            assert_eq!((loaded.mapped_bytes, loaded.copied_bytes), (0, 0), "{mode:?}");
+        }
     }
 
     #[test]
