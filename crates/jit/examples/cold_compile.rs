@@ -330,7 +330,7 @@ fn phases() {
         let mut module = JITModule::new(JITBuilder::with_isa(quiet, cranelift_module::default_libcall_names()));
         let d_module = lap();
         let ptr = isa.pointer_type();
-        let mut sig = Signature::new(CallConv::SystemV);
+        let mut sig = Signature::new(CallConv::triple_default(isa.triple()));
         sig.params.extend([ptr, types::I64, types::I64].map(AbiParam::new));
         let id = module.declare_function(&format!("k{i}"), Linkage::Export, &sig).unwrap();
         let d_declare = lap();

@@ -48,6 +48,17 @@ pub fn host_isa() -> Result<OwnedTargetIsa, JitError> {
     .map_err(JitError::Isa)
 }
 
+/// The calling convention every JIT function is emitted in: the C convention
+/// of `triple`, so the host calls JIT code through `extern "C"` fn pointers
+/// and JIT code calls `extern "C"` Rust functions (the micro-kernels, through
+/// [`crate::ir::call_native`]) with the same ABI — System V on Linux and
+/// macOS x86-64, the Windows x64 convention on Windows, AAPCS64 (Apple's
+/// variant on macOS) on AArch64. Hard-coding System V would be a different
+/// ABI from `extern "C"` on Windows.
+pub fn c_call_conv(triple: &target_lexicon::Triple) -> CallConv {
+    CallConv::triple_default(triple)
+}
+
 /// The pointer type of the host ISA (I64 on 64-bit hosts).
 pub fn pointer_type() -> Type {
     host_isa().map_or(types::I64, |isa| isa.pointer_type())
@@ -161,8 +172,8 @@ impl Scratch {
     }
 }
 
-/// Compile one function `name(params…) -> returns…` (System V call
-/// convention, callable through an `extern "C"` fn pointer). `build` gets the
+/// Compile one function `name(params…) -> returns…` in the host's C calling
+/// convention ([`c_call_conv`]: callable through an `extern "C"` fn pointer). `build` gets the
 /// builder positioned in the entry block and the parameter values, and must
 /// emit the whole body including the return.
 pub fn compile_function(
@@ -175,7 +186,7 @@ pub fn compile_function(
     let started = Instant::now();
     let isa = host_isa()?;
     let mut module = JITModule::new(JITBuilder::with_isa(isa.clone(), cranelift_module::default_libcall_names()));
-    let mut sig = Signature::new(CallConv::SystemV);
+    let mut sig = Signature::new(c_call_conv(isa.triple()));
     sig.params.extend(params.iter().map(|&t| AbiParam::new(t)));
     sig.returns.extend(returns.iter().map(|&t| AbiParam::new(t)));
     let codegen_error = |message: String| JitError::Codegen { name: name.to_string(), message };
@@ -223,6 +234,26 @@ mod tests {
     use cranelift_codegen::ir::InstBuilder;
 
     use super::*;
+
+    #[test]
+    fn jit_functions_use_the_c_calling_convention_of_their_target() {
+        let conv = |triple: &str| c_call_conv(&triple.parse().unwrap());
+        assert_eq!(conv("x86_64-unknown-linux-gnu"), CallConv::SystemV);
+        assert_eq!(conv("x86_64-apple-darwin"), CallConv::SystemV);
+        assert_eq!(conv("x86_64-pc-windows-msvc"), CallConv::WindowsFastcall);
+        assert_eq!(conv("aarch64-unknown-linux-gnu"), CallConv::SystemV);
+        assert_eq!(conv("aarch64-apple-darwin"), CallConv::AppleAarch64);
+        // The host's: what Rust's `extern "C"` is on this platform.
+        let host = host_isa().unwrap();
+        let expected = if cfg!(all(windows, target_arch = "x86_64")) {
+            CallConv::WindowsFastcall
+        } else if cfg!(all(target_vendor = "apple", target_arch = "aarch64")) {
+            CallConv::AppleAarch64
+        } else {
+            CallConv::SystemV
+        };
+        assert_eq!(c_call_conv(host.triple()), expected);
+    }
 
     #[test]
     fn compiles_calls_and_frees_a_function() {

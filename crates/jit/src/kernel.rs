@@ -3,7 +3,8 @@
 //! the one place JIT code is called.
 //!
 //! **The kernel ABI.** Every kernel is
-//! `extern "C" fn(args: *const u64, begin: i64, end: i64)` (System V): `args`
+//! `extern "C" fn(args: *const u64, begin: i64, end: i64)` (the host's C
+//! convention, [`crate::c_call_conv`]): `args`
 //! points at the call's argument words — buffer addresses and run-time
 //! sizes, in the order the op's emitter reads them with
 //! [`KernelParams::arg`] — and `[begin, end)` is the range of work items
