@@ -23,7 +23,7 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 #[non_exhaustive]
 pub enum Error {
     /// A dtype name that kvjit does not know.
-    #[error("unknown dtype '{0}': expected one of f32, bf16, f16, u32")]
+    #[error("unknown dtype '{0}': expected one of f32, bf16, f16, f8e4m3, u32")]
     UnknownDType(String),
     /// A target name that kvjit does not know.
     #[error("unknown target '{0}': expected cpu or cuda")]
@@ -305,7 +305,7 @@ pub enum Error {
         problem: String,
     },
     /// A safetensors tensor in a dtype kvjit does not handle.
-    #[error("tensor '{name}' has dtype {dtype}, which kvjit does not support (f32, bf16, f16, u32)")]
+    #[error("tensor '{name}' has dtype {dtype}, which kvjit does not support (F32, BF16, F16, F8_E4M3, U32)")]
     UnsupportedFileDType {
         /// Tensor name.
         name: String,

@@ -425,6 +425,17 @@ mod tests {
     }
 
     #[test]
+    fn dtype_errors_list_every_dtype() {
+        let unknown = "f64".parse::<DType>().unwrap_err().to_string();
+        let unsupported = from_file_dtype("t", Dtype::F64).unwrap_err().to_string();
+        for dtype in DType::ALL {
+            assert!(unknown.contains(&dtype.to_string()), "{dtype} not in: {unknown}");
+            let file_name = format!("{:?}", to_file_dtype(dtype));
+            assert!(unsupported.contains(&file_name), "{file_name} not in: {unsupported}");
+        }
+    }
+
+    #[test]
     fn a_file_of_zero_sized_tensors_loads_in_both_modes() {
         let dir = tempfile::tempdir().unwrap();
         let empty = Tensor::zeros(DType::F32, &[0, 4]).unwrap();

@@ -44,6 +44,16 @@ pub enum JitError {
     /// The host ISA could not be set up.
     #[error("cannot set up the host ISA for JIT compilation: {0}")]
     Isa(String),
+    /// A CPU tier this CPU cannot run was asked for.
+    #[error("the {tier} CPU tier needs {needs}; this {arch} CPU lacks them (build for the cranelift or auto tier)")]
+    TierUnavailable {
+        /// The tier asked for.
+        tier: kvjit_core::CpuTier,
+        /// The CPU features it needs.
+        needs: &'static str,
+        /// This CPU's architecture.
+        arch: &'static str,
+    },
     /// A kernel whose sizes the generated code cannot address.
     #[error("cannot generate code for {key}: {reason}")]
     Unsupported {

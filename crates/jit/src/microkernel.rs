@@ -87,10 +87,11 @@ pub fn resolve_tier(requested: CpuTier) -> Result<CpuTier, JitError> {
         CpuTier::Auto if avx2_available() => Ok(CpuTier::Avx2),
         CpuTier::Auto | CpuTier::Cranelift => Ok(CpuTier::Cranelift),
         CpuTier::Avx2 if avx2_available() => Ok(CpuTier::Avx2),
-        CpuTier::Avx2 => Err(JitError::Isa(format!(
-            "the avx2 CPU tier needs an x86-64 CPU with AVX2, FMA and F16C; this {} CPU lacks them (use --cpu-tier cranelift or auto)",
-            std::env::consts::ARCH
-        ))),
+        CpuTier::Avx2 => Err(JitError::TierUnavailable {
+            tier: CpuTier::Avx2,
+            needs: "an x86-64 CPU with AVX2, FMA and F16C",
+            arch: std::env::consts::ARCH,
+        }),
     }
 }
 
@@ -350,6 +351,20 @@ mod tests {
     use rand::{Rng, SeedableRng};
 
     use super::*;
+
+    #[test]
+    fn an_unavailable_tier_is_refused_in_library_terms() {
+        let refusal = JitError::TierUnavailable { tier: CpuTier::Avx2, needs: "AVX2", arch: "x86_64" }.to_string();
+        assert_eq!(
+            refusal,
+            "the avx2 CPU tier needs AVX2; this x86_64 CPU lacks them (build for the cranelift or auto tier)"
+        );
+        match resolve_tier(CpuTier::Avx2) {
+            Ok(tier) => assert!(avx2_available() && tier == CpuTier::Avx2),
+            Err(e) => assert!(!avx2_available() && !e.to_string().contains("--"), "{e}"),
+        }
+        assert_eq!(resolve_tier(CpuTier::Cranelift).unwrap(), CpuTier::Cranelift);
+    }
 
     /// Every tile against an f64 sum on random data (added into random
     /// accumulators), with k not a multiple of the unroll and a guard after
