@@ -13,7 +13,8 @@ use kvjit::demo::{LayerConfig, layer_graph};
 use kvjit::{
     DType, KvCacheParams, PagedKVCacheCollection, Tensor, graph_to_json, standard_registry, tensors_to_safetensors,
 };
-use kvjit_fuzz::{TINY_DTYPES, tiny_graph};
+use kvjit::demo::Scenario;
+use kvjit_fuzz::{TINY_ATTENTION_DTYPES, TINY_DTYPES, tiny_attention_graph, tiny_graph};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 
@@ -89,6 +90,11 @@ fn main() {
     bytes.push(0);
     bytes.extend(tensors_to_safetensors([("qkv_weight", &weight)]).unwrap());
     write(&graphs, "data_weight.bin", &bytes);
+    // The tiny attention steps: every op of the step, and an FP8 cache.
+    for (dtype, cache_dtype) in [(DType::F32, DType::F32), (DType::BF16, DType::F8E4M3)] {
+        let graph = tiny_attention_graph(&registry, dtype, cache_dtype);
+        write(&graphs, &format!("{}.json", graph.name()), graph_to_json(&graph, None).as_bytes());
+    }
 
     // artifact: the tiny chain compiled (weights in the JIT's packed layout).
     let artifacts = root.join("artifact");
@@ -122,6 +128,33 @@ fn main() {
         named.extend(cache.to_tensors("kv_cache").unwrap());
         let bytes = tensors_to_safetensors(named.iter().map(|(n, t)| (n.as_str(), t))).unwrap();
         write(&inputs, &format!("prefill_{dtype}_{cache_dtype}.safetensors"), &bytes);
+    }
+    // The tiny attention steps: a prefill of 2 sequences with history, and
+    // a batch of no sequences (a server whose batch drained).
+    for (dtype, cache_dtype) in TINY_ATTENTION_DTYPES {
+        let graph = tiny_attention_graph(&registry, dtype, cache_dtype);
+        let scenario = Scenario::prefill_with(&graph, 6, 2, 3).unwrap();
+        let mut named: Vec<(String, Tensor)> = scenario.inputs.clone().into_iter().collect();
+        named.extend(scenario.caches["kv_cache"].to_tensors("kv_cache").unwrap());
+        let bytes = tensors_to_safetensors(named.iter().map(|(n, t)| (n.as_str(), t))).unwrap();
+        write(&inputs, &format!("attention_prefill_{dtype}_{cache_dtype}.safetensors"), &bytes);
+
+        let params = graph.kv_caches().next().unwrap().1.ty.as_kv_cache().unwrap().params();
+        let empty_cache = PagedKVCacheCollection::new(params, 12, 0, 4).unwrap();
+        let mut named: Vec<(String, Tensor)> = scenario
+            .inputs
+            .iter()
+            .map(|(name, t)| {
+                let mut shape = t.shape().to_vec();
+                if let Some(batch) = shape.first_mut() {
+                    *batch = 0;
+                }
+                (name.clone(), Tensor::zeros(t.dtype(), &shape).unwrap())
+            })
+            .collect();
+        named.extend(empty_cache.to_tensors("kv_cache").unwrap());
+        let bytes = tensors_to_safetensors(named.iter().map(|(n, t)| (n.as_str(), t))).unwrap();
+        write(&inputs, &format!("attention_no_sequences_{dtype}_{cache_dtype}.safetensors"), &bytes);
     }
 }
 

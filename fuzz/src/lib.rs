@@ -23,7 +23,7 @@
 use std::cell::RefCell;
 use std::collections::BTreeMap;
 
-use kvjit::demo::Scenario;
+use kvjit::demo::{AttentionConfig, LayerConfig, Scenario, attention_step_graph};
 use kvjit::{
     BuildOptions, CompileOptions, DType, DeviceContextPtr, Dim, Executable, Executor, Graph, GraphBuilder, KernelImpl,
     KvCacheType, PagedKVCacheCollection, ParamValue, Params, RandomInit, Registry, Tensor, ValueDef, compile,
@@ -200,6 +200,73 @@ fn compile_and_run(graph: &Graph, registry: &Registry) {
     let want = run(&reference, &scenario.inputs, &scenario.caches, "graph file, reference");
     let got = run(&jit, &scenario.inputs, &scenario.caches, "graph file, JIT");
     assert_same_runs(&got, &want, "graph file");
+    run_empty_steps(graph, registry, &scenario.caches);
+}
+
+/// A batch of no sequences and a step of no tokens through the generic
+/// kernels of both implementations: the same verdict from both, and a run
+/// that is accepted writes nothing and outputs nothing. `caches` are the
+/// demo scenario's (2 sequences with history).
+fn run_empty_steps(graph: &Graph, registry: &Registry, caches: &Caches) {
+    let symbols = graph.symbols();
+    if symbols.iter().any(|s| s != "batch" && s != "seq") {
+        return;
+    }
+    let compiled = [KernelImpl::Reference, KernelImpl::Fast]
+        .map(|i| compile(graph, registry, &options(i, BTreeMap::new(), RUN_BUDGET)));
+    let [Ok(reference), Ok(jit)] = compiled else { return };
+    let no_sequences: Option<Caches> = graph
+        .kv_caches()
+        .map(|(_, value)| {
+            let ty = value.ty.as_kv_cache()?;
+            let size = |dim: &Dim| match dim {
+                Dim::Static(v) => *v,
+                Dim::Symbolic(_) => 0,
+            };
+            let cache = PagedKVCacheCollection::new(ty.params(), size(&ty.num_pages), 0, size(&ty.max_pages_per_seq));
+            Some((value.name.clone().unwrap_or_default(), cache.ok()?))
+        })
+        .collect();
+    let steps = [(0, 3, no_sequences), (2, 0, Some(caches.clone()))];
+    for (batch, seq, caches) in steps {
+        let (Some(caches), Some(inputs)) = (caches, inputs_of_no_tokens(graph, batch, seq)) else { continue };
+        let what = format!("graph file, B = {batch}, S = {seq}");
+        let want = run(&reference, &inputs, &caches, &format!("{what}, reference"));
+        let got = run(&jit, &inputs, &caches, &format!("{what}, JIT"));
+        assert_same_runs(&got, &want, &what);
+        if let Ok(outputs) = &want.result {
+            assert!(outputs.values().all(|t| t.numel() == 0), "{what}: an empty step output something");
+            assert!(caches_identical(&want.caches, &caches), "{what}: an empty step wrote a cache");
+        }
+    }
+}
+
+/// Inputs of `batch` sequences padded to `seq` tokens, with every u32 input
+/// zero (no valid tokens, layer 0); `None` if a dim is neither static nor
+/// `batch`/`seq`.
+fn inputs_of_no_tokens(graph: &Graph, batch: usize, seq: usize) -> Option<BTreeMap<String, Tensor>> {
+    let mut inputs = BTreeMap::new();
+    for (_, value) in graph.inputs() {
+        let ty = value.ty.as_tensor()?;
+        let shape = ty
+            .shape
+            .iter()
+            .map(|dim| match dim {
+                Dim::Static(v) => Some(*v),
+                Dim::Symbolic(s) if s == "batch" => Some(batch),
+                Dim::Symbolic(s) if s == "seq" => Some(seq),
+                Dim::Symbolic(_) => None,
+            })
+            .collect::<Option<Vec<usize>>>()?;
+        let numel = shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d)).filter(|&n| n <= 1 << 16)?;
+        let tensor = if ty.dtype == DType::U32 {
+            Tensor::from_vec(&shape, vec![0u32; numel]).ok()?
+        } else {
+            Tensor::from_f32(ty.dtype, &shape, &vec![0.5; numel]).ok()?
+        };
+        inputs.insert(value.name.clone()?, tensor);
+    }
+    Some(inputs)
 }
 
 // ---------------------------------------------------------------------------
@@ -311,20 +378,49 @@ pub fn tiny_graph(registry: &Registry, dtype: DType, cache_dtype: DType) -> Grap
     b.finish().unwrap()
 }
 
-fn with_tiny<R>(dtype: DType, f: impl FnOnce(&Tiny) -> R) -> R {
+/// Activation and cache dtype of the tiny attention steps.
+pub const TINY_ATTENTION_DTYPES: [(DType, DType); 3] =
+    [(DType::F32, DType::F32), (DType::BF16, DType::BF16), (DType::BF16, DType::F8E4M3)];
+
+/// A tiny whole attention step (fused QKV → reshape → RoPE → attention →
+/// reshape, two layers; hidden 16, 2 query heads, 1 KV head of 8, page 2,
+/// 12 pages, 4 a sequence; an FP8 cache has one scale per head, g = 8).
+pub fn tiny_attention_graph(registry: &Registry, dtype: DType, cache_dtype: DType) -> Graph {
+    let layer = LayerConfig {
+        name: format!("tiny_attention_{dtype}_{cache_dtype}"),
+        dtype,
+        cache_dtype: (cache_dtype != dtype).then_some(cache_dtype),
+        hidden_size: 16,
+        num_q_heads: 2,
+        num_kv_heads: 1,
+        head_size: 8,
+        page_size: 2,
+        num_layers: 2,
+        num_pages: 12,
+        max_pages_per_seq: 4,
+        weight_seed: 3,
+    };
+    let config = AttentionConfig { layer, ..AttentionConfig::small() };
+    attention_step_graph(&config, registry.ops()).expect("the tiny attention step builds")
+}
+
+/// Every tiny graph the `safetensors_inputs` target runs an inputs file
+/// against, compiled once with both kernel implementations.
+fn with_tiny<R>(f: impl FnOnce(&[Tiny]) -> R) -> R {
     TINY.with(|tiny| {
         let mut tiny = tiny.borrow_mut();
         if tiny.is_empty() {
             REGISTRY.with(|registry| {
-                for (dtype, cache_dtype) in TINY_DTYPES {
-                    let graph = tiny_graph(registry, dtype, cache_dtype);
+                let chains = TINY_DTYPES.map(|(d, c)| (d, tiny_graph(registry, d, c)));
+                let steps = TINY_ATTENTION_DTYPES.map(|(d, c)| (d, tiny_attention_graph(registry, d, c)));
+                for (dtype, graph) in chains.into_iter().chain(steps) {
                     let [reference, jit] = [KernelImpl::Reference, KernelImpl::Fast]
                         .map(|i| compile(&graph, registry, &options(i, BTreeMap::new(), 1 << 20)).unwrap());
                     tiny.push(Tiny { dtype, graph, reference, jit });
                 }
             });
         }
-        f(tiny.iter().find(|t| t.dtype == dtype).unwrap_or(&tiny[0]))
+        f(&tiny)
     })
 }
 
@@ -356,18 +452,24 @@ pub fn safetensors_inputs(data: &[u8]) {
         }
     }
 
+    // Against every tiny graph of the file's activation dtype: the chain
+    // and the attention steps (their caches' dtypes differ, so a cache that
+    // assembles fits at most one or two of them).
     let dtype = tensors.get("hidden_state").map_or(DType::F32, Tensor::dtype);
-    with_tiny(dtype, |tiny| {
-        let scenario = match Scenario::from_tensors(&tiny.graph, tensors, 0) {
-            Ok(s) => s,
-            Err(e) => {
-                let _ = e.to_string();
-                return;
-            }
-        };
-        let want = run(&tiny.reference, &scenario.inputs, &scenario.caches, "inputs file, reference");
-        let got = run(&tiny.jit, &scenario.inputs, &scenario.caches, "inputs file, JIT");
-        assert_same_runs(&got, &want, "inputs file");
+    with_tiny(|tiny| {
+        for tiny in tiny.iter().filter(|t| t.dtype == dtype) {
+            let scenario = match Scenario::from_tensors(&tiny.graph, tensors.clone(), 0) {
+                Ok(s) => s,
+                Err(e) => {
+                    let _ = e.to_string();
+                    continue;
+                }
+            };
+            let what = format!("inputs file, {}", tiny.graph.name());
+            let want = run(&tiny.reference, &scenario.inputs, &scenario.caches, &format!("{what}, reference"));
+            let got = run(&tiny.jit, &scenario.inputs, &scenario.caches, &format!("{what}, JIT"));
+            assert_same_runs(&got, &want, &what);
+        }
     });
 }
 
