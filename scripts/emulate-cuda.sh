@@ -155,7 +155,8 @@ spawn fp8-zero-scale 2 -e 's#scale == 0.f \&\& fabsf(x) <= F32_MAX ? x \* 0.f : 
 spawn fp8-scale-index 2 -e 's#scales\[at / g\] = scale;#scales[(off + j) / g] = scale;#'
 # 16. parts per g-block off by one where a block ends on a tile edge: never complete, never coded.
 spawn fp8-parts 2 -e 's#(first + g - 1) / tile_n#(first + g) / tile_n#'
-# 17. the completing block does not reset its counter: the next launch miscounts.
+# 17. the completing block does not reset its counter: the launch does not leave the counters zero
+#     (the host zeroes them before every launch, but zero afterwards shows every part counted once).
 spawn fp8-counter-reset 1 -e '/^ *if (last) \*count = 0u;/d'
 # 18. an absmax that counts ±inf (NaN still ignored): a block with one ±inf gets scale inf, its
 #     finite values code 0 and the ±inf NaN (inf / inf).

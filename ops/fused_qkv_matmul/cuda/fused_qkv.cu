@@ -61,8 +61,11 @@
 //      lanes per (row, g-block), a shuffle max-reduction for the absmax,
 //      then one code per lane and element, and the scale.
 // No block ever waits for another, so any launch order or residency works.
-// `counters` must be zero before the first launch (the host zeroes them
-// when it allocates them) and every complete launch leaves them zero.
+// `counters` must be zero when a launch starts: the host zeroes them on
+// the stream before every launch (ready_counters in cuda_kernel.rs), as a
+// launch that failed part-way may leave counts behind. A complete launch
+// also leaves them zero (the block completing a count resets it), which the
+// emulator checks: every part of every g-block was counted exactly once.
 // The convert is cvt.rn.satfinite.e4m3x2.f32 on sm_90 and e4m3_sw, a
 // software convert bit-identical to kvjit_core::fp8::e4m3_from_f32, on
 // sm_80. NaN codes may differ from the CPU reference's in the sign bit
@@ -313,7 +316,7 @@ struct Fp8Epilogue {
     unsigned char* codes;  // the cache's blocks
     float* scales;         // the cache's scales
     float* scratch;        // [M, 2·kv_dim] f32
-    unsigned* counters;    // [row tiles, 2·kv_dim / g], zero between launches
+    unsigned* counters;    // [row tiles, 2·kv_dim / g], zero when the launch starts
     const long long* row_off;
     int M, N, q_dim, kv_dim, g;
     long long kv_stride;
@@ -367,7 +370,7 @@ struct Fp8Epilogue {
             const unsigned parts = static_cast<unsigned>((first + g - 1) / tile_n - first / tile_n + 1);
             unsigned* count = counters + static_cast<long long>(tile_row) * (2 * kv_dim / g) + b0 + tid;
             const bool last = atomic_add(count, 1u) == parts - 1u;
-            if (last) *count = 0u;  // every part is in: ready for the next launch
+            if (last) *count = 0u;  // every part is in: back to zero
             fence_gpu();            // acquire: the other parts' stores, before the barrier
             flags[tid] = last ? 1 : 0;
         }

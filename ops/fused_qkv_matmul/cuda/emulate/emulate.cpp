@@ -902,7 +902,7 @@ static void check_fp8(const Case& cs, const std::vector<float>& xv, const std::v
     codes.fill(0xFF);
     scales.fill(0xFF);
     scratch.fill(0xFF);
-    counters.fill(0);  // the host zeroes them once
+    counters.fill(0);  // the host zeroes them before every launch
     const std::vector<uint8_t> codes0(codes.data(), codes.data() + codes.bytes),
         scales0(scales.data(), scales.data() + scales.bytes);
 
