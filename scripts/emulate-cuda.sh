@@ -4,7 +4,8 @@
 # cache dtype f32/bf16/f16/f8e4m3) and the row-gather kernel; FP8 variants:
 # Q and the staged f32 K/V against f64, then codes and scales bit for bit
 # against a port of kvjit_core::fp8::quantize_block on those same f32 values,
-# g-blocks inside and across column tiles, NaN/inf/zero blocks, counters
+# g-blocks inside and across column tiles, NaN and ±inf beside finite values,
+# ±inf beside zeros only, zero blocks, counters
 # left zero, blocks launched in ascending, descending and random orders; the
 # software E4M3 convert on ~5.4M values (every tie) against a port of
 # e4m3_from_f32 and a brute-force search. All on fixed and random shapes with
@@ -21,8 +22,8 @@
 #       (~3 min in all on 2 idle cores): the emulation built against copies of fused_qkv.cu
 #       with one bug each must fail, as the unmodified kernels must pass: pipeline and barrier
 #       bugs (a wrong cp.async.wait_group depth, a removed or misplaced __syncthreads, ...)
-#       and FP8 bugs (rounding of the E4M3 convert, the scale, the absmax, zero blocks, the
-#       scale index, the per-g-block counting across column tiles). A mutant whose edit no longer matches the source is an error: update its
+#       and FP8 bugs (rounding of the E4M3 convert, the scale, the absmax, ±inf, zero blocks,
+#       the scale index, the per-g-block counting across column tiles). A mutant whose edit no longer matches the source is an error: update its
 #       pattern along with the kernel.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -140,22 +141,28 @@ spawn fp8-subnormal-ties-up 2 -e 's#(rem > half || (rem == half \&\& (q \& 1u) !
 # 10. the scale as amax times the rounded reciprocal of 448 (1 ulp off for some amax).
 spawn fp8-scale-reciprocal 2 -e 's#const float scale = amax / E4M3_MAX;#const float scale = amax * (1.f / E4M3_MAX);#'
 # 11. the absmax of the signed values (a block whose largest magnitude is negative saturates).
-spawn fp8-signed-absmax 2 -e 's#amax = fmaxf(amax, fabsf(v\[r\]));#amax = fmaxf(amax, v[r]);#'
+spawn fp8-signed-absmax 2 -e 's#const float a = fabsf(v);#const float a = v;#'
 # 12. an absmax that propagates NaN (sticky NaN in the lane loop and the shuffle); the reference's
 #     f32::max, like fmaxf, ignores NaN: a block with one NaN keeps the scale of its numbers.
 spawn fp8-nan-absmax 4 \
-    -e 's#amax = fmaxf(amax, fabsf(v\[r\]));#amax = (amax != amax || v[r] != v[r]) ? amax + v[r] : fmaxf(amax, fabsf(v[r]));#' \
+    -e 's#amax = fmaxf(amax, finite_magnitude(v\[r\]));#amax = (amax != amax || v[r] != v[r]) ? amax + v[r] : fmaxf(amax, finite_magnitude(v[r]));#' \
     -e 's#amax = fmaxf(amax, shfl_xor(amax, mask));#{ const float o = shfl_xor(amax, mask); amax = (amax != amax || o != o) ? amax + o : fmaxf(amax, o); }#'
 # 13. the absmax pass over values past the registers (g > 256) skips a stride.
 spawn fp8-absmax-tail 2 -e 's#for (int e = sub + FP8_REGS \* S; e < n; e += S) amax#for (int e = sub + (FP8_REGS + 1) * S; e < n; e += S) amax#'
 # 14. a zero block divided by its zero scale (0 / 0: NaN codes) instead of x * 0.
-spawn fp8-zero-scale 2 -e 's#scale == 0.f ? x \* 0.f : x / scale#x / scale#'
+spawn fp8-zero-scale 2 -e 's#scale == 0.f \&\& fabsf(x) <= F32_MAX ? x \* 0.f : x / scale#x / scale#'
 # 15. the V blocks' scale index without the K->V stride (the wrong scale slot).
 spawn fp8-scale-index 2 -e 's#scales\[at / g\] = scale;#scales[(off + j) / g] = scale;#'
 # 16. parts per g-block off by one where a block ends on a tile edge: never complete, never coded.
 spawn fp8-parts 2 -e 's#(first + g - 1) / tile_n#(first + g) / tile_n#'
-# 17. the completing block does not reset its counter: the next launch miscounts.
+# 17. the completing block does not reset its counter: the launch does not leave the counters zero
+#     (the host zeroes them before every launch, but zero afterwards shows every part counted once).
 spawn fp8-counter-reset 1 -e '/^ *if (last) \*count = 0u;/d'
+# 18. an absmax that counts ±inf (NaN still ignored): a block with one ±inf gets scale inf, its
+#     finite values code 0 and the ±inf NaN (inf / inf).
+spawn fp8-inf-absmax 2 -e 's#return a <= F32_MAX ? a : 0.f;#return a == a ? a : 0.f;#'
+# 19. a block of scale 0 codes ±inf as x * 0 too: NaN instead of ±448.
+spawn fp8-zero-scale-inf 2 -e 's#scale == 0.f \&\& fabsf(x) <= F32_MAX ? x \* 0.f#scale == 0.f ? x * 0.f#'
 wait
 
 [[ -f $out/control/log ]] && cat "$out/control/log"

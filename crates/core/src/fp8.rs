@@ -72,16 +72,25 @@ pub fn e4m3_to_f32(code: u8) -> f32 {
 }
 
 /// Quantize one block of values (a token's head, or a `g`-wide part of it)
-/// with its own scale, as the FP8 KV cache stores it: `scale = max|x| /
-/// 448`, each code `e4m3_from_f32(x / scale)` (round to nearest even,
-/// saturated), written to `codes` (as long as `values`). A block of zeros
-/// has scale 0 and stores zeros; a NaN stores NaN. Returns the scale.
+/// with its own scale, as the FP8 KV cache stores it, writing one code per
+/// value to `codes` (as long as `values`) and returning the scale.
+///
+/// - `scale = max|x| / 448` over the block's finite values: ±∞ and NaN never
+///   set it, and it is 0 when no finite value is nonzero.
+/// - Each code is `e4m3_from_f32(x / scale)`: rounded to nearest even and
+///   saturated to ±448, so ±∞ stores ±448 (`0x7e` / `0xfe`) and reads back
+///   as ± the block's finite absmax. In a block of scale 0 a finite `x`
+///   codes `x · 0` (±0, not 0 / 0): a block of zeros stores zeros, and one
+///   whose only nonzero values are ±∞ stores them as ±448 (reading back as
+///   ±0).
+/// - NaN stores NaN.
 pub fn quantize_block(values: &[f32], codes: &mut [u8]) -> f32 {
     assert_eq!(values.len(), codes.len(), "one code per value");
-    let max = values.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let max = values.iter().filter(|v| v.is_finite()).fold(0f32, |m, v| m.max(v.abs()));
     let scale = max / E4M3_MAX;
     for (code, &value) in codes.iter_mut().zip(values) {
-        *code = if scale == 0.0 { e4m3_from_f32(value * 0.0) } else { e4m3_from_f32(value / scale) };
+        let scaled = if scale == 0.0 && value.is_finite() { value * 0.0 } else { value / scale };
+        *code = e4m3_from_f32(scaled);
     }
     scale
 }
@@ -177,6 +186,41 @@ mod tests {
         assert_eq!(scale, 2.0 / E4M3_MAX);
         assert!(e4m3_to_f32(codes[1]).is_nan());
         assert_eq!(e4m3_to_f32(codes[2]), -E4M3_MAX, "the block's largest magnitude maps to ±448");
+    }
+
+    /// ±∞ saturates to the code ±448 without touching the scale, which
+    /// comes from the block's finite values (hand-computed codes: 224 is
+    /// 0x76, 112 is 0x6e, 448 is 0x7e, sign 0x80); a block whose only
+    /// nonzero values are ±∞ has scale 0; NaN stays NaN beside ±∞.
+    #[test]
+    fn infinities_saturate_and_the_scale_comes_from_the_finite_values() {
+        let mut codes = [0xaau8; 4];
+        let scale = quantize_block(&[1.0, f32::INFINITY, -2.0, 0.5], &mut codes);
+        assert_eq!(scale, 2.0 / E4M3_MAX, "the finite absmax over 448");
+        assert_eq!(codes, [0x76, 0x7e, 0xfe, 0x6e]);
+
+        let scale = quantize_block(&[f32::NAN, f32::NEG_INFINITY, 3.0, 0.0], &mut codes);
+        assert_eq!(scale, 3.0 / E4M3_MAX);
+        assert_eq!(codes[1..], [0xfe, 0x7e, 0x00]);
+        assert_eq!(codes[0] & 0x7f, E4M3_NAN, "NaN stays NaN");
+
+        // Only ±∞ and zeros: scale 0, ±∞ still ±448 (reading back as ±0).
+        let scale = quantize_block(&[f32::INFINITY, 0.0, f32::NEG_INFINITY, -0.0], &mut codes);
+        assert_eq!(scale.to_bits(), 0);
+        assert_eq!(codes, [0x7e, 0x00, 0xfe, 0x80]);
+        let mut back = [f32::NAN; 4];
+        dequantize_block(&codes, scale, &mut back);
+        assert_eq!(back.map(f32::to_bits), [0.0f32, 0.0, -0.0, -0.0].map(f32::to_bits));
+
+        let mut pair = [0xaau8; 2];
+        assert_eq!(quantize_block(&[f32::NEG_INFINITY, f32::NAN], &mut pair).to_bits(), 0);
+        assert_eq!(pair[0], 0xfe);
+        assert_eq!(pair[1] & 0x7f, E4M3_NAN);
+
+        // The largest finite f32 beside ∞: both saturate, the scale is finite.
+        let scale = quantize_block(&[f32::MAX, f32::INFINITY], &mut pair);
+        assert_eq!(scale, f32::MAX / E4M3_MAX);
+        assert_eq!(pair, [0x7e, 0x7e]);
     }
 
     #[test]

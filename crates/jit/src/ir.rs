@@ -137,18 +137,25 @@ pub fn store_e4m3_codes(b: &mut FunctionBuilder, codes: Value, ptr: Value, offse
 /// `count` E4M3 codes at `codes` and one f32 scale at `scale_at`.
 ///
 /// Two passes over the block, 4 values at a time and then one by one for
-/// the rest: the largest magnitude (NaN lanes count as 0, like `f32::max`
-/// ignoring NaN), `scale = max / 448` (one f32 division); then each value
-/// divided by the scale (multiplied by 0 when the scale is 0, so a zero
-/// block stores zeros and NaN stays NaN), converted by [`e4m3_codes_i32x4`].
+/// the rest: the largest finite magnitude (±∞ and NaN lanes count as 0),
+/// `scale = max / 448` (one f32 division); then each value divided by the
+/// scale (±∞ saturating to ±448) — or, when the scale is 0, each finite
+/// value multiplied by 0 (a zero block stores zeros) — converted by
+/// [`e4m3_codes_i32x4`].
 pub fn quantize_e4m3_block(b: &mut FunctionBuilder, src: Value, count: Value, codes: Value, scale_at: Value) {
     let whole = b.ins().band_imm_s(count, !3);
     let zero = b.ins().iconst(types::I64, 0);
+    let infinity = splat_f32(b, f32::INFINITY);
+    // All ones in the lanes of `v` that are finite (|v| < ∞ is false for ±∞ and NaN), as I32X4.
+    let finite = |b: &mut FunctionBuilder, v: Value| {
+        let a = b.ins().fabs(v);
+        b.ins().fcmp(FloatCC::LessThan, a, infinity)
+    };
     let magnitude = |b: &mut FunctionBuilder, v: Value| {
         let a = b.ins().fabs(v);
-        let is_number = b.ins().fcmp(FloatCC::Ordered, v, v);
+        let is_finite = finite(b, v);
         let a = b.ins().bitcast(types::I32X4, MemFlagsData::new(), a);
-        let a = b.ins().band(a, is_number);
+        let a = b.ins().band(a, is_finite);
         b.ins().bitcast(types::F32X4, MemFlagsData::new(), a)
     };
     let start = splat_f32(b, 0.0);
@@ -174,15 +181,18 @@ pub fn quantize_e4m3_block(b: &mut FunctionBuilder, src: Value, count: Value, co
     let limit = b.ins().f32const(kvjit_core::fp8::E4M3_MAX);
     let scale = b.ins().fdiv(max, limit);
     b.ins().store(mem(), scale, scale_at, 0);
-    // x / scale, or x · 0 for a zero scale: selected lane-wise by a mask.
+    // x / scale, or x · 0 for a finite x and a zero scale: selected
+    // lane-wise by a mask.
     let scale = b.ins().splat(types::F32X4, scale);
     let zeros = splat_f32(b, 0.0);
     let zero_scale = b.ins().fcmp(FloatCC::Equal, scale, zeros);
-    let zero_scale = b.ins().bitcast(types::F32X4, MemFlagsData::new(), zero_scale);
     let quotient = |b: &mut FunctionBuilder, v: Value| {
         let divided = b.ins().fdiv(v, scale);
         let zeroed = b.ins().fmul(v, zeros);
-        let q = b.ins().bitselect(zero_scale, zeroed, divided);
+        let is_finite = finite(b, v);
+        let use_zeroed = b.ins().band(zero_scale, is_finite);
+        let use_zeroed = b.ins().bitcast(types::F32X4, MemFlagsData::new(), use_zeroed);
+        let q = b.ins().bitselect(use_zeroed, zeroed, divided);
         e4m3_codes_i32x4(b, q)
     };
     counted_loop(b, zero, whole, 4, &[], |b, i, _| {

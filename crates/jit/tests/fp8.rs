@@ -159,3 +159,64 @@ fn quantizes_blocks_like_the_core_quantizer() {
         assert_eq!(scales[5], finite_max / E4M3_MAX);
     }
 }
+
+/// Blocks holding ±∞: beside finite values (one or several, both signs),
+/// with NaN, with zeros only, ±∞ alone. Bit for bit the core quantizer,
+/// and the rule itself: the scale is the finite values' absmax over 448
+/// (0 when there is none), each ±∞ stores ±448 (0x7e / 0xfe), every finite
+/// value a finite code, NaN a NaN code.
+#[test]
+fn infinities_saturate_and_leave_the_scale_to_the_finite_values() {
+    let mut rng = StdRng::seed_from_u64(0x1f1f);
+    for count in [1usize, 2, 3, 4, 5, 7, 8, 16, 31, 64, 128] {
+        let blocks = 6;
+        let mut values: Vec<f32> =
+            (0..blocks * count).map(|_| rng.gen_range(-3.0f32..3.0) * 10f32.powi(rng.gen_range(-8..6))).collect();
+        let at = |block: usize, rng: &mut StdRng| block * count + rng.gen_range(0..count);
+        // 0: one +∞ among finite values; 1: −∞ and +∞ among them.
+        let i = at(0, &mut rng);
+        values[i] = f32::INFINITY;
+        for inf in [f32::NEG_INFINITY, f32::INFINITY] {
+            let i = at(1, &mut rng);
+            values[i] = inf;
+        }
+        // 2: ±∞ and signed zeros only.
+        for (i, v) in values[2 * count..3 * count].iter_mut().enumerate() {
+            *v = [f32::INFINITY, 0.0, f32::NEG_INFINITY, -0.0][i % 4];
+        }
+        // 3: ∞ and NaN among finite values; 4: −∞ and NaN among zeros.
+        for (block, fill) in [(3, None), (4, Some(0.0))] {
+            if let Some(fill) = fill {
+                values[block * count..(block + 1) * count].fill(fill);
+            }
+            let (i, j) = (at(block, &mut rng), at(block, &mut rng));
+            values[i] = f32::NAN;
+            values[j] = if block == 3 { f32::INFINITY } else { f32::NEG_INFINITY };
+        }
+        // 5: −∞ everywhere.
+        values[5 * count..].fill(f32::NEG_INFINITY);
+
+        let (codes, scales) = quantize(&values, count);
+        for (block, &scale) in scales.iter().enumerate() {
+            let range = block * count..(block + 1) * count;
+            let what = format!("block {block}, g = {count}");
+            let mut want = vec![0u8; count];
+            let want_scale = quantize_block(&values[range.clone()], &mut want);
+            assert_eq!(scale.to_bits(), want_scale.to_bits(), "scale of {what}");
+            assert_eq!(codes[range.clone()], want[..], "codes of {what}");
+
+            let finite_max = values[range.clone()].iter().filter(|v| v.is_finite()).fold(0f32, |m, v| m.max(v.abs()));
+            assert_eq!(scale.to_bits(), (finite_max / E4M3_MAX).to_bits(), "scale of {what}: finite absmax / 448");
+            for (&value, &code) in values[range].iter().zip(&codes[block * count..]) {
+                if value.is_nan() {
+                    assert_eq!(code & 0x7f, 0x7f, "{what}: NaN codes as NaN");
+                } else if value.is_infinite() {
+                    let sign = if value > 0.0 { 0 } else { 0x80 };
+                    assert_eq!(code, sign | 0x7e, "{what}: {value} saturates to ±448");
+                } else {
+                    assert_ne!(code & 0x7f, 0x7f, "{what}: {value} codes as NaN");
+                }
+            }
+        }
+    }
+}

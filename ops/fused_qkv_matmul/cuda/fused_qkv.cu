@@ -37,10 +37,12 @@
 // a token's head, [P, 2, L, page_size, Hkv, D / g]: the blocks' layout with D
 // replaced by D / g, so a g-block whose first element is at blocks offset o
 // (a multiple of g) has its scale at o / g. For every valid row and every
-// g-block x of its K and V columns: scale = max|x| / 448 (fmaxf, so NaN is
-// ignored), code = e4m3(x / scale), or e4m3(x · 0) when scale == 0, rounded
-// to nearest even and saturated to ±448, NaN kept: kvjit_core::fp8::
-// quantize_block. g is a run-time argument, like D: it only bounds the
+// g-block x of its K and V columns: scale = max|x| / 448 over the finite
+// elements (±inf and NaN never set it; 0 when no finite one is nonzero),
+// code = e4m3(x / scale), or e4m3(x · 0) for a finite x when scale == 0,
+// rounded to nearest even and saturated to ±448 (so ±inf stores ±448, also
+// in a block of scale 0), NaN kept: kvjit_core::fp8::quantize_block, bit
+// for bit. g is a run-time argument, like D: it only bounds the
 // epilogue's loops, and a template parameter would multiply the PTX per g
 // and refuse every g not compiled in.
 //
@@ -59,8 +61,11 @@
 //      lanes per (row, g-block), a shuffle max-reduction for the absmax,
 //      then one code per lane and element, and the scale.
 // No block ever waits for another, so any launch order or residency works.
-// `counters` must be zero before the first launch (the host zeroes them
-// when it allocates them) and every complete launch leaves them zero.
+// `counters` must be zero when a launch starts: the host zeroes them on
+// the stream before every launch (ready_counters in cuda_kernel.rs), as a
+// launch that failed part-way may leave counts behind. A complete launch
+// also leaves them zero (the block completing a count resets it), which the
+// emulator checks: every part of every g-block was counted exactly once.
 // The convert is cvt.rn.satfinite.e4m3x2.f32 on sm_90 and e4m3_sw, a
 // software convert bit-identical to kvjit_core::fp8::e4m3_from_f32, on
 // sm_80. NaN codes may differ from the CPU reference's in the sign bit
@@ -203,8 +208,16 @@ constexpr int DEC_SIMT_COLS = 4;  // f32 decode: columns per block
 constexpr int PF_BM = 128, PF_BN = 128, PF_BK = 32, PF_STAGES = 3;  // bf16/f16 prefill tile
 constexpr int PS_BM = 64, PS_BN = 64, PS_BK = 16;                   // f32 prefill tile
 
-constexpr float E4M3_MAX = 448.f;  // largest finite E4M3 value
-constexpr int FP8_REGS = 8;        // FP8 epilogue: values per lane kept in registers
+constexpr float E4M3_MAX = 448.f;         // largest finite E4M3 value
+constexpr float F32_MAX = 3.40282347e38f;  // largest finite f32
+constexpr int FP8_REGS = 8;               // FP8 epilogue: values per lane kept in registers
+
+// What a value adds to its g-block's absmax: |v| if v is finite; 0 for
+// ±inf and NaN (the comparison is false for both), which never set a scale.
+__device__ __forceinline__ float finite_magnitude(float v) {
+    const float a = fabsf(v);
+    return a <= F32_MAX ? a : 0.f;
+}
 
 // f32 -> E4M3 code (OCP E4M3FN), bit for bit kvjit_core::fp8::e4m3_from_f32
 // by another route: round to nearest, ties to even; |v| >= 448 (and ±inf)
@@ -303,7 +316,7 @@ struct Fp8Epilogue {
     unsigned char* codes;  // the cache's blocks
     float* scales;         // the cache's scales
     float* scratch;        // [M, 2·kv_dim] f32
-    unsigned* counters;    // [row tiles, 2·kv_dim / g], zero between launches
+    unsigned* counters;    // [row tiles, 2·kv_dim / g], zero when the launch starts
     const long long* row_off;
     int M, N, q_dim, kv_dim, g;
     long long kv_stride;
@@ -357,7 +370,7 @@ struct Fp8Epilogue {
             const unsigned parts = static_cast<unsigned>((first + g - 1) / tile_n - first / tile_n + 1);
             unsigned* count = counters + static_cast<long long>(tile_row) * (2 * kv_dim / g) + b0 + tid;
             const bool last = atomic_add(count, 1u) == parts - 1u;
-            if (last) *count = 0u;  // every part is in: ready for the next launch
+            if (last) *count = 0u;  // every part is in: back to zero
             fence_gpu();            // acquire: the other parts' stores, before the barrier
             flags[tid] = last ? 1 : 0;
         }
@@ -387,9 +400,9 @@ struct Fp8Epilogue {
             for (int r = 0; r < FP8_REGS; ++r) {
                 const int e = sub + r * S;
                 v[r] = e < n ? ldcg(src + e) : 0.f;
-                amax = fmaxf(amax, fabsf(v[r]));
+                amax = fmaxf(amax, finite_magnitude(v[r]));
             }
-            for (int e = sub + FP8_REGS * S; e < n; e += S) amax = fmaxf(amax, fabsf(ldcg(src + e)));
+            for (int e = sub + FP8_REGS * S; e < n; e += S) amax = fmaxf(amax, finite_magnitude(ldcg(src + e)));
             for (int mask = S / 2; mask > 0; mask >>= 1) amax = fmaxf(amax, shfl_xor(amax, mask));
             if (off >= 0) {
                 const float scale = amax / E4M3_MAX;
@@ -407,9 +420,11 @@ struct Fp8Epilogue {
         }
     }
 
-    // x's code in a g-block of scale `scale` (x · 0 for a zero block: ±0, or NaN).
+    // x's code in a g-block of scale `scale`: x / scale (±inf / scale is
+    // ±inf, saturated to ±448); in a block of scale 0, a finite x codes
+    // x · 0 (±0, not 0 / 0), and ±inf and NaN still x / scale (±448, NaN).
     __device__ __forceinline__ static unsigned char code_of(float x, float scale) {
-        return static_cast<unsigned char>(to_e4m3(scale == 0.f ? x * 0.f : x / scale));
+        return static_cast<unsigned char>(to_e4m3(scale == 0.f && fabsf(x) <= F32_MAX ? x * 0.f : x / scale));
     }
 };
 

@@ -34,8 +34,8 @@
 //! decode step, still in L1/L2 when read back), and a second Cranelift
 //! kernel of the same launch sequence quantizes every valid row's g-blocks
 //! into the cache, rows split between the threads
-//! ([`kvjit_jit::ir::quantize_e4m3_block`]: absmax, scale, round to nearest
-//! even with saturation, exactly as the reference). A g-block spans several
+//! ([`kvjit_jit::ir::quantize_e4m3_block`]: absmax of the finite values,
+//! scale, round to nearest even with saturation, exactly as the reference). A g-block spans several
 //! panels, and panels are split between threads, so its absmax is only
 //! known once every panel of the row is done: the staging is where the
 //! epilogue hands the block over.

@@ -45,9 +45,10 @@
 //! `kvjit_core::fp8::quantize_block` does (see the `.cu` header: K/V are
 //! staged as f32 in a scratch buffer, and the block completing a g-block's
 //! columns quantizes it, counted with per-g-block counters the host zeroes
-//! once). Beside the fused launch, the call gathers the written rows' scales
-//! too (the f32 gather kernel on offsets / g, as the scales have the blocks'
-//! layout with D replaced by D / g) and commits them with the codes.
+//! before every launch: `ready_counters`). Beside the fused launch, the
+//! call gathers the written rows' scales too (the f32 gather kernel on
+//! offsets / g, as the scales have the blocks' layout with D replaced by
+//! D / g) and commits them with the codes.
 //!
 //! **The cache stays on the device.** Each cache's blocks (and an FP8
 //! cache's scales) live in device buffers kept across calls and steps
@@ -360,8 +361,8 @@ struct Scratch {
     staged_scales: Option<DeviceBuffer>,
     /// FP8: K/V as f32 before quantization, `[M, 2·kv_dim]`.
     kv_scratch: Option<DeviceBuffer>,
-    /// FP8: one counter per (row tile, g-block); zeroed when allocated, and
-    /// every launch leaves them zero (see the `.cu` header).
+    /// FP8: one counter per (row tile, g-block); zeroed before every launch
+    /// ([`ready_counters`]).
     counters: Option<DeviceBuffer>,
 }
 
@@ -437,11 +438,7 @@ impl DeviceState {
             upload(&mut s.scale_written, &le_bytes(&scale_offsets))?;
             device.ensure(&mut s.staged_scales, staged_scales.len())?;
             device.ensure(&mut s.kv_scratch, d.kv_scratch_bytes())?;
-            let grown = s.counters.as_ref().is_none_or(|c| c.len() < d.counter_bytes());
-            let counters = device.ensure(&mut s.counters, d.counter_bytes())?;
-            if grown {
-                device.zero(counters)?;
-            }
+            ready_counters(&mut s.counters, d.counter_bytes(), |c, n| device.ensure(c, n), |c| device.zero(c))?;
         }
         if !call.weight_is_constant {
             upload(&mut s.w, call.weight)?;
@@ -529,8 +526,8 @@ impl DeviceState {
                     // scale (offset / g) is inside it; `kv_scratch` holds
                     // M·2·kv_dim f32 (`kv_scratch_bytes`); `counters` holds
                     // ceil(M / 64)·2·kv_dim / g u32, at least the row tiles of
-                    // either schedule, zeroed when allocated and left zero by
-                    // every launch.
+                    // either schedule, zeroed on the stream before this launch
+                    // (`ready_counters`).
                     unsafe { device.launch(fused, fused_shape, &args) }?;
                 }
             }
@@ -578,6 +575,30 @@ impl DeviceState {
         }
         device.synchronize()
     }
+}
+
+/// FP8: ready the completion counters (one u32 per row tile and g-block,
+/// see the `.cu` header) for a launch: grow their buffer in `slot` to
+/// `bytes` if it is smaller (`ensure`), then zero all of it (`zero`: a
+/// memset on the stream, so it lands before the launch issued after it).
+///
+/// On every call, not only when the buffer grows: a complete launch leaves
+/// the counters zero, but one that failed part-way (a device error, a
+/// timeout) may leave counts behind, and the next launch would then
+/// quantize a g-block before all its column tiles landed, or never. The
+/// memset costs the buffer's bytes, `ceil(M / 64)·2·kv_dim / g·4` for the
+/// largest M served so far: 64 B for a Llama 3 8B decode step (kv_dim
+/// 1024, g 128), 8 KiB for an 8192-token prefill. (`ensure` and `zero` are
+/// parameters so that a test can run this without a GPU.)
+fn ready_counters<'a, B>(
+    slot: &'a mut Option<B>,
+    bytes: usize,
+    ensure: impl FnOnce(&'a mut Option<B>, usize) -> kvjit_cuda::Result<&'a mut B>,
+    zero: impl FnOnce(&mut B) -> kvjit_cuda::Result<()>,
+) -> kvjit_cuda::Result<&'a mut B> {
+    let counters = ensure(slot, bytes)?;
+    zero(counters)?;
+    Ok(counters)
 }
 
 /// Tells apart resident copies of the same host memory used with another
@@ -1137,6 +1158,40 @@ mod tests {
         }
         assert_eq!(cache.blocks().as_bytes(), want_codes);
         assert_eq!(cache.scales().unwrap().to_f32_vec().unwrap(), want_scales);
+    }
+
+    /// A host stand-in for `CudaDevice::ensure`: a new buffer holds garbage,
+    /// as `cuMemAlloc`'s does.
+    fn ensure_host(slot: &mut Option<Vec<u32>>, bytes: usize) -> kvjit_cuda::Result<&mut Vec<u32>> {
+        if slot.as_ref().is_none_or(|b| b.len() * 4 < bytes) {
+            *slot = Some(vec![0xdead_beef; bytes / 4]);
+        }
+        Ok(slot.as_mut().expect("set above"))
+    }
+
+    /// The FP8 completion counters are zero at every launch, whatever the
+    /// launch before left in them: here each launch fails part-way, leaving
+    /// counts behind, and the next call reuses the buffer at the same size,
+    /// a smaller one, or grows it. Before the fix they were zeroed only when
+    /// the buffer grew.
+    #[test]
+    fn fp8_counters_are_zeroed_before_every_launch_even_after_a_failed_one() {
+        let mut slot = None;
+        for (bytes, what) in [(64, "first call"), (64, "same size"), (32, "smaller"), (128, "grown"), (128, "same")] {
+            let counters = ready_counters(&mut slot, bytes, ensure_host, |c| {
+                c.fill(0);
+                Ok(())
+            })
+            .unwrap();
+            assert!(counters.len() * 4 >= bytes, "{what}: {} counters", counters.len());
+            assert!(counters.iter().all(|&c| c == 0), "{what}: counters left by the failed launch: {counters:?}");
+            // The launch fails after some blocks counted themselves in.
+            counters[0] = 1;
+            counters[bytes / 4 - 1] += 2;
+        }
+        // A failure in the memset is the call's error.
+        let failed = ready_counters(&mut slot, 16, ensure_host, |_| Err(CudaError::Unavailable("memset".into())));
+        assert!(failed.is_err());
     }
 
     /// The context check comes after the argument checks, and before any

@@ -429,3 +429,65 @@ fn a_cache_of_another_granularity_or_dtype_is_refused_with_nothing_written() {
         assert!(output.iter().all(|&b| b == 0xa5), "the refused call wrote the output");
     }
 }
+
+/// A K and a V column made infinite (an infinite weight, activations
+/// nonzero where it multiplies): the g-blocks holding them keep a finite
+/// scale from their finite values (0 when there are none, g = 1), the
+/// infinite elements store ±448 (0x7e / 0xfe) and every finite element its
+/// own code, no NaN anywhere; JIT and reference identical bit for bit
+/// (dyadic inputs: exact sums).
+#[test]
+fn an_infinite_k_or_v_value_saturates_and_leaves_its_g_block_finite() {
+    for (i, (head_size, granularity)) in [(1, 1), (8, 4), (12, 3), (16, 16), (64, 16), (8, 4)].into_iter().enumerate() {
+        let mut case = Case { head_size, granularity, ..draw(0xf8_3000 + i as u64, true) };
+        case.valid[0] = case.valid[0].max(1);
+        let mut prep = prepare(&case);
+        let (k, n) = (case.k, case.n());
+        let mut x = prep.hidden.to_f32_vec().unwrap();
+        let mut rng = StdRng::seed_from_u64(i as u64);
+        x.chunks_exact_mut(k).for_each(|row| row[0] = if rng.gen_bool(0.5) { 1.0 } else { -1.0 });
+        prep.hidden = Tensor::from_f32(case.dtype, prep.hidden.shape(), &x).unwrap();
+        let mut w = prep.weight.to_f32_vec().unwrap();
+        for col in [case.q_dim, n - 1] {
+            w[col * k] = f32::INFINITY; // the first K value of head 0 and the last V value
+        }
+        prep.weight = Tensor::from_f32(case.dtype, &[n, k], &w).unwrap();
+
+        let reference = run_reference(&prep);
+        let jit = run_jit(&case, &prep);
+        assert_only_written_changed(&case, &prep.cache, &reference, "reference");
+        assert_only_written_changed(&case, &prep.cache, &jit, "jit");
+        assert_eq!(jit.output, reference.output, "Q output of {case:?}");
+        assert_eq!(jit.cache.blocks().as_bytes(), reference.cache.blocks().as_bytes(), "codes of {case:?}");
+        let bits = |s: &[f32]| s.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&scales_of(&jit.cache)), bits(&scales_of(&reference.cache)), "scales of {case:?}");
+
+        // The rule, from the exact values (dyadic: exact in f32 too).
+        let codes = reference.cache.blocks().as_bytes();
+        let scales = scales_of(&reference.cache);
+        let exact = exact_kv(&case, &prep);
+        let mut finite_max = std::collections::HashMap::<usize, f64>::new();
+        for &(_, value, scale_at) in &exact {
+            let max = finite_max.entry(scale_at).or_default();
+            if value.is_finite() {
+                *max = max.max(value.abs());
+            }
+        }
+        let mut infinities = 0;
+        for &(at, value, scale_at) in &exact {
+            let scale = scales[scale_at];
+            assert_eq!(scale, finite_max[&scale_at] as f32 / E4M3_MAX, "scale {scale_at} of {case:?}");
+            let want = if value.is_infinite() {
+                infinities += 1;
+                if value > 0.0 { 0x7e } else { 0xfe }
+            } else if scale == 0.0 {
+                e4m3_from_f32(value as f32 * 0.0)
+            } else {
+                e4m3_from_f32(value as f32 / scale)
+            };
+            assert_eq!(codes[at], want, "code {at} (of {value}, scale {scale}) in {case:?}");
+        }
+        let valid: u32 = case.valid.iter().sum();
+        assert_eq!(infinities, 2 * valid, "two infinite values per valid token in {case:?}");
+    }
+}

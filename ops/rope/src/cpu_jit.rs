@@ -25,8 +25,8 @@
 //! ```text
 //! x[d] = value(code[d]) · scale[d / g]      dequantize the whole head
 //! x = rotate(x)                             in place, the f32 code path above
-//! per g-block: scale = max|x| / 448         NaN lanes count as 0, like f32::max
-//!              code[d] = e4m3(x[d] / scale) (x[d] · 0 when scale = 0)
+//! per g-block: scale = max|x| / 448         over the finite lanes (±∞ and NaN count as 0)
+//!              code[d] = e4m3(x[d] / scale) (a finite x[d] · 0 when scale = 0)
 //! ```
 //!
 //! bit for bit what `kvjit_core::fp8::quantize_block` stores for the same

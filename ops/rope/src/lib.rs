@@ -14,7 +14,8 @@
 //! The cache dtype may differ from the activation dtype: K is read in the
 //! cache dtype, rotated in f32 and rounded once back. On an FP8 (`f8e4m3`)
 //! cache each K head is dequantized (`code · scale`), rotated, and every
-//! g-block requantized with a fresh scale (`max|y| / 448`): the codes and
+//! g-block requantized with a fresh scale (`max|y| / 448` over its finite
+//! values; a rotation overflowing to ±∞ stores ±448): the codes and
 //! scales of exactly the rotated tokens' K heads change.
 //!
 //! Everything about the op lives here: its IR definition ([`RopeOp`],

@@ -18,8 +18,9 @@
 //! the head is dequantized whole (`code · scale`, in f32, as the cache reads
 //! it back; the rotation mixes elements of different g-blocks), rotated in
 //! f64, rounded once to f32, and every g-block requantized with a fresh
-//! scale by [`fp8::quantize_block`] (`scale = max|y| / 448`, codes rounded to
-//! nearest even): exactly the K heads' codes and scales of the rotated
+//! scale by [`fp8::quantize_block`] (`scale = max|y| / 448` over the finite
+//! values, codes rounded to nearest even and saturated, ±∞ to ±448):
+//! exactly the K heads' codes and scales of the rotated
 //! tokens change.
 
 use kvjit_core::{DType, Element, F8E4M3, PagedKVCacheCollection, Result, Tensor, TensorData, bf16, f16, fp8};

@@ -428,30 +428,101 @@ fn zero_blocks_store_scale_zero_and_zero_codes() {
         let case = fp8(Case { cache_lengths: vec![3, 0], ..Case::base(DType::F32, DType::F8E4M3, interleaved) }, 32, 8);
         let mut call = case.build(&mut StdRng::seed_from_u64(case.seed));
         let shape = call.cache.blocks().shape().to_vec();
-        let table = call.cache.lookup_table().to_vec();
-        let max_pages = call.cache.max_pages_per_seq();
-        let k_head = |b: usize, pos: usize, h: usize| {
-            let page = table[b * max_pages + pos / case.page_size] as usize;
-            common::block_index(&shape, [page, 0, case.layer, pos % case.page_size, h, 0])
-        };
+        let (first, later) = (k_head(&case, &call.cache, 1, 0, 0), k_head(&case, &call.cache, 0, 4, 1));
         let mut codes = call.cache.blocks().as_bytes().to_vec();
         // Sequence 1, position 0: head 0's second block; sequence 0,
         // position 4: all of head 1 (half of it −0).
-        codes[k_head(1, 0, 0) + 8..][..8].fill(0);
-        codes[k_head(0, 4, 1)..][..16].fill(0);
-        codes[k_head(0, 4, 1) + 16..][..16].fill(0x80);
+        codes[first + 8..][..8].fill(0);
+        codes[later..][..16].fill(0);
+        codes[later + 16..][..16].fill(0x80);
         call.cache.set_blocks(Tensor::from_le_bytes(DType::F8E4M3, &shape, &codes).unwrap()).unwrap();
         let reference = run_reference(&case, &call);
         let jit = run_jit(&case, &call, &jit_kernel(&case), &DeviceContextPtr::cpu(2).unwrap());
         assert_fp8_matches(&case, &call, &jit, &reference);
         let scales = jit.cache.scales().unwrap().as_slice::<f32>().unwrap();
-        for (at, blocks) in [(k_head(1, 0, 0) + 8, 1), (k_head(0, 4, 1), 4)] {
+        for (at, blocks) in [(first + 8, 1), (later, 4)] {
             for (block, scale) in scales.iter().enumerate().skip(at / 8).take(blocks) {
                 assert_eq!(scale.to_bits(), 0, "{case:?}: scale {block}");
                 let codes = &jit.cache.blocks().as_bytes()[block * 8..][..8];
                 let reference_codes = &reference.cache.blocks().as_bytes()[block * 8..][..8];
                 assert!(codes.iter().all(|&c| c & 0x7f == 0), "{case:?}: codes of block {block}: {codes:?}");
                 assert_eq!(codes, reference_codes, "{case:?}: block {block}, signs of zero");
+            }
+        }
+    }
+}
+
+/// The blocks index of the first code of K head `h` of sequence `b`'s
+/// token at position `pos`.
+fn k_head(case: &Case, cache: &PagedKVCacheCollection, b: usize, pos: usize, h: usize) -> usize {
+    let page = cache.lookup_table()[b * cache.max_pages_per_seq() + pos / case.page_size] as usize;
+    common::block_index(cache.blocks().shape(), [page, 0, case.layer, pos % case.page_size, h, 0])
+}
+
+#[test]
+fn a_rotation_overflowing_to_infinity_saturates_and_leaves_its_g_block_finite() {
+    // Every pair rotated by the identity (c, s) = (1, 0) but pair 1, by
+    // (1, 1): a' = a − b, b' = a + b, exact in f32 and f64 unless it
+    // overflows. Two K heads of the first token hold that pair's a = b =
+    // 448·S with S = 3e38 / 448, so b' = 6e38 is +∞ in both kernels: head
+    // 0 among random finite values (its block keeps the scale of its
+    // finite values), head 1 with the rest of b's block zero (scale 0). The
+    // ∞ stores 0x7e in both; everything else is exact, so the kernels'
+    // bytes are identical.
+    let (d, g) = (16, 4);
+    for interleaved in [false, true] {
+        let case = fp8(Case::base(DType::F32, DType::F8E4M3, interleaved), d, g);
+        let mut call = case.build(&mut StdRng::seed_from_u64(case.seed));
+        let positions = case.max_seq();
+        let freqs: Vec<f32> =
+            (0..positions * d / 2).flat_map(|i| [1.0, if i % (d / 2) == 1 { 1.0 } else { 0.0 }]).collect();
+        call.freqs = Tensor::from_f32(case.dtype, &[positions, d], &freqs).unwrap();
+        let (a, b) = if interleaved { (2, 3) } else { (1, 1 + d / 2) };
+        let block = b / g * g..(b / g + 1) * g;
+        let big = 3e38f32 / E4M3_MAX;
+        let first = case.cache_lengths[0] as usize; // sequence 0's first rotated position
+        let heads = [0, 1].map(|h| k_head(&case, &call.cache, 0, first, h));
+        let mut codes = call.cache.blocks().as_bytes().to_vec();
+        let mut scales = call.cache.scales().unwrap().to_f32_vec().unwrap();
+        for (i, &head) in heads.iter().enumerate() {
+            if i == 1 {
+                codes[head + block.start..head + block.end].fill(0);
+            }
+            codes[head + a] = 0x7e;
+            codes[head + b] = 0x7e;
+            scales[head / g..(head + d) / g].fill(big);
+        }
+        let shape = call.cache.blocks().shape().to_vec();
+        call.cache.set_blocks(Tensor::from_le_bytes(DType::F8E4M3, &shape, &codes).unwrap()).unwrap();
+        let scales_shape = call.cache.scales().unwrap().shape().to_vec();
+        call.cache.set_scales(Tensor::from_f32(DType::F32, &scales_shape, &scales).unwrap()).unwrap();
+
+        let reference = run_reference(&case, &call);
+        let jit = run_jit(&case, &call, &jit_kernel(&case), &DeviceContextPtr::cpu(2).unwrap());
+        assert!(jit.cache.blocks().as_bytes() == reference.cache.blocks().as_bytes(), "{case:?}: blocks");
+        let (jit_scales, ref_scales) =
+            (jit.cache.scales().unwrap().as_bytes(), reference.cache.scales().unwrap().as_bytes());
+        assert!(jit_scales == ref_scales, "{case:?}: scales");
+        assert!(jit.output == reference.output, "{case:?}: output");
+
+        let got_codes = reference.cache.blocks().as_bytes();
+        let got_scales = reference.cache.scales().unwrap().to_f32_vec().unwrap();
+        for (i, &head) in heads.iter().enumerate() {
+            let what = format!("{case:?}: head {i}");
+            // The block's values after the rotation: b' = +∞, a' = 0, the rest as they were.
+            let finite_max = block
+                .clone()
+                .filter(|&e| e != a && e != b)
+                .fold(0f32, |m, e| m.max(kvjit_core::fp8::e4m3_to_f32(codes[head + e]).abs() * big));
+            assert_eq!(got_scales[(head + b) / g], finite_max / E4M3_MAX, "{what}: the scale of b's block");
+            assert_eq!(got_codes[head + b], 0x7e, "{what}: b' = +∞ saturates to 448");
+            for e in block.clone() {
+                assert_ne!(got_codes[head + e] & 0x7f, E4M3_NAN, "{what}: element {e} is NaN");
+            }
+            if i == 1 {
+                assert_eq!(got_scales[(head + b) / g].to_bits(), 0, "{what}: only +∞ and zeros: scale 0");
+            } else {
+                assert!(finite_max > 0.0, "{what}: random codes are nonzero");
             }
         }
     }

@@ -71,7 +71,8 @@
 // back to zero. Cases put g-blocks inside one column tile and across two to
 // four (decode tiles of 4 and 16 columns, prefill tiles of 64 and 128),
 // g = 1 up to 320 (past the values a lane keeps in registers), odd q_dim,
-// and NaN, +inf and all-zero g-blocks. Before the cases, the software
+// and g-blocks holding NaN and ±inf beside finite values, ±inf beside
+// zeros only (scale 0), and zeros only. Before the cases, the software
 // convert e4m3_sw (the sm_80 path; sm_90's hardware cvt needs a GPU:
 // tests/cuda.rs) is checked on ~5.4M values, every tie among them, against
 // the port of e4m3_from_f32 and a brute-force nearest-code search. What the
@@ -683,7 +684,7 @@ struct Case {
     bool decode;
     int batch, seq, k, q_dim, hkv, d, page, layers, pages, layer;
     int g = 0;             // > 0: an FP8 E4M3 cache with g values per scale (the _kvf8e4m3 variants)
-    bool special = false;  // FP8: a NaN, a +inf and an all-zero g-block among the K/V columns
+    bool special = false;  // FP8: NaN, ±inf, ±inf-and-zeros and all-zero g-blocks among the K/V columns
 };
 
 template <typename T, typename C>
@@ -772,12 +773,17 @@ static uint8_t e4m3_nearest(float value) {
     return sign | static_cast<uint8_t>(best);
 }
 
-// kvjit_core::fp8::quantize_block on the same f32 values.
+// kvjit_core::fp8::quantize_block on the same f32 values: the absmax of
+// the finite values (±inf and NaN skipped), scale = absmax / 448, each code
+// of x / scale (±inf saturates to ±448), or of x · 0 for a finite x when
+// the scale is 0.
 static float quantize_block_ref(const float* values, int g, uint8_t* codes) {
     float max = 0.f;
-    for (int i = 0; i < g; ++i) max = std::fmax(max, std::fabs(values[i]));  // f32::max: NaN ignored
+    for (int i = 0; i < g; ++i)
+        if (std::isfinite(values[i])) max = std::fmax(max, std::fabs(values[i]));
     const float scale = max / 448.f;
-    for (int i = 0; i < g; ++i) codes[i] = e4m3_ref(scale == 0.f ? values[i] * 0.f : values[i] / scale);
+    for (int i = 0; i < g; ++i)
+        codes[i] = e4m3_ref(scale == 0.f && std::isfinite(values[i]) ? values[i] * 0.f : values[i] / scale);
     return scale;
 }
 
@@ -896,7 +902,7 @@ static void check_fp8(const Case& cs, const std::vector<float>& xv, const std::v
     codes.fill(0xFF);
     scales.fill(0xFF);
     scratch.fill(0xFF);
-    counters.fill(0);  // the host zeroes them once
+    counters.fill(0);  // the host zeroes them before every launch
     const std::vector<uint8_t> codes0(codes.data(), codes.data() + codes.bytes),
         scales0(scales.data(), scales.data() + scales.bytes);
 
@@ -940,7 +946,7 @@ static void check_fp8(const Case& cs, const std::vector<float>& xv, const std::v
 
     std::vector<uint8_t> written(cache_elems, 0), scale_written(cache_elems / g, 0);
     std::vector<uint8_t> want(g);
-    long long nan_codes = 0, zero_blocks = 0, saturated = 0;
+    long long nan_codes = 0, zero_blocks = 0, saturated = 0, inf_beside_finite = 0, inf_beside_zeros = 0;
     for (int r = 0; r < M; ++r) {
         if (row_off[r] < 0) continue;
         for (int b = 0; b < nblocks; ++b) {
@@ -961,6 +967,8 @@ static void check_fp8(const Case& cs, const std::vector<float>& xv, const std::v
                       r, b, e, got, want[e], staged[static_cast<size_t>(r) * 2 * kv_dim + j + e]);
                 nan_codes += (got & 0x7f) == 0x7f;
                 saturated += (got & 0x7f) == 0x7e;
+                if (std::isinf(staged[static_cast<size_t>(r) * 2 * kv_dim + j + e]))
+                    ++(want_scale == 0.f ? inf_beside_zeros : inf_beside_finite);
                 written[at + e] = 1;
             }
         }
@@ -970,7 +978,11 @@ static void check_fp8(const Case& cs, const std::vector<float>& xv, const std::v
     for (size_t i = 0; i < cache_elems / g; ++i)
         CHECK(scale_written[i] || std::memcmp(scales.data() + 4 * i, &scales0[4 * i], 4) == 0,
               "scale %zu changed but no valid token owns it", i);
-    if (cs.special) CHECK(nan_codes > 0 && zero_blocks > 0, "the special values reached no g-block");
+    if (cs.special) {
+        CHECK(nan_codes > 0 && zero_blocks > 0, "the NaN or the zero block reached no g-block");
+        CHECK(g < 3 || inf_beside_finite > 0, "no ±inf beside finite values");
+        CHECK(kv_dim / g < 2 || inf_beside_zeros > 0, "no ±inf beside zeros only");
+    }
 
     // The gather kernels read back exactly the codes and scales written.
     std::vector<long long> offs, scale_offs;
@@ -997,7 +1009,9 @@ static void check_fp8(const Case& cs, const std::vector<float>& xv, const std::v
                           "gathered scale %zu/%d differs", i, e / g);
             }
     }
-    std::printf("  %lld NaN codes, %lld codes of ±448, %lld zero blocks\n", nan_codes, saturated, zero_blocks);
+    std::printf("  %lld NaN codes, %lld codes of ±448 (±inf: %lld beside finite values, %lld beside zeros only), "
+                "%lld scales 0\n",
+                nan_codes, saturated, inf_beside_finite, inf_beside_zeros, zero_blocks);
 }
 
 static void check_case(const Case& cs, std::mt19937_64& rng) {
@@ -1019,24 +1033,37 @@ static void check_case(const Case& cs, std::mt19937_64& rng) {
     fill(xv, x);
     fill(wv, w);
     if (cs.g > 0 && cs.special) {
-        // W rows of K/V columns: one NaN (K block 0: that column is NaN in every
-        // row, beside finite values of its g-block), one +inf (the last V block:
-        // scale inf, codes of x / inf), and an all-zero g-block (the first V
-        // block: scale 0, codes of x · 0).
+        // W rows of K/V columns (x[r, 0] made nonzero, so a weight of ±inf at
+        // k = 0 makes its column ±inf in every row): K block 0 holds a NaN
+        // column and (g >= 3) a -inf one beside finite values (the scale of
+        // those; the -inf saturates); the last K block (if not block 0) a
+        // +inf column beside zeros only (scale 0, the +inf still ±448); the
+        // first V block zeros only (scale 0, codes of x · 0); the last V
+        // column (more than 2 blocks) +inf beside finite values.
         const int kvd = cs.hkv * cs.d, blocks = 2 * kvd / cs.g;
-        auto set_w = [&](int n, int k, float v) {
-            const size_t i = static_cast<size_t>(n) * K + k;
-            wv[i] = v;
+        auto set = [&](std::vector<float>& values, Guarded& buffer, size_t i, float v) {
+            values[i] = v;
             if (cs.t == DT::F32) {
-                std::memcpy(w.data() + i * 4, &v, 4);
+                std::memcpy(buffer.data() + i * 4, &v, 4);
             } else {
                 const uint16_t b = cs.t == DT::BF16 ? bf16_bits(v) : f16_bits(v);
-                std::memcpy(w.data() + i * 2, &b, 2);
+                std::memcpy(buffer.data() + i * 2, &b, 2);
             }
         };
-        for (int j = kvd; j < kvd + cs.g; ++j)
-            for (int k = 0; k < K; ++k) set_w(cs.q_dim + j, k, 0.f);
+        auto set_w = [&](int n, int k, float v) { set(wv, w, static_cast<size_t>(n) * K + k, v); };
+        for (int r = 0; r < M; ++r)
+            if (xv[static_cast<size_t>(r) * K] == 0.f) set(xv, x, static_cast<size_t>(r) * K, 0.5f);
+        auto zero_block = [&](int first) {
+            for (int j = first; j < first + cs.g; ++j)
+                for (int k = 0; k < K; ++k) set_w(cs.q_dim + j, k, 0.f);
+        };
+        zero_block(kvd);
         set_w(cs.q_dim + std::min(1, cs.g - 1), 0, std::nanf(""));
+        if (cs.g >= 3) set_w(cs.q_dim + cs.g - 1, 0, -INFINITY);
+        if (kvd / cs.g >= 2) {
+            zero_block(kvd - cs.g);
+            set_w(cs.q_dim + kvd - cs.g, 0, INFINITY);
+        }
         if (blocks > 2) set_w(cs.q_dim + 2 * kvd - 1, 0, INFINITY);
     }
 
@@ -1238,7 +1265,7 @@ int main(int argc, char** argv) {
     // FP8 E4M3 caches: g-blocks inside one column tile, across 2 to 4 of them
     // (g = 6 and 40 against 4- or 16-wide decode tiles, 96 and 160 against 64-
     // and 128-wide prefill tiles), g = 1, odd q_dim (unpaired stores), two and
-    // three row tiles, NaN / +inf / all-zero g-blocks ("special").
+    // three row tiles, g-blocks with NaN and ±inf, ±inf and zeros, zeros only ("special").
     const size_t first_fp8 = cases.size();
     auto fp8 = [&](Case cs, int g, bool special) {
         cs.g = g;
