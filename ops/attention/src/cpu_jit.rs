@@ -833,6 +833,7 @@ struct Plan {
 }
 
 impl Plan {
+    /// The plan of a call with at least one valid query (so B ≥ 1).
     fn new(spec: &MhaSpec, shape: &CallShape, threads: usize) -> Self {
         let group = shape.group();
         let max_hi = shape.key_ranges.iter().map(|r| r.1).max().unwrap_or(0).max(1);
@@ -913,11 +914,13 @@ impl JitKernel {
         output: &mut [u8],
         ctx: &DeviceContextPtr,
     ) -> Result<()> {
-        let threads = ctx.cpu_context().map_or(1, |c| c.threads());
-        let plan = Plan::new(&self.spec, shape, threads);
         let valid = valid_lengths.as_slice::<u32>()?;
         let mut out = vec![0f32; shape.output_shape().iter().product()];
+        // No valid query (B = 0, S = 0 or every row padded): nothing to
+        // launch, every row zero. Otherwise B ≥ 1, which the plan needs.
         if valid.iter().any(|&v| v > 0) {
+            let threads = ctx.cpu_context().map_or(1, |c| c.threads());
+            let plan = Plan::new(&self.spec, shape, threads);
             let offsets = key_row_offsets(shape, cache, plan.stride)?;
             let q = pack_q(shape, &plan, valid, self.spec.scale, &q.to_f32_vec()?);
             let lengths: Vec<i64> =

@@ -5,7 +5,7 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{Case, jit, scale_bytes};
+use common::{Case, jit, run_jit_on, scale_bytes};
 use kvjit_core::{DType, Error, KernelKey, PagedKVCacheCollection, Target, Tensor, UNASSIGNED_PAGE};
 use kvjit_graph::{Dim, GraphBuilder, KvCacheType, OpDef, OpRegistry};
 use kvjit_op_attention::{AttentionError, Mask, MhaOp, MhaParams, MhaSpec, NO_CUDA, mha};
@@ -240,6 +240,51 @@ fn cache_like(c: &PagedKVCacheCollection, dtype: DType, page_size: usize) -> Pag
         c.max_pages_per_seq(),
     )
     .unwrap()
+}
+
+/// An empty batch (B = 0: a server whose batch drained) and an empty step
+/// (S = 0) are no-ops on every kernel — the JIT (symbolic or static S) and
+/// the reference, f16 and FP8 caches, every mask, with and without a window:
+/// `Ok`, the (empty) output's guards intact, the cache byte-identical.
+#[test]
+fn empty_batches_and_empty_steps_are_no_ops() {
+    for base in [base_case(), fp8_case()] {
+        for (mask, window) in [(Mask::Causal, None), (Mask::Null, Some(3))] {
+            let empty_batch =
+                Case { batch: 0, cache_lengths: vec![], valid_lengths: vec![], mask, window, ..base.clone() };
+            let empty_decode_batch = Case { seq: 1, ..empty_batch.clone() };
+            let empty_step = Case { seq: 0, valid_lengths: vec![0, 0], mask, window, ..base.clone() };
+            for case in [empty_batch, empty_decode_batch, empty_step] {
+                let what =
+                    format!("B {}, S {}, {:?}, {mask:?}, window {window:?}", case.batch, case.seq, case.cache_dtype);
+                let (inputs, mut cache) = case.inputs();
+                let symbolic = jit(&case);
+                for threads in [1, 3] {
+                    let got = run_jit_on(&symbolic, &case, &inputs, &cache, threads);
+                    assert!(got.is_empty(), "{what}: an empty output");
+                }
+                let static_seq = MhaSpec { seq: Some(case.seq), ..case.spec() };
+                let kernels: [Arc<dyn Kernel>; 3] = [
+                    Arc::new(symbolic),
+                    Arc::new(kvjit_op_attention::JitKernel::new(static_seq, Default::default()).unwrap()),
+                    Arc::new(kvjit_op_attention::ReferenceKernel::new(case.spec())),
+                ];
+                let shape = [case.batch, case.seq, case.num_heads, case.head_size];
+                for kernel in kernels {
+                    let refs: Vec<&Tensor> = inputs.iter().collect();
+                    let specs = kernel.check(&refs, &[&cache]).unwrap();
+                    assert_eq!(specs, vec![(case.dtype, shape.to_vec())], "{what}");
+                    let mut outputs = [Tensor::zeros(case.dtype, &shape).unwrap()];
+                    poison(&mut outputs[0]);
+                    let before = Snapshot::take(&outputs[0], &cache);
+                    kernel
+                        .run(&refs, &mut [&mut cache], &mut outputs, &DeviceContextPtr::cpu(2).unwrap())
+                        .unwrap_or_else(|e| panic!("{what} ({}): {e}", kernel.implementation()));
+                    before.assert_unchanged(&outputs[0], &cache, &what);
+                }
+            }
+        }
+    }
 }
 
 #[test]
