@@ -7,12 +7,14 @@
 //! of `QB` query positions; for each KV head the `G = Hq/Hkv` query heads
 //! that share it (`QB·G` rows, padded to whole **row tiles** of 4), against
 //! one chunk of `CH` key positions. Decode (S = 1) is split-KV flash
-//! decoding when there are too few sequences to feed the pool: the chunks
-//! of one sequence run in parallel and each leaves a partial `(max, sum,
-//! acc[D])` per row; the host merges the chunks of each row (`out = Σ
-//! e^{m_c−M}·acc_c / Σ e^{m_c−M}·l_c`, f32) and rounds once to the dtype.
-//! Prefill uses the same code with QB = 8 and, when there are enough items,
-//! one chunk.
+//! decoding when there are too few sequences to make [`TARGET_ITEMS`]
+//! items: the chunks of one sequence run in parallel and each leaves a
+//! partial `(max, sum, acc[D])` per row; the host merges the chunks of each
+//! row in chunk order (`out = Σ e^{m_c−M}·acc_c / Σ e^{m_c−M}·l_c`, f32) and
+//! rounds once to the dtype. Prefill uses the same code with QB = 8 and,
+//! when there are enough items, one chunk. The cut depends on the call's
+//! shapes and lengths only, never on the pool: the output is bit-identical
+//! for any number of threads.
 //!
 //! Inside an item, keys go in blocks of up to [`KB`]. Each block is first
 //! **gathered**: the K and V rows of its keys (all KV heads: `Hkv·D`
@@ -86,8 +88,10 @@ use crate::{Mask, MhaSpec};
 pub const KB: usize = 32;
 /// Smallest chunk of key positions in split-KV (decode) launches.
 pub const MIN_CHUNK: usize = 128;
-/// Work items per pool thread split-KV aims for (load balance).
-const ITEMS_PER_THREAD: usize = 8;
+/// Work items split-KV aims for: 8 per thread of a 16-thread pool (load
+/// balance). A constant, not the pool's size: the launch plan, and so every
+/// bit of the output, depends on the call only, never on the threads.
+pub const TARGET_ITEMS: usize = 128;
 /// Query positions per work item in prefill.
 pub const PREFILL_QUERY_BLOCK: usize = 8;
 /// Rows per row tile (the lanes of an F32X4).
@@ -833,16 +837,17 @@ struct Plan {
 }
 
 impl Plan {
-    /// The plan of a call with at least one valid query (so B ≥ 1).
-    fn new(spec: &MhaSpec, shape: &CallShape, threads: usize) -> Self {
+    /// The plan of a call with at least one valid query (so B ≥ 1): a
+    /// function of the call's shapes and lengths only.
+    fn new(spec: &MhaSpec, shape: &CallShape) -> Self {
         let group = shape.group();
         let max_hi = shape.key_ranges.iter().map(|r| r.1).max().unwrap_or(0).max(1);
         let query_block = shape.seq.clamp(1, PREFILL_QUERY_BLOCK);
         let query_blocks = shape.seq.div_ceil(query_block).max(1);
         let groups = shape.batch * query_blocks;
-        // Split the keys only as far as needed to give every thread
-        // several items (decode at small B); chunks of at least MIN_CHUNK.
-        let want_chunks = (ITEMS_PER_THREAD * threads).div_ceil(groups).max(1);
+        // Split the keys only as far as needed to make TARGET_ITEMS items
+        // (decode at small B); chunks of at least MIN_CHUNK.
+        let want_chunks = TARGET_ITEMS.div_ceil(groups).max(1);
         let chunk = max_hi.div_ceil(want_chunks).next_multiple_of(KB).max(MIN_CHUNK);
         let chunks = max_hi.div_ceil(chunk);
         let tiles = (query_block * group).div_ceil(ROW_TILE);
@@ -919,8 +924,7 @@ impl JitKernel {
         // No valid query (B = 0, S = 0 or every row padded): nothing to
         // launch, every row zero. Otherwise B ≥ 1, which the plan needs.
         if valid.iter().any(|&v| v > 0) {
-            let threads = ctx.cpu_context().map_or(1, |c| c.threads());
-            let plan = Plan::new(&self.spec, shape, threads);
+            let plan = Plan::new(&self.spec, shape);
             let offsets = key_row_offsets(shape, cache, plan.stride)?;
             let q = pack_q(shape, &plan, valid, self.spec.scale, &q.to_f32_vec()?);
             let lengths: Vec<i64> =
@@ -1006,7 +1010,7 @@ fn pack_q(shape: &CallShape, plan: &Plan, valid: &[u32], scale: f32, q: &[f32]) 
 }
 
 /// Combine the chunks' partials of every valid row into `out` (f32,
-/// `[B, S, Hq, D]`); padded rows stay zero.
+/// `[B, S, Hq, D]`), always in chunk order; padded rows stay zero.
 fn merge(shape: &CallShape, plan: &Plan, valid: &[u32], partials: &[f32], out: &mut [f32]) {
     let (d, hq, group) = (shape.head_size, shape.num_heads, shape.group());
     let tile_floats = layout::tile_floats(d);

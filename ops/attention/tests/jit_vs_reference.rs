@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{Case, check_against_reference, jit, run_jit};
+use common::{Case, assert_same_bits_on_every_pool, check_against_reference, jit, run_jit};
 use kvjit_core::DType;
 use kvjit_op_attention::Mask;
 use rand::SeedableRng;
@@ -98,17 +98,47 @@ fn llama_shapes_match_the_reference() {
     }
 }
 
+/// Bit-identical outputs on pools of 1, 2, 3 and 5 threads: random short
+/// calls, and contexts long enough to be cut into many key chunks (3001 to
+/// 4500 keys; decode at B 1 and 2, prefill over several query blocks;
+/// f32, bf16 and FP8 caches), each long case also against the reference.
 #[test]
 fn results_do_not_depend_on_the_thread_count() {
     let mut rng = StdRng::seed_from_u64(3);
     for decode in [true, false] {
         for _ in 0..4 {
             let case = Case::random(&mut rng, decode);
-            let kernel = jit(&case);
-            let one = run_jit(&kernel, &case, 1);
-            let three = run_jit(&kernel, &case, 3);
-            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-            assert_eq!(bits(&one), bits(&three), "{case:?}");
+            assert_same_bits_on_every_pool(&jit(&case), &case);
+        }
+    }
+    let long = |cache_dtype: DType, seq: usize, cache_lengths: Vec<u32>, valid_lengths: Vec<u32>| Case {
+        dtype: if cache_dtype == DType::F32 { DType::F32 } else { DType::BF16 },
+        cache_dtype,
+        batch: cache_lengths.len(),
+        seq,
+        num_heads: 8,
+        num_kv_heads: 2,
+        head_size: 32,
+        page_size: 16,
+        num_layers: 1,
+        layer: 0,
+        scale_granularity: (cache_dtype == DType::F8E4M3).then_some(16),
+        cache_lengths,
+        valid_lengths,
+        mask: Mask::Causal,
+        window: None,
+        scale: 0.25,
+        seed: 5,
+    };
+    for cache_dtype in [DType::F32, DType::BF16, DType::F8E4M3] {
+        for case in [
+            long(cache_dtype, 1, vec![3000], vec![1]),
+            long(cache_dtype, 1, vec![4500, 2999], vec![1, 1]),
+            long(cache_dtype, 9, vec![2992], vec![9]),
+            long(cache_dtype, 12, vec![3001, 4000], vec![12, 5]),
+        ] {
+            let got = assert_same_bits_on_every_pool(&jit(&case), &case);
+            check_against_reference(&case, &got);
         }
     }
 }

@@ -262,6 +262,24 @@ pub fn run_jit_on(
     Tensor::from_le_bytes(case.dtype, &[elements], out.body()).unwrap().to_f32_vec().unwrap()
 }
 
+/// Pool sizes the thread-count tests compare.
+pub const POOL_SIZES: [usize; 4] = [1, 2, 3, 5];
+
+/// Run the JIT kernel for `case` on pools of every size in [`POOL_SIZES`]
+/// (each through [`run_jit_on`]: guarded, poisoned, cache checked) and
+/// assert the outputs are bit-identical; returns the output.
+pub fn assert_same_bits_on_every_pool(kernel: &JitKernel, case: &Case) -> Vec<f32> {
+    let (inputs, cache) = case.inputs();
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    let first = run_jit_on(kernel, case, &inputs, &cache, POOL_SIZES[0]);
+    for threads in &POOL_SIZES[1..] {
+        let got = run_jit_on(kernel, case, &inputs, &cache, *threads);
+        let differ = bits(&got).iter().zip(bits(&first)).filter(|(a, b)| **a != *b).count();
+        assert_eq!(differ, 0, "{case:?}: {differ} of {} values differ between 1 and {threads} threads", got.len());
+    }
+    first
+}
+
 pub fn jit(case: &Case) -> JitKernel {
     JitKernel::new(case.spec(), CaptureText::default()).unwrap()
 }
