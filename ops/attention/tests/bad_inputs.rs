@@ -8,6 +8,7 @@ use std::sync::Arc;
 use common::{Case, jit, run_jit_on, scale_bytes};
 use kvjit_core::{DType, Error, KernelKey, PagedKVCacheCollection, Target, Tensor, UNASSIGNED_PAGE};
 use kvjit_graph::{Dim, GraphBuilder, KvCacheType, OpDef, OpRegistry};
+use kvjit_op_attention::cpu_jit::MAX_JIT_KEYS;
 use kvjit_op_attention::{AttentionError, Mask, MhaOp, MhaParams, MhaSpec, NO_CUDA, mha};
 use kvjit_runtime::{DeviceContextPtr, Kernel};
 use kvjit_testkit::{Snapshot, poison, u32s};
@@ -285,6 +286,55 @@ fn empty_batches_and_empty_steps_are_no_ops() {
             }
         }
     }
+}
+
+/// A sequence reading more than `MAX_JIT_KEYS` keys in one call (a crafted
+/// cache: 65536-token pages, every lookup-table entry aliasing page 0) is
+/// refused by the JIT's check and run before anything is written, naming
+/// the limit; exactly `MAX_JIT_KEYS` keys pass its check. (The reference
+/// would serve it; not run: 2³⁰ keys.)
+#[test]
+fn more_keys_than_the_jit_handles_are_refused() {
+    let page_size = 1 << 16;
+    let case = Case {
+        batch: 1,
+        seq: 1,
+        num_layers: 1,
+        layer: 0,
+        page_size,
+        cache_lengths: vec![0], // for q, layer_idx and valid_lengths; the cache is built below
+        valid_lengths: vec![1],
+        ..base_case()
+    };
+    let max_pages = (MAX_JIT_KEYS + 1).div_ceil(page_size);
+    let mut cache = PagedKVCacheCollection::new(case.cache_params(), 1, 1, max_pages).unwrap();
+    cache.lookup_table_mut().fill(0);
+    cache.cache_lengths_mut()[0] = MAX_JIT_KEYS as u32;
+    let (inputs, _) = case.inputs();
+    let refs: Vec<&Tensor> = inputs.iter().collect();
+    let kernel = jit(&case);
+    let err = kernel.check(&refs, &[&cache]).unwrap_err();
+    let keys = MAX_JIT_KEYS + 1;
+    assert!(
+        matches!(op_error(&err), Some(&AttentionError::TooManyKeys { batch: 0, keys: k, max: MAX_JIT_KEYS }) if k == keys),
+        "{err}"
+    );
+    assert!(err.to_string().contains(&format!("at most {MAX_JIT_KEYS}")), "{err}");
+    let mut outputs = [Tensor::zeros(case.dtype, &[1, 1, 4, 8]).unwrap()];
+    poison(&mut outputs[0]);
+    let before = Snapshot::take(&outputs[0], &cache);
+    let ctx = DeviceContextPtr::cpu(2).unwrap();
+    let err = kernel.run(&refs, &mut [&mut cache], &mut outputs, &ctx).unwrap_err();
+    assert!(matches!(op_error(&err), Some(AttentionError::TooManyKeys { .. })), "{err}");
+    before.assert_unchanged(&outputs[0], &cache, "too many keys");
+    let mut guarded = vec![0xa5u8; outputs[0].as_bytes().len()];
+    let err = kernel.run_into(&refs, &cache, &mut guarded, &ctx).unwrap_err();
+    assert!(matches!(op_error(&err), Some(AttentionError::TooManyKeys { .. })), "{err}");
+    assert!(guarded.iter().all(|&x| x == 0xa5), "run_into wrote before refusing");
+    // One key fewer: the JIT's check accepts it (and the reference's too).
+    cache.cache_lengths_mut()[0] -= 1;
+    kernel.check(&refs, &[&cache]).unwrap();
+    kvjit_op_attention::ReferenceKernel::new(case.spec()).check(&refs, &[&cache]).unwrap();
 }
 
 #[test]

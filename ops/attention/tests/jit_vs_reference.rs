@@ -4,7 +4,9 @@
 
 mod common;
 
-use common::{Case, assert_same_bits_on_every_pool, check_against_reference, jit, run_jit};
+use common::{
+    Case, assert_same_bits_on_every_pool, check_against_reference, check_against_reference_on, jit, run_jit, run_jit_on,
+};
 use kvjit_core::DType;
 use kvjit_op_attention::Mask;
 use rand::SeedableRng;
@@ -155,4 +157,48 @@ fn empty_batches_and_zero_lengths() {
     case.valid_lengths.iter_mut().for_each(|v| *v = 1);
     let got = run_jit(&jit(&case), &case, 2);
     check_against_reference(&case, &got);
+}
+
+/// Key positions past 2³¹, up to u32::MAX (a sliding window keeps the keys
+/// read few; only their pages are assigned, so the caches stay small): the
+/// JIT gives the reference's answer — key ranges straddling 2³¹ or ending
+/// at it, near the top of u32, decode and prefill, both masks, bf16 and FP8
+/// caches, 1 and 3 threads.
+#[test]
+fn positions_past_2_31_match_the_reference() {
+    const TWO_31: u32 = 1 << 31;
+    let case = |cache_dtype: DType, seq: usize, cache_lengths: Vec<u32>, valid_lengths: Vec<u32>, window: usize| Case {
+        dtype: DType::BF16,
+        cache_dtype,
+        batch: cache_lengths.len(),
+        seq,
+        num_heads: 4,
+        num_kv_heads: 2,
+        head_size: 16,
+        page_size: 4096,
+        num_layers: 1,
+        layer: 0,
+        scale_granularity: (cache_dtype == DType::F8E4M3).then_some(8),
+        cache_lengths,
+        valid_lengths,
+        mask: Mask::Causal,
+        window: Some(window),
+        scale: 0.3,
+        seed: 9,
+    };
+    for cache_dtype in [DType::BF16, DType::F8E4M3] {
+        for case in [
+            case(cache_dtype, 8, vec![TWO_31 - 4], vec![8], 300),
+            case(cache_dtype, 1, vec![TWO_31 - 1], vec![1], 200),
+            case(cache_dtype, 1, vec![TWO_31 + 100, u32::MAX - 1], vec![1, 1], 1000),
+            Case { mask: Mask::Null, ..case(cache_dtype, 6, vec![u32::MAX - 6, TWO_31 - 3], vec![6, 4], 37) },
+        ] {
+            let (inputs, cache) = case.windowed_inputs();
+            let kernel = jit(&case);
+            for threads in [1, 3] {
+                let got = run_jit_on(&kernel, &case, &inputs, &cache, threads);
+                check_against_reference_on(&case, &inputs, &cache, &got);
+            }
+        }
+    }
 }
