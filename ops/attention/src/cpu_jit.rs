@@ -216,14 +216,23 @@ fn block_buffer_bytes(spec: &MhaSpec) -> usize {
     block_rows_bytes(spec) + scales
 }
 
+/// Largest head size D the JIT kernel serves: its code is unrolled over D,
+/// so compile time and code size grow with it (D = 1024: ~0.1 s, ~200 KB;
+/// D = 8192: ~1 s, 1.2 MB). The reference kernel serves any D.
+pub const MAX_JIT_HEAD_SIZE: usize = 1024;
+
 /// Refuse specs the kernel cannot serve: D must be a multiple of 4 (whole
-/// F32X4 vectors), an FP8 cache's granularity g a multiple of 4 dividing D
+/// F32X4 vectors) and at most [`MAX_JIT_HEAD_SIZE`], an FP8 cache's granularity g a multiple of 4 dividing D
 /// (each F32X4 of a head inside one scale block), and the fixed offsets must
 /// fit the code's displacements.
 pub(crate) fn supported(spec: &MhaSpec) -> Result<(), JitError> {
     let d = spec.head_size;
     let reason = if !d.is_multiple_of(4) {
         Some(format!("the CPU kernel needs head_size % 4 == 0 (whole F32X4 vectors), got {d}"))
+    } else if d > MAX_JIT_HEAD_SIZE {
+        Some(format!(
+            "the CPU kernel serves head_size up to {MAX_JIT_HEAD_SIZE} (its code is unrolled over the head), got {d}"
+        ))
     } else if let Err(e) = spec.cache_params().validate() {
         Some(format!("the cache layout is invalid: {e}"))
     } else if let Some(g) = spec.scale_granularity.filter(|g| !g.is_multiple_of(4)) {
