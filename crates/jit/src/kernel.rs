@@ -80,9 +80,11 @@ type KernelEntry = unsafe extern "C" fn(args: *const u64, begin: i64, end: i64);
 /// most one item; a non-CPU context runs inline too). Returns when every
 /// range is done.
 ///
-/// Which range a worker gets never changes what an item computes, so results
-/// do not depend on the number of threads as long as the kernel computes each
-/// item the same way wherever it runs.
+/// Which range a worker gets never changes what an item computes. Results
+/// are therefore independent of the number of threads only if the caller's
+/// items (how many, and what each covers) are chosen without regard to it,
+/// the kernel computes each item the same way wherever it runs, and the
+/// caller combines items' results in a fixed order.
 ///
 /// # Safety
 ///

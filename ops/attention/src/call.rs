@@ -153,16 +153,21 @@ pub fn check_output(shape: &CallShape, dtype: DType, output: &Tensor) -> Result<
     Ok(())
 }
 
-/// For every sequence b and key position `p < stride` (`stride` ≥ every
-/// `key_ranges[b].1`), the element offset in `blocks` of `[page, 0, layer,
-/// slot, 0, 0]` (its K row; V is `L·page_size·Hkv·D` further), from one
-/// [`locate`](PagedKVCacheCollection::locate) per page. Positions outside
-/// the sequence's checked key range get 0 (element 0 of the blocks: in
-/// bounds, never used).
+/// For every sequence b, the element offset in `blocks` of `[page, 0,
+/// layer, slot, 0, 0]` (its K row; V is `L·page_size·Hkv·D` further) of each
+/// key position p of its checked key range `[lo, hi)`, at index `b·stride +
+/// p − lo` (`stride` ≥ every `hi − lo`: the table is sized by the keys read,
+/// never by their positions), from one
+/// [`locate`](PagedKVCacheCollection::locate) per page. Other entries are 0
+/// (element 0 of the blocks: in bounds, never used). A table too large to
+/// allocate is [`Error::OutOfMemory`].
 pub fn key_row_offsets(shape: &CallShape, kv_collection: &PagedKVCacheCollection, stride: usize) -> Result<Vec<i64>> {
     let page_size = kv_collection.params().page_size;
     let kv_dim = kv_collection.params().kv_dim();
-    let mut offsets = vec![0i64; shape.batch * stride];
+    let len = shape.batch.checked_mul(stride).ok_or_else(|| Error::ShapeOverflow(vec![shape.batch, stride]))?;
+    let mut offsets = Vec::new();
+    offsets.try_reserve_exact(len).map_err(|_| Error::OutOfMemory { bytes: len.saturating_mul(8) })?;
+    offsets.resize(len, 0i64);
     for (b, &(lo, hi)) in shape.key_ranges.iter().enumerate() {
         let row = &mut offsets[b * stride..][..stride];
         let mut p = lo;
@@ -170,7 +175,7 @@ pub fn key_row_offsets(shape: &CallShape, kv_collection: &PagedKVCacheCollection
             let (page, slot) = kv_collection.locate(b, p)?;
             let base = kv_collection.element_offset(page as usize, 0, shape.layer, 0, 0, 0);
             let end = hi.min((p / page_size + 1) * page_size);
-            for (i, offset) in row[p..end].iter_mut().enumerate() {
+            for (i, offset) in row[p - lo..end - lo].iter_mut().enumerate() {
                 *offset = (base + (slot + i) * kv_dim) as i64;
             }
             p = end;

@@ -7,12 +7,14 @@
 //! of `QB` query positions; for each KV head the `G = Hq/Hkv` query heads
 //! that share it (`QB·G` rows, padded to whole **row tiles** of 4), against
 //! one chunk of `CH` key positions. Decode (S = 1) is split-KV flash
-//! decoding when there are too few sequences to feed the pool: the chunks
-//! of one sequence run in parallel and each leaves a partial `(max, sum,
-//! acc[D])` per row; the host merges the chunks of each row (`out = Σ
-//! e^{m_c−M}·acc_c / Σ e^{m_c−M}·l_c`, f32) and rounds once to the dtype.
-//! Prefill uses the same code with QB = 8 and, when there are enough items,
-//! one chunk.
+//! decoding when there are too few sequences to make [`TARGET_ITEMS`]
+//! items: the chunks of one sequence run in parallel and each leaves a
+//! partial `(max, sum, acc[D])` per row; the host merges the chunks of each
+//! row in chunk order (`out = Σ e^{m_c−M}·acc_c / Σ e^{m_c−M}·l_c`, f32) and
+//! rounds once to the dtype. Prefill uses the same code with QB = 8 and,
+//! when there are enough items, one chunk. The cut depends on the call's
+//! shapes and lengths only, never on the pool: the output is bit-identical
+//! for any number of threads.
 //!
 //! Inside an item, keys go in blocks of up to [`KB`]. Each block is first
 //! **gathered**: the K and V rows of its keys (all KV heads: `Hkv·D`
@@ -37,10 +39,14 @@
 //!                                     multiple of 4 with copies of its last key, whose P is 0)
 //! ```
 //!
-//! The offsets table (`kv_row_offsets`) is built on the host from one
-//! checked [`locate`](kvjit_core::PagedKVCacheCollection::locate) per page;
-//! q is pre-scaled by `scale`, widened to f32 and packed per (b, query
-//! block) in row-tile order on the host (padded rows zero).
+//! The offsets table ([`key_row_offsets`]) is built on the host from one
+//! checked [`locate`](kvjit_core::PagedKVCacheCollection::locate) per page.
+//! It and the key chunks are indexed by a key's position relative to the first key
+//! its sequence reads, so a sliding window far into a long context costs
+//! the window's keys, not its end position, and positions fit the code's
+//! i32 lanes (a call in which a sequence reads more than [`MAX_JIT_KEYS`]
+//! keys is refused). q is pre-scaled by `scale`, widened to f32 and packed
+//! per (b, query block) in row-tile order on the host (padded rows zero).
 //!
 //! **FP8 (E4M3) cache.** The gather reads 1 byte per element (and the
 //! keys' `Hkv·D/g` f32 scales of K and of V) and re-encodes each code as
@@ -79,15 +85,17 @@ use crate::call::{AttentionConfig, CallShape, key_row_offsets};
 use crate::exp::emit_exp_f32x4;
 use crate::fp8::E4m3ToBf16;
 use crate::kernel::{check_against_spec, checked_call};
-use crate::{Mask, MhaSpec};
+use crate::{AttentionError, Mask, MhaSpec};
 
 /// Keys per block (the scores, probabilities and K/V row addresses of one
 /// block live in the item's scratch).
 pub const KB: usize = 32;
 /// Smallest chunk of key positions in split-KV (decode) launches.
 pub const MIN_CHUNK: usize = 128;
-/// Work items per pool thread split-KV aims for (load balance).
-const ITEMS_PER_THREAD: usize = 8;
+/// Work items split-KV aims for: 8 per thread of a 16-thread pool (load
+/// balance). A constant, not the pool's size: the launch plan, and so every
+/// bit of the output, depends on the call only, never on the threads.
+pub const TARGET_ITEMS: usize = 128;
 /// Query positions per work item in prefill.
 pub const PREFILL_QUERY_BLOCK: usize = 8;
 /// Rows per row tile (the lanes of an F32X4).
@@ -142,9 +150,11 @@ mod arg {
     pub const Q: usize = 0;
     /// The cache's blocks.
     pub const BLOCKS: usize = 1;
-    /// i64 `[B, T]`: element offset of the K row (head 0) of each position.
+    /// i64 `[B, T]`: element offset of the K row (head 0) of each key the
+    /// sequence reads, by its position relative to the sequence's first key.
     pub const KEY_OFFSETS: usize = 2;
-    /// i64 `[B, 2]`: cache length and valid length of each sequence.
+    /// i64 `[B, 3]`: cache length, valid length and first key position read
+    /// (`CallShape::key_ranges[b].0`) of each sequence.
     pub const LENGTHS: usize = 3;
     /// f32 partials: per item `[scratch | Hkv·tiles_per_head × (m, l, lo, hi, acc[4·D])]`.
     pub const PARTIALS: usize = 4;
@@ -206,14 +216,23 @@ fn block_buffer_bytes(spec: &MhaSpec) -> usize {
     block_rows_bytes(spec) + scales
 }
 
+/// Largest head size D the JIT kernel serves: its code is unrolled over D,
+/// so compile time and code size grow with it (D = 1024: ~0.1 s, ~200 KB;
+/// D = 8192: ~1 s, 1.2 MB). The reference kernel serves any D.
+pub const MAX_JIT_HEAD_SIZE: usize = 1024;
+
 /// Refuse specs the kernel cannot serve: D must be a multiple of 4 (whole
-/// F32X4 vectors), an FP8 cache's granularity g a multiple of 4 dividing D
+/// F32X4 vectors) and at most [`MAX_JIT_HEAD_SIZE`], an FP8 cache's granularity g a multiple of 4 dividing D
 /// (each F32X4 of a head inside one scale block), and the fixed offsets must
 /// fit the code's displacements.
 pub(crate) fn supported(spec: &MhaSpec) -> Result<(), JitError> {
     let d = spec.head_size;
     let reason = if !d.is_multiple_of(4) {
         Some(format!("the CPU kernel needs head_size % 4 == 0 (whole F32X4 vectors), got {d}"))
+    } else if d > MAX_JIT_HEAD_SIZE {
+        Some(format!(
+            "the CPU kernel serves head_size up to {MAX_JIT_HEAD_SIZE} (its code is unrolled over the head), got {d}"
+        ))
     } else if let Err(e) = spec.cache_params().validate() {
         Some(format!("the cache layout is invalid: {e}"))
     } else if let Some(g) = spec.scale_granularity.filter(|g| !g.is_multiple_of(4)) {
@@ -429,11 +448,17 @@ impl Emitter {
         let q_group = b.ins().imul_imm_s(q_group, ROW_TILE as i64 * self.d() * 4);
         let q_group = b.ins().iadd(self.word(arg::Q), q_group);
 
-        // The sequence's lengths and this block's valid queries.
-        let lengths_at = b.ins().ishl_imm_u(batch, 4);
+        // The sequence's lengths, its first key, and this block's valid
+        // queries. Key positions from here on are relative to the first key
+        // (`rebase`): below MAX_JIT_KEYS, so they fit the I32X4 lanes.
+        let lengths_at = b.ins().imul_imm_s(batch, 24);
         let lengths_at = b.ins().iadd(self.word(arg::LENGTHS), lengths_at);
         let cl = b.ins().load(types::I64, mem(), lengths_at, 0);
         let valid = b.ins().load(types::I64, mem(), lengths_at, 8);
+        let first_key = b.ins().load(types::I64, mem(), lengths_at, 16);
+        let rebase = |b: &mut FunctionBuilder, (lo, hi): (Value, Value)| {
+            (b.ins().isub(lo, first_key), b.ins().isub(hi, first_key))
+        };
         let query_block = self.word(arg::QUERY_BLOCK);
         let s0 = b.ins().imul(qb, query_block);
         let s_end = b.ins().iadd(s0, query_block);
@@ -459,7 +484,8 @@ impl Emitter {
                 let r = b.ins().iadd_imm_s(first_row, i as i64);
                 let (ds, _) = self.div_group(b, r);
                 let s = b.ins().iadd(s0, ds);
-                let (lo, hi) = self.row_range(b, cl, valid, s);
+                let range = self.row_range(b, cl, valid, s);
+                let (lo, hi) = rebase(b, range);
                 let real = b.ins().icmp(IntCC::SignedLessThan, s, s_end);
                 let zero = iconst(b, 0);
                 let lo = b.ins().select(real, lo, zero);
@@ -475,8 +501,10 @@ impl Emitter {
         let any = b.ins().icmp(IntCC::SignedLessThan, s0, s_end);
         when(b, any, |b| {
             let s_last = b.ins().iadd_imm_s(s_end, -1);
-            let (item_lo, _) = self.row_range(b, cl, valid, s0);
-            let (_, item_hi) = self.row_range(b, cl, valid, s_last);
+            let range = self.row_range(b, cl, valid, s0);
+            let (item_lo, _) = rebase(b, range);
+            let range = self.row_range(b, cl, valid, s_last);
+            let (_, item_hi) = rebase(b, range);
             let chunk = self.word(arg::CHUNK);
             let c_lo = b.ins().imul(c, chunk);
             let c_hi = b.ins().iadd(c_lo, chunk);
@@ -815,6 +843,22 @@ impl Emitter {
     }
 }
 
+/// Most keys one sequence's queries may read together in one call of the
+/// JIT kernel (the code holds key positions, relative to the sequence's
+/// first key, in i32 lanes); the reference kernel serves more.
+pub const MAX_JIT_KEYS: usize = 1 << 30;
+
+/// Refuse a validated call in which a sequence reads more than
+/// [`MAX_JIT_KEYS`] keys ([`AttentionError::TooManyKeys`]).
+fn check_key_span(shape: &CallShape) -> Result<()> {
+    for (batch, &(lo, hi)) in shape.key_ranges.iter().enumerate() {
+        if hi - lo > MAX_JIT_KEYS {
+            return Err(AttentionError::TooManyKeys { batch, keys: hi - lo, max: MAX_JIT_KEYS }.into());
+        }
+    }
+    Ok(())
+}
+
 /// The launch plan of one call: how queries and keys are cut into items.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Plan {
@@ -822,8 +866,12 @@ struct Plan {
     query_blocks: usize,
     /// Row tiles per KV head.
     tiles: usize,
+    /// Key positions per chunk; chunk c of a sequence holds its keys
+    /// `first + c·chunk ..` (`first`: the first key it reads).
     chunk: usize,
     chunks: usize,
+    /// Entries per sequence in the key-offset table (≥ chunks·chunk): sized
+    /// by the keys a sequence reads, never by their absolute positions.
     stride: usize,
     /// f32 values of an item's scratch before its tiles.
     head_floats: usize,
@@ -833,17 +881,20 @@ struct Plan {
 }
 
 impl Plan {
-    fn new(spec: &MhaSpec, shape: &CallShape, threads: usize) -> Self {
+    /// The plan of a call with at least one valid query (so B ≥ 1): a
+    /// function of the call's shapes and lengths only.
+    fn new(spec: &MhaSpec, shape: &CallShape) -> Self {
         let group = shape.group();
-        let max_hi = shape.key_ranges.iter().map(|r| r.1).max().unwrap_or(0).max(1);
+        // The most keys one sequence reads (a window's width, not its end).
+        let span = shape.key_ranges.iter().map(|&(lo, hi)| hi - lo).max().unwrap_or(0).max(1);
         let query_block = shape.seq.clamp(1, PREFILL_QUERY_BLOCK);
         let query_blocks = shape.seq.div_ceil(query_block).max(1);
         let groups = shape.batch * query_blocks;
-        // Split the keys only as far as needed to give every thread
-        // several items (decode at small B); chunks of at least MIN_CHUNK.
-        let want_chunks = (ITEMS_PER_THREAD * threads).div_ceil(groups).max(1);
-        let chunk = max_hi.div_ceil(want_chunks).next_multiple_of(KB).max(MIN_CHUNK);
-        let chunks = max_hi.div_ceil(chunk);
+        // Split the keys only as far as needed to make TARGET_ITEMS items
+        // (decode at small B); chunks of at least MIN_CHUNK.
+        let want_chunks = TARGET_ITEMS.div_ceil(groups).max(1);
+        let chunk = span.div_ceil(want_chunks).next_multiple_of(KB).max(MIN_CHUNK);
+        let chunks = span.div_ceil(chunk);
         let tiles = (query_block * group).div_ceil(ROW_TILE);
         let head_floats = layout::head_floats(scale_blocks(spec));
         let item_floats = head_floats + shape.num_kv_heads * tiles * layout::tile_floats(spec.head_size);
@@ -889,7 +940,7 @@ impl JitKernel {
         output: &mut [u8],
         ctx: &DeviceContextPtr,
     ) -> Result<()> {
-        let shape = check_against_spec(&self.spec, inputs, &[cache])?;
+        let shape = self.check_call(inputs, &[cache])?;
         let expected = shape.output_shape().iter().product::<usize>() * self.spec.dtype.size_bytes();
         if output.len() != expected {
             return Err(Error::ByteCount {
@@ -902,7 +953,15 @@ impl JitKernel {
         self.launch(&shape, inputs[0], inputs[2], cache, output, ctx)
     }
 
-    /// Run a validated call: `shape` came from `check_against_spec` on these
+    /// Check a call against the spec (`check_against_spec`) and against
+    /// what this kernel serves (`check_key_span`); writes nothing.
+    fn check_call(&self, inputs: &[&Tensor], caches: &[&PagedKVCacheCollection]) -> Result<CallShape> {
+        let shape = check_against_spec(&self.spec, inputs, caches)?;
+        check_key_span(&shape)?;
+        Ok(shape)
+    }
+
+    /// Run a validated call: `shape` came from `check_call` on these
     /// arguments and `output` holds `B·S·Hq·D` elements of the dtype.
     fn launch(
         &self,
@@ -913,15 +972,20 @@ impl JitKernel {
         output: &mut [u8],
         ctx: &DeviceContextPtr,
     ) -> Result<()> {
-        let threads = ctx.cpu_context().map_or(1, |c| c.threads());
-        let plan = Plan::new(&self.spec, shape, threads);
         let valid = valid_lengths.as_slice::<u32>()?;
         let mut out = vec![0f32; shape.output_shape().iter().product()];
+        // No valid query (B = 0, S = 0 or every row padded): nothing to
+        // launch, every row zero. Otherwise B ≥ 1, which the plan needs.
         if valid.iter().any(|&v| v > 0) {
+            let plan = Plan::new(&self.spec, shape);
             let offsets = key_row_offsets(shape, cache, plan.stride)?;
             let q = pack_q(shape, &plan, valid, self.spec.scale, &q.to_f32_vec()?);
-            let lengths: Vec<i64> =
-                (0..shape.batch).flat_map(|b| [i64::from(cache.cache_lengths()[b]), i64::from(valid[b])]).collect();
+            let lengths: Vec<i64> = (0..shape.batch)
+                .flat_map(|b| {
+                    let first_key = shape.key_ranges[b].0 as i64;
+                    [i64::from(cache.cache_lengths()[b]), i64::from(valid[b]), first_key]
+                })
+                .collect();
             let mut partials = vec![0f32; plan.items * plan.item_floats];
             // Zeroed (calloc): only the buffers of the invocations' first
             // items are ever touched.
@@ -947,22 +1011,24 @@ impl JitKernel {
             // contiguous [B, S, Hq, D] with the spec's Hq and D, the cache has
             // the spec's layout and B sequences, layer < L, valid_lengths[b] ≤
             // S, cl + v fits u32, and every page holding a key position in
-            // `key_ranges[b]` is inside the lookup table and the cache). So:
+            // `key_ranges[b]` is inside the lookup table and the cache), and
+            // `check_key_span` that no sequence reads more than MAX_JIT_KEYS
+            // keys (relative positions fit the code's i32 lanes). So:
             // item i reads q only in its group's `Hkv·tiles·4·D` values of
             // the packed q (groups·Hkv·tiles·4·D long, group = i / C <
             // groups); every K/V read is of a whole row `[page, kv, layer,
-            // slot, 0..Hkv, 0..D]` at `offsets[b·T + p]` (+ the K→V stride)
-            // for a position p of the item's range (p < c_hi ≤ C·CH < T;
+            // slot, 0..Hkv, 0..D]` at `offsets[b·T + p − lo_b]` (+ the K→V
+            // stride) for a position p of the item's range, inside
+            // `key_ranges[b] = [lo_b, hi_b)` (p − lo_b < c_hi ≤ C·CH < T;
             // padding keys repeat the block's last key), and each such
-            // offset is a checked row of the blocks (p lies in
-            // `key_ranges[b]`), leaving a whole K and V row (all heads)
+            // offset is a checked row of the blocks, leaving a whole K and V row (all heads)
             // inside `blocks`; for an FP8 spec the same check found the
             // cache FP8 with this g, and such a cache holds f32 scales
             // `[P, 2, L, page_size, Hkv, D/g]` (every constructor and
             // `set_scales` enforce it), so the scales of a row at element
             // offset o (a multiple of D = g·D/g) are the `Hkv·D/g` f32 at
             // o/g (+ the K→V stride / g for V), inside `scales` whenever the
-            // row is inside `blocks`; `lengths` has 2·B words; each item reads and
+            // row is inside `blocks`; `lengths` has 3·B words; each item reads and
             // writes only its own `item_floats` values of `partials`
             // (items·item_floats long), and an invocation of items [begin,
             // end) only buffer `begin` of `buffers` (items buffers of
@@ -1003,7 +1069,7 @@ fn pack_q(shape: &CallShape, plan: &Plan, valid: &[u32], scale: f32, q: &[f32]) 
 }
 
 /// Combine the chunks' partials of every valid row into `out` (f32,
-/// `[B, S, Hq, D]`); padded rows stay zero.
+/// `[B, S, Hq, D]`), always in chunk order; padded rows stay zero.
 fn merge(shape: &CallShape, plan: &Plan, valid: &[u32], partials: &[f32], out: &mut [f32]) {
     let (d, hq, group) = (shape.head_size, shape.num_heads, shape.group());
     let tile_floats = layout::tile_floats(d);
@@ -1096,7 +1162,7 @@ impl Kernel for JitKernel {
     }
 
     fn check(&self, inputs: &[&Tensor], caches: &[&PagedKVCacheCollection]) -> Result<Vec<OutputSpec>> {
-        let shape = check_against_spec(&self.spec, inputs, caches)?;
+        let shape = self.check_call(inputs, caches)?;
         Ok(vec![(self.spec.dtype, shape.output_shape())])
     }
 
@@ -1108,6 +1174,7 @@ impl Kernel for JitKernel {
         ctx: &DeviceContextPtr,
     ) -> Result<()> {
         let call = checked_call(&self.spec, inputs, caches, outputs)?;
+        check_key_span(&call.shape)?;
         self.launch(&call.shape, call.q, call.valid_lengths, call.cache, call.output.as_bytes_mut(), ctx)
     }
 }
@@ -1115,4 +1182,50 @@ impl Kernel for JitKernel {
 /// The config a spec bakes in.
 pub(crate) fn config_of(spec: &MhaSpec) -> AttentionConfig {
     AttentionConfig { mask: spec.mask, window: spec.window, scale: spec.scale }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvjit_core::{DType, Target};
+
+    /// A decode step near u32::MAX tokens into a sequence with a 4096-key
+    /// window, beside an idle one: the key-offset table (B·stride i64) and
+    /// the chunks cover the window's keys, not its end position.
+    #[test]
+    fn the_key_table_is_sized_by_the_window_not_the_position() {
+        let window = 4096;
+        let spec = MhaSpec {
+            target: Target::Cpu,
+            dtype: DType::BF16,
+            cache_dtype: DType::BF16,
+            scale_granularity: None,
+            num_heads: 8,
+            num_kv_heads: 2,
+            head_size: 64,
+            page_size: 16,
+            num_layers: 1,
+            mask: Mask::Causal,
+            window: Some(window),
+            scale: 0.125,
+            batch: None,
+            seq: None,
+        };
+        let cache_length = u32::MAX as usize - 10;
+        let (lo, hi) = config_of(&spec).key_range(cache_length, 1, 0);
+        assert_eq!(hi - lo, window);
+        let shape = CallShape {
+            batch: 2,
+            seq: 1,
+            num_heads: 8,
+            num_kv_heads: 2,
+            head_size: 64,
+            layer: 0,
+            key_ranges: vec![(lo, hi), (0, 0)],
+        };
+        let plan = Plan::new(&spec, &shape);
+        assert!(plan.chunks * plan.chunk >= window, "{plan:?}: the chunks cover the window");
+        assert!(plan.stride <= window + plan.chunk + KB, "{plan:?}: a table row of the window's keys");
+        assert!(plan.items <= 2 * TARGET_ITEMS, "{plan:?}");
+    }
 }

@@ -184,7 +184,8 @@ impl OpDef for MhaOp {
         Ok(self.spec(params, inputs, target)?.kernel_key())
     }
 
-    /// CPU: head sizes and offsets the generated code handles; CUDA: none yet.
+    /// CPU: head sizes (a multiple of 4, at most [`MAX_JIT_HEAD_SIZE`](crate::MAX_JIT_HEAD_SIZE))
+    /// and offsets the generated code handles; CUDA: none yet.
     fn supports(&self, key: &KernelKey) -> Result<(), String> {
         let spec = MhaSpec::from_kernel_key(key).ok_or_else(|| format!("{key} is not a key of {OP_NAME}"))?;
         match spec.target {

@@ -16,6 +16,19 @@ pub enum AttentionError {
         /// Hkv.
         num_kv_heads: usize,
     },
+    /// A sequence reads more keys in one call than the JIT kernel handles.
+    #[error(
+        "sequence {batch} reads {keys} keys in one call; the JIT kernel handles at most {max} per sequence (the \
+         reference kernel serves more)"
+    )]
+    TooManyKeys {
+        /// The sequence.
+        batch: usize,
+        /// Keys its valid queries read together.
+        keys: usize,
+        /// [`MAX_JIT_KEYS`](crate::cpu_jit::MAX_JIT_KEYS).
+        max: usize,
+    },
 }
 
 impl From<AttentionError> for kvjit_core::Error {

@@ -29,7 +29,7 @@ pub mod reference;
 mod spec;
 
 pub use call::{AttentionConfig, CallShape, check_call, check_output, key_row_offsets};
-pub use cpu_jit::JitKernel;
+pub use cpu_jit::{JitKernel, MAX_JIT_HEAD_SIZE};
 pub use def::{MhaOp, MhaParams, NO_CUDA, OP_NAME, mha};
 pub use error::AttentionError;
 pub use exp::{EXP_MAX_REL_ERROR, emit_exp_f32x4};

@@ -1,15 +1,19 @@
 //! Every bad call is refused before anything is written: the output keeps
-//! its poison, the cache its bytes; and the graph-level definition.
+//! its poison, the cache its bytes; empty calls (B = 0, S = 0) are no-ops;
+//! what only the JIT refuses (more keys than it handles, head sizes above
+//! its cap); and the graph-level definition.
 
 mod common;
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use common::{Case, jit, scale_bytes};
+use common::{Case, jit, run_jit_on, scale_bytes};
 use kvjit_core::{DType, Error, KernelKey, PagedKVCacheCollection, Target, Tensor, UNASSIGNED_PAGE};
-use kvjit_graph::{Dim, GraphBuilder, KvCacheType, OpDef, OpRegistry};
-use kvjit_op_attention::{AttentionError, Mask, MhaOp, MhaParams, MhaSpec, NO_CUDA, mha};
-use kvjit_runtime::{DeviceContextPtr, Kernel};
+use kvjit_graph::{Dim, GraphBuilder, KvCacheType, OpDef, OpRegistry, specialize};
+use kvjit_op_attention::cpu_jit::MAX_JIT_KEYS;
+use kvjit_op_attention::{AttentionError, MAX_JIT_HEAD_SIZE, Mask, MhaOp, MhaParams, MhaSpec, NO_CUDA, mha};
+use kvjit_runtime::{BuildOptions, DeviceContextPtr, Kernel, KernelBuilder, KernelImpl};
 use kvjit_testkit::{Snapshot, poison, u32s};
 
 fn base_case() -> Case {
@@ -240,6 +244,187 @@ fn cache_like(c: &PagedKVCacheCollection, dtype: DType, page_size: usize) -> Pag
         c.max_pages_per_seq(),
     )
     .unwrap()
+}
+
+/// An empty batch (B = 0: a server whose batch drained) and an empty step
+/// (S = 0) are no-ops on every kernel — the JIT (symbolic or static S) and
+/// the reference, f16 and FP8 caches, every mask, with and without a window:
+/// `Ok`, the (empty) output's guards intact, the cache byte-identical.
+#[test]
+fn empty_batches_and_empty_steps_are_no_ops() {
+    for base in [base_case(), fp8_case()] {
+        for (mask, window) in [(Mask::Causal, None), (Mask::Null, Some(3))] {
+            let empty_batch =
+                Case { batch: 0, cache_lengths: vec![], valid_lengths: vec![], mask, window, ..base.clone() };
+            let empty_decode_batch = Case { seq: 1, ..empty_batch.clone() };
+            let empty_step = Case { seq: 0, valid_lengths: vec![0, 0], mask, window, ..base.clone() };
+            for case in [empty_batch, empty_decode_batch, empty_step] {
+                let what =
+                    format!("B {}, S {}, {:?}, {mask:?}, window {window:?}", case.batch, case.seq, case.cache_dtype);
+                let (inputs, mut cache) = case.inputs();
+                let symbolic = jit(&case);
+                for threads in [1, 3] {
+                    let got = run_jit_on(&symbolic, &case, &inputs, &cache, threads);
+                    assert!(got.is_empty(), "{what}: an empty output");
+                }
+                let static_seq = MhaSpec { seq: Some(case.seq), ..case.spec() };
+                let kernels: [Arc<dyn Kernel>; 3] = [
+                    Arc::new(symbolic),
+                    Arc::new(kvjit_op_attention::JitKernel::new(static_seq, Default::default()).unwrap()),
+                    Arc::new(kvjit_op_attention::ReferenceKernel::new(case.spec())),
+                ];
+                let shape = [case.batch, case.seq, case.num_heads, case.head_size];
+                for kernel in kernels {
+                    let refs: Vec<&Tensor> = inputs.iter().collect();
+                    let specs = kernel.check(&refs, &[&cache]).unwrap();
+                    assert_eq!(specs, vec![(case.dtype, shape.to_vec())], "{what}");
+                    let mut outputs = [Tensor::zeros(case.dtype, &shape).unwrap()];
+                    poison(&mut outputs[0]);
+                    let before = Snapshot::take(&outputs[0], &cache);
+                    kernel
+                        .run(&refs, &mut [&mut cache], &mut outputs, &DeviceContextPtr::cpu(2).unwrap())
+                        .unwrap_or_else(|e| panic!("{what} ({}): {e}", kernel.implementation()));
+                    before.assert_unchanged(&outputs[0], &cache, &what);
+                }
+            }
+        }
+    }
+}
+
+/// A sequence reading more than `MAX_JIT_KEYS` keys in one call (a crafted
+/// cache: 65536-token pages, every lookup-table entry aliasing page 0) is
+/// refused by the JIT's check and run before anything is written, naming
+/// the limit; exactly `MAX_JIT_KEYS` keys pass its check. (The reference
+/// would serve it; not run: 2³⁰ keys.)
+#[test]
+fn more_keys_than_the_jit_handles_are_refused() {
+    let page_size = 1 << 16;
+    let case = Case {
+        batch: 1,
+        seq: 1,
+        num_layers: 1,
+        layer: 0,
+        page_size,
+        cache_lengths: vec![0], // for q, layer_idx and valid_lengths; the cache is built below
+        valid_lengths: vec![1],
+        ..base_case()
+    };
+    let max_pages = (MAX_JIT_KEYS + 1).div_ceil(page_size);
+    let mut cache = PagedKVCacheCollection::new(case.cache_params(), 1, 1, max_pages).unwrap();
+    cache.lookup_table_mut().fill(0);
+    cache.cache_lengths_mut()[0] = MAX_JIT_KEYS as u32;
+    let (inputs, _) = case.inputs();
+    let refs: Vec<&Tensor> = inputs.iter().collect();
+    let kernel = jit(&case);
+    let err = kernel.check(&refs, &[&cache]).unwrap_err();
+    let keys = MAX_JIT_KEYS + 1;
+    assert!(
+        matches!(op_error(&err), Some(&AttentionError::TooManyKeys { batch: 0, keys: k, max: MAX_JIT_KEYS }) if k == keys),
+        "{err}"
+    );
+    assert!(err.to_string().contains(&format!("at most {MAX_JIT_KEYS}")), "{err}");
+    let mut outputs = [Tensor::zeros(case.dtype, &[1, 1, 4, 8]).unwrap()];
+    poison(&mut outputs[0]);
+    let before = Snapshot::take(&outputs[0], &cache);
+    let ctx = DeviceContextPtr::cpu(2).unwrap();
+    let err = kernel.run(&refs, &mut [&mut cache], &mut outputs, &ctx).unwrap_err();
+    assert!(matches!(op_error(&err), Some(AttentionError::TooManyKeys { .. })), "{err}");
+    before.assert_unchanged(&outputs[0], &cache, "too many keys");
+    let mut guarded = vec![0xa5u8; outputs[0].as_bytes().len()];
+    let err = kernel.run_into(&refs, &cache, &mut guarded, &ctx).unwrap_err();
+    assert!(matches!(op_error(&err), Some(AttentionError::TooManyKeys { .. })), "{err}");
+    assert!(guarded.iter().all(|&x| x == 0xa5), "run_into wrote before refusing");
+    // One key fewer: the JIT's check accepts it (and the reference's too).
+    cache.cache_lengths_mut()[0] -= 1;
+    kernel.check(&refs, &[&cache]).unwrap();
+    kvjit_op_attention::ReferenceKernel::new(case.spec()).check(&refs, &[&cache]).unwrap();
+}
+
+/// An attention graph on a cache of head size `head_size` (Hq 2, Hkv 1,
+/// symbolic B and S).
+fn attention_graph(registry: &OpRegistry, head_size: usize) -> kvjit_graph::Graph {
+    let mut b = GraphBuilder::new("attention", registry);
+    let q = b
+        .input("q", DType::BF16, &[Dim::from("batch"), Dim::from("seq"), Dim::Static(2), Dim::Static(head_size)])
+        .unwrap();
+    let cache = KvCacheType {
+        dtype: DType::BF16,
+        num_layers: 1,
+        page_size: 4,
+        num_kv_heads: 1,
+        head_size,
+        scale_granularity: None,
+        num_pages: Dim::Static(8),
+        batch: Dim::from("batch"),
+        max_pages_per_seq: Dim::Static(4),
+    };
+    let kv = b.kv_cache("kv_cache", cache).unwrap();
+    let layer = b.input("layer_idx", DType::U32, &[]).unwrap();
+    let valid = b.input("valid_lengths", DType::U32, &[Dim::from("batch")]).unwrap();
+    let params = MhaParams {
+        dtype: DType::BF16,
+        mask: Mask::Causal,
+        scale: None,
+        local_window_size: None,
+        num_kv_heads: 1,
+        head_size,
+        page_size: 4,
+    };
+    let out = mha(&mut b, [q, kv, layer, valid], params).unwrap();
+    b.output("out", out).unwrap();
+    b.finish().unwrap()
+}
+
+/// Head sizes above `MAX_JIT_HEAD_SIZE` (the JIT's code is unrolled over
+/// D): `specialize` refuses them in one line naming the cap, the JIT kernel
+/// too; the cap itself specializes; the reference kernel (built through
+/// the op's `KernelBuilder`) serves D above the cap, every valid row written.
+#[test]
+fn head_sizes_above_the_jit_cap_are_refused_and_the_reference_serves_them() {
+    let mut registry = OpRegistry::new();
+    registry.register(Arc::new(MhaOp)).unwrap();
+    let over = MAX_JIT_HEAD_SIZE + 4;
+    let graph = attention_graph(&registry, over);
+    let err = specialize(&graph, &registry, Target::Cpu, &BTreeMap::new()).unwrap_err().to_string();
+    assert!(
+        err.contains(&format!("head_size up to {MAX_JIT_HEAD_SIZE}")) && err.contains(&format!("got {over}")),
+        "{err}"
+    );
+    assert!(!err.contains('\n'), "one line: {err}");
+    specialize(&attention_graph(&registry, MAX_JIT_HEAD_SIZE), &registry, Target::Cpu, &BTreeMap::new()).unwrap();
+
+    let case = Case {
+        batch: 2,
+        seq: 2,
+        num_heads: 2,
+        num_kv_heads: 1,
+        head_size: over,
+        num_layers: 1,
+        layer: 0,
+        cache_lengths: vec![3, 0],
+        valid_lengths: vec![2, 1],
+        ..base_case()
+    };
+    let err = kvjit_op_attention::JitKernel::new(case.spec(), Default::default()).err().expect("the JIT refuses");
+    assert!(err.to_string().contains(&format!("up to {MAX_JIT_HEAD_SIZE}")), "{err}");
+    let options = BuildOptions { implementation: KernelImpl::Reference, ..BuildOptions::default() };
+    let reference = MhaOp.build(&case.spec().kernel_key(), &[], &options).unwrap();
+    let (inputs, mut cache) = case.inputs();
+    let refs: Vec<&Tensor> = inputs.iter().collect();
+    let mut outputs = [Tensor::zeros(case.dtype, &[2, 2, 2, over]).unwrap()];
+    poison(&mut outputs[0]);
+    reference.run(&refs, &mut [&mut cache], &mut outputs, &DeviceContextPtr::cpu(1).unwrap()).unwrap();
+    let got = outputs[0].to_f32_vec().unwrap();
+    let row = |b: usize, s: usize, h: usize| &got[((b * 2 + s) * 2 + h) * over..][..over];
+    for (b, s) in [(0, 0), (0, 1), (1, 0)] {
+        for h in 0..2 {
+            assert!(
+                row(b, s, h).iter().all(|x| x.is_finite()) && row(b, s, h).iter().any(|&x| x != 0.0),
+                "row {b} {s}"
+            );
+        }
+    }
+    assert!((0..2).all(|h| row(1, 1, h).iter().all(|&x| x.to_bits() == 0)), "the padded row is zero");
 }
 
 #[test]

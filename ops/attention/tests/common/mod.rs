@@ -94,25 +94,67 @@ impl Case {
         }
         cache.set_allocation_order(order).unwrap();
         cache.reserve(&totals).unwrap();
-        if self.cache_dtype == DType::F8E4M3 {
-            self.fill_fp8(&mut cache, &totals, &mut rng);
-        } else {
-            self.fill(&mut cache, &totals, &mut rng);
-        }
+        let ranges: Vec<(usize, usize)> = totals.iter().map(|&t| (0, t as usize)).collect();
+        self.fill_ranges(&mut cache, &ranges, &mut rng);
         cache.cache_lengths_mut().copy_from_slice(&self.cache_lengths);
-        let q =
-            Tensor::random(self.dtype, &[self.batch, self.seq, self.num_heads, self.head_size], &mut rng, -2.0, 2.0)
-                .unwrap();
+        self.finish_inputs(cache, &mut rng)
+    }
+
+    /// [`inputs`](Self::inputs) for contexts far beyond any real cache: a
+    /// sliding window (needed) keeps what each sequence reads small. Only
+    /// the pages holding the key positions `[lo, hi)` its valid queries read
+    /// (`AttentionConfig::key_range`) are assigned — one physical page each,
+    /// in order —, every other lookup-table entry is unassigned; the
+    /// positions of `[lo, hi)` hold the random values, every other slot NaN.
+    pub fn windowed_inputs(&self) -> (Vec<Tensor>, PagedKVCacheCollection) {
+        assert!(self.window.is_some(), "windowed_inputs needs a window");
+        let mut rng = StdRng::seed_from_u64(self.seed);
+        let ranges: Vec<(usize, usize)> = (0..self.batch)
+            .map(|b| {
+                let (cl, v) = (self.cache_lengths[b] as usize, self.valid_lengths[b] as usize);
+                if v == 0 { (0, 0) } else { (self.config().key_range(cl, v, 0).0, cl + v) }
+            })
+            .collect();
+        let page_range = |&(lo, hi): &(usize, usize)| lo / self.page_size..hi.div_ceil(self.page_size);
+        let pages = ranges.iter().map(|r| page_range(r).len()).sum::<usize>().max(1);
+        let max_pages = ranges.iter().map(|r| page_range(r).end).max().unwrap_or(0);
+        let mut cache = PagedKVCacheCollection::new(self.cache_params(), pages, self.batch, max_pages).unwrap();
+        let mut next = 0;
+        for (b, range) in ranges.iter().enumerate() {
+            for logical in page_range(range) {
+                cache.lookup_table_mut()[b * max_pages + logical] = next;
+                next += 1;
+            }
+        }
+        self.fill_ranges(&mut cache, &ranges, &mut rng);
+        cache.cache_lengths_mut().copy_from_slice(&self.cache_lengths);
+        self.finish_inputs(cache, &mut rng)
+    }
+
+    /// Random values (codes and scales for FP8) at the positions `ranges[b]`
+    /// of every sequence b, NaN elsewhere.
+    fn fill_ranges(&self, cache: &mut PagedKVCacheCollection, ranges: &[(usize, usize)], rng: &mut StdRng) {
+        if self.cache_dtype == DType::F8E4M3 {
+            self.fill_fp8(cache, ranges, rng);
+        } else {
+            self.fill(cache, ranges, rng);
+        }
+    }
+
+    /// q, layer_idx and valid_lengths with `cache`.
+    fn finish_inputs(&self, cache: PagedKVCacheCollection, rng: &mut StdRng) -> (Vec<Tensor>, PagedKVCacheCollection) {
+        let q = Tensor::random(self.dtype, &[self.batch, self.seq, self.num_heads, self.head_size], rng, -2.0, 2.0)
+            .unwrap();
         let layer = Tensor::scalar_u32(self.layer as u32);
         (vec![q, layer, u32s(&self.valid_lengths)], cache)
     }
 
-    /// Random values in [-1, 1) at the first `totals[b]` positions of every
-    /// sequence, NaN elsewhere.
-    fn fill(&self, cache: &mut PagedKVCacheCollection, totals: &[u32], rng: &mut StdRng) {
+    /// Random values in [-1, 1) at the positions `ranges[b]` of every
+    /// sequence b, NaN elsewhere.
+    fn fill(&self, cache: &mut PagedKVCacheCollection, ranges: &[(usize, usize)], rng: &mut StdRng) {
         let mut blocks = vec![f32::NAN; cache.blocks().numel()];
-        for (b, &total) in totals.iter().enumerate() {
-            for p in 0..total as usize {
+        for (b, &(lo, hi)) in ranges.iter().enumerate() {
+            for p in lo..hi {
                 let (page, slot) = cache.locate(b, p).unwrap();
                 for layer in 0..self.num_layers {
                     for kv in 0..2 {
@@ -132,13 +174,13 @@ impl Case {
 
     /// [`fill`](Self::fill) for an FP8 cache: codes and scales per g-block
     /// (see [`inputs`](Self::inputs)).
-    fn fill_fp8(&self, cache: &mut PagedKVCacheCollection, totals: &[u32], rng: &mut StdRng) {
+    fn fill_fp8(&self, cache: &mut PagedKVCacheCollection, ranges: &[(usize, usize)], rng: &mut StdRng) {
         let g = self.scale_granularity.expect("an FP8 case has a granularity");
         let mut codes = vec![0x7fu8; cache.blocks().numel()];
         let mut scales = vec![f32::NAN; cache.blocks().numel() / g];
         let mut values = vec![0f32; g];
-        for (b, &total) in totals.iter().enumerate() {
-            for p in 0..total as usize {
+        for (b, &(lo, hi)) in ranges.iter().enumerate() {
+            for p in lo..hi {
                 let (page, slot) = cache.locate(b, p).unwrap();
                 for layer in 0..self.num_layers {
                     for kv in 0..2 {
@@ -260,6 +302,24 @@ pub fn run_jit_on(
     assert!(cache.blocks().as_bytes() == before.as_slice(), "the cache must be byte-identical after the call");
     assert!(scale_bytes(cache) == scales_before, "the cache's scales must be byte-identical after the call");
     Tensor::from_le_bytes(case.dtype, &[elements], out.body()).unwrap().to_f32_vec().unwrap()
+}
+
+/// Pool sizes the thread-count tests compare.
+pub const POOL_SIZES: [usize; 4] = [1, 2, 3, 5];
+
+/// Run the JIT kernel for `case` on pools of every size in [`POOL_SIZES`]
+/// (each through [`run_jit_on`]: guarded, poisoned, cache checked) and
+/// assert the outputs are bit-identical; returns the output.
+pub fn assert_same_bits_on_every_pool(kernel: &JitKernel, case: &Case) -> Vec<f32> {
+    let (inputs, cache) = case.inputs();
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    let first = run_jit_on(kernel, case, &inputs, &cache, POOL_SIZES[0]);
+    for threads in &POOL_SIZES[1..] {
+        let got = run_jit_on(kernel, case, &inputs, &cache, *threads);
+        let differ = bits(&got).iter().zip(bits(&first)).filter(|(a, b)| **a != *b).count();
+        assert_eq!(differ, 0, "{case:?}: {differ} of {} values differ between 1 and {threads} threads", got.len());
+    }
+    first
 }
 
 pub fn jit(case: &Case) -> JitKernel {
