@@ -139,3 +139,32 @@ fn a_step_of_no_tokens_is_a_no_op() {
         }
     }
 }
+
+/// The reproduction: `kvjit run examples/small_attention.json
+/// --inputs FILE` with a batch of no sequences (it exited 101 on the
+/// attention kernel's division by zero).
+#[test]
+fn the_cli_runs_a_batch_of_no_sequences() {
+    let dir = tempfile::tempdir().unwrap();
+    let graph_path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/small_attention.json");
+    let graph = kvjit::load_graph(&graph_path, standard_registry().ops()).unwrap();
+    let mut tensors: Vec<(String, Tensor)> = empty_inputs(&graph, 0, 1).into_iter().collect();
+    let caches = caches_of_no_sequences(&graph);
+    tensors.extend(caches["kv_cache"].to_tensors("kv_cache").unwrap());
+    let inputs = dir.path().join("inputs.safetensors");
+    kvjit::write_safetensors(&inputs, tensors.iter().map(|(n, t)| (n.as_str(), t))).unwrap();
+    for kernel in ["jit", "reference"] {
+        let output = dir.path().join(format!("out-{kernel}.safetensors"));
+        let run = std::process::Command::new(env!("CARGO_BIN_EXE_kvjit"))
+            .args(["run", graph_path.to_str().unwrap(), "--inputs", inputs.to_str().unwrap()])
+            .args(["--output", output.to_str().unwrap(), "--steps", "0", "--kernel", kernel])
+            .output()
+            .unwrap();
+        assert!(run.status.success(), "{kernel}: {}", String::from_utf8_lossy(&run.stderr));
+        let written = kvjit::read_safetensors(&output).unwrap();
+        assert_eq!(written["attention"].shape(), &[0, 1, 64], "{kernel}");
+        for (name, tensor) in caches["kv_cache"].to_tensors("kv_cache").unwrap() {
+            assert_eq!(written[name.as_str()].as_bytes(), tensor.as_bytes(), "{kernel}: {name}");
+        }
+    }
+}
