@@ -247,6 +247,12 @@ fn the_cli_compiles_and_runs_an_artifact_and_rebuilds_a_stale_one_from_its_graph
     assert_eq!(bytes(&from_graph), bytes(&from_copy), "copied weights differ from mapped ones");
     assert_eq!(bytes(&from_graph), bytes(&from_artifact_copy), "copied artifact weights differ");
 
+    // --memory-budget applies to an artifact's buffers as to a graph file's.
+    let over = kvjit(&["run", a, "--memory-budget", "1K"]);
+    let err = String::from_utf8_lossy(&over.stderr);
+    assert_eq!(over.status.code(), Some(1), "{err}");
+    assert!(err.starts_with("error: graph needs") && err.contains("memory budget of 1024 bytes"), "{err}");
+
     let validated = kvjit(&["validate", a]);
     assert!(validated.status.success() && String::from_utf8_lossy(&validated.stdout).starts_with("ok: graph"));
 
@@ -264,4 +270,35 @@ fn the_cli_compiles_and_runs_an_artifact_and_rebuilds_a_stale_one_from_its_graph
     assert_eq!(refused.status.code(), Some(1));
     assert_eq!(err.lines().count(), 1, "{err}");
     assert!(err.starts_with("error: ") && err.contains("stale artifact: made for kvjit 0.0.1-other"), "{err}");
+}
+
+#[test]
+fn an_artifact_with_an_init_recipe_is_refused_before_the_recipe_is_materialized() {
+    // The writer stores every constant's data; a recipe in an artifact's
+    // graph can only be crafted, and would make the loader generate it (a
+    // 68 KB artifact once made 256 MiB this way).
+    let registry = standard_registry();
+    let dir = tempfile::tempdir().unwrap();
+    let (_, artifact) = saved_model(dir.path(), &registry, DType::F32);
+    let path = tampered(dir.path(), &artifact, "recipe.kvjit", |h, _| {
+        h["graph"]["values"].as_array_mut().unwrap().push(serde_json::json!({
+            "kind": "constant",
+            "id": "v1000",
+            "name": "unused",
+            "dtype": "f32",
+            "shape": [1u64 << 26],
+            "init": {"seed": 1, "low": -1.0, "high": 1.0}
+        }));
+    });
+    let message = match load_artifact(&path, &registry) {
+        Ok(_) => panic!("an artifact with an init recipe was loaded (and its 256 MiB constant generated)"),
+        Err(e) => e.to_string(),
+    };
+    assert!(message.contains("not a valid kvjit artifact"), "{message}");
+    assert!(message.contains("constant 'unused' has an \"init\" recipe"), "{message}");
+    let out = kvjit(&["validate", path.to_str().unwrap()]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(err.starts_with("error: ") && err.contains("constant 'unused' has an \"init\" recipe"), "{err}");
 }

@@ -343,7 +343,8 @@ pub fn is_artifact(path: &Path) -> bool {
 /// Read, check and map an artifact. Refused, before anything is mapped:
 /// a file that is not regular, a wrong magic, format or version, a header
 /// that runs past the file, a constant range outside the data section,
-/// misaligned, overlapping another or not its shape's byte size; and,
+/// misaligned, overlapping another or not its shape's byte size, a graph
+/// with an `init` recipe (the writer never stores one); and,
 /// as [`ArtifactError::Stale`], one made by another kvjit version, for
 /// another target, or on a CPU with other features.
 pub fn load_artifact(path: &Path, registry: &Registry) -> Result<LoadedArtifact> {
@@ -380,6 +381,15 @@ pub fn load_artifact_with(path: &Path, registry: &Registry, weights: WeightLoad)
     let here = cpu_features();
     if header.cpu_features != here {
         return Err(stale(path, "CPU features", header.cpu_features.join(","), here.join(",")));
+    }
+    // The writer stores every constant's data; a recipe would make the
+    // graph loader generate data the file does not hold.
+    let values = header.graph.get("values").and_then(|v| v.as_array()).map_or(&[][..], |v| v.as_slice());
+    if let Some(value) = values.iter().find(|v| v.get("init").is_some()) {
+        let name = value.get("name").and_then(|n| n.as_str()).unwrap_or("?");
+        return Err(malformed(format!(
+            "constant '{name}' has an \"init\" recipe; an artifact stores every constant's data, never a recipe"
+        )));
     }
 
     let data_start = (16 + header_len).next_multiple_of(ARTIFACT_ALIGN);
