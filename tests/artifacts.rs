@@ -10,11 +10,14 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 use common::chain_graph;
-use kvjit::artifact::{ARTIFACT_ALIGN, ARTIFACT_MAGIC, ArtifactHeader};
+use kvjit::artifact::{
+    ARTIFACT_ALIGN, ARTIFACT_MAGIC, ArtifactHeader, KVJIT_BUILD, cpu_features, cpu_requirements, missing_cpu_features,
+};
 use kvjit::demo::Scenario;
 use kvjit::{
-    ArtifactError, CompileOptions, DType, Error, Executor, Graph, Registry, RunOutput, ValueDef, WeightLoad, compile,
-    load_artifact, load_artifact_with, load_graph_with, save_graph, standard_registry, write_artifact,
+    ArtifactError, CompileOptions, DType, Error, Executor, Graph, KernelImpl, Registry, RunOutput, Target, ValueDef,
+    WeightLoad, compile, load_artifact, load_artifact_with, load_graph_with, save_graph, standard_registry,
+    write_artifact,
 };
 use kvjit_testkit::{assert_caches_identical, assert_outputs_identical};
 
@@ -150,10 +153,29 @@ fn stale_artifacts_are_refused_naming_what_differs() {
     let same = tampered(dir.path(), &artifact, "same.kvjit", |_, _| {});
     load_artifact(&same, &registry).unwrap().compile(&registry).unwrap();
 
+    // What the kernels need of the CPU is recorded, not the writer's CPU.
+    let header: ArtifactHeader = serde_json::from_value(read_artifact(&artifact).0).unwrap();
+    assert_eq!(header.cpu_tier, kvjit::widest_cpu_tier(), "auto is recorded as the tier it resolved to");
+    assert_eq!(header.cpu_requires, cpu_requirements(Target::Cpu, KernelImpl::Fast, header.cpu_tier));
+    assert_eq!((header.build.as_str(), header.build.len()), (KVJIT_BUILD, 20));
+    // Another build of the same release (same packing, same keys) loads it.
+    let other_build = tampered(dir.path(), &artifact, "build.kvjit", |h, _| h["build"] = "src-0123456789abcdef".into());
+    load_artifact(&other_build, &registry).unwrap().compile(&registry).unwrap();
+
     let cases: Vec<(&str, Edit, &str)> = vec![
         ("version", Box::new(|h, _| h["kvjit_version"] = "0.0.1-other".into()), "made for kvjit 0.0.1-other"),
-        ("features", Box::new(|h, _| h["cpu_features"] = serde_json::json!(["x86_64", "avx512f"])), "CPU features"),
+        (
+            "features",
+            Box::new(|h, _| h["cpu_requires"].as_array_mut().unwrap().push("avx-9000".into())),
+            "CPU features",
+        ),
+        ("features named", Box::new(|h, _| h["cpu_requires"][0] = "z80".into()), "but this is a CPU without z80;"),
         ("format", Box::new(|h, _| h["version"] = 99.into()), "artifact version 99"),
+        (
+            "layout version",
+            Box::new(|h, _| h["layout_version"] = "0000000000000000".into()),
+            "made for packed layout version 0000000000000000",
+        ),
         ("keys", Box::new(|h, _| h["kernel_keys"][0] = "other.key".into()), "kernel keys"),
     ];
     for (name, edit, expected) in cases {
@@ -247,6 +269,12 @@ fn the_cli_compiles_and_runs_an_artifact_and_rebuilds_a_stale_one_from_its_graph
     assert_eq!(bytes(&from_graph), bytes(&from_copy), "copied weights differ from mapped ones");
     assert_eq!(bytes(&from_graph), bytes(&from_artifact_copy), "copied artifact weights differ");
 
+    // --memory-budget applies to an artifact's buffers as to a graph file's.
+    let over = kvjit(&["run", a, "--memory-budget", "1K"]);
+    let err = String::from_utf8_lossy(&over.stderr);
+    assert_eq!(over.status.code(), Some(1), "{err}");
+    assert!(err.starts_with("error: graph needs") && err.contains("memory budget of 1024 bytes"), "{err}");
+
     let validated = kvjit(&["validate", a]);
     assert!(validated.status.success() && String::from_utf8_lossy(&validated.stdout).starts_with("ok: graph"));
 
@@ -264,4 +292,68 @@ fn the_cli_compiles_and_runs_an_artifact_and_rebuilds_a_stale_one_from_its_graph
     assert_eq!(refused.status.code(), Some(1));
     assert_eq!(err.lines().count(), 1, "{err}");
     assert!(err.starts_with("error: ") && err.contains("stale artifact: made for kvjit 0.0.1-other"), "{err}");
+}
+
+#[test]
+fn an_artifact_with_an_init_recipe_is_refused_before_the_recipe_is_materialized() {
+    // The writer stores every constant's data; a recipe in an artifact's
+    // graph can only be crafted, and would make the loader generate it (a
+    // 68 KB artifact once made 256 MiB this way).
+    let registry = standard_registry();
+    let dir = tempfile::tempdir().unwrap();
+    let (_, artifact) = saved_model(dir.path(), &registry, DType::F32);
+    let path = tampered(dir.path(), &artifact, "recipe.kvjit", |h, _| {
+        h["graph"]["values"].as_array_mut().unwrap().push(serde_json::json!({
+            "kind": "constant",
+            "id": "v1000",
+            "name": "unused",
+            "dtype": "f32",
+            "shape": [1u64 << 26],
+            "init": {"seed": 1, "low": -1.0, "high": 1.0}
+        }));
+    });
+    let message = match load_artifact(&path, &registry) {
+        Ok(_) => panic!("an artifact with an init recipe was loaded (and its 256 MiB constant generated)"),
+        Err(e) => e.to_string(),
+    };
+    assert!(message.contains("not a valid kvjit artifact"), "{message}");
+    assert!(message.contains("constant 'unused' has an \"init\" recipe"), "{message}");
+    let out = kvjit(&["validate", path.to_str().unwrap()]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(err.starts_with("error: ") && err.contains("constant 'unused' has an \"init\" recipe"), "{err}");
+}
+
+#[test]
+fn the_committed_fuzz_seed_artifacts_load_wherever_their_kernels_run() {
+    // fuzz/corpus/artifact holds the tiny chain per dtype pair on each CPU
+    // tier; each must load and compile on any host with its tier's
+    // features (else fuzzing them never gets past the header). A seed
+    // this build calls stale needs writing again:
+    // `cargo run --manifest-path fuzz/Cargo.toml --example write_seeds`.
+    let registry = standard_registry();
+    let corpus = Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus/artifact");
+    let mut tiers = std::collections::BTreeSet::new();
+    for entry in std::fs::read_dir(&corpus).unwrap() {
+        let path = entry.unwrap().path();
+        let required: Vec<String> = serde_json::from_value(read_artifact(&path).0["cpu_requires"].clone())
+            .unwrap_or_else(|e| panic!("{}: no cpu_requires ({e}); write the seeds again", path.display()));
+        // Host-independent: what it needs, an AVX2-only x86-64 has (as
+        // does an AVX-512 one, this machine when the seeds were written).
+        let avx2_only = ["x86_64", "sse4.1", "avx", "avx2", "fma", "f16c"].map(String::from);
+        let missing = missing_cpu_features(&required, &avx2_only);
+        assert!(missing.is_empty(), "{}: an AVX2-only x86-64 lacks {missing:?}", path.display());
+        let runs_here = missing_cpu_features(&required, &cpu_features()).is_empty();
+        match load_artifact(&path, &registry).and_then(|a| a.compile(&registry).map(|_| a.options.build.cpu_tier)) {
+            Ok(tier) => {
+                assert!(runs_here, "{}", path.display());
+                tiers.insert(tier);
+            }
+            Err(e) if !runs_here => assert!(e.to_string().contains("CPU features"), "{}: {e}", path.display()),
+            Err(e) => panic!("{}: {e}; write the seeds again", path.display()),
+        }
+    }
+    let expected = if kvjit_jit::microkernel::avx2_available() { 2 } else { 1 };
+    assert_eq!(tiers.len(), expected, "seeds of every tier this CPU runs: {tiers:?}");
 }

@@ -429,3 +429,32 @@ fn the_built_in_step_runs_on_an_fp8_cache_and_its_files_carry_the_scales() {
     let out = kvjit(&["run", "--kv-cache-dtype", "f8e4m3", "--steps", "0", "--inputs", broken.to_str().unwrap()]);
     assert_one_line_error(&out, "kv_cache.scales");
 }
+
+#[test]
+fn the_example_scenario_refuses_caches_over_the_memory_limit_before_allocating_them() {
+    // The graph's kv_cache declaration sizes the caches `kvjit run` makes
+    // for its example scenario: 600000 pages of 2048 bytes (and a u32 of
+    // page order each) are 1.23 GB, over the 1 GiB default limit.
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("big_cache.json");
+    let text = std::fs::read_to_string(example("small_two_layers.json")).unwrap();
+    let big = text.replace("\"num_pages\": 48", "\"num_pages\": 600000");
+    assert_ne!(big, text);
+    std::fs::write(&path, big).unwrap();
+    let out = kvjit(&["run", path.to_str().unwrap(), "--steps", "0"]);
+    // Pages, plus the page table of 4 sequences of 16 pages (and lengths).
+    assert_one_line_error(&out, "KV caches need 1231200272 bytes (cache 'kv_cache': 1231200272 bytes)");
+    assert!(stderr(&out).contains("more than the memory budget of 1073741824 bytes"), "{}", stderr(&out));
+    assert!(stdout(&out).is_empty(), "nothing ran: {}", stdout(&out));
+
+    // The check counts what the caches take, exactly: 48 pages of 2052
+    // bytes and the 272-byte table.
+    let graph = load_graph(Path::new(&example("small_two_layers.json")), standard_registry().ops()).unwrap();
+    let needed = 48 * 2052 + 272;
+    let err = kvjit::demo::Scenario::prefill_within(&graph, 7, 4, 8, needed - 1).err().expect("over the budget");
+    assert!(err.to_string().contains(&format!("KV caches need {needed} bytes")), "{err}");
+    let scenario = kvjit::demo::Scenario::prefill_within(&graph, 7, 4, 8, needed).unwrap();
+    let cache = &scenario.caches["kv_cache"];
+    let tables = 4 * (cache.lookup_table().len() + cache.cache_lengths().len() + cache.num_pages());
+    assert_eq!((cache.blocks().as_bytes().len() + tables) as u64, needed);
+}

@@ -1043,3 +1043,72 @@ fn fp8_cache_granularity_defaults_to_128_and_must_divide_the_head_size() {
     cache["scale_granularity"] = json!(128);
     assert!(load(&file).unwrap_err().to_string().contains("f8e4m3 caches only"));
 }
+
+/// The small chain's graph file with `recipes` more unused f32 constants,
+/// each made by a random recipe: (name, element count).
+fn with_recipes(recipes: &[(&str, u64)]) -> Value {
+    let mut json = json_of(&small_graph(&standard_registry()));
+    let values = json["values"].as_array_mut().unwrap();
+    for (i, (name, elements)) in recipes.iter().enumerate() {
+        values.push(json!({
+            "kind": "constant",
+            "id": format!("v{}", 1000 + i),
+            "name": name,
+            "dtype": "f32",
+            "shape": [elements],
+            "init": {"seed": i, "low": -1.0, "high": 1.0}
+        }));
+    }
+    json
+}
+
+#[test]
+fn recipes_are_refused_before_they_make_more_than_the_recipe_budget() {
+    let registry = standard_registry();
+    // Within the budget: loads. Two recipes of 600 KiB: the second crosses
+    // a 1 MiB budget and is named, with its bytes and the total (the
+    // graph's own two [128, 64] f32 weights are recipes too: 64 KiB).
+    let one = with_recipes(&[("first", 150 << 10)]).to_string();
+    kvjit::graph_from_json_within(&one, registry.ops(), None, 1 << 20).unwrap();
+    let two = with_recipes(&[("first", 150 << 10), ("second", 150 << 10)]).to_string();
+    let err = kvjit::graph_from_json_within(&two, registry.ops(), None, 1 << 20).unwrap_err();
+    assert!(matches!(&err, GraphError::RecipeBudget { name, bytes: 614_400, .. } if name == "second"), "{err:?}");
+    assert_message(&err, &["constant 'second'", "614400 bytes", "recipes to 1294336 bytes", "budget of 1048576 bytes"]);
+    // Without a budget of its own, a load has the default limit: one
+    // element more than it is refused before anything is generated.
+    assert_eq!(kvjit::DEFAULT_MEMORY_LIMIT, 1 << 30);
+    let over = with_recipes(&[("huge", (kvjit::DEFAULT_MEMORY_LIMIT / 4) + 1)]).to_string();
+    let err = graph_from_json(&over, registry.ops(), None).unwrap_err();
+    assert_message(&err, &["constant 'huge'", "1073741828 bytes", "budget of 1073741824 bytes"]);
+}
+
+#[test]
+fn the_cli_refuses_a_recipe_over_its_memory_budget_naming_the_constant() {
+    // A 2 MiB recipe under `--memory-budget 1M` is refused while loading
+    // (before: generated, then refused by the compile estimate, which does
+    // not say which constant).
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("recipe.json");
+    std::fs::write(&path, with_recipes(&[("big", 1 << 19)]).to_string()).unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvjit"))
+        .args(["run", path.to_str().unwrap(), "--memory-budget", "1M"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(err.starts_with("error: "), "{err}");
+    assert_message(&err, &["constant 'big'", "init recipe makes 2097152 bytes", "budget of 1048576 bytes"]);
+    // `kvjit compile` takes the same budget; without one, 2 MiB is within
+    // the default limit.
+    let artifact = dir.path().join("recipe.kvjit");
+    let compile = |budget: &[&str]| {
+        let mut args = vec!["compile", path.to_str().unwrap(), "-o", artifact.to_str().unwrap()];
+        args.extend(budget);
+        std::process::Command::new(env!("CARGO_BIN_EXE_kvjit")).args(args).output().unwrap()
+    };
+    let refused = compile(&["--memory-budget", "1M"]);
+    assert_eq!(refused.status.code(), Some(1));
+    assert_message(&String::from_utf8_lossy(&refused.stderr), &["constant 'big'", "budget of 1048576 bytes"]);
+    assert!(compile(&[]).status.success());
+}

@@ -702,11 +702,12 @@ fn a_graph_over_the_memory_budget_is_refused_at_build_with_nothing_compiled() {
     let config = budget_config();
     let graph = layer_graph(&config, registry.ops()).unwrap();
     // Constants: 2 layers of [120, 72] f32 (a packed copy more for the JIT);
-    // outputs: symbolic; cache: 48 pages × 2 × 2 layers × 4 slots × 24 f32.
+    // outputs: symbolic; cache: 48 pages × 2 × 2 layers × 4 slots × 24 f32,
+    // and the page allocation order (a u32 per page).
     let constants = 2 * 120 * 72 * 4;
-    let caches = 48 * 2 * 2 * 4 * 24 * 4;
+    let caches = 48 * 2 * 2 * 4 * 24 * 4 + 48 * 4;
     assert_eq!(constants, 69_120);
-    assert_eq!(caches, 73_728);
+    assert_eq!(caches, 73_920);
     let jit_needs = 2 * constants + caches;
     let keys: Vec<String> = specialize(&graph, registry.ops(), Target::Cpu, &BTreeMap::new())
         .unwrap()
@@ -753,8 +754,9 @@ fn a_graph_over_the_memory_budget_is_refused_at_build_with_nothing_compiled() {
     match compile(&graph, &registry, &bound) {
         Err(Error::MemoryBudget { needed, estimate, .. }) => {
             assert_eq!(estimate.outputs, 2 * 4 * 8 * 72 * 4);
-            // …and the lookup table of the now static batch: 4 × 16 u32.
-            assert_eq!(needed, jit_needs + estimate.outputs + 4 * 16 * 4);
+            // …and the page table of the now static batch: 4 × 16 u32 of
+            // lookup table, 4 u32 of cache lengths.
+            assert_eq!(needed, jit_needs + estimate.outputs + 4 * 17 * 4);
             assert!(estimate.unknown.is_empty());
         }
         other => panic!("expected MemoryBudget, got {:?}", other.err()),
@@ -762,7 +764,7 @@ fn a_graph_over_the_memory_budget_is_refused_at_build_with_nothing_compiled() {
     let bound_graph = specialize(&graph, registry.ops(), Target::Cpu, &bound.bindings).unwrap();
     assert_eq!(
         MemoryEstimate::of(bound_graph.graph(), &registry, bound.target, &bound.build).total(),
-        jit_needs + 2 * 4 * 8 * 72 * 4 + 4 * 16 * 4
+        jit_needs + 2 * 4 * 8 * 72 * 4 + 4 * 17 * 4
     );
 }
 

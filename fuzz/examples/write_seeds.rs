@@ -96,14 +96,27 @@ fn main() {
         write(&graphs, &format!("{}.json", graph.name()), graph_to_json(&graph, None).as_bytes());
     }
 
-    // artifact: the tiny chain compiled (weights in the JIT's packed layout).
+    // artifact: the tiny chain compiled on each CPU tier (weights in that
+    // tier's packed layout). An artifact records what its kernels need of
+    // the CPU, not the writer's CPU: the cranelift seeds load on any
+    // x86-64, the avx2 seeds on any with AVX2, FMA and F16C (AVX-512 or
+    // not). The avx2 seeds need such a machine to write them.
     let artifacts = root.join("artifact");
+    for old in std::fs::read_dir(&artifacts).into_iter().flatten() {
+        std::fs::remove_file(old.unwrap().path()).unwrap();
+    }
     std::fs::create_dir_all(&artifacts).unwrap();
-    for (dtype, cache_dtype) in TINY_DTYPES {
-        let graph = tiny_graph(&registry, dtype, cache_dtype);
-        let path = artifacts.join(format!("tiny_{dtype}_{cache_dtype}.kvjit"));
-        kvjit::write_artifact(&graph, &registry, &kvjit::CompileOptions::default(), &path, None).unwrap();
-        println!("{}", path.display());
+    for tier in [kvjit::CpuTier::Cranelift, kvjit::CpuTier::Avx2] {
+        let options = kvjit::CompileOptions {
+            build: kvjit::BuildOptions { cpu_tier: tier, ..Default::default() },
+            ..Default::default()
+        };
+        for (dtype, cache_dtype) in TINY_DTYPES {
+            let graph = tiny_graph(&registry, dtype, cache_dtype);
+            let path = artifacts.join(format!("tiny_{dtype}_{cache_dtype}_{tier}.kvjit"));
+            kvjit::write_artifact(&graph, &registry, &options, &path, None).unwrap();
+            println!("{}", path.display());
+        }
     }
 
     // safetensors_inputs: a prefill step of the tiny chain per dtype pair:

@@ -11,7 +11,7 @@ use clap::{Parser, Subcommand};
 use kvjit::demo::{AttentionConfig, Scenario};
 use kvjit::{
     BuildOptions, CompileOptions, CpuTier, DType, DeviceContextPtr, Error, Executor, Graph, KernelImpl, Registry,
-    Result, Target, Tensor, ValueDef, WeightLoad, compile, demo, load_graph_with, read_safetensors, specialize,
+    Result, Target, Tensor, ValueDef, WeightLoad, compile, demo, load_graph_within, read_safetensors, specialize,
     standard_registry, write_artifact, write_safetensors,
 };
 
@@ -91,6 +91,11 @@ enum Command {
         /// driver + 256-bit micro-kernels).
         #[arg(long, default_value = "auto")]
         cpu_tier: CpuTier,
+        /// Refuse graphs whose buffers need more than this many bytes
+        /// (suffixes K, M, G: powers of 1024); also what the graph file's
+        /// init recipes may generate (default 1G).
+        #[arg(long, value_parser = parse_bytes)]
+        memory_budget: Option<u64>,
     },
     /// Time the fused QKV kernels (specialized, generic) against the
     /// reference and GEMM-library peers, on this machine's roofs; print a
@@ -151,7 +156,9 @@ struct RunArgs {
     #[arg(long, default_value = "auto")]
     cpu_tier: CpuTier,
     /// Refuse graphs whose buffers need more than this many bytes (suffixes
-    /// K, M, G: powers of 1024), before allocating them.
+    /// K, M, G: powers of 1024), before allocating them; also what a graph
+    /// file's init recipes may generate and the example scenario's caches
+    /// may take (default for those two: 1G).
     #[arg(long, value_parser = parse_bytes)]
     memory_budget: Option<u64>,
     /// The built-in graph's KV cache dtype: bf16 (default) or f8e4m3 (an
@@ -220,9 +227,10 @@ fn main() -> ExitCode {
             inspect(&registry, &graph, target, bindings.into_iter().collect(), build)
         }
         Command::Validate { graph } => validate(&registry, &graph),
-        Command::Compile { graph, output, target, bindings, kernel, cpu_tier } => {
+        Command::Compile { graph, output, target, bindings, kernel, cpu_tier, memory_budget } => {
             let build = BuildOptions { implementation: kernel.implementation(), cpu_tier, ..BuildOptions::default() };
-            compile_artifact(&registry, &graph, &output, target, bindings.into_iter().collect(), build)
+            let options = CompileOptions { target, bindings: bindings.into_iter().collect(), build, memory_budget };
+            compile_artifact(&registry, &graph, &output, &options)
         }
         Command::Compare { a, b, tolerance } => compare_files(&a, &b, tolerance),
         Command::Bench(args) => kvjit_bench::cli::run_bench(&args),
@@ -236,8 +244,11 @@ fn main() -> ExitCode {
     }
 }
 
-fn load(registry: &Registry, path: &Path, weights: WeightLoad) -> Result<Graph> {
-    Ok(load_graph_with(path, registry.ops(), weights)?)
+/// Load a graph file whose init recipes may generate `memory_budget` bytes
+/// (the default limit when none is given).
+fn load(registry: &Registry, path: &Path, weights: WeightLoad, memory_budget: Option<u64>) -> Result<Graph> {
+    let recipe_budget = memory_budget.unwrap_or(kvjit::DEFAULT_MEMORY_LIMIT);
+    Ok(load_graph_within(path, registry.ops(), weights, recipe_budget)?)
 }
 
 fn compare_files(a: &Path, b: &Path, tolerance: Option<f64>) -> Result<()> {
@@ -257,18 +268,10 @@ fn compare_files(a: &Path, b: &Path, tolerance: Option<f64>) -> Result<()> {
     }
 }
 
-fn compile_artifact(
-    registry: &Registry,
-    graph_path: &Path,
-    output: &Path,
-    target: Target,
-    bindings: BTreeMap<String, usize>,
-    build: BuildOptions,
-) -> Result<()> {
+fn compile_artifact(registry: &Registry, graph_path: &Path, output: &Path, options: &CompileOptions) -> Result<()> {
     let started = Instant::now();
-    let graph = load(registry, graph_path, WeightLoad::Map)?;
-    let options = CompileOptions { target, bindings, build, memory_budget: None };
-    let summary = write_artifact(&graph, registry, &options, output, Some(graph_path))?;
+    let graph = load(registry, graph_path, WeightLoad::Map, options.memory_budget)?;
+    let summary = write_artifact(&graph, registry, options, output, Some(graph_path))?;
     println!(
         "wrote {} ({} bytes: {} constant(s) in kernel layout, {} plain) in {}",
         output.display(),
@@ -287,26 +290,27 @@ struct Loaded {
     artifact: Option<kvjit::LoadedArtifact>,
 }
 
-/// Load `path` as an artifact (by its magic) or a graph file. A stale
-/// artifact whose source graph file lies beside it is rebuilt from that
-/// file (and said so); without one it is an error.
-fn load_any(registry: &Registry, path: &Path, weights: WeightLoad) -> Result<Loaded> {
+/// Load `path` as an artifact (by its magic) or a graph file (see [`load`]
+/// for `memory_budget`). A stale artifact whose source graph file lies
+/// beside it is rebuilt from that file (and said so); without one it is an
+/// error.
+fn load_any(registry: &Registry, path: &Path, weights: WeightLoad, memory_budget: Option<u64>) -> Result<Loaded> {
     if !kvjit::is_artifact(path) {
-        return Ok(Loaded { graph: load(registry, path, weights)?, artifact: None });
+        return Ok(Loaded { graph: load(registry, path, weights, memory_budget)?, artifact: None });
     }
     match kvjit::load_artifact_with(path, registry, weights) {
         Ok(artifact) => Ok(Loaded { graph: artifact.graph.clone(), artifact: Some(artifact) }),
         Err(Error::Artifact(stale @ kvjit::ArtifactError::Stale { .. })) => {
             let source = kvjit::artifact::source_graph_beside(path).ok_or(Error::Artifact(stale))?;
             eprintln!("note: {}: stale artifact; building from {} instead", path.display(), source.display());
-            Ok(Loaded { graph: load(registry, &source, weights)?, artifact: None })
+            Ok(Loaded { graph: load(registry, &source, weights, memory_budget)?, artifact: None })
         }
         Err(e) => Err(e),
     }
 }
 
 fn validate(registry: &Registry, path: &Path) -> Result<()> {
-    let graph = load_any(registry, path, WeightLoad::Map)?.graph;
+    let graph = load_any(registry, path, WeightLoad::Map, None)?.graph;
     println!(
         "ok: graph '{}' is valid ({} nodes, {} outputs)",
         graph.name(),
@@ -323,7 +327,7 @@ fn inspect(
     bindings: BTreeMap<String, usize>,
     build: BuildOptions,
 ) -> Result<()> {
-    let graph = load_any(registry, path, WeightLoad::Map)?.graph;
+    let graph = load_any(registry, path, WeightLoad::Map, None)?.graph;
     let specialized = specialize(&graph, registry.ops(), target, &bindings)?;
     let options = CompileOptions { target, bindings: bindings.clone(), build, memory_budget: None };
     let exe = compile(&graph, registry, &options)?;
@@ -418,7 +422,7 @@ fn format_duration(d: Duration) -> String {
 
 fn run(registry: &Registry, args: &RunArgs) -> Result<()> {
     let loaded = match &args.graph {
-        Some(path) => load_any(registry, path, args.weights)?,
+        Some(path) => load_any(registry, path, args.weights, args.memory_budget)?,
         None => {
             let mut config = AttentionConfig::llama3_8b();
             config.layer.cache_dtype = args.kv_cache_dtype;
@@ -438,8 +442,8 @@ fn run(registry: &Registry, args: &RunArgs) -> Result<()> {
         memory_budget: args.memory_budget,
     };
     let compile_start = Instant::now();
-    let exe = match &loaded.artifact {
-        Some(artifact) => {
+    let exe = match loaded.artifact {
+        Some(mut artifact) => {
             if artifact.options.target != options.target {
                 return Err(Error::Usage(format!(
                     "the artifact was compiled for the {} target; run it with --target {} or compile it again",
@@ -458,6 +462,7 @@ fn run(registry: &Registry, args: &RunArgs) -> Result<()> {
                     args.cpu_tier
                 )));
             }
+            artifact.options.memory_budget = args.memory_budget;
             artifact.compile(registry)?
         }
         None => compile(&graph, registry, &options)?,
@@ -469,7 +474,10 @@ fn run(registry: &Registry, args: &RunArgs) -> Result<()> {
 
     let mut scenario = match &args.inputs {
         Some(path) => Scenario::from_tensors(&graph, read_safetensors(path)?, args.seed)?,
-        None => Scenario::prefill_with(&graph, args.seed, args.batch, args.seq)?,
+        None => {
+            let budget = args.memory_budget.unwrap_or(kvjit::DEFAULT_MEMORY_LIMIT);
+            Scenario::prefill_within(&graph, args.seed, args.batch, args.seq, budget)?
+        }
     };
 
     println!(

@@ -84,6 +84,35 @@ impl KvCacheParams {
         2 * self.num_kv_heads * (self.head_size * self.dtype.size_bytes() + self.scales_per_head() * 4)
     }
 
+    /// Bytes of `num_pages` pages of a cache of these params, as
+    /// [`PagedKVCacheCollection::new`] allocates them: the blocks, an FP8
+    /// cache's scales and the page allocation order (a u32 per page);
+    /// `None` when that overflows a u64.
+    pub fn page_bytes(&self, num_pages: usize) -> Option<u64> {
+        let head_bytes = (self.head_size as u64)
+            .checked_mul(self.dtype.size_bytes() as u64)?
+            .checked_add(self.scales_per_head() as u64 * 4)?;
+        [num_pages, 2, self.num_layers, self.page_size, self.num_kv_heads]
+            .iter()
+            .try_fold(head_bytes, |acc, &n| acc.checked_mul(n as u64))?
+            .checked_add((num_pages as u64).checked_mul(4)?)
+    }
+
+    /// Bytes of the page table of `batch` sequences of up to
+    /// `max_pages_per_seq` pages each, as [`PagedKVCacheCollection::new`]
+    /// allocates it: the lookup table and the cache lengths (u32s); `None`
+    /// when that overflows a u64.
+    pub fn table_bytes(batch: usize, max_pages_per_seq: usize) -> Option<u64> {
+        (batch as u64).checked_mul((max_pages_per_seq as u64).checked_add(1)?)?.checked_mul(4)
+    }
+
+    /// Every byte [`PagedKVCacheCollection::new`] allocates for a cache of
+    /// these params: [`page_bytes`](Self::page_bytes) plus
+    /// [`table_bytes`](Self::table_bytes); `None` when that overflows a u64.
+    pub fn cache_bytes(&self, num_pages: usize, batch: usize, max_pages_per_seq: usize) -> Option<u64> {
+        self.page_bytes(num_pages)?.checked_add(Self::table_bytes(batch, max_pages_per_seq)?)
+    }
+
     /// Check the params describe a cache kvjit can hold: a float dtype,
     /// every size at least 1, and a scale granularity exactly for FP8
     /// ([`Error::InvalidCacheParams`] saying which).

@@ -137,6 +137,21 @@ pub enum GraphError {
         /// Constant name.
         name: String,
     },
+    /// A graph file whose `init` recipes would generate more bytes than the
+    /// load's budget; refused before the recipe generates anything.
+    #[error(
+        "constant '{name}': its init recipe makes {bytes} bytes, which brings the graph's recipes to {total} bytes, more than the recipe budget of {budget} bytes"
+    )]
+    RecipeBudget {
+        /// The constant whose recipe crosses the budget.
+        name: String,
+        /// Bytes that recipe would make.
+        bytes: u64,
+        /// Bytes of every recipe up to and including it.
+        total: u64,
+        /// The budget.
+        budget: u64,
+    },
     /// Constant data that does not match its declared type.
     #[error("constant '{name}': declared {declared}, but its data is {dtype}{shape:?}")]
     ConstantMismatch {

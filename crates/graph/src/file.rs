@@ -23,6 +23,13 @@ use crate::{
 pub const FORMAT_NAME: &str = "kvjit-graph";
 /// The graph file version this build writes and reads.
 pub const FORMAT_VERSION: u32 = 1;
+/// Bytes a file may make kvjit allocate on its own say when the caller set
+/// no budget: what a graph file's `init` recipes generate, all together
+/// ([`load_graph`], [`graph_from_json`]; raise it with [`load_graph_within`]
+/// or [`graph_from_json_within`]), and the KV caches the example scenario
+/// makes for a graph's `kv_cache` declarations (`kvjit run` without
+/// `--inputs`). 1 GiB: ten times the largest recipe of the examples.
+pub const DEFAULT_MEMORY_LIMIT: u64 = 1 << 30;
 
 #[derive(Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -257,9 +264,22 @@ fn topological_order(nodes: &[NodeEntry], declared: &HashSet<ValueId>) -> Result
 }
 
 /// Parse graph-file JSON. Constants without a recipe take their data from
-/// `weights` by name.
+/// `weights` by name. Recipes may generate [`DEFAULT_MEMORY_LIMIT`] bytes
+/// in all ([`graph_from_json_within`] sets another budget).
 pub fn graph_from_json(text: &str, registry: &OpRegistry, weights: Option<&BTreeMap<String, Tensor>>) -> Result<Graph> {
-    graph_from_json_prepared(text, registry, weights, &BTreeMap::new())
+    graph_from_json_within(text, registry, weights, DEFAULT_MEMORY_LIMIT)
+}
+
+/// [`graph_from_json`] whose `init` recipes may generate `recipe_budget`
+/// bytes in all: the recipe that would take them past it is refused
+/// ([`GraphError::RecipeBudget`]) before it generates anything.
+pub fn graph_from_json_within(
+    text: &str,
+    registry: &OpRegistry,
+    weights: Option<&BTreeMap<String, Tensor>>,
+    recipe_budget: u64,
+) -> Result<Graph> {
+    parse_graph(text, registry, weights, &BTreeMap::new(), recipe_budget)
 }
 
 /// [`graph_from_json`] where the constants named in `prepared` take that
@@ -269,6 +289,16 @@ pub fn graph_from_json_prepared(
     registry: &OpRegistry,
     weights: Option<&BTreeMap<String, Tensor>>,
     prepared: &BTreeMap<String, kvjit_core::PreparedConstant>,
+) -> Result<Graph> {
+    parse_graph(text, registry, weights, prepared, DEFAULT_MEMORY_LIMIT)
+}
+
+fn parse_graph(
+    text: &str,
+    registry: &OpRegistry,
+    weights: Option<&BTreeMap<String, Tensor>>,
+    prepared: &BTreeMap<String, kvjit_core::PreparedConstant>,
+    recipe_budget: u64,
 ) -> Result<Graph> {
     let json: serde_json::Value = serde_json::from_str(text)?;
     check_marker(&json)?;
@@ -284,12 +314,28 @@ pub fn graph_from_json_prepared(
 
     let mut builder = GraphBuilder::new(&file.name, registry);
     let mut ids: HashMap<ValueId, ValueId> = HashMap::new();
+    let mut recipe_bytes = 0u64;
     for value in &file.values {
         let new_id = match value {
             ValueEntry::Input { name, dtype, shape, .. } => builder.input(name, *dtype, shape)?,
             ValueEntry::Constant { name, dtype, shape, init: Some(init), .. } => {
                 if weights.is_some_and(|w| w.contains_key(name)) {
                     return Err(GraphError::AmbiguousConstant { name: name.clone() });
+                }
+                // Sized before it is generated; a size that overflows is
+                // over any budget.
+                let bytes = shape
+                    .iter()
+                    .try_fold(dtype.size_bytes() as u64, |acc, &d| acc.checked_mul(d as u64))
+                    .unwrap_or(u64::MAX);
+                recipe_bytes = recipe_bytes.saturating_add(bytes);
+                if recipe_bytes > recipe_budget {
+                    return Err(GraphError::RecipeBudget {
+                        name: name.clone(),
+                        bytes,
+                        total: recipe_bytes,
+                        budget: recipe_budget,
+                    });
                 }
                 builder.recipe_constant(name, *dtype, shape, *init)?
             }
@@ -408,7 +454,9 @@ fn graph_needs_weights(graph: &Graph) -> bool {
     graph.constants().any(|(_, v)| matches!(v.def, ValueDef::Constant { init: None, .. }))
 }
 
-/// Load a graph file, and the weights file it names.
+/// Load a graph file, and the weights file it names; its `init` recipes
+/// may generate [`DEFAULT_MEMORY_LIMIT`] bytes in all
+/// ([`load_graph_within`] sets another budget).
 ///
 /// The graph file may come from anywhere, so the weights path it names is
 /// confined before anything is opened: it must be a relative path of plain
@@ -423,6 +471,13 @@ pub fn load_graph(path: &Path, registry: &OpRegistry) -> Result<Graph> {
 /// [`load_graph`], loading the weights file as `weights` says: mapped
 /// (zero-copy, the default) or copied into huge-page memory.
 pub fn load_graph_with(path: &Path, registry: &OpRegistry, weights: WeightLoad) -> Result<Graph> {
+    load_graph_within(path, registry, weights, DEFAULT_MEMORY_LIMIT)
+}
+
+/// [`load_graph_with`] whose `init` recipes may generate `recipe_budget`
+/// bytes in all: the recipe that would take them past it is refused
+/// ([`GraphError::RecipeBudget`]) before it generates anything.
+pub fn load_graph_within(path: &Path, registry: &OpRegistry, weights: WeightLoad, recipe_budget: u64) -> Result<Graph> {
     let mode = weights;
     let io = |source| GraphError::Io { path: path.to_path_buf(), source };
     let bytes = kvjit_core::read_regular_file(path).map_err(|e| match e {
@@ -445,7 +500,7 @@ pub fn load_graph_with(path: &Path, registry: &OpRegistry, weights: WeightLoad) 
         }
         None => None,
     };
-    graph_from_json(&text, registry, weights.as_ref())
+    graph_from_json_within(&text, registry, weights.as_ref(), recipe_budget)
 }
 
 /// The weights file `name` of the graph file at `graph`, checked to be a

@@ -23,8 +23,9 @@ mod validate;
 pub use builder::{DEFAULT_SCALE_GRANULARITY, GraphBuilder};
 pub use error::{GraphError, Result};
 pub use file::{
-    FORMAT_NAME, FORMAT_VERSION, confined_weights_path, graph_from_json, graph_from_json_prepared, graph_to_json,
-    load_graph, load_graph_with, save_graph,
+    DEFAULT_MEMORY_LIMIT, FORMAT_NAME, FORMAT_VERSION, confined_weights_path, graph_from_json,
+    graph_from_json_prepared, graph_from_json_within, graph_to_json, load_graph, load_graph_with, load_graph_within,
+    save_graph,
 };
 pub use graph::{ConstantInit, Graph, GraphOutput, Llama3Scaling, Node, RandomInit, RopeInit, Value, ValueDef};
 pub use ids::{NodeId, ValueId};

@@ -17,11 +17,42 @@
 //! | … | zero padding to a multiple of [`ARTIFACT_ALIGN`] |
 //! | data | the constants, each at an offset (from the data start) that is a multiple of [`ARTIFACT_ALIGN`] |
 //!
-//! The header records the kvjit version, the target, the build and the CPU
-//! features the prepared layouts assumed; a reader refuses an artifact that
-//! differs in any of them ([`ArtifactError::Stale`]) rather than run it.
 //! Every range is checked against the real file size before anything is
 //! mapped.
+//!
+//! # Staleness
+//!
+//! The header says what the artifact needs of the kvjit and the machine
+//! that loads it. A reader refuses it as [`ArtifactError::Stale`] (and
+//! `kvjit run` then rebuilds from the graph file beside it, if any) when,
+//! in this order:
+//!
+//! 1. `version` is not [`ARTIFACT_VERSION`] (this file layout);
+//! 2. `kvjit_version` is not this kvjit's release (`CARGO_PKG_VERSION`);
+//! 3. `cpu_requires` names something this CPU lacks ([`missing_cpu_features`]
+//!    against [`cpu_features`]): the architecture, and for JIT kernels of
+//!    the 256-bit tier AVX2, FMA and F16C, which its micro-kernels use
+//!    ([`cpu_requirements`]). Nothing else about the CPU counts: an artifact
+//!    holds no machine code. Its kernels are generated again at load, by
+//!    Cranelift for the loading host's ISA (`kvjit_jit::host_isa`: the
+//!    features `cranelift_native` detects there, AVX-512 included, are used
+//!    by the new code, never assumed from the artifact), on the tier the
+//!    artifact was made for (`cpu_tier`, which records what `auto` resolved
+//!    to). So an artifact made on an AVX-512 machine loads on an AVX2-only
+//!    one and the reverse;
+//! 4. `layout_version` is not this build's packed-weight layout version,
+//!    when a constant is stored in a kernel's layout: the hash of the
+//!    packing code ([`kvjit_op_fused_qkv::panels::layout_version`]), so a
+//!    change to the packing retires older artifacts with no number to bump
+//!    by hand (each stored layout id names the version too, and a kernel
+//!    takes only its own);
+//! 5. when compiled ([`LoadedArtifact::compile`]), the kernel keys derived
+//!    here differ from the recorded `kernel_keys`.
+//!
+//! `build` ([`KVJIT_BUILD`], a hash of the sources the writing kvjit was
+//! compiled from) is recorded to say which build made the artifact, and not
+//! checked: two builds that pack weights alike and derive the same kernel
+//! keys read each other's artifacts.
 
 use std::collections::{BTreeMap, HashSet};
 use std::io::Write;
@@ -40,7 +71,11 @@ pub const ARTIFACT_MAGIC: &[u8; 8] = b"KVJITART";
 /// The `format` marker in an artifact's header.
 pub const ARTIFACT_FORMAT: &str = "kvjit-artifact";
 /// The artifact version this build writes and reads.
-pub const ARTIFACT_VERSION: u32 = 1;
+pub const ARTIFACT_VERSION: u32 = 2;
+/// This build of kvjit: `src-` and 16 hex digits of the SHA-256 of the
+/// sources it was compiled from (see the crate's `build.rs`); it changes
+/// with any change to them. Artifacts record it.
+pub const KVJIT_BUILD: &str = env!("KVJIT_BUILD");
 /// Alignment of the data section and of every constant in it: a page, so
 /// every constant maps aligned for any dtype and vector load.
 pub const ARTIFACT_ALIGN: u64 = 4096;
@@ -60,9 +95,10 @@ pub enum ArtifactError {
         /// What is wrong.
         problem: String,
     },
-    /// An artifact made by another kvjit, for another target or build, or
-    /// on a CPU with other features: its prepared data may not fit this
-    /// build's kernels, so it is refused.
+    /// An artifact this kvjit or this CPU cannot use as it is (see
+    /// [Staleness](self#staleness)): made by another release or with
+    /// another packed layout, for kernels this CPU cannot run, or whose
+    /// kernel keys differ from this build's.
     #[error(
         "{}: stale artifact: made for {what} {made}, but this is {here}; compile it again (kvjit compile GRAPH -o {})",
         path.display(),
@@ -88,18 +124,25 @@ pub struct ArtifactHeader {
     pub format: String,
     /// [`ARTIFACT_VERSION`] when written.
     pub version: u32,
-    /// The kvjit version that wrote it.
+    /// The kvjit release that wrote it (checked).
     pub kvjit_version: String,
+    /// The build that wrote it ([`KVJIT_BUILD`]; recorded, not checked).
+    pub build: String,
     /// The target its kernels were built for.
     pub target: Target,
     /// `fast` or `reference`.
     pub implementation: String,
-    /// The CPU tier its kernels were asked for (`auto` resolves on the
-    /// machine that runs it; the kernel keys name the tier they resolved to).
+    /// The CPU tier its kernels are built for wherever it is loaded: for
+    /// JIT kernels on the CPU, the tier `auto` resolved to on the machine
+    /// that wrote it; otherwise as asked.
     #[serde(default)]
     pub cpu_tier: CpuTier,
-    /// CPU features of the machine that prepared the constants.
-    pub cpu_features: Vec<String>,
+    /// What the CPU that loads it must have: the architecture, then the
+    /// features its kernels need ([`cpu_requirements`]).
+    pub cpu_requires: Vec<String>,
+    /// The packed-weight layout version of the build that wrote it
+    /// ([`kvjit_op_fused_qkv::panels::layout_version`]).
+    pub layout_version: String,
     /// The graph file it was compiled from, if any (a plain file name
     /// beside the artifact), to rebuild from when the artifact is stale.
     pub source_graph: Option<String>,
@@ -141,8 +184,9 @@ pub struct ArtifactSummary {
     pub plain: usize,
 }
 
-/// The CPU features the prepared layouts and kernels may assume, as this
-/// machine has them.
+/// The CPU features of this machine, as [`cpu_requirements`] names them:
+/// the architecture, then the x86-64 features detected of those kvjit's
+/// kernels may use.
 pub fn cpu_features() -> Vec<String> {
     #[allow(unused_mut)]
     let mut features = vec![std::env::consts::ARCH.to_string()];
@@ -158,6 +202,28 @@ pub fn cpu_features() -> Vec<String> {
         detect!("sse4.1", "avx", "avx2", "fma", "f16c", "avx512f");
     }
     features
+}
+
+/// What a CPU must have to run kernels built for `target` with
+/// `implementation` on `tier` (resolved, not `auto`): the architecture
+/// kvjit was built for, and for JIT kernels of the 256-bit tier the
+/// features its micro-kernels use — AVX2, FMA and F16C, what
+/// [`kvjit_jit::microkernel::avx2_available`] checks. The Cranelift tier
+/// needs nothing more: its code is generated on the loading host.
+pub fn cpu_requirements(target: Target, implementation: KernelImpl, tier: CpuTier) -> Vec<String> {
+    let mut required = vec![std::env::consts::ARCH.to_string()];
+    if target == Target::Cpu && implementation == KernelImpl::Fast && tier == CpuTier::Avx2 {
+        required.extend(["avx2", "fma", "f16c"].map(String::from));
+    }
+    required
+}
+
+/// The entries of `required` (an artifact's `cpu_requires`) that `host`
+/// (a machine's [`cpu_features`]) lacks, in order; empty when that machine
+/// runs the artifact's kernels. A pure function of its arguments, so any
+/// host can be asked about.
+pub fn missing_cpu_features<'a>(required: &'a [String], host: &[String]) -> Vec<&'a str> {
+    required.iter().filter(|feature| !host.contains(feature)).map(String::as_str).collect()
 }
 
 fn implementation_name(implementation: KernelImpl) -> &'static str {
@@ -211,14 +277,24 @@ pub fn write_artifact(
         let same_folder = source.parent().map(absolute) == path.parent().map(absolute);
         same_folder.then(|| source.file_name()?.to_str().map(str::to_string)).flatten()
     });
+    // JIT kernels on the CPU were built for the tier `auto` resolves to
+    // here (or the one asked for, which compiled, so it resolves): the
+    // artifact records that tier, and runs on it wherever it is loaded.
+    let jit_on_cpu = options.target == Target::Cpu && options.build.implementation == KernelImpl::Fast;
+    let cpu_tier = match jit_on_cpu {
+        true => kvjit_jit::microkernel::resolve_tier(options.build.cpu_tier).unwrap_or(options.build.cpu_tier),
+        false => options.build.cpu_tier,
+    };
     let header = ArtifactHeader {
         format: ARTIFACT_FORMAT.to_string(),
         version: ARTIFACT_VERSION,
         kvjit_version: env!("CARGO_PKG_VERSION").to_string(),
+        build: KVJIT_BUILD.to_string(),
         target: options.target,
         implementation: implementation_name(options.build.implementation).to_string(),
-        cpu_tier: options.build.cpu_tier,
-        cpu_features: cpu_features(),
+        cpu_tier,
+        cpu_requires: cpu_requirements(options.target, options.build.implementation, cpu_tier),
+        layout_version: kvjit_op_fused_qkv::panels::layout_version().to_string(),
         source_graph,
         graph: graph_json,
         kernel_keys: exe.steps().iter().map(|s| s.kernel.key().to_string()).collect(),
@@ -343,9 +419,11 @@ pub fn is_artifact(path: &Path) -> bool {
 /// Read, check and map an artifact. Refused, before anything is mapped:
 /// a file that is not regular, a wrong magic, format or version, a header
 /// that runs past the file, a constant range outside the data section,
-/// misaligned, overlapping another or not its shape's byte size; and,
-/// as [`ArtifactError::Stale`], one made by another kvjit version, for
-/// another target, or on a CPU with other features.
+/// misaligned, overlapping another or not its shape's byte size, a graph
+/// with an `init` recipe (the writer never stores one); and, as
+/// [`ArtifactError::Stale`], one made by another kvjit release, with
+/// another packed layout, or for kernels this CPU lacks a feature of (see
+/// [Staleness](self#staleness)).
 pub fn load_artifact(path: &Path, registry: &Registry) -> Result<LoadedArtifact> {
     load_artifact_with(path, registry, WeightLoad::Map)
 }
@@ -377,9 +455,23 @@ pub fn load_artifact_with(path: &Path, registry: &Registry, weights: WeightLoad)
         "reference" => KernelImpl::Reference,
         other => return Err(malformed(format!("unknown implementation '{other}'"))),
     };
-    let here = cpu_features();
-    if header.cpu_features != here {
-        return Err(stale(path, "CPU features", header.cpu_features.join(","), here.join(",")));
+    let missing = missing_cpu_features(&header.cpu_requires, &cpu_features());
+    if !missing.is_empty() {
+        let here = format!("a CPU without {}", missing.join(", "));
+        return Err(stale(path, "CPU features", header.cpu_requires.join(","), here));
+    }
+    let layout_version = kvjit_op_fused_qkv::panels::layout_version();
+    if header.constants.iter().any(|c| c.layout.is_some()) && header.layout_version != layout_version {
+        return Err(stale(path, "packed layout version", header.layout_version.clone(), layout_version));
+    }
+    // The writer stores every constant's data; a recipe would make the
+    // graph loader generate data the file does not hold.
+    let values = header.graph.get("values").and_then(|v| v.as_array()).map_or(&[][..], |v| v.as_slice());
+    if let Some(value) = values.iter().find(|v| v.get("init").is_some()) {
+        let name = value.get("name").and_then(|n| n.as_str()).unwrap_or("?");
+        return Err(malformed(format!(
+            "constant '{name}' has an \"init\" recipe; an artifact stores every constant's data, never a recipe"
+        )));
     }
 
     let data_start = (16 + header_len).next_multiple_of(ARTIFACT_ALIGN);
@@ -510,4 +602,53 @@ fn read_raw_header(path: &Path) -> Result<RawHeader> {
 
 fn stale(path: &Path, what: &'static str, made: String, here: impl ToString) -> crate::Error {
     ArtifactError::Stale { path: path.to_path_buf(), what, made, here: here.to_string() }.into()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn features(list: &[&str]) -> Vec<String> {
+        let mut all = vec![std::env::consts::ARCH.to_string()];
+        all.extend(list.iter().map(|f| f.to_string()));
+        all
+    }
+
+    #[test]
+    fn an_artifact_needs_of_the_loading_cpu_only_what_its_kernels_use() {
+        let avx2_only = features(&["sse4.1", "avx", "avx2", "fma", "f16c"]);
+        let avx512 = features(&["sse4.1", "avx", "avx2", "fma", "f16c", "avx512f"]);
+        let no_f16c = features(&["sse4.1", "avx", "avx2", "fma"]);
+        let sse_only = features(&["sse4.1"]);
+        let other_arch = vec!["some-other-arch".to_string()];
+
+        // The 256-bit tier's requirement is the same whoever writes it, and
+        // met by AVX2-only and AVX-512 hosts alike.
+        let avx2_tier = cpu_requirements(Target::Cpu, KernelImpl::Fast, CpuTier::Avx2);
+        assert_eq!(avx2_tier, features(&["avx2", "fma", "f16c"]));
+        assert!(missing_cpu_features(&avx2_tier, &avx2_only).is_empty());
+        assert!(missing_cpu_features(&avx2_tier, &avx512).is_empty());
+        assert_eq!(missing_cpu_features(&avx2_tier, &no_f16c), ["f16c"]);
+        assert_eq!(missing_cpu_features(&avx2_tier, &sse_only), ["avx2", "fma", "f16c"]);
+
+        // Cranelift code is generated on the loading host: only the
+        // architecture counts. Reference and CUDA kernels use no CPU tier.
+        let cranelift = cpu_requirements(Target::Cpu, KernelImpl::Fast, CpuTier::Cranelift);
+        for required in [
+            &cranelift,
+            &cpu_requirements(Target::Cpu, KernelImpl::Reference, CpuTier::Avx2),
+            &cpu_requirements(Target::Cuda, KernelImpl::Fast, CpuTier::Avx2),
+        ] {
+            assert_eq!(required, &features(&[]));
+            for host in [&avx2_only, &avx512, &no_f16c, &sse_only] {
+                assert!(missing_cpu_features(required, host).is_empty(), "{required:?} on {host:?}");
+            }
+            assert_eq!(missing_cpu_features(required, &other_arch), [std::env::consts::ARCH]);
+        }
+
+        // This machine: it runs the 256-bit tier exactly when the JIT
+        // says it does.
+        let here = missing_cpu_features(&avx2_tier, &cpu_features()).is_empty();
+        assert_eq!(here, kvjit_jit::microkernel::avx2_available());
+    }
 }

@@ -3,7 +3,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
-use kvjit_core::{Target, Tensor};
+use kvjit_core::{KvCacheParams, Target, Tensor};
 use kvjit_graph::{ArgKind, Dim, Graph, ValueDef, ValueId, specialize};
 use kvjit_runtime::{
     BuildOptions, CacheSpec, ConstantInput, Executable, InputSpec, ShapeDim, Slot, Step, cuda_availability,
@@ -35,7 +35,8 @@ impl Default for CompileOptions {
 
 /// The bytes a compiled graph's buffers take, as far as build time knows:
 /// constants (and the packed copies JIT kernels keep of them), node outputs
-/// (but not views) and the KV caches it declares. Dims left symbolic
+/// (but not views) and the KV caches it declares (every buffer of each, an
+/// FP8 cache's scales included: [`KvCacheParams::cache_bytes`]). Dims left symbolic
 /// count as unknown and are named in `unknown`.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct MemoryEstimate {
@@ -43,7 +44,7 @@ pub struct MemoryEstimate {
     pub constants: u64,
     /// Node outputs of static shape.
     pub outputs: u64,
-    /// KV caches of static size.
+    /// KV caches of static size: blocks, FP8 scales and page tables.
     pub caches: u64,
     /// Values whose size depends on symbols left unbound.
     pub unknown: Vec<String>,
@@ -94,21 +95,23 @@ impl MemoryEstimate {
                     }
                 }
                 (ValueDef::KvCache, kvjit_graph::ValueType::KvCache(c)) => {
-                    let dims = [
-                        c.num_pages.clone(),
-                        Dim::Static(2),
-                        Dim::Static(c.num_layers),
-                        Dim::Static(c.page_size),
-                        Dim::Static(c.num_kv_heads),
-                        Dim::Static(c.head_size),
-                    ];
-                    match bytes(&dims, c.dtype.size_bytes()) {
-                        Some(b) => estimate.caches = estimate.caches.saturating_add(b),
+                    // What `PagedKVCacheCollection::new` allocates: blocks,
+                    // an FP8 cache's scales and the page order per page,
+                    // the page table per sequence. A size that overflows
+                    // counts as u64::MAX (no budget fits it).
+                    match c.num_pages.as_static() {
+                        Some(pages) => {
+                            let bytes = c.params().page_bytes(pages).unwrap_or(u64::MAX);
+                            estimate.caches = estimate.caches.saturating_add(bytes);
+                        }
                         None => estimate.unknown.push(name.clone()),
                     }
-                    match bytes(&[c.batch.clone(), c.max_pages_per_seq.clone()], 4) {
-                        Some(b) => estimate.caches = estimate.caches.saturating_add(b),
-                        None => estimate.unknown.push(format!("{name}.lookup_table")),
+                    match (c.batch.as_static(), c.max_pages_per_seq.as_static()) {
+                        (Some(batch), Some(max_pages)) => {
+                            let bytes = KvCacheParams::table_bytes(batch, max_pages).unwrap_or(u64::MAX);
+                            estimate.caches = estimate.caches.saturating_add(bytes);
+                        }
+                        _ => estimate.unknown.push(format!("{name}.lookup_table")),
                     }
                 }
                 _ => {}
@@ -254,4 +257,48 @@ fn refuse_untaken_prepared(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use kvjit_core::{DType, PagedKVCacheCollection};
+    use kvjit_graph::{GraphBuilder, KvCacheType};
+
+    use super::*;
+
+    /// The bytes a cache's buffers really take: blocks, an FP8 cache's
+    /// scales, the lookup table, the cache lengths and the page allocation
+    /// order (one u32 per page).
+    fn allocated_bytes(cache: &PagedKVCacheCollection) -> u64 {
+        let scales = cache.scales().map_or(0, |s| s.as_bytes().len());
+        let tables = 4 * (cache.lookup_table().len() + cache.cache_lengths().len() + cache.num_pages());
+        (cache.blocks().as_bytes().len() + scales + tables) as u64
+    }
+
+    #[test]
+    fn the_estimate_counts_a_cache_as_the_bytes_its_buffers_take_fp8_scales_included() {
+        let registry = crate::standard_registry();
+        let cases =
+            [(DType::F8E4M3, Some(1)), (DType::F8E4M3, Some(4)), (DType::F8E4M3, Some(128)), (DType::BF16, None)];
+        for (dtype, scale_granularity) in cases {
+            let ty = KvCacheType {
+                dtype,
+                num_layers: 2,
+                page_size: 4,
+                num_kv_heads: 2,
+                head_size: 128,
+                scale_granularity,
+                num_pages: Dim::Static(6),
+                batch: Dim::Static(3),
+                max_pages_per_seq: Dim::Static(5),
+            };
+            let mut b = GraphBuilder::new("cache_only", registry.ops());
+            b.kv_cache("kv", ty.clone()).unwrap();
+            let graph = b.finish().unwrap();
+            let estimate = MemoryEstimate::of(&graph, &registry, Target::Cpu, &BuildOptions::default());
+            let cache = PagedKVCacheCollection::new(ty.params(), 6, 3, 5).unwrap();
+            assert_eq!(estimate.caches, allocated_bytes(&cache), "{dtype} cache, g = {scale_granularity:?}");
+            assert!(estimate.unknown.is_empty());
+        }
+    }
 }

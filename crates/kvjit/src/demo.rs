@@ -401,8 +401,20 @@ impl Scenario {
 
     /// A prefill step with `batch` sequences padded to `seq` tokens: the first
     /// sequence fills all `seq`, the others a random 1..=seq; each sequence
-    /// starts with a random amount of cached history.
+    /// starts with a random amount of cached history. The caches the
+    /// graph's `kv_cache` declarations ask for may take
+    /// [`DEFAULT_MEMORY_LIMIT`](kvjit_graph::DEFAULT_MEMORY_LIMIT) bytes
+    /// ([`prefill_within`](Self::prefill_within) sets another budget).
     pub fn prefill_with(graph: &Graph, seed: u64, batch: usize, seq: usize) -> Result<Self> {
+        Self::prefill_within(graph, seed, batch, seq, kvjit_graph::DEFAULT_MEMORY_LIMIT)
+    }
+
+    /// [`prefill_with`](Self::prefill_with) whose KV caches may take
+    /// `memory_budget` bytes in all (every buffer of each:
+    /// [`KvCacheParams::cache_bytes`](kvjit_core::KvCacheParams::cache_bytes));
+    /// caches over it are refused, as [`Error::Usage`], before any is
+    /// allocated.
+    pub fn prefill_within(graph: &Graph, seed: u64, batch: usize, seq: usize, memory_budget: u64) -> Result<Self> {
         if batch == 0 || seq == 0 {
             return Err(Error::Usage(format!(
                 "the example scenario needs batch and seq of at least 1, got {batch} and {seq}"
@@ -411,17 +423,27 @@ impl Scenario {
         let roles = Roles::of(graph, crate::standard_registry().ops())?;
         let mut rng = StdRng::seed_from_u64(seed);
         let bindings: BTreeMap<String, usize> = [("batch".to_string(), batch), ("seq".to_string(), seq)].into();
-        let mut caches = BTreeMap::new();
+        // Every cache's size, checked against the budget before any is made.
+        let mut sizes = Vec::new();
+        let mut needed = 0u64;
         for (_, value) in graph.kv_caches() {
             let name = value.name.clone().unwrap_or_default();
             let ty = value.ty.as_kv_cache().expect("cache values are caches");
+            let num_pages = dim_size(&ty.num_pages, &bindings)?;
             let batch = dim_size(&ty.batch, &bindings)?;
-            let mut cache = PagedKVCacheCollection::new(
-                ty.params(),
-                dim_size(&ty.num_pages, &bindings)?,
-                batch,
-                dim_size(&ty.max_pages_per_seq, &bindings)?,
-            )?;
+            let max_pages_per_seq = dim_size(&ty.max_pages_per_seq, &bindings)?;
+            let bytes = ty.params().cache_bytes(num_pages, batch, max_pages_per_seq).unwrap_or(u64::MAX);
+            needed = needed.saturating_add(bytes);
+            if needed > memory_budget {
+                return Err(Error::Usage(format!(
+                    "the example scenario's KV caches need {needed} bytes (cache '{name}': {bytes} bytes), more than the memory budget of {memory_budget} bytes"
+                )));
+            }
+            sizes.push((name, ty, [num_pages, batch, max_pages_per_seq]));
+        }
+        let mut caches = BTreeMap::new();
+        for (name, ty, [num_pages, batch, max_pages_per_seq]) in sizes {
+            let mut cache = PagedKVCacheCollection::new(ty.params(), num_pages, batch, max_pages_per_seq)?;
             let mut order: Vec<u32> = (0..cache.num_pages() as u32).collect();
             order.shuffle(&mut rng);
             cache.set_allocation_order(order)?;

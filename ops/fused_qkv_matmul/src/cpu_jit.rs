@@ -66,6 +66,8 @@ use kvjit_runtime::{CodeInfo, DeviceContextPtr, Kernel, OutputSpec};
 
 use crate::call::cache_row_offsets;
 use crate::kernel::{check_against_spec_with, checked_call_with, same_data};
+pub use crate::panels::PanelLayout;
+use crate::panels::{Destination, Segment};
 use crate::{CallShape, FusedQkvError, FusedQkvSpec, OP_NAME, QkvArgs};
 
 /// Columns per weight panel of the Cranelift tier (two F32X4 vectors).
@@ -118,124 +120,6 @@ pub use kvjit_jit::MAX_SEEN_SHAPES;
 /// The compile log of the CPU JIT (every op's kernels: the registry is
 /// shared), re-exported where this op's users look for it.
 pub use kvjit_jit::compile_log;
-
-/// Where a segment's columns go.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Destination {
-    Q,
-    K,
-    V,
-}
-
-/// A run of columns with one destination, and its panels.
-#[derive(Clone, Copy, Debug)]
-struct Segment {
-    destination: Destination,
-    first_column: usize,
-    columns: usize,
-    first_panel: usize,
-}
-
-impl Segment {
-    fn panels(&self, nr: usize) -> usize {
-        self.columns.div_ceil(nr)
-    }
-}
-
-/// How the weight's columns are cut into panels.
-#[derive(Clone, Copy, Debug)]
-pub struct PanelLayout {
-    segments: [Segment; 3],
-    k: usize,
-    /// Columns per panel.
-    nr: usize,
-}
-
-impl PanelLayout {
-    /// The layout for a spec, in panels of `panel_columns` columns (the
-    /// tier's [`Schedule::panel_columns`]).
-    pub fn new(spec: &FusedQkvSpec, panel_columns: usize) -> Self {
-        let nr = panel_columns;
-        let kv = spec.kv_dim();
-        let q = Segment { destination: Destination::Q, first_column: 0, columns: spec.q_dim, first_panel: 0 };
-        let k =
-            Segment { destination: Destination::K, first_column: spec.q_dim, columns: kv, first_panel: q.panels(nr) };
-        let v = Segment {
-            destination: Destination::V,
-            first_column: spec.q_dim + kv,
-            columns: kv,
-            first_panel: q.panels(nr) + k.panels(nr),
-        };
-        Self { segments: [q, k, v], k: spec.k, nr }
-    }
-
-    /// Columns per panel.
-    pub fn panel_columns(&self) -> usize {
-        self.nr
-    }
-
-    /// Panels in all.
-    pub fn total_panels(&self) -> usize {
-        self.segments.iter().map(|s| s.panels(self.nr)).sum()
-    }
-
-    /// Names this layout and everything it depends on (the prepared
-    /// constant's [`layout`](kvjit_core::PreparedConstant::layout)).
-    pub fn id(&self, dtype: DType) -> String {
-        let [q, k, v] = self.segments.map(|s| s.columns);
-        format!("fused_qkv.panels.v1.nr{}.{dtype}.k{}.cols{q}+{k}+{v}", self.nr, self.k)
-    }
-
-    /// Elements of the packed weight.
-    pub fn packed_len(&self) -> usize {
-        self.total_panels() * self.k * self.nr
-    }
-
-    /// Pack a `[N, K]` weight into panels (zero-padded), keeping its dtype.
-    pub fn pack(&self, weight: &Tensor) -> Result<Tensor> {
-        // Panel by panel, column by column (see below). The panels go to
-        // huge-page memory (few faults to make, few TLB misses to stream).
-        fn pack_typed<T: Copy + Default + bytemuck::Pod>(layout: &PanelLayout, w: &[T], out: &mut [u8]) {
-            let (k, nr) = (layout.k, layout.nr);
-            if k == 0 {
-                return; // no elements: nothing to pack
-            }
-            let out: &mut [T] = bytemuck::cast_slice_mut(out);
-            let mut panels = out.chunks_exact_mut(k * nr);
-            for seg in &layout.segments {
-                for p in 0..seg.panels(nr) {
-                    let columns = nr.min(seg.columns - p * nr);
-                    let first = seg.first_column + p * nr;
-                    let panel = panels.next().expect("packed_len counts every panel");
-                    // Column by column: each weight row is read as one
-                    // sequential stream (reading the panel's rows side by
-                    // side would make `nr` streams 4·K bytes apart, which
-                    // share L1 sets), written at stride `nr` into the panel,
-                    // which stays in cache.
-                    for c in 0..nr {
-                        let slots = panel[c..].iter_mut().step_by(nr);
-                        if c < columns {
-                            for (slot, &value) in slots.zip(&w[(first + c) * k..][..k]) {
-                                *slot = value;
-                            }
-                        } else {
-                            slots.for_each(|slot| *slot = T::default());
-                        }
-                    }
-                }
-            }
-        }
-        let shape = [self.packed_len()];
-        match weight.data() {
-            TensorData::F32(w) => Tensor::anonymous(DType::F32, &shape, |out| pack_typed(self, w, out)),
-            TensorData::BF16(w) => Tensor::anonymous(DType::BF16, &shape, |out| pack_typed(self, w, out)),
-            TensorData::F16(w) => Tensor::anonymous(DType::F16, &shape, |out| pack_typed(self, w, out)),
-            TensorData::U32(_) | TensorData::F8E4M3(_) => {
-                Err(Error::NotFloat { what: "weight".into(), dtype: weight.dtype() })
-            }
-        }
-    }
-}
 
 /// Refuse specs whose offsets the generated code could not form (on either
 /// tier): byte offsets of the cache and of rows must fit in i64, and the
