@@ -117,6 +117,12 @@ fn main() {
             kvjit::write_artifact(&graph, &registry, &options, &path, None).unwrap();
             println!("{}", path.display());
         }
+        // The whole attention step on an FP8 cache (its RoPE table stored
+        // as data, as every artifact constant is).
+        let graph = tiny_attention_graph(&registry, DType::BF16, DType::F8E4M3);
+        let path = artifacts.join(format!("{}_{tier}.kvjit", graph.name()));
+        kvjit::write_artifact(&graph, &registry, &options, &path, None).unwrap();
+        println!("{}", path.display());
     }
 
     // safetensors_inputs: a prefill step of the tiny chain per dtype pair:

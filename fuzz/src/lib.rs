@@ -15,9 +15,9 @@
 //!   JIT kernels and with the reference kernels, and both refuse with the same
 //!   message; a run both accept gives close outputs and caches.
 //!
-//! Memory: the graph-file target skips files declaring a random-init constant
-//! of more than [`MAX_CONSTANT_ELEMENTS`] elements (the loader materializes
-//! them; see the README's "Guarantees and errors"), and runs a loaded graph
+//! Memory: the graph-file target loads with a recipe budget of
+//! [`RECIPE_BUDGET`] bytes (the loader sizes every `init` recipe before it
+//! generates anything and refuses past the budget), and runs a loaded graph
 //! only when its compiled buffers fit [`RUN_BUDGET`] bytes.
 
 use std::cell::RefCell;
@@ -27,13 +27,14 @@ use kvjit::demo::{AttentionConfig, LayerConfig, Scenario, attention_step_graph};
 use kvjit::{
     BuildOptions, CompileOptions, DType, DeviceContextPtr, Dim, Executable, Executor, Graph, GraphBuilder, KernelImpl,
     KvCacheType, PagedKVCacheCollection, ParamValue, Params, RandomInit, Registry, Tensor, ValueDef, compile,
-    graph_from_json, graph_to_json, standard_registry, tensors_from_safetensors, tensors_to_safetensors,
+    graph_from_json, graph_from_json_within, graph_to_json, standard_registry, tensors_from_safetensors, tensors_to_safetensors,
 };
 use kvjit_testkit::values::max_abs_finite;
 use kvjit_testkit::{CacheSnapshot, Tolerance, caches_identical, compare};
 
-/// Largest random-init constant (elements) the graph-file target loads.
-pub const MAX_CONSTANT_ELEMENTS: u64 = 1 << 20;
+/// Bytes the `init` recipes of one graph file may generate (the loader
+/// refuses the recipe that would pass it before generating anything).
+pub const RECIPE_BUDGET: u64 = 4 << 20;
 /// Largest graph (bytes of constants, outputs and caches, as
 /// `MemoryEstimate` counts them) the graph-file target runs.
 pub const RUN_BUDGET: u64 = 8 << 20;
@@ -114,24 +115,6 @@ fn assert_same_runs(jit: &Ran, reference: &Ran, what: &str) {
 // graph_file
 // ---------------------------------------------------------------------------
 
-/// Whether every random-init constant the JSON declares is small enough to
-/// materialize here (JSON that does not parse is "small": the loader's
-/// error is what is being tested).
-fn constants_are_small(text: &str) -> bool {
-    let Ok(json) = serde_json::from_str::<serde_json::Value>(text) else { return true };
-    let Some(values) = json.get("values").and_then(|v| v.as_array()) else { return true };
-    values.iter().filter(|v| v.get("init").is_some()).all(|v| {
-        let dims = v.get("shape").and_then(|s| s.as_array()).map(|s| s.iter().map(|d| d.as_u64()).collect::<Vec<_>>());
-        match dims {
-            Some(dims) => dims
-                .iter()
-                .try_fold(1u64, |acc, d| acc.checked_mul(d.unwrap_or(0)))
-                .is_some_and(|n| n <= MAX_CONSTANT_ELEMENTS),
-            None => true,
-        }
-    })
-}
-
 /// The `graph_file` target: graph-file JSON, optionally followed by a NUL
 /// byte and the bytes of a safetensors weights file.
 pub fn graph_file(data: &[u8]) {
@@ -140,9 +123,6 @@ pub fn graph_file(data: &[u8]) {
         None => (data, None),
     };
     let Ok(text) = std::str::from_utf8(text) else { return };
-    if !constants_are_small(text) {
-        return;
-    }
     let weights = match weights.map(tensors_from_safetensors) {
         Some(Ok(w)) => Some(w),
         Some(Err(e)) => {
@@ -152,7 +132,7 @@ pub fn graph_file(data: &[u8]) {
         None => None,
     };
     REGISTRY.with(|registry| {
-        let graph = match graph_from_json(text, registry.ops(), weights.as_ref()) {
+        let graph = match graph_from_json_within(text, registry.ops(), weights.as_ref(), RECIPE_BUDGET) {
             Ok(graph) => graph,
             Err(e) => {
                 let _ = e.to_string();
