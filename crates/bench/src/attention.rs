@@ -31,21 +31,20 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use half::slice::HalfFloatSliceExt;
-use kvjit::attention::{JitKernel as MhaKernel, Mask, MhaSpec};
-use kvjit::demo::{AttentionConfig, LayerConfig, attention_step_graph};
+use kvjit::attention::JitKernel as MhaKernel;
+use kvjit::demo::AttentionConfig;
 use kvjit::rope::{JitKernel as RopeKernel, RopeArgs, RopeSpec};
-use kvjit::{CompileOptions, compile, standard_registry};
-use kvjit_core::{DType, KvCacheParams, PagedKVCacheCollection, Target, Tensor};
+use kvjit_core::{DType, PagedKVCacheCollection, Target, Tensor};
 use kvjit_jit::CaptureText;
 use kvjit_runtime::{DeviceContextPtr, Executable, Executor, RuntimeError};
 use rand::SeedableRng;
 use rand::rngs::SmallRng;
-use rand::seq::SliceRandom;
 use rayon::prelude::*;
 use serde_json::{Value, json};
 
 use crate::roofline::{Roof, RoofPlan, RoofSamples};
 use crate::timing::{Plan, Stats, measure_interleaved};
+use crate::workload::{Heads, check_finite, compile_step, make_cache, size_step_cache, step_inputs};
 use crate::{Error, Progress, Result};
 
 /// The fused QKV op's kernel name (the first field of its keys).
@@ -62,65 +61,6 @@ pub const PREFILL_PEER_TARGET: f64 = 1.5;
 pub const ROPE_SHARE_TARGET: f64 = 0.05;
 /// Whole decode step: at most this many times the sum of its ops' roofs.
 pub const STEP_ROOF_TARGET: f64 = 1.2;
-
-/// The attention heads benchmarked.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct Heads {
-    /// Query heads Hq.
-    pub num_heads: usize,
-    /// KV heads Hkv.
-    pub num_kv_heads: usize,
-    /// Head size D.
-    pub head_size: usize,
-    /// Tokens per cache page.
-    pub page_size: usize,
-}
-
-impl Heads {
-    /// Llama-3-8B: 32 query heads, 8 KV heads of 128, page 16.
-    pub fn llama3_8b() -> Self {
-        Self { num_heads: 32, num_kv_heads: 8, head_size: 128, page_size: 16 }
-    }
-
-    /// Query heads per KV head.
-    pub fn group(&self) -> usize {
-        self.num_heads / self.num_kv_heads
-    }
-
-    /// The softmax scale, 1/√D.
-    pub fn scale(&self) -> f32 {
-        1.0 / (self.head_size as f32).sqrt()
-    }
-
-    /// Bytes of K and V of `tokens` tokens of one layer.
-    pub fn kv_bytes(&self, tokens: usize, cache_dtype: DType) -> f64 {
-        (tokens * 2 * self.num_kv_heads * self.head_size * cache_dtype.size_bytes()) as f64
-    }
-
-    /// Causal attention FLOPs of a prefill of `seq` tokens with an empty cache.
-    pub fn prefill_flops(&self, seq: usize) -> f64 {
-        2.0 * 2.0 * (self.num_heads * self.head_size) as f64 * (seq * (seq + 1) / 2) as f64
-    }
-
-    pub(crate) fn spec(&self, dtype: DType, layers: usize, batch: usize, seq: usize) -> MhaSpec {
-        MhaSpec {
-            target: Target::Cpu,
-            dtype,
-            cache_dtype: dtype,
-            scale_granularity: None,
-            num_heads: self.num_heads,
-            num_kv_heads: self.num_kv_heads,
-            head_size: self.head_size,
-            page_size: self.page_size,
-            num_layers: layers,
-            mask: Mask::Causal,
-            window: None,
-            scale: self.scale(),
-            batch: Some(batch),
-            seq: Some(seq),
-        }
-    }
-}
 
 /// The whole attention-step graph's run.
 #[derive(Clone, Debug)]
@@ -145,7 +85,7 @@ impl StepConfig {
     /// `batch` sequences of `history + 1` tokens.
     pub fn llama3_8b(batch: usize, history: usize) -> Self {
         let mut graph = AttentionConfig::llama3_8b();
-        Self::size_cache(&mut graph.layer, batch, history);
+        size_step_cache(&mut graph.layer, batch, history);
         Self {
             graph,
             batch,
@@ -164,12 +104,6 @@ impl StepConfig {
                 budget: Duration::ZERO,
             },
         }
-    }
-
-    fn size_cache(layer: &mut LayerConfig, batch: usize, history: usize) {
-        layer.num_layers = 1;
-        layer.max_pages_per_seq = (history + 1).div_ceil(layer.page_size);
-        layer.num_pages = batch * layer.max_pages_per_seq;
     }
 }
 
@@ -269,7 +203,7 @@ impl AttentionBenchConfig {
         let short = Plan { min_samples: 2, max_samples: 3, sample_time: Duration::ZERO, budget: Duration::ZERO };
         let mut graph = AttentionConfig::small();
         let (batch, history) = (3, 40);
-        StepConfig::size_cache(&mut graph.layer, batch, history);
+        size_step_cache(&mut graph.layer, batch, history);
         Self {
             mode: "tiny".into(),
             heads: Heads { num_heads: 4, num_kv_heads: 2, head_size: 16, page_size: 4 },
@@ -332,62 +266,6 @@ pub fn normalized_error(got: &[f32], want: &[f32]) -> f64 {
 /// The agreement the bench demands of the JIT kernel and the peer.
 pub fn tolerance(dtype: DType) -> f64 {
     if dtype == DType::F32 { 1e-4 } else { 1.0 / 64.0 }
-}
-
-/// A cache of `layers` layers for `batch` sequences holding `history`
-/// tokens each, with pages reserved for `new_tokens` more; pages handed out
-/// in a shuffled order (scattered page tables), blocks random when `fill`.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn make_cache(
-    heads: &Heads,
-    dtype: DType,
-    layers: usize,
-    batch: usize,
-    history: usize,
-    new_tokens: usize,
-    fill: bool,
-    rng: &mut SmallRng,
-) -> Result<PagedKVCacheCollection> {
-    let params = KvCacheParams {
-        dtype,
-        num_layers: layers,
-        page_size: heads.page_size,
-        num_kv_heads: heads.num_kv_heads,
-        head_size: heads.head_size,
-        scale_granularity: dtype.is_quantized().then_some(crate::fp8::GRANULARITY.min(heads.head_size)),
-    };
-    let pages_per_seq = (history + new_tokens).div_ceil(heads.page_size).max(1);
-    let mut cache = PagedKVCacheCollection::new(params, batch * pages_per_seq, batch, pages_per_seq)?;
-    let mut order: Vec<u32> = (0..cache.num_pages() as u32).collect();
-    order.shuffle(rng);
-    cache.set_allocation_order(order)?;
-    if history > 0 {
-        cache.reserve(&vec![history as u32; batch])?;
-        cache.advance(&vec![history as u32; batch])?;
-    }
-    cache.reserve(&vec![new_tokens as u32; batch])?;
-    if fill {
-        fill_random(&mut cache, rng)?;
-    }
-    Ok(cache)
-}
-
-/// Random K/V in the whole cache: uniform in [-1, 1) rounded to the dtype;
-/// an FP8 cache's codes random too (uniform values quantized as codes, never
-/// NaN) with scales uniform in [0.5, 1.5)/448, so values span about ±1.5.
-fn fill_random(cache: &mut PagedKVCacheCollection, rng: &mut SmallRng) -> Result<()> {
-    let shape = cache.blocks().shape().to_vec();
-    let dtype = cache.params().dtype;
-    if dtype.is_quantized() {
-        let codes = Tensor::random(dtype, &shape, rng, -448.0, 448.0)?;
-        cache.set_blocks(codes)?;
-        let scales_shape = cache.scales().expect("an FP8 cache has scales").shape().to_vec();
-        let scales = Tensor::random(DType::F32, &scales_shape, rng, 0.5 / 448.0, 1.5 / 448.0)?;
-        cache.set_scales(scales)?;
-    } else {
-        cache.set_blocks(Tensor::random(dtype, &shape, rng, -1.0, 1.0)?)?;
-    }
-    Ok(())
 }
 
 /// Round `values` into `output` (a float tensor of the same length).
@@ -837,45 +715,6 @@ fn op_of(key: &str) -> String {
     key.split('.').next().unwrap_or(key).to_string()
 }
 
-/// Inputs and the cache of one run of the step graph.
-pub(crate) fn step_inputs(
-    config: &LayerConfig,
-    batch: usize,
-    history: usize,
-    seq: usize,
-    rng: &mut SmallRng,
-) -> Result<(BTreeMap<String, Tensor>, BTreeMap<String, PagedKVCacheCollection>)> {
-    let params = config.cache_type().params();
-    // The graph fixes the cache's pages and table width.
-    let mut cache = PagedKVCacheCollection::new(params, config.num_pages, batch, config.max_pages_per_seq)?;
-    let mut order: Vec<u32> = (0..cache.num_pages() as u32).collect();
-    order.shuffle(rng);
-    cache.set_allocation_order(order)?;
-    if history > 0 {
-        cache.reserve(&vec![history as u32; batch])?;
-        fill_random(&mut cache, rng)?;
-        cache.advance(&vec![history as u32; batch])?;
-    }
-    cache.reserve(&vec![seq as u32; batch])?;
-    let inputs = [
-        ("hidden_state".to_string(), Tensor::random(config.dtype, &[batch, seq, config.hidden_size], rng, -1.0, 1.0)?),
-        ("valid_lengths".to_string(), Tensor::from_vec(&[batch], vec![seq as u32; batch])?),
-        ("layer_idx".to_string(), Tensor::scalar_u32(0)),
-    ]
-    .into();
-    Ok((inputs, [("kv_cache".to_string(), cache)].into()))
-}
-
-/// Compile the step graph with `batch` and `seq` left symbolic, as `kvjit
-/// run` does: binding them is refused today (the reshape's target dims stay
-/// symbolic while its input's become static), so its kernels are the
-/// generic ones, which read B and S at run time.
-pub(crate) fn compile_step(config: &AttentionConfig) -> Result<Executable> {
-    let registry = standard_registry();
-    let graph = attention_step_graph(config, registry.ops())?;
-    compile(&graph, &registry, &CompileOptions::default())
-}
-
 /// Time `Executor::run` of the step; per-op medians from its timings.
 fn time_step(
     exe: &Executable,
@@ -891,12 +730,7 @@ fn time_step(
         let out = executor.run(exe, inputs, caches)?;
         runs += 1;
         if runs == 1 {
-            for t in out.outputs.values() {
-                if t.to_f32_vec()?.iter().any(|v| !v.is_finite()) {
-                    return Err(Error::Usage("the attention step's output is not finite".into()));
-                }
-            }
-            return Ok(());
+            return check_finite(out.outputs.values());
         }
         let mut times: Vec<(String, f64)> = Vec::new();
         for t in &out.timings {
@@ -1409,7 +1243,7 @@ impl AttentionReport {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvjit::attention::AttentionConfig as MhaConfig;
+    use kvjit::attention::{AttentionConfig as MhaConfig, Mask};
 
     /// The peer computes what the f64 reference computes: decode with
     /// history and a causal prefill, GQA groups, both dtypes.

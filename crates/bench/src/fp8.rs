@@ -19,20 +19,19 @@ use std::time::Duration;
 use kvjit::attention::JitKernel as MhaKernel;
 use kvjit::demo::AttentionConfig;
 use kvjit::fused_qkv::{FusedQkvSpec, JitKernel as QkvKernel, QkvArgs};
-use kvjit_core::{DType, KvCacheParams, Target, Tensor};
+use kvjit_core::{DType, Target, Tensor};
 use kvjit_jit::CaptureText;
 use kvjit_runtime::{DeviceContextPtr, Executor};
 use rand::SeedableRng;
 use rand::rngs::SmallRng;
 use serde_json::{Value, json};
 
-use crate::attention::{Heads, compile_step, make_cache, step_inputs};
 use crate::problem::ModelShape;
 use crate::timing::{Plan, Stats, measure_interleaved};
+use crate::workload::{
+    FP8_GRANULARITY, Heads, cache_params, check_finite, compile_step, make_cache, size_step_cache, step_inputs,
+};
 use crate::{Error, Result};
-
-/// Values per scale of the FP8 cache measured here.
-pub const GRANULARITY: usize = 128;
 /// The decode-attention target: FP8 at least this much faster than bf16.
 pub const ATTENTION_TARGET: f64 = 1.6;
 /// The store target: the FP8 store at most this much slower (M ≥ 16).
@@ -180,17 +179,6 @@ pub struct Fp8Report {
     pub step: Option<(usize, usize, Pair)>,
 }
 
-fn cache_params(heads: &Heads, dtype: DType, layers: usize) -> KvCacheParams {
-    KvCacheParams {
-        dtype,
-        num_layers: layers,
-        page_size: heads.page_size,
-        num_kv_heads: heads.num_kv_heads,
-        head_size: heads.head_size,
-        scale_granularity: dtype.is_quantized().then_some(GRANULARITY.min(heads.head_size)),
-    }
-}
-
 fn store_pair(
     config: &Fp8BenchConfig,
     m: usize,
@@ -211,7 +199,7 @@ fn store_pair(
             target: Target::Cpu,
             dtype: DType::BF16,
             cache_dtype: dtype,
-            scale_granularity: dtype.is_quantized().then_some(GRANULARITY.min(heads.head_size)),
+            scale_granularity: dtype.is_quantized().then_some(FP8_GRANULARITY.min(heads.head_size)),
             k: shape.k,
             q_dim: shape.q_dim(),
             num_kv_heads: shape.kv_heads,
@@ -308,9 +296,7 @@ fn step_pair(batch: usize, history: usize, ctx: &DeviceContextPtr, rng: &mut Sma
     let mut graphs = Vec::new();
     for cache_dtype in [None, Some(DType::F8E4M3)] {
         let mut config = AttentionConfig::llama3_8b();
-        config.layer.num_layers = 1;
-        config.layer.max_pages_per_seq = (history + 1).div_ceil(config.layer.page_size);
-        config.layer.num_pages = batch * config.layer.max_pages_per_seq;
+        size_step_cache(&mut config.layer, batch, history);
         config.layer.cache_dtype = cache_dtype;
         let exe = compile_step(&config)?;
         let (inputs, caches) = step_inputs(&config.layer, batch, history, 1, rng)?;
@@ -318,12 +304,7 @@ fn step_pair(batch: usize, history: usize, ctx: &DeviceContextPtr, rng: &mut Sma
     }
     let executor = Executor::new(ctx.clone());
     for (exe, inputs, caches) in &mut graphs {
-        let out = executor.run(exe, inputs, caches)?;
-        for t in out.outputs.values() {
-            if t.to_f32_vec()?.iter().any(|v| !v.is_finite()) {
-                return Err(Error::Usage("the attention step's output is not finite".into()));
-            }
-        }
+        check_finite(executor.run(exe, inputs, caches)?.outputs.values())?;
     }
     let measured = measure_interleaved(2, plan, |i| {
         let (exe, inputs, caches) = &mut graphs[i];
@@ -386,7 +367,7 @@ impl Fp8Report {
         let ratio = fp8 as f64 / bf16 as f64;
         let _ = writeln!(
             out,
-            "Cache bytes per token and layer (K and V, Llama-3-8B heads): bf16 {bf16}, f8e4m3 g={GRANULARITY} {fp8} (scales included) = {ratio:.4}× (target ≤ {BYTES_TARGET}: {})\n",
+            "Cache bytes per token and layer (K and V, Llama-3-8B heads): bf16 {bf16}, f8e4m3 g={FP8_GRANULARITY} {fp8} (scales included) = {ratio:.4}× (target ≤ {BYTES_TARGET}: {})\n",
             verdict(ratio <= BYTES_TARGET)
         );
         let _ = writeln!(out, "## Fused QKV store (bf16 activations)\n");
@@ -448,7 +429,7 @@ impl Fp8Report {
         json!({
             "mode": self.mode,
             "threads": self.threads,
-            "granularity": GRANULARITY,
+            "granularity": FP8_GRANULARITY,
             "bytes_per_token": {"bf16": self.bytes_per_token.0, "f8e4m3": self.bytes_per_token.1},
             "store": self.store.iter().map(|r| json!({"m": r.m, "time": pair(&r.time)})).collect::<Vec<_>>(),
             "attention": self.attention.iter().map(|r| json!({

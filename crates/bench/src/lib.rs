@@ -14,7 +14,10 @@
 //! - [`roofline`]: read-bandwidth and FMA-rate probes, the roofline bound;
 //! - [`compile`]: compile latency (graph build → JIT, file → first output);
 //! - [`report`]: the results, as Markdown, JSON and SVG;
-//! - [`cli`]: the `kvjit bench` subcommand (options, progress, output files).
+//! - [`cli`]: the `kvjit bench` subcommand (options, progress, output files);
+//! - [`attention`], [`fp8`]: the `--ops attention` and `--ops fp8` suites, on
+//!   the heads, caches and step graph of [`workload`];
+//! - [`startup`]: `kvjit bench --startup`, fresh processes timed.
 //!
 //! [`run`] runs a whole [`BenchConfig`]: the roofs, then for every shape,
 //! dtype, page size and M all implementations interleaved, then compile
@@ -31,6 +34,7 @@ pub mod report;
 pub mod roofline;
 pub mod startup;
 pub mod timing;
+pub mod workload;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
