@@ -790,19 +790,6 @@ fn run_step(config: &StepConfig, ctx: &DeviceContextPtr, rng: &mut SmallRng) -> 
     Ok(StepResult { batch: config.batch, history: config.history, time, ops, prefill })
 }
 
-/// The CPU model, from /proc/cpuinfo where there is one.
-fn cpu_name() -> String {
-    std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|text| {
-            text.lines().find(|l| l.starts_with("model name")).and_then(|l| l.split_once(':')).map(|(_, v)| {
-                let cores = text.lines().filter(|l| l.starts_with("processor")).count();
-                format!("{} ({} logical cores)", v.trim(), cores)
-            })
-        })
-        .unwrap_or_else(|| std::env::consts::ARCH.to_string())
-}
-
 /// Run `config`, calling `progress` before every step.
 pub fn run_attention(config: &AttentionBenchConfig, progress: &mut dyn FnMut(&Progress)) -> Result<AttentionReport> {
     config.check()?;
@@ -863,7 +850,7 @@ pub fn run_attention(config: &AttentionBenchConfig, progress: &mut dyn FnMut(&Pr
     Ok(AttentionReport {
         mode: config.mode.clone(),
         threads,
-        cpu: cpu_name(),
+        cpu: crate::cpu_name(),
         duration: started.elapsed(),
         heads,
         target_context: config.target_context,

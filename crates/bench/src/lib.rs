@@ -250,8 +250,9 @@ pub struct Progress {
     pub elapsed: Duration,
 }
 
-/// The CPU model, from /proc/cpuinfo where there is one.
-fn cpu_name() -> String {
+/// The CPU model and its logical cores, from /proc/cpuinfo where there is
+/// one (else the architecture): every report's header names it.
+pub(crate) fn cpu_name() -> String {
     std::fs::read_to_string("/proc/cpuinfo")
         .ok()
         .and_then(|text| {

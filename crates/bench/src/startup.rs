@@ -401,19 +401,6 @@ impl Probe {
     }
 }
 
-/// The CPU model, from /proc/cpuinfo where there is one.
-fn cpu_name() -> String {
-    std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|text| {
-            text.lines().find(|l| l.starts_with("model name")).and_then(|l| l.split_once(':')).map(|(_, v)| {
-                let cores = text.lines().filter(|l| l.starts_with("processor")).count();
-                format!("{} ({} logical cores)", v.trim(), cores)
-            })
-        })
-        .unwrap_or_else(|| std::env::consts::ARCH.to_string())
-}
-
 /// Run the start-up benchmark of `config`, calling `progress` before every step.
 pub fn run_startup(config: &StartupConfig, progress: &mut dyn FnMut(&Progress)) -> Result<StartupReport> {
     config.check()?;
@@ -533,7 +520,7 @@ pub fn run_startup(config: &StartupConfig, progress: &mut dyn FnMut(&Progress)) 
         layers: layer.num_layers,
         runs: config.runs,
         threads: config.threads,
-        cpu: cpu_name(),
+        cpu: crate::cpu_name(),
         weight_bytes,
         kv_cache_bytes,
         safetensors_bytes,
