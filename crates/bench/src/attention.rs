@@ -42,6 +42,7 @@ use rand::rngs::SmallRng;
 use rayon::prelude::*;
 use serde_json::{Value, json};
 
+use crate::render::{format_rate, format_time, pass_or_miss};
 use crate::roofline::{Roof, RoofPlan, RoofSamples};
 use crate::timing::{Plan, Stats, measure_interleaved};
 use crate::workload::{Heads, check_finite, compile_step, make_cache, size_step_cache, step_inputs};
@@ -862,34 +863,6 @@ pub fn run_attention(config: &AttentionBenchConfig, progress: &mut dyn FnMut(&Pr
     })
 }
 
-fn format_time(seconds: f64) -> String {
-    let (value, unit) = match seconds {
-        s if s >= 1.0 => (s, "s"),
-        s if s >= 1e-3 => (s * 1e3, "ms"),
-        s => (s * 1e6, "µs"),
-    };
-    let digits = if value >= 100.0 {
-        0
-    } else if value >= 10.0 {
-        1
-    } else {
-        2
-    };
-    format!("{value:.digits$} {unit}")
-}
-
-fn format_rate(value: f64) -> String {
-    if value >= 100.0 { format!("{value:.0}") } else { format!("{value:.1}") }
-}
-
-fn stats_json(s: &Stats) -> Value {
-    json!({ "median": s.median, "min": s.min, "max": s.max, "q1": s.q1, "q3": s.q3, "samples": s.samples })
-}
-
-fn verdict(met: bool) -> &'static str {
-    if met { "pass" } else { "**miss**" }
-}
-
 /// One target, checked against this run.
 #[derive(Clone, Debug)]
 pub struct TargetCheck {
@@ -1136,7 +1109,8 @@ impl AttentionReport {
         }
         s.push_str("\n## Targets\n\n| target | this run | goal | |\n|---|---:|---:|---|\n");
         for t in self.targets() {
-            let _ = writeln!(s, "| {} | {} | {} | {} |", t.what, t.value, t.goal, t.met.map_or("**error**", verdict));
+            let _ =
+                writeln!(s, "| {} | {} | {} | {} |", t.what, t.value, t.goal, t.met.map_or("**error**", pass_or_miss));
         }
         let failures = self.failures();
         if !failures.is_empty() {
@@ -1163,10 +1137,10 @@ impl AttentionReport {
             match &r.outcome {
                 Ok((jit, peer)) => {
                     v["kvjit"] = json!({
-                        "time": stats_json(jit), "rate": work / jit.median, "of_roof": roof_time / jit.median,
+                        "time": jit.to_json(), "rate": work / jit.median, "of_roof": roof_time / jit.median,
                     });
                     v["gather_gemm"] = json!({
-                        "time": stats_json(peer), "rate": work / peer.median, "of_roof": roof_time / peer.median,
+                        "time": peer.to_json(), "rate": work / peer.median, "of_roof": roof_time / peer.median,
                     });
                     v["speedup_vs_peer"] = json!(peer.median / jit.median);
                 }
@@ -1188,8 +1162,8 @@ impl AttentionReport {
             },
             "roof": {
                 "threads": self.roof.threads,
-                "read_bytes_per_s": stats_json(&self.roof.read_bytes_per_s),
-                "fma_flops_per_s": stats_json(&self.roof.fma_flops_per_s),
+                "read_bytes_per_s": self.roof.read_bytes_per_s.to_json(),
+                "fma_flops_per_s": self.roof.fma_flops_per_s.to_json(),
             },
             "decode": self.decode.iter().map(|r| {
                 let mut v = pair(r, self.decode_roof_time(r), self.decode_bytes(r));
@@ -1203,13 +1177,13 @@ impl AttentionReport {
             }).collect::<Vec<_>>(),
             "rope": self.rope.iter().map(|r| json!({
                 "step": r.step, "batch": r.batch, "seq": r.seq, "bytes": r.bytes,
-                "time": stats_json(&r.time), "step_median_s": r.step_median,
+                "time": r.time.to_json(), "step_median_s": r.step_median,
                 "share": r.step_median.map(|t| r.time.median / t),
             })).collect::<Vec<_>>(),
             "step": self.step.as_ref().map(|st| json!({
                 "batch": st.batch,
                 "history": st.history,
-                "time": stats_json(&st.time),
+                "time": st.time.to_json(),
                 "per_token_s": st.time.median / st.batch as f64,
                 "ops": st.ops.iter().map(|o| json!({
                     "op": o.op, "median_s": o.median, "roof_bytes": o.roof_bytes,
@@ -1217,7 +1191,7 @@ impl AttentionReport {
                 })).collect::<Vec<_>>(),
                 "roof_time_s": self.step_roof_time(st),
                 "of_roofs": st.time.median / self.step_roof_time(st),
-                "prefill": st.prefill.as_ref().map(|(seq, t)| json!({ "seq": seq, "time": stats_json(t) })),
+                "prefill": st.prefill.as_ref().map(|(seq, t)| json!({ "seq": seq, "time": t.to_json() })),
             })),
             "targets": self.targets().iter().map(|t| json!({
                 "what": t.what, "value": t.value, "goal": t.goal, "met": t.met,

@@ -425,7 +425,7 @@ impl Fp8Report {
 
     /// Every figure as JSON.
     pub fn to_json(&self) -> Value {
-        let pair = |p: &Pair| json!({"bf16": stats_json(&p.bf16), "f8e4m3": stats_json(&p.fp8)});
+        let pair = |p: &Pair| json!({"bf16": p.bf16.to_json(), "f8e4m3": p.fp8.to_json()});
         json!({
             "mode": self.mode,
             "threads": self.threads,
@@ -440,10 +440,6 @@ impl Fp8Report {
             "step": self.step.as_ref().map(|(batch, history, time)| json!({"batch": batch, "history": history, "time": pair(time)})),
         })
     }
-}
-
-fn stats_json(s: &Stats) -> Value {
-    json!({"median": s.median, "q1": s.q1, "q3": s.q3, "min": s.min, "max": s.max, "samples": s.samples})
 }
 
 fn verdict(met: bool) -> &'static str {

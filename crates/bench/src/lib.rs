@@ -14,6 +14,7 @@
 //! - [`roofline`]: read-bandwidth and FMA-rate probes, the roofline bound;
 //! - [`compile`]: compile latency (graph build → JIT, file → first output);
 //! - [`report`]: the results, as Markdown, JSON and SVG;
+//! - [`render`]: how every report writes times, rates and verdicts;
 //! - [`cli`]: the `kvjit bench` subcommand (options, progress, output files);
 //! - [`attention`], [`fp8`]: the `--ops attention` and `--ops fp8` suites, on
 //!   the heads, caches and step graph of [`workload`];
@@ -30,6 +31,7 @@ pub mod compile;
 pub mod fp8;
 pub mod impls;
 pub mod problem;
+pub mod render;
 pub mod report;
 pub mod roofline;
 pub mod startup;

@@ -34,6 +34,7 @@ use kvjit::{DType, Dim, GraphBuilder, Tensor, bf16, save_graph, standard_registr
 use rayon::prelude::*;
 use serde_json::{Value, json};
 
+use crate::render::{format_time, pass_or_miss};
 use crate::timing::Stats;
 use crate::{Error, Progress, Result};
 
@@ -540,36 +541,12 @@ pub fn run_startup(config: &StartupConfig, progress: &mut dyn FnMut(&Progress)) 
     })
 }
 
-fn format_time(seconds: f64) -> String {
-    let (value, unit) = match seconds {
-        s if s >= 1.0 => (s, "s"),
-        s if s >= 1e-3 => (s * 1e3, "ms"),
-        s => (s * 1e6, "µs"),
-    };
-    let digits = if value >= 100.0 {
-        0
-    } else if value >= 10.0 {
-        1
-    } else {
-        2
-    };
-    format!("{value:.digits$} {unit}")
-}
-
 fn spread(s: &Stats, format: impl Fn(f64) -> String) -> String {
     format!("{}–{}", format(s.min), format(s.max))
 }
 
-fn verdict(pass: bool) -> &'static str {
-    if pass { "pass" } else { "**miss**" }
-}
-
 fn megabytes(bytes: f64) -> String {
     format!("{:.1} MB", bytes / 1e6)
-}
-
-fn stats_json(s: &Stats) -> Value {
-    json!({ "median": s.median, "min": s.min, "max": s.max, "q1": s.q1, "q3": s.q3, "samples": s.samples })
 }
 
 /// One row of the Markdown table.
@@ -609,7 +586,7 @@ impl StartupReport {
             median: format_time(t.wall.median),
             spread: spread(&t.wall, format_time),
             target: target_text,
-            result: target.map_or_else(|| "—".into(), |limit| verdict(t.wall.median <= limit).into()),
+            result: target.map_or_else(|| "—".into(), |limit| pass_or_miss(t.wall.median <= limit).into()),
         };
         let cat_target = self.graph_start_target();
         rows.push(time_row(
@@ -662,7 +639,7 @@ impl StartupReport {
                     median: format!("{} ({ratio:.2}×)", megabytes(rss.median)),
                     spread: spread(rss, megabytes),
                     target: format!("≤ {target}× = {}", megabytes(target * floor)),
-                    result: verdict(ratio <= target).into(),
+                    result: pass_or_miss(ratio <= target).into(),
                 });
             }
         }
@@ -678,7 +655,7 @@ impl StartupReport {
                         median: format_time(jit.first.median),
                         spread: spread(&jit.first, format_time),
                         target: format!("≤ {}", format_time(FIRST_JIT_TARGET.as_secs_f64())),
-                        result: verdict(jit.first.median <= FIRST_JIT_TARGET.as_secs_f64()).into(),
+                        result: pass_or_miss(jit.first.median <= FIRST_JIT_TARGET.as_secs_f64()).into(),
                     });
                     if let Some(further) = &jit.further {
                         rows.push(Row {
@@ -686,7 +663,7 @@ impl StartupReport {
                             median: format_time(further.median),
                             spread: spread(further, format_time),
                             target: format!("≤ {}", format_time(FURTHER_JIT_TARGET.as_secs_f64())),
-                            result: verdict(further.median <= FURTHER_JIT_TARGET.as_secs_f64()).into(),
+                            result: pass_or_miss(further.median <= FURTHER_JIT_TARGET.as_secs_f64()).into(),
                         });
                     }
                 }
@@ -765,17 +742,17 @@ impl StartupReport {
         let timed = |t: &Timed| {
             json!({
                 "command": t.command,
-                "wall_s": stats_json(&t.wall),
-                "peak_rss_bytes": t.peak_rss.as_ref().map(stats_json),
+                "wall_s": t.wall.to_json(),
+                "peak_rss_bytes": t.peak_rss.as_ref().map(Stats::to_json),
                 "peak_rss_vs_weights_and_cache": t.peak_rss.as_ref().map(|r| r.median / self.resident_floor()),
                 "jit": t.jit.as_ref().map(|j| json!({
                     "compiles": j.compiles,
-                    "first_s": stats_json(&j.first),
-                    "further_s": j.further.as_ref().map(stats_json),
+                    "first_s": j.first.to_json(),
+                    "further_s": j.further.as_ref().map(Stats::to_json),
                 })),
             })
         };
-        let decode = |d: &Decode| json!({ "command": d.command, "step_s": stats_json(&d.step) });
+        let decode = |d: &Decode| json!({ "command": d.command, "step_s": d.step.to_json() });
         json!({
             "mode": "startup",
             "layers": self.layers,
