@@ -28,7 +28,7 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use half::slice::HalfFloatSliceExt;
 use kvjit::attention::JitKernel as MhaKernel;
@@ -46,7 +46,7 @@ use crate::render::{format_rate, format_time, pass_or_miss};
 use crate::roofline::{Roof, RoofPlan, RoofSamples};
 use crate::timing::{Plan, Stats, measure_interleaved};
 use crate::workload::{Heads, check_finite, compile_step, make_cache, size_step_cache, step_inputs};
-use crate::{Error, Progress, Result};
+use crate::{Error, Progress, Result, Steps};
 
 /// The fused QKV op's kernel name (the first field of its keys).
 pub const QKV_KERNEL_NAME: &str = "fused_qkv_bshd_paged";
@@ -796,25 +796,19 @@ pub fn run_attention(config: &AttentionBenchConfig, progress: &mut dyn FnMut(&Pr
     config.check()?;
     let ctx = DeviceContextPtr::cpu(config.threads)?;
     let threads = ctx.cpu_context().map_or(1, |c| c.threads());
-    let started = Instant::now();
-    let total = config.step_count();
-    let mut done = 0;
-    let mut step = |what: String| {
-        progress(&Progress { done, total, what, elapsed: started.elapsed() });
-        done += 1;
-    };
+    let mut steps = Steps::new(config.step_count(), progress);
     let mut rng = SmallRng::seed_from_u64(config.seed);
     let heads = config.heads;
 
     let mut roof_samples = RoofSamples::default();
-    step("roofline probes".into());
+    steps.start("roofline probes");
     roof_samples.measure(&ctx, &config.roof)?;
 
     let mut decode = Vec::new();
     for &dtype in &config.dtypes {
         for &context in &config.contexts {
             for &batch in &config.batches {
-                step(format!("decode {dtype} context {context} batch {batch}"));
+                steps.start(format!("decode {dtype} context {context} batch {batch}"));
                 let per_layer = batch as f64 * heads.kv_bytes(context, dtype);
                 let layers = ((config.working_set as f64 / per_layer).ceil() as usize).clamp(1, 256);
                 decode.push(run_pair(&heads, dtype, batch, context - 1, 1, layers, &config.timing, &ctx, &mut rng)?);
@@ -823,17 +817,17 @@ pub fn run_attention(config: &AttentionBenchConfig, progress: &mut dyn FnMut(&Pr
     }
     let mut prefill = Vec::new();
     for &seq in &config.prefills {
-        step(format!("prefill {} {seq} tokens", config.prefill_dtype));
+        steps.start(format!("prefill {} {seq} tokens", config.prefill_dtype));
         prefill.push(run_pair(&heads, config.prefill_dtype, 1, 0, seq, 1, &config.prefill_timing, &ctx, &mut rng)?);
     }
     let step_result = match &config.step {
         Some(s) => {
-            step(format!("attention step graph: decode batch {} history {}", s.batch, s.history));
+            steps.start(format!("attention step graph: decode batch {} history {}", s.batch, s.history));
             Some(run_step(s, &ctx, &mut rng)?)
         }
         None => None,
     };
-    step("RoPE".into());
+    steps.start("RoPE");
     let mut rope = Vec::new();
     let dtype = config.prefill_dtype;
     let (rope_batch, rope_history) = config.step.as_ref().map_or((8, config.target_context), |s| (s.batch, s.history));
@@ -846,13 +840,13 @@ pub fn run_attention(config: &AttentionBenchConfig, progress: &mut dyn FnMut(&Pr
         rope.push(r);
     }
 
-    step("roofline probes (again)".into());
+    steps.start("roofline probes (again)");
     roof_samples.measure(&ctx, &config.roof)?;
     Ok(AttentionReport {
         mode: config.mode.clone(),
         threads,
         cpu: crate::cpu_name(),
-        duration: started.elapsed(),
+        duration: steps.elapsed(),
         heads,
         target_context: config.target_context,
         roof: roof_samples.roof(threads),
@@ -1203,6 +1197,8 @@ impl AttentionReport {
 
 #[cfg(test)]
 mod tests {
+    use std::time::Instant;
+
     use super::*;
     use kvjit::attention::{AttentionConfig as MhaConfig, Mask};
 

@@ -252,6 +252,33 @@ pub struct Progress {
     pub elapsed: Duration,
 }
 
+/// A run's steps, counted for its progress callback.
+pub(crate) struct Steps<'a> {
+    progress: &'a mut dyn FnMut(&Progress),
+    started: Instant,
+    done: usize,
+    total: usize,
+}
+
+impl<'a> Steps<'a> {
+    /// A run of `total` steps starting now, reporting to `progress`.
+    pub(crate) fn new(total: usize, progress: &'a mut dyn FnMut(&Progress)) -> Self {
+        Self { progress, started: Instant::now(), done: 0, total }
+    }
+
+    /// Announce the step starting now.
+    pub(crate) fn start(&mut self, what: impl Into<String>) {
+        let (done, total) = (self.done, self.total);
+        (self.progress)(&Progress { done, total, what: what.into(), elapsed: self.started.elapsed() });
+        self.done += 1;
+    }
+
+    /// Time since the run started.
+    pub(crate) fn elapsed(&self) -> Duration {
+        self.started.elapsed()
+    }
+}
+
 /// The CPU model and its logical cores, from /proc/cpuinfo where there is
 /// one (else the architecture): every report's header names it.
 pub(crate) fn cpu_name() -> String {
@@ -271,16 +298,10 @@ pub fn run(config: &BenchConfig, progress: &mut dyn FnMut(&Progress)) -> Result<
     config.check()?;
     let ctx = DeviceContextPtr::cpu(config.threads)?;
     let threads = ctx.cpu_context().map_or(1, |c| c.threads());
-    let started = Instant::now();
-    let total = config.step_count();
-    let mut done = 0;
-    let mut step = |what: String| {
-        progress(&Progress { done, total, what, elapsed: started.elapsed() });
-        done += 1;
-    };
+    let mut steps = Steps::new(config.step_count(), progress);
 
     let mut roof_samples = RoofSamples::default();
-    step("roofline probes".into());
+    steps.start("roofline probes");
     roof_samples.measure(&ctx, &config.roof)?;
 
     let mut groups = Vec::new();
@@ -291,7 +312,7 @@ pub fn run(config: &BenchConfig, progress: &mut dyn FnMut(&Progress)) -> Result<
                 let generic = generic_kernels(shape, dtype, page_size, &weights)?;
                 let mut points = Vec::new();
                 for &m in &config.ms {
-                    step(format!("{} {dtype} page {page_size} M={m}", shape.label));
+                    steps.start(format!("{} {dtype} page {page_size} M={m}", shape.label));
                     let point = Point { shape: shape.clone(), dtype, page_size, m };
                     let mut problem = Problem::new(point, weights.clone(), config.seed)?;
                     let mut runners = config
@@ -332,7 +353,7 @@ pub fn run(config: &BenchConfig, progress: &mut dyn FnMut(&Progress)) -> Result<
             let bench = CompileBench::new(&c.shape, c.dtype, c.page_size, &ctx, config.seed)?;
             let mut cases = Vec::new();
             for case in CompileCase::all(c.layers) {
-                step(format!("compile latency: {}", case.describe()));
+                steps.start(format!("compile latency: {}", case.describe()));
                 let mut runs = Vec::new();
                 let measured = measure_interleaved(1, &c.timing, |_| {
                     runs.push(bench.run(case)?);
@@ -352,7 +373,7 @@ pub fn run(config: &BenchConfig, progress: &mut dyn FnMut(&Progress)) -> Result<
         None => None,
     };
 
-    step("roofline probes (again)".into());
+    steps.start("roofline probes (again)");
     roof_samples.measure(&ctx, &config.roof)?;
 
     Ok(Report {
@@ -360,7 +381,7 @@ pub fn run(config: &BenchConfig, progress: &mut dyn FnMut(&Progress)) -> Result<
         threads,
         cpu: cpu_name(),
         thp: roofline::thp_mode(),
-        duration: started.elapsed(),
+        duration: steps.elapsed(),
         roof: roof_samples.roof(threads),
         groups,
         compile,

@@ -36,7 +36,7 @@ use serde_json::{Value, json};
 
 use crate::render::{format_time, pass_or_miss};
 use crate::timing::Stats;
-use crate::{Error, Progress, Result};
+use crate::{Error, Progress, Result, Steps};
 
 /// Target of `kvjit validate model.json`.
 pub const VALIDATE_TARGET: Duration = Duration::from_millis(30);
@@ -406,14 +406,8 @@ impl Probe {
 pub fn run_startup(config: &StartupConfig, progress: &mut dyn FnMut(&Progress)) -> Result<StartupReport> {
     config.check()?;
     let layer = config.layer_config();
-    let started = Instant::now();
     let (start_probes, decode_probes) = (6, 3);
-    let total = 2 + (config.runs + 1) * start_probes + config.runs * decode_probes;
-    let mut done = 0;
-    let mut step = |what: String| {
-        progress(&Progress { done, total, what, elapsed: started.elapsed() });
-        done += 1;
-    };
+    let mut steps = Steps::new(2 + (config.runs + 1) * start_probes + config.runs * decode_probes, progress);
 
     // The temporary directory (if any) lives until the end of the run.
     let (_temporary, dir_path) = match &config.keep_dir {
@@ -432,12 +426,12 @@ pub fn run_startup(config: &StartupConfig, progress: &mut dyn FnMut(&Progress)) 
         }
     };
 
-    step(format!("writing a {}-layer bf16 graph file and its weights", layer.num_layers));
+    steps.start(format!("writing a {}-layer bf16 graph file and its weights", layer.num_layers));
     let t = Instant::now();
     write_model(&layer, &dir_path)?;
     let generate_time = t.elapsed();
 
-    step("kvjit compile model.json -o model.kvjit".into());
+    steps.start("kvjit compile model.json -o model.kvjit");
     let t = Instant::now();
     Probe::new(&config.kvjit, &["compile", "model.json", "-o", "model.kvjit"], Kind::Plain).run(&dir_path, false)?;
     let compile_time = t.elapsed();
@@ -484,22 +478,22 @@ pub fn run_startup(config: &StartupConfig, progress: &mut dyn FnMut(&Progress)) 
         for i in 0..starts.len() {
             let probe = &mut starts[(i + round) % start_probes];
             let label = if round == 0 { "warm-up".to_string() } else { format!("run {round}/{}", config.runs) };
-            step(format!("{label}: {}", probe.child.describe()));
+            steps.start(format!("{label}: {}", probe.child.describe()));
             probe.run(&dir_path, round > 0)?;
         }
     }
 
-    let steps = config.decode_steps;
+    let decode_steps = config.decode_steps;
     let mut decodes = [
-        kvjit_run("model.json", Some("map"), steps, Kind::Decode),
-        kvjit_run("model.json", Some("copy"), steps, Kind::Decode),
-        kvjit_run("model.kvjit", None, steps, Kind::Decode),
+        kvjit_run("model.json", Some("map"), decode_steps, Kind::Decode),
+        kvjit_run("model.json", Some("copy"), decode_steps, Kind::Decode),
+        kvjit_run("model.kvjit", None, decode_steps, Kind::Decode),
     ];
     debug_assert_eq!(decodes.len(), decode_probes);
     for round in 1..=config.runs {
         for i in 0..decodes.len() {
             let probe = &mut decodes[(i + round) % decode_probes];
-            step(format!("decode run {round}/{}: {}", config.runs, probe.child.describe()));
+            steps.start(format!("decode run {round}/{}: {}", config.runs, probe.child.describe()));
             probe.run(&dir_path, true)?;
         }
     }
@@ -537,7 +531,7 @@ pub fn run_startup(config: &StartupConfig, progress: &mut dyn FnMut(&Progress)) 
         decode_map,
         decode_copy,
         decode_artifact,
-        duration: started.elapsed(),
+        duration: steps.elapsed(),
     })
 }
 
