@@ -332,3 +332,31 @@ fn bad_options_fail_with_one_error_line() {
     }
     assert!(!missing.exists());
 }
+
+/// `--ops fp8` runs through the driver of the other suites: a progress
+/// display on stderr, the tables on stdout, the JSON file made before the
+/// run (so a bad path fails before anything is measured or printed).
+#[test]
+fn tiny_fp8_bench_prints_tables_and_writes_json_made_before_the_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let json_path = dir.path().join("fp8.json");
+    let out = kvjit(&["bench", "--ops", "fp8", "--tiny", "--json", json_path.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    for heading in ["## Fused QKV store", "## Decode attention", "## Attention-step graph"] {
+        assert!(text.contains(heading), "'{heading}' missing: {text}");
+    }
+    assert!(stderr(&out).contains("fused QKV store, M = 16"), "progress on stderr: {}", stderr(&out));
+    let json = read_json(&json_path);
+    assert_eq!(json["mode"], "tiny");
+    assert_eq!(json["granularity"], 128);
+    assert_eq!(json["store"].as_array().unwrap().len(), 2);
+    assert_stats(&json["attention"][0]["time"]["f8e4m3"], "attention[0].time.f8e4m3");
+    assert_stats(&json["step"]["time"]["bf16"], "step.time.bf16");
+
+    let missing = dir.path().join("no/such/dir/fp8.json");
+    assert_one_line_error(
+        &kvjit(&["bench", "--ops", "fp8", "--tiny", "--json", missing.to_str().unwrap()]),
+        "cannot write",
+    );
+}

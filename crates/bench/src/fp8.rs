@@ -31,7 +31,7 @@ use crate::timing::{Plan, Stats, measure_interleaved};
 use crate::workload::{
     FP8_GRANULARITY, Heads, cache_params, check_finite, compile_step, make_cache, size_step_cache, step_inputs,
 };
-use crate::{Error, Result};
+use crate::{Error, Progress, Result, Steps};
 /// The decode-attention target: FP8 at least this much faster than bf16.
 pub const ATTENTION_TARGET: f64 = 1.6;
 /// The store target: the FP8 store at most this much slower (M ≥ 16).
@@ -114,6 +114,12 @@ impl Fp8BenchConfig {
             timing: Plan { min_samples: 2, max_samples: 3, sample_time: Duration::ZERO, budget: Duration::ZERO },
             step: Some((2, 20)),
         }
+    }
+
+    /// Steps the progress callback counts: the store runs, the decode
+    /// contexts and the step graph.
+    pub fn step_count(&self) -> usize {
+        self.ms.len() + self.contexts.len() + usize::from(self.step.is_some())
     }
 }
 
@@ -313,26 +319,27 @@ fn step_pair(batch: usize, history: usize, ctx: &DeviceContextPtr, rng: &mut Sma
     Ok(Pair { bf16: measured[0].time, fp8: measured[1].time })
 }
 
-/// Run the comparison, calling `progress` with a line before every step.
-pub fn run_fp8(config: &Fp8BenchConfig, progress: &mut dyn FnMut(&str)) -> Result<Fp8Report> {
+/// Run the comparison, calling `progress` before every step.
+pub fn run_fp8(config: &Fp8BenchConfig, progress: &mut dyn FnMut(&Progress)) -> Result<Fp8Report> {
+    let mut steps = Steps::new(config.step_count(), progress);
     let ctx = DeviceContextPtr::cpu(config.threads)?;
     let mut rng = SmallRng::seed_from_u64(14);
     let shape = &config.shape;
     let weight = Arc::new(Tensor::random(DType::BF16, &[shape.n(), shape.k], &mut rng, -0.05, 0.05)?);
     let mut store = Vec::new();
     for &m in &config.ms {
-        progress(&format!("fused QKV store, M = {m}"));
+        steps.start(format!("fused QKV store, M = {m}"));
         store.push(store_pair(config, m, &weight, &ctx, &mut rng)?);
     }
     drop(weight);
     let mut attention = Vec::new();
     for &context in &config.contexts {
-        progress(&format!("decode attention, context {context}"));
+        steps.start(format!("decode attention, context {context}"));
         attention.push(attention_pair(config, context, &ctx, &mut rng)?);
     }
     let step = match config.step {
         Some((batch, history)) => {
-            progress(&format!("attention step graph, batch {batch}, history {history}"));
+            steps.start(format!("attention step graph, batch {batch}, history {history}"));
             let plan = Plan { budget: config.timing.budget * 2, ..config.timing };
             Some((batch, history, step_pair(batch, history, &ctx, &mut rng, &plan)?))
         }
