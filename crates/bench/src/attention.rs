@@ -995,9 +995,24 @@ impl AttentionReport {
              (sequence, KV head), `gemm` scores, plain softmax, `gemm` P·V (gather timed). *vs peer* = peer time / \
              kvjit time. Each agreed with kvjit before timing (normalized max error *err*).\n",
         );
-        let cell = |r: &PairResult, f: &dyn Fn(&Stats, &Stats) -> String| match &r.outcome {
-            Ok((jit, peer)) => f(jit, peer),
-            Err(_) => format!(" **error** (see Errors){}", " | –".repeat(6)),
+        // The rest of a decode or prefill row: kvjit's and the peer's time,
+        // rate (`work` per second, in G) and share of the roof time `rt`,
+        // the speed-up and the error; or a pointer to the Errors section.
+        let figures = |r: &PairResult, work: f64, rt: f64| {
+            let cells = match &r.outcome {
+                Ok((jit, peer)) => format!(
+                    " {} | {} | {:.0}% | {} | {} | {:.0}% | {:.2}×",
+                    format_time(jit.median),
+                    format_rate(work / jit.median / 1e9),
+                    rt / jit.median * 100.0,
+                    format_time(peer.median),
+                    format_rate(work / peer.median / 1e9),
+                    rt / peer.median * 100.0,
+                    peer.median / jit.median
+                ),
+                Err(_) => format!(" **error** (see Errors){}", " | –".repeat(6)),
+            };
+            format!("{cells} | {:.1e} |", r.error)
         };
         s.push_str(
             "\n## Decode (S = 1): roof = K/V bytes / read bandwidth\n\n\
@@ -1009,21 +1024,7 @@ impl AttentionReport {
             let rt = self.decode_roof_time(r);
             let _ =
                 write!(s, "| {} | {} | {} | {:.1} | {} |", r.tokens, r.batch, r.dtype, bytes / 1e6, format_time(rt));
-            let _ = writeln!(
-                s,
-                "{} | {:.1e} |",
-                cell(r, &|jit, peer| format!(
-                    " {} | {} | {:.0}% | {} | {} | {:.0}% | {:.2}×",
-                    format_time(jit.median),
-                    format_rate(bytes / jit.median / 1e9),
-                    rt / jit.median * 100.0,
-                    format_time(peer.median),
-                    format_rate(bytes / peer.median / 1e9),
-                    rt / peer.median * 100.0,
-                    peer.median / jit.median
-                )),
-                r.error
-            );
+            let _ = writeln!(s, "{}", figures(r, bytes, rt));
         }
         s.push_str(
             "\n## Prefill (batch 1, empty cache, causal): roof = 2·2·Hq·D·S(S+1)/2 FLOPs / 128-bit FMA rate\n\n\
@@ -1034,21 +1035,7 @@ impl AttentionReport {
             let flops = h.prefill_flops(r.tokens);
             let rt = self.prefill_roof_time(r);
             let _ = write!(s, "| {} | {} | {} |", r.tokens, r.dtype, format_time(rt));
-            let _ = writeln!(
-                s,
-                "{} | {:.1e} |",
-                cell(r, &|jit, peer| format!(
-                    " {} | {} | {:.0}% | {} | {} | {:.0}% | {:.2}×",
-                    format_time(jit.median),
-                    format_rate(flops / jit.median / 1e9),
-                    rt / jit.median * 100.0,
-                    format_time(peer.median),
-                    format_rate(flops / peer.median / 1e9),
-                    rt / peer.median * 100.0,
-                    peer.median / jit.median
-                )),
-                r.error
-            );
+            let _ = writeln!(s, "{}", figures(r, flops, rt));
         }
         s.push_str(
             "\n## RoPE alone (JIT kernel), share of its step (the step graph's median)\n\n\
