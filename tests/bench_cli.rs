@@ -316,7 +316,7 @@ fn options_pick_shapes_dtypes_pages_ms_implementations_and_threads() {
 fn bad_options_fail_with_one_error_line() {
     let dir = tempfile::tempdir().unwrap();
     let missing = dir.path().join("no/such/dir/bench.json");
-    let cases: [(&[&str], &str); 9] = [
+    let cases: [(&[&str], &str); 11] = [
         (&["bench", "--tiny", "--dtypes", "f64"], "f64"),
         (&["bench", "--tiny", "--dtypes", "u32"], "not a float type"),
         (&["bench", "--tiny", "--shapes", "7b"], "unknown shape '7b'"),
@@ -326,6 +326,11 @@ fn bad_options_fail_with_one_error_line() {
         (&["bench", "--tiny", "--impls", "cublas"], "unknown implementation 'cublas'"),
         (&["bench", "--tiny", "--json", missing.to_str().unwrap()], "cannot write"),
         (&["bench", "--quick", "--tiny"], "cannot be used with"),
+        (
+            &["bench", "--ops", "fp8", "--dtypes", "bf16"],
+            "--dtypes applies to --ops qkv and attention only, not to --ops fp8",
+        ),
+        (&["bench", "--ops", "attention", "--svg", "a.svg"], "--svg applies to --ops qkv only, not to --ops attention"),
     ];
     for (args, needle) in cases {
         assert_one_line_error(&kvjit(args), needle);

@@ -34,6 +34,14 @@ pub enum BenchOps {
     Fp8,
 }
 
+impl std::fmt::Display for BenchOps {
+    /// The value `--ops` takes.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let value = clap::ValueEnum::to_possible_value(self).expect("no suite is skipped");
+        f.write_str(value.get_name())
+    }
+}
+
 /// Options of `kvjit bench`.
 #[derive(Clone, Debug, clap::Args)]
 pub struct BenchArgs {
@@ -109,6 +117,35 @@ pub struct BenchArgs {
 }
 
 impl BenchArgs {
+    /// The options that pick what a suite measures, each with whether it was
+    /// given and the suites that take it (`--threads`, `--quick` and
+    /// `--json` apply to every suite).
+    fn suite_options(&self) -> [(&'static str, bool, &'static [BenchOps]); 9] {
+        use BenchOps::{Attention, Qkv};
+        [
+            ("--shapes", self.shapes.is_some(), &[Qkv]),
+            ("--dtypes", self.dtypes.is_some(), &[Qkv, Attention]),
+            ("--pages", self.pages.is_some(), &[Qkv]),
+            ("--ms", self.ms.is_some(), &[Qkv]),
+            ("--impls", self.impls.is_some(), &[Qkv]),
+            ("--reference-max-m", self.reference_max_m.is_some(), &[Qkv]),
+            ("--compile-shape", self.compile_shape.is_some(), &[Qkv]),
+            ("--no-compile", self.no_compile, &[Qkv]),
+            ("--svg", self.svg.is_some(), &[Qkv]),
+        ]
+    }
+
+    /// Refuse the first option given that the suite `ops` does not take.
+    fn refuse_options_of_other_suites(&self, ops: BenchOps) -> Result<()> {
+        match self.suite_options().into_iter().find(|(_, given, takes)| *given && !takes.contains(&ops)) {
+            Some((option, _, takes)) => {
+                let takes: Vec<String> = takes.iter().map(BenchOps::to_string).collect();
+                Err(Error::Usage(format!("{option} applies to --ops {} only, not to --ops {ops}", takes.join(" and "))))
+            }
+            None => Ok(()),
+        }
+    }
+
     /// The start-up run these options ask for, its children running `kvjit`.
     pub fn startup_config(&self, kvjit: PathBuf) -> StartupConfig {
         let mut config = StartupConfig::new(kvjit);
@@ -126,19 +163,7 @@ impl BenchArgs {
     /// The `--ops attention` run these options ask for: a preset with the
     /// given overrides; options of the QKV suite are refused.
     pub fn attention_config(&self) -> Result<AttentionBenchConfig> {
-        let qkv_only = [
-            ("--shapes", self.shapes.is_some()),
-            ("--pages", self.pages.is_some()),
-            ("--ms", self.ms.is_some()),
-            ("--impls", self.impls.is_some()),
-            ("--reference-max-m", self.reference_max_m.is_some()),
-            ("--compile-shape", self.compile_shape.is_some()),
-            ("--no-compile", self.no_compile),
-            ("--svg", self.svg.is_some()),
-        ];
-        if let Some((flag, _)) = qkv_only.iter().find(|(_, given)| *given) {
-            return Err(Error::Usage(format!("{flag} applies to --ops qkv only")));
-        }
+        self.refuse_options_of_other_suites(BenchOps::Attention)?;
         let mut config = if self.tiny {
             AttentionBenchConfig::tiny()
         } else if self.quick {
@@ -159,20 +184,7 @@ impl BenchArgs {
     /// The `--ops fp8` run these options ask for: a preset with the given
     /// thread count; options of the other suites are refused.
     pub fn fp8_config(&self) -> Result<Fp8BenchConfig> {
-        let others = [
-            ("--shapes", self.shapes.is_some()),
-            ("--dtypes", self.dtypes.is_some()),
-            ("--pages", self.pages.is_some()),
-            ("--ms", self.ms.is_some()),
-            ("--impls", self.impls.is_some()),
-            ("--reference-max-m", self.reference_max_m.is_some()),
-            ("--compile-shape", self.compile_shape.is_some()),
-            ("--no-compile", self.no_compile),
-            ("--svg", self.svg.is_some()),
-        ];
-        if let Some((flag, _)) = others.iter().find(|(_, given)| *given) {
-            return Err(Error::Usage(format!("{flag} does not apply to --ops fp8")));
-        }
+        self.refuse_options_of_other_suites(BenchOps::Fp8)?;
         let mut config = if self.tiny {
             Fp8BenchConfig::tiny()
         } else if self.quick {
