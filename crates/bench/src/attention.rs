@@ -36,7 +36,7 @@ use kvjit::demo::AttentionConfig;
 use kvjit::rope::{JitKernel as RopeKernel, RopeArgs, RopeSpec};
 use kvjit_core::{DType, PagedKVCacheCollection, Target, Tensor};
 use kvjit_jit::CaptureText;
-use kvjit_runtime::{DeviceContextPtr, Executable, Executor, RuntimeError};
+use kvjit_runtime::{DeviceContextPtr, Executable, Executor};
 use rand::SeedableRng;
 use rand::rngs::SmallRng;
 use rayon::prelude::*;
@@ -46,7 +46,7 @@ use crate::render::{format_rate, format_time, pass_or_miss};
 use crate::roofline::{Roof, RoofPlan, RoofSamples};
 use crate::timing::{Plan, Stats, measure_interleaved};
 use crate::workload::{Heads, check_finite, compile_step, make_cache, size_step_cache, step_inputs};
-use crate::{Error, Progress, Result, Steps};
+use crate::{BenchError, Progress, Result, Steps};
 
 /// The fused QKV op's kernel name (the first field of its keys).
 pub const QKV_KERNEL_NAME: &str = "fused_qkv_bshd_paged";
@@ -226,19 +226,18 @@ impl AttentionBenchConfig {
 
     /// Refuse configurations that cannot run.
     pub fn check(&self) -> Result<()> {
-        let usage = |m: String| Err(Error::Usage(m));
         if self.dtypes.is_empty() {
-            return usage("--dtypes needs at least one value".into());
+            return Err(BenchError::NoValues { option: "--dtypes" });
         }
-        if let Some(d) = self.dtypes.iter().find(|d| !d.is_compute_float()) {
-            return usage(format!("dtype {d} is not a float type: use f32, bf16 or f16"));
+        if let Some(&dtype) = self.dtypes.iter().find(|d| !d.is_compute_float()) {
+            return Err(BenchError::NotComputeFloat { dtype });
         }
         if self.contexts.contains(&0) || self.batches.contains(&0) || self.prefills.contains(&0) {
-            return usage("contexts, batches and prefill lengths must be at least 1".into());
+            return Err(BenchError::Zero { what: "contexts, batches and prefill lengths" });
         }
-        let h = &self.heads;
+        let h = self.heads;
         if h.num_kv_heads == 0 || h.head_size == 0 || h.page_size == 0 || !h.num_heads.is_multiple_of(h.num_kv_heads) {
-            return usage(format!("invalid attention heads {h:?}"));
+            return Err(BenchError::InvalidHeads { heads: h });
         }
         Ok(())
     }
@@ -248,10 +247,6 @@ impl AttentionBenchConfig {
         let step = usize::from(self.step.is_some());
         2 + self.contexts.len() * self.batches.len() * self.dtypes.len() + self.prefills.len() + 1 + step
     }
-}
-
-fn jit_error(key: String, e: kvjit_jit::JitError) -> Error {
-    Error::Runtime(RuntimeError::Compile { key, source: Box::new(e) })
 }
 
 /// The largest |got − want| over the largest |want|.
@@ -349,7 +344,7 @@ impl Blocks<'_> {
             DType::F32 => Blocks::F32(blocks.as_slice()?),
             DType::BF16 => Blocks::BF16(blocks.as_slice()?),
             DType::F16 => Blocks::F16(blocks.as_slice()?),
-            DType::F8E4M3 => return Err(Error::Usage("the gather+gemm peer reads f32, bf16 and f16 caches".into())),
+            DType::F8E4M3 => return Err(BenchError::PeerUnavailable { peer: "gather+gemm", dtype: DType::F8E4M3 }),
             DType::U32 => unreachable!("caches hold floats"),
         })
     }
@@ -385,7 +380,7 @@ impl GatherGemmPeer {
     ) -> Result<()> {
         let h = self.heads;
         let &[batch, seq, hq, d] = q.shape() else {
-            return Err(Error::Usage(format!("q must be [B, S, Hq, D], got {:?}", q.shape())));
+            return Err(BenchError::Shape { what: "q", expected: "[B, S, Hq, D]", got: q.shape().to_vec() });
         };
         let group = h.group();
         let q = q.to_f32_vec()?;
@@ -601,7 +596,8 @@ fn run_pair(
     let cache = make_cache(heads, dtype, layers, batch, history, seq, true, rng)?;
     let spec = heads.spec(dtype, layers, batch, seq);
     let key = spec.kernel_key().to_string();
-    let kernel = MhaKernel::new(spec, CaptureText::default()).map_err(|e| jit_error(key.clone(), e))?;
+    let kernel = MhaKernel::new(spec, CaptureText::default())
+        .map_err(|source| BenchError::Compile { key: key.clone(), source })?;
     let q = Tensor::random(dtype, &[batch, seq, heads.num_heads, heads.head_size], rng, -1.0, 1.0)?;
     let valid = Tensor::from_vec(&[batch], vec![seq as u32; batch])?;
     let layer_tensors: Vec<Tensor> = (0..layers as u32).map(Tensor::scalar_u32).collect();
@@ -688,7 +684,7 @@ fn run_rope(
         seq: Some(seq),
     };
     let key = spec.kernel_key().to_string();
-    let kernel = RopeKernel::new(spec, CaptureText::default()).map_err(|e| jit_error(key, e))?;
+    let kernel = RopeKernel::new(spec, CaptureText::default()).map_err(|source| BenchError::Compile { key, source })?;
     let q = Tensor::random(dtype, &[batch, seq, heads.num_heads, heads.head_size], rng, -1.0, 1.0)?;
     let freqs = freqs_table(dtype, history + seq, heads.head_size)?;
     let layer = Tensor::scalar_u32(0);

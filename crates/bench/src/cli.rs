@@ -16,7 +16,7 @@ use serde_json::Value;
 use crate::attention::{AttentionBenchConfig, AttentionReport, run_attention};
 use crate::fp8::{Fp8BenchConfig, Fp8Report, run_fp8};
 use crate::startup::{StartupConfig, StartupReport, run_startup};
-use crate::{BenchConfig, Error, Implementation, ModelShape, Progress, Result};
+use crate::{BenchConfig, BenchError, Implementation, ModelShape, Progress, Result};
 
 /// Which suite `kvjit bench` runs.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
@@ -138,10 +138,7 @@ impl BenchArgs {
     /// Refuse the first option given that the suite `ops` does not take.
     fn refuse_options_of_other_suites(&self, ops: BenchOps) -> Result<()> {
         match self.suite_options().into_iter().find(|(_, given, takes)| *given && !takes.contains(&ops)) {
-            Some((option, _, takes)) => {
-                let takes: Vec<String> = takes.iter().map(BenchOps::to_string).collect();
-                Err(Error::Usage(format!("{option} applies to --ops {} only, not to --ops {ops}", takes.join(" and "))))
-            }
+            Some((option, _, takes)) => Err(BenchError::OptionNotForOps { option, ops, takes }),
             None => Ok(()),
         }
     }
@@ -205,10 +202,7 @@ impl BenchArgs {
         if let (Some(json), Some(svg)) = (&self.json, &svg)
             && json == svg
         {
-            return Err(Error::Usage(format!(
-                "--json {} would be overwritten by the plot; name it *.json",
-                json.display()
-            )));
+            return Err(BenchError::JsonIsPlot { path: json.clone() });
         }
         Ok(svg)
     }
@@ -262,8 +256,7 @@ pub fn run_bench(args: &BenchArgs) -> Result<()> {
     let json = args.json.as_deref();
     if args.startup {
         // This executable is the `kvjit` binary the child processes run.
-        let kvjit = std::env::current_exe()
-            .map_err(|e| Error::Usage(format!("cannot find the kvjit executable to run: {e}")))?;
+        let kvjit = std::env::current_exe().map_err(|source| BenchError::NoExecutable { source })?;
         let config = args.startup_config(kvjit);
         config.check()?;
         drive(json, None, |progress| run_startup(&config, progress))?;
@@ -281,11 +274,7 @@ pub fn run_bench(args: &BenchArgs) -> Result<()> {
             let report = drive(json, None, |progress| run_attention(&config, progress))?;
             let failures = report.failures();
             if !failures.is_empty() {
-                return Err(Error::Usage(format!(
-                    "{} attention configuration(s) failed validation: {}",
-                    failures.len(),
-                    failures.join("; ")
-                )));
+                return Err(BenchError::ValidationFailed { failures });
             }
         }
         BenchOps::Fp8 => {
@@ -357,7 +346,7 @@ fn drive<R: Rendered>(
     measure: impl FnOnce(&mut dyn FnMut(&Progress)) -> Result<R>,
 ) -> Result<R> {
     let create = |path: &Path| {
-        std::fs::File::create(path).map_err(|e| Error::Usage(format!("cannot write {}: {e}", path.display())))
+        std::fs::File::create(path).map_err(|source| BenchError::Write { path: path.to_path_buf(), source })
     };
     let json_file = json.map(create).transpose()?;
     let svg_file = svg.map(create).transpose()?;
@@ -376,7 +365,7 @@ fn drive<R: Rendered>(
     let write = |file: std::fs::File, path: &Path, text: String| -> Result<()> {
         let mut file = file;
         std::io::Write::write_all(&mut file, text.as_bytes())
-            .map_err(|e| Error::Usage(format!("cannot write {}: {e}", path.display())))?;
+            .map_err(|source| BenchError::Write { path: path.to_path_buf(), source })?;
         eprintln!("wrote {}", path.display());
         Ok(())
     };
@@ -443,5 +432,47 @@ impl ProgressDisplay {
             Some(bar) => bar.abandon(),
             None => {}
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: BenchArgs,
+    }
+
+    fn args(line: &[&str]) -> BenchArgs {
+        Cli::try_parse_from(std::iter::once("bench").chain(line.iter().copied())).unwrap().args
+    }
+
+    #[test]
+    fn options_of_other_suites_and_a_json_file_named_like_the_plot_are_refused_typed() {
+        let err = args(&["--ops", "attention", "--ms", "4"]).attention_config().unwrap_err();
+        assert!(matches!(err, BenchError::OptionNotForOps { option: "--ms", ops: BenchOps::Attention, .. }), "{err:?}");
+        assert_eq!(err.to_string(), "--ms applies to --ops qkv only, not to --ops attention");
+        let err = args(&["--ops", "fp8", "--dtypes", "bf16"]).fp8_config().unwrap_err();
+        assert!(
+            matches!(
+                err,
+                BenchError::OptionNotForOps {
+                    option: "--dtypes",
+                    ops: BenchOps::Fp8,
+                    takes: [BenchOps::Qkv, BenchOps::Attention]
+                }
+            ),
+            "{err:?}"
+        );
+        assert_eq!(args(&["--ops", "attention", "--dtypes", "f32"]).attention_config().unwrap().dtypes, [DType::F32]);
+        assert_eq!(args(&["--ops", "fp8", "--threads", "3"]).fp8_config().unwrap().threads, 3);
+
+        let err = args(&["--json", "out.svg"]).svg_path().unwrap_err();
+        assert!(matches!(&err, BenchError::JsonIsPlot { path } if path == Path::new("out.svg")), "{err:?}");
+        assert_eq!(args(&["--json", "out.json"]).svg_path().unwrap(), Some(PathBuf::from("out.svg")));
     }
 }

@@ -31,7 +31,7 @@ use crate::timing::{Plan, Stats, measure_interleaved};
 use crate::workload::{
     FP8_GRANULARITY, Heads, cache_params, check_finite, compile_step, make_cache, size_step_cache, step_inputs,
 };
-use crate::{Error, Progress, Result, Steps};
+use crate::{BenchError, Progress, Result, Steps};
 /// The decode-attention target: FP8 at least this much faster than bf16.
 pub const ATTENTION_TARGET: f64 = 1.6;
 /// The store target: the FP8 store at most this much slower (M ≥ 16).
@@ -216,7 +216,7 @@ fn store_pair(
             seq: Some(m),
         };
         let kernel = QkvKernel::new(spec, Some(weight.clone()), CaptureText::default())
-            .map_err(|e| Error::Usage(format!("{}: {e}", spec.kernel_key())))?;
+            .map_err(|source| BenchError::Compile { key: spec.kernel_key().to_string(), source })?;
         kernels.push(kernel);
         caches.push(make_cache(&heads, dtype, 1, 1, 0, m, false, rng)?);
     }
@@ -232,7 +232,7 @@ fn store_pair(
         Ok(kernels[i].run_into(args, &mut outputs[i], ctx)?)
     })?;
     if outputs[0] != outputs[1] {
-        return Err(Error::Usage(format!("M = {m}: the two kernels' Q outputs differ")));
+        return Err(BenchError::OutputsDiffer { m });
     }
     Ok(StoreResult { m, time: Pair { bf16: measured[0].time, fp8: measured[1].time } })
 }
@@ -270,7 +270,8 @@ fn attention_pair(
         spec.cache_dtype = dtype;
         spec.scale_granularity = dtype.is_quantized().then_some(g);
         let key = spec.kernel_key().to_string();
-        kernels.push(MhaKernel::new(spec, CaptureText::default()).map_err(|e| Error::Usage(format!("{key}: {e}")))?);
+        kernels
+            .push(MhaKernel::new(spec, CaptureText::default()).map_err(|source| BenchError::Compile { key, source })?);
     }
     let caches = [&bf16, &fp8];
     let mut outputs = [Tensor::zeros(DType::BF16, q.shape())?, Tensor::zeros(DType::BF16, q.shape())?];

@@ -36,7 +36,7 @@ use serde_json::{Value, json};
 
 use crate::render::{format_time, pass_or_miss};
 use crate::timing::Stats;
-use crate::{Error, Progress, Result, Steps};
+use crate::{BenchError, Progress, Result, Steps};
 
 /// Target of `kvjit validate model.json`.
 pub const VALIDATE_TARGET: Duration = Duration::from_millis(30);
@@ -90,13 +90,13 @@ impl StartupConfig {
     /// Refuse configurations that cannot run.
     pub fn check(&self) -> Result<()> {
         if self.layers == 0 {
-            return Err(Error::Usage("--startup-layers must be at least 1".into()));
+            return Err(BenchError::Zero { what: "--startup-layers" });
         }
         if self.runs == 0 {
-            return Err(Error::Usage("--startup-runs must be at least 1".into()));
+            return Err(BenchError::Zero { what: "--startup-runs" });
         }
         if self.decode_steps == 0 {
-            return Err(Error::Usage("the decode runs need at least one decode step".into()));
+            return Err(BenchError::Zero { what: "decode steps" });
         }
         Ok(())
     }
@@ -261,12 +261,16 @@ impl Child {
         command.args(&self.args).current_dir(dir).stdin(Stdio::null()).stderr(Stdio::piped());
         command.stdout(if self.keep_stdout { Stdio::piped() } else { Stdio::null() });
         let started = Instant::now();
-        let output = command.output().map_err(|e| Error::Usage(format!("cannot start `{}`: {e}", self.describe())))?;
+        let output = command.output().map_err(|source| BenchError::Spawn { command: self.describe(), source })?;
         let wall = started.elapsed().as_secs_f64();
         if !output.status.success() {
             let stderr = String::from_utf8_lossy(&output.stderr);
             let first = stderr.lines().find(|l| !l.trim().is_empty()).unwrap_or("(no output on stderr)");
-            return Err(Error::Usage(format!("`{}` failed ({}): {}", self.describe(), output.status, first.trim())));
+            return Err(BenchError::ChildFailed {
+                command: self.describe(),
+                status: output.status,
+                stderr: first.trim().to_string(),
+            });
         }
         Ok(Sample { wall, stdout: String::from_utf8_lossy(&output.stdout).into_owned() })
     }
@@ -299,7 +303,7 @@ pub struct RunFigures {
 /// Read the peak RSS, JIT compile log and decode step times from `kvjit
 /// run`'s output.
 pub fn parse_run_output(text: &str) -> Result<RunFigures> {
-    let bad = |line: &str, what: &str| Error::Usage(format!("cannot read {what} in `kvjit run` output line '{line}'"));
+    let bad = |line: &str, what: &'static str| BenchError::RunOutput { what, line: line.to_string() };
     let mut figures = RunFigures::default();
     let mut section = "";
     for line in text.lines() {
@@ -367,10 +371,10 @@ impl Probe {
         let sample = self.child.run(dir)?;
         let figures = if self.kind == Kind::Plain { RunFigures::default() } else { parse_run_output(&sample.stdout)? };
         if self.kind == Kind::Start && figures.peak_rss.is_none() {
-            return Err(Error::Usage(format!("`{}` printed no 'peak RSS' line", self.child.describe())));
+            return Err(BenchError::MissingFigure { command: self.child.describe(), what: "'peak RSS' line" });
         }
         if self.kind == Kind::Decode && figures.decode.is_empty() {
-            return Err(Error::Usage(format!("`{}` printed no decode steps", self.child.describe())));
+            return Err(BenchError::MissingFigure { command: self.child.describe(), what: "decode steps" });
         }
         if measured {
             self.samples.push(sample);
@@ -412,7 +416,7 @@ pub fn run_startup(config: &StartupConfig, progress: &mut dyn FnMut(&Progress)) 
     // The temporary directory (if any) lives until the end of the run.
     let (_temporary, dir_path) = match &config.keep_dir {
         Some(dir) => {
-            std::fs::create_dir_all(dir).map_err(|e| Error::Usage(format!("cannot make {}: {e}", dir.display())))?;
+            std::fs::create_dir_all(dir).map_err(|source| BenchError::CreateDir { path: dir.clone(), source })?;
             (None, dir.clone())
         }
         None => {
@@ -420,7 +424,7 @@ pub fn run_startup(config: &StartupConfig, progress: &mut dyn FnMut(&Progress)) 
             let dir = tempfile::Builder::new()
                 .prefix("kvjit-startup-")
                 .tempdir_in(&tmp)
-                .map_err(|e| Error::Usage(format!("cannot make a temporary directory in {}: {e}", tmp.display())))?;
+                .map_err(|source| BenchError::TempDir { parent: tmp.clone(), source })?;
             let path = dir.path().to_path_buf();
             (Some(dir), path)
         }
@@ -439,7 +443,7 @@ pub fn run_startup(config: &StartupConfig, progress: &mut dyn FnMut(&Progress)) 
     let size = |name: &str| {
         std::fs::metadata(dir_path.join(name))
             .map(|m| m.len())
-            .map_err(|e| Error::Usage(format!("cannot read {}: {e}", dir_path.join(name).display())))
+            .map_err(|source| BenchError::Read { path: dir_path.join(name), source })
     };
     let safetensors_bytes = size("model.safetensors")?;
     let artifact_bytes = size("model.kvjit")?;

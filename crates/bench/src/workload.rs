@@ -13,7 +13,7 @@ use kvjit_runtime::Executable;
 use rand::rngs::SmallRng;
 use rand::seq::SliceRandom;
 
-use crate::{Error, Result};
+use crate::{BenchError, Result};
 
 /// Values per scale of the FP8 (`f8e4m3`) caches measured (at most the head
 /// size).
@@ -184,14 +184,14 @@ pub(crate) fn step_inputs(
 pub(crate) fn compile_step(config: &AttentionConfig) -> Result<Executable> {
     let registry = standard_registry();
     let graph = attention_step_graph(config, registry.ops())?;
-    compile(&graph, &registry, &CompileOptions::default())
+    Ok(compile(&graph, &registry, &CompileOptions::default())?)
 }
 
 /// Refuse a step whose outputs hold a NaN or an infinity.
 pub(crate) fn check_finite<'a>(outputs: impl IntoIterator<Item = &'a Tensor>) -> Result<()> {
     for t in outputs {
         if t.to_f32_vec()?.iter().any(|v| !v.is_finite()) {
-            return Err(Error::Usage("the attention step's output is not finite".into()));
+            return Err(BenchError::NotFinite { what: "the attention step's output" });
         }
     }
     Ok(())
