@@ -161,13 +161,8 @@ impl BenchArgs {
     /// given overrides; options of the QKV suite are refused.
     pub fn attention_config(&self) -> Result<AttentionBenchConfig> {
         self.refuse_options_of_other_suites(BenchOps::Attention)?;
-        let mut config = if self.tiny {
-            AttentionBenchConfig::tiny()
-        } else if self.quick {
-            AttentionBenchConfig::quick()
-        } else {
-            AttentionBenchConfig::full()
-        };
+        let mut config =
+            self.preset(AttentionBenchConfig::tiny, AttentionBenchConfig::quick, AttentionBenchConfig::full);
         if let Some(v) = &self.dtypes {
             config.dtypes = v.clone();
         }
@@ -182,17 +177,23 @@ impl BenchArgs {
     /// thread count; options of the other suites are refused.
     pub fn fp8_config(&self) -> Result<Fp8BenchConfig> {
         self.refuse_options_of_other_suites(BenchOps::Fp8)?;
-        let mut config = if self.tiny {
-            Fp8BenchConfig::tiny()
-        } else if self.quick {
-            Fp8BenchConfig::quick()
-        } else {
-            Fp8BenchConfig::full()
-        };
+        let mut config = self.preset(Fp8BenchConfig::tiny, Fp8BenchConfig::quick, Fp8BenchConfig::full);
         if let Some(threads) = self.threads {
             config.threads = threads;
         }
         Ok(config)
+    }
+
+    /// The preset of a suite that `--tiny`, `--quick` or neither (the full
+    /// run) picks.
+    fn preset<C>(&self, tiny: fn() -> C, quick: fn() -> C, full: fn() -> C) -> C {
+        if self.tiny {
+            tiny()
+        } else if self.quick {
+            quick()
+        } else {
+            full()
+        }
     }
 
     /// Where the QKV suite's plot goes: `--svg`, else beside `--json` (same
@@ -209,13 +210,7 @@ impl BenchArgs {
 
     /// The run these options ask for: a preset with the given overrides.
     pub fn config(&self) -> BenchConfig {
-        let mut config = if self.tiny {
-            BenchConfig::tiny()
-        } else if self.quick {
-            BenchConfig::quick()
-        } else {
-            BenchConfig::full()
-        };
+        let mut config = self.preset(BenchConfig::tiny, BenchConfig::quick, BenchConfig::full);
         if let Some(v) = &self.shapes {
             config.shapes = v.clone();
         }
