@@ -108,6 +108,21 @@ pub(crate) fn make_cache(
     let params = cache_params(heads, dtype, layers);
     let pages_per_seq = (history + new_tokens).div_ceil(heads.page_size).max(1);
     let mut cache = PagedKVCacheCollection::new(params, batch * pages_per_seq, batch, pages_per_seq)?;
+    lay_out(&mut cache, history, new_tokens, fill, rng)?;
+    Ok(cache)
+}
+
+/// Hand `cache`'s pages out in a shuffled order (scattered page tables),
+/// give each of its sequences `history` cached tokens and pages for
+/// `new_tokens` more, and fill the blocks with random K/V when `fill`.
+fn lay_out(
+    cache: &mut PagedKVCacheCollection,
+    history: usize,
+    new_tokens: usize,
+    fill: bool,
+    rng: &mut SmallRng,
+) -> Result<()> {
+    let batch = cache.batch_size();
     let mut order: Vec<u32> = (0..cache.num_pages() as u32).collect();
     order.shuffle(rng);
     cache.set_allocation_order(order)?;
@@ -117,9 +132,9 @@ pub(crate) fn make_cache(
     }
     cache.reserve(&vec![new_tokens as u32; batch])?;
     if fill {
-        fill_random(&mut cache, rng)?;
+        fill_random(cache, rng)?;
     }
-    Ok(cache)
+    Ok(())
 }
 
 /// Random K/V in the whole cache: uniform in [-1, 1) rounded to the dtype;
@@ -159,15 +174,8 @@ pub(crate) fn step_inputs(
     let params = config.cache_type().params();
     // The graph fixes the cache's pages and table width.
     let mut cache = PagedKVCacheCollection::new(params, config.num_pages, batch, config.max_pages_per_seq)?;
-    let mut order: Vec<u32> = (0..cache.num_pages() as u32).collect();
-    order.shuffle(rng);
-    cache.set_allocation_order(order)?;
-    if history > 0 {
-        cache.reserve(&vec![history as u32; batch])?;
-        fill_random(&mut cache, rng)?;
-        cache.advance(&vec![history as u32; batch])?;
-    }
-    cache.reserve(&vec![seq as u32; batch])?;
+    // Random K/V only behind a history (the blocks are drawn whole either way).
+    lay_out(&mut cache, history, seq, history > 0, rng)?;
     let inputs = [
         ("hidden_state".to_string(), Tensor::random(config.dtype, &[batch, seq, config.hidden_size], rng, -1.0, 1.0)?),
         ("valid_lengths".to_string(), Tensor::from_vec(&[batch], vec![seq as u32; batch])?),
