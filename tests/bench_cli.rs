@@ -316,7 +316,7 @@ fn options_pick_shapes_dtypes_pages_ms_implementations_and_threads() {
 fn bad_options_fail_with_one_error_line() {
     let dir = tempfile::tempdir().unwrap();
     let missing = dir.path().join("no/such/dir/bench.json");
-    let cases: [(&[&str], &str); 9] = [
+    let cases: [(&[&str], &str); 11] = [
         (&["bench", "--tiny", "--dtypes", "f64"], "f64"),
         (&["bench", "--tiny", "--dtypes", "u32"], "not a float type"),
         (&["bench", "--tiny", "--shapes", "7b"], "unknown shape '7b'"),
@@ -326,9 +326,42 @@ fn bad_options_fail_with_one_error_line() {
         (&["bench", "--tiny", "--impls", "cublas"], "unknown implementation 'cublas'"),
         (&["bench", "--tiny", "--json", missing.to_str().unwrap()], "cannot write"),
         (&["bench", "--quick", "--tiny"], "cannot be used with"),
+        (
+            &["bench", "--ops", "fp8", "--dtypes", "bf16"],
+            "--dtypes applies to --ops qkv and attention only, not to --ops fp8",
+        ),
+        (&["bench", "--ops", "attention", "--svg", "a.svg"], "--svg applies to --ops qkv only, not to --ops attention"),
     ];
     for (args, needle) in cases {
         assert_one_line_error(&kvjit(args), needle);
     }
     assert!(!missing.exists());
+}
+
+/// `--ops fp8` runs through the driver of the other suites: a progress
+/// display on stderr, the tables on stdout, the JSON file made before the
+/// run (so a bad path fails before anything is measured or printed).
+#[test]
+fn tiny_fp8_bench_prints_tables_and_writes_json_made_before_the_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let json_path = dir.path().join("fp8.json");
+    let out = kvjit(&["bench", "--ops", "fp8", "--tiny", "--json", json_path.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    for heading in ["## Fused QKV store", "## Decode attention", "## Attention-step graph"] {
+        assert!(text.contains(heading), "'{heading}' missing: {text}");
+    }
+    assert!(stderr(&out).contains("fused QKV store, M = 16"), "progress on stderr: {}", stderr(&out));
+    let json = read_json(&json_path);
+    assert_eq!(json["mode"], "tiny");
+    assert_eq!(json["granularity"], 128);
+    assert_eq!(json["store"].as_array().unwrap().len(), 2);
+    assert_stats(&json["attention"][0]["time"]["f8e4m3"], "attention[0].time.f8e4m3");
+    assert_stats(&json["step"]["time"]["bf16"], "step.time.bf16");
+
+    let missing = dir.path().join("no/such/dir/fp8.json");
+    assert_one_line_error(
+        &kvjit(&["bench", "--ops", "fp8", "--tiny", "--json", missing.to_str().unwrap()]),
+        "cannot write",
+    );
 }

@@ -233,7 +233,7 @@ fn main() -> ExitCode {
             compile_artifact(&registry, &graph, &output, &options)
         }
         Command::Compare { a, b, tolerance } => compare_files(&a, &b, tolerance),
-        Command::Bench(args) => kvjit_bench::cli::run_bench(&args),
+        Command::Bench(args) => kvjit_bench::cli::run_bench(&args).map_err(bench_error),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -241,6 +241,15 @@ fn main() -> ExitCode {
             eprintln!("error: {}", e.to_string().replace('\n', " "));
             ExitCode::FAILURE
         }
+    }
+}
+
+/// `kvjit bench`'s error as the CLI's: a kvjit error as it is, the
+/// benchmark's own (a bad option, a failed child process, …) by its message.
+fn bench_error(e: kvjit_bench::BenchError) -> Error {
+    match e {
+        kvjit_bench::BenchError::Kvjit(e) => e,
+        e => Error::Usage(e.to_string()),
     }
 }
 

@@ -28,25 +28,25 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use half::slice::HalfFloatSliceExt;
-use kvjit::attention::{JitKernel as MhaKernel, Mask, MhaSpec};
-use kvjit::demo::{AttentionConfig, LayerConfig, attention_step_graph};
+use kvjit::attention::JitKernel as MhaKernel;
+use kvjit::demo::AttentionConfig;
 use kvjit::rope::{JitKernel as RopeKernel, RopeArgs, RopeSpec};
-use kvjit::{CompileOptions, compile, standard_registry};
-use kvjit_core::{DType, KvCacheParams, PagedKVCacheCollection, Target, Tensor};
+use kvjit_core::{DType, PagedKVCacheCollection, Target, Tensor};
 use kvjit_jit::CaptureText;
-use kvjit_runtime::{DeviceContextPtr, Executable, Executor, RuntimeError};
+use kvjit_runtime::{DeviceContextPtr, Executable, Executor};
 use rand::SeedableRng;
 use rand::rngs::SmallRng;
-use rand::seq::SliceRandom;
 use rayon::prelude::*;
 use serde_json::{Value, json};
 
+use crate::render::{format_rate, format_time, pass_or_miss};
 use crate::roofline::{Roof, RoofPlan, RoofSamples};
 use crate::timing::{Plan, Stats, measure_interleaved};
-use crate::{Error, Progress, Result};
+use crate::workload::{Heads, check_finite, compile_step, make_cache, size_step_cache, step_inputs};
+use crate::{BenchError, Progress, Result, Steps};
 
 /// The fused QKV op's kernel name (the first field of its keys).
 pub const QKV_KERNEL_NAME: &str = "fused_qkv_bshd_paged";
@@ -62,65 +62,6 @@ pub const PREFILL_PEER_TARGET: f64 = 1.5;
 pub const ROPE_SHARE_TARGET: f64 = 0.05;
 /// Whole decode step: at most this many times the sum of its ops' roofs.
 pub const STEP_ROOF_TARGET: f64 = 1.2;
-
-/// The attention heads benchmarked.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct Heads {
-    /// Query heads Hq.
-    pub num_heads: usize,
-    /// KV heads Hkv.
-    pub num_kv_heads: usize,
-    /// Head size D.
-    pub head_size: usize,
-    /// Tokens per cache page.
-    pub page_size: usize,
-}
-
-impl Heads {
-    /// Llama-3-8B: 32 query heads, 8 KV heads of 128, page 16.
-    pub fn llama3_8b() -> Self {
-        Self { num_heads: 32, num_kv_heads: 8, head_size: 128, page_size: 16 }
-    }
-
-    /// Query heads per KV head.
-    pub fn group(&self) -> usize {
-        self.num_heads / self.num_kv_heads
-    }
-
-    /// The softmax scale, 1/√D.
-    pub fn scale(&self) -> f32 {
-        1.0 / (self.head_size as f32).sqrt()
-    }
-
-    /// Bytes of K and V of `tokens` tokens of one layer.
-    pub fn kv_bytes(&self, tokens: usize, cache_dtype: DType) -> f64 {
-        (tokens * 2 * self.num_kv_heads * self.head_size * cache_dtype.size_bytes()) as f64
-    }
-
-    /// Causal attention FLOPs of a prefill of `seq` tokens with an empty cache.
-    pub fn prefill_flops(&self, seq: usize) -> f64 {
-        2.0 * 2.0 * (self.num_heads * self.head_size) as f64 * (seq * (seq + 1) / 2) as f64
-    }
-
-    pub(crate) fn spec(&self, dtype: DType, layers: usize, batch: usize, seq: usize) -> MhaSpec {
-        MhaSpec {
-            target: Target::Cpu,
-            dtype,
-            cache_dtype: dtype,
-            scale_granularity: None,
-            num_heads: self.num_heads,
-            num_kv_heads: self.num_kv_heads,
-            head_size: self.head_size,
-            page_size: self.page_size,
-            num_layers: layers,
-            mask: Mask::Causal,
-            window: None,
-            scale: self.scale(),
-            batch: Some(batch),
-            seq: Some(seq),
-        }
-    }
-}
 
 /// The whole attention-step graph's run.
 #[derive(Clone, Debug)]
@@ -145,7 +86,7 @@ impl StepConfig {
     /// `batch` sequences of `history + 1` tokens.
     pub fn llama3_8b(batch: usize, history: usize) -> Self {
         let mut graph = AttentionConfig::llama3_8b();
-        Self::size_cache(&mut graph.layer, batch, history);
+        size_step_cache(&mut graph.layer, batch, history);
         Self {
             graph,
             batch,
@@ -164,12 +105,6 @@ impl StepConfig {
                 budget: Duration::ZERO,
             },
         }
-    }
-
-    fn size_cache(layer: &mut LayerConfig, batch: usize, history: usize) {
-        layer.num_layers = 1;
-        layer.max_pages_per_seq = (history + 1).div_ceil(layer.page_size);
-        layer.num_pages = batch * layer.max_pages_per_seq;
     }
 }
 
@@ -269,7 +204,7 @@ impl AttentionBenchConfig {
         let short = Plan { min_samples: 2, max_samples: 3, sample_time: Duration::ZERO, budget: Duration::ZERO };
         let mut graph = AttentionConfig::small();
         let (batch, history) = (3, 40);
-        StepConfig::size_cache(&mut graph.layer, batch, history);
+        size_step_cache(&mut graph.layer, batch, history);
         Self {
             mode: "tiny".into(),
             heads: Heads { num_heads: 4, num_kv_heads: 2, head_size: 16, page_size: 4 },
@@ -291,19 +226,18 @@ impl AttentionBenchConfig {
 
     /// Refuse configurations that cannot run.
     pub fn check(&self) -> Result<()> {
-        let usage = |m: String| Err(Error::Usage(m));
         if self.dtypes.is_empty() {
-            return usage("--dtypes needs at least one value".into());
+            return Err(BenchError::NoValues { option: "--dtypes" });
         }
-        if let Some(d) = self.dtypes.iter().find(|d| !d.is_compute_float()) {
-            return usage(format!("dtype {d} is not a float type: use f32, bf16 or f16"));
+        if let Some(&dtype) = self.dtypes.iter().find(|d| !d.is_compute_float()) {
+            return Err(BenchError::NotComputeFloat { dtype });
         }
         if self.contexts.contains(&0) || self.batches.contains(&0) || self.prefills.contains(&0) {
-            return usage("contexts, batches and prefill lengths must be at least 1".into());
+            return Err(BenchError::Zero { what: "contexts, batches and prefill lengths" });
         }
-        let h = &self.heads;
+        let h = self.heads;
         if h.num_kv_heads == 0 || h.head_size == 0 || h.page_size == 0 || !h.num_heads.is_multiple_of(h.num_kv_heads) {
-            return usage(format!("invalid attention heads {h:?}"));
+            return Err(BenchError::InvalidHeads { heads: h });
         }
         Ok(())
     }
@@ -313,10 +247,6 @@ impl AttentionBenchConfig {
         let step = usize::from(self.step.is_some());
         2 + self.contexts.len() * self.batches.len() * self.dtypes.len() + self.prefills.len() + 1 + step
     }
-}
-
-fn jit_error(key: String, e: kvjit_jit::JitError) -> Error {
-    Error::Runtime(RuntimeError::Compile { key, source: Box::new(e) })
 }
 
 /// The largest |got − want| over the largest |want|.
@@ -332,62 +262,6 @@ pub fn normalized_error(got: &[f32], want: &[f32]) -> f64 {
 /// The agreement the bench demands of the JIT kernel and the peer.
 pub fn tolerance(dtype: DType) -> f64 {
     if dtype == DType::F32 { 1e-4 } else { 1.0 / 64.0 }
-}
-
-/// A cache of `layers` layers for `batch` sequences holding `history`
-/// tokens each, with pages reserved for `new_tokens` more; pages handed out
-/// in a shuffled order (scattered page tables), blocks random when `fill`.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn make_cache(
-    heads: &Heads,
-    dtype: DType,
-    layers: usize,
-    batch: usize,
-    history: usize,
-    new_tokens: usize,
-    fill: bool,
-    rng: &mut SmallRng,
-) -> Result<PagedKVCacheCollection> {
-    let params = KvCacheParams {
-        dtype,
-        num_layers: layers,
-        page_size: heads.page_size,
-        num_kv_heads: heads.num_kv_heads,
-        head_size: heads.head_size,
-        scale_granularity: dtype.is_quantized().then_some(crate::fp8::GRANULARITY.min(heads.head_size)),
-    };
-    let pages_per_seq = (history + new_tokens).div_ceil(heads.page_size).max(1);
-    let mut cache = PagedKVCacheCollection::new(params, batch * pages_per_seq, batch, pages_per_seq)?;
-    let mut order: Vec<u32> = (0..cache.num_pages() as u32).collect();
-    order.shuffle(rng);
-    cache.set_allocation_order(order)?;
-    if history > 0 {
-        cache.reserve(&vec![history as u32; batch])?;
-        cache.advance(&vec![history as u32; batch])?;
-    }
-    cache.reserve(&vec![new_tokens as u32; batch])?;
-    if fill {
-        fill_random(&mut cache, rng)?;
-    }
-    Ok(cache)
-}
-
-/// Random K/V in the whole cache: uniform in [-1, 1) rounded to the dtype;
-/// an FP8 cache's codes random too (uniform values quantized as codes, never
-/// NaN) with scales uniform in [0.5, 1.5)/448, so values span about ±1.5.
-fn fill_random(cache: &mut PagedKVCacheCollection, rng: &mut SmallRng) -> Result<()> {
-    let shape = cache.blocks().shape().to_vec();
-    let dtype = cache.params().dtype;
-    if dtype.is_quantized() {
-        let codes = Tensor::random(dtype, &shape, rng, -448.0, 448.0)?;
-        cache.set_blocks(codes)?;
-        let scales_shape = cache.scales().expect("an FP8 cache has scales").shape().to_vec();
-        let scales = Tensor::random(DType::F32, &scales_shape, rng, 0.5 / 448.0, 1.5 / 448.0)?;
-        cache.set_scales(scales)?;
-    } else {
-        cache.set_blocks(Tensor::random(dtype, &shape, rng, -1.0, 1.0)?)?;
-    }
-    Ok(())
 }
 
 /// Round `values` into `output` (a float tensor of the same length).
@@ -470,7 +344,7 @@ impl Blocks<'_> {
             DType::F32 => Blocks::F32(blocks.as_slice()?),
             DType::BF16 => Blocks::BF16(blocks.as_slice()?),
             DType::F16 => Blocks::F16(blocks.as_slice()?),
-            DType::F8E4M3 => return Err(Error::Usage("the gather+gemm peer reads f32, bf16 and f16 caches".into())),
+            DType::F8E4M3 => return Err(BenchError::PeerUnavailable { peer: "gather+gemm", dtype: DType::F8E4M3 }),
             DType::U32 => unreachable!("caches hold floats"),
         })
     }
@@ -506,7 +380,7 @@ impl GatherGemmPeer {
     ) -> Result<()> {
         let h = self.heads;
         let &[batch, seq, hq, d] = q.shape() else {
-            return Err(Error::Usage(format!("q must be [B, S, Hq, D], got {:?}", q.shape())));
+            return Err(BenchError::Shape { what: "q", expected: "[B, S, Hq, D]", got: q.shape().to_vec() });
         };
         let group = h.group();
         let q = q.to_f32_vec()?;
@@ -722,7 +596,8 @@ fn run_pair(
     let cache = make_cache(heads, dtype, layers, batch, history, seq, true, rng)?;
     let spec = heads.spec(dtype, layers, batch, seq);
     let key = spec.kernel_key().to_string();
-    let kernel = MhaKernel::new(spec, CaptureText::default()).map_err(|e| jit_error(key.clone(), e))?;
+    let kernel = MhaKernel::new(spec, CaptureText::default())
+        .map_err(|source| BenchError::Compile { key: key.clone(), source })?;
     let q = Tensor::random(dtype, &[batch, seq, heads.num_heads, heads.head_size], rng, -1.0, 1.0)?;
     let valid = Tensor::from_vec(&[batch], vec![seq as u32; batch])?;
     let layer_tensors: Vec<Tensor> = (0..layers as u32).map(Tensor::scalar_u32).collect();
@@ -809,7 +684,7 @@ fn run_rope(
         seq: Some(seq),
     };
     let key = spec.kernel_key().to_string();
-    let kernel = RopeKernel::new(spec, CaptureText::default()).map_err(|e| jit_error(key, e))?;
+    let kernel = RopeKernel::new(spec, CaptureText::default()).map_err(|source| BenchError::Compile { key, source })?;
     let q = Tensor::random(dtype, &[batch, seq, heads.num_heads, heads.head_size], rng, -1.0, 1.0)?;
     let freqs = freqs_table(dtype, history + seq, heads.head_size)?;
     let layer = Tensor::scalar_u32(0);
@@ -837,45 +712,6 @@ fn op_of(key: &str) -> String {
     key.split('.').next().unwrap_or(key).to_string()
 }
 
-/// Inputs and the cache of one run of the step graph.
-pub(crate) fn step_inputs(
-    config: &LayerConfig,
-    batch: usize,
-    history: usize,
-    seq: usize,
-    rng: &mut SmallRng,
-) -> Result<(BTreeMap<String, Tensor>, BTreeMap<String, PagedKVCacheCollection>)> {
-    let params = config.cache_type().params();
-    // The graph fixes the cache's pages and table width.
-    let mut cache = PagedKVCacheCollection::new(params, config.num_pages, batch, config.max_pages_per_seq)?;
-    let mut order: Vec<u32> = (0..cache.num_pages() as u32).collect();
-    order.shuffle(rng);
-    cache.set_allocation_order(order)?;
-    if history > 0 {
-        cache.reserve(&vec![history as u32; batch])?;
-        fill_random(&mut cache, rng)?;
-        cache.advance(&vec![history as u32; batch])?;
-    }
-    cache.reserve(&vec![seq as u32; batch])?;
-    let inputs = [
-        ("hidden_state".to_string(), Tensor::random(config.dtype, &[batch, seq, config.hidden_size], rng, -1.0, 1.0)?),
-        ("valid_lengths".to_string(), Tensor::from_vec(&[batch], vec![seq as u32; batch])?),
-        ("layer_idx".to_string(), Tensor::scalar_u32(0)),
-    ]
-    .into();
-    Ok((inputs, [("kv_cache".to_string(), cache)].into()))
-}
-
-/// Compile the step graph with `batch` and `seq` left symbolic, as `kvjit
-/// run` does: binding them is refused today (the reshape's target dims stay
-/// symbolic while its input's become static), so its kernels are the
-/// generic ones, which read B and S at run time.
-pub(crate) fn compile_step(config: &AttentionConfig) -> Result<Executable> {
-    let registry = standard_registry();
-    let graph = attention_step_graph(config, registry.ops())?;
-    compile(&graph, &registry, &CompileOptions::default())
-}
-
 /// Time `Executor::run` of the step; per-op medians from its timings.
 fn time_step(
     exe: &Executable,
@@ -891,12 +727,7 @@ fn time_step(
         let out = executor.run(exe, inputs, caches)?;
         runs += 1;
         if runs == 1 {
-            for t in out.outputs.values() {
-                if t.to_f32_vec()?.iter().any(|v| !v.is_finite()) {
-                    return Err(Error::Usage("the attention step's output is not finite".into()));
-                }
-            }
-            return Ok(());
+            return check_finite(out.outputs.values());
         }
         let mut times: Vec<(String, f64)> = Vec::new();
         for t in &out.timings {
@@ -956,43 +787,24 @@ fn run_step(config: &StepConfig, ctx: &DeviceContextPtr, rng: &mut SmallRng) -> 
     Ok(StepResult { batch: config.batch, history: config.history, time, ops, prefill })
 }
 
-/// The CPU model, from /proc/cpuinfo where there is one.
-fn cpu_name() -> String {
-    std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|text| {
-            text.lines().find(|l| l.starts_with("model name")).and_then(|l| l.split_once(':')).map(|(_, v)| {
-                let cores = text.lines().filter(|l| l.starts_with("processor")).count();
-                format!("{} ({} logical cores)", v.trim(), cores)
-            })
-        })
-        .unwrap_or_else(|| std::env::consts::ARCH.to_string())
-}
-
 /// Run `config`, calling `progress` before every step.
 pub fn run_attention(config: &AttentionBenchConfig, progress: &mut dyn FnMut(&Progress)) -> Result<AttentionReport> {
     config.check()?;
     let ctx = DeviceContextPtr::cpu(config.threads)?;
     let threads = ctx.cpu_context().map_or(1, |c| c.threads());
-    let started = Instant::now();
-    let total = config.step_count();
-    let mut done = 0;
-    let mut step = |what: String| {
-        progress(&Progress { done, total, what, elapsed: started.elapsed() });
-        done += 1;
-    };
+    let mut steps = Steps::new(config.step_count(), progress);
     let mut rng = SmallRng::seed_from_u64(config.seed);
     let heads = config.heads;
 
     let mut roof_samples = RoofSamples::default();
-    step("roofline probes".into());
+    steps.start("roofline probes");
     roof_samples.measure(&ctx, &config.roof)?;
 
     let mut decode = Vec::new();
     for &dtype in &config.dtypes {
         for &context in &config.contexts {
             for &batch in &config.batches {
-                step(format!("decode {dtype} context {context} batch {batch}"));
+                steps.start(format!("decode {dtype} context {context} batch {batch}"));
                 let per_layer = batch as f64 * heads.kv_bytes(context, dtype);
                 let layers = ((config.working_set as f64 / per_layer).ceil() as usize).clamp(1, 256);
                 decode.push(run_pair(&heads, dtype, batch, context - 1, 1, layers, &config.timing, &ctx, &mut rng)?);
@@ -1001,17 +813,17 @@ pub fn run_attention(config: &AttentionBenchConfig, progress: &mut dyn FnMut(&Pr
     }
     let mut prefill = Vec::new();
     for &seq in &config.prefills {
-        step(format!("prefill {} {seq} tokens", config.prefill_dtype));
+        steps.start(format!("prefill {} {seq} tokens", config.prefill_dtype));
         prefill.push(run_pair(&heads, config.prefill_dtype, 1, 0, seq, 1, &config.prefill_timing, &ctx, &mut rng)?);
     }
     let step_result = match &config.step {
         Some(s) => {
-            step(format!("attention step graph: decode batch {} history {}", s.batch, s.history));
+            steps.start(format!("attention step graph: decode batch {} history {}", s.batch, s.history));
             Some(run_step(s, &ctx, &mut rng)?)
         }
         None => None,
     };
-    step("RoPE".into());
+    steps.start("RoPE");
     let mut rope = Vec::new();
     let dtype = config.prefill_dtype;
     let (rope_batch, rope_history) = config.step.as_ref().map_or((8, config.target_context), |s| (s.batch, s.history));
@@ -1024,13 +836,13 @@ pub fn run_attention(config: &AttentionBenchConfig, progress: &mut dyn FnMut(&Pr
         rope.push(r);
     }
 
-    step("roofline probes (again)".into());
+    steps.start("roofline probes (again)");
     roof_samples.measure(&ctx, &config.roof)?;
     Ok(AttentionReport {
         mode: config.mode.clone(),
         threads,
-        cpu: cpu_name(),
-        duration: started.elapsed(),
+        cpu: crate::cpu_name(),
+        duration: steps.elapsed(),
         heads,
         target_context: config.target_context,
         roof: roof_samples.roof(threads),
@@ -1039,34 +851,6 @@ pub fn run_attention(config: &AttentionBenchConfig, progress: &mut dyn FnMut(&Pr
         rope,
         step: step_result,
     })
-}
-
-fn format_time(seconds: f64) -> String {
-    let (value, unit) = match seconds {
-        s if s >= 1.0 => (s, "s"),
-        s if s >= 1e-3 => (s * 1e3, "ms"),
-        s => (s * 1e6, "µs"),
-    };
-    let digits = if value >= 100.0 {
-        0
-    } else if value >= 10.0 {
-        1
-    } else {
-        2
-    };
-    format!("{value:.digits$} {unit}")
-}
-
-fn format_rate(value: f64) -> String {
-    if value >= 100.0 { format!("{value:.0}") } else { format!("{value:.1}") }
-}
-
-fn stats_json(s: &Stats) -> Value {
-    json!({ "median": s.median, "min": s.min, "max": s.max, "q1": s.q1, "q3": s.q3, "samples": s.samples })
-}
-
-fn verdict(met: bool) -> &'static str {
-    if met { "pass" } else { "**miss**" }
 }
 
 /// One target, checked against this run.
@@ -1207,9 +991,24 @@ impl AttentionReport {
              (sequence, KV head), `gemm` scores, plain softmax, `gemm` P·V (gather timed). *vs peer* = peer time / \
              kvjit time. Each agreed with kvjit before timing (normalized max error *err*).\n",
         );
-        let cell = |r: &PairResult, f: &dyn Fn(&Stats, &Stats) -> String| match &r.outcome {
-            Ok((jit, peer)) => f(jit, peer),
-            Err(_) => format!(" **error** (see Errors){}", " | –".repeat(6)),
+        // The rest of a decode or prefill row: kvjit's and the peer's time,
+        // rate (`work` per second, in G) and share of the roof time `rt`,
+        // the speed-up and the error; or a pointer to the Errors section.
+        let figures = |r: &PairResult, work: f64, rt: f64| {
+            let cells = match &r.outcome {
+                Ok((jit, peer)) => format!(
+                    " {} | {} | {:.0}% | {} | {} | {:.0}% | {:.2}×",
+                    format_time(jit.median),
+                    format_rate(work / jit.median / 1e9),
+                    rt / jit.median * 100.0,
+                    format_time(peer.median),
+                    format_rate(work / peer.median / 1e9),
+                    rt / peer.median * 100.0,
+                    peer.median / jit.median
+                ),
+                Err(_) => format!(" **error** (see Errors){}", " | –".repeat(6)),
+            };
+            format!("{cells} | {:.1e} |", r.error)
         };
         s.push_str(
             "\n## Decode (S = 1): roof = K/V bytes / read bandwidth\n\n\
@@ -1221,21 +1020,7 @@ impl AttentionReport {
             let rt = self.decode_roof_time(r);
             let _ =
                 write!(s, "| {} | {} | {} | {:.1} | {} |", r.tokens, r.batch, r.dtype, bytes / 1e6, format_time(rt));
-            let _ = writeln!(
-                s,
-                "{} | {:.1e} |",
-                cell(r, &|jit, peer| format!(
-                    " {} | {} | {:.0}% | {} | {} | {:.0}% | {:.2}×",
-                    format_time(jit.median),
-                    format_rate(bytes / jit.median / 1e9),
-                    rt / jit.median * 100.0,
-                    format_time(peer.median),
-                    format_rate(bytes / peer.median / 1e9),
-                    rt / peer.median * 100.0,
-                    peer.median / jit.median
-                )),
-                r.error
-            );
+            let _ = writeln!(s, "{}", figures(r, bytes, rt));
         }
         s.push_str(
             "\n## Prefill (batch 1, empty cache, causal): roof = 2·2·Hq·D·S(S+1)/2 FLOPs / 128-bit FMA rate\n\n\
@@ -1246,21 +1031,7 @@ impl AttentionReport {
             let flops = h.prefill_flops(r.tokens);
             let rt = self.prefill_roof_time(r);
             let _ = write!(s, "| {} | {} | {} |", r.tokens, r.dtype, format_time(rt));
-            let _ = writeln!(
-                s,
-                "{} | {:.1e} |",
-                cell(r, &|jit, peer| format!(
-                    " {} | {} | {:.0}% | {} | {} | {:.0}% | {:.2}×",
-                    format_time(jit.median),
-                    format_rate(flops / jit.median / 1e9),
-                    rt / jit.median * 100.0,
-                    format_time(peer.median),
-                    format_rate(flops / peer.median / 1e9),
-                    rt / peer.median * 100.0,
-                    peer.median / jit.median
-                )),
-                r.error
-            );
+            let _ = writeln!(s, "{}", figures(r, flops, rt));
         }
         s.push_str(
             "\n## RoPE alone (JIT kernel), share of its step (the step graph's median)\n\n\
@@ -1315,7 +1086,8 @@ impl AttentionReport {
         }
         s.push_str("\n## Targets\n\n| target | this run | goal | |\n|---|---:|---:|---|\n");
         for t in self.targets() {
-            let _ = writeln!(s, "| {} | {} | {} | {} |", t.what, t.value, t.goal, t.met.map_or("**error**", verdict));
+            let _ =
+                writeln!(s, "| {} | {} | {} | {} |", t.what, t.value, t.goal, t.met.map_or("**error**", pass_or_miss));
         }
         let failures = self.failures();
         if !failures.is_empty() {
@@ -1342,10 +1114,10 @@ impl AttentionReport {
             match &r.outcome {
                 Ok((jit, peer)) => {
                     v["kvjit"] = json!({
-                        "time": stats_json(jit), "rate": work / jit.median, "of_roof": roof_time / jit.median,
+                        "time": jit.to_json(), "rate": work / jit.median, "of_roof": roof_time / jit.median,
                     });
                     v["gather_gemm"] = json!({
-                        "time": stats_json(peer), "rate": work / peer.median, "of_roof": roof_time / peer.median,
+                        "time": peer.to_json(), "rate": work / peer.median, "of_roof": roof_time / peer.median,
                     });
                     v["speedup_vs_peer"] = json!(peer.median / jit.median);
                 }
@@ -1367,8 +1139,8 @@ impl AttentionReport {
             },
             "roof": {
                 "threads": self.roof.threads,
-                "read_bytes_per_s": stats_json(&self.roof.read_bytes_per_s),
-                "fma_flops_per_s": stats_json(&self.roof.fma_flops_per_s),
+                "read_bytes_per_s": self.roof.read_bytes_per_s.to_json(),
+                "fma_flops_per_s": self.roof.fma_flops_per_s.to_json(),
             },
             "decode": self.decode.iter().map(|r| {
                 let mut v = pair(r, self.decode_roof_time(r), self.decode_bytes(r));
@@ -1382,13 +1154,13 @@ impl AttentionReport {
             }).collect::<Vec<_>>(),
             "rope": self.rope.iter().map(|r| json!({
                 "step": r.step, "batch": r.batch, "seq": r.seq, "bytes": r.bytes,
-                "time": stats_json(&r.time), "step_median_s": r.step_median,
+                "time": r.time.to_json(), "step_median_s": r.step_median,
                 "share": r.step_median.map(|t| r.time.median / t),
             })).collect::<Vec<_>>(),
             "step": self.step.as_ref().map(|st| json!({
                 "batch": st.batch,
                 "history": st.history,
-                "time": stats_json(&st.time),
+                "time": st.time.to_json(),
                 "per_token_s": st.time.median / st.batch as f64,
                 "ops": st.ops.iter().map(|o| json!({
                     "op": o.op, "median_s": o.median, "roof_bytes": o.roof_bytes,
@@ -1396,7 +1168,7 @@ impl AttentionReport {
                 })).collect::<Vec<_>>(),
                 "roof_time_s": self.step_roof_time(st),
                 "of_roofs": st.time.median / self.step_roof_time(st),
-                "prefill": st.prefill.as_ref().map(|(seq, t)| json!({ "seq": seq, "time": stats_json(t) })),
+                "prefill": st.prefill.as_ref().map(|(seq, t)| json!({ "seq": seq, "time": t.to_json() })),
             })),
             "targets": self.targets().iter().map(|t| json!({
                 "what": t.what, "value": t.value, "goal": t.goal, "met": t.met,
@@ -1408,8 +1180,10 @@ impl AttentionReport {
 
 #[cfg(test)]
 mod tests {
+    use std::time::Instant;
+
     use super::*;
-    use kvjit::attention::AttentionConfig as MhaConfig;
+    use kvjit::attention::{AttentionConfig as MhaConfig, Mask};
 
     /// The peer computes what the f64 reference computes: decode with
     /// history and a causal prefill, GQA groups, both dtypes.

@@ -1,19 +1,22 @@
 //! The `kvjit bench` subcommand: its options ([`BenchArgs`], a clap
 //! `Args` struct the `kvjit` binary embeds) and [`run_bench`], which turns
-//! them into a [`BenchConfig`], runs it with a progress display on stderr,
-//! prints the Markdown report and writes the JSON and SVG files; with
-//! `--startup`, runs the start-up benchmark ([`crate::startup`]) instead.
+//! them into the configuration of a suite (the QKV [`BenchConfig`], `--ops
+//! attention`, `--ops fp8`, or with `--startup` the start-up benchmark of
+//! [`crate::startup`]) and runs it through one driver: a progress display on
+//! stderr, the Markdown report on stdout, the JSON (and the QKV suite's SVG)
+//! files.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use indicatif::{ProgressBar, ProgressStyle};
 use kvjit_core::DType;
+use serde_json::Value;
 
-use crate::attention::{AttentionBenchConfig, run_attention};
-use crate::fp8::{Fp8BenchConfig, run_fp8};
-use crate::startup::{StartupConfig, run_startup};
-use crate::{BenchConfig, Error, Implementation, ModelShape, Progress, Result};
+use crate::attention::{AttentionBenchConfig, AttentionReport, run_attention};
+use crate::fp8::{Fp8BenchConfig, Fp8Report, run_fp8};
+use crate::startup::{StartupConfig, StartupReport, run_startup};
+use crate::{BenchConfig, BenchError, Implementation, ModelShape, Progress, Result};
 
 /// Which suite `kvjit bench` runs.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
@@ -29,6 +32,14 @@ pub enum BenchOps {
     /// store, decode attention at contexts 2048 and 8192, the whole step
     /// graph, bytes per token (honours --quick, --threads, --json).
     Fp8,
+}
+
+impl std::fmt::Display for BenchOps {
+    /// The value `--ops` takes.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let value = clap::ValueEnum::to_possible_value(self).expect("no suite is skipped");
+        f.write_str(value.get_name())
+    }
 }
 
 /// Options of `kvjit bench`.
@@ -106,6 +117,32 @@ pub struct BenchArgs {
 }
 
 impl BenchArgs {
+    /// The options that pick what a suite measures, each with whether it was
+    /// given and the suites that take it (`--threads`, `--quick` and
+    /// `--json` apply to every suite).
+    fn suite_options(&self) -> [(&'static str, bool, &'static [BenchOps]); 9] {
+        use BenchOps::{Attention, Qkv};
+        [
+            ("--shapes", self.shapes.is_some(), &[Qkv]),
+            ("--dtypes", self.dtypes.is_some(), &[Qkv, Attention]),
+            ("--pages", self.pages.is_some(), &[Qkv]),
+            ("--ms", self.ms.is_some(), &[Qkv]),
+            ("--impls", self.impls.is_some(), &[Qkv]),
+            ("--reference-max-m", self.reference_max_m.is_some(), &[Qkv]),
+            ("--compile-shape", self.compile_shape.is_some(), &[Qkv]),
+            ("--no-compile", self.no_compile, &[Qkv]),
+            ("--svg", self.svg.is_some(), &[Qkv]),
+        ]
+    }
+
+    /// Refuse the first option given that the suite `ops` does not take.
+    fn refuse_options_of_other_suites(&self, ops: BenchOps) -> Result<()> {
+        match self.suite_options().into_iter().find(|(_, given, takes)| *given && !takes.contains(&ops)) {
+            Some((option, _, takes)) => Err(BenchError::OptionNotForOps { option, ops, takes }),
+            None => Ok(()),
+        }
+    }
+
     /// The start-up run these options ask for, its children running `kvjit`.
     pub fn startup_config(&self, kvjit: PathBuf) -> StartupConfig {
         let mut config = StartupConfig::new(kvjit);
@@ -123,26 +160,9 @@ impl BenchArgs {
     /// The `--ops attention` run these options ask for: a preset with the
     /// given overrides; options of the QKV suite are refused.
     pub fn attention_config(&self) -> Result<AttentionBenchConfig> {
-        let qkv_only = [
-            ("--shapes", self.shapes.is_some()),
-            ("--pages", self.pages.is_some()),
-            ("--ms", self.ms.is_some()),
-            ("--impls", self.impls.is_some()),
-            ("--reference-max-m", self.reference_max_m.is_some()),
-            ("--compile-shape", self.compile_shape.is_some()),
-            ("--no-compile", self.no_compile),
-            ("--svg", self.svg.is_some()),
-        ];
-        if let Some((flag, _)) = qkv_only.iter().find(|(_, given)| *given) {
-            return Err(Error::Usage(format!("{flag} applies to --ops qkv only")));
-        }
-        let mut config = if self.tiny {
-            AttentionBenchConfig::tiny()
-        } else if self.quick {
-            AttentionBenchConfig::quick()
-        } else {
-            AttentionBenchConfig::full()
-        };
+        self.refuse_options_of_other_suites(BenchOps::Attention)?;
+        let mut config =
+            self.preset(AttentionBenchConfig::tiny, AttentionBenchConfig::quick, AttentionBenchConfig::full);
         if let Some(v) = &self.dtypes {
             config.dtypes = v.clone();
         }
@@ -153,15 +173,44 @@ impl BenchArgs {
         Ok(config)
     }
 
+    /// The `--ops fp8` run these options ask for: a preset with the given
+    /// thread count; options of the other suites are refused.
+    pub fn fp8_config(&self) -> Result<Fp8BenchConfig> {
+        self.refuse_options_of_other_suites(BenchOps::Fp8)?;
+        let mut config = self.preset(Fp8BenchConfig::tiny, Fp8BenchConfig::quick, Fp8BenchConfig::full);
+        if let Some(threads) = self.threads {
+            config.threads = threads;
+        }
+        Ok(config)
+    }
+
+    /// The preset of a suite that `--tiny`, `--quick` or neither (the full
+    /// run) picks.
+    fn preset<C>(&self, tiny: fn() -> C, quick: fn() -> C, full: fn() -> C) -> C {
+        if self.tiny {
+            tiny()
+        } else if self.quick {
+            quick()
+        } else {
+            full()
+        }
+    }
+
+    /// Where the QKV suite's plot goes: `--svg`, else beside `--json` (same
+    /// name, .svg); refused where it would overwrite the JSON.
+    fn svg_path(&self) -> Result<Option<PathBuf>> {
+        let svg = self.svg.clone().or_else(|| self.json.as_ref().map(|j| j.with_extension("svg")));
+        if let (Some(json), Some(svg)) = (&self.json, &svg)
+            && json == svg
+        {
+            return Err(BenchError::JsonIsPlot { path: json.clone() });
+        }
+        Ok(svg)
+    }
+
     /// The run these options ask for: a preset with the given overrides.
     pub fn config(&self) -> BenchConfig {
-        let mut config = if self.tiny {
-            BenchConfig::tiny()
-        } else if self.quick {
-            BenchConfig::quick()
-        } else {
-            BenchConfig::full()
-        };
+        let mut config = self.preset(BenchConfig::tiny, BenchConfig::quick, BenchConfig::full);
         if let Some(v) = &self.shapes {
             config.shapes = v.clone();
         }
@@ -195,176 +244,133 @@ impl BenchArgs {
 }
 
 /// Run `kvjit bench`: progress on stderr, the Markdown report on stdout, the
-/// JSON and SVG files where `args` says.
+/// JSON file (and the QKV suite's plot) where `args` says. With `--ops
+/// attention`, a configuration whose JIT output and peer output disagree
+/// shows an error instead of figures, and the command then fails.
 pub fn run_bench(args: &BenchArgs) -> Result<()> {
+    let json = args.json.as_deref();
     if args.startup {
-        return run_startup_bench(args);
+        // This executable is the `kvjit` binary the child processes run.
+        let kvjit = std::env::current_exe().map_err(|source| BenchError::NoExecutable { source })?;
+        let config = args.startup_config(kvjit);
+        config.check()?;
+        drive(json, None, |progress| run_startup(&config, progress))?;
+        return Ok(());
     }
-    if args.ops == BenchOps::Attention {
-        return run_attention_bench(args);
+    match args.ops {
+        BenchOps::Qkv => {
+            let config = args.config();
+            config.check()?;
+            let svg = args.svg_path()?;
+            drive(json, svg.as_deref(), |progress| crate::run(&config, progress))?;
+        }
+        BenchOps::Attention => {
+            let config = args.attention_config()?;
+            let report = drive(json, None, |progress| run_attention(&config, progress))?;
+            let failures = report.failures();
+            if !failures.is_empty() {
+                return Err(BenchError::ValidationFailed { failures });
+            }
+        }
+        BenchOps::Fp8 => {
+            let config = args.fp8_config()?;
+            drive(json, None, |progress| run_fp8(&config, progress))?;
+        }
     }
-    if args.ops == BenchOps::Fp8 {
-        return run_fp8_bench(args);
-    }
-    let config = args.config();
-    config.check()?;
-    // Open the output files now, so a bad path fails before the run, not after.
-    let svg_path = args.svg.clone().or_else(|| args.json.as_ref().map(|j| j.with_extension("svg")));
-    if let (Some(json), Some(svg)) = (&args.json, &svg_path)
-        && json == svg
-    {
-        return Err(Error::Usage(format!(
-            "--json {} would be overwritten by the plot; name it *.json",
-            json.display()
-        )));
-    }
-    let create = |path: &PathBuf| {
-        std::fs::File::create(path).map_err(|e| Error::Usage(format!("cannot write {}: {e}", path.display())))
-    };
-    let json_file = args.json.as_ref().map(create).transpose()?;
-    let svg_file = svg_path.as_ref().map(create).transpose()?;
+    Ok(())
+}
 
+/// A finished run's report, as `kvjit bench` prints and writes it.
+trait Rendered {
+    /// The Markdown report, for people.
+    fn markdown(&self) -> String;
+    /// Every figure, for tools.
+    fn json(&self) -> Value;
+    /// The plot, for a suite that draws one.
+    fn svg(&self) -> Option<String> {
+        None
+    }
+}
+
+impl Rendered for crate::Report {
+    fn markdown(&self) -> String {
+        self.to_markdown()
+    }
+    fn json(&self) -> Value {
+        self.to_json()
+    }
+    fn svg(&self) -> Option<String> {
+        Some(self.to_svg())
+    }
+}
+
+impl Rendered for AttentionReport {
+    fn markdown(&self) -> String {
+        self.to_markdown()
+    }
+    fn json(&self) -> Value {
+        self.to_json()
+    }
+}
+
+impl Rendered for Fp8Report {
+    fn markdown(&self) -> String {
+        self.to_markdown()
+    }
+    fn json(&self) -> Value {
+        self.to_json()
+    }
+}
+
+impl Rendered for StartupReport {
+    fn markdown(&self) -> String {
+        self.to_markdown()
+    }
+    fn json(&self) -> Value {
+        self.to_json()
+    }
+}
+
+/// Run `measure` with progress on stderr, print its report's Markdown on
+/// stdout, write its JSON to `json` and its plot to `svg`. Both files are
+/// created before the run, so a bad path fails before it, not after; a
+/// failed run leaves neither behind.
+fn drive<R: Rendered>(
+    json: Option<&Path>,
+    svg: Option<&Path>,
+    measure: impl FnOnce(&mut dyn FnMut(&Progress)) -> Result<R>,
+) -> Result<R> {
+    let create = |path: &Path| {
+        std::fs::File::create(path).map_err(|source| BenchError::Write { path: path.to_path_buf(), source })
+    };
+    let json_file = json.map(create).transpose()?;
+    let svg_file = svg.map(create).transpose()?;
     let report = {
         let mut progress = ProgressDisplay::new(std::io::IsTerminal::is_terminal(&std::io::stderr()));
-        let report = crate::run(&config, &mut |p| progress.show(p));
+        let report = measure(&mut |p| progress.show(p));
         progress.finish(report.is_ok());
         report
     };
     let report = report.inspect_err(|_| {
-        // Leave no empty result files behind a failed run.
-        for path in args.json.iter().chain(&svg_path) {
+        for path in json.iter().chain(&svg) {
             let _ = std::fs::remove_file(path);
         }
     })?;
-    print!("{}", report.to_markdown());
-    let write = |file: Option<std::fs::File>, path: &Option<PathBuf>, text: String| -> Result<()> {
-        if let (Some(mut file), Some(path)) = (file, path) {
-            std::io::Write::write_all(&mut file, text.as_bytes())
-                .map_err(|e| Error::Usage(format!("cannot write {}: {e}", path.display())))?;
-            eprintln!("wrote {}", path.display());
-        }
+    print!("{}", report.markdown());
+    let write = |file: std::fs::File, path: &Path, text: String| -> Result<()> {
+        let mut file = file;
+        std::io::Write::write_all(&mut file, text.as_bytes())
+            .map_err(|source| BenchError::Write { path: path.to_path_buf(), source })?;
+        eprintln!("wrote {}", path.display());
         Ok(())
     };
-    let json_text = serde_json::to_string_pretty(&report.to_json()).expect("JSON values serialize") + "\n";
-    write(json_file, &args.json, json_text)?;
-    write(svg_file, &svg_path, report.to_svg())?;
-    Ok(())
-}
-
-/// Run `kvjit bench --startup`: this executable is the `kvjit` binary its
-/// child processes run. Progress on stderr, the Markdown table on stdout,
-/// the JSON file where `args` says.
-fn run_startup_bench(args: &BenchArgs) -> Result<()> {
-    let kvjit =
-        std::env::current_exe().map_err(|e| Error::Usage(format!("cannot find the kvjit executable to run: {e}")))?;
-    let config = args.startup_config(kvjit);
-    config.check()?;
-    let json_file = args
-        .json
-        .as_ref()
-        .map(|path| {
-            std::fs::File::create(path).map_err(|e| Error::Usage(format!("cannot write {}: {e}", path.display())))
-        })
-        .transpose()?;
-    let report = {
-        let mut progress = ProgressDisplay::new(std::io::IsTerminal::is_terminal(&std::io::stderr()));
-        let report = run_startup(&config, &mut |p| progress.show(p));
-        progress.finish(report.is_ok());
-        report
-    };
-    let report = report.inspect_err(|_| {
-        if let Some(path) = &args.json {
-            let _ = std::fs::remove_file(path);
-        }
-    })?;
-    print!("{}", report.to_markdown());
-    if let (Some(mut file), Some(path)) = (json_file, &args.json) {
-        let text = serde_json::to_string_pretty(&report.to_json()).expect("JSON values serialize") + "\n";
-        std::io::Write::write_all(&mut file, text.as_bytes())
-            .map_err(|e| Error::Usage(format!("cannot write {}: {e}", path.display())))?;
-        eprintln!("wrote {}", path.display());
+    if let (Some(file), Some(path)) = (json_file, json) {
+        write(file, path, serde_json::to_string_pretty(&report.json()).expect("JSON values serialize") + "\n")?;
     }
-    Ok(())
-}
-
-/// Run `kvjit bench --ops attention`: progress on stderr, the Markdown
-/// report on stdout, the JSON file where `args` says. A configuration whose
-/// JIT output and peer output disagree shows an error instead of figures,
-/// and the command then fails.
-fn run_attention_bench(args: &BenchArgs) -> Result<()> {
-    let config = args.attention_config()?;
-    let json_file = args
-        .json
-        .as_ref()
-        .map(|path| {
-            std::fs::File::create(path).map_err(|e| Error::Usage(format!("cannot write {}: {e}", path.display())))
-        })
-        .transpose()?;
-    let report = {
-        let mut progress = ProgressDisplay::new(std::io::IsTerminal::is_terminal(&std::io::stderr()));
-        let report = run_attention(&config, &mut |p| progress.show(p));
-        progress.finish(report.is_ok());
-        report
-    };
-    let report = report.inspect_err(|_| {
-        if let Some(path) = &args.json {
-            let _ = std::fs::remove_file(path);
-        }
-    })?;
-    print!("{}", report.to_markdown());
-    if let (Some(mut file), Some(path)) = (json_file, &args.json) {
-        let text = serde_json::to_string_pretty(&report.to_json()).expect("JSON values serialize") + "\n";
-        std::io::Write::write_all(&mut file, text.as_bytes())
-            .map_err(|e| Error::Usage(format!("cannot write {}: {e}", path.display())))?;
-        eprintln!("wrote {}", path.display());
+    if let (Some(file), Some(path)) = (svg_file, svg) {
+        write(file, path, report.svg().expect("only a suite that draws a plot is given an SVG path"))?;
     }
-    let failures = report.failures();
-    if !failures.is_empty() {
-        return Err(Error::Usage(format!(
-            "{} attention configuration(s) failed validation: {}",
-            failures.len(),
-            failures.join("; ")
-        )));
-    }
-    Ok(())
-}
-
-/// Run `kvjit bench --ops fp8`: a line per step on stderr, the Markdown
-/// report on stdout, the JSON file where `args` says.
-fn run_fp8_bench(args: &BenchArgs) -> Result<()> {
-    let others = [
-        ("--shapes", args.shapes.is_some()),
-        ("--dtypes", args.dtypes.is_some()),
-        ("--pages", args.pages.is_some()),
-        ("--ms", args.ms.is_some()),
-        ("--impls", args.impls.is_some()),
-        ("--reference-max-m", args.reference_max_m.is_some()),
-        ("--compile-shape", args.compile_shape.is_some()),
-        ("--no-compile", args.no_compile),
-        ("--svg", args.svg.is_some()),
-    ];
-    if let Some((flag, _)) = others.iter().find(|(_, given)| *given) {
-        return Err(Error::Usage(format!("{flag} does not apply to --ops fp8")));
-    }
-    let mut config = if args.tiny {
-        Fp8BenchConfig::tiny()
-    } else if args.quick {
-        Fp8BenchConfig::quick()
-    } else {
-        Fp8BenchConfig::full()
-    };
-    if let Some(threads) = args.threads {
-        config.threads = threads;
-    }
-    let started = std::time::Instant::now();
-    let report = run_fp8(&config, &mut |what| eprintln!("[{:>6.1}s] {what}", started.elapsed().as_secs_f64()))?;
-    print!("{}", report.to_markdown());
-    if let Some(path) = &args.json {
-        let text = serde_json::to_string_pretty(&report.to_json()).expect("JSON values serialize") + "\n";
-        std::fs::write(path, text).map_err(|e| Error::Usage(format!("cannot write {}: {e}", path.display())))?;
-        eprintln!("wrote {}", path.display());
-    }
-    Ok(())
+    Ok(report)
 }
 
 /// Progress on stderr: an `indicatif` bar redrawn in place on a terminal;
@@ -421,5 +427,47 @@ impl ProgressDisplay {
             Some(bar) => bar.abandon(),
             None => {}
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: BenchArgs,
+    }
+
+    fn args(line: &[&str]) -> BenchArgs {
+        Cli::try_parse_from(std::iter::once("bench").chain(line.iter().copied())).unwrap().args
+    }
+
+    #[test]
+    fn options_of_other_suites_and_a_json_file_named_like_the_plot_are_refused_typed() {
+        let err = args(&["--ops", "attention", "--ms", "4"]).attention_config().unwrap_err();
+        assert!(matches!(err, BenchError::OptionNotForOps { option: "--ms", ops: BenchOps::Attention, .. }), "{err:?}");
+        assert_eq!(err.to_string(), "--ms applies to --ops qkv only, not to --ops attention");
+        let err = args(&["--ops", "fp8", "--dtypes", "bf16"]).fp8_config().unwrap_err();
+        assert!(
+            matches!(
+                err,
+                BenchError::OptionNotForOps {
+                    option: "--dtypes",
+                    ops: BenchOps::Fp8,
+                    takes: [BenchOps::Qkv, BenchOps::Attention]
+                }
+            ),
+            "{err:?}"
+        );
+        assert_eq!(args(&["--ops", "attention", "--dtypes", "f32"]).attention_config().unwrap().dtypes, [DType::F32]);
+        assert_eq!(args(&["--ops", "fp8", "--threads", "3"]).fp8_config().unwrap().threads, 3);
+
+        let err = args(&["--json", "out.svg"]).svg_path().unwrap_err();
+        assert!(matches!(&err, BenchError::JsonIsPlot { path } if path == Path::new("out.svg")), "{err:?}");
+        assert_eq!(args(&["--json", "out.json"]).svg_path().unwrap(), Some(PathBuf::from("out.svg")));
     }
 }

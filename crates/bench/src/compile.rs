@@ -34,7 +34,7 @@ use kvjit_op_fused_qkv::{FusedQkvSpec, OP_NAME, cpu_jit};
 use kvjit_runtime::{DeviceContextPtr, Executable, Executor};
 
 use super::problem::{ModelShape, Weights};
-use crate::Result;
+use crate::{BenchError, Result};
 
 /// Pages of the benchmark graphs' cache.
 const NUM_PAGES: usize = 16;
@@ -108,7 +108,7 @@ impl CompileBench {
             std::process::id(),
             NEXT.fetch_add(1, Ordering::SeqCst)
         ));
-        std::fs::create_dir_all(&dir).map_err(|e| crate::Error::Usage(format!("{}: {e}", dir.display())))?;
+        std::fs::create_dir_all(&dir).map_err(|source| BenchError::CreateDir { path: dir.clone(), source })?;
         let bench = Self {
             weight: Arc::unwrap_or_clone(Weights::new(shape, dtype, seed, 0)?.layers.swap_remove(0)),
             shape: shape.clone(),
@@ -182,7 +182,7 @@ impl CompileBench {
             bindings: [("batch".to_string(), 1), ("seq".to_string(), 1)].into(),
             ..CompileOptions::default()
         };
-        compile(graph, &self.registry, &options)
+        Ok(compile(graph, &self.registry, &options)?)
     }
 
     /// Run one case from scratch (what a benchmark times).

@@ -19,20 +19,19 @@ use std::time::Duration;
 use kvjit::attention::JitKernel as MhaKernel;
 use kvjit::demo::AttentionConfig;
 use kvjit::fused_qkv::{FusedQkvSpec, JitKernel as QkvKernel, QkvArgs};
-use kvjit_core::{DType, KvCacheParams, Target, Tensor};
+use kvjit_core::{DType, Target, Tensor};
 use kvjit_jit::CaptureText;
 use kvjit_runtime::{DeviceContextPtr, Executor};
 use rand::SeedableRng;
 use rand::rngs::SmallRng;
 use serde_json::{Value, json};
 
-use crate::attention::{Heads, compile_step, make_cache, step_inputs};
 use crate::problem::ModelShape;
 use crate::timing::{Plan, Stats, measure_interleaved};
-use crate::{Error, Result};
-
-/// Values per scale of the FP8 cache measured here.
-pub const GRANULARITY: usize = 128;
+use crate::workload::{
+    FP8_GRANULARITY, Heads, cache_params, check_finite, compile_step, make_cache, size_step_cache, step_inputs,
+};
+use crate::{BenchError, Progress, Result, Steps};
 /// The decode-attention target: FP8 at least this much faster than bf16.
 pub const ATTENTION_TARGET: f64 = 1.6;
 /// The store target: the FP8 store at most this much slower (M ≥ 16).
@@ -116,6 +115,12 @@ impl Fp8BenchConfig {
             step: Some((2, 20)),
         }
     }
+
+    /// Steps the progress callback counts: the store runs, the decode
+    /// contexts and the step graph.
+    pub fn step_count(&self) -> usize {
+        self.ms.len() + self.contexts.len() + usize::from(self.step.is_some())
+    }
 }
 
 /// One pair of medians and spreads: bf16 cache, FP8 cache.
@@ -180,17 +185,6 @@ pub struct Fp8Report {
     pub step: Option<(usize, usize, Pair)>,
 }
 
-fn cache_params(heads: &Heads, dtype: DType, layers: usize) -> KvCacheParams {
-    KvCacheParams {
-        dtype,
-        num_layers: layers,
-        page_size: heads.page_size,
-        num_kv_heads: heads.num_kv_heads,
-        head_size: heads.head_size,
-        scale_granularity: dtype.is_quantized().then_some(GRANULARITY.min(heads.head_size)),
-    }
-}
-
 fn store_pair(
     config: &Fp8BenchConfig,
     m: usize,
@@ -211,7 +205,7 @@ fn store_pair(
             target: Target::Cpu,
             dtype: DType::BF16,
             cache_dtype: dtype,
-            scale_granularity: dtype.is_quantized().then_some(GRANULARITY.min(heads.head_size)),
+            scale_granularity: dtype.is_quantized().then_some(FP8_GRANULARITY.min(heads.head_size)),
             k: shape.k,
             q_dim: shape.q_dim(),
             num_kv_heads: shape.kv_heads,
@@ -222,7 +216,7 @@ fn store_pair(
             seq: Some(m),
         };
         let kernel = QkvKernel::new(spec, Some(weight.clone()), CaptureText::default())
-            .map_err(|e| Error::Usage(format!("{}: {e}", spec.kernel_key())))?;
+            .map_err(|source| BenchError::Compile { key: spec.kernel_key().to_string(), source })?;
         kernels.push(kernel);
         caches.push(make_cache(&heads, dtype, 1, 1, 0, m, false, rng)?);
     }
@@ -238,7 +232,7 @@ fn store_pair(
         Ok(kernels[i].run_into(args, &mut outputs[i], ctx)?)
     })?;
     if outputs[0] != outputs[1] {
-        return Err(Error::Usage(format!("M = {m}: the two kernels' Q outputs differ")));
+        return Err(BenchError::OutputsDiffer { m });
     }
     Ok(StoreResult { m, time: Pair { bf16: measured[0].time, fp8: measured[1].time } })
 }
@@ -276,7 +270,8 @@ fn attention_pair(
         spec.cache_dtype = dtype;
         spec.scale_granularity = dtype.is_quantized().then_some(g);
         let key = spec.kernel_key().to_string();
-        kernels.push(MhaKernel::new(spec, CaptureText::default()).map_err(|e| Error::Usage(format!("{key}: {e}")))?);
+        kernels
+            .push(MhaKernel::new(spec, CaptureText::default()).map_err(|source| BenchError::Compile { key, source })?);
     }
     let caches = [&bf16, &fp8];
     let mut outputs = [Tensor::zeros(DType::BF16, q.shape())?, Tensor::zeros(DType::BF16, q.shape())?];
@@ -308,9 +303,7 @@ fn step_pair(batch: usize, history: usize, ctx: &DeviceContextPtr, rng: &mut Sma
     let mut graphs = Vec::new();
     for cache_dtype in [None, Some(DType::F8E4M3)] {
         let mut config = AttentionConfig::llama3_8b();
-        config.layer.num_layers = 1;
-        config.layer.max_pages_per_seq = (history + 1).div_ceil(config.layer.page_size);
-        config.layer.num_pages = batch * config.layer.max_pages_per_seq;
+        size_step_cache(&mut config.layer, batch, history);
         config.layer.cache_dtype = cache_dtype;
         let exe = compile_step(&config)?;
         let (inputs, caches) = step_inputs(&config.layer, batch, history, 1, rng)?;
@@ -318,12 +311,7 @@ fn step_pair(batch: usize, history: usize, ctx: &DeviceContextPtr, rng: &mut Sma
     }
     let executor = Executor::new(ctx.clone());
     for (exe, inputs, caches) in &mut graphs {
-        let out = executor.run(exe, inputs, caches)?;
-        for t in out.outputs.values() {
-            if t.to_f32_vec()?.iter().any(|v| !v.is_finite()) {
-                return Err(Error::Usage("the attention step's output is not finite".into()));
-            }
-        }
+        check_finite(executor.run(exe, inputs, caches)?.outputs.values())?;
     }
     let measured = measure_interleaved(2, plan, |i| {
         let (exe, inputs, caches) = &mut graphs[i];
@@ -332,26 +320,27 @@ fn step_pair(batch: usize, history: usize, ctx: &DeviceContextPtr, rng: &mut Sma
     Ok(Pair { bf16: measured[0].time, fp8: measured[1].time })
 }
 
-/// Run the comparison, calling `progress` with a line before every step.
-pub fn run_fp8(config: &Fp8BenchConfig, progress: &mut dyn FnMut(&str)) -> Result<Fp8Report> {
+/// Run the comparison, calling `progress` before every step.
+pub fn run_fp8(config: &Fp8BenchConfig, progress: &mut dyn FnMut(&Progress)) -> Result<Fp8Report> {
+    let mut steps = Steps::new(config.step_count(), progress);
     let ctx = DeviceContextPtr::cpu(config.threads)?;
     let mut rng = SmallRng::seed_from_u64(14);
     let shape = &config.shape;
     let weight = Arc::new(Tensor::random(DType::BF16, &[shape.n(), shape.k], &mut rng, -0.05, 0.05)?);
     let mut store = Vec::new();
     for &m in &config.ms {
-        progress(&format!("fused QKV store, M = {m}"));
+        steps.start(format!("fused QKV store, M = {m}"));
         store.push(store_pair(config, m, &weight, &ctx, &mut rng)?);
     }
     drop(weight);
     let mut attention = Vec::new();
     for &context in &config.contexts {
-        progress(&format!("decode attention, context {context}"));
+        steps.start(format!("decode attention, context {context}"));
         attention.push(attention_pair(config, context, &ctx, &mut rng)?);
     }
     let step = match config.step {
         Some((batch, history)) => {
-            progress(&format!("attention step graph, batch {batch}, history {history}"));
+            steps.start(format!("attention step graph, batch {batch}, history {history}"));
             let plan = Plan { budget: config.timing.budget * 2, ..config.timing };
             Some((batch, history, step_pair(batch, history, &ctx, &mut rng, &plan)?))
         }
@@ -386,7 +375,7 @@ impl Fp8Report {
         let ratio = fp8 as f64 / bf16 as f64;
         let _ = writeln!(
             out,
-            "Cache bytes per token and layer (K and V, Llama-3-8B heads): bf16 {bf16}, f8e4m3 g={GRANULARITY} {fp8} (scales included) = {ratio:.4}× (target ≤ {BYTES_TARGET}: {})\n",
+            "Cache bytes per token and layer (K and V, Llama-3-8B heads): bf16 {bf16}, f8e4m3 g={FP8_GRANULARITY} {fp8} (scales included) = {ratio:.4}× (target ≤ {BYTES_TARGET}: {})\n",
             verdict(ratio <= BYTES_TARGET)
         );
         let _ = writeln!(out, "## Fused QKV store (bf16 activations)\n");
@@ -444,11 +433,11 @@ impl Fp8Report {
 
     /// Every figure as JSON.
     pub fn to_json(&self) -> Value {
-        let pair = |p: &Pair| json!({"bf16": stats_json(&p.bf16), "f8e4m3": stats_json(&p.fp8)});
+        let pair = |p: &Pair| json!({"bf16": p.bf16.to_json(), "f8e4m3": p.fp8.to_json()});
         json!({
             "mode": self.mode,
             "threads": self.threads,
-            "granularity": GRANULARITY,
+            "granularity": FP8_GRANULARITY,
             "bytes_per_token": {"bf16": self.bytes_per_token.0, "f8e4m3": self.bytes_per_token.1},
             "store": self.store.iter().map(|r| json!({"m": r.m, "time": pair(&r.time)})).collect::<Vec<_>>(),
             "attention": self.attention.iter().map(|r| json!({
@@ -459,10 +448,6 @@ impl Fp8Report {
             "step": self.step.as_ref().map(|(batch, history, time)| json!({"batch": batch, "history": history, "time": pair(time)})),
         })
     }
-}
-
-fn stats_json(s: &Stats) -> Value {
-    json!({"median": s.median, "q1": s.q1, "q3": s.q3, "min": s.min, "max": s.max, "samples": s.samples})
 }
 
 fn verdict(met: bool) -> &'static str {

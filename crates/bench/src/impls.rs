@@ -40,10 +40,10 @@ use kvjit_core::{CpuTier, DType, PagedKVCacheCollection, TensorData};
 use kvjit_jit::CaptureText;
 use kvjit_op_fused_qkv::reference::fused_qkv_matmul;
 use kvjit_op_fused_qkv::{JitKernel, QkvArgs};
-use kvjit_runtime::{DeviceContextPtr, RuntimeError};
+use kvjit_runtime::DeviceContextPtr;
 
 use super::problem::{ModelShape, Point, Problem, Weights, convert_to_f32};
-use crate::{Error, Result};
+use crate::{BenchError, Result};
 
 /// Something a benchmark can time.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -157,12 +157,12 @@ impl Implementation {
     }
 }
 
-fn jit_error(e: kvjit_jit::JitError) -> Error {
-    let key = match &e {
+fn jit_error(source: kvjit_jit::JitError) -> BenchError {
+    let key = match &source {
         kvjit_jit::JitError::Unsupported { key, .. } => key.clone(),
         _ => "a benchmark kernel".into(),
     };
-    Error::Runtime(RuntimeError::Compile { key, source: Box::new(e) })
+    BenchError::Compile { key, source }
 }
 
 /// JIT kernels for one spec, one per weight layer (they share one compiled

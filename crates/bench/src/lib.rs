@@ -14,7 +14,13 @@
 //! - [`roofline`]: read-bandwidth and FMA-rate probes, the roofline bound;
 //! - [`compile`]: compile latency (graph build → JIT, file → first output);
 //! - [`report`]: the results, as Markdown, JSON and SVG;
-//! - [`cli`]: the `kvjit bench` subcommand (options, progress, output files).
+//! - [`render`]: how every report writes times, rates and verdicts;
+//! - [`cli`]: the `kvjit bench` subcommand (options, progress, output files);
+//! - [`error`]: [`BenchError`], what a request or a run fails with (a kvjit
+//!   error underneath is wrapped, not rewritten);
+//! - [`attention`], [`fp8`]: the `--ops attention` and `--ops fp8` suites, on
+//!   the heads, caches and step graph of [`workload`];
+//! - [`startup`]: `kvjit bench --startup`, fresh processes timed.
 //!
 //! [`run`] runs a whole [`BenchConfig`]: the roofs, then for every shape,
 //! dtype, page size and M all implementations interleaved, then compile
@@ -24,13 +30,16 @@
 pub mod attention;
 pub mod cli;
 pub mod compile;
+pub mod error;
 pub mod fp8;
 pub mod impls;
 pub mod problem;
+pub mod render;
 pub mod report;
 pub mod roofline;
 pub mod startup;
 pub mod timing;
+pub mod workload;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -45,9 +54,7 @@ pub use report::{CompileReport, CompileResult, GroupResult, ImplResult, PointRes
 pub use roofline::{Bound, Fma256Probe, FmaProbe, ReadProbe, Roof, RoofPlan, RoofSamples};
 pub use timing::{Measurement, Plan, Stats, measure_interleaved};
 
-/// The benchmarks fail with the facade's error: every layer's error, plus
-/// [`Error::Usage`] for requests that cannot run.
-pub use kvjit::{Error, Result};
+pub use error::{BenchError, Result};
 
 /// The M values of the suite.
 pub const ALL_MS: [usize; 7] = [1, 4, 16, 64, 256, 1024, 2048];
@@ -198,8 +205,7 @@ impl BenchConfig {
 
     /// Refuse configurations that cannot run.
     pub fn check(&self) -> Result<()> {
-        let usage = |m: String| Err(Error::Usage(m));
-        for (what, empty) in [
+        for (option, empty) in [
             ("--shapes", self.shapes.is_empty()),
             ("--dtypes", self.dtypes.is_empty()),
             ("--pages", self.page_sizes.is_empty()),
@@ -207,17 +213,17 @@ impl BenchConfig {
             ("--impls", self.implementations.is_empty()),
         ] {
             if empty {
-                return usage(format!("{what} needs at least one value"));
+                return Err(BenchError::NoValues { option });
             }
         }
-        if let Some(d) = self.dtypes.iter().find(|d| !d.is_compute_float()) {
-            return usage(format!("dtype {d} is not a float type: use f32, bf16 or f16"));
+        if let Some(&dtype) = self.dtypes.iter().find(|d| !d.is_compute_float()) {
+            return Err(BenchError::NotComputeFloat { dtype });
         }
         if self.page_sizes.contains(&0) {
-            return usage("page sizes must be at least 1".into());
+            return Err(BenchError::Zero { what: "page sizes" });
         }
         if self.ms.contains(&0) {
-            return usage("M must be at least 1".into());
+            return Err(BenchError::Zero { what: "M" });
         }
         Ok(())
     }
@@ -246,8 +252,36 @@ pub struct Progress {
     pub elapsed: Duration,
 }
 
-/// The CPU model, from /proc/cpuinfo where there is one.
-fn cpu_name() -> String {
+/// A run's steps, counted for its progress callback.
+pub(crate) struct Steps<'a> {
+    progress: &'a mut dyn FnMut(&Progress),
+    started: Instant,
+    done: usize,
+    total: usize,
+}
+
+impl<'a> Steps<'a> {
+    /// A run of `total` steps starting now, reporting to `progress`.
+    pub(crate) fn new(total: usize, progress: &'a mut dyn FnMut(&Progress)) -> Self {
+        Self { progress, started: Instant::now(), done: 0, total }
+    }
+
+    /// Announce the step starting now.
+    pub(crate) fn start(&mut self, what: impl Into<String>) {
+        let (done, total) = (self.done, self.total);
+        (self.progress)(&Progress { done, total, what: what.into(), elapsed: self.started.elapsed() });
+        self.done += 1;
+    }
+
+    /// Time since the run started.
+    pub(crate) fn elapsed(&self) -> Duration {
+        self.started.elapsed()
+    }
+}
+
+/// The CPU model and its logical cores, from /proc/cpuinfo where there is
+/// one (else the architecture): every report's header names it.
+pub(crate) fn cpu_name() -> String {
     std::fs::read_to_string("/proc/cpuinfo")
         .ok()
         .and_then(|text| {
@@ -264,16 +298,10 @@ pub fn run(config: &BenchConfig, progress: &mut dyn FnMut(&Progress)) -> Result<
     config.check()?;
     let ctx = DeviceContextPtr::cpu(config.threads)?;
     let threads = ctx.cpu_context().map_or(1, |c| c.threads());
-    let started = Instant::now();
-    let total = config.step_count();
-    let mut done = 0;
-    let mut step = |what: String| {
-        progress(&Progress { done, total, what, elapsed: started.elapsed() });
-        done += 1;
-    };
+    let mut steps = Steps::new(config.step_count(), progress);
 
     let mut roof_samples = RoofSamples::default();
-    step("roofline probes".into());
+    steps.start("roofline probes");
     roof_samples.measure(&ctx, &config.roof)?;
 
     let mut groups = Vec::new();
@@ -284,7 +312,7 @@ pub fn run(config: &BenchConfig, progress: &mut dyn FnMut(&Progress)) -> Result<
                 let generic = generic_kernels(shape, dtype, page_size, &weights)?;
                 let mut points = Vec::new();
                 for &m in &config.ms {
-                    step(format!("{} {dtype} page {page_size} M={m}", shape.label));
+                    steps.start(format!("{} {dtype} page {page_size} M={m}", shape.label));
                     let point = Point { shape: shape.clone(), dtype, page_size, m };
                     let mut problem = Problem::new(point, weights.clone(), config.seed)?;
                     let mut runners = config
@@ -325,7 +353,7 @@ pub fn run(config: &BenchConfig, progress: &mut dyn FnMut(&Progress)) -> Result<
             let bench = CompileBench::new(&c.shape, c.dtype, c.page_size, &ctx, config.seed)?;
             let mut cases = Vec::new();
             for case in CompileCase::all(c.layers) {
-                step(format!("compile latency: {}", case.describe()));
+                steps.start(format!("compile latency: {}", case.describe()));
                 let mut runs = Vec::new();
                 let measured = measure_interleaved(1, &c.timing, |_| {
                     runs.push(bench.run(case)?);
@@ -345,7 +373,7 @@ pub fn run(config: &BenchConfig, progress: &mut dyn FnMut(&Progress)) -> Result<
         None => None,
     };
 
-    step("roofline probes (again)".into());
+    steps.start("roofline probes (again)");
     roof_samples.measure(&ctx, &config.roof)?;
 
     Ok(Report {
@@ -353,7 +381,7 @@ pub fn run(config: &BenchConfig, progress: &mut dyn FnMut(&Progress)) -> Result<
         threads,
         cpu: cpu_name(),
         thp: roofline::thp_mode(),
-        duration: started.elapsed(),
+        duration: steps.elapsed(),
         roof: roof_samples.roof(threads),
         groups,
         compile,
@@ -395,6 +423,47 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Requests that cannot run are refused with typed errors, whose
+    /// messages name what to change.
+    #[test]
+    fn refusals_are_typed() {
+        let config = BenchConfig { ms: vec![], ..BenchConfig::tiny() };
+        assert!(matches!(config.check(), Err(BenchError::NoValues { option: "--ms" })));
+        let config = BenchConfig { ms: vec![1, 0], ..BenchConfig::tiny() };
+        let err = config.check().unwrap_err();
+        assert!(matches!(err, BenchError::Zero { what: "M" }), "{err:?}");
+        assert_eq!(err.to_string(), "M must be at least 1");
+        let config = BenchConfig { dtypes: vec![DType::F32, DType::U32], ..BenchConfig::tiny() };
+        let err = config.check().unwrap_err();
+        assert!(matches!(err, BenchError::NotComputeFloat { dtype: DType::U32 }), "{err:?}");
+        assert_eq!(err.to_string(), "dtype u32 is not a float type: use f32, bf16 or f16");
+
+        let mut attention = attention::AttentionBenchConfig::tiny();
+        attention.heads.num_kv_heads = 3;
+        assert!(matches!(attention.check(), Err(BenchError::InvalidHeads { heads }) if heads.num_kv_heads == 3));
+
+        let startup = startup::StartupConfig { runs: 0, ..startup::StartupConfig::new("kvjit".into()) };
+        let err = startup.check().unwrap_err();
+        assert_eq!(err.to_string(), "--startup-runs must be at least 1");
+
+        let shape = ModelShape::parse("64/4/2/16").unwrap();
+        let weights = Arc::new(Weights::new(&shape, DType::BF16, 1, 0).unwrap());
+        let point = Point { shape: shape.clone(), dtype: DType::F32, page_size: 4, m: 1 };
+        let err = Problem::new(point, weights, 1).err().expect("bf16 weights for an f32 call are refused");
+        assert!(
+            matches!(&err, BenchError::WeightsMismatch { weights_dtype: DType::BF16, dtype: DType::F32, .. }),
+            "{err:?}"
+        );
+        assert_eq!(
+            err.to_string(),
+            "benchmark weights are bf16[128, 64], but custom (K=64, 4 q / 2 kv heads of 16) in f32 needs [128, 64]"
+        );
+
+        // A kvjit error underneath passes through as it is.
+        let err = BenchError::from(kvjit_core::Tensor::zeros(DType::F32, &[2]).unwrap().reshaped(&[3]).unwrap_err());
+        assert!(matches!(err, BenchError::Kvjit(kvjit::Error::Tensor(_))), "{err:?}");
     }
 
     #[test]

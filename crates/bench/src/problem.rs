@@ -21,7 +21,7 @@ use rand::SeedableRng;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 
-use crate::Result;
+use crate::{BenchError, Result};
 
 /// Tokens already cached per sequence before the benchmarked call.
 pub const HISTORY: u32 = 32;
@@ -277,15 +277,12 @@ impl Problem {
         let shape = &point.shape;
         let w = &weights.layers[0];
         if w.shape() != [shape.n(), shape.k] || w.dtype() != point.dtype {
-            return Err(crate::Error::Usage(format!(
-                "benchmark weights are {}{:?}, but {} in {} needs [{}, {}]",
-                w.dtype(),
-                w.shape(),
-                shape,
-                point.dtype,
-                shape.n(),
-                shape.k
-            )));
+            return Err(BenchError::WeightsMismatch {
+                weights_dtype: w.dtype(),
+                weights_shape: w.shape().to_vec(),
+                shape: shape.clone(),
+                dtype: point.dtype,
+            });
         }
         let mut rng = StdRng::seed_from_u64(seed ^ ((point.m as u64) << 20) ^ (point.page_size as u64));
         let (batch, seq) = point.batch_and_seq();

@@ -14,6 +14,7 @@ use serde_json::{Value, json};
 use super::compile::CompileCase;
 use super::impls::Implementation;
 use super::problem::{ModelShape, Point};
+use super::render::{format_rate, format_time};
 use super::roofline::{Bound, Roof};
 use super::timing::Stats;
 
@@ -148,36 +149,12 @@ const BASELINES: [Implementation; 5 + cfg!(feature = "openblas") as usize] = [
     Implementation::OpenBlasScatter,
 ];
 
-fn format_time(seconds: f64) -> String {
-    let (value, unit) = match seconds {
-        s if s >= 1.0 => (s, "s"),
-        s if s >= 1e-3 => (s * 1e3, "ms"),
-        s => (s * 1e6, "µs"),
-    };
-    let digits = if value >= 100.0 {
-        0
-    } else if value >= 10.0 {
-        1
-    } else {
-        2
-    };
-    format!("{value:.digits$} {unit}")
-}
-
-fn format_rate(value: f64) -> String {
-    if value >= 100.0 { format!("{value:.0}") } else { format!("{value:.1}") }
-}
-
 /// `madvise (read-probe buffer 100% in huge pages)`, or the mode alone.
 fn huge_pages_line(thp: &str, roof: &Roof) -> String {
     match roof.read_huge_page_fraction {
         Some(f) => format!("{thp} (read-probe buffer {:.0}% in huge pages)", f * 100.0),
         None => thp.to_string(),
     }
-}
-
-fn stats_json(s: &Stats) -> Value {
-    json!({ "median": s.median, "min": s.min, "max": s.max, "q1": s.q1, "q3": s.q3, "samples": s.samples })
 }
 
 impl Report {
@@ -319,10 +296,10 @@ impl Report {
                                     "implementation": r.implementation.id(),
                                     "label": r.implementation.label(),
                                     "kernel_key": r.kernel_key,
-                                    "time_s": stats_json(&r.time),
+                                    "time_s": r.time.to_json(),
                                     "calls_per_sample": r.calls_per_sample,
-                                    "gflops": stats_json(&r.time.rate(p.point.flops() / 1e9)),
-                                    "weight_gbs": stats_json(&r.time.rate(p.point.weight_bytes() / 1e9)),
+                                    "gflops": r.time.rate(p.point.flops() / 1e9).to_json(),
+                                    "weight_gbs": r.time.rate(p.point.weight_bytes() / 1e9).to_json(),
                                     "speedup_vs": ratios,
                                     "fraction_of_roof": r.gflops(&p.point) * 1e9 / attainable,
                                 })
@@ -360,9 +337,9 @@ impl Report {
                     json!({
                         "case": r.case.id(),
                         "description": r.case.describe(),
-                        "time_s": stats_json(&r.time),
+                        "time_s": r.time.to_json(),
                         "jit_compiles": r.jit_compiles,
-                        "jit_time_s": stats_json(&r.jit_time),
+                        "jit_time_s": r.jit_time.to_json(),
                     })
                 })
                 .collect();
@@ -382,9 +359,9 @@ impl Report {
                            128-bit FMA rate, roof_256 the 256-bit (AVX2) one",
             "roof": {
                 "threads": roof.threads,
-                "read_gbs": stats_json(&roof.read_bytes_per_s.scaled(1e-9)),
-                "fma_gflops": stats_json(&roof.fma_flops_per_s.scaled(1e-9)),
-                "fma256_gflops": roof.fma256_flops_per_s.map(|f| stats_json(&f.scaled(1e-9))),
+                "read_gbs": roof.read_bytes_per_s.scaled(1e-9).to_json(),
+                "fma_gflops": roof.fma_flops_per_s.scaled(1e-9).to_json(),
+                "fma256_gflops": roof.fma256_flops_per_s.map(|f| f.scaled(1e-9).to_json()),
                 "read_huge_page_fraction": roof.read_huge_page_fraction,
             },
             "groups": groups,

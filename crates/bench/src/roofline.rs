@@ -24,10 +24,10 @@ use kvjit_core::{DType, KernelKey, Target, Tensor};
 use kvjit_jit::cranelift_codegen::ir::{InstBuilder, types};
 use kvjit_jit::ir::{mem, splat_f32};
 use kvjit_jit::{CaptureText, JitFunction, compile_kernel};
-use kvjit_runtime::{DeviceContextPtr, RuntimeError};
+use kvjit_runtime::DeviceContextPtr;
 
 use super::timing::{Plan, Stats, measure_interleaved};
-use crate::{Error, Result};
+use crate::{BenchError, Result};
 
 /// Independent F32X4 accumulators of the FMA probe.
 pub const FMA_ACCUMULATORS: usize = 12;
@@ -43,7 +43,7 @@ const FMA_M: f32 = 0.999_999;
 const FMA_C: f32 = 1e-6;
 
 fn pool_of(ctx: &DeviceContextPtr) -> Result<&rayon::ThreadPool> {
-    ctx.cpu_context().map(|c| c.pool()).ok_or_else(|| Error::Usage("the roofline probes run on a CPU context".into()))
+    ctx.cpu_context().map(|c| c.pool()).ok_or(BenchError::NotCpu { what: "the roofline probes" })
 }
 
 /// Reads a large buffer with every thread of a CPU context.
@@ -249,7 +249,7 @@ impl FmaProbe {
                 Vec::new()
             });
         })
-        .map_err(|e| Error::Runtime(RuntimeError::Compile { key: key.to_string(), source: Box::new(e) }))?;
+        .map_err(|source| BenchError::Compile { key: key.to_string(), source })?;
         Ok(Self { code, iterations: iterations.max(1) as i64 })
     }
 

@@ -34,8 +34,9 @@ use kvjit::{DType, Dim, GraphBuilder, Tensor, bf16, save_graph, standard_registr
 use rayon::prelude::*;
 use serde_json::{Value, json};
 
+use crate::render::{format_time, pass_or_miss};
 use crate::timing::Stats;
-use crate::{Error, Progress, Result};
+use crate::{BenchError, Progress, Result, Steps};
 
 /// Target of `kvjit validate model.json`.
 pub const VALIDATE_TARGET: Duration = Duration::from_millis(30);
@@ -89,13 +90,13 @@ impl StartupConfig {
     /// Refuse configurations that cannot run.
     pub fn check(&self) -> Result<()> {
         if self.layers == 0 {
-            return Err(Error::Usage("--startup-layers must be at least 1".into()));
+            return Err(BenchError::Zero { what: "--startup-layers" });
         }
         if self.runs == 0 {
-            return Err(Error::Usage("--startup-runs must be at least 1".into()));
+            return Err(BenchError::Zero { what: "--startup-runs" });
         }
         if self.decode_steps == 0 {
-            return Err(Error::Usage("the decode runs need at least one decode step".into()));
+            return Err(BenchError::Zero { what: "decode steps" });
         }
         Ok(())
     }
@@ -260,12 +261,16 @@ impl Child {
         command.args(&self.args).current_dir(dir).stdin(Stdio::null()).stderr(Stdio::piped());
         command.stdout(if self.keep_stdout { Stdio::piped() } else { Stdio::null() });
         let started = Instant::now();
-        let output = command.output().map_err(|e| Error::Usage(format!("cannot start `{}`: {e}", self.describe())))?;
+        let output = command.output().map_err(|source| BenchError::Spawn { command: self.describe(), source })?;
         let wall = started.elapsed().as_secs_f64();
         if !output.status.success() {
             let stderr = String::from_utf8_lossy(&output.stderr);
             let first = stderr.lines().find(|l| !l.trim().is_empty()).unwrap_or("(no output on stderr)");
-            return Err(Error::Usage(format!("`{}` failed ({}): {}", self.describe(), output.status, first.trim())));
+            return Err(BenchError::ChildFailed {
+                command: self.describe(),
+                status: output.status,
+                stderr: first.trim().to_string(),
+            });
         }
         Ok(Sample { wall, stdout: String::from_utf8_lossy(&output.stdout).into_owned() })
     }
@@ -298,7 +303,7 @@ pub struct RunFigures {
 /// Read the peak RSS, JIT compile log and decode step times from `kvjit
 /// run`'s output.
 pub fn parse_run_output(text: &str) -> Result<RunFigures> {
-    let bad = |line: &str, what: &str| Error::Usage(format!("cannot read {what} in `kvjit run` output line '{line}'"));
+    let bad = |line: &str, what: &'static str| BenchError::RunOutput { what, line: line.to_string() };
     let mut figures = RunFigures::default();
     let mut section = "";
     for line in text.lines() {
@@ -366,10 +371,10 @@ impl Probe {
         let sample = self.child.run(dir)?;
         let figures = if self.kind == Kind::Plain { RunFigures::default() } else { parse_run_output(&sample.stdout)? };
         if self.kind == Kind::Start && figures.peak_rss.is_none() {
-            return Err(Error::Usage(format!("`{}` printed no 'peak RSS' line", self.child.describe())));
+            return Err(BenchError::MissingFigure { command: self.child.describe(), what: "'peak RSS' line" });
         }
         if self.kind == Kind::Decode && figures.decode.is_empty() {
-            return Err(Error::Usage(format!("`{}` printed no decode steps", self.child.describe())));
+            return Err(BenchError::MissingFigure { command: self.child.describe(), what: "decode steps" });
         }
         if measured {
             self.samples.push(sample);
@@ -401,36 +406,17 @@ impl Probe {
     }
 }
 
-/// The CPU model, from /proc/cpuinfo where there is one.
-fn cpu_name() -> String {
-    std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|text| {
-            text.lines().find(|l| l.starts_with("model name")).and_then(|l| l.split_once(':')).map(|(_, v)| {
-                let cores = text.lines().filter(|l| l.starts_with("processor")).count();
-                format!("{} ({} logical cores)", v.trim(), cores)
-            })
-        })
-        .unwrap_or_else(|| std::env::consts::ARCH.to_string())
-}
-
 /// Run the start-up benchmark of `config`, calling `progress` before every step.
 pub fn run_startup(config: &StartupConfig, progress: &mut dyn FnMut(&Progress)) -> Result<StartupReport> {
     config.check()?;
     let layer = config.layer_config();
-    let started = Instant::now();
     let (start_probes, decode_probes) = (6, 3);
-    let total = 2 + (config.runs + 1) * start_probes + config.runs * decode_probes;
-    let mut done = 0;
-    let mut step = |what: String| {
-        progress(&Progress { done, total, what, elapsed: started.elapsed() });
-        done += 1;
-    };
+    let mut steps = Steps::new(2 + (config.runs + 1) * start_probes + config.runs * decode_probes, progress);
 
     // The temporary directory (if any) lives until the end of the run.
     let (_temporary, dir_path) = match &config.keep_dir {
         Some(dir) => {
-            std::fs::create_dir_all(dir).map_err(|e| Error::Usage(format!("cannot make {}: {e}", dir.display())))?;
+            std::fs::create_dir_all(dir).map_err(|source| BenchError::CreateDir { path: dir.clone(), source })?;
             (None, dir.clone())
         }
         None => {
@@ -438,18 +424,18 @@ pub fn run_startup(config: &StartupConfig, progress: &mut dyn FnMut(&Progress)) 
             let dir = tempfile::Builder::new()
                 .prefix("kvjit-startup-")
                 .tempdir_in(&tmp)
-                .map_err(|e| Error::Usage(format!("cannot make a temporary directory in {}: {e}", tmp.display())))?;
+                .map_err(|source| BenchError::TempDir { parent: tmp.clone(), source })?;
             let path = dir.path().to_path_buf();
             (Some(dir), path)
         }
     };
 
-    step(format!("writing a {}-layer bf16 graph file and its weights", layer.num_layers));
+    steps.start(format!("writing a {}-layer bf16 graph file and its weights", layer.num_layers));
     let t = Instant::now();
     write_model(&layer, &dir_path)?;
     let generate_time = t.elapsed();
 
-    step("kvjit compile model.json -o model.kvjit".into());
+    steps.start("kvjit compile model.json -o model.kvjit");
     let t = Instant::now();
     Probe::new(&config.kvjit, &["compile", "model.json", "-o", "model.kvjit"], Kind::Plain).run(&dir_path, false)?;
     let compile_time = t.elapsed();
@@ -457,7 +443,7 @@ pub fn run_startup(config: &StartupConfig, progress: &mut dyn FnMut(&Progress)) 
     let size = |name: &str| {
         std::fs::metadata(dir_path.join(name))
             .map(|m| m.len())
-            .map_err(|e| Error::Usage(format!("cannot read {}: {e}", dir_path.join(name).display())))
+            .map_err(|source| BenchError::Read { path: dir_path.join(name), source })
     };
     let safetensors_bytes = size("model.safetensors")?;
     let artifact_bytes = size("model.kvjit")?;
@@ -496,22 +482,22 @@ pub fn run_startup(config: &StartupConfig, progress: &mut dyn FnMut(&Progress)) 
         for i in 0..starts.len() {
             let probe = &mut starts[(i + round) % start_probes];
             let label = if round == 0 { "warm-up".to_string() } else { format!("run {round}/{}", config.runs) };
-            step(format!("{label}: {}", probe.child.describe()));
+            steps.start(format!("{label}: {}", probe.child.describe()));
             probe.run(&dir_path, round > 0)?;
         }
     }
 
-    let steps = config.decode_steps;
+    let decode_steps = config.decode_steps;
     let mut decodes = [
-        kvjit_run("model.json", Some("map"), steps, Kind::Decode),
-        kvjit_run("model.json", Some("copy"), steps, Kind::Decode),
-        kvjit_run("model.kvjit", None, steps, Kind::Decode),
+        kvjit_run("model.json", Some("map"), decode_steps, Kind::Decode),
+        kvjit_run("model.json", Some("copy"), decode_steps, Kind::Decode),
+        kvjit_run("model.kvjit", None, decode_steps, Kind::Decode),
     ];
     debug_assert_eq!(decodes.len(), decode_probes);
     for round in 1..=config.runs {
         for i in 0..decodes.len() {
             let probe = &mut decodes[(i + round) % decode_probes];
-            step(format!("decode run {round}/{}: {}", config.runs, probe.child.describe()));
+            steps.start(format!("decode run {round}/{}: {}", config.runs, probe.child.describe()));
             probe.run(&dir_path, true)?;
         }
     }
@@ -533,7 +519,7 @@ pub fn run_startup(config: &StartupConfig, progress: &mut dyn FnMut(&Progress)) 
         layers: layer.num_layers,
         runs: config.runs,
         threads: config.threads,
-        cpu: cpu_name(),
+        cpu: crate::cpu_name(),
         weight_bytes,
         kv_cache_bytes,
         safetensors_bytes,
@@ -549,40 +535,16 @@ pub fn run_startup(config: &StartupConfig, progress: &mut dyn FnMut(&Progress)) 
         decode_map,
         decode_copy,
         decode_artifact,
-        duration: started.elapsed(),
+        duration: steps.elapsed(),
     })
-}
-
-fn format_time(seconds: f64) -> String {
-    let (value, unit) = match seconds {
-        s if s >= 1.0 => (s, "s"),
-        s if s >= 1e-3 => (s * 1e3, "ms"),
-        s => (s * 1e6, "µs"),
-    };
-    let digits = if value >= 100.0 {
-        0
-    } else if value >= 10.0 {
-        1
-    } else {
-        2
-    };
-    format!("{value:.digits$} {unit}")
 }
 
 fn spread(s: &Stats, format: impl Fn(f64) -> String) -> String {
     format!("{}–{}", format(s.min), format(s.max))
 }
 
-fn verdict(pass: bool) -> &'static str {
-    if pass { "pass" } else { "**miss**" }
-}
-
 fn megabytes(bytes: f64) -> String {
     format!("{:.1} MB", bytes / 1e6)
-}
-
-fn stats_json(s: &Stats) -> Value {
-    json!({ "median": s.median, "min": s.min, "max": s.max, "q1": s.q1, "q3": s.q3, "samples": s.samples })
 }
 
 /// One row of the Markdown table.
@@ -622,7 +584,7 @@ impl StartupReport {
             median: format_time(t.wall.median),
             spread: spread(&t.wall, format_time),
             target: target_text,
-            result: target.map_or_else(|| "—".into(), |limit| verdict(t.wall.median <= limit).into()),
+            result: target.map_or_else(|| "—".into(), |limit| pass_or_miss(t.wall.median <= limit).into()),
         };
         let cat_target = self.graph_start_target();
         rows.push(time_row(
@@ -675,7 +637,7 @@ impl StartupReport {
                     median: format!("{} ({ratio:.2}×)", megabytes(rss.median)),
                     spread: spread(rss, megabytes),
                     target: format!("≤ {target}× = {}", megabytes(target * floor)),
-                    result: verdict(ratio <= target).into(),
+                    result: pass_or_miss(ratio <= target).into(),
                 });
             }
         }
@@ -691,7 +653,7 @@ impl StartupReport {
                         median: format_time(jit.first.median),
                         spread: spread(&jit.first, format_time),
                         target: format!("≤ {}", format_time(FIRST_JIT_TARGET.as_secs_f64())),
-                        result: verdict(jit.first.median <= FIRST_JIT_TARGET.as_secs_f64()).into(),
+                        result: pass_or_miss(jit.first.median <= FIRST_JIT_TARGET.as_secs_f64()).into(),
                     });
                     if let Some(further) = &jit.further {
                         rows.push(Row {
@@ -699,7 +661,7 @@ impl StartupReport {
                             median: format_time(further.median),
                             spread: spread(further, format_time),
                             target: format!("≤ {}", format_time(FURTHER_JIT_TARGET.as_secs_f64())),
-                            result: verdict(further.median <= FURTHER_JIT_TARGET.as_secs_f64()).into(),
+                            result: pass_or_miss(further.median <= FURTHER_JIT_TARGET.as_secs_f64()).into(),
                         });
                     }
                 }
@@ -778,17 +740,17 @@ impl StartupReport {
         let timed = |t: &Timed| {
             json!({
                 "command": t.command,
-                "wall_s": stats_json(&t.wall),
-                "peak_rss_bytes": t.peak_rss.as_ref().map(stats_json),
+                "wall_s": t.wall.to_json(),
+                "peak_rss_bytes": t.peak_rss.as_ref().map(Stats::to_json),
                 "peak_rss_vs_weights_and_cache": t.peak_rss.as_ref().map(|r| r.median / self.resident_floor()),
                 "jit": t.jit.as_ref().map(|j| json!({
                     "compiles": j.compiles,
-                    "first_s": stats_json(&j.first),
-                    "further_s": j.further.as_ref().map(stats_json),
+                    "first_s": j.first.to_json(),
+                    "further_s": j.further.as_ref().map(Stats::to_json),
                 })),
             })
         };
-        let decode = |d: &Decode| json!({ "command": d.command, "step_s": stats_json(&d.step) });
+        let decode = |d: &Decode| json!({ "command": d.command, "step_s": d.step.to_json() });
         json!({
             "mode": "startup",
             "layers": self.layers,

@@ -89,6 +89,14 @@ impl Stats {
             samples: self.samples,
         }
     }
+
+    /// Every statistic as JSON, as every report writes a spread.
+    pub fn to_json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "median": self.median, "min": self.min, "max": self.max, "q1": self.q1, "q3": self.q3,
+            "samples": self.samples,
+        })
+    }
 }
 
 /// One implementation's measurement.
