@@ -45,7 +45,7 @@ use serde_json::{Value, json};
 use crate::render::{format_rate, format_time, pass_or_miss};
 use crate::roofline::{Roof, RoofPlan, RoofSamples};
 use crate::timing::{Plan, Stats, measure_interleaved};
-use crate::workload::{Heads, check_finite, compile_step, make_cache, size_step_cache, step_inputs};
+use crate::workload::{Heads, StepShape, check_finite, compile_step, make_cache, size_step_cache, step_inputs};
 use crate::{BenchError, Progress, Result, Steps};
 
 /// The fused QKV op's kernel name (the first field of its keys).
@@ -580,20 +580,18 @@ fn validate(
 }
 
 /// One decode or prefill configuration: build, validate, time.
-#[allow(clippy::too_many_arguments)]
 fn run_pair(
     heads: &Heads,
     dtype: DType,
-    batch: usize,
-    history: usize,
-    seq: usize,
+    step: StepShape,
     layers: usize,
     plan: &Plan,
     ctx: &DeviceContextPtr,
     rng: &mut SmallRng,
 ) -> Result<PairResult> {
+    let StepShape { batch, history, new_tokens: seq } = step;
     let threads = ctx.cpu_context().map_or(1, |c| c.threads());
-    let cache = make_cache(heads, dtype, layers, batch, history, seq, true, rng)?;
+    let cache = make_cache(heads, dtype, layers, step, true, rng)?;
     let spec = heads.spec(dtype, layers, batch, seq);
     let key = spec.kernel_key().to_string();
     let kernel = MhaKernel::new(spec, CaptureText::default())
@@ -655,20 +653,18 @@ fn freqs_table(dtype: DType, max_seq: usize, head_size: usize) -> Result<Tensor>
     Ok(Tensor::from_f32(dtype, &[max_seq, head_size], &values)?)
 }
 
-/// RoPE alone on `batch` sequences of `history` cached and `seq` new tokens.
-#[allow(clippy::too_many_arguments)]
+/// RoPE alone on a step of `shape` (`step` names it in the report).
 fn run_rope(
     heads: &Heads,
     dtype: DType,
     step: &str,
-    batch: usize,
-    history: usize,
-    seq: usize,
+    shape: StepShape,
     plan: &Plan,
     ctx: &DeviceContextPtr,
     rng: &mut SmallRng,
 ) -> Result<RopeResult> {
-    let mut cache = make_cache(heads, dtype, 1, batch, history, seq, false, rng)?;
+    let StepShape { batch, history, new_tokens: seq } = shape;
+    let mut cache = make_cache(heads, dtype, 1, shape, false, rng)?;
     let spec = RopeSpec {
         target: Target::Cpu,
         dtype,
@@ -807,14 +803,30 @@ pub fn run_attention(config: &AttentionBenchConfig, progress: &mut dyn FnMut(&Pr
                 steps.start(format!("decode {dtype} context {context} batch {batch}"));
                 let per_layer = batch as f64 * heads.kv_bytes(context, dtype);
                 let layers = ((config.working_set as f64 / per_layer).ceil() as usize).clamp(1, 256);
-                decode.push(run_pair(&heads, dtype, batch, context - 1, 1, layers, &config.timing, &ctx, &mut rng)?);
+                decode.push(run_pair(
+                    &heads,
+                    dtype,
+                    StepShape { batch, history: context - 1, new_tokens: 1 },
+                    layers,
+                    &config.timing,
+                    &ctx,
+                    &mut rng,
+                )?);
             }
         }
     }
     let mut prefill = Vec::new();
     for &seq in &config.prefills {
         steps.start(format!("prefill {} {seq} tokens", config.prefill_dtype));
-        prefill.push(run_pair(&heads, config.prefill_dtype, 1, 0, seq, 1, &config.prefill_timing, &ctx, &mut rng)?);
+        prefill.push(run_pair(
+            &heads,
+            config.prefill_dtype,
+            StepShape { batch: 1, history: 0, new_tokens: seq },
+            1,
+            &config.prefill_timing,
+            &ctx,
+            &mut rng,
+        )?);
     }
     let step_result = match &config.step {
         Some(s) => {
@@ -827,11 +839,27 @@ pub fn run_attention(config: &AttentionBenchConfig, progress: &mut dyn FnMut(&Pr
     let mut rope = Vec::new();
     let dtype = config.prefill_dtype;
     let (rope_batch, rope_history) = config.step.as_ref().map_or((8, config.target_context), |s| (s.batch, s.history));
-    let mut r = run_rope(&heads, dtype, "decode", rope_batch, rope_history, 1, &config.timing, &ctx, &mut rng)?;
+    let mut r = run_rope(
+        &heads,
+        dtype,
+        "decode",
+        StepShape { batch: rope_batch, history: rope_history, new_tokens: 1 },
+        &config.timing,
+        &ctx,
+        &mut rng,
+    )?;
     r.step_median = step_result.as_ref().map(|s| s.time.median);
     rope.push(r);
     if let Some((seq, time)) = step_result.as_ref().and_then(|s| s.prefill) {
-        let mut r = run_rope(&heads, dtype, "prefill", 1, 0, seq, &config.timing, &ctx, &mut rng)?;
+        let mut r = run_rope(
+            &heads,
+            dtype,
+            "prefill",
+            StepShape { batch: 1, history: 0, new_tokens: seq },
+            &config.timing,
+            &ctx,
+            &mut rng,
+        )?;
         r.step_median = Some(time.median);
         rope.push(r);
     }
@@ -1194,7 +1222,8 @@ mod tests {
         let mut rng = SmallRng::seed_from_u64(5);
         for dtype in [DType::F32, DType::BF16] {
             for (batch, history, seq) in [(3, 13, 1), (1, 0, 9), (2, 5, 3)] {
-                let cache = make_cache(&heads, dtype, 2, batch, history, seq, true, &mut rng).unwrap();
+                let cache = make_cache(&heads, dtype, 2, StepShape { batch, history, new_tokens: seq }, true, &mut rng)
+                    .unwrap();
                 let q = Tensor::random(dtype, &[batch, seq, 6, 8], &mut rng, -1.0, 1.0).unwrap();
                 let valid = Tensor::from_vec(&[batch], vec![seq as u32; batch]).unwrap();
                 let layer = Tensor::scalar_u32(1);

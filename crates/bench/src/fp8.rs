@@ -29,7 +29,8 @@ use serde_json::{Value, json};
 use crate::problem::ModelShape;
 use crate::timing::{Plan, Stats, measure_interleaved};
 use crate::workload::{
-    FP8_GRANULARITY, Heads, cache_params, check_finite, compile_step, make_cache, size_step_cache, step_inputs,
+    FP8_GRANULARITY, Heads, StepShape, cache_params, check_finite, compile_step, make_cache, size_step_cache,
+    step_inputs,
 };
 use crate::{BenchError, Progress, Result, Steps};
 /// The decode-attention target: FP8 at least this much faster than bf16.
@@ -218,7 +219,7 @@ fn store_pair(
         let kernel = QkvKernel::new(spec, Some(weight.clone()), CaptureText::default())
             .map_err(|source| BenchError::Compile { key: spec.kernel_key().to_string(), source })?;
         kernels.push(kernel);
-        caches.push(make_cache(&heads, dtype, 1, 1, 0, m, false, rng)?);
+        caches.push(make_cache(&heads, dtype, 1, StepShape { batch: 1, history: 0, new_tokens: m }, false, rng)?);
     }
     let mut outputs = vec![vec![0u8; m * shape.q_dim() * 2]; 2];
     let measured = measure_interleaved(2, &config.timing, |i| {
@@ -249,8 +250,10 @@ fn attention_pair(
     let layers = ((config.working_set as f64 / bf16_bytes).ceil() as usize).max(1);
     // The same K/V in both caches: random bf16 values, and those values
     // quantized per g-block into the FP8 cache.
-    let bf16 = make_cache(heads, DType::BF16, layers, batch, context - 1, 1, true, rng)?;
-    let mut fp8 = make_cache(heads, DType::F8E4M3, layers, batch, context - 1, 1, false, rng)?;
+    let bf16 =
+        make_cache(heads, DType::BF16, layers, StepShape { batch, history: context - 1, new_tokens: 1 }, true, rng)?;
+    let mut fp8 =
+        make_cache(heads, DType::F8E4M3, layers, StepShape { batch, history: context - 1, new_tokens: 1 }, false, rng)?;
     let g = fp8.params().scale_granularity.expect("an FP8 cache has a granularity");
     fp8.lookup_table_mut().copy_from_slice(bf16.lookup_table());
     {

@@ -91,20 +91,30 @@ pub(crate) fn cache_params(heads: &Heads, dtype: DType, layers: usize) -> KvCach
     }
 }
 
-/// A cache of `layers` layers for `batch` sequences holding `history`
-/// tokens each, with pages reserved for `new_tokens` more; pages handed out
-/// in a shuffled order (scattered page tables), blocks random when `fill`.
-#[allow(clippy::too_many_arguments)]
+/// The shape of one step: `batch` sequences holding `history` cached
+/// tokens each, and `new_tokens` more for each this step.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct StepShape {
+    /// Sequences.
+    pub batch: usize,
+    /// Tokens each already holds in the cache.
+    pub history: usize,
+    /// Tokens each gets this step.
+    pub new_tokens: usize,
+}
+
+/// A cache of `layers` layers for `step`'s sequences, with pages reserved
+/// for its new tokens; pages handed out in a shuffled order (scattered page
+/// tables), blocks random when `fill`.
 pub(crate) fn make_cache(
     heads: &Heads,
     dtype: DType,
     layers: usize,
-    batch: usize,
-    history: usize,
-    new_tokens: usize,
+    step: StepShape,
     fill: bool,
     rng: &mut SmallRng,
 ) -> Result<PagedKVCacheCollection> {
+    let StepShape { batch, history, new_tokens } = step;
     let params = cache_params(heads, dtype, layers);
     let pages_per_seq = (history + new_tokens).div_ceil(heads.page_size).max(1);
     let mut cache = PagedKVCacheCollection::new(params, batch * pages_per_seq, batch, pages_per_seq)?;
