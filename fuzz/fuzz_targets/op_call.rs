@@ -54,7 +54,7 @@ const DTYPES: [DType; 3] = [DType::F32, DType::BF16, DType::F16];
 const FAMILIES: usize = 32;
 
 /// Family `i`, drawn from the full small ranges by a fixed hash of `i`.
-#[allow(clippy::type_complexity)] // one tuple, destructured right away
+#[allow(clippy::type_complexity, reason = "one tuple, destructured right away")]
 fn family(i: usize) -> (DType, DType, usize, usize, usize, usize, usize, usize, usize, usize) {
     let mut h = (i as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
     let mut next = |n: u64| {

@@ -9,7 +9,7 @@
 //! must not change a single bit of a weight.
 
 // Each test binary includes this module and uses a different subset of it.
-#![allow(dead_code)]
+#![allow(dead_code, reason = "each test binary uses a different part of these helpers")]
 
 use std::collections::{BTreeMap, HashMap};
 

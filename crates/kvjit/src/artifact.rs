@@ -188,7 +188,7 @@ pub struct ArtifactSummary {
 /// the architecture, then the x86-64 features detected of those kvjit's
 /// kernels may use.
 pub fn cpu_features() -> Vec<String> {
-    #[allow(unused_mut)]
+    #[allow(unused_mut, reason = "only x86-64 adds features to the list")]
     let mut features = vec![std::env::consts::ARCH.to_string()];
     #[cfg(target_arch = "x86_64")]
     {

@@ -1,7 +1,7 @@
 //! Shared helpers: random valid calls (f32, bf16, f16 and FP8 caches), the
 //! tolerance, running the JIT kernel into a guarded, NaN-poisoned output.
 
-#![allow(dead_code)]
+#![allow(dead_code, reason = "each test binary uses a different part of the fixtures")]
 
 use kvjit_core::fp8::{E4M3_MAX, quantize_block};
 use kvjit_core::{DType, KvCacheParams, PagedKVCacheCollection, Target, Tensor};
