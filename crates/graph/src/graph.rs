@@ -9,43 +9,9 @@
 use std::sync::Arc;
 
 use kvjit_core::Tensor;
-use rand::SeedableRng;
 use serde::{Deserialize, Serialize};
 
-use crate::{NodeId, Params, TensorType, ValueId, ValueType};
-
-/// Deterministic random contents for a constant, for example graphs and
-/// benchmarks that need realistic weights without shipping them: uniform in
-/// `[low, high)` from a seeded generator.
-#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct RandomInit {
-    /// Generator seed.
-    pub seed: u64,
-    /// Lower bound (inclusive).
-    pub low: f32,
-    /// Upper bound (exclusive).
-    pub high: f32,
-}
-
-impl RandomInit {
-    /// Generate the tensor this init describes.
-    pub fn materialize(&self, ty: &TensorType) -> crate::Result<Tensor> {
-        let shape = ty.static_shape().ok_or_else(|| crate::GraphError::InputType {
-            arg: "constant".into(),
-            expected: "a fully static shape".into(),
-            got: ty.to_string(),
-        })?;
-        if !(self.low < self.high && (self.high - self.low).is_finite()) {
-            return Err(crate::GraphError::Param {
-                param: "init".into(),
-                problem: format!("needs finite low < high with a finite width, got [{}, {})", self.low, self.high),
-            });
-        }
-        let mut rng = rand::rngs::StdRng::seed_from_u64(self.seed);
-        Ok(Tensor::random(ty.dtype, &shape, &mut rng, self.low, self.high)?)
-    }
-}
+use crate::{ConstantInit, NodeId, Params, TensorType, ValueId, ValueType};
 
 /// The standard rotary-embedding table `freqs_cis [max_positions, D]` of
 /// a RoPE op, as a constant recipe: row `pos` holds `cos(pos·θ_j)` at `2j`
@@ -101,9 +67,12 @@ impl Llama3Scaling {
     }
 }
 
-impl RopeInit {
+impl crate::Recipe for RopeInit {
+    const NAME: &'static str = "rope";
+    const MARKER: &'static str = "rope_theta";
+
     /// The table for a `[max_positions, D]` constant of `ty`.
-    pub fn materialize(&self, ty: &TensorType) -> crate::Result<Tensor> {
+    fn generate(&self, ty: &TensorType) -> crate::Result<Tensor> {
         let bad = |problem: String| crate::GraphError::Param { param: "init".into(), problem };
         let shape = ty.static_shape().filter(|s| s.len() == 2 && s[1] % 2 == 0 && s[1] > 0).ok_or_else(|| {
             bad(format!("a RoPE table needs a static shape [max_positions, D] with D even and > 0, got {ty}"))
@@ -141,54 +110,6 @@ impl RopeInit {
             }
         }
         Ok(Tensor::from_f32(ty.dtype, &shape, &values)?)
-    }
-}
-
-/// A recipe that makes a constant's data when the graph is built or loaded
-/// (graph files save the recipe, not the data). In a file it is the
-/// recipe's own fields: an object with `rope_theta` is a [`RopeInit`],
-/// anything else a [`RandomInit`] (whose errors then name the field that
-/// is wrong).
-#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
-#[serde(untagged)]
-pub enum ConstantInit {
-    /// Seeded uniform random values.
-    Random(RandomInit),
-    /// The standard RoPE `freqs_cis` table.
-    Rope(RopeInit),
-}
-
-impl<'de> Deserialize<'de> for ConstantInit {
-    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> std::result::Result<Self, D::Error> {
-        use serde::de::Error;
-        let value = serde_json::Value::deserialize(deserializer)?;
-        if value.get("rope_theta").is_some() {
-            serde_json::from_value(value).map(ConstantInit::Rope).map_err(D::Error::custom)
-        } else {
-            serde_json::from_value(value).map(ConstantInit::Random).map_err(D::Error::custom)
-        }
-    }
-}
-
-impl ConstantInit {
-    /// Make the data for a constant of type `ty`.
-    pub fn materialize(&self, ty: &TensorType) -> crate::Result<Tensor> {
-        match self {
-            ConstantInit::Random(init) => init.materialize(ty),
-            ConstantInit::Rope(init) => init.materialize(ty),
-        }
-    }
-}
-
-impl From<RandomInit> for ConstantInit {
-    fn from(init: RandomInit) -> Self {
-        ConstantInit::Random(init)
-    }
-}
-
-impl From<RopeInit> for ConstantInit {
-    fn from(init: RopeInit) -> Self {
-        ConstantInit::Rope(init)
     }
 }
 
@@ -337,9 +258,11 @@ mod tests {
     use super::*;
     use kvjit_core::DType;
 
+    use crate::Recipe;
+
     fn table(init: RopeInit, positions: usize, d: usize) -> Vec<f32> {
         let ty = TensorType::new(DType::F32, [positions.into(), d.into()]);
-        init.materialize(&ty).unwrap().to_f32_vec().unwrap()
+        init.generate(&ty).unwrap().to_f32_vec().unwrap()
     }
 
     #[test]
@@ -383,21 +306,11 @@ mod tests {
         let init = RopeInit { rope_theta: 10000.0, llama3_scaling: None };
         for shape in [vec![4usize, 7], vec![4], vec![4, 0]] {
             let ty = TensorType::new(DType::F32, shape.iter().map(|&d| d.into()));
-            assert!(init.materialize(&ty).is_err(), "{shape:?}");
+            assert!(init.generate(&ty).is_err(), "{shape:?}");
         }
         let ty = TensorType::new(DType::F32, [4.into(), 8.into()]);
-        assert!(RopeInit { rope_theta: f64::NAN, ..init }.materialize(&ty).is_err());
+        assert!(RopeInit { rope_theta: f64::NAN, ..init }.generate(&ty).is_err());
         let bad_scaling = Llama3Scaling { high_freq_factor: 0.5, ..Llama3Scaling::LLAMA_3_1 };
-        assert!(RopeInit { llama3_scaling: Some(bad_scaling), ..init }.materialize(&ty).is_err());
-    }
-
-    #[test]
-    fn recipes_keep_their_json_form() {
-        let random: ConstantInit = serde_json::from_str(r#"{"seed":1,"low":-0.5,"high":0.5}"#).unwrap();
-        assert_eq!(random, ConstantInit::Random(RandomInit { seed: 1, low: -0.5, high: 0.5 }));
-        let rope: ConstantInit = serde_json::from_str(r#"{"rope_theta":500000.0}"#).unwrap();
-        assert_eq!(rope, ConstantInit::Rope(RopeInit { rope_theta: 500000.0, llama3_scaling: None }));
-        assert_eq!(serde_json::to_string(&rope).unwrap(), r#"{"rope_theta":500000.0}"#);
-        assert!(serde_json::from_str::<ConstantInit>(r#"{"seed":1,"rope_theta":2.0}"#).is_err());
+        assert!(RopeInit { llama3_scaling: Some(bad_scaling), ..init }.generate(&ty).is_err());
     }
 }
