@@ -28,7 +28,7 @@ pub use file::{
     graph_from_json_prepared, graph_from_json_within, graph_to_json, load_graph, load_graph_with, load_graph_within,
     save_graph,
 };
-pub use graph::{Graph, GraphOutput, Llama3Scaling, Node, RopeInit, Value, ValueDef};
+pub use graph::{Graph, GraphOutput, Node, Value, ValueDef};
 pub use ids::{NodeId, ValueId};
 pub use op::{
     ArgKind, ArgRole, ArgSpec, OpDef, OpRegistry, PagedParams, ParamKind, ParamSpec, ParamValue, Params, input_error,

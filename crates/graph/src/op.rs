@@ -428,7 +428,7 @@ impl Default for OpRegistry {
 }
 
 /// The recipes every registry knows: seeded random weights, for any op.
-const BUILT_IN_RECIPES: &[RecipeKind] = &[RecipeKind::of::<RandomInit>(), RecipeKind::of::<crate::RopeInit>()];
+const BUILT_IN_RECIPES: &[RecipeKind] = &[RecipeKind::of::<RandomInit>()];
 
 impl OpRegistry {
     /// A registry of no ops (its graphs may still hold inputs, caches and

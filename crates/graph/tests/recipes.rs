@@ -110,16 +110,13 @@ fn a_registry_without_the_op_does_not_know_its_recipe() {
     let err = graph_from_json(&file_with(r#"{"ramp_start": 1.0, "by": 0.1}"#), &OpRegistry::new(), None).unwrap_err();
     assert!(matches!(err, GraphError::Json(_)), "{err:?}");
     assert!(err.to_string().contains("unknown field"), "{err}");
-    assert!(err.to_string().contains("without the field that marks a registered recipe"), "{err}");
-    assert!(err.to_string().contains("\"seed\" (random)") && err.to_string().ends_with("is read as random)"), "{err}");
+    let why = "(an \"init\" without the field that marks a registered recipe, \"seed\" (random), is read as random)";
+    assert!(err.to_string().ends_with(why), "{err}");
     // The builder refuses it too: a graph it saved could not be loaded.
     let registry = OpRegistry::new();
     let mut b = GraphBuilder::new("tables", &registry);
     let err = b.recipe_constant("table", DType::F32, &[2, 3], Ramp { ramp_start: 0.0, by: 1.0 }.into()).unwrap_err();
-    assert!(
-        matches!(&err, GraphError::UnknownRecipe { name: "ramp", known } if known.contains("random") && !known.contains("ramp")),
-        "{err:?}"
-    );
+    assert!(matches!(&err, GraphError::UnknownRecipe { name: "ramp", known } if known == "random"), "{err:?}");
     // With the op, it builds.
     let registry = with_ramp();
     let mut b = GraphBuilder::new("tables", &registry);

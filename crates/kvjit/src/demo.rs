@@ -15,13 +15,11 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use kvjit_core::{DType, PagedKVCacheCollection, Tensor};
-use kvjit_graph::{
-    ArgRole, Dim, Graph, GraphBuilder, KvCacheType, Llama3Scaling, OpRegistry, RandomInit, RopeInit, ValueDef, ValueId,
-};
+use kvjit_graph::{ArgRole, Dim, Graph, GraphBuilder, KvCacheType, OpRegistry, RandomInit, ValueDef, ValueId};
 use kvjit_op_attention::{Mask, MhaParams, mha};
 use kvjit_op_fused_qkv::{FusedQkvParams, fused_qkv_matmul};
 use kvjit_op_reshape::reshape;
-use kvjit_op_rope::{RopeParams, fused_qk_rope};
+use kvjit_op_rope::{Llama3Scaling, RopeInit, RopeParams, fused_qk_rope};
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};

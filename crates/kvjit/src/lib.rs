@@ -45,11 +45,12 @@ pub use kvjit_core::{
     read_safetensors, read_safetensors_header, tensors_from_safetensors, tensors_to_safetensors, write_safetensors,
 };
 pub use kvjit_graph::{
-    ConstantInit, DEFAULT_MEMORY_LIMIT, Dim, Graph, GraphBuilder, GraphError, KvCacheType, Llama3Scaling, OpRegistry,
-    ParamValue, Params, RandomInit, RopeInit, SpecializedGraph, TensorType, ValueDef, ValueId, graph_from_json,
-    graph_from_json_within, graph_to_json, load_graph, load_graph_with, load_graph_within, save_graph, specialize,
+    ConstantInit, DEFAULT_MEMORY_LIMIT, Dim, Graph, GraphBuilder, GraphError, KvCacheType, OpRegistry, ParamValue,
+    Params, RandomInit, SpecializedGraph, TensorType, ValueDef, ValueId, graph_from_json, graph_from_json_within,
+    graph_to_json, load_graph, load_graph_with, load_graph_within, save_graph, specialize,
 };
 pub use kvjit_jit::{CompileCause, CompileRecord, compile_log};
+pub use kvjit_op_rope::{Llama3Scaling, RopeInit};
 
 /// The CPU tier `CpuTier::Auto` resolves to on this machine (`Avx2` on an
 /// x86-64 CPU with AVX2, FMA and F16C, else `Cranelift`): the tier JIT
