@@ -7,7 +7,8 @@
 
 use std::collections::BTreeMap;
 
-use kvjit::demo::{AttentionConfig, LayerConfig, Scenario, attention_step_graph};
+use kvjit::models::llama::{AttentionConfig, LayerConfig, attention_step_graph};
+use kvjit::scenario::Scenario;
 use kvjit::{
     CompileOptions, DType, DeviceContextPtr, Executor, Graph, PagedKVCacheCollection, Tensor, ValueDef, compile,
     standard_registry,

@@ -6,7 +6,8 @@
 
 use std::collections::BTreeMap;
 
-use kvjit::demo::{AttentionConfig, LayerConfig, Scenario, attention_step_graph, layer_graph};
+use kvjit::models::llama::{AttentionConfig, LayerConfig, attention_step_graph, layer_graph};
+use kvjit::scenario::Scenario;
 use kvjit::{
     BuildOptions, CompileOptions, CpuTier, DType, Dim, Graph, KernelImpl, PagedKVCacheCollection, Tensor, compile,
     standard_registry,

@@ -4,7 +4,7 @@
 
 use std::path::Path;
 
-use kvjit::demo::{AttentionConfig, LayerConfig, attention_step_graph, layer_graph};
+use kvjit::models::llama::{AttentionConfig, LayerConfig, attention_step_graph, layer_graph};
 use kvjit::{Graph, ValueDef, graph_to_json, load_graph, standard_registry};
 
 fn check_example(graph: impl FnOnce(&kvjit::OpRegistry) -> Graph, file: &str) {

@@ -5,8 +5,9 @@
 //! The counter is process-wide and tests in one binary run in parallel, so
 //! this file is its own test binary with a single test.
 
-use kvjit::demo::{LayerConfig, Scenario, layer_graph};
 use kvjit::fused_qkv::cpu_jit::compile_log;
+use kvjit::models::llama::{LayerConfig, layer_graph};
+use kvjit::scenario::Scenario;
 use kvjit::{BuildOptions, CompileOptions, DType, DeviceContextPtr, Executor, KernelImpl, compile, standard_registry};
 use kvjit_jit::{CompileCause, live_code_bytes};
 

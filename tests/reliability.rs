@@ -34,9 +34,10 @@ use std::process::Command;
 use std::sync::Barrier;
 
 use common::{constant_data, small_graph};
-use kvjit::demo::{LayerConfig, Scenario, layer_graph};
 use kvjit::fused_qkv::cpu_jit::compile_log;
 use kvjit::fused_qkv::{FusedQkvSpec, JitKernel, OP_NAME};
+use kvjit::models::llama::{LayerConfig, layer_graph};
+use kvjit::scenario::Scenario;
 use kvjit::{
     BuildOptions, CompileOptions, CoreError, DType, DeviceContextPtr, Dim, Error, Executable, Executor, Graph,
     GraphBuilder, KernelImpl, KvCacheParams, KvCacheType, MemoryEstimate, PagedKVCacheCollection, ParamValue, Params,

@@ -9,11 +9,11 @@
 
 use std::path::Path;
 
-use kvjit::demo::{LayerConfig, layer_graph};
+use kvjit::models::llama::{LayerConfig, layer_graph};
 use kvjit::{
     DType, KvCacheParams, PagedKVCacheCollection, Tensor, graph_to_json, standard_registry, tensors_to_safetensors,
 };
-use kvjit::demo::Scenario;
+use kvjit::scenario::Scenario;
 use kvjit_fuzz::{TINY_ATTENTION_DTYPES, TINY_DTYPES, tiny_attention_graph, tiny_graph};
 use rand::SeedableRng;
 use rand::rngs::StdRng;

@@ -23,7 +23,8 @@
 use std::cell::RefCell;
 use std::collections::BTreeMap;
 
-use kvjit::demo::{AttentionConfig, LayerConfig, Scenario, attention_step_graph};
+use kvjit::models::llama::{AttentionConfig, LayerConfig, attention_step_graph};
+use kvjit::scenario::Scenario;
 use kvjit::{
     BuildOptions, CompileOptions, DType, DeviceContextPtr, Dim, Executable, Executor, Graph, GraphBuilder, KernelImpl,
     KvCacheType, PagedKVCacheCollection, ParamValue, Params, RandomInit, Registry, Tensor, ValueDef, compile,

@@ -17,8 +17,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvjit::attention::JitKernel as MhaKernel;
-use kvjit::demo::AttentionConfig;
 use kvjit::fused_qkv::{FusedQkvSpec, JitKernel as QkvKernel, QkvArgs};
+use kvjit::models::llama::AttentionConfig;
 use kvjit_core::{DType, KvCacheParams, Target, Tensor};
 use kvjit_jit::CaptureText;
 use kvjit_runtime::{DeviceContextPtr, Executor};

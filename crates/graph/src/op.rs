@@ -250,7 +250,7 @@ pub enum ArgKind {
 }
 
 /// What an input means beyond its type — what a generator of example
-/// inputs needs to know to make *valid* values for it (see `kvjit::demo`).
+/// inputs needs to know to make *valid* values for it (see `kvjit::scenario`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ArgRole {
     /// Any values of its type (activations, weights).

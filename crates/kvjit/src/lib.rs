@@ -7,18 +7,22 @@
 //! - [`compile`] specializes a graph for a target and lowers it to an
 //!   [`Executable`];
 //! - [`Executor::run`] runs it with named inputs and KV caches;
-//! - [`demo`] builds the example graphs and their random inputs;
+//! - [`models`] builds model graphs from a typed config (Llama's QKV layers
+//!   and attention step: the example graphs);
+//! - [`scenario`] makes seeded, valid inputs and KV caches for any graph;
 //! - the benchmarks (`kvjit bench`, `cargo bench -p kvjit-bench`) are the
 //!   `kvjit-bench` crate.
 //!
 //! ```no_run
-//! use kvjit::{CompileOptions, DeviceContextPtr, Executor, compile, demo, standard_registry};
+//! use kvjit::models::llama::{LayerConfig, layer_graph};
+//! use kvjit::scenario::Scenario;
+//! use kvjit::{CompileOptions, DeviceContextPtr, Executor, compile, standard_registry};
 //!
 //! let registry = standard_registry();
-//! let config = demo::LayerConfig::small();
-//! let graph = demo::layer_graph(&config, registry.ops()).unwrap();
+//! let config = LayerConfig::small();
+//! let graph = layer_graph(&config, registry.ops()).unwrap();
 //! let exe = compile(&graph, &registry, &CompileOptions::default()).unwrap();
-//! let mut scenario = demo::Scenario::prefill(&graph, 7).unwrap();
+//! let mut scenario = Scenario::prefill(&graph, 7).unwrap();
 //! let out = Executor::new(DeviceContextPtr::cpu(2).unwrap())
 //!     .run(&exe, &scenario.inputs, &mut scenario.caches)
 //!     .unwrap();
@@ -28,9 +32,10 @@
 pub mod artifact;
 pub mod compare;
 mod compile;
-pub mod demo;
 mod error;
+pub mod models;
 mod registry;
+pub mod scenario;
 
 pub use artifact::{ArtifactError, LoadedArtifact, is_artifact, load_artifact, load_artifact_with, write_artifact};
 pub use compile::{CompileOptions, MemoryEstimate, compile};
