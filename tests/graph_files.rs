@@ -221,7 +221,7 @@ fn data_constant_graph_round_trips_through_a_safetensors_file() {
 #[test]
 fn llama3_8b_graph_saves_as_a_small_recipe_file_and_keeps_its_kernel_keys() {
     let registry = standard_registry();
-    let graph = kvjit::models::llama::layer_graph(&LayerConfig::llama3_8b(), registry.ops()).unwrap();
+    let graph = kvjit::models::llama::qkv_layer_graph(&LayerConfig::llama3_8b(), registry.ops()).unwrap();
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("llama.json");
     save_graph(&graph, &path).unwrap();
@@ -1019,7 +1019,7 @@ fn single_field_edits_of_a_valid_file_never_panic() {
 fn fp8_cache_granularity_defaults_to_128_and_must_divide_the_head_size() {
     let registry = standard_registry();
     let graph =
-        kvjit::models::llama::attention_step_graph(&kvjit::models::llama::AttentionConfig::llama3_8b(), registry.ops())
+        kvjit::models::llama::attention_step_graph(&kvjit::models::llama::LlamaConfig::llama3_8b(), registry.ops())
             .unwrap();
     let mut file: Value = serde_json::from_str(&graph_to_json(&graph, None)).unwrap();
     let cache = file["values"].as_array_mut().unwrap().iter_mut().find(|v| v["kind"] == "kv_cache").unwrap();

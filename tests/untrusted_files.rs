@@ -17,7 +17,7 @@ fn kvjit(args: &[&str]) -> Output {
 fn graph_naming(dir: &Path, weights: &str) -> PathBuf {
     let registry = standard_registry();
     let config = kvjit::models::llama::LayerConfig { num_layers: 1, ..kvjit::models::llama::LayerConfig::small() };
-    let graph = kvjit::models::llama::layer_graph(&config, registry.ops()).unwrap();
+    let graph = kvjit::models::llama::qkv_layer_graph(&config, registry.ops()).unwrap();
     let path = dir.join("graph.json");
     save_graph(&graph, &path).unwrap();
     let text = std::fs::read_to_string(&path).unwrap();

@@ -9,7 +9,7 @@
 
 use std::path::Path;
 
-use kvjit::models::llama::{LayerConfig, layer_graph};
+use kvjit::models::llama::{LayerConfig, qkv_layer_graph};
 use kvjit::{
     DType, KvCacheParams, PagedKVCacheCollection, Tensor, graph_to_json, standard_registry, tensors_to_safetensors,
 };
@@ -37,7 +37,7 @@ fn main() {
     let graphs = root.join("graph_file");
     let tiny = tiny_graph(&registry, DType::BF16, DType::F16);
     write(&graphs, "tiny_chain.json", graph_to_json(&tiny, None).as_bytes());
-    let small = layer_graph(
+    let small = qkv_layer_graph(
         &LayerConfig {
             hidden_size: 8,
             num_q_heads: 2,

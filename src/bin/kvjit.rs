@@ -8,7 +8,7 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use clap::{Parser, Subcommand};
-use kvjit::models::llama::{AttentionConfig, attention_step_graph};
+use kvjit::models::llama::{LlamaConfig, attention_step_graph};
 use kvjit::scenario::Scenario;
 use kvjit::{
     BuildOptions, CompileOptions, CpuTier, DType, DeviceContextPtr, Error, Executor, Graph, KernelImpl, Registry,
@@ -425,7 +425,7 @@ fn run(registry: &Registry, args: &RunArgs) -> Result<()> {
     let loaded = match &args.graph {
         Some(path) => load_any(registry, path, args.weights, args.memory_budget)?,
         None => {
-            let mut config = AttentionConfig::llama3_8b();
+            let mut config = LlamaConfig::llama3_8b();
             config.layer.cache_dtype = args.kv_cache_dtype;
             Loaded { graph: attention_step_graph(&config, registry.ops())?, artifact: None }
         }

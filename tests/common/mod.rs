@@ -31,7 +31,7 @@ pub fn executor() -> Executor {
 
 /// The small two-layer example graph (random-init weights).
 pub fn small_graph(registry: &Registry) -> Graph {
-    kvjit::models::llama::layer_graph(&LayerConfig::small(), registry.ops()).expect("small graph builds")
+    kvjit::models::llama::qkv_layer_graph(&LayerConfig::small(), registry.ops()).expect("small graph builds")
 }
 
 /// Compile for the CPU with no bindings.

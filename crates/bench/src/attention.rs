@@ -32,7 +32,7 @@ use std::time::{Duration, Instant};
 
 use half::slice::HalfFloatSliceExt;
 use kvjit::attention::{JitKernel as MhaKernel, Mask, MhaSpec};
-use kvjit::models::llama::{AttentionConfig, LayerConfig, attention_step_graph};
+use kvjit::models::llama::{LayerConfig, LlamaConfig as AttentionConfig, attention_step_graph};
 use kvjit::rope::{JitKernel as RopeKernel, RopeArgs, RopeSpec};
 use kvjit::{CompileOptions, compile, standard_registry};
 use kvjit_core::{DType, KvCacheParams, PagedKVCacheCollection, Target, Tensor};

@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use kvjit::attention::JitKernel as MhaKernel;
 use kvjit::fused_qkv::{FusedQkvSpec, JitKernel as QkvKernel, QkvArgs};
-use kvjit::models::llama::AttentionConfig;
+use kvjit::models::llama::LlamaConfig as AttentionConfig;
 use kvjit_core::{DType, KvCacheParams, Target, Tensor};
 use kvjit_jit::CaptureText;
 use kvjit_runtime::{DeviceContextPtr, Executor};

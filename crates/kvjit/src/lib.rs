@@ -14,13 +14,13 @@
 //!   `kvjit-bench` crate.
 //!
 //! ```no_run
-//! use kvjit::models::llama::{LayerConfig, layer_graph};
+//! use kvjit::models::llama::{LayerConfig, qkv_layer_graph};
 //! use kvjit::scenario::Scenario;
 //! use kvjit::{CompileOptions, DeviceContextPtr, Executor, compile, standard_registry};
 //!
 //! let registry = standard_registry();
 //! let config = LayerConfig::small();
-//! let graph = layer_graph(&config, registry.ops()).unwrap();
+//! let graph = qkv_layer_graph(&config, registry.ops()).unwrap();
 //! let exe = compile(&graph, &registry, &CompileOptions::default()).unwrap();
 //! let mut scenario = Scenario::prefill(&graph, 7).unwrap();
 //! let out = Executor::new(DeviceContextPtr::cpu(2).unwrap())

@@ -1,10 +1,18 @@
 //! Llama-family graphs: the typed config and the graph builders.
 //!
-//! [`LayerConfig::llama3_8b`] is one Llama-3-8B attention layer's QKV
-//! projection (hidden 4096, 32 query heads, 8 KV heads of 128, page size 16);
-//! [`LayerConfig::small`] is a two-layer toy that runs in microseconds.
-//! [`attention_step_graph`] builds a whole attention step on top of it
-//! (fused QKV → reshape → paged RoPE → paged flash attention, per layer).
+//! [`LlamaConfig`] is a Llama model as kvjit builds it: the Hugging Face
+//! `config.json` numbers (hidden size, heads, KV heads, head size, FFN
+//! size, RoPE θ and Llama-3.1 scaling, RMSNorm ε, vocabulary, tied
+//! embeddings) plus how kvjit holds it (dtypes, the paged KV cache).
+//! Its [`layer`](LlamaConfig::layer) ([`LayerConfig`]) is what every
+//! decoder layer's attention shares, and all the QKV projection needs.
+//!
+//! Two graphs are built from them today: [`qkv_layer_graph`], the fused QKV
+//! projection of each layer writing K and V into the cache, and
+//! [`attention_step_graph`], a whole attention step (fused QKV → reshape →
+//! paged RoPE → paged flash attention, per layer). Their presets
+//! ([`LlamaConfig::llama3_8b`], [`LlamaConfig::small`] and the
+//! [`LayerConfig`] ones) make the example graphs under `examples/`.
 
 use kvjit_core::DType;
 use kvjit_graph::{Dim, Graph, GraphBuilder, KvCacheType, OpRegistry, RandomInit};
@@ -15,7 +23,10 @@ use kvjit_op_rope::{Llama3Scaling, RopeInit, RopeParams, fused_qk_rope};
 
 use crate::{Error, Result};
 
-/// The shape of an example attention layer's QKV projection.
+/// The attention layers of a Llama model as a graph holds them: their
+/// shapes and dtypes, the paged KV cache they share, and the seed of their
+/// random weights — everything [`qkv_layer_graph`] needs (with the graph's
+/// name).
 #[derive(Clone, Debug)]
 pub struct LayerConfig {
     /// Graph name.
@@ -128,10 +139,11 @@ pub fn output_name(config: &LayerConfig, layer: usize) -> String {
     if config.num_layers == 1 { "q".into() } else { format!("layers.{layer}.q") }
 }
 
-/// Build the example graph: symbolic `batch` and `seq`, one fused-QKV node
-/// per layer (each with its own seeded random weight and `layer_idx` input),
-/// all writing the cache `kv_cache`.
-pub fn layer_graph(config: &LayerConfig, ops: &OpRegistry) -> Result<Graph> {
+/// Build the QKV-layer graph: symbolic `batch` and `seq`, one fused-QKV
+/// node per layer (each with its own seeded random weight and `layer_idx`
+/// input), all writing the cache `kv_cache`; layer `l`'s Q is the output
+/// [`output_name`]`(config, l)`.
+pub fn qkv_layer_graph(config: &LayerConfig, ops: &OpRegistry) -> Result<Graph> {
     let mut b = GraphBuilder::new(&config.name, ops);
     let batch = Dim::from("batch");
     let hidden =
@@ -155,42 +167,64 @@ pub fn layer_graph(config: &LayerConfig, ops: &OpRegistry) -> Result<Graph> {
     Ok(b.finish()?)
 }
 
-/// One attention step of a model: per layer, the fused QKV projection
-/// (K and V into the paged cache), a reshape to heads, paged RoPE (Q out, K
-/// rotated in the cache) and paged causal flash attention, the layers
-/// chained (each layer's attention output is the next one's hidden state,
-/// so `q_dim` must equal the hidden size).
+/// A Llama-family model as kvjit builds it: the decoder layers' attention
+/// ([`layer`](Self::layer): shapes, dtypes, layer count, the paged KV
+/// cache) and the rest of the Hugging Face `config.json`.
 #[derive(Clone, Debug)]
-pub struct AttentionConfig {
-    /// Shapes, dtype, cache and weights (as for the QKV graph).
+pub struct LlamaConfig {
+    /// The attention layers: hidden size, query and KV heads, head size,
+    /// dtype and cache dtype, page size, layers, the cache's pages, the
+    /// weights' seed, the graph's name.
     pub layer: LayerConfig,
-    /// RoPE base θ.
+    /// Hidden size of each layer's MLP (`intermediate_size`).
+    pub ffn_size: usize,
+    /// RoPE base θ (`rope_theta`).
     pub rope_theta: f64,
-    /// Llama-3.1 frequency scaling of the RoPE table, if any.
+    /// Llama-3.1 frequency scaling of the RoPE table (`rope_scaling` of
+    /// `rope_type: "llama3"`), if any.
     pub llama3_scaling: Option<Llama3Scaling>,
-    /// RoPE pair layout (false: Hugging Face `rotate_half`, as Llama uses).
-    pub interleaved: bool,
+    /// RoPE pair layout: false rotates Hugging Face `rotate_half` halves
+    /// (Llama's checkpoints), true GGUF's interleaved pairs.
+    pub rope_interleaved: bool,
+    /// RMSNorm ε (`rms_norm_eps`).
+    pub rms_norm_eps: f64,
+    /// Vocabulary size (`vocab_size`).
+    pub vocab_size: usize,
+    /// Whether the LM head is the embedding matrix (`tie_word_embeddings`).
+    pub tie_word_embeddings: bool,
 }
 
-impl AttentionConfig {
-    /// Llama-3-8B's attention (hidden 4096, 32 q heads, 8 KV heads of 128,
-    /// θ = 500000 with Llama-3.1 scaling) in bf16, one layer, page 16.
+impl LlamaConfig {
+    /// Llama-3.1-8B (hidden 4096, 32 q heads, 8 KV heads of 128, FFN 14336,
+    /// θ = 500000 with Llama-3.1 scaling, vocabulary 128256) in bf16, page
+    /// 16 — with one layer and a 64-page cache: the example step
+    /// `llama3_8b_attention.json`.
     pub fn llama3_8b() -> Self {
         Self {
             layer: LayerConfig { name: "llama3_8b_attention".into(), dtype: DType::BF16, ..LayerConfig::llama3_8b() },
+            ffn_size: 14336,
             rope_theta: 500000.0,
             llama3_scaling: Some(Llama3Scaling::LLAMA_3_1),
-            interleaved: false,
+            rope_interleaved: false,
+            rms_norm_eps: 1e-5,
+            vocab_size: 128256,
+            tie_word_embeddings: false,
         }
     }
 
-    /// Two small layers (hidden 64, 4 q heads, 2 KV heads of 16, page 4), f32.
+    /// A toy of two small layers (hidden 64, 4 q heads, 2 KV heads of 16,
+    /// FFN 256, vocabulary 512, tied embeddings, page 4), f32: the example
+    /// step `small_attention.json`.
     pub fn small() -> Self {
         Self {
             layer: LayerConfig { name: "small_attention".into(), ..LayerConfig::small() },
+            ffn_size: 256,
             rope_theta: 10000.0,
             llama3_scaling: None,
-            interleaved: false,
+            rope_interleaved: false,
+            rms_norm_eps: 1e-5,
+            vocab_size: 512,
+            tie_word_embeddings: true,
         }
     }
 
@@ -201,11 +235,16 @@ impl AttentionConfig {
     }
 }
 
-/// Build the attention-step graph of `config`: inputs `hidden_state [batch,
-/// seq, K]`, `valid_lengths [batch]` and a `layer_idx` per layer; the cache
-/// `kv_cache`; the RoPE table `freqs_cis` as a recipe constant; the output
-/// `attention [batch, seq, Hq·D]` of the last layer.
-pub fn attention_step_graph(config: &AttentionConfig, ops: &OpRegistry) -> Result<Graph> {
+/// Build one attention step of `config`'s model: per layer, the fused QKV
+/// projection (K and V into the paged cache), a reshape to heads, paged
+/// RoPE (Q out, K rotated in the cache) and paged causal flash attention,
+/// the layers chained (each layer's attention output is the next one's
+/// hidden state, so `q_dim` must equal the hidden size). Inputs
+/// `hidden_state [batch, seq, K]`, `valid_lengths [batch]` and a
+/// `layer_idx` per layer; the cache `kv_cache`; the RoPE table `freqs_cis`
+/// as a recipe constant; the output `attention [batch, seq, Hq·D]` of the
+/// last layer.
+pub fn attention_step_graph(config: &LlamaConfig, ops: &OpRegistry) -> Result<Graph> {
     let layer = &config.layer;
     if layer.q_dim() != layer.hidden_size {
         return Err(Error::Usage(format!(
@@ -223,7 +262,7 @@ pub fn attention_step_graph(config: &AttentionConfig, ops: &OpRegistry) -> Resul
     let freqs = b.recipe_constant("freqs_cis", layer.dtype, &[config.max_positions(), layer.head_size], rope.into())?;
     let rope_params = RopeParams {
         dtype: layer.dtype,
-        interleaved: config.interleaved,
+        interleaved: config.rope_interleaved,
         num_kv_heads: layer.num_kv_heads,
         head_size: layer.head_size,
         page_size: layer.page_size,
