@@ -13,7 +13,7 @@ use common::chain_graph;
 use kvjit::artifact::{
     ARTIFACT_ALIGN, ARTIFACT_MAGIC, ArtifactHeader, KVJIT_BUILD, cpu_features, cpu_requirements, missing_cpu_features,
 };
-use kvjit::demo::Scenario;
+use kvjit::scenario::Scenario;
 use kvjit::{
     ArtifactError, CompileOptions, DType, Error, Executor, Graph, KernelImpl, Registry, RunOutput, Target, ValueDef,
     WeightLoad, compile, load_artifact, load_artifact_with, load_graph_with, save_graph, standard_registry,

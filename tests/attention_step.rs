@@ -7,7 +7,8 @@
 
 use std::collections::BTreeMap;
 
-use kvjit::demo::{AttentionConfig, LayerConfig, Scenario, attention_step_graph};
+use kvjit::models::llama::{LayerConfig, LlamaConfig, attention_step_graph};
+use kvjit::scenario::Scenario;
 use kvjit::{
     CompileOptions, DType, DeviceContextPtr, Executor, Graph, PagedKVCacheCollection, Tensor, ValueDef, compile,
     standard_registry,
@@ -126,7 +127,7 @@ fn normalized_error(got: &[f64], want: &[f64]) -> f64 {
     got.iter().zip(want).map(|(g, w)| (g - w).abs()).fold(0.0, f64::max) / scale
 }
 
-fn check_steps(config: AttentionConfig, steps: usize, tolerance: f64) {
+fn check_steps(config: LlamaConfig, steps: usize, tolerance: f64) {
     let registry = standard_registry();
     let graph = attention_step_graph(&config, registry.ops()).unwrap();
     let exe = compile(&graph, &registry, &CompileOptions::default()).unwrap();
@@ -169,12 +170,12 @@ fn check_steps(config: AttentionConfig, steps: usize, tolerance: f64) {
 #[test]
 fn a_small_f32_attention_step_matches_the_naive_model_over_decode_steps() {
     // f32 everywhere: the error is accumulation order (seen: 2.6e-7).
-    check_steps(AttentionConfig::small(), 4, 2e-6);
+    check_steps(LlamaConfig::small(), 4, 2e-6);
 }
 
 #[test]
 fn a_bf16_step_with_wider_head_groups_matches_within_bf16_rounding() {
-    let mut config = AttentionConfig::small();
+    let mut config = LlamaConfig::small();
     config.layer = LayerConfig {
         name: "small_gqa4".into(),
         dtype: DType::BF16,
@@ -201,7 +202,7 @@ fn a_bf16_step_with_wider_head_groups_matches_within_bf16_rounding() {
 /// order in the output (seen: 1.1e-2 output, 3.1e-2 cache over two layers).
 #[test]
 fn an_fp8_cache_step_matches_the_naive_model_within_fp8_rounding() {
-    let mut config = AttentionConfig::small();
+    let mut config = LlamaConfig::small();
     config.layer = LayerConfig { name: "small_fp8".into(), cache_dtype: Some(DType::F8E4M3), ..config.layer };
     let registry = standard_registry();
     let graph = attention_step_graph(&config, registry.ops()).unwrap();
@@ -214,14 +215,14 @@ fn an_fp8_cache_step_matches_the_naive_model_within_fp8_rounding() {
 #[test]
 fn the_cuda_target_refuses_rope_and_attention_at_specialize_naming_the_op() {
     let registry = standard_registry();
-    let graph = attention_step_graph(&AttentionConfig::small(), registry.ops()).unwrap();
+    let graph = attention_step_graph(&LlamaConfig::small(), registry.ops()).unwrap();
     let err = kvjit::specialize(&graph, registry.ops(), kvjit::Target::Cuda, &BTreeMap::new()).unwrap_err();
     let message = err.to_string();
     assert!(message.contains("no cuda kernel for op mo.fused_qk_rope.padded.paged"), "{message}");
     assert!(message.contains("no CUDA variant for op mo.fused_qk_rope.padded.paged yet"), "{message}");
     // Without RoPE, attention is refused the same way.
     let mut b = kvjit::GraphBuilder::new("mha_only", registry.ops());
-    let layer = &AttentionConfig::small().layer;
+    let layer = &LlamaConfig::small().layer;
     let q = b.input("q", DType::F32, &["batch".into(), "seq".into(), 4.into(), 16.into()]).unwrap();
     let valid = b.input("valid_lengths", DType::U32, &["batch".into()]).unwrap();
     let idx = b.input("layer_idx", DType::U32, &[]).unwrap();
@@ -248,7 +249,7 @@ fn binding_batch_and_seq_at_compile_gives_the_same_step_bit_for_bit() {
     // The reshapes name `batch` and `seq` in their target shape: binding
     // them must bind those too (it once left them dangling).
     let registry = standard_registry();
-    let graph = attention_step_graph(&AttentionConfig::small(), registry.ops()).unwrap();
+    let graph = attention_step_graph(&LlamaConfig::small(), registry.ops()).unwrap();
     let scenario = Scenario::prefill_with(&graph, 9, 3, 5).unwrap();
     let bound = CompileOptions {
         bindings: [("batch".to_string(), 3), ("seq".to_string(), 5)].into(),

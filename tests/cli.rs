@@ -451,9 +451,9 @@ fn the_example_scenario_refuses_caches_over_the_memory_limit_before_allocating_t
     // bytes and the 272-byte table.
     let graph = load_graph(Path::new(&example("small_two_layers.json")), standard_registry().ops()).unwrap();
     let needed = 48 * 2052 + 272;
-    let err = kvjit::demo::Scenario::prefill_within(&graph, 7, 4, 8, needed - 1).err().expect("over the budget");
+    let err = kvjit::scenario::Scenario::prefill_within(&graph, 7, 4, 8, needed - 1).err().expect("over the budget");
     assert!(err.to_string().contains(&format!("KV caches need {needed} bytes")), "{err}");
-    let scenario = kvjit::demo::Scenario::prefill_within(&graph, 7, 4, 8, needed).unwrap();
+    let scenario = kvjit::scenario::Scenario::prefill_within(&graph, 7, 4, 8, needed).unwrap();
     let cache = &scenario.caches["kv_cache"];
     let tables = 4 * (cache.lookup_table().len() + cache.cache_lengths().len() + cache.num_pages());
     assert_eq!((cache.blocks().as_bytes().len() + tables) as u64, needed);

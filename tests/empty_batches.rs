@@ -6,7 +6,8 @@
 
 use std::collections::BTreeMap;
 
-use kvjit::demo::{AttentionConfig, LayerConfig, Scenario, attention_step_graph, layer_graph};
+use kvjit::models::llama::{LayerConfig, LlamaConfig, attention_step_graph, qkv_layer_graph};
+use kvjit::scenario::Scenario;
 use kvjit::{
     BuildOptions, CompileOptions, CpuTier, DType, Dim, Graph, KernelImpl, PagedKVCacheCollection, Tensor, compile,
     standard_registry,
@@ -17,11 +18,11 @@ mod common;
 
 fn graphs() -> Vec<Graph> {
     let ops = standard_registry();
-    let mut bf16 = AttentionConfig::small();
+    let mut bf16 = LlamaConfig::small();
     bf16.layer.dtype = DType::BF16;
     vec![
-        layer_graph(&LayerConfig::small(), ops.ops()).unwrap(),
-        attention_step_graph(&AttentionConfig::small(), ops.ops()).unwrap(),
+        qkv_layer_graph(&LayerConfig::small(), ops.ops()).unwrap(),
+        attention_step_graph(&LlamaConfig::small(), ops.ops()).unwrap(),
         attention_step_graph(&bf16, ops.ops()).unwrap(),
     ]
 }

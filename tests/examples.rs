@@ -4,7 +4,7 @@
 
 use std::path::Path;
 
-use kvjit::demo::{AttentionConfig, LayerConfig, attention_step_graph, layer_graph};
+use kvjit::models::llama::{LayerConfig, LlamaConfig, attention_step_graph, qkv_layer_graph};
 use kvjit::{Graph, ValueDef, graph_to_json, load_graph, standard_registry};
 
 fn check_example(graph: impl FnOnce(&kvjit::OpRegistry) -> Graph, file: &str) {
@@ -29,29 +29,29 @@ fn check_example(graph: impl FnOnce(&kvjit::OpRegistry) -> Graph, file: &str) {
 
 #[test]
 fn llama3_8b_layer_file_matches_the_builder() {
-    check_example(|ops| layer_graph(&LayerConfig::llama3_8b(), ops).unwrap(), "llama3_8b_layer.json");
+    check_example(|ops| qkv_layer_graph(&LayerConfig::llama3_8b(), ops).unwrap(), "llama3_8b_layer.json");
 }
 
 #[test]
 fn small_two_layer_file_matches_the_builder() {
-    check_example(|ops| layer_graph(&LayerConfig::small(), ops).unwrap(), "small_two_layers.json");
+    check_example(|ops| qkv_layer_graph(&LayerConfig::small(), ops).unwrap(), "small_two_layers.json");
 }
 
 #[test]
 fn llama3_8b_attention_file_matches_the_builder() {
-    check_example(|ops| attention_step_graph(&AttentionConfig::llama3_8b(), ops).unwrap(), "llama3_8b_attention.json");
+    check_example(|ops| attention_step_graph(&LlamaConfig::llama3_8b(), ops).unwrap(), "llama3_8b_attention.json");
 }
 
 #[test]
 fn small_attention_file_matches_the_builder() {
-    check_example(|ops| attention_step_graph(&AttentionConfig::small(), ops).unwrap(), "small_attention.json");
+    check_example(|ops| attention_step_graph(&LlamaConfig::small(), ops).unwrap(), "small_attention.json");
 }
 
 #[test]
 fn llama3_8b_fp8_attention_file_matches_the_builder() {
     check_example(
         |ops| {
-            let mut config = AttentionConfig::llama3_8b();
+            let mut config = LlamaConfig::llama3_8b();
             config.layer.name = "llama3_8b_attention_fp8".into();
             config.layer.cache_dtype = Some(kvjit::DType::F8E4M3);
             attention_step_graph(&config, ops).unwrap()

@@ -7,7 +7,7 @@ mod common;
 use std::collections::BTreeMap;
 
 use common::{chain_graph, chain_graph_with, compile_cpu, executor, reference_run, run_ok, small_graph};
-use kvjit::demo::Scenario;
+use kvjit::scenario::Scenario;
 use kvjit::{
     CompileOptions, DType, DeviceContextPtr, Error, Executable, GraphError, KvCacheParams, PagedKVCacheCollection,
     RuntimeError, Target, Tensor, UNASSIGNED_PAGE, compile, standard_registry,

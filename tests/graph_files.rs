@@ -14,8 +14,9 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::{Path, PathBuf};
 
 use common::{chain_graph, compile_cpu, constant_data, reference_run, run_ok, small_graph};
-use kvjit::demo::{LayerConfig, Scenario};
 use kvjit::fused_qkv::{OP_ALIAS, OP_NAME};
+use kvjit::models::llama::LayerConfig;
+use kvjit::scenario::Scenario;
 use kvjit::{
     CompileOptions, DType, Executable, Graph, GraphError, Registry, Target, Tensor, compile, graph_from_json,
     graph_to_json, load_graph, read_safetensors, save_graph, specialize, standard_registry, write_safetensors,
@@ -220,7 +221,7 @@ fn data_constant_graph_round_trips_through_a_safetensors_file() {
 #[test]
 fn llama3_8b_graph_saves_as_a_small_recipe_file_and_keeps_its_kernel_keys() {
     let registry = standard_registry();
-    let graph = kvjit::demo::layer_graph(&LayerConfig::llama3_8b(), registry.ops()).unwrap();
+    let graph = kvjit::models::llama::qkv_layer_graph(&LayerConfig::llama3_8b(), registry.ops()).unwrap();
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("llama.json");
     save_graph(&graph, &path).unwrap();
@@ -1017,7 +1018,9 @@ fn single_field_edits_of_a_valid_file_never_panic() {
 #[test]
 fn fp8_cache_granularity_defaults_to_128_and_must_divide_the_head_size() {
     let registry = standard_registry();
-    let graph = kvjit::demo::attention_step_graph(&kvjit::demo::AttentionConfig::llama3_8b(), registry.ops()).unwrap();
+    let graph =
+        kvjit::models::llama::attention_step_graph(&kvjit::models::llama::LlamaConfig::llama3_8b(), registry.ops())
+            .unwrap();
     let mut file: Value = serde_json::from_str(&graph_to_json(&graph, None)).unwrap();
     let cache = file["values"].as_array_mut().unwrap().iter_mut().find(|v| v["kind"] == "kv_cache").unwrap();
     cache["dtype"] = json!("f8e4m3");

@@ -5,8 +5,9 @@
 //! The counter is process-wide and tests in one binary run in parallel, so
 //! this file is its own test binary with a single test.
 
-use kvjit::demo::{LayerConfig, Scenario, layer_graph};
 use kvjit::fused_qkv::cpu_jit::compile_log;
+use kvjit::models::llama::{LayerConfig, qkv_layer_graph};
+use kvjit::scenario::Scenario;
 use kvjit::{BuildOptions, CompileOptions, DType, DeviceContextPtr, Executor, KernelImpl, compile, standard_registry};
 use kvjit_jit::{CompileCause, live_code_bytes};
 
@@ -40,7 +41,7 @@ fn building_and_dropping_many_executables_returns_the_jit_memory() {
     for round in 0..4 {
         for (i, config) in configs().into_iter().enumerate() {
             let what = format!("round {round}, graph {i} ({})", config.name);
-            let graph = layer_graph(&config, registry.ops()).unwrap();
+            let graph = qkv_layer_graph(&config, registry.ops()).unwrap();
             // Half of them also compile a kernel per shape seen at run time.
             let build = BuildOptions { specialize_shapes: (round + i) % 2 == 0, ..BuildOptions::default() };
             let exe = compile(&graph, &registry, &CompileOptions { build, ..CompileOptions::default() }).unwrap();
@@ -81,7 +82,7 @@ fn building_and_dropping_many_executables_returns_the_jit_memory() {
     // Two executables of one graph share their kernels: dropping one keeps
     // the other's code alive and running; dropping both frees it, and the
     // next build compiles again (logged as a recompile).
-    let graph = layer_graph(&LayerConfig::small(), registry.ops()).unwrap();
+    let graph = qkv_layer_graph(&LayerConfig::small(), registry.ops()).unwrap();
     let a = compile(&graph, &registry, &CompileOptions::default()).unwrap();
     let with_a = live_code_bytes();
     let b = compile(&graph, &registry, &CompileOptions::default()).unwrap();

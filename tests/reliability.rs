@@ -34,9 +34,10 @@ use std::process::Command;
 use std::sync::Barrier;
 
 use common::{constant_data, small_graph};
-use kvjit::demo::{LayerConfig, Scenario, layer_graph};
 use kvjit::fused_qkv::cpu_jit::compile_log;
 use kvjit::fused_qkv::{FusedQkvSpec, JitKernel, OP_NAME};
+use kvjit::models::llama::{LayerConfig, qkv_layer_graph};
+use kvjit::scenario::Scenario;
 use kvjit::{
     BuildOptions, CompileOptions, CoreError, DType, DeviceContextPtr, Dim, Error, Executable, Executor, Graph,
     GraphBuilder, KernelImpl, KvCacheParams, KvCacheType, MemoryEstimate, PagedKVCacheCollection, ParamValue, Params,
@@ -618,7 +619,7 @@ fn colliding_slot_writes_are_refused_with_nothing_written_on_every_target() {
     // land on sequence 0's slots 2 and 3.
     let registry = standard_registry();
     let config = LayerConfig { num_pages: 4, max_pages_per_seq: 2, num_layers: 1, ..LayerConfig::small() };
-    let graph = layer_graph(&config, registry.ops()).unwrap();
+    let graph = qkv_layer_graph(&config, registry.ops()).unwrap();
     for target in targets() {
         let exe = compile(&graph, &registry, &target.options).unwrap();
         let mut rng = StdRng::seed_from_u64(3);
@@ -700,7 +701,7 @@ fn budget_config() -> LayerConfig {
 fn a_graph_over_the_memory_budget_is_refused_at_build_with_nothing_compiled() {
     let registry = standard_registry();
     let config = budget_config();
-    let graph = layer_graph(&config, registry.ops()).unwrap();
+    let graph = qkv_layer_graph(&config, registry.ops()).unwrap();
     // Constants: 2 layers of [120, 72] f32 (a packed copy more for the JIT);
     // outputs: symbolic; cache: 48 pages × 2 × 2 layers × 4 slots × 24 f32,
     // and the page allocation order (a u32 per page).

@@ -16,8 +16,8 @@ fn kvjit(args: &[&str]) -> Output {
 /// are seeded recipes, but a named weights file is opened all the same).
 fn graph_naming(dir: &Path, weights: &str) -> PathBuf {
     let registry = standard_registry();
-    let config = kvjit::demo::LayerConfig { num_layers: 1, ..kvjit::demo::LayerConfig::small() };
-    let graph = kvjit::demo::layer_graph(&config, registry.ops()).unwrap();
+    let config = kvjit::models::llama::LayerConfig { num_layers: 1, ..kvjit::models::llama::LayerConfig::small() };
+    let graph = kvjit::models::llama::qkv_layer_graph(&config, registry.ops()).unwrap();
     let path = dir.join("graph.json");
     save_graph(&graph, &path).unwrap();
     let text = std::fs::read_to_string(&path).unwrap();

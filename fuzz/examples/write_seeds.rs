@@ -9,11 +9,11 @@
 
 use std::path::Path;
 
-use kvjit::demo::{LayerConfig, layer_graph};
+use kvjit::models::llama::{LayerConfig, qkv_layer_graph};
 use kvjit::{
     DType, KvCacheParams, PagedKVCacheCollection, Tensor, graph_to_json, standard_registry, tensors_to_safetensors,
 };
-use kvjit::demo::Scenario;
+use kvjit::scenario::Scenario;
 use kvjit_fuzz::{TINY_ATTENTION_DTYPES, TINY_DTYPES, tiny_attention_graph, tiny_graph};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
@@ -37,7 +37,7 @@ fn main() {
     let graphs = root.join("graph_file");
     let tiny = tiny_graph(&registry, DType::BF16, DType::F16);
     write(&graphs, "tiny_chain.json", graph_to_json(&tiny, None).as_bytes());
-    let small = layer_graph(
+    let small = qkv_layer_graph(
         &LayerConfig {
             hidden_size: 8,
             num_q_heads: 2,

@@ -23,7 +23,8 @@
 use std::cell::RefCell;
 use std::collections::BTreeMap;
 
-use kvjit::demo::{AttentionConfig, LayerConfig, Scenario, attention_step_graph};
+use kvjit::models::llama::{LayerConfig, LlamaConfig, attention_step_graph};
+use kvjit::scenario::Scenario;
 use kvjit::{
     BuildOptions, CompileOptions, DType, DeviceContextPtr, Dim, Executable, Executor, Graph, GraphBuilder, KernelImpl,
     KvCacheType, PagedKVCacheCollection, ParamValue, Params, RandomInit, Registry, Tensor, ValueDef, compile,
@@ -426,7 +427,7 @@ pub fn tiny_attention_graph(registry: &Registry, dtype: DType, cache_dtype: DTyp
         max_pages_per_seq: 4,
         weight_seed: 3,
     };
-    let config = AttentionConfig { layer, ..AttentionConfig::small() };
+    let config = LlamaConfig { layer, ..LlamaConfig::small() };
     attention_step_graph(&config, registry.ops()).expect("the tiny attention step builds")
 }
 

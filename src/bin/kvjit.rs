@@ -8,10 +8,11 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use clap::{Parser, Subcommand};
-use kvjit::demo::{AttentionConfig, Scenario};
+use kvjit::models::llama::{LlamaConfig, attention_step_graph};
+use kvjit::scenario::Scenario;
 use kvjit::{
     BuildOptions, CompileOptions, CpuTier, DType, DeviceContextPtr, Error, Executor, Graph, KernelImpl, Registry,
-    Result, Target, Tensor, ValueDef, WeightLoad, compile, demo, load_graph_within, read_safetensors, specialize,
+    Result, Target, Tensor, ValueDef, WeightLoad, compile, load_graph_within, read_safetensors, specialize,
     standard_registry, write_artifact, write_safetensors,
 };
 
@@ -433,9 +434,9 @@ fn run(registry: &Registry, args: &RunArgs) -> Result<()> {
     let loaded = match &args.graph {
         Some(path) => load_any(registry, path, args.weights, args.memory_budget)?,
         None => {
-            let mut config = AttentionConfig::llama3_8b();
+            let mut config = LlamaConfig::llama3_8b();
             config.layer.cache_dtype = args.kv_cache_dtype;
-            Loaded { graph: demo::attention_step_graph(&config, registry.ops())?, artifact: None }
+            Loaded { graph: attention_step_graph(&config, registry.ops())?, artifact: None }
         }
     };
     let graph = loaded.graph;

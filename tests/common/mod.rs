@@ -13,8 +13,8 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use kvjit::demo::LayerConfig;
 use kvjit::fused_qkv::OP_NAME;
+use kvjit::models::llama::LayerConfig;
 use kvjit::{
     BuildOptions, CompileOptions, DType, DeviceContextPtr, Dim, Executable, Executor, Graph, GraphBuilder, KernelImpl,
     PagedKVCacheCollection, Registry, RunOutput, Target, Tensor, ValueId, compile, specialize,
@@ -31,7 +31,7 @@ pub fn executor() -> Executor {
 
 /// The small two-layer example graph (random-init weights).
 pub fn small_graph(registry: &Registry) -> Graph {
-    kvjit::demo::layer_graph(&LayerConfig::small(), registry.ops()).expect("small graph builds")
+    kvjit::models::llama::qkv_layer_graph(&LayerConfig::small(), registry.ops()).expect("small graph builds")
 }
 
 /// Compile for the CPU with no bindings.

@@ -17,7 +17,7 @@
 //!   computes the whole square and masks it, as such a user does).
 //! - **RoPE**: the JIT kernel alone on the decode step and a prefill, and
 //!   its share of the whole step.
-//! - **Whole step**: `demo::attention_step_graph` (fused QKV → reshape →
+//! - **Whole step**: `models::llama::attention_step_graph` (fused QKV → reshape →
 //!   RoPE → attention) compiled with `kvjit::compile`, `Executor::run` of a
 //!   decode step, against the sum of its ops' roof times.
 //!
@@ -32,7 +32,7 @@ use std::time::Duration;
 
 use half::slice::HalfFloatSliceExt;
 use kvjit::attention::JitKernel as MhaKernel;
-use kvjit::demo::AttentionConfig;
+use kvjit::models::llama::LlamaConfig;
 use kvjit::rope::{JitKernel as RopeKernel, RopeArgs, RopeSpec};
 use kvjit_core::{DType, PagedKVCacheCollection, Target, Tensor};
 use kvjit_jit::CaptureText;
@@ -67,7 +67,7 @@ pub const STEP_ROOF_TARGET: f64 = 1.2;
 #[derive(Clone, Debug)]
 pub struct StepConfig {
     /// The graph (one layer; its cache sized for `batch × (history + 1)`).
-    pub graph: AttentionConfig,
+    pub graph: LlamaConfig,
     /// Decode batch.
     pub batch: usize,
     /// Cached tokens per sequence before the decode step.
@@ -85,7 +85,7 @@ impl StepConfig {
     /// Llama-3-8B's attention step, one layer, bf16, its cache sized for
     /// `batch` sequences of `history + 1` tokens.
     pub fn llama3_8b(batch: usize, history: usize) -> Self {
-        let mut graph = AttentionConfig::llama3_8b();
+        let mut graph = LlamaConfig::llama3_8b();
         size_step_cache(&mut graph.layer, batch, history);
         Self {
             graph,
@@ -202,7 +202,7 @@ impl AttentionBenchConfig {
     /// nothing).
     pub fn tiny() -> Self {
         let short = Plan { min_samples: 2, max_samples: 3, sample_time: Duration::ZERO, budget: Duration::ZERO };
-        let mut graph = AttentionConfig::small();
+        let mut graph = LlamaConfig::small();
         let (batch, history) = (3, 40);
         size_step_cache(&mut graph.layer, batch, history);
         Self {

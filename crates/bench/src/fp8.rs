@@ -17,8 +17,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvjit::attention::JitKernel as MhaKernel;
-use kvjit::demo::AttentionConfig;
 use kvjit::fused_qkv::{FusedQkvSpec, JitKernel as QkvKernel, QkvArgs};
+use kvjit::models::llama::LlamaConfig;
 use kvjit_core::{DType, Target, Tensor};
 use kvjit_jit::CaptureText;
 use kvjit_runtime::{DeviceContextPtr, Executor};
@@ -305,7 +305,7 @@ fn attention_pair(
 fn step_pair(batch: usize, history: usize, ctx: &DeviceContextPtr, rng: &mut SmallRng, plan: &Plan) -> Result<Pair> {
     let mut graphs = Vec::new();
     for cache_dtype in [None, Some(DType::F8E4M3)] {
-        let mut config = AttentionConfig::llama3_8b();
+        let mut config = LlamaConfig::llama3_8b();
         size_step_cache(&mut config.layer, batch, history);
         config.layer.cache_dtype = cache_dtype;
         let exe = compile_step(&config)?;

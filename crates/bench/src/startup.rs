@@ -28,7 +28,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use kvjit::demo::{LayerConfig, output_name};
+use kvjit::models::llama::{LayerConfig, output_name};
 use kvjit::ops::fused_qkv_matmul;
 use kvjit::{DType, Dim, GraphBuilder, Tensor, bf16, save_graph, standard_registry};
 use rayon::prelude::*;

@@ -6,7 +6,7 @@
 use std::collections::BTreeMap;
 
 use kvjit::attention::{Mask, MhaSpec};
-use kvjit::demo::{AttentionConfig, LayerConfig, attention_step_graph};
+use kvjit::models::llama::{LayerConfig, LlamaConfig, attention_step_graph};
 use kvjit::{CompileOptions, compile, standard_registry};
 use kvjit_core::{DType, KvCacheParams, PagedKVCacheCollection, Target, Tensor};
 use kvjit_runtime::Executable;
@@ -199,7 +199,7 @@ pub(crate) fn step_inputs(
 /// run` does: binding them is refused today (the reshape's target dims stay
 /// symbolic while its input's become static), so its kernels are the
 /// generic ones, which read B and S at run time.
-pub(crate) fn compile_step(config: &AttentionConfig) -> Result<Executable> {
+pub(crate) fn compile_step(config: &LlamaConfig) -> Result<Executable> {
     let registry = standard_registry();
     let graph = attention_step_graph(config, registry.ops())?;
     Ok(compile(&graph, &registry, &CompileOptions::default())?)

@@ -72,8 +72,9 @@ impl<'r> GraphBuilder<'r> {
         self.recipe_constant(name, dtype, shape, init.into())
     }
 
-    /// A constant made by a recipe (random values, a RoPE table); graph
-    /// files save the recipe instead of the data.
+    /// A constant made by a recipe (random values, an op's table) the
+    /// registry knows ([`OpRegistry::recipes`]); graph files save the
+    /// recipe instead of the data.
     pub fn recipe_constant(
         &mut self,
         name: &str,
@@ -81,6 +82,13 @@ impl<'r> GraphBuilder<'r> {
         shape: &[usize],
         init: ConstantInit,
     ) -> Result<ValueId> {
+        let known = self.registry.recipes();
+        if !known.iter().any(|k| k.name() == init.name()) {
+            return Err(GraphError::UnknownRecipe {
+                name: init.name(),
+                known: known.iter().map(|k| k.name()).collect::<Vec<_>>().join(", "),
+            });
+        }
         let ty = TensorType::new(dtype, shape.iter().map(|&d| Dim::Static(d)));
         let data = init.materialize(&ty)?;
         self.add_value(Some(name), ValueType::Tensor(ty), ValueDef::Constant { data: Arc::new(data), init: Some(init) })

@@ -41,6 +41,25 @@ pub enum GraphError {
     /// Two ops registered under one name.
     #[error("op name '{0}' is registered twice")]
     DuplicateOp(String),
+    /// A recipe registered under a name or marker field another recipe has.
+    #[error("recipe '{name}' (marked by \"{marker}\") clashes with the registered recipe '{registered}'")]
+    DuplicateRecipe {
+        /// The recipe being registered.
+        name: &'static str,
+        /// Its marker field.
+        marker: &'static str,
+        /// The recipe it clashes with.
+        registered: &'static str,
+    },
+    /// A constant given a recipe the builder's registry does not know (a
+    /// file saving it could not be loaded with that registry).
+    #[error("recipe '{name}' is not registered: known recipes are {known}")]
+    UnknownRecipe {
+        /// The recipe's name.
+        name: &'static str,
+        /// Registered recipe names.
+        known: String,
+    },
     /// A reference to a value that does not exist.
     #[error("{place} refers to {value}, which is not defined")]
     DanglingValue {

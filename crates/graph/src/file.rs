@@ -2,7 +2,8 @@
 //!
 //! A file is checked in this order: JSON syntax, the `format`/`version`
 //! marker (so a future version is reported as such, not as a parse error),
-//! the schema (unknown fields are errors), ids and references, a topological
+//! the schema (unknown fields are errors; each constant's `init` fields are
+//! read by the registry's recipes), ids and references, a topological
 //! sort (cycles are reported with the nodes on them), and finally the graph is
 //! rebuilt through [`GraphBuilder`] and the same validator a built graph
 //! passes. Node order in the file does not matter; ids are renumbered in
@@ -31,15 +32,18 @@ pub const FORMAT_VERSION: u32 = 1;
 /// `--inputs`). 1 GiB: ten times the largest recipe of the examples.
 pub const DEFAULT_MEMORY_LIMIT: u64 = 1 << 30;
 
+/// A graph file. `Init` is what a constant's `init` is: its JSON fields
+/// when a file is read (the registry decides which recipe they are,
+/// [`OpRegistry::read_recipe`]), the recipe when one is written.
 #[derive(Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
-struct GraphFile {
+struct GraphFile<Init> {
     format: String,
     version: u32,
     name: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     weights: Option<String>,
-    values: Vec<ValueEntry>,
+    values: Vec<ValueEntry<Init>>,
     nodes: Vec<NodeEntry>,
     #[serde(default)]
     outputs: Vec<OutputEntry>,
@@ -47,7 +51,8 @@ struct GraphFile {
 
 #[derive(Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
-enum ValueEntry {
+#[serde(bound(deserialize = "Init: Deserialize<'de>"))]
+enum ValueEntry<Init> {
     Input {
         id: ValueId,
         name: String,
@@ -60,7 +65,7 @@ enum ValueEntry {
         dtype: DType,
         shape: Vec<usize>,
         #[serde(default, skip_serializing_if = "Option::is_none")]
-        init: Option<ConstantInit>,
+        init: Option<Init>,
     },
     KvCache {
         id: ValueId,
@@ -78,7 +83,7 @@ enum ValueEntry {
     },
 }
 
-impl ValueEntry {
+impl<Init> ValueEntry<Init> {
     fn id(&self) -> ValueId {
         match self {
             ValueEntry::Input { id, .. } | ValueEntry::Constant { id, .. } | ValueEntry::KvCache { id, .. } => *id,
@@ -139,7 +144,7 @@ pub fn graph_to_json(graph: &Graph, weights_file: Option<&str>) -> String {
                     name,
                     dtype: data.dtype(),
                     shape: data.shape().to_vec(),
-                    init: *init,
+                    init: init.clone(),
                 }),
                 (ValueDef::Prepared { .. }, ValueType::Tensor(t)) => Some(ValueEntry::Constant {
                     id,
@@ -165,7 +170,7 @@ pub fn graph_to_json(graph: &Graph, weights_file: Option<&str>) -> String {
             }
         })
         .collect();
-    let file = GraphFile {
+    let file = GraphFile::<ConstantInit> {
         format: FORMAT_NAME.into(),
         version: FORMAT_VERSION,
         name: graph.name().into(),
@@ -302,7 +307,17 @@ fn parse_graph(
 ) -> Result<Graph> {
     let json: serde_json::Value = serde_json::from_str(text)?;
     check_marker(&json)?;
-    let file: GraphFile = serde_json::from_value(json)?;
+    let file: GraphFile<serde_json::Value> = serde_json::from_value(json)?;
+    // A recipe's fields are schema too: the registry reads them (which
+    // recipe, unknown fields) before ids are checked.
+    let inits = file
+        .values
+        .iter()
+        .map(|value| match value {
+            ValueEntry::Constant { init: Some(fields), .. } => registry.read_recipe(fields.clone()).map(Some),
+            _ => Ok(None),
+        })
+        .collect::<Result<Vec<_>>>()?;
 
     let mut declared = HashSet::new();
     for value in &file.values {
@@ -315,19 +330,16 @@ fn parse_graph(
     let mut builder = GraphBuilder::new(&file.name, registry);
     let mut ids: HashMap<ValueId, ValueId> = HashMap::new();
     let mut recipe_bytes = 0u64;
-    for value in &file.values {
-        let new_id = match value {
-            ValueEntry::Input { name, dtype, shape, .. } => builder.input(name, *dtype, shape)?,
-            ValueEntry::Constant { name, dtype, shape, init: Some(init), .. } => {
+    for (value, init) in file.values.iter().zip(inits) {
+        let new_id = match (value, init) {
+            (ValueEntry::Input { name, dtype, shape, .. }, _) => builder.input(name, *dtype, shape)?,
+            (ValueEntry::Constant { name, dtype, shape, .. }, Some(init)) => {
                 if weights.is_some_and(|w| w.contains_key(name)) {
                     return Err(GraphError::AmbiguousConstant { name: name.clone() });
                 }
-                // Sized before it is generated; a size that overflows is
-                // over any budget.
-                let bytes = shape
-                    .iter()
-                    .try_fold(dtype.size_bytes() as u64, |acc, &d| acc.checked_mul(d as u64))
-                    .unwrap_or(u64::MAX);
+                // Sized by the recipe before it is generated; a size that
+                // overflows is over any budget.
+                let bytes = init.bytes(&crate::TensorType::new(*dtype, shape.iter().map(|&d| Dim::Static(d))));
                 recipe_bytes = recipe_bytes.saturating_add(bytes);
                 if recipe_bytes > recipe_budget {
                     return Err(GraphError::RecipeBudget {
@@ -337,13 +349,13 @@ fn parse_graph(
                         budget: recipe_budget,
                     });
                 }
-                builder.recipe_constant(name, *dtype, shape, *init)?
+                builder.recipe_constant(name, *dtype, shape, init)?
             }
-            ValueEntry::Constant { name, dtype, shape, init: None, .. } if prepared.contains_key(name) => {
+            (ValueEntry::Constant { name, dtype, shape, .. }, None) if prepared.contains_key(name) => {
                 let ty = crate::TensorType::new(*dtype, shape.iter().map(|&d| Dim::Static(d)));
                 builder.prepared_constant(name, ty, prepared[name].clone())?
             }
-            ValueEntry::Constant { name, dtype, shape, init: None, .. } => {
+            (ValueEntry::Constant { name, dtype, shape, .. }, None) => {
                 let data = weights.and_then(|w| w.get(name)).ok_or_else(|| {
                     GraphError::Tensor(kvjit_core::Error::MissingTensor {
                         name: name.clone(),
@@ -363,19 +375,22 @@ fn parse_graph(
                 }
                 builder.constant(name, data.clone())?
             }
-            ValueEntry::KvCache {
-                name,
-                dtype,
-                num_layers,
-                page_size,
-                num_kv_heads,
-                head_size,
-                scale_granularity,
-                num_pages,
-                batch,
-                max_pages_per_seq,
-                ..
-            } => builder.kv_cache(
+            (
+                ValueEntry::KvCache {
+                    name,
+                    dtype,
+                    num_layers,
+                    page_size,
+                    num_kv_heads,
+                    head_size,
+                    scale_granularity,
+                    num_pages,
+                    batch,
+                    max_pages_per_seq,
+                    ..
+                },
+                _,
+            ) => builder.kv_cache(
                 name,
                 KvCacheType {
                     dtype: *dtype,

@@ -16,6 +16,7 @@ mod file;
 mod graph;
 mod ids;
 mod op;
+mod recipe;
 mod specialize;
 mod types;
 mod validate;
@@ -27,13 +28,14 @@ pub use file::{
     graph_from_json_prepared, graph_from_json_within, graph_to_json, load_graph, load_graph_with, load_graph_within,
     save_graph,
 };
-pub use graph::{ConstantInit, Graph, GraphOutput, Llama3Scaling, Node, RandomInit, RopeInit, Value, ValueDef};
+pub use graph::{Graph, GraphOutput, Node, Value, ValueDef};
 pub use ids::{NodeId, ValueId};
 pub use op::{
     ArgKind, ArgRole, ArgSpec, OpDef, OpRegistry, PagedParams, ParamKind, ParamSpec, ParamValue, Params, input_error,
     paged_cache_input, param_bool, param_choice, param_dims, param_dtype, param_f64_opt, param_usize, param_usize_opt,
     step_inputs, tensor_input,
 };
+pub use recipe::{ConstantInit, RandomInit, Recipe, RecipeKind};
 pub use specialize::{SpecializedGraph, specialize};
 pub use types::{Dim, KvCacheType, TensorType, ValueType, same_dim};
 pub use validate::validate;

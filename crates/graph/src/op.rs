@@ -11,7 +11,7 @@ use std::sync::Arc;
 use kvjit_core::{DType, KernelKey, Target};
 use serde::{Deserialize, Serialize};
 
-use crate::{Dim, GraphError, Result, TensorType, ValueType};
+use crate::{ConstantInit, Dim, GraphError, RandomInit, Recipe, RecipeKind, Result, TensorType, ValueType};
 
 /// A node parameter value as graph files spell it: `true`, `16`, `0.125`,
 /// `"bf16"`, `[4, "seq", 32, 128]`.
@@ -250,7 +250,7 @@ pub enum ArgKind {
 }
 
 /// What an input means beyond its type — what a generator of example
-/// inputs needs to know to make *valid* values for it (see `kvjit::demo`).
+/// inputs needs to know to make *valid* values for it (see `kvjit::scenario`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ArgRole {
     /// Any values of its type (activations, weights).
@@ -405,29 +405,98 @@ pub trait OpDef: Send + Sync {
     fn is_view(&self) -> bool {
         false
     }
+    /// The constant recipes this op brings (its tables, made from a few
+    /// numbers instead of stored): registering the op registers them, so
+    /// graph files may name them in `init`. Default: none.
+    fn recipes(&self) -> &'static [RecipeKind] {
+        &[]
+    }
 }
 
-/// Every op a graph may use, found by name or alias.
-#[derive(Clone, Default)]
+/// Every op a graph may use, found by name or alias, and the constant
+/// recipes they bring.
+#[derive(Clone)]
 pub struct OpRegistry {
     ops: Vec<Arc<dyn OpDef>>,
+    recipes: Vec<RecipeKind>,
 }
 
+impl Default for OpRegistry {
+    fn default() -> Self {
+        Self { ops: Vec::new(), recipes: BUILT_IN_RECIPES.to_vec() }
+    }
+}
+
+/// The recipes every registry knows: seeded random weights, for any op.
+const BUILT_IN_RECIPES: &[RecipeKind] = &[RecipeKind::of::<RandomInit>()];
+
 impl OpRegistry {
-    /// An empty registry.
+    /// A registry of no ops (its graphs may still hold inputs, caches and
+    /// [`RandomInit`] constants).
     pub fn new() -> Self {
         Self::default()
     }
 
-    /// Add an op; its names must not clash with one already registered.
+    /// Add an op and its recipes; its names, its recipes' names and their
+    /// markers must not clash with ones already registered (nothing is
+    /// added when one does).
     pub fn register(&mut self, op: Arc<dyn OpDef>) -> Result<()> {
         for name in std::iter::once(op.name()).chain(op.aliases().iter().copied()) {
             if self.find(name).is_some() {
                 return Err(GraphError::DuplicateOp(name.to_string()));
             }
         }
+        for (i, kind) in op.recipes().iter().enumerate() {
+            let mut earlier = self.recipes.iter().chain(&op.recipes()[..i]);
+            if let Some(clash) = earlier.find(|k| k.name() == kind.name() || k.marker() == kind.marker()) {
+                return Err(GraphError::DuplicateRecipe {
+                    name: kind.name(),
+                    marker: kind.marker(),
+                    registered: clash.name(),
+                });
+            }
+        }
+        self.recipes.extend_from_slice(op.recipes());
         self.ops.push(op);
         Ok(())
+    }
+
+    /// Every recipe graphs built with this registry may use.
+    pub fn recipes(&self) -> &[RecipeKind] {
+        &self.recipes
+    }
+
+    /// Read a graph file's `init` object: the registered recipe whose
+    /// marker field it holds, or a [`RandomInit`] when it holds none.
+    /// Fields that are not the recipe's, or missing ones, are refused
+    /// ([`GraphError::Json`], naming them), as is an object holding the
+    /// markers of two recipes.
+    pub fn read_recipe(&self, fields: serde_json::Value) -> Result<ConstantInit> {
+        let marked: Vec<&RecipeKind> = self.recipes.iter().filter(|k| fields.get(k.marker()).is_some()).collect();
+        let kind = match marked.as_slice() {
+            [] => {
+                return RecipeKind::of::<RandomInit>().read(fields).map_err(|e| {
+                    let markers: Vec<String> =
+                        self.recipes.iter().map(|k| format!("\"{}\" ({})", k.marker(), k.name())).collect();
+                    GraphError::Json(serde::de::Error::custom(format!(
+                        "{e} (an \"init\" without the field that marks a registered recipe, {}, is read as {})",
+                        markers.join(", "),
+                        RandomInit::NAME
+                    )))
+                });
+            }
+            [kind] => **kind,
+            [a, b, ..] => {
+                return Err(GraphError::Json(serde::de::Error::custom(format!(
+                    "an \"init\" holds fields of two recipes, {} (\"{}\") and {} (\"{}\"): give one",
+                    a.name(),
+                    a.marker(),
+                    b.name(),
+                    b.marker()
+                ))));
+            }
+        };
+        Ok(kind.read(fields)?)
     }
 
     fn find(&self, name: &str) -> Option<&Arc<dyn OpDef>> {

@@ -7,18 +7,22 @@
 //! - [`compile`] specializes a graph for a target and lowers it to an
 //!   [`Executable`];
 //! - [`Executor::run`] runs it with named inputs and KV caches;
-//! - [`demo`] builds the example graphs and their random inputs;
+//! - [`models`] builds model graphs from a typed config (Llama's QKV layers
+//!   and attention step: the example graphs);
+//! - [`scenario`] makes seeded, valid inputs and KV caches for any graph;
 //! - the benchmarks (`kvjit bench`, `cargo bench -p kvjit-bench`) are the
 //!   `kvjit-bench` crate.
 //!
 //! ```no_run
-//! use kvjit::{CompileOptions, DeviceContextPtr, Executor, compile, demo, standard_registry};
+//! use kvjit::models::llama::{LayerConfig, qkv_layer_graph};
+//! use kvjit::scenario::Scenario;
+//! use kvjit::{CompileOptions, DeviceContextPtr, Executor, compile, standard_registry};
 //!
 //! let registry = standard_registry();
-//! let config = demo::LayerConfig::small();
-//! let graph = demo::layer_graph(&config, registry.ops()).unwrap();
+//! let config = LayerConfig::small();
+//! let graph = qkv_layer_graph(&config, registry.ops()).unwrap();
 //! let exe = compile(&graph, &registry, &CompileOptions::default()).unwrap();
-//! let mut scenario = demo::Scenario::prefill(&graph, 7).unwrap();
+//! let mut scenario = Scenario::prefill(&graph, 7).unwrap();
 //! let out = Executor::new(DeviceContextPtr::cpu(2).unwrap())
 //!     .run(&exe, &scenario.inputs, &mut scenario.caches)
 //!     .unwrap();
@@ -28,9 +32,10 @@
 pub mod artifact;
 pub mod compare;
 mod compile;
-pub mod demo;
 mod error;
+pub mod models;
 mod registry;
+pub mod scenario;
 
 pub use artifact::{ArtifactError, LoadedArtifact, is_artifact, load_artifact, load_artifact_with, write_artifact};
 pub use compile::{CompileOptions, MemoryEstimate, compile};
@@ -45,11 +50,12 @@ pub use kvjit_core::{
     read_safetensors, read_safetensors_header, tensors_from_safetensors, tensors_to_safetensors, write_safetensors,
 };
 pub use kvjit_graph::{
-    ConstantInit, DEFAULT_MEMORY_LIMIT, Dim, Graph, GraphBuilder, GraphError, KvCacheType, Llama3Scaling, OpRegistry,
-    ParamValue, Params, RandomInit, RopeInit, SpecializedGraph, TensorType, ValueDef, ValueId, graph_from_json,
-    graph_from_json_within, graph_to_json, load_graph, load_graph_with, load_graph_within, save_graph, specialize,
+    ConstantInit, DEFAULT_MEMORY_LIMIT, Dim, Graph, GraphBuilder, GraphError, KvCacheType, OpRegistry, ParamValue,
+    Params, RandomInit, SpecializedGraph, TensorType, ValueDef, ValueId, graph_from_json, graph_from_json_within,
+    graph_to_json, load_graph, load_graph_with, load_graph_within, save_graph, specialize,
 };
 pub use kvjit_jit::{CompileCause, CompileRecord, compile_log};
+pub use kvjit_op_rope::{Llama3Scaling, RopeInit};
 
 /// The CPU tier `CpuTier::Auto` resolves to on this machine (`Avx2` on an
 /// x86-64 CPU with AVX2, FMA and F16C, else `Cranelift`): the tier JIT

@@ -5,8 +5,8 @@ use std::sync::Arc;
 
 use kvjit_core::{DType, KernelKey, Target};
 use kvjit_graph::{
-    ArgSpec, Dim, GraphBuilder, GraphError, OpDef, PagedParams, ParamKind, ParamSpec, ParamValue, Params, TensorType,
-    ValueId, ValueType, input_error, paged_cache_input, param_bool, param_dtype, param_usize, step_inputs,
+    ArgSpec, Dim, GraphBuilder, GraphError, OpDef, PagedParams, ParamKind, ParamSpec, ParamValue, Params, RecipeKind,
+    TensorType, ValueId, ValueType, input_error, paged_cache_input, param_bool, param_dtype, param_usize, step_inputs,
     tensor_input,
 };
 use kvjit_jit::CaptureText;
@@ -177,6 +177,12 @@ impl OpDef for RopeOp {
             Target::Cpu => crate::cpu_jit::supported(&spec).map_err(|e| e.to_string()),
             Target::Cuda => Err(format!("no CUDA variant for op {OP_NAME} yet")),
         }
+    }
+
+    /// Its `freqs_cis` table ([`RopeInit`](crate::RopeInit)).
+    fn recipes(&self) -> &'static [RecipeKind] {
+        const RECIPES: &[RecipeKind] = &[RecipeKind::of::<crate::RopeInit>()];
+        RECIPES
     }
 }
 

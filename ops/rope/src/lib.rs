@@ -31,6 +31,7 @@ pub mod cpu_jit;
 mod def;
 mod error;
 mod kernel;
+mod recipe;
 pub mod reference;
 mod spec;
 
@@ -39,4 +40,5 @@ pub use cpu_jit::JitKernel;
 pub use def::{MAX_JIT_HEAD_SIZE, OP_NAME, RopeOp, RopeParams, fused_qk_rope};
 pub use error::RopeError;
 pub use kernel::ReferenceKernel;
+pub use recipe::{Llama3Scaling, RopeInit};
 pub use spec::{KERNEL_NAME, RopeSpec};
