@@ -61,10 +61,12 @@ fn options(implementation: KernelImpl, bindings: BTreeMap<String, usize>, budget
 // Running a graph with both kernel implementations
 // ---------------------------------------------------------------------------
 
-/// What one run left: its outputs (or error message) and the caches.
+/// What one run left: its outputs (or error message) and the caches, and
+/// whether its inputs were [`moderate`].
 struct Ran {
     result: Result<BTreeMap<String, Tensor>, String>,
     caches: Caches,
+    moderate: bool,
 }
 
 /// Run on clones of `caches`; a refused run must leave them byte-identical.
@@ -74,7 +76,7 @@ fn run(exe: &Executable, inputs: &BTreeMap<String, Tensor>, caches: &Caches, wha
     if let Err(message) = &result {
         assert!(caches_identical(&after, caches), "{what}: a refused run ({message}) changed a cache");
     }
-    Ran { result, caches: after }
+    Ran { result, caches: after, moderate: moderate(inputs, caches) }
 }
 
 /// `got` close to `want` where `want` is finite and moderate: within 2% of
@@ -125,7 +127,21 @@ fn cache_values(cache: &PagedKVCacheCollection) -> Tensor {
     Tensor::from_vec(cache.blocks().shape(), values).expect("one value per element")
 }
 
-/// Compare a JIT run with a reference run of the same inputs.
+/// Largest magnitude of a value the runs' results are compared for: past
+/// it, products in the kernels' f32 arithmetic (attention scores of two
+/// layers' worth of growth) can overflow where the f64 reference does not,
+/// and an f32 softmax over an infinite score is NaN by its contract.
+const MODERATE: f32 = 1e15;
+
+/// Whether every float input and every cache value is finite and at most
+/// [`MODERATE`] in magnitude: only then are two runs' values compared.
+fn moderate(inputs: &BTreeMap<String, Tensor>, caches: &Caches) -> bool {
+    let small = |t: &Tensor| t.to_f32_vec().is_ok_and(|v| v.iter().all(|x| x.abs() <= MODERATE));
+    inputs.values().filter(|t| t.dtype() != DType::U32).all(small) && caches.values().all(|c| small(&cache_values(c)))
+}
+
+/// Compare a JIT run with a reference run of the same inputs: the same
+/// verdict always, close values where the inputs are [`moderate`].
 fn assert_same_runs(jit: &Ran, reference: &Ran, what: &str) {
     match (&jit.result, &reference.result) {
         (Err(a), Err(b)) => assert_eq!(
@@ -135,6 +151,9 @@ fn assert_same_runs(jit: &Ran, reference: &Ran, what: &str) {
         ),
         (Ok(a), Ok(b)) => {
             assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>(), "{what}: output names");
+            if !reference.moderate {
+                return;
+            }
             for (name, t) in b {
                 assert_close(&format!("{what}: output '{name}'"), &a[name], t);
             }
@@ -217,7 +236,11 @@ fn compile_and_run(graph: &Graph, registry: &Registry) {
         .map(|i| compile(graph, registry, &options(i, bindings.clone(), RUN_BUDGET)));
     let [Ok(reference), Ok(jit)] = compiled else { return };
     let Ok(scenario) = Scenario::prefill_with(graph, 1, 2, 3) else { return };
-    let want = run(&reference, &scenario.inputs, &scenario.caches, "graph file, reference");
+    let mut want = run(&reference, &scenario.inputs, &scenario.caches, "graph file, reference");
+    want.moderate &= graph.constants().all(|(_, v)| match &v.def {
+        ValueDef::Constant { data, .. } => data.to_f32_vec().is_ok_and(|d| d.iter().all(|x| x.abs() <= MODERATE)),
+        _ => true,
+    });
     let got = run(&jit, &scenario.inputs, &scenario.caches, "graph file, JIT");
     assert_same_runs(&got, &want, "graph file");
     run_empty_steps(graph, registry, &scenario.caches);
