@@ -51,7 +51,7 @@
 //! **FP8 (E4M3) cache.** The gather reads 1 byte per element (and the
 //! keys' `Hkv·D/g` f32 scales of K and of V) and re-encodes each code as
 //! the bf16 bits of its unscaled value, which is exact
-//! (the private `fp8` module: byte operations, 16 codes at a time), into the same
+//! ([`kvjit_jit::ir::e4m3::ToBf16`]: byte operations, 16 codes at a time), into the same
 //! block buffer a bf16 cache uses, with the keys' scales beside it; no
 //! dequantized copy of anything is made. The loops then read the buffer
 //! as bf16 (the same 2-instruction widening) and apply the scales in
@@ -77,13 +77,13 @@ use kvjit_core::{DType, Error, KernelKey, PagedKVCacheCollection, Result, Tensor
 use kvjit_jit::cranelift_codegen::ir::condcodes::{FloatCC, IntCC};
 use kvjit_jit::cranelift_codegen::ir::{self, InstBuilder, MemFlagsData, Value, types};
 use kvjit_jit::cranelift_frontend::FunctionBuilder;
+use kvjit_jit::ir::e4m3::ToBf16;
 use kvjit_jit::ir::{counted_loop, load_f32x4_raw, mem, splat_f32};
 use kvjit_jit::{CaptureText, CompileCause, JitError, JitFunction, compile_kernel};
 use kvjit_runtime::{CodeInfo, DeviceContextPtr, Kernel, OutputSpec};
 
 use crate::call::{AttentionConfig, CallShape, key_row_offsets};
 use crate::exp::emit_exp_f32x4;
-use crate::fp8::E4m3ToBf16;
 use crate::kernel::{check_against_spec, checked_call};
 use crate::{AttentionError, Mask, MhaSpec};
 
@@ -512,7 +512,7 @@ impl Emitter {
             let hi = b.ins().smin(item_hi, c_hi);
             let stride = self.word(arg::STRIDE);
             let seq_offsets = b.ins().imul(batch, stride);
-            let convert = self.fp8().then(|| E4m3ToBf16::new(b));
+            let convert = self.fp8().then(|| ToBf16::new(b));
             counted_loop(b, lo, hi, KB as i64, &[], |b, p0, _| {
                 let p0_end = b.ins().iadd_imm_s(p0, KB as i64);
                 let block_hi = b.ins().smin(p0_end, hi);
@@ -569,7 +569,7 @@ impl Emitter {
         p0: Value,
         n: Value,
         n_pad: Value,
-        convert: Option<&E4m3ToBf16>,
+        convert: Option<&ToBf16>,
     ) {
         let csize = self.spec.cache_dtype.size_bytes() as i64;
         let src_row_bytes = self.d() * csize;

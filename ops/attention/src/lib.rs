@@ -23,7 +23,6 @@ pub mod cpu_jit;
 mod def;
 mod error;
 pub mod exp;
-mod fp8;
 mod kernel;
 pub mod reference;
 mod spec;

@@ -7,11 +7,17 @@
 //! Both directions match the `half` crate bit for bit, NaN payloads and
 //! quieting included (the `_raw` loads skip bf16 NaN quieting, for lanes
 //! that only feed arithmetic).
+//!
+//! The submodules hold the rest of the kit every emitter shares:
+//!
+//! - [`e4m3`]: FP8 (E4M3) codes.
 
 use cranelift_codegen::ir::condcodes::{FloatCC, IntCC};
 use cranelift_codegen::ir::{self, InstBuilder, MemFlagsData, Value, types};
 use cranelift_frontend::FunctionBuilder;
 use kvjit_core::DType;
+
+pub mod e4m3;
 
 /// Flags for loads and stores the caller has proven in bounds and aligned
 /// enough for unaligned vector moves.
@@ -461,8 +467,9 @@ fn no_float_lanes(dtype: DType) -> ! {
     panic!("{dtype} elements are integers and never convert to or from f32 lanes")
 }
 
-/// Byte order for bitcasts that change the lane count.
-fn little() -> MemFlagsData {
+/// Byte order for bitcasts that change the lane count (kvjit's hosts are
+/// little-endian; every emitter uses this one).
+pub fn little() -> MemFlagsData {
     MemFlagsData::new().with_endianness(ir::Endianness::Little)
 }
 

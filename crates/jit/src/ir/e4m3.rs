@@ -1,13 +1,13 @@
-//! Reading an FP8 (E4M3) cache: codes re-encoded as bf16, exactly, while
-//! the kernel's gather copies them into its block buffer.
+//! FP8 (E4M3) codes in Cranelift IR: codes re-encoded as the bf16 words of
+//! their values, exactly ([`ToBf16`]).
 //!
 //! Every E4M3 value (3 mantissa bits, exponents 2⁻⁹ … 2⁸, NaN) is exactly
-//! a bf16 value, so the gather turns each code into the bf16 bits of its
-//! **unscaled** value, 16 codes at a time with byte operations only (no
-//! float arithmetic, no table in memory), and the score and P·V loops read
-//! the buffer exactly as they read a bf16 cache's rows (a zero-extending
-//! load and a shift per 4 elements); the block scales are applied there, in
-//! registers. Per 16 codes ([`E4m3ToBf16::words`]):
+//! a bf16 value, so a kernel reading an FP8 cache can turn each code into
+//! the bf16 bits of its **unscaled** value, 16 codes at a time with byte
+//! operations only (no float arithmetic, no table in memory), and read the
+//! result exactly as a bf16 cache's rows (a zero-extending load and a shift
+//! per 4 elements), applying the block scales in registers (the attention
+//! kernel's gather does). Per 16 codes ([`ToBf16::words`]):
 //!
 //! - normal codes (exponent field e ≥ 1): the bf16 bits are `sign << 15 |
 //!   (e + 120) << 7 | m << 4`, i.e. high byte `sign | 0x3C + (code >> 4 & 7)`
@@ -22,10 +22,11 @@
 //! - the sign is ORed into the high byte, and the two byte vectors are
 //!   interleaved into 16 little-endian words (`punpcklbw`/`punpckhbw`).
 
-use kvjit_jit::cranelift_codegen::ir::condcodes::IntCC;
-use kvjit_jit::cranelift_codegen::ir::{self, InstBuilder, MemFlagsData, Value, types};
-use kvjit_jit::cranelift_frontend::FunctionBuilder;
-use kvjit_jit::ir::mem;
+use cranelift_codegen::ir::condcodes::IntCC;
+use cranelift_codegen::ir::{InstBuilder, Value, types};
+use cranelift_frontend::FunctionBuilder;
+
+use super::{little, mem};
 
 /// Subnormal corrections of the high byte, by magnitude: the bf16 high byte
 /// of `m · 2⁻⁹` minus the normal formula's `0x3C`, wrapping
@@ -36,11 +37,11 @@ const DELTA_HI: [u8; 16] = [0xC4, 0xFF, 0xFF, 0xFF, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0
 /// formula's `m << 4`, wrapping.
 const DELTA_LO: [u8; 16] = [0x00, 0xF0, 0x60, 0x90, 0xC0, 0xD0, 0xE0, 0xF0, 0, 0, 0, 0, 0, 0, 0, 0];
 
-/// The constants of the conversion, made once outside the loops (the
-/// kernels compile without Cranelift's optimiser, which would otherwise
-/// rematerialise them per use).
-#[derive(Clone, Copy)]
-pub(crate) struct E4m3ToBf16 {
+/// The E4M3 → bf16 re-encoding (see the module docs), with its constants
+/// made once outside the loops (the kernels compile without Cranelift's
+/// optimiser, which would otherwise rematerialise them per use).
+#[derive(Clone, Copy, Debug)]
+pub struct ToBf16 {
     k7f: Value,
     k80: Value,
     k07: Value,
@@ -50,16 +51,12 @@ pub(crate) struct E4m3ToBf16 {
     delta_lo: Value,
 }
 
-fn little() -> MemFlagsData {
-    MemFlagsData::new().with_endianness(ir::Endianness::Little)
-}
-
 fn bytes_const(b: &mut FunctionBuilder, bytes: [u8; 16]) -> Value {
     let c = b.func.dfg.constants.insert(bytes.to_vec().into());
     b.ins().vconst(types::I8X16, c)
 }
 
-impl E4m3ToBf16 {
+impl ToBf16 {
     /// Emit the constants (at a point that dominates every use).
     pub fn new(b: &mut FunctionBuilder) -> Self {
         Self {
@@ -161,10 +158,10 @@ fn interleave(b: &mut FunctionBuilder, low: Value, high: Value, from: u8) -> Val
 mod tests {
     use kvjit_core::fp8::e4m3_to_f32;
     use kvjit_core::{DType, KernelKey, Target};
-    use kvjit_jit::{CaptureText, compile_kernel};
     use kvjit_runtime::DeviceContextPtr;
 
     use super::*;
+    use crate::{CaptureText, compile_kernel};
 
     /// The bf16 words the emitted code makes from `codes` (`count` at a time).
     fn convert(codes: &[u8], count: usize) -> Vec<u16> {
@@ -172,7 +169,7 @@ mod tests {
         let code = compile_kernel(&key, CaptureText::default(), |b, params| {
             let src = params.arg(b, 0);
             let dst = params.arg(b, 1);
-            let conv = E4m3ToBf16::new(b);
+            let conv = ToBf16::new(b);
             conv.convert_row(b, src, 0, dst, 0, count);
         })
         .unwrap();
@@ -186,7 +183,7 @@ mod tests {
             // SAFETY: the kernel reads `count` bytes at args[0] (`src` has
             // `count`) and writes `2·count` bytes at args[1] (`dst` has
             // `2·count + 16`); both outlive the call.
-            unsafe { kvjit_jit::launch(&code, &args, 1, &DeviceContextPtr::cpu(1).unwrap()) };
+            unsafe { crate::launch(&code, &args, 1, &DeviceContextPtr::cpu(1).unwrap()) };
             assert!(dst[count..].iter().all(|&w| w == 0xA5A5), "wrote past the row");
             out.extend_from_slice(&dst[..chunk.len()]);
         }
