@@ -34,7 +34,7 @@
 //! decode step, still in L1/L2 when read back), and a second Cranelift
 //! kernel of the same launch sequence quantizes every valid row's g-blocks
 //! into the cache, rows split between the threads
-//! ([`kvjit_jit::ir::quantize_e4m3_block`]: absmax of the finite values,
+//! ([`kvjit_jit::ir::e4m3::quantize_block`]: absmax of the finite values,
 //! scale, round to nearest even with saturation, exactly as the reference). A g-block spans several
 //! panels, and panels are split between threads, so its absmax is only
 //! known once every panel of the row is done: the staging is where the
@@ -57,9 +57,7 @@ use kvjit_jit::cranelift_codegen::ir::{
     InstBuilder, StackSlot, StackSlotData, StackSlotKind, Value, condcodes::IntCC, types,
 };
 use kvjit_jit::cranelift_frontend::FunctionBuilder;
-use kvjit_jit::ir::{
-    call_native, counted_loop, load_f32x4_raw, load_splat_f32x4, mem, quantize_e4m3_block, store_f32x4, store_lane,
-};
+use kvjit_jit::ir::{call_native, counted_loop, e4m3, load_f32x4_raw, load_splat_f32x4, mem, store_f32x4, store_lane};
 use kvjit_jit::microkernel::{self, MAX_TILE_ROWS, TILE_COLUMNS};
 use kvjit_jit::{CaptureText, CompileCause, JitError, JitFunction, SeenShapes, compile_kernel, pointer_type};
 use kvjit_runtime::{CodeInfo, DeviceContextPtr, Kernel, OutputSpec};
@@ -311,7 +309,7 @@ fn fp8_store_key(spec: &FusedQkvSpec, runtime_sizes: bool) -> KernelKey {
 
 /// Compile (or fetch) the kernel quantizing an FP8 cache's staged rows:
 /// for each valid row in the thread's range, K then V, each g-block of
-/// Hkv·D values with its own scale (`quantize_e4m3_block`), codes at the
+/// Hkv·D values with its own scale (`e4m3::quantize_block`), codes at the
 /// row's page slot and scales at the same index divided by g.
 fn compile_fp8_store(spec: &FusedQkvSpec, runtime_sizes: bool) -> Result<Arc<JitFunction>, JitError> {
     let key = fp8_store_key(spec, runtime_sizes);
@@ -369,7 +367,7 @@ fn compile_fp8_store(spec: &FusedQkvSpec, runtime_sizes: bool) -> Result<Arc<Jit
                         let codes_at = b.ins().iadd(codes, codes_at);
                         let scale = b.ins().ishl_imm_u(block, 2);
                         let scale = b.ins().iadd(scale_at, scale);
-                        quantize_e4m3_block(b, src_at, g, codes_at, scale);
+                        e4m3::quantize_block(b, src_at, g, codes_at, scale);
                         Vec::new()
                     });
                 }

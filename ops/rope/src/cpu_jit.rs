@@ -62,7 +62,7 @@ use kvjit_jit::cranelift_codegen::ir::{
     ConstantData, Endianness, InstBuilder, MemFlagsData, StackSlotData, StackSlotKind, Value, types,
 };
 use kvjit_jit::cranelift_frontend::FunctionBuilder;
-use kvjit_jit::ir::{counted_loop, load_f32x4, load_f32x4_raw, mem, quantize_e4m3_block, splat_f32, store_f32x4};
+use kvjit_jit::ir::{counted_loop, e4m3, load_f32x4, load_f32x4_raw, mem, splat_f32, store_f32x4};
 use kvjit_jit::{CaptureText, CompileCause, JitError, JitFunction, compile_kernel};
 use kvjit_runtime::{CodeInfo, DeviceContextPtr, Kernel, OutputSpec};
 
@@ -448,10 +448,10 @@ impl Emitter {
 /// Quantize the `g` f32 values at `values` into E4M3 codes at `codes` and
 /// one f32 scale at `scale_at`, bit for bit as
 /// `kvjit_core::fp8::quantize_block` (the shared
-/// [`quantize_e4m3_block`]).
+/// [`e4m3::quantize_block`]).
 fn emit_quantize_block(b: &mut FunctionBuilder, g: usize, values: Value, codes: Value, scale_at: Value) {
     let count = b.ins().iconst(types::I64, g as i64);
-    quantize_e4m3_block(b, values, count, codes, scale_at);
+    e4m3::quantize_block(b, values, count, codes, scale_at);
 }
 
 /// `(0x8000_0000, 0, 0x8000_0000, 0)` as F32X4: XOR flips the sign of the

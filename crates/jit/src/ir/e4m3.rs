@@ -1,32 +1,191 @@
-//! FP8 (E4M3) codes in Cranelift IR: codes re-encoded as the bf16 words of
-//! their values, exactly ([`ToBf16`]).
-//!
-//! Every E4M3 value (3 mantissa bits, exponents 2⁻⁹ … 2⁸, NaN) is exactly
-//! a bf16 value, so a kernel reading an FP8 cache can turn each code into
-//! the bf16 bits of its **unscaled** value, 16 codes at a time with byte
-//! operations only (no float arithmetic, no table in memory), and read the
-//! result exactly as a bf16 cache's rows (a zero-extending load and a shift
-//! per 4 elements), applying the block scales in registers (the attention
-//! kernel's gather does). Per 16 codes ([`ToBf16::words`]):
-//!
-//! - normal codes (exponent field e ≥ 1): the bf16 bits are `sign << 15 |
-//!   (e + 120) << 7 | m << 4`, i.e. high byte `sign | 0x3C + (code >> 4 & 7)`
-//!   and low byte `code << 4 & 0xF0` (two byte vectors, each one shift, one
-//!   mask, one add);
-//! - subnormal codes (e = 0, magnitudes 0‥7) need normalising: a 16-entry
-//!   table of corrections per byte, looked up with the magnitude as index
-//!   (`swizzle`: indices ≥ 16 give 0, so only magnitudes < 16 are touched,
-//!   and the entries 8‥15 are 0), added to both bytes;
-//! - the NaN magnitude 0x7f: the high byte gets all exponent bits (`0x7F`);
-//!   the low byte is already `0xF0`, so the word is a quiet NaN;
-//! - the sign is ORed into the high byte, and the two byte vectors are
-//!   interleaved into 16 little-endian words (`punpcklbw`/`punpckhbw`).
+//! FP8 (E4M3) codes in Cranelift IR, bit for bit as [`kvjit_core::fp8`]:
+//! codes widened to f32 lanes ([`load_codes`], [`widen_i32x4`]), f32 lanes
+//! rounded to codes ([`narrow_i32x4`], [`store_codes`], [`store_code_lane`]),
+//! a block quantized with its scale ([`quantize_block`]), and codes
+//! re-encoded as the bf16 words of their values ([`ToBf16`]), which is
+//! exact.
 
-use cranelift_codegen::ir::condcodes::IntCC;
-use cranelift_codegen::ir::{InstBuilder, Value, types};
+use cranelift_codegen::ir::condcodes::{FloatCC, IntCC};
+use cranelift_codegen::ir::{InstBuilder, MemFlagsData, Value, types};
 use cranelift_frontend::FunctionBuilder;
 
-use super::{little, mem};
+use super::{band_const, counted_loop, little, mem, splat_f32, splat_u32};
+
+/// Load 4 FP8 codes at `ptr + offset` (one 32-bit load) as the low bytes of
+/// an `I32X4`'s lanes.
+pub fn load_codes(b: &mut FunctionBuilder, ptr: Value, offset: i32) -> Value {
+    let word = b.ins().load(types::I32, mem(), ptr, offset);
+    let bytes = b.ins().scalar_to_vector(types::I32X4, word);
+    let bytes = b.ins().bitcast(types::I8X16, little(), bytes);
+    let halves = b.ins().uwiden_low(bytes);
+    b.ins().uwiden_low(halves)
+}
+
+/// The values of E4M3 codes (the low byte of each `I32X4` lane), exactly
+/// as [`kvjit_core::fp8::e4m3_to_f32`]: the 7 magnitude bits placed at
+/// f32's exponent/mantissa boundary (`m << 20`) read as an f32 that is the
+/// value times 2⁻¹²⁰ (an E4M3 subnormal lands on an f32 subnormal), one
+/// exact multiply by 2¹²⁰; the NaN code becomes f32's quiet NaN; the sign is
+/// ORed back last. Relies on subnormals not being flushed (no DAZ/FTZ), the
+/// state Rust programs run in.
+pub fn widen_i32x4(b: &mut FunctionBuilder, codes: Value) -> Value {
+    let magnitude = band_const(b, codes, 0x7f);
+    let placed = b.ins().ishl_imm_u(magnitude, 20);
+    let placed = b.ins().bitcast(types::F32X4, MemFlagsData::new(), placed);
+    let rebias = splat_f32(b, f32::from_bits((127 + 120) << 23));
+    let value = b.ins().fmul(placed, rebias);
+    let value = b.ins().bitcast(types::I32X4, MemFlagsData::new(), value);
+    let nan_code = splat_u32(b, u32::from(kvjit_core::fp8::E4M3_NAN));
+    let is_nan = b.ins().icmp(IntCC::Equal, magnitude, nan_code);
+    let nan = splat_u32(b, f32::NAN.to_bits());
+    let value = b.ins().bitselect(is_nan, nan, value);
+    let sign = b.ins().ishl_imm_u(codes, 24);
+    let sign = band_const(b, sign, 0x8000_0000);
+    let value = b.ins().bor(value, sign);
+    b.ins().bitcast(types::F32X4, MemFlagsData::new(), value)
+}
+
+/// Round an `F32X4` to E4M3 codes (in the low byte of each `I32X4` lane),
+/// bit for bit as [`kvjit_core::fp8::e4m3_from_f32`]: to nearest, ties to
+/// even; past ±448 (±∞ included) saturated to ±448; NaN to the NaN code
+/// with its sign; −0 to −0.
+///
+/// - `|x| ≥ 2⁻⁶` (normal): the f32 mantissa rounded to 3 bits on the bits
+///   (`(a + 0x7ffff + lsb) >> 20`), rebiased by `(127 − 7) << 3`.
+/// - `|x| < 2⁻⁶` (subnormal or zero): `|x| · 2⁹` (exact) rounded to an
+///   integer, ties to even (`nearest`), 0..=8 — 8 being the smallest
+///   normal's code.
+pub fn narrow_i32x4(b: &mut FunctionBuilder, value: Value) -> Value {
+    let x = b.ins().bitcast(types::I32X4, MemFlagsData::new(), value);
+    let a = band_const(b, x, 0x7fff_ffff);
+    let sign = b.ins().ushr_imm_u(x, 24);
+    let sign = band_const(b, sign, 0x80);
+    let t = b.ins().ushr_imm_u(a, 20);
+    let lsb = band_const(b, t, 1);
+    let r = b.ins().iadd(a, lsb);
+    let bias = splat_u32(b, 0x7_ffff);
+    let r = b.ins().iadd(r, bias);
+    let r = b.ins().ushr_imm_u(r, 20);
+    let rebias = splat_u32(b, (127 - 7) << 3);
+    let normal = b.ins().isub(r, rebias);
+    let af = b.ins().bitcast(types::F32X4, MemFlagsData::new(), a);
+    let steps = splat_f32(b, 512.0);
+    let sub = b.ins().fmul(af, steps);
+    let sub = b.ins().nearest(sub);
+    let sub = b.ins().fcvt_to_sint_sat(types::I32X4, sub);
+    let min_normal = splat_u32(b, 0x3c80_0000);
+    let is_sub = b.ins().icmp(IntCC::SignedLessThan, a, min_normal);
+    let code = b.ins().bitselect(is_sub, sub, normal);
+    let max_bits = splat_u32(b, kvjit_core::fp8::E4M3_MAX.to_bits());
+    let saturates = b.ins().icmp(IntCC::SignedGreaterThanOrEqual, a, max_bits);
+    let max_code = splat_u32(b, 0x7e);
+    let code = b.ins().bitselect(saturates, max_code, code);
+    let is_nan = b.ins().fcmp(FloatCC::Unordered, value, value);
+    let nan_code = splat_u32(b, u32::from(kvjit_core::fp8::E4M3_NAN));
+    let code = b.ins().bitselect(is_nan, nan_code, code);
+    b.ins().bor(code, sign)
+}
+
+/// Store the 4 codes of an `I32X4` (low byte of each lane, as
+/// [`narrow_i32x4`] makes them) at `ptr + offset`: one 32-bit store.
+pub fn store_codes(b: &mut FunctionBuilder, codes: Value, ptr: Value, offset: i32) {
+    // Every lane is ≤ 0xff, so both unsigned saturating packs are exact.
+    let halves = b.ins().unarrow(codes, codes);
+    let bytes = b.ins().unarrow(halves, halves);
+    let words = b.ins().bitcast(types::I32X4, little(), bytes);
+    let word = b.ins().extractlane(words, 0);
+    b.ins().store(mem(), word, ptr, offset);
+}
+
+/// Quantize one FP8 block, exactly as [`kvjit_core::fp8::quantize_block`]:
+/// the `count` f32 values at `src` (an `I64` count, any value ≥ 1) become
+/// `count` E4M3 codes at `codes` and one f32 scale at `scale_at`.
+///
+/// Two passes over the block, 4 values at a time and then one by one for
+/// the rest: the largest finite magnitude (±∞ and NaN lanes count as 0),
+/// `scale = max / 448` (one f32 division); then each value divided by the
+/// scale (±∞ saturating to ±448) — or, when the scale is 0, each finite
+/// value multiplied by 0 (a zero block stores zeros) — converted by
+/// [`narrow_i32x4`].
+pub fn quantize_block(b: &mut FunctionBuilder, src: Value, count: Value, codes: Value, scale_at: Value) {
+    let whole = b.ins().band_imm_s(count, !3);
+    let zero = b.ins().iconst(types::I64, 0);
+    let infinity = splat_f32(b, f32::INFINITY);
+    // All ones in the lanes of `v` that are finite (|v| < ∞ is false for ±∞ and NaN), as I32X4.
+    let finite = |b: &mut FunctionBuilder, v: Value| {
+        let a = b.ins().fabs(v);
+        b.ins().fcmp(FloatCC::LessThan, a, infinity)
+    };
+    let magnitude = |b: &mut FunctionBuilder, v: Value| {
+        let a = b.ins().fabs(v);
+        let is_finite = finite(b, v);
+        let a = b.ins().bitcast(types::I32X4, MemFlagsData::new(), a);
+        let a = b.ins().band(a, is_finite);
+        b.ins().bitcast(types::F32X4, MemFlagsData::new(), a)
+    };
+    let start = splat_f32(b, 0.0);
+    let max = counted_loop(b, zero, whole, 4, &[start], |b, i, carried| {
+        let at = b.ins().ishl_imm_u(i, 2);
+        let at = b.ins().iadd(src, at);
+        let v = b.ins().load(types::F32X4, mem(), at, 0);
+        let a = magnitude(b, v);
+        vec![b.ins().fmax(carried[0], a)]
+    })[0];
+    let max = counted_loop(b, whole, count, 1, &[max], |b, i, carried| {
+        let at = b.ins().ishl_imm_u(i, 2);
+        let at = b.ins().iadd(src, at);
+        let x = b.ins().load(types::F32, mem(), at, 0);
+        let v = b.ins().splat(types::F32X4, x);
+        let a = magnitude(b, v);
+        vec![b.ins().fmax(carried[0], a)]
+    })[0];
+    let lanes: Vec<Value> = (0..4).map(|lane| b.ins().extractlane(max, lane)).collect();
+    let low = b.ins().fmax(lanes[0], lanes[1]);
+    let high = b.ins().fmax(lanes[2], lanes[3]);
+    let max = b.ins().fmax(low, high);
+    let limit = b.ins().f32const(kvjit_core::fp8::E4M3_MAX);
+    let scale = b.ins().fdiv(max, limit);
+    b.ins().store(mem(), scale, scale_at, 0);
+    // x / scale, or x · 0 for a finite x and a zero scale: selected
+    // lane-wise by a mask.
+    let scale = b.ins().splat(types::F32X4, scale);
+    let zeros = splat_f32(b, 0.0);
+    let zero_scale = b.ins().fcmp(FloatCC::Equal, scale, zeros);
+    let quotient = |b: &mut FunctionBuilder, v: Value| {
+        let divided = b.ins().fdiv(v, scale);
+        let zeroed = b.ins().fmul(v, zeros);
+        let is_finite = finite(b, v);
+        let use_zeroed = b.ins().band(zero_scale, is_finite);
+        let use_zeroed = b.ins().bitcast(types::F32X4, MemFlagsData::new(), use_zeroed);
+        let q = b.ins().bitselect(use_zeroed, zeroed, divided);
+        narrow_i32x4(b, q)
+    };
+    counted_loop(b, zero, whole, 4, &[], |b, i, _| {
+        let at = b.ins().ishl_imm_u(i, 2);
+        let at = b.ins().iadd(src, at);
+        let v = b.ins().load(types::F32X4, mem(), at, 0);
+        let c = quotient(b, v);
+        let out = b.ins().iadd(codes, i);
+        store_codes(b, c, out, 0);
+        Vec::new()
+    });
+    counted_loop(b, whole, count, 1, &[], |b, i, _| {
+        let at = b.ins().ishl_imm_u(i, 2);
+        let at = b.ins().iadd(src, at);
+        let x = b.ins().load(types::F32, mem(), at, 0);
+        let v = b.ins().splat(types::F32X4, x);
+        let c = quotient(b, v);
+        let out = b.ins().iadd(codes, i);
+        store_code_lane(b, c, 0, out, 0);
+        Vec::new()
+    });
+}
+
+/// Store lane `lane`'s code of an `I32X4` alone at `ptr + offset`.
+pub fn store_code_lane(b: &mut FunctionBuilder, codes: Value, lane: u8, ptr: Value, offset: i32) {
+    let code = b.ins().extractlane(codes, lane);
+    b.ins().istore8(mem(), code, ptr, offset);
+}
 
 /// Subnormal corrections of the high byte, by magnitude: the bf16 high byte
 /// of `m · 2⁻⁹` minus the normal formula's `0x3C`, wrapping
@@ -37,9 +196,31 @@ const DELTA_HI: [u8; 16] = [0xC4, 0xFF, 0xFF, 0xFF, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0
 /// formula's `m << 4`, wrapping.
 const DELTA_LO: [u8; 16] = [0x00, 0xF0, 0x60, 0x90, 0xC0, 0xD0, 0xE0, 0xF0, 0, 0, 0, 0, 0, 0, 0, 0];
 
-/// The E4M3 → bf16 re-encoding (see the module docs), with its constants
-/// made once outside the loops (the kernels compile without Cranelift's
-/// optimiser, which would otherwise rematerialise them per use).
+/// Re-encodes E4M3 codes as the bf16 words of their **unscaled** values,
+/// exactly: every E4M3 value (3 mantissa bits, exponents 2⁻⁹ … 2⁸, NaN) is
+/// a bf16 value. A kernel reading an FP8 cache can so copy its codes into a
+/// bf16 buffer and read that with the bf16 loads (a zero-extending load and
+/// a shift per 4 elements), applying the block scales in registers (the
+/// attention kernel's gather does). 16 codes at a time with byte operations
+/// only (no float arithmetic, no table in memory). Per 16 codes
+/// ([`ToBf16::words`]):
+///
+/// - normal codes (exponent field e ≥ 1): the bf16 bits are `sign << 15 |
+///   (e + 120) << 7 | m << 4`, i.e. high byte `sign | 0x3C + (code >> 4 & 7)`
+///   and low byte `code << 4 & 0xF0` (two byte vectors, each one shift, one
+///   mask, one add);
+/// - subnormal codes (e = 0, magnitudes 0‥7) need normalising: a 16-entry
+///   table of corrections per byte, looked up with the magnitude as index
+///   (`swizzle`: indices ≥ 16 give 0, so only magnitudes < 16 are touched,
+///   and the entries 8‥15 are 0), added to both bytes;
+/// - the NaN magnitude 0x7f: the high byte gets all exponent bits (`0x7F`);
+///   the low byte is already `0xF0`, so the word is a quiet NaN;
+/// - the sign is ORed into the high byte, and the two byte vectors are
+///   interleaved into 16 little-endian words (`punpcklbw`/`punpckhbw`).
+///
+/// Holds the conversion's constants, made once outside the loops (the
+/// kernels compile without Cranelift's optimiser, which would otherwise
+/// rematerialise them per use).
 #[derive(Clone, Copy, Debug)]
 pub struct ToBf16 {
     k7f: Value,
@@ -152,66 +333,4 @@ fn interleave(b: &mut FunctionBuilder, low: Value, high: Value, from: u8) -> Val
     let lanes: Vec<u8> = (from..from + 8).flat_map(|i| [i, 16 + i]).collect();
     let mask = b.func.dfg.immediates.push(lanes.into());
     b.ins().shuffle(low, high, mask)
-}
-
-#[cfg(test)]
-mod tests {
-    use kvjit_core::fp8::e4m3_to_f32;
-    use kvjit_core::{DType, KernelKey, Target};
-    use kvjit_runtime::DeviceContextPtr;
-
-    use super::*;
-    use crate::{CaptureText, compile_kernel};
-
-    /// The bf16 words the emitted code makes from `codes` (`count` at a time).
-    fn convert(codes: &[u8], count: usize) -> Vec<u16> {
-        let key = KernelKey::new(&format!("test_e4m3_to_bf16_{count}"), Target::Cpu, DType::F32);
-        let code = compile_kernel(&key, CaptureText::default(), |b, params| {
-            let src = params.arg(b, 0);
-            let dst = params.arg(b, 1);
-            let conv = ToBf16::new(b);
-            conv.convert_row(b, src, 0, dst, 0, count);
-        })
-        .unwrap();
-        let mut out = Vec::new();
-        for chunk in codes.chunks(count) {
-            let mut src = chunk.to_vec();
-            src.resize(count, 0);
-            // Guard bytes after the words catch a store past the row.
-            let mut dst = vec![0xA5A5u16; count + 8];
-            let args = [src.as_ptr() as u64, dst.as_mut_ptr() as u64];
-            // SAFETY: the kernel reads `count` bytes at args[0] (`src` has
-            // `count`) and writes `2·count` bytes at args[1] (`dst` has
-            // `2·count + 16`); both outlive the call.
-            unsafe { crate::launch(&code, &args, 1, &DeviceContextPtr::cpu(1).unwrap()) };
-            assert!(dst[count..].iter().all(|&w| w == 0xA5A5), "wrote past the row");
-            out.extend_from_slice(&dst[..chunk.len()]);
-        }
-        out
-    }
-
-    #[test]
-    fn every_code_becomes_its_exact_bf16() {
-        let codes: Vec<u8> = (0..=255).collect();
-        // 16 at a time, and the 8- and 4-code tails.
-        for (count, codes) in [(256, codes.clone()), (12, codes.clone()), (4, codes.clone())] {
-            let words = convert(&codes, count);
-            for (&code, &word) in codes.iter().zip(&words) {
-                let value = e4m3_to_f32(code);
-                let widened = f32::from_bits(u32::from(word) << 16);
-                if value.is_nan() {
-                    assert!(widened.is_nan(), "code {code:#04x} (count {count}): NaN, got {word:#06x}");
-                    assert_eq!(word >> 15, u16::from(code >> 7), "code {code:#04x}: NaN keeps its sign");
-                } else {
-                    assert_eq!(value.to_bits() & 0xffff, 0, "E4M3 values fit bf16");
-                    assert_eq!(
-                        widened.to_bits(),
-                        value.to_bits(),
-                        "code {code:#04x} (count {count}): want {value} ({:#010x}), got {word:#06x}",
-                        value.to_bits()
-                    );
-                }
-            }
-        }
-    }
 }
