@@ -32,7 +32,7 @@
 //!                                     a 4×4 transpose-add per key gives the 4 rows' scores in
 //!                                     the lanes of one F32X4; rows' keys outside their range → -inf)
 //! m' = max(m, max_j S[j])            (per lane; a row with no key yet uses 0, so -inf − -inf never occurs)
-//! P[j] = exp(S[j] − m'), α = exp(m − m')      (vector polynomial exp, crate::exp)
+//! P[j] = exp(S[j] − m'), α = exp(m − m')      (vector polynomial exp, kvjit_jit::ir::math)
 //! l = α·l + Σ_j P[j]
 //! acc = α·acc + Σ_j P[j]·V[p0+j]     (per 2 F32X4 of D: a 4 rows × 2 register tile, keys inner,
 //!                                     4 keys per iteration; the block's key count is padded to a
@@ -78,12 +78,12 @@ use kvjit_jit::cranelift_codegen::ir::condcodes::{FloatCC, IntCC};
 use kvjit_jit::cranelift_codegen::ir::{self, InstBuilder, MemFlagsData, Value, types};
 use kvjit_jit::cranelift_frontend::FunctionBuilder;
 use kvjit_jit::ir::e4m3::ToBf16;
+use kvjit_jit::ir::math::exp_f32x4;
 use kvjit_jit::ir::{counted_loop, load_f32x4_raw, mem, splat_f32};
 use kvjit_jit::{CaptureText, CompileCause, JitError, JitFunction, compile_kernel};
 use kvjit_runtime::{CodeInfo, DeviceContextPtr, Kernel, OutputSpec};
 
 use crate::call::{AttentionConfig, CallShape, key_row_offsets};
-use crate::exp::emit_exp_f32x4;
 use crate::kernel::{check_against_spec, checked_call};
 use crate::{AttentionError, Mask, MhaSpec};
 
@@ -760,7 +760,7 @@ impl Emitter {
         let zv = splat_f32(b, 0.0);
         let m_use = b.ins().bitselect(empty, zv, m_new);
         let alpha_arg = b.ins().fsub(m_old, m_use);
-        let alpha = emit_exp_f32x4(b, alpha_arg);
+        let alpha = exp_f32x4(b, alpha_arg);
         b.ins().store(mem(), m_new, tb.tile, layout::M);
         b.ins().store(mem(), alpha, tb.scratch, alpha_at);
         let zero = iconst(b, 0);
@@ -769,7 +769,7 @@ impl Emitter {
             let at = b.ins().iadd(tb.scratch, at);
             let s = b.ins().load(types::F32X4, mem(), at, layout::SCORES);
             let x = b.ins().fsub(s, m_use);
-            let p = emit_exp_f32x4(b, x);
+            let p = exp_f32x4(b, x);
             match tb.scales {
                 // FP8: P times each of the key's V block scales, for P·V.
                 Some((_, vs)) => {

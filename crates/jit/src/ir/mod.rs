@@ -12,6 +12,7 @@
 //!
 //! - [`e4m3`]: FP8 (E4M3) codes to and from f32 lanes, a block quantized
 //!   with its scale, codes re-encoded as bf16.
+//! - [`math`]: `exp` on F32X4.
 
 use cranelift_codegen::ir::condcodes::{FloatCC, IntCC};
 use cranelift_codegen::ir::{self, InstBuilder, MemFlagsData, Value, types};
@@ -19,6 +20,7 @@ use cranelift_frontend::FunctionBuilder;
 use kvjit_core::DType;
 
 pub mod e4m3;
+pub mod math;
 
 /// Flags for loads and stores the caller has proven in bounds and aligned
 /// enough for unaligned vector moves.
