@@ -75,10 +75,11 @@ use std::sync::Arc;
 use half::{bf16, f16};
 use kvjit_core::{DType, Error, KernelKey, PagedKVCacheCollection, Result, Tensor};
 use kvjit_jit::cranelift_codegen::ir::condcodes::{FloatCC, IntCC};
-use kvjit_jit::cranelift_codegen::ir::{self, InstBuilder, MemFlagsData, Value, types};
+use kvjit_jit::cranelift_codegen::ir::{InstBuilder, MemFlagsData, Value, types};
 use kvjit_jit::cranelift_frontend::FunctionBuilder;
 use kvjit_jit::ir::e4m3::ToBf16;
 use kvjit_jit::ir::math::exp_f32x4;
+use kvjit_jit::ir::shuffle::transpose_sum;
 use kvjit_jit::ir::{counted_loop, load_f32x4_raw, mem, splat_f32};
 use kvjit_jit::{CaptureText, CompileCause, JitError, JitFunction, compile_kernel};
 use kvjit_runtime::{CodeInfo, DeviceContextPtr, Kernel, OutputSpec};
@@ -342,31 +343,6 @@ fn when(b: &mut FunctionBuilder, cond: Value, then: impl FnOnce(&mut FunctionBui
     then(b);
     b.ins().jump(join, &[]);
     b.switch_to_block(join);
-}
-
-/// Lanes of `a` (0..4) and `c` (4..8) picked by `lanes`, as an `F32X4`.
-fn shuffle32(b: &mut FunctionBuilder, a: Value, c: Value, lanes: [u8; 4]) -> Value {
-    let little = MemFlagsData::new().with_endianness(ir::Endianness::Little);
-    let a = b.ins().bitcast(types::I8X16, little, a);
-    let c = b.ins().bitcast(types::I8X16, little, c);
-    let bytes: Vec<u8> = lanes.iter().flat_map(|&l| (0..4).map(move |i| 4 * l + i)).collect();
-    let mask = b.func.dfg.immediates.push(bytes.into());
-    let s = b.ins().shuffle(a, c, mask);
-    b.ins().bitcast(types::F32X4, little, s)
-}
-
-/// `[Σ a0, Σ a1, Σ a2, Σ a3]` (4×4 transpose-add).
-fn transpose_sum(b: &mut FunctionBuilder, a: [Value; 4]) -> Value {
-    let pair = |b: &mut FunctionBuilder, x: Value, y: Value| {
-        let lo = shuffle32(b, x, y, [0, 4, 1, 5]);
-        let hi = shuffle32(b, x, y, [2, 6, 3, 7]);
-        b.ins().fadd(lo, hi)
-    };
-    let x = pair(b, a[0], a[1]);
-    let y = pair(b, a[2], a[3]);
-    let lo = shuffle32(b, x, y, [0, 1, 4, 5]);
-    let hi = shuffle32(b, x, y, [2, 3, 6, 7]);
-    b.ins().fadd(lo, hi)
 }
 
 /// An F32X4 comparison mask as F32X4 (for `bitselect`).

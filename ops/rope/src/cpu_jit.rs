@@ -58,11 +58,9 @@ use std::sync::Arc;
 
 use kvjit_core::{DType, Error, KernelKey, PagedKVCacheCollection, Result, Tensor};
 use kvjit_jit::cranelift_codegen::ir::condcodes::IntCC;
-use kvjit_jit::cranelift_codegen::ir::{
-    ConstantData, Endianness, InstBuilder, MemFlagsData, StackSlotData, StackSlotKind, Value, types,
-};
+use kvjit_jit::cranelift_codegen::ir::{InstBuilder, MemFlagsData, StackSlotData, StackSlotKind, Value, types};
 use kvjit_jit::cranelift_frontend::FunctionBuilder;
-use kvjit_jit::ir::{counted_loop, e4m3, load_f32x4, load_f32x4_raw, mem, splat_f32, store_f32x4};
+use kvjit_jit::ir::{counted_loop, e4m3, load_f32x4, load_f32x4_raw, mem, shuffle, splat_f32, store_f32x4};
 use kvjit_jit::{CaptureText, CompileCause, JitError, JitFunction, compile_kernel};
 use kvjit_runtime::{CodeInfo, DeviceContextPtr, Kernel, OutputSpec};
 
@@ -160,22 +158,6 @@ struct Bases {
     blocks: Value,
     rows: Value,
     scales: Value,
-}
-
-/// Byte order for bitcasts that change the lane count.
-fn little() -> MemFlagsData {
-    MemFlagsData::new().with_endianness(Endianness::Little)
-}
-
-/// Lanes `lanes` of the 8 f32 lanes of `x` (0..4) and `y` (4..8), as an
-/// F32X4 (`shufps` / `pshufd` for the patterns used here).
-fn shuffle_f32(b: &mut FunctionBuilder, x: Value, y: Value, lanes: [u8; 4]) -> Value {
-    let xi = b.ins().bitcast(types::I8X16, little(), x);
-    let yi = b.ins().bitcast(types::I8X16, little(), y);
-    let mask: Vec<u8> = lanes.iter().flat_map(|&l| (0..4).map(move |k| 4 * l + k)).collect();
-    let mask = b.func.dfg.immediates.push(ConstantData::from(mask));
-    let shuffled = b.ins().shuffle(xi, yi, mask);
-    b.ins().bitcast(types::F32X4, little(), shuffled)
 }
 
 /// The emitter for one kernel body.
@@ -300,8 +282,8 @@ impl Emitter {
                 let src = b.ins().imul_imm_s(at, size);
                 let src = b.ins().iadd(freqs_row, src);
                 let v = load_f32x4_raw(b, dtype, src, (4 * u) as i32 * size as i32);
-                let cc = shuffle_f32(b, v, v, [0, 0, 2, 2]);
-                let ss = shuffle_f32(b, v, v, [1, 1, 3, 3]);
+                let cc = shuffle::f32x4(b, v, v, [0, 0, 2, 2]);
+                let ss = shuffle::f32x4(b, v, v, [1, 1, 3, 3]);
                 let ss = b.ins().bxor(ss, sign);
                 let dst = b.ins().imul_imm_s(at, 4);
                 let dst = b.ins().iadd(table, dst);
@@ -315,8 +297,8 @@ impl Emitter {
                 let src = b.ins().iadd(freqs_row, src);
                 let v0 = load_f32x4_raw(b, dtype, src, (8 * u) as i32 * size as i32);
                 let v1 = load_f32x4_raw(b, dtype, src, (8 * u + 4) as i32 * size as i32);
-                let cos = shuffle_f32(b, v0, v1, [0, 2, 4, 6]);
-                let sin = shuffle_f32(b, v0, v1, [1, 3, 5, 7]);
+                let cos = shuffle::f32x4(b, v0, v1, [0, 2, 4, 6]);
+                let sin = shuffle::f32x4(b, v0, v1, [1, 3, 5, 7]);
                 let dst = b.ins().imul_imm_s(at, 4);
                 let dst = b.ins().iadd(table, dst);
                 b.ins().store(mem(), cos, dst, (16 * u) as i32);
@@ -355,7 +337,7 @@ impl Emitter {
                 let x = load_f32x4_raw(b, dtype, x_src, disp);
                 let cc = b.ins().load(types::F32X4, mem(), tab, (16 * u) as i32);
                 let ss = b.ins().load(types::F32X4, mem(), tab, (16 * u + 4 * d) as i32);
-                let swapped = shuffle_f32(b, x, x, [1, 0, 3, 2]);
+                let swapped = shuffle::f32x4(b, x, x, [1, 0, 3, 2]);
                 let xc = b.ins().fmul(x, cc);
                 let rotated = b.ins().fma(swapped, ss, xc);
                 store_f32x4(b, dtype, rotated, x_dst, disp);

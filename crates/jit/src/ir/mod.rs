@@ -13,6 +13,7 @@
 //! - [`e4m3`]: FP8 (E4M3) codes to and from f32 lanes, a block quantized
 //!   with its scale, codes re-encoded as bf16.
 //! - [`math`]: `exp` on F32X4.
+//! - [`shuffle`]: lanes picked from two F32X4, the 4×4 transpose-add.
 
 use cranelift_codegen::ir::condcodes::{FloatCC, IntCC};
 use cranelift_codegen::ir::{self, InstBuilder, MemFlagsData, Value, types};
@@ -21,6 +22,7 @@ use kvjit_core::DType;
 
 pub mod e4m3;
 pub mod math;
+pub mod shuffle;
 
 /// Flags for loads and stores the caller has proven in bounds and aligned
 /// enough for unaligned vector moves.
