@@ -80,7 +80,7 @@ use kvjit_jit::cranelift_frontend::FunctionBuilder;
 use kvjit_jit::ir::e4m3::ToBf16;
 use kvjit_jit::ir::math::exp_f32x4;
 use kvjit_jit::ir::shuffle::transpose_sum;
-use kvjit_jit::ir::{counted_loop, load_f32x4_raw, mem, splat_f32};
+use kvjit_jit::ir::{counted_loop, load_f32x4_raw, mem, splat_f32, when};
 use kvjit_jit::{CaptureText, CompileCause, JitError, JitFunction, compile_kernel};
 use kvjit_runtime::{CodeInfo, DeviceContextPtr, Kernel, OutputSpec};
 
@@ -333,16 +333,6 @@ fn copy_bytes(b: &mut FunctionBuilder, src: Value, from: i64, dst: Value, to: i6
         b.ins().store(mem(), x, dst, (to + o) as i32);
         o += i64::from(ty.bytes());
     }
-}
-
-/// `if cond { then }`.
-fn when(b: &mut FunctionBuilder, cond: Value, then: impl FnOnce(&mut FunctionBuilder)) {
-    let (t, join) = (b.create_block(), b.create_block());
-    b.ins().brif(cond, t, &[], join, &[]);
-    b.switch_to_block(t);
-    then(b);
-    b.ins().jump(join, &[]);
-    b.switch_to_block(join);
 }
 
 /// An F32X4 comparison mask as F32X4 (for `bitselect`).

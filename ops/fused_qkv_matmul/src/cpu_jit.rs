@@ -57,7 +57,9 @@ use kvjit_jit::cranelift_codegen::ir::{
     InstBuilder, StackSlot, StackSlotData, StackSlotKind, Value, condcodes::IntCC, types,
 };
 use kvjit_jit::cranelift_frontend::FunctionBuilder;
-use kvjit_jit::ir::{call_native, counted_loop, e4m3, load_f32x4_raw, load_splat_f32x4, mem, store_f32x4, store_lane};
+use kvjit_jit::ir::{
+    call_native, counted_loop, e4m3, if_else, load_f32x4_raw, load_splat_f32x4, mem, store_f32x4, store_lane, when,
+};
 use kvjit_jit::microkernel::{self, MAX_TILE_ROWS, TILE_COLUMNS};
 use kvjit_jit::{CaptureText, CompileCause, JitError, JitFunction, SeenShapes, compile_kernel, pointer_type};
 use kvjit_runtime::{CodeInfo, DeviceContextPtr, Kernel, OutputSpec};
@@ -341,38 +343,34 @@ fn compile_fp8_store(spec: &FusedQkvSpec, runtime_sizes: bool) -> Result<Arc<Jit
                 let at = b.ins().ishl_imm_u(row, 3);
                 let at = b.ins().iadd(row_offsets, at);
                 let slot = b.ins().load(types::I64, mem(), at, 0);
-                let store = b.create_block();
-                let done = b.create_block();
                 let writes = b.ins().icmp_imm_s(IntCC::SignedGreaterThanOrEqual, slot, 0);
-                b.ins().brif(writes, store, &[], done, &[]);
-                b.switch_to_block(store);
-                let first = b.ins().imul(row, row_floats);
-                for kv in 0..2 {
-                    let (element, staged) = if kv == 0 {
-                        (slot, first)
-                    } else {
-                        (b.ins().iadd(slot, kv_stride), b.ins().iadd(first, kv_dim))
-                    };
-                    let src = b.ins().ishl_imm_u(staged, 2);
-                    let src = b.ins().iadd(stage, src);
-                    let codes = b.ins().iadd(blocks, element);
-                    let scale_index = b.ins().udiv(element, g);
-                    let scale_at = b.ins().ishl_imm_u(scale_index, 2);
-                    let scale_at = b.ins().iadd(scales, scale_at);
-                    let zero = b.ins().iconst(types::I64, 0);
-                    counted_loop(b, zero, blocks_per_row, 1, &[], |b, block, _| {
-                        let src_at = b.ins().imul(block, g_bytes);
-                        let src_at = b.ins().iadd(src, src_at);
-                        let codes_at = b.ins().imul(block, g);
-                        let codes_at = b.ins().iadd(codes, codes_at);
-                        let scale = b.ins().ishl_imm_u(block, 2);
-                        let scale = b.ins().iadd(scale_at, scale);
-                        e4m3::quantize_block(b, src_at, g, codes_at, scale);
-                        Vec::new()
-                    });
-                }
-                b.ins().jump(done, &[]);
-                b.switch_to_block(done);
+                when(b, writes, |b| {
+                    let first = b.ins().imul(row, row_floats);
+                    for kv in 0..2 {
+                        let (element, staged) = if kv == 0 {
+                            (slot, first)
+                        } else {
+                            (b.ins().iadd(slot, kv_stride), b.ins().iadd(first, kv_dim))
+                        };
+                        let src = b.ins().ishl_imm_u(staged, 2);
+                        let src = b.ins().iadd(stage, src);
+                        let codes = b.ins().iadd(blocks, element);
+                        let scale_index = b.ins().udiv(element, g);
+                        let scale_at = b.ins().ishl_imm_u(scale_index, 2);
+                        let scale_at = b.ins().iadd(scales, scale_at);
+                        let zero = b.ins().iconst(types::I64, 0);
+                        counted_loop(b, zero, blocks_per_row, 1, &[], |b, block, _| {
+                            let src_at = b.ins().imul(block, g_bytes);
+                            let src_at = b.ins().iadd(src, src_at);
+                            let codes_at = b.ins().imul(block, g);
+                            let codes_at = b.ins().iadd(codes, codes_at);
+                            let scale = b.ins().ishl_imm_u(block, 2);
+                            let scale = b.ins().iadd(scale_at, scale);
+                            e4m3::quantize_block(b, src_at, g, codes_at, scale);
+                            Vec::new()
+                        });
+                    }
+                });
                 Vec::new()
             });
         })
@@ -689,19 +687,14 @@ impl Emitter {
                 // The generic kernel picks the schedule at run time: one row
                 // streams the whole of K (GEMV), more rows go k block by k
                 // block.
-                let gemv = b.create_block();
-                let blocked = b.create_block();
-                let done = b.create_block();
                 let rows = b.ins().isub(end, start);
                 let one_row = b.ins().icmp_imm_s(IntCC::Equal, rows, 1);
-                b.ins().brif(one_row, gemv, &[], blocked, &[]);
-                b.switch_to_block(gemv);
-                self.emit_avx2_k_blocks(b, start, end, panel, c, None);
-                b.ins().jump(done, &[]);
-                b.switch_to_block(blocked);
-                self.emit_avx2_k_blocks(b, start, end, panel, c, Some(self.k_block()));
-                b.ins().jump(done, &[]);
-                b.switch_to_block(done);
+                if_else(
+                    b,
+                    one_row,
+                    |b| self.emit_avx2_k_blocks(b, start, end, panel, c, None),
+                    |b| self.emit_avx2_k_blocks(b, start, end, panel, c, Some(self.k_block())),
+                );
             }
         }
         counted_loop(b, start, end, 1, &[], |b, row, _| {
@@ -776,14 +769,8 @@ impl Emitter {
                     Vec::new()
                 });
                 let rest = b.ins().isub(k, whole);
-                let last = b.create_block();
-                let done = b.create_block();
                 let has_rest = b.ins().icmp_imm_s(IntCC::NotEqual, rest, 0);
-                b.ins().brif(has_rest, last, &[], done, &[]);
-                b.switch_to_block(last);
-                tiles(b, whole, Size::Runtime(rest));
-                b.ins().jump(done, &[]);
-                b.switch_to_block(done);
+                when(b, has_rest, |b| tiles(b, whole, Size::Runtime(rest)));
             }
         }
     }
@@ -907,66 +894,61 @@ impl Emitter {
     /// where its panel's columns go.
     fn emit_store_row(&self, b: &mut FunctionBuilder, row: Value, i: usize, panel: Panel, vectors: &[Value]) {
         let r = b.ins().iadd_imm_s(row, i as i64);
-        let (dtype, base, after) = match panel.destination {
+        match panel.destination {
             Destination::Q => {
                 let element = self.sizes.q_dim.times(b, r, 1);
                 let element = b.ins().iadd(element, panel.column);
                 let bytes = b.ins().imul_imm_s(element, self.spec.dtype.size_bytes() as i64);
-                (self.spec.dtype, b.ins().iadd(self.bases.out, bytes), None)
+                let base = b.ins().iadd(self.bases.out, bytes);
+                emit_store_columns(b, self.spec.dtype, base, panel.width, vectors);
             }
             Destination::K | Destination::V => {
                 let slot_at = b.ins().ishl_imm_u(r, 3);
                 let slot_at = b.ins().iadd(self.bases.row_offsets, slot_at);
                 let slot = b.ins().load(types::I64, mem(), slot_at, 0);
-                let store = b.create_block();
-                let after = b.create_block();
                 let writes = b.ins().icmp_imm_s(IntCC::SignedGreaterThanOrEqual, slot, 0);
-                b.ins().brif(writes, store, &[], after, &[]);
-                b.switch_to_block(store);
-                let element = match (panel.destination, self.sizes.kv_stride) {
-                    (Destination::V, Size::Known(stride)) => b.ins().iadd_imm_s(slot, stride as i64),
-                    (Destination::V, Size::Runtime(stride)) => b.ins().iadd(slot, stride),
-                    _ => slot,
-                };
-                let element = b.ins().iadd(element, panel.column);
-                let dtype = kv_store_dtype(&self.spec);
-                let bytes = b.ins().imul_imm_s(element, dtype.size_bytes() as i64);
-                (dtype, b.ins().iadd(self.bases.blocks, bytes), Some(after))
-            }
-        };
-        let size = dtype.size_bytes() as i32;
-        for (h, &value) in vectors.iter().enumerate() {
-            match panel.width {
-                Size::Known(width) => {
-                    let lanes = width.saturating_sub(4 * h).min(4);
-                    if lanes == 4 {
-                        store_f32x4(b, dtype, value, base, 4 * h as i32 * size);
-                    } else {
-                        for lane in 0..lanes {
-                            store_lane(b, dtype, value, lane as u8, base, (4 * h + lane) as i32 * size);
-                        }
-                    }
-                }
-                // A last panel whose width only the run knows: each lane
-                // is stored when its column exists.
-                Size::Runtime(width) => {
-                    for lane in 0..4 {
-                        let column = 4 * h + lane;
-                        let store = b.create_block();
-                        let next = b.create_block();
-                        let exists = b.ins().icmp_imm_s(IntCC::UnsignedGreaterThan, width, column as i64);
-                        b.ins().brif(exists, store, &[], next, &[]);
-                        b.switch_to_block(store);
-                        store_lane(b, dtype, value, lane as u8, base, column as i32 * size);
-                        b.ins().jump(next, &[]);
-                        b.switch_to_block(next);
-                    }
-                }
+                when(b, writes, |b| {
+                    let element = match (panel.destination, self.sizes.kv_stride) {
+                        (Destination::V, Size::Known(stride)) => b.ins().iadd_imm_s(slot, stride as i64),
+                        (Destination::V, Size::Runtime(stride)) => b.ins().iadd(slot, stride),
+                        _ => slot,
+                    };
+                    let element = b.ins().iadd(element, panel.column);
+                    let dtype = kv_store_dtype(&self.spec);
+                    let bytes = b.ins().imul_imm_s(element, dtype.size_bytes() as i64);
+                    let base = b.ins().iadd(self.bases.blocks, bytes);
+                    emit_store_columns(b, dtype, base, panel.width, vectors);
+                });
             }
         }
-        if let Some(after) = after {
-            b.ins().jump(after, &[]);
-            b.switch_to_block(after);
+    }
+}
+
+/// Store the first `width` columns of a tile row (F32X4 `vectors`, four
+/// columns each) as `dtype` at `base`.
+fn emit_store_columns(b: &mut FunctionBuilder, dtype: DType, base: Value, width: Size, vectors: &[Value]) {
+    let size = dtype.size_bytes() as i32;
+    for (h, &value) in vectors.iter().enumerate() {
+        match width {
+            Size::Known(width) => {
+                let lanes = width.saturating_sub(4 * h).min(4);
+                if lanes == 4 {
+                    store_f32x4(b, dtype, value, base, 4 * h as i32 * size);
+                } else {
+                    for lane in 0..lanes {
+                        store_lane(b, dtype, value, lane as u8, base, (4 * h + lane) as i32 * size);
+                    }
+                }
+            }
+            // A last panel whose width only the run knows: each lane
+            // is stored when its column exists.
+            Size::Runtime(width) => {
+                for lane in 0..4 {
+                    let column = 4 * h + lane;
+                    let exists = b.ins().icmp_imm_s(IntCC::UnsignedGreaterThan, width, column as i64);
+                    when(b, exists, |b| store_lane(b, dtype, value, lane as u8, base, column as i32 * size));
+                }
+            }
         }
     }
 }

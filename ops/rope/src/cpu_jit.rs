@@ -60,7 +60,7 @@ use kvjit_core::{DType, Error, KernelKey, PagedKVCacheCollection, Result, Tensor
 use kvjit_jit::cranelift_codegen::ir::condcodes::IntCC;
 use kvjit_jit::cranelift_codegen::ir::{InstBuilder, MemFlagsData, StackSlotData, StackSlotKind, Value, types};
 use kvjit_jit::cranelift_frontend::FunctionBuilder;
-use kvjit_jit::ir::{counted_loop, e4m3, load_f32x4, load_f32x4_raw, mem, shuffle, splat_f32, store_f32x4};
+use kvjit_jit::ir::{counted_loop, e4m3, if_else, load_f32x4, load_f32x4_raw, mem, shuffle, splat_f32, store_f32x4};
 use kvjit_jit::{CaptureText, CompileCause, JitError, JitFunction, compile_kernel};
 use kvjit_runtime::{CodeInfo, DeviceContextPtr, Kernel, OutputSpec};
 
@@ -221,41 +221,31 @@ impl Emitter {
             let row_offset = b.ins().imul_imm_s(r, self.row_bytes());
             let out_row = b.ins().iadd(bases.out, row_offset);
 
-            let padded = b.create_block();
-            let valid = b.create_block();
-            let done = b.create_block();
             let is_padded = b.ins().icmp_imm_s(IntCC::SignedLessThan, freqs_offset, 0);
-            b.ins().brif(is_padded, padded, &[], valid, &[]);
-
-            b.switch_to_block(padded);
-            self.emit_zero_row(b, out_row);
-            b.ins().jump(done, &[]);
-
-            b.switch_to_block(valid);
-            let k_offset = b.ins().load(types::I64, mem(), plan_at, 8);
-            let table = b.ins().stack_addr(kvjit_jit::pointer_type(), table_slot, 0);
-            let freqs_bytes = b.ins().imul_imm_s(freqs_offset, self.spec.dtype.size_bytes() as i64);
-            let freqs_row = b.ins().iadd(bases.freqs, freqs_bytes);
-            self.emit_table(b, freqs_row, table);
-            let q_row = b.ins().iadd(bases.q, row_offset);
-            self.emit_heads(b, q_row, out_row, self.spec.num_q_heads, self.spec.dtype, table);
-            let k_bytes = b.ins().imul_imm_s(k_offset, self.spec.cache_dtype.size_bytes() as i64);
-            let k_row = b.ins().iadd(bases.blocks, k_bytes);
-            match (self.granularity(), head_slot) {
-                (Some(g), Some(head_slot)) => {
-                    // The row's first scale: `k_offset / g`, exact (k_offset
-                    // is a multiple of D, which g divides).
-                    let scale_index = b.ins().udiv_imm_u(k_offset, g as i64);
-                    let scale_bytes = b.ins().imul_imm_s(scale_index, 4);
-                    let scale_row = b.ins().iadd(bases.scales, scale_bytes);
-                    let head = b.ins().stack_addr(kvjit_jit::pointer_type(), head_slot, 0);
-                    self.emit_e4m3_heads(b, k_row, scale_row, head, table);
+            let zero_row = |b: &mut FunctionBuilder| self.emit_zero_row(b, out_row);
+            if_else(b, is_padded, zero_row, |b| {
+                let k_offset = b.ins().load(types::I64, mem(), plan_at, 8);
+                let table = b.ins().stack_addr(kvjit_jit::pointer_type(), table_slot, 0);
+                let freqs_bytes = b.ins().imul_imm_s(freqs_offset, self.spec.dtype.size_bytes() as i64);
+                let freqs_row = b.ins().iadd(bases.freqs, freqs_bytes);
+                self.emit_table(b, freqs_row, table);
+                let q_row = b.ins().iadd(bases.q, row_offset);
+                self.emit_heads(b, q_row, out_row, self.spec.num_q_heads, self.spec.dtype, table);
+                let k_bytes = b.ins().imul_imm_s(k_offset, self.spec.cache_dtype.size_bytes() as i64);
+                let k_row = b.ins().iadd(bases.blocks, k_bytes);
+                match (self.granularity(), head_slot) {
+                    (Some(g), Some(head_slot)) => {
+                        // The row's first scale: `k_offset / g`, exact (k_offset
+                        // is a multiple of D, which g divides).
+                        let scale_index = b.ins().udiv_imm_u(k_offset, g as i64);
+                        let scale_bytes = b.ins().imul_imm_s(scale_index, 4);
+                        let scale_row = b.ins().iadd(bases.scales, scale_bytes);
+                        let head = b.ins().stack_addr(kvjit_jit::pointer_type(), head_slot, 0);
+                        self.emit_e4m3_heads(b, k_row, scale_row, head, table);
+                    }
+                    _ => self.emit_heads(b, k_row, k_row, self.spec.num_kv_heads, self.spec.cache_dtype, table),
                 }
-                _ => self.emit_heads(b, k_row, k_row, self.spec.num_kv_heads, self.spec.cache_dtype, table),
-            }
-            b.ins().jump(done, &[]);
-
-            b.switch_to_block(done);
+            });
             Vec::new()
         });
     }

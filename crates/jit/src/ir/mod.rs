@@ -20,9 +20,12 @@ use cranelift_codegen::ir::{self, InstBuilder, MemFlagsData, Value, types};
 use cranelift_frontend::FunctionBuilder;
 use kvjit_core::DType;
 
+mod control;
 pub mod e4m3;
 pub mod math;
 pub mod shuffle;
+
+pub use control::{counted_loop, if_else, when};
 
 /// Flags for loads and stores the caller has proven in bounds and aligned
 /// enough for unaligned vector moves.
@@ -330,53 +333,6 @@ fn band_const(b: &mut FunctionBuilder, x: Value, v: u32) -> Value {
 fn bor_const(b: &mut FunctionBuilder, x: Value, v: u32) -> Value {
     let c = splat_u32(b, v);
     b.ins().bor(x, c)
-}
-
-/// Emit `for i in (start..end).step_by(step)` with loop-carried values:
-/// the header tests `i < end` (signed) and the body jumps back to it (the
-/// loop shape Cranelift's x64 lowering handles best). `body` gets the
-/// builder in the body block, `i` and the carried values, and returns the
-/// carried values for the next iteration. Returns the carried values after
-/// the loop.
-pub fn counted_loop(
-    b: &mut FunctionBuilder,
-    start: Value,
-    end: Value,
-    step: i64,
-    carried: &[Value],
-    body: impl FnOnce(&mut FunctionBuilder, Value, &[Value]) -> Vec<Value>,
-) -> Vec<Value> {
-    let index_ty = b.func.dfg.value_type(start);
-    let header = b.create_block();
-    let body_block = b.create_block();
-    let exit = b.create_block();
-    b.append_block_param(header, index_ty);
-    let carried_types: Vec<ir::Type> = carried.iter().map(|&v| b.func.dfg.value_type(v)).collect();
-    for &t in &carried_types {
-        b.append_block_param(header, t);
-        b.append_block_param(exit, t);
-    }
-    let args = |i: Value, vals: &[Value]| -> Vec<ir::BlockArg> {
-        std::iter::once(i).chain(vals.iter().copied()).map(ir::BlockArg::Value).collect()
-    };
-    let entry_args = args(start, carried);
-    b.ins().jump(header, &entry_args);
-
-    b.switch_to_block(header);
-    let params = b.block_params(header).to_vec();
-    let (i, vals) = (params[0], params[1..].to_vec());
-    let more = b.ins().icmp(ir::condcodes::IntCC::SignedLessThan, i, end);
-    let exit_args: Vec<ir::BlockArg> = vals.iter().copied().map(ir::BlockArg::Value).collect();
-    b.ins().brif(more, body_block, &[], exit, &exit_args);
-
-    b.switch_to_block(body_block);
-    let next_vals = body(b, i, &vals);
-    let next_i = b.ins().iadd_imm_s(i, step);
-    let back_args = args(next_i, &next_vals);
-    b.ins().jump(header, &back_args);
-
-    b.switch_to_block(exit);
-    b.block_params(exit).to_vec()
 }
 
 /// Call the native function at `address` (an `extern "C"` function of the
