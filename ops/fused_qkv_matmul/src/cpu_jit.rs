@@ -57,6 +57,7 @@ use kvjit_jit::cranelift_codegen::ir::{
     InstBuilder, StackSlot, StackSlotData, StackSlotKind, Value, condcodes::IntCC, types,
 };
 use kvjit_jit::cranelift_frontend::FunctionBuilder;
+use kvjit_jit::ir::addr::Size;
 use kvjit_jit::ir::{
     call_native, counted_loop, e4m3, if_else, load_f32x4_raw, load_splat_f32x4, mem, store_f32x4, store_lane, when,
 };
@@ -331,7 +332,8 @@ fn compile_fp8_store(spec: &FusedQkvSpec, runtime_sizes: bool) -> Result<Arc<Jit
                 word(b, fp8_arg::SCALES),
             );
             let sized = |b: &mut FunctionBuilder, i: usize, n: usize| {
-                if runtime_sizes { word(b, i) } else { b.ins().iconst(types::I64, n as i64) }
+                let size = if runtime_sizes { Size::Runtime(word(b, i)) } else { Size::Known(n) };
+                size.value(b)
             };
             let kv_dim = sized(b, fp8_arg::KV_DIM, spec.kv_dim());
             let kv_stride = sized(b, fp8_arg::KV_STRIDE, spec.kv_stride());
@@ -376,34 +378,6 @@ fn compile_fp8_store(spec: &FusedQkvSpec, runtime_sizes: bool) -> Result<Arc<Jit
         })
     };
     kvjit_jit::kernels().get_or_compile(&key, CompileCause::GraphBuild, build)
-}
-
-/// A size the code either bakes in or reads from an argument word.
-#[derive(Clone, Copy)]
-enum Size {
-    Known(usize),
-    Runtime(Value),
-}
-
-impl Size {
-    /// `v · self · factor`.
-    fn times(self, b: &mut FunctionBuilder, v: Value, factor: i64) -> Value {
-        match self {
-            Size::Known(n) => b.ins().imul_imm_s(v, n as i64 * factor),
-            Size::Runtime(n) => {
-                let scaled = if factor == 1 { n } else { b.ins().imul_imm_s(n, factor) };
-                b.ins().imul(v, scaled)
-            }
-        }
-    }
-
-    /// The size as a value.
-    fn value(self, b: &mut FunctionBuilder) -> Value {
-        match self {
-            Size::Known(n) => b.ins().iconst(types::I64, n as i64),
-            Size::Runtime(n) => n,
-        }
-    }
 }
 
 /// Which sizes a kernel bakes in: all the spec's (a specialized or generic

@@ -10,6 +10,7 @@
 //!
 //! The submodules hold the rest of the kit every emitter shares:
 //!
+//! - [`addr`]: address arithmetic — sizes baked in or read at run time.
 //! - [`e4m3`]: FP8 (E4M3) codes to and from f32 lanes, a block quantized
 //!   with its scale, codes re-encoded as bf16.
 //! - [`math`]: `exp` on F32X4.
@@ -20,6 +21,7 @@ use cranelift_codegen::ir::{self, InstBuilder, MemFlagsData, Value, types};
 use cranelift_frontend::FunctionBuilder;
 use kvjit_core::DType;
 
+pub mod addr;
 mod control;
 pub mod e4m3;
 pub mod math;
