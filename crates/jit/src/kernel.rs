@@ -191,6 +191,8 @@ mod tests {
 
     use kvjit_core::{DType, Target};
 
+    use crate::ir::addr::element;
+
     use super::*;
 
     /// `out[i] = args[1] + i` for every item i of the range (args[0] = out).
@@ -201,8 +203,7 @@ mod tests {
             let base = p.arg(b, 1);
             crate::ir::counted_loop(b, p.begin, p.end, 1, &[], |b, i, _| {
                 let value = b.ins().iadd(base, i);
-                let at = b.ins().ishl_imm_u(i, 3);
-                let at = b.ins().iadd(out, at);
+                let at = element(b, out, i, 8);
                 b.ins().store(mem(), value, at, 0);
                 Vec::new()
             });

@@ -77,6 +77,7 @@ use kvjit_core::{DType, Error, KernelKey, PagedKVCacheCollection, Result, Tensor
 use kvjit_jit::cranelift_codegen::ir::condcodes::{FloatCC, IntCC};
 use kvjit_jit::cranelift_codegen::ir::{InstBuilder, MemFlagsData, Value, types};
 use kvjit_jit::cranelift_frontend::FunctionBuilder;
+use kvjit_jit::ir::addr;
 use kvjit_jit::ir::e4m3::ToBf16;
 use kvjit_jit::ir::math::exp_f32x4;
 use kvjit_jit::ir::shuffle::transpose_sum;
@@ -383,15 +384,6 @@ impl Emitter {
         i64::from(layout::score_stride(self.nb()))
     }
 
-    /// `j · bytes` for an i64 `j` (a shift when `bytes` is a power of 2).
-    fn scaled(&self, b: &mut FunctionBuilder, j: Value, bytes: i64) -> Value {
-        if bytes > 0 && (bytes as u64).is_power_of_two() {
-            b.ins().ishl_imm_u(j, i64::from(bytes.trailing_zeros()))
-        } else {
-            b.ins().imul_imm_s(j, bytes)
-        }
-    }
-
     fn emit_item(&self, b: &mut FunctionBuilder, item: Value) {
         let hkv_count = self.spec.num_kv_heads as i64;
         let chunks = self.word(arg::CHUNKS);
@@ -402,23 +394,19 @@ impl Emitter {
         let batch = b.ins().udiv(group_index, nqb);
 
         let item_bytes = b.ins().imul(item, self.word(arg::ITEM_FLOATS));
-        let item_bytes = b.ins().ishl_imm_u(item_bytes, 2);
-        let scratch = b.ins().iadd(self.word(arg::PARTIALS), item_bytes);
+        let scratch = addr::element(b, self.word(arg::PARTIALS), item_bytes, 4);
         let tiles_base = b.ins().iadd_imm_s(scratch, i64::from(layout::tiles(self.nb())));
         let tiles_per_head = self.word(arg::TILES);
         let tiles = b.ins().imul_imm_s(tiles_per_head, hkv_count);
-        let buffer = b.ins().imul_imm_s(self.begin, block_buffer_bytes(&self.spec) as i64);
-        let buffer = b.ins().iadd(self.word(arg::BUFFERS), buffer);
+        let buffer = addr::element(b, self.word(arg::BUFFERS), self.begin, block_buffer_bytes(&self.spec) as i64);
         // This (b, query block)'s packed q: Hkv·tiles_per_head·4 rows of D f32.
         let q_group = b.ins().imul(group_index, tiles);
-        let q_group = b.ins().imul_imm_s(q_group, ROW_TILE as i64 * self.d() * 4);
-        let q_group = b.ins().iadd(self.word(arg::Q), q_group);
+        let q_group = addr::element(b, self.word(arg::Q), q_group, ROW_TILE as i64 * self.d() * 4);
 
         // The sequence's lengths, its first key, and this block's valid
         // queries. Key positions from here on are relative to the first key
         // (`rebase`): below MAX_JIT_KEYS, so they fit the I32X4 lanes.
-        let lengths_at = b.ins().imul_imm_s(batch, 24);
-        let lengths_at = b.ins().iadd(self.word(arg::LENGTHS), lengths_at);
+        let lengths_at = addr::element(b, self.word(arg::LENGTHS), batch, 24);
         let cl = b.ins().load(types::I64, mem(), lengths_at, 0);
         let valid = b.ins().load(types::I64, mem(), lengths_at, 8);
         let first_key = b.ins().load(types::I64, mem(), lengths_at, 16);
@@ -434,8 +422,7 @@ impl Emitter {
         // row's key range ([0, 0) for padded rows).
         let zero = iconst(b, 0);
         counted_loop(b, zero, tiles, 1, &[], |b, t, _| {
-            let tile = b.ins().imul_imm_s(t, self.tile_bytes());
-            let tile = b.ins().iadd(tiles_base, tile);
+            let tile = addr::element(b, tiles_base, t, self.tile_bytes());
             let ninf = splat_f32(b, f32::NEG_INFINITY);
             b.ins().store(mem(), ninf, tile, layout::M);
             let zv = splat_f32(b, 0.0);
@@ -493,18 +480,14 @@ impl Emitter {
                 let zero = iconst(b, 0);
                 let head_rows = KB as i64 * self.row_bytes();
                 counted_loop(b, zero, tiles, 1, &[], |b, t, _| {
-                    let tile = b.ins().imul_imm_s(t, self.tile_bytes());
-                    let tile = b.ins().iadd(tiles_base, tile);
-                    let q = b.ins().imul_imm_s(t, ROW_TILE as i64 * self.d() * 4);
-                    let q = b.ins().iadd(q_group, q);
+                    let tile = addr::element(b, tiles_base, t, self.tile_bytes());
+                    let q = addr::element(b, q_group, t, ROW_TILE as i64 * self.d() * 4);
                     let hkv = b.ins().udiv(t, tiles_per_head);
-                    let k = b.ins().imul_imm_s(hkv, head_rows);
-                    let k = b.ins().iadd(buffer, k);
+                    let k = addr::element(b, buffer, hkv, head_rows);
                     let v = b.ins().iadd_imm_s(k, hkv_count * head_rows);
                     let scales = self.fp8().then(|| {
                         let head_scales = KB as i64 * self.nb() as i64 * 4;
-                        let ks = b.ins().imul_imm_s(hkv, head_scales);
-                        let ks = b.ins().iadd(buffer, ks);
+                        let ks = addr::element(b, buffer, hkv, head_scales);
                         let ks = b.ins().iadd_imm_s(ks, block_rows_bytes(&self.spec) as i64);
                         let vs = b.ins().iadd_imm_s(ks, hkv_count * head_scales);
                         (ks, vs)
@@ -544,20 +527,16 @@ impl Emitter {
         let hkv_count = self.spec.num_kv_heads as i64;
         let nb = self.nb() as i64;
         let offsets = b.ins().iadd(seq_offsets, p0);
-        let offsets = b.ins().ishl_imm_u(offsets, 3);
-        let offsets = b.ins().iadd(self.word(arg::KEY_OFFSETS), offsets);
+        let offsets = addr::element(b, self.word(arg::KEY_OFFSETS), offsets, 8);
         let last = b.ins().iadd_imm_s(n, -1);
         let zero = iconst(b, 0);
         counted_loop(b, zero, n_pad, 1, &[], |b, j, _| {
             let key = b.ins().smin(j, last);
-            let at = b.ins().ishl_imm_u(key, 3);
-            let at = b.ins().iadd(offsets, at);
+            let at = addr::element(b, offsets, key, 8);
             let element = b.ins().load(types::I64, mem(), at, 0);
-            let off = b.ins().imul_imm_s(element, csize);
-            let k_src = b.ins().iadd(self.word(arg::BLOCKS), off);
+            let k_src = addr::element(b, self.word(arg::BLOCKS), element, csize);
             let v_src = b.ins().iadd_imm_s(k_src, self.kv_stride() * csize);
-            let dst = b.ins().imul_imm_s(j, row_bytes);
-            let dst = b.ins().iadd(buffer, dst);
+            let dst = addr::element(b, buffer, j, row_bytes);
             for (kv, src) in [k_src, v_src].into_iter().enumerate() {
                 for h in 0..hkv_count {
                     let from = h * src_row_bytes;
@@ -579,11 +558,9 @@ impl Emitter {
                     let g = iconst(b, g);
                     b.ins().udiv(element, g)
                 };
-                let row = b.ins().ishl_imm_u(row, 2);
-                let k_scales = b.ins().iadd(self.word(arg::SCALES), row);
+                let k_scales = addr::element(b, self.word(arg::SCALES), row, 4);
                 let v_scales = b.ins().iadd_imm_s(k_scales, self.kv_stride() / g * 4);
-                let dst = b.ins().imul_imm_s(j, nb * 4);
-                let dst = b.ins().iadd(buffer, dst);
+                let dst = addr::element(b, buffer, j, nb * 4);
                 let rows_bytes = block_rows_bytes(&self.spec) as i64;
                 for (kv, src) in [k_scales, v_scales].into_iter().enumerate() {
                     for h in 0..hkv_count {
@@ -650,13 +627,9 @@ impl Emitter {
         let zero = iconst(b, 0);
         let ninf = splat_f32(b, f32::NEG_INFINITY);
         let block_max = counted_loop(b, zero, tb.n_pad, 2, &[ninf], |b, j, carried| {
-            let key = b.ins().imul_imm_s(j, row_bytes);
-            let key = b.ins().iadd(tb.k, key);
+            let key = addr::element(b, tb.k, j, row_bytes);
             // FP8: the two keys' K scales, `nb` f32 each.
-            let key_scales = tb.scales.map(|(ks, _)| {
-                let at = self.scaled(b, j, nb as i64 * 4);
-                b.ins().iadd(ks, at)
-            });
+            let key_scales = tb.scales.map(|(ks, _)| addr::element(b, ks, j, nb as i64 * 4));
             let zv = splat_f32(b, 0.0);
             // acc[k][r]: key k, row r.
             let mut acc = [[zv; ROW_TILE]; 2];
@@ -692,8 +665,7 @@ impl Emitter {
             let pos = b.ins().iadd(tb.p0, j);
             let pos = b.ins().ireduce(types::I32, pos);
             let mut max = carried[0];
-            let at = self.scaled(b, j, stride);
-            let at = b.ins().iadd(tb.scratch, at);
+            let at = addr::element(b, tb.scratch, j, stride);
             for (k, &column) in acc.iter().enumerate() {
                 let s = transpose_sum(b, column);
                 let s = match key_scales {
@@ -731,16 +703,14 @@ impl Emitter {
         b.ins().store(mem(), alpha, tb.scratch, alpha_at);
         let zero = iconst(b, 0);
         let psum = counted_loop(b, zero, tb.n_pad, 1, &[zv], |b, j, carried| {
-            let at = self.scaled(b, j, stride);
-            let at = b.ins().iadd(tb.scratch, at);
+            let at = addr::element(b, tb.scratch, j, stride);
             let s = b.ins().load(types::F32X4, mem(), at, layout::SCORES);
             let x = b.ins().fsub(s, m_use);
             let p = exp_f32x4(b, x);
             match tb.scales {
                 // FP8: P times each of the key's V block scales, for P·V.
                 Some((_, vs)) => {
-                    let scales_at = self.scaled(b, j, nb as i64 * 4);
-                    let scales_at = b.ins().iadd(vs, scales_at);
+                    let scales_at = addr::element(b, vs, j, nb as i64 * 4);
                     for blk in 0..nb {
                         let scale = b.ins().load(types::F32, mem(), scales_at, 4 * blk as i32);
                         let scale = b.ins().splat(types::F32X4, scale);
@@ -777,10 +747,8 @@ impl Emitter {
             let zero = iconst(b, 0);
             let accs = counted_loop(b, zero, tb.n_pad, PV_UNROLL as i64, &accs, |b, j, accs| {
                 let mut accs = accs.to_vec();
-                let p_at = self.scaled(b, j, stride);
-                let p_at = b.ins().iadd(tb.scratch, p_at);
-                let v_at = b.ins().imul_imm_s(j, row_bytes);
-                let v_at = b.ins().iadd(tb.v, v_at);
+                let p_at = addr::element(b, tb.scratch, j, stride);
+                let v_at = addr::element(b, tb.v, j, row_bytes);
                 for u in 0..PV_UNROLL {
                     let vs: Vec<Value> = (0..count)
                         .map(|i| {

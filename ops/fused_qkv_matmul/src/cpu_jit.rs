@@ -57,7 +57,7 @@ use kvjit_jit::cranelift_codegen::ir::{
     InstBuilder, StackSlot, StackSlotData, StackSlotKind, Value, condcodes::IntCC, types,
 };
 use kvjit_jit::cranelift_frontend::FunctionBuilder;
-use kvjit_jit::ir::addr::Size;
+use kvjit_jit::ir::addr::{self, Size};
 use kvjit_jit::ir::{
     call_native, counted_loop, e4m3, if_else, load_f32x4_raw, load_splat_f32x4, mem, store_f32x4, store_lane, when,
 };
@@ -342,8 +342,7 @@ fn compile_fp8_store(spec: &FusedQkvSpec, runtime_sizes: bool) -> Result<Arc<Jit
             let g_bytes = b.ins().ishl_imm_u(g, 2);
             let row_floats = b.ins().ishl_imm_u(kv_dim, 1);
             counted_loop(b, params.begin, params.end, 1, &[], |b, row, _| {
-                let at = b.ins().ishl_imm_u(row, 3);
-                let at = b.ins().iadd(row_offsets, at);
+                let at = addr::element(b, row_offsets, row, 8);
                 let slot = b.ins().load(types::I64, mem(), at, 0);
                 let writes = b.ins().icmp_imm_s(IntCC::SignedGreaterThanOrEqual, slot, 0);
                 when(b, writes, |b| {
@@ -354,20 +353,17 @@ fn compile_fp8_store(spec: &FusedQkvSpec, runtime_sizes: bool) -> Result<Arc<Jit
                         } else {
                             (b.ins().iadd(slot, kv_stride), b.ins().iadd(first, kv_dim))
                         };
-                        let src = b.ins().ishl_imm_u(staged, 2);
-                        let src = b.ins().iadd(stage, src);
+                        let src = addr::element(b, stage, staged, 4);
                         let codes = b.ins().iadd(blocks, element);
                         let scale_index = b.ins().udiv(element, g);
-                        let scale_at = b.ins().ishl_imm_u(scale_index, 2);
-                        let scale_at = b.ins().iadd(scales, scale_at);
+                        let scale_at = addr::element(b, scales, scale_index, 4);
                         let zero = b.ins().iconst(types::I64, 0);
                         counted_loop(b, zero, blocks_per_row, 1, &[], |b, block, _| {
                             let src_at = b.ins().imul(block, g_bytes);
                             let src_at = b.ins().iadd(src, src_at);
                             let codes_at = b.ins().imul(block, g);
                             let codes_at = b.ins().iadd(codes, codes_at);
-                            let scale = b.ins().ishl_imm_u(block, 2);
-                            let scale = b.ins().iadd(scale_at, scale);
+                            let scale = addr::element(b, scale_at, block, 4);
                             e4m3::quantize_block(b, src_at, g, codes_at, scale);
                             Vec::new()
                         });
@@ -698,8 +694,7 @@ impl Emitter {
         let widened = self.widened_block.filter(|_| k_block.is_some());
         debug_assert!(k_block.is_none_or(|kc| kc * TILE_COLUMNS * 4 <= AVX2_BLOCK_BYTES));
         let tiles = |b: &mut FunctionBuilder, kb: Value, kc: Size| {
-            let w_offset = b.ins().imul_imm_s(kb, TILE_COLUMNS as i64 * size);
-            let mut w = b.ins().iadd(panel.w, w_offset);
+            let mut w = addr::element(b, panel.w, kb, TILE_COLUMNS as i64 * size);
             let mut w_dtype = self.spec.dtype;
             if let Some(slot) = widened {
                 let widen = microkernel::widen_block(self.spec.dtype)
@@ -762,8 +757,7 @@ impl Emitter {
     /// block starting at `start`.
     fn tile_row_address(&self, b: &mut FunctionBuilder, c: Value, start: Value, row: Value) -> Value {
         let index = b.ins().isub(row, start);
-        let offset = b.ins().imul_imm_s(index, (TILE_COLUMNS * 4) as i64);
-        b.ins().iadd(c, offset)
+        addr::element(b, c, index, (TILE_COLUMNS * 4) as i64)
     }
 
     /// One call of the ahead-of-time micro-kernel for `mr` rows from `row`
@@ -790,8 +784,7 @@ impl Emitter {
         let x_row = self.sizes.k.times(b, row, 1);
         let x_k = b.ins().imul(kb, self.bases.x_step);
         let x_element = b.ins().iadd(x_row, x_k);
-        let x_offset = b.ins().ishl_imm_u(x_element, 2);
-        let x = b.ins().iadd(self.bases.x, x_offset);
+        let x = addr::element(b, self.bases.x, x_element, 4);
         let kc = kc.value(b);
         let c = self.tile_row_address(b, c, start, row);
         call_native(b, tile as usize, &[x, self.bases.x_step, w, kc, c]);
@@ -812,8 +805,7 @@ impl Emitter {
         let zero = b.ins().f32const(0.0);
         let zero = b.ins().splat(types::F32X4, zero);
         let x_row_bytes = (k * 4) as i64;
-        let row_offset = b.ins().imul_imm_s(row, x_row_bytes);
-        let x_rows = b.ins().iadd(self.bases.x, row_offset);
+        let x_rows = addr::element(b, self.bases.x, row, x_row_bytes);
         // Accumulator index: (set, row, half).
         let acc_index = |set: usize, i: usize, h: usize| (set * mr + i) * 2 + h;
         // `count` consecutive k values from `kk`; k value u uses accumulator
@@ -821,10 +813,8 @@ impl Emitter {
         // with one use folds into `vbroadcastss mem`, while a shared one costs
         // a register copy per FMA (x64 FMAs overwrite a multiplicand).
         let step = |b: &mut FunctionBuilder, kk: Value, count: usize, accs: &mut [Value]| {
-            let x_off = b.ins().ishl_imm_u(kk, 2);
-            let x_at = b.ins().iadd(x_rows, x_off);
-            let w_off = b.ins().imul_imm_s(kk, (NR as i32 * w_size) as i64);
-            let w_at = b.ins().iadd(panel.w, w_off);
+            let x_at = addr::element(b, x_rows, kk, 4);
+            let w_at = addr::element(b, panel.w, kk, (NR as i32 * w_size) as i64);
             for u in 0..count {
                 let halves = [
                     load_f32x4_raw(b, w_dtype, w_at, (u * NR) as i32 * w_size),
@@ -872,13 +862,11 @@ impl Emitter {
             Destination::Q => {
                 let element = self.sizes.q_dim.times(b, r, 1);
                 let element = b.ins().iadd(element, panel.column);
-                let bytes = b.ins().imul_imm_s(element, self.spec.dtype.size_bytes() as i64);
-                let base = b.ins().iadd(self.bases.out, bytes);
+                let base = addr::element(b, self.bases.out, element, self.spec.dtype.size_bytes() as i64);
                 emit_store_columns(b, self.spec.dtype, base, panel.width, vectors);
             }
             Destination::K | Destination::V => {
-                let slot_at = b.ins().ishl_imm_u(r, 3);
-                let slot_at = b.ins().iadd(self.bases.row_offsets, slot_at);
+                let slot_at = addr::element(b, self.bases.row_offsets, r, 8);
                 let slot = b.ins().load(types::I64, mem(), slot_at, 0);
                 let writes = b.ins().icmp_imm_s(IntCC::SignedGreaterThanOrEqual, slot, 0);
                 when(b, writes, |b| {
@@ -889,8 +877,7 @@ impl Emitter {
                     };
                     let element = b.ins().iadd(element, panel.column);
                     let dtype = kv_store_dtype(&self.spec);
-                    let bytes = b.ins().imul_imm_s(element, dtype.size_bytes() as i64);
-                    let base = b.ins().iadd(self.bases.blocks, bytes);
+                    let base = addr::element(b, self.bases.blocks, element, dtype.size_bytes() as i64);
                     emit_store_columns(b, dtype, base, panel.width, vectors);
                 });
             }

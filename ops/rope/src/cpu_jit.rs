@@ -60,7 +60,9 @@ use kvjit_core::{DType, Error, KernelKey, PagedKVCacheCollection, Result, Tensor
 use kvjit_jit::cranelift_codegen::ir::condcodes::IntCC;
 use kvjit_jit::cranelift_codegen::ir::{InstBuilder, MemFlagsData, StackSlotData, StackSlotKind, Value, types};
 use kvjit_jit::cranelift_frontend::FunctionBuilder;
-use kvjit_jit::ir::{counted_loop, e4m3, if_else, load_f32x4, load_f32x4_raw, mem, shuffle, splat_f32, store_f32x4};
+use kvjit_jit::ir::{
+    addr, counted_loop, e4m3, if_else, load_f32x4, load_f32x4_raw, mem, shuffle, splat_f32, store_f32x4,
+};
 use kvjit_jit::{CaptureText, CompileCause, JitError, JitFunction, compile_kernel};
 use kvjit_runtime::{CodeInfo, DeviceContextPtr, Kernel, OutputSpec};
 
@@ -215,10 +217,9 @@ impl Emitter {
             b.create_sized_stack_slot(StackSlotData::new(StackSlotKind::ExplicitSlot, (4 * self.d()) as u32, 4))
         });
         counted_loop(b, begin, end, 1, &[], |b, r, _| {
-            let plan_at = b.ins().imul_imm_s(r, size_of::<RowPlan>() as i64);
-            let plan_at = b.ins().iadd(bases.rows, plan_at);
+            let plan_at = addr::element(b, bases.rows, r, size_of::<RowPlan>() as i64);
             let freqs_offset = b.ins().load(types::I64, mem(), plan_at, 0);
-            let row_offset = b.ins().imul_imm_s(r, self.row_bytes());
+            let row_offset = addr::offset(b, r, self.row_bytes());
             let out_row = b.ins().iadd(bases.out, row_offset);
 
             let is_padded = b.ins().icmp_imm_s(IntCC::SignedLessThan, freqs_offset, 0);
@@ -226,20 +227,17 @@ impl Emitter {
             if_else(b, is_padded, zero_row, |b| {
                 let k_offset = b.ins().load(types::I64, mem(), plan_at, 8);
                 let table = b.ins().stack_addr(kvjit_jit::pointer_type(), table_slot, 0);
-                let freqs_bytes = b.ins().imul_imm_s(freqs_offset, self.spec.dtype.size_bytes() as i64);
-                let freqs_row = b.ins().iadd(bases.freqs, freqs_bytes);
+                let freqs_row = addr::element(b, bases.freqs, freqs_offset, self.spec.dtype.size_bytes() as i64);
                 self.emit_table(b, freqs_row, table);
                 let q_row = b.ins().iadd(bases.q, row_offset);
                 self.emit_heads(b, q_row, out_row, self.spec.num_q_heads, self.spec.dtype, table);
-                let k_bytes = b.ins().imul_imm_s(k_offset, self.spec.cache_dtype.size_bytes() as i64);
-                let k_row = b.ins().iadd(bases.blocks, k_bytes);
+                let k_row = addr::element(b, bases.blocks, k_offset, self.spec.cache_dtype.size_bytes() as i64);
                 match (self.granularity(), head_slot) {
                     (Some(g), Some(head_slot)) => {
                         // The row's first scale: `k_offset / g`, exact (k_offset
                         // is a multiple of D, which g divides).
                         let scale_index = b.ins().udiv_imm_u(k_offset, g as i64);
-                        let scale_bytes = b.ins().imul_imm_s(scale_index, 4);
-                        let scale_row = b.ins().iadd(bases.scales, scale_bytes);
+                        let scale_row = addr::element(b, bases.scales, scale_index, 4);
                         let head = b.ins().stack_addr(kvjit_jit::pointer_type(), head_slot, 0);
                         self.emit_e4m3_heads(b, k_row, scale_row, head, table);
                     }
@@ -269,28 +267,24 @@ impl Emitter {
             // One chunk: 2 pairs (4 elements) → 4 lanes of cc and of ss.
             let sign = splat_sign_even_lanes(b);
             chunk_loop(b, d / 4, 4, |b, at, u| {
-                let src = b.ins().imul_imm_s(at, size);
-                let src = b.ins().iadd(freqs_row, src);
+                let src = addr::element(b, freqs_row, at, size);
                 let v = load_f32x4_raw(b, dtype, src, (4 * u) as i32 * size as i32);
                 let cc = shuffle::f32x4(b, v, v, [0, 0, 2, 2]);
                 let ss = shuffle::f32x4(b, v, v, [1, 1, 3, 3]);
                 let ss = b.ins().bxor(ss, sign);
-                let dst = b.ins().imul_imm_s(at, 4);
-                let dst = b.ins().iadd(table, dst);
+                let dst = addr::element(b, table, at, 4);
                 b.ins().store(mem(), cc, dst, (16 * u) as i32);
                 b.ins().store(mem(), ss, dst, (16 * u + 4 * d) as i32);
             });
         } else {
             // One chunk: 4 pairs (8 elements) → 4 lanes of cos and of sin.
             chunk_loop(b, d / 8, 4, |b, at, u| {
-                let src = b.ins().imul_imm_s(at, 2 * size);
-                let src = b.ins().iadd(freqs_row, src);
+                let src = addr::element(b, freqs_row, at, 2 * size);
                 let v0 = load_f32x4_raw(b, dtype, src, (8 * u) as i32 * size as i32);
                 let v1 = load_f32x4_raw(b, dtype, src, (8 * u + 4) as i32 * size as i32);
                 let cos = shuffle::f32x4(b, v0, v1, [0, 2, 4, 6]);
                 let sin = shuffle::f32x4(b, v0, v1, [1, 3, 5, 7]);
-                let dst = b.ins().imul_imm_s(at, 4);
-                let dst = b.ins().iadd(table, dst);
+                let dst = addr::element(b, table, at, 4);
                 b.ins().store(mem(), cos, dst, (16 * u) as i32);
                 b.ins().store(mem(), sin, dst, (16 * u + 2 * d) as i32);
             });
@@ -319,9 +313,8 @@ impl Emitter {
         let d = self.d();
         if self.spec.interleaved {
             chunk_loop(b, d / 4, 4, |b, at, u| {
-                let tab = b.ins().imul_imm_s(at, 4);
-                let tab = b.ins().iadd(table, tab);
-                let x_at = b.ins().imul_imm_s(at, size as i64);
+                let tab = addr::element(b, table, at, 4);
+                let x_at = addr::offset(b, at, size as i64);
                 let (x_src, x_dst) = (b.ins().iadd(src, x_at), b.ins().iadd(dst, x_at));
                 let disp = (4 * u * size) as i32;
                 let x = load_f32x4_raw(b, dtype, x_src, disp);
@@ -335,9 +328,8 @@ impl Emitter {
         } else {
             let half_bytes = (d / 2 * size) as i32;
             chunk_loop(b, d / 8, 4, |b, at, u| {
-                let tab = b.ins().imul_imm_s(at, 4);
-                let tab = b.ins().iadd(table, tab);
-                let x_at = b.ins().imul_imm_s(at, size as i64);
+                let tab = addr::element(b, table, at, 4);
+                let x_at = addr::offset(b, at, size as i64);
                 let (x_src, x_dst) = (b.ins().iadd(src, x_at), b.ins().iadd(dst, x_at));
                 let disp = (4 * u * size) as i32;
                 let xa = load_f32x4_raw(b, dtype, x_src, disp);
@@ -377,8 +369,7 @@ impl Emitter {
                     let src = b.ins().iadd(codes, at);
                     let x = load_f32x4(b, DType::F8E4M3, src, (4 * u) as i32);
                     let x = b.ins().fmul(x, scale);
-                    let dst = b.ins().imul_imm_s(at, 4);
-                    let dst = b.ins().iadd(head, dst);
+                    let dst = addr::element(b, head, at, 4);
                     b.ins().store(mem(), x, dst, (16 * u) as i32);
                 });
             });
@@ -405,12 +396,9 @@ impl Emitter {
         let start = b.ins().iconst(types::I64, 0);
         let end = b.ins().iconst(types::I64, (self.d() / g) as i64);
         counted_loop(b, start, end, 1, &[], |b, k, _| {
-            let block_codes = b.ins().imul_imm_s(k, g as i64);
-            let block_codes = b.ins().iadd(codes, block_codes);
-            let scale_at = b.ins().imul_imm_s(k, 4);
-            let scale_at = b.ins().iadd(scales, scale_at);
-            let values = b.ins().imul_imm_s(k, (4 * g) as i64);
-            let values = b.ins().iadd(head, values);
+            let block_codes = addr::element(b, codes, k, g as i64);
+            let scale_at = addr::element(b, scales, k, 4);
+            let values = addr::element(b, head, k, (4 * g) as i64);
             body(b, block_codes, scale_at, values);
             Vec::new()
         });

@@ -1,8 +1,26 @@
-//! Address arithmetic for emitters: sizes a kernel either bakes in or
-//! reads at run time ([`Size`]).
+//! Address arithmetic for emitters: the address of an indexed element
+//! ([`element`], [`offset`]), and sizes a kernel either bakes in or reads
+//! at run time ([`Size`]).
 
 use cranelift_codegen::ir::{InstBuilder, Value, types};
 use cranelift_frontend::FunctionBuilder;
+
+/// `index · bytes` (`index` an `I64`): one shift when `bytes` is a power of
+/// two, else one multiply by the constant.
+pub fn offset(b: &mut FunctionBuilder, index: Value, bytes: i64) -> Value {
+    if bytes > 0 && bytes.count_ones() == 1 {
+        b.ins().ishl_imm_u(index, i64::from(bytes.trailing_zeros()))
+    } else {
+        b.ins().imul_imm_s(index, bytes)
+    }
+}
+
+/// `base + index · bytes`: the address of element `index` of an array of
+/// `bytes`-byte elements at `base` (see [`offset`]).
+pub fn element(b: &mut FunctionBuilder, base: Value, index: Value, bytes: i64) -> Value {
+    let at = offset(b, index, bytes);
+    b.ins().iadd(base, at)
+}
 
 /// A size (an element count, a stride) the code either bakes in as a
 /// constant or reads at run time (an `I64` value, typically an argument

@@ -9,6 +9,7 @@ use cranelift_codegen::ir::condcodes::{FloatCC, IntCC};
 use cranelift_codegen::ir::{InstBuilder, MemFlagsData, Value, types};
 use cranelift_frontend::FunctionBuilder;
 
+use super::addr::element;
 use super::{band_const, counted_loop, little, mem, splat_f32, splat_u32};
 
 /// Load 4 FP8 codes at `ptr + offset` (one 32-bit load) as the low bytes of
@@ -125,15 +126,13 @@ pub fn quantize_block(b: &mut FunctionBuilder, src: Value, count: Value, codes: 
     };
     let start = splat_f32(b, 0.0);
     let max = counted_loop(b, zero, whole, 4, &[start], |b, i, carried| {
-        let at = b.ins().ishl_imm_u(i, 2);
-        let at = b.ins().iadd(src, at);
+        let at = element(b, src, i, 4);
         let v = b.ins().load(types::F32X4, mem(), at, 0);
         let a = magnitude(b, v);
         vec![b.ins().fmax(carried[0], a)]
     })[0];
     let max = counted_loop(b, whole, count, 1, &[max], |b, i, carried| {
-        let at = b.ins().ishl_imm_u(i, 2);
-        let at = b.ins().iadd(src, at);
+        let at = element(b, src, i, 4);
         let x = b.ins().load(types::F32, mem(), at, 0);
         let v = b.ins().splat(types::F32X4, x);
         let a = magnitude(b, v);
@@ -161,8 +160,7 @@ pub fn quantize_block(b: &mut FunctionBuilder, src: Value, count: Value, codes: 
         narrow_i32x4(b, q)
     };
     counted_loop(b, zero, whole, 4, &[], |b, i, _| {
-        let at = b.ins().ishl_imm_u(i, 2);
-        let at = b.ins().iadd(src, at);
+        let at = element(b, src, i, 4);
         let v = b.ins().load(types::F32X4, mem(), at, 0);
         let c = quotient(b, v);
         let out = b.ins().iadd(codes, i);
@@ -170,8 +168,7 @@ pub fn quantize_block(b: &mut FunctionBuilder, src: Value, count: Value, codes: 
         Vec::new()
     });
     counted_loop(b, whole, count, 1, &[], |b, i, _| {
-        let at = b.ins().ishl_imm_u(i, 2);
-        let at = b.ins().iadd(src, at);
+        let at = element(b, src, i, 4);
         let x = b.ins().load(types::F32, mem(), at, 0);
         let v = b.ins().splat(types::F32X4, x);
         let c = quotient(b, v);
