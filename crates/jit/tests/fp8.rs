@@ -6,9 +6,10 @@
 //! bf16.
 
 use cranelift_codegen::ir::{InstBuilder, types};
-use kvjit_core::DType;
 use kvjit_core::fp8::{E4M3_MAX, e4m3_from_f32, e4m3_to_f32, quantize_block};
+use kvjit_core::{DType, KernelKey, Target};
 use kvjit_jit::cranelift_codegen;
+use kvjit_jit::ir::addr::Displacements;
 use kvjit_jit::ir::e4m3::{self, ToBf16};
 use kvjit_jit::ir::{counted_loop, load_f32x4, load_splat_f32x4, mem};
 use kvjit_jit::{CaptureText, compile_function, pointer_type};
@@ -223,8 +224,11 @@ fn infinities_saturate_and_leave_the_scale_to_the_finite_values() {
 /// The bf16 words [`ToBf16::convert_row`] makes from `codes`, `count` codes
 /// per call (16 at a time, then the 8- and 4-code tails).
 fn to_bf16_words(codes: &[u8], count: usize) -> Vec<u16> {
-    let convert = kernel(&format!("e4m3_to_bf16_{count}"), count as i64, 1, 2, |b, s, d| {
-        ToBf16::new(b).convert_row(b, s, 0, d, 0, count);
+    let name = format!("e4m3_to_bf16_{count}");
+    let key = KernelKey::new(&name, Target::Cpu, DType::F32);
+    let row = Displacements::up_to(&key, Some(2 * count)).unwrap();
+    let convert = kernel(&name, count as i64, 1, 2, |b, s, d| {
+        ToBf16::new(b, row).convert_row(b, s, 0, d, 0, count);
     });
     let n = codes.len().next_multiple_of(count);
     let mut src = codes.to_vec();

@@ -77,7 +77,7 @@ use kvjit_core::{DType, Error, KernelKey, PagedKVCacheCollection, Result, Tensor
 use kvjit_jit::cranelift_codegen::ir::condcodes::{FloatCC, IntCC};
 use kvjit_jit::cranelift_codegen::ir::{InstBuilder, MemFlagsData, Value, types};
 use kvjit_jit::cranelift_frontend::FunctionBuilder;
-use kvjit_jit::ir::addr;
+use kvjit_jit::ir::addr::{self, Displacements};
 use kvjit_jit::ir::e4m3::ToBf16;
 use kvjit_jit::ir::math::exp_f32x4;
 use kvjit_jit::ir::shuffle::transpose_sum;
@@ -115,33 +115,33 @@ mod layout {
     /// KB scores (then probabilities), one F32X4 (the row tile's 4 rows)
     /// per key, `nb` F32X4 apart (an FP8 cache's P·scale of block `blk`
     /// goes in the key's F32X4 number `blk`).
-    pub const SCORES: i32 = 0;
+    pub const SCORES: usize = 0;
     /// Bytes from one key's scores to the next's.
-    pub fn score_stride(nb: usize) -> i32 {
-        16 * nb as i32
+    pub fn score_stride(nb: usize) -> usize {
+        16 * nb
     }
     /// The current row tile's α (F32X4).
-    pub fn alpha(nb: usize) -> i32 {
-        KB as i32 * score_stride(nb)
+    pub fn alpha(nb: usize) -> usize {
+        KB * score_stride(nb)
     }
     /// Row tiles, `tiles_per_head` per KV head, KV head major: `[m: F32X4,
     /// l: F32X4, lo: I32X4, hi: I32X4, acc: 4 rows × D f32]`.
-    pub fn tiles(nb: usize) -> i32 {
+    pub fn tiles(nb: usize) -> usize {
         alpha(nb) + 16
     }
     /// Within a tile.
-    pub const M: i32 = 0;
-    pub const L: i32 = 16;
-    pub const LO: i32 = 32;
-    pub const HI: i32 = 48;
-    pub const ACC: i32 = 64;
+    pub const M: usize = 0;
+    pub const L: usize = 16;
+    pub const LO: usize = 32;
+    pub const HI: usize = 48;
+    pub const ACC: usize = 64;
     /// f32 values of the scratch before the tiles.
     pub fn head_floats(nb: usize) -> usize {
-        tiles(nb) as usize / 4
+        tiles(nb) / 4
     }
     /// f32 values of one tile.
     pub fn tile_floats(d: usize) -> usize {
-        ACC as usize / 4 + super::ROW_TILE * d
+        ACC / 4 + super::ROW_TILE * d
     }
 }
 
@@ -248,19 +248,31 @@ pub(crate) fn supported(spec: &MhaSpec) -> Result<(), JitError> {
             let kv_stride = kv_stride.checked_mul(d)?;
             let bytes = kv_stride.checked_mul(2 * spec.cache_dtype.size_bytes())?;
             let row = d.checked_mul(4 * (spec.num_heads + 2))?;
-            let tile = layout::tile_floats(d).checked_mul(4)?;
-            let head = d.checked_mul(buffer_dtype(spec).size_bytes())?.checked_add(4 * scale_blocks(spec))?;
-            let buffer = 2usize.checked_mul(spec.num_kv_heads)?.checked_mul(KB)?.checked_mul(head)?;
-            let scratch = scale_blocks(spec).checked_mul(16 * KB)?.checked_add(16)?;
-            let small = |v: usize| i32::try_from(v).is_ok();
-            (i64::try_from(bytes).is_ok() && small(row) && small(tile) && small(buffer) && small(scratch)).then_some(())
+            (i64::try_from(bytes).is_ok() && i32::try_from(row).is_ok()).then_some(())
         };
         fits().is_none().then(|| "its sizes overflow the offsets the kernel computes".to_string())
     };
     match reason {
         Some(reason) => Err(JitError::Unsupported { key: spec.kernel_key().to_string(), reason }),
-        None => Ok(()),
+        None => displacements(spec).map(drop),
     }
+}
+
+/// The constant displacements of the kernel's loads and stores: within a
+/// row tile's state, a tile's q rows, the item's scratch, the block buffer
+/// and one cache row's K/V heads (an FP8 cache's scales included).
+fn displacements(spec: &MhaSpec) -> Result<Displacements, JitError> {
+    let largest = || -> Option<usize> {
+        let d = spec.head_size;
+        let tile = layout::tile_floats(d).checked_mul(4)?;
+        let q_rows = d.checked_mul(4 * ROW_TILE)?;
+        let scratch = scale_blocks(spec).checked_mul(16 * KB)?.checked_add(16)?;
+        let head = d.checked_mul(buffer_dtype(spec).size_bytes())?.checked_add(4 * scale_blocks(spec))?;
+        let buffer = 2usize.checked_mul(spec.num_kv_heads)?.checked_mul(KB)?.checked_mul(head)?;
+        let cache_heads = spec.num_kv_heads.checked_mul(d)?.checked_mul(spec.cache_dtype.size_bytes())?;
+        [tile, q_rows, scratch, buffer, cache_heads].into_iter().max()
+    };
+    Displacements::up_to(&spec.kernel_key(), largest())
 }
 
 /// Compile the kernel for `spec` (or fetch it from the process-wide
@@ -276,9 +288,10 @@ pub fn compile(spec: &MhaSpec, capture: CaptureText) -> Result<Arc<JitFunction>,
 
 fn emit_and_compile(spec: &MhaSpec, key: &KernelKey, capture: CaptureText) -> Result<JitFunction, JitError> {
     supported(spec)?;
+    let disp = displacements(spec)?;
     compile_kernel(key, capture, |b, params| {
         let words: Vec<Value> = (0..arg::COUNT).map(|i| params.arg(b, i)).collect();
-        let e = Emitter { spec: *spec, words, begin: params.begin };
+        let e = Emitter { spec: *spec, disp, words, begin: params.begin };
         counted_loop(b, params.begin, params.end, 1, &[], |b, item, _| {
             e.emit_item(b, item);
             Vec::new()
@@ -288,6 +301,8 @@ fn emit_and_compile(spec: &MhaSpec, key: &KernelKey, capture: CaptureText) -> Re
 
 struct Emitter {
     spec: MhaSpec,
+    /// The bound of every constant displacement ([`displacements`]).
+    disp: Displacements,
     words: Vec<Value>,
     /// The invocation's first item (its block buffer's index).
     begin: Value,
@@ -320,9 +335,15 @@ fn iconst(b: &mut FunctionBuilder, v: i64) -> Value {
     b.ins().iconst(types::I64, v)
 }
 
-/// Copy `bytes` (a multiple of 4) from `src + from` to `dst + to`: 16 bytes
-/// at a time, then 8 and 4.
-fn copy_bytes(b: &mut FunctionBuilder, src: Value, from: i64, dst: Value, to: i64, bytes: i64) {
+/// Copy `bytes` (a multiple of 4) from `src + from` to `dst + to` (both
+/// within `disp`): 16 bytes at a time, then 8 and 4.
+fn copy_bytes(
+    b: &mut FunctionBuilder,
+    disp: Displacements,
+    (src, from): (Value, usize),
+    (dst, to): (Value, usize),
+    bytes: usize,
+) {
     let mut o = 0;
     while o < bytes {
         let ty = match bytes - o {
@@ -330,9 +351,9 @@ fn copy_bytes(b: &mut FunctionBuilder, src: Value, from: i64, dst: Value, to: i6
             8.. => types::I64,
             _ => types::I32,
         };
-        let x = b.ins().load(ty, mem(), src, (from + o) as i32);
-        b.ins().store(mem(), x, dst, (to + o) as i32);
-        o += i64::from(ty.bytes());
+        let x = b.ins().load(ty, mem(), src, disp.of(from + o));
+        b.ins().store(mem(), x, dst, disp.of(to + o));
+        o += ty.bytes() as usize;
     }
 }
 
@@ -346,22 +367,22 @@ impl Emitter {
         self.words[i]
     }
 
-    fn d(&self) -> i64 {
-        self.spec.head_size as i64
+    fn d(&self) -> usize {
+        self.spec.head_size
     }
 
-    fn tile_bytes(&self) -> i64 {
-        4 * layout::tile_floats(self.spec.head_size) as i64
+    fn tile_bytes(&self) -> usize {
+        4 * layout::tile_floats(self.spec.head_size)
     }
 
     /// Elements from a K row to its V row: L·page_size·Hkv·D.
-    fn kv_stride(&self) -> i64 {
-        (self.spec.num_layers * self.spec.page_size * self.spec.num_kv_heads * self.spec.head_size) as i64
+    fn kv_stride(&self) -> usize {
+        self.spec.num_layers * self.spec.page_size * self.spec.num_kv_heads * self.spec.head_size
     }
 
     /// Bytes of one K or V row of one KV head in the block buffer.
-    fn row_bytes(&self) -> i64 {
-        self.d() * buffer_dtype(&self.spec).size_bytes() as i64
+    fn row_bytes(&self) -> usize {
+        self.d() * buffer_dtype(&self.spec).size_bytes()
     }
 
     /// Whether the cache is FP8 (codes and scales).
@@ -380,12 +401,12 @@ impl Emitter {
     }
 
     /// Bytes from one key's scores (probabilities) to the next's.
-    fn score_stride(&self) -> i64 {
-        i64::from(layout::score_stride(self.nb()))
+    fn score_stride(&self) -> usize {
+        layout::score_stride(self.nb())
     }
 
     fn emit_item(&self, b: &mut FunctionBuilder, item: Value) {
-        let hkv_count = self.spec.num_kv_heads as i64;
+        let hkv_count = self.spec.num_kv_heads;
         let chunks = self.word(arg::CHUNKS);
         let c = b.ins().urem(item, chunks);
         let group_index = b.ins().udiv(item, chunks);
@@ -395,13 +416,13 @@ impl Emitter {
 
         let item_bytes = b.ins().imul(item, self.word(arg::ITEM_FLOATS));
         let scratch = addr::element(b, self.word(arg::PARTIALS), item_bytes, 4);
-        let tiles_base = b.ins().iadd_imm_s(scratch, i64::from(layout::tiles(self.nb())));
+        let tiles_base = b.ins().iadd_imm_s(scratch, layout::tiles(self.nb()) as i64);
         let tiles_per_head = self.word(arg::TILES);
-        let tiles = b.ins().imul_imm_s(tiles_per_head, hkv_count);
-        let buffer = addr::element(b, self.word(arg::BUFFERS), self.begin, block_buffer_bytes(&self.spec) as i64);
+        let tiles = b.ins().imul_imm_s(tiles_per_head, hkv_count as i64);
+        let buffer = addr::element(b, self.word(arg::BUFFERS), self.begin, block_buffer_bytes(&self.spec));
         // This (b, query block)'s packed q: Hkv·tiles_per_head·4 rows of D f32.
         let q_group = b.ins().imul(group_index, tiles);
-        let q_group = addr::element(b, self.word(arg::Q), q_group, ROW_TILE as i64 * self.d() * 4);
+        let q_group = addr::element(b, self.word(arg::Q), q_group, ROW_TILE * self.d() * 4);
 
         // The sequence's lengths, its first key, and this block's valid
         // queries. Key positions from here on are relative to the first key
@@ -424,11 +445,11 @@ impl Emitter {
         counted_loop(b, zero, tiles, 1, &[], |b, t, _| {
             let tile = addr::element(b, tiles_base, t, self.tile_bytes());
             let ninf = splat_f32(b, f32::NEG_INFINITY);
-            b.ins().store(mem(), ninf, tile, layout::M);
+            b.ins().store(mem(), ninf, tile, self.disp.of(layout::M));
             let zv = splat_f32(b, 0.0);
-            b.ins().store(mem(), zv, tile, layout::L);
+            b.ins().store(mem(), zv, tile, self.disp.of(layout::L));
             for i in 0..ROW_TILE * self.spec.head_size / 4 {
-                b.ins().store(mem(), zv, tile, layout::ACC + 16 * i as i32);
+                b.ins().store(mem(), zv, tile, self.disp.of(layout::ACC + 16 * i));
             }
             // Rows of a head's tiles: r = (t % tiles_per_head)·4 + i.
             let t_in_head = b.ins().urem(t, tiles_per_head);
@@ -445,8 +466,8 @@ impl Emitter {
                 let hi = b.ins().select(real, hi, zero);
                 let lo = b.ins().ireduce(types::I32, lo);
                 let hi = b.ins().ireduce(types::I32, hi);
-                b.ins().store(mem(), lo, tile, layout::LO + 4 * i as i32);
-                b.ins().store(mem(), hi, tile, layout::HI + 4 * i as i32);
+                b.ins().store(mem(), lo, tile, self.disp.of(layout::LO + 4 * i));
+                b.ins().store(mem(), hi, tile, self.disp.of(layout::HI + 4 * i));
             }
             Vec::new()
         });
@@ -465,7 +486,7 @@ impl Emitter {
             let hi = b.ins().smin(item_hi, c_hi);
             let stride = self.word(arg::STRIDE);
             let seq_offsets = b.ins().imul(batch, stride);
-            let convert = self.fp8().then(|| ToBf16::new(b));
+            let convert = self.fp8().then(|| ToBf16::new(b, self.disp));
             counted_loop(b, lo, hi, KB as i64, &[], |b, p0, _| {
                 let p0_end = b.ins().iadd_imm_s(p0, KB as i64);
                 let block_hi = b.ins().smin(p0_end, hi);
@@ -478,18 +499,18 @@ impl Emitter {
                 let end_32 = b.ins().ireduce(types::I32, block_hi);
                 let end_v = b.ins().splat(types::I32X4, end_32);
                 let zero = iconst(b, 0);
-                let head_rows = KB as i64 * self.row_bytes();
+                let head_rows = KB * self.row_bytes();
                 counted_loop(b, zero, tiles, 1, &[], |b, t, _| {
                     let tile = addr::element(b, tiles_base, t, self.tile_bytes());
-                    let q = addr::element(b, q_group, t, ROW_TILE as i64 * self.d() * 4);
+                    let q = addr::element(b, q_group, t, ROW_TILE * self.d() * 4);
                     let hkv = b.ins().udiv(t, tiles_per_head);
                     let k = addr::element(b, buffer, hkv, head_rows);
-                    let v = b.ins().iadd_imm_s(k, hkv_count * head_rows);
+                    let v = b.ins().iadd_imm_s(k, (hkv_count * head_rows) as i64);
                     let scales = self.fp8().then(|| {
-                        let head_scales = KB as i64 * self.nb() as i64 * 4;
+                        let head_scales = KB * self.nb() * 4;
                         let ks = addr::element(b, buffer, hkv, head_scales);
                         let ks = b.ins().iadd_imm_s(ks, block_rows_bytes(&self.spec) as i64);
-                        let vs = b.ins().iadd_imm_s(ks, hkv_count * head_scales);
+                        let vs = b.ins().iadd_imm_s(ks, (hkv_count * head_scales) as i64);
                         (ks, vs)
                     });
                     let tb = TileBlock { tile, q, k, v, scales, scratch, p0, n_pad, p0_v, end_v };
@@ -520,12 +541,12 @@ impl Emitter {
         n_pad: Value,
         convert: Option<&ToBf16>,
     ) {
-        let csize = self.spec.cache_dtype.size_bytes() as i64;
+        let csize = self.spec.cache_dtype.size_bytes();
         let src_row_bytes = self.d() * csize;
         let row_bytes = self.row_bytes();
-        let head_rows = KB as i64 * row_bytes;
-        let hkv_count = self.spec.num_kv_heads as i64;
-        let nb = self.nb() as i64;
+        let head_rows = KB * row_bytes;
+        let hkv_count = self.spec.num_kv_heads;
+        let nb = self.nb();
         let offsets = b.ins().iadd(seq_offsets, p0);
         let offsets = addr::element(b, self.word(arg::KEY_OFFSETS), offsets, 8);
         let last = b.ins().iadd_imm_s(n, -1);
@@ -535,37 +556,37 @@ impl Emitter {
             let at = addr::element(b, offsets, key, 8);
             let element = b.ins().load(types::I64, mem(), at, 0);
             let k_src = addr::element(b, self.word(arg::BLOCKS), element, csize);
-            let v_src = b.ins().iadd_imm_s(k_src, self.kv_stride() * csize);
+            let v_src = b.ins().iadd_imm_s(k_src, (self.kv_stride() * csize) as i64);
             let dst = addr::element(b, buffer, j, row_bytes);
             for (kv, src) in [k_src, v_src].into_iter().enumerate() {
                 for h in 0..hkv_count {
                     let from = h * src_row_bytes;
-                    let to = (kv as i64 * hkv_count + h) * head_rows;
+                    let to = (kv * hkv_count + h) * head_rows;
                     if let Some(convert) = convert {
-                        convert.convert_row(b, src, from as i32, dst, to as i32, self.spec.head_size);
+                        convert.convert_row(b, src, from, dst, to, self.spec.head_size);
                         continue;
                     }
-                    copy_bytes(b, src, from, dst, to, row_bytes);
+                    copy_bytes(b, self.disp, (src, from), (dst, to), row_bytes);
                 }
             }
             if convert.is_some() {
                 // The key's scales: its row's element offset / g (rows are
                 // whole heads, so the scales row is [page, kv, layer, slot, 0, 0]).
-                let g = (self.spec.head_size / self.nb()) as i64;
-                let row = if (g as u64).is_power_of_two() {
+                let g = self.spec.head_size / self.nb();
+                let row = if g.is_power_of_two() {
                     b.ins().ushr_imm_u(element, i64::from(g.trailing_zeros()))
                 } else {
-                    let g = iconst(b, g);
+                    let g = iconst(b, g as i64);
                     b.ins().udiv(element, g)
                 };
                 let k_scales = addr::element(b, self.word(arg::SCALES), row, 4);
-                let v_scales = b.ins().iadd_imm_s(k_scales, self.kv_stride() / g * 4);
+                let v_scales = b.ins().iadd_imm_s(k_scales, (self.kv_stride() / g * 4) as i64);
                 let dst = addr::element(b, buffer, j, nb * 4);
-                let rows_bytes = block_rows_bytes(&self.spec) as i64;
+                let rows_bytes = block_rows_bytes(&self.spec);
                 for (kv, src) in [k_scales, v_scales].into_iter().enumerate() {
                     for h in 0..hkv_count {
-                        let to = rows_bytes + (kv as i64 * hkv_count + h) * KB as i64 * nb * 4;
-                        copy_bytes(b, src, h * nb * 4, dst, to, nb * 4);
+                        let to = rows_bytes + (kv * hkv_count + h) * KB * nb * 4;
+                        copy_bytes(b, self.disp, (src, h * nb * 4), (dst, to), nb * 4);
                     }
                 }
             }
@@ -609,7 +630,8 @@ impl Emitter {
     /// One row tile against one key block: scores, online softmax, P·V.
     fn emit_tile_block(&self, b: &mut FunctionBuilder, tb: &TileBlock) {
         let bdt = buffer_dtype(&self.spec);
-        let bsize = bdt.size_bytes() as i64;
+        let bsize = bdt.size_bytes();
+        let at = |bytes: usize| self.disp.of(bytes);
         let d = self.spec.head_size;
         let dv = d / 4;
         let row_bytes = self.row_bytes();
@@ -618,9 +640,9 @@ impl Emitter {
         let stride = self.score_stride();
         let alpha_at = layout::alpha(nb);
         // The rows' key ranges clipped to the block, as I32X4.
-        let lo_v = b.ins().load(types::I32X4, mem(), tb.tile, layout::LO);
+        let lo_v = b.ins().load(types::I32X4, mem(), tb.tile, at(layout::LO));
         let lo_v = b.ins().smax(lo_v, tb.p0_v);
-        let hi_v = b.ins().load(types::I32X4, mem(), tb.tile, layout::HI);
+        let hi_v = b.ins().load(types::I32X4, mem(), tb.tile, at(layout::HI));
         let hi_v = b.ins().smin(hi_v, tb.end_v);
 
         // Scores, 2 keys at a time; the block max per row.
@@ -629,7 +651,7 @@ impl Emitter {
         let block_max = counted_loop(b, zero, tb.n_pad, 2, &[ninf], |b, j, carried| {
             let key = addr::element(b, tb.k, j, row_bytes);
             // FP8: the two keys' K scales, `nb` f32 each.
-            let key_scales = tb.scales.map(|(ks, _)| addr::element(b, ks, j, nb as i64 * 4));
+            let key_scales = tb.scales.map(|(ks, _)| addr::element(b, ks, j, nb * 4));
             let zv = splat_f32(b, 0.0);
             // acc[k][r]: key k, row r.
             let mut acc = [[zv; ROW_TILE]; 2];
@@ -640,15 +662,15 @@ impl Emitter {
                 if let Some(ks) = key_scales.filter(|_| nb > 1 && i % vb == 0) {
                     block_scales = (0..2)
                         .map(|k| {
-                            let x = b.ins().load(types::F32, mem(), ks, (4 * (k * nb + i / vb)) as i32);
+                            let x = b.ins().load(types::F32, mem(), ks, at(4 * (k * nb + i / vb)));
                             b.ins().splat(types::F32X4, x)
                         })
                         .collect();
                 }
                 let kv: Vec<Value> = (0..2)
                     .map(|k| {
-                        let x = load_f32x4_raw(b, bdt, key, (k * row_bytes + 4 * i as i64 * bsize) as i32);
-                        match block_scales.get(k as usize) {
+                        let x = load_f32x4_raw(b, bdt, key, at(k * row_bytes + 4 * i * bsize));
+                        match block_scales.get(k) {
                             Some(&scale) => b.ins().fmul(x, scale),
                             None => x,
                         }
@@ -657,7 +679,7 @@ impl Emitter {
                 for r in 0..ROW_TILE {
                     for (acc_k, &kv) in acc.iter_mut().zip(&kv) {
                         // A separate load per use (the FMA takes it from memory).
-                        let qv = b.ins().load(types::F32X4, mem(), tb.q, (4 * (r * d + 4 * i)) as i32);
+                        let qv = b.ins().load(types::F32X4, mem(), tb.q, at(4 * (r * d + 4 * i)));
                         acc_k[r] = b.ins().fma(qv, kv, acc_k[r]);
                     }
                 }
@@ -665,12 +687,12 @@ impl Emitter {
             let pos = b.ins().iadd(tb.p0, j);
             let pos = b.ins().ireduce(types::I32, pos);
             let mut max = carried[0];
-            let at = addr::element(b, tb.scratch, j, stride);
+            let scores = addr::element(b, tb.scratch, j, stride);
             for (k, &column) in acc.iter().enumerate() {
                 let s = transpose_sum(b, column);
                 let s = match key_scales {
                     Some(ks) if nb == 1 => {
-                        let scale = b.ins().load(types::F32, mem(), ks, 4 * k as i32);
+                        let scale = b.ins().load(types::F32, mem(), ks, at(4 * k));
                         let scale = b.ins().splat(types::F32X4, scale);
                         b.ins().fmul(s, scale)
                     }
@@ -684,14 +706,14 @@ impl Emitter {
                 let inside = b.ins().band(ge, lt);
                 let inside = as_f32x4(b, inside);
                 let s = b.ins().bitselect(inside, s, ninf);
-                b.ins().store(mem(), s, at, layout::SCORES + (k as i64 * stride) as i32);
+                b.ins().store(mem(), s, scores, at(layout::SCORES + k * stride));
                 max = b.ins().fmax(max, s);
             }
             vec![max]
         })[0];
 
         // Online softmax per lane, guarded against a row with no key yet.
-        let m_old = b.ins().load(types::F32X4, mem(), tb.tile, layout::M);
+        let m_old = b.ins().load(types::F32X4, mem(), tb.tile, at(layout::M));
         let m_new = b.ins().fmax(m_old, block_max);
         let empty = b.ins().fcmp(FloatCC::Equal, m_new, ninf);
         let empty = as_f32x4(b, empty);
@@ -699,34 +721,34 @@ impl Emitter {
         let m_use = b.ins().bitselect(empty, zv, m_new);
         let alpha_arg = b.ins().fsub(m_old, m_use);
         let alpha = exp_f32x4(b, alpha_arg);
-        b.ins().store(mem(), m_new, tb.tile, layout::M);
-        b.ins().store(mem(), alpha, tb.scratch, alpha_at);
+        b.ins().store(mem(), m_new, tb.tile, at(layout::M));
+        b.ins().store(mem(), alpha, tb.scratch, at(alpha_at));
         let zero = iconst(b, 0);
         let psum = counted_loop(b, zero, tb.n_pad, 1, &[zv], |b, j, carried| {
-            let at = addr::element(b, tb.scratch, j, stride);
-            let s = b.ins().load(types::F32X4, mem(), at, layout::SCORES);
+            let scores = addr::element(b, tb.scratch, j, stride);
+            let s = b.ins().load(types::F32X4, mem(), scores, at(layout::SCORES));
             let x = b.ins().fsub(s, m_use);
             let p = exp_f32x4(b, x);
             match tb.scales {
                 // FP8: P times each of the key's V block scales, for P·V.
                 Some((_, vs)) => {
-                    let scales_at = addr::element(b, vs, j, nb as i64 * 4);
+                    let scales_at = addr::element(b, vs, j, nb * 4);
                     for blk in 0..nb {
-                        let scale = b.ins().load(types::F32, mem(), scales_at, 4 * blk as i32);
+                        let scale = b.ins().load(types::F32, mem(), scales_at, at(4 * blk));
                         let scale = b.ins().splat(types::F32X4, scale);
                         let scaled = b.ins().fmul(p, scale);
-                        b.ins().store(mem(), scaled, at, layout::SCORES + 16 * blk as i32);
+                        b.ins().store(mem(), scaled, scores, at(layout::SCORES + 16 * blk));
                     }
                 }
                 None => {
-                    b.ins().store(mem(), p, at, layout::SCORES);
+                    b.ins().store(mem(), p, scores, at(layout::SCORES));
                 }
             }
             vec![b.ins().fadd(carried[0], p)]
         })[0];
-        let l_old = b.ins().load(types::F32X4, mem(), tb.tile, layout::L);
+        let l_old = b.ins().load(types::F32X4, mem(), tb.tile, at(layout::L));
         let l_new = b.ins().fma(alpha, l_old, psum);
-        b.ins().store(mem(), l_new, tb.tile, layout::L);
+        b.ins().store(mem(), l_new, tb.tile, at(layout::L));
 
         // acc = α·acc + Σ_j P[j]·V[j], PV_VECTORS F32X4 of D per pass (and
         // within one scale block: FP8's P[j] is P·scale of the pass's block).
@@ -734,12 +756,12 @@ impl Emitter {
         while first < dv {
             let count = PV_VECTORS.min(dv - first).min(vb - first % vb);
             let blk = first / vb;
-            let acc_at = |r: usize, i: usize| layout::ACC + (4 * (r * d + 4 * (first + i))) as i32;
+            let acc_at = |r: usize, i: usize| at(layout::ACC + 4 * (r * d + 4 * (first + i)));
             let mut accs = Vec::with_capacity(ROW_TILE * count);
             for r in 0..ROW_TILE {
                 for i in 0..count {
                     let a = b.ins().load(types::F32X4, mem(), tb.tile, acc_at(r, i));
-                    let alpha_r = b.ins().load(types::F32, mem(), tb.scratch, alpha_at + 4 * r as i32);
+                    let alpha_r = b.ins().load(types::F32, mem(), tb.scratch, at(alpha_at + 4 * r));
                     let alpha_r = b.ins().splat(types::F32X4, alpha_r);
                     accs.push(b.ins().fmul(a, alpha_r));
                 }
@@ -751,14 +773,11 @@ impl Emitter {
                 let v_at = addr::element(b, tb.v, j, row_bytes);
                 for u in 0..PV_UNROLL {
                     let vs: Vec<Value> = (0..count)
-                        .map(|i| {
-                            let at = u as i64 * row_bytes + 4 * (first + i) as i64 * bsize;
-                            load_f32x4_raw(b, bdt, v_at, at as i32)
-                        })
+                        .map(|i| load_f32x4_raw(b, bdt, v_at, at(u * row_bytes + 4 * (first + i) * bsize)))
                         .collect();
                     for r in 0..ROW_TILE {
                         for (i, &v) in vs.iter().enumerate() {
-                            let p_off = layout::SCORES + (u as i64 * stride) as i32 + (16 * blk + 4 * r) as i32;
+                            let p_off = at(layout::SCORES + u * stride + 16 * blk + 4 * r);
                             let p = b.ins().load(types::F32, mem(), p_at, p_off);
                             let p = b.ins().splat(types::F32X4, p);
                             accs[r * count + i] = b.ins().fma(p, v, accs[r * count + i]);
@@ -1020,7 +1039,7 @@ fn merge(shape: &CallShape, plan: &Plan, valid: &[u32], partials: &[f32], out: &
                 let row = |c: usize| {
                     let at = (first_item + c) * plan.item_floats + plan.head_floats + tile * tile_floats;
                     let state = &partials[at..at + tile_floats];
-                    let acc_at = layout::ACC as usize / 4 + lane * d;
+                    let acc_at = layout::ACC / 4 + lane * d;
                     (state[lane], state[4 + lane], &state[acc_at..acc_at + d])
                 };
                 // A NaN score (a NaN in K) makes its chunk's m NaN; keep it

@@ -57,7 +57,7 @@ use kvjit_jit::cranelift_codegen::ir::{
     InstBuilder, StackSlot, StackSlotData, StackSlotKind, Value, condcodes::IntCC, types,
 };
 use kvjit_jit::cranelift_frontend::FunctionBuilder;
-use kvjit_jit::ir::addr::{self, Size};
+use kvjit_jit::ir::addr::{self, Displacements, Size};
 use kvjit_jit::ir::{
     call_native, counted_loop, e4m3, if_else, load_f32x4_raw, load_splat_f32x4, mem, store_f32x4, store_lane, when,
 };
@@ -124,26 +124,35 @@ pub use kvjit_jit::compile_log;
 
 /// Refuse specs whose offsets the generated code could not form (on either
 /// tier): byte offsets of the cache and of rows must fit in i64, and the
-/// constant displacements inside a tile (up to 6 rows of K f32) in i32.
+/// constant displacements ([`displacements`]) in i32.
 pub(crate) fn addressable(spec: &FusedQkvSpec) -> Result<(), JitError> {
     let fits = || -> Option<()> {
-        let (nr, mr, mc) = (TILE_COLUMNS.max(NR), MAX_TILE_ROWS.max(MR), AVX2_BLOCK_ROWS.max(MC));
+        let (nr, mc) = (TILE_COLUMNS.max(NR), AVX2_BLOCK_ROWS.max(MC));
         let kv_stride = spec.num_layers.checked_mul(spec.page_size)?.checked_mul(spec.kv_dim())?;
         let blocks_bytes = kv_stride.checked_mul(2)?.checked_mul(spec.cache_dtype.size_bytes())?;
-        let tile_bytes = spec.k.checked_mul(4 * mr)?;
         let n = spec.q_dim.checked_add(spec.kv_dim().checked_mul(2)?)?;
         let panel_bytes = spec.k.checked_mul(nr * spec.dtype.size_bytes())?.checked_mul(n.div_ceil(NR) + 3)?;
         if let (Some(batch), Some(seq)) = (spec.batch, spec.seq) {
             let rows = i64::try_from(batch.checked_mul(seq)?).ok()?;
             rows.checked_add(mc as i64)?;
         }
-        (i64::try_from(blocks_bytes).is_ok() && i32::try_from(tile_bytes).is_ok() && i64::try_from(panel_bytes).is_ok())
-            .then_some(())
+        (i64::try_from(blocks_bytes).is_ok() && i64::try_from(panel_bytes).is_ok()).then_some(())
     };
     fits().ok_or_else(|| JitError::Unsupported {
         key: spec.kernel_key().to_string(),
         reason: "its sizes overflow the offsets the kernel computes".into(),
-    })
+    })?;
+    displacements(spec).map(drop)
+}
+
+/// The constant displacements of the kernel's loads and stores: within the
+/// rows of a Cranelift tile's activations (up to 6 rows of K f32, bounding
+/// either tier), a k step of a weight panel, and a row of a 256-bit tile's
+/// accumulators.
+fn displacements(spec: &FusedQkvSpec) -> Result<Displacements, JitError> {
+    let tile_rows = spec.k.checked_mul(4 * MAX_TILE_ROWS.max(MR));
+    let largest = tile_rows.map(|rows| rows.max(K_UNROLL * NR * 4).max(TILE_COLUMNS * 4));
+    Displacements::up_to(&spec.kernel_key(), largest)
 }
 
 /// The kernel's argument words ([`kvjit_jit::KernelParams::arg`]), in
@@ -230,6 +239,7 @@ fn emit_and_compile(
     runtime_sizes: bool,
 ) -> Result<JitFunction, JitError> {
     addressable(spec)?;
+    let disp = displacements(spec)?;
     if tier == CpuTier::Auto {
         return Err(JitError::Unsupported { key: key.to_string(), reason: "the CPU tier was not resolved".into() });
     }
@@ -263,7 +273,12 @@ fn emit_and_compile(
             |bytes: usize| b.create_sized_stack_slot(StackSlotData::new(StackSlotKind::ExplicitSlot, bytes as u32, 5));
         let tile_buffer = avx2.then(|| slot(AVX2_BLOCK_ROWS * TILE_COLUMNS * 4));
         let widened_block = (avx2 && spec.dtype != DType::F32).then(|| slot(AVX2_BLOCK_BYTES));
-        Emitter::new(spec, tier, bases, (tile_buffer, widened_block), sizes).emit(b, m_arg, params.begin, params.end);
+        Emitter::new(spec, tier, disp, bases, (tile_buffer, widened_block), sizes).emit(
+            b,
+            m_arg,
+            params.begin,
+            params.end,
+        );
     })
 }
 
@@ -396,6 +411,8 @@ struct Emitter {
     /// Which code computes a tile.
     tier: CpuTier,
     schedule: Schedule,
+    /// The bound of every constant displacement ([`displacements`]).
+    disp: Displacements,
     /// The accumulators of a block's rows for one panel, `[block_rows][16]`
     /// f32 on the stack (the 256-bit tier only).
     tile_buffer: Option<StackSlot>,
@@ -450,6 +467,7 @@ impl Emitter {
     fn new(
         spec: &FusedQkvSpec,
         tier: CpuTier,
+        disp: Displacements,
         bases: Bases,
         (tile_buffer, widened_block): (Option<StackSlot>, Option<StackSlot>),
         runtime_sizes: Option<Sizes>,
@@ -464,7 +482,7 @@ impl Emitter {
         };
         let m = spec.batch.zip(spec.seq).map(|(b, s)| b * s).filter(|_| runtime_sizes.is_none());
         let sizes = runtime_sizes.unwrap_or(baked);
-        Self { spec: *spec, tier, schedule, tile_buffer, widened_block, layout, sizes, m, bases }
+        Self { spec: *spec, tier, schedule, disp, tile_buffer, widened_block, layout, sizes, m, bases }
     }
 
     /// The schedule: blocks of `block_rows` rows, then this invocation's
@@ -646,7 +664,7 @@ impl Emitter {
         counted_loop(b, start, end, 1, &[], |b, row, _| {
             let at = self.tile_row_address(b, c, start, row);
             for v in 0..TILE_COLUMNS / 4 {
-                b.ins().store(mem(), zero, at, (16 * v) as i32);
+                b.ins().store(mem(), zero, at, self.disp.of(16 * v));
             }
             Vec::new()
         });
@@ -670,7 +688,7 @@ impl Emitter {
         counted_loop(b, start, end, 1, &[], |b, row, _| {
             let at = self.tile_row_address(b, c, start, row);
             let vectors: Vec<Value> =
-                (0..TILE_COLUMNS / 4).map(|v| b.ins().load(types::F32X4, mem(), at, (16 * v) as i32)).collect();
+                (0..TILE_COLUMNS / 4).map(|v| b.ins().load(types::F32X4, mem(), at, self.disp.of(16 * v))).collect();
             self.emit_store_row(b, row, 0, panel, &vectors);
             Vec::new()
         });
@@ -689,12 +707,12 @@ impl Emitter {
         c: Value,
         k_block: Option<usize>,
     ) {
-        let size = self.spec.dtype.size_bytes() as i64;
+        let size = self.spec.dtype.size_bytes();
         // The widened block holds k_block·16 f32 (AVX2_BLOCK_BYTES).
         let widened = self.widened_block.filter(|_| k_block.is_some());
         debug_assert!(k_block.is_none_or(|kc| kc * TILE_COLUMNS * 4 <= AVX2_BLOCK_BYTES));
         let tiles = |b: &mut FunctionBuilder, kb: Value, kc: Size| {
-            let mut w = addr::element(b, panel.w, kb, TILE_COLUMNS as i64 * size);
+            let mut w = addr::element(b, panel.w, kb, TILE_COLUMNS * size);
             let mut w_dtype = self.spec.dtype;
             if let Some(slot) = widened {
                 let widen = microkernel::widen_block(self.spec.dtype)
@@ -757,7 +775,7 @@ impl Emitter {
     /// block starting at `start`.
     fn tile_row_address(&self, b: &mut FunctionBuilder, c: Value, start: Value, row: Value) -> Value {
         let index = b.ins().isub(row, start);
-        addr::element(b, c, index, (TILE_COLUMNS * 4) as i64)
+        addr::element(b, c, index, TILE_COLUMNS * 4)
     }
 
     /// One call of the ahead-of-time micro-kernel for `mr` rows from `row`
@@ -796,7 +814,8 @@ impl Emitter {
     fn emit_cranelift_tile(&self, b: &mut FunctionBuilder, mr: usize, row: Value, panel: Panel) {
         let k = self.layout.k;
         let w_dtype = self.spec.dtype;
-        let w_size = w_dtype.size_bytes() as i32;
+        let w_size = w_dtype.size_bytes();
+        let at = |bytes: usize| self.disp.of(bytes);
         let sets = match mr {
             1 => 4,
             2 => 2,
@@ -804,8 +823,7 @@ impl Emitter {
         };
         let zero = b.ins().f32const(0.0);
         let zero = b.ins().splat(types::F32X4, zero);
-        let x_row_bytes = (k * 4) as i64;
-        let x_rows = addr::element(b, self.bases.x, row, x_row_bytes);
+        let x_rows = addr::element(b, self.bases.x, row, k * 4);
         // Accumulator index: (set, row, half).
         let acc_index = |set: usize, i: usize, h: usize| (set * mr + i) * 2 + h;
         // `count` consecutive k values from `kk`; k value u uses accumulator
@@ -814,15 +832,15 @@ impl Emitter {
         // a register copy per FMA (x64 FMAs overwrite a multiplicand).
         let step = |b: &mut FunctionBuilder, kk: Value, count: usize, accs: &mut [Value]| {
             let x_at = addr::element(b, x_rows, kk, 4);
-            let w_at = addr::element(b, panel.w, kk, (NR as i32 * w_size) as i64);
+            let w_at = addr::element(b, panel.w, kk, NR * w_size);
             for u in 0..count {
                 let halves = [
-                    load_f32x4_raw(b, w_dtype, w_at, (u * NR) as i32 * w_size),
-                    load_f32x4_raw(b, w_dtype, w_at, (u * NR + 4) as i32 * w_size),
+                    load_f32x4_raw(b, w_dtype, w_at, at(u * NR * w_size)),
+                    load_f32x4_raw(b, w_dtype, w_at, at((u * NR + 4) * w_size)),
                 ];
                 for i in 0..mr {
                     for (h, &w) in halves.iter().enumerate() {
-                        let xb = load_splat_f32x4(b, DType::F32, x_at, ((i * k + u) * 4) as i32);
+                        let xb = load_splat_f32x4(b, DType::F32, x_at, at((i * k + u) * 4));
                         let acc = &mut accs[acc_index(u % sets, i, h)];
                         *acc = b.ins().fma(xb, w, *acc);
                     }
@@ -862,8 +880,8 @@ impl Emitter {
             Destination::Q => {
                 let element = self.sizes.q_dim.times(b, r, 1);
                 let element = b.ins().iadd(element, panel.column);
-                let base = addr::element(b, self.bases.out, element, self.spec.dtype.size_bytes() as i64);
-                emit_store_columns(b, self.spec.dtype, base, panel.width, vectors);
+                let base = addr::element(b, self.bases.out, element, self.spec.dtype.size_bytes());
+                emit_store_columns(b, self.disp, self.spec.dtype, base, panel.width, vectors);
             }
             Destination::K | Destination::V => {
                 let slot_at = addr::element(b, self.bases.row_offsets, r, 8);
@@ -877,8 +895,8 @@ impl Emitter {
                     };
                     let element = b.ins().iadd(element, panel.column);
                     let dtype = kv_store_dtype(&self.spec);
-                    let base = addr::element(b, self.bases.blocks, element, dtype.size_bytes() as i64);
-                    emit_store_columns(b, dtype, base, panel.width, vectors);
+                    let base = addr::element(b, self.bases.blocks, element, dtype.size_bytes());
+                    emit_store_columns(b, self.disp, dtype, base, panel.width, vectors);
                 });
             }
         }
@@ -887,17 +905,24 @@ impl Emitter {
 
 /// Store the first `width` columns of a tile row (F32X4 `vectors`, four
 /// columns each) as `dtype` at `base`.
-fn emit_store_columns(b: &mut FunctionBuilder, dtype: DType, base: Value, width: Size, vectors: &[Value]) {
-    let size = dtype.size_bytes() as i32;
+fn emit_store_columns(
+    b: &mut FunctionBuilder,
+    disp: Displacements,
+    dtype: DType,
+    base: Value,
+    width: Size,
+    vectors: &[Value],
+) {
+    let size = dtype.size_bytes();
     for (h, &value) in vectors.iter().enumerate() {
         match width {
             Size::Known(width) => {
                 let lanes = width.saturating_sub(4 * h).min(4);
                 if lanes == 4 {
-                    store_f32x4(b, dtype, value, base, 4 * h as i32 * size);
+                    store_f32x4(b, dtype, value, base, disp.of(4 * h * size));
                 } else {
                     for lane in 0..lanes {
-                        store_lane(b, dtype, value, lane as u8, base, (4 * h + lane) as i32 * size);
+                        store_lane(b, dtype, value, lane as u8, base, disp.of((4 * h + lane) * size));
                     }
                 }
             }
@@ -907,7 +932,7 @@ fn emit_store_columns(b: &mut FunctionBuilder, dtype: DType, base: Value, width:
                 for lane in 0..4 {
                     let column = 4 * h + lane;
                     let exists = b.ins().icmp_imm_s(IntCC::UnsignedGreaterThan, width, column as i64);
-                    when(b, exists, |b| store_lane(b, dtype, value, lane as u8, base, column as i32 * size));
+                    when(b, exists, |b| store_lane(b, dtype, value, lane as u8, base, disp.of(column * size)));
                 }
             }
         }

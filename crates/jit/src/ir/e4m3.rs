@@ -9,7 +9,7 @@ use cranelift_codegen::ir::condcodes::{FloatCC, IntCC};
 use cranelift_codegen::ir::{InstBuilder, MemFlagsData, Value, types};
 use cranelift_frontend::FunctionBuilder;
 
-use super::addr::element;
+use super::addr::{Displacements, element};
 use super::{band_const, counted_loop, little, mem, splat_f32, splat_u32};
 
 /// Load 4 FP8 codes at `ptr + offset` (one 32-bit load) as the low bytes of
@@ -227,6 +227,9 @@ pub struct ToBf16 {
     kf0: Value,
     delta_hi: Value,
     delta_lo: Value,
+    /// The kernel's displacements, which bound the offsets of
+    /// [`convert_row`](Self::convert_row).
+    displacements: Displacements,
 }
 
 fn bytes_const(b: &mut FunctionBuilder, bytes: [u8; 16]) -> Value {
@@ -235,8 +238,9 @@ fn bytes_const(b: &mut FunctionBuilder, bytes: [u8; 16]) -> Value {
 }
 
 impl ToBf16 {
-    /// Emit the constants (at a point that dominates every use).
-    pub fn new(b: &mut FunctionBuilder) -> Self {
+    /// Emit the constants (at a point that dominates every use), for a
+    /// kernel whose displacements are `displacements`.
+    pub fn new(b: &mut FunctionBuilder, displacements: Displacements) -> Self {
         Self {
             k7f: bytes_const(b, [0x7f; 16]),
             k80: bytes_const(b, [0x80; 16]),
@@ -245,6 +249,7 @@ impl ToBf16 {
             kf0: bytes_const(b, [0xf0; 16]),
             delta_hi: bytes_const(b, DELTA_HI),
             delta_lo: bytes_const(b, DELTA_LO),
+            displacements,
         }
     }
 
@@ -284,21 +289,22 @@ impl ToBf16 {
         &self,
         b: &mut FunctionBuilder,
         src: Value,
-        src_off: i32,
+        src_off: usize,
         dst: Value,
-        dst_off: i32,
+        dst_off: usize,
         count: usize,
     ) {
         assert!(count.is_multiple_of(4), "whole groups of 4 codes, got {count}");
+        let at = |bytes: usize| self.displacements.of(bytes);
         let mut o = 0;
         while o < count {
-            let (s, d) = (src_off + o as i32, dst_off + 2 * o as i32);
+            let (s, d) = (at(src_off + o), at(dst_off + 2 * o));
             match count - o {
                 16.. => {
                     let codes = b.ins().load(types::I8X16, mem(), src, s);
                     let (w0, w1) = self.words(b, codes);
                     b.ins().store(mem(), w0, dst, d);
-                    b.ins().store(mem(), w1, dst, d + 16);
+                    b.ins().store(mem(), w1, dst, at(dst_off + 2 * o + 16));
                     o += 16;
                 }
                 8.. => {

@@ -10,8 +10,9 @@
 //!
 //! The submodules hold the rest of the kit every emitter shares:
 //!
-//! - [`addr`]: address arithmetic — indexed elements, sizes baked in or
-//!   read at run time.
+//! - [`addr`]: address arithmetic — indexed elements, constant
+//!   displacements checked at kernel build, sizes baked in or read at run
+//!   time.
 //! - [`e4m3`]: FP8 (E4M3) codes to and from f32 lanes, a block quantized
 //!   with its scale, codes re-encoded as bf16.
 //! - [`math`]: `exp` on F32X4.
