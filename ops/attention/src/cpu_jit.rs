@@ -85,7 +85,7 @@ use kvjit_jit::ir::{counted_loop, load_f32x4_raw, mem, splat_f32, when};
 use kvjit_jit::{CaptureText, CompileCause, JitError, JitFunction, compile_kernel};
 use kvjit_runtime::{CodeInfo, DeviceContextPtr, Kernel, OutputSpec};
 
-use crate::call::{AttentionConfig, CallShape, key_row_offsets};
+use crate::call::{CallShape, key_row_offsets};
 use crate::kernel::{check_against_spec, checked_call};
 use crate::{AttentionError, Mask, MhaSpec};
 
@@ -1132,14 +1132,10 @@ impl Kernel for JitKernel {
     }
 }
 
-/// The config a spec bakes in.
-pub(crate) fn config_of(spec: &MhaSpec) -> AttentionConfig {
-    AttentionConfig { mask: spec.mask, window: spec.window, scale: spec.scale }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::AttentionConfig;
     use kvjit_core::{DType, Target};
 
     /// A decode step near u32::MAX tokens into a sequence with a 4096-key
@@ -1165,7 +1161,7 @@ mod tests {
             seq: None,
         };
         let cache_length = u32::MAX as usize - 10;
-        let (lo, hi) = config_of(&spec).key_range(cache_length, 1, 0);
+        let (lo, hi) = AttentionConfig::from(&spec).key_range(cache_length, 1, 0);
         assert_eq!(hi - lo, window);
         let shape = CallShape {
             batch: 2,
