@@ -367,6 +367,12 @@ impl Emitter {
         self.words[i]
     }
 
+    /// `bytes` as a displacement ([`Displacements::of`]).
+    #[track_caller]
+    fn at(&self, bytes: usize) -> i32 {
+        self.disp.of(bytes)
+    }
+
     fn d(&self) -> usize {
         self.spec.head_size
     }
@@ -445,11 +451,11 @@ impl Emitter {
         counted_loop(b, zero, tiles, 1, &[], |b, t, _| {
             let tile = addr::element(b, tiles_base, t, self.tile_bytes());
             let ninf = splat_f32(b, f32::NEG_INFINITY);
-            b.ins().store(mem(), ninf, tile, self.disp.of(layout::M));
+            b.ins().store(mem(), ninf, tile, self.at(layout::M));
             let zv = splat_f32(b, 0.0);
-            b.ins().store(mem(), zv, tile, self.disp.of(layout::L));
+            b.ins().store(mem(), zv, tile, self.at(layout::L));
             for i in 0..ROW_TILE * self.spec.head_size / 4 {
-                b.ins().store(mem(), zv, tile, self.disp.of(layout::ACC + 16 * i));
+                b.ins().store(mem(), zv, tile, self.at(layout::ACC + 16 * i));
             }
             // Rows of a head's tiles: r = (t % tiles_per_head)·4 + i.
             let t_in_head = b.ins().urem(t, tiles_per_head);
@@ -466,8 +472,8 @@ impl Emitter {
                 let hi = b.ins().select(real, hi, zero);
                 let lo = b.ins().ireduce(types::I32, lo);
                 let hi = b.ins().ireduce(types::I32, hi);
-                b.ins().store(mem(), lo, tile, self.disp.of(layout::LO + 4 * i));
-                b.ins().store(mem(), hi, tile, self.disp.of(layout::HI + 4 * i));
+                b.ins().store(mem(), lo, tile, self.at(layout::LO + 4 * i));
+                b.ins().store(mem(), hi, tile, self.at(layout::HI + 4 * i));
             }
             Vec::new()
         });
@@ -627,25 +633,32 @@ impl Emitter {
         (lo, hi)
     }
 
-    /// One row tile against one key block: scores, online softmax, P·V.
+    /// One row tile against one key block, in three phases: the scores and
+    /// their max per row, the online softmax, P·V.
     fn emit_tile_block(&self, b: &mut FunctionBuilder, tb: &TileBlock) {
+        let (block_max, ninf) = self.emit_scores(b, tb);
+        self.emit_softmax(b, tb, block_max, ninf);
+        self.emit_pv(b, tb);
+    }
+
+    /// Scores of the tile's 4 rows against the block's keys, 2 keys at a
+    /// time, into the scratch (-inf where a row does not read the key; an
+    /// FP8 cache's K scales applied). Returns their max per row and the
+    /// -inf splat the masking used.
+    fn emit_scores(&self, b: &mut FunctionBuilder, tb: &TileBlock) -> (Value, Value) {
         let bdt = buffer_dtype(&self.spec);
         let bsize = bdt.size_bytes();
-        let at = |bytes: usize| self.disp.of(bytes);
         let d = self.spec.head_size;
         let dv = d / 4;
         let row_bytes = self.row_bytes();
         // FP8: scale blocks per head and F32X4 vectors per block (else 1 and dv).
         let (nb, vb) = (self.nb(), self.block_vectors());
         let stride = self.score_stride();
-        let alpha_at = layout::alpha(nb);
         // The rows' key ranges clipped to the block, as I32X4.
-        let lo_v = b.ins().load(types::I32X4, mem(), tb.tile, at(layout::LO));
+        let lo_v = b.ins().load(types::I32X4, mem(), tb.tile, self.at(layout::LO));
         let lo_v = b.ins().smax(lo_v, tb.p0_v);
-        let hi_v = b.ins().load(types::I32X4, mem(), tb.tile, at(layout::HI));
+        let hi_v = b.ins().load(types::I32X4, mem(), tb.tile, self.at(layout::HI));
         let hi_v = b.ins().smin(hi_v, tb.end_v);
-
-        // Scores, 2 keys at a time; the block max per row.
         let zero = iconst(b, 0);
         let ninf = splat_f32(b, f32::NEG_INFINITY);
         let block_max = counted_loop(b, zero, tb.n_pad, 2, &[ninf], |b, j, carried| {
@@ -662,14 +675,14 @@ impl Emitter {
                 if let Some(ks) = key_scales.filter(|_| nb > 1 && i % vb == 0) {
                     block_scales = (0..2)
                         .map(|k| {
-                            let x = b.ins().load(types::F32, mem(), ks, at(4 * (k * nb + i / vb)));
+                            let x = b.ins().load(types::F32, mem(), ks, self.at(4 * (k * nb + i / vb)));
                             b.ins().splat(types::F32X4, x)
                         })
                         .collect();
                 }
                 let kv: Vec<Value> = (0..2)
                     .map(|k| {
-                        let x = load_f32x4_raw(b, bdt, key, at(k * row_bytes + 4 * i * bsize));
+                        let x = load_f32x4_raw(b, bdt, key, self.at(k * row_bytes + 4 * i * bsize));
                         match block_scales.get(k) {
                             Some(&scale) => b.ins().fmul(x, scale),
                             None => x,
@@ -679,7 +692,7 @@ impl Emitter {
                 for r in 0..ROW_TILE {
                     for (acc_k, &kv) in acc.iter_mut().zip(&kv) {
                         // A separate load per use (the FMA takes it from memory).
-                        let qv = b.ins().load(types::F32X4, mem(), tb.q, at(4 * (r * d + 4 * i)));
+                        let qv = b.ins().load(types::F32X4, mem(), tb.q, self.at(4 * (r * d + 4 * i)));
                         acc_k[r] = b.ins().fma(qv, kv, acc_k[r]);
                     }
                 }
@@ -692,7 +705,7 @@ impl Emitter {
                 let s = transpose_sum(b, column);
                 let s = match key_scales {
                     Some(ks) if nb == 1 => {
-                        let scale = b.ins().load(types::F32, mem(), ks, at(4 * k));
+                        let scale = b.ins().load(types::F32, mem(), ks, self.at(4 * k));
                         let scale = b.ins().splat(types::F32X4, scale);
                         b.ins().fmul(s, scale)
                     }
@@ -706,14 +719,24 @@ impl Emitter {
                 let inside = b.ins().band(ge, lt);
                 let inside = as_f32x4(b, inside);
                 let s = b.ins().bitselect(inside, s, ninf);
-                b.ins().store(mem(), s, scores, at(layout::SCORES + k * stride));
+                b.ins().store(mem(), s, scores, self.at(layout::SCORES + k * stride));
                 max = b.ins().fmax(max, s);
             }
             vec![max]
         })[0];
+        (block_max, ninf)
+    }
 
-        // Online softmax per lane, guarded against a row with no key yet.
-        let m_old = b.ins().load(types::F32X4, mem(), tb.tile, at(layout::M));
+    /// The online softmax of the block, per row (lane), guarded against a
+    /// row with no key yet: the new max `m` and its α = e^(m_old − m) (into
+    /// the scratch, for P·V), each score replaced by its P = e^(s − m) (an
+    /// FP8 cache's P times each of the key's V block scales), and
+    /// `l = α·l + Σ P`.
+    fn emit_softmax(&self, b: &mut FunctionBuilder, tb: &TileBlock, block_max: Value, ninf: Value) {
+        let nb = self.nb();
+        let stride = self.score_stride();
+        let alpha_at = layout::alpha(nb);
+        let m_old = b.ins().load(types::F32X4, mem(), tb.tile, self.at(layout::M));
         let m_new = b.ins().fmax(m_old, block_max);
         let empty = b.ins().fcmp(FloatCC::Equal, m_new, ninf);
         let empty = as_f32x4(b, empty);
@@ -721,12 +744,12 @@ impl Emitter {
         let m_use = b.ins().bitselect(empty, zv, m_new);
         let alpha_arg = b.ins().fsub(m_old, m_use);
         let alpha = exp_f32x4(b, alpha_arg);
-        b.ins().store(mem(), m_new, tb.tile, at(layout::M));
-        b.ins().store(mem(), alpha, tb.scratch, at(alpha_at));
+        b.ins().store(mem(), m_new, tb.tile, self.at(layout::M));
+        b.ins().store(mem(), alpha, tb.scratch, self.at(alpha_at));
         let zero = iconst(b, 0);
         let psum = counted_loop(b, zero, tb.n_pad, 1, &[zv], |b, j, carried| {
             let scores = addr::element(b, tb.scratch, j, stride);
-            let s = b.ins().load(types::F32X4, mem(), scores, at(layout::SCORES));
+            let s = b.ins().load(types::F32X4, mem(), scores, self.at(layout::SCORES));
             let x = b.ins().fsub(s, m_use);
             let p = exp_f32x4(b, x);
             match tb.scales {
@@ -734,34 +757,46 @@ impl Emitter {
                 Some((_, vs)) => {
                     let scales_at = addr::element(b, vs, j, nb * 4);
                     for blk in 0..nb {
-                        let scale = b.ins().load(types::F32, mem(), scales_at, at(4 * blk));
+                        let scale = b.ins().load(types::F32, mem(), scales_at, self.at(4 * blk));
                         let scale = b.ins().splat(types::F32X4, scale);
                         let scaled = b.ins().fmul(p, scale);
-                        b.ins().store(mem(), scaled, scores, at(layout::SCORES + 16 * blk));
+                        b.ins().store(mem(), scaled, scores, self.at(layout::SCORES + 16 * blk));
                     }
                 }
                 None => {
-                    b.ins().store(mem(), p, scores, at(layout::SCORES));
+                    b.ins().store(mem(), p, scores, self.at(layout::SCORES));
                 }
             }
             vec![b.ins().fadd(carried[0], p)]
         })[0];
-        let l_old = b.ins().load(types::F32X4, mem(), tb.tile, at(layout::L));
+        let l_old = b.ins().load(types::F32X4, mem(), tb.tile, self.at(layout::L));
         let l_new = b.ins().fma(alpha, l_old, psum);
-        b.ins().store(mem(), l_new, tb.tile, at(layout::L));
+        b.ins().store(mem(), l_new, tb.tile, self.at(layout::L));
+    }
 
-        // acc = α·acc + Σ_j P[j]·V[j], PV_VECTORS F32X4 of D per pass (and
-        // within one scale block: FP8's P[j] is P·scale of the pass's block).
+    /// `acc = α·acc + Σ_j P[j]·V[j]` for the tile's rows: a register tile of
+    /// [`PV_VECTORS`] F32X4 of D per pass over the block's keys, each pass
+    /// within one scale block (an FP8 cache's P[j] is P·scale of the pass's
+    /// block).
+    fn emit_pv(&self, b: &mut FunctionBuilder, tb: &TileBlock) {
+        let bdt = buffer_dtype(&self.spec);
+        let bsize = bdt.size_bytes();
+        let d = self.spec.head_size;
+        let dv = d / 4;
+        let row_bytes = self.row_bytes();
+        let vb = self.block_vectors();
+        let stride = self.score_stride();
+        let alpha_at = layout::alpha(self.nb());
         let mut first = 0;
         while first < dv {
             let count = PV_VECTORS.min(dv - first).min(vb - first % vb);
             let blk = first / vb;
-            let acc_at = |r: usize, i: usize| at(layout::ACC + 4 * (r * d + 4 * (first + i)));
+            let acc_at = |r: usize, i: usize| self.at(layout::ACC + 4 * (r * d + 4 * (first + i)));
             let mut accs = Vec::with_capacity(ROW_TILE * count);
             for r in 0..ROW_TILE {
                 for i in 0..count {
                     let a = b.ins().load(types::F32X4, mem(), tb.tile, acc_at(r, i));
-                    let alpha_r = b.ins().load(types::F32, mem(), tb.scratch, at(alpha_at + 4 * r));
+                    let alpha_r = b.ins().load(types::F32, mem(), tb.scratch, self.at(alpha_at + 4 * r));
                     let alpha_r = b.ins().splat(types::F32X4, alpha_r);
                     accs.push(b.ins().fmul(a, alpha_r));
                 }
@@ -773,11 +808,11 @@ impl Emitter {
                 let v_at = addr::element(b, tb.v, j, row_bytes);
                 for u in 0..PV_UNROLL {
                     let vs: Vec<Value> = (0..count)
-                        .map(|i| load_f32x4_raw(b, bdt, v_at, at(u * row_bytes + 4 * (first + i) * bsize)))
+                        .map(|i| load_f32x4_raw(b, bdt, v_at, self.at(u * row_bytes + 4 * (first + i) * bsize)))
                         .collect();
                     for r in 0..ROW_TILE {
                         for (i, &v) in vs.iter().enumerate() {
-                            let p_off = at(layout::SCORES + u * stride + 16 * blk + 4 * r);
+                            let p_off = self.at(layout::SCORES + u * stride + 16 * blk + 4 * r);
                             let p = b.ins().load(types::F32, mem(), p_at, p_off);
                             let p = b.ins().splat(types::F32X4, p);
                             accs[r * count + i] = b.ins().fma(p, v, accs[r * count + i]);
