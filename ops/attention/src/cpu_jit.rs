@@ -82,7 +82,7 @@ use kvjit_jit::ir::e4m3::ToBf16;
 use kvjit_jit::ir::math::exp_f32x4;
 use kvjit_jit::ir::shuffle::transpose_sum;
 use kvjit_jit::ir::{counted_loop, load_f32x4_raw, mem, splat_f32, when};
-use kvjit_jit::{CaptureText, CompileCause, JitError, JitFunction, compile_kernel};
+use kvjit_jit::{CaptureText, JitError, JitFunction, compile_kernel};
 use kvjit_runtime::{CodeInfo, DeviceContextPtr, Kernel, OutputSpec};
 
 use crate::call::{CallShape, key_row_offsets};
@@ -279,11 +279,7 @@ fn displacements(spec: &MhaSpec) -> Result<Displacements, JitError> {
 /// registry). Kept IR/disassembly bypass the registry.
 pub fn compile(spec: &MhaSpec, capture: CaptureText) -> Result<Arc<JitFunction>, JitError> {
     let key = spec.kernel_key();
-    let build = || emit_and_compile(spec, &key, capture);
-    if capture.clif || capture.disasm {
-        return build().map(Arc::new);
-    }
-    kvjit_jit::kernels().get_or_compile(&key, CompileCause::GraphBuild, build)
+    kvjit_jit::compile_or_fetch(&key, capture, || emit_and_compile(spec, &key, capture))
 }
 
 fn emit_and_compile(spec: &MhaSpec, key: &KernelKey, capture: CaptureText) -> Result<JitFunction, JitError> {
@@ -1141,12 +1137,7 @@ impl Kernel for JitKernel {
     }
 
     fn code_info(&self) -> CodeInfo {
-        CodeInfo {
-            compile_time: self.code.compile_time(),
-            code_size: self.code.code_size(),
-            ir: self.code.clif().map(str::to_string),
-            disasm: self.code.disasm().map(str::to_string),
-        }
+        self.code.code_info()
     }
 
     fn check(&self, inputs: &[&Tensor], caches: &[&PagedKVCacheCollection]) -> Result<Vec<OutputSpec>> {

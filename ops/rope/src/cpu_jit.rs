@@ -62,7 +62,7 @@ use kvjit_jit::cranelift_codegen::ir::{InstBuilder, MemFlagsData, StackSlotData,
 use kvjit_jit::cranelift_frontend::FunctionBuilder;
 use kvjit_jit::ir::addr::{self, Displacements};
 use kvjit_jit::ir::{counted_loop, e4m3, if_else, load_f32x4, load_f32x4_raw, mem, shuffle, splat_f32, store_f32x4};
-use kvjit_jit::{CaptureText, CompileCause, JitError, JitFunction, compile_kernel};
+use kvjit_jit::{CaptureText, JitError, JitFunction, compile_kernel};
 use kvjit_runtime::{CodeInfo, DeviceContextPtr, Kernel, OutputSpec};
 
 use crate::call::{RowPlan, row_plans};
@@ -134,11 +134,7 @@ fn displacements(spec: &RopeSpec) -> Result<Displacements, JitError> {
 pub fn compile(spec: &RopeSpec, capture: CaptureText) -> Result<Arc<JitFunction>, JitError> {
     let generic = spec.generic();
     let key = generic.kernel_key();
-    let build = || emit_and_compile(&generic, &key, capture);
-    if capture.clif || capture.disasm {
-        return build().map(Arc::new);
-    }
-    kvjit_jit::kernels().get_or_compile(&key, CompileCause::GraphBuild, build)
+    kvjit_jit::compile_or_fetch(&key, capture, || emit_and_compile(&generic, &key, capture))
 }
 
 fn emit_and_compile(spec: &RopeSpec, key: &KernelKey, capture: CaptureText) -> Result<JitFunction, JitError> {
@@ -533,12 +529,7 @@ impl Kernel for JitKernel {
     }
 
     fn code_info(&self) -> CodeInfo {
-        CodeInfo {
-            compile_time: self.code.compile_time(),
-            code_size: self.code.code_size(),
-            ir: self.code.clif().map(str::to_string),
-            disasm: self.code.disasm().map(str::to_string),
-        }
+        self.code.code_info()
     }
 
     fn check(&self, inputs: &[&Tensor], caches: &[&PagedKVCacheCollection]) -> Result<Vec<OutputSpec>> {

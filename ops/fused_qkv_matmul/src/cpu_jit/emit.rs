@@ -14,7 +14,7 @@ use kvjit_jit::ir::{
     call_native, counted_loop, if_else, load_f32x4_raw, load_splat_f32x4, mem, store_f32x4, store_lane, when,
 };
 use kvjit_jit::microkernel::{self, MAX_TILE_ROWS, TILE_COLUMNS};
-use kvjit_jit::{CaptureText, CompileCause, JitError, JitFunction, compile_kernel, pointer_type};
+use kvjit_jit::{CaptureText, JitError, JitFunction, compile_kernel, pointer_type};
 
 use super::schedule::{AVX2_BLOCK_BYTES, AVX2_BLOCK_ROWS, K_UNROLL, MC, MR, NR, Schedule};
 use super::{arg, kv_store_dtype, kv_store_stride, tier_key, unspecialized_key};
@@ -70,11 +70,7 @@ pub(super) fn compile_sized(
     capture: CaptureText,
 ) -> Result<Arc<JitFunction>, JitError> {
     let key = if runtime_sizes { unspecialized_key(spec, tier) } else { tier_key(spec, tier) };
-    let build = || emit_and_compile(spec, tier, &key, capture, runtime_sizes);
-    if capture.clif || capture.disasm {
-        return build().map(Arc::new);
-    }
-    kvjit_jit::kernels().get_or_compile(&key, CompileCause::GraphBuild, build)
+    kvjit_jit::compile_or_fetch(&key, capture, || emit_and_compile(spec, tier, &key, capture, runtime_sizes))
 }
 
 pub(super) fn emit_and_compile(

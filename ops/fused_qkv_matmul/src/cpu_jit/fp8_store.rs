@@ -9,7 +9,7 @@ use kvjit_jit::cranelift_codegen::ir::{InstBuilder, condcodes::IntCC, types};
 use kvjit_jit::cranelift_frontend::FunctionBuilder;
 use kvjit_jit::ir::addr::{self, Size};
 use kvjit_jit::ir::{counted_loop, e4m3, mem, when};
-use kvjit_jit::{CaptureText, CompileCause, JitError, JitFunction, compile_kernel};
+use kvjit_jit::{CaptureText, JitError, JitFunction, compile_kernel};
 
 use crate::FusedQkvSpec;
 
@@ -107,5 +107,5 @@ pub(super) fn compile_fp8_store(spec: &FusedQkvSpec, runtime_sizes: bool) -> Res
             });
         })
     };
-    kvjit_jit::kernels().get_or_compile(&key, CompileCause::GraphBuild, build)
+    kvjit_jit::compile_or_fetch(&key, CaptureText::default(), build)
 }

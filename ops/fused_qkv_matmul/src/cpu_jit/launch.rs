@@ -251,12 +251,7 @@ impl Kernel for JitKernel {
     }
 
     fn code_info(&self) -> CodeInfo {
-        CodeInfo {
-            compile_time: self.code.compile_time(),
-            code_size: self.code.code_size(),
-            ir: self.code.clif().map(str::to_string),
-            disasm: self.code.disasm().map(str::to_string),
-        }
+        self.code.code_info()
     }
 
     fn check(&self, inputs: &[&Tensor], caches: &[&PagedKVCacheCollection]) -> Result<Vec<OutputSpec>> {
