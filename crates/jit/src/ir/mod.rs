@@ -1,5 +1,6 @@
-//! IR-building helpers: counted loops, and vector loads/stores that convert
-//! between a tensor's dtype and f32 lanes.
+//! The emitter kit: counted loops and branches ([`counted_loop`], [`when`],
+//! [`if_else`]), and vector loads/stores that convert between a tensor's
+//! dtype and f32 lanes.
 //!
 //! Everything computes in `F32X4` (x86-64 Cranelift lowers 128-bit vectors
 //! only). bf16 widens by integer widen + shift; f16 by integer bit
