@@ -126,6 +126,17 @@ impl JitFunction {
     pub fn disasm(&self) -> Option<&str> {
         self.disasm.as_deref()
     }
+
+    /// What a kernel running this code reports
+    /// ([`Kernel::code_info`](kvjit_runtime::Kernel::code_info)).
+    pub fn code_info(&self) -> kvjit_runtime::CodeInfo {
+        kvjit_runtime::CodeInfo {
+            compile_time: self.compile_time,
+            code_size: self.code_size,
+            ir: self.clif.clone(),
+            disasm: self.disasm.clone(),
+        }
+    }
 }
 
 impl Drop for JitFunction {

@@ -126,6 +126,21 @@ pub fn kernels() -> &'static KernelCache<JitFunction> {
     &KERNELS
 }
 
+/// The kernel for `key` from the process-wide registry, compiled by `build`
+/// on first use ([`CompileCause::GraphBuild`]). A compile that keeps its IR
+/// or disassembly (`capture`) bypasses the registry, so the texts always
+/// exist (a registered kernel may have been compiled without them).
+pub fn compile_or_fetch(
+    key: &KernelKey,
+    capture: CaptureText,
+    build: impl FnOnce() -> Result<JitFunction, JitError>,
+) -> Result<Arc<JitFunction>, JitError> {
+    if capture.clif || capture.disasm {
+        return build().map(Arc::new);
+    }
+    KERNELS.get_or_compile(key, CompileCause::GraphBuild, build)
+}
+
 /// Every CPU kernel compiled in this process so far and why, oldest first.
 pub fn compile_log() -> Vec<CompileRecord> {
     KERNELS.log()
@@ -191,6 +206,8 @@ mod tests {
 
     use kvjit_core::{DType, Target};
 
+    use crate::ir::addr::element;
+
     use super::*;
 
     /// `out[i] = args[1] + i` for every item i of the range (args[0] = out).
@@ -201,8 +218,7 @@ mod tests {
             let base = p.arg(b, 1);
             crate::ir::counted_loop(b, p.begin, p.end, 1, &[], |b, i, _| {
                 let value = b.ins().iadd(base, i);
-                let at = b.ins().ishl_imm_u(i, 3);
-                let at = b.ins().iadd(out, at);
+                let at = element(b, out, i, 8);
                 b.ins().store(mem(), value, at, 0);
                 Vec::new()
             });
@@ -227,6 +243,32 @@ mod tests {
                 assert_eq!(got, want, "{threads} threads, {items} items");
             }
         }
+    }
+
+    /// One kernel per key while it is alive, compiled once; a compile that
+    /// keeps its IR bypasses the registry (so the text exists) and is not
+    /// shared; code_info reports what the compile kept.
+    #[test]
+    fn compile_or_fetch_shares_a_kernel_unless_its_text_is_kept() {
+        let key = KernelKey::new("compile_or_fetch_test", Target::Cpu, DType::U32);
+        let compiles = AtomicI64::new(0);
+        let build = |capture: CaptureText| {
+            compiles.fetch_add(1, Ordering::SeqCst);
+            compile_kernel(&key, capture, |_, _| {})
+        };
+        let plain = CaptureText::default();
+        let first = compile_or_fetch(&key, plain, || build(plain)).unwrap();
+        let second = compile_or_fetch(&key, plain, || build(plain)).unwrap();
+        assert!(Arc::ptr_eq(&first, &second));
+        assert_eq!(compiles.load(Ordering::SeqCst), 1);
+        assert_eq!(first.code_info().ir, None);
+        let keep = CaptureText { clif: true, disasm: false };
+        let kept = compile_or_fetch(&key, keep, || build(keep)).unwrap();
+        assert!(!Arc::ptr_eq(&first, &kept));
+        assert_eq!(compiles.load(Ordering::SeqCst), 2);
+        let info = kept.code_info();
+        assert!(info.ir.is_some_and(|ir| ir.contains("return")), "the kept IR");
+        assert_eq!((info.code_size, info.disasm), (kept.code_size(), None));
     }
 
     #[test]

@@ -5,8 +5,11 @@
 //! - [`compile_function`]: build one function with a [`FunctionBuilder`](cranelift_frontend::FunctionBuilder)
 //!   closure and JIT it into its own module; the returned [`JitFunction`] owns
 //!   the machine code and frees it when dropped.
-//! - [`ir`]: IR-building helpers — counted loops and dtype-converting vector
-//!   loads and stores (bf16/f16 ↔ f32 by integer bit manipulation).
+//! - [`ir`]: the emitter kit every op's kernels are written with — counted
+//!   loops and branches, dtype-converting vector loads and stores (bf16/f16
+//!   ↔ f32 by integer bit manipulation), element addresses and checked
+//!   displacements, sizes baked in or read at run time, shuffles, `exp`,
+//!   FP8 (E4M3) codes.
 //! - [`compile_kernel`] / [`launch`]: the one ABI every CPU kernel has
 //!   (`fn(args: *const u64, begin, end)`) and the one typed, documented
 //!   `unsafe` entry that splits a kernel's work items over the worker pool
@@ -17,7 +20,8 @@
 //! - [`kernels`]: the process-wide [`KernelCache`] — compile once per
 //!   [`KernelKey`](kvjit_core::KernelKey), share across nodes, graphs and
 //!   threads, free when the last user drops, and log every compile with its
-//!   cause ([`compile_log`]); [`SeenShapes`], the policy that specializes a
+//!   cause ([`compile_log`]); [`compile_or_fetch`], the call every op's
+//!   kernel makes to it; [`SeenShapes`], the policy that specializes a
 //!   generic kernel for the shapes it runs with.
 //!
 //! Cranelift runs at `opt_level=none`: it keeps the IR order the emitters
@@ -36,7 +40,9 @@ pub use cache::{CompileCause, CompileRecord, CompiledArtifact, KernelCache};
 pub use cranelift_codegen;
 pub use cranelift_frontend;
 pub use function::{CaptureText, JitFunction, c_call_conv, compile_function, host_isa, live_code_bytes, pointer_type};
-pub use kernel::{KernelParams, MAX_SEEN_SHAPES, SeenShapes, compile_kernel, compile_log, kernels, launch};
+pub use kernel::{
+    KernelParams, MAX_SEEN_SHAPES, SeenShapes, compile_kernel, compile_log, compile_or_fetch, kernels, launch,
+};
 
 /// What can go wrong turning IR into machine code.
 #[derive(Debug, thiserror::Error)]

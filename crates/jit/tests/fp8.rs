@@ -2,16 +2,16 @@
 //! against `kvjit_core::fp8` (itself checked against the OCP definition and
 //! a brute-force nearest-even search): every code when widening, a million
 //! random f32 patterns plus every tie and its neighbours when narrowing,
-//! and whole blocks when quantizing with a scale.
+//! whole blocks when quantizing with a scale, and every code re-encoded as
+//! bf16.
 
 use cranelift_codegen::ir::{InstBuilder, types};
-use kvjit_core::DType;
 use kvjit_core::fp8::{E4M3_MAX, e4m3_from_f32, e4m3_to_f32, quantize_block};
+use kvjit_core::{DType, KernelKey, Target};
 use kvjit_jit::cranelift_codegen;
-use kvjit_jit::ir::{
-    counted_loop, e4m3_codes_i32x4, load_f32x4, load_splat_f32x4, mem, quantize_e4m3_block, store_e4m3_code_lane,
-    store_e4m3_codes,
-};
+use kvjit_jit::ir::addr::Displacements;
+use kvjit_jit::ir::e4m3::{self, ToBf16};
+use kvjit_jit::ir::{counted_loop, load_f32x4, load_splat_f32x4, mem};
 use kvjit_jit::{CaptureText, compile_function, pointer_type};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -74,14 +74,14 @@ fn narrows_every_tie_and_a_million_values_like_the_core_conversion() {
     let src = narrowing_inputs();
     let vector = kernel("e4m3_narrow", 4, 4, 1, |b, s, d| {
         let v = b.ins().load(types::F32X4, mem(), s, 0);
-        let c = e4m3_codes_i32x4(b, v);
-        store_e4m3_codes(b, c, d, 0);
+        let c = e4m3::narrow_i32x4(b, v);
+        e4m3::store_codes(b, c, d, 0);
     });
     let lanes = kernel("e4m3_narrow_lanes", 4, 4, 1, |b, s, d| {
         let v = b.ins().load(types::F32X4, mem(), s, 0);
-        let c = e4m3_codes_i32x4(b, v);
+        let c = e4m3::narrow_i32x4(b, v);
         for lane in 0..4u8 {
-            store_e4m3_code_lane(b, c, lane, d, i32::from(lane));
+            e4m3::store_code_lane(b, c, lane, d, i32::from(lane));
         }
     });
     let mut out = vec![0u8; src.len()];
@@ -90,13 +90,13 @@ fn narrows_every_tie_and_a_million_values_like_the_core_conversion() {
     run(&lanes, &src, &mut out_lanes, src.len());
     for (i, &x) in src.iter().enumerate() {
         let want = e4m3_from_f32(f32::from_bits(x));
-        assert_eq!(out[i], want, "store_e4m3_codes of {x:#010x} ({})", f32::from_bits(x));
-        assert_eq!(out_lanes[i], want, "store_e4m3_code_lane of {x:#010x}");
+        assert_eq!(out[i], want, "store_codes of {x:#010x} ({})", f32::from_bits(x));
+        assert_eq!(out_lanes[i], want, "store_code_lane of {x:#010x}");
     }
 }
 
 /// A kernel quantizing `n / count` consecutive blocks of `count` values
-/// with [`quantize_e4m3_block`]: codes into `dst`, scales after them.
+/// with [`e4m3::quantize_block`]: codes into `dst`, scales after them.
 fn quantize(values: &[f32], count: usize) -> (Vec<u8>, Vec<f32>) {
     let blocks = values.len() / count;
     let f = {
@@ -113,7 +113,7 @@ fn quantize(values: &[f32], count: usize) -> (Vec<u8>, Vec<f32>) {
                 let scale_at = b.ins().ishl_imm_u(block, 2);
                 let scale_at = b.ins().iadd_imm_s(scale_at, (blocks * count) as i64);
                 let scale_at = b.ins().iadd(dst, scale_at);
-                quantize_e4m3_block(b, src_at, count_v, codes, scale_at);
+                e4m3::quantize_block(b, src_at, count_v, codes, scale_at);
                 vec![]
             });
             b.ins().return_(&[]);
@@ -216,6 +216,50 @@ fn infinities_saturate_and_leave_the_scale_to_the_finite_values() {
                 } else {
                     assert_ne!(code & 0x7f, 0x7f, "{what}: {value} codes as NaN");
                 }
+            }
+        }
+    }
+}
+
+/// The bf16 words [`ToBf16::convert_row`] makes from `codes`, `count` codes
+/// per call (16 at a time, then the 8- and 4-code tails).
+fn to_bf16_words(codes: &[u8], count: usize) -> Vec<u16> {
+    let name = format!("e4m3_to_bf16_{count}");
+    let key = KernelKey::new(&name, Target::Cpu, DType::F32);
+    let row = Displacements::up_to(&key, Some(2 * count)).unwrap();
+    let convert = kernel(&name, count as i64, 1, 2, |b, s, d| {
+        ToBf16::new(b, row).convert_row(b, s, 0, d, 0, count);
+    });
+    let n = codes.len().next_multiple_of(count);
+    let mut src = codes.to_vec();
+    src.resize(n, 0);
+    // Guard words after the last row catch a store past it.
+    let mut dst = vec![0xA5A5u16; n + 8];
+    run(&convert, &src, &mut dst, n);
+    assert!(dst[n..].iter().all(|&w| w == 0xA5A5), "count {count}: wrote past the last row");
+    dst.truncate(codes.len());
+    dst
+}
+
+#[test]
+fn every_code_becomes_its_exact_bf16() {
+    let codes: Vec<u8> = (0..=255).collect();
+    for count in [256, 12, 4] {
+        let words = to_bf16_words(&codes, count);
+        for (&code, &word) in codes.iter().zip(&words) {
+            let value = e4m3_to_f32(code);
+            let widened = f32::from_bits(u32::from(word) << 16);
+            if value.is_nan() {
+                assert!(widened.is_nan(), "code {code:#04x} (count {count}): NaN, got {word:#06x}");
+                assert_eq!(word >> 15, u16::from(code >> 7), "code {code:#04x}: NaN keeps its sign");
+            } else {
+                assert_eq!(value.to_bits() & 0xffff, 0, "E4M3 values fit bf16");
+                assert_eq!(
+                    widened.to_bits(),
+                    value.to_bits(),
+                    "code {code:#04x} (count {count}): want {value} ({:#010x}), got {word:#06x}",
+                    value.to_bits()
+                );
             }
         }
     }

@@ -8,7 +8,7 @@
 
 use kvjit_core::{DType, Error, PagedKVCacheCollection, Result, Tensor, expect_arg, shape_mismatch};
 
-use crate::{AttentionError, Mask};
+use crate::{AttentionError, Mask, MhaSpec};
 
 /// What an attention call computes besides its tensors: mask, window, scale.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -31,6 +31,13 @@ impl AttentionConfig {
         };
         let lo = self.window.map_or(0, |w| (cache_length + s + 1).saturating_sub(w));
         (lo, hi)
+    }
+}
+
+impl From<&MhaSpec> for AttentionConfig {
+    /// The mask, window and scale a spec bakes in.
+    fn from(spec: &MhaSpec) -> Self {
+        AttentionConfig { mask: spec.mask, window: spec.window, scale: spec.scale }
     }
 }
 

@@ -32,7 +32,7 @@
 //!                                     a 4×4 transpose-add per key gives the 4 rows' scores in
 //!                                     the lanes of one F32X4; rows' keys outside their range → -inf)
 //! m' = max(m, max_j S[j])            (per lane; a row with no key yet uses 0, so -inf − -inf never occurs)
-//! P[j] = exp(S[j] − m'), α = exp(m − m')      (vector polynomial exp, crate::exp)
+//! P[j] = exp(S[j] − m'), α = exp(m − m')      (vector polynomial exp, kvjit_jit::ir::math)
 //! l = α·l + Σ_j P[j]
 //! acc = α·acc + Σ_j P[j]·V[p0+j]     (per 2 F32X4 of D: a 4 rows × 2 register tile, keys inner,
 //!                                     4 keys per iteration; the block's key count is padded to a
@@ -51,7 +51,7 @@
 //! **FP8 (E4M3) cache.** The gather reads 1 byte per element (and the
 //! keys' `Hkv·D/g` f32 scales of K and of V) and re-encodes each code as
 //! the bf16 bits of its unscaled value, which is exact
-//! (the private `fp8` module: byte operations, 16 codes at a time), into the same
+//! ([`kvjit_jit::ir::e4m3::ToBf16`]: byte operations, 16 codes at a time), into the same
 //! block buffer a bf16 cache uses, with the keys' scales beside it; no
 //! dequantized copy of anything is made. The loops then read the buffer
 //! as bf16 (the same 2-instruction widening) and apply the scales in
@@ -75,15 +75,17 @@ use std::sync::Arc;
 use half::{bf16, f16};
 use kvjit_core::{DType, Error, KernelKey, PagedKVCacheCollection, Result, Tensor};
 use kvjit_jit::cranelift_codegen::ir::condcodes::{FloatCC, IntCC};
-use kvjit_jit::cranelift_codegen::ir::{self, InstBuilder, MemFlagsData, Value, types};
+use kvjit_jit::cranelift_codegen::ir::{InstBuilder, MemFlagsData, Value, types};
 use kvjit_jit::cranelift_frontend::FunctionBuilder;
-use kvjit_jit::ir::{counted_loop, load_f32x4_raw, mem, splat_f32};
-use kvjit_jit::{CaptureText, CompileCause, JitError, JitFunction, compile_kernel};
+use kvjit_jit::ir::addr::{self, Displacements};
+use kvjit_jit::ir::e4m3::ToBf16;
+use kvjit_jit::ir::math::exp_f32x4;
+use kvjit_jit::ir::shuffle::transpose_sum;
+use kvjit_jit::ir::{counted_loop, load_f32x4_raw, mem, splat_f32, when};
+use kvjit_jit::{CaptureText, JitError, JitFunction, compile_kernel};
 use kvjit_runtime::{CodeInfo, DeviceContextPtr, Kernel, OutputSpec};
 
-use crate::call::{AttentionConfig, CallShape, key_row_offsets};
-use crate::exp::emit_exp_f32x4;
-use crate::fp8::E4m3ToBf16;
+use crate::call::{CallShape, key_row_offsets};
 use crate::kernel::{check_against_spec, checked_call};
 use crate::{AttentionError, Mask, MhaSpec};
 
@@ -113,33 +115,33 @@ mod layout {
     /// KB scores (then probabilities), one F32X4 (the row tile's 4 rows)
     /// per key, `nb` F32X4 apart (an FP8 cache's P·scale of block `blk`
     /// goes in the key's F32X4 number `blk`).
-    pub const SCORES: i32 = 0;
+    pub const SCORES: usize = 0;
     /// Bytes from one key's scores to the next's.
-    pub fn score_stride(nb: usize) -> i32 {
-        16 * nb as i32
+    pub fn score_stride(nb: usize) -> usize {
+        16 * nb
     }
     /// The current row tile's α (F32X4).
-    pub fn alpha(nb: usize) -> i32 {
-        KB as i32 * score_stride(nb)
+    pub fn alpha(nb: usize) -> usize {
+        KB * score_stride(nb)
     }
     /// Row tiles, `tiles_per_head` per KV head, KV head major: `[m: F32X4,
     /// l: F32X4, lo: I32X4, hi: I32X4, acc: 4 rows × D f32]`.
-    pub fn tiles(nb: usize) -> i32 {
+    pub fn tiles(nb: usize) -> usize {
         alpha(nb) + 16
     }
     /// Within a tile.
-    pub const M: i32 = 0;
-    pub const L: i32 = 16;
-    pub const LO: i32 = 32;
-    pub const HI: i32 = 48;
-    pub const ACC: i32 = 64;
+    pub const M: usize = 0;
+    pub const L: usize = 16;
+    pub const LO: usize = 32;
+    pub const HI: usize = 48;
+    pub const ACC: usize = 64;
     /// f32 values of the scratch before the tiles.
     pub fn head_floats(nb: usize) -> usize {
-        tiles(nb) as usize / 4
+        tiles(nb) / 4
     }
     /// f32 values of one tile.
     pub fn tile_floats(d: usize) -> usize {
-        ACC as usize / 4 + super::ROW_TILE * d
+        ACC / 4 + super::ROW_TILE * d
     }
 }
 
@@ -246,37 +248,46 @@ pub(crate) fn supported(spec: &MhaSpec) -> Result<(), JitError> {
             let kv_stride = kv_stride.checked_mul(d)?;
             let bytes = kv_stride.checked_mul(2 * spec.cache_dtype.size_bytes())?;
             let row = d.checked_mul(4 * (spec.num_heads + 2))?;
-            let tile = layout::tile_floats(d).checked_mul(4)?;
-            let head = d.checked_mul(buffer_dtype(spec).size_bytes())?.checked_add(4 * scale_blocks(spec))?;
-            let buffer = 2usize.checked_mul(spec.num_kv_heads)?.checked_mul(KB)?.checked_mul(head)?;
-            let scratch = scale_blocks(spec).checked_mul(16 * KB)?.checked_add(16)?;
-            let small = |v: usize| i32::try_from(v).is_ok();
-            (i64::try_from(bytes).is_ok() && small(row) && small(tile) && small(buffer) && small(scratch)).then_some(())
+            (i64::try_from(bytes).is_ok() && i32::try_from(row).is_ok()).then_some(())
         };
         fits().is_none().then(|| "its sizes overflow the offsets the kernel computes".to_string())
     };
     match reason {
         Some(reason) => Err(JitError::Unsupported { key: spec.kernel_key().to_string(), reason }),
-        None => Ok(()),
+        None => displacements(spec).map(drop),
     }
+}
+
+/// The constant displacements of the kernel's loads and stores: within a
+/// row tile's state, a tile's q rows, the item's scratch, the block buffer
+/// and one cache row's K/V heads (an FP8 cache's scales included).
+fn displacements(spec: &MhaSpec) -> Result<Displacements, JitError> {
+    let largest = || -> Option<usize> {
+        let d = spec.head_size;
+        let tile = layout::tile_floats(d).checked_mul(4)?;
+        let q_rows = d.checked_mul(4 * ROW_TILE)?;
+        let scratch = scale_blocks(spec).checked_mul(16 * KB)?.checked_add(16)?;
+        let head = d.checked_mul(buffer_dtype(spec).size_bytes())?.checked_add(4 * scale_blocks(spec))?;
+        let buffer = 2usize.checked_mul(spec.num_kv_heads)?.checked_mul(KB)?.checked_mul(head)?;
+        let cache_heads = spec.num_kv_heads.checked_mul(d)?.checked_mul(spec.cache_dtype.size_bytes())?;
+        [tile, q_rows, scratch, buffer, cache_heads].into_iter().max()
+    };
+    Displacements::up_to(&spec.kernel_key(), largest())
 }
 
 /// Compile the kernel for `spec` (or fetch it from the process-wide
 /// registry). Kept IR/disassembly bypass the registry.
 pub fn compile(spec: &MhaSpec, capture: CaptureText) -> Result<Arc<JitFunction>, JitError> {
     let key = spec.kernel_key();
-    let build = || emit_and_compile(spec, &key, capture);
-    if capture.clif || capture.disasm {
-        return build().map(Arc::new);
-    }
-    kvjit_jit::kernels().get_or_compile(&key, CompileCause::GraphBuild, build)
+    kvjit_jit::compile_or_fetch(&key, capture, || emit_and_compile(spec, &key, capture))
 }
 
 fn emit_and_compile(spec: &MhaSpec, key: &KernelKey, capture: CaptureText) -> Result<JitFunction, JitError> {
     supported(spec)?;
+    let disp = displacements(spec)?;
     compile_kernel(key, capture, |b, params| {
         let words: Vec<Value> = (0..arg::COUNT).map(|i| params.arg(b, i)).collect();
-        let e = Emitter { spec: *spec, words, begin: params.begin };
+        let e = Emitter { spec: *spec, disp, words, begin: params.begin };
         counted_loop(b, params.begin, params.end, 1, &[], |b, item, _| {
             e.emit_item(b, item);
             Vec::new()
@@ -286,6 +297,8 @@ fn emit_and_compile(spec: &MhaSpec, key: &KernelKey, capture: CaptureText) -> Re
 
 struct Emitter {
     spec: MhaSpec,
+    /// The bound of every constant displacement ([`displacements`]).
+    disp: Displacements,
     words: Vec<Value>,
     /// The invocation's first item (its block buffer's index).
     begin: Value,
@@ -318,9 +331,15 @@ fn iconst(b: &mut FunctionBuilder, v: i64) -> Value {
     b.ins().iconst(types::I64, v)
 }
 
-/// Copy `bytes` (a multiple of 4) from `src + from` to `dst + to`: 16 bytes
-/// at a time, then 8 and 4.
-fn copy_bytes(b: &mut FunctionBuilder, src: Value, from: i64, dst: Value, to: i64, bytes: i64) {
+/// Copy `bytes` (a multiple of 4) from `src + from` to `dst + to` (both
+/// within `disp`): 16 bytes at a time, then 8 and 4.
+fn copy_bytes(
+    b: &mut FunctionBuilder,
+    disp: Displacements,
+    (src, from): (Value, usize),
+    (dst, to): (Value, usize),
+    bytes: usize,
+) {
     let mut o = 0;
     while o < bytes {
         let ty = match bytes - o {
@@ -328,45 +347,10 @@ fn copy_bytes(b: &mut FunctionBuilder, src: Value, from: i64, dst: Value, to: i6
             8.. => types::I64,
             _ => types::I32,
         };
-        let x = b.ins().load(ty, mem(), src, (from + o) as i32);
-        b.ins().store(mem(), x, dst, (to + o) as i32);
-        o += i64::from(ty.bytes());
+        let x = b.ins().load(ty, mem(), src, disp.of(from + o));
+        b.ins().store(mem(), x, dst, disp.of(to + o));
+        o += ty.bytes() as usize;
     }
-}
-
-/// `if cond { then }`.
-fn when(b: &mut FunctionBuilder, cond: Value, then: impl FnOnce(&mut FunctionBuilder)) {
-    let (t, join) = (b.create_block(), b.create_block());
-    b.ins().brif(cond, t, &[], join, &[]);
-    b.switch_to_block(t);
-    then(b);
-    b.ins().jump(join, &[]);
-    b.switch_to_block(join);
-}
-
-/// Lanes of `a` (0..4) and `c` (4..8) picked by `lanes`, as an `F32X4`.
-fn shuffle32(b: &mut FunctionBuilder, a: Value, c: Value, lanes: [u8; 4]) -> Value {
-    let little = MemFlagsData::new().with_endianness(ir::Endianness::Little);
-    let a = b.ins().bitcast(types::I8X16, little, a);
-    let c = b.ins().bitcast(types::I8X16, little, c);
-    let bytes: Vec<u8> = lanes.iter().flat_map(|&l| (0..4).map(move |i| 4 * l + i)).collect();
-    let mask = b.func.dfg.immediates.push(bytes.into());
-    let s = b.ins().shuffle(a, c, mask);
-    b.ins().bitcast(types::F32X4, little, s)
-}
-
-/// `[Σ a0, Σ a1, Σ a2, Σ a3]` (4×4 transpose-add).
-fn transpose_sum(b: &mut FunctionBuilder, a: [Value; 4]) -> Value {
-    let pair = |b: &mut FunctionBuilder, x: Value, y: Value| {
-        let lo = shuffle32(b, x, y, [0, 4, 1, 5]);
-        let hi = shuffle32(b, x, y, [2, 6, 3, 7]);
-        b.ins().fadd(lo, hi)
-    };
-    let x = pair(b, a[0], a[1]);
-    let y = pair(b, a[2], a[3]);
-    let lo = shuffle32(b, x, y, [0, 1, 4, 5]);
-    let hi = shuffle32(b, x, y, [2, 3, 6, 7]);
-    b.ins().fadd(lo, hi)
 }
 
 /// An F32X4 comparison mask as F32X4 (for `bitselect`).
@@ -379,22 +363,28 @@ impl Emitter {
         self.words[i]
     }
 
-    fn d(&self) -> i64 {
-        self.spec.head_size as i64
+    /// `bytes` as a displacement ([`Displacements::of`]).
+    #[track_caller]
+    fn at(&self, bytes: usize) -> i32 {
+        self.disp.of(bytes)
     }
 
-    fn tile_bytes(&self) -> i64 {
-        4 * layout::tile_floats(self.spec.head_size) as i64
+    fn d(&self) -> usize {
+        self.spec.head_size
+    }
+
+    fn tile_bytes(&self) -> usize {
+        4 * layout::tile_floats(self.spec.head_size)
     }
 
     /// Elements from a K row to its V row: L·page_size·Hkv·D.
-    fn kv_stride(&self) -> i64 {
-        (self.spec.num_layers * self.spec.page_size * self.spec.num_kv_heads * self.spec.head_size) as i64
+    fn kv_stride(&self) -> usize {
+        self.spec.num_layers * self.spec.page_size * self.spec.num_kv_heads * self.spec.head_size
     }
 
     /// Bytes of one K or V row of one KV head in the block buffer.
-    fn row_bytes(&self) -> i64 {
-        self.d() * buffer_dtype(&self.spec).size_bytes() as i64
+    fn row_bytes(&self) -> usize {
+        self.d() * buffer_dtype(&self.spec).size_bytes()
     }
 
     /// Whether the cache is FP8 (codes and scales).
@@ -413,21 +403,12 @@ impl Emitter {
     }
 
     /// Bytes from one key's scores (probabilities) to the next's.
-    fn score_stride(&self) -> i64 {
-        i64::from(layout::score_stride(self.nb()))
-    }
-
-    /// `j · bytes` for an i64 `j` (a shift when `bytes` is a power of 2).
-    fn scaled(&self, b: &mut FunctionBuilder, j: Value, bytes: i64) -> Value {
-        if bytes > 0 && (bytes as u64).is_power_of_two() {
-            b.ins().ishl_imm_u(j, i64::from(bytes.trailing_zeros()))
-        } else {
-            b.ins().imul_imm_s(j, bytes)
-        }
+    fn score_stride(&self) -> usize {
+        layout::score_stride(self.nb())
     }
 
     fn emit_item(&self, b: &mut FunctionBuilder, item: Value) {
-        let hkv_count = self.spec.num_kv_heads as i64;
+        let hkv_count = self.spec.num_kv_heads;
         let chunks = self.word(arg::CHUNKS);
         let c = b.ins().urem(item, chunks);
         let group_index = b.ins().udiv(item, chunks);
@@ -436,23 +417,19 @@ impl Emitter {
         let batch = b.ins().udiv(group_index, nqb);
 
         let item_bytes = b.ins().imul(item, self.word(arg::ITEM_FLOATS));
-        let item_bytes = b.ins().ishl_imm_u(item_bytes, 2);
-        let scratch = b.ins().iadd(self.word(arg::PARTIALS), item_bytes);
-        let tiles_base = b.ins().iadd_imm_s(scratch, i64::from(layout::tiles(self.nb())));
+        let scratch = addr::element(b, self.word(arg::PARTIALS), item_bytes, 4);
+        let tiles_base = b.ins().iadd_imm_s(scratch, layout::tiles(self.nb()) as i64);
         let tiles_per_head = self.word(arg::TILES);
-        let tiles = b.ins().imul_imm_s(tiles_per_head, hkv_count);
-        let buffer = b.ins().imul_imm_s(self.begin, block_buffer_bytes(&self.spec) as i64);
-        let buffer = b.ins().iadd(self.word(arg::BUFFERS), buffer);
+        let tiles = b.ins().imul_imm_s(tiles_per_head, hkv_count as i64);
+        let buffer = addr::element(b, self.word(arg::BUFFERS), self.begin, block_buffer_bytes(&self.spec));
         // This (b, query block)'s packed q: Hkv·tiles_per_head·4 rows of D f32.
         let q_group = b.ins().imul(group_index, tiles);
-        let q_group = b.ins().imul_imm_s(q_group, ROW_TILE as i64 * self.d() * 4);
-        let q_group = b.ins().iadd(self.word(arg::Q), q_group);
+        let q_group = addr::element(b, self.word(arg::Q), q_group, ROW_TILE * self.d() * 4);
 
         // The sequence's lengths, its first key, and this block's valid
         // queries. Key positions from here on are relative to the first key
         // (`rebase`): below MAX_JIT_KEYS, so they fit the I32X4 lanes.
-        let lengths_at = b.ins().imul_imm_s(batch, 24);
-        let lengths_at = b.ins().iadd(self.word(arg::LENGTHS), lengths_at);
+        let lengths_at = addr::element(b, self.word(arg::LENGTHS), batch, 24);
         let cl = b.ins().load(types::I64, mem(), lengths_at, 0);
         let valid = b.ins().load(types::I64, mem(), lengths_at, 8);
         let first_key = b.ins().load(types::I64, mem(), lengths_at, 16);
@@ -468,14 +445,13 @@ impl Emitter {
         // row's key range ([0, 0) for padded rows).
         let zero = iconst(b, 0);
         counted_loop(b, zero, tiles, 1, &[], |b, t, _| {
-            let tile = b.ins().imul_imm_s(t, self.tile_bytes());
-            let tile = b.ins().iadd(tiles_base, tile);
+            let tile = addr::element(b, tiles_base, t, self.tile_bytes());
             let ninf = splat_f32(b, f32::NEG_INFINITY);
-            b.ins().store(mem(), ninf, tile, layout::M);
+            b.ins().store(mem(), ninf, tile, self.at(layout::M));
             let zv = splat_f32(b, 0.0);
-            b.ins().store(mem(), zv, tile, layout::L);
+            b.ins().store(mem(), zv, tile, self.at(layout::L));
             for i in 0..ROW_TILE * self.spec.head_size / 4 {
-                b.ins().store(mem(), zv, tile, layout::ACC + 16 * i as i32);
+                b.ins().store(mem(), zv, tile, self.at(layout::ACC + 16 * i));
             }
             // Rows of a head's tiles: r = (t % tiles_per_head)·4 + i.
             let t_in_head = b.ins().urem(t, tiles_per_head);
@@ -492,8 +468,8 @@ impl Emitter {
                 let hi = b.ins().select(real, hi, zero);
                 let lo = b.ins().ireduce(types::I32, lo);
                 let hi = b.ins().ireduce(types::I32, hi);
-                b.ins().store(mem(), lo, tile, layout::LO + 4 * i as i32);
-                b.ins().store(mem(), hi, tile, layout::HI + 4 * i as i32);
+                b.ins().store(mem(), lo, tile, self.at(layout::LO + 4 * i));
+                b.ins().store(mem(), hi, tile, self.at(layout::HI + 4 * i));
             }
             Vec::new()
         });
@@ -512,7 +488,7 @@ impl Emitter {
             let hi = b.ins().smin(item_hi, c_hi);
             let stride = self.word(arg::STRIDE);
             let seq_offsets = b.ins().imul(batch, stride);
-            let convert = self.fp8().then(|| E4m3ToBf16::new(b));
+            let convert = self.fp8().then(|| ToBf16::new(b, self.disp));
             counted_loop(b, lo, hi, KB as i64, &[], |b, p0, _| {
                 let p0_end = b.ins().iadd_imm_s(p0, KB as i64);
                 let block_hi = b.ins().smin(p0_end, hi);
@@ -525,22 +501,18 @@ impl Emitter {
                 let end_32 = b.ins().ireduce(types::I32, block_hi);
                 let end_v = b.ins().splat(types::I32X4, end_32);
                 let zero = iconst(b, 0);
-                let head_rows = KB as i64 * self.row_bytes();
+                let head_rows = KB * self.row_bytes();
                 counted_loop(b, zero, tiles, 1, &[], |b, t, _| {
-                    let tile = b.ins().imul_imm_s(t, self.tile_bytes());
-                    let tile = b.ins().iadd(tiles_base, tile);
-                    let q = b.ins().imul_imm_s(t, ROW_TILE as i64 * self.d() * 4);
-                    let q = b.ins().iadd(q_group, q);
+                    let tile = addr::element(b, tiles_base, t, self.tile_bytes());
+                    let q = addr::element(b, q_group, t, ROW_TILE * self.d() * 4);
                     let hkv = b.ins().udiv(t, tiles_per_head);
-                    let k = b.ins().imul_imm_s(hkv, head_rows);
-                    let k = b.ins().iadd(buffer, k);
-                    let v = b.ins().iadd_imm_s(k, hkv_count * head_rows);
+                    let k = addr::element(b, buffer, hkv, head_rows);
+                    let v = b.ins().iadd_imm_s(k, (hkv_count * head_rows) as i64);
                     let scales = self.fp8().then(|| {
-                        let head_scales = KB as i64 * self.nb() as i64 * 4;
-                        let ks = b.ins().imul_imm_s(hkv, head_scales);
-                        let ks = b.ins().iadd(buffer, ks);
+                        let head_scales = KB * self.nb() * 4;
+                        let ks = addr::element(b, buffer, hkv, head_scales);
                         let ks = b.ins().iadd_imm_s(ks, block_rows_bytes(&self.spec) as i64);
-                        let vs = b.ins().iadd_imm_s(ks, hkv_count * head_scales);
+                        let vs = b.ins().iadd_imm_s(ks, (hkv_count * head_scales) as i64);
                         (ks, vs)
                     });
                     let tb = TileBlock { tile, q, k, v, scales, scratch, p0, n_pad, p0_v, end_v };
@@ -569,60 +541,54 @@ impl Emitter {
         p0: Value,
         n: Value,
         n_pad: Value,
-        convert: Option<&E4m3ToBf16>,
+        convert: Option<&ToBf16>,
     ) {
-        let csize = self.spec.cache_dtype.size_bytes() as i64;
+        let csize = self.spec.cache_dtype.size_bytes();
         let src_row_bytes = self.d() * csize;
         let row_bytes = self.row_bytes();
-        let head_rows = KB as i64 * row_bytes;
-        let hkv_count = self.spec.num_kv_heads as i64;
-        let nb = self.nb() as i64;
+        let head_rows = KB * row_bytes;
+        let hkv_count = self.spec.num_kv_heads;
+        let nb = self.nb();
         let offsets = b.ins().iadd(seq_offsets, p0);
-        let offsets = b.ins().ishl_imm_u(offsets, 3);
-        let offsets = b.ins().iadd(self.word(arg::KEY_OFFSETS), offsets);
+        let offsets = addr::element(b, self.word(arg::KEY_OFFSETS), offsets, 8);
         let last = b.ins().iadd_imm_s(n, -1);
         let zero = iconst(b, 0);
         counted_loop(b, zero, n_pad, 1, &[], |b, j, _| {
             let key = b.ins().smin(j, last);
-            let at = b.ins().ishl_imm_u(key, 3);
-            let at = b.ins().iadd(offsets, at);
+            let at = addr::element(b, offsets, key, 8);
             let element = b.ins().load(types::I64, mem(), at, 0);
-            let off = b.ins().imul_imm_s(element, csize);
-            let k_src = b.ins().iadd(self.word(arg::BLOCKS), off);
-            let v_src = b.ins().iadd_imm_s(k_src, self.kv_stride() * csize);
-            let dst = b.ins().imul_imm_s(j, row_bytes);
-            let dst = b.ins().iadd(buffer, dst);
+            let k_src = addr::element(b, self.word(arg::BLOCKS), element, csize);
+            let v_src = b.ins().iadd_imm_s(k_src, (self.kv_stride() * csize) as i64);
+            let dst = addr::element(b, buffer, j, row_bytes);
             for (kv, src) in [k_src, v_src].into_iter().enumerate() {
                 for h in 0..hkv_count {
                     let from = h * src_row_bytes;
-                    let to = (kv as i64 * hkv_count + h) * head_rows;
+                    let to = (kv * hkv_count + h) * head_rows;
                     if let Some(convert) = convert {
-                        convert.convert_row(b, src, from as i32, dst, to as i32, self.spec.head_size);
+                        convert.convert_row(b, src, from, dst, to, self.spec.head_size);
                         continue;
                     }
-                    copy_bytes(b, src, from, dst, to, row_bytes);
+                    copy_bytes(b, self.disp, (src, from), (dst, to), row_bytes);
                 }
             }
             if convert.is_some() {
                 // The key's scales: its row's element offset / g (rows are
                 // whole heads, so the scales row is [page, kv, layer, slot, 0, 0]).
-                let g = (self.spec.head_size / self.nb()) as i64;
-                let row = if (g as u64).is_power_of_two() {
+                let g = self.spec.head_size / self.nb();
+                let row = if g.is_power_of_two() {
                     b.ins().ushr_imm_u(element, i64::from(g.trailing_zeros()))
                 } else {
-                    let g = iconst(b, g);
+                    let g = iconst(b, g as i64);
                     b.ins().udiv(element, g)
                 };
-                let row = b.ins().ishl_imm_u(row, 2);
-                let k_scales = b.ins().iadd(self.word(arg::SCALES), row);
-                let v_scales = b.ins().iadd_imm_s(k_scales, self.kv_stride() / g * 4);
-                let dst = b.ins().imul_imm_s(j, nb * 4);
-                let dst = b.ins().iadd(buffer, dst);
-                let rows_bytes = block_rows_bytes(&self.spec) as i64;
+                let k_scales = addr::element(b, self.word(arg::SCALES), row, 4);
+                let v_scales = b.ins().iadd_imm_s(k_scales, (self.kv_stride() / g * 4) as i64);
+                let dst = addr::element(b, buffer, j, nb * 4);
+                let rows_bytes = block_rows_bytes(&self.spec);
                 for (kv, src) in [k_scales, v_scales].into_iter().enumerate() {
                     for h in 0..hkv_count {
-                        let to = rows_bytes + (kv as i64 * hkv_count + h) * KB as i64 * nb * 4;
-                        copy_bytes(b, src, h * nb * 4, dst, to, nb * 4);
+                        let to = rows_bytes + (kv * hkv_count + h) * KB * nb * 4;
+                        copy_bytes(b, self.disp, (src, h * nb * 4), (dst, to), nb * 4);
                     }
                 }
             }
@@ -663,34 +629,38 @@ impl Emitter {
         (lo, hi)
     }
 
-    /// One row tile against one key block: scores, online softmax, P·V.
+    /// One row tile against one key block, in three phases: the scores and
+    /// their max per row, the online softmax, P·V.
     fn emit_tile_block(&self, b: &mut FunctionBuilder, tb: &TileBlock) {
+        let (block_max, ninf) = self.emit_scores(b, tb);
+        self.emit_softmax(b, tb, block_max, ninf);
+        self.emit_pv(b, tb);
+    }
+
+    /// Scores of the tile's 4 rows against the block's keys, 2 keys at a
+    /// time, into the scratch (-inf where a row does not read the key; an
+    /// FP8 cache's K scales applied). Returns their max per row and the
+    /// -inf splat the masking used.
+    fn emit_scores(&self, b: &mut FunctionBuilder, tb: &TileBlock) -> (Value, Value) {
         let bdt = buffer_dtype(&self.spec);
-        let bsize = bdt.size_bytes() as i64;
+        let bsize = bdt.size_bytes();
         let d = self.spec.head_size;
         let dv = d / 4;
         let row_bytes = self.row_bytes();
         // FP8: scale blocks per head and F32X4 vectors per block (else 1 and dv).
         let (nb, vb) = (self.nb(), self.block_vectors());
         let stride = self.score_stride();
-        let alpha_at = layout::alpha(nb);
         // The rows' key ranges clipped to the block, as I32X4.
-        let lo_v = b.ins().load(types::I32X4, mem(), tb.tile, layout::LO);
+        let lo_v = b.ins().load(types::I32X4, mem(), tb.tile, self.at(layout::LO));
         let lo_v = b.ins().smax(lo_v, tb.p0_v);
-        let hi_v = b.ins().load(types::I32X4, mem(), tb.tile, layout::HI);
+        let hi_v = b.ins().load(types::I32X4, mem(), tb.tile, self.at(layout::HI));
         let hi_v = b.ins().smin(hi_v, tb.end_v);
-
-        // Scores, 2 keys at a time; the block max per row.
         let zero = iconst(b, 0);
         let ninf = splat_f32(b, f32::NEG_INFINITY);
         let block_max = counted_loop(b, zero, tb.n_pad, 2, &[ninf], |b, j, carried| {
-            let key = b.ins().imul_imm_s(j, row_bytes);
-            let key = b.ins().iadd(tb.k, key);
+            let key = addr::element(b, tb.k, j, row_bytes);
             // FP8: the two keys' K scales, `nb` f32 each.
-            let key_scales = tb.scales.map(|(ks, _)| {
-                let at = self.scaled(b, j, nb as i64 * 4);
-                b.ins().iadd(ks, at)
-            });
+            let key_scales = tb.scales.map(|(ks, _)| addr::element(b, ks, j, nb * 4));
             let zv = splat_f32(b, 0.0);
             // acc[k][r]: key k, row r.
             let mut acc = [[zv; ROW_TILE]; 2];
@@ -701,15 +671,15 @@ impl Emitter {
                 if let Some(ks) = key_scales.filter(|_| nb > 1 && i % vb == 0) {
                     block_scales = (0..2)
                         .map(|k| {
-                            let x = b.ins().load(types::F32, mem(), ks, (4 * (k * nb + i / vb)) as i32);
+                            let x = b.ins().load(types::F32, mem(), ks, self.at(4 * (k * nb + i / vb)));
                             b.ins().splat(types::F32X4, x)
                         })
                         .collect();
                 }
                 let kv: Vec<Value> = (0..2)
                     .map(|k| {
-                        let x = load_f32x4_raw(b, bdt, key, (k * row_bytes + 4 * i as i64 * bsize) as i32);
-                        match block_scales.get(k as usize) {
+                        let x = load_f32x4_raw(b, bdt, key, self.at(k * row_bytes + 4 * i * bsize));
+                        match block_scales.get(k) {
                             Some(&scale) => b.ins().fmul(x, scale),
                             None => x,
                         }
@@ -718,7 +688,7 @@ impl Emitter {
                 for r in 0..ROW_TILE {
                     for (acc_k, &kv) in acc.iter_mut().zip(&kv) {
                         // A separate load per use (the FMA takes it from memory).
-                        let qv = b.ins().load(types::F32X4, mem(), tb.q, (4 * (r * d + 4 * i)) as i32);
+                        let qv = b.ins().load(types::F32X4, mem(), tb.q, self.at(4 * (r * d + 4 * i)));
                         acc_k[r] = b.ins().fma(qv, kv, acc_k[r]);
                     }
                 }
@@ -726,13 +696,12 @@ impl Emitter {
             let pos = b.ins().iadd(tb.p0, j);
             let pos = b.ins().ireduce(types::I32, pos);
             let mut max = carried[0];
-            let at = self.scaled(b, j, stride);
-            let at = b.ins().iadd(tb.scratch, at);
+            let scores = addr::element(b, tb.scratch, j, stride);
             for (k, &column) in acc.iter().enumerate() {
                 let s = transpose_sum(b, column);
                 let s = match key_scales {
                     Some(ks) if nb == 1 => {
-                        let scale = b.ins().load(types::F32, mem(), ks, 4 * k as i32);
+                        let scale = b.ins().load(types::F32, mem(), ks, self.at(4 * k));
                         let scale = b.ins().splat(types::F32X4, scale);
                         b.ins().fmul(s, scale)
                     }
@@ -746,64 +715,84 @@ impl Emitter {
                 let inside = b.ins().band(ge, lt);
                 let inside = as_f32x4(b, inside);
                 let s = b.ins().bitselect(inside, s, ninf);
-                b.ins().store(mem(), s, at, layout::SCORES + (k as i64 * stride) as i32);
+                b.ins().store(mem(), s, scores, self.at(layout::SCORES + k * stride));
                 max = b.ins().fmax(max, s);
             }
             vec![max]
         })[0];
+        (block_max, ninf)
+    }
 
-        // Online softmax per lane, guarded against a row with no key yet.
-        let m_old = b.ins().load(types::F32X4, mem(), tb.tile, layout::M);
+    /// The online softmax of the block, per row (lane), guarded against a
+    /// row with no key yet: the new max `m` and its α = e^(m_old − m) (into
+    /// the scratch, for P·V), each score replaced by its P = e^(s − m) (an
+    /// FP8 cache's P times each of the key's V block scales), and
+    /// `l = α·l + Σ P`.
+    fn emit_softmax(&self, b: &mut FunctionBuilder, tb: &TileBlock, block_max: Value, ninf: Value) {
+        let nb = self.nb();
+        let stride = self.score_stride();
+        let alpha_at = layout::alpha(nb);
+        let m_old = b.ins().load(types::F32X4, mem(), tb.tile, self.at(layout::M));
         let m_new = b.ins().fmax(m_old, block_max);
         let empty = b.ins().fcmp(FloatCC::Equal, m_new, ninf);
         let empty = as_f32x4(b, empty);
         let zv = splat_f32(b, 0.0);
         let m_use = b.ins().bitselect(empty, zv, m_new);
         let alpha_arg = b.ins().fsub(m_old, m_use);
-        let alpha = emit_exp_f32x4(b, alpha_arg);
-        b.ins().store(mem(), m_new, tb.tile, layout::M);
-        b.ins().store(mem(), alpha, tb.scratch, alpha_at);
+        let alpha = exp_f32x4(b, alpha_arg);
+        b.ins().store(mem(), m_new, tb.tile, self.at(layout::M));
+        b.ins().store(mem(), alpha, tb.scratch, self.at(alpha_at));
         let zero = iconst(b, 0);
         let psum = counted_loop(b, zero, tb.n_pad, 1, &[zv], |b, j, carried| {
-            let at = self.scaled(b, j, stride);
-            let at = b.ins().iadd(tb.scratch, at);
-            let s = b.ins().load(types::F32X4, mem(), at, layout::SCORES);
+            let scores = addr::element(b, tb.scratch, j, stride);
+            let s = b.ins().load(types::F32X4, mem(), scores, self.at(layout::SCORES));
             let x = b.ins().fsub(s, m_use);
-            let p = emit_exp_f32x4(b, x);
+            let p = exp_f32x4(b, x);
             match tb.scales {
                 // FP8: P times each of the key's V block scales, for P·V.
                 Some((_, vs)) => {
-                    let scales_at = self.scaled(b, j, nb as i64 * 4);
-                    let scales_at = b.ins().iadd(vs, scales_at);
+                    let scales_at = addr::element(b, vs, j, nb * 4);
                     for blk in 0..nb {
-                        let scale = b.ins().load(types::F32, mem(), scales_at, 4 * blk as i32);
+                        let scale = b.ins().load(types::F32, mem(), scales_at, self.at(4 * blk));
                         let scale = b.ins().splat(types::F32X4, scale);
                         let scaled = b.ins().fmul(p, scale);
-                        b.ins().store(mem(), scaled, at, layout::SCORES + 16 * blk as i32);
+                        b.ins().store(mem(), scaled, scores, self.at(layout::SCORES + 16 * blk));
                     }
                 }
                 None => {
-                    b.ins().store(mem(), p, at, layout::SCORES);
+                    b.ins().store(mem(), p, scores, self.at(layout::SCORES));
                 }
             }
             vec![b.ins().fadd(carried[0], p)]
         })[0];
-        let l_old = b.ins().load(types::F32X4, mem(), tb.tile, layout::L);
+        let l_old = b.ins().load(types::F32X4, mem(), tb.tile, self.at(layout::L));
         let l_new = b.ins().fma(alpha, l_old, psum);
-        b.ins().store(mem(), l_new, tb.tile, layout::L);
+        b.ins().store(mem(), l_new, tb.tile, self.at(layout::L));
+    }
 
-        // acc = α·acc + Σ_j P[j]·V[j], PV_VECTORS F32X4 of D per pass (and
-        // within one scale block: FP8's P[j] is P·scale of the pass's block).
+    /// `acc = α·acc + Σ_j P[j]·V[j]` for the tile's rows: a register tile of
+    /// [`PV_VECTORS`] F32X4 of D per pass over the block's keys, each pass
+    /// within one scale block (an FP8 cache's P[j] is P·scale of the pass's
+    /// block).
+    fn emit_pv(&self, b: &mut FunctionBuilder, tb: &TileBlock) {
+        let bdt = buffer_dtype(&self.spec);
+        let bsize = bdt.size_bytes();
+        let d = self.spec.head_size;
+        let dv = d / 4;
+        let row_bytes = self.row_bytes();
+        let vb = self.block_vectors();
+        let stride = self.score_stride();
+        let alpha_at = layout::alpha(self.nb());
         let mut first = 0;
         while first < dv {
             let count = PV_VECTORS.min(dv - first).min(vb - first % vb);
             let blk = first / vb;
-            let acc_at = |r: usize, i: usize| layout::ACC + (4 * (r * d + 4 * (first + i))) as i32;
+            let acc_at = |r: usize, i: usize| self.at(layout::ACC + 4 * (r * d + 4 * (first + i)));
             let mut accs = Vec::with_capacity(ROW_TILE * count);
             for r in 0..ROW_TILE {
                 for i in 0..count {
                     let a = b.ins().load(types::F32X4, mem(), tb.tile, acc_at(r, i));
-                    let alpha_r = b.ins().load(types::F32, mem(), tb.scratch, alpha_at + 4 * r as i32);
+                    let alpha_r = b.ins().load(types::F32, mem(), tb.scratch, self.at(alpha_at + 4 * r));
                     let alpha_r = b.ins().splat(types::F32X4, alpha_r);
                     accs.push(b.ins().fmul(a, alpha_r));
                 }
@@ -811,20 +800,15 @@ impl Emitter {
             let zero = iconst(b, 0);
             let accs = counted_loop(b, zero, tb.n_pad, PV_UNROLL as i64, &accs, |b, j, accs| {
                 let mut accs = accs.to_vec();
-                let p_at = self.scaled(b, j, stride);
-                let p_at = b.ins().iadd(tb.scratch, p_at);
-                let v_at = b.ins().imul_imm_s(j, row_bytes);
-                let v_at = b.ins().iadd(tb.v, v_at);
+                let p_at = addr::element(b, tb.scratch, j, stride);
+                let v_at = addr::element(b, tb.v, j, row_bytes);
                 for u in 0..PV_UNROLL {
                     let vs: Vec<Value> = (0..count)
-                        .map(|i| {
-                            let at = u as i64 * row_bytes + 4 * (first + i) as i64 * bsize;
-                            load_f32x4_raw(b, bdt, v_at, at as i32)
-                        })
+                        .map(|i| load_f32x4_raw(b, bdt, v_at, self.at(u * row_bytes + 4 * (first + i) * bsize)))
                         .collect();
                     for r in 0..ROW_TILE {
                         for (i, &v) in vs.iter().enumerate() {
-                            let p_off = layout::SCORES + (u as i64 * stride) as i32 + (16 * blk + 4 * r) as i32;
+                            let p_off = self.at(layout::SCORES + u * stride + 16 * blk + 4 * r);
                             let p = b.ins().load(types::F32, mem(), p_at, p_off);
                             let p = b.ins().splat(types::F32X4, p);
                             accs[r * count + i] = b.ins().fma(p, v, accs[r * count + i]);
@@ -1086,7 +1070,7 @@ fn merge(shape: &CallShape, plan: &Plan, valid: &[u32], partials: &[f32], out: &
                 let row = |c: usize| {
                     let at = (first_item + c) * plan.item_floats + plan.head_floats + tile * tile_floats;
                     let state = &partials[at..at + tile_floats];
-                    let acc_at = layout::ACC as usize / 4 + lane * d;
+                    let acc_at = layout::ACC / 4 + lane * d;
                     (state[lane], state[4 + lane], &state[acc_at..acc_at + d])
                 };
                 // A NaN score (a NaN in K) makes its chunk's m NaN; keep it
@@ -1153,12 +1137,7 @@ impl Kernel for JitKernel {
     }
 
     fn code_info(&self) -> CodeInfo {
-        CodeInfo {
-            compile_time: self.code.compile_time(),
-            code_size: self.code.code_size(),
-            ir: self.code.clif().map(str::to_string),
-            disasm: self.code.disasm().map(str::to_string),
-        }
+        self.code.code_info()
     }
 
     fn check(&self, inputs: &[&Tensor], caches: &[&PagedKVCacheCollection]) -> Result<Vec<OutputSpec>> {
@@ -1179,14 +1158,10 @@ impl Kernel for JitKernel {
     }
 }
 
-/// The config a spec bakes in.
-pub(crate) fn config_of(spec: &MhaSpec) -> AttentionConfig {
-    AttentionConfig { mask: spec.mask, window: spec.window, scale: spec.scale }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::AttentionConfig;
     use kvjit_core::{DType, Target};
 
     /// A decode step near u32::MAX tokens into a sequence with a 4096-key
@@ -1212,7 +1187,7 @@ mod tests {
             seq: None,
         };
         let cache_length = u32::MAX as usize - 10;
-        let (lo, hi) = config_of(&spec).key_range(cache_length, 1, 0);
+        let (lo, hi) = AttentionConfig::from(&spec).key_range(cache_length, 1, 0);
         assert_eq!(hi - lo, window);
         let shape = CallShape {
             batch: 2,

@@ -4,8 +4,7 @@
 use kvjit_core::{Error, KernelKey, PagedKVCacheCollection, Result, Tensor};
 use kvjit_runtime::{DeviceContextPtr, Kernel, OutputSpec};
 
-use crate::call::{CallShape, check_call, check_output};
-use crate::cpu_jit::config_of;
+use crate::call::{AttentionConfig, CallShape, check_call, check_output};
 use crate::{MhaSpec, reference};
 
 /// Check a call's arguments (tensors `q`, `layer_idx`, `valid_lengths`; one
@@ -26,7 +25,7 @@ pub(crate) fn check_against_spec(
         return Err(Error::DTypeMismatch { arg: "q".into(), expected: spec.dtype, got: q.dtype() });
     }
     cache.params().expect_built_for(&spec.cache_params())?;
-    let shape = check_call(q, cache, layer_idx, valid_lengths, &config_of(spec))?;
+    let shape = check_call(q, cache, layer_idx, valid_lengths, &AttentionConfig::from(spec))?;
     let dim_ok = |baked: Option<usize>, got: usize| baked.is_none_or(|b| b == got);
     if shape.num_heads != spec.num_heads || !dim_ok(spec.batch, shape.batch) || !dim_ok(spec.seq, shape.seq) {
         let dim = |d: Option<usize>, name: &str| d.map_or(name.to_string(), |v| v.to_string());
@@ -115,7 +114,14 @@ impl Kernel for ReferenceKernel {
         _ctx: &DeviceContextPtr,
     ) -> Result<()> {
         let call = checked_call(&self.spec, inputs, caches, outputs)?;
-        reference::mha(call.q, call.cache, call.layer_idx, call.valid_lengths, &config_of(&self.spec), call.output)?;
+        reference::mha(
+            call.q,
+            call.cache,
+            call.layer_idx,
+            call.valid_lengths,
+            &AttentionConfig::from(&self.spec),
+            call.output,
+        )?;
         Ok(())
     }
 }

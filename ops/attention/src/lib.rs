@@ -16,14 +16,11 @@
 //!   prefill) reading K/V in place through the page table; an FP8 (E4M3)
 //!   cache's codes are re-encoded exactly as bf16 while gathered and
 //!   scaled by their block scales in the score and P·V loops.
-//! - [`exp`]: the vectorized `exp` emitter any op can reuse.
 
 mod call;
 pub mod cpu_jit;
 mod def;
 mod error;
-pub mod exp;
-mod fp8;
 mod kernel;
 pub mod reference;
 mod spec;
@@ -32,6 +29,5 @@ pub use call::{AttentionConfig, CallShape, check_call, check_output, key_row_off
 pub use cpu_jit::{JitKernel, MAX_JIT_HEAD_SIZE};
 pub use def::{MhaOp, MhaParams, NO_CUDA, OP_NAME, mha};
 pub use error::AttentionError;
-pub use exp::{EXP_MAX_REL_ERROR, emit_exp_f32x4};
 pub use kernel::ReferenceKernel;
 pub use spec::{KERNEL_NAME, Mask, MhaSpec};

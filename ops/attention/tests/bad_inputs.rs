@@ -427,6 +427,25 @@ fn head_sizes_above_the_jit_cap_are_refused_and_the_reference_serves_them() {
     assert!((0..2).all(|h| row(1, 1, h).iter().all(|&x| x.to_bits() == 0)), "the padded row is zero");
 }
 
+/// A spec whose block buffer (the K and V rows of 32 keys, every KV head)
+/// passes the 2³¹ − 1 bytes a load's or store's displacement encodes is
+/// refused when its kernel is built — by `supports` and by the JIT, in one
+/// line — never emitted with displacements that wrap.
+#[test]
+fn specs_whose_displacements_pass_i32_are_refused() {
+    let spec = MhaSpec { num_heads: 16_384, num_kv_heads: 16_384, head_size: 1024, ..base_case().spec() };
+    let err = MhaOp.supports(&spec.kernel_key()).unwrap_err();
+    assert!(err.contains("displacement") && !err.contains('\n'), "{err}");
+    match kvjit_op_attention::JitKernel::new(spec, Default::default()) {
+        Err(kvjit_jit::JitError::Unsupported { key, reason }) => {
+            assert_eq!(key, spec.kernel_key().to_string());
+            assert!(reason.contains("displacement"), "{reason}");
+        }
+        Err(other) => panic!("expected Unsupported, got {other}"),
+        Ok(_) => panic!("a kernel was built for {spec:?}"),
+    }
+}
+
 #[test]
 fn window_pages_below_the_window_are_not_needed() {
     // With a window, pages wholly before every query's window are never

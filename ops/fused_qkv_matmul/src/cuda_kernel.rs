@@ -546,14 +546,15 @@ impl DeviceState {
                 // `staged_dev` holds written·2·kv_dim elements (allocated
                 // from the codes part of `staged`).
                 unsafe { device.launch(gather, gather_shape, &args) }?;
-                if let (Some(g), Some(scale_gather)) = (g, self.scale_gather.as_ref()) {
+                if let (Some(_), Some(scale_gather)) = (g, self.scale_gather.as_ref()) {
                     let present = "an FP8 cache's copy has scales, and its buffers were allocated above";
-                    let per_head = d.kv_dim / g as i32;
+                    // `d.g`: g, converted to i32 (checked) with the other dims.
+                    let per_head = d.kv_dim / d.g;
                     let args = [
                         KernelArg::Buffer(copy.scales.as_ref().expect(present)),
                         KernelArg::Buffer(s.scale_written.as_ref().expect(present)),
                         KernelArg::I32(per_head),
-                        KernelArg::I64(d.kv_stride / g as i64),
+                        KernelArg::I64(d.kv_stride / i64::from(d.g)),
                         KernelArg::Buffer(s.staged_scales.as_ref().expect(present)),
                     ];
                     // SAFETY: the f32 gather's parameters on the scales,
@@ -1125,7 +1126,7 @@ mod tests {
         let (kv_dim, row_scales) = (2 * d, 2 * d / g); // a row's K (or V) values, and their scales
         kernel
             .run_staged(&inputs, &mut [&mut cache], std::slice::from_mut(&mut output), Ok(()), |call, _q, staged| {
-                assert_eq!(call.dims.g, g as i32);
+                assert_eq!(usize::try_from(call.dims.g), Ok(g));
                 assert_eq!(staged.len(), 4 * 2 * (kv_dim + row_scales * 4), "4 rows of codes, then scales");
                 let (codes, scales) = staged.split_at_mut(4 * 2 * kv_dim);
                 for (i, c) in codes.iter_mut().enumerate() {

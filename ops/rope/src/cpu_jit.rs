@@ -58,12 +58,11 @@ use std::sync::Arc;
 
 use kvjit_core::{DType, Error, KernelKey, PagedKVCacheCollection, Result, Tensor};
 use kvjit_jit::cranelift_codegen::ir::condcodes::IntCC;
-use kvjit_jit::cranelift_codegen::ir::{
-    ConstantData, Endianness, InstBuilder, MemFlagsData, StackSlotData, StackSlotKind, Value, types,
-};
+use kvjit_jit::cranelift_codegen::ir::{InstBuilder, MemFlagsData, StackSlotData, StackSlotKind, Value, types};
 use kvjit_jit::cranelift_frontend::FunctionBuilder;
-use kvjit_jit::ir::{counted_loop, load_f32x4, load_f32x4_raw, mem, quantize_e4m3_block, splat_f32, store_f32x4};
-use kvjit_jit::{CaptureText, CompileCause, JitError, JitFunction, compile_kernel};
+use kvjit_jit::ir::addr::{self, Displacements};
+use kvjit_jit::ir::{counted_loop, e4m3, if_else, load_f32x4, load_f32x4_raw, mem, shuffle, splat_f32, store_f32x4};
+use kvjit_jit::{CaptureText, JitError, JitFunction, compile_kernel};
 use kvjit_runtime::{CodeInfo, DeviceContextPtr, Kernel, OutputSpec};
 
 use crate::call::{RowPlan, row_plans};
@@ -120,7 +119,13 @@ pub(crate) fn supported(spec: &RopeSpec) -> Result<(), JitError> {
     if row_bytes.and_then(|b| i64::try_from(b).ok()).is_none() {
         return Err(unsupported("a row of q_proj overflows the offsets the kernel computes".into()));
     }
-    Ok(())
+    displacements(spec).map(drop)
+}
+
+/// The constant displacements of the kernel's loads and stores, within the
+/// row's f32 table (8·D bytes, the largest), a head, or a chunk of 4 of them.
+fn displacements(spec: &RopeSpec) -> Result<Displacements, JitError> {
+    Displacements::up_to(&spec.kernel_key(), spec.head_size.checked_mul(8))
 }
 
 /// Compile the kernel for `spec` (or fetch it from the process-wide
@@ -129,15 +134,12 @@ pub(crate) fn supported(spec: &RopeSpec) -> Result<(), JitError> {
 pub fn compile(spec: &RopeSpec, capture: CaptureText) -> Result<Arc<JitFunction>, JitError> {
     let generic = spec.generic();
     let key = generic.kernel_key();
-    let build = || emit_and_compile(&generic, &key, capture);
-    if capture.clif || capture.disasm {
-        return build().map(Arc::new);
-    }
-    kvjit_jit::kernels().get_or_compile(&key, CompileCause::GraphBuild, build)
+    kvjit_jit::compile_or_fetch(&key, capture, || emit_and_compile(&generic, &key, capture))
 }
 
 fn emit_and_compile(spec: &RopeSpec, key: &KernelKey, capture: CaptureText) -> Result<JitFunction, JitError> {
     supported(spec)?;
+    let disp = displacements(spec)?;
     compile_kernel(key, capture, |b, params| {
         let bases = Bases {
             q: params.arg(b, arg::Q),
@@ -147,7 +149,7 @@ fn emit_and_compile(spec: &RopeSpec, key: &KernelKey, capture: CaptureText) -> R
             rows: params.arg(b, arg::ROWS),
             scales: params.arg(b, arg::SCALES),
         };
-        Emitter { spec: *spec }.emit(b, bases, params.begin, params.end);
+        Emitter { spec: *spec, disp }.emit(b, bases, params.begin, params.end);
     })
 }
 
@@ -162,25 +164,11 @@ struct Bases {
     scales: Value,
 }
 
-/// Byte order for bitcasts that change the lane count.
-fn little() -> MemFlagsData {
-    MemFlagsData::new().with_endianness(Endianness::Little)
-}
-
-/// Lanes `lanes` of the 8 f32 lanes of `x` (0..4) and `y` (4..8), as an
-/// F32X4 (`shufps` / `pshufd` for the patterns used here).
-fn shuffle_f32(b: &mut FunctionBuilder, x: Value, y: Value, lanes: [u8; 4]) -> Value {
-    let xi = b.ins().bitcast(types::I8X16, little(), x);
-    let yi = b.ins().bitcast(types::I8X16, little(), y);
-    let mask: Vec<u8> = lanes.iter().flat_map(|&l| (0..4).map(move |k| 4 * l + k)).collect();
-    let mask = b.func.dfg.immediates.push(ConstantData::from(mask));
-    let shuffled = b.ins().shuffle(xi, yi, mask);
-    b.ins().bitcast(types::F32X4, little(), shuffled)
-}
-
 /// The emitter for one kernel body.
 struct Emitter {
     spec: RopeSpec,
+    /// The bound of every constant displacement ([`displacements`]).
+    disp: Displacements,
 }
 
 /// Chunks of 4 f32 lanes handled per loop iteration, for `count` chunks.
@@ -215,8 +203,8 @@ impl Emitter {
     }
 
     /// Bytes of one output (and q_proj) row: Hq·D elements.
-    fn row_bytes(&self) -> i64 {
-        (self.spec.num_q_heads * self.d() * self.spec.dtype.size_bytes()) as i64
+    fn row_bytes(&self) -> usize {
+        self.spec.num_q_heads * self.d() * self.spec.dtype.size_bytes()
     }
 
     /// Values per scale of an FP8 cache (`None` for other caches).
@@ -233,47 +221,33 @@ impl Emitter {
             b.create_sized_stack_slot(StackSlotData::new(StackSlotKind::ExplicitSlot, (4 * self.d()) as u32, 4))
         });
         counted_loop(b, begin, end, 1, &[], |b, r, _| {
-            let plan_at = b.ins().imul_imm_s(r, size_of::<RowPlan>() as i64);
-            let plan_at = b.ins().iadd(bases.rows, plan_at);
+            let plan_at = addr::element(b, bases.rows, r, size_of::<RowPlan>());
             let freqs_offset = b.ins().load(types::I64, mem(), plan_at, 0);
-            let row_offset = b.ins().imul_imm_s(r, self.row_bytes());
+            let row_offset = addr::offset(b, r, self.row_bytes());
             let out_row = b.ins().iadd(bases.out, row_offset);
 
-            let padded = b.create_block();
-            let valid = b.create_block();
-            let done = b.create_block();
             let is_padded = b.ins().icmp_imm_s(IntCC::SignedLessThan, freqs_offset, 0);
-            b.ins().brif(is_padded, padded, &[], valid, &[]);
-
-            b.switch_to_block(padded);
-            self.emit_zero_row(b, out_row);
-            b.ins().jump(done, &[]);
-
-            b.switch_to_block(valid);
-            let k_offset = b.ins().load(types::I64, mem(), plan_at, 8);
-            let table = b.ins().stack_addr(kvjit_jit::pointer_type(), table_slot, 0);
-            let freqs_bytes = b.ins().imul_imm_s(freqs_offset, self.spec.dtype.size_bytes() as i64);
-            let freqs_row = b.ins().iadd(bases.freqs, freqs_bytes);
-            self.emit_table(b, freqs_row, table);
-            let q_row = b.ins().iadd(bases.q, row_offset);
-            self.emit_heads(b, q_row, out_row, self.spec.num_q_heads, self.spec.dtype, table);
-            let k_bytes = b.ins().imul_imm_s(k_offset, self.spec.cache_dtype.size_bytes() as i64);
-            let k_row = b.ins().iadd(bases.blocks, k_bytes);
-            match (self.granularity(), head_slot) {
-                (Some(g), Some(head_slot)) => {
-                    // The row's first scale: `k_offset / g`, exact (k_offset
-                    // is a multiple of D, which g divides).
-                    let scale_index = b.ins().udiv_imm_u(k_offset, g as i64);
-                    let scale_bytes = b.ins().imul_imm_s(scale_index, 4);
-                    let scale_row = b.ins().iadd(bases.scales, scale_bytes);
-                    let head = b.ins().stack_addr(kvjit_jit::pointer_type(), head_slot, 0);
-                    self.emit_e4m3_heads(b, k_row, scale_row, head, table);
+            let zero_row = |b: &mut FunctionBuilder| self.emit_zero_row(b, out_row);
+            if_else(b, is_padded, zero_row, |b| {
+                let k_offset = b.ins().load(types::I64, mem(), plan_at, 8);
+                let table = b.ins().stack_addr(kvjit_jit::pointer_type(), table_slot, 0);
+                let freqs_row = addr::element(b, bases.freqs, freqs_offset, self.spec.dtype.size_bytes());
+                self.emit_table(b, freqs_row, table);
+                let q_row = b.ins().iadd(bases.q, row_offset);
+                self.emit_heads(b, q_row, out_row, self.spec.num_q_heads, self.spec.dtype, table);
+                let k_row = addr::element(b, bases.blocks, k_offset, self.spec.cache_dtype.size_bytes());
+                match (self.granularity(), head_slot) {
+                    (Some(g), Some(head_slot)) => {
+                        // The row's first scale: `k_offset / g`, exact (k_offset
+                        // is a multiple of D, which g divides).
+                        let scale_index = b.ins().udiv_imm_u(k_offset, g as i64);
+                        let scale_row = addr::element(b, bases.scales, scale_index, 4);
+                        let head = b.ins().stack_addr(kvjit_jit::pointer_type(), head_slot, 0);
+                        self.emit_e4m3_heads(b, k_row, scale_row, head, table);
+                    }
+                    _ => self.emit_heads(b, k_row, k_row, self.spec.num_kv_heads, self.spec.cache_dtype, table),
                 }
-                _ => self.emit_heads(b, k_row, k_row, self.spec.num_kv_heads, self.spec.cache_dtype, table),
-            }
-            b.ins().jump(done, &[]);
-
-            b.switch_to_block(done);
+            });
             Vec::new()
         });
     }
@@ -281,9 +255,9 @@ impl Emitter {
     /// Zero the `Hq·D` elements of a padded row (a multiple of 16 bytes).
     fn emit_zero_row(&self, b: &mut FunctionBuilder, out_row: Value) {
         let zero = splat_f32(b, 0.0);
-        chunk_loop(b, self.row_bytes() as usize / 16, 16, |b, at, u| {
+        chunk_loop(b, self.row_bytes() / 16, 16, |b, at, u| {
             let p = b.ins().iadd(out_row, at);
-            b.ins().store(mem(), zero, p, (16 * u) as i32);
+            b.ins().store(mem(), zero, p, self.disp.of(16 * u));
         });
     }
 
@@ -291,36 +265,33 @@ impl Emitter {
     /// f32 table the rotation reads (see the module docs).
     fn emit_table(&self, b: &mut FunctionBuilder, freqs_row: Value, table: Value) {
         let dtype = self.spec.dtype;
-        let size = dtype.size_bytes() as i64;
+        let size = dtype.size_bytes();
         let d = self.d();
+        let at = |bytes: usize| self.disp.of(bytes);
         if self.spec.interleaved {
             // One chunk: 2 pairs (4 elements) → 4 lanes of cc and of ss.
             let sign = splat_sign_even_lanes(b);
-            chunk_loop(b, d / 4, 4, |b, at, u| {
-                let src = b.ins().imul_imm_s(at, size);
-                let src = b.ins().iadd(freqs_row, src);
-                let v = load_f32x4_raw(b, dtype, src, (4 * u) as i32 * size as i32);
-                let cc = shuffle_f32(b, v, v, [0, 0, 2, 2]);
-                let ss = shuffle_f32(b, v, v, [1, 1, 3, 3]);
+            chunk_loop(b, d / 4, 4, |b, chunk, u| {
+                let src = addr::element(b, freqs_row, chunk, size);
+                let v = load_f32x4_raw(b, dtype, src, at(4 * u * size));
+                let cc = shuffle::f32x4(b, v, v, [0, 0, 2, 2]);
+                let ss = shuffle::f32x4(b, v, v, [1, 1, 3, 3]);
                 let ss = b.ins().bxor(ss, sign);
-                let dst = b.ins().imul_imm_s(at, 4);
-                let dst = b.ins().iadd(table, dst);
-                b.ins().store(mem(), cc, dst, (16 * u) as i32);
-                b.ins().store(mem(), ss, dst, (16 * u + 4 * d) as i32);
+                let dst = addr::element(b, table, chunk, 4);
+                b.ins().store(mem(), cc, dst, at(16 * u));
+                b.ins().store(mem(), ss, dst, at(16 * u + 4 * d));
             });
         } else {
             // One chunk: 4 pairs (8 elements) → 4 lanes of cos and of sin.
-            chunk_loop(b, d / 8, 4, |b, at, u| {
-                let src = b.ins().imul_imm_s(at, 2 * size);
-                let src = b.ins().iadd(freqs_row, src);
-                let v0 = load_f32x4_raw(b, dtype, src, (8 * u) as i32 * size as i32);
-                let v1 = load_f32x4_raw(b, dtype, src, (8 * u + 4) as i32 * size as i32);
-                let cos = shuffle_f32(b, v0, v1, [0, 2, 4, 6]);
-                let sin = shuffle_f32(b, v0, v1, [1, 3, 5, 7]);
-                let dst = b.ins().imul_imm_s(at, 4);
-                let dst = b.ins().iadd(table, dst);
-                b.ins().store(mem(), cos, dst, (16 * u) as i32);
-                b.ins().store(mem(), sin, dst, (16 * u + 2 * d) as i32);
+            chunk_loop(b, d / 8, 4, |b, chunk, u| {
+                let src = addr::element(b, freqs_row, chunk, 2 * size);
+                let v0 = load_f32x4_raw(b, dtype, src, at(8 * u * size));
+                let v1 = load_f32x4_raw(b, dtype, src, at((8 * u + 4) * size));
+                let cos = shuffle::f32x4(b, v0, v1, [0, 2, 4, 6]);
+                let sin = shuffle::f32x4(b, v0, v1, [1, 3, 5, 7]);
+                let dst = addr::element(b, table, chunk, 4);
+                b.ins().store(mem(), cos, dst, at(16 * u));
+                b.ins().store(mem(), sin, dst, at(16 * u + 2 * d));
             });
         }
     }
@@ -345,41 +316,40 @@ impl Emitter {
     fn emit_rotate(&self, b: &mut FunctionBuilder, src: Value, dst: Value, dtype: DType, table: Value) {
         let size = dtype.size_bytes();
         let d = self.d();
+        let at = |bytes: usize| self.disp.of(bytes);
         if self.spec.interleaved {
-            chunk_loop(b, d / 4, 4, |b, at, u| {
-                let tab = b.ins().imul_imm_s(at, 4);
-                let tab = b.ins().iadd(table, tab);
-                let x_at = b.ins().imul_imm_s(at, size as i64);
+            chunk_loop(b, d / 4, 4, |b, chunk, u| {
+                let tab = addr::element(b, table, chunk, 4);
+                let x_at = addr::offset(b, chunk, size);
                 let (x_src, x_dst) = (b.ins().iadd(src, x_at), b.ins().iadd(dst, x_at));
-                let disp = (4 * u * size) as i32;
-                let x = load_f32x4_raw(b, dtype, x_src, disp);
-                let cc = b.ins().load(types::F32X4, mem(), tab, (16 * u) as i32);
-                let ss = b.ins().load(types::F32X4, mem(), tab, (16 * u + 4 * d) as i32);
-                let swapped = shuffle_f32(b, x, x, [1, 0, 3, 2]);
+                let disp = 4 * u * size;
+                let x = load_f32x4_raw(b, dtype, x_src, at(disp));
+                let cc = b.ins().load(types::F32X4, mem(), tab, at(16 * u));
+                let ss = b.ins().load(types::F32X4, mem(), tab, at(16 * u + 4 * d));
+                let swapped = shuffle::f32x4(b, x, x, [1, 0, 3, 2]);
                 let xc = b.ins().fmul(x, cc);
                 let rotated = b.ins().fma(swapped, ss, xc);
-                store_f32x4(b, dtype, rotated, x_dst, disp);
+                store_f32x4(b, dtype, rotated, x_dst, at(disp));
             });
         } else {
-            let half_bytes = (d / 2 * size) as i32;
-            chunk_loop(b, d / 8, 4, |b, at, u| {
-                let tab = b.ins().imul_imm_s(at, 4);
-                let tab = b.ins().iadd(table, tab);
-                let x_at = b.ins().imul_imm_s(at, size as i64);
+            let half_bytes = d / 2 * size;
+            chunk_loop(b, d / 8, 4, |b, chunk, u| {
+                let tab = addr::element(b, table, chunk, 4);
+                let x_at = addr::offset(b, chunk, size);
                 let (x_src, x_dst) = (b.ins().iadd(src, x_at), b.ins().iadd(dst, x_at));
-                let disp = (4 * u * size) as i32;
-                let xa = load_f32x4_raw(b, dtype, x_src, disp);
-                let xb = load_f32x4_raw(b, dtype, x_src, disp + half_bytes);
-                let cos = b.ins().load(types::F32X4, mem(), tab, (16 * u) as i32);
-                let sin = b.ins().load(types::F32X4, mem(), tab, (16 * u + 2 * d) as i32);
+                let disp = 4 * u * size;
+                let xa = load_f32x4_raw(b, dtype, x_src, at(disp));
+                let xb = load_f32x4_raw(b, dtype, x_src, at(disp + half_bytes));
+                let cos = b.ins().load(types::F32X4, mem(), tab, at(16 * u));
+                let sin = b.ins().load(types::F32X4, mem(), tab, at(16 * u + 2 * d));
                 // a' = a·c − b·s, b' = b·c + a·s: one product rounded, one fma.
                 let bs = b.ins().fmul(xb, sin);
                 let neg_bs = b.ins().fneg(bs);
                 let ra = b.ins().fma(xa, cos, neg_bs);
                 let bc = b.ins().fmul(xb, cos);
                 let rb = b.ins().fma(xa, sin, bc);
-                store_f32x4(b, dtype, ra, x_dst, disp);
-                store_f32x4(b, dtype, rb, x_dst, disp + half_bytes);
+                store_f32x4(b, dtype, ra, x_dst, at(disp));
+                store_f32x4(b, dtype, rb, x_dst, at(disp + half_bytes));
             });
         }
     }
@@ -403,11 +373,10 @@ impl Emitter {
                 let scale = b.ins().splat(types::F32X4, scale);
                 chunk_loop(b, g / 4, 4, |b, at, u| {
                     let src = b.ins().iadd(codes, at);
-                    let x = load_f32x4(b, DType::F8E4M3, src, (4 * u) as i32);
+                    let x = load_f32x4(b, DType::F8E4M3, src, self.disp.of(4 * u));
                     let x = b.ins().fmul(x, scale);
-                    let dst = b.ins().imul_imm_s(at, 4);
-                    let dst = b.ins().iadd(head, dst);
-                    b.ins().store(mem(), x, dst, (16 * u) as i32);
+                    let dst = addr::element(b, head, at, 4);
+                    b.ins().store(mem(), x, dst, self.disp.of(16 * u));
                 });
             });
             self.emit_rotate(b, head, head, DType::F32, table);
@@ -433,12 +402,9 @@ impl Emitter {
         let start = b.ins().iconst(types::I64, 0);
         let end = b.ins().iconst(types::I64, (self.d() / g) as i64);
         counted_loop(b, start, end, 1, &[], |b, k, _| {
-            let block_codes = b.ins().imul_imm_s(k, g as i64);
-            let block_codes = b.ins().iadd(codes, block_codes);
-            let scale_at = b.ins().imul_imm_s(k, 4);
-            let scale_at = b.ins().iadd(scales, scale_at);
-            let values = b.ins().imul_imm_s(k, (4 * g) as i64);
-            let values = b.ins().iadd(head, values);
+            let block_codes = addr::element(b, codes, k, g);
+            let scale_at = addr::element(b, scales, k, 4);
+            let values = addr::element(b, head, k, 4 * g);
             body(b, block_codes, scale_at, values);
             Vec::new()
         });
@@ -448,10 +414,10 @@ impl Emitter {
 /// Quantize the `g` f32 values at `values` into E4M3 codes at `codes` and
 /// one f32 scale at `scale_at`, bit for bit as
 /// `kvjit_core::fp8::quantize_block` (the shared
-/// [`quantize_e4m3_block`]).
+/// [`e4m3::quantize_block`]).
 fn emit_quantize_block(b: &mut FunctionBuilder, g: usize, values: Value, codes: Value, scale_at: Value) {
     let count = b.ins().iconst(types::I64, g as i64);
-    quantize_e4m3_block(b, values, count, codes, scale_at);
+    e4m3::quantize_block(b, values, count, codes, scale_at);
 }
 
 /// `(0x8000_0000, 0, 0x8000_0000, 0)` as F32X4: XOR flips the sign of the
@@ -563,12 +529,7 @@ impl Kernel for JitKernel {
     }
 
     fn code_info(&self) -> CodeInfo {
-        CodeInfo {
-            compile_time: self.code.compile_time(),
-            code_size: self.code.code_size(),
-            ir: self.code.clif().map(str::to_string),
-            disasm: self.code.disasm().map(str::to_string),
-        }
+        self.code.code_info()
     }
 
     fn check(&self, inputs: &[&Tensor], caches: &[&PagedKVCacheCollection]) -> Result<Vec<OutputSpec>> {

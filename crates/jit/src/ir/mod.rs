@@ -1,5 +1,6 @@
-//! IR-building helpers: counted loops, and vector loads/stores that convert
-//! between a tensor's dtype and f32 lanes.
+//! The emitter kit: counted loops and branches ([`counted_loop`], [`when`],
+//! [`if_else`]), and vector loads/stores that convert between a tensor's
+//! dtype and f32 lanes.
 //!
 //! Everything computes in `F32X4` (x86-64 Cranelift lowers 128-bit vectors
 //! only). bf16 widens by integer widen + shift; f16 by integer bit
@@ -7,11 +8,29 @@
 //! Both directions match the `half` crate bit for bit, NaN payloads and
 //! quieting included (the `_raw` loads skip bf16 NaN quieting, for lanes
 //! that only feed arithmetic).
+//!
+//! The submodules hold the rest of the kit every emitter shares:
+//!
+//! - [`addr`]: address arithmetic — indexed elements, constant
+//!   displacements checked at kernel build, sizes baked in or read at run
+//!   time.
+//! - [`e4m3`]: FP8 (E4M3) codes to and from f32 lanes, a block quantized
+//!   with its scale, codes re-encoded as bf16.
+//! - [`math`]: `exp` on F32X4.
+//! - [`shuffle`]: lanes picked from two F32X4, the 4×4 transpose-add.
 
 use cranelift_codegen::ir::condcodes::{FloatCC, IntCC};
 use cranelift_codegen::ir::{self, InstBuilder, MemFlagsData, Value, types};
 use cranelift_frontend::FunctionBuilder;
 use kvjit_core::DType;
+
+pub mod addr;
+mod control;
+pub mod e4m3;
+pub mod math;
+pub mod shuffle;
+
+pub use control::{counted_loop, if_else, when};
 
 /// Flags for loads and stores the caller has proven in bounds and aligned
 /// enough for unaligned vector moves.
@@ -39,187 +58,11 @@ pub fn load_f32x4(b: &mut FunctionBuilder, dtype: DType, ptr: Value, offset: i32
             widen_i32x4(b, dtype, h)
         }
         DType::F8E4M3 => {
-            let codes = load_e4m3_codes(b, ptr, offset);
-            widen_e4m3_i32x4(b, codes)
+            let codes = e4m3::load_codes(b, ptr, offset);
+            e4m3::widen_i32x4(b, codes)
         }
         DType::U32 => no_float_lanes(dtype),
     }
-}
-
-/// Load 4 FP8 codes at `ptr + offset` (one 32-bit load) as the low bytes of
-/// an `I32X4`'s lanes.
-pub fn load_e4m3_codes(b: &mut FunctionBuilder, ptr: Value, offset: i32) -> Value {
-    let word = b.ins().load(types::I32, mem(), ptr, offset);
-    let bytes = b.ins().scalar_to_vector(types::I32X4, word);
-    let bytes = b.ins().bitcast(types::I8X16, little(), bytes);
-    let halves = b.ins().uwiden_low(bytes);
-    b.ins().uwiden_low(halves)
-}
-
-/// The values of E4M3 codes (the low byte of each `I32X4` lane), exactly
-/// as [`kvjit_core::fp8::e4m3_to_f32`]: the 7 magnitude bits placed at
-/// f32's exponent/mantissa boundary (`m << 20`) read as an f32 that is the
-/// value times 2⁻¹²⁰ (an E4M3 subnormal lands on an f32 subnormal), one
-/// exact multiply by 2¹²⁰; the NaN code becomes f32's quiet NaN; the sign is
-/// ORed back last. Relies on subnormals not being flushed (no DAZ/FTZ), the
-/// state Rust programs run in.
-pub fn widen_e4m3_i32x4(b: &mut FunctionBuilder, codes: Value) -> Value {
-    let magnitude = band_const(b, codes, 0x7f);
-    let placed = b.ins().ishl_imm_u(magnitude, 20);
-    let placed = b.ins().bitcast(types::F32X4, MemFlagsData::new(), placed);
-    let rebias = splat_f32(b, f32::from_bits((127 + 120) << 23));
-    let value = b.ins().fmul(placed, rebias);
-    let value = b.ins().bitcast(types::I32X4, MemFlagsData::new(), value);
-    let nan_code = splat_u32(b, u32::from(kvjit_core::fp8::E4M3_NAN));
-    let is_nan = b.ins().icmp(IntCC::Equal, magnitude, nan_code);
-    let nan = splat_u32(b, f32::NAN.to_bits());
-    let value = b.ins().bitselect(is_nan, nan, value);
-    let sign = b.ins().ishl_imm_u(codes, 24);
-    let sign = band_const(b, sign, 0x8000_0000);
-    let value = b.ins().bor(value, sign);
-    b.ins().bitcast(types::F32X4, MemFlagsData::new(), value)
-}
-
-/// Round an `F32X4` to E4M3 codes (in the low byte of each `I32X4` lane),
-/// bit for bit as [`kvjit_core::fp8::e4m3_from_f32`]: to nearest, ties to
-/// even; past ±448 (±∞ included) saturated to ±448; NaN to the NaN code
-/// with its sign; −0 to −0.
-///
-/// - `|x| ≥ 2⁻⁶` (normal): the f32 mantissa rounded to 3 bits on the bits
-///   (`(a + 0x7ffff + lsb) >> 20`), rebiased by `(127 − 7) << 3`.
-/// - `|x| < 2⁻⁶` (subnormal or zero): `|x| · 2⁹` (exact) rounded to an
-///   integer, ties to even (`nearest`), 0..=8 — 8 being the smallest
-///   normal's code.
-pub fn e4m3_codes_i32x4(b: &mut FunctionBuilder, value: Value) -> Value {
-    let x = b.ins().bitcast(types::I32X4, MemFlagsData::new(), value);
-    let a = band_const(b, x, 0x7fff_ffff);
-    let sign = b.ins().ushr_imm_u(x, 24);
-    let sign = band_const(b, sign, 0x80);
-    let t = b.ins().ushr_imm_u(a, 20);
-    let lsb = band_const(b, t, 1);
-    let r = b.ins().iadd(a, lsb);
-    let bias = splat_u32(b, 0x7_ffff);
-    let r = b.ins().iadd(r, bias);
-    let r = b.ins().ushr_imm_u(r, 20);
-    let rebias = splat_u32(b, (127 - 7) << 3);
-    let normal = b.ins().isub(r, rebias);
-    let af = b.ins().bitcast(types::F32X4, MemFlagsData::new(), a);
-    let steps = splat_f32(b, 512.0);
-    let sub = b.ins().fmul(af, steps);
-    let sub = b.ins().nearest(sub);
-    let sub = b.ins().fcvt_to_sint_sat(types::I32X4, sub);
-    let min_normal = splat_u32(b, 0x3c80_0000);
-    let is_sub = b.ins().icmp(IntCC::SignedLessThan, a, min_normal);
-    let code = b.ins().bitselect(is_sub, sub, normal);
-    let max_bits = splat_u32(b, kvjit_core::fp8::E4M3_MAX.to_bits());
-    let saturates = b.ins().icmp(IntCC::SignedGreaterThanOrEqual, a, max_bits);
-    let max_code = splat_u32(b, 0x7e);
-    let code = b.ins().bitselect(saturates, max_code, code);
-    let is_nan = b.ins().fcmp(FloatCC::Unordered, value, value);
-    let nan_code = splat_u32(b, u32::from(kvjit_core::fp8::E4M3_NAN));
-    let code = b.ins().bitselect(is_nan, nan_code, code);
-    b.ins().bor(code, sign)
-}
-
-/// Store the 4 codes of an `I32X4` (low byte of each lane, as
-/// [`e4m3_codes_i32x4`] makes them) at `ptr + offset`: one 32-bit store.
-pub fn store_e4m3_codes(b: &mut FunctionBuilder, codes: Value, ptr: Value, offset: i32) {
-    // Every lane is ≤ 0xff, so both unsigned saturating packs are exact.
-    let halves = b.ins().unarrow(codes, codes);
-    let bytes = b.ins().unarrow(halves, halves);
-    let words = b.ins().bitcast(types::I32X4, little(), bytes);
-    let word = b.ins().extractlane(words, 0);
-    b.ins().store(mem(), word, ptr, offset);
-}
-
-/// Quantize one FP8 block, exactly as [`kvjit_core::fp8::quantize_block`]:
-/// the `count` f32 values at `src` (an `I64` count, any value ≥ 1) become
-/// `count` E4M3 codes at `codes` and one f32 scale at `scale_at`.
-///
-/// Two passes over the block, 4 values at a time and then one by one for
-/// the rest: the largest finite magnitude (±∞ and NaN lanes count as 0),
-/// `scale = max / 448` (one f32 division); then each value divided by the
-/// scale (±∞ saturating to ±448) — or, when the scale is 0, each finite
-/// value multiplied by 0 (a zero block stores zeros) — converted by
-/// [`e4m3_codes_i32x4`].
-pub fn quantize_e4m3_block(b: &mut FunctionBuilder, src: Value, count: Value, codes: Value, scale_at: Value) {
-    let whole = b.ins().band_imm_s(count, !3);
-    let zero = b.ins().iconst(types::I64, 0);
-    let infinity = splat_f32(b, f32::INFINITY);
-    // All ones in the lanes of `v` that are finite (|v| < ∞ is false for ±∞ and NaN), as I32X4.
-    let finite = |b: &mut FunctionBuilder, v: Value| {
-        let a = b.ins().fabs(v);
-        b.ins().fcmp(FloatCC::LessThan, a, infinity)
-    };
-    let magnitude = |b: &mut FunctionBuilder, v: Value| {
-        let a = b.ins().fabs(v);
-        let is_finite = finite(b, v);
-        let a = b.ins().bitcast(types::I32X4, MemFlagsData::new(), a);
-        let a = b.ins().band(a, is_finite);
-        b.ins().bitcast(types::F32X4, MemFlagsData::new(), a)
-    };
-    let start = splat_f32(b, 0.0);
-    let max = counted_loop(b, zero, whole, 4, &[start], |b, i, carried| {
-        let at = b.ins().ishl_imm_u(i, 2);
-        let at = b.ins().iadd(src, at);
-        let v = b.ins().load(types::F32X4, mem(), at, 0);
-        let a = magnitude(b, v);
-        vec![b.ins().fmax(carried[0], a)]
-    })[0];
-    let max = counted_loop(b, whole, count, 1, &[max], |b, i, carried| {
-        let at = b.ins().ishl_imm_u(i, 2);
-        let at = b.ins().iadd(src, at);
-        let x = b.ins().load(types::F32, mem(), at, 0);
-        let v = b.ins().splat(types::F32X4, x);
-        let a = magnitude(b, v);
-        vec![b.ins().fmax(carried[0], a)]
-    })[0];
-    let lanes: Vec<Value> = (0..4).map(|lane| b.ins().extractlane(max, lane)).collect();
-    let low = b.ins().fmax(lanes[0], lanes[1]);
-    let high = b.ins().fmax(lanes[2], lanes[3]);
-    let max = b.ins().fmax(low, high);
-    let limit = b.ins().f32const(kvjit_core::fp8::E4M3_MAX);
-    let scale = b.ins().fdiv(max, limit);
-    b.ins().store(mem(), scale, scale_at, 0);
-    // x / scale, or x · 0 for a finite x and a zero scale: selected
-    // lane-wise by a mask.
-    let scale = b.ins().splat(types::F32X4, scale);
-    let zeros = splat_f32(b, 0.0);
-    let zero_scale = b.ins().fcmp(FloatCC::Equal, scale, zeros);
-    let quotient = |b: &mut FunctionBuilder, v: Value| {
-        let divided = b.ins().fdiv(v, scale);
-        let zeroed = b.ins().fmul(v, zeros);
-        let is_finite = finite(b, v);
-        let use_zeroed = b.ins().band(zero_scale, is_finite);
-        let use_zeroed = b.ins().bitcast(types::F32X4, MemFlagsData::new(), use_zeroed);
-        let q = b.ins().bitselect(use_zeroed, zeroed, divided);
-        e4m3_codes_i32x4(b, q)
-    };
-    counted_loop(b, zero, whole, 4, &[], |b, i, _| {
-        let at = b.ins().ishl_imm_u(i, 2);
-        let at = b.ins().iadd(src, at);
-        let v = b.ins().load(types::F32X4, mem(), at, 0);
-        let c = quotient(b, v);
-        let out = b.ins().iadd(codes, i);
-        store_e4m3_codes(b, c, out, 0);
-        Vec::new()
-    });
-    counted_loop(b, whole, count, 1, &[], |b, i, _| {
-        let at = b.ins().ishl_imm_u(i, 2);
-        let at = b.ins().iadd(src, at);
-        let x = b.ins().load(types::F32, mem(), at, 0);
-        let v = b.ins().splat(types::F32X4, x);
-        let c = quotient(b, v);
-        let out = b.ins().iadd(codes, i);
-        store_e4m3_code_lane(b, c, 0, out, 0);
-        Vec::new()
-    });
-}
-
-/// Store lane `lane`'s code of an `I32X4` alone at `ptr + offset`.
-pub fn store_e4m3_code_lane(b: &mut FunctionBuilder, codes: Value, lane: u8, ptr: Value, offset: i32) {
-    let code = b.ins().extractlane(codes, lane);
-    b.ins().istore8(mem(), code, ptr, offset);
 }
 
 /// [`load_f32x4`] without quieting bf16 signalling NaNs: bf16 is just
@@ -269,7 +112,7 @@ pub fn load_splat_f32x4(b: &mut FunctionBuilder, dtype: DType, ptr: Value, offse
         DType::F8E4M3 => {
             let code = b.ins().uload8(types::I32, mem(), ptr, offset);
             let code = b.ins().splat(types::I32X4, code);
-            widen_e4m3_i32x4(b, code)
+            e4m3::widen_i32x4(b, code)
         }
         DType::U32 => no_float_lanes(dtype),
     }
@@ -454,15 +297,16 @@ pub fn narrow_i32x4(b: &mut FunctionBuilder, dtype: DType, value: Value) -> Valu
 }
 
 fn no_scale(dtype: DType) -> ! {
-    panic!("{dtype} values are stored with a block scale: quantize with e4m3_codes_i32x4 and store_e4m3_codes")
+    panic!("{dtype} values are stored with a block scale: quantize with e4m3::narrow_i32x4 and e4m3::store_codes")
 }
 
 fn no_float_lanes(dtype: DType) -> ! {
     panic!("{dtype} elements are integers and never convert to or from f32 lanes")
 }
 
-/// Byte order for bitcasts that change the lane count.
-fn little() -> MemFlagsData {
+/// Byte order for bitcasts that change the lane count (kvjit's hosts are
+/// little-endian; every emitter uses this one).
+pub fn little() -> MemFlagsData {
     MemFlagsData::new().with_endianness(ir::Endianness::Little)
 }
 
@@ -494,53 +338,6 @@ fn band_const(b: &mut FunctionBuilder, x: Value, v: u32) -> Value {
 fn bor_const(b: &mut FunctionBuilder, x: Value, v: u32) -> Value {
     let c = splat_u32(b, v);
     b.ins().bor(x, c)
-}
-
-/// Emit `for i in (start..end).step_by(step)` with loop-carried values:
-/// the header tests `i < end` (signed) and the body jumps back to it (the
-/// loop shape Cranelift's x64 lowering handles best). `body` gets the
-/// builder in the body block, `i` and the carried values, and returns the
-/// carried values for the next iteration. Returns the carried values after
-/// the loop.
-pub fn counted_loop(
-    b: &mut FunctionBuilder,
-    start: Value,
-    end: Value,
-    step: i64,
-    carried: &[Value],
-    body: impl FnOnce(&mut FunctionBuilder, Value, &[Value]) -> Vec<Value>,
-) -> Vec<Value> {
-    let index_ty = b.func.dfg.value_type(start);
-    let header = b.create_block();
-    let body_block = b.create_block();
-    let exit = b.create_block();
-    b.append_block_param(header, index_ty);
-    let carried_types: Vec<ir::Type> = carried.iter().map(|&v| b.func.dfg.value_type(v)).collect();
-    for &t in &carried_types {
-        b.append_block_param(header, t);
-        b.append_block_param(exit, t);
-    }
-    let args = |i: Value, vals: &[Value]| -> Vec<ir::BlockArg> {
-        std::iter::once(i).chain(vals.iter().copied()).map(ir::BlockArg::Value).collect()
-    };
-    let entry_args = args(start, carried);
-    b.ins().jump(header, &entry_args);
-
-    b.switch_to_block(header);
-    let params = b.block_params(header).to_vec();
-    let (i, vals) = (params[0], params[1..].to_vec());
-    let more = b.ins().icmp(ir::condcodes::IntCC::SignedLessThan, i, end);
-    let exit_args: Vec<ir::BlockArg> = vals.iter().copied().map(ir::BlockArg::Value).collect();
-    b.ins().brif(more, body_block, &[], exit, &exit_args);
-
-    b.switch_to_block(body_block);
-    let next_vals = body(b, i, &vals);
-    let next_i = b.ins().iadd_imm_s(i, step);
-    let back_args = args(next_i, &next_vals);
-    b.ins().jump(header, &back_args);
-
-    b.switch_to_block(exit);
-    b.block_params(exit).to_vec()
 }
 
 /// Call the native function at `address` (an `extern "C"` function of the

@@ -2,14 +2,14 @@
 
 use kvjit_core::{DType, KernelKey, Target};
 use kvjit_jit::cranelift_codegen::ir::{InstBuilder, types};
+use kvjit_jit::ir::math::{EXP_MAX_REL_ERROR, exp_f32x4};
 use kvjit_jit::ir::{counted_loop, mem};
 use kvjit_jit::{CaptureText, JitFunction, compile_kernel};
-use kvjit_op_attention::{EXP_MAX_REL_ERROR, emit_exp_f32x4};
 use kvjit_runtime::DeviceContextPtr;
 
 /// `out[4i..4i+4] = exp(in[4i..4i+4])` for every item i.
 fn exp_kernel() -> JitFunction {
-    let key = KernelKey::new("attention_exp_test", Target::Cpu, DType::F32);
+    let key = KernelKey::new("exp_test", Target::Cpu, DType::F32);
     compile_kernel(&key, CaptureText::default(), |b, p| {
         let input = p.arg(b, 0);
         let output = p.arg(b, 1);
@@ -18,7 +18,7 @@ fn exp_kernel() -> JitFunction {
             let src = b.ins().iadd(input, at);
             let dst = b.ins().iadd(output, at);
             let x = b.ins().load(types::F32X4, mem(), src, 0);
-            let y = emit_exp_f32x4(b, x);
+            let y = exp_f32x4(b, x);
             b.ins().store(mem(), y, dst, 0);
             Vec::new()
         });

@@ -1,12 +1,13 @@
-//! A vectorized `exp` for Cranelift IR (which has no transcendental
-//! instructions): [`emit_exp_f32x4`].
+//! Transcendental functions for Cranelift IR (which has no such
+//! instructions): a vectorized `exp`, [`exp_f32x4`].
 
-use kvjit_jit::cranelift_codegen::ir::condcodes::FloatCC;
-use kvjit_jit::cranelift_codegen::ir::{InstBuilder, MemFlagsData, Value, types};
-use kvjit_jit::cranelift_frontend::FunctionBuilder;
-use kvjit_jit::ir::{splat_f32, splat_u32};
+use cranelift_codegen::ir::condcodes::FloatCC;
+use cranelift_codegen::ir::{InstBuilder, MemFlagsData, Value, types};
+use cranelift_frontend::FunctionBuilder;
 
-/// Largest relative error of [`emit_exp_f32x4`] against the exact `e^x`
+use super::{splat_f32, splat_u32};
+
+/// Largest relative error of [`exp_f32x4`] against the exact `e^x`
 /// where the result is a normal f32 (`-87.33 ≤ x ≤ 88.72`), as asserted by
 /// the sweep in `tests/exp.rs` (10^6 points over [-104, 89] plus special
 /// values): 1.5·2^-24 ≈ 8.9e-8. Measured on x86-64 (AVX2/FMA): 1.27·2^-24
@@ -38,8 +39,8 @@ pub const EXP_MAX_REL_ERROR: f64 = 1.5 / (1u64 << 24) as f64;
 ///
 /// On x86-64 this is about 25 instructions (3 compares/blends, 10 FMAs, a
 /// handful of integer vector ops, 1 multiply) and needs AVX2/FMA, which
-/// `kvjit_jit::host_isa` enables where the host has them.
-pub fn emit_exp_f32x4(b: &mut FunctionBuilder, x: Value) -> Value {
+/// [`host_isa`](crate::host_isa) enables where the host has them.
+pub fn exp_f32x4(b: &mut FunctionBuilder, x: Value) -> Value {
     let flags = MemFlagsData::new();
     let as_float = |b: &mut FunctionBuilder, v: Value| b.ins().bitcast(types::F32X4, flags, v);
     let as_int = |b: &mut FunctionBuilder, v: Value| b.ins().bitcast(types::I32X4, flags, v);
