@@ -495,7 +495,7 @@ impl Emitter {
                 let n = b.ins().isub(block_hi, p0);
                 let n_pad = b.ins().iadd_imm_s(n, PV_UNROLL as i64 - 1);
                 let n_pad = b.ins().band_imm_s(n_pad, -(PV_UNROLL as i64));
-                self.emit_gather(b, buffer, seq_offsets, p0, n, n_pad, convert.as_ref());
+                self.emit_gather(b, buffer, seq_offsets, (p0, n, n_pad), convert.as_ref());
                 let p0_32 = b.ins().ireduce(types::I32, p0);
                 let p0_v = b.ins().splat(types::I32X4, p0_32);
                 let end_32 = b.ins().ireduce(types::I32, block_hi);
@@ -524,23 +524,20 @@ impl Emitter {
         });
     }
 
-    /// Copy the K and V rows (all KV heads) of keys `p0 + j`, `j < n_pad`,
-    /// into the block buffer, KV head major; keys `j ≥ n` (padding) repeat
-    /// key `n − 1`. Each key's rows are read whole and in order (`Hkv·D`
+    /// Copy the K and V rows (all KV heads) of keys `p0 + j`, `j < n_pad`
+    /// (`keys` = `(p0, n, n_pad)`), into the block buffer, KV head major;
+    /// keys `j ≥ n` (padding) repeat key `n − 1`. Each key's rows are read whole and in order (`Hkv·D`
     /// contiguous elements each, consecutive keys of a page adjacent), so
     /// the hardware prefetchers stream them; everything after reads the
     /// buffer from cache. An FP8 cache's codes are re-encoded as bf16 on the
     /// way (`convert`), and the keys' K and V scales (`Hkv·D/g` contiguous
     /// f32 each) copied beside the rows.
-    #[allow(clippy::too_many_arguments)]
     fn emit_gather(
         &self,
         b: &mut FunctionBuilder,
         buffer: Value,
         seq_offsets: Value,
-        p0: Value,
-        n: Value,
-        n_pad: Value,
+        (p0, n, n_pad): (Value, Value, Value),
         convert: Option<&ToBf16>,
     ) {
         let csize = self.spec.cache_dtype.size_bytes();

@@ -457,7 +457,7 @@ impl Emitter {
                 (w, w_dtype) = (out, DType::F32);
             }
             self.emit_row_tiles(b, start, end, &|b, mr, row| {
-                self.emit_avx2_tile(b, mr, row, start, kb, kc, (w, w_dtype), c)
+                self.emit_avx2_tile(b, (mr, row, start), (kb, kc), (w, w_dtype), c)
             });
         };
         match (self.sizes.k, k_block) {
@@ -511,19 +511,16 @@ impl Emitter {
         addr::element(b, c, index, TILE_COLUMNS * 4)
     }
 
-    /// One call of the ahead-of-time micro-kernel for `mr` rows from `row`
-    /// and k values `[kb, kb + kc)` (its address baked into the code),
-    /// reading the block's weights `w` (at k = kb, of its dtype); it adds
-    /// into those rows' accumulators in the stack buffer.
-    #[allow(clippy::too_many_arguments)]
+    /// One call of the ahead-of-time micro-kernel (its address baked into
+    /// the code) for `mr` rows from `row` (the tile block starting at
+    /// `start`) and k values `[kb, kb + kc)`, reading the block's weights `w`
+    /// (at k = kb, of its dtype); it adds into those rows' accumulators in
+    /// the stack buffer.
     fn emit_avx2_tile(
         &self,
         b: &mut FunctionBuilder,
-        mr: usize,
-        row: Value,
-        start: Value,
-        kb: Value,
-        kc: Size,
+        (mr, row, start): (usize, Value, Value),
+        (kb, kc): (Value, Size),
         (w, w_dtype): (Value, DType),
         c: Value,
     ) {
