@@ -66,10 +66,17 @@ pub fn widen_block(weights: DType) -> Option<WidenBlock> {
     }
 }
 
+/// The CPU features the 256-bit tier's micro-kernels use, as
+/// `is_x86_feature_detected!` names them ([`avx2_available`] checks these;
+/// an artifact of that tier records them as what it needs of a CPU).
+pub const AVX2_TIER_FEATURES: [&str; 3] = ["avx2", "fma", "f16c"];
+
 /// Whether this CPU runs the 256-bit tier (x86-64 with AVX2, FMA and F16C).
 pub fn avx2_available() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
+        // The detection macro takes literals: these are AVX2_TIER_FEATURES
+        // (a test keeps the two lists one).
         std::arch::is_x86_feature_detected!("avx2")
             && std::arch::is_x86_feature_detected!("fma")
             && std::arch::is_x86_feature_detected!("f16c")
@@ -351,6 +358,20 @@ mod tests {
     use rand::{Rng, SeedableRng};
 
     use super::*;
+
+    #[test]
+    fn the_tier_needs_exactly_the_features_it_checks() {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let detected = |f: &str| match f {
+                "avx2" => std::arch::is_x86_feature_detected!("avx2"),
+                "fma" => std::arch::is_x86_feature_detected!("fma"),
+                "f16c" => std::arch::is_x86_feature_detected!("f16c"),
+                other => panic!("{other} is not checked by avx2_available"),
+            };
+            assert_eq!(AVX2_TIER_FEATURES.iter().all(|f| detected(f)), avx2_available());
+        }
+    }
 
     #[test]
     fn an_unavailable_tier_is_refused_in_library_terms() {

@@ -207,13 +207,13 @@ pub fn cpu_features() -> Vec<String> {
 /// What a CPU must have to run kernels built for `target` with
 /// `implementation` on `tier` (resolved, not `auto`): the architecture
 /// kvjit was built for, and for JIT kernels of the 256-bit tier the
-/// features its micro-kernels use — AVX2, FMA and F16C, what
-/// [`kvjit_jit::microkernel::avx2_available`] checks. The Cranelift tier
+/// features its micro-kernels use
+/// ([`kvjit_jit::microkernel::AVX2_TIER_FEATURES`]: AVX2, FMA and F16C). The Cranelift tier
 /// needs nothing more: its code is generated on the loading host.
 pub fn cpu_requirements(target: Target, implementation: KernelImpl, tier: CpuTier) -> Vec<String> {
     let mut required = vec![std::env::consts::ARCH.to_string()];
     if target == Target::Cpu && implementation == KernelImpl::Fast && tier == CpuTier::Avx2 {
-        required.extend(["avx2", "fma", "f16c"].map(String::from));
+        required.extend(kvjit_jit::microkernel::AVX2_TIER_FEATURES.map(String::from));
     }
     required
 }
