@@ -15,7 +15,7 @@
 //! [`LayerConfig`] ones) make the example graphs under `examples/`.
 
 use kvjit_core::DType;
-use kvjit_graph::{Dim, Graph, GraphBuilder, KvCacheType, OpRegistry, RandomInit};
+use kvjit_graph::{Dim, Graph, GraphBuilder, KvCacheType, OpRegistry, RandomInit, ValueId};
 use kvjit_op_attention::{Mask, MhaParams, mha};
 use kvjit_op_fused_qkv::{FusedQkvParams, fused_qkv_matmul};
 use kvjit_op_reshape::reshape;
@@ -150,21 +150,34 @@ pub fn qkv_layer_graph(config: &LayerConfig, ops: &OpRegistry) -> Result<Graph> 
         b.input("hidden_state", config.dtype, &[batch.clone(), Dim::from("seq"), Dim::from(config.hidden_size)])?;
     let valid = b.input("valid_lengths", DType::U32, std::slice::from_ref(&batch))?;
     let cache = b.kv_cache("kv_cache", config.cache_type())?;
-    let params = config.qkv_params();
-    let bound = 1.0 / (config.hidden_size as f32).sqrt();
     for layer in 0..config.num_layers {
-        let prefix = if config.num_layers == 1 { String::new() } else { format!("layers.{layer}.") };
-        let weight = b.random_constant(
-            &format!("{prefix}qkv_weight"),
-            config.dtype,
-            &[config.n(), config.hidden_size],
-            RandomInit { seed: config.weight_seed + layer as u64, low: -bound, high: bound },
-        )?;
-        let layer_idx = b.input(&format!("{prefix}layer_idx"), DType::U32, &[])?;
-        let q = fused_qkv_matmul(&mut b, [hidden, weight, cache, layer_idx, valid], params)?;
+        let (q, _) = qkv_projection(&mut b, config, layer, [hidden, cache, valid])?;
         b.output(&output_name(config, layer), q)?;
     }
     Ok(b.finish()?)
+}
+
+/// Layer `layer`'s fused QKV node reading `x` and writing `cache` at
+/// `valid`'s tokens, with its seeded random weight `[N, K]` (uniform in
+/// ±1/√K) and its `layer_idx` input (names prefixed `layers.{layer}.` when
+/// there are several layers). Gives the node's Q and the `layer_idx` input.
+fn qkv_projection(
+    b: &mut GraphBuilder,
+    config: &LayerConfig,
+    layer: usize,
+    [x, cache, valid]: [ValueId; 3],
+) -> Result<(ValueId, ValueId)> {
+    let prefix = if config.num_layers == 1 { String::new() } else { format!("layers.{layer}.") };
+    let bound = 1.0 / (config.hidden_size as f32).sqrt();
+    let weight = b.random_constant(
+        &format!("{prefix}qkv_weight"),
+        config.dtype,
+        &[config.n(), config.hidden_size],
+        RandomInit { seed: config.weight_seed + layer as u64, low: -bound, high: bound },
+    )?;
+    let layer_idx = b.input(&format!("{prefix}layer_idx"), DType::U32, &[])?;
+    let q = fused_qkv_matmul(b, [x, weight, cache, layer_idx, valid], config.qkv_params())?;
+    Ok((q, layer_idx))
 }
 
 /// A Llama-family model as kvjit builds it: the decoder layers' attention
@@ -278,17 +291,8 @@ pub fn attention_step_graph(config: &LlamaConfig, ops: &OpRegistry) -> Result<Gr
     };
     let heads = [batch.clone(), seq.clone(), Dim::from(layer.num_q_heads), Dim::from(layer.head_size)];
     let flat = [batch.clone(), seq.clone(), Dim::from(layer.q_dim())];
-    let bound = 1.0 / (layer.hidden_size as f32).sqrt();
     for l in 0..layer.num_layers {
-        let prefix = if layer.num_layers == 1 { String::new() } else { format!("layers.{l}.") };
-        let weight = b.random_constant(
-            &format!("{prefix}qkv_weight"),
-            layer.dtype,
-            &[layer.n(), layer.hidden_size],
-            RandomInit { seed: layer.weight_seed + l as u64, low: -bound, high: bound },
-        )?;
-        let layer_idx = b.input(&format!("{prefix}layer_idx"), DType::U32, &[])?;
-        let q = fused_qkv_matmul(&mut b, [x, weight, cache, layer_idx, valid], layer.qkv_params())?;
+        let (q, layer_idx) = qkv_projection(&mut b, layer, l, [x, cache, valid])?;
         let q = reshape(&mut b, q, &heads)?;
         let q = fused_qk_rope(&mut b, [q, cache, freqs, layer_idx, valid], rope_params)?;
         let attention = mha(&mut b, [q, cache, layer_idx, valid], mha_params)?;
