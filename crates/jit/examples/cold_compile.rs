@@ -114,23 +114,11 @@ fn emit(b: &mut FunctionBuilder, p: KernelParams, s: &Shape) {
                     Vec::new()
                 });
                 let rest = b.ins().isub(block_end, full_end);
-                let done = b.create_block();
                 let remainders: Vec<usize> = match s.m {
                     Some(m) => Some(m % MR).filter(|&r| r > 0).into_iter().collect(),
                     None => (1..MR).collect(),
                 };
-                for mr in remainders {
-                    let this = b.create_block();
-                    let next = b.create_block();
-                    let is_this = b.ins().icmp_imm_s(IntCC::Equal, rest, mr as i64);
-                    b.ins().brif(is_this, this, &[], next, &[]);
-                    b.switch_to_block(this);
-                    tile(b, mr, full_end);
-                    b.ins().jump(done, &[]);
-                    b.switch_to_block(next);
-                }
-                b.ins().jump(done, &[]);
-                b.switch_to_block(done);
+                kvjit_jit::ir::match_cases(b, rest, &remainders, |b, mr| tile(b, mr, full_end));
                 Vec::new()
             });
             first_panel += panels;

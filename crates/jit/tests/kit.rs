@@ -9,7 +9,7 @@ use kvjit_jit::cranelift_codegen::ir::condcodes::IntCC;
 use kvjit_jit::cranelift_codegen::ir::{InstBuilder, Value, types};
 use kvjit_jit::cranelift_frontend::FunctionBuilder;
 use kvjit_jit::ir::addr::{self, Displacements, Size};
-use kvjit_jit::ir::{if_else, mem, shuffle, when};
+use kvjit_jit::ir::{if_else, match_cases, mem, shuffle, when};
 use kvjit_jit::{CaptureText, JitError, JitFunction, compile_function};
 
 mod common;
@@ -114,6 +114,24 @@ fn when_and_if_else_take_the_branch_their_condition_names() {
     for (&x, &[chosen, maybe]) in xs.iter().zip(&out) {
         assert_eq!(chosen, if x > 0 { 1 } else { 2 }, "if_else for {x}");
         assert_eq!(maybe, if x % 2 == 0 { 7 } else { -1 }, "when for {x}");
+    }
+}
+
+#[test]
+fn match_cases_runs_the_arm_of_the_listed_value_only() {
+    // Per i64 x: out = 10·x for x in {1, 3, 4}, else untouched.
+    let matched = kernel("match_cases", 1, 8, 8, |b, s, d| {
+        let x = b.ins().load(types::I64, mem(), s, 0);
+        match_cases(b, x, &[1, 3, 4], |b, case| {
+            let v = b.ins().iconst(types::I64, 10 * case as i64);
+            b.ins().store(mem(), v, d, 0);
+        });
+    });
+    let xs = [0i64, 1, 2, 3, 4, 5, -1, 1 << 40 | 3];
+    let mut out = vec![-1i64; xs.len()];
+    run(&matched, &xs, &mut out, xs.len());
+    for (&x, &got) in xs.iter().zip(&out) {
+        assert_eq!(got, if [1, 3, 4].contains(&x) { 10 * x } else { -1 }, "x = {x}");
     }
 }
 

@@ -1,6 +1,7 @@
 //! Structured control flow for emitters: counted loops with carried values
-//! ([`counted_loop`]) and two-way branches ([`when`], [`if_else`]), each
-//! leaving the builder in the block after it.
+//! ([`counted_loop`]), two-way branches ([`when`], [`if_else`]) and a
+//! branch on one of a few values ([`match_cases`]), each leaving the
+//! builder in the block after it.
 
 use cranelift_codegen::ir::condcodes::IntCC;
 use cranelift_codegen::ir::{BlockArg, InstBuilder, Type, Value};
@@ -80,4 +81,29 @@ pub fn if_else(
     otherwise(b);
     b.ins().jump(join, &[]);
     b.switch_to_block(join);
+}
+
+/// Emit `match value { c => arm(c), … }` over `cases` (`value` an integer;
+/// no arm runs for a value not listed): a chain of equality tests, one per
+/// case in order — the shape for a handful of cases, such as the tile
+/// heights of a remainder.
+pub fn match_cases(
+    b: &mut FunctionBuilder,
+    value: Value,
+    cases: &[usize],
+    mut arm: impl FnMut(&mut FunctionBuilder, usize),
+) {
+    let done = b.create_block();
+    for &case in cases {
+        let this = b.create_block();
+        let next = b.create_block();
+        let is_this = b.ins().icmp_imm_s(IntCC::Equal, value, case as i64);
+        b.ins().brif(is_this, this, &[], next, &[]);
+        b.switch_to_block(this);
+        arm(b, case);
+        b.ins().jump(done, &[]);
+        b.switch_to_block(next);
+    }
+    b.ins().jump(done, &[]);
+    b.switch_to_block(done);
 }

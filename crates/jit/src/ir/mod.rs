@@ -30,7 +30,7 @@ pub mod e4m3;
 pub mod math;
 pub mod shuffle;
 
-pub use control::{counted_loop, if_else, when};
+pub use control::{counted_loop, if_else, match_cases, when};
 
 /// Flags for loads and stores the caller has proven in bounds and aligned
 /// enough for unaligned vector moves.

@@ -11,7 +11,8 @@ use kvjit_jit::cranelift_codegen::ir::{
 use kvjit_jit::cranelift_frontend::FunctionBuilder;
 use kvjit_jit::ir::addr::{self, Displacements, Size};
 use kvjit_jit::ir::{
-    call_native, counted_loop, if_else, load_f32x4_raw, load_splat_f32x4, mem, store_f32x4, store_lane, when,
+    call_native, counted_loop, if_else, load_f32x4_raw, load_splat_f32x4, match_cases, mem, store_f32x4, store_lane,
+    when,
 };
 use kvjit_jit::microkernel::{self, MAX_TILE_ROWS, TILE_COLUMNS};
 use kvjit_jit::{CaptureText, JitError, JitFunction, compile_kernel, pointer_type};
@@ -367,19 +368,7 @@ impl Emitter {
             Some(m) => Some(m % mr).filter(|&r| r > 0).into_iter().collect(),
             None => (1..mr).collect(),
         };
-        let done = b.create_block();
-        for mr in remainders {
-            let this = b.create_block();
-            let next = b.create_block();
-            let is_this = b.ins().icmp_imm_s(IntCC::Equal, rest, mr as i64);
-            b.ins().brif(is_this, this, &[], next, &[]);
-            b.switch_to_block(this);
-            tile(b, mr, full_end);
-            b.ins().jump(done, &[]);
-            b.switch_to_block(next);
-        }
-        b.ins().jump(done, &[]);
-        b.switch_to_block(done);
+        match_cases(b, rest, &remainders, |b, mr| tile(b, mr, full_end));
     }
 
     /// One panel of the 256-bit tier over rows `[start, end)`: the panel's
