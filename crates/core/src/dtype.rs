@@ -154,6 +154,79 @@ impl CpuTier {
     }
 }
 
+/// The CPU code tier a kernel is built for, resolved: what
+/// [`CpuTier::Auto`] became on this machine, or the tier asked for. Kernel
+/// keys whose code depends on it name it (`cpu-avx2`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CodeTier {
+    /// Pure Cranelift code.
+    Cranelift,
+    /// Cranelift driver + AVX2/FMA micro-kernels.
+    Avx2,
+}
+
+impl CodeTier {
+    /// The lowercase name used in kernel keys (`cpu-avx2`) and the CLI.
+    pub fn name(self) -> &'static str {
+        self.requested().name()
+    }
+
+    /// The same tier as a request (never `Auto`).
+    pub fn requested(self) -> CpuTier {
+        match self {
+            CodeTier::Cranelift => CpuTier::Cranelift,
+            CodeTier::Avx2 => CpuTier::Avx2,
+        }
+    }
+}
+
+impl fmt::Display for CodeTier {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// What a graph is specialized and its kernels built for: the target and,
+/// on the CPU, the resolved code tier. Made once at the build boundary
+/// (`kvjit::compile` resolves [`CpuTier`] into it), so no kernel ever sees
+/// `Auto`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Backend {
+    /// The host CPU, with the code tier its JIT kernels use.
+    Cpu(CodeTier),
+    /// An NVIDIA GPU through CUDA.
+    Cuda,
+}
+
+impl Backend {
+    /// The target.
+    pub fn target(self) -> Target {
+        match self {
+            Backend::Cpu(_) => Target::Cpu,
+            Backend::Cuda => Target::Cuda,
+        }
+    }
+
+    /// The CPU code tier, on the CPU.
+    pub fn cpu_tier(self) -> Option<CodeTier> {
+        match self {
+            Backend::Cpu(tier) => Some(tier),
+            Backend::Cuda => None,
+        }
+    }
+}
+
+impl fmt::Display for Backend {
+    /// `cpu-avx2`, `cpu-cranelift`, `cuda`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Backend::Cpu(tier) => write!(f, "cpu-{tier}"),
+            Backend::Cuda => f.write_str("cuda"),
+        }
+    }
+}
+
 impl fmt::Display for CpuTier {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.name())

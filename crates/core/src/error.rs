@@ -269,7 +269,7 @@ pub enum Error {
     #[error("arguments: expected {expected}, got {got:?}")]
     KernelArguments {
         /// What the kernel takes.
-        expected: &'static str,
+        expected: String,
         /// Tensors, caches (and outputs) it was handed.
         got: Vec<usize>,
     },

@@ -1,6 +1,10 @@
-//! [`KernelKey`]: everything a kernel may bake in, and its one canonical name.
+//! [`KernelKey`]: everything a kernel may bake in, and its one canonical
+//! name; [`KernelSpec`]: the op's typed form of it, which the key carries.
 
+use std::any::Any;
 use std::fmt;
+use std::hash::{Hash, Hasher};
+use std::sync::Arc;
 
 use crate::{DType, Target};
 
@@ -38,15 +42,34 @@ impl fmt::Display for KeyField {
     }
 }
 
+/// The typed form of an op's kernel key: the op's own struct of everything
+/// its kernels bake in. An op's `specialize` makes one, the key carries it
+/// ([`KernelKey::of`]) to the op's kernel builder, which takes it back with
+/// [`KernelKey::spec`]; [`key_name`](Self::key_name) is the one place that
+/// spells it.
+pub trait KernelSpec: Clone + fmt::Debug + Send + Sync + 'static {
+    /// The canonical name: op, target, dtype and labelled fields (a key
+    /// that holds no spec).
+    fn key_name(&self) -> KernelKey;
+
+    /// The key holding this spec.
+    fn key(&self) -> KernelKey {
+        KernelKey::of(self)
+    }
+}
+
 /// Everything a specialized kernel may bake in: op, target, dtype and an
-/// ordered list of labelled fields.
+/// ordered list of labelled fields, and (for keys an op made) the op's
+/// typed [`KernelSpec`].
 ///
 /// Its [`Display`](fmt::Display) form, e.g.
-/// `fused_qkv_bshd_paged.cpu.bf16.k4096.q4096.hkv8.d128.p16.l32.kvbf16.bany.sany`,
+/// `fused_qkv_bshd_paged.cpu-avx2.bf16.k4096.q4096.hkv8.d128.p16.l32.kvbf16.bany.sany`,
 /// is the one canonical name used as JIT symbol, CUDA variant name, kernel
-/// cache key and benchmark id. Ops build keys through [`KernelKey::new`] and
-/// [`KernelKey::with`]; nothing else spells these names.
-#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+/// cache key, benchmark id, log line and artifact record. Equality, order
+/// and hash are those of the name (the spec is a function of it). Ops build
+/// names through [`KernelKey::new`] and [`KernelKey::with`] in their
+/// [`KernelSpec::key_name`]; nothing else spells them.
+#[derive(Clone)]
 pub struct KernelKey {
     op: String,
     target: Target,
@@ -55,12 +78,62 @@ pub struct KernelKey {
     variant: Option<String>,
     dtype: DType,
     fields: Vec<(String, KeyField)>,
+    spec: Option<Arc<dyn Any + Send + Sync>>,
+}
+
+impl KernelKey {
+    /// The key of `spec`: its name, holding the spec.
+    pub fn of<S: KernelSpec>(spec: &S) -> Self {
+        Self { spec: Some(Arc::new(spec.clone())), ..spec.key_name() }
+    }
+
+    /// The typed spec this key holds, if it holds one of type `S` (an op's
+    /// builder takes its own spec back; a key of another op gives `None`).
+    pub fn spec<S: KernelSpec>(&self) -> Option<&S> {
+        self.spec.as_deref()?.downcast_ref()
+    }
+
+    fn name_parts(&self) -> (&str, Target, Option<&str>, DType, &[(String, KeyField)]) {
+        (&self.op, self.target, self.variant.as_deref(), self.dtype, &self.fields)
+    }
+}
+
+impl PartialEq for KernelKey {
+    fn eq(&self, other: &Self) -> bool {
+        self.name_parts() == other.name_parts()
+    }
+}
+
+impl Eq for KernelKey {}
+
+impl Hash for KernelKey {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        self.name_parts().hash(state);
+    }
+}
+
+impl PartialOrd for KernelKey {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for KernelKey {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        self.name_parts().cmp(&other.name_parts())
+    }
+}
+
+impl fmt::Debug for KernelKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "KernelKey({self})")
+    }
 }
 
 impl KernelKey {
     /// A key with no dims yet.
     pub fn new(op: &str, target: Target, dtype: DType) -> Self {
-        Self { op: op.to_string(), target, variant: None, dtype, fields: Vec::new() }
+        Self { op: op.to_string(), target, variant: None, dtype, fields: Vec::new(), spec: None }
     }
 
     /// Name the code tier the kernel is built for; the key's target then

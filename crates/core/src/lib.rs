@@ -15,10 +15,10 @@ mod kv_cache;
 mod safetensors_io;
 mod tensor;
 
-pub use dtype::{CpuTier, DType, Element, Target};
+pub use dtype::{Backend, CodeTier, CpuTier, DType, Element, Target};
 pub use error::{Error, Result};
 pub use fp8::F8E4M3;
-pub use kernel_key::{KernelKey, KeyField};
+pub use kernel_key::{KernelKey, KernelSpec, KeyField};
 pub use kv_cache::{KvCacheParams, PagedKVCacheCollection, UNASSIGNED_PAGE};
 pub use safetensors_io::{
     LoadedTensors, SafetensorsHeader, WeightLoad, copy_to_anonymous, load_safetensors, map_file, open_regular_file,

@@ -8,7 +8,7 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use kvjit_core::{DType, KernelKey, Target};
+use kvjit_core::{Backend, DType, KernelKey};
 use serde::{Deserialize, Serialize};
 
 use crate::{ConstantInit, Dim, GraphError, RandomInit, Recipe, RecipeKind, Result, TensorType, ValueType};
@@ -383,8 +383,9 @@ pub trait OpDef: Send + Sync {
     fn outputs(&self) -> &'static [&'static str];
     /// Check the parameters and input types and infer the output types.
     fn infer(&self, params: &Params, inputs: &[&ValueType]) -> Result<Vec<TensorType>>;
-    /// The kernel key for these (already inferred) inputs on `target`.
-    fn kernel_key(&self, params: &Params, inputs: &[&ValueType], target: Target) -> Result<KernelKey>;
+    /// The kernel key for these (already inferred) inputs on `backend`,
+    /// holding the op's typed spec ([`KernelKey::of`]).
+    fn kernel_key(&self, params: &Params, inputs: &[&ValueType], backend: Backend) -> Result<KernelKey>;
     /// Whether a kernel exists for `key` on its target: `Err(reason)` when
     /// none does (no CUDA variant for it, sizes past what the generated code
     /// can address, ...). [`specialize`](crate::specialize) refuses such keys

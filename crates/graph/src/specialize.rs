@@ -7,15 +7,15 @@
 
 use std::collections::BTreeMap;
 
-use kvjit_core::{KernelKey, Target};
+use kvjit_core::{Backend, KernelKey, Target};
 
 use crate::{Dim, Graph, GraphError, OpRegistry, Result, validate};
 
-/// A graph whose nodes carry kernel keys for one target.
+/// A graph whose nodes carry kernel keys for one backend.
 #[derive(Clone, Debug)]
 pub struct SpecializedGraph {
     graph: Graph,
-    target: Target,
+    backend: Backend,
     kernel_keys: Vec<KernelKey>,
 }
 
@@ -27,7 +27,12 @@ impl SpecializedGraph {
 
     /// The target every node was specialized for.
     pub fn target(&self) -> Target {
-        self.target
+        self.backend.target()
+    }
+
+    /// The backend (target and CPU code tier) every node was specialized for.
+    pub fn backend(&self) -> Backend {
+        self.backend
     }
 
     /// One kernel key per node, in node order.
@@ -36,12 +41,14 @@ impl SpecializedGraph {
     }
 }
 
-/// Specialize `graph` for `target`, binding the symbols in `bindings` (the
-/// rest stay symbolic and their kernels take those dims at run time).
+/// Specialize `graph` for `backend`, binding the symbols in `bindings` (the
+/// rest stay symbolic and their kernels take those dims at run time). Every
+/// node's key holds its op's typed spec, and names the CPU code tier where
+/// the op's code depends on it.
 pub fn specialize(
     graph: &Graph,
     registry: &OpRegistry,
-    target: Target,
+    backend: Backend,
     bindings: &BTreeMap<String, usize>,
 ) -> Result<SpecializedGraph> {
     let symbols = graph.symbols();
@@ -89,13 +96,13 @@ pub fn specialize(
         .map(|node| {
             let op = registry.get(&node.op)?;
             let inputs: Vec<_> = node.inputs.iter().map(|&v| &bound.value(v).ty).collect();
-            let key = op.kernel_key(&node.params, &inputs, target).map_err(|e| e.in_node(node.id, &node.op))?;
+            let key = op.kernel_key(&node.params, &inputs, backend).map_err(|e| e.in_node(node.id, &node.op))?;
             op.supports(&key).map_err(|reason| {
-                GraphError::Unsupported(format!("no {target} kernel for op {} with key {key}: {reason}", op.name()))
+                GraphError::Unsupported(format!("no {} kernel for op {} with key {key}: {reason}", backend.target(), op.name()))
                     .in_node(node.id, &node.op)
             })?;
             Ok(key)
         })
         .collect::<Result<Vec<_>>>()?;
-    Ok(SpecializedGraph { graph: bound, target, kernel_keys })
+    Ok(SpecializedGraph { graph: bound, backend, kernel_keys })
 }

@@ -48,12 +48,35 @@ pub struct KernelParams {
 }
 
 impl KernelParams {
-    /// Load argument word `index` (an address or a size) as an `i64`.
-    pub fn arg(&self, b: &mut FunctionBuilder, index: usize) -> Value {
-        let offset = i32::try_from(index * 8).expect("a kernel has a handful of argument words");
+    /// Load the 8-byte field at byte `offset` of the kernel's argument
+    /// struct (an address or a size) as an `i64`. The offset is
+    /// `std::mem::offset_of!` of the op's `#[repr(C)]` argument struct, so
+    /// the host that fills the struct and the code that reads it share one
+    /// description.
+    pub fn field(&self, b: &mut FunctionBuilder, offset: usize) -> Value {
+        let offset = i32::try_from(offset).expect("a kernel's argument struct is a handful of words");
         b.ins().load(types::I64, mem().with_readonly(), self.args, offset)
     }
+
+    /// Load word `index` of an argument block that is a plain `[u64; N]`
+    /// (probes and tests; ops declare a [`KernelArgs`] struct instead).
+    pub fn arg(&self, b: &mut FunctionBuilder, index: usize) -> Value {
+        self.field(b, index * 8)
+    }
 }
+
+/// A kernel's argument struct: `#[repr(C)]`, made of 8-byte words
+/// (addresses as `u64`, sizes as `u64` or `i64`), which the emitter reads
+/// with [`KernelParams::field`] at `offset_of!` of each field.
+///
+/// # Safety
+///
+/// The implementing type must be `#[repr(C)]` with only 8-byte integer
+/// fields, so every `offset_of!` is a multiple of 8 inside the struct.
+pub unsafe trait KernelArgs: Sync {}
+
+// SAFETY: an array of u64 is laid out as consecutive 8-byte words.
+unsafe impl<const N: usize> KernelArgs for [u64; N] {}
 
 /// Compile a kernel for `key` with the kernel ABI. `build` emits the body
 /// from the entry block (the `return` is appended after it).
@@ -89,12 +112,13 @@ type KernelEntry = unsafe extern "C" fn(args: *const u64, begin: i64, end: i64);
 /// # Safety
 ///
 /// `code` must come from [`compile_kernel`] for an op whose emitter reads its
-/// argument words in the layout `args` follows, and for every range inside
+/// argument struct `A` (with [`KernelParams::field`] at `offset_of!` of its
+/// fields), and for every range inside
 /// `0..items` every load and store the code makes must be inside the buffers
 /// `args` points to, with different ranges writing disjoint memory. Callers
 /// state which validation established that (for kvjit's ops: the op's
 /// argument check, run before any kernel writes).
-pub unsafe fn launch(code: &JitFunction, args: &[u64], items: usize, ctx: &DeviceContextPtr) {
+pub unsafe fn launch<A: KernelArgs>(code: &JitFunction, args: &A, items: usize, ctx: &DeviceContextPtr) {
     assert!(code.kernel_abi, "{} was not compiled with the kernel ABI", code.name());
     // SAFETY: `compile_kernel` compiled `code` with exactly this signature
     // (pointer, i64, i64; System V) — checked by the flag above — and `code`
@@ -104,7 +128,7 @@ pub unsafe fn launch(code: &JitFunction, args: &[u64], items: usize, ctx: &Devic
         // SAFETY: the caller guarantees every access of the code for a range
         // inside 0..items stays inside the buffers of `args`, and that ranges
         // write disjoint memory; `args` is borrowed for the whole call.
-        unsafe { entry(args.as_ptr(), begin as i64, end as i64) }
+        unsafe { entry(std::ptr::from_ref(args).cast::<u64>(), begin as i64, end as i64) }
     };
     let threads = ctx.cpu_context().map_or(1, |c| c.threads()).min(items).max(1);
     match ctx.cpu_context() {

@@ -27,7 +27,7 @@
 //! contiguous ranges, one accumulator pair each), which keeps more line
 //! fills in flight per core than one stream.
 
-use kvjit_core::{CpuTier, DType};
+use kvjit_core::{CodeTier, CpuTier, DType};
 
 use crate::JitError;
 
@@ -89,11 +89,11 @@ pub fn avx2_available() -> bool {
 
 /// The tier a kernel is built for: `Auto` becomes the widest this CPU runs;
 /// `Avx2` on a CPU without it is refused with a clear message.
-pub fn resolve_tier(requested: CpuTier) -> Result<CpuTier, JitError> {
+pub fn resolve_tier(requested: CpuTier) -> Result<CodeTier, JitError> {
     match requested {
-        CpuTier::Auto if avx2_available() => Ok(CpuTier::Avx2),
-        CpuTier::Auto | CpuTier::Cranelift => Ok(CpuTier::Cranelift),
-        CpuTier::Avx2 if avx2_available() => Ok(CpuTier::Avx2),
+        CpuTier::Auto if avx2_available() => Ok(CodeTier::Avx2),
+        CpuTier::Auto | CpuTier::Cranelift => Ok(CodeTier::Cranelift),
+        CpuTier::Avx2 if avx2_available() => Ok(CodeTier::Avx2),
         CpuTier::Avx2 => Err(JitError::TierUnavailable {
             tier: CpuTier::Avx2,
             needs: "an x86-64 CPU with AVX2, FMA and F16C",
@@ -381,10 +381,10 @@ mod tests {
             "the avx2 CPU tier needs AVX2; this x86_64 CPU lacks them (build for the cranelift or auto tier)"
         );
         match resolve_tier(CpuTier::Avx2) {
-            Ok(tier) => assert!(avx2_available() && tier == CpuTier::Avx2),
+            Ok(tier) => assert!(avx2_available() && tier == CodeTier::Avx2),
             Err(e) => assert!(!avx2_available() && !e.to_string().contains("--"), "{e}"),
         }
-        assert_eq!(resolve_tier(CpuTier::Cranelift).unwrap(), CpuTier::Cranelift);
+        assert_eq!(resolve_tier(CpuTier::Cranelift).unwrap(), CodeTier::Cranelift);
     }
 
     /// Every tile against an f64 sum on random data (added into random
@@ -488,11 +488,11 @@ mod tests {
 
     #[test]
     fn tiers_resolve_to_what_the_cpu_runs() {
-        assert_eq!(resolve_tier(CpuTier::Cranelift).unwrap(), CpuTier::Cranelift);
+        assert_eq!(resolve_tier(CpuTier::Cranelift).unwrap(), CodeTier::Cranelift);
         let auto = resolve_tier(CpuTier::Auto).unwrap();
-        assert_eq!(auto == CpuTier::Avx2, avx2_available());
+        assert_eq!(auto == CodeTier::Avx2, avx2_available());
         match resolve_tier(CpuTier::Avx2) {
-            Ok(tier) => assert!(avx2_available() && tier == CpuTier::Avx2),
+            Ok(tier) => assert!(avx2_available() && tier == CodeTier::Avx2),
             Err(e) => assert!(!avx2_available() && e.to_string().contains("AVX2"), "{e}"),
         }
         assert!(gemm_tile(DType::F32, 0).is_none() && gemm_tile(DType::F32, MAX_TILE_ROWS + 1).is_none());

@@ -1,0 +1,34 @@
+//! The op platform: what every kvjit op is built on, so an op is its
+//! parameters, spec, shape rules, argument contract and kernel bodies —
+//! nothing copied.
+//!
+//! - [`params!`]: the node parameters, declared once as a typed struct;
+//!   the [`ParamSpec`](kvjit_graph::ParamSpec) table and the graph-file
+//!   conversions are generated ([`OpParams`]).
+//! - [`Op`] + [`Defined`]: an op's definition; `Defined(op)` is its graph
+//!   [`OpDef`](kvjit_graph::OpDef) and runtime
+//!   [`KernelBuilder`](kvjit_runtime::KernelBuilder) at once, with the
+//!   typed spec ([`KernelSpec`](kvjit_core::KernelSpec)) flowing from
+//!   [`Op::specialize`] to the builder inside the key, targets the op does
+//!   not serve refused by default.
+//! - [`CallContract`] + [`OpKernel`] + [`Compiled`]: a call's check,
+//!   declared once per op and shared by its kernels; the one
+//!   [`Kernel`](kvjit_runtime::Kernel) impl does the arity, dtype,
+//!   contiguity and output checks and runs nothing before every check
+//!   passed.
+//! - [`checks`]: the checks several ops make (baked dims, a paged step,
+//!   the cache rows a step writes).
+
+pub mod checks;
+mod def;
+mod kernel;
+mod params;
+
+pub use def::{CpuBuild, Defined, Op, compile_error, spec_of};
+pub use kernel::{ArgDType, Call, CallContract, Compiled, OpKernel, TensorArg};
+pub use params::{Choice, OpParams, Param};
+
+#[doc(hidden)]
+pub use kvjit_graph as graph;
+#[doc(hidden)]
+pub use params::spec_of as param_spec;
