@@ -93,10 +93,13 @@ impl KernelKey {
         self.spec.as_deref()?.downcast_ref()
     }
 
-    fn name_parts(&self) -> (&str, Target, Option<&str>, DType, &[(String, KeyField)]) {
+    fn name_parts(&self) -> NameParts<'_> {
         (&self.op, self.target, self.variant.as_deref(), self.dtype, &self.fields)
     }
 }
+
+/// What a key's name is made of (equality, order and hash compare these).
+type NameParts<'a> = (&'a str, Target, Option<&'a str>, DType, &'a [(String, KeyField)]);
 
 impl PartialEq for KernelKey {
     fn eq(&self, other: &Self) -> bool {

@@ -15,7 +15,8 @@ pub type BakedDim = (&'static str, Option<usize>);
 /// dim does not match.
 pub fn expect_baked(arg: &'static str, tensor: &Tensor, dims: &[BakedDim], spec: &impl KernelSpec) -> Result<()> {
     let shape = tensor.shape();
-    let fits = shape.len() == dims.len() && dims.iter().zip(shape).all(|((_, baked), &got)| baked.is_none_or(|b| b == got));
+    let fits =
+        shape.len() == dims.len() && dims.iter().zip(shape).all(|((_, baked), &got)| baked.is_none_or(|b| b == got));
     if fits {
         return Ok(());
     }

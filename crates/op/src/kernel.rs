@@ -73,6 +73,22 @@ pub trait CallContract: KernelSpec {
     fn outputs(&self, checked: &Self::Checked) -> Vec<OutputSpec>;
 }
 
+/// Check the dtype and contiguity of every tensor whose dtype `S`'s
+/// signature declares ([`ArgDType::Compute`] or [`ArgDType::Exactly`]), in
+/// order. [`Compiled`] runs it on every call; a kernel's own entry points
+/// that take typed arguments (a `run_into`) call it too.
+pub fn check_declared_dtypes<S: CallContract>(spec: &S, tensors: &[&Tensor]) -> Result<()> {
+    for (arg, tensor) in S::TENSORS.iter().zip(tensors) {
+        let dtype = match arg.dtype {
+            ArgDType::Compute => spec.dtype(),
+            ArgDType::Exactly(dtype) => dtype,
+            ArgDType::Checked => continue,
+        };
+        kvjit_core::expect_arg(arg.name, tensor, dtype)?;
+    }
+    Ok(())
+}
+
 /// One kernel of an op: how it runs a checked call. Wrap it in
 /// [`Compiled`] to hand it to the runtime.
 pub trait OpKernel: Send + Sync + 'static {
@@ -80,6 +96,9 @@ pub trait OpKernel: Send + Sync + 'static {
     type Spec: CallContract;
     /// Which implementation this is, in a word (`jit`, `reference`, `cuda`).
     const IMPLEMENTATION: &'static str;
+    /// Whether the kernel computes nothing: its one output is its first
+    /// tensor input seen with the checked shape ([`Kernel::is_view`]).
+    const IS_VIEW: bool = false;
 
     /// The spec the kernel was built for.
     fn spec(&self) -> &Self::Spec;
@@ -175,15 +194,7 @@ impl<K: OpKernel> Compiled<K> {
             got.extend(outputs);
             return Err(Error::KernelArguments { expected: Self::signature(), got });
         }
-        let spec = self.kernel.spec();
-        for (arg, tensor) in K::Spec::TENSORS.iter().zip(tensors) {
-            let dtype = match arg.dtype {
-                ArgDType::Compute => spec.dtype(),
-                ArgDType::Exactly(dtype) => dtype,
-                ArgDType::Checked => continue,
-            };
-            kvjit_core::expect_arg(arg.name, tensor, dtype)?;
-        }
+        check_declared_dtypes(self.kernel.spec(), tensors)?;
         self.kernel.check(tensors, caches)
     }
 }
@@ -199,6 +210,10 @@ impl<K: OpKernel> Kernel for Compiled<K> {
 
     fn code_info(&self) -> CodeInfo {
         self.kernel.code_info()
+    }
+
+    fn is_view(&self) -> bool {
+        K::IS_VIEW
     }
 
     fn check(&self, tensors: &[&Tensor], caches: &[&PagedKVCacheCollection]) -> Result<Vec<OutputSpec>> {

@@ -201,6 +201,13 @@ macro_rules! params {
             $( $(#[$field_meta])* pub $field: $ty, )*
         }
 
+        impl $name {
+            /// The parameters as a graph file spells them.
+            pub fn to_params(&self) -> $crate::graph::Params {
+                <Self as $crate::OpParams>::to_params(self)
+            }
+        }
+
         impl $crate::OpParams for $name {
             const SPECS: &'static [$crate::graph::ParamSpec] =
                 &[ $( $crate::param_spec::<$ty>(stringify!($field)) ),* ];

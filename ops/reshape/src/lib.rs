@@ -15,17 +15,24 @@
 
 use std::sync::Arc;
 
-use kvjit_core::{Error, KernelKey, KeyField, PagedKVCacheCollection, Target, Tensor};
-use kvjit_graph::{
-    ArgSpec, Dim, GraphBuilder, GraphError, OpDef, ParamKind, ParamSpec, ParamValue, Params, TensorType, ValueId,
-    ValueType, param_dims,
-};
-use kvjit_runtime::{BuildOptions, ConstantInput, DeviceContextPtr, Kernel, KernelBuilder, OutputSpec, RuntimeError};
+use kvjit_core::{Backend, DType, Error, KernelKey, KernelSpec, KeyField, PagedKVCacheCollection, Target, Tensor};
+use kvjit_graph::{ArgSpec, Dim, GraphBuilder, GraphError, ParamValue, TensorType, ValueId, ValueType, tensor_input};
+use kvjit_op::{Call, CallContract, Compiled, CpuBuild, Op, OpKernel, TensorArg};
+use kvjit_runtime::{ConstantInput, DeviceContextPtr, Kernel, OutputSpec, RuntimeError};
 
 /// The op's name in graphs (MAX's).
 pub const OP_NAME: &str = "mo.reshape";
 /// Short name in kernel keys.
 pub const KERNEL_NAME: &str = "reshape";
+
+kvjit_op::params! {
+    /// The parameters of a reshape node.
+    #[derive(Clone, Debug, PartialEq)]
+    pub struct ReshapeParams {
+        /// The output dims, numbers or graph symbols.
+        shape: Vec<Dim>,
+    }
+}
 
 /// The reshape op.
 #[derive(Clone, Copy, Debug, Default)]
@@ -75,50 +82,83 @@ fn plan(input: &[Dim], output: &[Dim]) -> Result<Vec<OutDim>, String> {
     Ok(plan)
 }
 
-fn input_type<'a>(inputs: &[&'a ValueType]) -> &'a TensorType {
-    inputs[0].as_tensor().expect("argument kinds are checked before infer")
+/// What a reshape's view bakes in: the dtype and, per output dim, a size
+/// or the input axis it copies.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReshapeSpec {
+    /// Target.
+    pub target: Target,
+    /// Element type (of input and output).
+    pub dtype: DType,
+    /// Per output dim, where its size comes from.
+    plan: Vec<OutDim>,
 }
 
-impl OpDef for ReshapeOp {
-    fn name(&self) -> &'static str {
-        OP_NAME
+impl KernelSpec for ReshapeSpec {
+    /// E.g. `reshape.cpu.f32.o0in0.o1in1.o2x32.o3x128`.
+    fn key_name(&self) -> KernelKey {
+        let key = KernelKey::new(KERNEL_NAME, self.target, self.dtype);
+        self.plan.iter().enumerate().fold(key, |key, (i, d)| match *d {
+            OutDim::Size(size) => key.with(&format!("o{i}x"), KeyField::Static(size as u64)),
+            OutDim::InputAxis(axis) => key.with(&format!("o{i}in"), KeyField::Static(axis as u64)),
+        })
     }
+}
 
-    fn params(&self) -> &'static [ParamSpec] {
-        const PARAMS: &[ParamSpec] = &[ParamSpec::required("shape", ParamKind::Dims)];
-        PARAMS
-    }
+impl Op for ReshapeOp {
+    const NAME: &'static str = OP_NAME;
+    const INPUTS: &'static [ArgSpec] = &[ArgSpec::tensor("input")];
+    type Params = ReshapeParams;
+    type Spec = ReshapeSpec;
 
-    fn inputs(&self) -> &'static [ArgSpec] {
-        const INPUTS: &[ArgSpec] = &[ArgSpec::tensor("input")];
-        INPUTS
-    }
-
-    fn outputs(&self) -> &'static [&'static str] {
-        &["output"]
-    }
-
-    fn infer(&self, params: &Params, inputs: &[&ValueType]) -> Result<Vec<TensorType>, GraphError> {
-        let input = input_type(inputs);
-        let shape = param_dims(params, "shape")?;
-        plan(&input.shape, shape).map_err(|why| GraphError::InputType {
+    fn specialize(
+        &self,
+        params: &ReshapeParams,
+        inputs: &[&ValueType],
+        backend: Backend,
+    ) -> Result<ReshapeSpec, GraphError> {
+        let input = tensor_input(inputs, 0);
+        let plan = plan(&input.shape, &params.shape).map_err(|why| GraphError::InputType {
             arg: "input".into(),
-            expected: format!("a tensor with as many elements as {}", ParamValue::Dims(shape.to_vec())),
+            expected: format!("a tensor with as many elements as {}", ParamValue::Dims(params.shape.clone())),
             got: format!("{input} ({why})"),
         })?;
-        Ok(vec![TensorType::new(input.dtype, shape.to_vec())])
+        Ok(ReshapeSpec { target: backend.target(), dtype: input.dtype, plan })
     }
 
-    fn kernel_key(&self, params: &Params, inputs: &[&ValueType], target: Target) -> Result<KernelKey, GraphError> {
-        let input = input_type(inputs);
-        let shape = param_dims(params, "shape")?;
-        let plan = plan(&input.shape, shape).map_err(GraphError::Unsupported)?;
-        let key =
-            plan.iter().enumerate().fold(KernelKey::new(KERNEL_NAME, target, input.dtype), |key, (i, d)| match *d {
-                OutDim::Size(size) => key.with(&format!("o{i}x"), KeyField::Static(size as u64)),
-                OutDim::InputAxis(axis) => key.with(&format!("o{i}in"), KeyField::Static(axis as u64)),
-            });
-        Ok(key)
+    fn infer(&self, spec: &ReshapeSpec, inputs: &[&ValueType]) -> Vec<TensorType> {
+        let input = tensor_input(inputs, 0);
+        let shape: Vec<Dim> = spec
+            .plan
+            .iter()
+            .map(|d| match *d {
+                OutDim::Size(size) => Dim::Static(size),
+                OutDim::InputAxis(axis) => input.shape[axis].clone(),
+            })
+            .collect();
+        vec![TensorType::new(spec.dtype, shape)]
+    }
+
+    /// Views serve every target.
+    fn supports_cuda(&self, _: &ReshapeSpec) -> Result<(), String> {
+        Ok(())
+    }
+
+    fn build_reference(&self, spec: &ReshapeSpec) -> Result<Arc<dyn Kernel>, RuntimeError> {
+        Ok(Arc::new(Compiled::new(ViewKernel(spec.clone()))))
+    }
+
+    fn build_cpu(
+        &self,
+        spec: &ReshapeSpec,
+        _: &[Option<ConstantInput>],
+        _: &CpuBuild,
+    ) -> Result<Arc<dyn Kernel>, RuntimeError> {
+        self.build_reference(spec)
+    }
+
+    fn build_cuda(&self, spec: &ReshapeSpec, _: &[Option<ConstantInput>]) -> Result<Arc<dyn Kernel>, RuntimeError> {
+        self.build_reference(spec)
     }
 
     fn is_view(&self) -> bool {
@@ -128,63 +168,21 @@ impl OpDef for ReshapeOp {
 
 /// Add a reshape node: `input` seen as `shape` (numbers or symbols).
 pub fn reshape(b: &mut GraphBuilder<'_>, input: ValueId, shape: &[Dim]) -> Result<ValueId, GraphError> {
-    let params = Params::from([("shape".to_string(), ParamValue::Dims(shape.to_vec()))]);
-    Ok(b.node(OP_NAME, params, &[input])?[0])
+    Ok(b.node(OP_NAME, ReshapeParams { shape: shape.to_vec() }.to_params(), &[input])?[0])
 }
 
-/// The view "kernel": checks the input and gives the output shape; the
-/// executor makes the view (see [`Kernel::is_view`]).
-struct ViewKernel {
-    key: KernelKey,
-    plan: Vec<OutDim>,
-}
+impl CallContract for ReshapeSpec {
+    type Checked = Vec<usize>;
+    const TENSORS: &'static [TensorArg] = &[TensorArg::compute("input")];
 
-impl KernelBuilder for ReshapeOp {
-    fn build(
-        &self,
-        key: &KernelKey,
-        _constants: &[Option<ConstantInput>],
-        _options: &BuildOptions,
-    ) -> kvjit_runtime::Result<Arc<dyn Kernel>> {
-        let plan = key
-            .fields()
-            .iter()
-            .map(|(label, field)| match (label.ends_with("in"), field) {
-                (true, KeyField::Static(axis)) => Some(OutDim::InputAxis(*axis as usize)),
-                (false, KeyField::Static(size)) => Some(OutDim::Size(*size as usize)),
-                _ => None,
-            })
-            .collect::<Option<Vec<_>>>()
-            .filter(|_| key.op() == KERNEL_NAME)
-            .ok_or_else(|| RuntimeError::Plan(format!("{key} is not a key of {OP_NAME}")))?;
-        Ok(Arc::new(ViewKernel { key: key.clone(), plan }))
-    }
-}
-
-impl Kernel for ViewKernel {
-    fn key(&self) -> &KernelKey {
-        &self.key
+    fn dtype(&self) -> DType {
+        self.dtype
     }
 
-    fn implementation(&self) -> &'static str {
-        "view"
-    }
-
-    fn is_view(&self) -> bool {
-        true
-    }
-
-    fn check(&self, inputs: &[&Tensor], _caches: &[&PagedKVCacheCollection]) -> kvjit_core::Result<Vec<OutputSpec>> {
-        let [input] = inputs else {
-            return Err(Error::ShapeMismatch {
-                arg: "arguments".into(),
-                expected: "1 tensor (input)".into(),
-                got: vec![inputs.len()],
-            });
-        };
-        if input.dtype() != self.key.dtype() {
-            return Err(Error::DTypeMismatch { arg: "input".into(), expected: self.key.dtype(), got: input.dtype() });
-        }
+    /// The output shape: the input's rank and element count must be the
+    /// ones the plan was built for.
+    fn check(&self, tensors: &[&Tensor], _: &[&PagedKVCacheCollection]) -> kvjit_core::Result<Vec<usize>> {
+        let input = tensors[0];
         let shape: Vec<usize> = self
             .plan
             .iter()
@@ -195,7 +193,7 @@ impl Kernel for ViewKernel {
             .collect::<Option<_>>()
             .ok_or_else(|| Error::ShapeMismatch {
                 arg: "input".into(),
-                expected: format!("the rank {} built into {}", self.plan.len(), self.key),
+                expected: format!("the rank {} built into {}", self.plan.len(), self.key()),
                 got: input.shape().to_vec(),
             })?;
         if shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d)) != Some(input.numel()) {
@@ -205,34 +203,41 @@ impl Kernel for ViewKernel {
                 got: input.shape().to_vec(),
             });
         }
-        if !input.is_contiguous() {
-            return Err(Error::NotContiguous { arg: "input".into() });
-        }
-        Ok(vec![(input.dtype(), shape)])
+        Ok(shape)
+    }
+
+    fn outputs(&self, shape: &Vec<usize>) -> Vec<OutputSpec> {
+        vec![(self.dtype, shape.clone())]
+    }
+}
+
+/// The view "kernel": checks the input and gives the output shape; the
+/// executor makes the view (see [`Kernel::is_view`]).
+struct ViewKernel(ReshapeSpec);
+
+impl OpKernel for ViewKernel {
+    type Spec = ReshapeSpec;
+    const IMPLEMENTATION: &'static str = "view";
+    const IS_VIEW: bool = true;
+
+    fn spec(&self) -> &ReshapeSpec {
+        &self.0
     }
 
     /// Not called by the executor (it makes the view); for direct callers,
-    /// a copy into the output allocated to the checked shape.
-    fn run(
-        &self,
-        inputs: &[&Tensor],
-        caches: &mut [&mut PagedKVCacheCollection],
-        outputs: &mut [Tensor],
-        _ctx: &DeviceContextPtr,
-    ) -> kvjit_core::Result<()> {
-        let caches: Vec<&PagedKVCacheCollection> = caches.iter().map(|c| &**c).collect();
-        let [(_, shape)] = self.check(inputs, &caches)?.try_into().expect("one output");
-        let [output] = outputs else {
-            return Err(Error::ShapeMismatch { arg: "outputs".into(), expected: "1".into(), got: vec![outputs.len()] });
-        };
-        *output = inputs[0].reshaped(&shape)?;
+    /// the output becomes the input seen with the checked shape.
+    fn run(&self, shape: Vec<usize>, call: Call<'_, '_>, _: &DeviceContextPtr) -> kvjit_core::Result<()> {
+        call.outputs[0] = call.tensors[0].reshaped(&shape)?;
         Ok(())
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use kvjit_core::DType;
+    use kvjit_core::{DType, KernelSpec};
+    use kvjit_runtime::{BuildOptions, KernelBuilder};
+
+    use kvjit_op::Defined;
 
     use super::*;
 
@@ -260,14 +265,14 @@ mod tests {
 
     #[test]
     fn the_view_kernel_shares_storage_and_refuses_a_wrong_count() {
-        let key = KernelKey::new(KERNEL_NAME, Target::Cpu, DType::F32)
-            .with("o0in", KeyField::Static(0))
-            .with("o1x", KeyField::Static(2))
-            .with("o2x", KeyField::Static(3));
-        let kernel = ReshapeOp.build(&key, &[], &BuildOptions::default()).unwrap();
+        let plan = vec![OutDim::InputAxis(0), OutDim::Size(2), OutDim::Size(3)];
+        let spec = ReshapeSpec { target: Target::Cpu, dtype: DType::F32, plan };
+        assert_eq!(spec.key().to_string(), "reshape.cpu.f32.o0in0.o1x2.o2x3");
+        let kernel = Defined(ReshapeOp).build(&spec.key(), &[], &BuildOptions::default()).unwrap();
+        assert!(kernel.is_view());
         let input = Tensor::from_vec(&[4, 6], (0..24).map(|v| v as f32).collect()).unwrap();
         assert_eq!(kernel.check(&[&input], &[]).unwrap(), vec![(DType::F32, vec![4, 2, 3])]);
-        let mut out = [Tensor::zeros(DType::F32, &[0]).unwrap()];
+        let mut out = [Tensor::zeros(DType::F32, &[4, 2, 3]).unwrap()];
         kernel.run(&[&input], &mut [], &mut out, &DeviceContextPtr::cpu(1).unwrap()).unwrap();
         assert_eq!(out[0].shape(), [4, 2, 3]);
         assert!(out[0].shares_storage_with(&input), "a view, not a copy");

@@ -56,36 +56,45 @@
 
 use std::sync::Arc;
 
-use kvjit_core::{DType, Error, KernelKey, PagedKVCacheCollection, Result, Tensor};
+use std::mem::offset_of;
+
+use kvjit_core::{DType, KernelKey, KernelSpec, Result};
 use kvjit_jit::cranelift_codegen::ir::condcodes::IntCC;
 use kvjit_jit::cranelift_codegen::ir::{InstBuilder, MemFlagsData, StackSlotData, StackSlotKind, Value, types};
 use kvjit_jit::cranelift_frontend::FunctionBuilder;
 use kvjit_jit::ir::addr::{self, Displacements};
 use kvjit_jit::ir::{counted_loop, e4m3, if_else, load_f32x4, load_f32x4_raw, mem, shuffle, splat_f32, store_f32x4};
-use kvjit_jit::{CaptureText, JitError, JitFunction, compile_kernel};
-use kvjit_runtime::{CodeInfo, DeviceContextPtr, Kernel, OutputSpec};
+use kvjit_jit::{CaptureText, JitError, JitFunction, KernelArgs, compile_kernel};
+use kvjit_op::{Call, CallContract, OpKernel};
+use kvjit_runtime::{CodeInfo, DeviceContextPtr};
 
-use crate::call::{RowPlan, row_plans};
-use crate::kernel::{check_against_spec, checked_call};
-use crate::{CallShape, MAX_JIT_HEAD_SIZE, RopeArgs, RopeSpec};
+use crate::call::check_output_bytes;
+use crate::{CallShape, MAX_JIT_HEAD_SIZE, RopeArgs, RopeSpec, RowPlan};
 
-/// The kernel's argument words ([`kvjit_jit::KernelParams::arg`]), in
-/// order; the work items of a launch are token rows.
-mod arg {
+/// The kernel's arguments; the work items of a launch are token rows.
+#[repr(C)]
+struct LaunchArgs {
     /// `q_proj`, `[B·S, Hq, D]` in the dtype.
-    pub const Q: usize = 0;
+    q: u64,
     /// The output, `[B·S, Hq, D]` in the dtype.
-    pub const OUT: usize = 1;
+    out: u64,
     /// `freqs_cis`, `[max_seq, D]` in the dtype.
-    pub const FREQS: usize = 2;
+    freqs: u64,
     /// The cache's blocks.
-    pub const BLOCKS: usize = 3;
-    /// Per row, its [`RowPlan`](super::RowPlan) (two i64 words).
-    pub const ROWS: usize = 4;
+    blocks: u64,
+    /// Per row, its [`RowPlan`].
+    rows: u64,
     /// An FP8 cache's f32 scales (null for other caches).
-    pub const SCALES: usize = 5;
-    /// Words in all.
-    pub const COUNT: usize = 6;
+    scales: u64,
+}
+
+// SAFETY: `#[repr(C)]` and made of u64 words only.
+unsafe impl KernelArgs for LaunchArgs {}
+
+/// A field's `offset_of!` as a load displacement (a `#[repr(C)]` struct of
+/// two words).
+fn field_offset(offset: usize) -> i32 {
+    i32::try_from(offset).expect("a field of a two-word struct")
 }
 
 /// Refuse specs the generated code does not handle: D not a multiple of 8
@@ -94,14 +103,14 @@ mod arg {
 /// another cache, or none for FP8), or a row too large for the offsets it
 /// forms.
 pub(crate) fn supported(spec: &RopeSpec) -> Result<(), JitError> {
-    let unsupported = |reason: String| JitError::Unsupported { key: spec.kernel_key().to_string(), reason };
-    let d = spec.head_size;
+    let unsupported = |reason: String| JitError::Unsupported { key: spec.key().to_string(), reason };
+    let d = spec.head_size();
     if !d.is_multiple_of(8) || d > MAX_JIT_HEAD_SIZE {
         return Err(unsupported(format!(
             "the CPU kernel needs head_size to be a multiple of 8 and at most {MAX_JIT_HEAD_SIZE}, got {d}"
         )));
     }
-    match (spec.cache_dtype, spec.scale_granularity) {
+    match (spec.cache.dtype, spec.cache.scale_granularity) {
         (DType::F8E4M3, Some(g)) if g > 0 && g.is_multiple_of(4) && d.is_multiple_of(g) => {}
         (DType::F8E4M3, Some(g)) => {
             return Err(unsupported(format!(
@@ -125,7 +134,7 @@ pub(crate) fn supported(spec: &RopeSpec) -> Result<(), JitError> {
 /// The constant displacements of the kernel's loads and stores, within the
 /// row's f32 table (8·D bytes, the largest), a head, or a chunk of 4 of them.
 fn displacements(spec: &RopeSpec) -> Result<Displacements, JitError> {
-    Displacements::up_to(&spec.kernel_key(), spec.head_size.checked_mul(8))
+    Displacements::up_to(&spec.key(), spec.head_size().checked_mul(8))
 }
 
 /// Compile the kernel for `spec` (or fetch it from the process-wide
@@ -133,7 +142,7 @@ fn displacements(spec: &RopeSpec) -> Result<Displacements, JitError> {
 /// registry so the texts always exist.
 pub fn compile(spec: &RopeSpec, capture: CaptureText) -> Result<Arc<JitFunction>, JitError> {
     let generic = spec.generic();
-    let key = generic.kernel_key();
+    let key = generic.key();
     kvjit_jit::compile_or_fetch(&key, capture, || emit_and_compile(&generic, &key, capture))
 }
 
@@ -142,12 +151,12 @@ fn emit_and_compile(spec: &RopeSpec, key: &KernelKey, capture: CaptureText) -> R
     let disp = displacements(spec)?;
     compile_kernel(key, capture, |b, params| {
         let bases = Bases {
-            q: params.arg(b, arg::Q),
-            out: params.arg(b, arg::OUT),
-            freqs: params.arg(b, arg::FREQS),
-            blocks: params.arg(b, arg::BLOCKS),
-            rows: params.arg(b, arg::ROWS),
-            scales: params.arg(b, arg::SCALES),
+            q: params.field(b, offset_of!(LaunchArgs, q)),
+            out: params.field(b, offset_of!(LaunchArgs, out)),
+            freqs: params.field(b, offset_of!(LaunchArgs, freqs)),
+            blocks: params.field(b, offset_of!(LaunchArgs, blocks)),
+            rows: params.field(b, offset_of!(LaunchArgs, rows)),
+            scales: params.field(b, offset_of!(LaunchArgs, scales)),
         };
         Emitter { spec: *spec, disp }.emit(b, bases, params.begin, params.end);
     })
@@ -199,7 +208,7 @@ fn chunk_loop(
 
 impl Emitter {
     fn d(&self) -> usize {
-        self.spec.head_size
+        self.spec.head_size()
     }
 
     /// Bytes of one output (and q_proj) row: Hq·D elements.
@@ -209,7 +218,8 @@ impl Emitter {
 
     /// Values per scale of an FP8 cache (`None` for other caches).
     fn granularity(&self) -> Option<usize> {
-        (self.spec.cache_dtype == DType::F8E4M3).then(|| self.spec.scale_granularity.expect("checked by `supported`"))
+        (self.spec.cache.dtype == DType::F8E4M3)
+            .then(|| self.spec.cache.scale_granularity.expect("checked by `supported`"))
     }
 
     /// The loop over this invocation's rows.
@@ -222,20 +232,21 @@ impl Emitter {
         });
         counted_loop(b, begin, end, 1, &[], |b, r, _| {
             let plan_at = addr::element(b, bases.rows, r, size_of::<RowPlan>());
-            let freqs_offset = b.ins().load(types::I64, mem(), plan_at, 0);
+            let freqs_offset =
+                b.ins().load(types::I64, mem(), plan_at, field_offset(offset_of!(RowPlan, freqs_offset)));
             let row_offset = addr::offset(b, r, self.row_bytes());
             let out_row = b.ins().iadd(bases.out, row_offset);
 
             let is_padded = b.ins().icmp_imm_s(IntCC::SignedLessThan, freqs_offset, 0);
             let zero_row = |b: &mut FunctionBuilder| self.emit_zero_row(b, out_row);
             if_else(b, is_padded, zero_row, |b| {
-                let k_offset = b.ins().load(types::I64, mem(), plan_at, 8);
+                let k_offset = b.ins().load(types::I64, mem(), plan_at, field_offset(offset_of!(RowPlan, k_offset)));
                 let table = b.ins().stack_addr(kvjit_jit::pointer_type(), table_slot, 0);
                 let freqs_row = addr::element(b, bases.freqs, freqs_offset, self.spec.dtype.size_bytes());
                 self.emit_table(b, freqs_row, table);
                 let q_row = b.ins().iadd(bases.q, row_offset);
                 self.emit_heads(b, q_row, out_row, self.spec.num_q_heads, self.spec.dtype, table);
-                let k_row = addr::element(b, bases.blocks, k_offset, self.spec.cache_dtype.size_bytes());
+                let k_row = addr::element(b, bases.blocks, k_offset, self.spec.cache.dtype.size_bytes());
                 match (self.granularity(), head_slot) {
                     (Some(g), Some(head_slot)) => {
                         // The row's first scale: `k_offset / g`, exact (k_offset
@@ -245,7 +256,7 @@ impl Emitter {
                         let head = b.ins().stack_addr(kvjit_jit::pointer_type(), head_slot, 0);
                         self.emit_e4m3_heads(b, k_row, scale_row, head, table);
                     }
-                    _ => self.emit_heads(b, k_row, k_row, self.spec.num_kv_heads, self.spec.cache_dtype, table),
+                    _ => self.emit_heads(b, k_row, k_row, self.spec.cache.num_kv_heads, self.spec.cache.dtype, table),
                 }
             });
             Vec::new()
@@ -362,7 +373,7 @@ impl Emitter {
         let d = self.d();
         let g = self.granularity().expect("an FP8 cache");
         let start = b.ins().iconst(types::I64, 0);
-        let end = b.ins().iconst(types::I64, (self.spec.num_kv_heads * d) as i64);
+        let end = b.ins().iconst(types::I64, (self.spec.cache.num_kv_heads * d) as i64);
         // `h`: the head's first code (D bytes per head); its scales advance
         // by D/g f32 per head, carried.
         counted_loop(b, start, end, d as i64, &[scales], |b, h, carried| {
@@ -429,13 +440,13 @@ fn splat_sign_even_lanes(b: &mut FunctionBuilder) -> Value {
     b.ins().bitcast(types::F32X4, MemFlagsData::new(), v)
 }
 
-/// The op as JIT-compiled machine code for one kernel key.
+/// The op as JIT-compiled machine code for one spec (wrap it in
+/// [`kvjit_op::Compiled`] to run it as a `Kernel`).
 ///
 /// Tensor inputs, in order: `q_proj`, `freqs_cis`, `layer_idx`,
 /// `valid_lengths`; one cache; one output.
 pub struct JitKernel {
     spec: RopeSpec,
-    key: KernelKey,
     code: Arc<JitFunction>,
 }
 
@@ -444,114 +455,92 @@ impl JitKernel {
     /// `spec`.
     pub fn new(spec: RopeSpec, capture: CaptureText) -> Result<Self, JitError> {
         let code = compile(&spec, capture)?;
-        Ok(Self { key: spec.kernel_key(), spec, code })
+        Ok(Self { spec, code })
     }
 
     /// Run with the output written into raw bytes (exactly `B·S·Hq·D`
     /// elements of the dtype), so callers — tests with guard regions around
     /// the output, benchmarks reusing a buffer — choose where it lives.
-    /// Validates everything first, like [`Kernel::run`].
+    /// Validates everything first, like `Kernel::run`.
     pub fn run_into(&self, args: RopeArgs<'_>, output: &mut [u8], ctx: &DeviceContextPtr) -> Result<()> {
-        let inputs = [args.q_proj, args.freqs_cis, args.layer_idx, args.valid_lengths];
-        let shape = check_against_spec(&self.spec, &inputs, &[&*args.kv_collection])?;
-        let expected = shape.rows() * shape.num_q_heads * shape.head_size * self.spec.dtype.size_bytes();
-        if output.len() != expected {
-            return Err(Error::ByteCount {
-                dtype: self.spec.dtype,
-                shape: shape.output_shape(),
-                expected,
-                got: output.len(),
-            });
-        }
-        self.launch(&shape, args, output, ctx)
+        let tensors = [args.q_proj, args.freqs_cis, args.layer_idx, args.valid_lengths];
+        kvjit_op::check_declared_dtypes(&self.spec, &tensors)?;
+        let shape = self.spec.check(&tensors, &[&*args.kv_collection])?;
+        check_output_bytes(&shape, self.spec.dtype, output.len())?;
+        self.launch(&shape, args, output, ctx);
+        Ok(())
     }
 
-    /// Run a validated call: `shape` came from `check_against_spec` on
-    /// exactly these arguments and `output` holds `B·S·Hq·D` elements.
-    fn launch(&self, shape: &CallShape, args: RopeArgs<'_>, output: &mut [u8], ctx: &DeviceContextPtr) -> Result<()> {
-        let RopeArgs { q_proj, kv_collection: cache, freqs_cis, valid_lengths, .. } = args;
-        let plans = row_plans(shape, cache, valid_lengths)?;
-        if shape.rows() == 0 || shape.num_q_heads * shape.head_size == 0 {
-            return Ok(());
+    /// Run a validated call: `shape` came from the spec's check on exactly
+    /// these arguments and `output` holds `B·S·Hq·D` elements.
+    fn launch(&self, shape: &CallShape, args: RopeArgs<'_>, output: &mut [u8], ctx: &DeviceContextPtr) {
+        let RopeArgs { q_proj, kv_collection: cache, freqs_cis, .. } = args;
+        if shape.rows.is_empty() || shape.num_q_heads * shape.head_size == 0 {
+            return;
         }
-        let mut words = [0u64; arg::COUNT];
-        words[arg::Q] = q_proj.as_bytes().as_ptr() as u64;
-        words[arg::OUT] = output.as_mut_ptr() as u64;
-        words[arg::FREQS] = freqs_cis.as_bytes().as_ptr() as u64;
-        words[arg::ROWS] = plans.as_ptr() as u64;
+        let mut launch = LaunchArgs {
+            q: q_proj.as_bytes().as_ptr() as u64,
+            out: output.as_mut_ptr() as u64,
+            freqs: freqs_cis.as_bytes().as_ptr() as u64,
+            blocks: 0,
+            rows: shape.rows.as_ptr() as u64,
+            scales: 0,
+        };
         // Only a call with valid tokens borrows the blocks (and an FP8
         // cache's scales) mutably (which bumps the cache's blocks
         // generation, and copies shared storage).
         if shape.cache_tokens > 0 {
             let (blocks, scales) = cache.blocks_and_scales_mut();
-            words[arg::BLOCKS] = blocks.as_mut_ptr() as u64;
-            words[arg::SCALES] = scales.map_or(0, |s| s.as_mut_ptr() as u64);
+            launch.blocks = blocks.as_mut_ptr() as u64;
+            launch.scales = scales.map_or(0, |s| s.as_mut_ptr() as u64);
         }
         // SAFETY: `self.code` was compiled by `emit_and_compile` for this
         // kernel's spec without B and S (which the code does not depend on),
-        // reading the argument words in `arg`'s layout. `check_against_spec`
-        // validated every argument against the spec and each other: dtypes,
-        // contiguity, q_proj `[B, S, Hq, D]` with this spec's Hq and D (so
-        // row r reads/writes `Hq·D` elements at `r·Hq·D` inside `q_proj` and
-        // `output`, whose byte length the caller checked); `freqs_cis
-        // [max_seq, D]` with every valid token's position `< max_seq` (so
-        // `freqs_offset + D ≤ max_seq·D`); the cache layout equal to the
-        // spec's, `layer_idx < L`, every valid token's page inside the lookup
-        // table and the cache, and no two tokens sharing a (page, slot) (so
-        // `k_offset + Hkv·D` lies inside `blocks` and rows write disjoint K
-        // slots). For an FP8 cache, `expect_built_for` (in
-        // `check_against_spec`) matched the cache's dtype and scale
-        // granularity to the spec's g, and the cache holds scales
+        // reading `LaunchArgs` at the `offset_of!` of its fields. The spec's
+        // check (`RopeSpec::check`, after `Compiled` or `run_into` checked
+        // dtypes and contiguity) validated every argument against the spec
+        // and each other: q_proj `[B, S, Hq, D]` with this spec's Hq and D
+        // (so row r reads/writes `Hq·D` elements at `r·Hq·D` inside
+        // `q_proj` and `output`, whose byte length was checked against the
+        // call); `freqs_cis [max_seq, D]` with every valid token's position
+        // `< max_seq` (so `freqs_offset + D ≤ max_seq·D`); the cache layout
+        // equal to the spec's, `layer_idx < L`, every valid token's page
+        // inside the lookup table and the cache, and no two tokens sharing a
+        // (page, slot) (`write_rows`: so `k_offset + Hkv·D` lies inside
+        // `blocks` and rows write disjoint K slots). For an FP8 cache,
+        // `expect_built_for` matched the cache's dtype and scale granularity
+        // to the spec's g, and the cache holds scales
         // `[P, 2, L, page_size, Hkv, D/g]` f32 (its constructors and
         // `set_scales` check that shape), so the row's scales
         // `k_offset/g .. k_offset/g + Hkv·D/g` are those of the same
         // validated (page, layer, slot), inside `scales` and disjoint across
-        // rows. `row_plans` made one plan per row from exactly these
+        // rows. `shape.rows` holds one plan per row made from exactly these
         // validated values; padded rows (`freqs_offset < 0`) only zero their
         // own output row and never touch `blocks` or `scales` (null only
         // when no row is valid; `scales` also for caches without scales,
         // which the code then never reads). Rows of different ranges write
-        // disjoint memory.
-        // `plans`, the tensors and the borrowed output and cache outlive the
-        // launch.
-        unsafe { kvjit_jit::launch(&self.code, &words, shape.rows(), ctx) };
-        Ok(())
+        // disjoint memory. `shape`, the tensors and the borrowed output and
+        // cache outlive the launch.
+        unsafe { kvjit_jit::launch(&self.code, &launch, shape.rows.len(), ctx) };
     }
 }
 
-impl Kernel for JitKernel {
-    fn key(&self) -> &KernelKey {
-        &self.key
-    }
+impl OpKernel for JitKernel {
+    type Spec = RopeSpec;
+    const IMPLEMENTATION: &'static str = "jit";
 
-    fn implementation(&self) -> &'static str {
-        "jit"
+    fn spec(&self) -> &RopeSpec {
+        &self.spec
     }
 
     fn code_info(&self) -> CodeInfo {
         self.code.code_info()
     }
 
-    fn check(&self, inputs: &[&Tensor], caches: &[&PagedKVCacheCollection]) -> Result<Vec<OutputSpec>> {
-        let shape = check_against_spec(&self.spec, inputs, caches)?;
-        Ok(vec![(self.spec.dtype, shape.output_shape())])
-    }
-
-    fn run(
-        &self,
-        inputs: &[&Tensor],
-        caches: &mut [&mut PagedKVCacheCollection],
-        outputs: &mut [Tensor],
-        ctx: &DeviceContextPtr,
-    ) -> Result<()> {
-        let call = checked_call(&self.spec, inputs, caches, outputs)?;
-        let args = RopeArgs {
-            q_proj: call.q_proj,
-            kv_collection: call.cache,
-            freqs_cis: call.freqs_cis,
-            layer_idx: call.layer_idx,
-            valid_lengths: call.valid_lengths,
-        };
-        self.launch(&call.shape, args, call.output.as_bytes_mut(), ctx)
+    fn run(&self, shape: CallShape, call: Call<'_, '_>, ctx: &DeviceContextPtr) -> Result<()> {
+        let [q_proj, freqs_cis, layer_idx, valid_lengths] = call.tensors();
+        let args = RopeArgs { q_proj, kv_collection: &mut *call.caches[0], freqs_cis, layer_idx, valid_lengths };
+        self.launch(&shape, args, call.outputs[0].as_bytes_mut(), ctx);
+        Ok(())
     }
 }

@@ -3,46 +3,34 @@
 
 use std::sync::Arc;
 
-use kvjit_core::{DType, KernelKey, Target};
+use kvjit_core::{Backend, DType};
 use kvjit_graph::{
-    ArgSpec, Dim, GraphBuilder, GraphError, OpDef, PagedParams, ParamKind, ParamSpec, ParamValue, Params, RecipeKind,
-    TensorType, ValueId, ValueType, input_error, paged_cache_input, param_bool, param_dtype, param_usize, step_inputs,
-    tensor_input,
+    ArgSpec, Dim, GraphBuilder, GraphError, PagedParams, RecipeKind, TensorType, ValueId, ValueType, input_error,
+    paged_cache_input, step_inputs, tensor_input,
 };
-use kvjit_jit::CaptureText;
-use kvjit_runtime::{BuildOptions, ConstantInput, Kernel, KernelBuilder, KernelImpl, RuntimeError};
+use kvjit_op::{Compiled, CpuBuild, Op, compile_error};
+use kvjit_runtime::{ConstantInput, Kernel, RuntimeError};
 
 use crate::{JitKernel, ReferenceKernel, RopeSpec};
 
 /// The op's name in graphs (MAX's).
 pub const OP_NAME: &str = "mo.fused_qk_rope.padded.paged";
 
-/// The parameters of a RoPE node, for [`fused_qk_rope`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct RopeParams {
-    /// Dtype of `q_proj`, `freqs_cis` and the output.
-    pub dtype: DType,
-    /// Rotate `(x[2j], x[2j+1])` (GGUF) rather than `(x[j], x[j + D/2])`
-    /// (Hugging Face `rotate_half`).
-    pub interleaved: bool,
-    /// KV heads Hkv of the cache.
-    pub num_kv_heads: usize,
-    /// Head size D (of Q and of the cache).
-    pub head_size: usize,
-    /// Tokens per cache page.
-    pub page_size: usize,
-}
-
-impl RopeParams {
-    /// The node parameters as a graph file spells them.
-    pub fn to_params(&self) -> Params {
-        Params::from([
-            ("dtype".to_string(), ParamValue::from(self.dtype)),
-            ("interleaved".to_string(), ParamValue::from(self.interleaved)),
-            ("num_kv_heads".to_string(), ParamValue::from(self.num_kv_heads)),
-            ("head_size".to_string(), ParamValue::from(self.head_size)),
-            ("page_size".to_string(), ParamValue::from(self.page_size)),
-        ])
+kvjit_op::params! {
+    /// The parameters of a RoPE node, for [`fused_qk_rope`].
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub struct RopeParams {
+        /// Dtype of `q_proj`, `freqs_cis` and the output.
+        dtype: DType,
+        /// Rotate `(x[2j], x[2j+1])` (GGUF) rather than `(x[j], x[j + D/2])`
+        /// (Hugging Face `rotate_half`).
+        interleaved: bool,
+        /// KV heads Hkv of the cache.
+        num_kv_heads: usize,
+        /// Head size D (of Q and of the cache).
+        head_size: usize,
+        /// Tokens per cache page.
+        page_size: usize,
     }
 }
 
@@ -80,20 +68,20 @@ const INPUTS: &[ArgSpec] = &[
 /// `4·D` more).
 pub const MAX_JIT_HEAD_SIZE: usize = 1024;
 
-impl RopeOp {
-    /// Check params and inputs; return the kernel spec (with `target`).
-    fn spec(&self, params: &Params, inputs: &[&ValueType], target: Target) -> Result<RopeSpec, GraphError> {
-        let dtype = param_dtype(params, "dtype")?;
+impl Op for RopeOp {
+    const NAME: &'static str = OP_NAME;
+    const INPUTS: &'static [ArgSpec] = INPUTS;
+    type Params = RopeParams;
+    type Spec = RopeSpec;
+
+    fn specialize(&self, params: &RopeParams, inputs: &[&ValueType], backend: Backend) -> Result<RopeSpec, GraphError> {
+        let RopeParams { dtype, interleaved, num_kv_heads, head_size, page_size } = *params;
         if !dtype.is_compute_float() {
             return Err(GraphError::Param {
                 param: "dtype".into(),
                 problem: format!("must be f32, bf16 or f16, got {dtype}"),
             });
         }
-        let interleaved = param_bool(params, "interleaved", false)?;
-        let num_kv_heads = param_usize(params, "num_kv_heads")?;
-        let head_size = param_usize(params, "head_size")?;
-        let page_size = param_usize(params, "page_size")?;
         if !head_size.is_multiple_of(2) {
             return Err(GraphError::Param {
                 param: "head_size".into(),
@@ -119,94 +107,44 @@ impl RopeOp {
         }
         step_inputs(inputs, [3, 4], batch)?;
         Ok(RopeSpec {
-            target,
+            target: backend.target(),
             dtype,
-            cache_dtype: cache.dtype,
-            scale_granularity: cache.scale_granularity,
+            cache: cache.params(),
             interleaved,
             num_q_heads,
-            num_kv_heads,
-            head_size,
-            page_size,
-            num_layers: cache.num_layers,
             batch: batch.as_static(),
             seq: seq.as_static(),
         })
     }
-}
 
-impl OpDef for RopeOp {
-    fn name(&self) -> &'static str {
-        OP_NAME
+    fn infer(&self, spec: &RopeSpec, inputs: &[&ValueType]) -> Vec<TensorType> {
+        vec![TensorType::new(spec.dtype, tensor_input(inputs, 0).shape.clone())]
     }
 
-    fn params(&self) -> &'static [ParamSpec] {
-        const PARAMS: &[ParamSpec] = &[
-            ParamSpec::required("dtype", ParamKind::DType),
-            ParamSpec::required("interleaved", ParamKind::Bool),
-            ParamSpec::required("num_kv_heads", ParamKind::SIZE),
-            ParamSpec::required("head_size", ParamKind::SIZE),
-            ParamSpec::required("page_size", ParamKind::SIZE),
-        ];
-        PARAMS
+    /// Head sizes the generated code handles (a multiple of 8, at most
+    /// [`MAX_JIT_HEAD_SIZE`]), for an FP8 cache scale granularities that
+    /// are multiples of 4, and offsets it can form.
+    fn supports_cpu(&self, spec: &RopeSpec) -> Result<(), String> {
+        crate::cpu_jit::supported(spec).map_err(|e| e.to_string())
     }
 
-    fn inputs(&self) -> &'static [ArgSpec] {
-        INPUTS
+    fn build_reference(&self, spec: &RopeSpec) -> Result<Arc<dyn Kernel>, RuntimeError> {
+        Ok(Arc::new(Compiled::new(ReferenceKernel::new(*spec))))
     }
 
-    fn outputs(&self) -> &'static [&'static str] {
-        &["output"]
-    }
-
-    fn infer(&self, params: &Params, inputs: &[&ValueType]) -> Result<Vec<TensorType>, GraphError> {
-        let spec = self.spec(params, inputs, Target::Cpu)?;
-        Ok(vec![TensorType::new(spec.dtype, tensor_input(inputs, 0).shape.clone())])
-    }
-
-    fn kernel_key(&self, params: &Params, inputs: &[&ValueType], target: Target) -> Result<KernelKey, GraphError> {
-        Ok(self.spec(params, inputs, target)?.kernel_key())
-    }
-
-    /// CPU: head sizes the generated code handles (a multiple of 8, at most
-    /// [`MAX_JIT_HEAD_SIZE`]), for an FP8 cache scale granularities that are
-    /// multiples of 4, and offsets it can form; CUDA: none yet.
-    fn supports(&self, key: &KernelKey) -> Result<(), String> {
-        let spec = RopeSpec::from_kernel_key(key).ok_or_else(|| format!("{key} is not a key of {OP_NAME}"))?;
-        match spec.target {
-            Target::Cpu => crate::cpu_jit::supported(&spec).map_err(|e| e.to_string()),
-            Target::Cuda => Err(format!("no CUDA variant for op {OP_NAME} yet")),
-        }
+    fn build_cpu(
+        &self,
+        spec: &RopeSpec,
+        _: &[Option<ConstantInput>],
+        build: &CpuBuild,
+    ) -> Result<Arc<dyn Kernel>, RuntimeError> {
+        let kernel = JitKernel::new(*spec, build.capture).map_err(|e| compile_error(spec, e))?;
+        Ok(Arc::new(Compiled::new(kernel)))
     }
 
     /// Its `freqs_cis` table ([`RopeInit`](crate::RopeInit)).
     fn recipes(&self) -> &'static [RecipeKind] {
         const RECIPES: &[RecipeKind] = &[RecipeKind::of::<crate::RopeInit>()];
         RECIPES
-    }
-}
-
-impl KernelBuilder for RopeOp {
-    fn build(
-        &self,
-        key: &KernelKey,
-        _constants: &[Option<ConstantInput>],
-        options: &BuildOptions,
-    ) -> kvjit_runtime::Result<Arc<dyn Kernel>> {
-        let spec = RopeSpec::from_kernel_key(key)
-            .ok_or_else(|| RuntimeError::Plan(format!("{key} is not a key of {OP_NAME}")))?;
-        match (spec.target, options.implementation) {
-            (Target::Cpu, KernelImpl::Reference) => Ok(Arc::new(ReferenceKernel::new(spec))),
-            (Target::Cpu, KernelImpl::Fast) => {
-                let capture = CaptureText { clif: options.keep_ir, disasm: options.keep_disasm };
-                let kernel = JitKernel::new(spec, capture)
-                    .map_err(|e| RuntimeError::Compile { key: key.to_string(), source: Box::new(e) })?;
-                Ok(Arc::new(kernel))
-            }
-            (Target::Cuda, _) => Err(RuntimeError::NoImplementation {
-                key: key.to_string(),
-                reason: format!("no CUDA variant for op {OP_NAME} yet"),
-            }),
-        }
     }
 }

@@ -19,9 +19,9 @@
 //! scales of exactly the rotated tokens' K heads change.
 //!
 //! Everything about the op lives here: its IR definition ([`RopeOp`],
-//! parameters, shape rules, kernel key [`RopeSpec`]), the run-time argument
-//! check every target shares ([`check_call`]: nothing is written unless the
-//! whole call is valid), the f64 reference ([`reference`](mod@reference)),
+//! parameters, shape rules, kernel spec [`RopeSpec`] with its call
+//! contract), the run-time argument check every kernel shares
+//! ([`check_call`]: nothing is written unless the whole call is valid), the f64 reference ([`reference`](mod@reference)),
 //! and the Cranelift kernel ([`cpu_jit`]). There is no CUDA variant yet:
 //! `supports` refuses CUDA keys, so specializing a graph for CUDA fails with
 //! a clear error.
@@ -35,7 +35,7 @@ mod recipe;
 pub mod reference;
 mod spec;
 
-pub use call::{CallShape, RopeArgs, RowPlan, check_call, check_output, row_plans};
+pub use call::{CallShape, RopeArgs, RowPlan, check_call, check_output};
 pub use cpu_jit::JitKernel;
 pub use def::{MAX_JIT_HEAD_SIZE, OP_NAME, RopeOp, RopeParams, fused_qk_rope};
 pub use error::RopeError;

@@ -173,7 +173,7 @@ mod tests {
         // Without the op, an init with rope_theta is no recipe at all.
         let err = registry.read_recipe(fields()).unwrap_err();
         assert!(err.to_string().contains("unknown field `rope_theta`"), "{err}");
-        registry.register(std::sync::Arc::new(crate::RopeOp)).unwrap();
+        registry.register(std::sync::Arc::new(kvjit_op::Defined(crate::RopeOp))).unwrap();
         let rope = registry.read_recipe(fields()).unwrap();
         assert_eq!(rope.get::<RopeInit>(), Some(&RopeInit { rope_theta: 500000.0, llama3_scaling: None }));
         assert_eq!(serde_json::to_string(&rope).unwrap(), r#"{"rope_theta":500000.0}"#);

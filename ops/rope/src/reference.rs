@@ -117,8 +117,21 @@ pub fn fused_qk_rope(
     interleaved: bool,
     output: &mut Tensor,
 ) -> Result<CallShape> {
+    let dtype = q_proj.dtype();
+    if !dtype.is_compute_float() {
+        return Err(kvjit_core::Error::NotFloat { what: "q_proj".into(), dtype });
+    }
+    for (name, tensor, expected) in [
+        ("q_proj", q_proj, dtype),
+        ("freqs_cis", freqs_cis, dtype),
+        ("layer_idx", layer_idx, DType::U32),
+        ("valid_lengths", valid_lengths, DType::U32),
+        ("output", &*output, dtype),
+    ] {
+        kvjit_core::expect_arg(name, tensor, expected)?;
+    }
     let shape = check_call(q_proj, kv_collection, freqs_cis, layer_idx, valid_lengths)?;
-    check_output(&shape, q_proj.dtype(), output)?;
+    check_output(&shape, output)?;
     let valid = valid_lengths.as_slice::<u32>()?;
     let cache_dtype = kv_collection.params().dtype;
     macro_rules! dispatch {

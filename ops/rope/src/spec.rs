@@ -1,6 +1,12 @@
-//! [`RopeSpec`]: the typed form of this op's kernel key.
+//! [`RopeSpec`]: everything this op's kernels bake in, its canonical name,
+//! and the call contract every kernel of the op checks.
 
-use kvjit_core::{DType, KernelKey, KeyField, Target};
+use kvjit_core::{DType, KernelKey, KernelSpec, KeyField, KvCacheParams, PagedKVCacheCollection, Result, Tensor};
+use kvjit_op::checks::{expect_baked, with_cache_fields};
+use kvjit_op::{CallContract, TensorArg};
+use kvjit_runtime::OutputSpec;
+
+use crate::{CallShape, check_call};
 
 /// Short op name used in kernel keys and symbols.
 pub const KERNEL_NAME: &str = "fused_qk_rope_paged";
@@ -16,25 +22,16 @@ pub const KERNEL_NAME: &str = "fused_qk_rope_paged";
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct RopeSpec {
     /// Target.
-    pub target: Target,
+    pub target: kvjit_core::Target,
     /// Dtype of `q_proj`, `freqs_cis` and the output.
     pub dtype: DType,
-    /// Dtype of the cache (K is read, rotated in f32 and rounded back to it).
-    pub cache_dtype: DType,
-    /// Values per scale of an FP8 cache (`Some` exactly for `f8e4m3`).
-    pub scale_granularity: Option<usize>,
+    /// The cache layout (K is read in its dtype, rotated in f32 and rounded
+    /// back to it).
+    pub cache: KvCacheParams,
     /// Pairs are `(x[2j], x[2j+1])` (GGUF) rather than `(x[j], x[j + D/2])`.
     pub interleaved: bool,
     /// Query heads Hq (a multiple of Hkv).
     pub num_q_heads: usize,
-    /// KV heads Hkv.
-    pub num_kv_heads: usize,
-    /// Head size D.
-    pub head_size: usize,
-    /// Tokens per page.
-    pub page_size: usize,
-    /// Layers in the cache.
-    pub num_layers: usize,
     /// Batch B, if static.
     pub batch: Option<usize>,
     /// Padded sequence length S, if static.
@@ -42,60 +39,9 @@ pub struct RopeSpec {
 }
 
 impl RopeSpec {
-    /// The cache layout the kernel is built for.
-    pub fn cache_params(&self) -> kvjit_core::KvCacheParams {
-        kvjit_core::KvCacheParams {
-            dtype: self.cache_dtype,
-            num_layers: self.num_layers,
-            page_size: self.page_size,
-            num_kv_heads: self.num_kv_heads,
-            head_size: self.head_size,
-            scale_granularity: self.scale_granularity,
-        }
-    }
-
-    /// The canonical kernel key (the one function that names this op's
-    /// kernels), e.g.
-    /// `fused_qk_rope_paged.cpu.bf16.hq32.hkv8.d128.p16.l32.kvbf16.il0.bany.s1`.
-    pub fn kernel_key(&self) -> KernelKey {
-        KernelKey::new(KERNEL_NAME, self.target, self.dtype)
-            .with("hq", KeyField::size(self.num_q_heads))
-            .with("hkv", KeyField::size(self.num_kv_heads))
-            .with("d", KeyField::size(self.head_size))
-            .with("p", KeyField::size(self.page_size))
-            .with("l", KeyField::size(self.num_layers))
-            .with("kv", KeyField::DType(self.cache_dtype))
-            .with_if("g", self.scale_granularity.map(KeyField::size))
-            .with("il", KeyField::Static(u64::from(self.interleaved)))
-            .with("b", KeyField::dim(self.batch))
-            .with("s", KeyField::dim(self.seq))
-    }
-
-    /// Read a key made by [`kernel_key`](Self::kernel_key) back; `None` if it
-    /// is not this op's.
-    pub fn from_kernel_key(key: &KernelKey) -> Option<Self> {
-        if key.op() != KERNEL_NAME {
-            return None;
-        }
-        let spec = Self {
-            target: key.target(),
-            dtype: key.dtype(),
-            cache_dtype: key.dtype_field("kv")?,
-            scale_granularity: key.size("g"),
-            interleaved: match key.size("il")? {
-                0 => false,
-                1 => true,
-                _ => return None,
-            },
-            num_q_heads: key.size("hq")?,
-            num_kv_heads: key.size("hkv")?,
-            head_size: key.size("d")?,
-            page_size: key.size("p")?,
-            num_layers: key.size("l")?,
-            batch: key.dim("b")?,
-            seq: key.dim("s")?,
-        };
-        (spec.kernel_key() == *key).then_some(spec)
+    /// Head size D.
+    pub fn head_size(&self) -> usize {
+        self.cache.head_size
     }
 
     /// The same spec with B and S symbolic: the key the JIT compiles (and
@@ -105,36 +51,84 @@ impl RopeSpec {
     }
 }
 
+impl KernelSpec for RopeSpec {
+    /// E.g. `fused_qk_rope_paged.cpu.bf16.hq32.hkv8.d128.p16.l32.kvbf16.il0.bany.s1`.
+    fn key_name(&self) -> KernelKey {
+        let key = KernelKey::new(KERNEL_NAME, self.target, self.dtype).with("hq", KeyField::size(self.num_q_heads));
+        with_cache_fields(key, &self.cache)
+            .with("il", KeyField::Static(u64::from(self.interleaved)))
+            .with("b", KeyField::dim(self.batch))
+            .with("s", KeyField::dim(self.seq))
+    }
+}
+
+impl CallContract for RopeSpec {
+    type Checked = CallShape;
+    const TENSORS: &'static [TensorArg] = &[
+        TensorArg::compute("q_proj"),
+        TensorArg::compute("freqs_cis"),
+        TensorArg::u32("layer_idx"),
+        TensorArg::u32("valid_lengths"),
+    ];
+    const CACHES: &'static [&'static str] = &["kv_collection"];
+
+    fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// The contract ([`check_call`]) against the cache layout, Hq, D and
+    /// the static B and S this spec baked in.
+    fn check(&self, tensors: &[&Tensor], caches: &[&PagedKVCacheCollection]) -> Result<CallShape> {
+        let (&[q_proj, freqs_cis, layer_idx, valid_lengths], [cache]) = (tensors, caches) else {
+            unreachable!("the arity was checked against the signature")
+        };
+        cache.params().expect_built_for(&self.cache)?;
+        let shape = check_call(q_proj, cache, freqs_cis, layer_idx, valid_lengths)?;
+        let baked = [("B", self.batch), ("S", self.seq), ("Hq", Some(self.num_q_heads)), ("D", Some(self.head_size()))];
+        expect_baked("q_proj", q_proj, &baked, self)?;
+        Ok(shape)
+    }
+
+    fn outputs(&self, shape: &CallShape) -> Vec<OutputSpec> {
+        vec![(self.dtype, shape.output_shape())]
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    use kvjit_core::Target;
+
     use super::*;
 
     #[test]
-    fn key_round_trips_and_names_itself() {
+    fn the_key_holds_the_spec_and_names_it() {
+        let cache = KvCacheParams {
+            dtype: DType::F32,
+            num_layers: 32,
+            page_size: 16,
+            num_kv_heads: 8,
+            head_size: 128,
+            scale_granularity: None,
+        };
         let spec = RopeSpec {
             target: Target::Cpu,
             dtype: DType::BF16,
-            cache_dtype: DType::F32,
-            scale_granularity: None,
+            cache,
             interleaved: false,
             num_q_heads: 32,
-            num_kv_heads: 8,
-            head_size: 128,
-            page_size: 16,
-            num_layers: 32,
             batch: None,
             seq: Some(1),
         };
-        let key = spec.kernel_key();
+        let key = spec.key();
         assert_eq!(key.to_string(), "fused_qk_rope_paged.cpu.bf16.hq32.hkv8.d128.p16.l32.kvf32.il0.bany.s1");
-        assert_eq!(RopeSpec::from_kernel_key(&key), Some(spec));
+        assert_eq!(key.spec::<RopeSpec>(), Some(&spec));
         let interleaved = RopeSpec { interleaved: true, ..spec };
-        assert_eq!(RopeSpec::from_kernel_key(&interleaved.kernel_key()), Some(interleaved));
+        assert_ne!(interleaved.key(), key);
         assert_eq!(
-            spec.generic().kernel_key().to_string(),
+            spec.generic().key().to_string(),
             "fused_qk_rope_paged.cpu.bf16.hq32.hkv8.d128.p16.l32.kvf32.il0.bany.sany"
         );
         let other = KernelKey::new("reshape", Target::Cpu, DType::F32);
-        assert_eq!(RopeSpec::from_kernel_key(&other), None);
+        assert_eq!(other.spec::<RopeSpec>(), None);
     }
 }

@@ -9,8 +9,9 @@
 //! late in the batch, so that earlier valid sequences would already have
 //! been rotated by an op that checks as it goes.
 
-use kvjit_core::{DType, Error, PagedKVCacheCollection, Result, Target, Tensor, UNASSIGNED_PAGE};
+use kvjit_core::{DType, Error, KvCacheParams, PagedKVCacheCollection, Result, Target, Tensor, UNASSIGNED_PAGE};
 use kvjit_jit::{CaptureText, JitError};
+use kvjit_op::Compiled;
 use kvjit_op_rope::{JitKernel, ReferenceKernel, RopeArgs, RopeError, RopeSpec, check_call, reference};
 use kvjit_runtime::{DeviceContextPtr, Kernel};
 use kvjit_testkit::values::uniform;
@@ -72,14 +73,16 @@ impl Fixture {
             spec: RopeSpec {
                 target: Target::Cpu,
                 dtype,
-                cache_dtype: dtype,
-                scale_granularity: None,
+                cache: KvCacheParams {
+                    dtype,
+                    num_layers: LAYERS,
+                    page_size: PAGE_SIZE,
+                    num_kv_heads: HKV,
+                    head_size: D,
+                    scale_granularity: None,
+                },
                 interleaved: false,
                 num_q_heads: HQ,
-                num_kv_heads: HKV,
-                head_size: D,
-                page_size: PAGE_SIZE,
-                num_layers: LAYERS,
                 batch: None,
                 seq: None,
             },
@@ -123,8 +126,8 @@ impl Fixture {
                 .map(|_| ())
             });
         }
-        let reference = ReferenceKernel::new(self.spec);
-        let jit = JitKernel::new(self.spec, CaptureText::default()).unwrap();
+        let reference = Compiled::new(ReferenceKernel::new(self.spec));
+        let jit = Compiled::new(JitKernel::new(self.spec, CaptureText::default()).unwrap());
         for (name, kernel) in [("ReferenceKernel", &reference as &dyn Kernel), ("JitKernel", &jit)] {
             record(name, &|fx| {
                 let checked = kernel.check(&fx.inputs(), &[&fx.cache]).map(|_| ());
@@ -144,7 +147,7 @@ impl Fixture {
                 layer_idx: &fx.layer_idx,
                 valid_lengths: &fx.valid,
             };
-            let result = jit.run_into(args, out.body_mut(), &ctx);
+            let result = jit.kernel().run_into(args, out.body_mut(), &ctx);
             out.assert_guards("run_into");
             if result.is_err() {
                 assert!(out.body() == bytes, "run_into wrote its output and refused");
@@ -286,8 +289,8 @@ fn wrong_shapes_are_refused() {
 fn kernels_refuse_outputs_of_the_wrong_size() {
     let fx = Fixture::f32();
     let ctx = DeviceContextPtr::cpu(1).unwrap();
-    let jit = JitKernel::new(fx.spec, CaptureText::default()).unwrap();
-    for kernel in [&ReferenceKernel::new(fx.spec) as &dyn Kernel, &jit] {
+    let jit = Compiled::new(JitKernel::new(fx.spec, CaptureText::default()).unwrap());
+    for kernel in [&Compiled::new(ReferenceKernel::new(fx.spec)) as &dyn Kernel, &jit] {
         let mut fx = fx.clone();
         fx.output = Tensor::zeros(DType::F32, &[B, S, HQ, D - 2]).unwrap();
         let before = Snapshot::take(&fx.output, &fx.cache);
@@ -309,7 +312,7 @@ fn kernels_refuse_outputs_of_the_wrong_size() {
         layer_idx: &fx.layer_idx,
         valid_lengths: &fx.valid,
     };
-    let result = jit.run_into(args, &mut short, &ctx);
+    let result = jit.kernel().run_into(args, &mut short, &ctx);
     assert!(matches!(result, Err(Error::ByteCount { .. })), "{result:?}");
     assert!(short.iter().all(|&b| b == 0));
     before.cache.assert_unchanged(&fx.cache, "run_into, short output");
@@ -381,11 +384,11 @@ fn bad_page_tables_are_refused() {
 fn kernels_refuse_calls_they_were_not_built_for() {
     // Another cache layout than the key's.
     let mut fx = Fixture::f32();
-    fx.spec.page_size = 4;
+    fx.spec.cache.page_size = 4;
     let msg = assert_rejected!(kernels fx, Error::CacheLayout { what: "page_size", .. });
     assert_eq!(msg, "kv_collection: page_size is 2, but the op was built for 4");
     let mut fx = Fixture::f32();
-    fx.spec.cache_dtype = DType::BF16;
+    fx.spec.cache.dtype = DType::BF16;
     let msg = assert_rejected!(kernels fx, Error::CacheLayout { what: "dtype", .. });
     assert_eq!(msg, "kv_collection: dtype is f32, but the op was built for bf16");
 
@@ -401,7 +404,7 @@ fn kernels_refuse_calls_they_were_not_built_for() {
 
     // Wrong argument counts.
     let fx = Fixture::f32();
-    let kernel = ReferenceKernel::new(fx.spec);
+    let kernel = Compiled::new(ReferenceKernel::new(fx.spec));
     let err = kernel.check(&[&fx.q], &[&fx.cache]).unwrap_err();
     assert!(matches!(&err, kvjit_core::Error::KernelArguments { .. }), "{err}");
     let err = kernel.check(&fx.inputs(), &[]).unwrap_err();
@@ -421,7 +424,8 @@ fn odd_head_sizes_are_refused() {
 #[test]
 fn the_jit_refuses_head_sizes_it_cannot_vectorize() {
     for d in [2, 4, 12, 2048] {
-        let spec = RopeSpec { head_size: d, ..Fixture::f32().spec };
+        let spec =
+            RopeSpec { cache: KvCacheParams { head_size: d, ..Fixture::f32().spec.cache }, ..Fixture::f32().spec };
         let err = JitKernel::new(spec, CaptureText::default()).err().expect("refused");
         assert!(matches!(err, JitError::Unsupported { .. }), "{err}");
         assert!(err.to_string().contains("multiple of 8"), "{err}");

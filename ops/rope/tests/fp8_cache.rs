@@ -22,6 +22,7 @@ use common::{
 use kvjit_core::fp8::{E4M3_MAX, E4M3_NAN, quantize_block};
 use kvjit_core::{DType, Error, PagedKVCacheCollection, Tensor};
 use kvjit_jit::{CaptureText, JitError};
+use kvjit_op::Compiled;
 use kvjit_op_rope::{JitKernel, ReferenceKernel, RopeArgs, RopeSpec};
 use kvjit_runtime::{DeviceContextPtr, Kernel};
 use kvjit_testkit::tolerance::ulp;
@@ -541,12 +542,12 @@ fn kernels_refuse_an_fp8_cache_of_another_granularity_writing_nothing() {
     let call = case.build(&mut StdRng::seed_from_u64(case.seed));
     let ctx = DeviceContextPtr::cpu(2).unwrap();
     for (spec, what) in [
-        (spec_with(&case, |s| s.scale_granularity = Some(32)), "scale_granularity"),
-        (spec_with(&case, |s| s.scale_granularity = Some(8)), "scale_granularity"),
-        (spec_with(&case, |s| (s.cache_dtype, s.scale_granularity) = (DType::BF16, None)), "dtype"),
+        (spec_with(&case, |s| s.cache.scale_granularity = Some(32)), "scale_granularity"),
+        (spec_with(&case, |s| s.cache.scale_granularity = Some(8)), "scale_granularity"),
+        (spec_with(&case, |s| (s.cache.dtype, s.cache.scale_granularity) = (DType::BF16, None)), "dtype"),
     ] {
-        let jit = JitKernel::new(spec, CaptureText::default()).unwrap();
-        for kernel in [&ReferenceKernel::new(spec) as &dyn Kernel, &jit] {
+        let jit = Compiled::new(JitKernel::new(spec, CaptureText::default()).unwrap());
+        for kernel in [&Compiled::new(ReferenceKernel::new(spec)) as &dyn Kernel, &jit] {
             let mut cache = call.cache.clone();
             let mut out = [Tensor::zeros(case.dtype, &[case.batch, case.seq, case.hq, case.d]).unwrap()];
             let inputs = [&call.q, &call.freqs, &call.layer_idx, &call.valid];
@@ -574,15 +575,16 @@ fn kernels_refuse_an_fp8_cache_of_another_granularity_writing_nothing() {
             layer_idx: &call.layer_idx,
             valid_lengths: &call.valid,
         };
-        let err = jit.run_into(args, out.body_mut(), &ctx).expect_err("refused");
+        let err = jit.kernel().run_into(args, out.body_mut(), &ctx).expect_err("refused");
         assert!(matches!(err, Error::CacheLayout { what: w, .. } if w == what), "run_into: {err}");
         out.assert_guards("run_into");
         assert!(out.body() == bytes, "run_into wrote its output");
         assert_unchanged(&call.cache, &cache);
     }
     // The message names the field and both values.
-    let spec = spec_with(&case, |s| s.scale_granularity = Some(32));
-    let err = ReferenceKernel::new(spec).check(&[&call.q, &call.freqs, &call.layer_idx, &call.valid], &[&call.cache]);
+    let spec = spec_with(&case, |s| s.cache.scale_granularity = Some(32));
+    let err = Compiled::new(ReferenceKernel::new(spec))
+        .check(&[&call.q, &call.freqs, &call.layer_idx, &call.valid], &[&call.cache]);
     assert_eq!(err.unwrap_err().to_string(), "kv_collection: scale_granularity is 16, but the op was built for 32");
 }
 
@@ -596,13 +598,13 @@ fn assert_unchanged(before: &PagedKVCacheCollection, cache: &PagedKVCacheCollect
 fn the_jit_refuses_granularities_it_cannot_vectorize() {
     let case = fp8(Case::base(DType::F32, DType::F8E4M3, false), 24, 6);
     for g in [Some(1), Some(2), Some(6), Some(10), None] {
-        let spec = spec_with(&case, |s| s.scale_granularity = g);
+        let spec = spec_with(&case, |s| s.cache.scale_granularity = g);
         let err = JitKernel::new(spec, CaptureText::default()).err().expect("refused");
         assert!(matches!(err, JitError::Unsupported { .. }), "{err}");
         assert!(err.to_string().contains("scale_granularity"), "{err}");
     }
     // A granularity for a cache without scales.
-    let spec = spec_with(&Case::base(DType::F32, DType::BF16, false), |s| s.scale_granularity = Some(8));
+    let spec = spec_with(&Case::base(DType::F32, DType::BF16, false), |s| s.cache.scale_granularity = Some(8));
     let err = JitKernel::new(spec, CaptureText::default()).err().expect("refused");
     assert!(err.to_string().contains("f8e4m3 caches only"), "{err}");
 }

@@ -7,14 +7,18 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use kvjit_core::{DType, Target};
+use kvjit_core::{Backend, CodeTier, DType, KernelSpec, Target};
 use kvjit_graph::{Dim, GraphBuilder, KvCacheType, OpDef, OpRegistry, ValueId, specialize};
+use kvjit_op::Defined;
 use kvjit_op_rope::{OP_NAME, RopeOp, RopeParams, RopeSpec, fused_qk_rope};
 use kvjit_runtime::{BuildOptions, KernelBuilder, KernelImpl};
 
+/// The plain CPU tier (RoPE's code does not depend on the tier).
+const CPU: Backend = Backend::Cpu(CodeTier::Cranelift);
+
 fn registry() -> OpRegistry {
     let mut registry = OpRegistry::new();
-    registry.register(Arc::new(RopeOp)).unwrap();
+    registry.register(Arc::new(Defined(RopeOp))).unwrap();
     registry
 }
 
@@ -62,13 +66,13 @@ fn a_node_infers_its_output_and_specializes_to_its_key() {
     b.output("q_rotated", out).unwrap();
     let graph = b.finish().unwrap();
     let bindings = BTreeMap::from([("seq".to_string(), 1)]);
-    let specialized = specialize(&graph, &registry, Target::Cpu, &bindings).unwrap();
+    let specialized = specialize(&graph, &registry, CPU, &bindings).unwrap();
     let key = &specialized.kernel_keys()[0];
     assert_eq!(key.to_string(), "fused_qk_rope_paged.cpu.bf16.hq32.hkv8.d128.p16.l2.kvf32.il1.bany.s1");
-    let spec = RopeSpec::from_kernel_key(key).unwrap();
+    let spec = key.spec::<RopeSpec>().unwrap();
     for implementation in [KernelImpl::Fast, KernelImpl::Reference] {
         let options = BuildOptions { implementation, ..BuildOptions::default() };
-        let kernel = RopeOp.build(key, &[None, None, None, None], &options).unwrap();
+        let kernel = Defined(RopeOp).build(key, &[None, None, None, None], &options).unwrap();
         assert_eq!(kernel.key(), key);
         assert_eq!(kernel.implementation(), if implementation == KernelImpl::Fast { "jit" } else { "reference" });
     }
@@ -85,13 +89,13 @@ fn an_fp8_cache_keys_its_granularity_and_builds_both_kernels() {
     let out = fused_qk_rope(&mut b, args, params(128)).unwrap();
     b.output("q_rotated", out).unwrap();
     let graph = b.finish().unwrap();
-    let specialized = specialize(&graph, &registry, Target::Cpu, &BTreeMap::new()).unwrap();
+    let specialized = specialize(&graph, &registry, CPU, &BTreeMap::new()).unwrap();
     let key = &specialized.kernel_keys()[0];
     assert_eq!(key.to_string(), "fused_qk_rope_paged.cpu.bf16.hq32.hkv8.d128.p16.l2.kvf8e4m3.g32.il1.bany.sany");
-    assert_eq!(RopeSpec::from_kernel_key(key).unwrap().scale_granularity, Some(32));
+    assert_eq!(key.spec::<RopeSpec>().unwrap().cache.scale_granularity, Some(32));
     for implementation in [KernelImpl::Fast, KernelImpl::Reference] {
         let options = BuildOptions { implementation, ..BuildOptions::default() };
-        RopeOp.build(key, &[None, None, None, None], &options).unwrap();
+        Defined(RopeOp).build(key, &[None, None, None, None], &options).unwrap();
     }
 }
 
@@ -104,7 +108,7 @@ fn fp8_granularities_the_jit_cannot_serve_are_refused_at_specialize() {
     let out = fused_qk_rope(&mut b, args, params(24)).unwrap();
     b.output("q_rotated", out).unwrap();
     let graph = b.finish().unwrap();
-    let err = specialize(&graph, &registry, Target::Cpu, &BTreeMap::new()).unwrap_err().to_string();
+    let err = specialize(&graph, &registry, CPU, &BTreeMap::new()).unwrap_err().to_string();
     assert!(err.contains("scale_granularity to be a multiple of 4"), "{err}");
 }
 
@@ -116,14 +120,12 @@ fn cuda_is_refused_at_specialize_with_a_reason() {
     let out = fused_qk_rope(&mut b, args, params(64)).unwrap();
     b.output("q_rotated", out).unwrap();
     let graph = b.finish().unwrap();
-    let err = specialize(&graph, &registry, Target::Cuda, &BTreeMap::new()).unwrap_err().to_string();
+    let err = specialize(&graph, &registry, Backend::Cuda, &BTreeMap::new()).unwrap_err().to_string();
     assert!(err.contains("no CUDA variant for op mo.fused_qk_rope.padded.paged yet"), "{err}");
-    let key = RopeSpec::from_kernel_key(
-        &specialize(&graph, &registry, Target::Cpu, &BTreeMap::new()).unwrap().kernel_keys()[0],
-    )
-    .map(|spec| RopeSpec { target: Target::Cuda, ..spec }.kernel_key())
-    .unwrap();
-    assert!(RopeOp.build(&key, &[], &BuildOptions::default()).is_err());
+    let specialized = specialize(&graph, &registry, CPU, &BTreeMap::new()).unwrap();
+    let spec = specialized.kernel_keys()[0].spec::<RopeSpec>().copied().unwrap();
+    let key = RopeSpec { target: Target::Cuda, ..spec }.key();
+    assert!(Defined(RopeOp).build(&key, &[], &BuildOptions::default()).is_err());
 }
 
 #[test]
@@ -134,7 +136,7 @@ fn head_sizes_the_jit_cannot_serve_are_refused_at_specialize() {
     let out = fused_qk_rope(&mut b, args, params(12)).unwrap();
     b.output("q_rotated", out).unwrap();
     let graph = b.finish().unwrap();
-    let err = specialize(&graph, &registry, Target::Cpu, &BTreeMap::new()).unwrap_err().to_string();
+    let err = specialize(&graph, &registry, CPU, &BTreeMap::new()).unwrap_err().to_string();
     assert!(err.contains("multiple of 8"), "{err}");
 }
 
@@ -173,10 +175,10 @@ fn bad_nodes_are_refused_when_added() {
 
 #[test]
 fn the_definition_names_its_signature() {
-    assert_eq!(RopeOp.name(), "mo.fused_qk_rope.padded.paged");
-    let names: Vec<&str> = RopeOp.inputs().iter().map(|a| a.name).collect();
+    assert_eq!(Defined(RopeOp).name(), "mo.fused_qk_rope.padded.paged");
+    let names: Vec<&str> = Defined(RopeOp).inputs().iter().map(|a| a.name).collect();
     assert_eq!(names, ["q_proj", "kv_collection", "freqs_cis", "layer_idx", "valid_lengths"]);
-    let params: Vec<&str> = RopeOp.params().iter().map(|p| p.name).collect();
+    let params: Vec<&str> = Defined(RopeOp).params().iter().map(|p| p.name).collect();
     assert_eq!(params, ["dtype", "interleaved", "num_kv_heads", "head_size", "page_size"]);
-    assert_eq!(RopeOp.outputs(), ["output"]);
+    assert_eq!(Defined(RopeOp).outputs(), ["output"]);
 }

@@ -5,8 +5,9 @@
 //! for both layouts, every dtype pair, on Q and on K in the cache (V and
 //! the other layer untouched).
 
-use kvjit_core::{DType, Target, Tensor};
+use kvjit_core::{DType, KvCacheParams, Target, Tensor};
 use kvjit_jit::CaptureText;
+use kvjit_op::Compiled;
 use kvjit_op_rope::{JitKernel, ReferenceKernel, RopeSpec};
 use kvjit_runtime::{DeviceContextPtr, Kernel};
 use kvjit_testkit::{block_index, cache_from_table, u32s};
@@ -83,19 +84,21 @@ fn check(dtype: DType, cache_dtype: DType, interleaved: bool, ctx: &DeviceContex
     let spec = RopeSpec {
         target: Target::Cpu,
         dtype,
-        cache_dtype,
-        scale_granularity: None,
+        cache: KvCacheParams {
+            dtype: cache_dtype,
+            num_layers: 2,
+            page_size: 2,
+            num_kv_heads: 2,
+            head_size: D,
+            scale_granularity: None,
+        },
         interleaved,
         num_q_heads: 2,
-        num_kv_heads: 2,
-        head_size: D,
-        page_size: 2,
-        num_layers: 2,
         batch: Some(1),
         seq: Some(4),
     };
-    let jit = JitKernel::new(spec, CaptureText::default()).unwrap();
-    for kernel in [&ReferenceKernel::new(spec) as &dyn Kernel, &jit] {
+    let jit = Compiled::new(JitKernel::new(spec, CaptureText::default()).unwrap());
+    for kernel in [&Compiled::new(ReferenceKernel::new(spec)) as &dyn Kernel, &jit] {
         let what = format!("{} {dtype}/{cache_dtype} interleaved={interleaved}", kernel.implementation());
         let mut cache = cache.clone();
         let mut out = [Tensor::zeros(dtype, &[1, 4, 2, D]).unwrap()];

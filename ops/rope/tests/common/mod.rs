@@ -9,6 +9,7 @@ use std::collections::HashMap;
 
 use kvjit_core::{DType, KvCacheParams, PagedKVCacheCollection, Target, Tensor, UNASSIGNED_PAGE};
 use kvjit_jit::CaptureText;
+use kvjit_op::Compiled;
 use kvjit_op_rope::{JitKernel, ReferenceKernel, RopeArgs, RopeSpec};
 use kvjit_runtime::{DeviceContextPtr, Kernel};
 use kvjit_testkit::tolerance::ulp;
@@ -84,14 +85,16 @@ impl Case {
         RopeSpec {
             target: Target::Cpu,
             dtype: self.dtype,
-            cache_dtype: self.cache_dtype,
-            scale_granularity: self.granularity,
+            cache: KvCacheParams {
+                dtype: self.cache_dtype,
+                num_layers: self.layers,
+                page_size: self.page_size,
+                num_kv_heads: self.hkv,
+                head_size: self.d,
+                scale_granularity: self.granularity,
+            },
             interleaved: self.interleaved,
             num_q_heads: self.hq,
-            num_kv_heads: self.hkv,
-            head_size: self.d,
-            page_size: self.page_size,
-            num_layers: self.layers,
             batch: None,
             seq: None,
         }
@@ -286,7 +289,7 @@ pub struct Ran {
 }
 
 pub fn run_reference(case: &Case, call: &Call) -> Ran {
-    let kernel = ReferenceKernel::new(case.spec());
+    let kernel = Compiled::new(ReferenceKernel::new(case.spec()));
     let mut cache = call.cache.clone();
     let mut out = Tensor::zeros(case.dtype, &[case.batch, case.seq, case.hq, case.d]).unwrap();
     kvjit_testkit::poison(&mut out);
