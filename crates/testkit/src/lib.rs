@@ -15,8 +15,10 @@
 //!   [`snapshot`]: byte snapshots ([`Snapshot`], [`CacheSnapshot`]) and
 //!   byte-for-byte comparisons of tensors and caches; [`layout`]: the
 //!   paged cache's layout written out independently of the library, and
-//!   per-element cache expectations; [`values`]: random tensor values
-//!   (uniform, dyadic, special).
+//!   per-element cache expectations; [`paged`]: the hand-drawn paged step
+//!   (three sequences, scattered pages) every paged op's bad-input tests
+//!   start from; [`values`]: random tensor values (uniform, dyadic,
+//!   special).
 //! - [`fused_qkv`] (feature `fused-qkv`, off by default: the fused op's tests and the fuzz harness turn it on): the fused QKV op's
 //!   [`Problem`] and its differential checker (an independent model of the
 //!   op's validity rules), shared by its property tests and the `op_call`
@@ -31,6 +33,7 @@ use kvjit_core::{PagedKVCacheCollection, Tensor};
 #[cfg(feature = "fused-qkv")]
 pub mod fused_qkv;
 pub mod layout;
+pub mod paged;
 pub mod poison;
 pub mod problem;
 pub mod snapshot;

@@ -169,29 +169,53 @@ pub fn check_on<P: Problem>(problem: &P, target: &OnTarget) -> Checked {
             "{}",
             part("MAX scalars")
         );
+        if let (Some(was), Some(now), Some(expected)) = (before.scales(), got.scales(), want.scales()) {
+            for (i, ((&w, &n), &e)) in was.as_bytes().iter().zip(now.as_bytes()).zip(expected.as_bytes()).enumerate() {
+                // A scale byte the reference left alone must stay; the
+                // values it scales are compared below.
+                assert!(
+                    e != w || n == w,
+                    "{}: the reference leaves it alone",
+                    part(&format!("scales byte {i} was written"))
+                );
+            }
+        }
         let shape = before.blocks().shape();
         let size = before.blocks().dtype().size_bytes();
         let (was, now, expected) = (before.blocks().as_bytes(), got.blocks().as_bytes(), want.blocks().as_bytes());
-        let (got_values, want_values) = (got.blocks().to_f32_vec(), want.blocks().to_f32_vec());
-        let (got_values, want_values) = (got_values.expect("a float cache"), want_values.expect("a float cache"));
+        let (got_values, want_values) = (cache_values(got), cache_values(want));
         let mut comparison = Comparison::new(problem.tolerance(target.target, &args, name));
         for i in 0..got_values.len() {
             let bytes = i * size..(i + 1) * size;
-            if expected[bytes.clone()] == was[bytes.clone()] {
+            let scale_changed = scale_of(want, i) != scale_of(before, i);
+            if expected[bytes.clone()] == was[bytes.clone()] && !scale_changed {
                 assert!(
-                    now[bytes.clone()] == was[bytes],
+                    now[bytes.clone()] == was[bytes] && scale_of(got, i) == scale_of(before, i),
                     "{}: the reference leaves it alone",
                     part(&format!("blocks{:?} = {} was written", unravel(shape, i), got_values[i]))
                 );
-            } else if !comparison.push(i, f64::from(got_values[i]), f64::from(want_values[i]))
-                && comparison.failures == 1
-            {
+            } else if !comparison.push(i, got_values[i], want_values[i]) && comparison.failures == 1 {
                 panic!("{}: {comparison}", part(&format!("blocks{:?}", unravel(shape, i))));
             }
         }
         caches.push((name.clone(), comparison));
     }
     Checked { target: target.target, outputs, caches }
+}
+
+/// The value each element of `cache`'s blocks stands for: the element
+/// itself, or for an FP8 cache its code times its g-block's scale (scales
+/// `[…, Hkv, D/g]` follow the blocks `[…, Hkv, D]`, so element `i` has
+/// scale `i / g`).
+pub fn cache_values(cache: &PagedKVCacheCollection) -> Vec<f64> {
+    let values = cache.blocks().to_f32_vec().expect("a float cache");
+    values.iter().enumerate().map(|(i, &v)| f64::from(v) * f64::from(scale_of(cache, i).unwrap_or(1.0))).collect()
+}
+
+/// The scale of blocks element `i` of an FP8 cache (`None` without scales).
+fn scale_of(cache: &PagedKVCacheCollection, i: usize) -> Option<f32> {
+    let g = cache.params().scale_granularity?;
+    cache.scales().map(|s| s.as_slice::<f32>().expect("f32 scales")[i / g])
 }
 
 /// Draw `cases` problems from `seed` and [`check_on`] each on every one of

@@ -14,6 +14,7 @@ use kvjit_jit::{CaptureText, JitError};
 use kvjit_op::Compiled;
 use kvjit_op_rope::{JitKernel, ReferenceKernel, RopeArgs, RopeError, RopeSpec, check_call, reference};
 use kvjit_runtime::{DeviceContextPtr, Kernel};
+use kvjit_testkit::paged::{self, B, LAYERS, MAX_PAGES, PAGE_SIZE, PAGES, S};
 use kvjit_testkit::values::uniform;
 use kvjit_testkit::{Guarded, Snapshot, cache_from_table, strided_view, u32s};
 use rand::SeedableRng;
@@ -21,30 +22,14 @@ use rand::rngs::StdRng;
 
 const U: u32 = UNASSIGNED_PAGE;
 
-// B = 3 sequences of S = 4; Hq = 4, Hkv = 2, D = 8; L = 2 layers, page size
-// 2, P = 10 pages, 4 pages per sequence; freqs for 8 positions.
-const B: usize = 3;
-const S: usize = 4;
+// The test kit's paged step (B = 3 sequences of S = 4, L = 2 layers, page
+// size 2, P = 10 pages, 4 pages per sequence; see `kvjit_testkit::paged`)
+// with Hq = 4, Hkv = 2, D = 8, and freqs for 8 positions.
 const HQ: usize = 4;
 const HKV: usize = 2;
 const D: usize = 8;
-const LAYERS: usize = 2;
-const PAGE_SIZE: usize = 2;
-const MAX_PAGES: usize = 4;
 const MAX_SEQ: usize = 8;
-const BLOCKS: [usize; 6] = [10, 2, LAYERS, PAGE_SIZE, HKV, D];
-
-/// Seq 0: 1 cached + 3 valid → positions 1..=3, logical pages 0, 1.
-/// Seq 1: 0 cached + 2 valid → positions 0, 1, logical page 0.
-/// Seq 2: 3 cached + 4 valid → positions 3..=6, logical pages 1, 2, 3.
-const CACHE_LENGTHS: [u32; B] = [1, 0, 3];
-const VALID: [u32; B] = [3, 2, 4];
-#[rustfmt::skip]
-const TABLE: [u32; B * MAX_PAGES] = [
-    4, 7, U, U,
-    2, U, U, U,
-    9, 0, 5, 3,
-];
+const BLOCKS: [usize; 6] = [PAGES, 2, LAYERS, PAGE_SIZE, HKV, D];
 
 /// A valid call whose buffers hold random (non-NaN) bytes.
 #[derive(Clone, Debug)]
@@ -61,26 +46,18 @@ struct Fixture {
 impl Fixture {
     fn new(dtype: DType) -> Self {
         let mut rng = StdRng::seed_from_u64(7);
-        let mut cache = cache_from_table(dtype, BLOCKS, &CACHE_LENGTHS, &TABLE, MAX_PAGES);
-        cache.set_blocks(uniform(&mut rng, dtype, &BLOCKS)).unwrap();
+        let cache = paged::cache(&mut rng, dtype, HKV, D, None);
         Self {
             q: uniform(&mut rng, dtype, &[B, S, HQ, D]),
             cache,
             freqs: uniform(&mut rng, dtype, &[MAX_SEQ, D]),
-            layer_idx: Tensor::scalar_u32(1),
-            valid: u32s(&VALID),
+            layer_idx: paged::layer_idx(),
+            valid: paged::valid_lengths(),
             output: uniform(&mut rng, dtype, &[B, S, HQ, D]),
             spec: RopeSpec {
                 target: Target::Cpu,
                 dtype,
-                cache: KvCacheParams {
-                    dtype,
-                    num_layers: LAYERS,
-                    page_size: PAGE_SIZE,
-                    num_kv_heads: HKV,
-                    head_size: D,
-                    scale_granularity: None,
-                },
+                cache: paged::params(dtype, HKV, D, None),
                 interleaved: false,
                 num_q_heads: HQ,
                 batch: None,
