@@ -60,23 +60,14 @@ pub trait Op: Send + Sync + 'static {
     }
 
     /// The reference kernel (CPU), for checking results.
-    fn build_reference(&self, spec: &Self::Spec) -> Result<Arc<dyn Kernel>, RuntimeError>;
+    fn build_reference(&self, spec: &Self::Spec) -> Built;
 
     /// The fast CPU kernel (JIT-compiled); `constants[i]` holds input `i`'s
     /// data when it is a graph constant.
-    fn build_cpu(
-        &self,
-        spec: &Self::Spec,
-        constants: &[Option<ConstantInput>],
-        build: &CpuBuild,
-    ) -> Result<Arc<dyn Kernel>, RuntimeError>;
+    fn build_cpu(&self, spec: &Self::Spec, constants: &Constants, build: &CpuBuild) -> Built;
 
     /// The CUDA kernel. Default: refused like [`supports_cuda`](Self::supports_cuda).
-    fn build_cuda(
-        &self,
-        spec: &Self::Spec,
-        constants: &[Option<ConstantInput>],
-    ) -> Result<Arc<dyn Kernel>, RuntimeError> {
+    fn build_cuda(&self, spec: &Self::Spec, constants: &Constants) -> Built {
         let _ = constants;
         let reason = self.supports_cuda(spec).err().unwrap_or_else(|| format!("no CUDA variant for op {}", Self::NAME));
         Err(RuntimeError::NoImplementation { key: spec.key().to_string(), reason })
@@ -200,6 +191,29 @@ impl<O: Op> KernelBuilder for Defined<O> {
             (Target::Cuda, KernelImpl::Fast) => self.0.build_cuda(spec, constants),
         }
     }
+}
+
+/// What building a kernel gives: the kernel, ready for the runtime.
+pub type Built = Result<Arc<dyn Kernel>, RuntimeError>;
+
+/// The graph constants a kernel builder gets: `constants[i]` holds input
+/// `i`'s data when it is a graph constant.
+pub type Constants = [Option<ConstantInput>];
+
+/// `kernel` behind the runtime's interface ([`Compiled`](crate::Compiled)).
+pub fn built<K: crate::OpKernel>(kernel: K) -> Built {
+    Ok(Arc::new(crate::Compiled::new(kernel)))
+}
+
+/// Add a node of op `O` to `b` with typed parameters: the typed form of
+/// `b.node(O::NAME, params.to_params(), inputs)`, which every op's builder
+/// function (`fused_qk_rope`, `mha`, …) is.
+pub fn add_node<O: Op, const N: usize>(
+    b: &mut kvjit_graph::GraphBuilder<'_>,
+    params: &O::Params,
+    inputs: [kvjit_graph::ValueId; N],
+) -> Result<Vec<kvjit_graph::ValueId>, GraphError> {
+    b.node(O::NAME, params.to_params(), &inputs)
 }
 
 /// [`RuntimeError::Compile`] for a kernel of `spec` whose code could not be

@@ -24,11 +24,25 @@ mod def;
 mod kernel;
 mod params;
 
-pub use def::{CpuBuild, Defined, Op, compile_error, spec_of};
+pub use def::{Built, Constants, CpuBuild, Defined, Op, add_node, built, compile_error, spec_of};
 pub use kernel::{ArgDType, Call, CallContract, Compiled, OpKernel, TensorArg, check_declared_dtypes};
 pub use params::{Choice, OpParams, Param};
 
 #[doc(hidden)]
 pub use kvjit_graph as graph;
+
+/// Make an op's own error type a `kvjit_core::Error` (an
+/// [`Error::Op`](kvjit_core::Error::Op) naming the op), so its kernels
+/// return it with `?`: `kvjit_op::op_error!(RopeError, OP_NAME);`.
+#[macro_export]
+macro_rules! op_error {
+    ($error:ty, $op_name:expr) => {
+        impl From<$error> for kvjit_core::Error {
+            fn from(error: $error) -> Self {
+                kvjit_core::Error::op($op_name, error)
+            }
+        }
+    };
+}
 #[doc(hidden)]
 pub use params::spec_of as param_spec;

@@ -19,7 +19,7 @@
 //!   (three sequences, scattered pages) every paged op's bad-input tests
 //!   start from; [`values`]: random tensor values (uniform, dyadic,
 //!   special).
-//! - [`fused_qkv`] (feature `fused-qkv`, off by default: the fused op's tests and the fuzz harness turn it on): the fused QKV op's
+//! - `fused_qkv` (feature `fused-qkv`, off by default: the fused op's tests and the fuzz harness turn it on): the fused QKV op's
 //!   [`Problem`] and its differential checker (an independent model of the
 //!   op's validity rules), shared by its property tests and the `op_call`
 //!   fuzz target.

@@ -2,7 +2,7 @@
 //! reference and on a [`Target`], compared under a named [`Tolerance`].
 //!
 //! An op's tests implement it once (the fused QKV op's is
-//! [`crate::fused_qkv::QkvProblem`]) and get [`check_on`] /
+//! `fused_qkv::QkvProblem`) and get [`check_on`] /
 //! [`check_random`]: every output and every cache the reference changed is
 //! compared within the tolerance the problem names for that target, every
 //! cache element the reference left alone must still hold its exact bytes

@@ -7,18 +7,16 @@
 //! added: the output names the same symbols as the input (as a multiset) and
 //! the product of its numbers equals the input's.
 //!
-//! No kernel runs: the op is a view ([`OpDef::is_view`]). The executor hands
+//! No kernel runs: the op is a view ([`OpDef::is_view`](kvjit_graph::OpDef::is_view)). The executor hands
 //! the consumer the producer's storage under the new shape, on every target.
 //! A run-time output dim named by a symbol takes its size from the input
 //! axis with that symbol, so the key records, per output dim, a size or the
 //! input axis it copies (`reshape.cpu.f32.o0in0.o1in1.o2x32.o3x128`).
 
-use std::sync::Arc;
-
 use kvjit_core::{Backend, DType, Error, KernelKey, KernelSpec, KeyField, PagedKVCacheCollection, Target, Tensor};
 use kvjit_graph::{ArgSpec, Dim, GraphBuilder, GraphError, ParamValue, TensorType, ValueId, ValueType, tensor_input};
-use kvjit_op::{Call, CallContract, Compiled, CpuBuild, Op, OpKernel, TensorArg};
-use kvjit_runtime::{ConstantInput, DeviceContextPtr, Kernel, OutputSpec, RuntimeError};
+use kvjit_op::{Built, Call, CallContract, Constants, CpuBuild, Op, OpKernel, TensorArg, add_node, built};
+use kvjit_runtime::{DeviceContextPtr, OutputSpec};
 
 /// The op's name in graphs (MAX's).
 pub const OP_NAME: &str = "mo.reshape";
@@ -144,20 +142,15 @@ impl Op for ReshapeOp {
         Ok(())
     }
 
-    fn build_reference(&self, spec: &ReshapeSpec) -> Result<Arc<dyn Kernel>, RuntimeError> {
-        Ok(Arc::new(Compiled::new(ViewKernel(spec.clone()))))
+    fn build_reference(&self, spec: &ReshapeSpec) -> Built {
+        built(ViewKernel(spec.clone()))
     }
 
-    fn build_cpu(
-        &self,
-        spec: &ReshapeSpec,
-        _: &[Option<ConstantInput>],
-        _: &CpuBuild,
-    ) -> Result<Arc<dyn Kernel>, RuntimeError> {
+    fn build_cpu(&self, spec: &ReshapeSpec, _: &Constants, _: &CpuBuild) -> Built {
         self.build_reference(spec)
     }
 
-    fn build_cuda(&self, spec: &ReshapeSpec, _: &[Option<ConstantInput>]) -> Result<Arc<dyn Kernel>, RuntimeError> {
+    fn build_cuda(&self, spec: &ReshapeSpec, _: &Constants) -> Built {
         self.build_reference(spec)
     }
 
@@ -168,7 +161,7 @@ impl Op for ReshapeOp {
 
 /// Add a reshape node: `input` seen as `shape` (numbers or symbols).
 pub fn reshape(b: &mut GraphBuilder<'_>, input: ValueId, shape: &[Dim]) -> Result<ValueId, GraphError> {
-    Ok(b.node(OP_NAME, ReshapeParams { shape: shape.to_vec() }.to_params(), &[input])?[0])
+    Ok(add_node::<ReshapeOp, 1>(b, &ReshapeParams { shape: shape.to_vec() }, [input])?[0])
 }
 
 impl CallContract for ReshapeSpec {
@@ -212,7 +205,7 @@ impl CallContract for ReshapeSpec {
 }
 
 /// The view "kernel": checks the input and gives the output shape; the
-/// executor makes the view (see [`Kernel::is_view`]).
+/// executor makes the view (see [`Kernel::is_view`](kvjit_runtime::Kernel::is_view)).
 struct ViewKernel(ReshapeSpec);
 
 impl OpKernel for ViewKernel {

@@ -1,15 +1,12 @@
 //! The op's IR definition: parameters, signature, shape rules, kernel key,
 //! and the kernels it builds per target.
 
-use std::sync::Arc;
-
 use kvjit_core::{Backend, DType};
 use kvjit_graph::{
     ArgSpec, Dim, GraphBuilder, GraphError, PagedParams, RecipeKind, TensorType, ValueId, ValueType, input_error,
     paged_cache_input, step_inputs, tensor_input,
 };
-use kvjit_op::{Compiled, CpuBuild, Op, compile_error};
-use kvjit_runtime::{ConstantInput, Kernel, RuntimeError};
+use kvjit_op::{Built, Constants, CpuBuild, Op, add_node, built, compile_error};
 
 use crate::{JitKernel, ReferenceKernel, RopeSpec};
 
@@ -44,7 +41,7 @@ pub fn fused_qk_rope(
     [q_proj, kv_collection, freqs_cis, layer_idx, valid_lengths]: [ValueId; 5],
     params: RopeParams,
 ) -> Result<ValueId, GraphError> {
-    Ok(b.node(OP_NAME, params.to_params(), &[q_proj, kv_collection, freqs_cis, layer_idx, valid_lengths])?[0])
+    Ok(add_node::<RopeOp, 5>(b, &params, [q_proj, kv_collection, freqs_cis, layer_idx, valid_lengths])?[0])
 }
 
 /// The paged RoPE op. Parameters: `dtype` (f32, bf16, f16), `interleaved`,
@@ -128,18 +125,12 @@ impl Op for RopeOp {
         crate::cpu_jit::supported(spec).map_err(|e| e.to_string())
     }
 
-    fn build_reference(&self, spec: &RopeSpec) -> Result<Arc<dyn Kernel>, RuntimeError> {
-        Ok(Arc::new(Compiled::new(ReferenceKernel::new(*spec))))
+    fn build_reference(&self, spec: &RopeSpec) -> Built {
+        built(ReferenceKernel::new(*spec))
     }
 
-    fn build_cpu(
-        &self,
-        spec: &RopeSpec,
-        _: &[Option<ConstantInput>],
-        build: &CpuBuild,
-    ) -> Result<Arc<dyn Kernel>, RuntimeError> {
-        let kernel = JitKernel::new(*spec, build.capture).map_err(|e| compile_error(spec, e))?;
-        Ok(Arc::new(Compiled::new(kernel)))
+    fn build_cpu(&self, spec: &RopeSpec, _: &Constants, build: &CpuBuild) -> Built {
+        built(JitKernel::new(*spec, build.capture).map_err(|e| compile_error(spec, e))?)
     }
 
     /// Its `freqs_cis` table ([`RopeInit`](crate::RopeInit)).

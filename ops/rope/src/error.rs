@@ -35,8 +35,4 @@ pub enum RopeError {
     },
 }
 
-impl From<RopeError> for kvjit_core::Error {
-    fn from(error: RopeError) -> Self {
-        kvjit_core::Error::op(OP_NAME, error)
-    }
-}
+kvjit_op::op_error!(RopeError, OP_NAME);
