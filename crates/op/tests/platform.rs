@@ -180,6 +180,9 @@ fn a_valid_call_runs_once_and_writes_its_output() {
     assert_eq!(outputs[0].to_f32_vec().unwrap(), [1.0, 3.0, 5.0, 7.0]);
 }
 
+/// What a refused call's error must match.
+type ErrorTest = fn(&Error) -> bool;
+
 #[test]
 fn refused_calls_name_what_is_wrong_and_never_run() {
     let (kernel, runs) = toy(Some(4));
@@ -189,7 +192,7 @@ fn refused_calls_name_what_is_wrong_and_never_run() {
     };
     let bf16 = Tensor::from_f32(DType::BF16, &[4], &[1.0; 4]).unwrap();
     let (good_x, good_count) = (x(4), count());
-    let cases: Vec<(&str, Vec<&Tensor>, usize, fn(&Error) -> bool)> = vec![
+    let cases: Vec<(&str, Vec<&Tensor>, usize, ErrorTest)> = vec![
         (
             "one tensor short",
             vec![&good_x],
