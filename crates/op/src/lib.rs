@@ -18,15 +18,19 @@
 //!   passed.
 //! - [`checks`]: the checks several ops make (baked dims, a paged step,
 //!   the cache rows a step writes).
+//! - [`store_f64`]: a reference kernel's f64 results, rounded once to the
+//!   output's dtype.
 
 pub mod checks;
 mod def;
 mod kernel;
 mod params;
+mod rounding;
 
 pub use def::{CpuBuild, Defined, Op, compile_error, spec_of};
 pub use kernel::{ArgDType, Call, CallContract, Compiled, OpKernel, TensorArg};
 pub use params::{Choice, OpParams, Param};
+pub use rounding::store_f64;
 
 #[doc(hidden)]
 pub use kvjit_graph as graph;
