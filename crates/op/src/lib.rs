@@ -18,11 +18,14 @@
 //!   passed.
 //! - [`checks`]: the checks several ops make (baked dims, a paged step,
 //!   the cache rows a step writes).
+//! - [`elementwise`]: what elementwise ops check alike (compute dtype,
+//!   baked element count).
 //! - [`store_f64`]: a reference kernel's f64 results, rounded once to the
 //!   output's dtype.
 
 pub mod checks;
 mod def;
+pub mod elementwise;
 mod kernel;
 mod params;
 mod rounding;
