@@ -18,15 +18,22 @@
 //!   passed.
 //! - [`checks`]: the checks several ops make (baked dims, a paged step,
 //!   the cache rows a step writes).
+//! - [`elementwise`]: what elementwise ops check alike (compute dtype,
+//!   baked element count).
+//! - [`store_f64`]: a reference kernel's f64 results, rounded once to the
+//!   output's dtype.
 
 pub mod checks;
 mod def;
+pub mod elementwise;
 mod kernel;
 mod params;
+mod rounding;
 
 pub use def::{Built, Constants, CpuBuild, Defined, Op, add_node, built, compile_error, spec_of};
 pub use kernel::{ArgDType, Call, CallContract, Compiled, OpKernel, TensorArg, check_declared_dtypes};
 pub use params::{Choice, OpParams, Param};
+pub use rounding::store_f64;
 
 #[doc(hidden)]
 pub use kvjit_graph as graph;

@@ -1,0 +1,120 @@
+//! `mo.silu`: `y = x · sigmoid(x) = x / (1 + e^−x)`, elementwise, on a
+//! tensor `x` of any rank (f32, bf16 or f16; dims may be symbolic); the
+//! output has `x`'s dtype and shape. At the ends it takes its limits:
+//! `silu(−∞) = −0`, `silu(+∞) = +∞`; NaN stays NaN. The JIT, in f32, is
+//! within 1 ulp of the reference for x ≥ 0 and 3 for x < 0 (f32); bf16 and
+//! f16 within one step (0 of the 65536 bf16 inputs differ, 3 f16 ones).
+//!
+//! The op platform's worked example (`docs/adding-an-op.md`): this file
+//! declares the parameters, the op ([`SiluOp`]) and its spec with the call
+//! contract both kernels share ([`SiluSpec`]); [`reference`](mod@reference)
+//! computes in f64 and rounds once; [`JitKernel`] runs Cranelift code
+//! (emitted by `emit.rs`) over the worker pool. No CUDA variant yet.
+
+mod cpu_jit;
+mod emit;
+pub mod reference;
+
+use std::sync::Arc;
+
+use kvjit_core::{Backend, DType, KernelKey, KernelSpec, KeyField, PagedKVCacheCollection, Result, Target, Tensor};
+use kvjit_graph::{ArgSpec, GraphBuilder, GraphError, TensorType, ValueId, ValueType, tensor_input};
+use kvjit_op::{CallContract, Compiled, CpuBuild, Op, OpParams, TensorArg, compile_error, elementwise};
+use kvjit_runtime::{ConstantInput, Kernel, OutputSpec, RuntimeError};
+
+pub use cpu_jit::{ELEMENTS_PER_ITEM, JitKernel};
+pub use reference::ReferenceKernel;
+
+kvjit_op::params! {
+    /// The parameters of a `mo.silu` node.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub struct SiluParams {
+        /// Dtype of `x` and the output: f32, bf16 or f16.
+        dtype: DType,
+    }
+}
+
+/// The `mo.silu` op: input `x` (any shape), output `output` (its dtype and
+/// shape). Register it as `registry.register(kvjit_op::Defined(SiluOp))`.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct SiluOp;
+
+/// Add a `mo.silu` node to `b`; returns its output.
+pub fn silu(b: &mut GraphBuilder<'_>, x: ValueId, params: SiluParams) -> Result<ValueId, GraphError> {
+    Ok(b.node(SiluOp::NAME, params.to_params(), &[x])?[0])
+}
+
+impl Op for SiluOp {
+    const NAME: &'static str = "mo.silu";
+    const INPUTS: &'static [ArgSpec] = &[ArgSpec::tensor("x")];
+    type Params = SiluParams;
+    type Spec = SiluSpec;
+
+    fn specialize(&self, params: &SiluParams, inputs: &[&ValueType], backend: Backend) -> Result<SiluSpec, GraphError> {
+        let dtype = elementwise::compute_dtype("dtype", params.dtype)?;
+        let (_, elements) = elementwise::input(inputs, 0, "x", dtype)?;
+        Ok(SiluSpec { target: backend.target(), dtype, elements })
+    }
+
+    fn infer(&self, spec: &SiluSpec, inputs: &[&ValueType]) -> Vec<TensorType> {
+        vec![TensorType::new(spec.dtype, tensor_input(inputs, 0).shape.clone())]
+    }
+
+    fn build_reference(&self, spec: &SiluSpec) -> Result<Arc<dyn Kernel>, RuntimeError> {
+        Ok(Arc::new(Compiled::new(ReferenceKernel(*spec))))
+    }
+
+    /// The JIT kernel. Shapes are not specialized further: a kernel with
+    /// the element count left to run time reads it once per work item.
+    fn build_cpu(
+        &self,
+        spec: &SiluSpec,
+        _constants: &[Option<ConstantInput>],
+        build: &CpuBuild,
+    ) -> Result<Arc<dyn Kernel>, RuntimeError> {
+        let kernel = JitKernel::new(*spec, build.capture).map_err(|e| compile_error(spec, e))?;
+        Ok(Arc::new(Compiled::new(kernel)))
+    }
+}
+
+/// Everything a `mo.silu` kernel bakes in: target, dtype, and the element
+/// count when every dim of `x` is static (`None`: taken from each call).
+/// The shape itself is not baked in: any `x` of that many elements is one
+/// flat run of them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct SiluSpec {
+    /// Target.
+    pub target: Target,
+    /// Dtype of `x` and the output.
+    pub dtype: DType,
+    /// Elements of `x`, if static.
+    pub elements: Option<usize>,
+}
+
+impl KernelSpec for SiluSpec {
+    /// `silu.cpu.bf16.n4096`, `silu.cpu.f32.nany`. No CPU tier: both tiers
+    /// run the same Cranelift code.
+    fn key_name(&self) -> KernelKey {
+        KernelKey::new("silu", self.target, self.dtype).with("n", KeyField::dim(self.elements))
+    }
+}
+
+impl CallContract for SiluSpec {
+    /// The shape of `x` (and of the output).
+    type Checked = Vec<usize>;
+    const TENSORS: &'static [TensorArg] = &[TensorArg::compute("x")];
+
+    fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// `x` holds the baked element count, if there is one.
+    fn check(&self, tensors: &[&Tensor], _caches: &[&PagedKVCacheCollection]) -> Result<Vec<usize>> {
+        elementwise::expect_elements("x", tensors[0], self.elements, self)?;
+        Ok(tensors[0].shape().to_vec())
+    }
+
+    fn outputs(&self, shape: &Vec<usize>) -> Vec<OutputSpec> {
+        vec![(self.dtype, shape.clone())]
+    }
+}

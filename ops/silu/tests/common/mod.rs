@@ -1,0 +1,63 @@
+//! What the tests share: kernels for a spec, and runs of them with the
+//! output NaN-poisoned (between canary guards for the JIT).
+
+#![allow(dead_code, reason = "each test file uses a part of the common module")]
+
+use kvjit_core::{DType, Target, Tensor};
+use kvjit_jit::CaptureText;
+use kvjit_op::Compiled;
+use kvjit_op_silu::{JitKernel, ReferenceKernel, SiluSpec};
+use kvjit_runtime::{DeviceContextPtr, Kernel};
+use kvjit_testkit::{Guarded, nan_bytes, poison};
+use rand::Rng;
+
+/// Canary bytes on each side of a JIT output.
+pub const GUARD: usize = 64;
+
+pub fn spec(dtype: DType, elements: Option<usize>) -> SiluSpec {
+    SiluSpec { target: Target::Cpu, dtype, elements }
+}
+
+pub fn jit(spec: SiluSpec) -> JitKernel {
+    JitKernel::new(spec, CaptureText::default()).unwrap_or_else(|e| panic!("{spec:?}: {e}"))
+}
+
+pub fn ctx(threads: usize) -> DeviceContextPtr {
+    DeviceContextPtr::cpu(threads).unwrap()
+}
+
+/// The JIT's output for `x`, written into a NaN-poisoned buffer between
+/// canary guards (checked).
+pub fn run_jit(kernel: &JitKernel, x: &Tensor, threads: usize) -> Tensor {
+    let mut out = Guarded::new(GUARD, &nan_bytes(x.dtype(), x.numel()), GUARD);
+    kernel.run_into(x, out.body_mut(), &ctx(threads)).unwrap_or_else(|e| panic!("the JIT refused: {e}"));
+    out.assert_guards(&format!("silu {} {:?}, {threads} threads", x.dtype(), x.shape()));
+    Tensor::from_le_bytes(x.dtype(), x.shape(), out.body()).unwrap()
+}
+
+/// The reference's output for `x`, through the platform's `Kernel` (output
+/// poisoned first).
+pub fn run_reference(x: &Tensor) -> Tensor {
+    let kernel = Compiled::new(ReferenceKernel(spec(x.dtype(), None)));
+    let mut out = Tensor::zeros(x.dtype(), x.shape()).unwrap();
+    poison(&mut out);
+    kernel.run(&[x], &mut [], std::slice::from_mut(&mut out), &ctx(1)).unwrap();
+    out
+}
+
+/// Uniform in ±`range`, never closer to zero than 1/64, rounded to `dtype`.
+pub fn random_x(rng: &mut impl Rng, dtype: DType, shape: &[usize], range: f32) -> Tensor {
+    let n = shape.iter().product();
+    let values: Vec<f32> = (0..n)
+        .map(|_| {
+            let magnitude = rng.gen_range(1.0 / 64.0..range);
+            if rng.r#gen::<bool>() { magnitude } else { -magnitude }
+        })
+        .collect();
+    Tensor::from_f32(dtype, shape, &values).unwrap()
+}
+
+/// `values` as a `[len]` tensor of `dtype` (each rounded to it).
+pub fn tensor(dtype: DType, values: &[f32]) -> Tensor {
+    Tensor::from_f32(dtype, &[values.len()], values).unwrap()
+}
