@@ -15,12 +15,10 @@ mod cpu_jit;
 mod emit;
 pub mod reference;
 
-use std::sync::Arc;
-
 use kvjit_core::{Backend, DType, KernelKey, KernelSpec, KeyField, PagedKVCacheCollection, Result, Target, Tensor};
 use kvjit_graph::{ArgSpec, GraphBuilder, GraphError, TensorType, ValueId, ValueType, tensor_input};
-use kvjit_op::{CallContract, Compiled, CpuBuild, Op, OpParams, TensorArg, compile_error, elementwise};
-use kvjit_runtime::{ConstantInput, Kernel, OutputSpec, RuntimeError};
+use kvjit_op::{Built, CallContract, Constants, CpuBuild, Op, TensorArg, add_node, built, compile_error, elementwise};
+use kvjit_runtime::OutputSpec;
 
 pub use cpu_jit::{ELEMENTS_PER_ITEM, JitKernel};
 pub use reference::ReferenceKernel;
@@ -41,7 +39,7 @@ pub struct SiluOp;
 
 /// Add a `mo.silu` node to `b`; returns its output.
 pub fn silu(b: &mut GraphBuilder<'_>, x: ValueId, params: SiluParams) -> Result<ValueId, GraphError> {
-    Ok(b.node(SiluOp::NAME, params.to_params(), &[x])?[0])
+    Ok(add_node::<SiluOp, 1>(b, &params, [x])?[0])
 }
 
 impl Op for SiluOp {
@@ -60,20 +58,14 @@ impl Op for SiluOp {
         vec![TensorType::new(spec.dtype, tensor_input(inputs, 0).shape.clone())]
     }
 
-    fn build_reference(&self, spec: &SiluSpec) -> Result<Arc<dyn Kernel>, RuntimeError> {
-        Ok(Arc::new(Compiled::new(ReferenceKernel(*spec))))
+    fn build_reference(&self, spec: &SiluSpec) -> Built {
+        built(ReferenceKernel(*spec))
     }
 
     /// The JIT kernel. Shapes are not specialized further: a kernel with
     /// the element count left to run time reads it once per work item.
-    fn build_cpu(
-        &self,
-        spec: &SiluSpec,
-        _constants: &[Option<ConstantInput>],
-        build: &CpuBuild,
-    ) -> Result<Arc<dyn Kernel>, RuntimeError> {
-        let kernel = JitKernel::new(*spec, build.capture).map_err(|e| compile_error(spec, e))?;
-        Ok(Arc::new(Compiled::new(kernel)))
+    fn build_cpu(&self, spec: &SiluSpec, _: &Constants, build: &CpuBuild) -> Built {
+        built(JitKernel::new(*spec, build.capture).map_err(|e| compile_error(spec, e))?)
     }
 }
 
