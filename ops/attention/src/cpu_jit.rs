@@ -73,7 +73,7 @@
 use std::sync::Arc;
 
 use half::{bf16, f16};
-use kvjit_core::{DType, Error, KernelKey, PagedKVCacheCollection, Result, Tensor};
+use kvjit_core::{DType, Error, KernelKey, KernelSpec, PagedKVCacheCollection, Result, Tensor};
 use kvjit_jit::cranelift_codegen::ir::condcodes::{FloatCC, IntCC};
 use kvjit_jit::cranelift_codegen::ir::{InstBuilder, MemFlagsData, Value, types};
 use kvjit_jit::cranelift_frontend::FunctionBuilder;
@@ -83,10 +83,10 @@ use kvjit_jit::ir::math::exp_f32x4;
 use kvjit_jit::ir::shuffle::transpose_sum;
 use kvjit_jit::ir::{counted_loop, load_f32x4_raw, mem, splat_f32, when};
 use kvjit_jit::{CaptureText, JitError, JitFunction, compile_kernel};
-use kvjit_runtime::{CodeInfo, DeviceContextPtr, Kernel, OutputSpec};
+use kvjit_op::{Call, CallContract, Compiled, OpKernel};
+use kvjit_runtime::{CodeInfo, DeviceContextPtr};
 
 use crate::call::{CallShape, key_row_offsets};
-use crate::kernel::{check_against_spec, checked_call};
 use crate::{AttentionError, Mask, MhaSpec};
 
 /// Keys per block (the scores, probabilities and K/V row addresses of one
@@ -187,7 +187,7 @@ mod arg {
 /// The dtype of the K/V rows in the block buffer: the cache's, except that
 /// an FP8 cache's codes are re-encoded as (exact) bf16.
 fn buffer_dtype(spec: &MhaSpec) -> DType {
-    match spec.cache_dtype {
+    match spec.cache.dtype {
         DType::F8E4M3 => DType::BF16,
         other => other,
     }
@@ -195,8 +195,8 @@ fn buffer_dtype(spec: &MhaSpec) -> DType {
 
 /// Scale blocks per head of an FP8 cache (D/g), 1 for other caches.
 fn scale_blocks(spec: &MhaSpec) -> usize {
-    match spec.scale_granularity {
-        Some(g) if spec.cache_dtype == DType::F8E4M3 => spec.head_size / g,
+    match spec.cache.scale_granularity {
+        Some(g) if spec.cache.dtype == DType::F8E4M3 => spec.cache.head_size / g,
         _ => 1,
     }
 }
@@ -204,15 +204,15 @@ fn scale_blocks(spec: &MhaSpec) -> usize {
 /// Bytes of the K/V rows of one block buffer: `[2, Hkv, KB, D]` of
 /// [`buffer_dtype`].
 fn block_rows_bytes(spec: &MhaSpec) -> usize {
-    2 * spec.num_kv_heads * KB * spec.head_size * buffer_dtype(spec).size_bytes()
+    2 * spec.cache.num_kv_heads * KB * spec.cache.head_size * buffer_dtype(spec).size_bytes()
 }
 
 /// Bytes of one block buffer: K then V rows of KB keys, KV head major
 /// (`[2, Hkv, KB, D]` of [`buffer_dtype`]), then for an FP8 cache the keys'
 /// scales, f32 `[2, Hkv, KB, D/g]`.
 fn block_buffer_bytes(spec: &MhaSpec) -> usize {
-    let scales = match spec.cache_dtype {
-        DType::F8E4M3 => 2 * spec.num_kv_heads * KB * scale_blocks(spec) * 4,
+    let scales = match spec.cache.dtype {
+        DType::F8E4M3 => 2 * spec.cache.num_kv_heads * KB * scale_blocks(spec) * 4,
         _ => 0,
     };
     block_rows_bytes(spec) + scales
@@ -228,32 +228,33 @@ pub const MAX_JIT_HEAD_SIZE: usize = 1024;
 /// (each F32X4 of a head inside one scale block), and the fixed offsets must
 /// fit the code's displacements.
 pub(crate) fn supported(spec: &MhaSpec) -> Result<(), JitError> {
-    let d = spec.head_size;
+    let d = spec.cache.head_size;
     let reason = if !d.is_multiple_of(4) {
         Some(format!("the CPU kernel needs head_size % 4 == 0 (whole F32X4 vectors), got {d}"))
     } else if d > MAX_JIT_HEAD_SIZE {
         Some(format!(
             "the CPU kernel serves head_size up to {MAX_JIT_HEAD_SIZE} (its code is unrolled over the head), got {d}"
         ))
-    } else if let Err(e) = spec.cache_params().validate() {
-        Some(format!("the cache layout is invalid: {e}"))
-    } else if let Some(g) = spec.scale_granularity.filter(|g| !g.is_multiple_of(4)) {
+    } else if let Err(reason) = spec.validate() {
+        Some(reason)
+    } else if let Some(g) = spec.cache.scale_granularity.filter(|g| !g.is_multiple_of(4)) {
         Some(format!(
             "the CPU kernel needs an f8e4m3 cache's scale_granularity to be a multiple of 4 (each F32X4 of a \
              head inside one scale block), got {g}"
         ))
     } else {
         let fits = || -> Option<()> {
-            let kv_stride = spec.num_layers.checked_mul(spec.page_size)?.checked_mul(spec.num_kv_heads)?;
+            let cache = &spec.cache;
+            let kv_stride = cache.num_layers.checked_mul(cache.page_size)?.checked_mul(cache.num_kv_heads)?;
             let kv_stride = kv_stride.checked_mul(d)?;
-            let bytes = kv_stride.checked_mul(2 * spec.cache_dtype.size_bytes())?;
+            let bytes = kv_stride.checked_mul(2 * spec.cache.dtype.size_bytes())?;
             let row = d.checked_mul(4 * (spec.num_heads + 2))?;
             (i64::try_from(bytes).is_ok() && i32::try_from(row).is_ok()).then_some(())
         };
         fits().is_none().then(|| "its sizes overflow the offsets the kernel computes".to_string())
     };
     match reason {
-        Some(reason) => Err(JitError::Unsupported { key: spec.kernel_key().to_string(), reason }),
+        Some(reason) => Err(JitError::Unsupported { key: spec.key().to_string(), reason }),
         None => displacements(spec).map(drop),
     }
 }
@@ -263,22 +264,22 @@ pub(crate) fn supported(spec: &MhaSpec) -> Result<(), JitError> {
 /// and one cache row's K/V heads (an FP8 cache's scales included).
 fn displacements(spec: &MhaSpec) -> Result<Displacements, JitError> {
     let largest = || -> Option<usize> {
-        let d = spec.head_size;
+        let d = spec.cache.head_size;
         let tile = layout::tile_floats(d).checked_mul(4)?;
         let q_rows = d.checked_mul(4 * ROW_TILE)?;
         let scratch = scale_blocks(spec).checked_mul(16 * KB)?.checked_add(16)?;
         let head = d.checked_mul(buffer_dtype(spec).size_bytes())?.checked_add(4 * scale_blocks(spec))?;
-        let buffer = 2usize.checked_mul(spec.num_kv_heads)?.checked_mul(KB)?.checked_mul(head)?;
-        let cache_heads = spec.num_kv_heads.checked_mul(d)?.checked_mul(spec.cache_dtype.size_bytes())?;
+        let buffer = 2usize.checked_mul(spec.cache.num_kv_heads)?.checked_mul(KB)?.checked_mul(head)?;
+        let cache_heads = spec.cache.num_kv_heads.checked_mul(d)?.checked_mul(spec.cache.dtype.size_bytes())?;
         [tile, q_rows, scratch, buffer, cache_heads].into_iter().max()
     };
-    Displacements::up_to(&spec.kernel_key(), largest())
+    Displacements::up_to(&spec.key(), largest())
 }
 
 /// Compile the kernel for `spec` (or fetch it from the process-wide
 /// registry). Kept IR/disassembly bypass the registry.
 pub fn compile(spec: &MhaSpec, capture: CaptureText) -> Result<Arc<JitFunction>, JitError> {
-    let key = spec.kernel_key();
+    let key = spec.key();
     kvjit_jit::compile_or_fetch(&key, capture, || emit_and_compile(spec, &key, capture))
 }
 
@@ -370,16 +371,17 @@ impl Emitter {
     }
 
     fn d(&self) -> usize {
-        self.spec.head_size
+        self.spec.cache.head_size
     }
 
     fn tile_bytes(&self) -> usize {
-        4 * layout::tile_floats(self.spec.head_size)
+        4 * layout::tile_floats(self.spec.cache.head_size)
     }
 
     /// Elements from a K row to its V row: L·page_size·Hkv·D.
     fn kv_stride(&self) -> usize {
-        self.spec.num_layers * self.spec.page_size * self.spec.num_kv_heads * self.spec.head_size
+        let cache = &self.spec.cache;
+        cache.num_layers * cache.page_size * cache.num_kv_heads * cache.head_size
     }
 
     /// Bytes of one K or V row of one KV head in the block buffer.
@@ -389,7 +391,7 @@ impl Emitter {
 
     /// Whether the cache is FP8 (codes and scales).
     fn fp8(&self) -> bool {
-        self.spec.cache_dtype == DType::F8E4M3
+        self.spec.cache.dtype == DType::F8E4M3
     }
 
     /// Scale blocks per head (D/g; 1 for other caches).
@@ -399,7 +401,7 @@ impl Emitter {
 
     /// `F32X4` vectors of a head per scale block.
     fn block_vectors(&self) -> usize {
-        self.spec.head_size / 4 / self.nb()
+        self.spec.cache.head_size / 4 / self.nb()
     }
 
     /// Bytes from one key's scores (probabilities) to the next's.
@@ -408,7 +410,7 @@ impl Emitter {
     }
 
     fn emit_item(&self, b: &mut FunctionBuilder, item: Value) {
-        let hkv_count = self.spec.num_kv_heads;
+        let hkv_count = self.spec.cache.num_kv_heads;
         let chunks = self.word(arg::CHUNKS);
         let c = b.ins().urem(item, chunks);
         let group_index = b.ins().udiv(item, chunks);
@@ -450,7 +452,7 @@ impl Emitter {
             b.ins().store(mem(), ninf, tile, self.at(layout::M));
             let zv = splat_f32(b, 0.0);
             b.ins().store(mem(), zv, tile, self.at(layout::L));
-            for i in 0..ROW_TILE * self.spec.head_size / 4 {
+            for i in 0..ROW_TILE * self.spec.cache.head_size / 4 {
                 b.ins().store(mem(), zv, tile, self.at(layout::ACC + 16 * i));
             }
             // Rows of a head's tiles: r = (t % tiles_per_head)·4 + i.
@@ -540,11 +542,11 @@ impl Emitter {
         (p0, n, n_pad): (Value, Value, Value),
         convert: Option<&ToBf16>,
     ) {
-        let csize = self.spec.cache_dtype.size_bytes();
+        let csize = self.spec.cache.dtype.size_bytes();
         let src_row_bytes = self.d() * csize;
         let row_bytes = self.row_bytes();
         let head_rows = KB * row_bytes;
-        let hkv_count = self.spec.num_kv_heads;
+        let hkv_count = self.spec.cache.num_kv_heads;
         let nb = self.nb();
         let offsets = b.ins().iadd(seq_offsets, p0);
         let offsets = addr::element(b, self.word(arg::KEY_OFFSETS), offsets, 8);
@@ -562,7 +564,7 @@ impl Emitter {
                     let from = h * src_row_bytes;
                     let to = (kv * hkv_count + h) * head_rows;
                     if let Some(convert) = convert {
-                        convert.convert_row(b, src, from, dst, to, self.spec.head_size);
+                        convert.convert_row(b, src, from, dst, to, self.spec.cache.head_size);
                         continue;
                     }
                     copy_bytes(b, self.disp, (src, from), (dst, to), row_bytes);
@@ -571,7 +573,7 @@ impl Emitter {
             if convert.is_some() {
                 // The key's scales: its row's element offset / g (rows are
                 // whole heads, so the scales row is [page, kv, layer, slot, 0, 0]).
-                let g = self.spec.head_size / self.nb();
+                let g = self.spec.cache.head_size / self.nb();
                 let row = if g.is_power_of_two() {
                     b.ins().ushr_imm_u(element, i64::from(g.trailing_zeros()))
                 } else {
@@ -641,7 +643,7 @@ impl Emitter {
     fn emit_scores(&self, b: &mut FunctionBuilder, tb: &TileBlock) -> (Value, Value) {
         let bdt = buffer_dtype(&self.spec);
         let bsize = bdt.size_bytes();
-        let d = self.spec.head_size;
+        let d = self.spec.cache.head_size;
         let dv = d / 4;
         let row_bytes = self.row_bytes();
         // FP8: scale blocks per head and F32X4 vectors per block (else 1 and dv).
@@ -774,7 +776,7 @@ impl Emitter {
     fn emit_pv(&self, b: &mut FunctionBuilder, tb: &TileBlock) {
         let bdt = buffer_dtype(&self.spec);
         let bsize = bdt.size_bytes();
-        let d = self.spec.head_size;
+        let d = self.spec.cache.head_size;
         let dv = d / 4;
         let row_bytes = self.row_bytes();
         let vb = self.block_vectors();
@@ -878,7 +880,7 @@ impl Plan {
         let chunks = span.div_ceil(chunk);
         let tiles = (query_block * group).div_ceil(ROW_TILE);
         let head_floats = layout::head_floats(scale_blocks(spec));
-        let item_floats = head_floats + shape.num_kv_heads * tiles * layout::tile_floats(spec.head_size);
+        let item_floats = head_floats + shape.num_kv_heads * tiles * layout::tile_floats(spec.cache.head_size);
         Plan {
             query_block,
             query_blocks,
@@ -894,55 +896,71 @@ impl Plan {
     }
 }
 
-/// The op as JIT-compiled machine code for one kernel key.
+/// The op as JIT-compiled machine code for one spec ([`jit_kernel`] makes
+/// it, ready to run).
 ///
 /// Tensor inputs, in order: `q`, `layer_idx`, `valid_lengths`; one cache;
 /// one output.
 pub struct JitKernel {
     spec: MhaSpec,
-    key: KernelKey,
     code: Arc<JitFunction>,
 }
 
-impl JitKernel {
-    /// Compile (or fetch) the kernel for `spec`.
-    pub fn new(spec: MhaSpec, capture: CaptureText) -> Result<Self, JitError> {
-        let code = compile(&spec, capture)?;
-        Ok(Self { key: spec.kernel_key(), spec, code })
+/// Compile (or fetch) the JIT kernel for `spec`, behind the runtime's
+/// [`Kernel`](kvjit_runtime::Kernel) interface.
+pub fn jit_kernel(spec: MhaSpec, capture: CaptureText) -> Result<Compiled<JitKernel>, JitError> {
+    let code = compile(&spec, capture)?;
+    Ok(Compiled::new(JitKernel { spec, code }))
+}
+
+/// Run `kernel` with the output written into raw bytes (exactly
+/// `B·S·Hq·D` elements of the dtype), so callers choose where it lives
+/// (tests with guard regions, benchmarks). Checks everything first, like
+/// [`Kernel::run`](kvjit_runtime::Kernel::run).
+pub fn run_into(
+    kernel: &Compiled<JitKernel>,
+    inputs: &[&Tensor],
+    cache: &PagedKVCacheCollection,
+    output: &mut [u8],
+    ctx: &DeviceContextPtr,
+) -> Result<()> {
+    let shape = kernel.check_call(inputs, &[cache])?;
+    let dtype = kernel.kernel().spec.dtype;
+    let expected = shape.output_shape().iter().product::<usize>() * dtype.size_bytes();
+    if output.len() != expected {
+        return Err(Error::ByteCount { dtype, shape: shape.output_shape(), expected, got: output.len() });
+    }
+    kernel.kernel().launch(&shape, inputs[0], inputs[2], cache, output, ctx)
+}
+
+impl OpKernel for JitKernel {
+    type Spec = MhaSpec;
+    const IMPLEMENTATION: &'static str = "jit";
+
+    fn spec(&self) -> &MhaSpec {
+        &self.spec
     }
 
-    /// Run with the output written into raw bytes (exactly `B·S·Hq·D`
-    /// elements of the dtype), so callers choose where it lives (tests with
-    /// guard regions). Validates everything first, like [`Kernel::run`].
-    pub fn run_into(
-        &self,
-        inputs: &[&Tensor],
-        cache: &PagedKVCacheCollection,
-        output: &mut [u8],
-        ctx: &DeviceContextPtr,
-    ) -> Result<()> {
-        let shape = self.check_call(inputs, &[cache])?;
-        let expected = shape.output_shape().iter().product::<usize>() * self.spec.dtype.size_bytes();
-        if output.len() != expected {
-            return Err(Error::ByteCount {
-                dtype: self.spec.dtype,
-                shape: shape.output_shape(),
-                expected,
-                got: output.len(),
-            });
-        }
-        self.launch(&shape, inputs[0], inputs[2], cache, output, ctx)
-    }
-
-    /// Check a call against the spec (`check_against_spec`) and against
-    /// what this kernel serves (`check_key_span`); writes nothing.
-    fn check_call(&self, inputs: &[&Tensor], caches: &[&PagedKVCacheCollection]) -> Result<CallShape> {
-        let shape = check_against_spec(&self.spec, inputs, caches)?;
+    /// The spec's check, then that no sequence reads more keys than the
+    /// kernel handles ([`MAX_JIT_KEYS`]).
+    fn check(&self, tensors: &[&Tensor], caches: &[&PagedKVCacheCollection]) -> Result<CallShape> {
+        let shape = self.spec.check(tensors, caches)?;
         check_key_span(&shape)?;
         Ok(shape)
     }
 
-    /// Run a validated call: `shape` came from `check_call` on these
+    fn run(&self, shape: CallShape, call: Call<'_, '_>, ctx: &DeviceContextPtr) -> Result<()> {
+        let [q, _, valid_lengths] = call.tensors();
+        self.launch(&shape, q, valid_lengths, call.caches[0], call.outputs[0].as_bytes_mut(), ctx)
+    }
+
+    fn code_info(&self) -> CodeInfo {
+        self.code.code_info()
+    }
+}
+
+impl JitKernel {
+    /// Run a checked call: `shape` came from [`OpKernel::check`] on these
     /// arguments and `output` holds `B·S·Hq·D` elements of the dtype.
     fn launch(
         &self,
@@ -988,7 +1006,8 @@ impl JitKernel {
             args[arg::SCALES] = cache.scales().map_or(0, |scales| scales.as_bytes().as_ptr() as u64);
             // SAFETY: `code` was compiled by `emit_and_compile` for this
             // kernel's spec, reading the argument words in `arg`'s layout.
-            // `check_against_spec` validated the call against the spec (q is
+            // `Compiled`'s checks (arity, dtypes, contiguity) and
+            // `MhaSpec::check` validated the call against the spec (q is
             // contiguous [B, S, Hq, D] with the spec's Hq and D, the cache has
             // the spec's layout and B sequences, layer < L, valid_lengths[b] ≤
             // S, cl + v fits u32, and every page holding a key position in
@@ -1124,42 +1143,11 @@ fn store_output(dtype: DType, values: &[f32], output: &mut [u8]) {
     }
 }
 
-impl Kernel for JitKernel {
-    fn key(&self) -> &KernelKey {
-        &self.key
-    }
-
-    fn implementation(&self) -> &'static str {
-        "jit"
-    }
-
-    fn code_info(&self) -> CodeInfo {
-        self.code.code_info()
-    }
-
-    fn check(&self, inputs: &[&Tensor], caches: &[&PagedKVCacheCollection]) -> Result<Vec<OutputSpec>> {
-        let shape = self.check_call(inputs, caches)?;
-        Ok(vec![(self.spec.dtype, shape.output_shape())])
-    }
-
-    fn run(
-        &self,
-        inputs: &[&Tensor],
-        caches: &mut [&mut PagedKVCacheCollection],
-        outputs: &mut [Tensor],
-        ctx: &DeviceContextPtr,
-    ) -> Result<()> {
-        let call = checked_call(&self.spec, inputs, caches, outputs)?;
-        check_key_span(&call.shape)?;
-        self.launch(&call.shape, call.q, call.valid_lengths, call.cache, call.output.as_bytes_mut(), ctx)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::AttentionConfig;
-    use kvjit_core::{DType, Target};
+    use kvjit_core::{DType, KvCacheParams, Target};
 
     /// A decode step near u32::MAX tokens into a sequence with a 4096-key
     /// window, beside an idle one: the key-offset table (B·stride i64) and
@@ -1170,13 +1158,15 @@ mod tests {
         let spec = MhaSpec {
             target: Target::Cpu,
             dtype: DType::BF16,
-            cache_dtype: DType::BF16,
-            scale_granularity: None,
+            cache: KvCacheParams {
+                dtype: DType::BF16,
+                num_layers: 1,
+                page_size: 16,
+                num_kv_heads: 2,
+                head_size: 64,
+                scale_granularity: None,
+            },
             num_heads: 8,
-            num_kv_heads: 2,
-            head_size: 64,
-            page_size: 16,
-            num_layers: 1,
             mask: Mask::Causal,
             window: Some(window),
             scale: 0.125,
