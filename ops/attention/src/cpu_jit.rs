@@ -73,6 +73,8 @@
 use std::sync::Arc;
 
 use half::{bf16, f16};
+use std::mem::offset_of;
+
 use kvjit_core::{DType, Error, KernelKey, KernelSpec, PagedKVCacheCollection, Result, Tensor};
 use kvjit_jit::cranelift_codegen::ir::condcodes::{FloatCC, IntCC};
 use kvjit_jit::cranelift_codegen::ir::{InstBuilder, MemFlagsData, Value, types};
@@ -82,7 +84,7 @@ use kvjit_jit::ir::e4m3::ToBf16;
 use kvjit_jit::ir::math::exp_f32x4;
 use kvjit_jit::ir::shuffle::transpose_sum;
 use kvjit_jit::ir::{counted_loop, load_f32x4_raw, mem, splat_f32, when};
-use kvjit_jit::{CaptureText, JitError, JitFunction, compile_kernel};
+use kvjit_jit::{CaptureText, JitError, JitFunction, KernelArgs, KernelParams, compile_kernel};
 use kvjit_op::{Call, CallContract, Compiled, OpKernel};
 use kvjit_runtime::{CodeInfo, DeviceContextPtr};
 
@@ -145,43 +147,70 @@ mod layout {
     }
 }
 
-/// The kernel's argument words, in order.
-mod arg {
+/// The kernel's argument struct: `W = u64` is what the host passes,
+/// `W = Value` the words as the emitter loaded them (one description for
+/// both sides; each field read at its `offset_of!`).
+#[repr(C)]
+struct MhaArgs<W> {
     /// q, pre-scaled, as f32 `[B·query blocks, Hkv·tiles_per_head·4, D]`
     /// (rows in row-tile order, padded rows zero).
-    pub const Q: usize = 0;
+    q: W,
     /// The cache's blocks.
-    pub const BLOCKS: usize = 1;
+    blocks: W,
     /// i64 `[B, T]`: element offset of the K row (head 0) of each key the
     /// sequence reads, by its position relative to the sequence's first key.
-    pub const KEY_OFFSETS: usize = 2;
+    key_offsets: W,
     /// i64 `[B, 3]`: cache length, valid length and first key position read
     /// (`CallShape::key_ranges[b].0`) of each sequence.
-    pub const LENGTHS: usize = 3;
+    lengths: W,
     /// f32 partials: per item `[scratch | Hkv·tiles_per_head × (m, l, lo, hi, acc[4·D])]`.
-    pub const PARTIALS: usize = 4;
+    partials: W,
     /// Row tiles per KV head in an item.
-    pub const TILES: usize = 5;
+    tiles: W,
     /// T, the stride of the offsets table (≥ C·CH).
-    pub const STRIDE: usize = 6;
+    stride: W,
     /// Query blocks per sequence.
-    pub const QUERY_BLOCKS: usize = 7;
+    query_blocks: W,
     /// Query positions per block, QB.
-    pub const QUERY_BLOCK: usize = 8;
+    query_block: W,
     /// Key chunks per (b, query block), C.
-    pub const CHUNKS: usize = 9;
+    chunks: W,
     /// Key positions per chunk, CH.
-    pub const CHUNK: usize = 10;
+    chunk: W,
     /// f32 values per item in the partials.
-    pub const ITEM_FLOATS: usize = 11;
+    item_floats: W,
     /// Block buffers: `items × block_buffer_bytes`; an invocation of items
     /// `[begin, end)` uses only buffer `begin`.
-    pub const BUFFERS: usize = 12;
+    buffers: W,
     /// An FP8 cache's f32 scales `[P, 2, L, page_size, Hkv, D/g]` (0 for
     /// other caches).
-    pub const SCALES: usize = 13;
-    /// Words in all.
-    pub const COUNT: usize = 14;
+    scales: W,
+}
+
+// SAFETY: `MhaArgs<u64>` is `#[repr(C)]` with only u64 fields.
+unsafe impl KernelArgs for MhaArgs<u64> {}
+
+impl MhaArgs<Value> {
+    /// Load every word of the argument struct, in order, at the kernel's entry.
+    fn load(b: &mut FunctionBuilder, params: &KernelParams) -> Self {
+        let mut field = |offset: usize| params.field(b, offset);
+        MhaArgs {
+            q: field(offset_of!(MhaArgs<u64>, q)),
+            blocks: field(offset_of!(MhaArgs<u64>, blocks)),
+            key_offsets: field(offset_of!(MhaArgs<u64>, key_offsets)),
+            lengths: field(offset_of!(MhaArgs<u64>, lengths)),
+            partials: field(offset_of!(MhaArgs<u64>, partials)),
+            tiles: field(offset_of!(MhaArgs<u64>, tiles)),
+            stride: field(offset_of!(MhaArgs<u64>, stride)),
+            query_blocks: field(offset_of!(MhaArgs<u64>, query_blocks)),
+            query_block: field(offset_of!(MhaArgs<u64>, query_block)),
+            chunks: field(offset_of!(MhaArgs<u64>, chunks)),
+            chunk: field(offset_of!(MhaArgs<u64>, chunk)),
+            item_floats: field(offset_of!(MhaArgs<u64>, item_floats)),
+            buffers: field(offset_of!(MhaArgs<u64>, buffers)),
+            scales: field(offset_of!(MhaArgs<u64>, scales)),
+        }
+    }
 }
 
 /// The dtype of the K/V rows in the block buffer: the cache's, except that
@@ -287,8 +316,8 @@ fn emit_and_compile(spec: &MhaSpec, key: &KernelKey, capture: CaptureText) -> Re
     supported(spec)?;
     let disp = displacements(spec)?;
     compile_kernel(key, capture, |b, params| {
-        let words: Vec<Value> = (0..arg::COUNT).map(|i| params.arg(b, i)).collect();
-        let e = Emitter { spec: *spec, disp, words, begin: params.begin };
+        let args = MhaArgs::load(b, &params);
+        let e = Emitter { spec: *spec, disp, args, begin: params.begin };
         counted_loop(b, params.begin, params.end, 1, &[], |b, item, _| {
             e.emit_item(b, item);
             Vec::new()
@@ -300,7 +329,8 @@ struct Emitter {
     spec: MhaSpec,
     /// The bound of every constant displacement ([`displacements`]).
     disp: Displacements,
-    words: Vec<Value>,
+    /// The argument words.
+    args: MhaArgs<Value>,
     /// The invocation's first item (its block buffer's index).
     begin: Value,
 }
@@ -360,10 +390,6 @@ fn as_f32x4(b: &mut FunctionBuilder, v: Value) -> Value {
 }
 
 impl Emitter {
-    fn word(&self, i: usize) -> Value {
-        self.words[i]
-    }
-
     /// `bytes` as a displacement ([`Displacements::of`]).
     #[track_caller]
     fn at(&self, bytes: usize) -> i32 {
@@ -411,34 +437,34 @@ impl Emitter {
 
     fn emit_item(&self, b: &mut FunctionBuilder, item: Value) {
         let hkv_count = self.spec.cache.num_kv_heads;
-        let chunks = self.word(arg::CHUNKS);
+        let chunks = self.args.chunks;
         let c = b.ins().urem(item, chunks);
         let group_index = b.ins().udiv(item, chunks);
-        let nqb = self.word(arg::QUERY_BLOCKS);
+        let nqb = self.args.query_blocks;
         let qb = b.ins().urem(group_index, nqb);
         let batch = b.ins().udiv(group_index, nqb);
 
-        let item_bytes = b.ins().imul(item, self.word(arg::ITEM_FLOATS));
-        let scratch = addr::element(b, self.word(arg::PARTIALS), item_bytes, 4);
+        let item_bytes = b.ins().imul(item, self.args.item_floats);
+        let scratch = addr::element(b, self.args.partials, item_bytes, 4);
         let tiles_base = b.ins().iadd_imm_s(scratch, layout::tiles(self.nb()) as i64);
-        let tiles_per_head = self.word(arg::TILES);
+        let tiles_per_head = self.args.tiles;
         let tiles = b.ins().imul_imm_s(tiles_per_head, hkv_count as i64);
-        let buffer = addr::element(b, self.word(arg::BUFFERS), self.begin, block_buffer_bytes(&self.spec));
+        let buffer = addr::element(b, self.args.buffers, self.begin, block_buffer_bytes(&self.spec));
         // This (b, query block)'s packed q: Hkv·tiles_per_head·4 rows of D f32.
         let q_group = b.ins().imul(group_index, tiles);
-        let q_group = addr::element(b, self.word(arg::Q), q_group, ROW_TILE * self.d() * 4);
+        let q_group = addr::element(b, self.args.q, q_group, ROW_TILE * self.d() * 4);
 
         // The sequence's lengths, its first key, and this block's valid
         // queries. Key positions from here on are relative to the first key
         // (`rebase`): below MAX_JIT_KEYS, so they fit the I32X4 lanes.
-        let lengths_at = addr::element(b, self.word(arg::LENGTHS), batch, 24);
+        let lengths_at = addr::element(b, self.args.lengths, batch, 24);
         let cl = b.ins().load(types::I64, mem(), lengths_at, 0);
         let valid = b.ins().load(types::I64, mem(), lengths_at, 8);
         let first_key = b.ins().load(types::I64, mem(), lengths_at, 16);
         let rebase = |b: &mut FunctionBuilder, (lo, hi): (Value, Value)| {
             (b.ins().isub(lo, first_key), b.ins().isub(hi, first_key))
         };
-        let query_block = self.word(arg::QUERY_BLOCK);
+        let query_block = self.args.query_block;
         let s0 = b.ins().imul(qb, query_block);
         let s_end = b.ins().iadd(s0, query_block);
         let s_end = b.ins().smin(s_end, valid);
@@ -483,12 +509,12 @@ impl Emitter {
             let (item_lo, _) = rebase(b, range);
             let range = self.row_range(b, cl, valid, s_last);
             let (_, item_hi) = rebase(b, range);
-            let chunk = self.word(arg::CHUNK);
+            let chunk = self.args.chunk;
             let c_lo = b.ins().imul(c, chunk);
             let c_hi = b.ins().iadd(c_lo, chunk);
             let lo = b.ins().smax(item_lo, c_lo);
             let hi = b.ins().smin(item_hi, c_hi);
-            let stride = self.word(arg::STRIDE);
+            let stride = self.args.stride;
             let seq_offsets = b.ins().imul(batch, stride);
             let convert = self.fp8().then(|| ToBf16::new(b, self.disp));
             counted_loop(b, lo, hi, KB as i64, &[], |b, p0, _| {
@@ -549,14 +575,14 @@ impl Emitter {
         let hkv_count = self.spec.cache.num_kv_heads;
         let nb = self.nb();
         let offsets = b.ins().iadd(seq_offsets, p0);
-        let offsets = addr::element(b, self.word(arg::KEY_OFFSETS), offsets, 8);
+        let offsets = addr::element(b, self.args.key_offsets, offsets, 8);
         let last = b.ins().iadd_imm_s(n, -1);
         let zero = iconst(b, 0);
         counted_loop(b, zero, n_pad, 1, &[], |b, j, _| {
             let key = b.ins().smin(j, last);
             let at = addr::element(b, offsets, key, 8);
             let element = b.ins().load(types::I64, mem(), at, 0);
-            let k_src = addr::element(b, self.word(arg::BLOCKS), element, csize);
+            let k_src = addr::element(b, self.args.blocks, element, csize);
             let v_src = b.ins().iadd_imm_s(k_src, (self.kv_stride() * csize) as i64);
             let dst = addr::element(b, buffer, j, row_bytes);
             for (kv, src) in [k_src, v_src].into_iter().enumerate() {
@@ -580,7 +606,7 @@ impl Emitter {
                     let g = iconst(b, g as i64);
                     b.ins().udiv(element, g)
                 };
-                let k_scales = addr::element(b, self.word(arg::SCALES), row, 4);
+                let k_scales = addr::element(b, self.args.scales, row, 4);
                 let v_scales = b.ins().iadd_imm_s(k_scales, (self.kv_stride() / g * 4) as i64);
                 let dst = addr::element(b, buffer, j, nb * 4);
                 let rows_bytes = block_rows_bytes(&self.spec);
@@ -989,23 +1015,24 @@ impl JitKernel {
             // Zeroed (calloc): only the buffers of the invocations' first
             // items are ever touched.
             let mut buffers = vec![0u8; plan.items * block_buffer_bytes(&self.spec)];
-            let mut args = [0u64; arg::COUNT];
-            args[arg::Q] = q.as_ptr() as u64;
-            args[arg::BLOCKS] = cache.blocks().as_bytes().as_ptr() as u64;
-            args[arg::KEY_OFFSETS] = offsets.as_ptr() as u64;
-            args[arg::LENGTHS] = lengths.as_ptr() as u64;
-            args[arg::PARTIALS] = partials.as_mut_ptr() as u64;
-            args[arg::TILES] = plan.tiles as u64;
-            args[arg::STRIDE] = plan.stride as u64;
-            args[arg::QUERY_BLOCKS] = plan.query_blocks as u64;
-            args[arg::QUERY_BLOCK] = plan.query_block as u64;
-            args[arg::CHUNKS] = plan.chunks as u64;
-            args[arg::CHUNK] = plan.chunk as u64;
-            args[arg::ITEM_FLOATS] = plan.item_floats as u64;
-            args[arg::BUFFERS] = buffers.as_mut_ptr() as u64;
-            args[arg::SCALES] = cache.scales().map_or(0, |scales| scales.as_bytes().as_ptr() as u64);
+            let args = MhaArgs {
+                q: q.as_ptr() as u64,
+                blocks: cache.blocks().as_bytes().as_ptr() as u64,
+                key_offsets: offsets.as_ptr() as u64,
+                lengths: lengths.as_ptr() as u64,
+                partials: partials.as_mut_ptr() as u64,
+                tiles: plan.tiles as u64,
+                stride: plan.stride as u64,
+                query_blocks: plan.query_blocks as u64,
+                query_block: plan.query_block as u64,
+                chunks: plan.chunks as u64,
+                chunk: plan.chunk as u64,
+                item_floats: plan.item_floats as u64,
+                buffers: buffers.as_mut_ptr() as u64,
+                scales: cache.scales().map_or(0, |scales| scales.as_bytes().as_ptr() as u64),
+            };
             // SAFETY: `code` was compiled by `emit_and_compile` for this
-            // kernel's spec, reading the argument words in `arg`'s layout.
+            // kernel's spec, reading `MhaArgs` at its fields' offsets.
             // `Compiled`'s checks (arity, dtypes, contiguity) and
             // `MhaSpec::check` validated the call against the spec (q is
             // contiguous [B, S, Hq, D] with the spec's Hq and D, the cache has
