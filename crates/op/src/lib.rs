@@ -17,17 +17,24 @@
 //!   contiguity and output checks and runs nothing before every check
 //!   passed.
 //! - [`checks`]: the checks several ops make (baked dims, a paged step,
-//!   the cache rows a step writes).
+//!   the cache rows a step writes); [`expect_float_step`]: a spec-less
+//!   step's dtypes.
+//! - [`op_error!`]: an op's own error enum as a `kvjit_core::Error`.
 
 pub mod checks;
 mod def;
 mod kernel;
+mod op_error;
 mod params;
+mod step_args;
 
 pub use def::{CpuBuild, Defined, Op, compile_error, spec_of};
 pub use kernel::{ArgDType, Call, CallContract, Compiled, OpKernel, TensorArg};
 pub use params::{Choice, OpParams, Param};
+pub use step_args::expect_float_step;
 
+#[doc(hidden)]
+pub use kvjit_core as core;
 #[doc(hidden)]
 pub use kvjit_graph as graph;
 #[doc(hidden)]
