@@ -85,13 +85,7 @@ pub fn check_call(
     valid_lengths: &Tensor,
     config: &AttentionConfig,
 ) -> Result<CallShape> {
-    let dtype = q.dtype();
-    if !dtype.is_compute_float() {
-        return Err(Error::NotFloat { what: "q".into(), dtype });
-    }
-    expect_arg("q", q, dtype)?;
-    expect_arg("layer_idx", layer_idx, DType::U32)?;
-    expect_arg("valid_lengths", valid_lengths, DType::U32)?;
+    kvjit_op::expect_float_step("q", q, layer_idx, valid_lengths)?;
     check_call_for(kv_collection.params(), q, kv_collection, layer_idx, valid_lengths, config)
 }
 
