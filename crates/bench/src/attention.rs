@@ -31,11 +31,12 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use half::slice::HalfFloatSliceExt;
-use kvjit::attention::JitKernel as MhaKernel;
+use kvjit::attention::{JitKernel as MhaKernel, jit_kernel as mha_kernel, run_into as run_mha};
 use kvjit::models::llama::LlamaConfig;
 use kvjit::rope::{JitKernel as RopeKernel, RopeArgs, RopeSpec};
-use kvjit_core::{DType, PagedKVCacheCollection, Target, Tensor};
+use kvjit_core::{DType, KernelSpec, PagedKVCacheCollection, Target, Tensor};
 use kvjit_jit::CaptureText;
+use kvjit_op::Compiled;
 use kvjit_runtime::{DeviceContextPtr, Executable, Executor};
 use rand::SeedableRng;
 use rand::rngs::SmallRng;
@@ -564,7 +565,7 @@ pub struct AttentionReport {
 
 /// Run a JIT kernel and the peer once on the same call and compare.
 fn validate(
-    kernel: &MhaKernel,
+    kernel: &Compiled<MhaKernel>,
     peer: &mut GatherGemmPeer,
     q: &Tensor,
     layer: &Tensor,
@@ -573,7 +574,7 @@ fn validate(
     ctx: &DeviceContextPtr,
 ) -> Result<f64> {
     let mut jit = Tensor::zeros(q.dtype(), q.shape())?;
-    kernel.run_into(&[q, layer, valid], cache, jit.as_bytes_mut(), ctx)?;
+    run_mha(kernel, &[q, layer, valid], cache, jit.as_bytes_mut(), ctx)?;
     let mut theirs = Tensor::zeros(q.dtype(), q.shape())?;
     peer.run(q, cache, layer.to_u32_vec()?[0] as usize, &valid.to_u32_vec()?, &mut theirs, ctx)?;
     Ok(normalized_error(&jit.to_f32_vec()?, &theirs.to_f32_vec()?))
@@ -593,9 +594,9 @@ fn run_pair(
     let threads = ctx.cpu_context().map_or(1, |c| c.threads());
     let cache = make_cache(heads, dtype, layers, step, true, rng)?;
     let spec = heads.spec(dtype, layers, batch, seq);
-    let key = spec.kernel_key().to_string();
-    let kernel = MhaKernel::new(spec, CaptureText::default())
-        .map_err(|source| BenchError::Compile { key: key.clone(), source })?;
+    let key = spec.key().to_string();
+    let kernel =
+        mha_kernel(spec, CaptureText::default()).map_err(|source| BenchError::Compile { key: key.clone(), source })?;
     let q = Tensor::random(dtype, &[batch, seq, heads.num_heads, heads.head_size], rng, -1.0, 1.0)?;
     let valid = Tensor::from_vec(&[batch], vec![seq as u32; batch])?;
     let layer_tensors: Vec<Tensor> = (0..layers as u32).map(Tensor::scalar_u32).collect();
@@ -631,7 +632,7 @@ fn run_pair(
         let l = next[i] % layers;
         next[i] = l + 1;
         match i {
-            0 => kernel.run_into(&[&q, &layer_tensors[l], &valid], &cache, jit_out.as_bytes_mut(), ctx)?,
+            0 => run_mha(&kernel, &[&q, &layer_tensors[l], &valid], &cache, jit_out.as_bytes_mut(), ctx)?,
             _ => peer.run(&q, &cache, l, &valid_values, &mut peer_out, ctx)?,
         }
         Ok(())

@@ -16,10 +16,10 @@ use std::fmt::Write as _;
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvjit::attention::JitKernel as MhaKernel;
+use kvjit::attention::{jit_kernel as mha_kernel, run_into as run_mha};
 use kvjit::fused_qkv::{FusedQkvSpec, JitKernel as QkvKernel, QkvArgs};
 use kvjit::models::llama::LlamaConfig;
-use kvjit_core::{DType, Target, Tensor};
+use kvjit_core::{DType, KernelSpec, Target, Tensor};
 use kvjit_jit::CaptureText;
 use kvjit_runtime::{DeviceContextPtr, Executor};
 use rand::SeedableRng;
@@ -270,16 +270,15 @@ fn attention_pair(
     let mut kernels = Vec::new();
     for dtype in [DType::BF16, DType::F8E4M3] {
         let mut spec = heads.spec(DType::BF16, layers, batch, 1);
-        spec.cache_dtype = dtype;
-        spec.scale_granularity = dtype.is_quantized().then_some(g);
-        let key = spec.kernel_key().to_string();
-        kernels
-            .push(MhaKernel::new(spec, CaptureText::default()).map_err(|source| BenchError::Compile { key, source })?);
+        spec.cache.dtype = dtype;
+        spec.cache.scale_granularity = dtype.is_quantized().then_some(g);
+        let key = spec.key().to_string();
+        kernels.push(mha_kernel(spec, CaptureText::default()).map_err(|source| BenchError::Compile { key, source })?);
     }
     let caches = [&bf16, &fp8];
     let mut outputs = [Tensor::zeros(DType::BF16, q.shape())?, Tensor::zeros(DType::BF16, q.shape())?];
     for i in 0..2 {
-        kernels[i].run_into(&[&q, &layer_tensors[0], &valid], caches[i], outputs[i].as_bytes_mut(), ctx)?;
+        run_mha(&kernels[i], &[&q, &layer_tensors[0], &valid], caches[i], outputs[i].as_bytes_mut(), ctx)?;
     }
     let (want, got) = (outputs[0].to_f32_vec()?, outputs[1].to_f32_vec()?);
     let scale = want.iter().fold(0f32, |m, v| m.max(v.abs())).max(f32::MIN_POSITIVE);
@@ -288,7 +287,7 @@ fn attention_pair(
     let measured = measure_interleaved(2, &config.timing, |i| {
         let l = next[i] % layers;
         next[i] = l + 1;
-        Ok(kernels[i].run_into(&[&q, &layer_tensors[l], &valid], caches[i], outputs[i].as_bytes_mut(), ctx)?)
+        Ok(run_mha(&kernels[i], &[&q, &layer_tensors[l], &valid], caches[i], outputs[i].as_bytes_mut(), ctx)?)
     })?;
     let fp8_bytes = (batch * context * fp8.params().bytes_per_token()) as f64;
     Ok(AttentionResult {

@@ -168,6 +168,18 @@ impl<K: OpKernel> Compiled<K> {
         &self.kernel
     }
 
+    /// Check a call's inputs as [`Kernel::check`] does (arity, declared
+    /// dtypes, then the kernel's check) and return what the check learnt:
+    /// for a kernel that also runs into memory its caller owns (a guarded
+    /// test buffer, a benchmark's output), which then needs no second check.
+    pub fn check_call(
+        &self,
+        tensors: &[&Tensor],
+        caches: &[&PagedKVCacheCollection],
+    ) -> Result<<K::Spec as CallContract>::Checked> {
+        self.checked(tensors, caches, None)
+    }
+
     fn signature() -> String {
         let tensors: Vec<&str> = K::Spec::TENSORS.iter().map(|a| a.name).collect();
         format!(

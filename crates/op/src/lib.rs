@@ -17,39 +17,33 @@
 //!   contiguity and output checks and runs nothing before every check
 //!   passed.
 //! - [`checks`]: the checks several ops make (baked dims, a paged step,
-//!   the cache rows a step writes).
+//!   the cache rows a step writes); [`expect_float_step`]: a spec-less
+//!   step's dtypes.
 //! - [`elementwise`]: what elementwise ops check alike (compute dtype,
 //!   baked element count).
 //! - [`store_f64`]: a reference kernel's f64 results, rounded once to the
 //!   output's dtype.
+//! - [`op_error!`]: an op's own error enum as a `kvjit_core::Error`.
 
 pub mod checks;
 mod def;
 pub mod elementwise;
 mod kernel;
+mod op_error;
 mod params;
 mod rounding;
+mod step_args;
 
 pub use def::{Built, Constants, CpuBuild, Defined, Op, add_node, built, compile_error, spec_of};
 pub use kernel::{ArgDType, Call, CallContract, Compiled, OpKernel, TensorArg, check_declared_dtypes};
 pub use params::{Choice, OpParams, Param};
 pub use rounding::store_f64;
+pub use step_args::expect_float_step;
 
+#[doc(hidden)]
+pub use kvjit_core as core;
 #[doc(hidden)]
 pub use kvjit_graph as graph;
 
-/// Make an op's own error type a `kvjit_core::Error` (an
-/// [`Error::Op`](kvjit_core::Error::Op) naming the op), so its kernels
-/// return it with `?`: `kvjit_op::op_error!(RopeError, OP_NAME);`.
-#[macro_export]
-macro_rules! op_error {
-    ($error:ty, $op_name:expr) => {
-        impl From<$error> for kvjit_core::Error {
-            fn from(error: $error) -> Self {
-                kvjit_core::Error::op($op_name, error)
-            }
-        }
-    };
-}
 #[doc(hidden)]
 pub use params::spec_of as param_spec;

@@ -6,7 +6,8 @@
 //! the layer exists, and `q`/`valid_lengths` have the shapes the kernel
 //! indexes with.
 
-use kvjit_core::{DType, Error, PagedKVCacheCollection, Result, Tensor, expect_arg, shape_mismatch};
+use kvjit_core::{DType, Error, KvCacheParams, PagedKVCacheCollection, Result, Tensor, expect_arg, shape_mismatch};
+use kvjit_op::checks;
 
 use crate::{AttentionError, Mask, MhaSpec};
 
@@ -75,12 +76,8 @@ impl CallShape {
 }
 
 /// Check every argument of a call against the op contract and each other;
-/// writes nothing. In order: dtypes and contiguity, shapes (`q [B, S, Hq,
-/// D]` with D the cache's head size, Hq a multiple of Hkv, B the cache's
-/// batch), `layer_idx < L`, `valid_lengths[b] ≤ S`, `cache_lengths[b] +
-/// valid_lengths[b]` fits u32, and for every key position a valid query
-/// reads that its logical page is inside the lookup table and its physical
-/// page inside the cache (core's [`PagedKVCacheCollection::locate`]).
+/// writes nothing. In order: dtypes and contiguity, then
+/// [`check_call_for`] the cache's own layout.
 pub fn check_call(
     q: &Tensor,
     kv_collection: &PagedKVCacheCollection,
@@ -88,45 +85,39 @@ pub fn check_call(
     valid_lengths: &Tensor,
     config: &AttentionConfig,
 ) -> Result<CallShape> {
-    let dtype = q.dtype();
-    if !dtype.is_compute_float() {
-        return Err(Error::NotFloat { what: "q".into(), dtype });
-    }
-    expect_arg("q", q, dtype)?;
-    expect_arg("layer_idx", layer_idx, DType::U32)?;
-    expect_arg("valid_lengths", valid_lengths, DType::U32)?;
-    let params = kv_collection.params();
+    kvjit_op::expect_float_step("q", q, layer_idx, valid_lengths)?;
+    check_call_for(kv_collection.params(), q, kv_collection, layer_idx, valid_lengths, config)
+}
+
+/// Check a call whose dtypes were checked, for a kernel built for the
+/// cache layout `built_for`; writes nothing. In order: `q [B, S, Hq, D]`
+/// with D the layout's head size and Hq a multiple of Hkv, the step
+/// ([`checks::check_step`]: the cache laid out as `built_for` with batch
+/// B, `layer_idx < L`, `valid_lengths[b] ≤ S`, `cache_lengths[b] +
+/// valid_lengths[b]` fits u32), and for every key position a valid query
+/// reads that its logical page is inside the lookup table and its physical
+/// page inside the cache (core's [`PagedKVCacheCollection::locate`]).
+pub fn check_call_for(
+    built_for: &KvCacheParams,
+    q: &Tensor,
+    kv_collection: &PagedKVCacheCollection,
+    layer_idx: &Tensor,
+    valid_lengths: &Tensor,
+    config: &AttentionConfig,
+) -> Result<CallShape> {
     let &[batch, seq, num_heads, head_size] = q.shape() else {
-        return Err(shape_mismatch("q", format!("[B, S, Hq, {}]", params.head_size), q));
+        return Err(shape_mismatch("q", format!("[B, S, Hq, {}]", built_for.head_size), q));
     };
-    if head_size != params.head_size || num_heads == 0 {
-        return Err(shape_mismatch("q", format!("[B, S, Hq, {}] (D = the cache's head_size)", params.head_size), q));
+    if head_size != built_for.head_size || num_heads == 0 {
+        return Err(shape_mismatch("q", format!("[B, S, Hq, {}] (D = the cache's head_size)", built_for.head_size), q));
     }
-    if !num_heads.is_multiple_of(params.num_kv_heads) {
-        return Err(AttentionError::HeadGroups { num_heads, num_kv_heads: params.num_kv_heads }.into());
+    if !num_heads.is_multiple_of(built_for.num_kv_heads) {
+        return Err(AttentionError::HeadGroups { num_heads, num_kv_heads: built_for.num_kv_heads }.into());
     }
-    if !matches!(layer_idx.shape(), [] | [1]) {
-        return Err(shape_mismatch("layer_idx", "[] (a scalar)".into(), layer_idx));
-    }
-    if valid_lengths.shape() != [batch] {
-        return Err(shape_mismatch("valid_lengths", format!("[{batch}] (B from q)"), valid_lengths));
-    }
-    if kv_collection.batch_size() != batch {
-        return Err(Error::ShapeMismatch {
-            arg: "kv_collection.cache_lengths".into(),
-            expected: format!("[{batch}] (B from q)"),
-            got: vec![kv_collection.batch_size()],
-        });
-    }
-    let layer = layer_idx.as_slice::<u32>()?[0];
-    if layer as usize >= params.num_layers {
-        return Err(Error::LayerOutOfRange { layer_idx: layer, num_layers: params.num_layers });
-    }
-    let valid = valid_lengths.as_slice::<u32>()?;
-    kv_collection.check_step_lengths(valid, seq)?;
-    let page_size = params.page_size;
+    let step = checks::check_step("q", [batch, seq], kv_collection, built_for, layer_idx, valid_lengths)?;
+    let page_size = built_for.page_size;
     let mut key_ranges = Vec::with_capacity(batch);
-    for (b, &v) in valid.iter().enumerate() {
+    for (b, &v) in step.valid.iter().enumerate() {
         let (v, cache_length) = (v as usize, kv_collection.cache_lengths()[b] as usize);
         if v == 0 {
             key_ranges.push((0, 0));
@@ -144,9 +135,9 @@ pub fn check_call(
         batch,
         seq,
         num_heads,
-        num_kv_heads: params.num_kv_heads,
+        num_kv_heads: built_for.num_kv_heads,
         head_size,
-        layer: layer as usize,
+        layer: step.layer,
         key_ranges,
     })
 }

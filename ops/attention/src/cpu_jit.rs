@@ -73,7 +73,9 @@
 use std::sync::Arc;
 
 use half::{bf16, f16};
-use kvjit_core::{DType, Error, KernelKey, PagedKVCacheCollection, Result, Tensor};
+use std::mem::offset_of;
+
+use kvjit_core::{DType, Error, KernelKey, KernelSpec, PagedKVCacheCollection, Result, Tensor};
 use kvjit_jit::cranelift_codegen::ir::condcodes::{FloatCC, IntCC};
 use kvjit_jit::cranelift_codegen::ir::{InstBuilder, MemFlagsData, Value, types};
 use kvjit_jit::cranelift_frontend::FunctionBuilder;
@@ -82,11 +84,11 @@ use kvjit_jit::ir::e4m3::ToBf16;
 use kvjit_jit::ir::math::exp_f32x4;
 use kvjit_jit::ir::shuffle::transpose_sum;
 use kvjit_jit::ir::{counted_loop, load_f32x4_raw, mem, splat_f32, when};
-use kvjit_jit::{CaptureText, JitError, JitFunction, compile_kernel};
-use kvjit_runtime::{CodeInfo, DeviceContextPtr, Kernel, OutputSpec};
+use kvjit_jit::{CaptureText, JitError, JitFunction, KernelArgs, KernelParams, compile_kernel};
+use kvjit_op::{Call, CallContract, Compiled, OpKernel};
+use kvjit_runtime::{CodeInfo, DeviceContextPtr};
 
 use crate::call::{CallShape, key_row_offsets};
-use crate::kernel::{check_against_spec, checked_call};
 use crate::{AttentionError, Mask, MhaSpec};
 
 /// Keys per block (the scores, probabilities and K/V row addresses of one
@@ -145,49 +147,76 @@ mod layout {
     }
 }
 
-/// The kernel's argument words, in order.
-mod arg {
+/// The kernel's argument struct: `W = u64` is what the host passes,
+/// `W = Value` the words as the emitter loaded them (one description for
+/// both sides; each field read at its `offset_of!`).
+#[repr(C)]
+struct MhaArgs<W> {
     /// q, pre-scaled, as f32 `[B·query blocks, Hkv·tiles_per_head·4, D]`
     /// (rows in row-tile order, padded rows zero).
-    pub const Q: usize = 0;
+    q: W,
     /// The cache's blocks.
-    pub const BLOCKS: usize = 1;
+    blocks: W,
     /// i64 `[B, T]`: element offset of the K row (head 0) of each key the
     /// sequence reads, by its position relative to the sequence's first key.
-    pub const KEY_OFFSETS: usize = 2;
+    key_offsets: W,
     /// i64 `[B, 3]`: cache length, valid length and first key position read
     /// (`CallShape::key_ranges[b].0`) of each sequence.
-    pub const LENGTHS: usize = 3;
+    lengths: W,
     /// f32 partials: per item `[scratch | Hkv·tiles_per_head × (m, l, lo, hi, acc[4·D])]`.
-    pub const PARTIALS: usize = 4;
+    partials: W,
     /// Row tiles per KV head in an item.
-    pub const TILES: usize = 5;
+    tiles: W,
     /// T, the stride of the offsets table (≥ C·CH).
-    pub const STRIDE: usize = 6;
+    stride: W,
     /// Query blocks per sequence.
-    pub const QUERY_BLOCKS: usize = 7;
+    query_blocks: W,
     /// Query positions per block, QB.
-    pub const QUERY_BLOCK: usize = 8;
+    query_block: W,
     /// Key chunks per (b, query block), C.
-    pub const CHUNKS: usize = 9;
+    chunks: W,
     /// Key positions per chunk, CH.
-    pub const CHUNK: usize = 10;
+    chunk: W,
     /// f32 values per item in the partials.
-    pub const ITEM_FLOATS: usize = 11;
+    item_floats: W,
     /// Block buffers: `items × block_buffer_bytes`; an invocation of items
     /// `[begin, end)` uses only buffer `begin`.
-    pub const BUFFERS: usize = 12;
+    buffers: W,
     /// An FP8 cache's f32 scales `[P, 2, L, page_size, Hkv, D/g]` (0 for
     /// other caches).
-    pub const SCALES: usize = 13;
-    /// Words in all.
-    pub const COUNT: usize = 14;
+    scales: W,
+}
+
+// SAFETY: `MhaArgs<u64>` is `#[repr(C)]` with only u64 fields.
+unsafe impl KernelArgs for MhaArgs<u64> {}
+
+impl MhaArgs<Value> {
+    /// Load every word of the argument struct, in order, at the kernel's entry.
+    fn load(b: &mut FunctionBuilder, params: &KernelParams) -> Self {
+        let mut field = |offset: usize| params.field(b, offset);
+        MhaArgs {
+            q: field(offset_of!(MhaArgs<u64>, q)),
+            blocks: field(offset_of!(MhaArgs<u64>, blocks)),
+            key_offsets: field(offset_of!(MhaArgs<u64>, key_offsets)),
+            lengths: field(offset_of!(MhaArgs<u64>, lengths)),
+            partials: field(offset_of!(MhaArgs<u64>, partials)),
+            tiles: field(offset_of!(MhaArgs<u64>, tiles)),
+            stride: field(offset_of!(MhaArgs<u64>, stride)),
+            query_blocks: field(offset_of!(MhaArgs<u64>, query_blocks)),
+            query_block: field(offset_of!(MhaArgs<u64>, query_block)),
+            chunks: field(offset_of!(MhaArgs<u64>, chunks)),
+            chunk: field(offset_of!(MhaArgs<u64>, chunk)),
+            item_floats: field(offset_of!(MhaArgs<u64>, item_floats)),
+            buffers: field(offset_of!(MhaArgs<u64>, buffers)),
+            scales: field(offset_of!(MhaArgs<u64>, scales)),
+        }
+    }
 }
 
 /// The dtype of the K/V rows in the block buffer: the cache's, except that
 /// an FP8 cache's codes are re-encoded as (exact) bf16.
 fn buffer_dtype(spec: &MhaSpec) -> DType {
-    match spec.cache_dtype {
+    match spec.cache.dtype {
         DType::F8E4M3 => DType::BF16,
         other => other,
     }
@@ -195,8 +224,8 @@ fn buffer_dtype(spec: &MhaSpec) -> DType {
 
 /// Scale blocks per head of an FP8 cache (D/g), 1 for other caches.
 fn scale_blocks(spec: &MhaSpec) -> usize {
-    match spec.scale_granularity {
-        Some(g) if spec.cache_dtype == DType::F8E4M3 => spec.head_size / g,
+    match spec.cache.scale_granularity {
+        Some(g) if spec.cache.dtype == DType::F8E4M3 => spec.cache.head_size / g,
         _ => 1,
     }
 }
@@ -204,15 +233,15 @@ fn scale_blocks(spec: &MhaSpec) -> usize {
 /// Bytes of the K/V rows of one block buffer: `[2, Hkv, KB, D]` of
 /// [`buffer_dtype`].
 fn block_rows_bytes(spec: &MhaSpec) -> usize {
-    2 * spec.num_kv_heads * KB * spec.head_size * buffer_dtype(spec).size_bytes()
+    2 * spec.cache.num_kv_heads * KB * spec.cache.head_size * buffer_dtype(spec).size_bytes()
 }
 
 /// Bytes of one block buffer: K then V rows of KB keys, KV head major
 /// (`[2, Hkv, KB, D]` of [`buffer_dtype`]), then for an FP8 cache the keys'
 /// scales, f32 `[2, Hkv, KB, D/g]`.
 fn block_buffer_bytes(spec: &MhaSpec) -> usize {
-    let scales = match spec.cache_dtype {
-        DType::F8E4M3 => 2 * spec.num_kv_heads * KB * scale_blocks(spec) * 4,
+    let scales = match spec.cache.dtype {
+        DType::F8E4M3 => 2 * spec.cache.num_kv_heads * KB * scale_blocks(spec) * 4,
         _ => 0,
     };
     block_rows_bytes(spec) + scales
@@ -228,32 +257,33 @@ pub const MAX_JIT_HEAD_SIZE: usize = 1024;
 /// (each F32X4 of a head inside one scale block), and the fixed offsets must
 /// fit the code's displacements.
 pub(crate) fn supported(spec: &MhaSpec) -> Result<(), JitError> {
-    let d = spec.head_size;
+    let d = spec.cache.head_size;
     let reason = if !d.is_multiple_of(4) {
         Some(format!("the CPU kernel needs head_size % 4 == 0 (whole F32X4 vectors), got {d}"))
     } else if d > MAX_JIT_HEAD_SIZE {
         Some(format!(
             "the CPU kernel serves head_size up to {MAX_JIT_HEAD_SIZE} (its code is unrolled over the head), got {d}"
         ))
-    } else if let Err(e) = spec.cache_params().validate() {
-        Some(format!("the cache layout is invalid: {e}"))
-    } else if let Some(g) = spec.scale_granularity.filter(|g| !g.is_multiple_of(4)) {
+    } else if let Err(reason) = spec.validate() {
+        Some(reason)
+    } else if let Some(g) = spec.cache.scale_granularity.filter(|g| !g.is_multiple_of(4)) {
         Some(format!(
             "the CPU kernel needs an f8e4m3 cache's scale_granularity to be a multiple of 4 (each F32X4 of a \
              head inside one scale block), got {g}"
         ))
     } else {
         let fits = || -> Option<()> {
-            let kv_stride = spec.num_layers.checked_mul(spec.page_size)?.checked_mul(spec.num_kv_heads)?;
+            let cache = &spec.cache;
+            let kv_stride = cache.num_layers.checked_mul(cache.page_size)?.checked_mul(cache.num_kv_heads)?;
             let kv_stride = kv_stride.checked_mul(d)?;
-            let bytes = kv_stride.checked_mul(2 * spec.cache_dtype.size_bytes())?;
+            let bytes = kv_stride.checked_mul(2 * spec.cache.dtype.size_bytes())?;
             let row = d.checked_mul(4 * (spec.num_heads + 2))?;
             (i64::try_from(bytes).is_ok() && i32::try_from(row).is_ok()).then_some(())
         };
         fits().is_none().then(|| "its sizes overflow the offsets the kernel computes".to_string())
     };
     match reason {
-        Some(reason) => Err(JitError::Unsupported { key: spec.kernel_key().to_string(), reason }),
+        Some(reason) => Err(JitError::Unsupported { key: spec.key().to_string(), reason }),
         None => displacements(spec).map(drop),
     }
 }
@@ -263,22 +293,22 @@ pub(crate) fn supported(spec: &MhaSpec) -> Result<(), JitError> {
 /// and one cache row's K/V heads (an FP8 cache's scales included).
 fn displacements(spec: &MhaSpec) -> Result<Displacements, JitError> {
     let largest = || -> Option<usize> {
-        let d = spec.head_size;
+        let d = spec.cache.head_size;
         let tile = layout::tile_floats(d).checked_mul(4)?;
         let q_rows = d.checked_mul(4 * ROW_TILE)?;
         let scratch = scale_blocks(spec).checked_mul(16 * KB)?.checked_add(16)?;
         let head = d.checked_mul(buffer_dtype(spec).size_bytes())?.checked_add(4 * scale_blocks(spec))?;
-        let buffer = 2usize.checked_mul(spec.num_kv_heads)?.checked_mul(KB)?.checked_mul(head)?;
-        let cache_heads = spec.num_kv_heads.checked_mul(d)?.checked_mul(spec.cache_dtype.size_bytes())?;
+        let buffer = 2usize.checked_mul(spec.cache.num_kv_heads)?.checked_mul(KB)?.checked_mul(head)?;
+        let cache_heads = spec.cache.num_kv_heads.checked_mul(d)?.checked_mul(spec.cache.dtype.size_bytes())?;
         [tile, q_rows, scratch, buffer, cache_heads].into_iter().max()
     };
-    Displacements::up_to(&spec.kernel_key(), largest())
+    Displacements::up_to(&spec.key(), largest())
 }
 
 /// Compile the kernel for `spec` (or fetch it from the process-wide
 /// registry). Kept IR/disassembly bypass the registry.
 pub fn compile(spec: &MhaSpec, capture: CaptureText) -> Result<Arc<JitFunction>, JitError> {
-    let key = spec.kernel_key();
+    let key = spec.key();
     kvjit_jit::compile_or_fetch(&key, capture, || emit_and_compile(spec, &key, capture))
 }
 
@@ -286,8 +316,8 @@ fn emit_and_compile(spec: &MhaSpec, key: &KernelKey, capture: CaptureText) -> Re
     supported(spec)?;
     let disp = displacements(spec)?;
     compile_kernel(key, capture, |b, params| {
-        let words: Vec<Value> = (0..arg::COUNT).map(|i| params.arg(b, i)).collect();
-        let e = Emitter { spec: *spec, disp, words, begin: params.begin };
+        let args = MhaArgs::load(b, &params);
+        let e = Emitter { spec: *spec, disp, args, begin: params.begin };
         counted_loop(b, params.begin, params.end, 1, &[], |b, item, _| {
             e.emit_item(b, item);
             Vec::new()
@@ -299,7 +329,8 @@ struct Emitter {
     spec: MhaSpec,
     /// The bound of every constant displacement ([`displacements`]).
     disp: Displacements,
-    words: Vec<Value>,
+    /// The argument words.
+    args: MhaArgs<Value>,
     /// The invocation's first item (its block buffer's index).
     begin: Value,
 }
@@ -359,10 +390,6 @@ fn as_f32x4(b: &mut FunctionBuilder, v: Value) -> Value {
 }
 
 impl Emitter {
-    fn word(&self, i: usize) -> Value {
-        self.words[i]
-    }
-
     /// `bytes` as a displacement ([`Displacements::of`]).
     #[track_caller]
     fn at(&self, bytes: usize) -> i32 {
@@ -370,16 +397,17 @@ impl Emitter {
     }
 
     fn d(&self) -> usize {
-        self.spec.head_size
+        self.spec.cache.head_size
     }
 
     fn tile_bytes(&self) -> usize {
-        4 * layout::tile_floats(self.spec.head_size)
+        4 * layout::tile_floats(self.spec.cache.head_size)
     }
 
     /// Elements from a K row to its V row: L·page_size·Hkv·D.
     fn kv_stride(&self) -> usize {
-        self.spec.num_layers * self.spec.page_size * self.spec.num_kv_heads * self.spec.head_size
+        let cache = &self.spec.cache;
+        cache.num_layers * cache.page_size * cache.num_kv_heads * cache.head_size
     }
 
     /// Bytes of one K or V row of one KV head in the block buffer.
@@ -389,7 +417,7 @@ impl Emitter {
 
     /// Whether the cache is FP8 (codes and scales).
     fn fp8(&self) -> bool {
-        self.spec.cache_dtype == DType::F8E4M3
+        self.spec.cache.dtype == DType::F8E4M3
     }
 
     /// Scale blocks per head (D/g; 1 for other caches).
@@ -399,7 +427,7 @@ impl Emitter {
 
     /// `F32X4` vectors of a head per scale block.
     fn block_vectors(&self) -> usize {
-        self.spec.head_size / 4 / self.nb()
+        self.spec.cache.head_size / 4 / self.nb()
     }
 
     /// Bytes from one key's scores (probabilities) to the next's.
@@ -408,35 +436,35 @@ impl Emitter {
     }
 
     fn emit_item(&self, b: &mut FunctionBuilder, item: Value) {
-        let hkv_count = self.spec.num_kv_heads;
-        let chunks = self.word(arg::CHUNKS);
+        let hkv_count = self.spec.cache.num_kv_heads;
+        let chunks = self.args.chunks;
         let c = b.ins().urem(item, chunks);
         let group_index = b.ins().udiv(item, chunks);
-        let nqb = self.word(arg::QUERY_BLOCKS);
+        let nqb = self.args.query_blocks;
         let qb = b.ins().urem(group_index, nqb);
         let batch = b.ins().udiv(group_index, nqb);
 
-        let item_bytes = b.ins().imul(item, self.word(arg::ITEM_FLOATS));
-        let scratch = addr::element(b, self.word(arg::PARTIALS), item_bytes, 4);
+        let item_bytes = b.ins().imul(item, self.args.item_floats);
+        let scratch = addr::element(b, self.args.partials, item_bytes, 4);
         let tiles_base = b.ins().iadd_imm_s(scratch, layout::tiles(self.nb()) as i64);
-        let tiles_per_head = self.word(arg::TILES);
+        let tiles_per_head = self.args.tiles;
         let tiles = b.ins().imul_imm_s(tiles_per_head, hkv_count as i64);
-        let buffer = addr::element(b, self.word(arg::BUFFERS), self.begin, block_buffer_bytes(&self.spec));
+        let buffer = addr::element(b, self.args.buffers, self.begin, block_buffer_bytes(&self.spec));
         // This (b, query block)'s packed q: Hkv·tiles_per_head·4 rows of D f32.
         let q_group = b.ins().imul(group_index, tiles);
-        let q_group = addr::element(b, self.word(arg::Q), q_group, ROW_TILE * self.d() * 4);
+        let q_group = addr::element(b, self.args.q, q_group, ROW_TILE * self.d() * 4);
 
         // The sequence's lengths, its first key, and this block's valid
         // queries. Key positions from here on are relative to the first key
         // (`rebase`): below MAX_JIT_KEYS, so they fit the I32X4 lanes.
-        let lengths_at = addr::element(b, self.word(arg::LENGTHS), batch, 24);
+        let lengths_at = addr::element(b, self.args.lengths, batch, 24);
         let cl = b.ins().load(types::I64, mem(), lengths_at, 0);
         let valid = b.ins().load(types::I64, mem(), lengths_at, 8);
         let first_key = b.ins().load(types::I64, mem(), lengths_at, 16);
         let rebase = |b: &mut FunctionBuilder, (lo, hi): (Value, Value)| {
             (b.ins().isub(lo, first_key), b.ins().isub(hi, first_key))
         };
-        let query_block = self.word(arg::QUERY_BLOCK);
+        let query_block = self.args.query_block;
         let s0 = b.ins().imul(qb, query_block);
         let s_end = b.ins().iadd(s0, query_block);
         let s_end = b.ins().smin(s_end, valid);
@@ -450,7 +478,7 @@ impl Emitter {
             b.ins().store(mem(), ninf, tile, self.at(layout::M));
             let zv = splat_f32(b, 0.0);
             b.ins().store(mem(), zv, tile, self.at(layout::L));
-            for i in 0..ROW_TILE * self.spec.head_size / 4 {
+            for i in 0..ROW_TILE * self.spec.cache.head_size / 4 {
                 b.ins().store(mem(), zv, tile, self.at(layout::ACC + 16 * i));
             }
             // Rows of a head's tiles: r = (t % tiles_per_head)·4 + i.
@@ -481,12 +509,12 @@ impl Emitter {
             let (item_lo, _) = rebase(b, range);
             let range = self.row_range(b, cl, valid, s_last);
             let (_, item_hi) = rebase(b, range);
-            let chunk = self.word(arg::CHUNK);
+            let chunk = self.args.chunk;
             let c_lo = b.ins().imul(c, chunk);
             let c_hi = b.ins().iadd(c_lo, chunk);
             let lo = b.ins().smax(item_lo, c_lo);
             let hi = b.ins().smin(item_hi, c_hi);
-            let stride = self.word(arg::STRIDE);
+            let stride = self.args.stride;
             let seq_offsets = b.ins().imul(batch, stride);
             let convert = self.fp8().then(|| ToBf16::new(b, self.disp));
             counted_loop(b, lo, hi, KB as i64, &[], |b, p0, _| {
@@ -540,21 +568,21 @@ impl Emitter {
         (p0, n, n_pad): (Value, Value, Value),
         convert: Option<&ToBf16>,
     ) {
-        let csize = self.spec.cache_dtype.size_bytes();
+        let csize = self.spec.cache.dtype.size_bytes();
         let src_row_bytes = self.d() * csize;
         let row_bytes = self.row_bytes();
         let head_rows = KB * row_bytes;
-        let hkv_count = self.spec.num_kv_heads;
+        let hkv_count = self.spec.cache.num_kv_heads;
         let nb = self.nb();
         let offsets = b.ins().iadd(seq_offsets, p0);
-        let offsets = addr::element(b, self.word(arg::KEY_OFFSETS), offsets, 8);
+        let offsets = addr::element(b, self.args.key_offsets, offsets, 8);
         let last = b.ins().iadd_imm_s(n, -1);
         let zero = iconst(b, 0);
         counted_loop(b, zero, n_pad, 1, &[], |b, j, _| {
             let key = b.ins().smin(j, last);
             let at = addr::element(b, offsets, key, 8);
             let element = b.ins().load(types::I64, mem(), at, 0);
-            let k_src = addr::element(b, self.word(arg::BLOCKS), element, csize);
+            let k_src = addr::element(b, self.args.blocks, element, csize);
             let v_src = b.ins().iadd_imm_s(k_src, (self.kv_stride() * csize) as i64);
             let dst = addr::element(b, buffer, j, row_bytes);
             for (kv, src) in [k_src, v_src].into_iter().enumerate() {
@@ -562,7 +590,7 @@ impl Emitter {
                     let from = h * src_row_bytes;
                     let to = (kv * hkv_count + h) * head_rows;
                     if let Some(convert) = convert {
-                        convert.convert_row(b, src, from, dst, to, self.spec.head_size);
+                        convert.convert_row(b, src, from, dst, to, self.spec.cache.head_size);
                         continue;
                     }
                     copy_bytes(b, self.disp, (src, from), (dst, to), row_bytes);
@@ -571,14 +599,14 @@ impl Emitter {
             if convert.is_some() {
                 // The key's scales: its row's element offset / g (rows are
                 // whole heads, so the scales row is [page, kv, layer, slot, 0, 0]).
-                let g = self.spec.head_size / self.nb();
+                let g = self.spec.cache.head_size / self.nb();
                 let row = if g.is_power_of_two() {
                     b.ins().ushr_imm_u(element, i64::from(g.trailing_zeros()))
                 } else {
                     let g = iconst(b, g as i64);
                     b.ins().udiv(element, g)
                 };
-                let k_scales = addr::element(b, self.word(arg::SCALES), row, 4);
+                let k_scales = addr::element(b, self.args.scales, row, 4);
                 let v_scales = b.ins().iadd_imm_s(k_scales, (self.kv_stride() / g * 4) as i64);
                 let dst = addr::element(b, buffer, j, nb * 4);
                 let rows_bytes = block_rows_bytes(&self.spec);
@@ -641,7 +669,7 @@ impl Emitter {
     fn emit_scores(&self, b: &mut FunctionBuilder, tb: &TileBlock) -> (Value, Value) {
         let bdt = buffer_dtype(&self.spec);
         let bsize = bdt.size_bytes();
-        let d = self.spec.head_size;
+        let d = self.spec.cache.head_size;
         let dv = d / 4;
         let row_bytes = self.row_bytes();
         // FP8: scale blocks per head and F32X4 vectors per block (else 1 and dv).
@@ -774,7 +802,7 @@ impl Emitter {
     fn emit_pv(&self, b: &mut FunctionBuilder, tb: &TileBlock) {
         let bdt = buffer_dtype(&self.spec);
         let bsize = bdt.size_bytes();
-        let d = self.spec.head_size;
+        let d = self.spec.cache.head_size;
         let dv = d / 4;
         let row_bytes = self.row_bytes();
         let vb = self.block_vectors();
@@ -878,7 +906,7 @@ impl Plan {
         let chunks = span.div_ceil(chunk);
         let tiles = (query_block * group).div_ceil(ROW_TILE);
         let head_floats = layout::head_floats(scale_blocks(spec));
-        let item_floats = head_floats + shape.num_kv_heads * tiles * layout::tile_floats(spec.head_size);
+        let item_floats = head_floats + shape.num_kv_heads * tiles * layout::tile_floats(spec.cache.head_size);
         Plan {
             query_block,
             query_blocks,
@@ -894,55 +922,71 @@ impl Plan {
     }
 }
 
-/// The op as JIT-compiled machine code for one kernel key.
+/// The op as JIT-compiled machine code for one spec ([`jit_kernel`] makes
+/// it, ready to run).
 ///
 /// Tensor inputs, in order: `q`, `layer_idx`, `valid_lengths`; one cache;
 /// one output.
 pub struct JitKernel {
     spec: MhaSpec,
-    key: KernelKey,
     code: Arc<JitFunction>,
 }
 
-impl JitKernel {
-    /// Compile (or fetch) the kernel for `spec`.
-    pub fn new(spec: MhaSpec, capture: CaptureText) -> Result<Self, JitError> {
-        let code = compile(&spec, capture)?;
-        Ok(Self { key: spec.kernel_key(), spec, code })
+/// Compile (or fetch) the JIT kernel for `spec`, behind the runtime's
+/// [`Kernel`](kvjit_runtime::Kernel) interface.
+pub fn jit_kernel(spec: MhaSpec, capture: CaptureText) -> Result<Compiled<JitKernel>, JitError> {
+    let code = compile(&spec, capture)?;
+    Ok(Compiled::new(JitKernel { spec, code }))
+}
+
+/// Run `kernel` with the output written into raw bytes (exactly
+/// `B·S·Hq·D` elements of the dtype), so callers choose where it lives
+/// (tests with guard regions, benchmarks). Checks everything first, like
+/// [`Kernel::run`](kvjit_runtime::Kernel::run).
+pub fn run_into(
+    kernel: &Compiled<JitKernel>,
+    inputs: &[&Tensor],
+    cache: &PagedKVCacheCollection,
+    output: &mut [u8],
+    ctx: &DeviceContextPtr,
+) -> Result<()> {
+    let shape = kernel.check_call(inputs, &[cache])?;
+    let dtype = kernel.kernel().spec.dtype;
+    let expected = shape.output_shape().iter().product::<usize>() * dtype.size_bytes();
+    if output.len() != expected {
+        return Err(Error::ByteCount { dtype, shape: shape.output_shape(), expected, got: output.len() });
+    }
+    kernel.kernel().launch(&shape, inputs[0], inputs[2], cache, output, ctx)
+}
+
+impl OpKernel for JitKernel {
+    type Spec = MhaSpec;
+    const IMPLEMENTATION: &'static str = "jit";
+
+    fn spec(&self) -> &MhaSpec {
+        &self.spec
     }
 
-    /// Run with the output written into raw bytes (exactly `B·S·Hq·D`
-    /// elements of the dtype), so callers choose where it lives (tests with
-    /// guard regions). Validates everything first, like [`Kernel::run`].
-    pub fn run_into(
-        &self,
-        inputs: &[&Tensor],
-        cache: &PagedKVCacheCollection,
-        output: &mut [u8],
-        ctx: &DeviceContextPtr,
-    ) -> Result<()> {
-        let shape = self.check_call(inputs, &[cache])?;
-        let expected = shape.output_shape().iter().product::<usize>() * self.spec.dtype.size_bytes();
-        if output.len() != expected {
-            return Err(Error::ByteCount {
-                dtype: self.spec.dtype,
-                shape: shape.output_shape(),
-                expected,
-                got: output.len(),
-            });
-        }
-        self.launch(&shape, inputs[0], inputs[2], cache, output, ctx)
-    }
-
-    /// Check a call against the spec (`check_against_spec`) and against
-    /// what this kernel serves (`check_key_span`); writes nothing.
-    fn check_call(&self, inputs: &[&Tensor], caches: &[&PagedKVCacheCollection]) -> Result<CallShape> {
-        let shape = check_against_spec(&self.spec, inputs, caches)?;
+    /// The spec's check, then that no sequence reads more keys than the
+    /// kernel handles ([`MAX_JIT_KEYS`]).
+    fn check(&self, tensors: &[&Tensor], caches: &[&PagedKVCacheCollection]) -> Result<CallShape> {
+        let shape = self.spec.check(tensors, caches)?;
         check_key_span(&shape)?;
         Ok(shape)
     }
 
-    /// Run a validated call: `shape` came from `check_call` on these
+    fn run(&self, shape: CallShape, call: Call<'_, '_>, ctx: &DeviceContextPtr) -> Result<()> {
+        let [q, _, valid_lengths] = call.tensors();
+        self.launch(&shape, q, valid_lengths, call.caches[0], call.outputs[0].as_bytes_mut(), ctx)
+    }
+
+    fn code_info(&self) -> CodeInfo {
+        self.code.code_info()
+    }
+}
+
+impl JitKernel {
+    /// Run a checked call: `shape` came from [`OpKernel::check`] on these
     /// arguments and `output` holds `B·S·Hq·D` elements of the dtype.
     fn launch(
         &self,
@@ -971,24 +1015,26 @@ impl JitKernel {
             // Zeroed (calloc): only the buffers of the invocations' first
             // items are ever touched.
             let mut buffers = vec![0u8; plan.items * block_buffer_bytes(&self.spec)];
-            let mut args = [0u64; arg::COUNT];
-            args[arg::Q] = q.as_ptr() as u64;
-            args[arg::BLOCKS] = cache.blocks().as_bytes().as_ptr() as u64;
-            args[arg::KEY_OFFSETS] = offsets.as_ptr() as u64;
-            args[arg::LENGTHS] = lengths.as_ptr() as u64;
-            args[arg::PARTIALS] = partials.as_mut_ptr() as u64;
-            args[arg::TILES] = plan.tiles as u64;
-            args[arg::STRIDE] = plan.stride as u64;
-            args[arg::QUERY_BLOCKS] = plan.query_blocks as u64;
-            args[arg::QUERY_BLOCK] = plan.query_block as u64;
-            args[arg::CHUNKS] = plan.chunks as u64;
-            args[arg::CHUNK] = plan.chunk as u64;
-            args[arg::ITEM_FLOATS] = plan.item_floats as u64;
-            args[arg::BUFFERS] = buffers.as_mut_ptr() as u64;
-            args[arg::SCALES] = cache.scales().map_or(0, |scales| scales.as_bytes().as_ptr() as u64);
+            let args = MhaArgs {
+                q: q.as_ptr() as u64,
+                blocks: cache.blocks().as_bytes().as_ptr() as u64,
+                key_offsets: offsets.as_ptr() as u64,
+                lengths: lengths.as_ptr() as u64,
+                partials: partials.as_mut_ptr() as u64,
+                tiles: plan.tiles as u64,
+                stride: plan.stride as u64,
+                query_blocks: plan.query_blocks as u64,
+                query_block: plan.query_block as u64,
+                chunks: plan.chunks as u64,
+                chunk: plan.chunk as u64,
+                item_floats: plan.item_floats as u64,
+                buffers: buffers.as_mut_ptr() as u64,
+                scales: cache.scales().map_or(0, |scales| scales.as_bytes().as_ptr() as u64),
+            };
             // SAFETY: `code` was compiled by `emit_and_compile` for this
-            // kernel's spec, reading the argument words in `arg`'s layout.
-            // `check_against_spec` validated the call against the spec (q is
+            // kernel's spec, reading `MhaArgs` at its fields' offsets.
+            // `Compiled`'s checks (arity, dtypes, contiguity) and
+            // `MhaSpec::check` validated the call against the spec (q is
             // contiguous [B, S, Hq, D] with the spec's Hq and D, the cache has
             // the spec's layout and B sequences, layer < L, valid_lengths[b] ≤
             // S, cl + v fits u32, and every page holding a key position in
@@ -1124,42 +1170,11 @@ fn store_output(dtype: DType, values: &[f32], output: &mut [u8]) {
     }
 }
 
-impl Kernel for JitKernel {
-    fn key(&self) -> &KernelKey {
-        &self.key
-    }
-
-    fn implementation(&self) -> &'static str {
-        "jit"
-    }
-
-    fn code_info(&self) -> CodeInfo {
-        self.code.code_info()
-    }
-
-    fn check(&self, inputs: &[&Tensor], caches: &[&PagedKVCacheCollection]) -> Result<Vec<OutputSpec>> {
-        let shape = self.check_call(inputs, caches)?;
-        Ok(vec![(self.spec.dtype, shape.output_shape())])
-    }
-
-    fn run(
-        &self,
-        inputs: &[&Tensor],
-        caches: &mut [&mut PagedKVCacheCollection],
-        outputs: &mut [Tensor],
-        ctx: &DeviceContextPtr,
-    ) -> Result<()> {
-        let call = checked_call(&self.spec, inputs, caches, outputs)?;
-        check_key_span(&call.shape)?;
-        self.launch(&call.shape, call.q, call.valid_lengths, call.cache, call.output.as_bytes_mut(), ctx)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::AttentionConfig;
-    use kvjit_core::{DType, Target};
+    use kvjit_core::{DType, KvCacheParams, Target};
 
     /// A decode step near u32::MAX tokens into a sequence with a 4096-key
     /// window, beside an idle one: the key-offset table (B·stride i64) and
@@ -1170,13 +1185,15 @@ mod tests {
         let spec = MhaSpec {
             target: Target::Cpu,
             dtype: DType::BF16,
-            cache_dtype: DType::BF16,
-            scale_granularity: None,
+            cache: KvCacheParams {
+                dtype: DType::BF16,
+                num_layers: 1,
+                page_size: 16,
+                num_kv_heads: 2,
+                head_size: 64,
+                scale_granularity: None,
+            },
             num_heads: 8,
-            num_kv_heads: 2,
-            head_size: 64,
-            page_size: 16,
-            num_layers: 1,
             mask: Mask::Causal,
             window: Some(window),
             scale: 0.125,

@@ -1,61 +1,39 @@
-//! The op's IR definition: parameters, signature, shape rules, kernel key,
-//! and the kernels it builds per target.
+//! The op's IR definition: parameters, signature, shape rules, spec, and
+//! the kernels it builds per target.
 
 use std::sync::Arc;
 
-use kvjit_core::{DType, KernelKey, Target};
+use kvjit_core::{Backend, DType};
 use kvjit_graph::{
-    ArgSpec, Dim, GraphBuilder, GraphError, OpDef, PagedParams, ParamKind, ParamSpec, ParamValue, Params, TensorType,
-    ValueId, ValueType, input_error, paged_cache_input, param_choice, param_dtype, param_f64_opt, param_usize,
-    param_usize_opt, step_inputs, tensor_input,
+    ArgSpec, GraphBuilder, GraphError, PagedParams, TensorType, ValueId, ValueType, input_error, paged_cache_input,
+    step_inputs, tensor_input,
 };
-use kvjit_jit::CaptureText;
-use kvjit_runtime::{BuildOptions, ConstantInput, Kernel, KernelBuilder, KernelImpl, RuntimeError};
+use kvjit_op::{Compiled, CpuBuild, Op, OpParams, compile_error};
+use kvjit_runtime::{ConstantInput, Kernel, RuntimeError};
 
-use crate::{JitKernel, Mask, MhaSpec, ReferenceKernel};
+use crate::{Mask, MhaSpec, ReferenceKernel};
 
 /// The op's name in graphs (MAX's).
 pub const OP_NAME: &str = "mo.mha.padded.paged";
 
-/// What `supports` answers for every CUDA key.
-pub const NO_CUDA: &str = "no CUDA variant for op mo.mha.padded.paged yet";
-
-/// The parameters of an attention node, for [`mha`].
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct MhaParams {
-    /// Dtype of `q` and the output.
-    pub dtype: DType,
-    /// The mask.
-    pub mask: Mask,
-    /// Softmax scale; `None` writes no `scale` param (default 1/√D).
-    pub scale: Option<f32>,
-    /// Sliding window size, if any.
-    pub local_window_size: Option<usize>,
-    /// KV heads Hkv (the cache's).
-    pub num_kv_heads: usize,
-    /// Head size D (the cache's).
-    pub head_size: usize,
-    /// Tokens per cache page.
-    pub page_size: usize,
-}
-
-impl MhaParams {
-    /// The node parameters as a graph file spells them.
-    pub fn to_params(&self) -> Params {
-        let mut params = Params::from([
-            ("dtype".to_string(), ParamValue::from(self.dtype)),
-            ("mask".to_string(), ParamValue::from(self.mask.name())),
-            ("num_kv_heads".to_string(), ParamValue::from(self.num_kv_heads)),
-            ("head_size".to_string(), ParamValue::from(self.head_size)),
-            ("page_size".to_string(), ParamValue::from(self.page_size)),
-        ]);
-        if let Some(scale) = self.scale {
-            params.insert("scale".into(), ParamValue::Float(f64::from(scale)));
-        }
-        if let Some(window) = self.local_window_size {
-            params.insert("local_window_size".into(), ParamValue::from(window));
-        }
-        params
+kvjit_op::params! {
+    /// The parameters of an attention node, for [`mha`].
+    #[derive(Clone, Copy, Debug, PartialEq)]
+    pub struct MhaParams {
+        /// Dtype of `q` and the output.
+        dtype: DType,
+        /// The mask.
+        mask: Mask,
+        /// Softmax scale; `None` writes no `scale` param (default 1/√D).
+        scale: Option<f32>,
+        /// Sliding window size, if any.
+        local_window_size: Option<usize>,
+        /// KV heads Hkv (the cache's).
+        num_kv_heads: usize,
+        /// Head size D (the cache's).
+        head_size: usize,
+        /// Tokens per cache page.
+        page_size: usize,
     }
 }
 
@@ -75,39 +53,32 @@ pub fn mha(
 /// `mask` (`causal` | `null`), optional `scale` (default 1/√D), optional
 /// `local_window_size`, `num_kv_heads`, `head_size`, `page_size`. Inputs:
 /// `q [B, S, Hq, D]`, `kv_collection`, `layer_idx` (u32 scalar),
-/// `valid_lengths [B]` (u32). Output `[B, S, Hq, D]`.
+/// `valid_lengths [B]` (u32). Output `[B, S, Hq, D]`. CPU kernels only
+/// (the reference and the JIT); CUDA is refused. Register it as
+/// `kvjit_op::Defined(MhaOp)`.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct MhaOp;
 
-const INPUTS: &[ArgSpec] = &[
-    ArgSpec::tensor("q"),
-    ArgSpec::cache("kv_collection"),
-    ArgSpec::layer_index("layer_idx"),
-    ArgSpec::valid_lengths("valid_lengths"),
-];
+impl Op for MhaOp {
+    const NAME: &'static str = OP_NAME;
+    const INPUTS: &'static [ArgSpec] = &[
+        ArgSpec::tensor("q"),
+        ArgSpec::cache("kv_collection"),
+        ArgSpec::layer_index("layer_idx"),
+        ArgSpec::valid_lengths("valid_lengths"),
+    ];
+    type Params = MhaParams;
+    type Spec = MhaSpec;
 
-impl MhaOp {
-    /// Check params and inputs; return the kernel spec (with `target`).
-    fn spec(&self, params: &Params, inputs: &[&ValueType], target: Target) -> Result<MhaSpec, GraphError> {
-        let dtype = param_dtype(params, "dtype")?;
+    fn specialize(&self, params: &MhaParams, inputs: &[&ValueType], backend: Backend) -> Result<MhaSpec, GraphError> {
+        let &MhaParams { dtype, mask, scale, local_window_size: window, num_kv_heads, head_size, page_size } = params;
         if !dtype.is_compute_float() {
             return Err(GraphError::Param {
                 param: "dtype".into(),
                 problem: format!("must be f32, bf16 or f16, got {dtype}"),
             });
         }
-        let mask = Mask::from_name(param_choice(params, "mask", Mask::NAMES)?).expect("a listed choice");
-        let num_kv_heads = param_usize(params, "num_kv_heads")?;
-        let head_size = param_usize(params, "head_size")?;
-        let page_size = param_usize(params, "page_size")?;
-        let window = param_usize_opt(params, "local_window_size")?;
-        let scale = match param_f64_opt(params, "scale")? {
-            Some(scale) => scale as f32,
-            None => 1.0 / (head_size as f32).sqrt(),
-        };
-        if !scale.is_finite() {
-            return Err(GraphError::Param { param: "scale".into(), problem: "must be a finite f32".into() });
-        }
+        let scale = scale.unwrap_or_else(|| 1.0 / (head_size as f32).sqrt());
 
         let q = tensor_input(inputs, 0);
         let [batch, seq, hq, d] = match q.shape.as_slice() {
@@ -128,15 +99,10 @@ impl MhaOp {
         let cache = paged_cache_input(inputs, 1, paged, batch)?;
         step_inputs(inputs, [2, 3], batch)?;
         Ok(MhaSpec {
-            target,
+            target: backend.target(),
             dtype,
-            cache_dtype: cache.dtype,
-            scale_granularity: cache.scale_granularity,
+            cache: cache.params(),
             num_heads,
-            num_kv_heads,
-            head_size,
-            page_size,
-            num_layers: cache.num_layers,
             mask,
             window,
             scale,
@@ -144,75 +110,29 @@ impl MhaOp {
             seq: seq.as_static(),
         })
     }
-}
 
-impl OpDef for MhaOp {
-    fn name(&self) -> &'static str {
-        OP_NAME
+    fn infer(&self, spec: &MhaSpec, inputs: &[&ValueType]) -> Vec<TensorType> {
+        vec![TensorType::new(spec.dtype, tensor_input(inputs, 0).shape.clone())]
     }
 
-    fn params(&self) -> &'static [ParamSpec] {
-        const F32_MAX: f64 = f32::MAX as f64;
-        const PARAMS: &[ParamSpec] = &[
-            ParamSpec::required("dtype", ParamKind::DType),
-            ParamSpec::required("mask", ParamKind::Choice(Mask::NAMES)),
-            ParamSpec::optional("scale", ParamKind::Float { min: -F32_MAX, max: F32_MAX }),
-            ParamSpec::optional("local_window_size", ParamKind::SIZE),
-            ParamSpec::required("num_kv_heads", ParamKind::SIZE),
-            ParamSpec::required("head_size", ParamKind::SIZE),
-            ParamSpec::required("page_size", ParamKind::SIZE),
-        ];
-        PARAMS
+    /// Valid specs whose head size (a multiple of 4, at most
+    /// [`MAX_JIT_HEAD_SIZE`](crate::MAX_JIT_HEAD_SIZE)) and offsets the
+    /// generated code handles.
+    fn supports_cpu(&self, spec: &MhaSpec) -> Result<(), String> {
+        crate::cpu_jit::supported(spec).map_err(|e| e.to_string())
     }
 
-    fn inputs(&self) -> &'static [ArgSpec] {
-        INPUTS
+    fn build_reference(&self, spec: &MhaSpec) -> Result<Arc<dyn Kernel>, RuntimeError> {
+        Ok(Arc::new(Compiled::new(ReferenceKernel::new(*spec))))
     }
 
-    fn outputs(&self) -> &'static [&'static str] {
-        &["output"]
-    }
-
-    fn infer(&self, params: &Params, inputs: &[&ValueType]) -> Result<Vec<TensorType>, GraphError> {
-        let spec = self.spec(params, inputs, Target::Cpu)?;
-        let q = tensor_input(inputs, 0);
-        let shape: Vec<Dim> = q.shape.clone();
-        Ok(vec![TensorType::new(spec.dtype, shape)])
-    }
-
-    fn kernel_key(&self, params: &Params, inputs: &[&ValueType], target: Target) -> Result<KernelKey, GraphError> {
-        Ok(self.spec(params, inputs, target)?.kernel_key())
-    }
-
-    /// CPU: head sizes (a multiple of 4, at most [`MAX_JIT_HEAD_SIZE`](crate::MAX_JIT_HEAD_SIZE))
-    /// and offsets the generated code handles; CUDA: none yet.
-    fn supports(&self, key: &KernelKey) -> Result<(), String> {
-        let spec = MhaSpec::from_kernel_key(key).ok_or_else(|| format!("{key} is not a key of {OP_NAME}"))?;
-        match spec.target {
-            Target::Cpu => crate::cpu_jit::supported(&spec).map_err(|e| e.to_string()),
-            Target::Cuda => Err(NO_CUDA.into()),
-        }
-    }
-}
-
-impl KernelBuilder for MhaOp {
-    fn build(
+    fn build_cpu(
         &self,
-        key: &KernelKey,
+        spec: &MhaSpec,
         _constants: &[Option<ConstantInput>],
-        options: &BuildOptions,
-    ) -> kvjit_runtime::Result<Arc<dyn Kernel>> {
-        let spec = MhaSpec::from_kernel_key(key)
-            .ok_or_else(|| RuntimeError::Plan(format!("{key} is not a key of {OP_NAME}")))?;
-        match (spec.target, options.implementation) {
-            (Target::Cpu, KernelImpl::Reference) => Ok(Arc::new(ReferenceKernel::new(spec))),
-            (Target::Cpu, KernelImpl::Fast) => {
-                let capture = CaptureText { clif: options.keep_ir, disasm: options.keep_disasm };
-                let kernel = JitKernel::new(spec, capture)
-                    .map_err(|e| RuntimeError::Compile { key: key.to_string(), source: Box::new(e) })?;
-                Ok(Arc::new(kernel))
-            }
-            (Target::Cuda, _) => Err(RuntimeError::NoImplementation { key: key.to_string(), reason: NO_CUDA.into() }),
-        }
+        build: &CpuBuild,
+    ) -> Result<Arc<dyn Kernel>, RuntimeError> {
+        let kernel = crate::jit_kernel(*spec, build.capture).map_err(|e| compile_error(spec, e))?;
+        Ok(Arc::new(kernel))
     }
 }

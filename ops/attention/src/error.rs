@@ -31,8 +31,4 @@ pub enum AttentionError {
     },
 }
 
-impl From<AttentionError> for kvjit_core::Error {
-    fn from(error: AttentionError) -> Self {
-        kvjit_core::Error::op(OP_NAME, error)
-    }
-}
+kvjit_op::op_error!(AttentionError, OP_NAME);

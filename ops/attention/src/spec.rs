@@ -1,6 +1,14 @@
-//! [`MhaSpec`]: the typed form of this op's kernel key.
+//! [`MhaSpec`]: everything a kernel of the op bakes in — its canonical
+//! name ([`KernelSpec`]) and how a call is checked against it
+//! ([`CallContract`]).
 
-use kvjit_core::{DType, KernelKey, KeyField, Target};
+use kvjit_core::{
+    DType, KernelKey, KernelSpec, KeyField, KvCacheParams, PagedKVCacheCollection, Result, Target, Tensor,
+};
+use kvjit_op::{CallContract, Choice, TensorArg, checks};
+use kvjit_runtime::OutputSpec;
+
+use crate::call::{AttentionConfig, CallShape, check_call_for};
 
 /// Short op name used in kernel keys and symbols.
 pub const KERNEL_NAME: &str = "mha_padded_paged";
@@ -14,24 +22,22 @@ pub enum Mask {
     Null,
 }
 
-impl Mask {
-    /// The names graph files use, in [`ParamKind::Choice`](kvjit_graph::ParamKind::Choice) order.
-    pub const NAMES: &'static [&'static str] = &["causal", "null"];
+/// Graph files spell a mask `causal` or `null`.
+impl Choice for Mask {
+    const NAMES: &'static [&'static str] = &["causal", "null"];
 
-    /// The graph-file name.
-    pub fn name(self) -> &'static str {
-        match self {
-            Mask::Causal => "causal",
-            Mask::Null => "null",
-        }
-    }
-
-    /// Parse a graph-file name.
-    pub fn from_name(name: &str) -> Option<Self> {
+    fn from_name(name: &str) -> Option<Self> {
         match name {
             "causal" => Some(Mask::Causal),
             "null" => Some(Mask::Null),
             _ => None,
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Mask::Causal => "causal",
+            Mask::Null => "null",
         }
     }
 }
@@ -44,20 +50,11 @@ pub struct MhaSpec {
     pub target: Target,
     /// Dtype of `q` and the output.
     pub dtype: DType,
-    /// Dtype of the cache.
-    pub cache_dtype: DType,
-    /// Values per scale of an FP8 cache (`Some` exactly for `f8e4m3`).
-    pub scale_granularity: Option<usize>,
+    /// The cache layout the kernel reads (Hkv, D, page size, layers, cache
+    /// dtype and an FP8 cache's scale granularity).
+    pub cache: KvCacheParams,
     /// Query heads Hq.
     pub num_heads: usize,
-    /// KV heads Hkv (divides Hq).
-    pub num_kv_heads: usize,
-    /// Head size D.
-    pub head_size: usize,
-    /// Tokens per page.
-    pub page_size: usize,
-    /// Layers in the cache.
-    pub num_layers: usize,
     /// The mask.
     pub mask: Mask,
     /// Sliding window: key positions `p > cache_length + s − window` only.
@@ -71,77 +68,85 @@ pub struct MhaSpec {
 }
 
 impl MhaSpec {
-    /// The cache layout the kernel is built for.
-    pub fn cache_params(&self) -> kvjit_core::KvCacheParams {
-        kvjit_core::KvCacheParams {
-            dtype: self.cache_dtype,
-            num_layers: self.num_layers,
-            page_size: self.page_size,
-            num_kv_heads: self.num_kv_heads,
-            head_size: self.head_size,
-            scale_granularity: self.scale_granularity,
-        }
+    /// Head size D (the cache's).
+    pub fn head_size(&self) -> usize {
+        self.cache.head_size
+    }
+
+    /// KV heads Hkv (the cache's).
+    pub fn num_kv_heads(&self) -> usize {
+        self.cache.num_kv_heads
     }
 
     /// Query heads per KV head, Hq / Hkv.
     pub fn group(&self) -> usize {
-        self.num_heads / self.num_kv_heads
+        self.num_heads / self.cache.num_kv_heads
     }
 
-    /// The canonical kernel key, e.g.
+    /// Whether the spec is one [`specialize`](kvjit_op::Op::specialize)
+    /// could have made (the reason when not): a compute-float dtype, a
+    /// finite scale, Hq ≥ 1 a multiple of Hkv, a valid cache layout.
+    pub fn validate(&self) -> Result<(), String> {
+        if !self.dtype.is_compute_float() {
+            return Err(format!("dtype must be f32, bf16 or f16, got {}", self.dtype));
+        }
+        if !self.scale.is_finite() {
+            return Err(format!("the scale must be a finite f32, got {}", self.scale));
+        }
+        if let Err(e) = self.cache.validate() {
+            return Err(format!("the cache layout is invalid: {e}"));
+        }
+        if self.num_heads == 0 || !self.num_heads.is_multiple_of(self.cache.num_kv_heads) {
+            return Err(format!(
+                "Hq = {} query heads must be a positive multiple of the cache's {} KV heads",
+                self.num_heads, self.cache.num_kv_heads
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl KernelSpec for MhaSpec {
+    /// The canonical name, e.g.
     /// `mha_padded_paged.cpu.bf16.hq32.hkv8.d128.p16.l32.kvbf16.causal1.w0.sc1035098028.bany.s1`
     /// (`w0`: no window; `sc`: the f32 bit pattern of the scale).
-    pub fn kernel_key(&self) -> KernelKey {
-        KernelKey::new(KERNEL_NAME, self.target, self.dtype)
-            .with("hq", KeyField::size(self.num_heads))
-            .with("hkv", KeyField::size(self.num_kv_heads))
-            .with("d", KeyField::size(self.head_size))
-            .with("p", KeyField::size(self.page_size))
-            .with("l", KeyField::size(self.num_layers))
-            .with("kv", KeyField::DType(self.cache_dtype))
-            .with_if("g", self.scale_granularity.map(KeyField::size))
+    fn key_name(&self) -> KernelKey {
+        let key = KernelKey::new(KERNEL_NAME, self.target, self.dtype).with("hq", KeyField::size(self.num_heads));
+        checks::with_cache_fields(key, &self.cache)
             .with("causal", KeyField::size(usize::from(self.mask == Mask::Causal)))
             .with("w", KeyField::size(self.window.unwrap_or(0)))
             .with("sc", KeyField::Static(u64::from(self.scale.to_bits())))
             .with("b", KeyField::dim(self.batch))
             .with("s", KeyField::dim(self.seq))
     }
+}
 
-    /// Read a key made by [`kernel_key`](Self::kernel_key) back; `None` if it
-    /// is not this op's (or not a valid one).
-    pub fn from_kernel_key(key: &KernelKey) -> Option<Self> {
-        if key.op() != KERNEL_NAME {
-            return None;
-        }
-        let spec = Self {
-            target: key.target(),
-            dtype: key.dtype(),
-            cache_dtype: key.dtype_field("kv")?,
-            scale_granularity: key.size("g"),
-            num_heads: key.size("hq")?,
-            num_kv_heads: key.size("hkv")?,
-            head_size: key.size("d")?,
-            page_size: key.size("p")?,
-            num_layers: key.size("l")?,
-            mask: match key.size("causal")? {
-                1 => Mask::Causal,
-                0 => Mask::Null,
-                _ => return None,
-            },
-            window: Some(key.size("w")?).filter(|&w| w > 0),
-            scale: f32::from_bits(u32::try_from(key.size("sc")?).ok()?),
-            batch: key.dim("b")?,
-            seq: key.dim("s")?,
+/// Tensors `q [B, S, Hq, D]` (the dtype), `layer_idx` (u32 scalar),
+/// `valid_lengths [B]` (u32); one cache; one output `[B, S, Hq, D]`.
+impl CallContract for MhaSpec {
+    type Checked = CallShape;
+    const TENSORS: &'static [TensorArg] =
+        &[TensorArg::compute("q"), TensorArg::u32("layer_idx"), TensorArg::u32("valid_lengths")];
+    const CACHES: &'static [&'static str] = &["kv_collection"];
+
+    fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// The op's contract ([`check_call_for`] the spec's cache layout), then
+    /// Hq and a static B or S against what the kernel baked in.
+    fn check(&self, tensors: &[&Tensor], caches: &[&PagedKVCacheCollection]) -> Result<CallShape> {
+        let (&[q, layer_idx, valid_lengths], &[cache]) = (tensors, caches) else {
+            unreachable!("the arity was checked against the signature")
         };
-        let valid = spec.dtype.is_compute_float()
-            && spec.cache_dtype.is_float()
-            && spec.scale.is_finite()
-            && [spec.num_heads, spec.num_kv_heads, spec.head_size, spec.page_size, spec.num_layers]
-                .iter()
-                .all(|&v| v > 0)
-            && spec.num_heads.is_multiple_of(spec.num_kv_heads)
-            && spec.cache_params().validate().is_ok();
-        (valid && spec.kernel_key() == *key).then_some(spec)
+        let shape = check_call_for(&self.cache, q, cache, layer_idx, valid_lengths, &AttentionConfig::from(self))?;
+        let baked = [("B", self.batch), ("S", self.seq), ("Hq", Some(self.num_heads)), ("D", Some(self.head_size()))];
+        checks::expect_baked("q", q, &baked, self)?;
+        Ok(shape)
+    }
+
+    fn outputs(&self, shape: &CallShape) -> Vec<OutputSpec> {
+        vec![(self.dtype, shape.output_shape())]
     }
 }
 
@@ -150,24 +155,26 @@ mod tests {
     use super::*;
 
     #[test]
-    fn key_round_trips_and_names_itself() {
+    fn the_key_names_the_spec_and_holds_it() {
         let spec = MhaSpec {
             target: Target::Cpu,
             dtype: DType::BF16,
-            cache_dtype: DType::F16,
-            scale_granularity: None,
+            cache: KvCacheParams {
+                dtype: DType::F16,
+                num_layers: 32,
+                page_size: 16,
+                num_kv_heads: 8,
+                head_size: 128,
+                scale_granularity: None,
+            },
             num_heads: 32,
-            num_kv_heads: 8,
-            head_size: 128,
-            page_size: 16,
-            num_layers: 32,
             mask: Mask::Causal,
             window: None,
             scale: 0.125,
             batch: None,
             seq: Some(1),
         };
-        let key = spec.kernel_key();
+        let key = spec.key();
         assert_eq!(
             key.to_string(),
             format!(
@@ -175,10 +182,25 @@ mod tests {
                 0.125f32.to_bits()
             )
         );
-        assert_eq!(MhaSpec::from_kernel_key(&key), Some(spec));
+        assert_eq!(key.spec::<MhaSpec>(), Some(&spec));
+        spec.validate().unwrap();
         let windowed = MhaSpec { window: Some(64), mask: Mask::Null, ..spec };
-        assert_eq!(MhaSpec::from_kernel_key(&windowed.kernel_key()), Some(windowed));
+        assert_eq!(windowed.key().spec::<MhaSpec>(), Some(&windowed));
+        assert!(windowed.key().to_string().contains(".causal0.w64."), "{}", windowed.key());
         let bad = MhaSpec { num_heads: 30, ..spec };
-        assert_eq!(MhaSpec::from_kernel_key(&bad.kernel_key()), None, "Hq % Hkv != 0");
+        assert!(bad.validate().unwrap_err().contains("multiple"), "Hq % Hkv != 0");
+        let not_float = MhaSpec { dtype: DType::U32, ..spec };
+        assert!(not_float.validate().is_err());
+        let infinite = MhaSpec { scale: f32::INFINITY, ..spec };
+        assert!(infinite.validate().is_err());
+    }
+
+    #[test]
+    fn masks_are_spelled_as_graph_files_spell_them() {
+        for mask in [Mask::Causal, Mask::Null] {
+            assert_eq!(Mask::from_name(mask.name()), Some(mask));
+        }
+        assert_eq!(Mask::NAMES, ["causal", "null"]);
+        assert_eq!(Mask::from_name("full"), None);
     }
 }

@@ -9,10 +9,16 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use common::{Case, jit, run_jit_on, scale_bytes};
-use kvjit_core::{DType, Error, KernelKey, PagedKVCacheCollection, Target, Tensor, UNASSIGNED_PAGE};
+use kvjit_core::{
+    Backend, CodeTier, DType, Error, KernelKey, KernelSpec, KvCacheParams, PagedKVCacheCollection, Target, Tensor,
+    UNASSIGNED_PAGE,
+};
 use kvjit_graph::{Dim, GraphBuilder, KvCacheType, OpDef, OpRegistry, specialize};
+use kvjit_op::{Compiled, Defined};
 use kvjit_op_attention::cpu_jit::MAX_JIT_KEYS;
-use kvjit_op_attention::{AttentionError, MAX_JIT_HEAD_SIZE, Mask, MhaOp, MhaParams, MhaSpec, NO_CUDA, mha};
+use kvjit_op_attention::{
+    AttentionError, MAX_JIT_HEAD_SIZE, Mask, MhaOp, MhaParams, MhaSpec, ReferenceKernel, jit_kernel, mha, run_into,
+};
 use kvjit_runtime::{BuildOptions, DeviceContextPtr, Kernel, KernelBuilder, KernelImpl};
 use kvjit_testkit::{Snapshot, poison, u32s};
 
@@ -55,7 +61,7 @@ fn refused_by(
     let case = case.clone();
     let (mut inputs, mut cache) = case.inputs();
     edit(&mut inputs, &mut cache);
-    let reference: Arc<dyn Kernel> = Arc::new(kvjit_op_attention::ReferenceKernel::new(case.spec()));
+    let reference: Arc<dyn Kernel> = Arc::new(reference_kernel(&case));
     let kernels: [Arc<dyn Kernel>; 2] = [Arc::new(jit(&case)), reference];
     for kernel in kernels {
         let mut output = Tensor::zeros(case.dtype, &[2, 3, 4, 8]).unwrap();
@@ -72,6 +78,17 @@ fn refused_by(
         assert!(kernel.check(&refs, &[&cache]).is_err(), "{what}: check agrees");
     }
 }
+
+/// The reference kernel for `case`'s spec, as the runtime holds it.
+fn reference_kernel(case: &Case) -> Compiled<ReferenceKernel> {
+    Compiled::new(ReferenceKernel::new(case.spec()))
+}
+
+/// What `supports` answers for every CUDA key.
+const NO_CUDA: &str = "no CUDA variant for op mo.mha.padded.paged yet";
+
+/// The plain CPU tier (attention's code does not depend on the tier).
+const CPU: Backend = Backend::Cpu(CodeTier::Cranelift);
 
 fn op_error(err: &Error) -> Option<&AttentionError> {
     err.op_error::<AttentionError>()
@@ -208,29 +225,31 @@ fn fp8_cache_mismatches_are_refused_with_nothing_written() {
     );
 }
 
-/// Kernel keys with an impossible FP8 layout are not keys of the op, and
-/// the JIT refuses granularities that split an F32X4.
+/// Specs with an impossible FP8 layout are not valid specs of the op (and
+/// `supports` refuses their keys), and the JIT refuses granularities that
+/// split an F32X4.
 #[test]
 fn fp8_specs_the_kernels_cannot_serve() {
     let spec = fp8_case().spec();
-    assert_eq!(MhaSpec::from_kernel_key(&spec.kernel_key()), Some(spec));
-    assert!(spec.kernel_key().to_string().contains(".kvf8e4m3.g4."), "{}", spec.kernel_key());
-    MhaOp.supports(&spec.kernel_key()).unwrap();
-    for (cache_dtype, g, why) in [
+    spec.validate().unwrap();
+    assert_eq!(spec.key().spec::<MhaSpec>(), Some(&spec));
+    assert!(spec.key().to_string().contains(".kvf8e4m3.g4."), "{}", spec.key());
+    Defined(MhaOp).supports(&spec.key()).unwrap();
+    for (dtype, g, why) in [
         (DType::F8E4M3, Some(3), "g does not divide D"),
         (DType::F8E4M3, None, "an FP8 cache needs g"),
         (DType::F16, Some(4), "g only for FP8"),
     ] {
-        let bad = MhaSpec { cache_dtype, scale_granularity: g, ..spec };
-        assert_eq!(MhaSpec::from_kernel_key(&bad.kernel_key()), None, "{why}");
-        assert!(MhaOp.supports(&bad.kernel_key()).is_err(), "{why}");
+        let bad = MhaSpec { cache: KvCacheParams { dtype, scale_granularity: g, ..spec.cache }, ..spec };
+        assert!(bad.validate().is_err(), "{why}");
+        assert!(Defined(MhaOp).supports(&bad.key()).is_err(), "{why}");
     }
     // g = 6 divides D = 12 but splits F32X4 vectors: the reference serves it, the JIT not.
-    let split = MhaSpec { head_size: 12, scale_granularity: Some(6), ..spec };
-    assert_eq!(MhaSpec::from_kernel_key(&split.kernel_key()), Some(split));
-    let err = MhaOp.supports(&split.kernel_key()).unwrap_err();
+    let split = MhaSpec { cache: KvCacheParams { head_size: 12, scale_granularity: Some(6), ..spec.cache }, ..spec };
+    split.validate().unwrap();
+    let err = Defined(MhaOp).supports(&split.key()).unwrap_err();
     assert!(err.contains("multiple of 4"), "{err}");
-    assert!(kvjit_op_attention::JitKernel::new(split, Default::default()).is_err());
+    assert!(jit_kernel(split, Default::default()).is_err());
 }
 
 fn cache_like(c: &PagedKVCacheCollection, dtype: DType, page_size: usize) -> PagedKVCacheCollection {
@@ -270,8 +289,8 @@ fn empty_batches_and_empty_steps_are_no_ops() {
                 let static_seq = MhaSpec { seq: Some(case.seq), ..case.spec() };
                 let kernels: [Arc<dyn Kernel>; 3] = [
                     Arc::new(symbolic),
-                    Arc::new(kvjit_op_attention::JitKernel::new(static_seq, Default::default()).unwrap()),
-                    Arc::new(kvjit_op_attention::ReferenceKernel::new(case.spec())),
+                    Arc::new(jit_kernel(static_seq, Default::default()).unwrap()),
+                    Arc::new(reference_kernel(&case)),
                 ];
                 let shape = [case.batch, case.seq, case.num_heads, case.head_size];
                 for kernel in kernels {
@@ -331,13 +350,13 @@ fn more_keys_than_the_jit_handles_are_refused() {
     assert!(matches!(op_error(&err), Some(AttentionError::TooManyKeys { .. })), "{err}");
     before.assert_unchanged(&outputs[0], &cache, "too many keys");
     let mut guarded = vec![0xa5u8; outputs[0].as_bytes().len()];
-    let err = kernel.run_into(&refs, &cache, &mut guarded, &ctx).unwrap_err();
+    let err = run_into(&kernel, &refs, &cache, &mut guarded, &ctx).unwrap_err();
     assert!(matches!(op_error(&err), Some(AttentionError::TooManyKeys { .. })), "{err}");
     assert!(guarded.iter().all(|&x| x == 0xa5), "run_into wrote before refusing");
     // One key fewer: the JIT's check accepts it (and the reference's too).
     cache.cache_lengths_mut()[0] -= 1;
     kernel.check(&refs, &[&cache]).unwrap();
-    kvjit_op_attention::ReferenceKernel::new(case.spec()).check(&refs, &[&cache]).unwrap();
+    reference_kernel(&case).check(&refs, &[&cache]).unwrap();
 }
 
 /// An attention graph on a cache of head size `head_size` (Hq 2, Hkv 1,
@@ -382,16 +401,16 @@ fn attention_graph(registry: &OpRegistry, head_size: usize) -> kvjit_graph::Grap
 #[test]
 fn head_sizes_above_the_jit_cap_are_refused_and_the_reference_serves_them() {
     let mut registry = OpRegistry::new();
-    registry.register(Arc::new(MhaOp)).unwrap();
+    registry.register(Arc::new(Defined(MhaOp))).unwrap();
     let over = MAX_JIT_HEAD_SIZE + 4;
     let graph = attention_graph(&registry, over);
-    let err = specialize(&graph, &registry, Target::Cpu, &BTreeMap::new()).unwrap_err().to_string();
+    let err = specialize(&graph, &registry, CPU, &BTreeMap::new()).unwrap_err().to_string();
     assert!(
         err.contains(&format!("head_size up to {MAX_JIT_HEAD_SIZE}")) && err.contains(&format!("got {over}")),
         "{err}"
     );
     assert!(!err.contains('\n'), "one line: {err}");
-    specialize(&attention_graph(&registry, MAX_JIT_HEAD_SIZE), &registry, Target::Cpu, &BTreeMap::new()).unwrap();
+    specialize(&attention_graph(&registry, MAX_JIT_HEAD_SIZE), &registry, CPU, &BTreeMap::new()).unwrap();
 
     let case = Case {
         batch: 2,
@@ -405,10 +424,10 @@ fn head_sizes_above_the_jit_cap_are_refused_and_the_reference_serves_them() {
         valid_lengths: vec![2, 1],
         ..base_case()
     };
-    let err = kvjit_op_attention::JitKernel::new(case.spec(), Default::default()).err().expect("the JIT refuses");
+    let err = jit_kernel(case.spec(), Default::default()).err().expect("the JIT refuses");
     assert!(err.to_string().contains(&format!("up to {MAX_JIT_HEAD_SIZE}")), "{err}");
     let options = BuildOptions { implementation: KernelImpl::Reference, ..BuildOptions::default() };
-    let reference = MhaOp.build(&case.spec().kernel_key(), &[], &options).unwrap();
+    let reference = Defined(MhaOp).build(&case.spec().key(), &[], &options).unwrap();
     let (inputs, mut cache) = case.inputs();
     let refs: Vec<&Tensor> = inputs.iter().collect();
     let mut outputs = [Tensor::zeros(case.dtype, &[2, 2, 2, over]).unwrap()];
@@ -433,12 +452,14 @@ fn head_sizes_above_the_jit_cap_are_refused_and_the_reference_serves_them() {
 /// line — never emitted with displacements that wrap.
 #[test]
 fn specs_whose_displacements_pass_i32_are_refused() {
-    let spec = MhaSpec { num_heads: 16_384, num_kv_heads: 16_384, head_size: 1024, ..base_case().spec() };
-    let err = MhaOp.supports(&spec.kernel_key()).unwrap_err();
+    let base = base_case().spec();
+    let cache = KvCacheParams { num_kv_heads: 16_384, head_size: 1024, ..base.cache };
+    let spec = MhaSpec { num_heads: 16_384, cache, ..base };
+    let err = Defined(MhaOp).supports(&spec.key()).unwrap_err();
     assert!(err.contains("displacement") && !err.contains('\n'), "{err}");
-    match kvjit_op_attention::JitKernel::new(spec, Default::default()) {
+    match jit_kernel(spec, Default::default()) {
         Err(kvjit_jit::JitError::Unsupported { key, reason }) => {
-            assert_eq!(key, spec.kernel_key().to_string());
+            assert_eq!(key, spec.key().to_string());
             assert!(reason.contains("displacement"), "{reason}");
         }
         Err(other) => panic!("expected Unsupported, got {other}"),
@@ -457,13 +478,13 @@ fn window_pages_below_the_window_are_not_needed() {
     cache.lookup_table_mut()[0] = UNASSIGNED_PAGE; // positions 0..4; lowest key read is 9+1-3 = 7
     let refs: Vec<&Tensor> = inputs.iter().collect();
     let mut out = vec![0u8; 2 * 3 * 4 * 8 * 2];
-    jit(&case).run_into(&refs, &cache, &mut out, &DeviceContextPtr::cpu(1).unwrap()).unwrap();
+    run_into(&jit(&case), &refs, &cache, &mut out, &DeviceContextPtr::cpu(1).unwrap()).unwrap();
 }
 
 #[test]
 fn the_op_definition_builds_graphs_and_refuses_cuda() {
     let mut registry = OpRegistry::new();
-    registry.register(Arc::new(MhaOp)).unwrap();
+    registry.register(Arc::new(Defined(MhaOp))).unwrap();
     let mut b = GraphBuilder::new("attention", &registry);
     let q =
         b.input("q", DType::BF16, &[Dim::from("batch"), Dim::from("seq"), Dim::Static(32), Dim::Static(128)]).unwrap();
@@ -504,24 +525,26 @@ fn the_op_definition_builds_graphs_and_refuses_cuda() {
     let spec = MhaSpec {
         target: Target::Cuda,
         dtype: DType::BF16,
-        cache_dtype: DType::BF16,
-        scale_granularity: None,
+        cache: KvCacheParams {
+            dtype: DType::BF16,
+            num_layers: 2,
+            page_size: 16,
+            num_kv_heads: 8,
+            head_size: 128,
+            scale_granularity: None,
+        },
         num_heads: 32,
-        num_kv_heads: 8,
-        head_size: 128,
-        page_size: 16,
-        num_layers: 2,
         mask: Mask::Causal,
         window: None,
         scale: 1.0 / 128f32.sqrt(),
         batch: None,
         seq: None,
     };
-    assert_eq!(MhaOp.supports(&spec.kernel_key()).unwrap_err(), NO_CUDA);
+    assert_eq!(Defined(MhaOp).supports(&spec.key()).unwrap_err(), NO_CUDA);
     let cpu = MhaSpec { target: Target::Cpu, ..spec };
-    MhaOp.supports(&cpu.kernel_key()).unwrap();
-    let odd = MhaSpec { head_size: 30, ..cpu };
-    assert!(MhaOp.supports(&odd.kernel_key()).unwrap_err().contains("head_size % 4"));
+    Defined(MhaOp).supports(&cpu.key()).unwrap();
+    let odd = MhaSpec { cache: KvCacheParams { head_size: 30, ..cpu.cache }, ..cpu };
+    assert!(Defined(MhaOp).supports(&odd.key()).unwrap_err().contains("head_size % 4"));
     let other = KernelKey::new("other", Target::Cpu, DType::F32);
-    assert!(MhaOp.supports(&other).is_err());
+    assert!(Defined(MhaOp).supports(&other).is_err());
 }

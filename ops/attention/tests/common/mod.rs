@@ -6,7 +6,8 @@
 use kvjit_core::fp8::{E4M3_MAX, quantize_block};
 use kvjit_core::{DType, KvCacheParams, PagedKVCacheCollection, Target, Tensor};
 use kvjit_jit::CaptureText;
-use kvjit_op_attention::{AttentionConfig, JitKernel, Mask, MhaSpec, reference};
+use kvjit_op::Compiled;
+use kvjit_op_attention::{AttentionConfig, JitKernel, Mask, MhaSpec, jit_kernel, reference, run_into};
 use kvjit_runtime::DeviceContextPtr;
 use kvjit_testkit::{Guarded, nan_bytes, u32s};
 use rand::rngs::StdRng;
@@ -40,13 +41,8 @@ impl Case {
         MhaSpec {
             target: Target::Cpu,
             dtype: self.dtype,
-            cache_dtype: self.cache_dtype,
-            scale_granularity: self.scale_granularity,
+            cache: self.cache_params(),
             num_heads: self.num_heads,
-            num_kv_heads: self.num_kv_heads,
-            head_size: self.head_size,
-            page_size: self.page_size,
-            num_layers: self.num_layers,
             mask: self.mask,
             window: self.window,
             scale: self.scale,
@@ -279,14 +275,14 @@ pub fn scale_bytes(cache: &PagedKVCacheCollection) -> Vec<u8> {
 
 /// Run the JIT kernel into a NaN-poisoned output with guard regions on
 /// both sides; check the guards and that the cache was not touched.
-pub fn run_jit(kernel: &JitKernel, case: &Case, threads: usize) -> Vec<f32> {
+pub fn run_jit(kernel: &Compiled<JitKernel>, case: &Case, threads: usize) -> Vec<f32> {
     let (inputs, cache) = case.inputs();
     run_jit_on(kernel, case, &inputs, &cache, threads)
 }
 
 /// [`run_jit`] on given inputs and cache (of `case`'s shapes).
 pub fn run_jit_on(
-    kernel: &JitKernel,
+    kernel: &Compiled<JitKernel>,
     case: &Case,
     inputs: &[Tensor],
     cache: &PagedKVCacheCollection,
@@ -297,7 +293,7 @@ pub fn run_jit_on(
     let elements = case.batch * case.seq * case.num_heads * case.head_size;
     let mut out = Guarded::new(64, &nan_bytes(case.dtype, elements), 64);
     let refs: Vec<&Tensor> = inputs.iter().collect();
-    kernel.run_into(&refs, cache, out.body_mut(), &DeviceContextPtr::cpu(threads).unwrap()).unwrap();
+    run_into(kernel, &refs, cache, out.body_mut(), &DeviceContextPtr::cpu(threads).unwrap()).unwrap();
     out.assert_guards("attention output");
     assert!(cache.blocks().as_bytes() == before.as_slice(), "the cache must be byte-identical after the call");
     assert!(scale_bytes(cache) == scales_before, "the cache's scales must be byte-identical after the call");
@@ -310,7 +306,7 @@ pub const POOL_SIZES: [usize; 4] = [1, 2, 3, 5];
 /// Run the JIT kernel for `case` on pools of every size in [`POOL_SIZES`]
 /// (each through [`run_jit_on`]: guarded, poisoned, cache checked) and
 /// assert the outputs are bit-identical; returns the output.
-pub fn assert_same_bits_on_every_pool(kernel: &JitKernel, case: &Case) -> Vec<f32> {
+pub fn assert_same_bits_on_every_pool(kernel: &Compiled<JitKernel>, case: &Case) -> Vec<f32> {
     let (inputs, cache) = case.inputs();
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     let first = run_jit_on(kernel, case, &inputs, &cache, POOL_SIZES[0]);
@@ -322,8 +318,8 @@ pub fn assert_same_bits_on_every_pool(kernel: &JitKernel, case: &Case) -> Vec<f3
     first
 }
 
-pub fn jit(case: &Case) -> JitKernel {
-    JitKernel::new(case.spec(), CaptureText::default()).unwrap()
+pub fn jit(case: &Case) -> Compiled<JitKernel> {
+    jit_kernel(case.spec(), CaptureText::default()).unwrap()
 }
 
 /// The bound `|got − exact|` must meet, per element of a valid row:
