@@ -8,8 +8,7 @@ use kvjit_graph::{
     ArgSpec, GraphBuilder, GraphError, PagedParams, TensorType, ValueId, ValueType, input_error, paged_cache_input,
     step_inputs, tensor_input,
 };
-use kvjit_op::{Compiled, CpuBuild, Op, OpParams, compile_error};
-use kvjit_runtime::{ConstantInput, Kernel, RuntimeError};
+use kvjit_op::{Built, Constants, CpuBuild, Op, add_node, built, compile_error};
 
 use crate::{Mask, MhaSpec, ReferenceKernel};
 
@@ -46,7 +45,7 @@ pub fn mha(
     [q, kv, layer, valid]: [ValueId; 4],
     params: MhaParams,
 ) -> Result<ValueId, GraphError> {
-    Ok(b.node(OP_NAME, params.to_params(), &[q, kv, layer, valid])?[0])
+    Ok(add_node::<MhaOp, 4>(b, &params, [q, kv, layer, valid])?[0])
 }
 
 /// Paged multi-head attention, `mo.mha.padded.paged`. Parameters: `dtype`,
@@ -122,17 +121,11 @@ impl Op for MhaOp {
         crate::cpu_jit::supported(spec).map_err(|e| e.to_string())
     }
 
-    fn build_reference(&self, spec: &MhaSpec) -> Result<Arc<dyn Kernel>, RuntimeError> {
-        Ok(Arc::new(Compiled::new(ReferenceKernel::new(*spec))))
+    fn build_reference(&self, spec: &MhaSpec) -> Built {
+        built(ReferenceKernel::new(*spec))
     }
 
-    fn build_cpu(
-        &self,
-        spec: &MhaSpec,
-        _constants: &[Option<ConstantInput>],
-        build: &CpuBuild,
-    ) -> Result<Arc<dyn Kernel>, RuntimeError> {
-        let kernel = crate::jit_kernel(*spec, build.capture).map_err(|e| compile_error(spec, e))?;
-        Ok(Arc::new(kernel))
+    fn build_cpu(&self, spec: &MhaSpec, _: &Constants, build: &CpuBuild) -> Built {
+        Ok(Arc::new(crate::jit_kernel(*spec, build.capture).map_err(|e| compile_error(spec, e))?))
     }
 }

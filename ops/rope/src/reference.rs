@@ -117,19 +117,9 @@ pub fn fused_qk_rope(
     interleaved: bool,
     output: &mut Tensor,
 ) -> Result<CallShape> {
-    let dtype = q_proj.dtype();
-    if !dtype.is_compute_float() {
-        return Err(kvjit_core::Error::NotFloat { what: "q_proj".into(), dtype });
-    }
-    for (name, tensor, expected) in [
-        ("q_proj", q_proj, dtype),
-        ("freqs_cis", freqs_cis, dtype),
-        ("layer_idx", layer_idx, DType::U32),
-        ("valid_lengths", valid_lengths, DType::U32),
-        ("output", &*output, dtype),
-    ] {
-        kvjit_core::expect_arg(name, tensor, expected)?;
-    }
+    let dtype = kvjit_op::expect_float_step("q_proj", q_proj, layer_idx, valid_lengths)?;
+    kvjit_core::expect_arg("freqs_cis", freqs_cis, dtype)?;
+    kvjit_core::expect_arg("output", output, dtype)?;
     let shape = check_call(q_proj, kv_collection, freqs_cis, layer_idx, valid_lengths)?;
     check_output(&shape, output)?;
     let valid = valid_lengths.as_slice::<u32>()?;
