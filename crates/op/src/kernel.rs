@@ -131,6 +131,22 @@ impl<'c> Call<'c, '_> {
     }
 }
 
+/// The dtype and contiguity of every tensor whose dtype `S`'s signature
+/// fixes ([`CallContract::TENSORS`], in order): what [`Compiled`] checks
+/// before the op's check, and what a kernel run outside the runtime (into
+/// raw output bytes) checks the same way.
+pub fn check_dtypes<S: CallContract>(spec: &S, tensors: &[&Tensor]) -> Result<()> {
+    for (arg, tensor) in S::TENSORS.iter().zip(tensors) {
+        let dtype = match arg.dtype {
+            ArgDType::Compute => spec.dtype(),
+            ArgDType::Exactly(dtype) => dtype,
+            ArgDType::Checked => continue,
+        };
+        kvjit_core::expect_arg(arg.name, tensor, dtype)?;
+    }
+    Ok(())
+}
+
 /// An [`OpKernel`] behind the runtime's [`Kernel`] interface, with the key
 /// of its spec.
 pub struct Compiled<K: OpKernel> {
@@ -175,15 +191,7 @@ impl<K: OpKernel> Compiled<K> {
             got.extend(outputs);
             return Err(Error::KernelArguments { expected: Self::signature(), got });
         }
-        let spec = self.kernel.spec();
-        for (arg, tensor) in K::Spec::TENSORS.iter().zip(tensors) {
-            let dtype = match arg.dtype {
-                ArgDType::Compute => spec.dtype(),
-                ArgDType::Exactly(dtype) => dtype,
-                ArgDType::Checked => continue,
-            };
-            kvjit_core::expect_arg(arg.name, tensor, dtype)?;
-        }
+        check_dtypes(self.kernel.spec(), tensors)?;
         self.kernel.check(tensors, caches)
     }
 }

@@ -25,7 +25,7 @@ mod kernel;
 mod params;
 
 pub use def::{CpuBuild, Defined, Op, compile_error, spec_of};
-pub use kernel::{ArgDType, Call, CallContract, Compiled, OpKernel, TensorArg};
+pub use kernel::{ArgDType, Call, CallContract, Compiled, OpKernel, TensorArg, check_dtypes};
 pub use params::{Choice, OpParams, Param};
 
 #[doc(hidden)]
