@@ -28,7 +28,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use kvjit::{CompileOptions, Registry, compile, standard_registry};
-use kvjit_core::{DType, KvCacheParams, PagedKVCacheCollection, Tensor};
+use kvjit_core::{DType, KernelSpec, KvCacheParams, PagedKVCacheCollection, Tensor};
 use kvjit_graph::{Dim, Graph, GraphBuilder, KvCacheType, ParamValue, Params, load_graph, save_graph};
 use kvjit_op_fused_qkv::{FusedQkvSpec, OP_NAME, cpu_jit};
 use kvjit_runtime::{DeviceContextPtr, Executable, Executor};
@@ -212,9 +212,11 @@ impl CompileBench {
             CompileCase::Layers(layers) => layers.max(1),
             _ => 1,
         };
-        let spec = FusedQkvSpec { num_layers: layers, ..self.shape.spec(self.dtype, self.page_size, Some((1, 1))) };
-        // The graphs build their kernels on the widest tier this CPU runs.
-        kvjit_op_fused_qkv::cpu_jit::tier_key(&spec, kvjit::widest_cpu_tier()).to_string()
+        // The graphs build their kernels on the widest tier this CPU runs
+        // (the spec's).
+        let spec = self.shape.spec(self.dtype, self.page_size, Some((1, 1)));
+        let spec = FusedQkvSpec { cache: KvCacheParams { num_layers: layers, ..spec.cache }, ..spec };
+        spec.key().to_string()
     }
 
     /// One decode token for the one-layer graph: inputs and a cache.

@@ -17,9 +17,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvjit::attention::{jit_kernel as mha_kernel, run_into as run_mha};
-use kvjit::fused_qkv::{FusedQkvSpec, JitKernel as QkvKernel, QkvArgs};
+use kvjit::fused_qkv::{FusedQkvSpec, JitKernel as QkvKernel, QkvArgs, Sizes};
 use kvjit::models::llama::LlamaConfig;
-use kvjit_core::{DType, KernelSpec, Target, Tensor};
+use kvjit_core::{Backend, DType, KernelSpec, KvCacheParams, Target, Tensor};
 use kvjit_jit::CaptureText;
 use kvjit_runtime::{DeviceContextPtr, Executor};
 use rand::SeedableRng;
@@ -203,21 +203,24 @@ fn store_pair(
     let mut caches = Vec::new();
     for dtype in [DType::BF16, DType::F8E4M3] {
         let spec = FusedQkvSpec {
-            target: Target::Cpu,
+            backend: Backend::Cpu(crate::problem::widest_tier()),
             dtype: DType::BF16,
-            cache_dtype: dtype,
-            scale_granularity: dtype.is_quantized().then_some(FP8_GRANULARITY.min(heads.head_size)),
+            cache: KvCacheParams {
+                dtype,
+                num_layers: 1,
+                page_size: heads.page_size,
+                num_kv_heads: shape.kv_heads,
+                head_size: shape.head_size,
+                scale_granularity: dtype.is_quantized().then_some(FP8_GRANULARITY.min(heads.head_size)),
+            },
             k: shape.k,
             q_dim: shape.q_dim(),
-            num_kv_heads: shape.kv_heads,
-            head_size: shape.head_size,
-            page_size: heads.page_size,
-            num_layers: 1,
             batch: Some(1),
             seq: Some(m),
+            sizes: Sizes::Baked,
         };
         let kernel = QkvKernel::new(spec, Some(weight.clone()), CaptureText::default())
-            .map_err(|source| BenchError::Compile { key: spec.kernel_key().to_string(), source })?;
+            .map_err(|source| BenchError::Compile { key: spec.key().to_string(), source })?;
         kernels.push(kernel);
         caches.push(make_cache(&heads, dtype, 1, StepShape { batch: 1, history: 0, new_tokens: m }, false, rng)?);
     }

@@ -36,8 +36,9 @@
 use std::sync::Arc;
 
 use half::slice::HalfFloatSliceExt;
-use kvjit_core::{CpuTier, DType, PagedKVCacheCollection, TensorData};
+use kvjit_core::{Backend, CodeTier, DType, PagedKVCacheCollection, TensorData};
 use kvjit_jit::CaptureText;
+use kvjit_op::Compiled;
 use kvjit_op_fused_qkv::reference::fused_qkv_matmul;
 use kvjit_op_fused_qkv::{JitKernel, QkvArgs};
 use kvjit_runtime::DeviceContextPtr;
@@ -132,12 +133,12 @@ impl Implementation {
     }
 
     /// The CPU tier a JIT implementation builds its kernels for.
-    pub fn cpu_tier(self) -> Option<CpuTier> {
+    pub fn cpu_tier(self) -> Option<CodeTier> {
         match self {
             Implementation::Specialized | Implementation::Generic | Implementation::Unspecialized => {
-                Some(CpuTier::Auto)
+                Some(crate::problem::widest_tier())
             }
-            Implementation::SpecializedCranelift | Implementation::GenericCranelift => Some(CpuTier::Cranelift),
+            Implementation::SpecializedCranelift | Implementation::GenericCranelift => Some(CodeTier::Cranelift),
             _ => None,
         }
     }
@@ -168,13 +169,14 @@ fn jit_error(source: kvjit_jit::JitError) -> BenchError {
 /// JIT kernels for one spec, one per weight layer (they share one compiled
 /// function through the kernel cache; each packs its own layer's weight, as
 /// each node of a model does).
-pub type LayerKernels = Arc<Vec<JitKernel>>;
+pub type LayerKernels = Arc<Vec<Compiled<JitKernel>>>;
 
-fn layer_kernels(spec: kvjit_op_fused_qkv::FusedQkvSpec, weights: &Weights, tier: CpuTier) -> Result<LayerKernels> {
+fn layer_kernels(spec: kvjit_op_fused_qkv::FusedQkvSpec, weights: &Weights, tier: CodeTier) -> Result<LayerKernels> {
+    let spec = kvjit_op_fused_qkv::FusedQkvSpec { backend: Backend::Cpu(tier), ..spec };
     let kernels = weights
         .layers
         .iter()
-        .map(|w| JitKernel::with_tier(spec, Some(w.clone()), CaptureText::default(), false, tier).map_err(jit_error))
+        .map(|w| JitKernel::new(spec, Some(w.clone()), CaptureText::default()).map(Compiled::new).map_err(jit_error))
         .collect::<Result<Vec<_>>>()?;
     Ok(Arc::new(kernels))
 }
@@ -183,7 +185,7 @@ fn layer_kernels(spec: kvjit_op_fused_qkv::FusedQkvSpec, weights: &Weights, tier
 /// packed now, as for graph constants); they serve every M of that shape,
 /// dtype and page size.
 pub fn generic_kernels(shape: &ModelShape, dtype: DType, page_size: usize, weights: &Weights) -> Result<LayerKernels> {
-    layer_kernels(shape.spec(dtype, page_size, None), weights, CpuTier::Auto)
+    layer_kernels(shape.spec(dtype, page_size, None), weights, crate::problem::widest_tier())
 }
 
 /// One implementation, ready to run calls of one [`Problem`].
@@ -221,7 +223,7 @@ impl Runner {
         let state = match implementation {
             Implementation::Specialized | Implementation::SpecializedCranelift => {
                 let spec = point.shape.spec(point.dtype, point.page_size, Some((problem.batch, problem.seq)));
-                let tier = implementation.cpu_tier().unwrap_or_default();
+                let tier = implementation.cpu_tier().unwrap_or(CodeTier::Cranelift);
                 State::Jit(layer_kernels(spec, &problem.weights, tier)?)
             }
             Implementation::Generic => State::Jit(match generic {
@@ -230,7 +232,7 @@ impl Runner {
             }),
             Implementation::GenericCranelift => {
                 let spec = point.shape.spec(point.dtype, point.page_size, None);
-                State::Jit(layer_kernels(spec, &problem.weights, CpuTier::Cranelift)?)
+                State::Jit(layer_kernels(spec, &problem.weights, CodeTier::Cranelift)?)
             }
             Implementation::Unspecialized => {
                 let spec = point.shape.spec(point.dtype, point.page_size, None);
@@ -238,7 +240,7 @@ impl Runner {
                     .weights
                     .layers
                     .iter()
-                    .map(|w| JitKernel::unspecialized(spec, Some(w.clone()), CpuTier::Auto).map_err(jit_error))
+                    .map(|w| JitKernel::unspecialized(spec, Some(w.clone())).map(Compiled::new).map_err(jit_error))
                     .collect::<Result<Vec<_>>>()?;
                 State::Jit(Arc::new(kernels))
             }
@@ -273,7 +275,7 @@ impl Runner {
         match &mut self.state {
             State::Jit(kernels) => {
                 let out = p.output.as_bytes_mut();
-                kernels[l].run_into(
+                kernels[l].kernel().run_into(
                     QkvArgs {
                         hidden_state: &p.hidden,
                         weight,

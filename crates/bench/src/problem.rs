@@ -15,8 +15,8 @@ use std::fmt;
 use std::sync::Arc;
 
 use half::slice::HalfFloatSliceExt;
-use kvjit_core::{DType, KvCacheParams, PagedKVCacheCollection, Target, Tensor, TensorData};
-use kvjit_op_fused_qkv::FusedQkvSpec;
+use kvjit_core::{Backend, CodeTier, DType, KvCacheParams, PagedKVCacheCollection, Tensor, TensorData};
+use kvjit_op_fused_qkv::{FusedQkvSpec, Sizes};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
@@ -102,24 +102,33 @@ impl ModelShape {
         self.q_dim() + 2 * self.kv_dim()
     }
 
-    /// The CPU kernel spec for this shape (cache dtype = `dtype`, one layer);
-    /// `rows` = `Some((B, S))` bakes B and S in, `None` leaves them symbolic.
+    /// The CPU kernel spec for this shape (cache dtype = `dtype`, one layer,
+    /// the widest CPU tier); `rows` = `Some((B, S))` bakes B and S in, `None`
+    /// leaves them symbolic.
     pub fn spec(&self, dtype: DType, page_size: usize, rows: Option<(usize, usize)>) -> FusedQkvSpec {
         FusedQkvSpec {
-            target: Target::Cpu,
+            backend: Backend::Cpu(widest_tier()),
             dtype,
-            cache_dtype: dtype,
-            scale_granularity: None,
+            cache: KvCacheParams {
+                dtype,
+                num_layers: 1,
+                page_size,
+                num_kv_heads: self.kv_heads,
+                head_size: self.head_size,
+                scale_granularity: None,
+            },
             k: self.k,
             q_dim: self.q_dim(),
-            num_kv_heads: self.kv_heads,
-            head_size: self.head_size,
-            page_size,
-            num_layers: 1,
             batch: rows.map(|r| r.0),
             seq: rows.map(|r| r.1),
+            sizes: Sizes::Baked,
         }
     }
+}
+
+/// The widest CPU tier this machine runs (what kvjit's graphs build on).
+pub fn widest_tier() -> CodeTier {
+    kvjit_jit::microkernel::resolve_tier(kvjit_core::CpuTier::Auto).expect("the automatic tier always resolves")
 }
 
 impl fmt::Display for ModelShape {

@@ -31,12 +31,22 @@ pub fn expect_baked(arg: &'static str, tensor: &Tensor, dims: &[BakedDim], spec:
 /// Append the labelled fields of a cache layout to a key: `hkv`, `d`, `p`,
 /// `l`, `kv` (its dtype) and, for an FP8 cache, `g` (its scale granularity).
 pub fn with_cache_fields(key: kvjit_core::KernelKey, cache: &KvCacheParams) -> kvjit_core::KernelKey {
-    key.with("hkv", KeyField::size(cache.num_kv_heads))
-        .with("d", KeyField::size(cache.head_size))
-        .with("p", KeyField::size(cache.page_size))
-        .with("l", KeyField::size(cache.num_layers))
+    with_cache_fields_as(key, cache, KeyField::size)
+}
+
+/// [`with_cache_fields`] with each size written as `size` says (a kernel
+/// that reads the layout at run time writes [`KeyField::Dynamic`]).
+pub fn with_cache_fields_as(
+    key: kvjit_core::KernelKey,
+    cache: &KvCacheParams,
+    size: impl Fn(usize) -> KeyField,
+) -> kvjit_core::KernelKey {
+    key.with("hkv", size(cache.num_kv_heads))
+        .with("d", size(cache.head_size))
+        .with("p", size(cache.page_size))
+        .with("l", size(cache.num_layers))
         .with("kv", KeyField::DType(cache.dtype))
-        .with_if("g", cache.scale_granularity.map(KeyField::size))
+        .with_if("g", cache.scale_granularity.map(&size))
 }
 
 /// The step arguments of a paged op's call, checked.

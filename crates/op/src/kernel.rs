@@ -73,22 +73,6 @@ pub trait CallContract: KernelSpec {
     fn outputs(&self, checked: &Self::Checked) -> Vec<OutputSpec>;
 }
 
-/// Check the dtype and contiguity of every tensor whose dtype `S`'s
-/// signature declares ([`ArgDType::Compute`] or [`ArgDType::Exactly`]), in
-/// order. [`Compiled`] runs it on every call; a kernel's own entry points
-/// that take typed arguments (a `run_into`) call it too.
-pub fn check_declared_dtypes<S: CallContract>(spec: &S, tensors: &[&Tensor]) -> Result<()> {
-    for (arg, tensor) in S::TENSORS.iter().zip(tensors) {
-        let dtype = match arg.dtype {
-            ArgDType::Compute => spec.dtype(),
-            ArgDType::Exactly(dtype) => dtype,
-            ArgDType::Checked => continue,
-        };
-        kvjit_core::expect_arg(arg.name, tensor, dtype)?;
-    }
-    Ok(())
-}
-
 /// One kernel of an op: how it runs a checked call. Wrap it in
 /// [`Compiled`] to hand it to the runtime.
 pub trait OpKernel: Send + Sync + 'static {
@@ -150,6 +134,22 @@ impl<'c> Call<'c, '_> {
     }
 }
 
+/// The dtype and contiguity of every tensor whose dtype `S`'s signature
+/// fixes ([`CallContract::TENSORS`], in order): what [`Compiled`] checks
+/// before the op's check, and what a kernel run outside the runtime (into
+/// raw output bytes) checks the same way.
+pub fn check_dtypes<S: CallContract>(spec: &S, tensors: &[&Tensor]) -> Result<()> {
+    for (arg, tensor) in S::TENSORS.iter().zip(tensors) {
+        let dtype = match arg.dtype {
+            ArgDType::Compute => spec.dtype(),
+            ArgDType::Exactly(dtype) => dtype,
+            ArgDType::Checked => continue,
+        };
+        kvjit_core::expect_arg(arg.name, tensor, dtype)?;
+    }
+    Ok(())
+}
+
 /// An [`OpKernel`] behind the runtime's [`Kernel`] interface, with the key
 /// of its spec.
 pub struct Compiled<K: OpKernel> {
@@ -206,7 +206,7 @@ impl<K: OpKernel> Compiled<K> {
             got.extend(outputs);
             return Err(Error::KernelArguments { expected: Self::signature(), got });
         }
-        check_declared_dtypes(self.kernel.spec(), tensors)?;
+        check_dtypes(self.kernel.spec(), tensors)?;
         self.kernel.check(tensors, caches)
     }
 }

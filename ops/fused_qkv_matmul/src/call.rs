@@ -1,16 +1,16 @@
 //! The run-time argument check every target runs before writing anything.
 //!
 //! JIT-compiled and CUDA kernels index memory without bounds checks, so this
-//! function is what keeps them memory-safe: when it returns `Ok`, every row
-//! reads inside `hidden_state`/`weight`, every Q store lands inside `output`,
-//! and every K/V store lands inside `blocks` at a distinct (page, slot).
+//! check is what keeps them memory-safe: when it passes, every row reads
+//! inside `hidden_state`/`weight`, every Q store lands inside `output`, and
+//! every K/V store lands inside `blocks` at a distinct (page, slot).
 
-use std::collections::HashMap;
-
-use kvjit_core::{DType, Error, PagedKVCacheCollection, Result, Tensor, expect_arg, shape_mismatch};
+use kvjit_core::{DType, Error, KvCacheParams, PagedKVCacheCollection, Result, Tensor, expect_arg, shape_mismatch};
+use kvjit_op::checks::{check_step, write_rows};
 
 /// The op's arguments for one call, by name (what [`JitKernel::run_into`]
-/// takes; `Kernel::run` takes them as slices in this order).
+/// takes; `Kernel::run` takes the tensors as a slice in this order, the
+/// cache apart).
 ///
 /// [`JitKernel::run_into`]: crate::JitKernel::run_into
 pub struct QkvArgs<'a> {
@@ -69,45 +69,57 @@ pub(crate) enum WeightArg<'a> {
     },
 }
 
+/// A call that passed the check: its sizes, and the cache row each token
+/// writes ([`write_rows`]: for row `b·S + t` the element offset of its K in
+/// the blocks, -1 for a padded row).
+#[derive(Clone, Debug)]
+pub struct CheckedCall {
+    /// The call's sizes.
+    pub shape: CallShape,
+    /// Per row, where its K goes in the cache's blocks (-1: nowhere).
+    pub row_offsets: Vec<i64>,
+}
+
 /// Check every argument of a call against the op contract and against each
 /// other; writes nothing. Checks, in order: dtypes and contiguity, shapes,
 /// `layer_idx < L`, `valid_lengths[b] ≤ S`, and for every valid token that its
 /// logical page is inside the lookup table, its physical page is a page of
-/// the cache, and no two tokens share a (page, slot).
+/// the cache, and no two tokens share a (page, slot). Returns the call's
+/// sizes and the cache row each token writes.
 pub fn check_call(
     hidden_state: &Tensor,
     weight: &Tensor,
     kv_collection: &PagedKVCacheCollection,
     layer_idx: &Tensor,
     valid_lengths: &Tensor,
-) -> Result<CallShape> {
-    check_call_with(hidden_state, WeightArg::Tensor(weight), kv_collection, layer_idx, valid_lengths)
-}
-
-/// [`check_call`] with the weight possibly a kernel's prepared one.
-pub(crate) fn check_call_with(
-    hidden_state: &Tensor,
-    weight: WeightArg<'_>,
-    kv_collection: &PagedKVCacheCollection,
-    layer_idx: &Tensor,
-    valid_lengths: &Tensor,
-) -> Result<CallShape> {
+) -> Result<CheckedCall> {
     let dtype = hidden_state.dtype();
     if !dtype.is_compute_float() {
         return Err(Error::NotFloat { what: "hidden_state".into(), dtype });
     }
     expect_arg("hidden_state", hidden_state, dtype)?;
-    if let WeightArg::Tensor(weight) = weight {
-        expect_arg("weight", weight, dtype)?;
-    }
+    expect_arg("weight", weight, dtype)?;
     expect_arg("layer_idx", layer_idx, DType::U32)?;
     expect_arg("valid_lengths", valid_lengths, DType::U32)?;
+    let params = *kv_collection.params();
+    check_shapes(hidden_state, WeightArg::Tensor(weight), kv_collection, layer_idx, valid_lengths, &params)
+}
 
+/// The shape part of the check (the dtypes checked already): the cache laid
+/// out as `built_for`, the step's arguments, the weight against the hidden
+/// state and the cache, and the cache rows the step writes.
+pub(crate) fn check_shapes(
+    hidden_state: &Tensor,
+    weight: WeightArg<'_>,
+    kv_collection: &PagedKVCacheCollection,
+    layer_idx: &Tensor,
+    valid_lengths: &Tensor,
+    built_for: &KvCacheParams,
+) -> Result<CheckedCall> {
     let &[batch, seq, k] = hidden_state.shape() else {
         return Err(shape_mismatch("hidden_state", "[B, S, K]".into(), hidden_state));
     };
-    let params = kv_collection.params();
-    let kv_dim = params.kv_dim();
+    let kv_dim = built_for.kv_dim();
     let (n, weight_k) = match weight {
         WeightArg::Tensor(weight) => match *weight.shape() {
             [n, weight_k] => (n, weight_k),
@@ -115,6 +127,7 @@ pub(crate) fn check_call_with(
         },
         WeightArg::Prepared { n, k } => (n, k),
     };
+    let step = check_step("hidden_state", [batch, seq], kv_collection, built_for, layer_idx, valid_lengths)?;
     if weight_k != k || n <= 2 * kv_dim {
         return Err(Error::ShapeMismatch {
             arg: "weight".into(),
@@ -124,80 +137,16 @@ pub(crate) fn check_call_with(
             got: vec![n, weight_k],
         });
     }
-    if !matches!(layer_idx.shape(), [] | [1]) {
-        return Err(shape_mismatch("layer_idx", "[] (a scalar)".into(), layer_idx));
-    }
-    if valid_lengths.shape() != [batch] {
-        return Err(shape_mismatch("valid_lengths", format!("[{batch}] (B from hidden_state)"), valid_lengths));
-    }
-    if kv_collection.batch_size() != batch {
-        return Err(Error::ShapeMismatch {
-            arg: "kv_collection.cache_lengths".into(),
-            expected: format!("[{batch}] (B from hidden_state)"),
-            got: vec![kv_collection.batch_size()],
-        });
-    }
-
-    let layer = layer_idx.as_slice::<u32>()?[0];
-    if layer as usize >= params.num_layers {
-        return Err(Error::LayerOutOfRange { layer_idx: layer, num_layers: params.num_layers });
-    }
-    let valid = valid_lengths.as_slice::<u32>()?;
-    for (b, &v) in valid.iter().enumerate() {
-        if v as usize > seq {
-            return Err(Error::ValidLengthTooLong { batch: b, valid_length: v, seq_len: seq });
-        }
-    }
-
-    let mut writers: HashMap<(u32, usize), (usize, usize)> = HashMap::new();
-    for (b, &v) in valid.iter().enumerate() {
-        let start = kv_collection.cache_lengths()[b] as usize;
-        for t in 0..v as usize {
-            let (page, slot) = kv_collection.locate(b, start + t)?;
-            if let Some((first_batch, first_t)) = writers.insert((page, slot), (b, t)) {
-                return Err(Error::SlotCollision { first_batch, first_t, second_batch: b, second_t: t, page, slot });
-            }
-        }
-    }
-
-    Ok(CallShape {
+    let row_offsets = write_rows(kv_collection, &step)?;
+    let shape = CallShape {
         batch,
         seq,
         k,
         n,
         q_dim: n - 2 * kv_dim,
         kv_dim,
-        layer: layer as usize,
-        cache_tokens: writers.len(),
-    })
-}
-
-/// For each row `r = b·S + t` of a validated call, the element offset in
-/// `blocks` of `[page, 0, layer, slot, 0, 0]` where row r's K goes (its V is
-/// one K/V stride further), or -1 for padded rows that write no cache.
-pub fn cache_row_offsets(
-    shape: &CallShape,
-    kv_collection: &PagedKVCacheCollection,
-    valid_lengths: &Tensor,
-) -> Result<Vec<i64>> {
-    let valid = valid_lengths.as_slice::<u32>()?;
-    let mut offsets = vec![-1i64; shape.batch * shape.seq];
-    for (b, &v) in valid.iter().enumerate() {
-        let start = kv_collection.cache_lengths()[b] as usize;
-        for t in 0..v as usize {
-            let (page, slot) = kv_collection.locate(b, start + t)?;
-            let offset = kv_collection.element_offset(page as usize, 0, shape.layer, slot, 0, 0);
-            offsets[b * shape.seq + t] = offset as i64;
-        }
-    }
-    Ok(offsets)
-}
-
-/// Check a caller-provided output buffer against a validated call.
-pub fn check_output(shape: &CallShape, dtype: DType, output: &Tensor) -> Result<()> {
-    expect_arg("output", output, dtype)?;
-    if output.shape() != shape.output_shape() {
-        return Err(shape_mismatch("output", format!("{:?} ([B, S, q_dim])", shape.output_shape()), output));
-    }
-    Ok(())
+        layer: step.layer,
+        cache_tokens: row_offsets.iter().filter(|&&o| o >= 0).count(),
+    };
+    Ok(CheckedCall { shape, row_offsets })
 }

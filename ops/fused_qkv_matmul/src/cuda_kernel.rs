@@ -7,7 +7,7 @@
 //! once; `prefill` for larger M, tensor-core tiles) and one pair of compute
 //! (f32, bf16, f16) and cache dtypes (f32, bf16, f16, f8e4m3). Its name is
 //! the symbol of [`variant_key`], which is derived from the op's own
-//! [`FusedQkvSpec::kernel_key`] — the `.cu` spells the same names through one
+//! [`FusedQkvSpec`]'s key — the `.cu` spells the same names through one
 //! macro, and a test checks every name this module can ask for against both
 //! committed PTX files. Head size, Hkv, q_dim and K are run-time arguments:
 //! the epilogue needs only `kv_dim = Hkv·D` and the K→V stride, so baking D
@@ -25,10 +25,10 @@
 //! from, and a unit test fails when the `.cu` changed without regenerating.
 //! The device loads the newest image not newer than itself.
 //!
-//! **A call.** `run` validates exactly as the CPU kernels do
-//! (`check_against_spec`, `check_output`), computes each row's cache
-//! offset on the host with [`cache_row_offsets`] (the pass that checks the
-//! page table), and only then touches the device: upload X (and W unless it
+//! **A call.** The op's check validates exactly as for the CPU kernels
+//! (the spec's [`CallContract`](kvjit_op::CallContract), which computes each
+//! row's cache offset on the host, the pass that checks the page table),
+//! and only then does `run` touch the device: upload X (and W unless it
 //! is the graph constant, which is uploaded once per device), launch the
 //! fused kernel, gather the K/V rows it wrote into one staging buffer, and
 //! download Q and the staged rows into host staging copies. Only when every
@@ -66,13 +66,16 @@
 use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 
-use kvjit_core::{DType, Error, KernelKey, KvCacheParams, PagedKVCacheCollection, Result, Target, Tensor};
+use kvjit_core::{
+    Backend, DType, Error, KernelKey, KernelSpec, KvCacheParams, PagedKVCacheCollection, Result, Target, Tensor,
+};
 use kvjit_cuda::{CudaDevice, CudaError, DeviceBuffer, Function, KernelArg, LaunchShape, PtxImage};
-use kvjit_runtime::{DeviceContextPtr, Kernel, KernelStateOwner, OutputSpec, RuntimeError};
+use kvjit_op::{Call as OpCall, CallContract, OpKernel};
+use kvjit_runtime::{DeviceContextPtr, KernelStateOwner, RuntimeError};
 
-use crate::kernel::{CheckedCall, check_against_spec, checked_call, same_data};
+use crate::kernel::same_data;
 use crate::spec::KERNEL_NAME;
-use crate::{CallShape, FusedQkvSpec, cache_row_offsets};
+use crate::{CallShape, CheckedCall, FusedQkvSpec};
 
 /// The CUDA source every variant is compiled from.
 pub const CUDA_SOURCE: &str = include_str!("../cuda/fused_qkv.cu");
@@ -147,8 +150,8 @@ impl Schedule {
 /// schedule, e.g. `fused_qkv_bshd_paged_decode.cuda.bf16.kvbf16`. Its
 /// [`symbol`](KernelKey::symbol) is the `extern "C"` kernel name.
 pub fn variant_key(spec: &FusedQkvSpec, schedule: Schedule) -> KernelKey {
-    let key = FusedQkvSpec { target: Target::Cuda, ..*spec }.kernel_key();
-    let cache = key.get("kv").expect("kernel_key always records the cache dtype");
+    let key = FusedQkvSpec { backend: Backend::Cuda, ..*spec }.key_name();
+    let cache = key.get("kv").expect("the key always records the cache dtype");
     KernelKey::new(&format!("{}_{}", key.op(), schedule.name()), key.target(), key.dtype()).with("kv", cache)
 }
 
@@ -173,18 +176,21 @@ pub fn all_kernel_symbols() -> Vec<String> {
     for dtype in floats {
         for cache_dtype in caches {
             let spec = FusedQkvSpec {
-                target: Target::Cuda,
+                backend: Backend::Cuda,
                 dtype,
-                cache_dtype,
-                scale_granularity: (cache_dtype == DType::F8E4M3).then_some(1),
+                cache: KvCacheParams {
+                    dtype: cache_dtype,
+                    num_layers: 1,
+                    page_size: 1,
+                    num_kv_heads: 1,
+                    head_size: 1,
+                    scale_granularity: (cache_dtype == DType::F8E4M3).then_some(1),
+                },
                 k: 8,
                 q_dim: 1,
-                num_kv_heads: 1,
-                head_size: 1,
-                page_size: 1,
-                num_layers: 1,
                 batch: None,
                 seq: None,
+                sizes: crate::Sizes::Baked,
             };
             symbols.extend(Schedule::ALL.map(|s| variant_key(&spec, s).symbol()));
         }
@@ -226,21 +232,21 @@ fn fits_i32(v: usize) -> bool {
 
 /// Map a kernel key to the variants that serve it, or say why none does.
 pub fn choose_variants(spec: &FusedQkvSpec) -> std::result::Result<VariantPlan, String> {
-    if spec.target != Target::Cuda {
-        return Err(format!("{} is not a CUDA key", spec.kernel_key()));
+    if spec.backend != Backend::Cuda {
+        return Err(format!("{} is not a CUDA key", spec.key()));
     }
     if !spec.dtype.is_compute_float() {
         return Err(format!("CUDA variants exist for f32, bf16 and f16 compute dtypes, not {}", spec.dtype));
     }
-    let quantized = spec.cache_dtype == DType::F8E4M3;
-    if !spec.cache_dtype.is_compute_float() && !quantized {
+    let quantized = spec.cache.dtype == DType::F8E4M3;
+    if !spec.cache.dtype.is_compute_float() && !quantized {
         return Err(format!(
             "CUDA variants exist for f32, bf16, f16 and f8e4m3 cache dtypes, not {}",
-            spec.cache_dtype
+            spec.cache.dtype
         ));
     }
     // An FP8 cache needs its granularity, dividing D (what the cache itself requires).
-    spec.cache_params().validate().map_err(|e| e.to_string())?;
+    spec.cache.validate().map_err(|e| e.to_string())?;
     if !spec.k.is_multiple_of(8) {
         return Err(format!(
             "the CUDA kernels read rows of hidden_state and weight as 16-byte vectors and need K % 8 == 0, got K = {}",
@@ -265,7 +271,7 @@ pub fn choose_variants(spec: &FusedQkvSpec) -> std::result::Result<VariantPlan, 
     Ok(VariantPlan {
         decode: rows.is_none_or(|m| m <= DECODE_MAX_ROWS).then(|| variant_key(spec, Schedule::Decode)),
         prefill: rows.is_none_or(|m| m > DECODE_MAX_ROWS).then(|| variant_key(spec, Schedule::Prefill)),
-        gather: gather_key(spec.cache_dtype),
+        gather: gather_key(spec.cache.dtype),
         scale_gather: quantized.then(|| gather_key(DType::F32)),
     })
 }
@@ -610,7 +616,8 @@ fn layout_tag(params: &KvCacheParams) -> u64 {
     hasher.finish()
 }
 
-/// The op's CUDA kernel for one key (see the module docs).
+/// The op's CUDA kernel for one spec (see the module docs; wrap it in
+/// [`kvjit_op::Compiled`] for the runtime's `Kernel` interface).
 ///
 /// Tensor inputs, in order: `hidden_state`, `weight`, `layer_idx`,
 /// `valid_lengths`; one cache; one output. Runs only on a CUDA
@@ -629,7 +636,7 @@ impl CudaKernel {
     /// the key when no variant serves it. `weight` is the weight when it is
     /// a graph constant (uploaded once per device instead of every call).
     pub fn new(spec: FusedQkvSpec, weight: Option<Arc<Tensor>>) -> std::result::Result<Self, RuntimeError> {
-        let key = spec.kernel_key();
+        let key = spec.key();
         let plan = choose_variants(&spec).map_err(|why| RuntimeError::TargetUnavailable {
             target: Target::Cuda,
             reason: format!("no CUDA variant serves {key}: {why}"),
@@ -644,30 +651,26 @@ impl CudaKernel {
 }
 
 impl CudaKernel {
-    /// A validated call, staged, then committed: everything is checked
-    /// before any device work; `device_work` fills a host staging copy of Q
-    /// and of the K/V rows written (`[written, 2, kv_dim]`, cache dtype,
-    /// then for an FP8 cache their scales `[written, 2, kv_dim / g]` f32);
-    /// only when it succeeds are Q copied into the output and the rows into
-    /// the host cache. A device error therefore leaves output and cache
-    /// exactly as they were. `ready` is the context check, reported after
-    /// the argument checks and before any device work.
+    /// A checked call, staged, then committed: `device_work` fills a host
+    /// staging copy of Q and of the K/V rows written (`[written, 2, kv_dim]`,
+    /// cache dtype, then for an FP8 cache their scales `[written, 2, kv_dim
+    /// / g]` f32); only when it succeeds are Q copied into the output and
+    /// the rows into the host cache. A device error therefore leaves output
+    /// and cache exactly as they were. `ready` is the context check,
+    /// reported after the argument checks and before any device work.
     fn run_staged(
         &self,
-        inputs: &[&Tensor],
-        caches: &mut [&mut PagedKVCacheCollection],
-        outputs: &mut [Tensor],
+        checked: CheckedCall,
+        (tensors, cache, output): (&[&Tensor], &mut PagedKVCacheCollection, &mut Tensor),
         ready: Result<()>,
         device_work: impl FnOnce(&Call<'_>, &mut [u8], &mut [u8]) -> Result<()>,
     ) -> Result<()> {
-        // The same validation as the CPU kernels, before anything is written.
-        let CheckedCall { shape, hidden, weight, valid_lengths, cache, output, .. } =
-            checked_call(&self.spec, inputs, caches, outputs)?;
+        let CheckedCall { shape, row_offsets: row_off } = checked;
+        let (hidden, weight) = (tensors[0], tensors[1]);
         let dims = LaunchDims::new(&shape, cache.params())?;
-        let row_off = cache_row_offsets(&shape, cache, valid_lengths)?;
         ready?;
         let Some(schedule) = self.plan.schedule_for(dims.rows) else {
-            // check_against_spec matched static B and S, so the plan has it.
+            // The check matched static B and S, so the plan has it.
             return Err(Error::ShapeMismatch {
                 arg: "hidden_state".into(),
                 expected: format!("the shape {} was built for", self.key),
@@ -677,7 +680,6 @@ impl CudaKernel {
         if dims.rows == 0 {
             return Ok(());
         }
-
         let written: Vec<i64> = row_off.iter().copied().filter(|&o| o >= 0).collect();
         let params = *cache.params();
         let elem = params.dtype.size_bytes();
@@ -730,28 +732,22 @@ impl CudaKernel {
     }
 }
 
-impl Kernel for CudaKernel {
-    fn key(&self) -> &KernelKey {
-        &self.key
+impl OpKernel for CudaKernel {
+    type Spec = FusedQkvSpec;
+    const IMPLEMENTATION: &'static str = "cuda";
+
+    fn spec(&self) -> &FusedQkvSpec {
+        &self.spec
     }
 
-    fn implementation(&self) -> &'static str {
-        "cuda"
+    /// The spec's check, and the sizes the kernels' 32-bit indexing takes.
+    fn check(&self, tensors: &[&Tensor], caches: &[&PagedKVCacheCollection]) -> Result<CheckedCall> {
+        let checked = self.spec.check(tensors, caches)?;
+        LaunchDims::new(&checked.shape, caches[0].params())?;
+        Ok(checked)
     }
 
-    fn check(&self, inputs: &[&Tensor], caches: &[&PagedKVCacheCollection]) -> Result<Vec<OutputSpec>> {
-        let shape = check_against_spec(&self.spec, inputs, caches)?;
-        LaunchDims::new(&shape, caches[0].params())?;
-        Ok(vec![(self.spec.dtype, shape.output_shape())])
-    }
-
-    fn run(
-        &self,
-        inputs: &[&Tensor],
-        caches: &mut [&mut PagedKVCacheCollection],
-        outputs: &mut [Tensor],
-        ctx: &DeviceContextPtr,
-    ) -> Result<()> {
+    fn run(&self, checked: CheckedCall, call: OpCall<'_, '_>, ctx: &DeviceContextPtr) -> Result<()> {
         let device = ctx.cuda_context().map(|cuda| cuda.device());
         let ready = match device {
             Some(_) => Ok(()),
@@ -761,7 +757,9 @@ impl Kernel for CudaKernel {
                 ctx.target()
             )))),
         };
-        self.run_staged(inputs, caches, outputs, ready, |call, q, staged| {
+        let OpCall { tensors, caches, outputs } = call;
+        let args = (tensors, &mut *caches[0], &mut outputs[0]);
+        self.run_staged(checked, args, ready, |call, q, staged| {
             let device = device.expect("run_staged returns the context error before any device work");
             // This kernel's functions, constant weight and scratch live in
             // the context and are freed with it (or with this kernel).
@@ -773,8 +771,8 @@ impl Kernel for CudaKernel {
         })?;
         // The kernel wrote the same rows into the device copy and (committed)
         // into the host blocks: the copy is current, not stale.
-        if let (Some(device), [cache]) = (device, &*caches) {
-            device.kv_cache_synced(cache, layout_tag(cache.params()));
+        if let Some(device) = device {
+            device.kv_cache_synced(caches[0], layout_tag(caches[0].params()));
         }
         Ok(())
     }
@@ -788,18 +786,21 @@ mod tests {
 
     fn spec(dtype: DType, k: usize, batch: Option<usize>, seq: Option<usize>) -> FusedQkvSpec {
         FusedQkvSpec {
-            target: Target::Cuda,
+            backend: Backend::Cuda,
             dtype,
-            cache_dtype: dtype,
-            scale_granularity: None,
+            cache: KvCacheParams {
+                dtype,
+                num_layers: 32,
+                page_size: 16,
+                num_kv_heads: 8,
+                head_size: 128,
+                scale_granularity: None,
+            },
             k,
             q_dim: 4096,
-            num_kv_heads: 8,
-            head_size: 128,
-            page_size: 16,
-            num_layers: 32,
             batch,
             seq,
+            sizes: crate::Sizes::Baked,
         }
     }
 
@@ -891,13 +892,18 @@ mod tests {
         assert_eq!(variant_key(&s, Schedule::Decode).to_string(), "fused_qkv_bshd_paged_decode.cuda.bf16.kvbf16");
         assert_eq!(variant_key(&s, Schedule::Prefill).symbol(), "fused_qkv_bshd_paged_prefill_cuda_bf16_kvbf16");
         // a CPU spec still names the CUDA variant
-        let cpu = FusedQkvSpec { target: Target::Cpu, cache_dtype: DType::F32, scale_granularity: None, ..s };
+        let cpu = FusedQkvSpec {
+            backend: Backend::Cpu(kvjit_core::CodeTier::Cranelift),
+            cache: KvCacheParams { dtype: DType::F32, scale_granularity: None, ..s.cache },
+            ..s
+        };
         assert_eq!(variant_key(&cpu, Schedule::Decode).symbol(), "fused_qkv_bshd_paged_decode_cuda_bf16_kvf32");
         assert_eq!(gather_key(DType::F16).symbol(), "fused_qkv_bshd_paged_gather_cuda_f16");
     }
 
     fn fp8_spec(dtype: DType, g: Option<usize>) -> FusedQkvSpec {
-        FusedQkvSpec { cache_dtype: DType::F8E4M3, scale_granularity: g, ..spec(dtype, 4096, None, None) }
+        let spec = spec(dtype, 4096, None, None);
+        FusedQkvSpec { cache: KvCacheParams { dtype: DType::F8E4M3, scale_granularity: g, ..spec.cache }, ..spec }
     }
 
     /// A spec with an f8e4m3 cache maps to the `_kvf8e4m3` variants of its
@@ -938,9 +944,11 @@ mod tests {
         assert!(why.contains("scale_granularity"), "{why}");
         let why = choose_variants(&fp8_spec(DType::BF16, Some(48))).unwrap_err();
         assert!(why.contains("must divide head_size 128, got 48"), "{why}");
-        let why =
-            choose_variants(&FusedQkvSpec { scale_granularity: Some(128), ..spec(DType::BF16, 4096, None, None) })
-                .unwrap_err();
+        let why = choose_variants(&FusedQkvSpec {
+            cache: KvCacheParams { scale_granularity: Some(128), ..spec(DType::BF16, 4096, None, None).cache },
+            ..spec(DType::BF16, 4096, None, None)
+        })
+        .unwrap_err();
         assert!(why.contains("f8e4m3 caches only"), "{why}");
         let why =
             choose_variants(&FusedQkvSpec { dtype: DType::F8E4M3, ..fp8_spec(DType::BF16, Some(128)) }).unwrap_err();
@@ -969,8 +977,11 @@ mod tests {
         assert!(why.contains("K % 8 == 0, got K = 4100"), "{why}");
         let why = choose_variants(&spec(DType::F32, 4096, Some(1 << 20), Some(1 << 20))).unwrap_err();
         assert!(why.contains("rows"), "{why}");
-        let why =
-            choose_variants(&FusedQkvSpec { target: Target::Cpu, ..spec(DType::F32, 8, None, None) }).unwrap_err();
+        let why = choose_variants(&FusedQkvSpec {
+            backend: Backend::Cpu(kvjit_core::CodeTier::Cranelift),
+            ..spec(DType::F32, 8, None, None)
+        })
+        .unwrap_err();
         assert!(why.contains("not a CUDA key"), "{why}");
         let err = CudaKernel::new(spec(DType::BF16, 12, None, None), None).err().expect("refused");
         assert_eq!(
@@ -985,21 +996,6 @@ mod tests {
     /// q_dim = 8, Hkv = 1, D = 4, page size 2, random values everywhere.
     fn small_call() -> (CudaKernel, [Tensor; 4], PagedKVCacheCollection, Tensor) {
         use rand::{SeedableRng, rngs::StdRng};
-        let spec = FusedQkvSpec {
-            target: Target::Cuda,
-            dtype: DType::F32,
-            cache_dtype: DType::F32,
-            scale_granularity: None,
-            k: 8,
-            q_dim: 8,
-            num_kv_heads: 1,
-            head_size: 4,
-            page_size: 2,
-            num_layers: 1,
-            batch: None,
-            seq: None,
-        };
-        let mut rng = StdRng::seed_from_u64(5);
         let params = KvCacheParams {
             dtype: DType::F32,
             num_layers: 1,
@@ -1008,6 +1004,17 @@ mod tests {
             head_size: 4,
             scale_granularity: None,
         };
+        let spec = FusedQkvSpec {
+            backend: Backend::Cuda,
+            dtype: DType::F32,
+            cache: params,
+            k: 8,
+            q_dim: 8,
+            batch: None,
+            seq: None,
+            sizes: crate::Sizes::Baked,
+        };
+        let mut rng = StdRng::seed_from_u64(5);
         let mut cache = PagedKVCacheCollection::new(params, 8, 2, 4).unwrap();
         cache.reserve(&[3, 1]).unwrap();
         cache.set_blocks(Tensor::random(DType::F32, cache.blocks().shape(), &mut rng, -1.0, 1.0).unwrap()).unwrap();
@@ -1030,17 +1037,12 @@ mod tests {
         let (kernel, inputs, mut cache, mut output) = small_call();
         let (cache_before, output_before) = (cache.blocks().as_bytes().to_vec(), output.as_bytes().to_vec());
         let inputs: Vec<&Tensor> = inputs.iter().collect();
-        let result = kernel.run_staged(
-            &inputs,
-            &mut [&mut cache],
-            std::slice::from_mut(&mut output),
-            Ok(()),
-            |_call, q, staged| {
-                q.fill(0xab);
-                staged[..4].fill(0xcd);
-                Err(device_error(CudaError::Unavailable("injected failure after Q was downloaded".into())))
-            },
-        );
+        let checked = kernel.check(&inputs, &[&cache]).unwrap();
+        let result = kernel.run_staged(checked, (&inputs, &mut cache, &mut output), Ok(()), |_call, q, staged| {
+            q.fill(0xab);
+            staged[..4].fill(0xcd);
+            Err(device_error(CudaError::Unavailable("injected failure after Q was downloaded".into())))
+        });
         let error = result.unwrap_err().to_string();
         assert!(error.contains("injected failure"), "{error}");
         assert_eq!(output.as_bytes(), output_before, "the output changed though the call failed");
@@ -1055,8 +1057,9 @@ mod tests {
         let (kernel, inputs, mut cache, mut output) = small_call();
         let before = cache.clone();
         let inputs: Vec<&Tensor> = inputs.iter().collect();
+        let checked = kernel.check(&inputs, &[&cache]).unwrap();
         kernel
-            .run_staged(&inputs, &mut [&mut cache], std::slice::from_mut(&mut output), Ok(()), |call, q, staged| {
+            .run_staged(checked, (&inputs, &mut cache, &mut output), Ok(()), |call, q, staged| {
                 assert_eq!(call.written.len(), 4, "3 + 1 valid tokens");
                 for (i, v) in q.chunks_exact_mut(4).enumerate() {
                     v.copy_from_slice(&(i as f32).to_le_bytes());
@@ -1093,21 +1096,24 @@ mod tests {
         use rand::{SeedableRng, rngs::StdRng};
         let (g, d) = (2, 4);
         let spec = FusedQkvSpec {
-            target: Target::Cuda,
+            backend: Backend::Cuda,
             dtype: DType::F32,
-            cache_dtype: DType::F8E4M3,
-            scale_granularity: Some(g),
+            cache: KvCacheParams {
+                dtype: DType::F8E4M3,
+                num_layers: 2,
+                page_size: 2,
+                num_kv_heads: 2,
+                head_size: d,
+                scale_granularity: Some(g),
+            },
             k: 8,
             q_dim: 8,
-            num_kv_heads: 2,
-            head_size: d,
-            page_size: 2,
-            num_layers: 2,
             batch: None,
             seq: None,
+            sizes: crate::Sizes::Baked,
         };
         let mut rng = StdRng::seed_from_u64(9);
-        let mut cache = PagedKVCacheCollection::new(spec.cache_params(), 8, 2, 4).unwrap();
+        let mut cache = PagedKVCacheCollection::new(spec.cache, 8, 2, 4).unwrap();
         cache.reserve(&[3, 1]).unwrap();
         cache.set_blocks(Tensor::random(DType::F8E4M3, cache.blocks().shape(), &mut rng, -1.0, 1.0).unwrap()).unwrap();
         cache
@@ -1124,8 +1130,9 @@ mod tests {
         let before = cache.clone();
         let inputs: Vec<&Tensor> = inputs.iter().collect();
         let (kv_dim, row_scales) = (2 * d, 2 * d / g); // a row's K (or V) values, and their scales
+        let checked = kernel.check(&inputs, &[&cache]).unwrap();
         kernel
-            .run_staged(&inputs, &mut [&mut cache], std::slice::from_mut(&mut output), Ok(()), |call, _q, staged| {
+            .run_staged(checked, (&inputs, &mut cache, &mut output), Ok(()), |call, _q, staged| {
                 assert_eq!(usize::try_from(call.dims.g), Ok(g));
                 assert_eq!(staged.len(), 4 * 2 * (kv_dim + row_scales * 4), "4 rows of codes, then scales");
                 let (codes, scales) = staged.split_at_mut(4 * 2 * kv_dim);
@@ -1203,7 +1210,10 @@ mod tests {
         let before = output.as_bytes().to_vec();
         let ctx = DeviceContextPtr::cpu(1).unwrap();
         let inputs: Vec<&Tensor> = inputs.iter().collect();
-        let error = kernel.run(&inputs, &mut [&mut cache], std::slice::from_mut(&mut output), &ctx).unwrap_err();
+        let kernel = kvjit_op::Compiled::new(kernel);
+        let error =
+            kvjit_runtime::Kernel::run(&kernel, &inputs, &mut [&mut cache], std::slice::from_mut(&mut output), &ctx)
+                .unwrap_err();
         assert!(error.to_string().contains("runs on a CUDA device context, not a cpu one"), "{error}");
         assert_eq!(output.as_bytes(), before);
         assert_eq!(ctx.kernel_states(), 0, "nothing was kept in a context the kernel cannot use");

@@ -8,9 +8,10 @@
 //! into the paged cache at each sequence's next positions
 //! (`cache_lengths[b] + t`), only for valid tokens (`t < valid_lengths[b]`).
 //!
-//! Everything about the op lives here: its IR definition ([`FusedQkvOp`],
-//! parameters, shape rules, kernel key), the run-time argument check every
-//! target shares ([`check_call`]), the plain reference implementation
+//! Everything about the op lives here: its definition on the op platform
+//! ([`FusedQkvOp`], parameters, shape rules), the spec of its kernels
+//! ([`FusedQkvSpec`]: key and call contract), the run-time argument check
+//! every target shares ([`check_call`]), the plain reference implementation
 //! ([`reference`](mod@reference)), and its kernels.
 
 mod call;
@@ -23,10 +24,10 @@ pub mod panels;
 pub mod reference;
 mod spec;
 
-pub use call::{CallShape, QkvArgs, cache_row_offsets, check_call};
+pub use call::{CallShape, CheckedCall, QkvArgs, check_call};
 pub use cpu_jit::JitKernel;
 pub use cuda_kernel::CudaKernel;
 pub use def::{FusedQkvOp, FusedQkvParams, OP_ALIAS, OP_NAME, fused_qkv_matmul};
 pub use error::FusedQkvError;
 pub use kernel::ReferenceKernel;
-pub use spec::FusedQkvSpec;
+pub use spec::{FusedQkvSpec, KERNEL_NAME, Sizes};

@@ -12,10 +12,12 @@
 //!   each g-block of a head's values with its own scale
 //!   ([`kvjit_core::fp8::quantize_block`]).
 
-use kvjit_core::{DType, Element, PagedKVCacheCollection, Result, Tensor, TensorData, bf16, f16};
+use kvjit_core::{
+    DType, Element, PagedKVCacheCollection, Result, Tensor, TensorData, bf16, expect_arg, f16, shape_mismatch,
+};
 
 use crate::CallShape;
-use crate::call::{check_call, check_output};
+use crate::call::check_call;
 
 /// Run the op: validate everything (writing nothing on error), then write
 /// `output` and the K/V of valid tokens into `kv_collection`.
@@ -27,22 +29,40 @@ pub fn fused_qkv_matmul(
     valid_lengths: &Tensor,
     output: &mut Tensor,
 ) -> Result<CallShape> {
-    let shape = check_call(hidden_state, weight, kv_collection, layer_idx, valid_lengths)?;
-    check_output(&shape, hidden_state.dtype(), output)?;
-    let valid = valid_lengths.as_slice::<u32>()?;
-    match (hidden_state.data(), weight.data(), output.dtype()) {
-        (TensorData::F32(x), TensorData::F32(w), _) => {
-            run::<f32>(&shape, x, w, kv_collection, valid, output.as_mut_slice()?)
-        }
-        (TensorData::BF16(x), TensorData::BF16(w), _) => {
-            run::<bf16>(&shape, x, w, kv_collection, valid, output.as_mut_slice()?)
-        }
-        (TensorData::F16(x), TensorData::F16(w), _) => {
-            run::<f16>(&shape, x, w, kv_collection, valid, output.as_mut_slice()?)
-        }
-        _ => unreachable!("check_call accepts only matching float dtypes"),
+    let shape = check_call(hidden_state, weight, kv_collection, layer_idx, valid_lengths)?.shape;
+    expect_arg("output", output, hidden_state.dtype())?;
+    if output.shape() != shape.output_shape() {
+        return Err(shape_mismatch("output", format!("{:?} ([B, S, q_dim])", shape.output_shape()), output));
     }
+    write(&shape, hidden_state, weight, kv_collection, valid_lengths, output)?;
     Ok(shape)
+}
+
+/// Write a checked call (`shape` from the op's check of exactly these
+/// arguments, `output` of its shape): Q into `output`, the valid tokens'
+/// K and V into the cache.
+pub(crate) fn write(
+    shape: &CallShape,
+    hidden_state: &Tensor,
+    weight: &Tensor,
+    kv_collection: &mut PagedKVCacheCollection,
+    valid_lengths: &Tensor,
+    output: &mut Tensor,
+) -> Result<()> {
+    let valid = valid_lengths.as_slice::<u32>()?;
+    match (hidden_state.data(), weight.data()) {
+        (TensorData::F32(x), TensorData::F32(w)) => {
+            run::<f32>(shape, x, w, kv_collection, valid, output.as_mut_slice()?)
+        }
+        (TensorData::BF16(x), TensorData::BF16(w)) => {
+            run::<bf16>(shape, x, w, kv_collection, valid, output.as_mut_slice()?)
+        }
+        (TensorData::F16(x), TensorData::F16(w)) => {
+            run::<f16>(shape, x, w, kv_collection, valid, output.as_mut_slice()?)
+        }
+        _ => unreachable!("the check accepts only matching float dtypes"),
+    }
+    Ok(())
 }
 
 fn run<T: Element>(

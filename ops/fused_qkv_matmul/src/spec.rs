@@ -1,62 +1,65 @@
-//! [`FusedQkvSpec`]: the typed form of this op's kernel key.
+//! [`FusedQkvSpec`]: everything a kernel of this op bakes in, its one
+//! canonical name, and the call contract every kernel of the op shares.
 
-use kvjit_core::{DType, KernelKey, KeyField, Target};
+use kvjit_core::{
+    Backend, CodeTier, DType, KernelKey, KernelSpec, KeyField, KvCacheParams, PagedKVCacheCollection, Result, Tensor,
+};
+use kvjit_op::checks::{expect_baked, with_cache_fields_as};
+use kvjit_op::{CallContract, TensorArg};
+use kvjit_runtime::OutputSpec;
+
+use crate::call::{CheckedCall, WeightArg, check_shapes};
 
 /// Short op name used in kernel keys, symbols and benchmark ids.
 pub const KERNEL_NAME: &str = "fused_qkv_bshd_paged";
+
+/// Which sizes a kernel's code bakes in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub enum Sizes {
+    /// Every size of the spec (B and S when static): what `specialize`
+    /// makes.
+    #[default]
+    Baked,
+    /// None but the dtypes: the unspecialized baseline kernel, which reads
+    /// K, the column counts and the cache's K→V stride at run time; one
+    /// compiled kernel serves every spec of its dtypes, and its key says so
+    /// (`…kany.qany.hkvany…`). Calls are still checked against every size
+    /// of the spec.
+    Runtime,
+}
 
 /// Everything a kernel for this op may bake in. `batch`/`seq` are `None`
 /// when symbolic (the kernel reads them at run time).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct FusedQkvSpec {
-    /// Target.
-    pub target: Target,
+    /// Target, and on the CPU the (resolved) code tier.
+    pub backend: Backend,
     /// Dtype of hidden state, weight and output.
     pub dtype: DType,
-    /// Dtype of the cache.
-    pub cache_dtype: DType,
-    /// Values per scale of an FP8 cache (`Some` exactly for `f8e4m3`).
-    pub scale_granularity: Option<usize>,
+    /// The layout of the cache K and V are written into.
+    pub cache: KvCacheParams,
     /// Hidden size K.
     pub k: usize,
     /// Q columns.
     pub q_dim: usize,
-    /// KV heads Hkv.
-    pub num_kv_heads: usize,
-    /// Head size D.
-    pub head_size: usize,
-    /// Tokens per page.
-    pub page_size: usize,
-    /// Layers in the cache.
-    pub num_layers: usize,
     /// Batch B, if static.
     pub batch: Option<usize>,
     /// Padded sequence length S, if static.
     pub seq: Option<usize>,
+    /// Which sizes the code bakes in.
+    pub sizes: Sizes,
 }
 
 impl FusedQkvSpec {
-    /// The cache layout the kernel is built for.
-    pub fn cache_params(&self) -> kvjit_core::KvCacheParams {
-        kvjit_core::KvCacheParams {
-            dtype: self.cache_dtype,
-            num_layers: self.num_layers,
-            page_size: self.page_size,
-            num_kv_heads: self.num_kv_heads,
-            head_size: self.head_size,
-            scale_granularity: self.scale_granularity,
-        }
-    }
-
     /// K (or V) columns: Hkv·D.
     pub fn kv_dim(&self) -> usize {
-        self.num_kv_heads * self.head_size
+        self.cache.kv_dim()
     }
 
     /// Elements from a token's K to its V in the cache's blocks:
     /// `L · page_size · Hkv · D`.
     pub fn kv_stride(&self) -> usize {
-        self.num_layers * self.page_size * self.kv_dim()
+        self.cache.num_layers * self.cache.page_size * self.kv_dim()
     }
 
     /// All weight rows N = q_dim + 2·kv_dim.
@@ -64,68 +67,135 @@ impl FusedQkvSpec {
         self.q_dim + 2 * self.kv_dim()
     }
 
-    /// The canonical kernel key (the one function that names this op's kernels).
-    pub fn kernel_key(&self) -> KernelKey {
-        KernelKey::new(KERNEL_NAME, self.target, self.dtype)
-            .with("k", KeyField::size(self.k))
-            .with("q", KeyField::size(self.q_dim))
-            .with("hkv", KeyField::size(self.num_kv_heads))
-            .with("d", KeyField::size(self.head_size))
-            .with("p", KeyField::size(self.page_size))
-            .with("l", KeyField::size(self.num_layers))
-            .with("kv", KeyField::DType(self.cache_dtype))
-            .with_if("g", self.scale_granularity.map(KeyField::size))
-            .with("b", KeyField::dim(self.batch))
-            .with("s", KeyField::dim(self.seq))
+    /// The code tier of a CPU spec (`None` for CUDA).
+    pub fn tier(&self) -> Option<CodeTier> {
+        self.backend.cpu_tier()
     }
 
-    /// Read a key made by [`kernel_key`](Self::kernel_key) back; `None` if it
-    /// is not this op's.
-    pub fn from_kernel_key(key: &KernelKey) -> Option<Self> {
-        if key.op() != KERNEL_NAME {
-            return None;
-        }
-        let spec = Self {
-            target: key.target(),
-            dtype: key.dtype(),
-            cache_dtype: key.dtype_field("kv")?,
-            scale_granularity: key.size("g"),
-            k: key.size("k")?,
-            q_dim: key.size("q")?,
-            num_kv_heads: key.size("hkv")?,
-            head_size: key.size("d")?,
-            page_size: key.size("p")?,
-            num_layers: key.size("l")?,
-            batch: key.dim("b")?,
-            seq: key.dim("s")?,
-        };
-        (spec.kernel_key() == *key).then_some(spec)
+    /// The spec with B and S left to run time (a generic kernel's).
+    pub fn generic(&self) -> Self {
+        Self { batch: None, seq: None, ..*self }
     }
+}
+
+impl KernelSpec for FusedQkvSpec {
+    /// `fused_qkv_bshd_paged.cpu-avx2.bf16.k4096.q4096.hkv8.d128.p16.l32.kvbf16.bany.s1`:
+    /// the CPU tier in the target, then K, q_dim, the cache layout, B and S.
+    fn key_name(&self) -> KernelKey {
+        let key = KernelKey::new(KERNEL_NAME, self.backend.target(), self.dtype);
+        let key = match self.tier() {
+            Some(tier) => key.with_variant(tier.name()),
+            None => key,
+        };
+        let size = |n: usize| match self.sizes {
+            Sizes::Baked => KeyField::size(n),
+            Sizes::Runtime => KeyField::Dynamic,
+        };
+        let dim = |d: Option<usize>| match self.sizes {
+            Sizes::Baked => KeyField::dim(d),
+            Sizes::Runtime => KeyField::Dynamic,
+        };
+        let key = key.with("k", size(self.k)).with("q", size(self.q_dim));
+        with_cache_fields_as(key, &self.cache, size).with("b", dim(self.batch)).with("s", dim(self.seq))
+    }
+}
+
+impl CallContract for FusedQkvSpec {
+    type Checked = CheckedCall;
+    const TENSORS: &'static [TensorArg] = &[
+        TensorArg::compute("hidden_state"),
+        TensorArg::compute("weight"),
+        TensorArg::u32("layer_idx"),
+        TensorArg::u32("valid_lengths"),
+    ];
+    const CACHES: &'static [&'static str] = &["kv_collection"];
+
+    fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    fn check(&self, tensors: &[&Tensor], caches: &[&PagedKVCacheCollection]) -> Result<CheckedCall> {
+        check_against(self, tensors, caches, None)
+    }
+
+    fn outputs(&self, checked: &CheckedCall) -> Vec<OutputSpec> {
+        vec![(self.dtype, checked.shape.output_shape())]
+    }
+}
+
+/// The spec's check, for a kernel that may hold a prepared weight: a call
+/// whose weight is that very tensor passes it as `[N, K]`.
+pub(crate) fn check_against(
+    spec: &FusedQkvSpec,
+    tensors: &[&Tensor],
+    caches: &[&PagedKVCacheCollection],
+    prepared_weight: Option<&Tensor>,
+) -> Result<CheckedCall> {
+    let (&[hidden, weight, layer_idx, valid_lengths], &[cache]) = (tensors, caches) else {
+        unreachable!("the arity was checked against the signature")
+    };
+    let weight_arg = match prepared_weight {
+        Some(prepared) if crate::kernel::same_data(prepared, weight) => WeightArg::Prepared { n: spec.n(), k: spec.k },
+        _ => WeightArg::Tensor(weight),
+    };
+    let checked = check_shapes(hidden, weight_arg, cache, layer_idx, valid_lengths, &spec.cache)?;
+    expect_baked("hidden_state", hidden, &[("B", spec.batch), ("S", spec.seq), ("K", Some(spec.k))], spec)?;
+    let shape = &checked.shape;
+    if shape.q_dim != spec.q_dim {
+        return Err(kvjit_core::Error::NotBuiltFor {
+            arg: "weight",
+            expected: format!("[{}, {}]", spec.n(), spec.k),
+            got: vec![shape.n, shape.k],
+        });
+    }
+    Ok(checked)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    #[test]
-    fn key_round_trips_and_names_itself() {
-        let spec = FusedQkvSpec {
-            target: Target::Cpu,
+    fn spec() -> FusedQkvSpec {
+        FusedQkvSpec {
+            backend: Backend::Cpu(CodeTier::Avx2),
             dtype: DType::BF16,
-            cache_dtype: DType::BF16,
-            scale_granularity: None,
+            cache: KvCacheParams {
+                dtype: DType::BF16,
+                num_layers: 32,
+                page_size: 16,
+                num_kv_heads: 8,
+                head_size: 128,
+                scale_granularity: None,
+            },
             k: 4096,
             q_dim: 4096,
-            num_kv_heads: 8,
-            head_size: 128,
-            page_size: 16,
-            num_layers: 32,
             batch: None,
             seq: Some(1),
-        };
-        let key = spec.kernel_key();
-        assert_eq!(key.to_string(), "fused_qkv_bshd_paged.cpu.bf16.k4096.q4096.hkv8.d128.p16.l32.kvbf16.bany.s1");
-        assert_eq!(FusedQkvSpec::from_kernel_key(&key), Some(spec));
+            sizes: Sizes::Baked,
+        }
+    }
+
+    #[test]
+    fn the_key_names_the_tier_and_holds_the_spec() {
+        let spec = spec();
+        let key = spec.key();
+        assert_eq!(key.to_string(), "fused_qkv_bshd_paged.cpu-avx2.bf16.k4096.q4096.hkv8.d128.p16.l32.kvbf16.bany.s1");
+        assert_eq!(key.spec::<FusedQkvSpec>(), Some(&spec));
         assert_eq!(spec.n(), 6144);
+        let cuda = FusedQkvSpec { backend: Backend::Cuda, ..spec };
+        assert_eq!(
+            cuda.key().to_string(),
+            "fused_qkv_bshd_paged.cuda.bf16.k4096.q4096.hkv8.d128.p16.l32.kvbf16.bany.s1"
+        );
+    }
+
+    #[test]
+    fn an_unspecialized_key_leaves_every_size_to_run_time() {
+        let fp8 = KvCacheParams { dtype: DType::F8E4M3, scale_granularity: Some(32), ..spec().cache };
+        let unspecialized = FusedQkvSpec { sizes: Sizes::Runtime, cache: fp8, ..spec() };
+        assert_eq!(
+            unspecialized.key().to_string(),
+            "fused_qkv_bshd_paged.cpu-avx2.bf16.kany.qany.hkvany.dany.pany.lany.kvf8e4m3.gany.bany.sany"
+        );
     }
 }

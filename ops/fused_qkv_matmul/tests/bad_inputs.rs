@@ -6,8 +6,11 @@
 //! broken thing can sit late in the batch it does, so that earlier, valid
 //! sequences would already have been written by an op that checks as it goes.
 
-use kvjit_core::{DType, Error, PagedKVCacheCollection, Result, Target, Tensor, UNASSIGNED_PAGE};
-use kvjit_op_fused_qkv::{CallShape, FusedQkvSpec, ReferenceKernel, reference::fused_qkv_matmul};
+use kvjit_core::{
+    Backend, CodeTier, DType, Error, KvCacheParams, PagedKVCacheCollection, Result, Tensor, UNASSIGNED_PAGE,
+};
+use kvjit_op::Compiled;
+use kvjit_op_fused_qkv::{CallShape, FusedQkvSpec, ReferenceKernel, Sizes, reference::fused_qkv_matmul};
 use kvjit_runtime::{DeviceContextPtr, Kernel};
 use kvjit_testkit::values::uniform;
 use kvjit_testkit::{Snapshot, cache_from_table, u32s};
@@ -79,25 +82,28 @@ impl Fixture {
 
     fn spec(&self) -> FusedQkvSpec {
         FusedQkvSpec {
-            target: Target::Cpu,
+            backend: Backend::Cpu(CodeTier::Cranelift),
             dtype: self.hidden.dtype(),
-            cache_dtype: self.cache.blocks().dtype(),
-            scale_granularity: None,
+            cache: KvCacheParams {
+                dtype: self.cache.blocks().dtype(),
+                num_layers: LAYERS,
+                page_size: PAGE_SIZE,
+                num_kv_heads: HKV,
+                head_size: D,
+                scale_granularity: None,
+            },
             k: K,
             q_dim: Q_DIM,
-            num_kv_heads: HKV,
-            head_size: D,
-            page_size: PAGE_SIZE,
-            num_layers: LAYERS,
             batch: None,
             seq: None,
+            sizes: Sizes::Baked,
         }
     }
 
     /// Run through [`ReferenceKernel`]: `check`, then `run`. Both must give
     /// the same verdict; returns `run`'s.
     fn call_kernel(&mut self, spec: FusedQkvSpec) -> Result<()> {
-        let kernel = ReferenceKernel::new(spec);
+        let kernel = Compiled::new(ReferenceKernel::new(spec));
         let inputs = [&self.hidden, &self.weight, &self.layer_idx, &self.valid];
         let checked = kernel.check(&inputs, &[&self.cache]);
         let ctx = DeviceContextPtr::cpu(1).unwrap();
@@ -279,11 +285,13 @@ fn needed_logical_page_beyond_the_table() {
         fx,
         Error::LogicalPageOutOfRange { batch: 2, position: 8, logical_page: 4, max_pages_per_seq: MAX_PAGES }
     );
-    // A cache length near u32::MAX must not wrap around to a small position.
+    // A cache length near u32::MAX must not wrap around to a small position:
+    // the step's 4 valid tokens would take the sequence past u32::MAX (the
+    // paged-step check every paged op shares, `kvjit_op::checks::check_step`).
     let mut fx = Fixture::f32();
     fx.cache.cache_lengths_mut()[2] = u32::MAX - 1;
-    assert_rejected!(fx, Error::LogicalPageOutOfRange { batch: 2, position, .. }
-        if *position == u32::MAX as u64 - 1);
+    assert_rejected!(fx, Error::SequenceTooLong { batch: 2, tokens, .. }
+        if *tokens == u64::from(u32::MAX - 1) + 4);
 }
 
 #[test]
@@ -391,14 +399,15 @@ fn a_rejected_call_leaves_the_buffers_usable() {
 fn kernel_rejects_a_cache_laid_out_differently_from_its_spec() {
     let fx = Fixture::f32();
     let spec = fx.spec();
-    let variants: [(&str, FusedQkvSpec); 5] = [
-        ("dtype", FusedQkvSpec { cache_dtype: DType::BF16, scale_granularity: None, ..spec }),
-        ("num_layers", FusedQkvSpec { num_layers: LAYERS + 1, ..spec }),
-        ("page_size", FusedQkvSpec { page_size: PAGE_SIZE * 2, ..spec }),
-        ("num_kv_heads", FusedQkvSpec { num_kv_heads: 1, head_size: HKV * D, ..spec }),
-        ("head_size", FusedQkvSpec { head_size: D + 1, ..spec }),
+    let variants: [(&str, KvCacheParams); 5] = [
+        ("dtype", KvCacheParams { dtype: DType::BF16, scale_granularity: None, ..spec.cache }),
+        ("num_layers", KvCacheParams { num_layers: LAYERS + 1, ..spec.cache }),
+        ("page_size", KvCacheParams { page_size: PAGE_SIZE * 2, ..spec.cache }),
+        ("num_kv_heads", KvCacheParams { num_kv_heads: 1, head_size: HKV * D, ..spec.cache }),
+        ("head_size", KvCacheParams { head_size: D + 1, ..spec.cache }),
     ];
-    for (field, spec) in variants {
+    for (field, cache) in variants {
+        let spec = FusedQkvSpec { cache, ..spec };
         let mut fx = fx.clone();
         assert_rejected!(fx, via |fx: &mut Fixture| fx.call_kernel(spec),
             e if matches!(e, kvjit_core::Error::CacheLayout { what, .. } if *what == field));
@@ -444,7 +453,7 @@ fn kernel_rejects_what_else_its_spec_baked_in() {
 #[test]
 fn kernel_rejects_the_wrong_number_of_arguments() {
     let mut fx = Fixture::f32();
-    let kernel = ReferenceKernel::new(fx.spec());
+    let kernel = Compiled::new(ReferenceKernel::new(fx.spec()));
     let before = Snapshot::take(&fx.output, &fx.cache);
     let ctx = DeviceContextPtr::cpu(1).unwrap();
     let three = [&fx.hidden, &fx.weight, &fx.layer_idx];
@@ -460,7 +469,7 @@ fn kernel_rejects_the_wrong_number_of_arguments() {
 #[test]
 fn kernel_rejects_the_wrong_number_of_outputs() {
     let mut fx = Fixture::f32();
-    let kernel = ReferenceKernel::new(fx.spec());
+    let kernel = Compiled::new(ReferenceKernel::new(fx.spec()));
     let before = Snapshot::take(&fx.output, &fx.cache);
     let ctx = DeviceContextPtr::cpu(1).unwrap();
     let inputs = [&fx.hidden, &fx.weight, &fx.layer_idx, &fx.valid];

@@ -226,8 +226,9 @@ fn q_for_every_row_kv_only_for_valid_tokens_at_cache_length_plus_t() {
 #[test]
 fn check_call_agrees_with_the_run() {
     let case = mixed_lengths_case();
-    let shape =
-        check_call(&case.hidden(), &case.weight(), &case.cache(), &Tensor::scalar_u32(0), &u32s(&case.valid)).unwrap();
+    let shape = check_call(&case.hidden(), &case.weight(), &case.cache(), &Tensor::scalar_u32(0), &u32s(&case.valid))
+        .unwrap()
+        .shape;
     assert_eq!(shape, case.run().shape);
     assert_eq!(shape.output_shape(), vec![3, 3, 2]);
 }

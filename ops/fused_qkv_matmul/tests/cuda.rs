@@ -15,10 +15,11 @@
 
 use std::sync::Arc;
 
-use kvjit_core::{DType, Error, KvCacheParams, PagedKVCacheCollection, Target, Tensor};
+use kvjit_core::{Backend, CodeTier, DType, Error, KernelSpec, KvCacheParams, PagedKVCacheCollection, Target, Tensor};
 use kvjit_cuda::{CudaDevice, KernelArg};
+use kvjit_op::Compiled;
 use kvjit_op_fused_qkv::cuda_kernel::{PTX, PTX_MODULE, Schedule, e4m3_probe_key, variant_key};
-use kvjit_op_fused_qkv::{CudaKernel, FusedQkvSpec, ReferenceKernel, cache_row_offsets, check_call, reference};
+use kvjit_op_fused_qkv::{CheckedCall, CudaKernel, FusedQkvSpec, ReferenceKernel, Sizes, check_call, reference};
 use kvjit_runtime::{DeviceContextPtr, Kernel};
 use kvjit_testkit::tolerance::F32_TOL_PER_K;
 use kvjit_testkit::{CacheSnapshot, Guarded, Tolerance, cuda_or_skip};
@@ -125,18 +126,21 @@ fn problem(rng: &mut StdRng, d: &Draw) -> Problem {
     output.fill_f32(f32::NAN).unwrap();
     Problem {
         spec: FusedQkvSpec {
-            target: Target::Cuda,
+            backend: Backend::Cuda,
             dtype: d.dtype,
-            cache_dtype: d.cache_dtype,
-            scale_granularity: d.g,
+            cache: KvCacheParams {
+                dtype: d.cache_dtype,
+                num_layers: d.layers,
+                page_size: d.page_size,
+                num_kv_heads: d.hkv,
+                head_size: d.d,
+                scale_granularity: d.g,
+            },
             k: d.k,
             q_dim: d.q_dim,
-            num_kv_heads: d.hkv,
-            head_size: d.d,
-            page_size: d.page_size,
-            num_layers: d.layers,
             batch: d.static_dims.then_some(d.batch),
             seq: d.static_dims.then_some(d.seq),
+            sizes: Sizes::Baked,
         },
         hidden: Tensor::random(d.dtype, &[d.batch, d.seq, d.k], rng, -1.0, 1.0).unwrap(),
         weight: Arc::new(Tensor::random(d.dtype, &[n, d.k], rng, -1.0, 1.0).unwrap()),
@@ -188,20 +192,20 @@ fn assert_matches_reference(p: &Problem, output: &Tensor, cache: &PagedKVCacheCo
         let (r, c) = (i / q_dim, i % q_dim);
         assert!(close(g, w, p.spec.dtype, k, sums[r * n + c]), "{what}: output[row {r}, col {c}] = {g}, reference {w}");
     }
-    if p.spec.cache_dtype == DType::F8E4M3 {
+    if p.spec.cache.dtype == DType::F8E4M3 {
         assert_fp8_cache_matches_reference(p, cache, &ref_cache, &sums, what);
         assert_eq!(cache.cache_lengths(), p.cache.cache_lengths(), "{what}: the op never changes cache lengths");
         assert_eq!(cache.lookup_table(), p.cache.lookup_table(), "{what}");
         return;
     }
-    let elem = p.spec.cache_dtype.size_bytes();
+    let elem = p.spec.cache.dtype.size_bytes();
     let (poisoned, got_bytes, want_bytes) =
         (p.cache.blocks().as_bytes(), cache.blocks().as_bytes(), ref_cache.blocks().as_bytes());
     let (got, want) = (cache.blocks().to_f32_vec().unwrap(), ref_cache.blocks().to_f32_vec().unwrap());
     // Which (row, column) of C each written element came from, for its tolerance.
-    let shape = check_call(&p.hidden, &p.weight, &p.cache, &p.layer, &p.valid).unwrap();
-    let offsets = cache_row_offsets(&shape, &p.cache, &p.valid).unwrap();
-    let kv_stride = p.spec.num_layers * p.spec.page_size * shape.kv_dim;
+    let CheckedCall { shape, row_offsets: offsets } =
+        check_call(&p.hidden, &p.weight, &p.cache, &p.layer, &p.valid).unwrap();
+    let kv_stride = p.spec.cache.num_layers * p.spec.cache.page_size * shape.kv_dim;
     let mut source = std::collections::HashMap::new();
     for (r, &off) in offsets.iter().enumerate().filter(|(_, o)| **o >= 0) {
         for j in 0..2 * shape.kv_dim {
@@ -213,7 +217,7 @@ fn assert_matches_reference(p: &Problem, output: &Tensor, cache: &PagedKVCacheCo
         let bytes = i * elem..(i + 1) * elem;
         match source.get(&i) {
             Some(&(r, c)) => assert!(
-                close(got[i], want[i], p.spec.cache_dtype, k, sums[r * n + c]),
+                close(got[i], want[i], p.spec.cache.dtype, k, sums[r * n + c]),
                 "{what}: cache element {i} (row {r}, col {c}) = {}, reference {}",
                 got[i],
                 want[i]
@@ -249,9 +253,9 @@ fn assert_fp8_cache_matches_reference(
     what: &str,
 ) {
     use kvjit_core::fp8::e4m3_to_f32;
-    let g = p.spec.scale_granularity.expect("an FP8 spec has a granularity");
-    let shape = check_call(&p.hidden, &p.weight, &p.cache, &p.layer, &p.valid).unwrap();
-    let offsets = cache_row_offsets(&shape, &p.cache, &p.valid).unwrap();
+    let g = p.spec.cache.scale_granularity.expect("an FP8 spec has a granularity");
+    let CheckedCall { shape, row_offsets: offsets } =
+        check_call(&p.hidden, &p.weight, &p.cache, &p.layer, &p.valid).unwrap();
     let (n, q_dim, k, kv_dim) = (p.weight.shape()[0], p.spec.q_dim, p.spec.k, shape.kv_dim);
     let kv_stride = p.spec.kv_stride();
     let (codes, ref_codes, poisoned) =
@@ -322,7 +326,7 @@ fn unchanged(after: &PagedKVCacheCollection, before: &PagedKVCacheCollection) ->
 }
 
 fn run_cuda(
-    kernel: &CudaKernel,
+    kernel: &Compiled<CudaKernel>,
     p: &Problem,
     ctx: &DeviceContextPtr,
 ) -> kvjit_core::Result<(Tensor, PagedKVCacheCollection)> {
@@ -338,15 +342,16 @@ fn the_cuda_kernel_builds_and_validates_like_the_cpu_kernels_without_a_gpu() {
     let mut rng = StdRng::seed_from_u64(1);
     let d = draw(&mut rng, DType::BF16, DType::F16, Schedule::Prefill);
     let p = problem(&mut rng, &d);
-    let cuda = CudaKernel::new(p.spec, Some(p.weight.clone())).unwrap();
-    let reference = ReferenceKernel::new(FusedQkvSpec { target: Target::Cpu, ..p.spec });
+    let cuda = Compiled::new(CudaKernel::new(p.spec, Some(p.weight.clone())).unwrap());
+    let reference =
+        Compiled::new(ReferenceKernel::new(FusedQkvSpec { backend: Backend::Cpu(CodeTier::Cranelift), ..p.spec }));
     assert_eq!(cuda.implementation(), "cuda");
-    assert_eq!(cuda.key().to_string(), p.spec.kernel_key().to_string());
+    assert_eq!(cuda.key().to_string(), p.spec.key().to_string());
     assert_eq!(cuda.check(&p.inputs(), &[&p.cache]).unwrap(), reference.check(&p.inputs(), &[&p.cache]).unwrap());
 
     // The same refusal, word for word, for each kind of bad argument.
     let mut bad = p.clone();
-    bad.layer = Tensor::scalar_u32(p.spec.num_layers as u32);
+    bad.layer = Tensor::scalar_u32(p.spec.cache.num_layers as u32);
     let mut too_long = p.clone();
     too_long.valid =
         Tensor::from_vec(&[p.hidden.shape()[0]], vec![p.hidden.shape()[1] as u32 + 1; p.hidden.shape()[0]]).unwrap();
@@ -371,8 +376,8 @@ fn the_fp8_comparison_accepts_the_reference_and_rejects_wrong_codes_and_scales()
         let g = d.g.unwrap();
         let (output, cache) = reference_result(&p);
         assert_matches_reference(&p, &output, &cache, "the reference itself");
-        let shape = check_call(&p.hidden, &p.weight, &p.cache, &p.layer, &p.valid).unwrap();
-        let offsets = cache_row_offsets(&shape, &p.cache, &p.valid).unwrap();
+        let CheckedCall { shape, row_offsets: offsets } =
+            check_call(&p.hidden, &p.weight, &p.cache, &p.layer, &p.valid).unwrap();
         let written = *offsets.iter().find(|&&o| o >= 0).unwrap() as usize + shape.kv_dim - 1; // a K element
         // The poison (NaN codes and scales) is what no token wrote.
         let untouched = (0..cache.blocks().as_bytes().len()).find(|&i| cache.blocks().as_bytes()[i] == 0x7f);
@@ -407,7 +412,7 @@ fn running_on_a_cpu_context_is_an_error_that_writes_nothing() {
     let mut rng = StdRng::seed_from_u64(2);
     let d = draw(&mut rng, DType::F32, DType::F32, Schedule::Decode);
     let p = problem(&mut rng, &d);
-    let kernel = CudaKernel::new(p.spec, None).unwrap();
+    let kernel = Compiled::new(CudaKernel::new(p.spec, None).unwrap());
     let (mut output, mut cache) = (p.output.clone(), p.cache.clone());
     let err = kernel
         .run(&p.inputs(), &mut [&mut cache], std::slice::from_mut(&mut output), &DeviceContextPtr::cpu(1).unwrap())
@@ -498,7 +503,7 @@ fn cuda_matches_the_reference_on_random_shapes() {
                     );
                     // Half the cases with the weight as a build-time constant.
                     let constant = case % 2 == 0;
-                    let kernel = CudaKernel::new(p.spec, constant.then(|| p.weight.clone())).unwrap();
+                    let kernel = Compiled::new(CudaKernel::new(p.spec, constant.then(|| p.weight.clone())).unwrap());
                     let (output, cache) = run_cuda(&kernel, &p, &ctx).unwrap_or_else(|e| panic!("{what}: {e}"));
                     assert_matches_reference(&p, &output, &cache, &what);
                     // A second call on the same kernel and cache (resident
@@ -526,7 +531,7 @@ fn bad_inputs_on_the_gpu_path_write_nothing() {
 }
 
 fn bad_inputs_write_nothing(ctx: &DeviceContextPtr, p: &Problem) {
-    let kernel = CudaKernel::new(p.spec, None).unwrap();
+    let kernel = Compiled::new(CudaKernel::new(p.spec, None).unwrap());
     let mut cases = Vec::new();
     let mut bad = p.clone();
     bad.layer = Tensor::scalar_u32(99);
@@ -536,7 +541,7 @@ fn bad_inputs_write_nothing(ctx: &DeviceContextPtr, p: &Problem) {
     bad.valid = Tensor::from_vec(&[b], vec![p.hidden.shape()[1] as u32 + 1; b]).unwrap();
     cases.push(("valid length too long", bad));
     let mut bad = p.clone();
-    let first_page = p.cache.cache_lengths()[0] as usize / p.spec.page_size; // sequence 0 writes a token there
+    let first_page = p.cache.cache_lengths()[0] as usize / p.spec.cache.page_size; // sequence 0 writes a token there
     bad.cache.lookup_table_mut()[first_page] = p.cache.num_pages() as u32 + 5;
     cases.push(("page not in the cache", bad));
     if b > 1 {
@@ -599,20 +604,24 @@ fn steps_over_one_resident_cache(ctx: &DeviceContextPtr, cache_dtype: DType, g: 
         .map(|_| Arc::new(Tensor::random(DType::BF16, &[q_dim + 2 * hkv * d, k], &mut rng, -1.0, 1.0).unwrap()))
         .collect();
     let spec = FusedQkvSpec {
-        target: Target::Cuda,
+        backend: Backend::Cuda,
         dtype: DType::BF16,
-        cache_dtype,
-        scale_granularity: g,
+        cache: KvCacheParams {
+            dtype: cache_dtype,
+            num_layers: layers,
+            page_size,
+            num_kv_heads: hkv,
+            head_size: d,
+            scale_granularity: g,
+        },
         k,
         q_dim,
-        num_kv_heads: hkv,
-        head_size: d,
-        page_size,
-        num_layers: layers,
         batch: None,
         seq: None,
+        sizes: Sizes::Baked,
     };
-    let kernels: Vec<CudaKernel> = weights.iter().map(|w| CudaKernel::new(spec, Some(w.clone())).unwrap()).collect();
+    let kernels: Vec<Compiled<CudaKernel>> =
+        weights.iter().map(|w| Compiled::new(CudaKernel::new(spec, Some(w.clone())).unwrap())).collect();
     // (seq, valid lengths): a padded prefill, then three decode steps.
     let steps: [(usize, Vec<u32>); 4] =
         [(20, vec![20, 7, 13]), (1, vec![1, 1, 1]), (1, vec![1, 0, 1]), (1, vec![1, 1, 1])];
@@ -687,9 +696,9 @@ fn guarded_fp8_launch(
     schedule: Schedule,
     what: &str,
 ) -> (Vec<u8>, Vec<u8>, Vec<u8>) {
-    let g = p.spec.scale_granularity.unwrap();
-    let shape = check_call(&p.hidden, &p.weight, &p.cache, &p.layer, &p.valid).unwrap();
-    let offsets = cache_row_offsets(&shape, &p.cache, &p.valid).unwrap();
+    let g = p.spec.cache.scale_granularity.unwrap();
+    let CheckedCall { shape, row_offsets: offsets } =
+        check_call(&p.hidden, &p.weight, &p.cache, &p.layer, &p.valid).unwrap();
     let offset_bytes: Vec<u8> = offsets.iter().flat_map(|o| o.to_le_bytes()).collect();
     let rows = shape.batch * shape.seq;
     let counters = rows.div_ceil(64) * (2 * shape.kv_dim / g);
@@ -734,8 +743,8 @@ fn guarded_fp8_launch(
     // the problem's compute dtype; every pointer is GUARD bytes into a
     // buffer holding the whole tensor after it: the scales of the cache
     // (g divides D), a staging buffer of M·2·kv_dim f32, ceil(M / 64)·2·
-    // kv_dim / g zeroed counters; offsets from `cache_row_offsets` after
-    // `check_call` accepted the call; K % 8 == 0; decode gets at most 16 rows.
+    // kv_dim / g zeroed counters; offsets from the `check_call` that accepted
+    // the call; K % 8 == 0; decode gets at most 16 rows.
     unsafe { device.launch(&function, schedule.launch_shape(p.spec.dtype, rows, shape.n), &args) }.unwrap();
     let mut back = hosts.clone();
     for (buffer, host) in buffers.iter().zip(&mut back) {
@@ -815,8 +824,8 @@ fn guarded(data: &[u8]) -> Guarded {
 /// Launch `schedule`'s variant on guarded copies of `p`; return the output
 /// and cache bytes after checking every guard.
 fn guarded_launch(device: &Arc<CudaDevice>, p: &Problem, schedule: Schedule, what: &str) -> (Vec<u8>, Vec<u8>) {
-    let shape = check_call(&p.hidden, &p.weight, &p.cache, &p.layer, &p.valid).unwrap();
-    let offsets = cache_row_offsets(&shape, &p.cache, &p.valid).unwrap();
+    let CheckedCall { shape, row_offsets: offsets } =
+        check_call(&p.hidden, &p.weight, &p.cache, &p.layer, &p.valid).unwrap();
     let offset_bytes: Vec<u8> = offsets.iter().flat_map(|o| o.to_le_bytes()).collect();
     let hosts = [
         guarded(p.hidden.as_bytes()),
@@ -833,7 +842,7 @@ fn guarded_launch(device: &Arc<CudaDevice>, p: &Problem, schedule: Schedule, wha
     }
     let at = |i: usize| KernelArg::Address(buffers[i].address() + GUARD as u64);
     let rows = shape.batch * shape.seq;
-    let kv_stride = p.spec.num_layers * p.spec.page_size * shape.kv_dim;
+    let kv_stride = p.spec.cache.num_layers * p.spec.cache.page_size * shape.kv_dim;
     let function = device.function(PTX_MODULE, &PTX, &variant_key(&p.spec, schedule).symbol()).unwrap();
     let args = [
         at(0),
@@ -851,7 +860,7 @@ fn guarded_launch(device: &Arc<CudaDevice>, p: &Problem, schedule: Schedule, wha
     // SAFETY: the arguments follow the fused kernels' parameter list for
     // this variant's dtypes (the problem's); every pointer is GUARD bytes
     // into a buffer holding the whole tensor after it (uploaded above);
-    // `offsets` come from `cache_row_offsets` after `check_call` accepted the
+    // `offsets` come from the `check_call` that accepted the
     // call; K % 8 == 0 (drawn so); the decode schedule gets at most 16 rows.
     unsafe { device.launch(&function, schedule.launch_shape(p.spec.dtype, rows, shape.n), &args) }.unwrap();
     let mut back = hosts.clone();
@@ -938,18 +947,21 @@ fn time_8b_qkv_against_cublas_gemm_plus_scatter() {
         let valid = vec![seq as u32; batch];
         cache.reserve(&valid).unwrap();
         let spec = FusedQkvSpec {
-            target: Target::Cuda,
+            backend: Backend::Cuda,
             dtype: DType::BF16,
-            cache_dtype: DType::BF16,
-            scale_granularity: None,
+            cache: KvCacheParams {
+                dtype: DType::BF16,
+                num_layers: 1,
+                page_size,
+                num_kv_heads: hkv,
+                head_size: d,
+                scale_granularity: None,
+            },
             k,
             q_dim,
-            num_kv_heads: hkv,
-            head_size: d,
-            page_size,
-            num_layers: 1,
             batch: Some(batch),
             seq: Some(seq),
+            sizes: Sizes::Baked,
         };
         let p = Problem {
             spec,
@@ -960,9 +972,9 @@ fn time_8b_qkv_against_cublas_gemm_plus_scatter() {
             output: Tensor::zeros(DType::BF16, &[batch, seq, q_dim]).unwrap(),
             cache,
         };
-        let shape = check_call(&p.hidden, &p.weight, &p.cache, &p.layer, &p.valid).unwrap();
-        let offsets: Vec<u8> =
-            cache_row_offsets(&shape, &p.cache, &p.valid).unwrap().iter().flat_map(|o| o.to_le_bytes()).collect();
+        let CheckedCall { shape, row_offsets } =
+            check_call(&p.hidden, &p.weight, &p.cache, &p.layer, &p.valid).unwrap();
+        let offsets: Vec<u8> = row_offsets.iter().flat_map(|o| o.to_le_bytes()).collect();
         let upload = |bytes: &[u8]| -> DeviceBuffer {
             let mut b = device.alloc(bytes.len()).unwrap();
             device.upload(bytes, &mut b).unwrap();
@@ -989,8 +1001,8 @@ fn time_8b_qkv_against_cublas_gemm_plus_scatter() {
         ];
         let fused_shape = schedule.launch_shape(DType::BF16, m, n);
         // SAFETY: the fused kernels' parameter list for bf16/bf16; buffers
-        // hold the whole validated tensors; offsets from cache_row_offsets
-        // of a call check_call accepted; K % 8 == 0.
+        // hold the whole validated tensors; offsets from check_call of a
+        // call it accepted; K % 8 == 0.
         let launch_fused = || unsafe { device.launch(&fused, fused_shape, &fused_args) };
         let (alpha, beta) = (1.0f32, 0.0f32);
         let baseline = || -> kvjit_cuda::Result<()> {
@@ -1048,7 +1060,10 @@ fn time_8b_qkv_against_cublas_gemm_plus_scatter() {
         // The same call into an FP8 cache (g = 128): what the quantizing
         // epilogue costs against the bf16 store (issue 14's target: within
         // 10% at M >= 16).
-        let fp8_spec = FusedQkvSpec { cache_dtype: DType::F8E4M3, scale_granularity: Some(128), ..spec };
+        let fp8_spec = FusedQkvSpec {
+            cache: KvCacheParams { dtype: DType::F8E4M3, scale_granularity: Some(128), ..spec.cache },
+            ..spec
+        };
         let fp8 = device.function(PTX_MODULE, &PTX, &variant_key(&fp8_spec, schedule).symbol()).unwrap();
         let cache_elems = p.cache.blocks().as_bytes().len() / 2;
         let (codes, fp8_scales) = (device.alloc(cache_elems).unwrap(), device.alloc(cache_elems / 128 * 4).unwrap());
@@ -1094,7 +1109,7 @@ fn time_8b_qkv_against_cublas_gemm_plus_scatter() {
         assert!(worst < 0.05, "M={m}: fused and cuBLAS Q differ by {worst} (relative)");
 
         // End to end through the Kernel interface (host validation and copies included).
-        let kernel = CudaKernel::new(spec, Some(p.weight.clone())).unwrap();
+        let kernel = Compiled::new(CudaKernel::new(spec, Some(p.weight.clone())).unwrap());
         run_cuda(&kernel, &p, &ctx).unwrap();
         let start = std::time::Instant::now();
         for _ in 0..5 {
@@ -1131,7 +1146,7 @@ fn an_fp8_cache_keeps_its_scales_on_the_device_with_its_blocks() {
     let mut rng = StdRng::seed_from_u64(12);
     let d = draw(&mut rng, DType::BF16, DType::F8E4M3, Schedule::Decode);
     let p = problem(&mut rng, &d);
-    let kernel = CudaKernel::new(p.spec, Some(p.weight.clone())).unwrap();
+    let kernel = Compiled::new(CudaKernel::new(p.spec, Some(p.weight.clone())).unwrap());
     let (mut output, mut cache) = (p.output.clone(), p.cache.clone());
     let call = |cache: &mut PagedKVCacheCollection, output: &mut Tensor| {
         kernel.run(&p.inputs(), &mut [cache], std::slice::from_mut(output), &ctx).unwrap();

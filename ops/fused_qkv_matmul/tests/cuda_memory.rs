@@ -6,9 +6,10 @@
 
 use std::sync::Arc;
 
-use kvjit_core::{DType, KvCacheParams, PagedKVCacheCollection, Target, Tensor};
+use kvjit_core::{Backend, CodeTier, DType, KvCacheParams, PagedKVCacheCollection, Tensor};
 use kvjit_cuda::live_device_bytes;
-use kvjit_op_fused_qkv::{CudaKernel, FusedQkvSpec, ReferenceKernel};
+use kvjit_op::Compiled;
+use kvjit_op_fused_qkv::{CudaKernel, FusedQkvSpec, ReferenceKernel, Sizes};
 use kvjit_runtime::{DeviceContextPtr, Kernel};
 use kvjit_testkit::values::uniform;
 use kvjit_testkit::{Tolerance, compare_tensors, cuda_or_skip};
@@ -27,18 +28,21 @@ struct Problem {
 fn problem() -> Problem {
     let mut rng = StdRng::seed_from_u64(17);
     let spec = FusedQkvSpec {
-        target: Target::Cuda,
+        backend: Backend::Cuda,
         dtype: DType::F32,
-        cache_dtype: DType::F32,
-        scale_granularity: None,
+        cache: KvCacheParams {
+            dtype: DType::F32,
+            num_layers: 2,
+            page_size: 4,
+            num_kv_heads: 2,
+            head_size: 8,
+            scale_granularity: None,
+        },
         k: 64,
         q_dim: 32,
-        num_kv_heads: 2,
-        head_size: 8,
-        page_size: 4,
-        num_layers: 2,
         batch: None,
         seq: None,
+        sizes: Sizes::Baked,
     };
     let params = KvCacheParams {
         dtype: DType::F32,
@@ -84,8 +88,9 @@ fn fresh_contexts_and_dropped_kernels_give_their_device_memory_back() {
     let Some(ctx) = cuda_or_skip() else { return };
     drop(ctx);
     let p = problem();
-    let kernel = CudaKernel::new(p.spec, Some(p.inputs[1].clone())).unwrap();
-    let reference = ReferenceKernel::new(FusedQkvSpec { target: Target::Cpu, ..p.spec });
+    let kernel = Compiled::new(CudaKernel::new(p.spec, Some(p.inputs[1].clone())).unwrap());
+    let reference =
+        Compiled::new(ReferenceKernel::new(FusedQkvSpec { backend: Backend::Cpu(CodeTier::Cranelift), ..p.spec }));
     let (want_out, want_cache) = run(&reference, &p, &DeviceContextPtr::cpu(1).unwrap());
     let baseline = live_device_bytes();
     for round in 0..12 {
@@ -118,7 +123,7 @@ fn the_device_cache_is_uploaded_again_only_after_a_host_write() {
     let Some(ctx) = cuda_or_skip() else { return };
     let device = ctx.cuda_context().expect("a CUDA context").device().clone();
     let p = problem();
-    let kernel = CudaKernel::new(p.spec, Some(p.inputs[1].clone())).unwrap();
+    let kernel = Compiled::new(CudaKernel::new(p.spec, Some(p.inputs[1].clone())).unwrap());
     let inputs: Vec<&Tensor> = p.inputs.iter().map(|t| &**t).collect();
     let (mut output, mut cache) = (p.output.clone(), p.cache.clone());
     let mut call = |cache: &mut PagedKVCacheCollection| {

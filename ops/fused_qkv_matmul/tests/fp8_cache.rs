@@ -20,9 +20,10 @@ use std::collections::HashSet;
 use std::sync::LazyLock;
 
 use kvjit_core::fp8::{E4M3_MAX, e4m3_from_f32, e4m3_to_f32};
-use kvjit_core::{CpuTier, DType, KvCacheParams, PagedKVCacheCollection, Target, Tensor};
+use kvjit_core::{Backend, CpuTier, DType, KvCacheParams, PagedKVCacheCollection, Tensor};
 use kvjit_jit::CaptureText;
-use kvjit_op_fused_qkv::{FusedQkvSpec, JitKernel, QkvArgs, reference};
+use kvjit_jit::microkernel::resolve_tier;
+use kvjit_op_fused_qkv::{FusedQkvSpec, JitKernel, QkvArgs, Sizes, reference};
 use kvjit_runtime::DeviceContextPtr;
 use kvjit_testkit::values::{dyadic, uniform_nonzero};
 use kvjit_testkit::{Guarded, nan_bytes, poison};
@@ -73,18 +74,21 @@ impl Case {
     fn spec(&self) -> FusedQkvSpec {
         let static_dims = self.build == Build::Specialized;
         FusedQkvSpec {
-            target: Target::Cpu,
+            backend: Backend::Cpu(resolve_tier(self.tier).unwrap()),
             dtype: self.dtype,
-            cache_dtype: DType::F8E4M3,
-            scale_granularity: Some(self.granularity),
+            cache: KvCacheParams {
+                dtype: DType::F8E4M3,
+                num_layers: self.num_layers,
+                page_size: self.page_size,
+                num_kv_heads: self.num_kv_heads,
+                head_size: self.head_size,
+                scale_granularity: Some(self.granularity),
+            },
             k: self.k,
             q_dim: self.q_dim,
-            num_kv_heads: self.num_kv_heads,
-            head_size: self.head_size,
-            page_size: self.page_size,
-            num_layers: self.num_layers,
             batch: static_dims.then_some(self.batch),
             seq: static_dims.then_some(self.seq),
+            sizes: Sizes::Baked,
         }
     }
 
@@ -163,8 +167,8 @@ fn run_reference(prep: &Prepared) -> Ran {
 fn kernel(case: &Case, weight: &Tensor) -> JitKernel {
     let weight = Some(std::sync::Arc::new(weight.clone()));
     match case.build {
-        Build::Unspecialized => JitKernel::unspecialized(case.spec(), weight, case.tier).unwrap(),
-        _ => JitKernel::with_tier(case.spec(), weight, CaptureText::default(), false, case.tier).unwrap(),
+        Build::Unspecialized => JitKernel::unspecialized(case.spec(), weight).unwrap(),
+        _ => JitKernel::new(case.spec(), weight, CaptureText::default()).unwrap(),
     }
 }
 

@@ -17,11 +17,16 @@
 use std::sync::{Arc, LazyLock};
 
 use half::f16;
-use kvjit_core::{CpuTier, DType, Error, PagedKVCacheCollection, Result, Target, Tensor, UNASSIGNED_PAGE};
+use kvjit_core::{
+    Backend, CodeTier, CpuTier, DType, Error, KernelSpec, KvCacheParams, PagedKVCacheCollection, Result, Tensor,
+    UNASSIGNED_PAGE,
+};
 use kvjit_jit::CaptureText;
 use kvjit_jit::CompileCause;
+use kvjit_jit::microkernel::resolve_tier;
+use kvjit_op::Compiled;
 use kvjit_op_fused_qkv::cpu_jit::{self, MAX_SEEN_SHAPES, MC, NR, PanelLayout, Schedule};
-use kvjit_op_fused_qkv::{FusedQkvSpec, JitKernel, QkvArgs, ReferenceKernel, reference};
+use kvjit_op_fused_qkv::{FusedQkvSpec, JitKernel, QkvArgs, ReferenceKernel, Sizes, reference};
 use kvjit_runtime::{DeviceContextPtr, Kernel};
 use kvjit_testkit::values::{dyadic, dyadic_scaled, max_abs_finite, uniform};
 use kvjit_testkit::{
@@ -182,9 +187,14 @@ impl Case {
         }
     }
 
+    /// The case's tier, resolved (this CPU's widest for `Auto`).
+    fn code_tier(&self) -> CodeTier {
+        resolve_tier(self.tier).unwrap_or_else(|e| panic!("{self:?}: {e}"))
+    }
+
     /// The schedule of the case's tier.
     fn schedule(&self) -> Schedule {
-        Schedule::of(self.tier)
+        Schedule::of(self.code_tier())
     }
 
     fn q_dim(&self) -> usize {
@@ -205,18 +215,21 @@ impl Case {
 
     fn spec(&self) -> FusedQkvSpec {
         FusedQkvSpec {
-            target: Target::Cpu,
+            backend: Backend::Cpu(self.code_tier()),
             dtype: self.dtype,
-            cache_dtype: self.cache_dtype,
-            scale_granularity: None,
+            cache: KvCacheParams {
+                dtype: self.cache_dtype,
+                num_layers: self.layers,
+                page_size: self.page_size,
+                num_kv_heads: self.hkv,
+                head_size: self.d,
+                scale_granularity: None,
+            },
             k: self.k,
             q_dim: self.q_dim(),
-            num_kv_heads: self.hkv,
-            head_size: self.d,
-            page_size: self.page_size,
-            num_layers: self.layers,
             batch: self.static_batch.then_some(self.batch),
             seq: self.static_seq.then_some(self.seq),
+            sizes: Sizes::Baked,
         }
     }
 
@@ -328,14 +341,14 @@ impl Case {
         }
     }
 
-    fn kernel(&self, prep: &Prepared) -> JitKernel {
+    fn kernel(&self, prep: &Prepared) -> Compiled<JitKernel> {
         let weight = self.const_weight.then(|| prep.weight.clone());
         let kernel = if self.unspecialized {
-            JitKernel::unspecialized(self.spec(), weight, self.tier)
+            JitKernel::unspecialized(self.spec(), weight)
         } else {
-            JitKernel::with_tier(self.spec(), weight, CaptureText::default(), false, self.tier)
+            JitKernel::new(self.spec(), weight, CaptureText::default())
         };
-        kernel.unwrap_or_else(|e| panic!("{self:?}: building the JIT kernel failed: {e}"))
+        Compiled::new(kernel.unwrap_or_else(|e| panic!("{self:?}: building the JIT kernel failed: {e}")))
     }
 }
 
@@ -372,13 +385,14 @@ fn run_reference(case: &Case, prep: &Prepared) -> Ran {
     Ran { output: output.as_bytes().to_vec(), cache }
 }
 
-fn run_jit(case: &Case, prep: &Prepared, kernel: &JitKernel, ctx: &DeviceContextPtr) -> Ran {
+fn run_jit(case: &Case, prep: &Prepared, kernel: &Compiled<JitKernel>, ctx: &DeviceContextPtr) -> Ran {
     let mut cache = prep.cache.clone();
     let out_shape = [case.batch, case.seq, case.q_dim()];
     let output = match case.call {
         Call::RunInto { front, back } => {
             let mut buffer = Guarded::new(front, &nan_bytes(case.dtype, case.rows() * case.q_dim()), back);
             kernel
+                .kernel()
                 .run_into(
                     QkvArgs {
                         hidden_state: &prep.hidden,
@@ -778,7 +792,7 @@ fn empty_batch_and_empty_sequences() {
 #[test]
 fn every_row_count_up_to_two_blocks_plus_one() {
     for tier in tiers() {
-        for m in 1..=2 * Schedule::of(tier).block_rows + 1 {
+        for m in 1..=2 * Schedule::of(resolve_tier(tier).unwrap()).block_rows + 1 {
             check_case(&row_count_case(m, tier));
         }
     }
@@ -954,8 +968,8 @@ fn generic_and_specialized_kernels_give_identical_bytes() {
 #[test]
 fn unspecialized_and_generic_kernels_give_identical_bytes() {
     if !kvjit_jit::microkernel::avx2_available() {
-        let spec = Case::base(DType::F32).spec();
-        let refused = JitKernel::unspecialized(spec, None, CpuTier::Cranelift);
+        let spec = Case { tier: CpuTier::Cranelift, ..Case::base(DType::F32) }.spec();
+        let refused = JitKernel::unspecialized(spec, None);
         assert!(refused.is_err_and(|e| e.to_string().contains("avx2 tier only")));
         return;
     }
@@ -973,9 +987,10 @@ fn unspecialized_and_generic_kernels_give_identical_bytes() {
     }
     // One key for every spec of the dtypes.
     let [x, y] = [Case::base(DType::BF16), Case { k: 77, hkv: 3, d: 5, ..Case::base(DType::BF16) }]
-        .map(|c| JitKernel::unspecialized(c.spec(), None, CpuTier::Avx2).unwrap());
-    assert_eq!(x.key(), y.key());
-    assert!(x.key().to_string().contains(".cpu-avx2.bf16.kany.qany.hkvany.dany.pany.lany."), "{}", x.key());
+        .map(|c| Compiled::new(JitKernel::unspecialized(Case { tier: CpuTier::Avx2, ..c }.spec(), None).unwrap()));
+    assert_eq!(kvjit_runtime::Kernel::key(&x), kvjit_runtime::Kernel::key(&y));
+    let key = kvjit_runtime::Kernel::key(&x).to_string();
+    assert!(key.contains(".cpu-avx2.bf16.kany.qany.hkvany.dany.pany.lany."), "{key}");
 }
 
 /// The seen-shape policy (a generic kernel compiling a specialized one per
@@ -996,10 +1011,10 @@ fn seen_shape_specialization_gives_identical_bytes() {
         ..Case::base(DType::BF16)
     };
     let spec = base.spec();
-    let policy = JitKernel::with_policy(spec, None, CaptureText::default(), true).unwrap();
-    let plain = JitKernel::new(spec, None, CaptureText::default()).unwrap();
+    let policy = Compiled::new(JitKernel::with_policy(spec, None, CaptureText::default(), true).unwrap());
+    let plain = Compiled::new(JitKernel::new(spec, None, CaptureText::default()).unwrap());
     let seen_compiles = || {
-        let generic = policy.key().to_string();
+        let generic = spec.key().to_string();
         cpu_jit::compile_log()
             .iter()
             .filter(|r| matches!(&r.cause, CompileCause::ShapeSeen(why) if why.ends_with(&format!(" for {generic}"))))
@@ -1083,18 +1098,21 @@ impl Fixture {
             valid: u32s(&PVALID),
             output: Tensor::random(dtype, &[PB, PS, PQ], &mut rng, -1.0, 1.0).unwrap(),
             spec: FusedQkvSpec {
-                target: Target::Cpu,
+                backend: Backend::Cpu(resolve_tier(CpuTier::Auto).unwrap()),
                 dtype,
-                cache_dtype: dtype,
-                scale_granularity: None,
+                cache: KvCacheParams {
+                    dtype,
+                    num_layers: PL,
+                    page_size: PPAGE,
+                    num_kv_heads: PHKV,
+                    head_size: PD,
+                    scale_granularity: None,
+                },
                 k: PK,
                 q_dim: PQ,
-                num_kv_heads: PHKV,
-                head_size: PD,
-                page_size: PPAGE,
-                num_layers: PL,
                 batch: None,
                 seq: None,
+                sizes: Sizes::Baked,
             },
         }
     }
@@ -1113,9 +1131,9 @@ impl Fixture {
 
     /// `run_into` with the output's bytes between guards; the verdict and the
     /// buffer (guards included) afterwards.
-    fn run_into(&mut self, kernel: &JitKernel) -> (Result<()>, Guarded) {
+    fn run_into(&mut self, kernel: &Compiled<JitKernel>) -> (Result<()>, Guarded) {
         let mut buffer = Guarded::new(5, self.output.as_bytes(), 7);
-        let result = kernel.run_into(
+        let result = kernel.kernel().run_into(
             QkvArgs {
                 hidden_state: &self.hidden,
                 weight: &self.weight,
@@ -1153,6 +1171,9 @@ fn mutations(dtype: DType) -> Vec<Mutation> {
     };
     let spec =
         |f: fn(FusedQkvSpec) -> FusedQkvSpec| -> Box<dyn Fn(&mut Fixture)> { Box::new(move |fx| fx.spec = f(fx.spec)) };
+    let cache_spec = |f: fn(KvCacheParams) -> KvCacheParams| -> Box<dyn Fn(&mut Fixture)> {
+        Box::new(move |fx| fx.spec.cache = f(fx.spec.cache))
+    };
     vec![
         m("valid as built", Accepted, Box::new(|_| {})),
         m("padded rows aliasing another sequence's page", Accepted, table(PMAX + 1, 4)),
@@ -1224,11 +1245,11 @@ fn mutations(dtype: DType) -> Vec<Mutation> {
         ),
         m("hidden state not contiguous", Inputs, Box::new(|fx| fx.hidden = strided_view(&fx.hidden, &[1, 0, 2]))),
         m("weight not contiguous", Inputs, Box::new(|fx| fx.weight = Arc::new(strided_view(&fx.weight, &[1, 0])))),
-        m("spec: cache dtype", Inputs, Box::new(move |fx| fx.spec.cache_dtype = other)),
-        m("spec: num_layers", Inputs, spec(|s| FusedQkvSpec { num_layers: PL + 1, ..s })),
-        m("spec: page_size", Inputs, spec(|s| FusedQkvSpec { page_size: 2 * PPAGE, ..s })),
-        m("spec: num_kv_heads", Inputs, spec(|s| FusedQkvSpec { num_kv_heads: 1, head_size: PHKV * PD, ..s })),
-        m("spec: head_size", Inputs, spec(|s| FusedQkvSpec { head_size: PD + 1, ..s })),
+        m("spec: cache dtype", Inputs, Box::new(move |fx| fx.spec.cache.dtype = other)),
+        m("spec: num_layers", Inputs, cache_spec(|c| KvCacheParams { num_layers: PL + 1, ..c })),
+        m("spec: page_size", Inputs, cache_spec(|c| KvCacheParams { page_size: 2 * PPAGE, ..c })),
+        m("spec: num_kv_heads", Inputs, cache_spec(|c| KvCacheParams { num_kv_heads: 1, head_size: PHKV * PD, ..c })),
+        m("spec: head_size", Inputs, cache_spec(|c| KvCacheParams { head_size: PD + 1, ..c })),
         m("spec: K", Inputs, spec(|s| FusedQkvSpec { k: PK + 1, ..s })),
         m("spec: static batch", Inputs, spec(|s| FusedQkvSpec { batch: Some(PB + 1), ..s })),
         m("spec: static seq", Inputs, spec(|s| FusedQkvSpec { seq: Some(PS - 1), ..s })),
@@ -1261,7 +1282,7 @@ fn check_parity(dtype: DType) {
         let spec = fx.spec;
 
         let mut reference_fx = fx.clone();
-        let (ref_checked, ref_ran) = reference_fx.check_and_run(&ReferenceKernel::new(spec));
+        let (ref_checked, ref_ran) = reference_fx.check_and_run(&Compiled::new(ReferenceKernel::new(spec)));
         match scope {
             Scope::Inputs => {
                 assert!(ref_ran.is_err() && ref_checked.is_err(), "{what}: the reference accepted it");
@@ -1278,6 +1299,7 @@ fn check_parity(dtype: DType) {
         for const_weight in [false, true] {
             let what = format!("{what} (weight packed {})", if const_weight { "at build" } else { "per run" });
             let kernel = JitKernel::new(spec, const_weight.then(|| fx.weight.clone()), CaptureText::default())
+                .map(Compiled::new)
                 .unwrap_or_else(|e| panic!("{what}: {e}"));
 
             let mut jit_fx = fx.clone();
@@ -1367,8 +1389,8 @@ fn run_into_rejects_an_output_of_the_wrong_length() {
 #[test]
 fn run_rejects_the_wrong_number_of_arguments_like_the_reference() {
     let mut fx = Fixture::new(DType::F32);
-    let jit = JitKernel::new(fx.spec, None, CaptureText::default()).unwrap();
-    let reference = ReferenceKernel::new(fx.spec);
+    let jit = Compiled::new(JitKernel::new(fx.spec, None, CaptureText::default()).unwrap());
+    let reference = Compiled::new(ReferenceKernel::new(fx.spec));
     let before = Snapshot::take(&fx.output, &fx.cache);
     let kernels: [&dyn Kernel; 2] = [&reference, &jit];
     let mut verdicts = Vec::new();
@@ -1406,22 +1428,25 @@ fn packing_puts_every_weight_element_at_its_panel_position_and_pads_with_zero() 
     // panel), K = 3; then a shape without tails.
     for (q_dim, hkv, d, k) in [(13, 1, 5, 3), (16, 2, 4, 2), (1, 1, 1, 1), (24, 3, 3, 7)] {
         let spec = FusedQkvSpec {
-            target: Target::Cpu,
+            backend: Backend::Cpu(CodeTier::Cranelift),
             dtype: DType::F32,
-            cache_dtype: DType::F32,
-            scale_granularity: None,
+            cache: KvCacheParams {
+                dtype: DType::F32,
+                num_layers: 1,
+                page_size: 1,
+                num_kv_heads: hkv,
+                head_size: d,
+                scale_granularity: None,
+            },
             k,
             q_dim,
-            num_kv_heads: hkv,
-            head_size: d,
-            page_size: 1,
-            num_layers: 1,
             batch: None,
             seq: None,
+            sizes: Sizes::Baked,
         };
         let kv_dim = hkv * d;
         let n = spec.n();
-        for nr in [NR, Schedule::of(CpuTier::Avx2).panel_columns] {
+        for nr in [NR, Schedule::of(CodeTier::Avx2).panel_columns] {
             let panels = q_dim.div_ceil(nr) + 2 * kv_dim.div_ceil(nr);
             let layout = PanelLayout::new(&spec, nr);
             assert_eq!(layout.total_panels(), panels, "{spec:?}");
@@ -1471,44 +1496,47 @@ fn packing_puts_every_weight_element_at_its_panel_position_and_pads_with_zero() 
 #[test]
 fn kernels_for_one_spec_share_their_code() {
     // A spec no other test uses, so parallel tests cannot compile it too.
+    let tier = resolve_tier(CpuTier::Auto).unwrap();
     let spec = FusedQkvSpec {
-        target: Target::Cpu,
+        backend: Backend::Cpu(tier),
         dtype: DType::F16,
-        cache_dtype: DType::BF16,
-        scale_granularity: None,
+        cache: KvCacheParams {
+            dtype: DType::BF16,
+            num_layers: 7,
+            page_size: 11,
+            num_kv_heads: 3,
+            head_size: 9,
+            scale_granularity: None,
+        },
         k: 1013,
         q_dim: 27,
-        num_kv_heads: 3,
-        head_size: 9,
-        page_size: 11,
-        num_layers: 7,
         batch: None,
         seq: Some(3),
+        sizes: Sizes::Baked,
     };
-    let tier = kvjit_jit::microkernel::resolve_tier(CpuTier::Auto).unwrap();
-    let key = cpu_jit::tier_key(&spec, tier).to_string();
+    let key = spec.key().to_string();
     let compiles = || cpu_jit::compile_log().iter().filter(|r| r.key == key).count();
     assert_eq!(compiles(), 0, "{key} compiled before the test");
-    let first = JitKernel::new(spec, None, CaptureText::default()).unwrap();
+    let first = Compiled::new(JitKernel::new(spec, None, CaptureText::default()).unwrap());
     assert_eq!(compiles(), 1);
-    let second = JitKernel::new(spec, None, CaptureText::default()).unwrap();
+    let second = Compiled::new(JitKernel::new(spec, None, CaptureText::default()).unwrap());
     assert_eq!(compiles(), 1, "a second kernel for a live key compiled again");
-    let (a, b) = (first.code_info(), second.code_info());
+    let (a, b) = (Kernel::code_info(&first), Kernel::code_info(&second));
     assert!(a.code_size > 0);
     assert_eq!(a.code_size, b.code_size);
     assert_eq!(a.ir, None, "no text without capture");
     // Kept texts bypass the cache: a fresh compile, not logged.
-    let captured = JitKernel::new(spec, None, CaptureText { clif: true, disasm: false }).unwrap();
+    let captured = Compiled::new(JitKernel::new(spec, None, CaptureText { clif: true, disasm: false }).unwrap());
     // The Cranelift tier's FMAs are in the IR; the 256-bit tier's tile is a
     // call to the micro-kernel.
-    let tile = if tier == CpuTier::Avx2 { "call_indirect" } else { "fma" };
-    assert!(captured.code_info().ir.is_some_and(|ir| ir.contains(tile)));
+    let tile = if tier == CodeTier::Avx2 { "call_indirect" } else { "fma" };
+    assert!(Kernel::code_info(&captured).ir.is_some_and(|ir| ir.contains(tile)));
     assert_eq!(compiles(), 1, "a capturing compile entered the kernel cache");
     let record = cpu_jit::compile_log().into_iter().find(|r| r.key == key).unwrap();
     assert_eq!(record.code_size, a.code_size);
-    assert_eq!(first.key().to_string(), key);
+    assert_eq!(Kernel::key(&first).to_string(), key);
     assert!(key.contains(&format!(".cpu-{tier}.")), "{key} names its tier");
-    assert_eq!(first.implementation(), "jit");
+    assert_eq!(Kernel::implementation(&first), "jit");
     // Both kernels run (and agree).
     let case = Case {
         dtype: DType::F16,
@@ -1544,22 +1572,24 @@ fn absurd_specs_are_refused() {
         ("K", FusedQkvSpec { k: huge, ..spec }),
         ("K·4·MR past i32", FusedQkvSpec { k: 1 << 31, ..spec }),
         ("q_dim", FusedQkvSpec { q_dim: huge, ..spec }),
-        ("layers", FusedQkvSpec { num_layers: huge, ..spec }),
-        ("page size", FusedQkvSpec { page_size: huge, ..spec }),
-        ("head size", FusedQkvSpec { head_size: huge, ..spec }),
+        ("layers", FusedQkvSpec { cache: KvCacheParams { num_layers: huge, ..spec.cache }, ..spec }),
+        ("page size", FusedQkvSpec { cache: KvCacheParams { page_size: huge, ..spec.cache }, ..spec }),
+        ("head size", FusedQkvSpec { cache: KvCacheParams { head_size: huge, ..spec.cache }, ..spec }),
         ("static rows", FusedQkvSpec { batch: Some(huge), seq: Some(huge), ..spec }),
     ] {
         let before = cpu_jit::compile_log().len();
         match JitKernel::new(bad, None, CaptureText::default()) {
             Err(kvjit_jit::JitError::Unsupported { key, .. }) => {
-                assert_eq!(key, bad.kernel_key().to_string(), "{what}")
+                assert_eq!(key, bad.key().to_string(), "{what}")
             }
             Err(e) => panic!("{what}: expected Unsupported, got {e}"),
             Ok(_) => panic!("{what}: a kernel was built for {bad:?}"),
         }
         assert!(
             cpu_jit::compile_log()[before..].iter().all(|r| {
-                [CpuTier::Cranelift, CpuTier::Avx2].iter().all(|&t| r.key != cpu_jit::tier_key(&bad, t).to_string())
+                [CodeTier::Cranelift, CodeTier::Avx2]
+                    .iter()
+                    .all(|&t| r.key != FusedQkvSpec { backend: Backend::Cpu(t), ..bad }.key().to_string())
             }),
             "{what}: a refused spec entered the compile log"
         );
@@ -1720,8 +1750,8 @@ fn one_kernel_runs_concurrently_from_several_threads() {
 fn a_call_with_another_weight_computes_with_that_weight_not_the_build_constant() {
     for dtype in DType::FLOATS {
         let fx = Fixture::new(dtype);
-        let kernel = JitKernel::new(fx.spec, Some(fx.weight.clone()), CaptureText::default()).unwrap();
-        let reference = ReferenceKernel::new(fx.spec);
+        let kernel = Compiled::new(JitKernel::new(fx.spec, Some(fx.weight.clone()), CaptureText::default()).unwrap());
+        let reference = Compiled::new(ReferenceKernel::new(fx.spec));
         let values = fx.weight.to_f32_vec().unwrap();
         let negated: Vec<f32> = values.iter().map(|v| -v - 0.125).collect();
         let others = [
@@ -1747,6 +1777,7 @@ fn a_call_with_another_weight_computes_with_that_weight_not_the_build_constant()
         let (mut a, mut b) = (fx.clone(), fx.clone());
         let mut bytes = vec![0u8; a.output.as_bytes().len()];
         kernel
+            .kernel()
             .run_into(
                 QkvArgs {
                     hidden_state: &a.hidden,

@@ -11,8 +11,9 @@
 
 use std::collections::HashMap;
 
-use kvjit_core::{DType, KvCacheParams, PagedKVCacheCollection, Target, Tensor};
-use kvjit_op_fused_qkv::{FusedQkvSpec, ReferenceKernel, reference::fused_qkv_matmul};
+use kvjit_core::{Backend, CodeTier, DType, KvCacheParams, PagedKVCacheCollection, Tensor};
+use kvjit_op::Compiled;
+use kvjit_op_fused_qkv::{FusedQkvSpec, ReferenceKernel, Sizes, reference::fused_qkv_matmul};
 use kvjit_runtime::{DeviceContextPtr, Kernel};
 use kvjit_testkit::tolerance::to_f64;
 use kvjit_testkit::values::uniform_nonzero;
@@ -173,20 +174,16 @@ fn run_case(seed: u64, dtype: DType, cache_dtype: DType) {
 
     if draw.via_kernel {
         let spec = FusedQkvSpec {
-            target: Target::Cpu,
+            backend: Backend::Cpu(CodeTier::Cranelift),
             dtype,
-            cache_dtype,
-            scale_granularity: None,
+            cache: *cache.params(),
             k,
             q_dim,
-            num_kv_heads: draw.hkv,
-            head_size: draw.d,
-            page_size: draw.page_size,
-            num_layers: draw.layers,
             batch: rng.gen_bool(0.5).then_some(b),
             seq: rng.gen_bool(0.5).then_some(s),
+            sizes: Sizes::Baked,
         };
-        let kernel = ReferenceKernel::new(spec);
+        let kernel = Compiled::new(ReferenceKernel::new(spec));
         let inputs = [&hidden, &weight, &layer_idx, &valid];
         let specs = kernel.check(&inputs, &[&cache]).unwrap();
         assert_eq!(specs, vec![(dtype, vec![b, s, q_dim])], "{ctx}");

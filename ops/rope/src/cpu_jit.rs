@@ -464,7 +464,7 @@ impl JitKernel {
     /// Validates everything first, like `Kernel::run`.
     pub fn run_into(&self, args: RopeArgs<'_>, output: &mut [u8], ctx: &DeviceContextPtr) -> Result<()> {
         let tensors = [args.q_proj, args.freqs_cis, args.layer_idx, args.valid_lengths];
-        kvjit_op::check_declared_dtypes(&self.spec, &tensors)?;
+        kvjit_op::check_dtypes(&self.spec, &tensors)?;
         let shape = self.spec.check(&tensors, &[&*args.kv_collection])?;
         check_output_bytes(&shape, self.spec.dtype, output.len())?;
         self.launch(&shape, args, output, ctx);

@@ -32,9 +32,10 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, LazyLock, Mutex};
 
-use kvjit_core::{CpuTier, DType, PagedKVCacheCollection, Target, Tensor, UNASSIGNED_PAGE};
+use kvjit_core::{Backend, CodeTier, CpuTier, DType, KvCacheParams, PagedKVCacheCollection, Tensor, UNASSIGNED_PAGE};
 use kvjit_jit::CaptureText;
-use kvjit_op_fused_qkv::{FusedQkvSpec, JitKernel, QkvArgs, ReferenceKernel, reference};
+use kvjit_op::Compiled;
+use kvjit_op_fused_qkv::{FusedQkvSpec, JitKernel, QkvArgs, ReferenceKernel, Sizes, reference};
 use kvjit_runtime::{DeviceContextPtr, Kernel};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
@@ -280,13 +281,14 @@ pub struct Call {
     pub tier: CpuTier,
 }
 
-/// `tier`, or `Auto` where this CPU cannot run it (so generated calls stay
-/// runnable on every machine).
-pub fn runnable_tier(tier: CpuTier) -> CpuTier {
-    match tier {
+/// `tier` resolved, or the widest this CPU runs where it cannot run
+/// `tier` (so generated calls stay runnable on every machine).
+pub fn runnable_tier(tier: CpuTier) -> CodeTier {
+    let tier = match tier {
         CpuTier::Avx2 if !kvjit_jit::microkernel::avx2_available() => CpuTier::Auto,
         tier => tier,
-    }
+    };
+    kvjit_jit::microkernel::resolve_tier(tier).expect("a runnable tier resolves")
 }
 
 impl Call {
@@ -300,32 +302,35 @@ impl Call {
 
     /// The spec the JIT kernel is built for: the call's, unless tweaked.
     pub fn spec(&self) -> FusedQkvSpec {
-        let spec = FusedQkvSpec {
-            target: Target::Cpu,
-            dtype: self.dtype,
-            cache_dtype: self.cache_dtype,
-            scale_granularity: None,
-            k: self.k,
-            q_dim: self.q_dim,
+        let cache = KvCacheParams {
+            dtype: self.cache_dtype,
+            num_layers: self.num_layers,
+            page_size: self.page_size,
             num_kv_heads: self.num_kv_heads,
             head_size: self.head_size,
-            page_size: self.page_size,
-            num_layers: self.num_layers,
+            scale_granularity: None,
+        };
+        let spec = FusedQkvSpec {
+            backend: Backend::Cpu(runnable_tier(self.tier)),
+            dtype: self.dtype,
+            cache,
+            k: self.k,
+            q_dim: self.q_dim,
             batch: self.static_batch.then_some(self.batch),
             seq: self.static_seq.then_some(self.seq),
+            sizes: Sizes::Baked,
         };
         let Tweak::Spec(t) = self.tweak else { return spec };
+        let with_cache = |cache| FusedQkvSpec { cache, ..spec };
         match t {
             SpecTweak::DType => FusedQkvSpec { dtype: other_float(self.dtype), ..spec },
-            SpecTweak::CacheDType => {
-                FusedQkvSpec { cache_dtype: other_float(self.cache_dtype), scale_granularity: None, ..spec }
-            }
+            SpecTweak::CacheDType => with_cache(KvCacheParams { dtype: other_float(self.cache_dtype), ..cache }),
             SpecTweak::K => FusedQkvSpec { k: self.k + 1, ..spec },
             SpecTweak::QDim => FusedQkvSpec { q_dim: self.q_dim + 1, ..spec },
-            SpecTweak::Heads => FusedQkvSpec { num_kv_heads: self.num_kv_heads + 1, ..spec },
-            SpecTweak::HeadSize => FusedQkvSpec { head_size: self.head_size + 1, ..spec },
-            SpecTweak::PageSize => FusedQkvSpec { page_size: self.page_size + 1, ..spec },
-            SpecTweak::Layers => FusedQkvSpec { num_layers: self.num_layers + 1, ..spec },
+            SpecTweak::Heads => with_cache(KvCacheParams { num_kv_heads: self.num_kv_heads + 1, ..cache }),
+            SpecTweak::HeadSize => with_cache(KvCacheParams { head_size: self.head_size + 1, ..cache }),
+            SpecTweak::PageSize => with_cache(KvCacheParams { page_size: self.page_size + 1, ..cache }),
+            SpecTweak::Layers => with_cache(KvCacheParams { num_layers: self.num_layers + 1, ..cache }),
             SpecTweak::Batch => FusedQkvSpec { batch: Some(self.batch + 1), ..spec },
             SpecTweak::Seq => FusedQkvSpec { seq: Some(self.seq + 1), ..spec },
         }
@@ -577,11 +582,11 @@ fn spec_matches(spec: &FusedQkvSpec, b: &Built) -> bool {
     };
     dims_ok
         && spec.dtype == b.hidden.dtype()
-        && spec.cache_dtype == params.dtype
-        && spec.num_kv_heads == params.num_kv_heads
-        && spec.head_size == params.head_size
-        && spec.page_size == params.page_size
-        && spec.num_layers == params.num_layers
+        && spec.cache.dtype == params.dtype
+        && spec.cache.num_kv_heads == params.num_kv_heads
+        && spec.cache.head_size == params.head_size
+        && spec.cache.page_size == params.page_size
+        && spec.cache.num_layers == params.num_layers
 }
 
 // ---------------------------------------------------------------------------
@@ -598,7 +603,7 @@ pub fn cpu(threads: usize) -> &'static DeviceContextPtr {
 
 /// Kernels kept alive so their code stays in the process-wide kernel cache
 /// between cases (a fresh `JitKernel` for a live key costs no compile).
-type Kept = VecDeque<(FusedQkvSpec, CpuTier, Arc<JitKernel>)>;
+type Kept = VecDeque<(FusedQkvSpec, Arc<Compiled<JitKernel>>)>;
 static KEPT: LazyLock<Mutex<Kept>> = LazyLock::new(Default::default);
 /// How many kernels [`KEPT`] holds (see [`keep_kernels`]).
 static KEEP: AtomicUsize = AtomicUsize::new(64);
@@ -609,22 +614,21 @@ pub fn keep_kernels(n: usize) {
     KEEP.store(n.max(1), Ordering::Relaxed);
 }
 
-/// The JIT kernel for `spec` on `tier`, with `weight` packed at build when
-/// given.
-pub fn jit_kernel(spec: FusedQkvSpec, weight: Option<Arc<Tensor>>, tier: CpuTier) -> Arc<JitKernel> {
-    let tier = runnable_tier(tier);
+/// The JIT kernel for `spec` (on the tier it names), with `weight` packed
+/// at build when given.
+pub fn jit_kernel(spec: FusedQkvSpec, weight: Option<Arc<Tensor>>) -> Arc<Compiled<JitKernel>> {
     let build =
-        |weight| JitKernel::with_tier(spec, weight, CaptureText::default(), false, tier).expect("small specs compile");
+        |weight| Compiled::new(JitKernel::new(spec, weight, CaptureText::default()).expect("small specs compile"));
     let generic = {
         let mut kept = KEPT.lock().unwrap_or_else(|p| p.into_inner());
-        match kept.iter().find(|(s, t, _)| *s == spec && *t == tier) {
-            Some((_, _, k)) => k.clone(),
+        match kept.iter().find(|(s, _)| *s == spec) {
+            Some((_, k)) => k.clone(),
             None => {
                 let k = Arc::new(build(None));
                 while kept.len() >= KEEP.load(Ordering::Relaxed) {
                     kept.pop_front();
                 }
-                kept.push_back((spec, tier, k.clone()));
+                kept.push_back((spec, k.clone()));
                 k
             }
         }
@@ -711,7 +715,7 @@ pub fn check(p: &Call) {
         assert!(!unwritten || p.values == Values::Special, "{p:?}: the reference left output elements unwritten");
     }
 
-    let kernel = jit_kernel(spec, p.const_weight.then(|| built.weight.clone()), p.tier);
+    let kernel = jit_kernel(spec, p.const_weight.then(|| built.weight.clone()));
     let ctx = cpu(p.threads);
     match p.entry {
         Entry::RunInto { front, back } => {
@@ -722,7 +726,7 @@ pub fn check(p: &Call) {
             let accept = spec_ok && want_bytes == Some(body.len());
             let mut buffer = Guarded::new(front, &body, back);
             let mut cache = built.cache.clone();
-            let verdict = kernel.run_into(
+            let verdict = kernel.kernel().run_into(
                 QkvArgs {
                     hidden_state: &built.hidden,
                     weight: &built.weight,
@@ -756,7 +760,7 @@ pub fn check(p: &Call) {
             }
         }
         Entry::Run => {
-            let reference_kernel = ReferenceKernel::new(spec);
+            let reference_kernel = Compiled::new(ReferenceKernel::new(spec));
             let kernels: [(&str, &dyn Kernel); 2] = [("jit", kernel.as_ref()), ("reference kernel", &reference_kernel)];
             for (name, kernel) in kernels {
                 let checked = kernel.check(&built.inputs(), &[&built.cache]);

@@ -11,7 +11,8 @@ use std::sync::Arc;
 
 use kvjit_core::{DType, KvCacheParams, PagedKVCacheCollection, Tensor};
 use kvjit_jit::CaptureText;
-use kvjit_op_fused_qkv::{CudaKernel, FusedQkvSpec, JitKernel, ReferenceKernel, reference};
+use kvjit_op::Compiled;
+use kvjit_op_fused_qkv::{CudaKernel, FusedQkvSpec, JitKernel, ReferenceKernel, Sizes, reference};
 use kvjit_runtime::Kernel;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
@@ -76,21 +77,29 @@ pub struct QkvProblem {
 }
 
 impl QkvProblem {
-    /// The spec for `target`'s device.
+    /// The spec for `target`'s device (on the CPU, the widest tier this
+    /// CPU runs).
     pub fn spec(&self, device: kvjit_core::Target) -> FusedQkvSpec {
         FusedQkvSpec {
-            target: device,
+            backend: widest_backend(device),
             dtype: self.dtype,
-            cache_dtype: self.cache_dtype,
-            scale_granularity: None,
+            cache: self.cache_params(),
             k: self.k,
             q_dim: self.q_dim,
-            num_kv_heads: self.num_kv_heads,
-            head_size: self.head_size,
-            page_size: self.page_size,
-            num_layers: self.num_layers,
             batch: self.static_dims.then_some(self.batch),
             seq: self.static_dims.then_some(self.seq),
+            sizes: Sizes::Baked,
+        }
+    }
+
+    fn cache_params(&self) -> KvCacheParams {
+        KvCacheParams {
+            dtype: self.cache_dtype,
+            num_layers: self.num_layers,
+            page_size: self.page_size,
+            num_kv_heads: self.num_kv_heads,
+            head_size: self.head_size,
+            scale_granularity: None,
         }
     }
 
@@ -148,14 +157,7 @@ impl Problem for QkvProblem {
         let mut rng = StdRng::seed_from_u64(self.seed);
         let hidden = uniform(&mut rng, self.dtype, &[self.batch, self.seq, self.k]);
         let weight = uniform(&mut rng, self.dtype, &[self.n(), self.k]);
-        let params = KvCacheParams {
-            dtype: self.cache_dtype,
-            num_layers: self.num_layers,
-            page_size: self.page_size,
-            num_kv_heads: self.num_kv_heads,
-            head_size: self.head_size,
-            scale_granularity: None,
-        };
+        let params = self.cache_params();
         let max_pages_per_seq = (2 * self.page_size + self.seq).div_ceil(self.page_size) + 1;
         let num_pages = self.batch * max_pages_per_seq + 2;
         let mut cache = PagedKVCacheCollection::new(params, num_pages, self.batch, max_pages_per_seq)
@@ -191,12 +193,12 @@ impl Problem for QkvProblem {
         match target.target {
             Target::CpuJit => {
                 let kernel = JitKernel::new(spec, weight, CaptureText::default())?;
-                self.run_kernel(&kernel, args, target)
+                self.run_kernel(&Compiled::new(kernel), args, target)
             }
-            Target::CpuReference => self.run_kernel(&ReferenceKernel::new(spec), args, target),
+            Target::CpuReference => self.run_kernel(&Compiled::new(ReferenceKernel::new(spec)), args, target),
             Target::Cuda => {
                 let kernel = CudaKernel::new(spec, weight)?;
-                self.run_kernel(&kernel, args, target)
+                self.run_kernel(&Compiled::new(kernel), args, target)
             }
         }
     }
@@ -210,5 +212,17 @@ impl Problem for QkvProblem {
                 Tolerance::RelativeToScale { dtype, k: self.k, scale }
             }
         }
+    }
+}
+
+/// The backend of `device`: CUDA, or the CPU on the widest tier it runs
+/// (resolved here, at the kit's build boundary).
+pub fn widest_backend(device: kvjit_core::Target) -> kvjit_core::Backend {
+    match device {
+        kvjit_core::Target::Cpu => kvjit_core::Backend::Cpu(
+            kvjit_jit::microkernel::resolve_tier(kvjit_core::CpuTier::Auto)
+                .expect("the automatic tier always resolves"),
+        ),
+        kvjit_core::Target::Cuda => kvjit_core::Backend::Cuda,
     }
 }

@@ -2,9 +2,10 @@
 //! schedule's loops, each tier's tile, the fused epilogue — and the checks
 //! of what that code can address ([`addressable`], `displacements`).
 
+use std::mem::offset_of;
 use std::sync::Arc;
 
-use kvjit_core::{CpuTier, DType, KernelKey, Result};
+use kvjit_core::{CodeTier, DType, KernelSpec, Result};
 use kvjit_jit::cranelift_codegen::ir::{
     InstBuilder, StackSlot, StackSlotData, StackSlotKind, Value, condcodes::IntCC, types,
 };
@@ -18,10 +19,10 @@ use kvjit_jit::microkernel::{self, MAX_TILE_ROWS, TILE_COLUMNS};
 use kvjit_jit::{CaptureText, JitError, JitFunction, compile_kernel, pointer_type};
 
 use super::schedule::{AVX2_BLOCK_BYTES, AVX2_BLOCK_ROWS, K_UNROLL, MC, MR, NR, Schedule};
-use super::{arg, kv_store_dtype, kv_store_stride, tier_key, unspecialized_key};
-use crate::FusedQkvSpec;
+use super::{GemmArgs, code_tier, kv_store_dtype, kv_store_stride};
 use crate::panels::PanelLayout;
 use crate::panels::{Destination, Segment};
+use crate::{FusedQkvSpec, Sizes as SpecSizes};
 
 /// Refuse specs whose offsets the generated code could not form (on either
 /// tier): byte offsets of the cache and of rows must fit in i64, and the
@@ -29,8 +30,8 @@ use crate::panels::{Destination, Segment};
 pub(crate) fn addressable(spec: &FusedQkvSpec) -> Result<(), JitError> {
     let fits = || -> Option<()> {
         let (nr, mc) = (TILE_COLUMNS.max(NR), AVX2_BLOCK_ROWS.max(MC));
-        let kv_stride = spec.num_layers.checked_mul(spec.page_size)?.checked_mul(spec.kv_dim())?;
-        let blocks_bytes = kv_stride.checked_mul(2)?.checked_mul(spec.cache_dtype.size_bytes())?;
+        let kv_stride = spec.cache.num_layers.checked_mul(spec.cache.page_size)?.checked_mul(spec.kv_dim())?;
+        let blocks_bytes = kv_stride.checked_mul(2)?.checked_mul(spec.cache.dtype.size_bytes())?;
         let n = spec.q_dim.checked_add(spec.kv_dim().checked_mul(2)?)?;
         let panel_bytes = spec.k.checked_mul(nr * spec.dtype.size_bytes())?.checked_mul(n.div_ceil(NR) + 3)?;
         if let (Some(batch), Some(seq)) = (spec.batch, spec.seq) {
@@ -40,7 +41,7 @@ pub(crate) fn addressable(spec: &FusedQkvSpec) -> Result<(), JitError> {
         (i64::try_from(blocks_bytes).is_ok() && i64::try_from(panel_bytes).is_ok()).then_some(())
     };
     fits().ok_or_else(|| JitError::Unsupported {
-        key: spec.kernel_key().to_string(),
+        key: spec.key().to_string(),
         reason: "its sizes overflow the offsets the kernel computes".into(),
     })?;
     displacements(spec).map(drop)
@@ -53,65 +54,53 @@ pub(crate) fn addressable(spec: &FusedQkvSpec) -> Result<(), JitError> {
 fn displacements(spec: &FusedQkvSpec) -> Result<Displacements, JitError> {
     let tile_rows = spec.k.checked_mul(4 * MAX_TILE_ROWS.max(MR));
     let largest = tile_rows.map(|rows| rows.max(K_UNROLL * NR * 4).max(TILE_COLUMNS * 4));
-    Displacements::up_to(&spec.kernel_key(), largest)
+    Displacements::up_to(&spec.key(), largest)
 }
 
-/// Compile the kernel for `spec` on a resolved `tier` (or fetch it from the
-/// process-wide registry). Kept IR/disassembly bypass the registry so the
-/// texts always exist.
-pub fn compile(spec: &FusedQkvSpec, tier: CpuTier, capture: CaptureText) -> Result<Arc<JitFunction>, JitError> {
-    compile_sized(spec, tier, false, capture)
+/// Compile the kernel for a CPU `spec` on the tier it names (or fetch it
+/// from the process-wide registry, under the spec's key). Kept
+/// IR/disassembly bypass the registry so the texts always exist.
+pub fn compile(spec: &FusedQkvSpec, capture: CaptureText) -> Result<Arc<JitFunction>, JitError> {
+    let tier = code_tier(spec)?;
+    kvjit_jit::compile_or_fetch(&spec.key(), capture, || emit_and_compile(spec, tier, capture))
 }
 
-/// [`compile`], or with `runtime_sizes` the unspecialized kernel.
-pub(super) fn compile_sized(
-    spec: &FusedQkvSpec,
-    tier: CpuTier,
-    runtime_sizes: bool,
-    capture: CaptureText,
-) -> Result<Arc<JitFunction>, JitError> {
-    let key = if runtime_sizes { unspecialized_key(spec, tier) } else { tier_key(spec, tier) };
-    kvjit_jit::compile_or_fetch(&key, capture, || emit_and_compile(spec, tier, &key, capture, runtime_sizes))
-}
-
+/// Emit and compile the kernel of `spec` on `tier` (the tier it names,
+/// checked to run here by [`code_tier`]).
 pub(super) fn emit_and_compile(
     spec: &FusedQkvSpec,
-    tier: CpuTier,
-    key: &KernelKey,
+    tier: CodeTier,
     capture: CaptureText,
-    runtime_sizes: bool,
 ) -> Result<JitFunction, JitError> {
     addressable(spec)?;
     let disp = displacements(spec)?;
-    if tier == CpuTier::Auto {
-        return Err(JitError::Unsupported { key: key.to_string(), reason: "the CPU tier was not resolved".into() });
-    }
-    if runtime_sizes && tier != CpuTier::Avx2 {
+    let key = spec.key();
+    let runtime_sizes = spec.sizes == SpecSizes::Runtime;
+    if runtime_sizes && tier != CodeTier::Avx2 {
         return Err(JitError::Unsupported {
             key: key.to_string(),
             reason: "the unspecialized kernel exists on the avx2 tier only (the Cranelift tile unrolls K)".into(),
         });
     }
-    // Resolving again refuses a 256-bit kernel on a CPU without AVX2.
-    microkernel::resolve_tier(tier)?;
-    compile_kernel(key, capture, |b, params| {
+    compile_kernel(&key, capture, |b, params| {
+        let field = |b: &mut FunctionBuilder, offset: usize| params.field(b, offset);
         let bases = Bases {
-            x: params.arg(b, arg::X),
-            w: params.arg(b, arg::W),
-            out: params.arg(b, arg::OUT),
-            blocks: params.arg(b, arg::BLOCKS),
-            row_offsets: params.arg(b, arg::ROW_OFFSETS),
-            x_step: params.arg(b, arg::X_STEP),
+            x: field(b, offset_of!(GemmArgs, x)),
+            w: field(b, offset_of!(GemmArgs, w)),
+            out: field(b, offset_of!(GemmArgs, out)),
+            blocks: field(b, offset_of!(GemmArgs, blocks)),
+            row_offsets: field(b, offset_of!(GemmArgs, row_offsets)),
+            x_step: field(b, offset_of!(GemmArgs, x_step)),
         };
-        let m_arg = params.arg(b, arg::M);
+        let m_arg = field(b, offset_of!(GemmArgs, m));
         let sizes = runtime_sizes.then(|| Sizes {
-            k: Size::Runtime(params.arg(b, arg::K)),
-            q_dim: Size::Runtime(params.arg(b, arg::Q_DIM)),
-            kv_dim: Size::Runtime(params.arg(b, arg::KV_DIM)),
-            kv_stride: Size::Runtime(params.arg(b, arg::KV_STRIDE)),
+            k: Size::Runtime(field(b, offset_of!(GemmArgs, k))),
+            q_dim: Size::Runtime(field(b, offset_of!(GemmArgs, q_dim))),
+            kv_dim: Size::Runtime(field(b, offset_of!(GemmArgs, kv_dim))),
+            kv_stride: Size::Runtime(field(b, offset_of!(GemmArgs, kv_stride))),
         });
         // The 256-bit tiles hand their accumulators back through this slot.
-        let avx2 = tier == CpuTier::Avx2;
+        let avx2 = tier == CodeTier::Avx2;
         let mut slot =
             |bytes: usize| b.create_sized_stack_slot(StackSlotData::new(StackSlotKind::ExplicitSlot, bytes as u32, 5));
         let tile_buffer = avx2.then(|| slot(AVX2_BLOCK_ROWS * TILE_COLUMNS * 4));
@@ -143,7 +132,7 @@ struct Sizes {
 struct Emitter {
     spec: FusedQkvSpec,
     /// Which code computes a tile.
-    tier: CpuTier,
+    tier: CodeTier,
     schedule: Schedule,
     /// The bound of every constant displacement ([`displacements`]).
     disp: Displacements,
@@ -170,7 +159,7 @@ struct Bases {
     out: Value,
     blocks: Value,
     row_offsets: Value,
-    /// The activation layout of the 256-bit tier ([`arg::X_STEP`]).
+    /// The activation layout of the 256-bit tier (`GemmArgs::x_step`).
     x_step: Value,
 }
 
@@ -200,7 +189,7 @@ struct Panel {
 impl Emitter {
     fn new(
         spec: &FusedQkvSpec,
-        tier: CpuTier,
+        tier: CodeTier,
         disp: Displacements,
         bases: Bases,
         (tile_buffer, widened_block): (Option<StackSlot>, Option<StackSlot>),
@@ -275,10 +264,8 @@ impl Emitter {
                             width,
                         };
                         match self.tier {
-                            CpuTier::Avx2 => self.emit_avx2_panel(b, block_start, block_end, panel),
-                            CpuTier::Auto | CpuTier::Cranelift => {
-                                self.emit_row_groups(b, block_start, block_end, panel)
-                            }
+                            CodeTier::Avx2 => self.emit_avx2_panel(b, block_start, block_end, panel),
+                            CodeTier::Cranelift => self.emit_row_groups(b, block_start, block_end, panel),
                         }
                         Vec::new()
                     });
@@ -513,8 +500,9 @@ impl Emitter {
         (w, w_dtype): (Value, DType),
         c: Value,
     ) {
-        let tile = microkernel::gemm_tile(w_dtype, mr)
-            .expect("emit_and_compile resolved the avx2 tier, which has a tile of every height up to MAX_TILE_ROWS");
+        let tile = microkernel::gemm_tile(w_dtype, mr).expect(
+            "code_tier checked this CPU runs the avx2 tier, which has a tile of every height up to MAX_TILE_ROWS",
+        );
         // Tiles start at multiples of the packing step (or at row 0 of a
         // single plain row), so the tile's x starts at element row·K +
         // kb·step of the packed activations.

@@ -2,6 +2,7 @@
 //! sequence, quantizing the rows the main kernel staged in f32 into the
 //! cache, each g-block with its own scale.
 
+use std::mem::offset_of;
 use std::sync::Arc;
 
 use kvjit_core::{DType, KernelKey, KeyField, Result, Target};
@@ -11,36 +12,39 @@ use kvjit_jit::ir::addr::{self, Size};
 use kvjit_jit::ir::{counted_loop, e4m3, mem, when};
 use kvjit_jit::{CaptureText, JitError, JitFunction, compile_kernel};
 
-use crate::FusedQkvSpec;
+use crate::{FusedQkvSpec, Sizes};
 
-/// The argument words of the FP8 store kernel; its work items are rows.
-pub(super) mod fp8_arg {
+/// The FP8 store kernel's arguments; its work items are rows.
+#[repr(C)]
+pub(super) struct Fp8StoreArgs {
     /// The staged K/V, f32 `[M, 2·kv_dim]` (each row's K then V).
-    pub const STAGE: usize = 0;
+    pub stage: u64,
     /// Per row, the element offset of its K in the cache's blocks (-1:
     /// padded row, nothing stored).
-    pub const ROW_OFFSETS: usize = 1;
+    pub row_offsets: u64,
     /// The cache's blocks (one byte per element).
-    pub const BLOCKS: usize = 2;
+    pub blocks: u64,
     /// The cache's f32 scales.
-    pub const SCALES: usize = 3;
+    pub scales: u64,
     /// Hkv·D (read by the unspecialized kernel only, like the next two).
-    pub const KV_DIM: usize = 4;
+    pub kv_dim: u64,
     /// Elements from a token's K to its V in the blocks.
-    pub const KV_STRIDE: usize = 5;
+    pub kv_stride: u64,
     /// Values per scale, g.
-    pub const G: usize = 6;
-    /// Words in all.
-    pub const COUNT: usize = 7;
+    pub g: u64,
 }
+
+// SAFETY: `#[repr(C)]` and made of u64 words only.
+unsafe impl kvjit_jit::KernelArgs for Fp8StoreArgs {}
 
 /// The key of the FP8 store kernel for `spec` (sizes left to run time for
 /// the unspecialized kernel).
-fn fp8_store_key(spec: &FusedQkvSpec, runtime_sizes: bool) -> KernelKey {
+fn fp8_store_key(spec: &FusedQkvSpec) -> KernelKey {
+    let runtime_sizes = spec.sizes == Sizes::Runtime;
     let size = |n: usize| if runtime_sizes { KeyField::Dynamic } else { KeyField::size(n) };
     KernelKey::new("fused_qkv_fp8_store", Target::Cpu, DType::F32)
         .with("kvdim", size(spec.kv_dim()))
-        .with("g", size(spec.scale_granularity.unwrap_or(0)))
+        .with("g", size(spec.cache.scale_granularity.unwrap_or(0)))
         .with("kvs", size(spec.kv_stride()))
 }
 
@@ -48,9 +52,10 @@ fn fp8_store_key(spec: &FusedQkvSpec, runtime_sizes: bool) -> KernelKey {
 /// for each valid row in the thread's range, K then V, each g-block of
 /// Hkv·D values with its own scale (`e4m3::quantize_block`), codes at the
 /// row's page slot and scales at the same index divided by g.
-pub(super) fn compile_fp8_store(spec: &FusedQkvSpec, runtime_sizes: bool) -> Result<Arc<JitFunction>, JitError> {
-    let key = fp8_store_key(spec, runtime_sizes);
-    let Some(g) = spec.scale_granularity else {
+pub(super) fn compile_fp8_store(spec: &FusedQkvSpec) -> Result<Arc<JitFunction>, JitError> {
+    let key = fp8_store_key(spec);
+    let runtime_sizes = spec.sizes == Sizes::Runtime;
+    let Some(g) = spec.cache.scale_granularity else {
         return Err(JitError::Unsupported {
             key: key.to_string(),
             reason: "an f8e4m3 cache needs a granularity".into(),
@@ -58,20 +63,20 @@ pub(super) fn compile_fp8_store(spec: &FusedQkvSpec, runtime_sizes: bool) -> Res
     };
     let build = || {
         compile_kernel(&key, CaptureText::default(), |b, params| {
-            let word = |b: &mut FunctionBuilder, i: usize| params.arg(b, i);
+            let field = |b: &mut FunctionBuilder, offset: usize| params.field(b, offset);
             let (stage, row_offsets, blocks, scales) = (
-                word(b, fp8_arg::STAGE),
-                word(b, fp8_arg::ROW_OFFSETS),
-                word(b, fp8_arg::BLOCKS),
-                word(b, fp8_arg::SCALES),
+                field(b, offset_of!(Fp8StoreArgs, stage)),
+                field(b, offset_of!(Fp8StoreArgs, row_offsets)),
+                field(b, offset_of!(Fp8StoreArgs, blocks)),
+                field(b, offset_of!(Fp8StoreArgs, scales)),
             );
-            let sized = |b: &mut FunctionBuilder, i: usize, n: usize| {
-                let size = if runtime_sizes { Size::Runtime(word(b, i)) } else { Size::Known(n) };
+            let sized = |b: &mut FunctionBuilder, offset: usize, n: usize| {
+                let size = if runtime_sizes { Size::Runtime(field(b, offset)) } else { Size::Known(n) };
                 size.value(b)
             };
-            let kv_dim = sized(b, fp8_arg::KV_DIM, spec.kv_dim());
-            let kv_stride = sized(b, fp8_arg::KV_STRIDE, spec.kv_stride());
-            let g = sized(b, fp8_arg::G, g);
+            let kv_dim = sized(b, offset_of!(Fp8StoreArgs, kv_dim), spec.kv_dim());
+            let kv_stride = sized(b, offset_of!(Fp8StoreArgs, kv_stride), spec.kv_stride());
+            let g = sized(b, offset_of!(Fp8StoreArgs, g), g);
             let blocks_per_row = b.ins().udiv(kv_dim, g);
             let g_bytes = b.ins().ishl_imm_u(g, 2);
             let row_floats = b.ins().ishl_imm_u(kv_dim, 1);

@@ -7,29 +7,34 @@ use std::sync::Arc;
 
 use half::slice::HalfFloatSliceExt;
 use kvjit_core::{
-    CpuTier, Error, KernelKey, PagedKVCacheCollection, PreparedConstant, Result, Tensor, TensorData, bf16, f16,
+    CodeTier, Error, KernelKey, KernelSpec, PagedKVCacheCollection, PreparedConstant, Result, Tensor, TensorData, bf16,
+    f16,
 };
-use kvjit_jit::microkernel::{self, MAX_TILE_ROWS};
+use kvjit_jit::microkernel::MAX_TILE_ROWS;
 use kvjit_jit::{CaptureText, JitError, JitFunction, SeenShapes};
-use kvjit_runtime::{CodeInfo, DeviceContextPtr, Kernel, OutputSpec};
+use kvjit_op::{Call, OpKernel};
+use kvjit_runtime::{CodeInfo, DeviceContextPtr};
 
-use super::emit::{compile_sized, emit_and_compile};
-use super::fp8_store::{compile_fp8_store, fp8_arg};
+use super::emit::{compile, emit_and_compile};
+use super::fp8_store::{Fp8StoreArgs, compile_fp8_store};
 use super::schedule::Schedule;
-use super::{arg, kv_store_stride, tier_key, unspecialized_key};
-use crate::call::cache_row_offsets;
-use crate::kernel::{check_against_spec_with, checked_call_with, same_data};
+use super::{GemmArgs, code_tier, kv_store_stride};
+use crate::kernel::same_data;
 use crate::panels::PanelLayout;
-use crate::{CallShape, FusedQkvError, FusedQkvSpec, OP_NAME, QkvArgs};
+use crate::spec::check_against;
+use crate::{CallShape, CheckedCall, FusedQkvError, FusedQkvSpec, OP_NAME, QkvArgs, Sizes};
 
-/// The fused op as JIT-compiled machine code for one kernel key.
+/// The fused op as JIT-compiled machine code for one CPU spec, on the tier
+/// the spec names (wrap it in [`kvjit_op::Compiled`] for the runtime's
+/// `Kernel` interface).
 ///
 /// Tensor inputs, in order: `hidden_state`, `weight`, `layer_idx`,
 /// `valid_lengths`; one cache; one output.
 pub struct JitKernel {
     spec: FusedQkvSpec,
-    /// The resolved tier the code runs on.
-    tier: CpuTier,
+    /// The tier the code runs on (the spec's).
+    tier: CodeTier,
+    /// The spec's key, naming the generic code in the seen-shape log.
     key: KernelKey,
     /// Kernels specialized for shapes seen at run time, by (B, S), when the
     /// key leaves them symbolic and the policy asks for it.
@@ -60,10 +65,11 @@ impl PackedConstant {
 }
 
 impl JitKernel {
-    /// Compile (or fetch) the kernel for `spec` on the widest tier this CPU
-    /// runs; pack `weight` now when it is a graph constant. Calls whose
-    /// weight is that same tensor (the same allocation) use the packed copy;
-    /// calls with any other weight pack theirs per call.
+    /// Compile (or fetch) the kernel for a CPU `spec` on the tier it names;
+    /// pack `weight` now when it is a graph constant. Calls whose weight is
+    /// that same tensor (the same allocation) use the packed copy; calls
+    /// with any other weight pack theirs per call. A 256-bit spec on a CPU
+    /// without the tier is refused.
     pub fn new(spec: FusedQkvSpec, weight: Option<Arc<Tensor>>, capture: CaptureText) -> Result<Self, JitError> {
         Self::with_policy(spec, weight, capture, false)
     }
@@ -78,58 +84,28 @@ impl JitKernel {
         capture: CaptureText,
         specialize_shapes: bool,
     ) -> Result<Self, JitError> {
-        Self::with_tier(spec, weight, capture, specialize_shapes, CpuTier::Auto)
-    }
-
-    /// Like [`with_policy`](Self::with_policy), on the CPU tier `requested`
-    /// (`Auto`: the widest this CPU runs; `Avx2` on a CPU without it is
-    /// refused).
-    pub fn with_tier(
-        spec: FusedQkvSpec,
-        weight: Option<Arc<Tensor>>,
-        capture: CaptureText,
-        specialize_shapes: bool,
-        requested: CpuTier,
-    ) -> Result<Self, JitError> {
-        let tier = microkernel::resolve_tier(requested)?;
-        let layout = PanelLayout::new(&spec, Schedule::of(tier).panel_columns);
-        let constant_weight = match weight {
-            Some(w) if w.dtype() == spec.dtype && w.shape() == [spec.n(), spec.k] && w.is_contiguous() => {
-                Some(PackedConstant {
-                    packed: Arc::new(layout.pack(&w).expect("a float weight packs")),
-                    plain: Some(w),
-                })
-            }
-            _ => None,
-        };
-        Self::with_constant(spec, tier, constant_weight, capture, specialize_shapes, false)
+        let tier = code_tier(&spec)?;
+        let constant_weight = Self::pack_constant(&spec, tier, weight);
+        Self::with_constant(spec, tier, constant_weight, capture, specialize_shapes)
     }
 
     /// The unspecialized kernel, a baseline for what specialization buys:
     /// the same generator with only the dtypes baked in — K, the Q/K/V
     /// column counts and the cache's K→V stride are read from argument
     /// words, M at run time, and one compiled kernel serves every spec of
-    /// these dtypes (`…kany.qany.hkvany…`). Calls are validated against
-    /// `spec` as for any kernel. 256-bit tier only (the Cranelift tile
-    /// unrolls K).
-    pub fn unspecialized(
-        spec: FusedQkvSpec,
-        weight: Option<Arc<Tensor>>,
-        requested: CpuTier,
-    ) -> Result<Self, JitError> {
-        let generic = FusedQkvSpec { batch: None, seq: None, ..spec };
-        let tier = microkernel::resolve_tier(requested)?;
-        let layout = PanelLayout::new(&generic, Schedule::of(tier).panel_columns);
-        let constant_weight =
-            weight.filter(|w| w.dtype() == spec.dtype && w.shape() == [spec.n(), spec.k] && w.is_contiguous()).map(
-                |w| PackedConstant { packed: Arc::new(layout.pack(&w).expect("a float weight packs")), plain: Some(w) },
-            );
-        Self::with_constant(generic, tier, constant_weight, CaptureText::default(), false, true)
+    /// these dtypes ([`Sizes::Runtime`]: `…kany.qany.hkvany…`). Calls are
+    /// validated against `spec` as for any kernel. 256-bit tier only (the
+    /// Cranelift tile unrolls K).
+    pub fn unspecialized(spec: FusedQkvSpec, weight: Option<Arc<Tensor>>) -> Result<Self, JitError> {
+        let spec = FusedQkvSpec { sizes: Sizes::Runtime, ..spec.generic() };
+        let tier = code_tier(&spec)?;
+        let constant_weight = Self::pack_constant(&spec, tier, weight);
+        Self::with_constant(spec, tier, constant_weight, CaptureText::default(), false)
     }
 
-    /// Like [`with_tier`](Self::with_tier), with the weight already packed
-    /// (a prepared constant from a compiled artifact): no packing at build.
-    /// Calls pass that packed tensor itself as the weight. A weight in
+    /// Like [`with_policy`](Self::with_policy), with the weight already
+    /// packed (a prepared constant from a compiled artifact): no packing at
+    /// build. Calls pass that packed tensor itself as the weight. A weight in
     /// another layout (another tier's panels included), dtype or size is
     /// refused.
     pub fn with_prepared_weight(
@@ -137,9 +113,8 @@ impl JitKernel {
         prepared: &PreparedConstant,
         capture: CaptureText,
         specialize_shapes: bool,
-        requested: CpuTier,
     ) -> Result<Self> {
-        let tier = microkernel::resolve_tier(requested).map_err(|e| Error::op(OP_NAME, e))?;
+        let tier = code_tier(&spec).map_err(|e| Error::op(OP_NAME, e))?;
         let layout = PanelLayout::new(&spec, Schedule::of(tier).panel_columns);
         let expected = layout.id(spec.dtype);
         let data = &prepared.data;
@@ -155,27 +130,34 @@ impl JitKernel {
             .into());
         }
         let constant = PackedConstant { plain: None, packed: data.clone() };
-        Self::with_constant(spec, tier, Some(constant), capture, specialize_shapes, false)
-            .map_err(|e| Error::op(OP_NAME, e))
+        Self::with_constant(spec, tier, Some(constant), capture, specialize_shapes).map_err(|e| Error::op(OP_NAME, e))
+    }
+
+    /// A graph constant `weight` (of the spec's dtype and `[N, K]`) and its
+    /// panels for `tier`; anything else is packed per call.
+    fn pack_constant(spec: &FusedQkvSpec, tier: CodeTier, weight: Option<Arc<Tensor>>) -> Option<PackedConstant> {
+        let layout = PanelLayout::new(spec, Schedule::of(tier).panel_columns);
+        weight.filter(|w| w.dtype() == spec.dtype && w.shape() == [spec.n(), spec.k] && w.is_contiguous()).map(|w| {
+            PackedConstant { packed: Arc::new(layout.pack(&w).expect("a float weight packs")), plain: Some(w) }
+        })
     }
 
     fn with_constant(
         spec: FusedQkvSpec,
-        tier: CpuTier,
+        tier: CodeTier,
         constant_weight: Option<PackedConstant>,
         capture: CaptureText,
         specialize_shapes: bool,
-        runtime_sizes: bool,
     ) -> Result<Self, JitError> {
-        let code = compile_sized(&spec, tier, runtime_sizes, capture)?;
-        let fp8_store = match spec.cache_dtype.is_quantized() {
-            true => Some(compile_fp8_store(&spec, runtime_sizes)?),
+        let code = compile(&spec, capture)?;
+        let fp8_store = match spec.cache.dtype.is_quantized() {
+            true => Some(compile_fp8_store(&spec)?),
             false => None,
         };
         let layout = PanelLayout::new(&spec, Schedule::of(tier).panel_columns);
         let generic = spec.batch.is_none() || spec.seq.is_none();
         Ok(Self {
-            key: if runtime_sizes { unspecialized_key(&spec, tier) } else { tier_key(&spec, tier) },
+            key: spec.key(),
             tier,
             seen_shapes: (specialize_shapes && generic).then(SeenShapes::new),
             spec,
@@ -191,15 +173,41 @@ impl JitKernel {
     fn code_for(&self, shape: &CallShape) -> Arc<JitFunction> {
         let Some(seen) = &self.seen_shapes else { return self.code.clone() };
         let spec = FusedQkvSpec { batch: Some(shape.batch), seq: Some(shape.seq), ..self.spec };
-        let key = tier_key(&spec, self.tier);
+        let key = spec.key();
         seen.code_for(&[("B", shape.batch), ("S", shape.seq)], (&self.code, &self.key), &key, || {
-            emit_and_compile(&spec, self.tier, &key, CaptureText::default(), false)
+            emit_and_compile(&spec, self.tier, CaptureText::default())
         })
     }
 
     /// The tier the kernel's code runs on.
-    pub fn tier(&self) -> CpuTier {
+    pub fn tier(&self) -> CodeTier {
         self.tier
+    }
+
+    /// The packed constant weight, which calls may pass as the weight.
+    fn packed_weight(&self) -> Option<&Tensor> {
+        self.constant_weight.as_ref().map(|c| &*c.packed)
+    }
+
+    /// Run with the Q output written into raw bytes (exactly `B·S·q_dim`
+    /// elements of the dtype), so callers — tests with guard regions around
+    /// the output, benchmarks reusing a buffer — choose where it lives.
+    /// Validates everything first, like the runtime's `Kernel::run`.
+    pub fn run_into(&self, args: QkvArgs<'_>, output: &mut [u8], ctx: &DeviceContextPtr) -> Result<()> {
+        let tensors = [args.hidden_state, args.weight, args.layer_idx, args.valid_lengths];
+        kvjit_op::check_dtypes(&self.spec, &tensors)?;
+        let checked = self.check(&tensors, &[&*args.kv_collection])?;
+        let shape = checked.shape;
+        let expected = shape.batch * shape.seq * shape.q_dim * self.spec.dtype.size_bytes();
+        if output.len() != expected {
+            return Err(Error::ByteCount {
+                dtype: self.spec.dtype,
+                shape: shape.output_shape(),
+                expected,
+                got: output.len(),
+            });
+        }
+        self.launch(&checked, args, output, ctx)
     }
 }
 
@@ -236,88 +244,57 @@ fn hidden_as_f32(hidden: &Tensor) -> std::borrow::Cow<'_, [f32]> {
         TensorData::BF16(x) => convert(x.len(), &|out| <[bf16]>::convert_to_f32_slice(x, out)),
         TensorData::F16(x) => convert(x.len(), &|out| <[f16]>::convert_to_f32_slice(x, out)),
         TensorData::U32(_) | TensorData::F8E4M3(_) => {
-            unreachable!("check_call accepts hidden states of the compute floats only")
+            unreachable!("the check accepts hidden states of the compute floats only")
         }
     }
 }
 
-impl Kernel for JitKernel {
-    fn key(&self) -> &KernelKey {
-        &self.key
+impl OpKernel for JitKernel {
+    type Spec = FusedQkvSpec;
+    const IMPLEMENTATION: &'static str = "jit";
+
+    fn spec(&self) -> &FusedQkvSpec {
+        &self.spec
     }
 
-    fn implementation(&self) -> &'static str {
-        "jit"
+    /// The spec's check; a call may pass the kernel's packed constant
+    /// weight itself.
+    fn check(&self, tensors: &[&Tensor], caches: &[&PagedKVCacheCollection]) -> Result<CheckedCall> {
+        check_against(&self.spec, tensors, caches, self.packed_weight())
+    }
+
+    fn run(&self, checked: CheckedCall, call: Call<'_, '_>, ctx: &DeviceContextPtr) -> Result<()> {
+        let [hidden_state, weight, layer_idx, valid_lengths] = call.tensors();
+        let args = QkvArgs { hidden_state, weight, kv_collection: &mut *call.caches[0], layer_idx, valid_lengths };
+        self.launch(&checked, args, call.outputs[0].as_bytes_mut(), ctx)
     }
 
     fn code_info(&self) -> CodeInfo {
         self.code.code_info()
     }
 
-    fn check(&self, inputs: &[&Tensor], caches: &[&PagedKVCacheCollection]) -> Result<Vec<OutputSpec>> {
-        let shape = check_against_spec_with(&self.spec, inputs, caches, self.packed_weight())?;
-        Ok(vec![(self.spec.dtype, shape.output_shape())])
-    }
-
     fn prepared_constants(&self) -> Vec<(usize, PreparedConstant)> {
         let Some(constant) = &self.constant_weight else { return Vec::new() };
         vec![(1, PreparedConstant { layout: self.layout.id(self.spec.dtype), data: constant.packed.clone() })]
     }
-
-    fn run(
-        &self,
-        inputs: &[&Tensor],
-        caches: &mut [&mut PagedKVCacheCollection],
-        outputs: &mut [Tensor],
-        ctx: &DeviceContextPtr,
-    ) -> Result<()> {
-        let call = checked_call_with(&self.spec, inputs, caches, outputs, self.packed_weight())?;
-        let args = QkvArgs {
-            hidden_state: call.hidden,
-            weight: call.weight,
-            kv_collection: call.cache,
-            layer_idx: call.layer_idx,
-            valid_lengths: call.valid_lengths,
-        };
-        self.launch(&call.shape, args, call.output.as_bytes_mut(), ctx)
-    }
 }
 
 impl JitKernel {
-    /// The packed constant weight, which calls may pass as the weight.
-    fn packed_weight(&self) -> Option<&Tensor> {
-        self.constant_weight.as_ref().map(|c| &*c.packed)
-    }
-
-    /// Run with the Q output written into raw bytes (exactly `B·S·q_dim`
-    /// elements of the dtype), so callers — tests with guard regions around
-    /// the output, benchmarks reusing a buffer — choose where it lives.
-    /// Validates everything first, like [`Kernel::run`].
-    pub fn run_into(&self, args: QkvArgs<'_>, output: &mut [u8], ctx: &DeviceContextPtr) -> Result<()> {
-        let inputs = [args.hidden_state, args.weight, args.layer_idx, args.valid_lengths];
-        let shape = check_against_spec_with(&self.spec, &inputs, &[&*args.kv_collection], self.packed_weight())?;
-        let expected = shape.batch * shape.seq * shape.q_dim * self.spec.dtype.size_bytes();
-        if output.len() != expected {
-            return Err(Error::ByteCount {
-                dtype: self.spec.dtype,
-                shape: shape.output_shape(),
-                expected,
-                got: output.len(),
-            });
-        }
-        self.launch(&shape, args, output, ctx)
-    }
-
-    /// Run a validated call: `shape` came from `check_against_spec` on
+    /// Run a checked call: `checked` came from [`OpKernel::check`] on
     /// exactly these arguments and `output` holds `B·S·q_dim` elements.
-    fn launch(&self, shape: &CallShape, args: QkvArgs<'_>, output: &mut [u8], ctx: &DeviceContextPtr) -> Result<()> {
-        let shape = *shape;
-        let QkvArgs { hidden_state, weight, kv_collection: cache, valid_lengths, .. } = args;
-        let row_offsets = cache_row_offsets(&shape, cache, valid_lengths)?;
+    fn launch(
+        &self,
+        checked: &CheckedCall,
+        args: QkvArgs<'_>,
+        output: &mut [u8],
+        ctx: &DeviceContextPtr,
+    ) -> Result<()> {
+        let CheckedCall { shape, row_offsets } = checked;
+        let QkvArgs { hidden_state, weight, kv_collection: cache, .. } = args;
         let rows = shape.batch * shape.seq;
         let x = hidden_as_f32(hidden_state);
         let x_step = match self.tier {
-            CpuTier::Avx2 if rows > 1 => MAX_TILE_ROWS,
+            CodeTier::Avx2 if rows > 1 => MAX_TILE_ROWS,
             _ => 1,
         };
         let x = if x_step > 1 { std::borrow::Cow::Owned(pack_activations(&x, rows, self.spec.k, x_step)) } else { x };
@@ -340,28 +317,31 @@ impl JitKernel {
             }
             None => None,
         };
-        let mut args = [0u64; arg::COUNT];
-        args[arg::X] = x.as_ptr() as u64;
-        args[arg::W] = packed.as_bytes().as_ptr() as u64;
-        args[arg::OUT] = output.as_mut_ptr() as u64;
-        (args[arg::BLOCKS], args[arg::ROW_OFFSETS]) = match &mut staging {
+        let (blocks, store_offsets) = match &mut staging {
             Some((stage, offsets)) => (stage.as_mut_ptr() as u64, offsets.as_ptr() as u64),
             None => (cache.blocks_bytes_mut().as_mut_ptr() as u64, row_offsets.as_ptr() as u64),
         };
-        args[arg::M] = rows as u64;
-        args[arg::X_STEP] = x_step as u64;
-        // Read by the unspecialized kernel only; the others bake them in.
-        args[arg::K] = self.spec.k as u64;
-        args[arg::Q_DIM] = self.spec.q_dim as u64;
-        args[arg::KV_DIM] = kv_dim as u64;
-        args[arg::KV_STRIDE] = kv_store_stride(&self.spec) as u64;
-        if shape.batch * shape.seq == 0 {
+        let args = GemmArgs {
+            x: x.as_ptr() as u64,
+            w: packed.as_bytes().as_ptr() as u64,
+            out: output.as_mut_ptr() as u64,
+            blocks,
+            row_offsets: store_offsets,
+            m: rows as u64,
+            x_step: x_step as u64,
+            // Read by the unspecialized kernel only; the others bake them in.
+            k: self.spec.k as u64,
+            q_dim: self.spec.q_dim as u64,
+            kv_dim: kv_dim as u64,
+            kv_stride: kv_store_stride(&self.spec) as u64,
+        };
+        if rows == 0 {
             return Ok(());
         }
-        let code = self.code_for(&shape);
+        let code = self.code_for(shape);
         // SAFETY: `code` was compiled by `emit_and_compile` for this kernel's
         // spec (or the same spec with this call's B and S baked in), reading
-        // the argument words in `arg`'s layout. `check_against_spec`
+        // `GemmArgs` at its fields' offsets. The check (`check_against`)
         // validated every argument against the spec (dtypes, contiguity, K,
         // q_dim, cache layout, B·S rows, valid lengths ≤ S, every valid
         // token's page and slot inside the cache and no two tokens sharing
@@ -381,29 +361,30 @@ impl JitKernel {
         if let (Some(store), Some((stage, _))) = (&self.fp8_store, &staging) {
             let (blocks, scales) = cache.blocks_and_scales_mut();
             let scales = scales.expect("an f8e4m3 cache has scales, and the spec check accepted only such a cache");
-            let mut words = [0u64; fp8_arg::COUNT];
-            words[fp8_arg::STAGE] = stage.as_ptr() as u64;
-            words[fp8_arg::ROW_OFFSETS] = row_offsets.as_ptr() as u64;
-            words[fp8_arg::BLOCKS] = blocks.as_mut_ptr() as u64;
-            words[fp8_arg::SCALES] = scales.as_mut_ptr() as u64;
-            words[fp8_arg::KV_DIM] = kv_dim as u64;
-            words[fp8_arg::KV_STRIDE] = self.spec.kv_stride() as u64;
-            words[fp8_arg::G] = self.spec.scale_granularity.unwrap_or(1) as u64;
+            let args = Fp8StoreArgs {
+                stage: stage.as_ptr() as u64,
+                row_offsets: row_offsets.as_ptr() as u64,
+                blocks: blocks.as_mut_ptr() as u64,
+                scales: scales.as_mut_ptr() as u64,
+                kv_dim: kv_dim as u64,
+                kv_stride: self.spec.kv_stride() as u64,
+                g: self.spec.cache.scale_granularity.unwrap_or(1) as u64,
+            };
             // SAFETY: `store` was compiled by `compile_fp8_store` for this
             // spec's kv_dim, g and K→V stride (or reads them from these
-            // words, set from the same spec). `check_against_spec` checked
-            // the cache against the spec (f8e4m3, this granularity, layout),
-            // and the cache keeps its scales `[P, 2, L, page, Hkv, D/g]` f32
-            // for exactly those params. For each row r < M in a launch range
-            // the kernel reads the staged `stage[r·2·kv_dim ..][..2·kv_dim]`
+            // fields, set from the same spec). The check matched the cache
+            // against the spec (f8e4m3, this granularity, layout), and the
+            // cache keeps its scales `[P, 2, L, page, Hkv, D/g]` f32 for
+            // exactly those params. For each row r < M in a launch range the
+            // kernel reads the staged `stage[r·2·kv_dim ..][..2·kv_dim]`
             // (`stage` holds M rows, written by the launch above) and, when
             // `row_offsets[r] ≥ 0`, writes kv_dim codes at that offset and at
-            // offset + kv_stride — slots `locate` validated inside the
+            // offset + kv_stride — slots `write_rows` validated inside the
             // blocks, distinct per row — and kv_dim / g scales at those
             // offsets divided by g (inside the scales, which mirror the
             // blocks' layout with D / g per head). Different rows write
             // different slots, so the ranges write disjoint memory.
-            unsafe { kvjit_jit::launch(store, &words, rows, ctx) };
+            unsafe { kvjit_jit::launch(store, &args, rows, ctx) };
         }
         Ok(())
     }

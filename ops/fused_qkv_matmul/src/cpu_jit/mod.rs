@@ -57,7 +57,8 @@ mod fp8_store;
 mod launch;
 mod schedule;
 
-use kvjit_core::{CpuTier, DType, KernelKey, KeyField};
+use kvjit_core::{CodeTier, CpuTier, DType, KernelSpec};
+use kvjit_jit::{JitError, microkernel};
 
 pub(crate) use emit::addressable;
 pub use emit::compile;
@@ -74,68 +75,61 @@ pub use kvjit_jit::MAX_SEEN_SHAPES;
 /// shared), re-exported where this op's users look for it.
 pub use kvjit_jit::compile_log;
 
-/// The kernel's argument words ([`kvjit_jit::KernelParams::arg`]), in
-/// order; the work items of a launch are weight panels.
-mod arg {
+/// The GEMM kernel's arguments ([`kvjit_jit::KernelParams::field`] reads
+/// each at its `offset_of!`); the work items of a launch are weight panels.
+#[repr(C)]
+struct GemmArgs {
     /// Activations as f32 rows, `[M, K]`.
-    pub const X: usize = 0;
+    x: u64,
     /// The packed weight.
-    pub const W: usize = 1;
+    w: u64,
     /// The Q output, `[M, q_dim]`.
-    pub const OUT: usize = 2;
-    /// The cache's blocks.
-    pub const BLOCKS: usize = 3;
+    out: u64,
+    /// The cache's blocks (an FP8 cache's f32 staging rows).
+    blocks: u64,
     /// Per row, the element offset of its K in `blocks` (-1: padded row).
-    pub const ROW_OFFSETS: usize = 4;
+    row_offsets: u64,
     /// Rows M (read when the key leaves B or S symbolic).
-    pub const M: usize = 5;
+    m: u64,
     /// The 256-bit tier's activation layout: rows interleaved in tiles of
-    /// this many (see [`super::pack_activations`]); 1 when X is one plain row.
-    pub const X_STEP: usize = 6;
+    /// this many (see `pack_activations`); 1 when X is one plain row.
+    x_step: u64,
     /// K (read by an unspecialized kernel only, like the next three).
-    pub const K: usize = 7;
+    k: u64,
     /// Q columns.
-    pub const Q_DIM: usize = 8;
+    q_dim: u64,
     /// K (and V) columns, Hkv·D.
-    pub const KV_DIM: usize = 9;
-    /// Elements from a token's K to its V in the blocks, L·page_size·Hkv·D.
-    pub const KV_STRIDE: usize = 10;
-    /// Words in all.
-    pub const COUNT: usize = 11;
+    kv_dim: u64,
+    /// Elements from a token's K to its V where the epilogue stores them.
+    kv_stride: u64,
 }
 
-/// The key of the JIT kernel for `spec` on a resolved `tier`: the op's key
-/// with the tier named in its target (`…cpu-avx2…`).
-pub fn tier_key(spec: &FusedQkvSpec, tier: CpuTier) -> KernelKey {
-    spec.kernel_key().with_variant(tier.name())
-}
+// SAFETY: `#[repr(C)]` and made of u64 words only.
+unsafe impl kvjit_jit::KernelArgs for GemmArgs {}
 
-/// The key of the unspecialized kernel for `spec`'s dtypes on `tier`: every
-/// size left to run time (`…cpu-avx2.f32.kany.qany.hkvany.dany.pany.lany.kvf32.bany.sany`).
-pub fn unspecialized_key(spec: &FusedQkvSpec, tier: CpuTier) -> KernelKey {
-    let any = KeyField::Dynamic;
-    KernelKey::new(crate::spec::KERNEL_NAME, spec.target, spec.dtype)
-        .with_variant(tier.name())
-        .with("k", any)
-        .with("q", any)
-        .with("hkv", any)
-        .with("d", any)
-        .with("p", any)
-        .with("l", any)
-        .with("kv", KeyField::DType(spec.cache_dtype))
-        .with_if("g", spec.scale_granularity.map(|_| any))
-        .with("b", any)
-        .with("s", any)
+/// The code tier `spec`'s CPU code runs on: the tier its backend names,
+/// checked to run on this CPU (a 256-bit spec made on another machine is
+/// refused, not run). A CUDA spec has none.
+pub(crate) fn code_tier(spec: &FusedQkvSpec) -> Result<CodeTier, JitError> {
+    match spec.tier() {
+        Some(CodeTier::Avx2) if !microkernel::avx2_available() => Err(JitError::TierUnavailable {
+            tier: CpuTier::Avx2,
+            needs: "an x86-64 CPU with AVX2, FMA and F16C",
+            arch: std::env::consts::ARCH,
+        }),
+        Some(tier) => Ok(tier),
+        None => Err(JitError::Unsupported { key: spec.key().to_string(), reason: "not a CPU spec".into() }),
+    }
 }
 
 /// The dtype the epilogue stores K/V in: the cache's, or f32 into the
 /// staging buffer of an FP8 cache.
 fn kv_store_dtype(spec: &FusedQkvSpec) -> DType {
-    if spec.cache_dtype.is_quantized() { DType::F32 } else { spec.cache_dtype }
+    if spec.cache.dtype.is_quantized() { DType::F32 } else { spec.cache.dtype }
 }
 
 /// Elements from a row's K to its V where the epilogue stores them: the
 /// cache's K→V stride, or Hkv·D in an FP8 cache's staging rows.
 fn kv_store_stride(spec: &FusedQkvSpec) -> usize {
-    if spec.cache_dtype.is_quantized() { spec.kv_dim() } else { spec.kv_stride() }
+    if spec.cache.dtype.is_quantized() { spec.kv_dim() } else { spec.kv_stride() }
 }

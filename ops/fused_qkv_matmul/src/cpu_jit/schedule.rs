@@ -1,7 +1,7 @@
 //! The loop-nest sizes of each CPU tier: panel width, register tile rows,
 //! block rows, and the 256-bit tier's k blocks.
 
-use kvjit_core::CpuTier;
+use kvjit_core::CodeTier;
 use kvjit_jit::microkernel::{MAX_TILE_ROWS, TILE_COLUMNS};
 
 /// Columns per weight panel of the Cranelift tier (two F32X4 vectors).
@@ -24,14 +24,13 @@ pub struct Schedule {
 }
 
 impl Schedule {
-    /// The schedule of a resolved tier (`Auto` is never built: kernels
-    /// resolve it first).
-    pub fn of(tier: CpuTier) -> Self {
+    /// The schedule of a tier.
+    pub fn of(tier: CodeTier) -> Self {
         match tier {
-            CpuTier::Avx2 => {
+            CodeTier::Avx2 => {
                 Schedule { panel_columns: TILE_COLUMNS, tile_rows: MAX_TILE_ROWS, block_rows: AVX2_BLOCK_ROWS }
             }
-            CpuTier::Auto | CpuTier::Cranelift => Schedule { panel_columns: NR, tile_rows: MR, block_rows: MC },
+            CodeTier::Cranelift => Schedule { panel_columns: NR, tile_rows: MR, block_rows: MC },
         }
     }
 }
