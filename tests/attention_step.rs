@@ -206,7 +206,7 @@ fn an_fp8_cache_step_matches_the_naive_model_within_fp8_rounding() {
     config.layer = LayerConfig { name: "small_fp8".into(), cache_dtype: Some(DType::F8E4M3), ..config.layer };
     let registry = standard_registry();
     let graph = attention_step_graph(&config, registry.ops()).unwrap();
-    let keys = kvjit::specialize(&graph, registry.ops(), kvjit::Target::Cpu, &Default::default()).unwrap();
+    let keys = kvjit::specialize(&graph, registry.ops(), kvjit::cpu_backend(), &Default::default()).unwrap();
     let keys: Vec<String> = keys.kernel_keys().iter().map(|k| k.to_string()).collect();
     assert!(keys.iter().filter(|k| k.contains("kvf8e4m3.g16")).count() >= 3, "{keys:?}");
     check_steps(config, 3, 1.0 / 16.0);
@@ -216,7 +216,7 @@ fn an_fp8_cache_step_matches_the_naive_model_within_fp8_rounding() {
 fn the_cuda_target_refuses_rope_and_attention_at_specialize_naming_the_op() {
     let registry = standard_registry();
     let graph = attention_step_graph(&LlamaConfig::small(), registry.ops()).unwrap();
-    let err = kvjit::specialize(&graph, registry.ops(), kvjit::Target::Cuda, &BTreeMap::new()).unwrap_err();
+    let err = kvjit::specialize(&graph, registry.ops(), kvjit::Backend::Cuda, &BTreeMap::new()).unwrap_err();
     let message = err.to_string();
     assert!(message.contains("no cuda kernel for op mo.fused_qk_rope.padded.paged"), "{message}");
     assert!(message.contains("no CUDA variant for op mo.fused_qk_rope.padded.paged yet"), "{message}");
@@ -240,7 +240,7 @@ fn the_cuda_target_refuses_rope_and_attention_at_specialize_naming_the_op() {
     b.output("out", out).unwrap();
     let graph = b.finish().unwrap();
     let message =
-        kvjit::specialize(&graph, registry.ops(), kvjit::Target::Cuda, &BTreeMap::new()).unwrap_err().to_string();
+        kvjit::specialize(&graph, registry.ops(), kvjit::Backend::Cuda, &BTreeMap::new()).unwrap_err().to_string();
     assert!(message.contains("no CUDA variant for op mo.mha.padded.paged yet"), "{message}");
 }
 

@@ -150,7 +150,7 @@ fn tiny_bench_prints_table_and_writes_json_and_svg() {
 
     // The table: header with every column, one row per implementation and M.
     let text = stdout(&out);
-    let avx2 = kvjit::widest_cpu_tier() == kvjit::CpuTier::Avx2;
+    let avx2 = kvjit::widest_cpu_tier() == kvjit::CodeTier::Avx2;
     let unspecialized_column = if avx2 { " vs kvjit unspecialized |" } else { "" };
     let header = format!(
         "| M | implementation | median | spread | GFLOP/s | weight GB/s | vs kvjit generic |{unspecialized_column} \

@@ -30,7 +30,7 @@ fn graphs() -> Vec<Graph> {
 /// Every way a CPU kernel of these graphs can be built.
 fn build_options() -> Vec<(String, CompileOptions)> {
     let mut all = Vec::new();
-    let tiers = if kvjit::widest_cpu_tier() == CpuTier::Avx2 {
+    let tiers = if kvjit::widest_cpu_tier() == kvjit::CodeTier::Avx2 {
         vec![CpuTier::Cranelift, CpuTier::Avx2]
     } else {
         vec![CpuTier::Cranelift]

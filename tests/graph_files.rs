@@ -18,8 +18,8 @@ use kvjit::fused_qkv::{OP_ALIAS, OP_NAME};
 use kvjit::models::llama::LayerConfig;
 use kvjit::scenario::Scenario;
 use kvjit::{
-    CompileOptions, DType, Executable, Graph, GraphError, Registry, Target, Tensor, compile, graph_from_json,
-    graph_to_json, load_graph, read_safetensors, save_graph, specialize, standard_registry, write_safetensors,
+    CompileOptions, DType, Executable, Graph, GraphError, Registry, Tensor, compile, graph_from_json, graph_to_json,
+    load_graph, read_safetensors, save_graph, specialize, standard_registry, write_safetensors,
 };
 use kvjit_graph::ValueDef;
 use kvjit_testkit::{Caches, Tensors, assert_caches_identical, assert_outputs_identical, assert_tensors_identical};
@@ -230,7 +230,7 @@ fn llama3_8b_graph_saves_as_a_small_recipe_file_and_keeps_its_kernel_keys() {
     let loaded = load_graph(&path, registry.ops()).unwrap();
     assert_eq!(graph_to_json(&loaded, None), graph_to_json(&graph, None));
     let keys = |g: &Graph| {
-        specialize(g, registry.ops(), Target::Cpu, &BTreeMap::new())
+        specialize(g, registry.ops(), kvjit::cpu_backend(), &BTreeMap::new())
             .unwrap()
             .kernel_keys()
             .iter()
@@ -238,7 +238,11 @@ fn llama3_8b_graph_saves_as_a_small_recipe_file_and_keeps_its_kernel_keys() {
             .collect::<Vec<_>>()
     };
     assert_eq!(keys(&loaded), keys(&graph));
-    assert_eq!(keys(&graph), ["fused_qkv_bshd_paged.cpu.f32.k4096.q4096.hkv8.d128.p16.l1.kvf32.bany.sany"]);
+    let tier = kvjit::widest_cpu_tier();
+    assert_eq!(
+        keys(&graph),
+        [format!("fused_qkv_bshd_paged.cpu-{tier}.f32.k4096.q4096.hkv8.d128.p16.l1.kvf32.bany.sany")]
+    );
 }
 
 #[test]

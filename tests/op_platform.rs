@@ -6,8 +6,7 @@ use std::collections::BTreeMap;
 
 use kvjit::ops::{FusedQkvParams, fused_qkv_matmul};
 use kvjit::{
-    DType, Dim, GraphBuilder, GraphError, KvCacheType, ParamValue, Params, RandomInit, Target, specialize,
-    standard_registry,
+    DType, Dim, GraphBuilder, GraphError, KvCacheType, ParamValue, Params, RandomInit, specialize, standard_registry,
 };
 
 /// A fused QKV graph with hidden size `k`.
@@ -43,8 +42,8 @@ fn fused_graph(k: usize) -> kvjit::Graph {
 fn a_key_no_kernel_serves_is_refused_at_specialize_with_op_key_and_reason() {
     let registry = standard_registry();
     let graph = fused_graph(30);
-    assert!(specialize(&graph, registry.ops(), Target::Cpu, &BTreeMap::new()).is_ok());
-    let err = specialize(&graph, registry.ops(), Target::Cuda, &BTreeMap::new()).unwrap_err();
+    assert!(specialize(&graph, registry.ops(), kvjit::cpu_backend(), &BTreeMap::new()).is_ok());
+    let err = specialize(&graph, registry.ops(), kvjit::Backend::Cuda, &BTreeMap::new()).unwrap_err();
     let GraphError::InNode { source, .. } = &err else { panic!("{err:?}") };
     assert!(matches!(**source, GraphError::Unsupported(_)), "{err:?}");
     let message = err.to_string();
@@ -55,7 +54,7 @@ fn a_key_no_kernel_serves_is_refused_at_specialize_with_op_key_and_reason() {
     ] {
         assert!(message.contains(part), "{message}");
     }
-    assert!(specialize(&fused_graph(32), registry.ops(), Target::Cuda, &BTreeMap::new()).is_ok());
+    assert!(specialize(&fused_graph(32), registry.ops(), kvjit::Backend::Cuda, &BTreeMap::new()).is_ok());
 }
 
 /// Parameters are checked against the op's declared kinds and ranges before

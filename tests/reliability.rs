@@ -37,11 +37,12 @@ use common::{constant_data, small_graph};
 use kvjit::fused_qkv::cpu_jit::compile_log;
 use kvjit::fused_qkv::{FusedQkvSpec, JitKernel, OP_NAME};
 use kvjit::models::llama::{LayerConfig, qkv_layer_graph};
+use kvjit::op::Compiled;
 use kvjit::scenario::Scenario;
 use kvjit::{
     BuildOptions, CompileOptions, CoreError, DType, DeviceContextPtr, Dim, Error, Executable, Executor, Graph,
     GraphBuilder, KernelImpl, KvCacheParams, KvCacheType, MemoryEstimate, PagedKVCacheCollection, ParamValue, Params,
-    Registry, RuntimeError, Target, Tensor, UNASSIGNED_PAGE, compile, specialize, standard_registry,
+    Registry, RuntimeError, Tensor, UNASSIGNED_PAGE, compile, specialize, standard_registry,
 };
 use kvjit_jit::CaptureText;
 use kvjit_runtime::Kernel;
@@ -503,18 +504,21 @@ fn one_executable_runs_from_several_threads_at_once_on_separate_caches() {
 /// A spec no other test compiles (K = 1019, q_dim = 31, Hkv 3, D 7, page 13, L 5).
 fn unusual_spec(seq: usize) -> FusedQkvSpec {
     FusedQkvSpec {
-        target: Target::Cpu,
+        backend: kvjit::cpu_backend(),
         dtype: DType::BF16,
-        cache_dtype: DType::F16,
-        scale_granularity: None,
+        cache: KvCacheParams {
+            dtype: DType::F16,
+            num_layers: 5,
+            page_size: 13,
+            num_kv_heads: 3,
+            head_size: 7,
+            scale_granularity: None,
+        },
         k: 1019,
         q_dim: 31,
-        num_kv_heads: 3,
-        head_size: 7,
-        page_size: 13,
-        num_layers: 5,
         batch: None,
         seq: Some(seq),
+        sizes: kvjit::fused_qkv::Sizes::Baked,
     }
 }
 
@@ -522,10 +526,10 @@ fn compiles_of(key: &str) -> usize {
     compile_log().iter().filter(|r| r.key == key).count()
 }
 
-/// The key a JIT kernel for `spec` compiles under: the op's key with the
-/// CPU tier `JitKernel::new` resolves to.
+/// The key a JIT kernel for `spec` compiles under: the spec's own key,
+/// which names the CPU tier.
 fn jit_key(spec: &FusedQkvSpec) -> String {
-    kvjit::fused_qkv::cpu_jit::tier_key(spec, kvjit::widest_cpu_tier()).to_string()
+    kvjit::KernelSpec::key(spec).to_string()
 }
 
 #[test]
@@ -534,12 +538,12 @@ fn the_kernel_cache_compiles_one_key_once_when_many_threads_ask_at_once() {
     let key = jit_key(&spec);
     assert_eq!(compiles_of(&key), 0, "{key} compiled before the test");
     let barrier = Barrier::new(8);
-    let kernels: Vec<JitKernel> = std::thread::scope(|s| {
+    let kernels: Vec<Compiled<JitKernel>> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..8)
             .map(|_| {
                 s.spawn(|| {
                     barrier.wait();
-                    JitKernel::new(spec, None, CaptureText::default()).unwrap()
+                    Compiled::new(JitKernel::new(spec, None, CaptureText::default()).unwrap())
                 })
             })
             .collect();
@@ -557,13 +561,13 @@ fn the_kernel_cache_compiles_different_keys_side_by_side() {
     let keys: Vec<String> = specs.iter().map(jit_key).collect();
     assert!(keys.iter().all(|k| compiles_of(k) == 0));
     let barrier = Barrier::new(12);
-    let kernels: Vec<(usize, JitKernel)> = std::thread::scope(|s| {
+    let kernels: Vec<(usize, Compiled<JitKernel>)> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..12)
             .map(|i| {
                 let (spec, barrier) = (specs[i % 6], &barrier);
                 s.spawn(move || {
                     barrier.wait();
-                    (i % 6, JitKernel::new(spec, None, CaptureText::default()).unwrap())
+                    (i % 6, Compiled::new(JitKernel::new(spec, None, CaptureText::default()).unwrap()))
                 })
             })
             .collect();
@@ -710,7 +714,7 @@ fn a_graph_over_the_memory_budget_is_refused_at_build_with_nothing_compiled() {
     assert_eq!(constants, 69_120);
     assert_eq!(caches, 73_920);
     let jit_needs = 2 * constants + caches;
-    let keys: Vec<String> = specialize(&graph, registry.ops(), Target::Cpu, &BTreeMap::new())
+    let keys: Vec<String> = specialize(&graph, registry.ops(), kvjit::cpu_backend(), &BTreeMap::new())
         .unwrap()
         .kernel_keys()
         .iter()
@@ -762,7 +766,7 @@ fn a_graph_over_the_memory_budget_is_refused_at_build_with_nothing_compiled() {
         }
         other => panic!("expected MemoryBudget, got {:?}", other.err()),
     }
-    let bound_graph = specialize(&graph, registry.ops(), Target::Cpu, &bound.bindings).unwrap();
+    let bound_graph = specialize(&graph, registry.ops(), kvjit::cpu_backend(), &bound.bindings).unwrap();
     assert_eq!(
         MemoryEstimate::of(bound_graph.graph(), &registry, bound.target, &bound.build).total(),
         jit_needs + 2 * 4 * 8 * 72 * 4 + 4 * 17 * 4
@@ -1035,10 +1039,9 @@ fn check_graph_case(case: &GraphCase) {
         }
         (Err(got), Err(want)) => {
             assert!(case.bad_node.is_some(), "{case:?}: refused: {want}");
-            // The same message, but for the key: the JIT kernel's names its
-            // CPU tier (`cpu-avx2`), the reference kernel's does not.
-            let tier = format!(".cpu-{}.", kvjit::widest_cpu_tier());
-            assert_eq!(got.to_string().replace(&tier, ".cpu."), want.to_string(), "{case:?}");
+            // The same message, key included: both kernels were built from
+            // the key specialize made, which names the CPU tier.
+            assert_eq!(got.to_string(), want.to_string(), "{case:?}");
             assert!(
                 matches!(&want, RuntimeError::Kernel { source: CoreError::LayerOutOfRange { .. }, .. }),
                 "{want:?}"

@@ -338,8 +338,8 @@ fn inspect(
     build: BuildOptions,
 ) -> Result<()> {
     let graph = load_any(registry, path, WeightLoad::Map, None)?.graph;
-    let specialized = specialize(&graph, registry.ops(), target, &bindings)?;
     let options = CompileOptions { target, bindings: bindings.clone(), build, memory_budget: None };
+    let specialized = specialize(&graph, registry.ops(), options.backend()?, &bindings)?;
     let exe = compile(&graph, registry, &options)?;
     let graph = specialized.graph();
     println!("graph '{}': {} nodes, symbols [{}]", graph.name(), graph.nodes().len(), graph.symbols().join(", "));

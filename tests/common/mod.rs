@@ -17,7 +17,7 @@ use kvjit::fused_qkv::OP_NAME;
 use kvjit::models::llama::LayerConfig;
 use kvjit::{
     BuildOptions, CompileOptions, DType, DeviceContextPtr, Dim, Executable, Executor, Graph, GraphBuilder, KernelImpl,
-    PagedKVCacheCollection, Registry, RunOutput, Target, Tensor, ValueId, compile, specialize,
+    PagedKVCacheCollection, Registry, RunOutput, Tensor, ValueId, compile, specialize,
 };
 use kvjit_graph::{ArgKind, ValueDef};
 use kvjit_testkit::{Caches, Tensors};
@@ -110,7 +110,8 @@ pub fn constant_data(graph: &Graph, name: &str) -> Tensor {
 /// ops' signatures say which inputs are tensors and which are caches.
 pub fn reference_run(graph: &Graph, inputs: &Tensors, caches: &mut Caches) -> Tensors {
     let registry = kvjit::standard_registry();
-    let specialized = specialize(graph, registry.ops(), Target::Cpu, &BTreeMap::new()).expect("the graph specializes");
+    let specialized =
+        specialize(graph, registry.ops(), kvjit::cpu_backend(), &BTreeMap::new()).expect("the graph specializes");
     let options = BuildOptions { implementation: KernelImpl::Reference, ..BuildOptions::default() };
     let ctx = DeviceContextPtr::cpu(1).expect("a CPU context starts");
     let mut produced: HashMap<ValueId, Tensor> = HashMap::new();

@@ -42,7 +42,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use criterion::{BenchmarkId, Criterion, SamplingMode, Throughput, criterion_group, criterion_main};
-use kvjit::{DType, DeviceContextPtr};
+use kvjit::{DType, DeviceContextPtr, KernelSpec};
 use kvjit_bench::{
     ALL_MS, FmaProbe, Implementation, LayerKernels, ModelShape, Point, Problem, ReadProbe, Runner, Weights,
     generic_kernels,
@@ -79,7 +79,7 @@ fn specialization(c: &mut Criterion) {
             };
             for page_size in [16, 128] {
                 let generic: OnceCell<LayerKernels> = OnceCell::new();
-                let mut group = c.benchmark_group(shape.spec(dtype, page_size, None).kernel_key().to_string());
+                let mut group = c.benchmark_group(shape.spec(dtype, page_size, None).key().to_string());
                 group
                     .sample_size(10)
                     .sampling_mode(SamplingMode::Flat)

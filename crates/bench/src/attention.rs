@@ -46,7 +46,9 @@ use serde_json::{Value, json};
 use crate::render::{format_rate, format_time, pass_or_miss};
 use crate::roofline::{Roof, RoofPlan, RoofSamples};
 use crate::timing::{Plan, Stats, measure_interleaved};
-use crate::workload::{Heads, StepShape, check_finite, compile_step, make_cache, size_step_cache, step_inputs};
+use crate::workload::{
+    Heads, StepShape, cache_params, check_finite, compile_step, make_cache, size_step_cache, step_inputs,
+};
 use crate::{BenchError, Progress, Result, Steps};
 
 /// The fused QKV op's kernel name (the first field of its keys).
@@ -669,18 +671,13 @@ fn run_rope(
     let spec = RopeSpec {
         target: Target::Cpu,
         dtype,
-        cache_dtype: dtype,
-        scale_granularity: None,
+        cache: cache_params(heads, dtype, 1),
         interleaved: false,
         num_q_heads: heads.num_heads,
-        num_kv_heads: heads.num_kv_heads,
-        head_size: heads.head_size,
-        page_size: heads.page_size,
-        num_layers: 1,
         batch: Some(batch),
         seq: Some(seq),
     };
-    let key = spec.kernel_key().to_string();
+    let key = spec.key().to_string();
     let kernel = RopeKernel::new(spec, CaptureText::default()).map_err(|source| BenchError::Compile { key, source })?;
     let q = Tensor::random(dtype, &[batch, seq, heads.num_heads, heads.head_size], rng, -1.0, 1.0)?;
     let freqs = freqs_table(dtype, history + seq, heads.head_size)?;

@@ -19,7 +19,7 @@ use std::time::Duration;
 use kvjit::attention::{jit_kernel as mha_kernel, run_into as run_mha};
 use kvjit::fused_qkv::{FusedQkvSpec, JitKernel as QkvKernel, QkvArgs, Sizes};
 use kvjit::models::llama::LlamaConfig;
-use kvjit_core::{Backend, DType, KernelSpec, KvCacheParams, Target, Tensor};
+use kvjit_core::{Backend, DType, KernelSpec, KvCacheParams, Tensor};
 use kvjit_jit::CaptureText;
 use kvjit_runtime::{DeviceContextPtr, Executor};
 use rand::SeedableRng;

@@ -98,8 +98,12 @@ pub fn specialize(
             let inputs: Vec<_> = node.inputs.iter().map(|&v| &bound.value(v).ty).collect();
             let key = op.kernel_key(&node.params, &inputs, backend).map_err(|e| e.in_node(node.id, &node.op))?;
             op.supports(&key).map_err(|reason| {
-                GraphError::Unsupported(format!("no {} kernel for op {} with key {key}: {reason}", backend.target(), op.name()))
-                    .in_node(node.id, &node.op)
+                GraphError::Unsupported(format!(
+                    "no {} kernel for op {} with key {key}: {reason}",
+                    backend.target(),
+                    op.name()
+                ))
+                .in_node(node.id, &node.op)
             })?;
             Ok(key)
         })

@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use kvjit_core::{DType, KernelKey, Target, Tensor};
+use kvjit_core::{Backend, DType, KernelKey, Tensor};
 use kvjit_graph::{
     ArgSpec, ConstantInit, GraphBuilder, GraphError, OpDef, OpRegistry, ParamSpec, Params, RandomInit, Recipe,
     RecipeKind, TensorType, ValueDef, ValueType, graph_from_json, graph_from_json_within, graph_to_json,
@@ -63,7 +63,7 @@ impl OpDef for TableOp {
     fn infer(&self, _: &Params, _: &[&ValueType]) -> kvjit_graph::Result<Vec<TensorType>> {
         Ok(Vec::new())
     }
-    fn kernel_key(&self, _: &Params, _: &[&ValueType], _: Target) -> kvjit_graph::Result<KernelKey> {
+    fn kernel_key(&self, _: &Params, _: &[&ValueType], _: Backend) -> kvjit_graph::Result<KernelKey> {
         Err(GraphError::Unsupported("a test op has no kernels".into()))
     }
     fn recipes(&self) -> &'static [RecipeKind] {

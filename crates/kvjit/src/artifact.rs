@@ -244,7 +244,8 @@ pub fn write_artifact(
     path: &Path,
     source_graph: Option<&Path>,
 ) -> Result<ArtifactSummary> {
-    let specialized = specialize(graph, registry.ops(), options.target, &options.bindings)?;
+    let backend = options.backend()?;
+    let specialized = specialize(graph, registry.ops(), backend, &options.bindings)?;
     let exe = compile(specialized.graph(), registry, options)?;
     let graph = specialized.graph();
     let stored = stored_forms(graph, &exe);
@@ -281,9 +282,9 @@ pub fn write_artifact(
     // here (or the one asked for, which compiled, so it resolves): the
     // artifact records that tier, and runs on it wherever it is loaded.
     let jit_on_cpu = options.target == Target::Cpu && options.build.implementation == KernelImpl::Fast;
-    let cpu_tier = match jit_on_cpu {
-        true => kvjit_jit::microkernel::resolve_tier(options.build.cpu_tier).unwrap_or(options.build.cpu_tier),
-        false => options.build.cpu_tier,
+    let cpu_tier = match (jit_on_cpu, backend.cpu_tier()) {
+        (true, Some(tier)) => tier.requested(),
+        _ => options.build.cpu_tier,
     };
     let header = ArtifactHeader {
         format: ARTIFACT_FORMAT.to_string(),

@@ -3,7 +3,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
-use kvjit_core::{KvCacheParams, Target, Tensor};
+use kvjit_core::{Backend, KvCacheParams, Target, Tensor};
 use kvjit_graph::{ArgKind, Dim, Graph, ValueDef, ValueId, specialize};
 use kvjit_runtime::{
     BuildOptions, CacheSpec, ConstantInput, Executable, InputSpec, ShapeDim, Slot, Step, cuda_availability,
@@ -25,6 +25,20 @@ pub struct CompileOptions {
     /// Refuse graphs whose buffers (see [`MemoryEstimate`]) need more bytes
     /// than this, before anything is allocated for them.
     pub memory_budget: Option<u64>,
+}
+
+impl CompileOptions {
+    /// The backend kernels are specialized and built for: the target and,
+    /// on the CPU, the code tier `build.cpu_tier` resolves to on this
+    /// machine (`auto`: the widest it runs; a tier it cannot run is
+    /// refused). Resolved here, once: every kernel key then names the tier
+    /// its code was made for.
+    pub fn backend(&self) -> Result<Backend> {
+        Ok(match self.target {
+            Target::Cpu => Backend::Cpu(kvjit_jit::microkernel::resolve_tier(self.build.cpu_tier)?),
+            Target::Cuda => Backend::Cuda,
+        })
+    }
 }
 
 impl Default for CompileOptions {
@@ -135,7 +149,7 @@ pub fn compile(graph: &Graph, registry: &Registry, options: &CompileOptions) -> 
     if options.target == Target::Cuda {
         cuda_availability()?;
     }
-    let specialized = specialize(graph, registry.ops(), options.target, &options.bindings)?;
+    let specialized = specialize(graph, registry.ops(), options.backend()?, &options.bindings)?;
     let graph = specialized.graph();
     if let Some(budget) = options.memory_budget {
         let estimate = MemoryEstimate::of(graph, registry, options.target, &options.build);

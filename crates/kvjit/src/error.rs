@@ -16,6 +16,9 @@ pub enum Error {
     /// Target, executable or run problem.
     #[error(transparent)]
     Runtime(#[from] kvjit_runtime::RuntimeError),
+    /// A CPU code tier this machine cannot run (resolving `--cpu-tier`).
+    #[error(transparent)]
+    Jit(#[from] kvjit_jit::JitError),
     /// A compiled artifact that cannot be used.
     #[error(transparent)]
     Artifact(#[from] crate::artifact::ArtifactError),

@@ -45,9 +45,10 @@ pub use registry::{Registry, standard_registry};
 pub use kvjit_core::Error as CoreError;
 pub use kvjit_core::fp8;
 pub use kvjit_core::{
-    CpuTier, DType, Element, F8E4M3, KernelKey, KeyField, KvCacheParams, LoadedTensors, PagedKVCacheCollection,
-    PreparedConstant, Target, Tensor, TensorData, UNASSIGNED_PAGE, WeightLoad, bf16, f16, load_safetensors,
-    read_safetensors, read_safetensors_header, tensors_from_safetensors, tensors_to_safetensors, write_safetensors,
+    Backend, CodeTier, CpuTier, DType, Element, F8E4M3, KernelKey, KernelSpec, KeyField, KvCacheParams, LoadedTensors,
+    PagedKVCacheCollection, PreparedConstant, Target, Tensor, TensorData, UNASSIGNED_PAGE, WeightLoad, bf16, f16,
+    load_safetensors, read_safetensors, read_safetensors_header, tensors_from_safetensors, tensors_to_safetensors,
+    write_safetensors,
 };
 pub use kvjit_graph::{
     ConstantInit, DEFAULT_MEMORY_LIMIT, Dim, Graph, GraphBuilder, GraphError, KvCacheType, OpRegistry, ParamValue,
@@ -60,13 +61,21 @@ pub use kvjit_op_rope::{Llama3Scaling, RopeInit};
 /// The CPU tier `CpuTier::Auto` resolves to on this machine (`Avx2` on an
 /// x86-64 CPU with AVX2, FMA and F16C, else `Cranelift`): the tier JIT
 /// kernels' keys name (`…cpu-avx2…`) unless a build asks for another.
-pub fn widest_cpu_tier() -> CpuTier {
-    kvjit_jit::microkernel::resolve_tier(CpuTier::Auto).unwrap_or(CpuTier::Cranelift)
+pub fn widest_cpu_tier() -> CodeTier {
+    kvjit_jit::microkernel::resolve_tier(CpuTier::Auto).unwrap_or(CodeTier::Cranelift)
 }
+
+/// The CPU backend with the widest tier this machine runs: what
+/// [`specialize`] takes to name the keys [`compile`] builds by default.
+pub fn cpu_backend() -> Backend {
+    Backend::Cpu(widest_cpu_tier())
+}
+pub use kvjit_op as op;
 pub use kvjit_op_attention as attention;
 pub use kvjit_op_fused_qkv as fused_qkv;
 pub use kvjit_op_reshape as reshape;
 pub use kvjit_op_rope as rope;
+pub use kvjit_op_silu as silu;
 
 /// Typed builder functions, one per op, on top of
 /// [`GraphBuilder::node`](GraphBuilder::node) (which graph files use): a
@@ -94,6 +103,7 @@ pub mod ops {
     pub use kvjit_op_fused_qkv::{FusedQkvParams, fused_qkv_matmul};
     pub use kvjit_op_reshape::reshape;
     pub use kvjit_op_rope::{RopeParams, fused_qk_rope};
+    pub use kvjit_op_silu::{SiluParams, silu};
 }
 pub use kvjit_runtime::{
     BuildOptions, CodeInfo, DeviceContextPtr, Executable, Executor, KernelImpl, RunOutput, RuntimeError,

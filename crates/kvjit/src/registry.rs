@@ -1,9 +1,11 @@
-//! The one place every op kvjit ships is listed.
+//! The one place every op kvjit ships is listed: one line per op, the
+//! op's definition wrapped in [`Defined`].
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
 use kvjit_graph::{OpDef, OpRegistry};
+use kvjit_op::Defined;
 use kvjit_runtime::KernelBuilder;
 
 use crate::{Error, Result};
@@ -40,9 +42,11 @@ impl Registry {
 /// Every op kvjit ships.
 pub fn standard_registry() -> Registry {
     let mut registry = Registry::default();
-    registry.register(kvjit_op_fused_qkv::FusedQkvOp).expect("built-in op names are distinct");
-    registry.register(kvjit_op_reshape::ReshapeOp).expect("built-in op names are distinct");
-    registry.register(kvjit_op_rope::RopeOp).expect("built-in op names are distinct");
-    registry.register(kvjit_op_attention::MhaOp).expect("built-in op names are distinct");
+    let built_in = "built-in op names are distinct";
+    registry.register(Defined(kvjit_op_fused_qkv::FusedQkvOp)).expect(built_in);
+    registry.register(Defined(kvjit_op_reshape::ReshapeOp)).expect(built_in);
+    registry.register(Defined(kvjit_op_rope::RopeOp)).expect(built_in);
+    registry.register(Defined(kvjit_op_attention::MhaOp)).expect(built_in);
+    registry.register(Defined(kvjit_op_silu::SiluOp)).expect(built_in);
     registry
 }

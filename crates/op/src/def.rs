@@ -30,8 +30,9 @@ pub trait Op: Send + Sync + 'static {
     const OUTPUTS: &'static [&'static str] = &["output"];
     /// The node parameters ([`params!`](crate::params)).
     type Params: OpParams;
-    /// Everything a kernel of the op bakes in.
-    type Spec: KernelSpec;
+    /// Everything a kernel of the op bakes in, and how its calls are
+    /// checked and run by the reference.
+    type Spec: crate::CallContract;
 
     /// Check a node's parameters and input types (their kinds already
     /// checked against [`INPUTS`](Self::INPUTS)) and make the spec of its
@@ -59,8 +60,11 @@ pub trait Op: Send + Sync + 'static {
         Err(format!("no CUDA variant for op {} yet", Self::NAME))
     }
 
-    /// The reference kernel (CPU), for checking results.
-    fn build_reference(&self, spec: &Self::Spec) -> Built;
+    /// The reference kernel (CPU), for checking results. Default: the
+    /// spec's [`reference`](crate::CallContract::reference) as a kernel.
+    fn build_reference(&self, spec: &Self::Spec) -> Built {
+        built(crate::Reference(spec.clone()))
+    }
 
     /// The fast CPU kernel (JIT-compiled); `constants[i]` holds input `i`'s
     /// data when it is a graph constant.

@@ -71,6 +71,38 @@ pub trait CallContract: KernelSpec {
 
     /// The dtype and shape of each output of a checked call.
     fn outputs(&self, checked: &Self::Checked) -> Vec<OutputSpec>;
+
+    /// Run a checked call with the op's reference implementation (plain
+    /// Rust, f64 where it matters): the [`Reference`] kernel every fast
+    /// kernel is tested against.
+    fn reference(&self, checked: Self::Checked, call: Call<'_, '_>) -> Result<()>;
+}
+
+/// The reference kernel of any op: its spec's
+/// [`reference`](CallContract::reference) behind [`OpKernel`] (wrap it in
+/// [`Compiled`], as [`Op::build_reference`](crate::Op::build_reference)
+/// does).
+#[derive(Clone, Debug)]
+pub struct Reference<S>(pub S);
+
+impl<S> Reference<S> {
+    /// The reference kernel of `spec`.
+    pub fn new(spec: S) -> Self {
+        Self(spec)
+    }
+}
+
+impl<S: CallContract> OpKernel for Reference<S> {
+    type Spec = S;
+    const IMPLEMENTATION: &'static str = "reference";
+
+    fn spec(&self) -> &S {
+        &self.0
+    }
+
+    fn run(&self, checked: S::Checked, call: Call<'_, '_>, _: &DeviceContextPtr) -> Result<()> {
+        self.0.reference(checked, call)
+    }
 }
 
 /// One kernel of an op: how it runs a checked call. Wrap it in

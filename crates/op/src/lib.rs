@@ -35,7 +35,7 @@ mod rounding;
 mod step_args;
 
 pub use def::{Built, Constants, CpuBuild, Defined, Op, add_node, built, compile_error, spec_of};
-pub use kernel::{ArgDType, Call, CallContract, Compiled, OpKernel, TensorArg, check_dtypes};
+pub use kernel::{ArgDType, Call, CallContract, Compiled, OpKernel, Reference, TensorArg, check_dtypes};
 pub use params::{Choice, OpParams, Param};
 pub use rounding::store_f64;
 pub use step_args::expect_float_step;

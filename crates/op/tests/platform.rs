@@ -86,6 +86,13 @@ impl CallContract for ToySpec {
     fn outputs(&self, n: &usize) -> Vec<OutputSpec> {
         vec![(self.dtype, vec![*n])]
     }
+
+    fn reference(&self, n: usize, call: Call<'_, '_>) -> Result<()> {
+        let [x, _count] = call.tensors();
+        let doubled: Vec<f32> = x.to_f32_vec()?.iter().map(|v| 2.0 * v).collect();
+        call.outputs[0] = Tensor::from_f32(self.dtype, &[n], &doubled)?;
+        Ok(())
+    }
 }
 
 /// Counts its runs, so a test sees that a refused call never ran.
@@ -104,10 +111,7 @@ impl OpKernel for Doubler {
 
     fn run(&self, n: usize, call: Call<'_, '_>, _: &DeviceContextPtr) -> Result<()> {
         self.runs.fetch_add(1, Ordering::SeqCst);
-        let [x, _count] = call.tensors();
-        let doubled: Vec<f32> = x.to_f32_vec()?.iter().map(|v| 2.0 * v).collect();
-        call.outputs[0] = Tensor::from_f32(self.spec.dtype, &[n], &doubled)?;
-        Ok(())
+        self.spec.reference(n, call)
     }
 }
 
@@ -133,12 +137,8 @@ impl Op for ToyOp {
         vec![TensorType::new(spec.dtype, tensor_input(inputs, 0).shape.clone())]
     }
 
-    fn build_reference(&self, spec: &ToySpec) -> Built {
-        built(Doubler { spec: spec.clone(), runs: Arc::default() })
-    }
-
     fn build_cpu(&self, spec: &ToySpec, _: &Constants, _: &CpuBuild) -> Built {
-        self.build_reference(spec)
+        built(Doubler { spec: spec.clone(), runs: Arc::default() })
     }
 }
 
@@ -291,6 +291,11 @@ fn a_defined_op_specializes_to_a_key_holding_its_spec_and_builds_from_it() {
         let options = BuildOptions { implementation, ..BuildOptions::default() };
         let kernel = Defined(ToyOp).build(key, &[None, None], &options).unwrap();
         assert_eq!(kernel.key(), key);
+        let expected = if implementation == KernelImpl::Fast { "toy" } else { "reference" };
+        assert_eq!(kernel.implementation(), expected, "the default reference is the spec's reference");
+        let mut outputs = [Tensor::zeros(DType::F32, &[6]).unwrap()];
+        kernel.run(&[&x(6), &Tensor::scalar_u32(1)], &mut [], &mut outputs, &ctx()).unwrap();
+        assert_eq!(outputs[0].to_f32_vec().unwrap(), [1.0, 3.0, 5.0, 7.0, 9.0, 11.0]);
     }
 
     // A target the op does not serve: refused at specialize, and by the builder.

@@ -8,9 +8,9 @@ use kvjit_graph::{
     ArgSpec, GraphBuilder, GraphError, PagedParams, TensorType, ValueId, ValueType, input_error, paged_cache_input,
     step_inputs, tensor_input,
 };
-use kvjit_op::{Built, Constants, CpuBuild, Op, add_node, built, compile_error};
+use kvjit_op::{Built, Constants, CpuBuild, Op, add_node, compile_error};
 
-use crate::{Mask, MhaSpec, ReferenceKernel};
+use crate::{Mask, MhaSpec};
 
 /// The op's name in graphs (MAX's).
 pub const OP_NAME: &str = "mo.mha.padded.paged";
@@ -119,10 +119,6 @@ impl Op for MhaOp {
     /// generated code handles.
     fn supports_cpu(&self, spec: &MhaSpec) -> Result<(), String> {
         crate::cpu_jit::supported(spec).map_err(|e| e.to_string())
-    }
-
-    fn build_reference(&self, spec: &MhaSpec) -> Built {
-        built(ReferenceKernel::new(*spec))
     }
 
     fn build_cpu(&self, spec: &MhaSpec, _: &Constants, build: &CpuBuild) -> Built {

@@ -5,7 +5,7 @@
 use kvjit_core::{
     DType, KernelKey, KernelSpec, KeyField, KvCacheParams, PagedKVCacheCollection, Result, Target, Tensor,
 };
-use kvjit_op::{CallContract, Choice, TensorArg, checks};
+use kvjit_op::{Call, CallContract, Choice, TensorArg, checks};
 use kvjit_runtime::OutputSpec;
 
 use crate::call::{AttentionConfig, CallShape, check_call_for};
@@ -147,6 +147,13 @@ impl CallContract for MhaSpec {
 
     fn outputs(&self, shape: &CallShape) -> Vec<OutputSpec> {
         vec![(self.dtype, shape.output_shape())]
+    }
+
+    fn reference(&self, _: CallShape, call: Call<'_, '_>) -> Result<()> {
+        let [q, layer_idx, valid_lengths] = call.tensors();
+        let config = AttentionConfig::from(self);
+        crate::reference::mha(q, call.caches[0], layer_idx, valid_lengths, &config, &mut call.outputs[0])?;
+        Ok(())
     }
 }
 

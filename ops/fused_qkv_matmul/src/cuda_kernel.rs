@@ -26,7 +26,7 @@
 //! The device loads the newest image not newer than itself.
 //!
 //! **A call.** The op's check validates exactly as for the CPU kernels
-//! (the spec's [`CallContract`](kvjit_op::CallContract), which computes each
+//! (the spec's [`CallContract`], which computes each
 //! row's cache offset on the host, the pass that checks the page table),
 //! and only then does `run` touch the device: upload X (and W unless it
 //! is the graph constant, which is uploaded once per device), launch the

@@ -1,17 +1,15 @@
 //! The op's definition: parameters, signature, shape rules, the spec of
 //! its kernels, and the kernels it builds per target.
 
-use std::sync::Arc;
-
 use kvjit_core::{Backend, DType};
 use kvjit_graph::{
     ArgSpec, Dim, GraphBuilder, GraphError, PagedParams, TensorType, ValueId, ValueType, input_error,
     paged_cache_input, same_dim, step_inputs, tensor_input,
 };
-use kvjit_op::{Compiled, CpuBuild, Op, OpParams, compile_error};
-use kvjit_runtime::{ConstantInput, Kernel, RuntimeError};
+use kvjit_op::{Built, Constants, CpuBuild, Op, add_node, built, compile_error};
+use kvjit_runtime::ConstantInput;
 
-use crate::{CudaKernel, FusedQkvSpec, JitKernel, ReferenceKernel, Sizes};
+use crate::{CudaKernel, FusedQkvSpec, JitKernel, Sizes};
 
 /// Canonical op name (MAX's function name).
 pub const OP_NAME: &str = "generic_fused_qkv_matmul_kv_cache_bshd_paged";
@@ -42,7 +40,7 @@ pub fn fused_qkv_matmul(
     [hidden_state, weight, kv_collection, layer_idx, valid_lengths]: [ValueId; 5],
     params: FusedQkvParams,
 ) -> Result<ValueId, GraphError> {
-    Ok(b.node(OP_NAME, params.to_params(), &[hidden_state, weight, kv_collection, layer_idx, valid_lengths])?[0])
+    Ok(add_node::<FusedQkvOp, 5>(b, &params, [hidden_state, weight, kv_collection, layer_idx, valid_lengths])?[0])
 }
 
 /// The fused QKV matmul op. Parameters: `dtype` (f32, bf16, f16),
@@ -137,18 +135,9 @@ impl Op for FusedQkvOp {
         crate::cuda_kernel::choose_variants(spec).map(drop)
     }
 
-    fn build_reference(&self, spec: &FusedQkvSpec) -> Result<Arc<dyn Kernel>, RuntimeError> {
-        Ok(Arc::new(Compiled::new(ReferenceKernel::new(*spec))))
-    }
-
     /// Packs a constant weight into panels now; a prepared one (from an
     /// artifact) is taken as it is, its layout checked.
-    fn build_cpu(
-        &self,
-        spec: &FusedQkvSpec,
-        constants: &[Option<ConstantInput>],
-        build: &CpuBuild,
-    ) -> Result<Arc<dyn Kernel>, RuntimeError> {
+    fn build_cpu(&self, spec: &FusedQkvSpec, constants: &Constants, build: &CpuBuild) -> Built {
         let kernel = match constants.get(1).and_then(Option::as_ref) {
             Some(ConstantInput::Prepared(prepared)) => {
                 JitKernel::with_prepared_weight(*spec, prepared, build.capture, build.specialize_shapes)
@@ -160,19 +149,15 @@ impl Op for FusedQkvOp {
                     .map_err(|e| compile_error(spec, e))?
             }
         };
-        Ok(Arc::new(Compiled::new(kernel)))
+        built(kernel)
     }
 
     /// Picks the precompiled variants for the spec (refusing specs none
     /// serves) without touching a GPU; the kernel loads them on the device
     /// of the first context it runs on.
-    fn build_cuda(
-        &self,
-        spec: &FusedQkvSpec,
-        constants: &[Option<ConstantInput>],
-    ) -> Result<Arc<dyn Kernel>, RuntimeError> {
+    fn build_cuda(&self, spec: &FusedQkvSpec, constants: &Constants) -> Built {
         let weight = constants.get(1).and_then(Option::as_ref).and_then(ConstantInput::plain).cloned();
-        Ok(Arc::new(Compiled::new(CudaKernel::new(*spec, weight)?)))
+        built(CudaKernel::new(*spec, weight)?)
     }
 
     /// The JIT kernel packs a constant weight into panels at build.

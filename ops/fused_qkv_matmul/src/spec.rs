@@ -5,7 +5,7 @@ use kvjit_core::{
     Backend, CodeTier, DType, KernelKey, KernelSpec, KeyField, KvCacheParams, PagedKVCacheCollection, Result, Tensor,
 };
 use kvjit_op::checks::{expect_baked, with_cache_fields_as};
-use kvjit_op::{CallContract, TensorArg};
+use kvjit_op::{Call, CallContract, TensorArg};
 use kvjit_runtime::OutputSpec;
 
 use crate::call::{CheckedCall, WeightArg, check_shapes};
@@ -120,6 +120,11 @@ impl CallContract for FusedQkvSpec {
 
     fn outputs(&self, checked: &CheckedCall) -> Vec<OutputSpec> {
         vec![(self.dtype, checked.shape.output_shape())]
+    }
+
+    fn reference(&self, checked: CheckedCall, call: Call<'_, '_>) -> Result<()> {
+        let [hidden, weight, _, valid_lengths] = call.tensors();
+        crate::reference::write(&checked.shape, hidden, weight, call.caches[0], valid_lengths, &mut call.outputs[0])
     }
 }
 

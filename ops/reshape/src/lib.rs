@@ -202,6 +202,12 @@ impl CallContract for ReshapeSpec {
     fn outputs(&self, shape: &Vec<usize>) -> Vec<OutputSpec> {
         vec![(self.dtype, shape.clone())]
     }
+
+    /// The output becomes the input seen with the checked shape.
+    fn reference(&self, shape: Vec<usize>, call: Call<'_, '_>) -> kvjit_core::Result<()> {
+        call.outputs[0] = call.tensors[0].reshaped(&shape)?;
+        Ok(())
+    }
 }
 
 /// The view "kernel": checks the input and gives the output shape; the
@@ -218,10 +224,9 @@ impl OpKernel for ViewKernel {
     }
 
     /// Not called by the executor (it makes the view); for direct callers,
-    /// the output becomes the input seen with the checked shape.
+    /// the reference's view.
     fn run(&self, shape: Vec<usize>, call: Call<'_, '_>, _: &DeviceContextPtr) -> kvjit_core::Result<()> {
-        call.outputs[0] = call.tensors[0].reshaped(&shape)?;
-        Ok(())
+        self.0.reference(shape, call)
     }
 }
 

@@ -8,7 +8,7 @@ use kvjit_graph::{
 };
 use kvjit_op::{Built, Constants, CpuBuild, Op, add_node, built, compile_error};
 
-use crate::{JitKernel, ReferenceKernel, RopeSpec};
+use crate::{JitKernel, RopeSpec};
 
 /// The op's name in graphs (MAX's).
 pub const OP_NAME: &str = "mo.fused_qk_rope.padded.paged";
@@ -123,10 +123,6 @@ impl Op for RopeOp {
     /// are multiples of 4, and offsets it can form.
     fn supports_cpu(&self, spec: &RopeSpec) -> Result<(), String> {
         crate::cpu_jit::supported(spec).map_err(|e| e.to_string())
-    }
-
-    fn build_reference(&self, spec: &RopeSpec) -> Built {
-        built(ReferenceKernel::new(*spec))
     }
 
     fn build_cpu(&self, spec: &RopeSpec, _: &Constants, build: &CpuBuild) -> Built {

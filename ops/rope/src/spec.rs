@@ -3,10 +3,10 @@
 
 use kvjit_core::{DType, KernelKey, KernelSpec, KeyField, KvCacheParams, PagedKVCacheCollection, Result, Tensor};
 use kvjit_op::checks::{expect_baked, with_cache_fields};
-use kvjit_op::{CallContract, TensorArg};
+use kvjit_op::{Call, CallContract, TensorArg};
 use kvjit_runtime::OutputSpec;
 
-use crate::{CallShape, check_call};
+use crate::{CallShape, check_call, reference};
 
 /// Short op name used in kernel keys and symbols.
 pub const KERNEL_NAME: &str = "fused_qk_rope_paged";
@@ -91,6 +91,13 @@ impl CallContract for RopeSpec {
 
     fn outputs(&self, shape: &CallShape) -> Vec<OutputSpec> {
         vec![(self.dtype, shape.output_shape())]
+    }
+
+    fn reference(&self, _: CallShape, call: Call<'_, '_>) -> Result<()> {
+        let [q_proj, freqs_cis, layer_idx, valid_lengths] = call.tensors();
+        let (cache, output) = (&mut *call.caches[0], &mut call.outputs[0]);
+        reference::fused_qk_rope(q_proj, cache, freqs_cis, layer_idx, valid_lengths, self.interleaved, output)?;
+        Ok(())
     }
 }
 

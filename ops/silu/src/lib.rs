@@ -17,7 +17,9 @@ pub mod reference;
 
 use kvjit_core::{Backend, DType, KernelKey, KernelSpec, KeyField, PagedKVCacheCollection, Result, Target, Tensor};
 use kvjit_graph::{ArgSpec, GraphBuilder, GraphError, TensorType, ValueId, ValueType, tensor_input};
-use kvjit_op::{Built, CallContract, Constants, CpuBuild, Op, TensorArg, add_node, built, compile_error, elementwise};
+use kvjit_op::{
+    Built, Call, CallContract, Constants, CpuBuild, Op, TensorArg, add_node, built, compile_error, elementwise,
+};
 use kvjit_runtime::OutputSpec;
 
 pub use cpu_jit::{ELEMENTS_PER_ITEM, JitKernel};
@@ -56,10 +58,6 @@ impl Op for SiluOp {
 
     fn infer(&self, spec: &SiluSpec, inputs: &[&ValueType]) -> Vec<TensorType> {
         vec![TensorType::new(spec.dtype, tensor_input(inputs, 0).shape.clone())]
-    }
-
-    fn build_reference(&self, spec: &SiluSpec) -> Built {
-        built(ReferenceKernel(*spec))
     }
 
     /// The JIT kernel. Shapes are not specialized further: a kernel with
@@ -108,5 +106,12 @@ impl CallContract for SiluSpec {
 
     fn outputs(&self, shape: &Vec<usize>) -> Vec<OutputSpec> {
         vec![(self.dtype, shape.clone())]
+    }
+
+    /// [`reference::silu`] of every element in f64, rounded once.
+    fn reference(&self, _: Vec<usize>, call: Call<'_, '_>) -> Result<()> {
+        let [x] = call.tensors();
+        let y: Vec<f64> = x.to_f32_vec()?.into_iter().map(|v| reference::silu(f64::from(v))).collect();
+        kvjit_op::store_f64(&mut call.outputs[0], &y)
     }
 }

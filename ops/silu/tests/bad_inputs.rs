@@ -18,7 +18,7 @@ use rand::SeedableRng;
 use rand::rngs::SmallRng;
 
 fn kernels(spec: SiluSpec) -> [Arc<dyn Kernel>; 2] {
-    [Arc::new(Compiled::new(jit(spec))), Arc::new(Compiled::new(ReferenceKernel(spec)))]
+    [Arc::new(Compiled::new(jit(spec))), Arc::new(Compiled::new(ReferenceKernel::new(spec)))]
 }
 
 fn poisoned(dtype: DType, shape: &[usize]) -> Tensor {

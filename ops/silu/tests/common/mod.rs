@@ -38,7 +38,7 @@ pub fn run_jit(kernel: &JitKernel, x: &Tensor, threads: usize) -> Tensor {
 /// The reference's output for `x`, through the platform's `Kernel` (output
 /// poisoned first).
 pub fn run_reference(x: &Tensor) -> Tensor {
-    let kernel = Compiled::new(ReferenceKernel(spec(x.dtype(), None)));
+    let kernel = Compiled::new(ReferenceKernel::new(spec(x.dtype(), None)));
     let mut out = Tensor::zeros(x.dtype(), x.shape()).unwrap();
     poison(&mut out);
     kernel.run(&[x], &mut [], std::slice::from_mut(&mut out), &ctx(1)).unwrap();
