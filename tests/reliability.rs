@@ -38,6 +38,7 @@ use kvjit::fused_qkv::cpu_jit::compile_log;
 use kvjit::fused_qkv::{FusedQkvSpec, JitKernel, OP_NAME};
 use kvjit::models::llama::{LayerConfig, qkv_layer_graph};
 use kvjit::op::Compiled;
+use kvjit::op::checks::StepDims;
 use kvjit::scenario::Scenario;
 use kvjit::{
     BuildOptions, CompileOptions, CoreError, DType, DeviceContextPtr, Dim, Error, Executable, Executor, Graph,
@@ -516,8 +517,7 @@ fn unusual_spec(seq: usize) -> FusedQkvSpec {
         },
         k: 1019,
         q_dim: 31,
-        batch: None,
-        seq: Some(seq),
+        step: StepDims { batch: None, seq: Some(seq) },
         sizes: kvjit::fused_qkv::Sizes::Baked,
     }
 }

@@ -31,12 +31,13 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use half::slice::HalfFloatSliceExt;
-use kvjit::attention::{JitKernel as MhaKernel, jit_kernel as mha_kernel, run_into as run_mha};
+use kvjit::attention::{JitKernel as MhaKernel, jit_kernel as mha_kernel};
 use kvjit::models::llama::LlamaConfig;
-use kvjit::rope::{JitKernel as RopeKernel, RopeArgs, RopeSpec};
+use kvjit::rope::{JitKernel as RopeKernel, RopeSpec};
 use kvjit_core::{DType, KernelSpec, PagedKVCacheCollection, Target, Tensor};
 use kvjit_jit::CaptureText;
 use kvjit_op::Compiled;
+use kvjit_op::checks::StepDims;
 use kvjit_runtime::{DeviceContextPtr, Executable, Executor};
 use rand::SeedableRng;
 use rand::rngs::SmallRng;
@@ -572,11 +573,11 @@ fn validate(
     q: &Tensor,
     layer: &Tensor,
     valid: &Tensor,
-    cache: &PagedKVCacheCollection,
+    cache: &mut PagedKVCacheCollection,
     ctx: &DeviceContextPtr,
 ) -> Result<f64> {
     let mut jit = Tensor::zeros(q.dtype(), q.shape())?;
-    run_mha(kernel, &[q, layer, valid], cache, jit.as_bytes_mut(), ctx)?;
+    kernel.kernel().run_into(&[q, layer, valid], &mut [&mut *cache], jit.as_bytes_mut(), ctx)?;
     let mut theirs = Tensor::zeros(q.dtype(), q.shape())?;
     peer.run(q, cache, layer.to_u32_vec()?[0] as usize, &valid.to_u32_vec()?, &mut theirs, ctx)?;
     Ok(normalized_error(&jit.to_f32_vec()?, &theirs.to_f32_vec()?))
@@ -594,7 +595,7 @@ fn run_pair(
 ) -> Result<PairResult> {
     let StepShape { batch, history, new_tokens: seq } = step;
     let threads = ctx.cpu_context().map_or(1, |c| c.threads());
-    let cache = make_cache(heads, dtype, layers, step, true, rng)?;
+    let mut cache = make_cache(heads, dtype, layers, step, true, rng)?;
     let spec = heads.spec(dtype, layers, batch, seq);
     let key = spec.key().to_string();
     let kernel =
@@ -613,7 +614,7 @@ fn run_pair(
         outcome: Err(String::new()),
     };
     // Validate on the last layer (any layer would do).
-    let error = match validate(&kernel, &mut peer, &q, &layer_tensors[layers - 1], &valid, &cache, ctx) {
+    let error = match validate(&kernel, &mut peer, &q, &layer_tensors[layers - 1], &valid, &mut cache, ctx) {
         Ok(error) => error,
         Err(e) => {
             result.outcome = Err(format!("validation run failed: {e}"));
@@ -634,7 +635,12 @@ fn run_pair(
         let l = next[i] % layers;
         next[i] = l + 1;
         match i {
-            0 => run_mha(&kernel, &[&q, &layer_tensors[l], &valid], &cache, jit_out.as_bytes_mut(), ctx)?,
+            0 => kernel.kernel().run_into(
+                &[&q, &layer_tensors[l], &valid],
+                &mut [&mut cache],
+                jit_out.as_bytes_mut(),
+                ctx,
+            )?,
             _ => peer.run(&q, &cache, l, &valid_values, &mut peer_out, ctx)?,
         }
         Ok(())
@@ -674,8 +680,7 @@ fn run_rope(
         cache: cache_params(heads, dtype, 1),
         interleaved: false,
         num_q_heads: heads.num_heads,
-        batch: Some(batch),
-        seq: Some(seq),
+        step: StepDims { batch: Some(batch), seq: Some(seq) },
     };
     let key = spec.key().to_string();
     let kernel = RopeKernel::new(spec, CaptureText::default()).map_err(|source| BenchError::Compile { key, source })?;
@@ -685,14 +690,8 @@ fn run_rope(
     let valid = Tensor::from_vec(&[batch], vec![seq as u32; batch])?;
     let mut out = Tensor::zeros(dtype, q.shape())?;
     let measured = measure_interleaved(1, plan, |_| {
-        let args = RopeArgs {
-            q_proj: &q,
-            kv_collection: &mut cache,
-            freqs_cis: &freqs,
-            layer_idx: &layer,
-            valid_lengths: &valid,
-        };
-        kernel.run_into(args, out.as_bytes_mut(), ctx)?;
+        let tensors = [&q, &freqs, &layer, &valid];
+        kernel.run_into(&tensors, &mut [&mut cache], out.as_bytes_mut(), ctx)?;
         Ok(())
     })?;
     let rows = (batch * seq) as f64;

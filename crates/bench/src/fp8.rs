@@ -16,11 +16,12 @@ use std::fmt::Write as _;
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvjit::attention::{jit_kernel as mha_kernel, run_into as run_mha};
+use kvjit::attention::jit_kernel as mha_kernel;
 use kvjit::fused_qkv::{FusedQkvSpec, JitKernel as QkvKernel, QkvArgs, Sizes};
 use kvjit::models::llama::LlamaConfig;
 use kvjit_core::{Backend, DType, KernelSpec, KvCacheParams, Tensor};
 use kvjit_jit::CaptureText;
+use kvjit_op::checks::StepDims;
 use kvjit_runtime::{DeviceContextPtr, Executor};
 use rand::SeedableRng;
 use rand::rngs::SmallRng;
@@ -215,8 +216,7 @@ fn store_pair(
             },
             k: shape.k,
             q_dim: shape.q_dim(),
-            batch: Some(1),
-            seq: Some(m),
+            step: StepDims { batch: Some(1), seq: Some(m) },
             sizes: Sizes::Baked,
         };
         let kernel = QkvKernel::new(spec, Some(weight.clone()), CaptureText::default())
@@ -253,7 +253,7 @@ fn attention_pair(
     let layers = ((config.working_set as f64 / bf16_bytes).ceil() as usize).max(1);
     // The same K/V in both caches: random bf16 values, and those values
     // quantized per g-block into the FP8 cache.
-    let bf16 =
+    let mut bf16 =
         make_cache(heads, DType::BF16, layers, StepShape { batch, history: context - 1, new_tokens: 1 }, true, rng)?;
     let mut fp8 =
         make_cache(heads, DType::F8E4M3, layers, StepShape { batch, history: context - 1, new_tokens: 1 }, false, rng)?;
@@ -278,10 +278,16 @@ fn attention_pair(
         let key = spec.key().to_string();
         kernels.push(mha_kernel(spec, CaptureText::default()).map_err(|source| BenchError::Compile { key, source })?);
     }
-    let caches = [&bf16, &fp8];
+    let fp8_bytes = (batch * context * fp8.params().bytes_per_token()) as f64;
+    let mut caches = [&mut bf16, &mut fp8];
     let mut outputs = [Tensor::zeros(DType::BF16, q.shape())?, Tensor::zeros(DType::BF16, q.shape())?];
     for i in 0..2 {
-        run_mha(&kernels[i], &[&q, &layer_tensors[0], &valid], caches[i], outputs[i].as_bytes_mut(), ctx)?;
+        kernels[i].kernel().run_into(
+            &[&q, &layer_tensors[0], &valid],
+            &mut [&mut *caches[i]],
+            outputs[i].as_bytes_mut(),
+            ctx,
+        )?;
     }
     let (want, got) = (outputs[0].to_f32_vec()?, outputs[1].to_f32_vec()?);
     let scale = want.iter().fold(0f32, |m, v| m.max(v.abs())).max(f32::MIN_POSITIVE);
@@ -290,9 +296,9 @@ fn attention_pair(
     let measured = measure_interleaved(2, &config.timing, |i| {
         let l = next[i] % layers;
         next[i] = l + 1;
-        Ok(run_mha(&kernels[i], &[&q, &layer_tensors[l], &valid], caches[i], outputs[i].as_bytes_mut(), ctx)?)
+        let tensors = [&q, &layer_tensors[l], &valid];
+        Ok(kernels[i].kernel().run_into(&tensors, &mut [&mut *caches[i]], outputs[i].as_bytes_mut(), ctx)?)
     })?;
-    let fp8_bytes = (batch * context * fp8.params().bytes_per_token()) as f64;
     Ok(AttentionResult {
         context,
         batch,

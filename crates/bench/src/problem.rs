@@ -16,6 +16,7 @@ use std::sync::Arc;
 
 use half::slice::HalfFloatSliceExt;
 use kvjit_core::{Backend, CodeTier, DType, KvCacheParams, PagedKVCacheCollection, Tensor, TensorData};
+use kvjit_op::checks::StepDims;
 use kvjit_op_fused_qkv::{FusedQkvSpec, Sizes};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
@@ -119,8 +120,7 @@ impl ModelShape {
             },
             k: self.k,
             q_dim: self.q_dim(),
-            batch: rows.map(|r| r.0),
-            seq: rows.map(|r| r.1),
+            step: StepDims { batch: rows.map(|r| r.0), seq: rows.map(|r| r.1) },
             sizes: Sizes::Baked,
         }
     }

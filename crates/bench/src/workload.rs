@@ -9,6 +9,7 @@ use kvjit::attention::{Mask, MhaSpec};
 use kvjit::models::llama::{LayerConfig, LlamaConfig, attention_step_graph};
 use kvjit::{CompileOptions, compile, standard_registry};
 use kvjit_core::{DType, KvCacheParams, PagedKVCacheCollection, Target, Tensor};
+use kvjit_op::checks::StepDims;
 use kvjit_runtime::Executable;
 use rand::rngs::SmallRng;
 use rand::seq::SliceRandom;
@@ -67,8 +68,7 @@ impl Heads {
             mask: Mask::Causal,
             window: None,
             scale: self.scale(),
-            batch: Some(batch),
-            seq: Some(seq),
+            step: StepDims { batch: Some(batch), seq: Some(seq) },
         }
     }
 }

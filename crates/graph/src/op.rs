@@ -295,6 +295,13 @@ impl ArgSpec {
     pub const fn valid_lengths(name: &'static str) -> Self {
         Self { name, kind: ArgKind::Tensor, role: ArgRole::ValidLengths }
     }
+
+    /// A paged op's cache, by the name MAX gives it.
+    pub const KV_COLLECTION: Self = Self::cache("kv_collection");
+    /// A paged op's layer index, by the name MAX gives it.
+    pub const LAYER_IDX: Self = Self::layer_index("layer_idx");
+    /// A paged op's valid lengths, by the name MAX gives it.
+    pub const VALID_LENGTHS: Self = Self::valid_lengths("valid_lengths");
 }
 
 /// [`GraphError::InputType`] for argument `arg`: what was `expected`, and

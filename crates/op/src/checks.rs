@@ -6,6 +6,43 @@ use std::collections::HashMap;
 
 use kvjit_core::{Error, KernelSpec, KeyField, KvCacheParams, PagedKVCacheCollection, Result, Tensor, shape_mismatch};
 
+/// The batch B and padded sequence length S a paged kernel bakes in
+/// (`None`: read from each call) — the last two fields of every paged op's
+/// key, `b` and `s`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct StepDims {
+    /// Batch B, if static.
+    pub batch: Option<usize>,
+    /// Padded sequence length S, if static.
+    pub seq: Option<usize>,
+}
+
+impl StepDims {
+    /// Both left to run time (a generic kernel's).
+    pub const ANY: Self = Self { batch: None, seq: None };
+
+    /// Both baked in.
+    pub fn fixed(batch: usize, seq: usize) -> Self {
+        Self { batch: Some(batch), seq: Some(seq) }
+    }
+
+    /// The dims of a graph's `[B, S, …]` input: static ones baked in.
+    pub fn of(batch: &kvjit_graph::Dim, seq: &kvjit_graph::Dim) -> Self {
+        Self { batch: batch.as_static(), seq: seq.as_static() }
+    }
+
+    /// Append them to a key as `b` and `s` (`bany` when left to run time).
+    pub fn named(self, key: kvjit_core::KernelKey) -> kvjit_core::KernelKey {
+        key.with("b", KeyField::dim(self.batch)).with("s", KeyField::dim(self.seq))
+    }
+
+    /// The leading dims of a `[B, S, …]` tensor as [`expect_baked`] takes
+    /// them.
+    pub fn baked(self) -> [BakedDim; 2] {
+        [("B", self.batch), ("S", self.seq)]
+    }
+}
+
 /// One dim of a tensor as a kernel baked it in: its size, or `None` (read
 /// at run time), with the letter that names it in errors (`B`, `S`).
 pub type BakedDim = (&'static str, Option<usize>);
@@ -69,7 +106,19 @@ impl Step<'_> {
     }
 }
 
-/// Check a paged op's step: `cache` laid out as the kernel was built for
+/// A paged op's step arguments, which travel together: the cache, the
+/// layer the step reads or writes, and each sequence's valid tokens.
+#[derive(Clone, Copy, Debug)]
+pub struct StepArgs<'a> {
+    /// The paged cache.
+    pub kv_collection: &'a PagedKVCacheCollection,
+    /// u32 scalar.
+    pub layer_idx: &'a Tensor,
+    /// u32 `[B]`.
+    pub valid_lengths: &'a Tensor,
+}
+
+/// Check a paged op's step: the cache laid out as the kernel was built for
 /// (`built_for`), `layer_idx` a u32 scalar `< L`, `valid_lengths` u32
 /// `[B]` with B the cache's batch and each `≤ S`, and every sequence's
 /// `cache_length + valid_length` representable. `batch` and `seq` come
@@ -78,11 +127,10 @@ impl Step<'_> {
 pub fn check_step<'a>(
     primary: &str,
     [batch, seq]: [usize; 2],
-    cache: &PagedKVCacheCollection,
     built_for: &KvCacheParams,
-    layer_idx: &Tensor,
-    valid_lengths: &'a Tensor,
+    args: StepArgs<'a>,
 ) -> Result<Step<'a>> {
+    let StepArgs { kv_collection: cache, layer_idx, valid_lengths } = args;
     cache.params().expect_built_for(built_for)?;
     if !matches!(layer_idx.shape(), [] | [1]) {
         return Err(shape_mismatch("layer_idx", "[] (a scalar)".into(), layer_idx));

@@ -33,25 +33,27 @@ pub trait Op: Send + Sync + 'static {
     /// Everything a kernel of the op bakes in, and how its calls are
     /// checked and run by the reference.
     type Spec: crate::CallContract;
+    /// The op's fast CPU kernel (its JIT kernel, or a view), which the
+    /// default [`supports_cpu`](Self::supports_cpu) and
+    /// [`build_cpu`](Self::build_cpu) ask.
+    type Cpu: CpuKernel<Spec = Self::Spec>;
 
     /// Check a node's parameters and input types (their kinds already
     /// checked against [`INPUTS`](Self::INPUTS)) and make the spec of its
     /// kernel on `backend`.
-    fn specialize(
-        &self,
-        params: &Self::Params,
-        inputs: &[&ValueType],
-        backend: Backend,
-    ) -> Result<Self::Spec, GraphError>;
+    fn specialize(&self, params: &Self::Params, inputs: &[&ValueType], backend: Backend) -> Specialized<Self::Spec>;
 
-    /// The output types of a node with this (valid) spec.
-    fn infer(&self, spec: &Self::Spec, inputs: &[&ValueType]) -> Vec<TensorType>;
+    /// The output types of a node with this (valid) spec. Default: one
+    /// output of the first input's shape in the spec's compute dtype.
+    fn infer(&self, spec: &Self::Spec, inputs: &[&ValueType]) -> Vec<TensorType> {
+        vec![TensorType::new(spec.key_name().dtype(), kvjit_graph::tensor_input(inputs, 0).shape.clone())]
+    }
 
     /// Whether the CPU kernels serve `spec` (`Err(reason)`: sizes past
-    /// what the generated code handles). Default: every spec.
+    /// what the generated code handles). Default: what the fast CPU kernel
+    /// says ([`CpuKernel::supported`]).
     fn supports_cpu(&self, spec: &Self::Spec) -> Result<(), String> {
-        let _ = spec;
-        Ok(())
+        Self::Cpu::supported(spec).map_err(|e| e.to_string())
     }
 
     /// Whether a CUDA kernel serves `spec`. Default: none does.
@@ -67,8 +69,13 @@ pub trait Op: Send + Sync + 'static {
     }
 
     /// The fast CPU kernel (JIT-compiled); `constants[i]` holds input `i`'s
-    /// data when it is a graph constant.
-    fn build_cpu(&self, spec: &Self::Spec, constants: &Constants, build: &CpuBuild) -> Built;
+    /// data when it is a graph constant. Default: [`CpuKernel::build`].
+    fn build_cpu(&self, spec: &Self::Spec, constants: &Constants, build: &CpuBuild) -> Built {
+        built(
+            Self::Cpu::build(spec, constants, build)
+                .map_err(|e| RuntimeError::Compile { key: spec.key().to_string(), source: e })?,
+        )
+    }
 
     /// The CUDA kernel. Default: refused like [`supports_cuda`](Self::supports_cuda).
     fn build_cuda(&self, spec: &Self::Spec, constants: &Constants) -> Built {
@@ -92,6 +99,25 @@ pub trait Op: Send + Sync + 'static {
         false
     }
 }
+
+/// An op's fast CPU kernel as its [`Op`] builds it: what it serves, and
+/// how it is made from a spec (and the graph's constants).
+pub trait CpuKernel: crate::OpKernel + Sized {
+    /// Whether the kernel serves `spec`: sizes past what its code handles
+    /// are refused at specialize with this reason. Default: every spec.
+    fn supported(spec: &Self::Spec) -> Result<(), kvjit_jit::JitError> {
+        let _ = spec;
+        Ok(())
+    }
+
+    /// Compile (or fetch from the process-wide registry) the kernel for
+    /// `spec`; `constants[i]` holds input `i`'s data when it is a graph
+    /// constant.
+    fn build(spec: &Self::Spec, constants: &Constants, build: &CpuBuild) -> Result<Self, BoxError>;
+}
+
+/// Any error, boxed (what a [`CpuKernel`] may fail with).
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// How to build a fast CPU kernel: what to keep of its code, and whether to
 /// specialize generic kernels for the shapes they see.
@@ -196,6 +222,10 @@ impl<O: Op> KernelBuilder for Defined<O> {
         }
     }
 }
+
+/// What specializing a node gives: its kernel's spec, or why the node is
+/// refused.
+pub type Specialized<S> = Result<S, GraphError>;
 
 /// What building a kernel gives: the kernel, ready for the runtime.
 pub type Built = Result<Arc<dyn Kernel>, RuntimeError>;

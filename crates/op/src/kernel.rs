@@ -15,7 +15,7 @@ use kvjit_runtime::{CodeInfo, DeviceContextPtr, Kernel, OutputSpec};
 /// The dtype a tensor argument must have.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ArgDType {
-    /// The spec's compute dtype ([`CallContract::dtype`]).
+    /// The compute dtype the spec's key names.
     Compute,
     /// This dtype.
     Exactly(DType),
@@ -47,7 +47,16 @@ impl TensorArg {
     pub const fn checked(name: &'static str) -> Self {
         Self { name, dtype: ArgDType::Checked }
     }
+
+    /// A paged op's layer index (a u32 scalar), by the name MAX gives it.
+    pub const LAYER_IDX: Self = Self::u32("layer_idx");
+    /// A paged op's valid lengths (u32 `[B]`), by the name MAX gives it.
+    pub const VALID_LENGTHS: Self = Self::u32("valid_lengths");
 }
+
+/// A paged op's one cache argument, by the name MAX gives it
+/// ([`CallContract::CACHES`]).
+pub const KV_COLLECTION: &[&str] = &["kv_collection"];
 
 /// How a kernel call is checked: declared once per op (on its spec),
 /// shared by every kernel of the op.
@@ -61,9 +70,6 @@ pub trait CallContract: KernelSpec {
     const CACHES: &'static [&'static str] = &[];
     /// The outputs, in order (names).
     const OUTPUTS: &'static [&'static str] = &["output"];
-
-    /// The compute dtype ([`ArgDType::Compute`] arguments have it).
-    fn dtype(&self) -> DType;
 
     /// Check a call (arity and the declared dtypes already checked) against
     /// the contract and against what the spec bakes in; write nothing.
@@ -167,13 +173,14 @@ impl<'c> Call<'c, '_> {
 }
 
 /// The dtype and contiguity of every tensor whose dtype `S`'s signature
-/// fixes ([`CallContract::TENSORS`], in order): what [`Compiled`] checks
-/// before the op's check, and what a kernel run outside the runtime (into
-/// raw output bytes) checks the same way.
-pub fn check_dtypes<S: CallContract>(spec: &S, tensors: &[&Tensor]) -> Result<()> {
+/// fixes ([`CallContract::TENSORS`], in order; `compute` is the key's
+/// dtype): what [`Compiled`] checks before the op's check, and what a
+/// kernel run outside the runtime (into raw output bytes) checks the same
+/// way.
+pub fn check_dtypes<S: CallContract>(compute: DType, tensors: &[&Tensor]) -> Result<()> {
     for (arg, tensor) in S::TENSORS.iter().zip(tensors) {
         let dtype = match arg.dtype {
-            ArgDType::Compute => spec.dtype(),
+            ArgDType::Compute => compute,
             ArgDType::Exactly(dtype) => dtype,
             ArgDType::Checked => continue,
         };
@@ -200,29 +207,6 @@ impl<K: OpKernel> Compiled<K> {
         &self.kernel
     }
 
-    /// Check a call's inputs as [`Kernel::check`] does (arity, declared
-    /// dtypes, then the kernel's check) and return what the check learnt:
-    /// for a kernel that also runs into memory its caller owns (a guarded
-    /// test buffer, a benchmark's output), which then needs no second check.
-    pub fn check_call(
-        &self,
-        tensors: &[&Tensor],
-        caches: &[&PagedKVCacheCollection],
-    ) -> Result<<K::Spec as CallContract>::Checked> {
-        self.checked(tensors, caches, None)
-    }
-
-    fn signature() -> String {
-        let tensors: Vec<&str> = K::Spec::TENSORS.iter().map(|a| a.name).collect();
-        format!(
-            "{} tensors ({}), {} KV caches and {} outputs",
-            tensors.len(),
-            tensors.join(", "),
-            K::Spec::CACHES.len(),
-            K::Spec::OUTPUTS.len()
-        )
-    }
-
     /// The arity and declared dtypes of the inputs, then the op's check.
     fn checked(
         &self,
@@ -230,17 +214,38 @@ impl<K: OpKernel> Compiled<K> {
         caches: &[&PagedKVCacheCollection],
         outputs: Option<usize>,
     ) -> Result<<K::Spec as CallContract>::Checked> {
-        let arity_ok = tensors.len() == K::Spec::TENSORS.len()
-            && caches.len() == K::Spec::CACHES.len()
-            && outputs.is_none_or(|n| n == K::Spec::OUTPUTS.len());
-        if !arity_ok {
-            let mut got = vec![tensors.len(), caches.len()];
-            got.extend(outputs);
-            return Err(Error::KernelArguments { expected: Self::signature(), got });
-        }
-        check_dtypes(self.kernel.spec(), tensors)?;
+        check_signature::<K::Spec>(self.key.dtype(), tensors, caches, outputs)?;
         self.kernel.check(tensors, caches)
     }
+}
+
+/// What every entry to a kernel of spec `S` checks first: as many tensors,
+/// caches (and, when given, outputs) as the signature declares
+/// ([`Error::KernelArguments`], naming it), and the dtype and contiguity
+/// of every tensor it declares a dtype for ([`check_dtypes`]).
+pub fn check_signature<S: CallContract>(
+    compute: DType,
+    tensors: &[&Tensor],
+    caches: &[&PagedKVCacheCollection],
+    outputs: Option<usize>,
+) -> Result<()> {
+    let arity_ok = tensors.len() == S::TENSORS.len()
+        && caches.len() == S::CACHES.len()
+        && outputs.is_none_or(|n| n == S::OUTPUTS.len());
+    if !arity_ok {
+        let names: Vec<&str> = S::TENSORS.iter().map(|a| a.name).collect();
+        let expected = format!(
+            "{} tensors ({}), {} KV caches and {} outputs",
+            names.len(),
+            names.join(", "),
+            S::CACHES.len(),
+            S::OUTPUTS.len()
+        );
+        let mut got = vec![tensors.len(), caches.len()];
+        got.extend(outputs);
+        return Err(Error::KernelArguments { expected, got });
+    }
+    check_dtypes::<S>(compute, tensors)
 }
 
 impl<K: OpKernel> Kernel for Compiled<K> {

@@ -28,14 +28,21 @@
 pub mod checks;
 mod def;
 pub mod elementwise;
+mod jit;
 mod kernel;
 mod op_error;
 mod params;
 mod rounding;
 mod step_args;
 
-pub use def::{Built, Constants, CpuBuild, Defined, Op, add_node, built, compile_error, spec_of};
-pub use kernel::{ArgDType, Call, CallContract, Compiled, OpKernel, Reference, TensorArg, check_dtypes};
+pub use def::{
+    BoxError, Built, Constants, CpuBuild, CpuKernel, Defined, Op, Specialized, add_node, built, compile_error, spec_of,
+};
+pub use jit::{Jit, JitSpec, Launch};
+pub use kernel::{
+    ArgDType, Call, CallContract, Compiled, KV_COLLECTION, OpKernel, Reference, TensorArg, check_dtypes,
+    check_signature,
+};
 pub use params::{Choice, OpParams, Param};
 pub use rounding::store_f64;
 pub use step_args::expect_float_step;
@@ -47,3 +54,15 @@ pub use kvjit_graph as graph;
 
 #[doc(hidden)]
 pub use params::spec_of as param_spec;
+
+/// The tensor arguments of a paged op's call ([`CallContract::TENSORS`]):
+/// the named tensors in the compute dtype, then the step's
+/// [`LAYER_IDX`](TensorArg::LAYER_IDX) and
+/// [`VALID_LENGTHS`](TensorArg::VALID_LENGTHS), MAX's order.
+/// `paged_tensors!["q_proj", "freqs_cis"]`.
+#[macro_export]
+macro_rules! paged_tensors {
+    ($($name:literal),+ $(,)?) => {
+        &[$($crate::TensorArg::compute($name),)+ $crate::TensorArg::LAYER_IDX, $crate::TensorArg::VALID_LENGTHS]
+    };
+}

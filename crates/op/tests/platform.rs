@@ -10,12 +10,13 @@ use kvjit_core::{
     Backend, CodeTier, DType, Error, KernelKey, KernelSpec, KeyField, PagedKVCacheCollection, Result, Target, Tensor,
 };
 use kvjit_graph::{
-    ArgSpec, Dim, GraphBuilder, GraphError, OpDef, OpRegistry, ParamKind, ParamValue, TensorType, ValueType,
-    specialize, tensor_input,
+    ArgSpec, Dim, GraphBuilder, OpDef, OpRegistry, ParamKind, ParamValue, TensorType, ValueType, specialize,
+    tensor_input,
 };
 use kvjit_op::checks::expect_baked;
 use kvjit_op::{
-    Built, Call, CallContract, Choice, Compiled, Constants, CpuBuild, Defined, Op, OpKernel, OpParams, TensorArg, built,
+    BoxError, Call, CallContract, Choice, Compiled, Constants, CpuBuild, CpuKernel, Defined, Op, OpKernel, OpParams,
+    Specialized, TensorArg,
 };
 use kvjit_runtime::{BuildOptions, DeviceContextPtr, Kernel, KernelBuilder, KernelImpl, OutputSpec};
 
@@ -74,10 +75,6 @@ impl CallContract for ToySpec {
     type Checked = usize;
     const TENSORS: &'static [TensorArg] = &[TensorArg::compute("x"), TensorArg::u32("count")];
 
-    fn dtype(&self) -> DType {
-        self.dtype
-    }
-
     fn check(&self, tensors: &[&Tensor], _: &[&PagedKVCacheCollection]) -> Result<usize> {
         expect_baked("x", tensors[0], &[("N", self.n)], self)?;
         Ok(tensors[0].numel())
@@ -92,6 +89,12 @@ impl CallContract for ToySpec {
         let doubled: Vec<f32> = x.to_f32_vec()?.iter().map(|v| 2.0 * v).collect();
         call.outputs[0] = Tensor::from_f32(self.dtype, &[n], &doubled)?;
         Ok(())
+    }
+}
+
+impl CpuKernel for Doubler {
+    fn build(spec: &ToySpec, _: &Constants, _: &CpuBuild) -> Result<Self, BoxError> {
+        Ok(Doubler { spec: spec.clone(), runs: Arc::default() })
     }
 }
 
@@ -122,8 +125,9 @@ impl Op for ToyOp {
     const INPUTS: &'static [ArgSpec] = &[ArgSpec::tensor("x"), ArgSpec::tensor("count")];
     type Params = ToyParams;
     type Spec = ToySpec;
+    type Cpu = Doubler;
 
-    fn specialize(&self, params: &ToyParams, inputs: &[&ValueType], backend: Backend) -> Result<ToySpec, GraphError> {
+    fn specialize(&self, params: &ToyParams, inputs: &[&ValueType], backend: Backend) -> Specialized<ToySpec> {
         let x = tensor_input(inputs, 0);
         match x.shape.as_slice() {
             [n] if x.dtype == params.dtype => {
@@ -137,8 +141,12 @@ impl Op for ToyOp {
         vec![TensorType::new(spec.dtype, tensor_input(inputs, 0).shape.clone())]
     }
 
-    fn build_cpu(&self, spec: &ToySpec, _: &Constants, _: &CpuBuild) -> Built {
-        built(Doubler { spec: spec.clone(), runs: Arc::default() })
+    /// Sizes of 1000 and more are refused (a limit of the "generated code").
+    fn supports_cpu(&self, spec: &ToySpec) -> Result<(), String> {
+        match spec.n {
+            Some(n) if n >= 1000 => Err(format!("n = {n} is past the toy's 999")),
+            _ => Ok(()),
+        }
     }
 }
 
@@ -297,6 +305,13 @@ fn a_defined_op_specializes_to_a_key_holding_its_spec_and_builds_from_it() {
         kernel.run(&[&x(6), &Tensor::scalar_u32(1)], &mut [], &mut outputs, &ctx()).unwrap();
         assert_eq!(outputs[0].to_f32_vec().unwrap(), [1.0, 3.0, 5.0, 7.0, 9.0, 11.0]);
     }
+
+    // A size the CPU kernel does not serve: refused at specialize.
+    let err =
+        specialize(&graph, &registry, Backend::Cpu(CodeTier::Cranelift), &BTreeMap::from([("n".to_string(), 1000)]))
+            .unwrap_err()
+            .to_string();
+    assert!(err.contains("n = 1000 is past the toy's 999"), "{err}");
 
     // A target the op does not serve: refused at specialize, and by the builder.
     let err = specialize(&graph, &registry, Backend::Cuda, &bindings).unwrap_err().to_string();

@@ -7,7 +7,7 @@
 //! indexes with.
 
 use kvjit_core::{DType, Error, KvCacheParams, PagedKVCacheCollection, Result, Tensor, expect_arg, shape_mismatch};
-use kvjit_op::checks;
+use kvjit_op::checks::{self, StepArgs};
 
 use crate::{AttentionError, Mask, MhaSpec};
 
@@ -78,15 +78,9 @@ impl CallShape {
 /// Check every argument of a call against the op contract and each other;
 /// writes nothing. In order: dtypes and contiguity, then
 /// [`check_call_for`] the cache's own layout.
-pub fn check_call(
-    q: &Tensor,
-    kv_collection: &PagedKVCacheCollection,
-    layer_idx: &Tensor,
-    valid_lengths: &Tensor,
-    config: &AttentionConfig,
-) -> Result<CallShape> {
-    kvjit_op::expect_float_step("q", q, layer_idx, valid_lengths)?;
-    check_call_for(kv_collection.params(), q, kv_collection, layer_idx, valid_lengths, config)
+pub fn check_call(q: &Tensor, step: StepArgs<'_>, config: &AttentionConfig) -> Result<CallShape> {
+    kvjit_op::expect_float_step("q", q, step.layer_idx, step.valid_lengths)?;
+    check_call_for(step.kv_collection.params(), q, step, config)
 }
 
 /// Check a call whose dtypes were checked, for a kernel built for the
@@ -100,11 +94,10 @@ pub fn check_call(
 pub fn check_call_for(
     built_for: &KvCacheParams,
     q: &Tensor,
-    kv_collection: &PagedKVCacheCollection,
-    layer_idx: &Tensor,
-    valid_lengths: &Tensor,
+    step: StepArgs<'_>,
     config: &AttentionConfig,
 ) -> Result<CallShape> {
+    let kv_collection = step.kv_collection;
     let &[batch, seq, num_heads, head_size] = q.shape() else {
         return Err(shape_mismatch("q", format!("[B, S, Hq, {}]", built_for.head_size), q));
     };
@@ -114,7 +107,7 @@ pub fn check_call_for(
     if !num_heads.is_multiple_of(built_for.num_kv_heads) {
         return Err(AttentionError::HeadGroups { num_heads, num_kv_heads: built_for.num_kv_heads }.into());
     }
-    let step = checks::check_step("q", [batch, seq], kv_collection, built_for, layer_idx, valid_lengths)?;
+    let step = checks::check_step("q", [batch, seq], built_for, step)?;
     let page_size = built_for.page_size;
     let mut key_ranges = Vec::with_capacity(batch);
     for (b, &v) in step.valid.iter().enumerate() {

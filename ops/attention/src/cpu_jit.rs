@@ -75,7 +75,7 @@ use std::sync::Arc;
 use half::{bf16, f16};
 use std::mem::offset_of;
 
-use kvjit_core::{DType, Error, KernelKey, KernelSpec, PagedKVCacheCollection, Result, Tensor};
+use kvjit_core::{DType, KernelKey, KernelSpec, Result};
 use kvjit_jit::cranelift_codegen::ir::condcodes::{FloatCC, IntCC};
 use kvjit_jit::cranelift_codegen::ir::{InstBuilder, MemFlagsData, Value, types};
 use kvjit_jit::cranelift_frontend::FunctionBuilder;
@@ -85,8 +85,7 @@ use kvjit_jit::ir::math::exp_f32x4;
 use kvjit_jit::ir::shuffle::transpose_sum;
 use kvjit_jit::ir::{counted_loop, load_f32x4_raw, mem, splat_f32, when};
 use kvjit_jit::{CaptureText, JitError, JitFunction, KernelArgs, KernelParams, compile_kernel};
-use kvjit_op::{Call, CallContract, Compiled, OpKernel};
-use kvjit_runtime::{CodeInfo, DeviceContextPtr};
+use kvjit_op::{Compiled, JitSpec, Launch};
 
 use crate::call::{CallShape, key_row_offsets};
 use crate::{AttentionError, Mask, MhaSpec};
@@ -922,89 +921,50 @@ impl Plan {
     }
 }
 
-/// The op as JIT-compiled machine code for one spec ([`jit_kernel`] makes
-/// it, ready to run).
+/// The op as JIT-compiled machine code for one spec ([`kvjit_op::Jit`]:
+/// [`jit_kernel`] makes it ready to run; `run_into` runs it into
+/// caller-owned bytes).
 ///
 /// Tensor inputs, in order: `q`, `layer_idx`, `valid_lengths`; one cache;
 /// one output.
-pub struct JitKernel {
-    spec: MhaSpec,
-    code: Arc<JitFunction>,
-}
+pub type JitKernel = kvjit_op::Jit<MhaSpec>;
 
 /// Compile (or fetch) the JIT kernel for `spec`, behind the runtime's
 /// [`Kernel`](kvjit_runtime::Kernel) interface.
 pub fn jit_kernel(spec: MhaSpec, capture: CaptureText) -> Result<Compiled<JitKernel>, JitError> {
-    let code = compile(&spec, capture)?;
-    Ok(Compiled::new(JitKernel { spec, code }))
+    JitKernel::compiled(spec, capture)
 }
 
-/// Run `kernel` with the output written into raw bytes (exactly
-/// `B·S·Hq·D` elements of the dtype), so callers choose where it lives
-/// (tests with guard regions, benchmarks). Checks everything first, like
-/// [`Kernel::run`](kvjit_runtime::Kernel::run).
-pub fn run_into(
-    kernel: &Compiled<JitKernel>,
-    inputs: &[&Tensor],
-    cache: &PagedKVCacheCollection,
-    output: &mut [u8],
-    ctx: &DeviceContextPtr,
-) -> Result<()> {
-    let shape = kernel.check_call(inputs, &[cache])?;
-    let dtype = kernel.kernel().spec.dtype;
-    let expected = shape.output_shape().iter().product::<usize>() * dtype.size_bytes();
-    if output.len() != expected {
-        return Err(Error::ByteCount { dtype, shape: shape.output_shape(), expected, got: output.len() });
-    }
-    kernel.kernel().launch(&shape, inputs[0], inputs[2], cache, output, ctx)
-}
-
-impl OpKernel for JitKernel {
-    type Spec = MhaSpec;
-    const IMPLEMENTATION: &'static str = "jit";
-
-    fn spec(&self) -> &MhaSpec {
-        &self.spec
+/// Valid specs whose head size (a multiple of 4, at most
+/// [`MAX_JIT_HEAD_SIZE`](crate::MAX_JIT_HEAD_SIZE)) and offsets the
+/// generated code handles.
+impl JitSpec for MhaSpec {
+    fn supported(&self) -> Result<(), JitError> {
+        supported(self)
     }
 
-    /// The spec's check, then that no sequence reads more keys than the
-    /// kernel handles ([`MAX_JIT_KEYS`]).
-    fn check(&self, tensors: &[&Tensor], caches: &[&PagedKVCacheCollection]) -> Result<CallShape> {
-        let shape = self.spec.check(tensors, caches)?;
-        check_key_span(&shape)?;
-        Ok(shape)
+    fn compile(&self, capture: CaptureText) -> Result<Arc<JitFunction>, JitError> {
+        compile(self, capture)
     }
 
-    fn run(&self, shape: CallShape, call: Call<'_, '_>, ctx: &DeviceContextPtr) -> Result<()> {
-        let [q, _, valid_lengths] = call.tensors();
-        self.launch(&shape, q, valid_lengths, call.caches[0], call.outputs[0].as_bytes_mut(), ctx)
+    /// No sequence reads more keys than the kernel handles
+    /// ([`MAX_JIT_KEYS`]).
+    fn check_limits(&self, shape: &CallShape) -> Result<()> {
+        check_key_span(shape)
     }
 
-    fn code_info(&self) -> CodeInfo {
-        self.code.code_info()
-    }
-}
-
-impl JitKernel {
-    /// Run a checked call: `shape` came from [`OpKernel::check`] on these
-    /// arguments and `output` holds `B·S·Hq·D` elements of the dtype.
-    fn launch(
-        &self,
-        shape: &CallShape,
-        q: &Tensor,
-        valid_lengths: &Tensor,
-        cache: &PagedKVCacheCollection,
-        output: &mut [u8],
-        ctx: &DeviceContextPtr,
-    ) -> Result<()> {
+    /// Run a checked call: `output` holds `B·S·Hq·D` elements of the
+    /// dtype.
+    fn launch(&self, shape: &CallShape, call: Launch<'_, '_>) -> Result<()> {
+        let ([q, _, valid_lengths], cache, ctx) = (call.tensors(), &*call.caches[0], call.ctx);
         let valid = valid_lengths.as_slice::<u32>()?;
         let mut out = vec![0f32; shape.output_shape().iter().product()];
         // No valid query (B = 0, S = 0 or every row padded): nothing to
         // launch, every row zero. Otherwise B ≥ 1, which the plan needs.
         if valid.iter().any(|&v| v > 0) {
-            let plan = Plan::new(&self.spec, shape);
+            let plan = Plan::new(self, shape);
             let offsets = key_row_offsets(shape, cache, plan.stride)?;
-            let q = pack_q(shape, &plan, valid, self.spec.scale, &q.to_f32_vec()?);
+            let q = pack_q(shape, &plan, valid, self.scale, &q.to_f32_vec()?);
             let lengths: Vec<i64> = (0..shape.batch)
                 .flat_map(|b| {
                     let first_key = shape.key_ranges[b].0 as i64;
@@ -1014,7 +974,7 @@ impl JitKernel {
             let mut partials = vec![0f32; plan.items * plan.item_floats];
             // Zeroed (calloc): only the buffers of the invocations' first
             // items are ever touched.
-            let mut buffers = vec![0u8; plan.items * block_buffer_bytes(&self.spec)];
+            let mut buffers = vec![0u8; plan.items * block_buffer_bytes(self)];
             let args = MhaArgs {
                 q: q.as_ptr() as u64,
                 blocks: cache.blocks().as_bytes().as_ptr() as u64,
@@ -1062,10 +1022,10 @@ impl JitKernel {
             // `block_buffer_bytes`; the pool's ranges are disjoint, so their
             // first items differ), so ranges write disjoint memory. The
             // cache is only read. All buffers outlive the launch.
-            unsafe { kvjit_jit::launch(&self.code, &args, plan.items, ctx) };
+            unsafe { kvjit_jit::launch(call.code, &args, plan.items, ctx) };
             merge(shape, &plan, valid, &partials, &mut out);
         }
-        store_output(self.spec.dtype, &out, output);
+        store_output(self.dtype, &out, call.output);
         Ok(())
     }
 }
@@ -1197,8 +1157,7 @@ mod tests {
             mask: Mask::Causal,
             window: Some(window),
             scale: 0.125,
-            batch: None,
-            seq: None,
+            step: kvjit_op::checks::StepDims::ANY,
         };
         let cache_length = u32::MAX as usize - 10;
         let (lo, hi) = AttentionConfig::from(&spec).key_range(cache_length, 1, 0);

@@ -1,14 +1,13 @@
 //! The op's IR definition: parameters, signature, shape rules, spec, and
 //! the kernels it builds per target.
 
-use std::sync::Arc;
-
 use kvjit_core::{Backend, DType};
 use kvjit_graph::{
-    ArgSpec, GraphBuilder, GraphError, PagedParams, TensorType, ValueId, ValueType, input_error, paged_cache_input,
-    step_inputs, tensor_input,
+    ArgSpec, GraphBuilder, GraphError, PagedParams, ValueId, ValueType, input_error, paged_cache_input, step_inputs,
+    tensor_input,
 };
-use kvjit_op::{Built, Constants, CpuBuild, Op, add_node, compile_error};
+use kvjit_op::checks::StepDims;
+use kvjit_op::{Op, Specialized, add_node};
 
 use crate::{Mask, MhaSpec};
 
@@ -60,16 +59,13 @@ pub struct MhaOp;
 
 impl Op for MhaOp {
     const NAME: &'static str = OP_NAME;
-    const INPUTS: &'static [ArgSpec] = &[
-        ArgSpec::tensor("q"),
-        ArgSpec::cache("kv_collection"),
-        ArgSpec::layer_index("layer_idx"),
-        ArgSpec::valid_lengths("valid_lengths"),
-    ];
+    const INPUTS: &'static [ArgSpec] =
+        &[ArgSpec::tensor("q"), ArgSpec::KV_COLLECTION, ArgSpec::LAYER_IDX, ArgSpec::VALID_LENGTHS];
     type Params = MhaParams;
     type Spec = MhaSpec;
+    type Cpu = crate::JitKernel;
 
-    fn specialize(&self, params: &MhaParams, inputs: &[&ValueType], backend: Backend) -> Result<MhaSpec, GraphError> {
+    fn specialize(&self, params: &MhaParams, inputs: &[&ValueType], backend: Backend) -> Specialized<MhaSpec> {
         let &MhaParams { dtype, mask, scale, local_window_size: window, num_kv_heads, head_size, page_size } = params;
         if !dtype.is_compute_float() {
             return Err(GraphError::Param {
@@ -105,23 +101,7 @@ impl Op for MhaOp {
             mask,
             window,
             scale,
-            batch: batch.as_static(),
-            seq: seq.as_static(),
+            step: StepDims::of(batch, seq),
         })
-    }
-
-    fn infer(&self, spec: &MhaSpec, inputs: &[&ValueType]) -> Vec<TensorType> {
-        vec![TensorType::new(spec.dtype, tensor_input(inputs, 0).shape.clone())]
-    }
-
-    /// Valid specs whose head size (a multiple of 4, at most
-    /// [`MAX_JIT_HEAD_SIZE`](crate::MAX_JIT_HEAD_SIZE)) and offsets the
-    /// generated code handles.
-    fn supports_cpu(&self, spec: &MhaSpec) -> Result<(), String> {
-        crate::cpu_jit::supported(spec).map_err(|e| e.to_string())
-    }
-
-    fn build_cpu(&self, spec: &MhaSpec, _: &Constants, build: &CpuBuild) -> Built {
-        Ok(Arc::new(crate::jit_kernel(*spec, build.capture).map_err(|e| compile_error(spec, e))?))
     }
 }

@@ -21,7 +21,7 @@
 //!   prefill) reading K/V in place through the page table; an FP8 (E4M3)
 //!   cache's codes are re-encoded exactly as bf16 while gathered and
 //!   scaled by their block scales in the score and P·V loops
-//!   ([`jit_kernel`] builds it, [`run_into`] runs it into caller-owned
+//!   ([`jit_kernel`] builds it, [`run_into`](kvjit_op::Jit::run_into) runs it into caller-owned
 //!   bytes).
 
 mod call;
@@ -33,7 +33,7 @@ pub mod reference;
 mod spec;
 
 pub use call::{AttentionConfig, CallShape, check_call, check_call_for, check_output, key_row_offsets};
-pub use cpu_jit::{JitKernel, MAX_JIT_HEAD_SIZE, jit_kernel, run_into};
+pub use cpu_jit::{JitKernel, MAX_JIT_HEAD_SIZE, jit_kernel};
 pub use def::{MhaOp, MhaParams, OP_NAME, mha};
 pub use error::AttentionError;
 pub use kernel::ReferenceKernel;

@@ -11,6 +11,8 @@
 
 use kvjit_core::{PagedKVCacheCollection, Result, Storable, Tensor, TensorData, bf16, f16};
 
+use kvjit_op::checks::StepArgs;
+
 use crate::call::{AttentionConfig, CallShape, check_call, check_output};
 
 /// The exact (f64) result of a call, `[B, S, Hq, D]` row-major, after the
@@ -22,7 +24,7 @@ pub fn mha_f64(
     valid_lengths: &Tensor,
     config: &AttentionConfig,
 ) -> Result<(CallShape, Vec<f64>)> {
-    let shape = check_call(q, kv_collection, layer_idx, valid_lengths, config)?;
+    let shape = check_call(q, StepArgs { kv_collection, layer_idx, valid_lengths }, config)?;
     let q = q.to_f32_vec()?;
     let valid = valid_lengths.as_slice::<u32>()?;
     let (hq, d) = (shape.num_heads, shape.head_size);
@@ -80,7 +82,7 @@ pub fn mha(
     config: &AttentionConfig,
     output: &mut Tensor,
 ) -> Result<CallShape> {
-    let shape = check_call(q, kv_collection, layer_idx, valid_lengths, config)?;
+    let shape = check_call(q, StepArgs { kv_collection, layer_idx, valid_lengths }, config)?;
     check_output(&shape, q.dtype(), output)?;
     let (shape, exact) = mha_f64(q, kv_collection, layer_idx, valid_lengths, config)?;
     fn store<T: Storable>(dst: &mut [T], exact: &[f64], round: fn(f64) -> T) {

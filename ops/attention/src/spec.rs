@@ -5,7 +5,8 @@
 use kvjit_core::{
     DType, KernelKey, KernelSpec, KeyField, KvCacheParams, PagedKVCacheCollection, Result, Target, Tensor,
 };
-use kvjit_op::{Call, CallContract, Choice, TensorArg, checks};
+use kvjit_op::checks::{StepArgs, StepDims};
+use kvjit_op::{Call, CallContract, Choice, KV_COLLECTION, TensorArg, checks};
 use kvjit_runtime::OutputSpec;
 
 use crate::call::{AttentionConfig, CallShape, check_call_for};
@@ -61,10 +62,8 @@ pub struct MhaSpec {
     pub window: Option<usize>,
     /// Softmax scale (finite).
     pub scale: f32,
-    /// Batch B, if static.
-    pub batch: Option<usize>,
-    /// Padded sequence length S, if static.
-    pub seq: Option<usize>,
+    /// B and S, if static.
+    pub step: StepDims,
 }
 
 impl MhaSpec {
@@ -112,12 +111,11 @@ impl KernelSpec for MhaSpec {
     /// (`w0`: no window; `sc`: the f32 bit pattern of the scale).
     fn key_name(&self) -> KernelKey {
         let key = KernelKey::new(KERNEL_NAME, self.target, self.dtype).with("hq", KeyField::size(self.num_heads));
-        checks::with_cache_fields(key, &self.cache)
+        let key = checks::with_cache_fields(key, &self.cache)
             .with("causal", KeyField::size(usize::from(self.mask == Mask::Causal)))
             .with("w", KeyField::size(self.window.unwrap_or(0)))
-            .with("sc", KeyField::Static(u64::from(self.scale.to_bits())))
-            .with("b", KeyField::dim(self.batch))
-            .with("s", KeyField::dim(self.seq))
+            .with("sc", KeyField::Static(u64::from(self.scale.to_bits())));
+        self.step.named(key)
     }
 }
 
@@ -125,13 +123,8 @@ impl KernelSpec for MhaSpec {
 /// `valid_lengths [B]` (u32); one cache; one output `[B, S, Hq, D]`.
 impl CallContract for MhaSpec {
     type Checked = CallShape;
-    const TENSORS: &'static [TensorArg] =
-        &[TensorArg::compute("q"), TensorArg::u32("layer_idx"), TensorArg::u32("valid_lengths")];
-    const CACHES: &'static [&'static str] = &["kv_collection"];
-
-    fn dtype(&self) -> DType {
-        self.dtype
-    }
+    const TENSORS: &'static [TensorArg] = kvjit_op::paged_tensors!["q"];
+    const CACHES: &'static [&'static str] = KV_COLLECTION;
 
     /// The op's contract ([`check_call_for`] the spec's cache layout), then
     /// Hq and a static B or S against what the kernel baked in.
@@ -139,8 +132,10 @@ impl CallContract for MhaSpec {
         let (&[q, layer_idx, valid_lengths], &[cache]) = (tensors, caches) else {
             unreachable!("the arity was checked against the signature")
         };
-        let shape = check_call_for(&self.cache, q, cache, layer_idx, valid_lengths, &AttentionConfig::from(self))?;
-        let baked = [("B", self.batch), ("S", self.seq), ("Hq", Some(self.num_heads)), ("D", Some(self.head_size()))];
+        let step = StepArgs { kv_collection: cache, layer_idx, valid_lengths };
+        let shape = check_call_for(&self.cache, q, step, &AttentionConfig::from(self))?;
+        let [b, s] = self.step.baked();
+        let baked = [b, s, ("Hq", Some(self.num_heads)), ("D", Some(self.head_size()))];
         checks::expect_baked("q", q, &baked, self)?;
         Ok(shape)
     }
@@ -178,8 +173,7 @@ mod tests {
             mask: Mask::Causal,
             window: None,
             scale: 0.125,
-            batch: None,
-            seq: Some(1),
+            step: StepDims { batch: None, seq: Some(1) },
         };
         let key = spec.key();
         assert_eq!(

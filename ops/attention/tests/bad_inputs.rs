@@ -14,10 +14,11 @@ use kvjit_core::{
     UNASSIGNED_PAGE,
 };
 use kvjit_graph::{Dim, GraphBuilder, KvCacheType, OpDef, OpRegistry, specialize};
+use kvjit_op::checks::StepDims;
 use kvjit_op::{Compiled, Defined};
 use kvjit_op_attention::cpu_jit::MAX_JIT_KEYS;
 use kvjit_op_attention::{
-    AttentionError, MAX_JIT_HEAD_SIZE, Mask, MhaOp, MhaParams, MhaSpec, ReferenceKernel, jit_kernel, mha, run_into,
+    AttentionError, MAX_JIT_HEAD_SIZE, Mask, MhaOp, MhaParams, MhaSpec, ReferenceKernel, jit_kernel, mha,
 };
 use kvjit_runtime::{BuildOptions, DeviceContextPtr, Kernel, KernelBuilder, KernelImpl};
 use kvjit_testkit::{Snapshot, poison, u32s};
@@ -286,7 +287,7 @@ fn empty_batches_and_empty_steps_are_no_ops() {
                     let got = run_jit_on(&symbolic, &case, &inputs, &cache, threads);
                     assert!(got.is_empty(), "{what}: an empty output");
                 }
-                let static_seq = MhaSpec { seq: Some(case.seq), ..case.spec() };
+                let static_seq = MhaSpec { step: StepDims { seq: Some(case.seq), ..case.spec().step }, ..case.spec() };
                 let kernels: [Arc<dyn Kernel>; 3] = [
                     Arc::new(symbolic),
                     Arc::new(jit_kernel(static_seq, Default::default()).unwrap()),
@@ -350,7 +351,7 @@ fn more_keys_than_the_jit_handles_are_refused() {
     assert!(matches!(op_error(&err), Some(AttentionError::TooManyKeys { .. })), "{err}");
     before.assert_unchanged(&outputs[0], &cache, "too many keys");
     let mut guarded = vec![0xa5u8; outputs[0].as_bytes().len()];
-    let err = run_into(&kernel, &refs, &cache, &mut guarded, &ctx).unwrap_err();
+    let err = kernel.kernel().run_into(&refs, &mut [&mut cache], &mut guarded, &ctx).unwrap_err();
     assert!(matches!(op_error(&err), Some(AttentionError::TooManyKeys { .. })), "{err}");
     assert!(guarded.iter().all(|&x| x == 0xa5), "run_into wrote before refusing");
     // One key fewer: the JIT's check accepts it (and the reference's too).
@@ -478,7 +479,7 @@ fn window_pages_below_the_window_are_not_needed() {
     cache.lookup_table_mut()[0] = UNASSIGNED_PAGE; // positions 0..4; lowest key read is 9+1-3 = 7
     let refs: Vec<&Tensor> = inputs.iter().collect();
     let mut out = vec![0u8; 2 * 3 * 4 * 8 * 2];
-    run_into(&jit(&case), &refs, &cache, &mut out, &DeviceContextPtr::cpu(1).unwrap()).unwrap();
+    jit(&case).kernel().run_into(&refs, &mut [&mut cache], &mut out, &DeviceContextPtr::cpu(1).unwrap()).unwrap();
 }
 
 #[test]
@@ -537,8 +538,7 @@ fn the_op_definition_builds_graphs_and_refuses_cuda() {
         mask: Mask::Causal,
         window: None,
         scale: 1.0 / 128f32.sqrt(),
-        batch: None,
-        seq: None,
+        step: StepDims { batch: None, seq: None },
     };
     assert_eq!(Defined(MhaOp).supports(&spec.key()).unwrap_err(), NO_CUDA);
     let cpu = MhaSpec { target: Target::Cpu, ..spec };

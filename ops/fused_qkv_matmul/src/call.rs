@@ -5,8 +5,8 @@
 //! inside `hidden_state`/`weight`, every Q store lands inside `output`, and
 //! every K/V store lands inside `blocks` at a distinct (page, slot).
 
-use kvjit_core::{DType, Error, KvCacheParams, PagedKVCacheCollection, Result, Tensor, expect_arg, shape_mismatch};
-use kvjit_op::checks::{check_step, write_rows};
+use kvjit_core::{Error, KvCacheParams, PagedKVCacheCollection, Result, Tensor, expect_arg, shape_mismatch};
+use kvjit_op::checks::{StepArgs, check_step, write_rows};
 
 /// The op's arguments for one call, by name (what [`JitKernel::run_into`]
 /// takes; `Kernel::run` takes the tensors as a slice in this order, the
@@ -86,23 +86,10 @@ pub struct CheckedCall {
 /// logical page is inside the lookup table, its physical page is a page of
 /// the cache, and no two tokens share a (page, slot). Returns the call's
 /// sizes and the cache row each token writes.
-pub fn check_call(
-    hidden_state: &Tensor,
-    weight: &Tensor,
-    kv_collection: &PagedKVCacheCollection,
-    layer_idx: &Tensor,
-    valid_lengths: &Tensor,
-) -> Result<CheckedCall> {
-    let dtype = hidden_state.dtype();
-    if !dtype.is_compute_float() {
-        return Err(Error::NotFloat { what: "hidden_state".into(), dtype });
-    }
-    expect_arg("hidden_state", hidden_state, dtype)?;
+pub fn check_call(hidden_state: &Tensor, weight: &Tensor, step: StepArgs<'_>) -> Result<CheckedCall> {
+    let dtype = kvjit_op::expect_float_step("hidden_state", hidden_state, step.layer_idx, step.valid_lengths)?;
     expect_arg("weight", weight, dtype)?;
-    expect_arg("layer_idx", layer_idx, DType::U32)?;
-    expect_arg("valid_lengths", valid_lengths, DType::U32)?;
-    let params = *kv_collection.params();
-    check_shapes(hidden_state, WeightArg::Tensor(weight), kv_collection, layer_idx, valid_lengths, &params)
+    check_shapes(hidden_state, WeightArg::Tensor(weight), step, step.kv_collection.params())
 }
 
 /// The shape part of the check (the dtypes checked already): the cache laid
@@ -111,11 +98,10 @@ pub fn check_call(
 pub(crate) fn check_shapes(
     hidden_state: &Tensor,
     weight: WeightArg<'_>,
-    kv_collection: &PagedKVCacheCollection,
-    layer_idx: &Tensor,
-    valid_lengths: &Tensor,
+    step: StepArgs<'_>,
     built_for: &KvCacheParams,
 ) -> Result<CheckedCall> {
+    let kv_collection = step.kv_collection;
     let &[batch, seq, k] = hidden_state.shape() else {
         return Err(shape_mismatch("hidden_state", "[B, S, K]".into(), hidden_state));
     };
@@ -127,7 +113,7 @@ pub(crate) fn check_shapes(
         },
         WeightArg::Prepared { n, k } => (n, k),
     };
-    let step = check_step("hidden_state", [batch, seq], kv_collection, built_for, layer_idx, valid_lengths)?;
+    let step = check_step("hidden_state", [batch, seq], built_for, step)?;
     if weight_k != k || n <= 2 * kv_dim {
         return Err(Error::ShapeMismatch {
             arg: "weight".into(),

@@ -70,6 +70,7 @@ use kvjit_core::{
     Backend, DType, Error, KernelKey, KernelSpec, KvCacheParams, PagedKVCacheCollection, Result, Target, Tensor,
 };
 use kvjit_cuda::{CudaDevice, CudaError, DeviceBuffer, Function, KernelArg, LaunchShape, PtxImage};
+use kvjit_op::checks::StepDims;
 use kvjit_op::{Call as OpCall, CallContract, OpKernel};
 use kvjit_runtime::{DeviceContextPtr, KernelStateOwner, RuntimeError};
 
@@ -188,8 +189,7 @@ pub fn all_kernel_symbols() -> Vec<String> {
                 },
                 k: 8,
                 q_dim: 1,
-                batch: None,
-                seq: None,
+                step: StepDims { batch: None, seq: None },
                 sizes: crate::Sizes::Baked,
             };
             symbols.extend(Schedule::ALL.map(|s| variant_key(&spec, s).symbol()));
@@ -261,7 +261,7 @@ pub fn choose_variants(spec: &FusedQkvSpec) -> std::result::Result<VariantPlan, 
             spec.k, spec.q_dim
         ));
     }
-    let rows = match (spec.batch, spec.seq) {
+    let rows = match (spec.step.batch, spec.step.seq) {
         (Some(b), Some(s)) => match b.checked_mul(s).filter(|&m| m <= MAX_ROWS) {
             Some(m) => Some(m),
             None => return Err(format!("B·S = {b}·{s} rows is more than the CUDA kernels' {MAX_ROWS}")),
@@ -798,8 +798,7 @@ mod tests {
             },
             k,
             q_dim: 4096,
-            batch,
-            seq,
+            step: kvjit_op::checks::StepDims { batch, seq },
             sizes: crate::Sizes::Baked,
         }
     }
@@ -1010,8 +1009,7 @@ mod tests {
             cache: params,
             k: 8,
             q_dim: 8,
-            batch: None,
-            seq: None,
+            step: StepDims { batch: None, seq: None },
             sizes: crate::Sizes::Baked,
         };
         let mut rng = StdRng::seed_from_u64(5);
@@ -1108,8 +1106,7 @@ mod tests {
             },
             k: 8,
             q_dim: 8,
-            batch: None,
-            seq: None,
+            step: StepDims { batch: None, seq: None },
             sizes: crate::Sizes::Baked,
         };
         let mut rng = StdRng::seed_from_u64(9);

@@ -6,7 +6,8 @@ use kvjit_graph::{
     ArgSpec, Dim, GraphBuilder, GraphError, PagedParams, TensorType, ValueId, ValueType, input_error,
     paged_cache_input, same_dim, step_inputs, tensor_input,
 };
-use kvjit_op::{Built, Constants, CpuBuild, Op, add_node, built, compile_error};
+use kvjit_op::checks::StepDims;
+use kvjit_op::{Built, Constants, Op, Specialized, add_node, built};
 use kvjit_runtime::ConstantInput;
 
 use crate::{CudaKernel, FusedQkvSpec, JitKernel, Sizes};
@@ -56,19 +57,20 @@ impl Op for FusedQkvOp {
     const INPUTS: &'static [ArgSpec] = &[
         ArgSpec::tensor("hidden_state"),
         ArgSpec::tensor("weight"),
-        ArgSpec::cache("kv_collection"),
-        ArgSpec::layer_index("layer_idx"),
-        ArgSpec::valid_lengths("valid_lengths"),
+        ArgSpec::KV_COLLECTION,
+        ArgSpec::LAYER_IDX,
+        ArgSpec::VALID_LENGTHS,
     ];
     type Params = FusedQkvParams;
     type Spec = FusedQkvSpec;
+    type Cpu = JitKernel;
 
     fn specialize(
         &self,
         params: &FusedQkvParams,
         inputs: &[&ValueType],
         backend: Backend,
-    ) -> Result<FusedQkvSpec, GraphError> {
+    ) -> Specialized<FusedQkvSpec> {
         let &FusedQkvParams { dtype, num_kv_heads, head_size, page_size } = params;
         if !dtype.is_compute_float() {
             return Err(GraphError::Param {
@@ -113,8 +115,7 @@ impl Op for FusedQkvOp {
             cache,
             k: k_static,
             q_dim: n - 2 * kv_dim,
-            batch: batch.as_static(),
-            seq: seq.as_static(),
+            step: StepDims::of(batch, seq),
             sizes: Sizes::Baked,
         })
     }
@@ -125,31 +126,9 @@ impl Op for FusedQkvOp {
         vec![TensorType::new(spec.dtype, shape)]
     }
 
-    /// Sizes the generated code can address.
-    fn supports_cpu(&self, spec: &FusedQkvSpec) -> Result<(), String> {
-        crate::cpu_jit::addressable(spec).map_err(|e| e.to_string())
-    }
-
     /// A precompiled variant for the dtypes, K and row count.
     fn supports_cuda(&self, spec: &FusedQkvSpec) -> Result<(), String> {
         crate::cuda_kernel::choose_variants(spec).map(drop)
-    }
-
-    /// Packs a constant weight into panels now; a prepared one (from an
-    /// artifact) is taken as it is, its layout checked.
-    fn build_cpu(&self, spec: &FusedQkvSpec, constants: &Constants, build: &CpuBuild) -> Built {
-        let kernel = match constants.get(1).and_then(Option::as_ref) {
-            Some(ConstantInput::Prepared(prepared)) => {
-                JitKernel::with_prepared_weight(*spec, prepared, build.capture, build.specialize_shapes)
-                    .map_err(|e| compile_error(spec, e))?
-            }
-            weight => {
-                let weight = weight.and_then(ConstantInput::plain).cloned();
-                JitKernel::with_policy(*spec, weight, build.capture, build.specialize_shapes)
-                    .map_err(|e| compile_error(spec, e))?
-            }
-        };
-        built(kernel)
     }
 
     /// Picks the precompiled variants for the spec (refusing specs none

@@ -17,6 +17,8 @@ use kvjit_core::{
 };
 
 use crate::CallShape;
+use kvjit_op::checks::StepArgs;
+
 use crate::call::check_call;
 
 /// Run the op: validate everything (writing nothing on error), then write
@@ -29,7 +31,7 @@ pub fn fused_qkv_matmul(
     valid_lengths: &Tensor,
     output: &mut Tensor,
 ) -> Result<CallShape> {
-    let shape = check_call(hidden_state, weight, kv_collection, layer_idx, valid_lengths)?.shape;
+    let shape = check_call(hidden_state, weight, StepArgs { kv_collection, layer_idx, valid_lengths })?.shape;
     expect_arg("output", output, hidden_state.dtype())?;
     if output.shape() != shape.output_shape() {
         return Err(shape_mismatch("output", format!("{:?} ([B, S, q_dim])", shape.output_shape()), output));

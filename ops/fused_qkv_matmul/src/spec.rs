@@ -4,8 +4,8 @@
 use kvjit_core::{
     Backend, CodeTier, DType, KernelKey, KernelSpec, KeyField, KvCacheParams, PagedKVCacheCollection, Result, Tensor,
 };
-use kvjit_op::checks::{expect_baked, with_cache_fields_as};
-use kvjit_op::{Call, CallContract, TensorArg};
+use kvjit_op::checks::{StepArgs, StepDims, expect_baked, with_cache_fields_as};
+use kvjit_op::{Call, CallContract, KV_COLLECTION, TensorArg};
 use kvjit_runtime::OutputSpec;
 
 use crate::call::{CheckedCall, WeightArg, check_shapes};
@@ -42,10 +42,8 @@ pub struct FusedQkvSpec {
     pub k: usize,
     /// Q columns.
     pub q_dim: usize,
-    /// Batch B, if static.
-    pub batch: Option<usize>,
-    /// Padded sequence length S, if static.
-    pub seq: Option<usize>,
+    /// B and S, if static.
+    pub step: StepDims,
     /// Which sizes the code bakes in.
     pub sizes: Sizes,
 }
@@ -74,7 +72,7 @@ impl FusedQkvSpec {
 
     /// The spec with B and S left to run time (a generic kernel's).
     pub fn generic(&self) -> Self {
-        Self { batch: None, seq: None, ..*self }
+        Self { step: StepDims::ANY, ..*self }
     }
 }
 
@@ -96,23 +94,14 @@ impl KernelSpec for FusedQkvSpec {
             Sizes::Runtime => KeyField::Dynamic,
         };
         let key = key.with("k", size(self.k)).with("q", size(self.q_dim));
-        with_cache_fields_as(key, &self.cache, size).with("b", dim(self.batch)).with("s", dim(self.seq))
+        with_cache_fields_as(key, &self.cache, size).with("b", dim(self.step.batch)).with("s", dim(self.step.seq))
     }
 }
 
 impl CallContract for FusedQkvSpec {
     type Checked = CheckedCall;
-    const TENSORS: &'static [TensorArg] = &[
-        TensorArg::compute("hidden_state"),
-        TensorArg::compute("weight"),
-        TensorArg::u32("layer_idx"),
-        TensorArg::u32("valid_lengths"),
-    ];
-    const CACHES: &'static [&'static str] = &["kv_collection"];
-
-    fn dtype(&self) -> DType {
-        self.dtype
-    }
+    const TENSORS: &'static [TensorArg] = kvjit_op::paged_tensors!["hidden_state", "weight"];
+    const CACHES: &'static [&'static str] = KV_COLLECTION;
 
     fn check(&self, tensors: &[&Tensor], caches: &[&PagedKVCacheCollection]) -> Result<CheckedCall> {
         check_against(self, tensors, caches, None)
@@ -143,8 +132,10 @@ pub(crate) fn check_against(
         Some(prepared) if crate::kernel::same_data(prepared, weight) => WeightArg::Prepared { n: spec.n(), k: spec.k },
         _ => WeightArg::Tensor(weight),
     };
-    let checked = check_shapes(hidden, weight_arg, cache, layer_idx, valid_lengths, &spec.cache)?;
-    expect_baked("hidden_state", hidden, &[("B", spec.batch), ("S", spec.seq), ("K", Some(spec.k))], spec)?;
+    let checked =
+        check_shapes(hidden, weight_arg, StepArgs { kv_collection: cache, layer_idx, valid_lengths }, &spec.cache)?;
+    let [b, s] = spec.step.baked();
+    expect_baked("hidden_state", hidden, &[b, s, ("K", Some(spec.k))], spec)?;
     let shape = &checked.shape;
     if shape.q_dim != spec.q_dim {
         return Err(kvjit_core::Error::NotBuiltFor {
@@ -174,8 +165,7 @@ mod tests {
             },
             k: 4096,
             q_dim: 4096,
-            batch: None,
-            seq: Some(1),
+            step: StepDims { batch: None, seq: Some(1) },
             sizes: Sizes::Baked,
         }
     }

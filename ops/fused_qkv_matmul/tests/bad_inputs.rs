@@ -10,6 +10,7 @@ use kvjit_core::{
     Backend, CodeTier, DType, Error, KvCacheParams, PagedKVCacheCollection, Result, Tensor, UNASSIGNED_PAGE,
 };
 use kvjit_op::Compiled;
+use kvjit_op::checks::StepDims;
 use kvjit_op_fused_qkv::{CallShape, FusedQkvSpec, ReferenceKernel, Sizes, reference::fused_qkv_matmul};
 use kvjit_runtime::{DeviceContextPtr, Kernel};
 use kvjit_testkit::values::uniform;
@@ -94,8 +95,7 @@ impl Fixture {
             },
             k: K,
             q_dim: Q_DIM,
-            batch: None,
-            seq: None,
+            step: StepDims { batch: None, seq: None },
             sizes: Sizes::Baked,
         }
     }
@@ -430,8 +430,8 @@ fn kernel_rejects_a_hidden_state_whose_k_differs_from_its_spec() {
 fn kernel_rejects_what_else_its_spec_baked_in() {
     let spec = Fixture::f32().spec();
     for (spec, arg) in [
-        (FusedQkvSpec { batch: Some(B + 1), ..spec }, "hidden_state"),
-        (FusedQkvSpec { seq: Some(S - 1), ..spec }, "hidden_state"),
+        (FusedQkvSpec { step: StepDims { batch: Some(B + 1), ..spec.step }, ..spec }, "hidden_state"),
+        (FusedQkvSpec { step: StepDims { seq: Some(S - 1), ..spec.step }, ..spec }, "hidden_state"),
         (FusedQkvSpec { q_dim: Q_DIM + 2, ..spec }, "weight"),
     ] {
         let mut fx = Fixture::f32();

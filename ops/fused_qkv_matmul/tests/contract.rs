@@ -11,6 +11,7 @@
 use std::collections::HashMap;
 
 use kvjit_core::{DType, Error, PagedKVCacheCollection, Tensor, UNASSIGNED_PAGE, bf16, f16};
+use kvjit_op::checks::StepArgs;
 use kvjit_op_fused_qkv::{CallShape, check_call, reference::fused_qkv_matmul};
 use kvjit_testkit::{Expect, assert_cache, block_index, blocks_shape, cache_from_table, poison_all, u32s};
 
@@ -226,9 +227,13 @@ fn q_for_every_row_kv_only_for_valid_tokens_at_cache_length_plus_t() {
 #[test]
 fn check_call_agrees_with_the_run() {
     let case = mixed_lengths_case();
-    let shape = check_call(&case.hidden(), &case.weight(), &case.cache(), &Tensor::scalar_u32(0), &u32s(&case.valid))
-        .unwrap()
-        .shape;
+    let shape = check_call(
+        &case.hidden(),
+        &case.weight(),
+        StepArgs { kv_collection: &case.cache(), layer_idx: &Tensor::scalar_u32(0), valid_lengths: &u32s(&case.valid) },
+    )
+    .unwrap()
+    .shape;
     assert_eq!(shape, case.run().shape);
     assert_eq!(shape.output_shape(), vec![3, 3, 2]);
 }

@@ -18,6 +18,8 @@ use std::sync::Arc;
 use kvjit_core::{Backend, CodeTier, DType, Error, KernelSpec, KvCacheParams, PagedKVCacheCollection, Target, Tensor};
 use kvjit_cuda::{CudaDevice, KernelArg};
 use kvjit_op::Compiled;
+use kvjit_op::checks::StepArgs;
+use kvjit_op::checks::StepDims;
 use kvjit_op_fused_qkv::cuda_kernel::{PTX, PTX_MODULE, Schedule, e4m3_probe_key, variant_key};
 use kvjit_op_fused_qkv::{CheckedCall, CudaKernel, FusedQkvSpec, ReferenceKernel, Sizes, check_call, reference};
 use kvjit_runtime::{DeviceContextPtr, Kernel};
@@ -138,8 +140,7 @@ fn problem(rng: &mut StdRng, d: &Draw) -> Problem {
             },
             k: d.k,
             q_dim: d.q_dim,
-            batch: d.static_dims.then_some(d.batch),
-            seq: d.static_dims.then_some(d.seq),
+            step: StepDims { batch: d.static_dims.then_some(d.batch), seq: d.static_dims.then_some(d.seq) },
             sizes: Sizes::Baked,
         },
         hidden: Tensor::random(d.dtype, &[d.batch, d.seq, d.k], rng, -1.0, 1.0).unwrap(),
@@ -203,8 +204,12 @@ fn assert_matches_reference(p: &Problem, output: &Tensor, cache: &PagedKVCacheCo
         (p.cache.blocks().as_bytes(), cache.blocks().as_bytes(), ref_cache.blocks().as_bytes());
     let (got, want) = (cache.blocks().to_f32_vec().unwrap(), ref_cache.blocks().to_f32_vec().unwrap());
     // Which (row, column) of C each written element came from, for its tolerance.
-    let CheckedCall { shape, row_offsets: offsets } =
-        check_call(&p.hidden, &p.weight, &p.cache, &p.layer, &p.valid).unwrap();
+    let CheckedCall { shape, row_offsets: offsets } = check_call(
+        &p.hidden,
+        &p.weight,
+        StepArgs { kv_collection: &p.cache, layer_idx: &p.layer, valid_lengths: &p.valid },
+    )
+    .unwrap();
     let kv_stride = p.spec.cache.num_layers * p.spec.cache.page_size * shape.kv_dim;
     let mut source = std::collections::HashMap::new();
     for (r, &off) in offsets.iter().enumerate().filter(|(_, o)| **o >= 0) {
@@ -254,8 +259,12 @@ fn assert_fp8_cache_matches_reference(
 ) {
     use kvjit_core::fp8::e4m3_to_f32;
     let g = p.spec.cache.scale_granularity.expect("an FP8 spec has a granularity");
-    let CheckedCall { shape, row_offsets: offsets } =
-        check_call(&p.hidden, &p.weight, &p.cache, &p.layer, &p.valid).unwrap();
+    let CheckedCall { shape, row_offsets: offsets } = check_call(
+        &p.hidden,
+        &p.weight,
+        StepArgs { kv_collection: &p.cache, layer_idx: &p.layer, valid_lengths: &p.valid },
+    )
+    .unwrap();
     let (n, q_dim, k, kv_dim) = (p.weight.shape()[0], p.spec.q_dim, p.spec.k, shape.kv_dim);
     let kv_stride = p.spec.kv_stride();
     let (codes, ref_codes, poisoned) =
@@ -376,8 +385,12 @@ fn the_fp8_comparison_accepts_the_reference_and_rejects_wrong_codes_and_scales()
         let g = d.g.unwrap();
         let (output, cache) = reference_result(&p);
         assert_matches_reference(&p, &output, &cache, "the reference itself");
-        let CheckedCall { shape, row_offsets: offsets } =
-            check_call(&p.hidden, &p.weight, &p.cache, &p.layer, &p.valid).unwrap();
+        let CheckedCall { shape, row_offsets: offsets } = check_call(
+            &p.hidden,
+            &p.weight,
+            StepArgs { kv_collection: &p.cache, layer_idx: &p.layer, valid_lengths: &p.valid },
+        )
+        .unwrap();
         let written = *offsets.iter().find(|&&o| o >= 0).unwrap() as usize + shape.kv_dim - 1; // a K element
         // The poison (NaN codes and scales) is what no token wrote.
         let untouched = (0..cache.blocks().as_bytes().len()).find(|&i| cache.blocks().as_bytes()[i] == 0x7f);
@@ -616,8 +629,7 @@ fn steps_over_one_resident_cache(ctx: &DeviceContextPtr, cache_dtype: DType, g: 
         },
         k,
         q_dim,
-        batch: None,
-        seq: None,
+        step: StepDims { batch: None, seq: None },
         sizes: Sizes::Baked,
     };
     let kernels: Vec<Compiled<CudaKernel>> =
@@ -697,8 +709,12 @@ fn guarded_fp8_launch(
     what: &str,
 ) -> (Vec<u8>, Vec<u8>, Vec<u8>) {
     let g = p.spec.cache.scale_granularity.unwrap();
-    let CheckedCall { shape, row_offsets: offsets } =
-        check_call(&p.hidden, &p.weight, &p.cache, &p.layer, &p.valid).unwrap();
+    let CheckedCall { shape, row_offsets: offsets } = check_call(
+        &p.hidden,
+        &p.weight,
+        StepArgs { kv_collection: &p.cache, layer_idx: &p.layer, valid_lengths: &p.valid },
+    )
+    .unwrap();
     let offset_bytes: Vec<u8> = offsets.iter().flat_map(|o| o.to_le_bytes()).collect();
     let rows = shape.batch * shape.seq;
     let counters = rows.div_ceil(64) * (2 * shape.kv_dim / g);
@@ -824,8 +840,12 @@ fn guarded(data: &[u8]) -> Guarded {
 /// Launch `schedule`'s variant on guarded copies of `p`; return the output
 /// and cache bytes after checking every guard.
 fn guarded_launch(device: &Arc<CudaDevice>, p: &Problem, schedule: Schedule, what: &str) -> (Vec<u8>, Vec<u8>) {
-    let CheckedCall { shape, row_offsets: offsets } =
-        check_call(&p.hidden, &p.weight, &p.cache, &p.layer, &p.valid).unwrap();
+    let CheckedCall { shape, row_offsets: offsets } = check_call(
+        &p.hidden,
+        &p.weight,
+        StepArgs { kv_collection: &p.cache, layer_idx: &p.layer, valid_lengths: &p.valid },
+    )
+    .unwrap();
     let offset_bytes: Vec<u8> = offsets.iter().flat_map(|o| o.to_le_bytes()).collect();
     let hosts = [
         guarded(p.hidden.as_bytes()),
@@ -972,8 +992,12 @@ fn time_8b_qkv_against_cublas_gemm_plus_scatter() {
             output: Tensor::zeros(DType::BF16, &[batch, seq, q_dim]).unwrap(),
             cache,
         };
-        let CheckedCall { shape, row_offsets } =
-            check_call(&p.hidden, &p.weight, &p.cache, &p.layer, &p.valid).unwrap();
+        let CheckedCall { shape, row_offsets } = check_call(
+            &p.hidden,
+            &p.weight,
+            StepArgs { kv_collection: &p.cache, layer_idx: &p.layer, valid_lengths: &p.valid },
+        )
+        .unwrap();
         let offsets: Vec<u8> = row_offsets.iter().flat_map(|o| o.to_le_bytes()).collect();
         let upload = |bytes: &[u8]| -> DeviceBuffer {
             let mut b = device.alloc(bytes.len()).unwrap();

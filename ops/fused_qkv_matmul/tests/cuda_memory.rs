@@ -9,6 +9,7 @@ use std::sync::Arc;
 use kvjit_core::{Backend, CodeTier, DType, KvCacheParams, PagedKVCacheCollection, Tensor};
 use kvjit_cuda::live_device_bytes;
 use kvjit_op::Compiled;
+use kvjit_op::checks::StepDims;
 use kvjit_op_fused_qkv::{CudaKernel, FusedQkvSpec, ReferenceKernel, Sizes};
 use kvjit_runtime::{DeviceContextPtr, Kernel};
 use kvjit_testkit::values::uniform;
@@ -40,8 +41,7 @@ fn problem() -> Problem {
         },
         k: 64,
         q_dim: 32,
-        batch: None,
-        seq: None,
+        step: StepDims { batch: None, seq: None },
         sizes: Sizes::Baked,
     };
     let params = KvCacheParams {

@@ -23,6 +23,7 @@ use kvjit_core::fp8::{E4M3_MAX, e4m3_from_f32, e4m3_to_f32};
 use kvjit_core::{Backend, CpuTier, DType, KvCacheParams, PagedKVCacheCollection, Tensor};
 use kvjit_jit::CaptureText;
 use kvjit_jit::microkernel::resolve_tier;
+use kvjit_op::checks::StepDims;
 use kvjit_op_fused_qkv::{FusedQkvSpec, JitKernel, QkvArgs, Sizes, reference};
 use kvjit_runtime::DeviceContextPtr;
 use kvjit_testkit::values::{dyadic, uniform_nonzero};
@@ -86,8 +87,7 @@ impl Case {
             },
             k: self.k,
             q_dim: self.q_dim,
-            batch: static_dims.then_some(self.batch),
-            seq: static_dims.then_some(self.seq),
+            step: StepDims { batch: static_dims.then_some(self.batch), seq: static_dims.then_some(self.seq) },
             sizes: Sizes::Baked,
         }
     }

@@ -25,6 +25,7 @@ use kvjit_jit::CaptureText;
 use kvjit_jit::CompileCause;
 use kvjit_jit::microkernel::resolve_tier;
 use kvjit_op::Compiled;
+use kvjit_op::checks::StepDims;
 use kvjit_op_fused_qkv::cpu_jit::{self, MAX_SEEN_SHAPES, MC, NR, PanelLayout, Schedule};
 use kvjit_op_fused_qkv::{FusedQkvSpec, JitKernel, QkvArgs, ReferenceKernel, Sizes, reference};
 use kvjit_runtime::{DeviceContextPtr, Kernel};
@@ -227,8 +228,7 @@ impl Case {
             },
             k: self.k,
             q_dim: self.q_dim(),
-            batch: self.static_batch.then_some(self.batch),
-            seq: self.static_seq.then_some(self.seq),
+            step: StepDims { batch: self.static_batch.then_some(self.batch), seq: self.static_seq.then_some(self.seq) },
             sizes: Sizes::Baked,
         }
     }
@@ -1110,8 +1110,7 @@ impl Fixture {
                 },
                 k: PK,
                 q_dim: PQ,
-                batch: None,
-                seq: None,
+                step: StepDims { batch: None, seq: None },
                 sizes: Sizes::Baked,
             },
         }
@@ -1177,7 +1176,7 @@ fn mutations(dtype: DType) -> Vec<Mutation> {
     vec![
         m("valid as built", Accepted, Box::new(|_| {})),
         m("padded rows aliasing another sequence's page", Accepted, table(PMAX + 1, 4)),
-        m("static batch and seq that match", Accepted, spec(|s| FusedQkvSpec { batch: Some(PB), seq: Some(PS), ..s })),
+        m("static batch and seq that match", Accepted, spec(|s| FusedQkvSpec { step: StepDims::fixed(PB, PS), ..s })),
         m(
             "weight of another dtype",
             Inputs,
@@ -1251,8 +1250,12 @@ fn mutations(dtype: DType) -> Vec<Mutation> {
         m("spec: num_kv_heads", Inputs, cache_spec(|c| KvCacheParams { num_kv_heads: 1, head_size: PHKV * PD, ..c })),
         m("spec: head_size", Inputs, cache_spec(|c| KvCacheParams { head_size: PD + 1, ..c })),
         m("spec: K", Inputs, spec(|s| FusedQkvSpec { k: PK + 1, ..s })),
-        m("spec: static batch", Inputs, spec(|s| FusedQkvSpec { batch: Some(PB + 1), ..s })),
-        m("spec: static seq", Inputs, spec(|s| FusedQkvSpec { seq: Some(PS - 1), ..s })),
+        m(
+            "spec: static batch",
+            Inputs,
+            spec(|s| FusedQkvSpec { step: StepDims { batch: Some(PB + 1), ..s.step }, ..s }),
+        ),
+        m("spec: static seq", Inputs, spec(|s| FusedQkvSpec { step: StepDims { seq: Some(PS - 1), ..s.step }, ..s })),
         m("spec: q_dim", Inputs, spec(|s| FusedQkvSpec { q_dim: PQ + 2, ..s })),
         m("spec: activation dtype", Inputs, Box::new(move |fx| fx.spec.dtype = other)),
         m(
@@ -1440,8 +1443,7 @@ fn packing_puts_every_weight_element_at_its_panel_position_and_pads_with_zero() 
             },
             k,
             q_dim,
-            batch: None,
-            seq: None,
+            step: StepDims { batch: None, seq: None },
             sizes: Sizes::Baked,
         };
         let kv_dim = hkv * d;
@@ -1510,8 +1512,7 @@ fn kernels_for_one_spec_share_their_code() {
         },
         k: 1013,
         q_dim: 27,
-        batch: None,
-        seq: Some(3),
+        step: StepDims { batch: None, seq: Some(3) },
         sizes: Sizes::Baked,
     };
     let key = spec.key().to_string();
@@ -1575,7 +1576,7 @@ fn absurd_specs_are_refused() {
         ("layers", FusedQkvSpec { cache: KvCacheParams { num_layers: huge, ..spec.cache }, ..spec }),
         ("page size", FusedQkvSpec { cache: KvCacheParams { page_size: huge, ..spec.cache }, ..spec }),
         ("head size", FusedQkvSpec { cache: KvCacheParams { head_size: huge, ..spec.cache }, ..spec }),
-        ("static rows", FusedQkvSpec { batch: Some(huge), seq: Some(huge), ..spec }),
+        ("static rows", FusedQkvSpec { step: StepDims::fixed(huge, huge), ..spec }),
     ] {
         let before = cpu_jit::compile_log().len();
         match JitKernel::new(bad, None, CaptureText::default()) {

@@ -13,6 +13,7 @@ use std::collections::HashMap;
 
 use kvjit_core::{Backend, CodeTier, DType, KvCacheParams, PagedKVCacheCollection, Tensor};
 use kvjit_op::Compiled;
+use kvjit_op::checks::StepDims;
 use kvjit_op_fused_qkv::{FusedQkvSpec, ReferenceKernel, Sizes, reference::fused_qkv_matmul};
 use kvjit_runtime::{DeviceContextPtr, Kernel};
 use kvjit_testkit::tolerance::to_f64;
@@ -179,8 +180,7 @@ fn run_case(seed: u64, dtype: DType, cache_dtype: DType) {
             cache: *cache.params(),
             k,
             q_dim,
-            batch: rng.gen_bool(0.5).then_some(b),
-            seq: rng.gen_bool(0.5).then_some(s),
+            step: StepDims { batch: rng.gen_bool(0.5).then_some(b), seq: rng.gen_bool(0.5).then_some(s) },
             sizes: Sizes::Baked,
         };
         let kernel = Compiled::new(ReferenceKernel::new(spec));

@@ -15,7 +15,10 @@
 
 use kvjit_core::{Backend, DType, Error, KernelKey, KernelSpec, KeyField, PagedKVCacheCollection, Target, Tensor};
 use kvjit_graph::{ArgSpec, Dim, GraphBuilder, GraphError, ParamValue, TensorType, ValueId, ValueType, tensor_input};
-use kvjit_op::{Built, Call, CallContract, Constants, CpuBuild, Op, OpKernel, TensorArg, add_node, built};
+use kvjit_op::{
+    BoxError, Built, Call, CallContract, Constants, CpuBuild, CpuKernel, Op, OpKernel, Specialized, TensorArg,
+    add_node, built,
+};
 use kvjit_runtime::{DeviceContextPtr, OutputSpec};
 
 /// The op's name in graphs (MAX's).
@@ -108,13 +111,9 @@ impl Op for ReshapeOp {
     const INPUTS: &'static [ArgSpec] = &[ArgSpec::tensor("input")];
     type Params = ReshapeParams;
     type Spec = ReshapeSpec;
+    type Cpu = ViewKernel;
 
-    fn specialize(
-        &self,
-        params: &ReshapeParams,
-        inputs: &[&ValueType],
-        backend: Backend,
-    ) -> Result<ReshapeSpec, GraphError> {
+    fn specialize(&self, params: &ReshapeParams, inputs: &[&ValueType], backend: Backend) -> Specialized<ReshapeSpec> {
         let input = tensor_input(inputs, 0);
         let plan = plan(&input.shape, &params.shape).map_err(|why| GraphError::InputType {
             arg: "input".into(),
@@ -146,10 +145,6 @@ impl Op for ReshapeOp {
         built(ViewKernel(spec.clone()))
     }
 
-    fn build_cpu(&self, spec: &ReshapeSpec, _: &Constants, _: &CpuBuild) -> Built {
-        self.build_reference(spec)
-    }
-
     fn build_cuda(&self, spec: &ReshapeSpec, _: &Constants) -> Built {
         self.build_reference(spec)
     }
@@ -167,10 +162,6 @@ pub fn reshape(b: &mut GraphBuilder<'_>, input: ValueId, shape: &[Dim]) -> Resul
 impl CallContract for ReshapeSpec {
     type Checked = Vec<usize>;
     const TENSORS: &'static [TensorArg] = &[TensorArg::compute("input")];
-
-    fn dtype(&self) -> DType {
-        self.dtype
-    }
 
     /// The output shape: the input's rank and element count must be the
     /// ones the plan was built for.
@@ -212,7 +203,14 @@ impl CallContract for ReshapeSpec {
 
 /// The view "kernel": checks the input and gives the output shape; the
 /// executor makes the view (see [`Kernel::is_view`](kvjit_runtime::Kernel::is_view)).
-struct ViewKernel(ReshapeSpec);
+pub struct ViewKernel(ReshapeSpec);
+
+/// Every target's kernel is the view.
+impl CpuKernel for ViewKernel {
+    fn build(spec: &ReshapeSpec, _: &Constants, _: &CpuBuild) -> Result<Self, BoxError> {
+        Ok(Self(spec.clone()))
+    }
+}
 
 impl OpKernel for ViewKernel {
     type Spec = ReshapeSpec;

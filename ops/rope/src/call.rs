@@ -7,27 +7,10 @@
 //! `blocks` at a (page, slot) no other token of the call rotates (a slot
 //! rotated twice would be wrong, and from two threads a data race).
 
-use kvjit_core::{Error, PagedKVCacheCollection, Result, Tensor, shape_mismatch};
-use kvjit_op::checks::{check_step, write_rows};
+use kvjit_core::{Result, Tensor, shape_mismatch};
+use kvjit_op::checks::{StepArgs, check_step, write_rows};
 
 use crate::RopeError;
-
-/// The op's arguments for one call, by name (what
-/// [`JitKernel::run_into`](crate::JitKernel::run_into) takes; `Kernel::run`
-/// takes the tensors as a slice in the order `q_proj`, `freqs_cis`,
-/// `layer_idx`, `valid_lengths`, and the cache apart).
-pub struct RopeArgs<'a> {
-    /// `[B, S, Hq, D]`, the activation dtype.
-    pub q_proj: &'a Tensor,
-    /// The paged cache whose K is rotated in place.
-    pub kv_collection: &'a mut PagedKVCacheCollection,
-    /// `[max_seq, D]`, the activation dtype: `cos, sin` interleaved per pair.
-    pub freqs_cis: &'a Tensor,
-    /// u32 scalar.
-    pub layer_idx: &'a Tensor,
-    /// u32 `[B]`.
-    pub valid_lengths: &'a Tensor,
-}
 
 /// The sizes of one validated call, and where each of its rows reads and
 /// writes.
@@ -82,13 +65,8 @@ pub struct RowPlan {
 /// inside `freqs_cis`; and for every valid token that its page is in the
 /// cache and no two tokens share a (page, slot) ([`write_rows`]). Dtypes
 /// and contiguity are the kernel signature's to check.
-pub fn check_call(
-    q_proj: &Tensor,
-    kv_collection: &PagedKVCacheCollection,
-    freqs_cis: &Tensor,
-    layer_idx: &Tensor,
-    valid_lengths: &Tensor,
-) -> Result<CallShape> {
+pub fn check_call(q_proj: &Tensor, freqs_cis: &Tensor, step: StepArgs<'_>) -> Result<CallShape> {
+    let kv_collection = step.kv_collection;
     let params = kv_collection.params();
     let (hkv, d) = (params.num_kv_heads, params.head_size);
     if !d.is_multiple_of(2) {
@@ -110,7 +88,7 @@ pub fn check_call(
         [max_seq, freqs_d] if freqs_d == d => max_seq,
         _ => return Err(shape_mismatch("freqs_cis", format!("[max_seq, {d}] (D = head_size)"), freqs_cis)),
     };
-    let step = check_step("q_proj", [batch, seq], kv_collection, params, layer_idx, valid_lengths)?;
+    let step = check_step("q_proj", [batch, seq], params, step)?;
     let cache_lengths = kv_collection.cache_lengths();
     for (b, (&v, &start)) in step.valid.iter().zip(cache_lengths).enumerate() {
         let past_table = |position: u64| position >= max_seq as u64;
@@ -153,16 +131,6 @@ pub fn check_call(
 pub fn check_output(shape: &CallShape, output: &Tensor) -> Result<()> {
     if output.shape() != shape.output_shape() {
         return Err(shape_mismatch("output", format!("{:?} ([B, S, Hq, D])", shape.output_shape()), output));
-    }
-    Ok(())
-}
-
-/// [`Error::ByteCount`] unless `bytes` holds exactly the output of `shape`
-/// in `dtype`.
-pub(crate) fn check_output_bytes(shape: &CallShape, dtype: kvjit_core::DType, bytes: usize) -> Result<()> {
-    let expected = shape.output_shape().iter().product::<usize>() * dtype.size_bytes();
-    if bytes != expected {
-        return Err(Error::ByteCount { dtype, shape: shape.output_shape(), expected, got: bytes });
     }
     Ok(())
 }

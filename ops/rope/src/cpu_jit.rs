@@ -65,11 +65,9 @@ use kvjit_jit::cranelift_frontend::FunctionBuilder;
 use kvjit_jit::ir::addr::{self, Displacements};
 use kvjit_jit::ir::{counted_loop, e4m3, if_else, load_f32x4, load_f32x4_raw, mem, shuffle, splat_f32, store_f32x4};
 use kvjit_jit::{CaptureText, JitError, JitFunction, KernelArgs, compile_kernel};
-use kvjit_op::{Call, CallContract, OpKernel};
-use kvjit_runtime::{CodeInfo, DeviceContextPtr};
+use kvjit_op::{JitSpec, Launch};
 
-use crate::call::check_output_bytes;
-use crate::{CallShape, MAX_JIT_HEAD_SIZE, RopeArgs, RopeSpec, RowPlan};
+use crate::{CallShape, MAX_JIT_HEAD_SIZE, RopeSpec, RowPlan};
 
 /// The kernel's arguments; the work items of a launch are token rows.
 #[repr(C)]
@@ -440,47 +438,35 @@ fn splat_sign_even_lanes(b: &mut FunctionBuilder) -> Value {
     b.ins().bitcast(types::F32X4, MemFlagsData::new(), v)
 }
 
-/// The op as JIT-compiled machine code for one spec (wrap it in
-/// [`kvjit_op::Compiled`] to run it as a `Kernel`).
+/// The op as JIT-compiled machine code for one spec ([`kvjit_op::Jit`]:
+/// wrap it in [`kvjit_op::Compiled`] to run it as a `Kernel`, or call
+/// `run_into`).
 ///
 /// Tensor inputs, in order: `q_proj`, `freqs_cis`, `layer_idx`,
 /// `valid_lengths`; one cache; one output.
-pub struct JitKernel {
-    spec: RopeSpec,
-    code: Arc<JitFunction>,
-}
+pub type JitKernel = kvjit_op::Jit<RopeSpec>;
 
-impl JitKernel {
-    /// Compile (or fetch from the process-wide registry) the kernel for
-    /// `spec`.
-    pub fn new(spec: RopeSpec, capture: CaptureText) -> Result<Self, JitError> {
-        let code = compile(&spec, capture)?;
-        Ok(Self { spec, code })
+/// Head sizes the generated code handles (a multiple of 8, at most
+/// [`MAX_JIT_HEAD_SIZE`]), for an FP8 cache scale granularities that are
+/// multiples of 4, and offsets it can form.
+impl JitSpec for RopeSpec {
+    fn supported(&self) -> Result<(), JitError> {
+        supported(self)
     }
 
-    /// Run with the output written into raw bytes (exactly `B·S·Hq·D`
-    /// elements of the dtype), so callers — tests with guard regions around
-    /// the output, benchmarks reusing a buffer — choose where it lives.
-    /// Validates everything first, like `Kernel::run`.
-    pub fn run_into(&self, args: RopeArgs<'_>, output: &mut [u8], ctx: &DeviceContextPtr) -> Result<()> {
-        let tensors = [args.q_proj, args.freqs_cis, args.layer_idx, args.valid_lengths];
-        kvjit_op::check_dtypes(&self.spec, &tensors)?;
-        let shape = self.spec.check(&tensors, &[&*args.kv_collection])?;
-        check_output_bytes(&shape, self.spec.dtype, output.len())?;
-        self.launch(&shape, args, output, ctx);
-        Ok(())
+    fn compile(&self, capture: CaptureText) -> Result<Arc<JitFunction>, JitError> {
+        compile(self, capture)
     }
 
-    /// Run a validated call: `shape` came from the spec's check on exactly
-    /// these arguments and `output` holds `B·S·Hq·D` elements.
-    fn launch(&self, shape: &CallShape, args: RopeArgs<'_>, output: &mut [u8], ctx: &DeviceContextPtr) {
-        let RopeArgs { q_proj, kv_collection: cache, freqs_cis, .. } = args;
+    /// Run a call the spec checked: `output` holds `B·S·Hq·D` elements.
+    fn launch(&self, shape: &CallShape, mut call: Launch<'_, '_>) -> Result<()> {
+        let [q_proj, freqs_cis, _, _] = call.tensors();
         if shape.rows.is_empty() || shape.num_q_heads * shape.head_size == 0 {
-            return;
+            return Ok(());
         }
         let mut launch = LaunchArgs {
             q: q_proj.as_bytes().as_ptr() as u64,
-            out: output.as_mut_ptr() as u64,
+            out: call.output.as_mut_ptr() as u64,
             freqs: freqs_cis.as_bytes().as_ptr() as u64,
             blocks: 0,
             rows: shape.rows.as_ptr() as u64,
@@ -490,14 +476,14 @@ impl JitKernel {
         // cache's scales) mutably (which bumps the cache's blocks
         // generation, and copies shared storage).
         if shape.cache_tokens > 0 {
-            let (blocks, scales) = cache.blocks_and_scales_mut();
+            let (blocks, scales) = call.cache().blocks_and_scales_mut();
             launch.blocks = blocks.as_mut_ptr() as u64;
             launch.scales = scales.map_or(0, |s| s.as_mut_ptr() as u64);
         }
-        // SAFETY: `self.code` was compiled by `emit_and_compile` for this
-        // kernel's spec without B and S (which the code does not depend on),
+        // SAFETY: `code` was compiled by `emit_and_compile` for this
+        // spec without B and S (which the code does not depend on),
         // reading `LaunchArgs` at the `offset_of!` of its fields. The spec's
-        // check (`RopeSpec::check`, after `Compiled` or `run_into` checked
+        // check (`RopeSpec::check`, after `Compiled` or `Jit::run_into` checked
         // dtypes and contiguity) validated every argument against the spec
         // and each other: q_proj `[B, S, Hq, D]` with this spec's Hq and D
         // (so row r reads/writes `Hq·D` elements at `r·Hq·D` inside
@@ -521,26 +507,7 @@ impl JitKernel {
         // which the code then never reads). Rows of different ranges write
         // disjoint memory. `shape`, the tensors and the borrowed output and
         // cache outlive the launch.
-        unsafe { kvjit_jit::launch(&self.code, &launch, shape.rows.len(), ctx) };
-    }
-}
-
-impl OpKernel for JitKernel {
-    type Spec = RopeSpec;
-    const IMPLEMENTATION: &'static str = "jit";
-
-    fn spec(&self) -> &RopeSpec {
-        &self.spec
-    }
-
-    fn code_info(&self) -> CodeInfo {
-        self.code.code_info()
-    }
-
-    fn run(&self, shape: CallShape, call: Call<'_, '_>, ctx: &DeviceContextPtr) -> Result<()> {
-        let [q_proj, freqs_cis, layer_idx, valid_lengths] = call.tensors();
-        let args = RopeArgs { q_proj, kv_collection: &mut *call.caches[0], freqs_cis, layer_idx, valid_lengths };
-        self.launch(&shape, args, call.outputs[0].as_bytes_mut(), ctx);
+        unsafe { kvjit_jit::launch(call.code, &launch, shape.rows.len(), call.ctx) };
         Ok(())
     }
 }

@@ -3,10 +3,11 @@
 
 use kvjit_core::{Backend, DType};
 use kvjit_graph::{
-    ArgSpec, Dim, GraphBuilder, GraphError, PagedParams, RecipeKind, TensorType, ValueId, ValueType, input_error,
+    ArgSpec, Dim, GraphBuilder, GraphError, PagedParams, RecipeKind, ValueId, ValueType, input_error,
     paged_cache_input, step_inputs, tensor_input,
 };
-use kvjit_op::{Built, Constants, CpuBuild, Op, add_node, built, compile_error};
+use kvjit_op::checks::StepDims;
+use kvjit_op::{Op, Specialized, add_node};
 
 use crate::{JitKernel, RopeSpec};
 
@@ -54,10 +55,10 @@ pub struct RopeOp;
 
 const INPUTS: &[ArgSpec] = &[
     ArgSpec::tensor("q_proj"),
-    ArgSpec::cache("kv_collection"),
+    ArgSpec::KV_COLLECTION,
     ArgSpec::tensor("freqs_cis"),
-    ArgSpec::layer_index("layer_idx"),
-    ArgSpec::valid_lengths("valid_lengths"),
+    ArgSpec::LAYER_IDX,
+    ArgSpec::VALID_LENGTHS,
 ];
 
 /// Largest head size the CPU kernel serves (its per-row cos/sin table lives
@@ -70,8 +71,9 @@ impl Op for RopeOp {
     const INPUTS: &'static [ArgSpec] = INPUTS;
     type Params = RopeParams;
     type Spec = RopeSpec;
+    type Cpu = JitKernel;
 
-    fn specialize(&self, params: &RopeParams, inputs: &[&ValueType], backend: Backend) -> Result<RopeSpec, GraphError> {
+    fn specialize(&self, params: &RopeParams, inputs: &[&ValueType], backend: Backend) -> Specialized<RopeSpec> {
         let RopeParams { dtype, interleaved, num_kv_heads, head_size, page_size } = *params;
         if !dtype.is_compute_float() {
             return Err(GraphError::Param {
@@ -109,24 +111,8 @@ impl Op for RopeOp {
             cache: cache.params(),
             interleaved,
             num_q_heads,
-            batch: batch.as_static(),
-            seq: seq.as_static(),
+            step: StepDims::of(batch, seq),
         })
-    }
-
-    fn infer(&self, spec: &RopeSpec, inputs: &[&ValueType]) -> Vec<TensorType> {
-        vec![TensorType::new(spec.dtype, tensor_input(inputs, 0).shape.clone())]
-    }
-
-    /// Head sizes the generated code handles (a multiple of 8, at most
-    /// [`MAX_JIT_HEAD_SIZE`]), for an FP8 cache scale granularities that
-    /// are multiples of 4, and offsets it can form.
-    fn supports_cpu(&self, spec: &RopeSpec) -> Result<(), String> {
-        crate::cpu_jit::supported(spec).map_err(|e| e.to_string())
-    }
-
-    fn build_cpu(&self, spec: &RopeSpec, _: &Constants, build: &CpuBuild) -> Built {
-        built(JitKernel::new(*spec, build.capture).map_err(|e| compile_error(spec, e))?)
     }
 
     /// Its `freqs_cis` table ([`RopeInit`](crate::RopeInit)).

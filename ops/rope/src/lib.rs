@@ -35,7 +35,7 @@ mod recipe;
 pub mod reference;
 mod spec;
 
-pub use call::{CallShape, RopeArgs, RowPlan, check_call, check_output};
+pub use call::{CallShape, RowPlan, check_call, check_output};
 pub use cpu_jit::JitKernel;
 pub use def::{MAX_JIT_HEAD_SIZE, OP_NAME, RopeOp, RopeParams, fused_qk_rope};
 pub use error::RopeError;

@@ -26,6 +26,8 @@
 use kvjit_core::{DType, Element, F8E4M3, PagedKVCacheCollection, Result, Tensor, TensorData, bf16, f16, fp8};
 
 use crate::CallShape;
+use kvjit_op::checks::StepArgs;
+
 use crate::call::{check_call, check_output};
 
 /// An element type the reference rounds f64 results to, once.
@@ -120,7 +122,7 @@ pub fn fused_qk_rope(
     let dtype = kvjit_op::expect_float_step("q_proj", q_proj, layer_idx, valid_lengths)?;
     kvjit_core::expect_arg("freqs_cis", freqs_cis, dtype)?;
     kvjit_core::expect_arg("output", output, dtype)?;
-    let shape = check_call(q_proj, kv_collection, freqs_cis, layer_idx, valid_lengths)?;
+    let shape = check_call(q_proj, freqs_cis, StepArgs { kv_collection, layer_idx, valid_lengths })?;
     check_output(&shape, output)?;
     let valid = valid_lengths.as_slice::<u32>()?;
     let cache_dtype = kv_collection.params().dtype;

@@ -2,8 +2,8 @@
 //! and the call contract every kernel of the op checks.
 
 use kvjit_core::{DType, KernelKey, KernelSpec, KeyField, KvCacheParams, PagedKVCacheCollection, Result, Tensor};
-use kvjit_op::checks::{expect_baked, with_cache_fields};
-use kvjit_op::{Call, CallContract, TensorArg};
+use kvjit_op::checks::{StepArgs, StepDims, expect_baked, with_cache_fields};
+use kvjit_op::{Call, CallContract, KV_COLLECTION, TensorArg};
 use kvjit_runtime::OutputSpec;
 
 use crate::{CallShape, check_call, reference};
@@ -32,10 +32,8 @@ pub struct RopeSpec {
     pub interleaved: bool,
     /// Query heads Hq (a multiple of Hkv).
     pub num_q_heads: usize,
-    /// Batch B, if static.
-    pub batch: Option<usize>,
-    /// Padded sequence length S, if static.
-    pub seq: Option<usize>,
+    /// B and S, if static.
+    pub step: StepDims,
 }
 
 impl RopeSpec {
@@ -47,7 +45,7 @@ impl RopeSpec {
     /// The same spec with B and S symbolic: the key the JIT compiles (and
     /// caches) the machine code under, shared by every (B, S).
     pub fn generic(&self) -> Self {
-        Self { batch: None, seq: None, ..*self }
+        Self { step: StepDims::ANY, ..*self }
     }
 }
 
@@ -55,26 +53,14 @@ impl KernelSpec for RopeSpec {
     /// E.g. `fused_qk_rope_paged.cpu.bf16.hq32.hkv8.d128.p16.l32.kvbf16.il0.bany.s1`.
     fn key_name(&self) -> KernelKey {
         let key = KernelKey::new(KERNEL_NAME, self.target, self.dtype).with("hq", KeyField::size(self.num_q_heads));
-        with_cache_fields(key, &self.cache)
-            .with("il", KeyField::Static(u64::from(self.interleaved)))
-            .with("b", KeyField::dim(self.batch))
-            .with("s", KeyField::dim(self.seq))
+        self.step.named(with_cache_fields(key, &self.cache).with("il", KeyField::Static(u64::from(self.interleaved))))
     }
 }
 
 impl CallContract for RopeSpec {
     type Checked = CallShape;
-    const TENSORS: &'static [TensorArg] = &[
-        TensorArg::compute("q_proj"),
-        TensorArg::compute("freqs_cis"),
-        TensorArg::u32("layer_idx"),
-        TensorArg::u32("valid_lengths"),
-    ];
-    const CACHES: &'static [&'static str] = &["kv_collection"];
-
-    fn dtype(&self) -> DType {
-        self.dtype
-    }
+    const TENSORS: &'static [TensorArg] = kvjit_op::paged_tensors!["q_proj", "freqs_cis"];
+    const CACHES: &'static [&'static str] = KV_COLLECTION;
 
     /// The contract ([`check_call`]) against the cache layout, Hq, D and
     /// the static B and S this spec baked in.
@@ -83,9 +69,14 @@ impl CallContract for RopeSpec {
             unreachable!("the arity was checked against the signature")
         };
         cache.params().expect_built_for(&self.cache)?;
-        let shape = check_call(q_proj, cache, freqs_cis, layer_idx, valid_lengths)?;
-        let baked = [("B", self.batch), ("S", self.seq), ("Hq", Some(self.num_q_heads)), ("D", Some(self.head_size()))];
-        expect_baked("q_proj", q_proj, &baked, self)?;
+        let shape = check_call(q_proj, freqs_cis, StepArgs { kv_collection: cache, layer_idx, valid_lengths })?;
+        let [b, s] = self.step.baked();
+        expect_baked(
+            "q_proj",
+            q_proj,
+            &[b, s, ("Hq", Some(self.num_q_heads)), ("D", Some(self.cache.head_size))],
+            self,
+        )?;
         Ok(shape)
     }
 
@@ -123,8 +114,7 @@ mod tests {
             cache,
             interleaved: false,
             num_q_heads: 32,
-            batch: None,
-            seq: Some(1),
+            step: StepDims { batch: None, seq: Some(1) },
         };
         let key = spec.key();
         assert_eq!(key.to_string(), "fused_qk_rope_paged.cpu.bf16.hq32.hkv8.d128.p16.l32.kvf32.il0.bany.s1");

@@ -12,7 +12,9 @@
 use kvjit_core::{DType, Error, KvCacheParams, PagedKVCacheCollection, Result, Target, Tensor, UNASSIGNED_PAGE};
 use kvjit_jit::{CaptureText, JitError};
 use kvjit_op::Compiled;
-use kvjit_op_rope::{JitKernel, ReferenceKernel, RopeArgs, RopeError, RopeSpec, check_call, reference};
+use kvjit_op::checks::StepArgs;
+use kvjit_op::checks::StepDims;
+use kvjit_op_rope::{JitKernel, ReferenceKernel, RopeError, RopeSpec, check_call, reference};
 use kvjit_runtime::{DeviceContextPtr, Kernel};
 use kvjit_testkit::paged::{self, B, LAYERS, MAX_PAGES, PAGE_SIZE, PAGES, S};
 use kvjit_testkit::values::uniform;
@@ -60,8 +62,7 @@ impl Fixture {
                 cache: paged::params(dtype, HKV, D, None),
                 interleaved: false,
                 num_q_heads: HQ,
-                batch: None,
-                seq: None,
+                step: StepDims { batch: None, seq: None },
             },
         }
     }
@@ -72,6 +73,10 @@ impl Fixture {
 
     fn inputs(&self) -> [&Tensor; 4] {
         [&self.q, &self.freqs, &self.layer_idx, &self.valid]
+    }
+
+    fn step(&self) -> StepArgs<'_> {
+        StepArgs { kv_collection: &self.cache, layer_idx: &self.layer_idx, valid_lengths: &self.valid }
     }
 
     /// Every way of calling the op, each on a copy of the fixture whose
@@ -117,14 +122,8 @@ impl Fixture {
         record("JitKernel::run_into", &|fx| {
             let bytes = fx.output.as_bytes().to_vec();
             let mut out = Guarded::new(32, &bytes, 32);
-            let args = RopeArgs {
-                q_proj: &fx.q,
-                kv_collection: &mut fx.cache,
-                freqs_cis: &fx.freqs,
-                layer_idx: &fx.layer_idx,
-                valid_lengths: &fx.valid,
-            };
-            let result = jit.kernel().run_into(args, out.body_mut(), &ctx);
+            let tensors = [&fx.q, &fx.freqs, &fx.layer_idx, &fx.valid];
+            let result = jit.kernel().run_into(&tensors, &mut [&mut fx.cache], out.body_mut(), &ctx);
             out.assert_guards("run_into");
             if result.is_err() {
                 assert!(out.body() == bytes, "run_into wrote its output and refused");
@@ -168,7 +167,7 @@ fn op_error(e: &Error) -> Option<&RopeError> {
 
 /// The error `check_call` gives for a fixture.
 fn reference_error(fx: &Fixture) -> Error {
-    check_call(&fx.q, &fx.cache, &fx.freqs, &fx.layer_idx, &fx.valid).unwrap_err()
+    check_call(&fx.q, &fx.freqs, fx.step()).unwrap_err()
 }
 
 /// The fixture with a freqs table of 6 rows (sequence 2 needs 7).
@@ -182,7 +181,7 @@ fn fx_with_short_table() -> Fixture {
 fn the_fixture_itself_is_valid_everywhere() {
     for dtype in DType::FLOATS {
         let fx = Fixture::new(dtype);
-        let shape = check_call(&fx.q, &fx.cache, &fx.freqs, &fx.layer_idx, &fx.valid).unwrap();
+        let shape = check_call(&fx.q, &fx.freqs, fx.step()).unwrap();
         assert_eq!(shape.cache_tokens, 9);
         for (name, result) in fx.verdicts(true) {
             result.unwrap_or_else(|e| panic!("{dtype} {name}: {e}"));
@@ -282,14 +281,8 @@ fn kernels_refuse_outputs_of_the_wrong_size() {
     let mut fx = fx.clone();
     let before = Snapshot::take(&fx.output, &fx.cache);
     let mut short = vec![0u8; B * S * HQ * D * 4 - 4];
-    let args = RopeArgs {
-        q_proj: &fx.q,
-        kv_collection: &mut fx.cache,
-        freqs_cis: &fx.freqs,
-        layer_idx: &fx.layer_idx,
-        valid_lengths: &fx.valid,
-    };
-    let result = jit.kernel().run_into(args, &mut short, &ctx);
+    let tensors = [&fx.q, &fx.freqs, &fx.layer_idx, &fx.valid];
+    let result = jit.kernel().run_into(&tensors, &mut [&mut fx.cache], &mut short, &ctx);
     assert!(matches!(result, Err(Error::ByteCount { .. })), "{result:?}");
     assert!(short.iter().all(|&b| b == 0));
     before.cache.assert_unchanged(&fx.cache, "run_into, short output");
@@ -375,7 +368,7 @@ fn kernels_refuse_calls_they_were_not_built_for() {
     let msg = assert_rejected!(kernels fx, Error::NotBuiltFor { arg: "q_proj", .. });
     assert!(msg.starts_with("q_proj: expected shape [B, S, 2, 8]"), "{msg}");
     let mut fx = Fixture::f32();
-    fx.spec.batch = Some(2);
+    fx.spec.step.batch = Some(2);
     let msg = assert_rejected!(kernels fx, Error::NotBuiltFor { arg: "q_proj", .. });
     assert!(msg.starts_with("q_proj: expected shape [2, S, 4, 8]"), "{msg}");
 
@@ -394,7 +387,12 @@ fn odd_head_sizes_are_refused() {
     let cache = cache_from_table(DType::F32, blocks, &[0], &[0, U], 2);
     let q = Tensor::zeros(DType::F32, &[1, 1, 1, 3]).unwrap();
     let freqs = Tensor::zeros(DType::F32, &[4, 3]).unwrap();
-    let err = check_call(&q, &cache, &freqs, &Tensor::scalar_u32(0), &u32s(&[1])).unwrap_err();
+    let err = check_call(
+        &q,
+        &freqs,
+        StepArgs { kv_collection: &cache, layer_idx: &Tensor::scalar_u32(0), valid_lengths: &u32s(&[1]) },
+    )
+    .unwrap_err();
     assert_eq!(op_error(&err), Some(&RopeError::OddHeadSize { head_size: 3 }));
 }
 

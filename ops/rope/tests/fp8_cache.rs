@@ -23,7 +23,7 @@ use kvjit_core::fp8::{E4M3_MAX, E4M3_NAN, quantize_block};
 use kvjit_core::{DType, Error, PagedKVCacheCollection, Tensor};
 use kvjit_jit::{CaptureText, JitError};
 use kvjit_op::Compiled;
-use kvjit_op_rope::{JitKernel, ReferenceKernel, RopeArgs, RopeSpec};
+use kvjit_op_rope::{JitKernel, ReferenceKernel, RopeSpec};
 use kvjit_runtime::{DeviceContextPtr, Kernel};
 use kvjit_testkit::tolerance::ulp;
 use kvjit_testkit::{Guarded, unravel};
@@ -568,14 +568,8 @@ fn kernels_refuse_an_fp8_cache_of_another_granularity_writing_nothing() {
         let mut cache = call.cache.clone();
         let bytes = vec![0x5a; case.batch * case.seq * case.hq * case.d * 4];
         let mut out = Guarded::new(32, &bytes, 32);
-        let args = RopeArgs {
-            q_proj: &call.q,
-            kv_collection: &mut cache,
-            freqs_cis: &call.freqs,
-            layer_idx: &call.layer_idx,
-            valid_lengths: &call.valid,
-        };
-        let err = jit.kernel().run_into(args, out.body_mut(), &ctx).expect_err("refused");
+        let tensors = [&call.q, &call.freqs, &call.layer_idx, &call.valid];
+        let err = jit.kernel().run_into(&tensors, &mut [&mut cache], out.body_mut(), &ctx).expect_err("refused");
         assert!(matches!(err, Error::CacheLayout { what: w, .. } if w == what), "run_into: {err}");
         out.assert_guards("run_into");
         assert!(out.body() == bytes, "run_into wrote its output");

@@ -76,8 +76,8 @@ fn a_node_infers_its_output_and_specializes_to_its_key() {
         assert_eq!(kernel.key(), key);
         assert_eq!(kernel.implementation(), if implementation == KernelImpl::Fast { "jit" } else { "reference" });
     }
-    assert_eq!(spec.seq, Some(1));
-    assert_eq!(spec.batch, None);
+    assert_eq!(spec.step.seq, Some(1));
+    assert_eq!(spec.step.batch, None);
 }
 
 #[test]

@@ -8,6 +8,7 @@
 use kvjit_core::{DType, KvCacheParams, Target, Tensor};
 use kvjit_jit::CaptureText;
 use kvjit_op::Compiled;
+use kvjit_op::checks::StepDims;
 use kvjit_op_rope::{JitKernel, ReferenceKernel, RopeSpec};
 use kvjit_runtime::{DeviceContextPtr, Kernel};
 use kvjit_testkit::{block_index, cache_from_table, u32s};
@@ -94,8 +95,7 @@ fn check(dtype: DType, cache_dtype: DType, interleaved: bool, ctx: &DeviceContex
         },
         interleaved,
         num_q_heads: 2,
-        batch: Some(1),
-        seq: Some(4),
+        step: StepDims { batch: Some(1), seq: Some(4) },
     };
     let jit = Compiled::new(JitKernel::new(spec, CaptureText::default()).unwrap());
     for kernel in [&Compiled::new(ReferenceKernel::new(spec)) as &dyn Kernel, &jit] {

@@ -4,10 +4,9 @@
 
 use std::sync::Arc;
 
-use kvjit_core::{Error, KernelSpec, Result, Tensor};
+use kvjit_core::{KernelSpec, Result};
 use kvjit_jit::{CaptureText, JitError, JitFunction, KernelArgs, compile_kernel, compile_or_fetch};
-use kvjit_op::{Call, CallContract, OpKernel};
-use kvjit_runtime::{CodeInfo, DeviceContextPtr};
+use kvjit_op::{JitSpec, Launch};
 
 use crate::SiluSpec;
 
@@ -29,38 +28,23 @@ pub(crate) struct SiluArgs {
 // SAFETY: `#[repr(C)]` with only u64 fields.
 unsafe impl KernelArgs for SiluArgs {}
 
-/// The Cranelift kernel of one spec.
-pub struct JitKernel {
-    spec: SiluSpec,
-    code: Arc<JitFunction>,
-}
+/// The Cranelift kernel of one spec ([`kvjit_op::Jit`]). Shapes are not
+/// specialized further: a kernel with the element count left to run time
+/// reads it once per work item.
+pub type JitKernel = kvjit_op::Jit<SiluSpec>;
 
-impl JitKernel {
-    /// Compile (or fetch from the process-wide registry) the code for `spec`.
-    pub fn new(spec: SiluSpec, capture: CaptureText) -> Result<Self, JitError> {
-        let key = spec.key();
-        let build = || compile_kernel(&key, capture, |b, p| crate::emit::silu_kernel(b, p, spec.dtype, spec.elements));
-        Ok(Self { spec, code: compile_or_fetch(&key, capture, build)? })
+impl JitSpec for SiluSpec {
+    fn compile(&self, capture: CaptureText) -> Result<Arc<JitFunction>, JitError> {
+        let (key, (dtype, elements)) = (self.key(), (self.dtype, self.elements));
+        compile_or_fetch(&key, capture, || {
+            compile_kernel(&key, capture, |b, p| crate::emit::silu_kernel(b, p, dtype, elements))
+        })
     }
 
-    /// Run on `x`, writing the output's elements into `output` (bytes the
-    /// caller owns, such as a test's guarded buffer), checked like a call:
-    /// nothing is written unless `x` passes and `output` holds exactly its
-    /// element count.
-    pub fn run_into(&self, x: &Tensor, output: &mut [u8], ctx: &DeviceContextPtr) -> Result<()> {
-        kvjit_core::expect_arg("x", x, self.spec.dtype)?;
-        let shape = self.spec.check(&[x], &[])?;
-        let expected = x.numel() * self.spec.dtype.size_bytes();
-        if output.len() != expected {
-            return Err(Error::ByteCount { dtype: self.spec.dtype, shape, expected, got: output.len() });
-        }
-        self.launch(x, output, ctx);
-        Ok(())
-    }
-
-    /// Run a checked call: `x` contiguous of the spec's dtype and element
-    /// count, `output` its byte length.
-    fn launch(&self, x: &Tensor, output: &mut [u8], ctx: &DeviceContextPtr) {
+    /// `x` is contiguous of the spec's dtype and, if baked, element count;
+    /// `output` holds its bytes.
+    fn launch(&self, _: &Vec<usize>, call: Launch<'_, '_>) -> Result<()> {
+        let ([x], output) = (call.tensors(), call.output);
         let elements = x.numel();
         let args =
             SiluArgs { x: x.as_bytes().as_ptr() as u64, output: output.as_mut_ptr() as u64, elements: elements as u64 };
@@ -69,25 +53,7 @@ impl JitKernel {
         // for; `output` of `x`'s byte length), the code touches element `i`
         // of both only for `i < elements`, and item `t` covers elements
         // `t·ELEMENTS_PER_ITEM..` up to the next item's: disjoint writes.
-        unsafe { kvjit_jit::launch(&self.code, &args, elements.div_ceil(ELEMENTS_PER_ITEM), ctx) }
-    }
-}
-
-impl OpKernel for JitKernel {
-    type Spec = SiluSpec;
-    const IMPLEMENTATION: &'static str = "jit";
-
-    fn spec(&self) -> &SiluSpec {
-        &self.spec
-    }
-
-    fn run(&self, _shape: Vec<usize>, call: Call<'_, '_>, ctx: &DeviceContextPtr) -> Result<()> {
-        let [x] = call.tensors();
-        self.launch(x, call.outputs[0].as_bytes_mut(), ctx);
+        unsafe { kvjit_jit::launch(call.code, &args, elements.div_ceil(ELEMENTS_PER_ITEM), call.ctx) };
         Ok(())
-    }
-
-    fn code_info(&self) -> CodeInfo {
-        self.code.code_info()
     }
 }

@@ -16,10 +16,8 @@ mod emit;
 pub mod reference;
 
 use kvjit_core::{Backend, DType, KernelKey, KernelSpec, KeyField, PagedKVCacheCollection, Result, Target, Tensor};
-use kvjit_graph::{ArgSpec, GraphBuilder, GraphError, TensorType, ValueId, ValueType, tensor_input};
-use kvjit_op::{
-    Built, Call, CallContract, Constants, CpuBuild, Op, TensorArg, add_node, built, compile_error, elementwise,
-};
+use kvjit_graph::{ArgSpec, GraphBuilder, GraphError, ValueId, ValueType};
+use kvjit_op::{Call, CallContract, Op, Specialized, TensorArg, add_node, elementwise};
 use kvjit_runtime::OutputSpec;
 
 pub use cpu_jit::{ELEMENTS_PER_ITEM, JitKernel};
@@ -49,21 +47,12 @@ impl Op for SiluOp {
     const INPUTS: &'static [ArgSpec] = &[ArgSpec::tensor("x")];
     type Params = SiluParams;
     type Spec = SiluSpec;
+    type Cpu = JitKernel;
 
-    fn specialize(&self, params: &SiluParams, inputs: &[&ValueType], backend: Backend) -> Result<SiluSpec, GraphError> {
+    fn specialize(&self, params: &SiluParams, inputs: &[&ValueType], backend: Backend) -> Specialized<SiluSpec> {
         let dtype = elementwise::compute_dtype("dtype", params.dtype)?;
         let (_, elements) = elementwise::input(inputs, 0, "x", dtype)?;
         Ok(SiluSpec { target: backend.target(), dtype, elements })
-    }
-
-    fn infer(&self, spec: &SiluSpec, inputs: &[&ValueType]) -> Vec<TensorType> {
-        vec![TensorType::new(spec.dtype, tensor_input(inputs, 0).shape.clone())]
-    }
-
-    /// The JIT kernel. Shapes are not specialized further: a kernel with
-    /// the element count left to run time reads it once per work item.
-    fn build_cpu(&self, spec: &SiluSpec, _: &Constants, build: &CpuBuild) -> Built {
-        built(JitKernel::new(*spec, build.capture).map_err(|e| compile_error(spec, e))?)
     }
 }
 
@@ -93,10 +82,6 @@ impl CallContract for SiluSpec {
     /// The shape of `x` (and of the output).
     type Checked = Vec<usize>;
     const TENSORS: &'static [TensorArg] = &[TensorArg::compute("x")];
-
-    fn dtype(&self) -> DType {
-        self.dtype
-    }
 
     /// `x` holds the baked element count, if there is one.
     fn check(&self, tensors: &[&Tensor], _caches: &[&PagedKVCacheCollection]) -> Result<Vec<usize>> {

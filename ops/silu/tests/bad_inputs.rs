@@ -104,12 +104,12 @@ fn run_into_refuses_a_buffer_of_the_wrong_length_or_a_bad_x() {
     for (x, len) in [(&x, 13), (&x, 15), (&random_x(&mut rng, DType::F32, &[15], 8.0), 15)] {
         let mut out = Guarded::new(16, &nan_bytes(DType::F32, len), 16);
         let before = out.clone();
-        let err = kernel.run_into(x, out.body_mut(), &ctx(2)).unwrap_err();
+        let err = kernel.run_into(&[x], &mut [], out.body_mut(), &ctx(2)).unwrap_err();
         assert!(matches!(err, Error::ByteCount { .. } | Error::NotBuiltFor { .. }), "{err}");
         assert!(out == before, "{len} elements: refused ({err}) but written");
     }
     let mut out = Guarded::new(16, &nan_bytes(DType::F32, 14), 16);
     let bf16_x = random_x(&mut rng, DType::BF16, &[14], 8.0);
-    let err = kernel.run_into(&bf16_x, out.body_mut(), &ctx(1)).unwrap_err();
+    let err = kernel.run_into(&[&bf16_x], &mut [], out.body_mut(), &ctx(1)).unwrap_err();
     assert!(matches!(err, Error::DTypeMismatch { .. }) && out.body() == nan_bytes(DType::F32, 14), "{err}");
 }

@@ -35,6 +35,7 @@ use std::sync::{Arc, LazyLock, Mutex};
 use kvjit_core::{Backend, CodeTier, CpuTier, DType, KvCacheParams, PagedKVCacheCollection, Tensor, UNASSIGNED_PAGE};
 use kvjit_jit::CaptureText;
 use kvjit_op::Compiled;
+use kvjit_op::checks::StepDims;
 use kvjit_op_fused_qkv::{FusedQkvSpec, JitKernel, QkvArgs, ReferenceKernel, Sizes, reference};
 use kvjit_runtime::{DeviceContextPtr, Kernel};
 use rand::SeedableRng;
@@ -316,8 +317,7 @@ impl Call {
             cache,
             k: self.k,
             q_dim: self.q_dim,
-            batch: self.static_batch.then_some(self.batch),
-            seq: self.static_seq.then_some(self.seq),
+            step: StepDims { batch: self.static_batch.then_some(self.batch), seq: self.static_seq.then_some(self.seq) },
             sizes: Sizes::Baked,
         };
         let Tweak::Spec(t) = self.tweak else { return spec };
@@ -331,8 +331,8 @@ impl Call {
             SpecTweak::HeadSize => with_cache(KvCacheParams { head_size: self.head_size + 1, ..cache }),
             SpecTweak::PageSize => with_cache(KvCacheParams { page_size: self.page_size + 1, ..cache }),
             SpecTweak::Layers => with_cache(KvCacheParams { num_layers: self.num_layers + 1, ..cache }),
-            SpecTweak::Batch => FusedQkvSpec { batch: Some(self.batch + 1), ..spec },
-            SpecTweak::Seq => FusedQkvSpec { seq: Some(self.seq + 1), ..spec },
+            SpecTweak::Batch => FusedQkvSpec { step: StepDims { batch: Some(self.batch + 1), ..spec.step }, ..spec },
+            SpecTweak::Seq => FusedQkvSpec { step: StepDims { seq: Some(self.seq + 1), ..spec.step }, ..spec },
         }
     }
 }
@@ -574,8 +574,8 @@ fn spec_matches(spec: &FusedQkvSpec, b: &Built) -> bool {
     let dims_ok = match (b.hidden.shape(), b.weight.shape()) {
         ([bb, s, k], [n, _]) => {
             spec.k == *k
-                && spec.batch.is_none_or(|x| x == *bb)
-                && spec.seq.is_none_or(|x| x == *s)
+                && spec.step.batch.is_none_or(|x| x == *bb)
+                && spec.step.seq.is_none_or(|x| x == *s)
                 && n.checked_sub(2 * params.num_kv_heads * params.head_size) == Some(spec.q_dim)
         }
         _ => false,

@@ -12,6 +12,7 @@ use std::sync::Arc;
 use kvjit_core::{DType, KvCacheParams, PagedKVCacheCollection, Tensor};
 use kvjit_jit::CaptureText;
 use kvjit_op::Compiled;
+use kvjit_op::checks::StepDims;
 use kvjit_op_fused_qkv::{CudaKernel, FusedQkvSpec, JitKernel, ReferenceKernel, Sizes, reference};
 use kvjit_runtime::Kernel;
 use rand::rngs::StdRng;
@@ -86,8 +87,7 @@ impl QkvProblem {
             cache: self.cache_params(),
             k: self.k,
             q_dim: self.q_dim,
-            batch: self.static_dims.then_some(self.batch),
-            seq: self.static_dims.then_some(self.seq),
+            step: StepDims { batch: self.static_dims.then_some(self.batch), seq: self.static_dims.then_some(self.seq) },
             sizes: Sizes::Baked,
         }
     }

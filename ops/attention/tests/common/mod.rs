@@ -7,7 +7,8 @@ use kvjit_core::fp8::{E4M3_MAX, quantize_block};
 use kvjit_core::{DType, KvCacheParams, PagedKVCacheCollection, Target, Tensor};
 use kvjit_jit::CaptureText;
 use kvjit_op::Compiled;
-use kvjit_op_attention::{AttentionConfig, JitKernel, Mask, MhaSpec, jit_kernel, reference, run_into};
+use kvjit_op::checks::StepDims;
+use kvjit_op_attention::{AttentionConfig, JitKernel, Mask, MhaSpec, jit_kernel, reference};
 use kvjit_runtime::DeviceContextPtr;
 use kvjit_testkit::{Guarded, nan_bytes, u32s};
 use rand::rngs::StdRng;
@@ -46,8 +47,7 @@ impl Case {
             mask: self.mask,
             window: self.window,
             scale: self.scale,
-            batch: None,
-            seq: None,
+            step: StepDims { batch: None, seq: None },
         }
     }
 
@@ -293,10 +293,12 @@ pub fn run_jit_on(
     let elements = case.batch * case.seq * case.num_heads * case.head_size;
     let mut out = Guarded::new(64, &nan_bytes(case.dtype, elements), 64);
     let refs: Vec<&Tensor> = inputs.iter().collect();
-    run_into(kernel, &refs, cache, out.body_mut(), &DeviceContextPtr::cpu(threads).unwrap()).unwrap();
+    let mut run_on = cache.clone();
+    let ctx = DeviceContextPtr::cpu(threads).unwrap();
+    kernel.kernel().run_into(&refs, &mut [&mut run_on], out.body_mut(), &ctx).unwrap();
     out.assert_guards("attention output");
-    assert!(cache.blocks().as_bytes() == before.as_slice(), "the cache must be byte-identical after the call");
-    assert!(scale_bytes(cache) == scales_before, "the cache's scales must be byte-identical after the call");
+    assert!(run_on.blocks().as_bytes() == before.as_slice(), "the cache must be byte-identical after the call");
+    assert!(scale_bytes(&run_on) == scales_before, "the cache's scales must be byte-identical after the call");
     Tensor::from_le_bytes(case.dtype, &[elements], out.body()).unwrap().to_f32_vec().unwrap()
 }
 

@@ -34,7 +34,7 @@ pub(crate) fn addressable(spec: &FusedQkvSpec) -> Result<(), JitError> {
         let blocks_bytes = kv_stride.checked_mul(2)?.checked_mul(spec.cache.dtype.size_bytes())?;
         let n = spec.q_dim.checked_add(spec.kv_dim().checked_mul(2)?)?;
         let panel_bytes = spec.k.checked_mul(nr * spec.dtype.size_bytes())?.checked_mul(n.div_ceil(NR) + 3)?;
-        if let (Some(batch), Some(seq)) = (spec.batch, spec.seq) {
+        if let (Some(batch), Some(seq)) = (spec.step.batch, spec.step.seq) {
             let rows = i64::try_from(batch.checked_mul(seq)?).ok()?;
             rows.checked_add(mc as i64)?;
         }
@@ -203,7 +203,7 @@ impl Emitter {
             kv_dim: Size::Known(spec.kv_dim()),
             kv_stride: Size::Known(kv_store_stride(spec)),
         };
-        let m = spec.batch.zip(spec.seq).map(|(b, s)| b * s).filter(|_| runtime_sizes.is_none());
+        let m = spec.step.batch.zip(spec.step.seq).map(|(b, s)| b * s).filter(|_| runtime_sizes.is_none());
         let sizes = runtime_sizes.unwrap_or(baked);
         Self { spec: *spec, tier, schedule, disp, tile_buffer, widened_block, layout, sizes, m, bases }
     }

@@ -12,8 +12,9 @@ use kvjit_core::{
 };
 use kvjit_jit::microkernel::MAX_TILE_ROWS;
 use kvjit_jit::{CaptureText, JitError, JitFunction, SeenShapes};
-use kvjit_op::{Call, OpKernel};
-use kvjit_runtime::{CodeInfo, DeviceContextPtr};
+use kvjit_op::checks::StepDims;
+use kvjit_op::{BoxError, Call, Constants, CpuBuild, CpuKernel, OpKernel};
+use kvjit_runtime::{CodeInfo, ConstantInput, DeviceContextPtr};
 
 use super::emit::{compile, emit_and_compile};
 use super::fp8_store::{Fp8StoreArgs, compile_fp8_store};
@@ -155,7 +156,7 @@ impl JitKernel {
             false => None,
         };
         let layout = PanelLayout::new(&spec, Schedule::of(tier).panel_columns);
-        let generic = spec.batch.is_none() || spec.seq.is_none();
+        let generic = spec.step.batch.is_none() || spec.step.seq.is_none();
         Ok(Self {
             key: spec.key(),
             tier,
@@ -172,7 +173,7 @@ impl JitKernel {
     /// when the policy allows, else this kernel's own.
     fn code_for(&self, shape: &CallShape) -> Arc<JitFunction> {
         let Some(seen) = &self.seen_shapes else { return self.code.clone() };
-        let spec = FusedQkvSpec { batch: Some(shape.batch), seq: Some(shape.seq), ..self.spec };
+        let spec = FusedQkvSpec { step: StepDims::fixed(shape.batch, shape.seq), ..self.spec };
         let key = spec.key();
         seen.code_for(&[("B", shape.batch), ("S", shape.seq)], (&self.code, &self.key), &key, || {
             emit_and_compile(&spec, self.tier, CaptureText::default())
@@ -195,7 +196,7 @@ impl JitKernel {
     /// Validates everything first, like the runtime's `Kernel::run`.
     pub fn run_into(&self, args: QkvArgs<'_>, output: &mut [u8], ctx: &DeviceContextPtr) -> Result<()> {
         let tensors = [args.hidden_state, args.weight, args.layer_idx, args.valid_lengths];
-        kvjit_op::check_dtypes(&self.spec, &tensors)?;
+        kvjit_op::check_dtypes::<FusedQkvSpec>(self.spec.dtype, &tensors)?;
         let checked = self.check(&tensors, &[&*args.kv_collection])?;
         let shape = checked.shape;
         let expected = shape.batch * shape.seq * shape.q_dim * self.spec.dtype.size_bytes();
@@ -246,6 +247,27 @@ fn hidden_as_f32(hidden: &Tensor) -> std::borrow::Cow<'_, [f32]> {
         TensorData::U32(_) | TensorData::F8E4M3(_) => {
             unreachable!("the check accepts hidden states of the compute floats only")
         }
+    }
+}
+
+/// Sizes the generated code can address. Building packs a constant weight
+/// into panels now; a prepared one (from an artifact) is taken as it is,
+/// its layout checked.
+impl CpuKernel for JitKernel {
+    fn supported(spec: &FusedQkvSpec) -> Result<(), JitError> {
+        super::addressable(spec)
+    }
+
+    fn build(spec: &FusedQkvSpec, constants: &Constants, build: &CpuBuild) -> Result<Self, BoxError> {
+        Ok(match constants.get(1).and_then(Option::as_ref) {
+            Some(ConstantInput::Prepared(prepared)) => {
+                Self::with_prepared_weight(*spec, prepared, build.capture, build.specialize_shapes)?
+            }
+            weight => {
+                let weight = weight.and_then(ConstantInput::plain).cloned();
+                Self::with_policy(*spec, weight, build.capture, build.specialize_shapes)?
+            }
+        })
     }
 }
 

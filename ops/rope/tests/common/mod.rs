@@ -10,7 +10,8 @@ use std::collections::HashMap;
 use kvjit_core::{DType, KvCacheParams, PagedKVCacheCollection, Target, Tensor, UNASSIGNED_PAGE};
 use kvjit_jit::CaptureText;
 use kvjit_op::Compiled;
-use kvjit_op_rope::{JitKernel, ReferenceKernel, RopeArgs, RopeSpec};
+use kvjit_op::checks::StepDims;
+use kvjit_op_rope::{JitKernel, ReferenceKernel, RopeSpec};
 use kvjit_runtime::{DeviceContextPtr, Kernel};
 use kvjit_testkit::tolerance::ulp;
 use kvjit_testkit::values::uniform_in;
@@ -95,8 +96,7 @@ impl Case {
             },
             interleaved: self.interleaved,
             num_q_heads: self.hq,
-            batch: None,
-            seq: None,
+            step: StepDims { batch: None, seq: None },
         }
     }
 
@@ -314,14 +314,10 @@ pub fn run_jit(case: &Case, call: &Call, kernel: &JitKernel, ctx: &DeviceContext
     let mut cache = call.cache.clone();
     let count = case.batch * case.seq * case.hq * case.d;
     let mut out = Guarded::new(GUARD, &nan_bytes(case.dtype, count), GUARD);
-    let args = RopeArgs {
-        q_proj: &call.q,
-        kv_collection: &mut cache,
-        freqs_cis: &call.freqs,
-        layer_idx: &call.layer_idx,
-        valid_lengths: &call.valid,
-    };
-    kernel.run_into(args, out.body_mut(), ctx).unwrap_or_else(|e| panic!("{case:?}: the JIT refused: {e}"));
+    let tensors = [&call.q, &call.freqs, &call.layer_idx, &call.valid];
+    kernel
+        .run_into(&tensors, &mut [&mut cache], out.body_mut(), ctx)
+        .unwrap_or_else(|e| panic!("{case:?}: the JIT refused: {e}"));
     out.assert_guards(&format!("{case:?}"));
     Ran { output: out.body().to_vec(), cache }
 }

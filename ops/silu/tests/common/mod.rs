@@ -30,7 +30,7 @@ pub fn ctx(threads: usize) -> DeviceContextPtr {
 /// canary guards (checked).
 pub fn run_jit(kernel: &JitKernel, x: &Tensor, threads: usize) -> Tensor {
     let mut out = Guarded::new(GUARD, &nan_bytes(x.dtype(), x.numel()), GUARD);
-    kernel.run_into(x, out.body_mut(), &ctx(threads)).unwrap_or_else(|e| panic!("the JIT refused: {e}"));
+    kernel.run_into(&[x], &mut [], out.body_mut(), &ctx(threads)).unwrap_or_else(|e| panic!("the JIT refused: {e}"));
     out.assert_guards(&format!("silu {} {:?}, {threads} threads", x.dtype(), x.shape()));
     Tensor::from_le_bytes(x.dtype(), x.shape(), out.body()).unwrap()
 }
