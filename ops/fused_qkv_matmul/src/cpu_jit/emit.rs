@@ -539,7 +539,11 @@ impl Emitter {
         // a register copy per FMA (x64 FMAs overwrite a multiplicand).
         let step = |b: &mut FunctionBuilder, kk: Value, count: usize, accs: &mut [Value]| {
             let x_at = addr::element(b, x_rows, kk, 4);
-            let w_at = addr::element(b, panel.w, kk, NR * w_size);
+            // A multiply, not addr::element's shift: on the bf16 Cranelift
+            // tile the shift form ran 1.9x slower at M = 4 (measured side by
+            // side, Intel Xeon; the IR otherwise identical).
+            let w_off = b.ins().imul_imm_s(kk, (NR * w_size) as i64);
+            let w_at = b.ins().iadd(panel.w, w_off);
             for u in 0..count {
                 let halves = [
                     load_f32x4_raw(b, w_dtype, w_at, at(u * NR * w_size)),
