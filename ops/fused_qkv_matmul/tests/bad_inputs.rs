@@ -13,6 +13,7 @@ use kvjit_op::Compiled;
 use kvjit_op::checks::StepDims;
 use kvjit_op_fused_qkv::{CallShape, FusedQkvSpec, ReferenceKernel, Sizes, reference::fused_qkv_matmul};
 use kvjit_runtime::{DeviceContextPtr, Kernel};
+use kvjit_testkit::paged::{self, B, LAYERS, MAX_PAGES, PAGE_SIZE, PAGES, S, TABLE, VALID};
 use kvjit_testkit::values::uniform;
 use kvjit_testkit::{Snapshot, cache_from_table, u32s};
 use rand::SeedableRng;
@@ -20,32 +21,15 @@ use rand::rngs::StdRng;
 
 const U: u32 = UNASSIGNED_PAGE;
 
-// B = 3 sequences of S = 4, K = 5; Hkv = 2, D = 2 (kv_dim 4), q_dim = 4,
-// so N = 12; L = 2 layers, page size 2, P = 10 pages, 4 pages per sequence.
-const B: usize = 3;
-const S: usize = 4;
+// The test kit's paged step (B = 3 sequences of S = 4, L = 2 layers, page
+// size 2, P = 10 pages, 4 pages per sequence; see `kvjit_testkit::paged`)
+// with K = 5; Hkv = 2, D = 2 (kv_dim 4), q_dim = 4, so N = 12.
 const K: usize = 5;
 const HKV: usize = 2;
 const D: usize = 2;
 const Q_DIM: usize = 4;
 const N: usize = Q_DIM + 2 * HKV * D;
-const LAYERS: usize = 2;
-const PAGE_SIZE: usize = 2;
-const PAGES: usize = 10;
-const MAX_PAGES: usize = 4;
 const BLOCKS: [usize; 6] = [PAGES, 2, LAYERS, PAGE_SIZE, HKV, D];
-
-/// Seq 0: 1 cached + 3 valid → positions 1..=3, logical pages 0, 1.
-/// Seq 1: 0 cached + 2 valid → positions 0, 1, logical page 0.
-/// Seq 2: 3 cached + 4 valid → positions 3..=6, logical pages 1, 2, 3.
-const CACHE_LENGTHS: [u32; B] = [1, 0, 3];
-const VALID: [u32; B] = [3, 2, 4];
-#[rustfmt::skip]
-const TABLE: [u32; B * MAX_PAGES] = [
-    4, 7, U, U,
-    2, U, U, U,
-    9, 0, 5, 3,
-];
 
 /// A valid call whose buffers hold random (non-NaN) bytes.
 #[derive(Clone, Debug)]
@@ -61,14 +45,13 @@ struct Fixture {
 impl Fixture {
     fn new(dtype: DType) -> Self {
         let mut rng = StdRng::seed_from_u64(7);
-        let mut cache = cache_from_table(dtype, BLOCKS, &CACHE_LENGTHS, &TABLE, MAX_PAGES);
-        cache.set_blocks(uniform(&mut rng, dtype, &BLOCKS)).unwrap();
+        let cache = paged::cache(&mut rng, dtype, HKV, D, None);
         Self {
             hidden: uniform(&mut rng, dtype, &[B, S, K]),
             weight: uniform(&mut rng, dtype, &[N, K]),
             cache,
-            layer_idx: Tensor::scalar_u32(1),
-            valid: u32s(&VALID),
+            layer_idx: paged::layer_idx(),
+            valid: paged::valid_lengths(),
             output: uniform(&mut rng, dtype, &[B, S, Q_DIM]),
         }
     }

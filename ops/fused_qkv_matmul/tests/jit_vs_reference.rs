@@ -29,6 +29,7 @@ use kvjit_op::checks::StepDims;
 use kvjit_op_fused_qkv::cpu_jit::{self, MAX_SEEN_SHAPES, MC, NR, PanelLayout, Schedule};
 use kvjit_op_fused_qkv::{FusedQkvSpec, JitKernel, QkvArgs, ReferenceKernel, Sizes, reference};
 use kvjit_runtime::{DeviceContextPtr, Kernel};
+use kvjit_testkit::paged;
 use kvjit_testkit::values::{dyadic, dyadic_scaled, max_abs_finite, uniform};
 use kvjit_testkit::{
     Guarded, Snapshot, Tolerance, block_index, cache_from_table, nan_bytes, poison, strided_view, u32s, unravel,
@@ -1048,28 +1049,21 @@ fn seen_shape_specialization_gives_identical_bytes() {
 // 4. Validation parity
 // ---------------------------------------------------------------------------
 
-// The bad-input fixture of bad_inputs.rs: B = 3, S = 4, K = 5; Hkv = 2, D = 2,
-// q_dim = 4 (N = 12); L = 2, page size 2, P = 10, 4 pages per sequence.
-const PB: usize = 3;
-const PS: usize = 4;
+// The bad-input fixture of bad_inputs.rs: the test kit's paged step (B = 3,
+// S = 4; L = 2, page size 2, P = 10, 4 pages per sequence) with K = 5,
+// Hkv = 2, D = 2, q_dim = 4 (N = 12).
+const PB: usize = paged::B;
+const PS: usize = paged::S;
 const PK: usize = 5;
 const PHKV: usize = 2;
 const PD: usize = 2;
 const PQ: usize = 4;
 const PN: usize = PQ + 2 * PHKV * PD;
-const PL: usize = 2;
-const PPAGE: usize = 2;
-const PPAGES: usize = 10;
-const PMAX: usize = 4;
+const PL: usize = paged::LAYERS;
+const PPAGE: usize = paged::PAGE_SIZE;
+const PPAGES: usize = paged::PAGES;
+const PMAX: usize = paged::MAX_PAGES;
 const PBLOCKS: [usize; 6] = [PPAGES, 2, PL, PPAGE, PHKV, PD];
-const PCACHE_LENGTHS: [u32; PB] = [1, 0, 3];
-const PVALID: [u32; PB] = [3, 2, 4];
-#[rustfmt::skip]
-const PTABLE: [u32; PB * PMAX] = [
-    4, 7, U, U,
-    2, U, U, U,
-    9, 0, 5, 3,
-];
 
 /// A valid call (exact dyadic inputs, so accepted calls agree bit for bit)
 /// whose output and cache hold random finite bytes, and the spec of the
@@ -1088,14 +1082,13 @@ struct Fixture {
 impl Fixture {
     fn new(dtype: DType) -> Self {
         let mut rng = StdRng::seed_from_u64(11);
-        let mut cache = cache_from_table(dtype, PBLOCKS, &PCACHE_LENGTHS, &PTABLE, PMAX);
-        cache.set_blocks(Tensor::random(dtype, &PBLOCKS, &mut rng, -1.0, 1.0).unwrap()).unwrap();
+        let cache = paged::cache(&mut rng, dtype, PHKV, PD, None);
         Self {
             hidden: dyadic(&mut rng, dtype, &[PB, PS, PK], 8),
             weight: Arc::new(dyadic(&mut rng, dtype, &[PN, PK], 8)),
             cache,
-            layer_idx: Tensor::scalar_u32(1),
-            valid: u32s(&PVALID),
+            layer_idx: paged::layer_idx(),
+            valid: paged::valid_lengths(),
             output: Tensor::random(dtype, &[PB, PS, PQ], &mut rng, -1.0, 1.0).unwrap(),
             spec: FusedQkvSpec {
                 backend: Backend::Cpu(resolve_tier(CpuTier::Auto).unwrap()),
@@ -1212,7 +1205,7 @@ fn mutations(dtype: DType) -> Vec<Mutation> {
         m(
             "valid_lengths [B, 1]",
             Inputs,
-            Box::new(|fx| fx.valid = Tensor::from_vec(&[PB, 1], PVALID.to_vec()).unwrap()),
+            Box::new(|fx| fx.valid = Tensor::from_vec(&[PB, 1], paged::VALID.to_vec()).unwrap()),
         ),
         m(
             "valid_lengths as floats",

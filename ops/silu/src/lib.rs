@@ -5,7 +5,7 @@
 //! within 1 ulp of the reference for x ≥ 0 and 3 for x < 0 (f32); bf16 and
 //! f16 within one step (0 of the 65536 bf16 inputs differ, 3 f16 ones).
 //!
-//! The op platform's worked example (`docs/adding-an-op.md`): this file
+//! The op platform's worked example (the README's "Adding an op"): this file
 //! declares the parameters, the op ([`SiluOp`]) and its spec with the call
 //! contract both kernels share ([`SiluSpec`]); [`reference`](mod@reference)
 //! computes in f64 and rounds once; [`JitKernel`] runs Cranelift code
