@@ -221,7 +221,7 @@ fn a_cache_with_another_layout_is_a_cache_mismatch() {
     let params = *s.caches["kv_cache"].params();
     let cases = [
         (KvCacheParams { page_size: 8, ..params }, 48, "layout is"),
-        (KvCacheParams { dtype: DType::BF16, ..params }, 48, "layout is"),
+        (KvCacheParams { element: kvjit::CacheElement::BF16, ..params }, 48, "layout is"),
         (KvCacheParams { num_layers: 3, ..params }, 48, "layout is"),
         (params, 40, "num_pages is 40, the graph expects 48"),
     ];

@@ -41,9 +41,9 @@ use kvjit::op::Compiled;
 use kvjit::op::checks::StepDims;
 use kvjit::scenario::Scenario;
 use kvjit::{
-    BuildOptions, CompileOptions, CoreError, DType, DeviceContextPtr, Dim, Error, Executable, Executor, Graph,
-    GraphBuilder, KernelImpl, KvCacheParams, KvCacheType, MemoryEstimate, PagedKVCacheCollection, ParamValue, Params,
-    Registry, RuntimeError, Tensor, UNASSIGNED_PAGE, compile, specialize, standard_registry,
+    BuildOptions, CacheElement, CompileOptions, CoreError, DType, DeviceContextPtr, Dim, Error, Executable, Executor,
+    Graph, GraphBuilder, KernelImpl, KvCacheParams, KvCacheType, MemoryEstimate, PagedKVCacheCollection, ParamValue,
+    Params, Registry, RuntimeError, Tensor, UNASSIGNED_PAGE, compile, specialize, standard_registry,
 };
 use kvjit_jit::CaptureText;
 use kvjit_runtime::Kernel;
@@ -508,12 +508,11 @@ fn unusual_spec(seq: usize) -> FusedQkvSpec {
         backend: kvjit::cpu_backend(),
         dtype: DType::BF16,
         cache: KvCacheParams {
-            dtype: DType::F16,
+            element: CacheElement::F16,
             num_layers: 5,
             page_size: 13,
             num_kv_heads: 3,
             head_size: 7,
-            scale_granularity: None,
         },
         k: 1019,
         q_dim: 31,
@@ -599,14 +598,8 @@ fn unusual_call(seq: usize) -> (Tensor, Tensor, Tensor, Tensor, PagedKVCacheColl
     let mut rng = StdRng::seed_from_u64(seq as u64);
     let hidden = dyadic(&mut rng, DType::BF16, &[1, seq, 1019], 4);
     let weight = dyadic(&mut rng, DType::BF16, &[31 + 42, 1019], 8);
-    let params = KvCacheParams {
-        dtype: DType::F16,
-        num_layers: 5,
-        page_size: 13,
-        num_kv_heads: 3,
-        head_size: 7,
-        scale_granularity: None,
-    };
+    let params =
+        KvCacheParams { element: CacheElement::F16, num_layers: 5, page_size: 13, num_kv_heads: 3, head_size: 7 };
     let mut cache = PagedKVCacheCollection::new(params, 5, 1, 4).unwrap();
     cache.set_allocation_order(vec![3, 0, 4, 1, 2]).unwrap();
     cache.reserve(&[5]).unwrap();
@@ -635,14 +628,8 @@ fn colliding_slot_writes_are_refused_with_nothing_written_on_every_target() {
         .into_iter()
         .map(|(n, t)| (n.to_string(), t))
         .collect();
-        let params = KvCacheParams {
-            dtype: DType::F32,
-            num_layers: 1,
-            page_size: 4,
-            num_kv_heads: 2,
-            head_size: 16,
-            scale_granularity: None,
-        };
+        let params =
+            KvCacheParams { element: CacheElement::F32, num_layers: 1, page_size: 4, num_kv_heads: 2, head_size: 16 };
         let blocks = Tensor::random(DType::F32, &[4, 2, 1, 4, 2, 16], &mut rng, -1.0, 1.0).unwrap();
         let cache = |lengths: Vec<u32>, table: Vec<u32>| {
             let c = PagedKVCacheCollection::from_parts(blocks.clone(), lengths, table, 2).unwrap();
@@ -989,12 +976,11 @@ impl GraphCase {
         let mut caches = Caches::new();
         for (i, &layers) in self.cache_layers.iter().enumerate() {
             let params = KvCacheParams {
-                dtype: self.cache_dtype,
+                element: CacheElement::new(self.cache_dtype, None).unwrap(),
                 num_layers: layers,
                 page_size: self.page_size,
                 num_kv_heads: self.num_kv_heads,
                 head_size: self.head_size,
-                scale_granularity: None,
             };
             let pages = self.batch * self.pages_per_seq();
             let mut cache = PagedKVCacheCollection::new(params, pages, self.batch, self.pages_per_seq()).unwrap();

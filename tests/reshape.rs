@@ -5,8 +5,8 @@ use std::collections::BTreeMap;
 
 use kvjit::ops::{FusedQkvParams, fused_qkv_matmul, reshape};
 use kvjit::{
-    CompileOptions, DType, DeviceContextPtr, Dim, Executor, Graph, GraphBuilder, GraphError, KvCacheParams,
-    KvCacheType, PagedKVCacheCollection, RandomInit, Tensor, compile, graph_from_json, graph_to_json,
+    CacheElement, CompileOptions, DType, DeviceContextPtr, Dim, Executor, Graph, GraphBuilder, GraphError,
+    KvCacheParams, KvCacheType, PagedKVCacheCollection, RandomInit, Tensor, compile, graph_from_json, graph_to_json,
     standard_registry,
 };
 use rand::SeedableRng;
@@ -56,14 +56,8 @@ fn a_reshape_between_nodes_is_a_view_of_the_producers_output() {
     assert_eq!(exe.steps()[1].kernel.key().to_string(), "reshape.cpu.f32.o0in0.o1in1.o2x4.o3x16");
 
     let mut rng = StdRng::seed_from_u64(9);
-    let params = KvCacheParams {
-        dtype: DType::F32,
-        num_layers: 1,
-        page_size: 4,
-        num_kv_heads: HKV,
-        head_size: D,
-        scale_granularity: None,
-    };
+    let params =
+        KvCacheParams { element: CacheElement::F32, num_layers: 1, page_size: 4, num_kv_heads: HKV, head_size: D };
     let mut cache = PagedKVCacheCollection::new(params, 16, 2, 4).unwrap();
     cache.reserve(&[3, 2]).unwrap();
     let inputs = BTreeMap::from([

@@ -28,7 +28,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use kvjit::{CompileOptions, Registry, compile, standard_registry};
-use kvjit_core::{DType, KernelSpec, KvCacheParams, PagedKVCacheCollection, Tensor};
+use kvjit_core::{CacheElement, DType, KernelSpec, KvCacheParams, PagedKVCacheCollection, Tensor};
 use kvjit_graph::{Dim, Graph, GraphBuilder, KvCacheType, ParamValue, Params, load_graph, save_graph};
 use kvjit_op_fused_qkv::{FusedQkvSpec, OP_NAME, cpu_jit};
 use kvjit_runtime::{DeviceContextPtr, Executable, Executor};
@@ -222,12 +222,11 @@ impl CompileBench {
     /// One decode token for the one-layer graph: inputs and a cache.
     fn decode_inputs(&self) -> Result<(BTreeMap<String, Tensor>, BTreeMap<String, PagedKVCacheCollection>)> {
         let params = KvCacheParams {
-            dtype: self.dtype,
+            element: CacheElement::new(self.dtype, None).expect("a compute float"),
             num_layers: 1,
             page_size: self.page_size,
             num_kv_heads: self.shape.kv_heads,
             head_size: self.shape.head_size,
-            scale_granularity: None,
         };
         let mut cache = PagedKVCacheCollection::new(params, NUM_PAGES, 1, MAX_PAGES_PER_SEQ)?;
         cache.reserve(&[1])?;

@@ -19,7 +19,7 @@ use std::time::Duration;
 use kvjit::attention::jit_kernel as mha_kernel;
 use kvjit::fused_qkv::{FusedQkvSpec, JitKernel as QkvKernel, QkvArgs, Sizes};
 use kvjit::models::llama::LlamaConfig;
-use kvjit_core::{Backend, DType, KernelSpec, KvCacheParams, Tensor};
+use kvjit_core::{Backend, CacheElement, DType, KernelSpec, KvCacheParams, Tensor};
 use kvjit_jit::CaptureText;
 use kvjit_op::checks::StepDims;
 use kvjit_runtime::{DeviceContextPtr, Executor};
@@ -207,12 +207,14 @@ fn store_pair(
             backend: Backend::Cpu(crate::problem::widest_tier()),
             dtype: DType::BF16,
             cache: KvCacheParams {
-                dtype,
+                element: CacheElement::new(
+                    dtype,
+                    dtype.is_quantized().then_some(FP8_GRANULARITY.min(heads.head_size)),
+                )?,
                 num_layers: 1,
                 page_size: heads.page_size,
                 num_kv_heads: shape.kv_heads,
                 head_size: shape.head_size,
-                scale_granularity: dtype.is_quantized().then_some(FP8_GRANULARITY.min(heads.head_size)),
             },
             k: shape.k,
             q_dim: shape.q_dim(),
@@ -257,7 +259,7 @@ fn attention_pair(
         make_cache(heads, DType::BF16, layers, StepShape { batch, history: context - 1, new_tokens: 1 }, true, rng)?;
     let mut fp8 =
         make_cache(heads, DType::F8E4M3, layers, StepShape { batch, history: context - 1, new_tokens: 1 }, false, rng)?;
-    let g = fp8.params().scale_granularity.expect("an FP8 cache has a granularity");
+    let g = fp8.params().scale_granularity().expect("an FP8 cache has a granularity");
     fp8.lookup_table_mut().copy_from_slice(bf16.lookup_table());
     {
         let values = bf16.blocks().to_f32_vec()?;
@@ -273,8 +275,7 @@ fn attention_pair(
     let mut kernels = Vec::new();
     for dtype in [DType::BF16, DType::F8E4M3] {
         let mut spec = heads.spec(DType::BF16, layers, batch, 1);
-        spec.cache.dtype = dtype;
-        spec.cache.scale_granularity = dtype.is_quantized().then_some(g);
+        spec.cache.element = CacheElement::new(dtype, dtype.is_quantized().then_some(g))?;
         let key = spec.key().to_string();
         kernels.push(mha_kernel(spec, CaptureText::default()).map_err(|source| BenchError::Compile { key, source })?);
     }

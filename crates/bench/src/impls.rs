@@ -549,7 +549,7 @@ fn scatter(p: &mut Problem, c: &[f32]) -> Result<()> {
                     }
                     DType::F16 => cache.blocks_slice_mut::<half::f16>()?[start..][..kv_dim].convert_from_f32_slice(src),
                     DType::F8E4M3 => {
-                        let g = cache.params().scale_granularity.expect("an f8e4m3 cache has a granularity");
+                        let g = cache.params().scale_granularity().expect("an f8e4m3 cache has a granularity");
                         let scale_start = start / g;
                         let (blocks, scales) = cache.blocks_and_scales_mut();
                         let scales = scales.expect("an f8e4m3 cache has scales");

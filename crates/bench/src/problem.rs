@@ -15,7 +15,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use half::slice::HalfFloatSliceExt;
-use kvjit_core::{Backend, CodeTier, DType, KvCacheParams, PagedKVCacheCollection, Tensor, TensorData};
+use kvjit_core::{Backend, CacheElement, CodeTier, DType, KvCacheParams, PagedKVCacheCollection, Tensor, TensorData};
 use kvjit_op::checks::StepDims;
 use kvjit_op_fused_qkv::{FusedQkvSpec, Sizes};
 use rand::SeedableRng;
@@ -111,12 +111,11 @@ impl ModelShape {
             backend: Backend::Cpu(widest_tier()),
             dtype,
             cache: KvCacheParams {
-                dtype,
+                element: CacheElement::new(dtype, None).expect("a compute float"),
                 num_layers: 1,
                 page_size,
                 num_kv_heads: self.kv_heads,
                 head_size: self.head_size,
-                scale_granularity: None,
             },
             k: self.k,
             q_dim: self.q_dim(),
@@ -298,12 +297,11 @@ impl Problem {
         let page = point.page_size;
         let pages_per_seq = (HISTORY as usize + seq).div_ceil(page) + 1;
         let params = KvCacheParams {
-            dtype: point.dtype,
+            element: CacheElement::new(point.dtype, None).expect("a compute float"),
             num_layers: 1,
             page_size: page,
             num_kv_heads: shape.kv_heads,
             head_size: shape.head_size,
-            scale_granularity: None,
         };
         let mut cache = PagedKVCacheCollection::new(params, batch * pages_per_seq, batch, pages_per_seq)?;
         let mut order: Vec<u32> = (0..cache.num_pages() as u32).collect();

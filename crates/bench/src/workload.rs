@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use kvjit::attention::{Mask, MhaSpec};
 use kvjit::models::llama::{LayerConfig, LlamaConfig, attention_step_graph};
 use kvjit::{CompileOptions, compile, standard_registry};
-use kvjit_core::{DType, KvCacheParams, PagedKVCacheCollection, Target, Tensor};
+use kvjit_core::{CacheElement, DType, KvCacheParams, PagedKVCacheCollection, Target, Tensor};
 use kvjit_op::checks::StepDims;
 use kvjit_runtime::Executable;
 use rand::rngs::SmallRng;
@@ -75,14 +75,18 @@ impl Heads {
 
 /// The parameters of a cache of `layers` layers of `heads` in `dtype` (an
 /// FP8 one with a scale per [`FP8_GRANULARITY`] values).
+///
+/// # Panics
+///
+/// For a dtype no cache holds (u32).
 pub(crate) fn cache_params(heads: &Heads, dtype: DType, layers: usize) -> KvCacheParams {
+    let granularity = dtype.is_quantized().then_some(FP8_GRANULARITY.min(heads.head_size));
     KvCacheParams {
-        dtype,
+        element: CacheElement::new(dtype, granularity).expect("a cache dtype"),
         num_layers: layers,
         page_size: heads.page_size,
         num_kv_heads: heads.num_kv_heads,
         head_size: heads.head_size,
-        scale_granularity: dtype.is_quantized().then_some(FP8_GRANULARITY.min(heads.head_size)),
     }
 }
 
@@ -147,7 +151,7 @@ fn lay_out(
 /// NaN) with scales uniform in [0.5, 1.5)/448, so values span about ±1.5.
 fn fill_random(cache: &mut PagedKVCacheCollection, rng: &mut SmallRng) -> Result<()> {
     let shape = cache.blocks().shape().to_vec();
-    let dtype = cache.params().dtype;
+    let dtype = cache.params().dtype();
     if dtype.is_quantized() {
         let codes = Tensor::random(dtype, &shape, rng, -448.0, 448.0)?;
         cache.set_blocks(codes)?;

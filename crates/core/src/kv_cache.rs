@@ -25,11 +25,73 @@ use crate::{DType, Element, Error, Result, Tensor, TensorData};
 /// Lookup-table entry of a logical page that has no physical page yet.
 pub const UNASSIGNED_PAGE: u32 = u32::MAX;
 
+/// What one element of a paged cache holds: a float of a compute dtype, or
+/// an FP8 (E4M3) code with one f32 scale per `scale_granularity` values of
+/// a head. One value for the pairing, so an FP8 cache without scales, or
+/// scales on a float cache, cannot be written down.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum CacheElement {
+    /// f32 values.
+    F32,
+    /// bf16 values.
+    BF16,
+    /// f16 values.
+    F16,
+    /// E4M3 codes, `code · scale` with a scale per g-block of a head.
+    F8E4M3 {
+        /// Values per scale, g (dividing the head size).
+        scale_granularity: usize,
+    },
+}
+
+impl CacheElement {
+    /// The element of a cache of `dtype` with `scale_granularity` values
+    /// per scale: given exactly for `f8e4m3` (and at least 1), else
+    /// [`Error::InvalidCacheParams`] saying what is wrong.
+    pub fn new(dtype: DType, scale_granularity: Option<usize>) -> Result<Self> {
+        match (dtype, scale_granularity) {
+            (DType::F32, None) => Ok(CacheElement::F32),
+            (DType::BF16, None) => Ok(CacheElement::BF16),
+            (DType::F16, None) => Ok(CacheElement::F16),
+            (DType::F8E4M3, Some(g)) if g > 0 => Ok(CacheElement::F8E4M3 { scale_granularity: g }),
+            (DType::F8E4M3, Some(g)) => {
+                Err(Error::InvalidCacheParams(format!("scale_granularity must be at least 1, got {g}")))
+            }
+            (DType::F8E4M3, None) => Err(Error::InvalidCacheParams(format!(
+                "a {dtype} cache needs a scale_granularity (values per scale, dividing head_size)"
+            ))),
+            (DType::U32, _) => Err(Error::InvalidCacheParams(format!("dtype must be a float type, got {dtype}"))),
+            (_, Some(g)) => Err(Error::InvalidCacheParams(format!(
+                "scale_granularity ({g}) applies to f8e4m3 caches only, not {dtype}"
+            ))),
+        }
+    }
+
+    /// The dtype of the blocks.
+    pub fn dtype(self) -> DType {
+        match self {
+            CacheElement::F32 => DType::F32,
+            CacheElement::BF16 => DType::BF16,
+            CacheElement::F16 => DType::F16,
+            CacheElement::F8E4M3 { .. } => DType::F8E4M3,
+        }
+    }
+
+    /// Values per scale of an FP8 cache; `None` for float caches.
+    pub fn scale_granularity(self) -> Option<usize> {
+        match self {
+            CacheElement::F8E4M3 { scale_granularity } => Some(scale_granularity),
+            _ => None,
+        }
+    }
+}
+
 /// The layout parameters of a paged KV cache.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct KvCacheParams {
-    /// Element type of the cached K/V.
-    pub dtype: DType,
+    /// What the cached K/V elements are (their dtype, and an FP8 cache's
+    /// scale granularity).
+    pub element: CacheElement,
     /// Layers L.
     pub num_layers: usize,
     /// Tokens per page.
@@ -38,9 +100,6 @@ pub struct KvCacheParams {
     pub num_kv_heads: usize,
     /// Head size D.
     pub head_size: usize,
-    /// Values per scale of an FP8 cache (`g`, dividing D; `Some` exactly when
-    /// the dtype is quantized). Graph files call it `scale_granularity`.
-    pub scale_granularity: Option<usize>,
 }
 
 /// A scale granularity as errors name it: `g`, or `none` (no scales).
@@ -49,17 +108,28 @@ fn granularity(g: Option<usize>) -> String {
 }
 
 impl KvCacheParams {
+    /// Element type of the cached K/V.
+    pub fn dtype(&self) -> DType {
+        self.element.dtype()
+    }
+
+    /// Values per scale of an FP8 cache (`g`, dividing D); `None` for float
+    /// caches. Graph files call it `scale_granularity`.
+    pub fn scale_granularity(&self) -> Option<usize> {
+        self.element.scale_granularity()
+    }
+
     /// Check that a cache of these params is one a kernel built for
     /// `built_for` may use: every field equal, else
     /// [`Error::CacheLayout`] naming the first that differs.
     pub fn expect_built_for(&self, built_for: &KvCacheParams) -> Result<()> {
         for (what, expected, got) in [
-            ("dtype", built_for.dtype.to_string(), self.dtype.to_string()),
+            ("dtype", built_for.dtype().to_string(), self.dtype().to_string()),
             ("num_layers", built_for.num_layers.to_string(), self.num_layers.to_string()),
             ("page_size", built_for.page_size.to_string(), self.page_size.to_string()),
             ("num_kv_heads", built_for.num_kv_heads.to_string(), self.num_kv_heads.to_string()),
             ("head_size", built_for.head_size.to_string(), self.head_size.to_string()),
-            ("scale_granularity", granularity(built_for.scale_granularity), granularity(self.scale_granularity)),
+            ("scale_granularity", granularity(built_for.scale_granularity()), granularity(self.scale_granularity())),
         ] {
             if expected != got {
                 return Err(Error::CacheLayout { what, expected, got });
@@ -76,12 +146,12 @@ impl KvCacheParams {
     /// Scales per token and head of an FP8 cache (D / g; 0 when the cache
     /// has no scales).
     pub fn scales_per_head(&self) -> usize {
-        self.scale_granularity.map_or(0, |g| self.head_size / g)
+        self.scale_granularity().map_or(0, |g| self.head_size / g)
     }
 
     /// Bytes one cached token takes in one layer, K and V, scales included.
     pub fn bytes_per_token(&self) -> usize {
-        2 * self.num_kv_heads * (self.head_size * self.dtype.size_bytes() + self.scales_per_head() * 4)
+        2 * self.num_kv_heads * (self.head_size * self.dtype().size_bytes() + self.scales_per_head() * 4)
     }
 
     /// Bytes of `num_pages` pages of a cache of these params, as
@@ -90,7 +160,7 @@ impl KvCacheParams {
     /// `None` when that overflows a u64.
     pub fn page_bytes(&self, num_pages: usize) -> Option<u64> {
         let head_bytes = (self.head_size as u64)
-            .checked_mul(self.dtype.size_bytes() as u64)?
+            .checked_mul(self.dtype().size_bytes() as u64)?
             .checked_add(self.scales_per_head() as u64 * 4)?;
         [num_pages, 2, self.num_layers, self.page_size, self.num_kv_heads]
             .iter()
@@ -113,33 +183,18 @@ impl KvCacheParams {
         self.page_bytes(num_pages)?.checked_add(Self::table_bytes(batch, max_pages_per_seq)?)
     }
 
-    /// Check the params describe a cache kvjit can hold: a float dtype,
-    /// every size at least 1, and a scale granularity exactly for FP8
-    /// ([`Error::InvalidCacheParams`] saying which).
+    /// Check the params describe a cache kvjit can hold: every size at
+    /// least 1, and an FP8 cache's scale granularity dividing the head size
+    /// ([`Error::InvalidCacheParams`] saying which). The dtype and
+    /// granularity pair is valid by construction ([`CacheElement`]).
     pub fn validate(&self) -> Result<()> {
-        if !self.dtype.is_float() {
-            return Err(Error::InvalidCacheParams(format!("dtype must be a float type, got {}", self.dtype)));
-        }
-        match (self.dtype.is_quantized(), self.scale_granularity) {
-            (true, None) => {
-                return Err(Error::InvalidCacheParams(format!(
-                    "a {} cache needs a scale_granularity (values per scale, dividing head_size)",
-                    self.dtype
-                )));
-            }
-            (false, Some(g)) => {
-                return Err(Error::InvalidCacheParams(format!(
-                    "scale_granularity ({g}) applies to f8e4m3 caches only, not {}",
-                    self.dtype
-                )));
-            }
-            (true, Some(g)) if g == 0 || !self.head_size.is_multiple_of(g) => {
-                return Err(Error::InvalidCacheParams(format!(
-                    "scale_granularity must divide head_size {}, got {g}",
-                    self.head_size
-                )));
-            }
-            _ => {}
+        if let Some(g) = self.scale_granularity()
+            && !self.head_size.is_multiple_of(g)
+        {
+            return Err(Error::InvalidCacheParams(format!(
+                "scale_granularity must divide head_size {}, got {g}",
+                self.head_size
+            )));
         }
         for (name, v) in [
             ("num_layers", self.num_layers),
@@ -233,13 +288,13 @@ impl PagedKVCacheCollection {
             .checked_mul(max_pages_per_seq)
             .ok_or_else(|| Error::ShapeOverflow(vec![batch_size, max_pages_per_seq]))?;
         let shape = Self::shape_of(&params, num_pages);
-        let scales = match params.scale_granularity {
+        let scales = match params.scale_granularity() {
             Some(_) => Some(Tensor::zeros(DType::F32, &Self::scales_shape_of(&params, num_pages))?),
             None => None,
         };
         Ok(Self {
             params,
-            blocks: Tensor::zeros(params.dtype, &shape)?,
+            blocks: Tensor::zeros(params.dtype(), &shape)?,
             scales,
             cache_lengths: vec![0; batch_size],
             lookup_table: {
@@ -313,12 +368,11 @@ impl PagedKVCacheCollection {
             }
         };
         let params = KvCacheParams {
-            dtype: blocks.dtype(),
+            element: CacheElement::new(blocks.dtype(), scale_granularity)?,
             num_layers: shape[2],
             page_size: shape[3],
             num_kv_heads: shape[4],
             head_size: shape[5],
-            scale_granularity,
         };
         params.validate()?;
         let batch_size = cache_lengths.len();
@@ -389,10 +443,10 @@ impl PagedKVCacheCollection {
                 got: blocks.shape().to_vec(),
             });
         }
-        if blocks.dtype() != self.params.dtype {
+        if blocks.dtype() != self.params.dtype() {
             return Err(Error::DTypeMismatch {
                 arg: "kv_collection.blocks".into(),
-                expected: self.params.dtype,
+                expected: self.params.dtype(),
                 got: blocks.dtype(),
             });
         }
@@ -415,7 +469,7 @@ impl PagedKVCacheCollection {
     pub fn set_scales(&mut self, scales: Tensor) -> Result<()> {
         let expected = Self::scales_shape_of(&self.params, self.num_pages());
         if self.scales.is_none() {
-            return Err(Error::InvalidCacheParams(format!("a {} cache has no scales", self.params.dtype)));
+            return Err(Error::InvalidCacheParams(format!("a {} cache has no scales", self.params.dtype())));
         }
         if scales.shape() != expected {
             return Err(Error::ShapeMismatch {
@@ -707,7 +761,7 @@ impl PagedKVCacheCollection {
             TensorData::BF16(v) => widen(&v[range]),
             TensorData::F16(v) => widen(&v[range]),
             TensorData::F8E4M3(v) => {
-                let g = self.params.scale_granularity.expect("an f8e4m3 cache has a granularity, checked at build");
+                let g = self.params.scale_granularity().expect("an f8e4m3 cache has a granularity, checked at build");
                 let scales = self.scales.as_ref().expect("an f8e4m3 cache has scales, checked at build");
                 let scales = &scales.as_slice::<f32>()?[start / g..][..self.params.kv_dim() / g];
                 let mut values = vec![0f32; range.len()];
@@ -792,26 +846,13 @@ mod tests {
     use super::*;
 
     fn params() -> KvCacheParams {
-        KvCacheParams {
-            dtype: DType::F32,
-            num_layers: 2,
-            page_size: 4,
-            num_kv_heads: 2,
-            head_size: 3,
-            scale_granularity: None,
-        }
+        KvCacheParams { element: CacheElement::F32, num_layers: 2, page_size: 4, num_kv_heads: 2, head_size: 3 }
     }
 
     #[test]
     fn blocks_versions_tell_caches_and_writes_apart() {
-        let params = KvCacheParams {
-            dtype: DType::F32,
-            num_layers: 1,
-            page_size: 2,
-            num_kv_heads: 1,
-            head_size: 2,
-            scale_granularity: None,
-        };
+        let params =
+            KvCacheParams { element: CacheElement::F32, num_layers: 1, page_size: 2, num_kv_heads: 1, head_size: 2 };
         let mut cache = PagedKVCacheCollection::new(params, 4, 1, 2).unwrap();
         let (id, generation) = (cache.blocks_id(), cache.blocks_generation());
         let copy = cache.clone();
@@ -888,12 +929,11 @@ mod tests {
 
     fn fp8_params(head_size: usize, g: usize) -> KvCacheParams {
         KvCacheParams {
-            dtype: DType::F8E4M3,
+            element: CacheElement::F8E4M3 { scale_granularity: g },
             num_layers: 2,
             page_size: 3,
             num_kv_heads: 2,
             head_size,
-            scale_granularity: Some(g),
         }
     }
 
@@ -937,11 +977,19 @@ mod tests {
         let refused = |params: KvCacheParams| PagedKVCacheCollection::new(params, 2, 1, 2).unwrap_err().to_string();
         assert!(refused(fp8_params(8, 3)).contains("scale_granularity must divide head_size 8, got 3"));
         assert!(refused(fp8_params(8, 0)).contains("must divide"));
-        assert!(
-            refused(KvCacheParams { scale_granularity: None, ..fp8_params(8, 8) })
-                .contains("needs a scale_granularity")
-        );
-        assert!(refused(KvCacheParams { dtype: DType::BF16, ..fp8_params(8, 8) }).contains("f8e4m3 caches only"));
+        // The dtype and granularity pairing is one value: the impossible
+        // pairs cannot be made.
+        let element = |dtype, g| CacheElement::new(dtype, g).unwrap_err().to_string();
+        assert!(element(DType::F8E4M3, None).contains("needs a scale_granularity"));
+        assert!(element(DType::BF16, Some(8)).contains("f8e4m3 caches only"));
+        assert!(element(DType::F8E4M3, Some(0)).contains("at least 1"));
+        assert!(element(DType::U32, None).contains("must be a float type"));
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            let float = CacheElement::new(dtype, None).unwrap();
+            assert_eq!((float.dtype(), float.scale_granularity()), (dtype, None));
+        }
+        let fp8 = CacheElement::new(DType::F8E4M3, Some(16)).unwrap();
+        assert_eq!((fp8.dtype(), fp8.scale_granularity()), (DType::F8E4M3, Some(16)));
 
         let cache = PagedKVCacheCollection::new(fp8_params(8, 4), 2, 1, 2).unwrap();
         let blocks = cache.blocks().clone();

@@ -19,7 +19,7 @@ pub use dtype::{Backend, CodeTier, CpuTier, DType, Element, Target};
 pub use error::{Error, Result};
 pub use fp8::F8E4M3;
 pub use kernel_key::{KernelKey, KernelSpec, KeyField};
-pub use kv_cache::{KvCacheParams, PagedKVCacheCollection, UNASSIGNED_PAGE};
+pub use kv_cache::{CacheElement, KvCacheParams, PagedKVCacheCollection, UNASSIGNED_PAGE};
 pub use safetensors_io::{
     LoadedTensors, SafetensorsHeader, WeightLoad, copy_to_anonymous, load_safetensors, map_file, open_regular_file,
     read_regular_file, read_safetensors, read_safetensors_header, tensors_from_safetensors, tensors_to_safetensors,

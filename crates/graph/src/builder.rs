@@ -132,7 +132,7 @@ impl<'r> GraphBuilder<'r> {
                 });
             }
         }
-        if let Err(e) = ty.params().validate() {
+        if let Err(e) = ty.element().and_then(|_| ty.params().validate()) {
             return Err(GraphError::Param {
                 param: "scale_granularity".into(),
                 problem: format!("of KV cache '{name}': {e}"),

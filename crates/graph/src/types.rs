@@ -2,7 +2,7 @@
 
 use std::fmt;
 
-use kvjit_core::{DType, KvCacheParams};
+use kvjit_core::{CacheElement, DType, KvCacheParams};
 use serde::{Deserialize, Serialize};
 
 /// One dimension: a number known when the graph is built, or a named symbol
@@ -117,15 +117,26 @@ pub struct KvCacheType {
 }
 
 impl KvCacheType {
+    /// What its elements are: the dtype with, for `f8e4m3`, the scale
+    /// granularity ([`CacheElement::new`] refuses other pairings).
+    pub fn element(&self) -> kvjit_core::Result<CacheElement> {
+        CacheElement::new(self.dtype, self.scale_granularity)
+    }
+
     /// The layout part, as the core cache type spells it.
+    ///
+    /// # Panics
+    ///
+    /// If the dtype and granularity do not pair ([`element`](Self::element)
+    /// refuses them): a graph's caches were checked when they were added, so
+    /// every cache of a graph pairs them.
     pub fn params(&self) -> KvCacheParams {
         KvCacheParams {
-            dtype: self.dtype,
+            element: self.element().expect("a graph's caches are checked when added"),
             num_layers: self.num_layers,
             page_size: self.page_size,
             num_kv_heads: self.num_kv_heads,
             head_size: self.head_size,
-            scale_granularity: self.scale_granularity,
         }
     }
 }

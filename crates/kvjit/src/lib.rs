@@ -45,10 +45,10 @@ pub use registry::{Registry, standard_registry};
 pub use kvjit_core::Error as CoreError;
 pub use kvjit_core::fp8;
 pub use kvjit_core::{
-    Backend, CodeTier, CpuTier, DType, Element, F8E4M3, KernelKey, KernelSpec, KeyField, KvCacheParams, LoadedTensors,
-    PagedKVCacheCollection, PreparedConstant, Target, Tensor, TensorData, UNASSIGNED_PAGE, WeightLoad, bf16, f16,
-    load_safetensors, read_safetensors, read_safetensors_header, tensors_from_safetensors, tensors_to_safetensors,
-    write_safetensors,
+    Backend, CacheElement, CodeTier, CpuTier, DType, Element, F8E4M3, KernelKey, KernelSpec, KeyField, KvCacheParams,
+    LoadedTensors, PagedKVCacheCollection, PreparedConstant, Target, Tensor, TensorData, UNASSIGNED_PAGE, WeightLoad,
+    bf16, f16, load_safetensors, read_safetensors, read_safetensors_header, tensors_from_safetensors,
+    tensors_to_safetensors, write_safetensors,
 };
 pub use kvjit_graph::{
     ConstantInit, DEFAULT_MEMORY_LIMIT, Dim, Graph, GraphBuilder, GraphError, KvCacheType, OpRegistry, ParamValue,

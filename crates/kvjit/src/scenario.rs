@@ -28,9 +28,9 @@ use crate::{Error, Result};
 /// cheap.
 fn fill_history(cache: &mut PagedKVCacheCollection, history: &[u32], rng: &mut StdRng) -> Result<()> {
     let params = *cache.params();
-    let quantized = params.dtype.is_quantized();
-    let drawn = if quantized { DType::F32 } else { params.dtype };
-    let elem = params.dtype.size_bytes();
+    let quantized = params.dtype().is_quantized();
+    let drawn = if quantized { DType::F32 } else { params.dtype() };
+    let elem = params.dtype().size_bytes();
     let row_bytes = params.kv_dim() * elem;
     let rows = history.iter().map(|&h| h as usize).sum::<usize>() * 2 * params.num_layers;
     let mut fast = rand::rngs::SmallRng::seed_from_u64(rng.r#gen());
@@ -47,7 +47,7 @@ fn fill_history(cache: &mut PagedKVCacheCollection, history: &[u32], rng: &mut S
         }
     }
     let (blocks, scales) = cache.blocks_and_scales_mut();
-    match (quantized, scales, params.scale_granularity) {
+    match (quantized, scales, params.scale_granularity()) {
         (true, Some(scales), Some(g)) => {
             let values = values.as_slice::<f32>()?;
             for (offset, row) in offsets.into_iter().zip(values.chunks_exact(params.kv_dim())) {

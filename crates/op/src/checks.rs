@@ -82,8 +82,8 @@ pub fn with_cache_fields_as(
         .with("d", size(cache.head_size))
         .with("p", size(cache.page_size))
         .with("l", size(cache.num_layers))
-        .with("kv", KeyField::DType(cache.dtype))
-        .with_if("g", cache.scale_granularity.map(&size))
+        .with("kv", KeyField::DType(cache.dtype()))
+        .with_if("g", cache.scale_granularity().map(&size))
 }
 
 /// The step arguments of a paged op's call, checked.

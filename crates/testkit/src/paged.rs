@@ -13,7 +13,7 @@
 //! unused), [`MAX_PAGES`] pages per sequence; the step pads every sequence
 //! to [`S`] tokens. An op adds its own heads and head size.
 
-use kvjit_core::{DType, KvCacheParams, PagedKVCacheCollection, Tensor, UNASSIGNED_PAGE};
+use kvjit_core::{CacheElement, DType, KvCacheParams, PagedKVCacheCollection, Tensor, UNASSIGNED_PAGE};
 use rand::rngs::StdRng;
 
 use crate::layout::blocks_shape;
@@ -54,14 +54,17 @@ pub fn blocks(num_kv_heads: usize, head_size: usize) -> [usize; 6] {
 
 /// The layout of the fixture's cache in `dtype` (`granularity`: an FP8
 /// cache's values per scale).
+///
+/// # Panics
+///
+/// If `granularity` is not given exactly for `f8e4m3`.
 pub fn params(dtype: DType, num_kv_heads: usize, head_size: usize, granularity: Option<usize>) -> KvCacheParams {
     KvCacheParams {
-        dtype,
+        element: CacheElement::new(dtype, granularity).expect("a cache element"),
         num_layers: LAYERS,
         page_size: PAGE_SIZE,
         num_kv_heads,
         head_size,
-        scale_granularity: granularity,
     }
 }
 

@@ -214,7 +214,7 @@ pub fn cache_values(cache: &PagedKVCacheCollection) -> Vec<f64> {
 
 /// The scale of blocks element `i` of an FP8 cache (`None` without scales).
 fn scale_of(cache: &PagedKVCacheCollection, i: usize) -> Option<f32> {
-    let g = cache.params().scale_granularity?;
+    let g = cache.params().scale_granularity()?;
     cache.scales().map(|s| s.as_slice::<f32>().expect("f32 scales")[i / g])
 }
 

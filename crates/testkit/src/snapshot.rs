@@ -129,17 +129,13 @@ pub fn caches_identical(a: &Caches, b: &Caches) -> bool {
 mod tests {
     use kvjit_core::{DType, KvCacheParams};
 
+    use kvjit_core::CacheElement;
+
     use super::*;
 
     fn cache() -> PagedKVCacheCollection {
-        let params = KvCacheParams {
-            dtype: DType::F16,
-            num_layers: 1,
-            page_size: 2,
-            num_kv_heads: 1,
-            head_size: 2,
-            scale_granularity: None,
-        };
+        let params =
+            KvCacheParams { element: CacheElement::F16, num_layers: 1, page_size: 2, num_kv_heads: 1, head_size: 2 };
         PagedKVCacheCollection::new(params, 4, 2, 2).unwrap()
     }
 

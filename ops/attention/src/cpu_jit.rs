@@ -215,7 +215,7 @@ impl MhaArgs<Value> {
 /// The dtype of the K/V rows in the block buffer: the cache's, except that
 /// an FP8 cache's codes are re-encoded as (exact) bf16.
 fn buffer_dtype(spec: &MhaSpec) -> DType {
-    match spec.cache.dtype {
+    match spec.cache.dtype() {
         DType::F8E4M3 => DType::BF16,
         other => other,
     }
@@ -223,10 +223,7 @@ fn buffer_dtype(spec: &MhaSpec) -> DType {
 
 /// Scale blocks per head of an FP8 cache (D/g), 1 for other caches.
 fn scale_blocks(spec: &MhaSpec) -> usize {
-    match spec.cache.scale_granularity {
-        Some(g) if spec.cache.dtype == DType::F8E4M3 => spec.cache.head_size / g,
-        _ => 1,
-    }
+    spec.cache.scale_granularity().map_or(1, |g| spec.cache.head_size / g)
 }
 
 /// Bytes of the K/V rows of one block buffer: `[2, Hkv, KB, D]` of
@@ -239,7 +236,7 @@ fn block_rows_bytes(spec: &MhaSpec) -> usize {
 /// (`[2, Hkv, KB, D]` of [`buffer_dtype`]), then for an FP8 cache the keys'
 /// scales, f32 `[2, Hkv, KB, D/g]`.
 fn block_buffer_bytes(spec: &MhaSpec) -> usize {
-    let scales = match spec.cache.dtype {
+    let scales = match spec.cache.dtype() {
         DType::F8E4M3 => 2 * spec.cache.num_kv_heads * KB * scale_blocks(spec) * 4,
         _ => 0,
     };
@@ -265,7 +262,7 @@ pub(crate) fn supported(spec: &MhaSpec) -> Result<(), JitError> {
         ))
     } else if let Err(reason) = spec.validate() {
         Some(reason)
-    } else if let Some(g) = spec.cache.scale_granularity.filter(|g| !g.is_multiple_of(4)) {
+    } else if let Some(g) = spec.cache.scale_granularity().filter(|g| !g.is_multiple_of(4)) {
         Some(format!(
             "the CPU kernel needs an f8e4m3 cache's scale_granularity to be a multiple of 4 (each F32X4 of a \
              head inside one scale block), got {g}"
@@ -275,7 +272,7 @@ pub(crate) fn supported(spec: &MhaSpec) -> Result<(), JitError> {
             let cache = &spec.cache;
             let kv_stride = cache.num_layers.checked_mul(cache.page_size)?.checked_mul(cache.num_kv_heads)?;
             let kv_stride = kv_stride.checked_mul(d)?;
-            let bytes = kv_stride.checked_mul(2 * spec.cache.dtype.size_bytes())?;
+            let bytes = kv_stride.checked_mul(2 * spec.cache.dtype().size_bytes())?;
             let row = d.checked_mul(4 * (spec.num_heads + 2))?;
             (i64::try_from(bytes).is_ok() && i32::try_from(row).is_ok()).then_some(())
         };
@@ -298,7 +295,7 @@ fn displacements(spec: &MhaSpec) -> Result<Displacements, JitError> {
         let scratch = scale_blocks(spec).checked_mul(16 * KB)?.checked_add(16)?;
         let head = d.checked_mul(buffer_dtype(spec).size_bytes())?.checked_add(4 * scale_blocks(spec))?;
         let buffer = 2usize.checked_mul(spec.cache.num_kv_heads)?.checked_mul(KB)?.checked_mul(head)?;
-        let cache_heads = spec.cache.num_kv_heads.checked_mul(d)?.checked_mul(spec.cache.dtype.size_bytes())?;
+        let cache_heads = spec.cache.num_kv_heads.checked_mul(d)?.checked_mul(spec.cache.dtype().size_bytes())?;
         [tile, q_rows, scratch, buffer, cache_heads].into_iter().max()
     };
     Displacements::up_to(&spec.key(), largest())
@@ -416,7 +413,7 @@ impl Emitter {
 
     /// Whether the cache is FP8 (codes and scales).
     fn fp8(&self) -> bool {
-        self.spec.cache.dtype == DType::F8E4M3
+        self.spec.cache.dtype() == DType::F8E4M3
     }
 
     /// Scale blocks per head (D/g; 1 for other caches).
@@ -567,7 +564,7 @@ impl Emitter {
         (p0, n, n_pad): (Value, Value, Value),
         convert: Option<&ToBf16>,
     ) {
-        let csize = self.spec.cache.dtype.size_bytes();
+        let csize = self.spec.cache.dtype().size_bytes();
         let src_row_bytes = self.d() * csize;
         let row_bytes = self.row_bytes();
         let head_rows = KB * row_bytes;
@@ -1132,6 +1129,8 @@ fn store_output(dtype: DType, values: &[f32], output: &mut [u8]) {
 
 #[cfg(test)]
 mod tests {
+    use kvjit_core::CacheElement;
+
     use super::*;
     use crate::AttentionConfig;
     use kvjit_core::{DType, KvCacheParams, Target};
@@ -1146,12 +1145,11 @@ mod tests {
             target: Target::Cpu,
             dtype: DType::BF16,
             cache: KvCacheParams {
-                dtype: DType::BF16,
+                element: CacheElement::BF16,
                 num_layers: 1,
                 page_size: 16,
                 num_kv_heads: 2,
                 head_size: 64,
-                scale_granularity: None,
             },
             num_heads: 8,
             mask: Mask::Causal,

@@ -154,6 +154,8 @@ impl CallContract for MhaSpec {
 
 #[cfg(test)]
 mod tests {
+    use kvjit_core::CacheElement;
+
     use super::*;
 
     #[test]
@@ -162,12 +164,11 @@ mod tests {
             target: Target::Cpu,
             dtype: DType::BF16,
             cache: KvCacheParams {
-                dtype: DType::F16,
+                element: CacheElement::F16,
                 num_layers: 32,
                 page_size: 16,
                 num_kv_heads: 8,
                 head_size: 128,
-                scale_granularity: None,
             },
             num_heads: 32,
             mask: Mask::Causal,

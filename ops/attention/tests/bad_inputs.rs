@@ -10,8 +10,8 @@ use std::sync::Arc;
 
 use common::{Case, jit, run_jit_on, scale_bytes};
 use kvjit_core::{
-    Backend, CodeTier, DType, Error, KernelKey, KernelSpec, KvCacheParams, PagedKVCacheCollection, Target, Tensor,
-    UNASSIGNED_PAGE,
+    Backend, CacheElement, CodeTier, DType, Error, KernelKey, KernelSpec, KvCacheParams, PagedKVCacheCollection,
+    Target, Tensor, UNASSIGNED_PAGE,
 };
 use kvjit_graph::{Dim, GraphBuilder, KvCacheType, OpDef, OpRegistry, specialize};
 use kvjit_op::checks::StepDims;
@@ -236,17 +236,18 @@ fn fp8_specs_the_kernels_cannot_serve() {
     assert_eq!(spec.key().spec::<MhaSpec>(), Some(&spec));
     assert!(spec.key().to_string().contains(".kvf8e4m3.g4."), "{}", spec.key());
     Defined(MhaOp).supports(&spec.key()).unwrap();
-    for (dtype, g, why) in [
-        (DType::F8E4M3, Some(3), "g does not divide D"),
-        (DType::F8E4M3, None, "an FP8 cache needs g"),
-        (DType::F16, Some(4), "g only for FP8"),
-    ] {
-        let bad = MhaSpec { cache: KvCacheParams { dtype, scale_granularity: g, ..spec.cache }, ..spec };
-        assert!(bad.validate().is_err(), "{why}");
-        assert!(Defined(MhaOp).supports(&bad.key()).is_err(), "{why}");
-    }
+    // An FP8 cache without g, or g on a float cache, cannot be written down.
+    assert!(CacheElement::new(DType::F8E4M3, None).is_err(), "an FP8 cache needs g");
+    assert!(CacheElement::new(DType::F16, Some(4)).is_err(), "g only for FP8");
+    let bad = MhaSpec {
+        cache: KvCacheParams { element: CacheElement::F8E4M3 { scale_granularity: 3 }, ..spec.cache },
+        ..spec
+    };
+    assert!(bad.validate().is_err(), "g does not divide D");
+    assert!(Defined(MhaOp).supports(&bad.key()).is_err(), "g does not divide D");
     // g = 6 divides D = 12 but splits F32X4 vectors: the reference serves it, the JIT not.
-    let split = MhaSpec { cache: KvCacheParams { head_size: 12, scale_granularity: Some(6), ..spec.cache }, ..spec };
+    let g6 = CacheElement::F8E4M3 { scale_granularity: 6 };
+    let split = MhaSpec { cache: KvCacheParams { head_size: 12, element: g6, ..spec.cache }, ..spec };
     split.validate().unwrap();
     let err = Defined(MhaOp).supports(&split.key()).unwrap_err();
     assert!(err.contains("multiple of 4"), "{err}");
@@ -527,12 +528,11 @@ fn the_op_definition_builds_graphs_and_refuses_cuda() {
         target: Target::Cuda,
         dtype: DType::BF16,
         cache: KvCacheParams {
-            dtype: DType::BF16,
+            element: CacheElement::BF16,
             num_layers: 2,
             page_size: 16,
             num_kv_heads: 8,
             head_size: 128,
-            scale_granularity: None,
         },
         num_heads: 32,
         mask: Mask::Causal,

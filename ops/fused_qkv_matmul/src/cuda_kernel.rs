@@ -67,7 +67,8 @@ use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 
 use kvjit_core::{
-    Backend, DType, Error, KernelKey, KernelSpec, KvCacheParams, PagedKVCacheCollection, Result, Target, Tensor,
+    Backend, CacheElement, DType, Error, KernelKey, KernelSpec, KvCacheParams, PagedKVCacheCollection, Result, Target,
+    Tensor,
 };
 use kvjit_cuda::{CudaDevice, CudaError, DeviceBuffer, Function, KernelArg, LaunchShape, PtxImage};
 use kvjit_op::checks::StepDims;
@@ -180,12 +181,12 @@ pub fn all_kernel_symbols() -> Vec<String> {
                 backend: Backend::Cuda,
                 dtype,
                 cache: KvCacheParams {
-                    dtype: cache_dtype,
+                    element: CacheElement::new(cache_dtype, (cache_dtype == DType::F8E4M3).then_some(1))
+                        .expect("a cache dtype, with a granularity for f8e4m3"),
                     num_layers: 1,
                     page_size: 1,
                     num_kv_heads: 1,
                     head_size: 1,
-                    scale_granularity: (cache_dtype == DType::F8E4M3).then_some(1),
                 },
                 k: 8,
                 q_dim: 1,
@@ -238,11 +239,11 @@ pub fn choose_variants(spec: &FusedQkvSpec) -> std::result::Result<VariantPlan, 
     if !spec.dtype.is_compute_float() {
         return Err(format!("CUDA variants exist for f32, bf16 and f16 compute dtypes, not {}", spec.dtype));
     }
-    let quantized = spec.cache.dtype == DType::F8E4M3;
-    if !spec.cache.dtype.is_compute_float() && !quantized {
+    let quantized = spec.cache.dtype() == DType::F8E4M3;
+    if !spec.cache.dtype().is_compute_float() && !quantized {
         return Err(format!(
             "CUDA variants exist for f32, bf16, f16 and f8e4m3 cache dtypes, not {}",
-            spec.cache.dtype
+            spec.cache.dtype()
         ));
     }
     // An FP8 cache needs its granularity, dividing D (what the cache itself requires).
@@ -271,7 +272,7 @@ pub fn choose_variants(spec: &FusedQkvSpec) -> std::result::Result<VariantPlan, 
     Ok(VariantPlan {
         decode: rows.is_none_or(|m| m <= DECODE_MAX_ROWS).then(|| variant_key(spec, Schedule::Decode)),
         prefill: rows.is_none_or(|m| m > DECODE_MAX_ROWS).then(|| variant_key(spec, Schedule::Prefill)),
-        gather: gather_key(spec.cache.dtype),
+        gather: gather_key(spec.cache.dtype()),
         scale_gather: quantized.then(|| gather_key(DType::F32)),
     })
 }
@@ -326,7 +327,7 @@ impl LaunchDims {
             kv_dim: int(shape.kv_dim, "kv_collection")?,
             kv_stride: i64::try_from(kv_stride)
                 .map_err(|_| too_large("kv_collection", "a smaller cache".into(), vec![]))?,
-            g: int(params.scale_granularity.unwrap_or(0), "kv_collection")?,
+            g: int(params.scale_granularity().unwrap_or(0), "kv_collection")?,
         })
     }
 
@@ -682,10 +683,10 @@ impl CudaKernel {
         }
         let written: Vec<i64> = row_off.iter().copied().filter(|&o| o >= 0).collect();
         let params = *cache.params();
-        let elem = params.dtype.size_bytes();
+        let elem = params.dtype().size_bytes();
         let row_bytes = shape.kv_dim * elem;
         // FP8: the scales of a row's K (then V) head blocks, kv_dim / g of each.
-        let row_scales = params.scale_granularity.map_or(0, |g| shape.kv_dim / g);
+        let row_scales = params.scale_granularity().map_or(0, |g| shape.kv_dim / g);
         let mut q = vec![0u8; output.as_bytes().len()];
         let mut staged = vec![0u8; written.len() * 2 * (row_bytes + row_scales * 4)];
         {
@@ -718,7 +719,7 @@ impl CudaKernel {
             host[off * elem..][..row_bytes].copy_from_slice(k);
             host[(off + kv_stride) * elem..][..row_bytes].copy_from_slice(v);
         }
-        if let (Some(g), Some(host_scales)) = (params.scale_granularity, host_scales) {
+        if let (Some(g), Some(host_scales)) = (params.scale_granularity(), host_scales) {
             let values: Vec<f32> =
                 staged_scales.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().expect("4 bytes"))).collect();
             for (&off, scales) in written.iter().zip(values.chunks_exact(2 * row_scales)) {
@@ -789,12 +790,11 @@ mod tests {
             backend: Backend::Cuda,
             dtype,
             cache: KvCacheParams {
-                dtype,
+                element: CacheElement::new(dtype, None).unwrap(),
                 num_layers: 32,
                 page_size: 16,
                 num_kv_heads: 8,
                 head_size: 128,
-                scale_granularity: None,
             },
             k,
             q_dim: 4096,
@@ -893,7 +893,7 @@ mod tests {
         // a CPU spec still names the CUDA variant
         let cpu = FusedQkvSpec {
             backend: Backend::Cpu(kvjit_core::CodeTier::Cranelift),
-            cache: KvCacheParams { dtype: DType::F32, scale_granularity: None, ..s.cache },
+            cache: KvCacheParams { element: CacheElement::F32, ..s.cache },
             ..s
         };
         assert_eq!(variant_key(&cpu, Schedule::Decode).symbol(), "fused_qkv_bshd_paged_decode_cuda_bf16_kvf32");
@@ -902,7 +902,10 @@ mod tests {
 
     fn fp8_spec(dtype: DType, g: Option<usize>) -> FusedQkvSpec {
         let spec = spec(dtype, 4096, None, None);
-        FusedQkvSpec { cache: KvCacheParams { dtype: DType::F8E4M3, scale_granularity: g, ..spec.cache }, ..spec }
+        FusedQkvSpec {
+            cache: KvCacheParams { element: CacheElement::new(DType::F8E4M3, g).unwrap(), ..spec.cache },
+            ..spec
+        }
     }
 
     /// A spec with an f8e4m3 cache maps to the `_kvf8e4m3` variants of its
@@ -939,16 +942,12 @@ mod tests {
 
     #[test]
     fn fp8_caches_without_a_valid_granularity_are_refused() {
-        let why = choose_variants(&fp8_spec(DType::BF16, None)).unwrap_err();
-        assert!(why.contains("scale_granularity"), "{why}");
+        // Without a granularity, or with one on a float cache, there is no
+        // cache element to build a spec of.
+        assert!(CacheElement::new(DType::F8E4M3, None).unwrap_err().to_string().contains("scale_granularity"));
+        assert!(CacheElement::new(DType::BF16, Some(128)).unwrap_err().to_string().contains("f8e4m3 caches only"));
         let why = choose_variants(&fp8_spec(DType::BF16, Some(48))).unwrap_err();
         assert!(why.contains("must divide head_size 128, got 48"), "{why}");
-        let why = choose_variants(&FusedQkvSpec {
-            cache: KvCacheParams { scale_granularity: Some(128), ..spec(DType::BF16, 4096, None, None).cache },
-            ..spec(DType::BF16, 4096, None, None)
-        })
-        .unwrap_err();
-        assert!(why.contains("f8e4m3 caches only"), "{why}");
         let why =
             choose_variants(&FusedQkvSpec { dtype: DType::F8E4M3, ..fp8_spec(DType::BF16, Some(128)) }).unwrap_err();
         assert!(why.contains("f32, bf16 and f16 compute dtypes, not f8e4m3"), "{why}");
@@ -995,14 +994,8 @@ mod tests {
     /// q_dim = 8, Hkv = 1, D = 4, page size 2, random values everywhere.
     fn small_call() -> (CudaKernel, [Tensor; 4], PagedKVCacheCollection, Tensor) {
         use rand::{SeedableRng, rngs::StdRng};
-        let params = KvCacheParams {
-            dtype: DType::F32,
-            num_layers: 1,
-            page_size: 2,
-            num_kv_heads: 1,
-            head_size: 4,
-            scale_granularity: None,
-        };
+        let params =
+            KvCacheParams { element: CacheElement::F32, num_layers: 1, page_size: 2, num_kv_heads: 1, head_size: 4 };
         let spec = FusedQkvSpec {
             backend: Backend::Cuda,
             dtype: DType::F32,
@@ -1097,12 +1090,11 @@ mod tests {
             backend: Backend::Cuda,
             dtype: DType::F32,
             cache: KvCacheParams {
-                dtype: DType::F8E4M3,
+                element: CacheElement::F8E4M3 { scale_granularity: g },
                 num_layers: 2,
                 page_size: 2,
                 num_kv_heads: 2,
                 head_size: d,
-                scale_granularity: Some(g),
             },
             k: 8,
             q_dim: 8,

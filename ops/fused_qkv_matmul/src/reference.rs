@@ -107,7 +107,7 @@ fn store_plain<C: Element>(cache: &mut PagedKVCacheCollection, at: Slot, kv_valu
 /// quantized with its own scale ([`kvjit_core::fp8::quantize_block`]).
 fn store_quantized(cache: &mut PagedKVCacheCollection, at: Slot, kv_values: &[f32]) {
     let p = *cache.params();
-    let g = p.scale_granularity.expect("an f8e4m3 cache has a granularity");
+    let g = p.scale_granularity().expect("an f8e4m3 cache has a granularity");
     let mut codes = vec![0u8; g];
     for (block, values) in kv_values.chunks_exact(g).enumerate() {
         let j = block * g;

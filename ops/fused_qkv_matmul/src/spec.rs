@@ -149,6 +149,8 @@ pub(crate) fn check_against(
 
 #[cfg(test)]
 mod tests {
+    use kvjit_core::CacheElement;
+
     use super::*;
 
     fn spec() -> FusedQkvSpec {
@@ -156,12 +158,11 @@ mod tests {
             backend: Backend::Cpu(CodeTier::Avx2),
             dtype: DType::BF16,
             cache: KvCacheParams {
-                dtype: DType::BF16,
+                element: CacheElement::BF16,
                 num_layers: 32,
                 page_size: 16,
                 num_kv_heads: 8,
                 head_size: 128,
-                scale_granularity: None,
             },
             k: 4096,
             q_dim: 4096,
@@ -186,7 +187,7 @@ mod tests {
 
     #[test]
     fn an_unspecialized_key_leaves_every_size_to_run_time() {
-        let fp8 = KvCacheParams { dtype: DType::F8E4M3, scale_granularity: Some(32), ..spec().cache };
+        let fp8 = KvCacheParams { element: CacheElement::F8E4M3 { scale_granularity: 32 }, ..spec().cache };
         let unspecialized = FusedQkvSpec { sizes: Sizes::Runtime, cache: fp8, ..spec() };
         assert_eq!(
             unspecialized.key().to_string(),

@@ -7,7 +7,8 @@
 //! sequences would already have been written by an op that checks as it goes.
 
 use kvjit_core::{
-    Backend, CodeTier, DType, Error, KvCacheParams, PagedKVCacheCollection, Result, Tensor, UNASSIGNED_PAGE,
+    Backend, CacheElement, CodeTier, DType, Error, KvCacheParams, PagedKVCacheCollection, Result, Tensor,
+    UNASSIGNED_PAGE,
 };
 use kvjit_op::Compiled;
 use kvjit_op::checks::StepDims;
@@ -69,12 +70,11 @@ impl Fixture {
             backend: Backend::Cpu(CodeTier::Cranelift),
             dtype: self.hidden.dtype(),
             cache: KvCacheParams {
-                dtype: self.cache.blocks().dtype(),
+                element: CacheElement::new(self.cache.blocks().dtype(), None).unwrap(),
                 num_layers: LAYERS,
                 page_size: PAGE_SIZE,
                 num_kv_heads: HKV,
                 head_size: D,
-                scale_granularity: None,
             },
             k: K,
             q_dim: Q_DIM,
@@ -383,7 +383,7 @@ fn kernel_rejects_a_cache_laid_out_differently_from_its_spec() {
     let fx = Fixture::f32();
     let spec = fx.spec();
     let variants: [(&str, KvCacheParams); 5] = [
-        ("dtype", KvCacheParams { dtype: DType::BF16, scale_granularity: None, ..spec.cache }),
+        ("dtype", KvCacheParams { element: CacheElement::BF16, ..spec.cache }),
         ("num_layers", KvCacheParams { num_layers: LAYERS + 1, ..spec.cache }),
         ("page_size", KvCacheParams { page_size: PAGE_SIZE * 2, ..spec.cache }),
         ("num_kv_heads", KvCacheParams { num_kv_heads: 1, head_size: HKV * D, ..spec.cache }),

@@ -10,7 +10,7 @@
 
 use std::collections::HashMap;
 
-use kvjit_core::{DType, Error, PagedKVCacheCollection, Tensor, UNASSIGNED_PAGE, bf16, f16};
+use kvjit_core::{CacheElement, DType, Error, PagedKVCacheCollection, Tensor, UNASSIGNED_PAGE, bf16, f16};
 use kvjit_op::checks::StepArgs;
 use kvjit_op_fused_qkv::{CallShape, check_call, reference::fused_qkv_matmul};
 use kvjit_testkit::{Expect, assert_cache, block_index, blocks_shape, cache_from_table, poison_all, u32s};
@@ -528,12 +528,11 @@ fn prefill_then_decode_through_reserve_and_advance() {
     // Page size 2, allocation order [3, 0, 2, 1]: the caller reserves, runs
     // the op, advances; read_token then sees every written token.
     let params = kvjit_core::KvCacheParams {
-        dtype: DType::F32,
+        element: CacheElement::F32,
         num_layers: 2,
         page_size: 2,
         num_kv_heads: 1,
         head_size: 1,
-        scale_granularity: None,
     };
     let mut cache = PagedKVCacheCollection::new(params, 4, 2, 2).unwrap();
     cache.set_allocation_order(vec![3, 0, 2, 1]).unwrap();

@@ -15,7 +15,9 @@
 
 use std::sync::Arc;
 
-use kvjit_core::{Backend, CodeTier, DType, Error, KernelSpec, KvCacheParams, PagedKVCacheCollection, Target, Tensor};
+use kvjit_core::{
+    Backend, CacheElement, CodeTier, DType, Error, KernelSpec, KvCacheParams, PagedKVCacheCollection, Target, Tensor,
+};
 use kvjit_cuda::{CudaDevice, KernelArg};
 use kvjit_op::Compiled;
 use kvjit_op::checks::StepArgs;
@@ -108,12 +110,11 @@ fn problem(rng: &mut StdRng, d: &Draw) -> Problem {
     let max_pages_per_seq = (3 * d.page_size + d.seq) / d.page_size + 2;
     let num_pages = d.batch * max_pages_per_seq + 3;
     let params = KvCacheParams {
-        dtype: d.cache_dtype,
+        element: CacheElement::new(d.cache_dtype, d.g).unwrap(),
         num_layers: d.layers,
         page_size: d.page_size,
         num_kv_heads: d.hkv,
         head_size: d.d,
-        scale_granularity: d.g,
     };
     let mut cache = PagedKVCacheCollection::new(params, num_pages, d.batch, max_pages_per_seq).unwrap();
     let mut order: Vec<u32> = (0..num_pages as u32).collect();
@@ -131,12 +132,11 @@ fn problem(rng: &mut StdRng, d: &Draw) -> Problem {
             backend: Backend::Cuda,
             dtype: d.dtype,
             cache: KvCacheParams {
-                dtype: d.cache_dtype,
+                element: CacheElement::new(d.cache_dtype, d.g).unwrap(),
                 num_layers: d.layers,
                 page_size: d.page_size,
                 num_kv_heads: d.hkv,
                 head_size: d.d,
-                scale_granularity: d.g,
             },
             k: d.k,
             q_dim: d.q_dim,
@@ -193,13 +193,13 @@ fn assert_matches_reference(p: &Problem, output: &Tensor, cache: &PagedKVCacheCo
         let (r, c) = (i / q_dim, i % q_dim);
         assert!(close(g, w, p.spec.dtype, k, sums[r * n + c]), "{what}: output[row {r}, col {c}] = {g}, reference {w}");
     }
-    if p.spec.cache.dtype == DType::F8E4M3 {
+    if p.spec.cache.dtype() == DType::F8E4M3 {
         assert_fp8_cache_matches_reference(p, cache, &ref_cache, &sums, what);
         assert_eq!(cache.cache_lengths(), p.cache.cache_lengths(), "{what}: the op never changes cache lengths");
         assert_eq!(cache.lookup_table(), p.cache.lookup_table(), "{what}");
         return;
     }
-    let elem = p.spec.cache.dtype.size_bytes();
+    let elem = p.spec.cache.dtype().size_bytes();
     let (poisoned, got_bytes, want_bytes) =
         (p.cache.blocks().as_bytes(), cache.blocks().as_bytes(), ref_cache.blocks().as_bytes());
     let (got, want) = (cache.blocks().to_f32_vec().unwrap(), ref_cache.blocks().to_f32_vec().unwrap());
@@ -222,7 +222,7 @@ fn assert_matches_reference(p: &Problem, output: &Tensor, cache: &PagedKVCacheCo
         let bytes = i * elem..(i + 1) * elem;
         match source.get(&i) {
             Some(&(r, c)) => assert!(
-                close(got[i], want[i], p.spec.cache.dtype, k, sums[r * n + c]),
+                close(got[i], want[i], p.spec.cache.dtype(), k, sums[r * n + c]),
                 "{what}: cache element {i} (row {r}, col {c}) = {}, reference {}",
                 got[i],
                 want[i]
@@ -258,7 +258,7 @@ fn assert_fp8_cache_matches_reference(
     what: &str,
 ) {
     use kvjit_core::fp8::e4m3_to_f32;
-    let g = p.spec.cache.scale_granularity.expect("an FP8 spec has a granularity");
+    let g = p.spec.cache.scale_granularity().expect("an FP8 spec has a granularity");
     let CheckedCall { shape, row_offsets: offsets } = check_call(
         &p.hidden,
         &p.weight,
@@ -600,12 +600,11 @@ fn steps_over_one_resident_cache(ctx: &DeviceContextPtr, cache_dtype: DType, g: 
     let mut rng = StdRng::seed_from_u64(5);
     let (batch, k, q_dim, hkv, d, page_size, layers) = (3, 64, 64, 2, 16, 4, 2);
     let params = KvCacheParams {
-        dtype: cache_dtype,
+        element: CacheElement::new(cache_dtype, g).unwrap(),
         num_layers: layers,
         page_size,
         num_kv_heads: hkv,
         head_size: d,
-        scale_granularity: g,
     };
     let mut cache = PagedKVCacheCollection::new(params, 40, batch, 12).unwrap();
     let mut order: Vec<u32> = (0..40).collect();
@@ -620,12 +619,11 @@ fn steps_over_one_resident_cache(ctx: &DeviceContextPtr, cache_dtype: DType, g: 
         backend: Backend::Cuda,
         dtype: DType::BF16,
         cache: KvCacheParams {
-            dtype: cache_dtype,
+            element: CacheElement::new(cache_dtype, g).unwrap(),
             num_layers: layers,
             page_size,
             num_kv_heads: hkv,
             head_size: d,
-            scale_granularity: g,
         },
         k,
         q_dim,
@@ -708,7 +706,7 @@ fn guarded_fp8_launch(
     schedule: Schedule,
     what: &str,
 ) -> (Vec<u8>, Vec<u8>, Vec<u8>) {
-    let g = p.spec.cache.scale_granularity.unwrap();
+    let g = p.spec.cache.scale_granularity().unwrap();
     let CheckedCall { shape, row_offsets: offsets } = check_call(
         &p.hidden,
         &p.weight,

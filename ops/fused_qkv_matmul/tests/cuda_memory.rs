@@ -6,7 +6,7 @@
 
 use std::sync::Arc;
 
-use kvjit_core::{Backend, CodeTier, DType, KvCacheParams, PagedKVCacheCollection, Tensor};
+use kvjit_core::{Backend, CacheElement, CodeTier, DType, KvCacheParams, PagedKVCacheCollection, Tensor};
 use kvjit_cuda::live_device_bytes;
 use kvjit_op::Compiled;
 use kvjit_op::checks::StepDims;
@@ -31,27 +31,14 @@ fn problem() -> Problem {
     let spec = FusedQkvSpec {
         backend: Backend::Cuda,
         dtype: DType::F32,
-        cache: KvCacheParams {
-            dtype: DType::F32,
-            num_layers: 2,
-            page_size: 4,
-            num_kv_heads: 2,
-            head_size: 8,
-            scale_granularity: None,
-        },
+        cache: KvCacheParams { element: CacheElement::F32, num_layers: 2, page_size: 4, num_kv_heads: 2, head_size: 8 },
         k: 64,
         q_dim: 32,
         step: StepDims { batch: None, seq: None },
         sizes: Sizes::Baked,
     };
-    let params = KvCacheParams {
-        dtype: DType::F32,
-        num_layers: 2,
-        page_size: 4,
-        num_kv_heads: 2,
-        head_size: 8,
-        scale_granularity: None,
-    };
+    let params =
+        KvCacheParams { element: CacheElement::F32, num_layers: 2, page_size: 4, num_kv_heads: 2, head_size: 8 };
     let mut cache = PagedKVCacheCollection::new(params, 16, 2, 4).unwrap();
     cache.reserve(&[5, 2]).unwrap();
     cache.set_blocks(uniform(&mut rng, DType::F32, cache.blocks().shape())).unwrap();

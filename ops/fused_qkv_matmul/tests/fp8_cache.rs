@@ -20,7 +20,7 @@ use std::collections::HashSet;
 use std::sync::LazyLock;
 
 use kvjit_core::fp8::{E4M3_MAX, e4m3_from_f32, e4m3_to_f32};
-use kvjit_core::{Backend, CpuTier, DType, KvCacheParams, PagedKVCacheCollection, Tensor};
+use kvjit_core::{Backend, CacheElement, CpuTier, DType, KvCacheParams, PagedKVCacheCollection, Tensor};
 use kvjit_jit::CaptureText;
 use kvjit_jit::microkernel::resolve_tier;
 use kvjit_op::checks::StepDims;
@@ -78,12 +78,11 @@ impl Case {
             backend: Backend::Cpu(resolve_tier(self.tier).unwrap()),
             dtype: self.dtype,
             cache: KvCacheParams {
-                dtype: DType::F8E4M3,
+                element: CacheElement::F8E4M3 { scale_granularity: self.granularity },
                 num_layers: self.num_layers,
                 page_size: self.page_size,
                 num_kv_heads: self.num_kv_heads,
                 head_size: self.head_size,
-                scale_granularity: Some(self.granularity),
             },
             k: self.k,
             q_dim: self.q_dim,
@@ -119,12 +118,11 @@ fn prepare(case: &Case) -> Prepared {
         (uniform_nonzero(&mut rng, case.dtype, &x_shape, 1e-3), uniform_nonzero(&mut rng, case.dtype, &w_shape, 1e-3))
     };
     let params = KvCacheParams {
-        dtype: DType::F8E4M3,
+        element: CacheElement::F8E4M3 { scale_granularity: case.granularity },
         num_layers: case.num_layers,
         page_size: case.page_size,
         num_kv_heads: case.num_kv_heads,
         head_size: case.head_size,
-        scale_granularity: Some(case.granularity),
     };
     let pages_per_seq = (case.seq + 2 * case.page_size).div_ceil(case.page_size) + 1;
     // Two guard pages (first and last) that are never handed out.
@@ -410,7 +408,8 @@ fn a_cache_of_another_granularity_or_dtype_is_refused_with_nothing_written() {
     let prep = prepare(&case);
     let kernel = kernel(&case, &prep.weight);
     for (dtype, granularity) in [(DType::F8E4M3, Some(16)), (DType::F8E4M3, Some(4)), (DType::BF16, None)] {
-        let params = KvCacheParams { dtype, scale_granularity: granularity, ..*prep.cache.params() };
+        let element = CacheElement::new(dtype, granularity).unwrap();
+        let params = KvCacheParams { element, ..*prep.cache.params() };
         let mut other =
             PagedKVCacheCollection::new(params, prep.cache.num_pages(), case.batch, prep.cache.max_pages_per_seq())
                 .unwrap();

@@ -18,8 +18,8 @@ use std::sync::{Arc, LazyLock};
 
 use half::f16;
 use kvjit_core::{
-    Backend, CodeTier, CpuTier, DType, Error, KernelSpec, KvCacheParams, PagedKVCacheCollection, Result, Tensor,
-    UNASSIGNED_PAGE,
+    Backend, CacheElement, CodeTier, CpuTier, DType, Error, KernelSpec, KvCacheParams, PagedKVCacheCollection, Result,
+    Tensor, UNASSIGNED_PAGE,
 };
 use kvjit_jit::CaptureText;
 use kvjit_jit::CompileCause;
@@ -220,12 +220,11 @@ impl Case {
             backend: Backend::Cpu(self.code_tier()),
             dtype: self.dtype,
             cache: KvCacheParams {
-                dtype: self.cache_dtype,
+                element: CacheElement::new(self.cache_dtype, None).unwrap(),
                 num_layers: self.layers,
                 page_size: self.page_size,
                 num_kv_heads: self.hkv,
                 head_size: self.d,
-                scale_granularity: None,
             },
             k: self.k,
             q_dim: self.q_dim(),
@@ -1094,12 +1093,11 @@ impl Fixture {
                 backend: Backend::Cpu(resolve_tier(CpuTier::Auto).unwrap()),
                 dtype,
                 cache: KvCacheParams {
-                    dtype,
+                    element: CacheElement::new(dtype, None).unwrap(),
                     num_layers: PL,
                     page_size: PPAGE,
                     num_kv_heads: PHKV,
                     head_size: PD,
-                    scale_granularity: None,
                 },
                 k: PK,
                 q_dim: PQ,
@@ -1237,7 +1235,11 @@ fn mutations(dtype: DType) -> Vec<Mutation> {
         ),
         m("hidden state not contiguous", Inputs, Box::new(|fx| fx.hidden = strided_view(&fx.hidden, &[1, 0, 2]))),
         m("weight not contiguous", Inputs, Box::new(|fx| fx.weight = Arc::new(strided_view(&fx.weight, &[1, 0])))),
-        m("spec: cache dtype", Inputs, Box::new(move |fx| fx.spec.cache.dtype = other)),
+        m(
+            "spec: cache dtype",
+            Inputs,
+            Box::new(move |fx| fx.spec.cache.element = CacheElement::new(other, None).unwrap()),
+        ),
         m("spec: num_layers", Inputs, cache_spec(|c| KvCacheParams { num_layers: PL + 1, ..c })),
         m("spec: page_size", Inputs, cache_spec(|c| KvCacheParams { page_size: 2 * PPAGE, ..c })),
         m("spec: num_kv_heads", Inputs, cache_spec(|c| KvCacheParams { num_kv_heads: 1, head_size: PHKV * PD, ..c })),
@@ -1427,12 +1429,11 @@ fn packing_puts_every_weight_element_at_its_panel_position_and_pads_with_zero() 
             backend: Backend::Cpu(CodeTier::Cranelift),
             dtype: DType::F32,
             cache: KvCacheParams {
-                dtype: DType::F32,
+                element: CacheElement::F32,
                 num_layers: 1,
                 page_size: 1,
                 num_kv_heads: hkv,
                 head_size: d,
-                scale_granularity: None,
             },
             k,
             q_dim,
@@ -1496,12 +1497,11 @@ fn kernels_for_one_spec_share_their_code() {
         backend: Backend::Cpu(tier),
         dtype: DType::F16,
         cache: KvCacheParams {
-            dtype: DType::BF16,
+            element: CacheElement::BF16,
             num_layers: 7,
             page_size: 11,
             num_kv_heads: 3,
             head_size: 9,
-            scale_granularity: None,
         },
         k: 1013,
         q_dim: 27,

@@ -11,7 +11,7 @@
 
 use std::collections::HashMap;
 
-use kvjit_core::{Backend, CodeTier, DType, KvCacheParams, PagedKVCacheCollection, Tensor};
+use kvjit_core::{Backend, CacheElement, CodeTier, DType, KvCacheParams, PagedKVCacheCollection, Tensor};
 use kvjit_op::Compiled;
 use kvjit_op::checks::StepDims;
 use kvjit_op_fused_qkv::{FusedQkvSpec, ReferenceKernel, Sizes, reference::fused_qkv_matmul};
@@ -123,12 +123,11 @@ impl Draw {
     /// are scattered and interleaved across sequences.
     fn cache(&self, rng: &mut StdRng) -> PagedKVCacheCollection {
         let params = KvCacheParams {
-            dtype: self.cache_dtype,
+            element: CacheElement::new(self.cache_dtype, None).unwrap(),
             num_layers: self.layers,
             page_size: self.page_size,
             num_kv_heads: self.hkv,
             head_size: self.d,
-            scale_granularity: None,
         };
         let mut cache = PagedKVCacheCollection::new(params, self.num_pages, self.batch, self.max_pages).unwrap();
         let mut order: Vec<u32> = (0..self.num_pages as u32).collect();

@@ -97,9 +97,8 @@ fn field_offset(offset: usize) -> i32 {
 
 /// Refuse specs the generated code does not handle: D not a multiple of 8
 /// or above [`MAX_JIT_HEAD_SIZE`], a scale granularity that is not a
-/// multiple of 4 dividing D for an FP8 cache (or any granularity for
-/// another cache, or none for FP8), or a row too large for the offsets it
-/// forms.
+/// multiple of 4 dividing D for an FP8 cache, or a row too large for the
+/// offsets it forms.
 pub(crate) fn supported(spec: &RopeSpec) -> Result<(), JitError> {
     let unsupported = |reason: String| JitError::Unsupported { key: spec.key().to_string(), reason };
     let d = spec.head_size();
@@ -108,19 +107,13 @@ pub(crate) fn supported(spec: &RopeSpec) -> Result<(), JitError> {
             "the CPU kernel needs head_size to be a multiple of 8 and at most {MAX_JIT_HEAD_SIZE}, got {d}"
         )));
     }
-    match (spec.cache.dtype, spec.cache.scale_granularity) {
-        (DType::F8E4M3, Some(g)) if g > 0 && g.is_multiple_of(4) && d.is_multiple_of(g) => {}
-        (DType::F8E4M3, Some(g)) => {
-            return Err(unsupported(format!(
-                "the CPU kernel needs the f8e4m3 cache's scale_granularity to be a multiple of 4 dividing \
-                 head_size {d}, got {g}"
-            )));
-        }
-        (DType::F8E4M3, None) => return Err(unsupported("an f8e4m3 cache needs a scale_granularity".into())),
-        (dtype, Some(g)) => {
-            return Err(unsupported(format!("scale_granularity ({g}) applies to f8e4m3 caches only, not {dtype}")));
-        }
-        (_, None) => {}
+    if let Some(g) = spec.cache.scale_granularity()
+        && !(g.is_multiple_of(4) && d.is_multiple_of(g))
+    {
+        return Err(unsupported(format!(
+            "the CPU kernel needs the f8e4m3 cache's scale_granularity to be a multiple of 4 dividing head_size \
+             {d}, got {g}"
+        )));
     }
     let row_bytes = spec.num_q_heads.checked_mul(d).and_then(|e| e.checked_mul(spec.dtype.size_bytes()));
     if row_bytes.and_then(|b| i64::try_from(b).ok()).is_none() {
@@ -216,8 +209,8 @@ impl Emitter {
 
     /// Values per scale of an FP8 cache (`None` for other caches).
     fn granularity(&self) -> Option<usize> {
-        (self.spec.cache.dtype == DType::F8E4M3)
-            .then(|| self.spec.cache.scale_granularity.expect("checked by `supported`"))
+        (self.spec.cache.dtype() == DType::F8E4M3)
+            .then(|| self.spec.cache.scale_granularity().expect("checked by `supported`"))
     }
 
     /// The loop over this invocation's rows.
@@ -244,7 +237,7 @@ impl Emitter {
                 self.emit_table(b, freqs_row, table);
                 let q_row = b.ins().iadd(bases.q, row_offset);
                 self.emit_heads(b, q_row, out_row, self.spec.num_q_heads, self.spec.dtype, table);
-                let k_row = addr::element(b, bases.blocks, k_offset, self.spec.cache.dtype.size_bytes());
+                let k_row = addr::element(b, bases.blocks, k_offset, self.spec.cache.dtype().size_bytes());
                 match (self.granularity(), head_slot) {
                     (Some(g), Some(head_slot)) => {
                         // The row's first scale: `k_offset / g`, exact (k_offset
@@ -254,7 +247,7 @@ impl Emitter {
                         let head = b.ins().stack_addr(kvjit_jit::pointer_type(), head_slot, 0);
                         self.emit_e4m3_heads(b, k_row, scale_row, head, table);
                     }
-                    _ => self.emit_heads(b, k_row, k_row, self.spec.cache.num_kv_heads, self.spec.cache.dtype, table),
+                    _ => self.emit_heads(b, k_row, k_row, self.spec.cache.num_kv_heads, self.spec.cache.dtype(), table),
                 }
             });
             Vec::new()

@@ -125,7 +125,7 @@ pub fn fused_qk_rope(
     let shape = check_call(q_proj, freqs_cis, StepArgs { kv_collection, layer_idx, valid_lengths })?;
     check_output(&shape, output)?;
     let valid = valid_lengths.as_slice::<u32>()?;
-    let cache_dtype = kv_collection.params().dtype;
+    let cache_dtype = kv_collection.params().dtype();
     macro_rules! dispatch {
         ($q:expr, $f:expr, $t:ty) => {{
             let output = output.as_mut_slice()?;
@@ -224,7 +224,7 @@ impl CacheElement for F8E4M3 {
     fn rotate_k(cache: &mut PagedKVCacheCollection, k: KHead, freqs: &[f64], interleaved: bool) {
         let params = *cache.params();
         let d = params.head_size;
-        let g = params.scale_granularity.expect("an f8e4m3 cache has a granularity (checked when built)");
+        let g = params.scale_granularity().expect("an f8e4m3 cache has a granularity (checked when built)");
         let offset = cache.element_offset(k.page, 0, k.layer, k.slot, k.head, 0);
         let scale_at = cache.scale_offset(k.page, 0, k.layer, k.slot, k.head, 0);
         let (blocks, scales) = cache.blocks_and_scales_mut();

@@ -96,17 +96,18 @@ impl CallContract for RopeSpec {
 mod tests {
     use kvjit_core::Target;
 
+    use kvjit_core::CacheElement;
+
     use super::*;
 
     #[test]
     fn the_key_holds_the_spec_and_names_it() {
         let cache = KvCacheParams {
-            dtype: DType::F32,
+            element: CacheElement::F32,
             num_layers: 32,
             page_size: 16,
             num_kv_heads: 8,
             head_size: 128,
-            scale_granularity: None,
         };
         let spec = RopeSpec {
             target: Target::Cpu,

@@ -9,7 +9,9 @@
 //! late in the batch, so that earlier valid sequences would already have
 //! been rotated by an op that checks as it goes.
 
-use kvjit_core::{DType, Error, KvCacheParams, PagedKVCacheCollection, Result, Target, Tensor, UNASSIGNED_PAGE};
+use kvjit_core::{
+    CacheElement, DType, Error, KvCacheParams, PagedKVCacheCollection, Result, Target, Tensor, UNASSIGNED_PAGE,
+};
 use kvjit_jit::{CaptureText, JitError};
 use kvjit_op::Compiled;
 use kvjit_op::checks::StepArgs;
@@ -358,7 +360,7 @@ fn kernels_refuse_calls_they_were_not_built_for() {
     let msg = assert_rejected!(kernels fx, Error::CacheLayout { what: "page_size", .. });
     assert_eq!(msg, "kv_collection: page_size is 2, but the op was built for 4");
     let mut fx = Fixture::f32();
-    fx.spec.cache.dtype = DType::BF16;
+    fx.spec.cache.element = CacheElement::BF16;
     let msg = assert_rejected!(kernels fx, Error::CacheLayout { what: "dtype", .. });
     assert_eq!(msg, "kv_collection: dtype is f32, but the op was built for bf16");
 

@@ -20,7 +20,7 @@ use common::{
     run_jit, run_reference,
 };
 use kvjit_core::fp8::{E4M3_MAX, E4M3_NAN, quantize_block};
-use kvjit_core::{DType, Error, PagedKVCacheCollection, Tensor};
+use kvjit_core::{CacheElement, DType, Error, PagedKVCacheCollection, Tensor};
 use kvjit_jit::{CaptureText, JitError};
 use kvjit_op::Compiled;
 use kvjit_op_rope::{JitKernel, ReferenceKernel, RopeSpec};
@@ -90,7 +90,7 @@ struct ReadBack {
 }
 
 fn read_back(cache: &PagedKVCacheCollection) -> ReadBack {
-    let g = cache.params().scale_granularity.expect("an FP8 cache");
+    let g = cache.params().scale_granularity().expect("an FP8 cache");
     let codes = cache.blocks().as_bytes().to_vec();
     let scales = cache.scales().expect("an FP8 cache").as_slice::<f32>().unwrap().to_vec();
     // Element i reads `code · scale[i / g]` (the cache's `[…, d / g]`).
@@ -542,9 +542,9 @@ fn kernels_refuse_an_fp8_cache_of_another_granularity_writing_nothing() {
     let call = case.build(&mut StdRng::seed_from_u64(case.seed));
     let ctx = DeviceContextPtr::cpu(2).unwrap();
     for (spec, what) in [
-        (spec_with(&case, |s| s.cache.scale_granularity = Some(32)), "scale_granularity"),
-        (spec_with(&case, |s| s.cache.scale_granularity = Some(8)), "scale_granularity"),
-        (spec_with(&case, |s| (s.cache.dtype, s.cache.scale_granularity) = (DType::BF16, None)), "dtype"),
+        (spec_with(&case, |s| s.cache.element = CacheElement::F8E4M3 { scale_granularity: 32 }), "scale_granularity"),
+        (spec_with(&case, |s| s.cache.element = CacheElement::F8E4M3 { scale_granularity: 8 }), "scale_granularity"),
+        (spec_with(&case, |s| s.cache.element = CacheElement::BF16), "dtype"),
     ] {
         let jit = Compiled::new(JitKernel::new(spec, CaptureText::default()).unwrap());
         for kernel in [&Compiled::new(ReferenceKernel::new(spec)) as &dyn Kernel, &jit] {
@@ -576,7 +576,7 @@ fn kernels_refuse_an_fp8_cache_of_another_granularity_writing_nothing() {
         assert_unchanged(&call.cache, &cache);
     }
     // The message names the field and both values.
-    let spec = spec_with(&case, |s| s.cache.scale_granularity = Some(32));
+    let spec = spec_with(&case, |s| s.cache.element = CacheElement::F8E4M3 { scale_granularity: 32 });
     let err = Compiled::new(ReferenceKernel::new(spec))
         .check(&[&call.q, &call.freqs, &call.layer_idx, &call.valid], &[&call.cache]);
     assert_eq!(err.unwrap_err().to_string(), "kv_collection: scale_granularity is 16, but the op was built for 32");
@@ -591,14 +591,14 @@ fn assert_unchanged(before: &PagedKVCacheCollection, cache: &PagedKVCacheCollect
 #[test]
 fn the_jit_refuses_granularities_it_cannot_vectorize() {
     let case = fp8(Case::base(DType::F32, DType::F8E4M3, false), 24, 6);
-    for g in [Some(1), Some(2), Some(6), Some(10), None] {
-        let spec = spec_with(&case, |s| s.cache.scale_granularity = g);
+    for g in [1, 2, 6, 10] {
+        let spec = spec_with(&case, |s| s.cache.element = CacheElement::F8E4M3 { scale_granularity: g });
         let err = JitKernel::new(spec, CaptureText::default()).err().expect("refused");
         assert!(matches!(err, JitError::Unsupported { .. }), "{err}");
         assert!(err.to_string().contains("scale_granularity"), "{err}");
     }
-    // A granularity for a cache without scales.
-    let spec = spec_with(&Case::base(DType::F32, DType::BF16, false), |s| s.cache.scale_granularity = Some(8));
-    let err = JitKernel::new(spec, CaptureText::default()).err().expect("refused");
-    assert!(err.to_string().contains("f8e4m3 caches only"), "{err}");
+    // An FP8 cache without a granularity, or one for a cache without
+    // scales, cannot be written down.
+    assert!(CacheElement::new(DType::F8E4M3, None).is_err());
+    assert!(CacheElement::new(DType::BF16, Some(8)).unwrap_err().to_string().contains("f8e4m3 caches only"));
 }

@@ -92,7 +92,7 @@ fn an_fp8_cache_keys_its_granularity_and_builds_both_kernels() {
     let specialized = specialize(&graph, &registry, CPU, &BTreeMap::new()).unwrap();
     let key = &specialized.kernel_keys()[0];
     assert_eq!(key.to_string(), "fused_qk_rope_paged.cpu.bf16.hq32.hkv8.d128.p16.l2.kvf8e4m3.g32.il1.bany.sany");
-    assert_eq!(key.spec::<RopeSpec>().unwrap().cache.scale_granularity, Some(32));
+    assert_eq!(key.spec::<RopeSpec>().unwrap().cache.scale_granularity(), Some(32));
     for implementation in [KernelImpl::Fast, KernelImpl::Reference] {
         let options = BuildOptions { implementation, ..BuildOptions::default() };
         Defined(RopeOp).build(key, &[None, None, None, None], &options).unwrap();

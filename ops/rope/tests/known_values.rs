@@ -5,7 +5,7 @@
 //! for both layouts, every dtype pair, on Q and on K in the cache (V and
 //! the other layer untouched).
 
-use kvjit_core::{DType, KvCacheParams, Target, Tensor};
+use kvjit_core::{CacheElement, DType, KvCacheParams, Target, Tensor};
 use kvjit_jit::CaptureText;
 use kvjit_op::Compiled;
 use kvjit_op::checks::StepDims;
@@ -86,12 +86,11 @@ fn check(dtype: DType, cache_dtype: DType, interleaved: bool, ctx: &DeviceContex
         target: Target::Cpu,
         dtype,
         cache: KvCacheParams {
-            dtype: cache_dtype,
+            element: CacheElement::new(cache_dtype, None).unwrap(),
             num_layers: 2,
             page_size: 2,
             num_kv_heads: 2,
             head_size: D,
-            scale_granularity: None,
         },
         interleaved,
         num_q_heads: 2,

@@ -9,7 +9,7 @@ mod common;
 use std::sync::Arc;
 
 use common::{ctx, jit, random_x, spec};
-use kvjit_core::{DType, Error, KvCacheParams, PagedKVCacheCollection, Tensor};
+use kvjit_core::{CacheElement, DType, Error, KvCacheParams, PagedKVCacheCollection, Tensor};
 use kvjit_op::Compiled;
 use kvjit_op_silu::{ReferenceKernel, SiluSpec};
 use kvjit_runtime::Kernel;
@@ -75,14 +75,8 @@ fn wrong_arity_and_outputs_are_refused() {
             assert!(matches!(err, Error::KernelArguments { .. }), "{err}");
             assert!(err.to_string().contains("1 tensors (x), 0 KV caches and 1 outputs"), "{err}");
         }
-        let params = KvCacheParams {
-            dtype: DType::F16,
-            num_layers: 1,
-            page_size: 4,
-            num_kv_heads: 1,
-            head_size: 8,
-            scale_granularity: None,
-        };
+        let params =
+            KvCacheParams { element: CacheElement::F16, num_layers: 1, page_size: 4, num_kv_heads: 1, head_size: 8 };
         let mut cache = PagedKVCacheCollection::new(params, 2, 1, 1).unwrap();
         let before = out();
         let mut outputs = [out()];

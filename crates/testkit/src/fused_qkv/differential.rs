@@ -32,7 +32,9 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, LazyLock, Mutex};
 
-use kvjit_core::{Backend, CodeTier, CpuTier, DType, KvCacheParams, PagedKVCacheCollection, Tensor, UNASSIGNED_PAGE};
+use kvjit_core::{
+    Backend, CacheElement, CodeTier, CpuTier, DType, KvCacheParams, PagedKVCacheCollection, Tensor, UNASSIGNED_PAGE,
+};
 use kvjit_jit::CaptureText;
 use kvjit_op::Compiled;
 use kvjit_op::checks::StepDims;
@@ -304,12 +306,11 @@ impl Call {
     /// The spec the JIT kernel is built for: the call's, unless tweaked.
     pub fn spec(&self) -> FusedQkvSpec {
         let cache = KvCacheParams {
-            dtype: self.cache_dtype,
+            element: CacheElement::new(self.cache_dtype, None).expect("the problem's caches are float caches"),
             num_layers: self.num_layers,
             page_size: self.page_size,
             num_kv_heads: self.num_kv_heads,
             head_size: self.head_size,
-            scale_granularity: None,
         };
         let spec = FusedQkvSpec {
             backend: Backend::Cpu(runnable_tier(self.tier)),
@@ -324,7 +325,10 @@ impl Call {
         let with_cache = |cache| FusedQkvSpec { cache, ..spec };
         match t {
             SpecTweak::DType => FusedQkvSpec { dtype: other_float(self.dtype), ..spec },
-            SpecTweak::CacheDType => with_cache(KvCacheParams { dtype: other_float(self.cache_dtype), ..cache }),
+            SpecTweak::CacheDType => {
+                let element = CacheElement::new(other_float(self.cache_dtype), None).expect("a float cache");
+                with_cache(KvCacheParams { element, ..cache })
+            }
             SpecTweak::K => FusedQkvSpec { k: self.k + 1, ..spec },
             SpecTweak::QDim => FusedQkvSpec { q_dim: self.q_dim + 1, ..spec },
             SpecTweak::Heads => with_cache(KvCacheParams { num_kv_heads: self.num_kv_heads + 1, ..cache }),
@@ -582,7 +586,7 @@ fn spec_matches(spec: &FusedQkvSpec, b: &Built) -> bool {
     };
     dims_ok
         && spec.dtype == b.hidden.dtype()
-        && spec.cache.dtype == params.dtype
+        && spec.cache.dtype() == params.dtype()
         && spec.cache.num_kv_heads == params.num_kv_heads
         && spec.cache.head_size == params.head_size
         && spec.cache.page_size == params.page_size

@@ -9,7 +9,7 @@ pub mod differential;
 
 use std::sync::Arc;
 
-use kvjit_core::{DType, KvCacheParams, PagedKVCacheCollection, Tensor};
+use kvjit_core::{CacheElement, DType, KvCacheParams, PagedKVCacheCollection, Tensor};
 use kvjit_jit::CaptureText;
 use kvjit_op::Compiled;
 use kvjit_op::checks::StepDims;
@@ -94,12 +94,11 @@ impl QkvProblem {
 
     fn cache_params(&self) -> KvCacheParams {
         KvCacheParams {
-            dtype: self.cache_dtype,
+            element: CacheElement::new(self.cache_dtype, None).expect("the problem's caches are float caches"),
             num_layers: self.num_layers,
             page_size: self.page_size,
             num_kv_heads: self.num_kv_heads,
             head_size: self.head_size,
-            scale_granularity: None,
         }
     }
 

@@ -4,7 +4,7 @@
 #![allow(dead_code, reason = "each test binary uses a different part of the fixtures")]
 
 use kvjit_core::fp8::{E4M3_MAX, quantize_block};
-use kvjit_core::{DType, KvCacheParams, PagedKVCacheCollection, Target, Tensor};
+use kvjit_core::{CacheElement, DType, KvCacheParams, PagedKVCacheCollection, Target, Tensor};
 use kvjit_jit::CaptureText;
 use kvjit_op::Compiled;
 use kvjit_op::checks::StepDims;
@@ -58,12 +58,11 @@ impl Case {
     /// The cache layout.
     pub fn cache_params(&self) -> KvCacheParams {
         KvCacheParams {
-            dtype: self.cache_dtype,
+            element: CacheElement::new(self.cache_dtype, self.scale_granularity).unwrap(),
             num_layers: self.num_layers,
             page_size: self.page_size,
             num_kv_heads: self.num_kv_heads,
             head_size: self.head_size,
-            scale_granularity: self.scale_granularity,
         }
     }
 

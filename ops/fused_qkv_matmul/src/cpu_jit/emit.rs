@@ -31,7 +31,7 @@ pub(crate) fn addressable(spec: &FusedQkvSpec) -> Result<(), JitError> {
     let fits = || -> Option<()> {
         let (nr, mc) = (TILE_COLUMNS.max(NR), AVX2_BLOCK_ROWS.max(MC));
         let kv_stride = spec.cache.num_layers.checked_mul(spec.cache.page_size)?.checked_mul(spec.kv_dim())?;
-        let blocks_bytes = kv_stride.checked_mul(2)?.checked_mul(spec.cache.dtype.size_bytes())?;
+        let blocks_bytes = kv_stride.checked_mul(2)?.checked_mul(spec.cache.dtype().size_bytes())?;
         let n = spec.q_dim.checked_add(spec.kv_dim().checked_mul(2)?)?;
         let panel_bytes = spec.k.checked_mul(nr * spec.dtype.size_bytes())?.checked_mul(n.div_ceil(NR) + 3)?;
         if let (Some(batch), Some(seq)) = (spec.step.batch, spec.step.seq) {

@@ -44,7 +44,7 @@ fn fp8_store_key(spec: &FusedQkvSpec) -> KernelKey {
     let size = |n: usize| if runtime_sizes { KeyField::Dynamic } else { KeyField::size(n) };
     KernelKey::new("fused_qkv_fp8_store", Target::Cpu, DType::F32)
         .with("kvdim", size(spec.kv_dim()))
-        .with("g", size(spec.cache.scale_granularity.unwrap_or(0)))
+        .with("g", size(spec.cache.scale_granularity().unwrap_or(0)))
         .with("kvs", size(spec.kv_stride()))
 }
 
@@ -55,7 +55,7 @@ fn fp8_store_key(spec: &FusedQkvSpec) -> KernelKey {
 pub(super) fn compile_fp8_store(spec: &FusedQkvSpec) -> Result<Arc<JitFunction>, JitError> {
     let key = fp8_store_key(spec);
     let runtime_sizes = spec.sizes == Sizes::Runtime;
-    let Some(g) = spec.cache.scale_granularity else {
+    let Some(g) = spec.cache.scale_granularity() else {
         return Err(JitError::Unsupported {
             key: key.to_string(),
             reason: "an f8e4m3 cache needs a granularity".into(),

@@ -151,7 +151,7 @@ impl JitKernel {
         specialize_shapes: bool,
     ) -> Result<Self, JitError> {
         let code = compile(&spec, capture)?;
-        let fp8_store = match spec.cache.dtype.is_quantized() {
+        let fp8_store = match spec.cache.dtype().is_quantized() {
             true => Some(compile_fp8_store(&spec)?),
             false => None,
         };
@@ -390,7 +390,7 @@ impl JitKernel {
                 scales: scales.as_mut_ptr() as u64,
                 kv_dim: kv_dim as u64,
                 kv_stride: self.spec.kv_stride() as u64,
-                g: self.spec.cache.scale_granularity.unwrap_or(1) as u64,
+                g: self.spec.cache.scale_granularity().unwrap_or(1) as u64,
             };
             // SAFETY: `store` was compiled by `compile_fp8_store` for this
             // spec's kv_dim, g and K→V stride (or reads them from these

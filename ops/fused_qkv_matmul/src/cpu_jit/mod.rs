@@ -125,11 +125,11 @@ pub(crate) fn code_tier(spec: &FusedQkvSpec) -> Result<CodeTier, JitError> {
 /// The dtype the epilogue stores K/V in: the cache's, or f32 into the
 /// staging buffer of an FP8 cache.
 fn kv_store_dtype(spec: &FusedQkvSpec) -> DType {
-    if spec.cache.dtype.is_quantized() { DType::F32 } else { spec.cache.dtype }
+    if spec.cache.dtype().is_quantized() { DType::F32 } else { spec.cache.dtype() }
 }
 
 /// Elements from a row's K to its V where the epilogue stores them: the
 /// cache's K→V stride, or Hkv·D in an FP8 cache's staging rows.
 fn kv_store_stride(spec: &FusedQkvSpec) -> usize {
-    if spec.cache.dtype.is_quantized() { spec.kv_dim() } else { spec.kv_stride() }
+    if spec.cache.dtype().is_quantized() { spec.kv_dim() } else { spec.kv_stride() }
 }

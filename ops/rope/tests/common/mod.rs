@@ -7,7 +7,7 @@
 
 use std::collections::HashMap;
 
-use kvjit_core::{DType, KvCacheParams, PagedKVCacheCollection, Target, Tensor, UNASSIGNED_PAGE};
+use kvjit_core::{CacheElement, DType, KvCacheParams, PagedKVCacheCollection, Target, Tensor, UNASSIGNED_PAGE};
 use kvjit_jit::CaptureText;
 use kvjit_op::Compiled;
 use kvjit_op::checks::StepDims;
@@ -87,12 +87,11 @@ impl Case {
             target: Target::Cpu,
             dtype: self.dtype,
             cache: KvCacheParams {
-                dtype: self.cache_dtype,
+                element: CacheElement::new(self.cache_dtype, self.granularity).unwrap(),
                 num_layers: self.layers,
                 page_size: self.page_size,
                 num_kv_heads: self.hkv,
                 head_size: self.d,
-                scale_granularity: self.granularity,
             },
             interleaved: self.interleaved,
             num_q_heads: self.hq,
@@ -130,12 +129,11 @@ impl Case {
             }
         }
         let params = KvCacheParams {
-            dtype: self.cache_dtype,
+            element: CacheElement::new(self.cache_dtype, self.granularity).unwrap(),
             num_layers: self.layers,
             page_size: self.page_size,
             num_kv_heads: self.hkv,
             head_size: self.d,
-            scale_granularity: self.granularity,
         };
         let shape = [num_pages, 2, self.layers, self.page_size, self.hkv, self.d];
         let (blocks, scales) = match self.granularity {
