@@ -44,7 +44,7 @@ pub use kernel::{
     check_signature,
 };
 pub use params::{Choice, OpParams, Param};
-pub use rounding::store_f64;
+pub use rounding::{round_bf16, round_f16, store_f64};
 pub use step_args::expect_float_step;
 
 #[doc(hidden)]

@@ -25,14 +25,10 @@ pub fn store_f64(output: &mut Tensor, values: &[f64]) -> Result<()> {
     match output.dtype() {
         DType::F32 => output.as_mut_slice::<f32>()?.iter_mut().zip(values).for_each(|(o, &v)| *o = v as f32),
         DType::BF16 => {
-            output
-                .as_mut_slice::<bf16>()?
-                .iter_mut()
-                .zip(values)
-                .for_each(|(o, &v)| *o = bf16::from_bits(round_bf16(v)));
+            output.as_mut_slice::<bf16>()?.iter_mut().zip(values).for_each(|(o, &v)| *o = round_bf16(v));
         }
         DType::F16 => {
-            output.as_mut_slice::<f16>()?.iter_mut().zip(values).for_each(|(o, &v)| *o = f16::from_bits(round_f16(v)));
+            output.as_mut_slice::<f16>()?.iter_mut().zip(values).for_each(|(o, &v)| *o = round_f16(v));
         }
         dtype => {
             return Err(Error::NotFloat { what: "storing f64 results rounded once (f32, bf16, f16)".into(), dtype });
@@ -41,12 +37,15 @@ pub fn store_f64(output: &mut Tensor, values: &[f64]) -> Result<()> {
     Ok(())
 }
 
-fn round_bf16(value: f64) -> u16 {
-    round_16(value, bf16::from_f64(value).to_bits(), 0x7f7f, |b| bf16::from_bits(b).to_f64())
+/// `value` rounded once to bf16: to nearest, ties to even, overflowing to
+/// ±∞, NaN staying NaN (see [`store_f64`] for why not `bf16::from_f64`).
+pub fn round_bf16(value: f64) -> bf16 {
+    bf16::from_bits(round_16(value, bf16::from_f64(value).to_bits(), 0x7f7f, |b| bf16::from_bits(b).to_f64()))
 }
 
-fn round_f16(value: f64) -> u16 {
-    round_16(value, f16::from_f64(value).to_bits(), 0x7bff, |b| f16::from_bits(b).to_f64())
+/// `value` rounded once to f16, as [`round_bf16`].
+pub fn round_f16(value: f64) -> f16 {
+    f16::from_bits(round_16(value, f16::from_f64(value).to_bits(), 0x7bff, |b| f16::from_bits(b).to_f64()))
 }
 
 /// `value` rounded to nearest, ties to even, in a 16-bit float format

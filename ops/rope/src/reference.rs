@@ -50,7 +50,7 @@ impl Stored for bf16 {
         bf16::to_f64(self)
     }
     fn from_f64(value: f64) -> Self {
-        bf16::from_bits(round_f64(value, bf16::from_f64(value).to_bits(), 0x7f7f, |b| bf16::from_bits(b).to_f64()))
+        kvjit_op::round_bf16(value)
     }
 }
 
@@ -59,38 +59,8 @@ impl Stored for f16 {
         f16::to_f64(self)
     }
     fn from_f64(value: f64) -> Self {
-        f16::from_bits(round_f64(value, f16::from_f64(value).to_bits(), 0x7bff, |b| f16::from_bits(b).to_f64()))
+        kvjit_op::round_f16(value)
     }
-}
-
-/// `value` rounded to nearest, ties to even, in a 16-bit float format
-/// (`widen` its bits' value, `max_bits` its largest finite value), given
-/// `approx`, the format's value within one step of it. `half`'s
-/// `from_f64` drops the low 32 bits of the f64 before rounding, so it can
-/// miss a value just past a tie; the reference must round exactly once.
-fn round_f64(value: f64, approx: u16, max_bits: u16, widen: impl Fn(u16) -> f64) -> u16 {
-    if !value.is_finite() {
-        return approx;
-    }
-    let sign = if value.is_sign_negative() { 0x8000 } else { 0 };
-    let max = widen(max_bits);
-    if value.abs() >= max + (max - widen(max_bits - 1)) / 2.0 {
-        return sign | (max_bits + 1); // infinity
-    }
-    let candidates = [approx.wrapping_sub(1), approx, approx.wrapping_add(1)];
-    let mut best = approx;
-    let mut best_err = f64::INFINITY;
-    for c in candidates {
-        let v = widen(c);
-        if c & 0x8000 != approx & 0x8000 || !v.is_finite() {
-            continue;
-        }
-        let err = (v - value).abs();
-        if err < best_err || (err == best_err && c & 1 == 0) {
-            (best, best_err) = (c, err);
-        }
-    }
-    best
 }
 
 /// The pairs `(a, b)` of a head of size `d`, as element indices.
