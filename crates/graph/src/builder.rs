@@ -156,7 +156,12 @@ impl<'r> GraphBuilder<'r> {
             })
             .collect::<Result<Vec<_>>>()
             .map_err(|e| e.in_node(node_id, op))?;
-        let (def, output_types) = check_op(self.registry, op, &params, &types).map_err(|e| e.in_node(node_id, op))?;
+        let constants: Vec<bool> = inputs
+            .iter()
+            .map(|&v| self.graph.values.get(v.index()).is_some_and(|value| value.def.is_constant()))
+            .collect();
+        let (def, output_types) =
+            check_op(self.registry, op, &params, &types, &constants).map_err(|e| e.in_node(node_id, op))?;
         let outputs = output_types
             .into_iter()
             .enumerate()

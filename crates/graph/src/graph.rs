@@ -43,6 +43,13 @@ pub enum ValueDef {
     },
 }
 
+impl ValueDef {
+    /// Whether the value is a graph constant (plain or prepared data).
+    pub fn is_constant(&self) -> bool {
+        matches!(self, ValueDef::Constant { .. } | ValueDef::Prepared { .. })
+    }
+}
+
 /// A value: its type, how it is defined, and a name for inputs, constants and
 /// caches.
 #[derive(Clone, Debug)]

@@ -262,6 +262,9 @@ pub enum ArgRole {
     ValidLengths,
     /// The paged KV cache.
     Cache,
+    /// A graph constant (a weight, an embedding table): a node whose input
+    /// of this role is not one is refused when it is added or validated.
+    Constant,
 }
 
 /// One input of an op's signature.
@@ -284,6 +287,12 @@ impl ArgSpec {
     /// The paged KV cache.
     pub const fn cache(name: &'static str) -> Self {
         Self { name, kind: ArgKind::KvCache, role: ArgRole::Cache }
+    }
+
+    /// A tensor that must be a graph constant (a weight the kernel packs,
+    /// an embedding table).
+    pub const fn constant(name: &'static str) -> Self {
+        Self { name, kind: ArgKind::Tensor, role: ArgRole::Constant }
     }
 
     /// A u32 scalar layer index into the node's cache.

@@ -7,12 +7,15 @@ use crate::{ArgKind, Graph, GraphError, OpDef, OpRegistry, Params, Result, Tenso
 
 /// Check one op application and infer its output types: the op exists, its
 /// parameters are exactly the ones it takes, the inputs have the right count
-/// and kinds, and the op's shape rules accept them.
+/// and kinds (and are graph constants where the op requires one:
+/// `constants[i]` says whether input `i` is), and the op's shape rules
+/// accept them.
 pub(crate) fn check_op(
     registry: &OpRegistry,
     op_name: &str,
     params: &Params,
     inputs: &[&ValueType],
+    constants: &[bool],
 ) -> Result<(Arc<dyn OpDef>, Vec<TensorType>)> {
     let op = registry.get(op_name)?.clone();
     let specs = op.params();
@@ -48,6 +51,15 @@ pub(crate) fn check_op(
             }
         }
     }
+    for ((spec, ty), &constant) in op.inputs().iter().zip(inputs).zip(constants) {
+        if spec.role == crate::ArgRole::Constant && !constant {
+            return Err(GraphError::InputType {
+                arg: spec.name.into(),
+                expected: "a graph constant (a weight or table the kernel may prepare when it is built)".into(),
+                got: format!("{ty}, a value supplied or computed at run time"),
+            });
+        }
+    }
     let outputs = op.infer(params, inputs)?;
     debug_assert_eq!(outputs.len(), op.outputs().len());
     Ok((op, outputs))
@@ -78,13 +90,16 @@ pub fn validate(graph: &Graph, registry: &OpRegistry) -> Result<()> {
             return Err(GraphError::DuplicateId { id: node.id.to_string() });
         }
         let mut input_types = Vec::with_capacity(node.inputs.len());
+        let mut constants = Vec::with_capacity(node.inputs.len());
         for &input in &node.inputs {
             if !defined.get(input.index()).copied().unwrap_or(false) {
                 return Err(GraphError::DanglingValue { place: format!("node {}", node.id), value: input });
             }
-            input_types.push(&graph.values[input.index()].ty);
+            let value = &graph.values[input.index()];
+            input_types.push(&value.ty);
+            constants.push(value.def.is_constant());
         }
-        let (op, inferred) = check_op(registry, &node.op, &node.params, &input_types).map_err(wrap)?;
+        let (op, inferred) = check_op(registry, &node.op, &node.params, &input_types, &constants).map_err(wrap)?;
         if node.op != op.name() {
             return Err(wrap(GraphError::UnknownOp { name: node.op.clone(), known: op.name().into() }));
         }
