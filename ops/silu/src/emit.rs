@@ -1,60 +1,13 @@
-//! The `mo.silu` emitter: for each work item, its run of
-//! [`ELEMENTS_PER_ITEM`] elements (the last item's may be shorter) in
-//! `F32X4` vectors, then the 0–3 left over one at a time; each vector
-//! loaded from the dtype, [`silu_f32x4`] in f32, rounded once on the store.
+//! The `mo.silu` arithmetic on one `F32X4` vector ([`silu_f32x4`]); the
+//! platform's elementwise map ([`kvjit_op::elementwise::compile_map`])
+//! loads each vector from the dtype and rounds it once on the store.
 
-use std::mem::offset_of;
-
-use cranelift_codegen::ir::condcodes::{FloatCC, IntCC};
+use cranelift_codegen::ir::condcodes::FloatCC;
 use cranelift_codegen::ir::{InstBuilder, MemFlagsData, Value, types};
 use cranelift_frontend::FunctionBuilder;
-use kvjit_core::DType;
-use kvjit_jit::KernelParams;
-use kvjit_jit::ir::addr::{Size, element};
 use kvjit_jit::ir::math::exp_f32x4;
-use kvjit_jit::ir::{self, counted_loop, splat_f32};
+use kvjit_jit::ir::splat_f32;
 use kvjit_jit::{cranelift_codegen, cranelift_frontend};
-
-use crate::cpu_jit::{ELEMENTS_PER_ITEM, SiluArgs};
-
-/// Emit the kernel body: items `[begin, end)` of `x` → `output`, with the
-/// element count baked in (`Some`) or read from the arguments.
-pub(crate) fn silu_kernel(b: &mut FunctionBuilder, p: KernelParams, dtype: DType, elements: Option<usize>) {
-    let x = p.field(b, offset_of!(SiluArgs, x));
-    let output = p.field(b, offset_of!(SiluArgs, output));
-    let elements = match elements {
-        Some(n) => Size::Known(n),
-        None => Size::Runtime(p.field(b, offset_of!(SiluArgs, elements))),
-    };
-    let n = elements.value(b);
-    let bytes = dtype.size_bytes();
-    let per_item = ELEMENTS_PER_ITEM as i64;
-    counted_loop(b, p.begin, p.end, 1, &[], |b, item, _| {
-        // This item's elements: [start, stop), stop = min(start + per_item, n).
-        let start = b.ins().imul_imm_s(item, per_item);
-        let full = b.ins().iadd_imm_s(start, per_item);
-        let past = b.ins().icmp(IntCC::SignedGreaterThan, full, n);
-        let stop = b.ins().select(past, n, full);
-        let len = b.ins().isub(stop, start);
-        let vector_len = b.ins().band_imm_s(len, -4);
-        let vector_stop = b.ins().iadd(start, vector_len);
-        counted_loop(b, start, vector_stop, 4, &[], |b, i, _| {
-            let (src, dst) = (element(b, x, i, bytes), element(b, output, i, bytes));
-            let v = ir::load_f32x4_raw(b, dtype, src, 0);
-            let y = silu_f32x4(b, v);
-            ir::store_f32x4(b, dtype, y, dst, 0);
-            Vec::new()
-        });
-        counted_loop(b, vector_stop, stop, 1, &[], |b, i, _| {
-            let (src, dst) = (element(b, x, i, bytes), element(b, output, i, bytes));
-            let v = ir::load_splat_f32x4_raw(b, dtype, src, 0);
-            let y = silu_f32x4(b, v);
-            ir::store_lane(b, dtype, y, 0, dst, 0);
-            Vec::new()
-        });
-        Vec::new()
-    });
-}
 
 /// Emit `silu(x)` on the four lanes of an `F32X4`, computed from
 /// `e = e^−|x|` so that nothing overflows:

@@ -9,7 +9,8 @@
 //! declares the parameters, the op ([`SiluOp`]) and its spec with the call
 //! contract both kernels share ([`SiluSpec`]); [`reference`](mod@reference)
 //! computes in f64 and rounds once; [`JitKernel`] runs Cranelift code
-//! (emitted by `emit.rs`) over the worker pool. No CUDA variant yet.
+//! (the platform's elementwise map around `emit.rs`'s vector arithmetic)
+//! over the worker pool. No CUDA variant yet.
 
 mod cpu_jit;
 mod emit;
@@ -20,16 +21,14 @@ use kvjit_graph::{ArgSpec, GraphBuilder, GraphError, ValueId, ValueType};
 use kvjit_op::{Call, CallContract, Op, Specialized, TensorArg, add_node, elementwise};
 use kvjit_runtime::OutputSpec;
 
-pub use cpu_jit::{ELEMENTS_PER_ITEM, JitKernel};
+pub use cpu_jit::JitKernel;
+pub use kvjit_op::elementwise::ELEMENTS_PER_ITEM;
 pub use reference::ReferenceKernel;
 
 kvjit_op::params! {
-    /// The parameters of a `mo.silu` node.
-    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-    pub struct SiluParams {
-        /// Dtype of `x` and the output: f32, bf16 or f16.
-        dtype: DType,
-    }
+    /// The parameters of a `mo.silu` node: none (the dtype is `x`'s).
+    #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+    pub struct SiluParams {}
 }
 
 /// The `mo.silu` op: input `x` (any shape), output `output` (its dtype and
@@ -38,8 +37,8 @@ kvjit_op::params! {
 pub struct SiluOp;
 
 /// Add a `mo.silu` node to `b`; returns its output.
-pub fn silu(b: &mut GraphBuilder<'_>, x: ValueId, params: SiluParams) -> Result<ValueId, GraphError> {
-    Ok(add_node::<SiluOp, 1>(b, &params, [x])?[0])
+pub fn silu(b: &mut GraphBuilder<'_>, x: ValueId) -> Result<ValueId, GraphError> {
+    Ok(add_node::<SiluOp, 1>(b, &SiluParams {}, [x])?[0])
 }
 
 impl Op for SiluOp {
@@ -49,9 +48,8 @@ impl Op for SiluOp {
     type Spec = SiluSpec;
     type Cpu = JitKernel;
 
-    fn specialize(&self, params: &SiluParams, inputs: &[&ValueType], backend: Backend) -> Specialized<SiluSpec> {
-        let dtype = elementwise::compute_dtype("dtype", params.dtype)?;
-        let (_, elements) = elementwise::input(inputs, 0, "x", dtype)?;
+    fn specialize(&self, _: &SiluParams, inputs: &[&ValueType], backend: Backend) -> Specialized<SiluSpec> {
+        let (_, dtype, elements) = elementwise::float_input(inputs, 0, "x")?;
         Ok(SiluSpec { target: backend.target(), dtype, elements })
     }
 }
