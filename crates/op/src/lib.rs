@@ -19,8 +19,10 @@
 //! - [`checks`]: the checks several ops make (baked dims, a paged step,
 //!   the cache rows a step writes); [`expect_float_step`]: a spec-less
 //!   step's dtypes.
-//! - [`elementwise`]: what elementwise ops check alike (compute dtype,
-//!   baked element count).
+//! - [`elementwise`]: what elementwise ops check and run alike (the
+//!   dtype from the input, operands of one type, the baked element count,
+//!   and the kernel: a map over `F32X4` vectors whose arithmetic is all
+//!   an op writes).
 //! - [`store_f64`]: a reference kernel's f64 results, rounded once to the
 //!   output's dtype.
 //! - [`op_error!`]: an op's own error enum as a `kvjit_core::Error`.
