@@ -3,7 +3,7 @@
 //! at least 2p + 2 bits for bf16's and f16's p, and for f32 operands a sum
 //! or product is exact or correctly rounded in f64 before its one rounding
 //! to f32), so any difference is a bug. Random operands over dtypes,
-//! ranks and sizes (vector tails, work-item edges), baked and run-time
+//! ranks and sizes (empty, vector tails, work-item edges), baked and run-time
 //! element counts and several thread counts, each output NaN-poisoned
 //! between canary guards; random bit patterns of every class, operands of
 //! nearby and distant exponents (cancellation, sums that round near a tie
@@ -26,6 +26,8 @@ fn random_operands_match_over_dtypes_ranks_sizes_and_threads() {
     let item = ELEMENTS_PER_ITEM;
     let shapes: &[&[usize]] = &[
         &[],
+        &[0],
+        &[3, 0, 2],
         &[1],
         &[3],
         &[4],
