@@ -72,6 +72,7 @@ pub fn cpu_backend() -> Backend {
 }
 pub use kvjit_op as op;
 pub use kvjit_op_attention as attention;
+pub use kvjit_op_binary as binary;
 pub use kvjit_op_fused_qkv as fused_qkv;
 pub use kvjit_op_reshape as reshape;
 pub use kvjit_op_rope as rope;
@@ -100,10 +101,11 @@ pub use kvjit_op_silu as silu;
 /// ```
 pub mod ops {
     pub use kvjit_op_attention::{Mask, MhaParams, mha};
+    pub use kvjit_op_binary::{add, mul};
     pub use kvjit_op_fused_qkv::{FusedQkvParams, fused_qkv_matmul};
     pub use kvjit_op_reshape::reshape;
     pub use kvjit_op_rope::{RopeParams, fused_qk_rope};
-    pub use kvjit_op_silu::{SiluParams, silu};
+    pub use kvjit_op_silu::silu;
 }
 pub use kvjit_runtime::{
     BuildOptions, CodeInfo, DeviceContextPtr, Executable, Executor, KernelImpl, RunOutput, RuntimeError,

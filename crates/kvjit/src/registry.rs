@@ -48,5 +48,7 @@ pub fn standard_registry() -> Registry {
     registry.register(Defined(kvjit_op_rope::RopeOp)).expect(built_in);
     registry.register(Defined(kvjit_op_attention::MhaOp)).expect(built_in);
     registry.register(Defined(kvjit_op_silu::SiluOp)).expect(built_in);
+    registry.register(Defined(kvjit_op_binary::AddOp)).expect(built_in);
+    registry.register(Defined(kvjit_op_binary::MulOp)).expect(built_in);
     registry
 }
