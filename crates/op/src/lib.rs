@@ -21,6 +21,8 @@
 //!   step's dtypes.
 //! - [`elementwise`]: what elementwise ops check alike (compute dtype,
 //!   baked element count).
+//! - [`rows`]: row-wise inputs `[..., H]` (H baked in, rows static or
+//!   not) and a call's tensor against them.
 //! - [`store_f64`]: a reference kernel's f64 results, rounded once to the
 //!   output's dtype.
 //! - [`op_error!`]: an op's own error enum as a `kvjit_core::Error`.
@@ -33,6 +35,7 @@ mod kernel;
 mod op_error;
 mod params;
 mod rounding;
+pub mod rows;
 mod step_args;
 
 pub use def::{
