@@ -79,7 +79,8 @@ impl Op for RmsNormOp {
             let problem = format!("must be finite and ≥ 0, got {epsilon}");
             return Err(GraphError::Param { param: "epsilon".into(), problem });
         }
-        let weight_offset = params.weight_offset.unwrap_or(0.0);
+        // `+ 0.0` makes −0 +0: one kernel, one key.
+        let (epsilon, weight_offset) = (epsilon + 0.0, params.weight_offset.unwrap_or(0.0) + 0.0);
         Ok(RmsNormSpec { target: backend.target(), dtype: x.dtype, rows, epsilon, weight_offset })
     }
 }
