@@ -76,6 +76,21 @@ fn any_leading_shape_is_rows_of_h() {
     }
 }
 
+/// Work items of many short rows (H = 3: 1365 rows an item) and of one
+/// row each (H = 4096), with a short last item: every row written once,
+/// the same bytes at every thread count.
+#[test]
+fn work_items_cover_every_row_once() {
+    let mut rng = SmallRng::seed_from_u64(56);
+    for (rows, width) in [(2 * 1365 + 7, 3), (5, 4096), (1366, 3)] {
+        let x = random(&mut rng, DType::F32, &[rows, width], (-2.0, 2.0));
+        let weight = random(&mut rng, DType::F32, &[width], (-0.5, 0.5));
+        for baked in [Some(rows), None] {
+            check(spec(DType::F32, width, baked), &x, &weight, &format!("[{rows}, {width}], rows {baked:?}"));
+        }
+    }
+}
+
 /// All-tiny rows: epsilon dominates, `y ≈ x / sqrt(epsilon) · w`.
 #[test]
 fn epsilon_dominates_tiny_rows() {
