@@ -25,6 +25,8 @@
 //!   not) and a call's tensor against them.
 //! - [`store_f64`]: a reference kernel's f64 results, rounded once to the
 //!   output's dtype.
+//! - [`kernel_args!`]: a JIT kernel's `#[repr(C)]` argument struct of
+//!   u64 words and its `KernelArgs` impl, declared once.
 //! - [`op_error!`]: an op's own error enum as a `kvjit_core::Error`.
 
 pub mod checks;
@@ -32,6 +34,7 @@ mod def;
 pub mod elementwise;
 mod jit;
 mod kernel;
+mod kernel_args;
 mod op_error;
 mod params;
 mod rounding;
@@ -54,6 +57,8 @@ pub use step_args::expect_float_step;
 pub use kvjit_core as core;
 #[doc(hidden)]
 pub use kvjit_graph as graph;
+#[doc(hidden)]
+pub use kvjit_jit as jit_crate;
 
 #[doc(hidden)]
 pub use params::spec_of as param_spec;
