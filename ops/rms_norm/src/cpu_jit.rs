@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use kvjit_core::{KernelSpec, Result};
-use kvjit_jit::{CaptureText, JitError, JitFunction, KernelArgs, compile_kernel, compile_or_fetch};
+use kvjit_jit::{CaptureText, JitError, JitFunction, compile_kernel, compile_or_fetch};
 use kvjit_op::{JitSpec, Launch};
 
 use crate::RmsNormSpec;
@@ -21,21 +21,19 @@ pub(crate) fn rows_per_item(width: usize) -> usize {
     (ROW_ELEMENTS_PER_ITEM / width).max(1)
 }
 
-/// The kernel's argument struct, read by the emitter at `offset_of!`.
-#[repr(C)]
-pub(crate) struct RmsNormArgs {
-    /// Address of `x`.
-    pub x: u64,
-    /// Address of `weight`.
-    pub weight: u64,
-    /// Address of the output.
-    pub output: u64,
-    /// Rows of `x` and of the output.
-    pub rows: u64,
+kvjit_op::kernel_args! {
+    /// The kernel's argument struct, read by the emitter at `offset_of!`.
+    pub(crate) struct RmsNormArgs {
+        /// Address of `x`.
+        x,
+        /// Address of `weight`.
+        weight,
+        /// Address of the output.
+        output,
+        /// Rows of `x` and of the output.
+        rows,
+    }
 }
-
-// SAFETY: `#[repr(C)]` with only u64 fields.
-unsafe impl KernelArgs for RmsNormArgs {}
 
 /// The Cranelift kernel of one spec ([`kvjit_op::Jit`]). A kernel with the
 /// row count left to run time reads it from its arguments.
