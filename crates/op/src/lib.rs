@@ -23,8 +23,12 @@
 //!   dtype from the input, operands of one type, the baked element count,
 //!   and the kernel: a map over `F32X4` vectors whose arithmetic is all
 //!   an op writes).
+//! - [`rows`]: row-wise inputs `[..., H]` (H baked in, rows static or
+//!   not) and a call's tensor against them.
 //! - [`store_f64`]: a reference kernel's f64 results, rounded once to the
 //!   output's dtype.
+//! - [`kernel_args!`]: a JIT kernel's `#[repr(C)]` argument struct of
+//!   u64 words and its `KernelArgs` impl, declared once.
 //! - [`op_error!`]: an op's own error enum as a `kvjit_core::Error`.
 
 pub mod checks;
@@ -32,9 +36,11 @@ mod def;
 pub mod elementwise;
 mod jit;
 mod kernel;
+mod kernel_args;
 mod op_error;
 mod params;
 mod rounding;
+pub mod rows;
 mod step_args;
 
 pub use def::{
@@ -53,6 +59,8 @@ pub use step_args::expect_float_step;
 pub use kvjit_core as core;
 #[doc(hidden)]
 pub use kvjit_graph as graph;
+#[doc(hidden)]
+pub use kvjit_jit as jit_crate;
 
 #[doc(hidden)]
 pub use params::spec_of as param_spec;
