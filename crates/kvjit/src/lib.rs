@@ -75,6 +75,7 @@ pub use kvjit_op_attention as attention;
 pub use kvjit_op_binary as binary;
 pub use kvjit_op_fused_qkv as fused_qkv;
 pub use kvjit_op_reshape as reshape;
+pub use kvjit_op_rms_norm as rms_norm;
 pub use kvjit_op_rope as rope;
 pub use kvjit_op_silu as silu;
 
@@ -104,6 +105,7 @@ pub mod ops {
     pub use kvjit_op_binary::{add, mul};
     pub use kvjit_op_fused_qkv::{FusedQkvParams, fused_qkv_matmul};
     pub use kvjit_op_reshape::reshape;
+    pub use kvjit_op_rms_norm::{RmsNormParams, rms_norm};
     pub use kvjit_op_rope::{RopeParams, fused_qk_rope};
     pub use kvjit_op_silu::silu;
 }

@@ -50,5 +50,6 @@ pub fn standard_registry() -> Registry {
     registry.register(Defined(kvjit_op_silu::SiluOp)).expect(built_in);
     registry.register(Defined(kvjit_op_binary::AddOp)).expect(built_in);
     registry.register(Defined(kvjit_op_binary::MulOp)).expect(built_in);
+    registry.register(Defined(kvjit_op_rms_norm::RmsNormOp)).expect(built_in);
     registry
 }
