@@ -23,6 +23,8 @@
 //!   baked element count).
 //! - [`store_f64`]: a reference kernel's f64 results, rounded once to the
 //!   output's dtype.
+//! - [`rows`]: what ops that copy whole rows share (`mo.gather`,
+//!   `kvjit.last_valid_token`): the row emitters and the reference.
 //! - [`op_error!`]: an op's own error enum as a `kvjit_core::Error`.
 
 pub mod checks;
@@ -33,6 +35,7 @@ mod kernel;
 mod op_error;
 mod params;
 mod rounding;
+pub mod rows;
 mod step_args;
 
 pub use def::{
