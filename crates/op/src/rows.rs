@@ -1,15 +1,19 @@
 //! Row selection, written once for the ops whose output rows are whole
-//! rows of an input, copied bit for bit or zeroed (`mo.gather`,
-//! `kvjit.last_valid_token`): the node check of such an input, the
-//! emitters that copy or zero one row with 16-byte vector moves, the loop
-//! over output rows as work items, and the plain-Rust reference.
+//! rows of an input, each picked by a u32 and copied bit for bit or zeroed
+//! (`mo.gather`: a table row per id; `kvjit.last_valid_token`: a sequence's
+//! last valid row): the node check of such an input, the kernels' argument
+//! struct, the loop over output rows as work items, the emitters that copy
+//! or zero one row with 16-byte vector moves, and the plain-Rust reference.
+
+use std::mem::offset_of;
 
 use cranelift_codegen::ir::{InstBuilder, Value, types};
 use cranelift_frontend::FunctionBuilder;
-use kvjit_core::DType;
+use kvjit_core::{DType, Tensor};
 use kvjit_graph::{GraphError, TensorType, input_error};
+use kvjit_jit::ir::addr::element;
 use kvjit_jit::ir::{counted_loop, mem, splat_u32};
-use kvjit_jit::{KernelParams, cranelift_codegen, cranelift_frontend};
+use kvjit_jit::{KernelArgs, KernelParams, cranelift_codegen, cranelift_frontend};
 
 /// Bytes one vector move copies.
 const VECTOR_BYTES: usize = 16;
@@ -32,11 +36,73 @@ pub fn float_rows(arg: &str, ty: &TensorType, dims: &[&str]) -> Result<(DType, u
     hidden.map(|h| (ty.dtype, h)).ok_or_else(|| input_error(arg, expected(), ty))
 }
 
-/// Emit the loop over this invocation's work items `[begin, end)`, one
-/// output row each: `row` emits the body for row `r` (an `I64`).
-pub fn for_each_row(b: &mut FunctionBuilder, p: KernelParams, row: impl FnOnce(&mut FunctionBuilder, Value)) {
-    counted_loop(b, p.begin, p.end, 1, &[], |b, r, _| {
-        row(b, r);
+/// Bytes of one row of `hidden` elements of `dtype`.
+pub fn row_bytes(dtype: DType, hidden: usize) -> usize {
+    hidden * dtype.size_bytes()
+}
+
+/// The argument struct of a row-selecting kernel, read by [`for_each_row`]
+/// (and by the op's emitter at `offset_of!`, for `seq`).
+#[repr(C)]
+#[derive(Debug)]
+pub struct RowArgs {
+    /// Address of the rows the output's are picked from.
+    pub source: u64,
+    /// Address of the picks: one u32 per output row.
+    pub picks: u64,
+    /// Address of the output.
+    pub output: u64,
+    /// A size the op's emitter may read (the padded sequence length S).
+    pub seq: u64,
+}
+
+// SAFETY: `#[repr(C)]` with only u64 fields.
+unsafe impl KernelArgs for RowArgs {}
+
+impl RowArgs {
+    /// The arguments of a call: `source` rows, one u32 pick per output row
+    /// in `picks`, the `output` bytes, and `seq`.
+    pub fn new(source: &Tensor, picks: &Tensor, output: &mut [u8], seq: usize) -> Self {
+        Self {
+            source: source.as_bytes().as_ptr() as u64,
+            picks: picks.as_bytes().as_ptr() as u64,
+            output: output.as_mut_ptr() as u64,
+            seq: seq as u64,
+        }
+    }
+}
+
+/// One output row of a row-selecting kernel, as [`for_each_row`] hands it
+/// to the op's emitter (all `I64`).
+#[derive(Clone, Copy, Debug)]
+pub struct Row {
+    /// Its index r (the work item).
+    pub index: Value,
+    /// Its pick: the u32 at `picks[r]`, zero-extended.
+    pub pick: Value,
+    /// Address of the source rows.
+    pub source: Value,
+    /// Address of output row r.
+    pub output: Value,
+}
+
+/// Emit the loop over this invocation's work items `[begin, end)` of a
+/// kernel taking [`RowArgs`], one output row (of `row_bytes` bytes) each:
+/// `row` emits the body for each [`Row`].
+pub fn for_each_row(
+    b: &mut FunctionBuilder,
+    p: KernelParams,
+    row_bytes: usize,
+    row: impl FnOnce(&mut FunctionBuilder, Row),
+) {
+    let source = p.field(b, offset_of!(RowArgs, source));
+    let picks = p.field(b, offset_of!(RowArgs, picks));
+    let output = p.field(b, offset_of!(RowArgs, output));
+    counted_loop(b, p.begin, p.end, 1, &[], |b, index, _| {
+        let at = element(b, picks, index, 4);
+        let pick = b.ins().uload32(mem(), at, 0);
+        let output = element(b, output, index, row_bytes);
+        row(b, Row { index, pick, source, output });
         Vec::new()
     });
 }
@@ -68,7 +134,7 @@ fn move_row(b: &mut FunctionBuilder, src: Option<Value>, dst: Value, row_bytes: 
     // The rest, below `step` bytes: whole vectors, then the tail by halves.
     let rest = row_bytes - looped;
     let mut pieces = vec![VECTOR_BYTES; rest / VECTOR_BYTES];
-    pieces.extend([8, 4, 2, 1].into_iter().filter(|&piece| rest % VECTOR_BYTES & piece != 0));
+    pieces.extend([8, 4, 2, 1].into_iter().filter(|&piece| (rest % VECTOR_BYTES) & piece != 0));
     let src = src.map(|s| b.ins().iadd_imm_s(s, looped as i64));
     let dst = b.ins().iadd_imm_s(dst, looped as i64);
     move_pieces(b, src, dst, &pieces);
@@ -96,18 +162,55 @@ fn move_pieces(b: &mut FunctionBuilder, src: Option<Value>, dst: Value, pieces: 
     }
 }
 
-/// The reference of a row-selecting op: output row `r` (of `row_bytes`
-/// bytes) is the input's row `sources[r]`, or zeroes where it is `None`.
+/// The reference of a row-selecting op: output row `r` is the input's row
+/// `sources[r]` (rows of the output's length), or zeroes where it is
+/// `None`. Always `Ok`: the `Result` is the reference kernel's.
 ///
 /// # Panics
-/// When `output` does not hold one row per source or a source row is
-/// outside `input` (the op's check rules both out).
-pub fn copy_rows(input: &[u8], row_bytes: usize, sources: &[Option<usize>], output: &mut [u8]) {
+/// When `output` does not hold one row per source, its dtype is not the
+/// input's, or a source row is outside `input` (the op's check rules all
+/// three out).
+pub fn copy_rows(input: &Tensor, sources: &[Option<usize>], output: &mut Tensor) -> kvjit_core::Result<()> {
+    assert_eq!(input.dtype(), output.dtype(), "rows are copied into their own dtype");
+    let row_bytes = output.numel().checked_div(sources.len()).unwrap_or(0) * output.dtype().size_bytes();
+    let (input, output) = (input.as_bytes(), output.as_bytes_mut());
     assert_eq!(output.len(), sources.len() * row_bytes, "one output row per source");
-    for (row, source) in output.chunks_exact_mut(row_bytes).zip(sources) {
+    for (row, source) in output.chunks_exact_mut(row_bytes.max(1)).zip(sources) {
         match source {
             Some(s) => row.copy_from_slice(&input[s * row_bytes..(s + 1) * row_bytes]),
             None => row.fill(0),
         }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use kvjit_graph::Dim;
+
+    use super::*;
+
+    #[test]
+    fn float_rows_needs_a_float_of_the_rank_with_a_static_nonzero_h() {
+        let ty = |dtype, shape: &[Dim]| TensorType::new(dtype, shape.iter().cloned());
+        let (s, n) = (Dim::Static, Dim::from("n"));
+        assert_eq!(float_rows("x", &ty(DType::BF16, &[n.clone(), s(8)]), &["V", "H"]).unwrap(), (DType::BF16, 8));
+        for bad in [
+            ty(DType::U32, &[s(2), s(8)]),
+            ty(DType::F32, &[s(2), n.clone()]),
+            ty(DType::F32, &[s(2), s(0)]),
+            ty(DType::F32, &[s(16)]),
+        ] {
+            let err = float_rows("x", &bad, &["V", "H"]).unwrap_err().to_string();
+            assert!(err.contains("f32, bf16 or f16 [V, H] with H static and above 0"), "{bad}: {err}");
+        }
+    }
+
+    #[test]
+    fn copy_rows_copies_picked_rows_and_zeroes_the_rest() {
+        let input = Tensor::from_f32(DType::F16, &[3, 2], &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]).unwrap();
+        let mut output = Tensor::from_f32(DType::F16, &[4, 2], &[9.0; 8]).unwrap();
+        copy_rows(&input, &[Some(2), None, Some(0), Some(2)], &mut output).unwrap();
+        assert_eq!(output.to_f32_vec().unwrap(), [5.0, 6.0, 0.0, 0.0, 1.0, 2.0, 5.0, 6.0]);
     }
 }

@@ -20,6 +20,9 @@ use kvjit_runtime::OutputSpec;
 
 pub use cpu_jit::JitKernel;
 
+/// The reference kernel of a spec: rows copied in plain Rust.
+pub type ReferenceKernel = kvjit_op::Reference<GatherSpec>;
+
 kvjit_op::params! {
     /// The parameters of a `mo.gather` node: none (the dtype is the table's).
     #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -105,13 +108,6 @@ pub struct GatherSpec {
     pub step: StepDims,
 }
 
-impl GatherSpec {
-    /// Bytes of one table (and output) row.
-    pub fn row_bytes(&self) -> usize {
-        self.hidden * self.dtype.size_bytes()
-    }
-}
-
 impl KernelSpec for GatherSpec {
     /// `gather.cpu.bf16.v32000.h4096.b1.sany`.
     fn key_name(&self) -> KernelKey {
@@ -148,10 +144,6 @@ impl CallContract for GatherSpec {
     fn reference(&self, _: [usize; 2], call: Call<'_, '_>) -> Result<()> {
         let [table, ids] = call.tensors();
         let sources: Vec<Option<usize>> = ids.as_slice::<u32>()?.iter().map(|&id| Some(id as usize)).collect();
-        rows::copy_rows(table.as_bytes(), self.row_bytes(), &sources, call.outputs[0].as_bytes_mut());
-        Ok(())
+        rows::copy_rows(table, &sources, &mut call.outputs[0])
     }
 }
-
-/// The reference kernel of a spec.
-pub type ReferenceKernel = kvjit_op::Reference<GatherSpec>;
