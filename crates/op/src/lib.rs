@@ -24,7 +24,8 @@
 //!   and the kernel: a map over `F32X4` vectors whose arithmetic is all
 //!   an op writes).
 //! - [`rows`]: row-wise inputs `[..., H]` (H baked in, rows static or
-//!   not) and a call's tensor against them.
+//!   not), and what ops that copy whole rows share (`mo.gather`,
+//!   `kvjit.last_valid_token`): the row emitters and the reference.
 //! - [`store_f64`]: a reference kernel's f64 results, rounded once to the
 //!   output's dtype.
 //! - [`kernel_args!`]: a JIT kernel's `#[repr(C)]` argument struct of
