@@ -74,6 +74,8 @@ pub use kvjit_op as op;
 pub use kvjit_op_attention as attention;
 pub use kvjit_op_binary as binary;
 pub use kvjit_op_fused_qkv as fused_qkv;
+pub use kvjit_op_gather as gather;
+pub use kvjit_op_last_token as last_token;
 pub use kvjit_op_reshape as reshape;
 pub use kvjit_op_rms_norm as rms_norm;
 pub use kvjit_op_rope as rope;
@@ -104,6 +106,8 @@ pub mod ops {
     pub use kvjit_op_attention::{Mask, MhaParams, mha};
     pub use kvjit_op_binary::{add, mul};
     pub use kvjit_op_fused_qkv::{FusedQkvParams, fused_qkv_matmul};
+    pub use kvjit_op_gather::gather;
+    pub use kvjit_op_last_token::last_valid_token;
     pub use kvjit_op_reshape::reshape;
     pub use kvjit_op_rms_norm::{RmsNormParams, rms_norm};
     pub use kvjit_op_rope::{RopeParams, fused_qk_rope};

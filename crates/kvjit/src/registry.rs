@@ -51,5 +51,7 @@ pub fn standard_registry() -> Registry {
     registry.register(Defined(kvjit_op_binary::AddOp)).expect(built_in);
     registry.register(Defined(kvjit_op_binary::MulOp)).expect(built_in);
     registry.register(Defined(kvjit_op_rms_norm::RmsNormOp)).expect(built_in);
+    registry.register(Defined(kvjit_op_gather::GatherOp)).expect(built_in);
+    registry.register(Defined(kvjit_op_last_token::LastTokenOp)).expect(built_in);
     registry
 }
