@@ -14,33 +14,13 @@ use kvjit_core::{DType, Error, Tensor};
 use kvjit_op::Compiled;
 use kvjit_op_binary::{BinarySpec, ReferenceKernel};
 use kvjit_runtime::Kernel;
-use kvjit_testkit::{Guarded, nan_bytes, poison};
+use kvjit_testkit::calls::{Check, poisoned, refused};
+use kvjit_testkit::{Guarded, nan_bytes};
 use rand::SeedableRng;
 use rand::rngs::SmallRng;
 
 fn kernels(spec: BinarySpec) -> [Arc<dyn Kernel>; 2] {
     [Arc::new(Compiled::new(jit(spec))), Arc::new(Compiled::new(ReferenceKernel::new(spec)))]
-}
-
-fn poisoned(dtype: DType, shape: &[usize]) -> Tensor {
-    let mut t = Tensor::zeros(dtype, shape).unwrap();
-    poison(&mut t);
-    t
-}
-
-/// Run `kernel` on `tensors` into `outputs`: refused, outputs unchanged;
-/// `check` (which sees no outputs) refuses the call too when `inputs_bad`.
-fn refused(kernel: &dyn Kernel, tensors: &[&Tensor], mut outputs: Vec<Tensor>, inputs_bad: bool) -> Error {
-    let before = outputs.clone();
-    let err = kernel.run(tensors, &mut [], &mut outputs, &ctx(2)).expect_err("a bad call must be refused");
-    assert_eq!(outputs, before, "{}: refused ({err}) but wrote its output", kernel.implementation());
-    assert_eq!(
-        kernel.check(tensors, &[]).is_err(),
-        inputs_bad,
-        "{}: check of a call refused with {err}",
-        kernel.implementation()
-    );
-    err
 }
 
 #[test]
@@ -53,7 +33,7 @@ fn mismatched_operands_are_refused_naming_b() {
                 let out = || vec![poisoned(DType::BF16, &[4, 6])];
                 for shape in [&[6, 4][..], &[24], &[4, 6, 1], &[4, 5], &[4, 7]] {
                     let b = random(&mut rng, DType::BF16, shape, 8.0);
-                    let err = refused(&*kernel, &[&a, &b], out(), true);
+                    let err = refused(&*kernel, &[&a, &b], out(), Check::Refuses);
                     assert!(
                         matches!(&err, Error::ShapeMismatch { arg, got, .. } if arg == "b" && got == shape),
                         "{err}"
@@ -61,7 +41,7 @@ fn mismatched_operands_are_refused_naming_b() {
                     assert!(err.to_string().contains("[4, 6] (the shape of a)"), "{err}");
                 }
                 let f32_b = random(&mut rng, DType::F32, &[4, 6], 8.0);
-                let err = refused(&*kernel, &[&a, &f32_b], out(), true);
+                let err = refused(&*kernel, &[&a, &f32_b], out(), Check::Refuses);
                 let named_b =
                     matches!(&err, Error::DTypeMismatch { arg, expected: DType::BF16, got: DType::F32 } if arg == "b");
                 assert!(named_b, "{err}");
@@ -78,7 +58,7 @@ fn wrong_dtype_strided_operands_and_baked_count_are_refused() {
     for operation in OPERATIONS {
         for kernel in kernels(spec(operation, DType::F16, Some(24))) {
             let f32_a = random(&mut rng, DType::F32, &[4, 6], 8.0);
-            let err = refused(&*kernel, &[&f32_a, &b], vec![poisoned(DType::F16, &[4, 6])], true);
+            let err = refused(&*kernel, &[&f32_a, &b], vec![poisoned(DType::F16, &[4, 6])], Check::Refuses);
             let named_a =
                 matches!(&err, Error::DTypeMismatch { arg, expected: DType::F16, got: DType::F32 } if arg == "a");
             assert!(named_a, "{err}");
@@ -86,13 +66,13 @@ fn wrong_dtype_strided_operands_and_baked_count_are_refused() {
             let (strided_a, strided_b) = (a.permuted(&[1, 0]).unwrap(), b.permuted(&[1, 0]).unwrap());
             let contiguous_b = random(&mut rng, DType::F16, &[6, 4], 8.0);
             for pair in [[&strided_a, &contiguous_b], [&contiguous_b, &strided_b]] {
-                let err = refused(&*kernel, &pair, vec![poisoned(DType::F16, &[6, 4])], true);
+                let err = refused(&*kernel, &pair, vec![poisoned(DType::F16, &[6, 4])], Check::Refuses);
                 assert!(matches!(err, Error::NotContiguous { .. }), "{err}");
             }
 
             let (other_a, other_b) =
                 (random(&mut rng, DType::F16, &[5, 5], 8.0), random(&mut rng, DType::F16, &[5, 5], 8.0));
-            let err = refused(&*kernel, &[&other_a, &other_b], vec![poisoned(DType::F16, &[5, 5])], true);
+            let err = refused(&*kernel, &[&other_a, &other_b], vec![poisoned(DType::F16, &[5, 5])], Check::Refuses);
             assert!(matches!(err, Error::NotBuiltFor { .. }), "{err}");
             assert!(
                 err.to_string().contains(&format!("24 elements (baked into {}.cpu.f16.n24)", operation.name())),
@@ -109,15 +89,15 @@ fn wrong_arity_and_outputs_are_refused() {
     for operation in OPERATIONS {
         for kernel in kernels(spec(operation, DType::F32, None)) {
             for tensors in [&[&a][..], &[&a, &b, &b]] {
-                let err = refused(&*kernel, tensors, vec![poisoned(DType::F32, &[3, 3])], true);
+                let err = refused(&*kernel, tensors, vec![poisoned(DType::F32, &[3, 3])], Check::Refuses);
                 assert!(matches!(err, Error::KernelArguments { .. }), "{err}");
                 assert!(err.to_string().contains("2 tensors (a, b)"), "{err}");
             }
-            let err = refused(&*kernel, &[&a, &b], vec![], false);
+            let err = refused(&*kernel, &[&a, &b], vec![], Check::Accepts);
             assert!(matches!(err, Error::KernelArguments { .. }), "{err}");
-            let err = refused(&*kernel, &[&a, &b], vec![poisoned(DType::F32, &[9])], false);
+            let err = refused(&*kernel, &[&a, &b], vec![poisoned(DType::F32, &[9])], Check::Accepts);
             assert!(matches!(&err, Error::ShapeMismatch { arg, .. } if arg == "output"), "{err}");
-            let err = refused(&*kernel, &[&a, &b], vec![poisoned(DType::BF16, &[3, 3])], false);
+            let err = refused(&*kernel, &[&a, &b], vec![poisoned(DType::BF16, &[3, 3])], Check::Accepts);
             assert!(matches!(err, Error::DTypeMismatch { .. }), "{err}");
         }
     }

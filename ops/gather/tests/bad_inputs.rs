@@ -13,32 +13,13 @@ use kvjit_op::Compiled;
 use kvjit_op::checks::StepDims;
 use kvjit_op_gather::{GatherError, GatherSpec, ReferenceKernel};
 use kvjit_runtime::Kernel;
-use kvjit_testkit::{Guarded, nan_bytes, poison};
+use kvjit_testkit::calls::{Check, poisoned, refused};
+use kvjit_testkit::{Guarded, nan_bytes};
 use rand::SeedableRng;
 use rand::rngs::SmallRng;
 
 fn kernels(spec: GatherSpec) -> [Arc<dyn Kernel>; 2] {
     [Arc::new(Compiled::new(jit(spec))), Arc::new(Compiled::new(ReferenceKernel::new(spec)))]
-}
-
-fn poisoned(dtype: DType, shape: &[usize]) -> Tensor {
-    let mut t = Tensor::zeros(dtype, shape).unwrap();
-    poison(&mut t);
-    t
-}
-
-/// Run `kernel` on `tensors` into `outputs`: refused, outputs unchanged,
-/// and `check` refuses the same inputs.
-fn refused(kernel: &dyn Kernel, tensors: &[&Tensor], mut outputs: Vec<Tensor>) -> Error {
-    let before = outputs.clone();
-    let err = kernel.run(tensors, &mut [], &mut outputs, &ctx(2)).expect_err("a bad call must be refused");
-    assert_eq!(outputs, before, "{}: refused ({err}) but wrote its output", kernel.implementation());
-    assert!(
-        kernel.check(tensors, &[]).is_err(),
-        "{}: check accepted what run refused ({err})",
-        kernel.implementation()
-    );
-    err
 }
 
 #[test]
@@ -52,7 +33,7 @@ fn an_id_past_the_table_late_in_the_batch_is_refused_naming_it() {
         values[bad.0 * 5 + bad.1] = id;
         let ids = Tensor::from_vec(&[3, 5], values).unwrap();
         for kernel in kernels(spec(DType::BF16, vocab, hidden, StepDims::ANY)) {
-            let err = refused(&*kernel, &[&table, &ids], vec![poisoned(DType::BF16, &[3, 5, hidden])]);
+            let err = refused(&*kernel, &[&table, &ids], vec![poisoned(DType::BF16, &[3, 5, hidden])], Check::Refuses);
             let op = err.op_error::<GatherError>().unwrap_or_else(|| panic!("not a gather error: {err}"));
             assert_eq!(*op, GatherError::IdOutOfRange { id, batch: bad.0, position: bad.1, vocab });
             let text = err.to_string();
@@ -76,27 +57,27 @@ fn wrong_dtypes_and_shapes_are_refused() {
     for kernel in kernels(spec(DType::F16, vocab, hidden, StepDims::fixed(2, 3))) {
         let out = || vec![poisoned(DType::F16, &[2, 3, hidden])];
         let f32_table = random_table(&mut rng, DType::F32, vocab, hidden);
-        let err = refused(&*kernel, &[&f32_table, &ids], out());
+        let err = refused(&*kernel, &[&f32_table, &ids], out(), Check::Refuses);
         assert!(matches!(&err, Error::DTypeMismatch { arg, expected: DType::F16, got: DType::F32 } if arg == "table"));
         let float_ids = Tensor::from_f32(DType::F32, &[2, 3], &[1.0; 6]).unwrap();
-        let err = refused(&*kernel, &[&table, &float_ids], out());
+        let err = refused(&*kernel, &[&table, &float_ids], out(), Check::Refuses);
         assert!(matches!(&err, Error::DTypeMismatch { arg, expected: DType::U32, .. } if arg == "ids"), "{err}");
         for (other, arg) in [
             (random_table(&mut rng, DType::F16, vocab + 1, hidden), "table"),
             (random_table(&mut rng, DType::F16, vocab, hidden + 1), "table"),
         ] {
-            let err = refused(&*kernel, &[&other, &ids], out());
+            let err = refused(&*kernel, &[&other, &ids], out(), Check::Refuses);
             assert!(matches!(err, Error::NotBuiltFor { arg: a, .. } if a == arg), "{err}");
             assert!(err.to_string().contains("gather.cpu.f16.v6.h8.b2.s3"), "{err}");
         }
         for shape in [&[3, 3][..], &[2, 4], &[6], &[2, 3, 1]] {
             let other = Tensor::from_vec(shape, vec![0u32; shape.iter().product()]).unwrap();
-            let err = refused(&*kernel, &[&table, &other], out());
+            let err = refused(&*kernel, &[&table, &other], out(), Check::Refuses);
             assert!(matches!(err, Error::NotBuiltFor { arg: "ids", .. }), "{shape:?}: {err}");
         }
         let strided = table.permuted(&[1, 0]).unwrap();
         assert!(matches!(
-            refused(&*kernel, &[&strided, &ids], out()),
+            refused(&*kernel, &[&strided, &ids], out(), Check::Refuses),
             Error::NotContiguous { .. } | Error::NotBuiltFor { .. }
         ));
     }

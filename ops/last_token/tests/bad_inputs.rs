@@ -14,30 +14,13 @@ use kvjit_op::Compiled;
 use kvjit_op::checks::StepDims;
 use kvjit_op_last_token::{LastTokenSpec, ReferenceKernel};
 use kvjit_runtime::Kernel;
-use kvjit_testkit::{Guarded, nan_bytes, poison};
+use kvjit_testkit::calls::{Check, poisoned, refused};
+use kvjit_testkit::{Guarded, nan_bytes};
 use rand::SeedableRng;
 use rand::rngs::SmallRng;
 
 fn kernels(spec: LastTokenSpec) -> [Arc<dyn Kernel>; 2] {
     [Arc::new(Compiled::new(jit(spec))), Arc::new(Compiled::new(ReferenceKernel::new(spec)))]
-}
-
-fn poisoned(dtype: DType, shape: &[usize]) -> Tensor {
-    let mut t = Tensor::zeros(dtype, shape).unwrap();
-    poison(&mut t);
-    t
-}
-
-/// Run `kernel` on `tensors` into `outputs`: refused, outputs unchanged;
-/// with `inputs_bad`, `check` refuses the same inputs.
-fn refused(kernel: &dyn Kernel, tensors: &[&Tensor], mut outputs: Vec<Tensor>, inputs_bad: bool) -> Error {
-    let before = outputs.clone();
-    let err = kernel.run(tensors, &mut [], &mut outputs, &ctx(2)).expect_err("a bad call must be refused");
-    assert_eq!(outputs, before, "{}: refused ({err}) but wrote its output", kernel.implementation());
-    if inputs_bad {
-        assert!(kernel.check(tensors, &[]).is_err(), "{}: check accepted what run refused", kernel.implementation());
-    }
-    err
 }
 
 #[test]
@@ -46,7 +29,7 @@ fn a_valid_length_past_s_late_in_the_batch_is_refused() {
     let x = random_x(&mut rng, DType::BF16, &[4, 6, 10]);
     let valid = lengths(&[1, 6, 0, 7]);
     for kernel in kernels(spec(DType::BF16, 10, StepDims::ANY)) {
-        let err = refused(&*kernel, &[&x, &valid], vec![poisoned(DType::BF16, &[4, 10])], true);
+        let err = refused(&*kernel, &[&x, &valid], vec![poisoned(DType::BF16, &[4, 10])], Check::Refuses);
         assert!(matches!(err, Error::ValidLengthTooLong { batch: 3, valid_length: 7, seq_len: 6 }), "{err}");
     }
     let mut out = Guarded::new(16, &nan_bytes(DType::BF16, 40), 16);
@@ -63,19 +46,19 @@ fn wrong_dtypes_and_shapes_are_refused() {
     for kernel in kernels(spec(DType::F16, 8, StepDims::fixed(2, 3))) {
         let out = || vec![poisoned(DType::F16, &[2, 8])];
         let f32_x = random_x(&mut rng, DType::F32, &[2, 3, 8]);
-        let err = refused(&*kernel, &[&f32_x, &valid], out(), true);
+        let err = refused(&*kernel, &[&f32_x, &valid], out(), Check::Refuses);
         assert!(matches!(&err, Error::DTypeMismatch { arg, expected: DType::F16, .. } if arg == "x"), "{err}");
         let float_valid = Tensor::from_f32(DType::F32, &[2], &[1.0, 2.0]).unwrap();
-        let err = refused(&*kernel, &[&x, &float_valid], out(), true);
+        let err = refused(&*kernel, &[&x, &float_valid], out(), Check::Refuses);
         assert!(matches!(&err, Error::DTypeMismatch { arg, .. } if arg == "valid_lengths"), "{err}");
         for shape in [&[2, 3, 9][..], &[2, 4, 8], &[3, 3, 8], &[6, 8]] {
             let other = random_x(&mut rng, DType::F16, shape);
-            let err = refused(&*kernel, &[&other, &valid], out(), true);
+            let err = refused(&*kernel, &[&other, &valid], out(), Check::Refuses);
             assert!(matches!(err, Error::NotBuiltFor { arg: "x", .. }), "{shape:?}: {err}");
             assert!(err.to_string().contains("last_valid_token.cpu.f16.h8.b2.s3"), "{err}");
         }
         for other in [lengths(&[1, 2, 3]), lengths(&[1]), Tensor::from_vec(&[2, 1], vec![1u32, 1]).unwrap()] {
-            let err = refused(&*kernel, &[&x, &other], out(), true);
+            let err = refused(&*kernel, &[&x, &other], out(), Check::Refuses);
             assert!(matches!(&err, Error::ShapeMismatch { arg, .. } if arg == "valid_lengths"), "{err}");
         }
     }
@@ -91,13 +74,13 @@ fn wrong_arity_and_outputs_are_refused() {
         for (tensors, outputs) in
             [(vec![&x], vec![out()]), (vec![&x, &valid, &valid], vec![out()]), (vec![&x, &valid], vec![out(), out()])]
         {
-            let err = refused(&*kernel, &tensors, outputs, false);
+            let err = refused(&*kernel, &tensors, outputs, Check::Skip);
             assert!(matches!(err, Error::KernelArguments { .. }), "{err}");
             assert!(err.to_string().contains("2 tensors (x, valid_lengths)"), "{err}");
         }
-        let err = refused(&*kernel, &[&x, &valid], vec![poisoned(DType::BF16, &[2, 5])], false);
+        let err = refused(&*kernel, &[&x, &valid], vec![poisoned(DType::BF16, &[2, 5])], Check::Skip);
         assert!(matches!(&err, Error::DTypeMismatch { arg, .. } if arg == "output"), "{err}");
-        let err = refused(&*kernel, &[&x, &valid], vec![poisoned(DType::F32, &[2, 2, 5])], false);
+        let err = refused(&*kernel, &[&x, &valid], vec![poisoned(DType::F32, &[2, 2, 5])], Check::Skip);
         assert!(matches!(&err, Error::ShapeMismatch { arg, .. } if arg == "output"), "{err}");
     }
     let kernel = jit(spec(DType::F32, 5, StepDims::ANY));

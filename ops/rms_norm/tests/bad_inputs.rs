@@ -14,27 +14,13 @@ use kvjit_core::{DType, Error, Tensor};
 use kvjit_op::Compiled;
 use kvjit_op_rms_norm::{ReferenceKernel, RmsNormSpec};
 use kvjit_runtime::Kernel;
-use kvjit_testkit::{Guarded, nan_bytes, poison};
+use kvjit_testkit::calls::{Check, poisoned, refused};
+use kvjit_testkit::{Guarded, nan_bytes};
 use rand::SeedableRng;
 use rand::rngs::SmallRng;
 
 fn kernels(spec: RmsNormSpec) -> [Arc<dyn Kernel>; 2] {
     [Arc::new(Compiled::new(jit(spec))), Arc::new(Compiled::new(ReferenceKernel::new(spec)))]
-}
-
-fn poisoned(dtype: DType, shape: &[usize]) -> Tensor {
-    let mut t = Tensor::zeros(dtype, shape).unwrap();
-    poison(&mut t);
-    t
-}
-
-/// Run `kernel` on `tensors` into `outputs`: refused, outputs unchanged,
-/// and `check` (which sees no outputs) refuses the same inputs.
-fn refused(kernel: &dyn Kernel, tensors: &[&Tensor], mut outputs: Vec<Tensor>) -> Error {
-    let before = outputs.clone();
-    let err = kernel.run(tensors, &mut [], &mut outputs, &ctx(2)).expect_err("a bad call must be refused");
-    assert_eq!(outputs, before, "{}: refused ({err}) but wrote its output", kernel.implementation());
-    err
 }
 
 #[test]
@@ -44,7 +30,7 @@ fn wrong_dtypes_and_a_strided_x_are_refused() {
     let weight = random(&mut rng, DType::BF16, &[8], (-0.5, 0.5));
     for kernel in kernels(spec(DType::BF16, 8, None)) {
         let f32_x = random(&mut rng, DType::F32, &[3, 8], (-1.0, 1.0));
-        let err = refused(&*kernel, &[&f32_x, &weight], vec![poisoned(DType::BF16, &[3, 8])]);
+        let err = refused(&*kernel, &[&f32_x, &weight], vec![poisoned(DType::BF16, &[3, 8])], Check::Skip);
         assert!(
             matches!(&err, Error::DTypeMismatch { arg, expected: DType::BF16, got: DType::F32 } if arg == "x"),
             "{err}"
@@ -52,13 +38,13 @@ fn wrong_dtypes_and_a_strided_x_are_refused() {
         assert!(kernel.check(&[&f32_x, &weight], &[]).is_err());
 
         let f16_weight = random(&mut rng, DType::F16, &[8], (-0.5, 0.5));
-        let err = refused(&*kernel, &[&x, &f16_weight], vec![poisoned(DType::BF16, &[3, 8])]);
+        let err = refused(&*kernel, &[&x, &f16_weight], vec![poisoned(DType::BF16, &[3, 8])], Check::Skip);
         assert!(matches!(&err, Error::DTypeMismatch { arg, got: DType::F16, .. } if arg == "weight"), "{err}");
         assert!(kernel.check(&[&x, &f16_weight], &[]).is_err());
 
         let square = random(&mut rng, DType::BF16, &[8, 8], (-1.0, 1.0));
         let strided = square.permuted(&[1, 0]).unwrap();
-        let err = refused(&*kernel, &[&strided, &weight], vec![poisoned(DType::BF16, &[8, 8])]);
+        let err = refused(&*kernel, &[&strided, &weight], vec![poisoned(DType::BF16, &[8, 8])], Check::Skip);
         assert!(matches!(err, Error::NotContiguous { .. }), "{err}");
         assert!(kernel.check(&[&strided, &weight], &[]).is_err());
     }
@@ -71,7 +57,7 @@ fn wrong_shapes_of_x_and_weight_are_refused() {
     for kernel in kernels(spec(DType::F32, 8, Some(6))) {
         for shape in [&[6, 7][..], &[5, 8], &[8], &[], &[2, 4, 8]] {
             let x = random(&mut rng, DType::F32, shape, (-1.0, 1.0));
-            let err = refused(&*kernel, &[&x, &weight], vec![poisoned(DType::F32, shape)]);
+            let err = refused(&*kernel, &[&x, &weight], vec![poisoned(DType::F32, shape)], Check::Skip);
             assert!(matches!(err, Error::NotBuiltFor { arg: "x", .. }), "{shape:?}: {err}");
             let key = "rms_norm.cpu.f32.h8.rows6.eps";
             assert!(err.to_string().contains(&format!("[..., 8] with 6 rows (baked into {key}")), "{err}");
@@ -80,7 +66,7 @@ fn wrong_shapes_of_x_and_weight_are_refused() {
         let x = random(&mut rng, DType::F32, &[2, 3, 8], (-1.0, 1.0));
         for shape in [&[9][..], &[1, 8], &[]] {
             let bad = random(&mut rng, DType::F32, shape, (-0.5, 0.5));
-            let err = refused(&*kernel, &[&x, &bad], vec![poisoned(DType::F32, &[2, 3, 8])]);
+            let err = refused(&*kernel, &[&x, &bad], vec![poisoned(DType::F32, &[2, 3, 8])], Check::Skip);
             assert!(matches!(&err, Error::ShapeMismatch { arg, .. } if arg == "weight"), "{shape:?}: {err}");
             assert!(err.to_string().contains("[8] (H of x)"), "{err}");
         }
@@ -105,13 +91,13 @@ fn wrong_arity_and_outputs_are_refused() {
             (vec![&x, &weight], vec![out(), out()]),
         ];
         for (tensors, outputs) in calls {
-            let err = refused(&*kernel, &tensors, outputs);
+            let err = refused(&*kernel, &tensors, outputs, Check::Skip);
             assert!(matches!(err, Error::KernelArguments { .. }), "{err}");
             assert!(err.to_string().contains("2 tensors (x, weight), 0 KV caches and 1 outputs"), "{err}");
         }
-        let err = refused(&*kernel, &[&x, &weight], vec![poisoned(DType::F32, &[2, 5])]);
+        let err = refused(&*kernel, &[&x, &weight], vec![poisoned(DType::F32, &[2, 5])], Check::Skip);
         assert!(matches!(&err, Error::DTypeMismatch { arg, .. } if arg == "output"), "{err}");
-        let err = refused(&*kernel, &[&x, &weight], vec![poisoned(DType::F16, &[10])]);
+        let err = refused(&*kernel, &[&x, &weight], vec![poisoned(DType::F16, &[10])], Check::Skip);
         assert!(matches!(&err, Error::ShapeMismatch { arg, .. } if arg == "output"), "{err}");
     }
 }

@@ -9,32 +9,17 @@ mod common;
 use std::sync::Arc;
 
 use common::{ctx, jit, random_x, spec};
-use kvjit_core::{CacheElement, DType, Error, KvCacheParams, PagedKVCacheCollection, Tensor};
+use kvjit_core::{CacheElement, DType, Error, KvCacheParams, PagedKVCacheCollection};
 use kvjit_op::Compiled;
 use kvjit_op_silu::{ReferenceKernel, SiluSpec};
 use kvjit_runtime::Kernel;
-use kvjit_testkit::{Guarded, nan_bytes, poison};
+use kvjit_testkit::calls::{Check, poisoned, refused};
+use kvjit_testkit::{Guarded, nan_bytes};
 use rand::SeedableRng;
 use rand::rngs::SmallRng;
 
 fn kernels(spec: SiluSpec) -> [Arc<dyn Kernel>; 2] {
     [Arc::new(Compiled::new(jit(spec))), Arc::new(Compiled::new(ReferenceKernel::new(spec)))]
-}
-
-fn poisoned(dtype: DType, shape: &[usize]) -> Tensor {
-    let mut t = Tensor::zeros(dtype, shape).unwrap();
-    poison(&mut t);
-    t
-}
-
-/// Run `kernel` on `tensors` into `outputs`: refused, outputs unchanged.
-/// (`check`, which sees no outputs, refuses the same inputs: asserted where
-/// the inputs are bad.)
-fn refused(kernel: &dyn Kernel, tensors: &[&Tensor], mut outputs: Vec<Tensor>) -> Error {
-    let before = outputs.clone();
-    let err = kernel.run(tensors, &mut [], &mut outputs, &ctx(2)).expect_err("a bad call must be refused");
-    assert_eq!(outputs, before, "{}: refused ({err}) but wrote its output", kernel.implementation());
-    err
 }
 
 #[test]
@@ -43,17 +28,17 @@ fn wrong_dtype_strided_x_and_baked_count_are_refused() {
     let x = random_x(&mut rng, DType::BF16, &[4, 6], 8.0);
     for kernel in kernels(spec(DType::BF16, Some(24))) {
         let f32_x = random_x(&mut rng, DType::F32, &[4, 6], 8.0);
-        let err = refused(&*kernel, &[&f32_x], vec![poisoned(DType::BF16, &[4, 6])]);
+        let err = refused(&*kernel, &[&f32_x], vec![poisoned(DType::BF16, &[4, 6])], Check::Skip);
         assert!(matches!(err, Error::DTypeMismatch { expected: DType::BF16, got: DType::F32, .. }), "{err}");
         assert!(kernel.check(&[&f32_x], &[]).is_err());
 
         let strided = x.permuted(&[1, 0]).unwrap();
-        let err = refused(&*kernel, &[&strided], vec![poisoned(DType::BF16, &[6, 4])]);
+        let err = refused(&*kernel, &[&strided], vec![poisoned(DType::BF16, &[6, 4])], Check::Skip);
         assert!(matches!(err, Error::NotContiguous { .. }), "{err}");
         assert!(kernel.check(&[&strided], &[]).is_err());
 
         let other = random_x(&mut rng, DType::BF16, &[5, 5], 8.0);
-        let err = refused(&*kernel, &[&other], vec![poisoned(DType::BF16, &[5, 5])]);
+        let err = refused(&*kernel, &[&other], vec![poisoned(DType::BF16, &[5, 5])], Check::Skip);
         assert!(matches!(err, Error::NotBuiltFor { arg: "x", .. }), "{err}");
         assert!(err.to_string().contains("24 elements (baked into silu.cpu.bf16.n24)"), "{err}");
         assert!(kernel.check(&[&other], &[]).is_err());
@@ -71,7 +56,7 @@ fn wrong_arity_and_outputs_are_refused() {
     for kernel in kernels(spec(DType::F16, None)) {
         let out = || poisoned(DType::F16, &[9]);
         for (tensors, outputs) in [(vec![], vec![out()]), (vec![&x, &x], vec![out()]), (vec![&x], vec![out(), out()])] {
-            let err = refused(&*kernel, &tensors, outputs);
+            let err = refused(&*kernel, &tensors, outputs, Check::Skip);
             assert!(matches!(err, Error::KernelArguments { .. }), "{err}");
             assert!(err.to_string().contains("1 tensors (x), 0 KV caches and 1 outputs"), "{err}");
         }
@@ -83,9 +68,9 @@ fn wrong_arity_and_outputs_are_refused() {
         let err = kernel.run(&[&x], &mut [&mut cache], &mut outputs, &ctx(1)).unwrap_err();
         assert!(matches!(err, Error::KernelArguments { .. }) && outputs[0] == before, "{err}");
 
-        let err = refused(&*kernel, &[&x], vec![poisoned(DType::F32, &[9])]);
+        let err = refused(&*kernel, &[&x], vec![poisoned(DType::F32, &[9])], Check::Skip);
         assert!(matches!(&err, Error::DTypeMismatch { arg, .. } if arg == "output"), "{err}");
-        let err = refused(&*kernel, &[&x], vec![poisoned(DType::F16, &[3, 3])]);
+        let err = refused(&*kernel, &[&x], vec![poisoned(DType::F16, &[3, 3])], Check::Skip);
         assert!(matches!(&err, Error::ShapeMismatch { arg, .. } if arg == "output"), "{err}");
     }
 }
