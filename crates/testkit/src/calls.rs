@@ -19,6 +19,20 @@ pub fn poisoned(dtype: DType, shape: &[usize]) -> Tensor {
     t
 }
 
+/// Run `kernel` on `tensors` (no caches) on `threads` threads into one
+/// poisoned output of `dtype` and `shape`, which it returns.
+///
+/// # Panics
+///
+/// If the kernel refuses the call.
+pub fn run_poisoned(kernel: &dyn Kernel, tensors: &[&Tensor], dtype: DType, shape: &[usize], threads: usize) -> Tensor {
+    let mut out = poisoned(dtype, shape);
+    let ctx = DeviceContextPtr::cpu(threads).expect("a CPU context");
+    let name = kernel.implementation();
+    kernel.run(tensors, &mut [], std::slice::from_mut(&mut out), &ctx).unwrap_or_else(|e| panic!("{name}: {e}"));
+    out
+}
+
 /// What [`refused`] asserts of `Kernel::check`, which sees the inputs but
 /// not the outputs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

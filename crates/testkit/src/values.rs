@@ -49,6 +49,22 @@ pub fn uniform_nonzero(rng: &mut impl Rng, dtype: DType, shape: &[usize], min_ab
     Tensor::from_f32(dtype, shape, &values).expect("a float tensor")
 }
 
+/// Magnitudes uniform in [`min_abs`, `max_abs`) with a random sign, rounded
+/// to `dtype` (never zero, which would hide an unwritten output).
+///
+/// # Panics
+///
+/// For a u32 `dtype`, or an empty range.
+pub fn signed_magnitudes(rng: &mut impl Rng, dtype: DType, shape: &[usize], min_abs: f32, max_abs: f32) -> Tensor {
+    let values: Vec<f32> = (0..shape.iter().product())
+        .map(|_| {
+            let magnitude = rng.gen_range(min_abs..max_abs);
+            if rng.r#gen::<bool>() { magnitude } else { -magnitude }
+        })
+        .collect();
+    Tensor::from_f32(dtype, shape, &values).expect("a float tensor")
+}
+
 /// Multiples of `1/denominator` in [-1, 1] (uniform over the
 /// `2·denominator + 1` of them). For power-of-two denominators these are
 /// exact in every float dtype, and the products and sums of a matmul of

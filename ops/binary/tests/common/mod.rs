@@ -8,8 +8,10 @@ use kvjit_core::{DType, Target, Tensor};
 use kvjit_jit::CaptureText;
 use kvjit_op::Compiled;
 use kvjit_op_binary::{BinaryOperation, BinarySpec, JitKernel, ReferenceKernel};
-use kvjit_runtime::{DeviceContextPtr, Kernel};
-use kvjit_testkit::{Guarded, nan_bytes, poison};
+use kvjit_runtime::DeviceContextPtr;
+use kvjit_testkit::calls::run_poisoned;
+use kvjit_testkit::values::signed_magnitudes;
+use kvjit_testkit::{Guarded, nan_bytes};
 use rand::Rng;
 
 /// Canary bytes on each side of a JIT output.
@@ -50,22 +52,12 @@ fn kernel_operation(kernel: &JitKernel) -> BinaryOperation {
 /// (output poisoned first).
 pub fn run_reference(operation: BinaryOperation, a: &Tensor, b: &Tensor) -> Tensor {
     let kernel = Compiled::new(ReferenceKernel::new(spec(operation, a.dtype(), None)));
-    let mut out = Tensor::zeros(a.dtype(), a.shape()).unwrap();
-    poison(&mut out);
-    kernel.run(&[a, b], &mut [], std::slice::from_mut(&mut out), &ctx(1)).unwrap();
-    out
+    run_poisoned(&kernel, &[a, b], a.dtype(), a.shape(), 1)
 }
 
 /// Uniform in ±`range`, never closer to zero than 1/64, rounded to `dtype`.
 pub fn random(rng: &mut impl Rng, dtype: DType, shape: &[usize], range: f32) -> Tensor {
-    let n = shape.iter().product();
-    let values: Vec<f32> = (0..n)
-        .map(|_| {
-            let magnitude = rng.gen_range(1.0 / 64.0..range);
-            if rng.r#gen::<bool>() { magnitude } else { -magnitude }
-        })
-        .collect();
-    Tensor::from_f32(dtype, shape, &values).unwrap()
+    signed_magnitudes(rng, dtype, shape, 1.0 / 64.0, range)
 }
 
 /// Elements of `got` and `want` whose bits differ (two NaNs are alike),
