@@ -21,7 +21,7 @@ use kvjit_core::{DType, Error, KernelSpec, Result, Tensor};
 use kvjit_graph::{GraphError, TensorType, ValueType, input_error, tensor_input};
 use kvjit_jit::ir::addr::element;
 use kvjit_jit::ir::{counted_loop, mem, splat_u32};
-use kvjit_jit::{KernelArgs, KernelParams, cranelift_codegen, cranelift_frontend};
+use kvjit_jit::{KernelParams, cranelift_codegen, cranelift_frontend};
 
 /// The rows of a `[..., H]` tensor as a kernel bakes them: width H, and
 /// the row count (the product of the leading dims) when it is static.
@@ -107,23 +107,21 @@ pub fn row_bytes(dtype: DType, hidden: usize) -> usize {
     hidden * dtype.size_bytes()
 }
 
-/// The argument struct of a row-selecting kernel, read by [`for_each_row`]
-/// (and by the op's emitter at `offset_of!`, for `seq`).
-#[repr(C)]
-#[derive(Debug)]
-pub struct RowArgs {
-    /// Address of the rows the output's are picked from.
-    pub source: u64,
-    /// Address of the picks: one u32 per output row.
-    pub picks: u64,
-    /// Address of the output.
-    pub output: u64,
-    /// A size the op's emitter may read (the padded sequence length S).
-    pub seq: u64,
+crate::kernel_args! {
+    /// The argument struct of a row-selecting kernel, read by
+    /// [`for_each_row`] (and by the op's emitter at `offset_of!`, for `seq`).
+    #[derive(Debug)]
+    pub struct RowArgs {
+        /// Address of the rows the output's are picked from.
+        source,
+        /// Address of the picks: one u32 per output row.
+        picks,
+        /// Address of the output.
+        output,
+        /// A size the op's emitter may read (the padded sequence length S).
+        seq,
+    }
 }
-
-// SAFETY: `#[repr(C)]` with only u64 fields.
-unsafe impl KernelArgs for RowArgs {}
 
 impl RowArgs {
     /// The arguments of a call: `source` rows, one u32 pick per output row

@@ -64,30 +64,28 @@ use kvjit_jit::cranelift_codegen::ir::{InstBuilder, MemFlagsData, StackSlotData,
 use kvjit_jit::cranelift_frontend::FunctionBuilder;
 use kvjit_jit::ir::addr::{self, Displacements};
 use kvjit_jit::ir::{counted_loop, e4m3, if_else, load_f32x4, load_f32x4_raw, mem, shuffle, splat_f32, store_f32x4};
-use kvjit_jit::{CaptureText, JitError, JitFunction, KernelArgs, compile_kernel};
+use kvjit_jit::{CaptureText, JitError, JitFunction, compile_kernel};
 use kvjit_op::{JitSpec, Launch};
 
 use crate::{CallShape, MAX_JIT_HEAD_SIZE, RopeSpec, RowPlan};
 
-/// The kernel's arguments; the work items of a launch are token rows.
-#[repr(C)]
-struct LaunchArgs {
-    /// `q_proj`, `[B·S, Hq, D]` in the dtype.
-    q: u64,
-    /// The output, `[B·S, Hq, D]` in the dtype.
-    out: u64,
-    /// `freqs_cis`, `[max_seq, D]` in the dtype.
-    freqs: u64,
-    /// The cache's blocks.
-    blocks: u64,
-    /// Per row, its [`RowPlan`].
-    rows: u64,
-    /// An FP8 cache's f32 scales (null for other caches).
-    scales: u64,
+kvjit_op::kernel_args! {
+    /// The kernel's arguments; the work items of a launch are token rows.
+    struct LaunchArgs {
+        /// `q_proj`, `[B·S, Hq, D]` in the dtype.
+        q,
+        /// The output, `[B·S, Hq, D]` in the dtype.
+        out,
+        /// `freqs_cis`, `[max_seq, D]` in the dtype.
+        freqs,
+        /// The cache's blocks.
+        blocks,
+        /// Per row, its [`RowPlan`].
+        rows,
+        /// An FP8 cache's f32 scales (null for other caches).
+        scales,
+    }
 }
-
-// SAFETY: `#[repr(C)]` and made of u64 words only.
-unsafe impl KernelArgs for LaunchArgs {}
 
 /// A field's `offset_of!` as a load displacement (a `#[repr(C)]` struct of
 /// two words).
