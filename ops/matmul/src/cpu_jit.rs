@@ -175,9 +175,15 @@ impl<S: MatmulContract> JitKernel<S> {
         addressable(gemm_spec)?;
         let layout = layout(gemm_spec, tier);
         let code = compile(gemm_spec, tier, capture)?;
+        // Weights a call could not pass (another dtype or shape, or strided:
+        // the call's check refuses them) are not packed, and the kernel packs
+        // whatever a call passes instead.
+        let packable = |w: &Arc<Tensor>| {
+            w.dtype() == gemm_spec.dtype && w.shape() == gemm_spec.weight_shape() && w.is_contiguous()
+        };
         let constant = weights
-            .filter(|ws| ws.iter().all(|w| w.dtype() == gemm_spec.dtype && w.shape() == gemm_spec.weight_shape()))
-            .map(|ws| PackedWeights::pack(&layout, ws).expect("float weights of the layout's shape pack"));
+            .filter(|ws| ws.iter().all(packable))
+            .map(|ws| PackedWeights::pack(&layout, ws).expect("contiguous float weights of the layout's shape pack"));
         Ok(Self { spec, tier, layout, code, constant })
     }
 

@@ -157,3 +157,38 @@ fn a_prepared_weight_in_another_layout_is_refused() {
         refused(square(CodeTier::Cranelift, WeightOrientation::NK, DType::BF16), &prepared, "16-column panels");
     }
 }
+
+/// A constant the kernel cannot pack (a strided view; another dtype or
+/// shape) is not packed — the kernel is still made, holds no panels, and
+/// runs calls with weights of its own (a strided weight in a call is
+/// refused, naming it).
+#[test]
+fn a_constant_that_cannot_be_packed_is_left_to_the_calls() {
+    let mut rng = SmallRng::seed_from_u64(33);
+    for tier in tiers() {
+        for epilogue in [Epilogue::None, Epilogue::SwiGlu] {
+            let spec = spec(epilogue, DType::F32, tier, WeightOrientation::NK, (12, 10), None);
+            let inputs = common::inputs(&mut rng, &spec, &[3]);
+            let want = run_reference(spec, &inputs.tensors(), &[3, 10]);
+            let transposed = common::random(&mut rng, DType::F32, &[12, 10]);
+            let strided = Arc::new(transposed.permuted(&[1, 0]).unwrap());
+            assert!(strided.shape() == spec.weight_shape() && !strided.is_contiguous());
+            let bf16 = Arc::new(common::random(&mut rng, DType::BF16, &spec.weight_shape()));
+            let wide = Arc::new(common::random(&mut rng, DType::F32, &[11, 12]));
+            for bad in [strided.clone(), bf16, wide] {
+                let constants = vec![bad; epilogue.weights()];
+                let what = format!("{}, constant {:?}", common::name(&spec), constants[0].shape());
+                let kernel = Jit::new(spec, Some(constants));
+                assert!(kernel.prepared_constants().is_empty(), "{what}: panels of an unpackable constant");
+                let got = run_jit(&kernel, &inputs.tensors(), &[3, 10], 2);
+                assert_close(&spec, &inputs, &got, &want, &what);
+            }
+            let mut tensors = inputs.tensors();
+            tensors[1] = &strided;
+            let mut out = Guarded::new(8, &nan_bytes(DType::F32, 30), 8);
+            let err = Jit::new(spec, None).run_into(&tensors, out.body_mut(), &common::ctx(1)).unwrap_err();
+            let names_b = matches!(&err, Error::NotContiguous { arg } if arg == if epilogue.weights() == 2 { "gate" } else { "b" });
+            assert!(names_b && out.body() == nan_bytes(DType::F32, 30), "{err}");
+        }
+    }
+}
