@@ -16,7 +16,7 @@ use kvjit_op::gemm::{
     self, Epilogue as GemmEpilogue, GemmBases, GemmEmitter, PackedWeights, PanelAt, PanelLayout, Schedule, Scratch,
     SegmentBounds, load_columns, store_columns,
 };
-use kvjit_op::{BoxError, Call, Constants, CpuBuild, CpuKernel, OpKernel};
+use kvjit_op::{BoxError, Call, Constants, CpuBuild, CpuKernel, OpKernel, check_signature};
 use kvjit_runtime::{CodeInfo, ConstantInput, DeviceContextPtr};
 
 use crate::spec::{Epilogue, MatmulCall, MatmulContract, MatmulSpec};
@@ -175,9 +175,15 @@ impl<S: MatmulContract> JitKernel<S> {
         addressable(gemm_spec)?;
         let layout = layout(gemm_spec, tier);
         let code = compile(gemm_spec, tier, capture)?;
+        // Weights a call could not pass (another dtype or shape, or strided:
+        // the call's check refuses them) are not packed, and the kernel packs
+        // whatever a call passes instead.
+        let packable = |w: &Arc<Tensor>| {
+            w.dtype() == gemm_spec.dtype && w.shape() == gemm_spec.weight_shape() && w.is_contiguous()
+        };
         let constant = weights
-            .filter(|ws| ws.iter().all(|w| w.dtype() == gemm_spec.dtype && w.shape() == gemm_spec.weight_shape()))
-            .map(|ws| PackedWeights::pack(&layout, ws).expect("float weights of the layout's shape pack"));
+            .filter(|ws| ws.iter().all(packable))
+            .map(|ws| PackedWeights::pack(&layout, ws).expect("contiguous float weights of the layout's shape pack"));
         Ok(Self { spec, tier, layout, code, constant })
     }
 
@@ -212,6 +218,78 @@ impl<S: MatmulContract> JitKernel<S> {
     /// The weights of a call, as tensors.
     fn weights<'t>(&self, tensors: &[&'t Tensor]) -> Vec<&'t Tensor> {
         tensors[1..=self.spec.gemm().epilogue.weights()].to_vec()
+    }
+
+    /// Run with the result written into `output`, bytes the caller owns (a
+    /// test's guarded buffer, a benchmark's reused one), checked like
+    /// `Kernel::run`: arity, dtypes and contiguity, the call contract, and
+    /// `output`'s length against the result's bytes — nothing is written
+    /// unless every check passes.
+    pub fn run_into(&self, tensors: &[&Tensor], output: &mut [u8], ctx: &DeviceContextPtr) -> Result<()> {
+        let dtype = self.spec.gemm().dtype;
+        check_signature::<S>(dtype, tensors, &[], None)?;
+        let checked = OpKernel::check(self, tensors, &[])?;
+        let expected = checked.output.iter().product::<usize>() * dtype.size_bytes();
+        if output.len() != expected {
+            return Err(Error::ByteCount { dtype, shape: checked.output, expected, got: output.len() });
+        }
+        self.launch(&checked, tensors, output, ctx)
+    }
+
+    /// Run a call [`OpKernel::check`] accepted on exactly these `tensors`,
+    /// into `output` (exactly the result's bytes).
+    fn launch(
+        &self,
+        checked: &MatmulCall,
+        tensors: &[&Tensor],
+        output: &mut [u8],
+        ctx: &DeviceContextPtr,
+    ) -> Result<()> {
+        let spec = self.spec.gemm();
+        let rows = checked.rows;
+        if rows == 0 {
+            return Ok(());
+        }
+        let (x, x_step) = gemm::activations(tensors[0], rows, spec.k(), self.tier);
+        let weights = self.weights(tensors);
+        let packed_now;
+        let packed = match self.constant.as_ref().and_then(|c| c.panels_for(&weights)) {
+            Some(panels) => panels,
+            None => {
+                packed_now = self.layout.pack(&weights)?;
+                &packed_now
+            }
+        };
+        let other = match spec.epilogue.has_operand() {
+            true => tensors[2].as_bytes().as_ptr() as u64,
+            false => 0,
+        };
+        let args = MatmulArgs {
+            x: x.as_ptr() as u64,
+            w: packed.as_bytes().as_ptr() as u64,
+            out: output.as_mut_ptr() as u64,
+            other,
+            m: rows as u64,
+            x_step: x_step as u64,
+        };
+        // SAFETY: `self.code` was compiled by `compile` for this spec (its
+        // dtype, K, N, row count if baked, epilogue and tier), reading
+        // `MatmulArgs` at its fields' offsets. The check (`check_call`,
+        // after the platform's dtype and contiguity checks) established `a`
+        // contiguous `[rows, K]` of the dtype (and the baked row count), the
+        // weights of the spec's shape (packed here into `self.layout`, or
+        // the kernel's own panels of that layout), `other` (if the epilogue
+        // reads it) of the result's shape `[rows, N]`, and the caller
+        // established `output` holds exactly `rows·N` elements (`Kernel::run`
+        // checked the output tensor against `outputs`, `run_into` the
+        // buffer's length). For any panel-group range the code reads `x`
+        // (`rows·K` f32, or ⌈rows/x_step⌉·x_step·K packed by
+        // `activations`), panels inside the packed weight, and reads `other`
+        // / writes the output only at `r·N + column` for `r < rows`,
+        // `column < N`; different groups write different columns. Every
+        // buffer outlives the launch.
+        unsafe { kvjit_jit::launch(&self.code, &args, self.layout.total_panels(), ctx) };
+        Ok(())
     }
 }
 
@@ -250,49 +328,7 @@ impl<S: MatmulContract> OpKernel for JitKernel<S> {
     }
 
     fn run(&self, checked: MatmulCall, call: Call<'_, '_>, ctx: &DeviceContextPtr) -> Result<()> {
-        let spec = self.spec.gemm();
-        let rows = checked.rows;
-        if rows == 0 {
-            return Ok(());
-        }
-        let (x, x_step) = gemm::activations(call.tensors[0], rows, spec.k(), self.tier);
-        let weights = self.weights(call.tensors);
-        let packed_now;
-        let packed = match self.constant.as_ref().and_then(|c| c.panels_for(&weights)) {
-            Some(panels) => panels,
-            None => {
-                packed_now = self.layout.pack(&weights)?;
-                &packed_now
-            }
-        };
-        let other = match spec.epilogue.has_operand() {
-            true => call.tensors[2].as_bytes().as_ptr() as u64,
-            false => 0,
-        };
-        let args = MatmulArgs {
-            x: x.as_ptr() as u64,
-            w: packed.as_bytes().as_ptr() as u64,
-            out: call.outputs[0].as_bytes_mut().as_mut_ptr() as u64,
-            other,
-            m: rows as u64,
-            x_step: x_step as u64,
-        };
-        // SAFETY: `self.code` was compiled by `compile` for this spec (its
-        // dtype, K, N, row count if baked, epilogue and tier), reading
-        // `MatmulArgs` at its fields' offsets. The check (`check_call`,
-        // after the platform's dtype and contiguity checks) established `a`
-        // contiguous `[rows, K]` of the dtype (and the baked row count), the
-        // weights of the spec's shape (packed here into `self.layout`, or
-        // the kernel's own panels of that layout), `other` (if the epilogue
-        // reads it) of the result's shape `[rows, N]`, and the output of
-        // `rows·N` elements (the platform checked it against `outputs`).
-        // For any panel-group range the code reads `x` (`rows·K` f32, or
-        // ⌈rows/x_step⌉·x_step·K packed by `activations`), panels inside the
-        // packed weight, and reads `other` / writes the output only at
-        // `r·N + column` for `r < rows`, `column < N`; different groups write
-        // different columns. Every buffer outlives the launch.
-        unsafe { kvjit_jit::launch(&self.code, &args, self.layout.total_panels(), ctx) };
-        Ok(())
+        self.launch(&checked, call.tensors, call.outputs[0].as_bytes_mut(), ctx)
     }
 
     fn code_info(&self) -> CodeInfo {
