@@ -20,8 +20,8 @@
 //!
 //! Every weight is a seeded random constant (graph files keep the recipe,
 //! not the data): the projections uniform in ±1/√fan_in, the RMSNorm
-//! weights uniform in [0.5, 1.5], the embedding uniform in ±1. The
-//! [`weight_name`] of each says where it sits in the model.
+//! weights uniform in [0.5, 1.5], the embedding uniform in ±1.
+//! [`LayerWeight`] and [`ModelWeight`] name each, with its shape and init.
 
 use kvjit_core::DType;
 use kvjit_graph::{Dim, Graph, GraphBuilder, KvCacheType, OpRegistry, RandomInit, ValueId};
@@ -384,31 +384,58 @@ impl LlamaConfig {
     pub fn rms_norm_params(&self) -> RmsNormParams {
         RmsNormParams { epsilon: self.rms_norm_eps as f32, weight_offset: None }
     }
+}
 
-    /// The seeded random init of a model-level weight ([`EMBEDDING`]
-    /// uniform in ±1, [`FINAL_NORM`] in [0.5, 1.5], [`LM_HEAD`] in
-    /// ±1/√hidden), seeded `weight_seed + 100000 + i` (i = 0, 1, 2 in that
-    /// order); `None` for any other name.
-    pub fn model_weight_init(&self, name: &str) -> Option<RandomInit> {
-        let seed = self.layer.weight_seed + 100_000;
-        let bound = 1.0 / (self.layer.hidden_size as f32).sqrt();
-        match name {
-            EMBEDDING => Some(RandomInit { seed, low: -1.0, high: 1.0 }),
-            FINAL_NORM => Some(RandomInit { seed: seed + 1, low: 0.5, high: 1.5 }),
-            LM_HEAD => Some(RandomInit { seed: seed + 2, low: -bound, high: bound }),
-            _ => None,
+/// The weights of [`model_graph`] outside its layers. Each is a seeded
+/// random constant named [`ModelWeight::name`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ModelWeight {
+    /// The embedding table `[vocab, hidden]` (also the LM head when the
+    /// embeddings are tied), uniform in ±1.
+    Embedding,
+    /// The final RMSNorm weight `[hidden]`, uniform in [0.5, 1.5].
+    FinalNorm,
+    /// The separate LM head `[vocab, hidden]` (untied embeddings only),
+    /// uniform in ±1/√hidden.
+    LmHead,
+}
+
+impl ModelWeight {
+    /// The constant's name: `embed_tokens`, `final_norm`, `lm_head`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Embedding => "embed_tokens",
+            Self::FinalNorm => "final_norm",
+            Self::LmHead => "lm_head",
         }
+    }
+
+    /// The weight's shape.
+    pub fn shape(self, config: &LlamaConfig) -> Vec<usize> {
+        match self {
+            Self::Embedding | Self::LmHead => vec![config.vocab_size, config.layer.hidden_size],
+            Self::FinalNorm => vec![config.layer.hidden_size],
+        }
+    }
+
+    /// The weight's random init, seeded `weight_seed + 100000 + i` (i = 0,
+    /// 1, 2 for the embedding, the final norm, the LM head).
+    pub fn init(self, config: &LlamaConfig) -> RandomInit {
+        let seed = config.layer.weight_seed + 100_000;
+        let bound = 1.0 / (config.layer.hidden_size as f32).sqrt();
+        match self {
+            Self::Embedding => RandomInit { seed, low: -1.0, high: 1.0 },
+            Self::FinalNorm => RandomInit { seed: seed + 1, low: 0.5, high: 1.5 },
+            Self::LmHead => RandomInit { seed: seed + 2, low: -bound, high: bound },
+        }
+    }
+
+    /// Declare the weight in `b`.
+    fn declare(self, b: &mut GraphBuilder, config: &LlamaConfig) -> Result<ValueId> {
+        Ok(b.random_constant(self.name(), config.layer.dtype, &self.shape(config), self.init(config))?)
     }
 }
 
-/// The embedding table `[vocab, hidden]` of [`model_graph`] (also the LM
-/// head when the embeddings are tied).
-pub const EMBEDDING: &str = "embed_tokens";
-/// The final RMSNorm weight `[hidden]` of [`model_graph`].
-pub const FINAL_NORM: &str = "final_norm";
-/// The separate LM head `[vocab, hidden]` of [`model_graph`] (untied
-/// embeddings only).
-pub const LM_HEAD: &str = "lm_head";
 /// [`model_graph`]'s input: token ids, u32 `[batch, seq]`.
 pub const TOKEN_IDS: &str = "ids";
 /// [`model_graph`]'s output: the last valid token's logits `[batch, vocab]`.
@@ -568,32 +595,31 @@ pub fn decoder_layer_graph(config: &LlamaConfig, ops: &OpRegistry) -> Result<Gra
 }
 
 /// Build a whole model step: token ids [`TOKEN_IDS`] u32 `[batch, seq]` →
-/// the embedding ([`EMBEDDING`] `[vocab, hidden]`, `mo.gather`) → the
-/// decoder layers of [`decoder_layer_graph`] → the final RMSNorm
-/// ([`FINAL_NORM`]) → each sequence's last valid token
-/// (`kvjit.last_valid_token`) → the logits [`LOGITS`] `[batch, vocab]`, the
+/// the embedding ([`ModelWeight::Embedding`], `mo.gather`) → the decoder
+/// layers of [`decoder_layer_graph`] → the final RMSNorm
+/// ([`ModelWeight::FinalNorm`]) → each sequence's last valid token
+/// (`kvjit.last_valid_token`) → the logits [`LOGITS`] `[batch, vocab]`: the
 /// token times the transposed embedding when the embeddings are tied (one
-/// constant feeding both nodes) or a separate [`LM_HEAD`] otherwise. Other
-/// inputs: `valid_lengths [batch]` and a `layer_idx` per layer; the cache
-/// `kv_cache`. A sequence of valid length 0 gets zero logits.
+/// constant feeding both nodes), else times the transposed
+/// [`ModelWeight::LmHead`]. Other inputs: `valid_lengths [batch]` and a
+/// `layer_idx` per layer; the cache `kv_cache`; the RoPE table
+/// `freqs_cis`. A sequence of valid length 0 gets zero logits.
 pub fn model_graph(config: &LlamaConfig, ops: &OpRegistry) -> Result<Graph> {
     let layer = &config.layer;
-    let init = |name| config.model_weight_init(name).expect("a model weight");
     let mut b = GraphBuilder::new(&layer.name, ops);
     let ids = b.input(TOKEN_IDS, DType::U32, &[Dim::from("batch"), Dim::from("seq")])?;
     let step = StepValues::declare(&mut b, config)?;
-    let embedding =
-        b.random_constant(EMBEDDING, layer.dtype, &[config.vocab_size, layer.hidden_size], init(EMBEDDING))?;
+    let embedding = ModelWeight::Embedding.declare(&mut b, config)?;
     let mut x = gather(&mut b, embedding, ids)?;
     for l in 0..layer.num_layers {
         x = decoder_layer(&mut b, config, l, x, &step)?;
     }
-    let final_norm = b.random_constant(FINAL_NORM, layer.dtype, &[layer.hidden_size], init(FINAL_NORM))?;
+    let final_norm = ModelWeight::FinalNorm.declare(&mut b, config)?;
     let x = rms_norm(&mut b, x, final_norm, config.rms_norm_params())?;
     let last = last_valid_token(&mut b, x, step.valid)?;
     let head = match config.tie_word_embeddings {
         true => embedding,
-        false => b.random_constant(LM_HEAD, layer.dtype, &[config.vocab_size, layer.hidden_size], init(LM_HEAD))?,
+        false => ModelWeight::LmHead.declare(&mut b, config)?,
     };
     let logits = project(&mut b, last, head)?;
     b.output(LOGITS, logits)?;
