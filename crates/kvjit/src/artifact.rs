@@ -42,7 +42,7 @@
 //!    one and the reverse;
 //! 4. `layout_version` is not this build's packed-weight layout version,
 //!    when a constant is stored in a kernel's layout: the hash of the
-//!    packing code ([`kvjit_op_fused_qkv::panels::layout_version`]), so a
+//!    packing code ([`kvjit_op::gemm::layout_version`]), so a
 //!    change to the packing retires older artifacts with no number to bump
 //!    by hand (each stored layout id names the version too, and a kernel
 //!    takes only its own);
@@ -141,7 +141,7 @@ pub struct ArtifactHeader {
     /// features its kernels need ([`cpu_requirements`]).
     pub cpu_requires: Vec<String>,
     /// The packed-weight layout version of the build that wrote it
-    /// ([`kvjit_op_fused_qkv::panels::layout_version`]).
+    /// ([`kvjit_op::gemm::layout_version`]).
     pub layout_version: String,
     /// The graph file it was compiled from, if any (a plain file name
     /// beside the artifact), to rebuild from when the artifact is stale.
@@ -295,7 +295,7 @@ pub fn write_artifact(
         implementation: implementation_name(options.build.implementation).to_string(),
         cpu_tier,
         cpu_requires: cpu_requirements(options.target, options.build.implementation, cpu_tier),
-        layout_version: kvjit_op_fused_qkv::panels::layout_version().to_string(),
+        layout_version: kvjit_op::gemm::layout_version().to_string(),
         source_graph,
         graph: graph_json,
         kernel_keys: exe.steps().iter().map(|s| s.kernel.key().to_string()).collect(),
@@ -461,7 +461,7 @@ pub fn load_artifact_with(path: &Path, registry: &Registry, weights: WeightLoad)
         let here = format!("a CPU without {}", missing.join(", "));
         return Err(stale(path, "CPU features", header.cpu_requires.join(","), here));
     }
-    let layout_version = kvjit_op_fused_qkv::panels::layout_version();
+    let layout_version = kvjit_op::gemm::layout_version();
     if header.constants.iter().any(|c| c.layout.is_some()) && header.layout_version != layout_version {
         return Err(stale(path, "packed layout version", header.layout_version.clone(), layout_version));
     }

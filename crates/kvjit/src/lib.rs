@@ -108,6 +108,7 @@ pub mod ops {
     pub use kvjit_op_fused_qkv::{FusedQkvParams, fused_qkv_matmul};
     pub use kvjit_op_gather::gather;
     pub use kvjit_op_last_token::last_valid_token;
+    pub use kvjit_op_matmul::{MatmulParams, matmul};
     pub use kvjit_op_reshape::reshape;
     pub use kvjit_op_rms_norm::{RmsNormParams, rms_norm};
     pub use kvjit_op_rope::{RopeParams, fused_qk_rope};

@@ -53,5 +53,9 @@ pub fn standard_registry() -> Registry {
     registry.register(Defined(kvjit_op_rms_norm::RmsNormOp)).expect(built_in);
     registry.register(Defined(kvjit_op_gather::GatherOp)).expect(built_in);
     registry.register(Defined(kvjit_op_last_token::LastTokenOp)).expect(built_in);
+    registry.register(Defined(kvjit_op_matmul::MatmulOp)).expect(built_in);
+    registry.register(Defined(kvjit_op_matmul::MatmulSiluOp)).expect(built_in);
+    registry.register(Defined(kvjit_op_matmul::MatmulEpilogueOp)).expect(built_in);
+    registry.register(Defined(kvjit_op_matmul::SwigluMatmulOp)).expect(built_in);
     registry
 }

@@ -23,6 +23,9 @@
 //!   dtype from the input, operands of one type, the baked element count,
 //!   and the kernel: a map over `F32X4` vectors whose arithmetic is all
 //!   an op writes).
+//! - [`gemm`]: the GEMM driver of every matmul-shaped kernel (packed
+//!   weight panels, the tiers' schedules and micro-kernels, an op's
+//!   epilogue called with each finished row).
 //! - [`rows`]: row-wise inputs `[..., H]` (H baked in, rows static or
 //!   not), and what ops that copy whole rows share (`mo.gather`,
 //!   `kvjit.last_valid_token`): the row emitters and the reference.
@@ -35,6 +38,7 @@
 pub mod checks;
 mod def;
 pub mod elementwise;
+pub mod gemm;
 mod jit;
 mod kernel;
 mod kernel_args;

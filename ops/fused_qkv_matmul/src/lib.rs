@@ -20,7 +20,6 @@ pub mod cuda_kernel;
 mod def;
 mod error;
 mod kernel;
-pub mod panels;
 pub mod reference;
 mod spec;
 

@@ -26,6 +26,7 @@ use kvjit_jit::CompileCause;
 use kvjit_jit::microkernel::resolve_tier;
 use kvjit_op::Compiled;
 use kvjit_op::checks::StepDims;
+use kvjit_op::gemm::WeightOrientation;
 use kvjit_op_fused_qkv::cpu_jit::{self, MAX_SEEN_SHAPES, MC, NR, PanelLayout, Schedule};
 use kvjit_op_fused_qkv::{FusedQkvSpec, JitKernel, QkvArgs, ReferenceKernel, Sizes, reference};
 use kvjit_runtime::{DeviceContextPtr, Kernel};
@@ -1444,7 +1445,7 @@ fn packing_puts_every_weight_element_at_its_panel_position_and_pads_with_zero() 
         let n = spec.n();
         for nr in [NR, Schedule::of(CodeTier::Avx2).panel_columns] {
             let panels = q_dim.div_ceil(nr) + 2 * kv_dim.div_ceil(nr);
-            let layout = PanelLayout::new(&spec, nr);
+            let layout = PanelLayout::new("fused_qkv", &[q_dim, kv_dim, kv_dim], k, nr, 1, WeightOrientation::NK);
             assert_eq!(layout.total_panels(), panels, "{spec:?}");
             assert_eq!(layout.packed_len(), panels * k * nr, "{spec:?}");
             // Distinct nonzero values (some round together in bf16).
@@ -1452,7 +1453,7 @@ fn packing_puts_every_weight_element_at_its_panel_position_and_pads_with_zero() 
             for dtype in DType::FLOATS {
                 let weight = Tensor::from_f32(dtype, &[n, k], &values).unwrap();
                 let values = weight.to_f32_vec().unwrap();
-                let packed = layout.pack(&weight).unwrap();
+                let packed = layout.pack(&[&weight]).unwrap();
                 assert_eq!(packed.dtype(), dtype, "packing keeps the dtype");
                 assert_eq!(packed.shape(), [layout.packed_len()]);
                 let packed = packed.to_f32_vec().unwrap();
@@ -1480,7 +1481,7 @@ fn packing_puts_every_weight_element_at_its_panel_position_and_pads_with_zero() 
                 assert_eq!(filled.iter().filter(|f| **f).count(), n * k);
             }
             let ints = Tensor::from_vec(&[n, k], vec![1u32; n * k]).unwrap();
-            assert!(matches!(layout.pack(&ints), Err(Error::NotFloat { dtype: DType::U32, .. })));
+            assert!(matches!(layout.pack(&[&ints]), Err(Error::NotFloat { dtype: DType::U32, .. })));
         }
     }
 }

@@ -5,23 +5,16 @@
 
 use std::sync::Arc;
 
-use half::slice::HalfFloatSliceExt;
-use kvjit_core::{
-    CodeTier, Error, KernelKey, KernelSpec, PagedKVCacheCollection, PreparedConstant, Result, Tensor, TensorData, bf16,
-    f16,
-};
-use kvjit_jit::microkernel::MAX_TILE_ROWS;
+use kvjit_core::{CodeTier, Error, KernelKey, KernelSpec, PagedKVCacheCollection, PreparedConstant, Result, Tensor};
 use kvjit_jit::{CaptureText, JitError, JitFunction, SeenShapes};
 use kvjit_op::checks::StepDims;
+use kvjit_op::gemm::{PackedWeights, PanelLayout, activations};
 use kvjit_op::{BoxError, Call, Constants, CpuBuild, CpuKernel, OpKernel};
 use kvjit_runtime::{CodeInfo, ConstantInput, DeviceContextPtr};
 
 use super::emit::{compile, emit_and_compile};
 use super::fp8_store::{Fp8StoreArgs, compile_fp8_store};
-use super::schedule::Schedule;
-use super::{GemmArgs, code_tier, kv_store_stride};
-use crate::kernel::same_data;
-use crate::panels::PanelLayout;
+use super::{GemmArgs, code_tier, kv_store_stride, layout};
 use crate::spec::check_against;
 use crate::{CallShape, CheckedCall, FusedQkvError, FusedQkvSpec, OP_NAME, QkvArgs, Sizes};
 
@@ -46,23 +39,10 @@ pub struct JitKernel {
     fp8_store: Option<Arc<JitFunction>>,
     /// The graph's constant weight and its packed copy, made at build (or
     /// taken prepared from an artifact). Used only when a call's weight is
-    /// that very tensor or the packed one itself ([`same_data`]); any other
-    /// weight is packed for its call.
-    constant_weight: Option<PackedConstant>,
-}
-
-/// A constant weight (absent when it came prepared) and its panels.
-struct PackedConstant {
-    plain: Option<Arc<Tensor>>,
-    packed: Arc<Tensor>,
-}
-
-impl PackedConstant {
-    /// The panels to use for a call's `weight`, if it is this constant.
-    fn panels_for(&self, weight: &Tensor) -> Option<&Tensor> {
-        let is_plain = self.plain.as_deref().is_some_and(|plain| same_data(plain, weight));
-        (is_plain || same_data(&self.packed, weight)).then_some(&*self.packed)
-    }
+    /// that very tensor or the packed one itself
+    /// ([`same_data`](kvjit_op::gemm::same_data)); any other weight is
+    /// packed for its call.
+    constant_weight: Option<PackedWeights>,
 }
 
 impl JitKernel {
@@ -116,7 +96,7 @@ impl JitKernel {
         specialize_shapes: bool,
     ) -> Result<Self> {
         let tier = code_tier(&spec).map_err(|e| Error::op(OP_NAME, e))?;
-        let layout = PanelLayout::new(&spec, Schedule::of(tier).panel_columns);
+        let layout = layout(&spec, tier);
         let expected = layout.id(spec.dtype);
         let data = &prepared.data;
         if prepared.layout != expected
@@ -130,23 +110,23 @@ impl JitKernel {
             }
             .into());
         }
-        let constant = PackedConstant { plain: None, packed: data.clone() };
+        let constant = PackedWeights::prepared(data.clone());
         Self::with_constant(spec, tier, Some(constant), capture, specialize_shapes).map_err(|e| Error::op(OP_NAME, e))
     }
 
     /// A graph constant `weight` (of the spec's dtype and `[N, K]`) and its
     /// panels for `tier`; anything else is packed per call.
-    fn pack_constant(spec: &FusedQkvSpec, tier: CodeTier, weight: Option<Arc<Tensor>>) -> Option<PackedConstant> {
-        let layout = PanelLayout::new(spec, Schedule::of(tier).panel_columns);
-        weight.filter(|w| w.dtype() == spec.dtype && w.shape() == [spec.n(), spec.k] && w.is_contiguous()).map(|w| {
-            PackedConstant { packed: Arc::new(layout.pack(&w).expect("a float weight packs")), plain: Some(w) }
-        })
+    fn pack_constant(spec: &FusedQkvSpec, tier: CodeTier, weight: Option<Arc<Tensor>>) -> Option<PackedWeights> {
+        let layout = layout(spec, tier);
+        weight
+            .filter(|w| w.dtype() == spec.dtype && w.shape() == [spec.n(), spec.k] && w.is_contiguous())
+            .map(|w| PackedWeights::pack(&layout, vec![w]).expect("a float weight of the layout's shape packs"))
     }
 
     fn with_constant(
         spec: FusedQkvSpec,
         tier: CodeTier,
-        constant_weight: Option<PackedConstant>,
+        constant_weight: Option<PackedWeights>,
         capture: CaptureText,
         specialize_shapes: bool,
     ) -> Result<Self, JitError> {
@@ -155,7 +135,7 @@ impl JitKernel {
             true => Some(compile_fp8_store(&spec)?),
             false => None,
         };
-        let layout = PanelLayout::new(&spec, Schedule::of(tier).panel_columns);
+        let layout = layout(&spec, tier);
         let generic = spec.step.batch.is_none() || spec.step.seq.is_none();
         Ok(Self {
             key: spec.key(),
@@ -187,7 +167,7 @@ impl JitKernel {
 
     /// The packed constant weight, which calls may pass as the weight.
     fn packed_weight(&self) -> Option<&Tensor> {
-        self.constant_weight.as_ref().map(|c| &*c.packed)
+        self.constant_weight.as_ref().map(|c| &**c.packed())
     }
 
     /// Run with the Q output written into raw bytes (exactly `B·S·q_dim`
@@ -209,44 +189,6 @@ impl JitKernel {
             });
         }
         self.launch(&checked, args, output, ctx)
-    }
-}
-
-/// The 256-bit tier's activation layout: rows in tiles of `step`, each
-/// tile k-major with its rows interleaved (`[M/step][K][step]`, the last
-/// tile zero-padded), so a tile's micro-kernel reads one sequential stream
-/// of x instead of `step` rows 4·K bytes apart (which share L1 sets when K is
-/// a multiple of 1024).
-fn pack_activations(x: &[f32], rows: usize, k: usize, step: usize) -> Vec<f32> {
-    let tiles = rows.div_ceil(step);
-    let mut packed = vec![0f32; tiles * k * step];
-    if k == 0 {
-        return packed; // no elements
-    }
-    for (t, tile) in packed.chunks_exact_mut(k * step).enumerate() {
-        for i in 0..step.min(rows - t * step) {
-            let row = &x[(t * step + i) * k..][..k];
-            for (slot, &value) in tile[i..].iter_mut().step_by(step).zip(row) {
-                *slot = value;
-            }
-        }
-    }
-    packed
-}
-
-fn hidden_as_f32(hidden: &Tensor) -> std::borrow::Cow<'_, [f32]> {
-    let convert = |len: usize, f: &dyn Fn(&mut [f32])| {
-        let mut out = vec![0f32; len];
-        f(&mut out);
-        std::borrow::Cow::Owned(out)
-    };
-    match hidden.data() {
-        TensorData::F32(x) => std::borrow::Cow::Borrowed(x),
-        TensorData::BF16(x) => convert(x.len(), &|out| <[bf16]>::convert_to_f32_slice(x, out)),
-        TensorData::F16(x) => convert(x.len(), &|out| <[f16]>::convert_to_f32_slice(x, out)),
-        TensorData::U32(_) | TensorData::F8E4M3(_) => {
-            unreachable!("the check accepts hidden states of the compute floats only")
-        }
     }
 }
 
@@ -297,7 +239,7 @@ impl OpKernel for JitKernel {
 
     fn prepared_constants(&self) -> Vec<(usize, PreparedConstant)> {
         let Some(constant) = &self.constant_weight else { return Vec::new() };
-        vec![(1, PreparedConstant { layout: self.layout.id(self.spec.dtype), data: constant.packed.clone() })]
+        vec![(1, PreparedConstant { layout: self.layout.id(self.spec.dtype), data: constant.packed().clone() })]
     }
 }
 
@@ -314,17 +256,12 @@ impl JitKernel {
         let CheckedCall { shape, row_offsets } = checked;
         let QkvArgs { hidden_state, weight, kv_collection: cache, .. } = args;
         let rows = shape.batch * shape.seq;
-        let x = hidden_as_f32(hidden_state);
-        let x_step = match self.tier {
-            CodeTier::Avx2 if rows > 1 => MAX_TILE_ROWS,
-            _ => 1,
-        };
-        let x = if x_step > 1 { std::borrow::Cow::Owned(pack_activations(&x, rows, self.spec.k, x_step)) } else { x };
+        let (x, x_step) = activations(hidden_state, rows, self.spec.k, self.tier);
         let packed_now;
-        let packed = match self.constant_weight.as_ref().and_then(|c| c.panels_for(weight)) {
+        let packed = match self.constant_weight.as_ref().and_then(|c| c.panels_for(&[weight])) {
             Some(panels) => panels,
             None => {
-                packed_now = self.layout.pack(weight)?;
+                packed_now = self.layout.pack(&[weight])?;
                 &packed_now
             }
         };

@@ -1,33 +1,18 @@
 //! The CPU kernel: machine code Cranelift emits for one [`FusedQkvSpec`] on
-//! one CPU tier.
-//!
-//! Everything the spec fixes is a constant in the code: K, the Q/K/V column
-//! ranges, the K→V stride of the cache, dtypes, and — for a fully specialized
-//! key — the row count M. The weight is packed once (at graph build when it
-//! is a constant) into panels of the tier's width (8 columns on the
-//! Cranelift tier, 16 on the 256-bit tier), k-major (`[K][width]`), one run
-//! of panels per Q, K and V segment, each zero-padded to a whole panel.
-//!
-//! The driver — the loops, the schedule, the fused epilogue, the threading —
-//! is always Cranelift-emitted code specialized for the key. Only the
-//! innermost tile differs between the tiers ([`Schedule::of`]):
+//! one CPU tier — the platform's GEMM driver ([`kvjit_op::gemm`]: packed
+//! weight panels, the tiers' schedules and micro-kernels, one code path
+//! with `mo.matmul`) with this op's epilogue, the paged store:
 //!
 //! ```text
-//! for each block of block_rows rows:            (X block stays in cache across panels)
-//!   for each panel p in the thread's range:     (a weight panel, read from DRAM once per block)
-//!     Cranelift tier: for each group of 4 rows: a 4×8 tile of F32X4 fmas in registers over all of K
-//!     256-bit tier:   for each k block (L1-sized; all of K when M = 1):
-//!                       for each group of 6 rows: call the AVX2 micro-kernel for the tile,
-//!                       adding into the block's accumulators on the stack
-//!     epilogue: Q columns → output[r, col]; K/V columns → blocks[row_offset[r] + col]
-//!               (skipped for padded rows: row_offset = -1), rounded to the dtype
+//! epilogue: Q columns → output[r, col]; K/V columns → blocks[row_offset[r] + col]
+//!           (skipped for padded rows: row_offset = -1), rounded to the dtype
 //! ```
 //!
-//! The 256-bit tier reads activations packed per 6-row tile
-//! (`pack_activations`: one sequential stream per tile); one row (decode)
-//! is a GEMV that streams each panel as four sequential streams. A generic
-//! kernel (M read at run time) picks between the GEMV and the blocked
-//! schedule per call.
+//! Everything the spec fixes is a constant in the code: K, the Q/K/V column
+//! ranges (the packed weight's three segments), the K→V stride of the
+//! cache, dtypes, and — for a fully specialized key — the row count M. A
+//! generic kernel (M read at run time) picks between the GEMV and the
+//! blocked schedule per call.
 //!
 //! **FP8 caches.** With an `f8e4m3` cache the epilogue stores each row's
 //! K/V columns as f32 into a staging buffer (`[M, 2·Hkv·D]`, a few KiB per
@@ -40,33 +25,24 @@
 //! known once every panel of the row is done: the staging is where the
 //! epilogue hands the block over.
 //!
-//! With M ≤ block_rows (decode) every weight panel is read from memory
-//! exactly once for all rows, and the panels are split between the worker
-//! threads: the kernel streams the weight once. Each output element is
-//! computed by one call with the same code whatever the thread count, so
-//! results are bit-identical for any number of threads.
-//!
-//! The code, by concern: [`Schedule`] and the tiers' loop-nest sizes
-//! (`schedule.rs`); the emitter of the kernel and the checks of what it can
+//! The code, by concern: the epilogue and the checks of what it can
 //! address (`emit.rs`); the FP8 store kernel (`fp8_store.rs`); and
 //! [`JitKernel`], which packs, compiles and launches them (`launch.rs`).
-//! The packed weight layout is [`PanelLayout`] (`panels.rs`).
 
 mod emit;
 mod fp8_store;
 mod launch;
-mod schedule;
 
-use kvjit_core::{CodeTier, CpuTier, DType, KernelSpec};
-use kvjit_jit::{JitError, microkernel};
+use kvjit_core::{CodeTier, DType, KernelSpec};
+use kvjit_jit::JitError;
+use kvjit_op::gemm::WeightOrientation;
 
 pub(crate) use emit::addressable;
 pub use emit::compile;
+pub use kvjit_op::gemm::{AVX2_BLOCK_BYTES, AVX2_BLOCK_ROWS, K_UNROLL, MC, MR, NR, PanelLayout, Schedule};
 pub use launch::JitKernel;
-pub use schedule::{AVX2_BLOCK_BYTES, AVX2_BLOCK_ROWS, K_UNROLL, MC, MR, NR, Schedule};
 
 use crate::FusedQkvSpec;
-pub use crate::panels::PanelLayout;
 
 /// Shapes a generic kernel specializes for, at most (the shared policy's
 /// limit, [`kvjit_jit::MAX_SEEN_SHAPES`]).
@@ -111,15 +87,15 @@ unsafe impl kvjit_jit::KernelArgs for GemmArgs {}
 /// checked to run on this CPU (a 256-bit spec made on another machine is
 /// refused, not run). A CUDA spec has none.
 pub(crate) fn code_tier(spec: &FusedQkvSpec) -> Result<CodeTier, JitError> {
-    match spec.tier() {
-        Some(CodeTier::Avx2) if !microkernel::avx2_available() => Err(JitError::TierUnavailable {
-            tier: CpuTier::Avx2,
-            needs: "an x86-64 CPU with AVX2, FMA and F16C",
-            arch: std::env::consts::ARCH,
-        }),
-        Some(tier) => Ok(tier),
-        None => Err(JitError::Unsupported { key: spec.key().to_string(), reason: "not a CPU spec".into() }),
-    }
+    kvjit_op::gemm::code_tier(spec.tier(), &spec.key())
+}
+
+/// The packed weight's layout for `spec` on `tier`: one `[N, K]` weight,
+/// its columns in three segments (Q, K, V).
+pub fn layout(spec: &FusedQkvSpec, tier: CodeTier) -> PanelLayout {
+    let kv = spec.kv_dim();
+    let columns = [spec.q_dim, kv, kv];
+    PanelLayout::new("fused_qkv", &columns, spec.k, Schedule::of(tier).panel_columns, 1, WeightOrientation::NK)
 }
 
 /// The dtype the epilogue stores K/V in: the cache's, or f32 into the
