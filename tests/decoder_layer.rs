@@ -33,12 +33,14 @@ fn options(fuse: bool) -> CompileOptions {
 
 /// The largest |got − want| over the largest |want| of a step's outputs,
 /// for f32 and bf16 runs. f32 differs from the f64 model by accumulation
-/// order alone; bf16 rounds every activation, weight-side product and
-/// cached K/V to 8 bits (2⁻⁹ relative), over two layers and the logits.
+/// order alone (seen: 2.0e-7 over two layers and the logits). bf16 rounds
+/// every activation and cached K/V to 8 bits (2⁻⁹ relative; the weights
+/// are bf16 on both sides) and the errors add up over the layers (seen:
+/// 7.3e-3).
 fn tolerance(dtype: DType) -> f64 {
     match dtype {
-        DType::F32 => 2e-5,
-        DType::BF16 => 1.0 / 32.0,
+        DType::F32 => 2e-6,
+        DType::BF16 => 1.0 / 64.0,
         other => panic!("no tolerance for {other}"),
     }
 }

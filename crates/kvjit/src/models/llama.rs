@@ -30,6 +30,7 @@ use kvjit_op_binary::{add, mul};
 use kvjit_op_fused_qkv::{FusedQkvParams, fused_qkv_matmul};
 use kvjit_op_gather::gather;
 use kvjit_op_last_token::last_valid_token;
+use kvjit_op_matmul::{MatmulParams, matmul};
 use kvjit_op_reshape::reshape;
 use kvjit_op_rms_norm::{RmsNormParams, rms_norm};
 use kvjit_op_rope::{Llama3Scaling, RopeInit, RopeParams, fused_qk_rope};
@@ -538,9 +539,7 @@ pub fn attention_step_graph(config: &LlamaConfig, ops: &OpRegistry) -> Result<Gr
 /// `x · weightᵀ` for a constant `weight` `[N, K]` (a `mo.matmul` with
 /// `transpose_b`): every projection of the model.
 fn project(b: &mut GraphBuilder, x: ValueId, weight: ValueId) -> Result<ValueId> {
-    // TODO(merge main): kvjit_op_matmul::matmul(b, x, weight, MatmulParams { transpose_b: true })
-    let params: kvjit_graph::Params = [("transpose_b".to_string(), kvjit_graph::ParamValue::Bool(true))].into();
-    Ok(b.node("mo.matmul", params, &[x, weight])?[0])
+    Ok(matmul(b, x, weight, MatmulParams { transpose_b: true })?)
 }
 
 /// Layer `layer` of the model on `x` `[batch, seq, hidden]`:
@@ -565,9 +564,9 @@ fn decoder_layer(
     let normed = rms_norm(b, h, ffn_norm, config.rms_norm_params())?;
     let gate_proj = weight(b, LayerWeight::Gate)?;
     let gate = project(b, normed, gate_proj)?;
+    let gate = silu(b, gate)?;
     let up_proj = weight(b, LayerWeight::Up)?;
     let up = project(b, normed, up_proj)?;
-    let gate = silu(b, gate)?;
     let activation = mul(b, gate, up)?;
     let down_proj = weight(b, LayerWeight::Down)?;
     let down = project(b, activation, down_proj)?;
