@@ -2,7 +2,6 @@
 //!
 //! Every failure prints one line, `error: …`, and exits with status 1.
 
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
@@ -12,8 +11,8 @@ use kvjit::models::llama::{LlamaConfig, attention_step_graph};
 use kvjit::scenario::Scenario;
 use kvjit::{
     BuildOptions, CompileOptions, CpuTier, DType, DeviceContextPtr, Error, Executor, Graph, KernelImpl, Registry,
-    Result, Target, Tensor, ValueDef, WeightLoad, compile, load_graph_within, read_safetensors, specialize,
-    standard_registry, write_artifact, write_safetensors,
+    Result, Target, Tensor, ValueDef, WeightLoad, compile, compiled_graph, load_graph_within, read_safetensors,
+    specialize, standard_registry, write_artifact, write_safetensors,
 };
 
 #[derive(Parser)]
@@ -49,6 +48,10 @@ enum Command {
         /// driver + 256-bit micro-kernels).
         #[arg(long, default_value = "auto")]
         cpu_tier: CpuTier,
+        /// Compile every node as its own kernel: no matmul epilogue or
+        /// SwiGLU sibling fusion.
+        #[arg(long)]
+        no_fuse: bool,
     },
     /// Compare two safetensors files of named tensors (e.g. `run --output`
     /// from two targets); exit 1 naming the first tensor that differs.
@@ -97,6 +100,10 @@ enum Command {
         /// init recipes may generate (default 1G).
         #[arg(long, value_parser = parse_bytes)]
         memory_budget: Option<u64>,
+        /// Compile every node as its own kernel: no matmul epilogue or
+        /// SwiGLU sibling fusion.
+        #[arg(long)]
+        no_fuse: bool,
     },
     /// Time the fused QKV kernels (specialized, generic) against the
     /// reference and GEMM-library peers, on this machine's roofs; print a
@@ -166,6 +173,11 @@ struct RunArgs {
     /// FP8 cache with one scale per 128 values). A graph file names its own.
     #[arg(long, conflicts_with = "graph")]
     kv_cache_dtype: Option<DType>,
+    /// Compile every node as its own kernel: no matmul epilogue or SwiGLU
+    /// sibling fusion (also for an artifact compiled with fusion; one
+    /// compiled with --no-fuse runs unfused either way).
+    #[arg(long)]
+    no_fuse: bool,
 }
 
 fn parse_bytes(text: &str) -> std::result::Result<u64, String> {
@@ -223,14 +235,17 @@ fn main() -> ExitCode {
     let registry = standard_registry();
     let result = match cli.command {
         Command::Run(args) => run(&registry, &args),
-        Command::Inspect { graph, target, bindings, dump_clif, disasm, cpu_tier } => {
+        Command::Inspect { graph, target, bindings, dump_clif, disasm, cpu_tier, no_fuse } => {
             let build = BuildOptions { keep_ir: dump_clif, keep_disasm: disasm, cpu_tier, ..BuildOptions::default() };
-            inspect(&registry, &graph, target, bindings.into_iter().collect(), build)
+            let bindings = bindings.into_iter().collect();
+            let options = CompileOptions { target, bindings, build, memory_budget: None, fuse: !no_fuse };
+            inspect(&registry, &graph, &options)
         }
         Command::Validate { graph } => validate(&registry, &graph),
-        Command::Compile { graph, output, target, bindings, kernel, cpu_tier, memory_budget } => {
+        Command::Compile { graph, output, target, bindings, kernel, cpu_tier, memory_budget, no_fuse } => {
             let build = BuildOptions { implementation: kernel.implementation(), cpu_tier, ..BuildOptions::default() };
-            let options = CompileOptions { target, bindings: bindings.into_iter().collect(), build, memory_budget };
+            let bindings = bindings.into_iter().collect();
+            let options = CompileOptions { target, bindings, build, memory_budget, fuse: !no_fuse };
             compile_artifact(&registry, &graph, &output, &options)
         }
         Command::Compare { a, b, tolerance } => compare_files(&a, &b, tolerance),
@@ -330,17 +345,12 @@ fn validate(registry: &Registry, path: &Path) -> Result<()> {
     Ok(())
 }
 
-fn inspect(
-    registry: &Registry,
-    path: &Path,
-    target: Target,
-    bindings: BTreeMap<String, usize>,
-    build: BuildOptions,
-) -> Result<()> {
+fn inspect(registry: &Registry, path: &Path, options: &CompileOptions) -> Result<()> {
+    let target = options.target;
     let graph = load_any(registry, path, WeightLoad::Map, None)?.graph;
-    let options = CompileOptions { target, bindings: bindings.clone(), build, memory_budget: None };
-    let specialized = specialize(&graph, registry.ops(), options.backend()?, &bindings)?;
-    let exe = compile(&graph, registry, &options)?;
+    let specialized = specialize(&graph, registry.ops(), options.backend()?, &options.bindings)?;
+    let fused = compiled_graph(&graph, registry, options)?;
+    let exe = compile(&graph, registry, options)?;
     let graph = specialized.graph();
     println!("graph '{}': {} nodes, symbols [{}]", graph.name(), graph.nodes().len(), graph.symbols().join(", "));
     println!("values:");
@@ -366,6 +376,17 @@ fn inspect(
     println!("outputs:");
     for out in graph.outputs() {
         println!("  {} = {}  {}", out.name, out.value, graph.value(out.value).ty);
+    }
+    let fused_nodes: Vec<_> = fused.fused().collect();
+    match (options.fuse, fused_nodes.is_empty()) {
+        (false, _) => println!("fused kernels: none (--no-fuse)"),
+        (true, true) => println!("fused kernels: none (nothing to fuse)"),
+        (true, false) => println!("fused kernels ({}):", fused_nodes.len()),
+    }
+    for (node, absorbed) in &fused_nodes {
+        let absorbed: Vec<String> = absorbed.iter().map(|&n| format!("{n} {}", graph.nodes()[n.index()].op)).collect();
+        let params: Vec<String> = node.params.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        println!("  {}({}) absorbs {}", node.op, params.join(" "), absorbed.join(", "));
     }
     println!("kernels:");
     for step in exe.steps() {
@@ -450,6 +471,7 @@ fn run(registry: &Registry, args: &RunArgs) -> Result<()> {
             ..BuildOptions::default()
         },
         memory_budget: args.memory_budget,
+        fuse: !args.no_fuse,
     };
     let compile_start = Instant::now();
     let exe = match loaded.artifact {
@@ -473,6 +495,7 @@ fn run(registry: &Registry, args: &RunArgs) -> Result<()> {
                 )));
             }
             artifact.options.memory_budget = args.memory_budget;
+            artifact.options.fuse &= !args.no_fuse;
             artifact.compile(registry)?
         }
         None => compile(&graph, registry, &options)?,

@@ -68,6 +68,16 @@ pub enum GraphError {
         /// The missing value.
         value: ValueId,
     },
+    /// A fusion that would drop a value something else still reads.
+    #[error("fusing {nodes} would drop {value}, which {reader} still reads")]
+    FusionDropsValue {
+        /// The nodes the fusion absorbs.
+        nodes: String,
+        /// The value it would drop.
+        value: ValueId,
+        /// What reads it (a node or a graph output).
+        reader: String,
+    },
     /// An id defined twice.
     #[error("{id} is defined twice")]
     DuplicateId {

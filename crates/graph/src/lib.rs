@@ -17,6 +17,7 @@ mod graph;
 mod ids;
 mod op;
 mod recipe;
+mod rewrite;
 mod specialize;
 mod types;
 mod validate;
@@ -36,6 +37,7 @@ pub use op::{
     step_inputs, tensor_input,
 };
 pub use recipe::{ConstantInit, RandomInit, Recipe, RecipeKind};
+pub use rewrite::NodeFusion;
 pub use specialize::{SpecializedGraph, specialize};
 pub use types::{Dim, KvCacheType, TensorType, ValueType, same_dim};
 pub use validate::validate;

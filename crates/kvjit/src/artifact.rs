@@ -140,6 +140,10 @@ pub struct ArtifactHeader {
     /// What the CPU that loads it must have: the architecture, then the
     /// features its kernels need ([`cpu_requirements`]).
     pub cpu_requires: Vec<String>,
+    /// Whether its graph is fused when it is compiled (`kvjit compile
+    /// --no-fuse` writes false); the stored graph is the unfused one.
+    #[serde(default = "fused_by_default")]
+    pub fuse: bool,
     /// The packed-weight layout version of the build that wrote it
     /// ([`kvjit_op::gemm::layout_version`]).
     pub layout_version: String,
@@ -153,6 +157,11 @@ pub struct ArtifactHeader {
     pub kernel_keys: Vec<String>,
     /// The stored constants.
     pub constants: Vec<StoredConstant>,
+}
+
+/// Artifacts written before fusion existed compile fused, like graphs.
+fn fused_by_default() -> bool {
+    true
 }
 
 /// One constant in an artifact's data section.
@@ -295,6 +304,7 @@ pub fn write_artifact(
         implementation: implementation_name(options.build.implementation).to_string(),
         cpu_tier,
         cpu_requires: cpu_requirements(options.target, options.build.implementation, cpu_tier),
+        fuse: options.fuse,
         layout_version: kvjit_op::gemm::layout_version().to_string(),
         source_graph,
         graph: graph_json,
@@ -549,6 +559,7 @@ pub fn load_artifact_with(path: &Path, registry: &Registry, weights: WeightLoad)
         bindings: BTreeMap::new(),
         build: BuildOptions { implementation, cpu_tier: header.cpu_tier, ..BuildOptions::default() },
         memory_budget: None,
+        fuse: header.fuse,
     };
     Ok(LoadedArtifact { path: path.to_path_buf(), header, graph, options })
 }

@@ -10,6 +10,7 @@ use kvjit_runtime::{
 };
 use rayon::prelude::*;
 
+use crate::fuse::FusedGraph;
 use crate::{Error, Registry, Result};
 
 /// How to compile a graph.
@@ -25,6 +26,8 @@ pub struct CompileOptions {
     /// Refuse graphs whose buffers (see [`MemoryEstimate`]) need more bytes
     /// than this, before anything is allocated for them.
     pub memory_budget: Option<u64>,
+    /// Fuse matmul epilogues and SwiGLU siblings ([`fuse`](crate::fuse)).
+    pub fuse: bool,
 }
 
 impl CompileOptions {
@@ -43,7 +46,13 @@ impl CompileOptions {
 
 impl Default for CompileOptions {
     fn default() -> Self {
-        Self { target: Target::Cpu, bindings: BTreeMap::new(), build: BuildOptions::default(), memory_budget: None }
+        Self {
+            target: Target::Cpu,
+            bindings: BTreeMap::new(),
+            build: BuildOptions::default(),
+            memory_budget: None,
+            fuse: true,
+        }
     }
 }
 
@@ -142,14 +151,26 @@ fn shape_dim(dim: &Dim) -> ShapeDim {
     }
 }
 
-/// Compile `graph`: check the target is available, specialize every node
-/// (bind symbols, re-validate, derive kernel keys; unsupported combinations
-/// are refused here), then build each node's kernel and lay out the calls.
+/// The graph `compile` builds kernels for: `graph` fused
+/// ([`fuse`](crate::fuse)) unless `options.fuse` is off.
+pub fn compiled_graph(graph: &Graph, registry: &Registry, options: &CompileOptions) -> Result<FusedGraph> {
+    match options.fuse {
+        true => crate::fuse::fuse(graph, registry),
+        false => Ok(FusedGraph::unfused(graph)),
+    }
+}
+
+/// Compile `graph`: check the target is available, fuse what it can
+/// ([`compiled_graph`]), specialize every node (bind symbols, re-validate,
+/// derive kernel keys; unsupported combinations are refused here), then
+/// build each node's kernel and lay out the calls. A fused kernel's step
+/// is labelled with the nodes it absorbed (`n7+n8`).
 pub fn compile(graph: &Graph, registry: &Registry, options: &CompileOptions) -> Result<Executable> {
     if options.target == Target::Cuda {
         cuda_availability()?;
     }
-    let specialized = specialize(graph, registry.ops(), options.backend()?, &options.bindings)?;
+    let fused = compiled_graph(graph, registry, options)?;
+    let specialized = specialize(&fused.graph, registry.ops(), options.backend()?, &options.bindings)?;
     let graph = specialized.graph();
     if let Some(budget) = options.memory_budget {
         let estimate = MemoryEstimate::of(graph, registry, options.target, &options.build);
@@ -230,7 +251,7 @@ pub fn compile(graph: &Graph, registry: &Registry, options: &CompileOptions) -> 
         .collect();
 
     let mut steps = Vec::with_capacity(graph.nodes().len());
-    for ((node, plan), kernel) in graph.nodes().iter().zip(plans).zip(kernels) {
+    for (i, ((node, plan), kernel)) in graph.nodes().iter().zip(plans).zip(kernels).enumerate() {
         let kernel = kernel?;
         refuse_untaken_prepared(graph, node, &plan.tensor_constants, kernel.as_ref())?;
         let tensor_slots = plan
@@ -244,7 +265,7 @@ pub fn compile(graph: &Graph, registry: &Registry, options: &CompileOptions) -> 
         for (output, &value) in node.outputs.iter().enumerate() {
             slots.insert(value, Slot::StepOutput { step: steps.len(), output });
         }
-        steps.push(Step { label: node.id.to_string(), kernel, inputs: tensor_slots, caches: plan.cache_args });
+        steps.push(Step { label: fused.label(i), kernel, inputs: tensor_slots, caches: plan.cache_args });
     }
     let outputs = graph.outputs().iter().map(|o| (o.name.clone(), slots[&o.value])).collect();
     Ok(Executable::new(inputs, caches, constants, steps, outputs)?)

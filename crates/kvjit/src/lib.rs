@@ -33,13 +33,15 @@ pub mod artifact;
 pub mod compare;
 mod compile;
 mod error;
+pub mod fuse;
 pub mod models;
 mod registry;
 pub mod scenario;
 
 pub use artifact::{ArtifactError, LoadedArtifact, is_artifact, load_artifact, load_artifact_with, write_artifact};
-pub use compile::{CompileOptions, MemoryEstimate, compile};
+pub use compile::{CompileOptions, MemoryEstimate, compile, compiled_graph};
 pub use error::{Error, Result};
+pub use fuse::{FusedGraph, fuse};
 pub use registry::{Registry, standard_registry};
 
 pub use kvjit_core::Error as CoreError;
