@@ -21,14 +21,12 @@ use kvjit::models::llama::{
 use kvjit::scenario::Scenario;
 use kvjit::{
     CompileOptions, DType, DeviceContextPtr, Executor, Graph, PagedKVCacheCollection, Tensor, ValueDef, compile,
-    standard_registry,
+    compiled_graph, standard_registry,
 };
 
 /// Compile options with the graph compiler fusing (`true`) or not.
 fn options(fuse: bool) -> CompileOptions {
-    // TODO(merge main): `CompileOptions { fuse, ..CompileOptions::default() }` once `fuse` lands.
-    let _ = fuse;
-    CompileOptions::default()
+    CompileOptions { fuse, ..CompileOptions::default() }
 }
 
 /// The largest |got − want| over the largest |want| of a step's outputs,
@@ -239,10 +237,11 @@ enum Built {
     Model,
 }
 
-/// Run `decode_steps` decode steps after a ragged prefill (3 sequences
-/// padded to 5), compile with and without fusion, and check every step's
-/// valid outputs against the naive model. Gives each run's outputs (valid
-/// values only, steps concatenated) for the fused/unfused comparison.
+/// Compile `config`'s graph fusing or not (`fuse`), run a ragged prefill
+/// (3 sequences padded to 5) and `decode_steps` decode steps, and check
+/// every step's valid outputs against the naive model. Gives the run's
+/// outputs (valid values only, steps concatenated) for the fused/unfused
+/// comparison.
 fn check(config: &LlamaConfig, built: Built, fuse: bool, decode_steps: usize) -> Vec<f64> {
     let registry = standard_registry();
     let graph = match built {
@@ -251,6 +250,13 @@ fn check(config: &LlamaConfig, built: Built, fuse: bool, decode_steps: usize) ->
     };
     let tolerance = tolerance(config.layer.dtype);
     let exe = compile(&graph, &registry, &options(fuse)).unwrap();
+    // Fusing makes each layer's o_proj + residual, SwiGLU and down +
+    // residual one kernel each; not fusing leaves every node alone.
+    let fused = compiled_graph(&graph, &registry, &options(fuse)).unwrap().fused().count();
+    match fuse {
+        true => assert!(fused >= 3 * config.layer.num_layers, "only {fused} fused kernels"),
+        false => assert_eq!(fused, 0, "fused kernels with fusion off"),
+    }
     let executor = Executor::new(DeviceContextPtr::cpu(2).unwrap());
     let mut scenario = Scenario::prefill_with(&graph, 11, 3, 5).unwrap();
     let valid = scenario.valid_lengths().unwrap();
