@@ -7,8 +7,9 @@
 //! - [`compile`] specializes a graph for a target and lowers it to an
 //!   [`Executable`];
 //! - [`Executor::run`] runs it with named inputs and KV caches;
-//! - [`models`] builds model graphs from a typed config (Llama's QKV layers
-//!   and attention step: the example graphs);
+//! - [`models`] builds model graphs from a typed config (Llama's QKV layers,
+//!   attention step, whole decoder layers and a whole model from token ids
+//!   to logits: the example graphs);
 //! - [`scenario`] makes seeded, valid inputs and KV caches for any graph;
 //! - the benchmarks (`kvjit bench`, `cargo bench -p kvjit-bench`) are the
 //!   `kvjit-bench` crate.
