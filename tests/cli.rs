@@ -38,22 +38,39 @@ fn assert_one_line_error(out: &Output, needle: &str) {
 }
 
 #[test]
-fn default_run_is_the_8b_attention_step() {
+fn default_run_is_the_8b_decoder_layer_with_its_matmuls_fused() {
     let out = kvjit(&["run", "--steps", "1", "--batch", "2", "--seq", "3"]);
     assert!(out.status.success(), "{}", stderr(&out));
     let text = stdout(&out);
-    assert!(text.contains("graph 'llama3_8b_attention'"), "{text}");
+    assert!(text.contains("graph 'llama3_8b_decoder_layer'"), "{text}");
     let tier = kvjit::widest_cpu_tier();
     for key in [
+        "rms_norm.cpu.bf16.h4096.rowsany.".to_string(),
         format!("fused_qkv_bshd_paged.cpu-{tier}.bf16.k4096.q4096.hkv8.d128.p16.l1.kvbf16.bany.sany [jit]"),
         "reshape.cpu.bf16.o0in0.o1in1.o2x32.o3x128 [view]".into(),
         "fused_qk_rope_paged.cpu.bf16.hq32.hkv8.d128.p16.l1.kvbf16.il0.bany.sany [jit]".into(),
         "mha_padded_paged.cpu.bf16.hq32.hkv8.d128.p16.l1.kvbf16.causal1.w0.".into(),
+        format!("matmul_add.cpu-{tier}.bf16.k4096.n4096.rowsany.tb1 [jit]"),
+        format!("swiglu_matmul.cpu-{tier}.bf16.k4096.n14336.rowsany.tb1 [jit]"),
+        format!("matmul_add.cpu-{tier}.bf16.k14336.n4096.rowsany.tb1 [jit]"),
     ] {
         assert!(text.contains(&key), "{key} not in {text}");
     }
-    assert!(text.contains("output 'attention': bf16[2, 1, 4096] checksum"), "{text}");
+    assert!(text.contains("output 'hidden_state_out': bf16[2, 1, 4096] checksum"), "{text}");
     assert!(text.contains("tokens written"), "{text}");
+    // Unfused, the same layer runs every node as its own kernel, and the
+    // output agrees within bf16 rounding (the checksums are printed to six
+    // decimals of sums over 8192 values; compare the magnitudes' sums).
+    let unfused = kvjit(&["run", "--steps", "1", "--batch", "2", "--seq", "3", "--no-fuse"]);
+    assert!(unfused.status.success(), "{}", stderr(&unfused));
+    let unfused_text = stdout(&unfused);
+    assert!(!unfused_text.contains("swiglu_matmul") && unfused_text.contains("silu.cpu.bf16"), "{unfused_text}");
+    let abs_sum = |text: &str| -> f64 {
+        let line = text.lines().find(|l| l.starts_with("output 'hidden_state_out'")).unwrap();
+        line.split("abs_sum=").nth(1).unwrap().trim().parse().unwrap()
+    };
+    let (fused, unfused) = (abs_sum(&text), abs_sum(&unfused_text));
+    assert!((fused - unfused).abs() <= 0.01 * unfused, "fused {fused} vs unfused {unfused}");
 }
 
 #[test]

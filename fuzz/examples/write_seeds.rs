@@ -131,7 +131,7 @@ fn main() {
     let inputs = root.join("safetensors_inputs");
     let mut rng = StdRng::seed_from_u64(5);
     for (dtype, cache_dtype) in TINY_DTYPES {
-        let params = KvCacheParams { dtype: cache_dtype, num_layers: 2, page_size: 2, num_kv_heads: 1, head_size: 2, scale_granularity: None };
+        let params = KvCacheParams { element: kvjit::CacheElement::new(cache_dtype, None).unwrap(), num_layers: 2, page_size: 2, num_kv_heads: 1, head_size: 2 };
         let mut cache = PagedKVCacheCollection::new(params, 6, 2, 3).unwrap();
         cache.set_allocation_order(vec![4, 1, 5, 0, 3, 2]).unwrap();
         cache.set_blocks(Tensor::random(cache_dtype, cache.blocks().shape(), &mut rng, -1.0, 1.0).unwrap()).unwrap();

@@ -7,7 +7,7 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use clap::{Parser, Subcommand};
-use kvjit::models::llama::{LlamaConfig, attention_step_graph};
+use kvjit::models::llama::{LlamaConfig, decoder_layer_graph};
 use kvjit::scenario::Scenario;
 use kvjit::{
     BuildOptions, CompileOptions, CpuTier, DType, DeviceContextPtr, Error, Executor, Graph, KernelImpl, Registry,
@@ -25,7 +25,8 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Compile and run a graph file (default: a built-in Llama-3-8B
-    /// attention step: fused QKV → RoPE → attention on the paged cache).
+    /// decoder layer: RMSNorm → fused QKV → RoPE → attention on the paged
+    /// cache → o_proj + residual → RMSNorm → SwiGLU MLP + residual).
     Run(RunArgs),
     /// Show a graph's inputs, nodes, shapes and kernel keys.
     Inspect {
@@ -114,7 +115,8 @@ enum Command {
 #[derive(clap::Args)]
 struct RunArgs {
     /// Graph file (JSON) or compiled artifact (`kvjit compile`); without
-    /// it, the built-in Llama-3-8B attention step runs.
+    /// it, the built-in Llama-3-8B decoder layer runs
+    /// (`examples/llama3_8b_decoder_layer.json`).
     graph: Option<PathBuf>,
     /// How weights (a graph file's weights file, an artifact's packed
     /// weights) come into memory: `map` borrows them from the page cache
@@ -455,9 +457,9 @@ fn run(registry: &Registry, args: &RunArgs) -> Result<()> {
     let loaded = match &args.graph {
         Some(path) => load_any(registry, path, args.weights, args.memory_budget)?,
         None => {
-            let mut config = LlamaConfig::llama3_8b();
+            let mut config = LlamaConfig::llama3_8b_decoder_layer();
             config.layer.cache_dtype = args.kv_cache_dtype;
-            Loaded { graph: attention_step_graph(&config, registry.ops())?, artifact: None }
+            Loaded { graph: decoder_layer_graph(&config, registry.ops())?, artifact: None }
         }
     };
     let graph = loaded.graph;
@@ -522,8 +524,9 @@ fn run(registry: &Registry, args: &RunArgs) -> Result<()> {
         args.seed
     );
     println!("compiled {} kernel(s) in {}", exe.steps().len(), format_duration(compile_time));
+    let label_width = exe.steps().iter().map(|s| s.label.len()).max().unwrap_or(0);
     for step in exe.steps() {
-        println!("  {:<4} {} [{}]", step.label, step.kernel.key(), step.kernel.implementation());
+        println!("  {:<label_width$} {} [{}]", step.label, step.kernel.key(), step.kernel.implementation());
     }
     println!();
     println!(
@@ -563,7 +566,7 @@ fn run(registry: &Registry, args: &RunArgs) -> Result<()> {
     println!("time per node (mean of {} steps):", args.steps + 1);
     for (step, total) in exe.steps().iter().zip(&node_time) {
         println!(
-            "  {:<4} {:>12}  {}",
+            "  {:<label_width$} {:>12}  {}",
             step.label,
             format_duration(*total / (args.steps as u32 + 1)),
             step.kernel.key()

@@ -26,7 +26,7 @@ pub struct CompileOptions {
     /// Refuse graphs whose buffers (see [`MemoryEstimate`]) need more bytes
     /// than this, before anything is allocated for them.
     pub memory_budget: Option<u64>,
-    /// Fuse matmul epilogues and SwiGLU siblings ([`fuse`](crate::fuse)).
+    /// Fuse matmul epilogues and SwiGLU siblings ([`fuse`](crate::fuse::fuse)).
     pub fuse: bool,
 }
 
@@ -152,7 +152,7 @@ fn shape_dim(dim: &Dim) -> ShapeDim {
 }
 
 /// The graph `compile` builds kernels for: `graph` fused
-/// ([`fuse`](crate::fuse)) unless `options.fuse` is off.
+/// ([`fuse`](crate::fuse::fuse)) unless `options.fuse` is off.
 pub fn compiled_graph(graph: &Graph, registry: &Registry, options: &CompileOptions) -> Result<FusedGraph> {
     match options.fuse {
         true => crate::fuse::fuse(graph, registry),
