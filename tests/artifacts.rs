@@ -357,3 +357,36 @@ fn the_committed_fuzz_seed_artifacts_load_wherever_their_kernels_run() {
     let expected = if kvjit_jit::microkernel::avx2_available() { 2 } else { 1 };
     assert_eq!(tiers.len(), expected, "seeds of every tier this CPU runs: {tiers:?}");
 }
+
+/// A whole model (`tiny_llama`: gather → 2 decoder layers → logits with the
+/// tied embedding) from an artifact equals the model from its graph, bit
+/// for bit, fused and unfused: every matmul weight is stored in its
+/// kernel's packed layout — except SwiGLU's gate and up (one packed tensor
+/// of both, which no single constant is) and the tied embedding (the
+/// gather reads it plain); the norms and the RoPE table stay plain; and
+/// the artifact records whether it fuses.
+#[test]
+fn a_whole_model_runs_from_its_artifact_fused_or_not() {
+    use kvjit::models::llama::{LlamaConfig, model_graph};
+    let registry = standard_registry();
+    let graph = model_graph(&LlamaConfig::tiny(), registry.ops()).unwrap();
+    for (fuse, prepared, plain) in [(true, 6, 11), (false, 10, 7)] {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tiny.kvjit");
+        let options = CompileOptions { fuse, ..CompileOptions::default() };
+        let summary = write_artifact(&graph, &registry, &options, &path, None).unwrap();
+        assert_eq!((summary.prepared, summary.plain), (prepared, plain), "fuse = {fuse}");
+        let loaded = load_artifact(&path, &registry).unwrap();
+        assert_eq!(loaded.header.fuse, fuse);
+        assert_eq!(loaded.options.fuse, fuse);
+        let from_artifact = loaded.compile(&registry).unwrap();
+        let fused_steps = from_artifact.steps().iter().filter(|s| s.label.contains('+')).count();
+        assert_eq!(fused_steps > 0, fuse, "the artifact compiles as it was written");
+        let (got, got_scenario) = run_steps(&from_artifact, &loaded.graph);
+        let (expected, expected_scenario) = run_steps(&compile(&graph, &registry, &options).unwrap(), &graph);
+        for (e, g) in expected.iter().zip(&got) {
+            assert_outputs_identical(&g.outputs, &e.outputs);
+        }
+        assert_caches_identical(&got_scenario.caches, &expected_scenario.caches);
+    }
+}
