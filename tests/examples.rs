@@ -1,10 +1,13 @@
 //! The example graph files under `examples/` are exactly what the builder API
-//! makes for the example configs (QKV layers and attention steps) (a snapshot of the graph files, not of any
-//! generated code). Regenerate them with `KVJIT_BLESS=1 cargo test --test examples`.
+//! makes for the example configs (QKV layers, attention steps, a whole
+//! decoder layer and a whole tiny model) (a snapshot of the graph files, not
+//! of any generated code). Regenerate them with `KVJIT_BLESS=1 cargo test --test examples`.
 
 use std::path::Path;
 
-use kvjit::models::llama::{LayerConfig, LlamaConfig, attention_step_graph, qkv_layer_graph};
+use kvjit::models::llama::{
+    LayerConfig, LlamaConfig, attention_step_graph, decoder_layer_graph, model_graph, qkv_layer_graph,
+};
 use kvjit::{Graph, ValueDef, graph_to_json, load_graph, standard_registry};
 
 fn check_example(graph: impl FnOnce(&kvjit::OpRegistry) -> Graph, file: &str) {
@@ -58,4 +61,17 @@ fn llama3_8b_fp8_attention_file_matches_the_builder() {
         },
         "llama3_8b_attention_fp8.json",
     );
+}
+
+#[test]
+fn llama3_8b_decoder_layer_file_matches_the_builder() {
+    check_example(
+        |ops| decoder_layer_graph(&LlamaConfig::llama3_8b_decoder_layer(), ops).unwrap(),
+        "llama3_8b_decoder_layer.json",
+    );
+}
+
+#[test]
+fn tiny_llama_file_matches_the_builder() {
+    check_example(|ops| model_graph(&LlamaConfig::tiny(), ops).unwrap(), "tiny_llama.json");
 }

@@ -8,6 +8,7 @@
 //! sequences with different cache and valid lengths, pages handed out
 //! in a shuffled order (scattered page tables, as a long-running server has),
 //! a cache pre-filled with random history, and decode steps that grow it.
+//! Token ids (the u32 `ids` of a `mo.gather`) are random rows of its table.
 //! The graphs themselves come from files or from the builders in
 //! [`models`](crate::models).
 
@@ -15,6 +16,8 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use kvjit_core::{DType, PagedKVCacheCollection, Tensor};
 use kvjit_graph::{ArgRole, Dim, Graph, OpRegistry, ValueDef, ValueId};
+use kvjit_op::Op;
+use kvjit_op_gather::GatherOp;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
@@ -72,8 +75,13 @@ fn fill_history(cache: &mut PagedKVCacheCollection, history: &[u32], rng: &mut S
 #[derive(Clone, Debug, Default)]
 struct Roles {
     /// Padded activations `[B, S, …]`: the first data input of each node
-    /// that takes valid lengths.
+    /// that takes valid lengths, and every graph input whose leading two
+    /// dims are that input's B and S (a hidden state normalized before the
+    /// node, token ids embedded before it).
     hidden: BTreeSet<String>,
+    /// Token ids: u32 inputs read as a `mo.gather`'s `ids`, with the rows
+    /// of its table (the fewest, where several gathers read one input).
+    token_ids: BTreeMap<String, usize>,
     valid_lengths: BTreeSet<String>,
     /// layer_idx input → the layer it selects (order of first use modulo L).
     layer_idx: BTreeMap<String, u32>,
@@ -88,11 +96,22 @@ impl Roles {
             ValueDef::Input => graph.value(v).name.clone(),
             _ => None,
         };
+        // The [B, S] leading dims of every node taking valid lengths.
+        let mut step_dims: Vec<(Dim, Dim)> = Vec::new();
         for node in graph.nodes() {
             let op = ops.get(&node.op)?;
             let with_role = |role: ArgRole| {
                 op.inputs().iter().zip(&node.inputs).filter(move |(spec, _)| spec.role == role).map(|(_, &v)| v)
             };
+            if node.op == GatherOp::NAME
+                && let [table, ids] = node.inputs[..]
+                && let Some(name) = input_name(ids)
+                && let Some(vocab) = graph.value(table).ty.as_tensor().and_then(|t| t.shape.first()?.as_static())
+                && vocab > 0
+            {
+                let rows = roles.token_ids.entry(name).or_insert(vocab);
+                *rows = (*rows).min(vocab);
+            }
             let cache = with_role(ArgRole::Cache).next();
             let num_layers = cache.and_then(|c| graph.value(c).ty.as_kv_cache()).map_or(1, |c| c.num_layers);
             for layer in with_role(ArgRole::LayerIndex).filter_map(input_name) {
@@ -100,13 +119,24 @@ impl Roles {
                 roles.layer_idx.entry(layer).or_insert(next % num_layers as u32);
             }
             let Some(valid) = with_role(ArgRole::ValidLengths).find_map(input_name) else { continue };
-            if let Some(hidden) = with_role(ArgRole::Data).next().and_then(input_name) {
-                roles.hidden.insert(hidden);
+            if let Some(data) = with_role(ArgRole::Data).next() {
+                if let Some([batch, seq, ..]) = graph.value(data).ty.as_tensor().map(|t| t.shape.as_slice()) {
+                    step_dims.push((batch.clone(), seq.clone()));
+                }
+                roles.hidden.extend(input_name(data));
             }
             if let Some(cache) = cache.and_then(|c| graph.value(c).name.clone()) {
                 roles.cache_lengths_from.entry(cache).or_insert_with(|| valid.clone());
             }
             roles.valid_lengths.insert(valid);
+        }
+        for (_, value) in graph.inputs() {
+            if let (Some(name), Some([batch, seq, ..])) =
+                (&value.name, value.ty.as_tensor().map(|t| t.shape.as_slice()))
+                && step_dims.contains(&(batch.clone(), seq.clone()))
+            {
+                roles.hidden.insert(name.clone());
+            }
         }
         if roles.hidden.is_empty() {
             return Err(Error::Usage(format!(
@@ -303,6 +333,9 @@ impl Scenario {
                 Tensor::from_vec(&shape, values)?
             } else if let Some(&layer) = self.roles.layer_idx.get(&name) {
                 Tensor::from_vec(&shape, vec![layer; shape.iter().product()])?
+            } else if let Some(&vocab) = self.roles.token_ids.get(&name) {
+                let ids = (0..shape.iter().product()).map(|_| self.rng.gen_range(0..vocab as u32)).collect();
+                Tensor::from_vec(&shape, ids)?
             } else if ty.dtype.is_float() {
                 Tensor::random(ty.dtype, &shape, &mut self.rng, -1.0, 1.0)?
             } else {
@@ -320,5 +353,85 @@ impl Scenario {
         }
         self.inputs = inputs;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use kvjit_graph::{GraphBuilder, RandomInit};
+
+    use super::*;
+    use crate::{CompileOptions, DeviceContextPtr, Executor, compile, standard_registry};
+
+    const WIDTH: usize = 8;
+
+    /// `ids` → `mo.gather` of a `[vocab, 8]` table → `kvjit.last_valid_token`:
+    /// a graph whose only padded input is token ids.
+    fn embedding_graph(vocab: usize) -> Graph {
+        let registry = standard_registry();
+        let mut b = GraphBuilder::new("embedding", registry.ops());
+        let (batch, seq) = (Dim::from("batch"), Dim::from("seq"));
+        let ids = b.input("ids", DType::U32, &[batch.clone(), seq]).unwrap();
+        let valid = b.input("valid_lengths", DType::U32, &[batch]).unwrap();
+        let table = b
+            .random_constant("table", DType::F32, &[vocab, WIDTH], RandomInit { seed: 4, low: -1.0, high: 1.0 })
+            .unwrap();
+        let rows = crate::ops::gather(&mut b, table, ids).unwrap();
+        let last = crate::ops::last_valid_token(&mut b, rows, valid).unwrap();
+        b.output("last", last).unwrap();
+        b.finish().unwrap()
+    }
+
+    /// Run the scenario's step; check each sequence's output is the table
+    /// row of its last valid id.
+    fn run_and_check(graph: &Graph, scenario: &mut Scenario) {
+        let registry = standard_registry();
+        let exe = compile(graph, &registry, &CompileOptions::default()).unwrap();
+        let executor = Executor::new(DeviceContextPtr::cpu(1).unwrap());
+        let out = executor.run(&exe, &scenario.inputs, &mut scenario.caches).unwrap();
+        let table = match &graph.constants().next().unwrap().1.def {
+            ValueDef::Constant { data, .. } => data.to_f32_vec().unwrap(),
+            _ => unreachable!("the table is a plain constant"),
+        };
+        let ids = scenario.inputs["ids"].to_u32_vec().unwrap();
+        let seq = scenario.inputs["ids"].shape()[1];
+        let got = out.outputs["last"].to_f32_vec().unwrap();
+        for (b, &valid) in scenario.valid_lengths().unwrap().iter().enumerate() {
+            let id = ids[b * seq + valid as usize - 1] as usize;
+            assert_eq!(got[b * WIDTH..][..WIDTH], table[id * WIDTH..][..WIDTH], "sequence {b}");
+        }
+    }
+
+    #[test]
+    fn token_ids_are_seeded_rows_of_the_gathers_table_and_the_graph_runs_on_them() {
+        let graph = embedding_graph(5);
+        let mut scenario = Scenario::prefill_with(&graph, 3, 4, 16).unwrap();
+        let ids = scenario.inputs["ids"].to_u32_vec().unwrap();
+        assert_eq!(scenario.inputs["ids"].shape(), [4, 16]);
+        assert!(ids.iter().all(|&id| id < 5), "{ids:?}");
+        assert!((0..5).all(|id| ids.contains(&id)), "64 draws cover 5 ids: {ids:?}");
+        assert_eq!(Scenario::prefill_with(&graph, 3, 4, 16).unwrap().inputs["ids"].to_u32_vec().unwrap(), ids);
+        assert_ne!(Scenario::prefill_with(&graph, 4, 4, 16).unwrap().inputs["ids"].to_u32_vec().unwrap(), ids);
+        run_and_check(&graph, &mut scenario);
+        // A decode step draws one fresh id per sequence.
+        scenario.advance().unwrap();
+        scenario.next_decode_step().unwrap();
+        assert_eq!(scenario.inputs["ids"].shape(), [4, 1]);
+        run_and_check(&graph, &mut scenario);
+    }
+
+    #[test]
+    fn a_u32_input_no_gather_reads_as_ids_is_still_refused() {
+        let registry = standard_registry();
+        let mut b = GraphBuilder::new("ids_unused", registry.ops());
+        let (batch, seq) = (Dim::from("batch"), Dim::from("seq"));
+        let x = b.input("x", DType::F32, &[batch.clone(), seq.clone(), Dim::from(WIDTH)]).unwrap();
+        b.input("other_ids", DType::U32, &[batch.clone(), seq]).unwrap();
+        let valid = b.input("valid_lengths", DType::U32, &[batch]).unwrap();
+        let last = crate::ops::last_valid_token(&mut b, x, valid).unwrap();
+        b.output("last", last).unwrap();
+        let graph = b.finish().unwrap();
+        let message = Scenario::prefill(&graph, 1).err().expect("refused").to_string();
+        assert!(message.contains("cannot make up a value for u32 input 'other_ids'"), "{message}");
     }
 }
