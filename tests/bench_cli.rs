@@ -365,3 +365,43 @@ fn tiny_fp8_bench_prints_tables_and_writes_json_made_before_the_run() {
         "cannot write",
     );
 }
+
+/// `--ops layer --tiny`: a toy decoder layer compiled fused and unfused,
+/// validated against each other and timed side by side; the tables and the
+/// JSON figures are there (no test looks at how fast anything is), and
+/// `--no-fuse` times the unfused layer alone.
+#[test]
+fn tiny_layer_bench_prints_tables_and_writes_json() {
+    let dir = tempfile::tempdir().unwrap();
+    let json_path = dir.path().join("layer.json");
+    let out = kvjit(&["bench", "--ops", "layer", "--tiny", "--json", json_path.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    for heading in ["## The layer step", "## Where the time goes", "## Steps: decode B=1 history 40", "## Targets"] {
+        assert!(text.contains(heading), "'{heading}' missing: {text}");
+    }
+    assert!(!text.contains("## Errors"), "{text}");
+    let json = read_json(&json_path);
+    assert_eq!((json["ops"].as_str(), json["mode"].as_str()), (Some("layer"), Some("tiny")));
+    let workloads = json["workloads"].as_array().unwrap();
+    assert_eq!(workloads.len(), 3, "decode B=1, decode B=3, prefill");
+    for w in workloads {
+        assert!(w["normalized_error"].as_f64().unwrap() <= 1.0 / 64.0, "{w}");
+        for graph in ["fused", "unfused"] {
+            assert_stats(&w[graph]["time"], graph);
+        }
+    }
+    assert_eq!(json["targets"].as_array().unwrap().len(), 6);
+    assert!(json["errors"].as_array().unwrap().is_empty());
+
+    let out = kvjit(&["bench", "--ops", "layer", "--tiny", "--no-fuse"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    assert!(text.contains("| decode B=1 history 40 | unfused |"), "{text}");
+    assert!(!text.contains("| decode B=1 history 40 | fused |"), "{text}");
+    assert_one_line_error(
+        &kvjit(&["bench", "--ops", "layer", "--tiny", "--ms", "4"]),
+        "--ms applies to --ops qkv only",
+    );
+    assert_one_line_error(&kvjit(&["bench", "--tiny", "--no-fuse"]), "--no-fuse applies to --ops layer only");
+}

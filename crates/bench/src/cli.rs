@@ -1,7 +1,7 @@
 //! The `kvjit bench` subcommand: its options ([`BenchArgs`], a clap
 //! `Args` struct the `kvjit` binary embeds) and [`run_bench`], which turns
 //! them into the configuration of a suite (the QKV [`BenchConfig`], `--ops
-//! attention`, `--ops fp8`, or with `--startup` the start-up benchmark of
+//! attention`, `--ops fp8`, `--ops layer`, or with `--startup` the start-up benchmark of
 //! [`crate::startup`]) and runs it through one driver: a progress display on
 //! stderr, the Markdown report on stdout, the JSON (and the QKV suite's SVG)
 //! files.
@@ -15,6 +15,7 @@ use serde_json::Value;
 
 use crate::attention::{AttentionBenchConfig, AttentionReport, run_attention};
 use crate::fp8::{Fp8BenchConfig, Fp8Report, run_fp8};
+use crate::layer::{LayerBenchConfig, LayerReport, run_layer};
 use crate::startup::{StartupConfig, StartupReport, run_startup};
 use crate::{BenchConfig, BenchError, Implementation, ModelShape, Progress, Result};
 
@@ -32,6 +33,12 @@ pub enum BenchOps {
     /// store, decode attention at contexts 2048 and 8192, the whole step
     /// graph, bytes per token (honours --quick, --threads, --json).
     Fp8,
+    /// One whole Llama-3-8B decoder layer (bf16), compiled fused and
+    /// unfused and timed side by side: decode at batch 1 and 8 with a
+    /// history of 2048, a 512-token prefill, against the sum of its ops'
+    /// roofs, with the time per group of steps (honours --quick, --threads,
+    /// --no-fuse, --json).
+    Layer,
 }
 
 impl std::fmt::Display for BenchOps {
@@ -45,9 +52,11 @@ impl std::fmt::Display for BenchOps {
 /// Options of `kvjit bench`.
 #[derive(Clone, Debug, clap::Args)]
 pub struct BenchArgs {
-    /// The suite: qkv (fused QKV kernels), or attention (paged attention,
+    /// The suite: qkv (fused QKV kernels), attention (paged attention,
     /// RoPE and the whole attention step; honours --quick, --threads,
-    /// --dtypes of the decode runs, --json).
+    /// --dtypes of the decode runs, --json), fp8 (an FP8 KV cache against
+    /// bf16), or layer (a whole Llama-3-8B decoder layer, fused vs
+    /// unfused; honours --quick, --threads, --no-fuse, --json).
     #[arg(long, value_enum, default_value_t = BenchOps::Qkv, conflicts_with = "startup")]
     pub ops: BenchOps,
     /// About a minute: Llama-3-8B shape, f32 and bf16, page 16, M up to 1024
@@ -101,7 +110,7 @@ pub struct BenchArgs {
     /// times and decode speed with mapped vs copied weights.
     #[arg(long, conflicts_with_all = [
         "quick", "tiny", "shapes", "dtypes", "pages", "ms", "impls",
-        "reference_max_m", "compile_shape", "no_compile", "svg",
+        "reference_max_m", "compile_shape", "no_compile", "svg", "no_fuse",
     ])]
     pub startup: bool,
     /// Layers of the start-up graph (default 32: 1.61 GB of weights).
@@ -114,14 +123,18 @@ pub struct BenchArgs {
     /// directory, removed after the run).
     #[arg(long, requires = "startup", hide = true)]
     pub startup_dir: Option<PathBuf>,
+    /// With --ops layer: compile and time only the unfused layer
+    /// (`fuse: false`), not both side by side.
+    #[arg(long)]
+    pub no_fuse: bool,
 }
 
 impl BenchArgs {
     /// The options that pick what a suite measures, each with whether it was
     /// given and the suites that take it (`--threads`, `--quick` and
     /// `--json` apply to every suite).
-    fn suite_options(&self) -> [(&'static str, bool, &'static [BenchOps]); 9] {
-        use BenchOps::{Attention, Qkv};
+    fn suite_options(&self) -> [(&'static str, bool, &'static [BenchOps]); 10] {
+        use BenchOps::{Attention, Layer, Qkv};
         [
             ("--shapes", self.shapes.is_some(), &[Qkv]),
             ("--dtypes", self.dtypes.is_some(), &[Qkv, Attention]),
@@ -132,6 +145,7 @@ impl BenchArgs {
             ("--compile-shape", self.compile_shape.is_some(), &[Qkv]),
             ("--no-compile", self.no_compile, &[Qkv]),
             ("--svg", self.svg.is_some(), &[Qkv]),
+            ("--no-fuse", self.no_fuse, &[Layer]),
         ]
     }
 
@@ -181,6 +195,19 @@ impl BenchArgs {
         if let Some(threads) = self.threads {
             config.threads = threads;
         }
+        Ok(config)
+    }
+
+    /// The `--ops layer` run these options ask for: a preset with the given
+    /// thread count and `--no-fuse`; options of the other suites are refused.
+    pub fn layer_config(&self) -> Result<LayerBenchConfig> {
+        self.refuse_options_of_other_suites(BenchOps::Layer)?;
+        let mut config = self.preset(LayerBenchConfig::tiny, LayerBenchConfig::quick, LayerBenchConfig::full);
+        if let Some(threads) = self.threads {
+            config.threads = threads;
+        }
+        config.unfused_only = self.no_fuse;
+        config.check()?;
         Ok(config)
     }
 
@@ -259,6 +286,7 @@ pub fn run_bench(args: &BenchArgs) -> Result<()> {
     }
     match args.ops {
         BenchOps::Qkv => {
+            args.refuse_options_of_other_suites(BenchOps::Qkv)?;
             let config = args.config();
             config.check()?;
             let svg = args.svg_path()?;
@@ -269,12 +297,20 @@ pub fn run_bench(args: &BenchArgs) -> Result<()> {
             let report = drive(json, None, |progress| run_attention(&config, progress))?;
             let failures = report.failures();
             if !failures.is_empty() {
-                return Err(BenchError::ValidationFailed { failures });
+                return Err(BenchError::ValidationFailed { what: "attention configuration(s)", failures });
             }
         }
         BenchOps::Fp8 => {
             let config = args.fp8_config()?;
             drive(json, None, |progress| run_fp8(&config, progress))?;
+        }
+        BenchOps::Layer => {
+            let config = args.layer_config()?;
+            let report = drive(json, None, |progress| run_layer(&config, progress))?;
+            let failures = report.failures();
+            if !failures.is_empty() {
+                return Err(BenchError::ValidationFailed { what: "layer workload(s)", failures });
+            }
         }
     }
     Ok(())
@@ -314,6 +350,15 @@ impl Rendered for AttentionReport {
 }
 
 impl Rendered for Fp8Report {
+    fn markdown(&self) -> String {
+        self.to_markdown()
+    }
+    fn json(&self) -> Value {
+        self.to_json()
+    }
+}
+
+impl Rendered for LayerReport {
     fn markdown(&self) -> String {
         self.to_markdown()
     }
@@ -465,6 +510,13 @@ mod tests {
         );
         assert_eq!(args(&["--ops", "attention", "--dtypes", "f32"]).attention_config().unwrap().dtypes, [DType::F32]);
         assert_eq!(args(&["--ops", "fp8", "--threads", "3"]).fp8_config().unwrap().threads, 3);
+        let err = args(&["--ops", "attention", "--no-fuse"]).attention_config().unwrap_err();
+        assert_eq!(err.to_string(), "--no-fuse applies to --ops layer only, not to --ops attention");
+        let err = args(&["--ops", "layer", "--ms", "4"]).layer_config().unwrap_err();
+        assert!(matches!(err, BenchError::OptionNotForOps { option: "--ms", ops: BenchOps::Layer, .. }), "{err:?}");
+        let layer = args(&["--ops", "layer", "--quick", "--threads", "1", "--no-fuse"]).layer_config().unwrap();
+        assert_eq!((layer.mode.as_str(), layer.threads, layer.unfused_only), ("quick", 1, true));
+        assert!(!args(&["--ops", "layer"]).layer_config().unwrap().unfused_only);
 
         let err = args(&["--json", "out.svg"]).svg_path().unwrap_err();
         assert!(matches!(&err, BenchError::JsonIsPlot { path } if path == Path::new("out.svg")), "{err:?}");

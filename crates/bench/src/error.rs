@@ -118,10 +118,13 @@ pub enum BenchError {
         /// The output.
         what: &'static str,
     },
-    /// Attention configurations whose kvjit and peer outputs disagreed (the
-    /// report shows them; the command fails after printing it).
-    #[error("{} attention configuration(s) failed validation: {}", failures.len(), failures.join("; "))]
+    /// Attention configurations whose kvjit and peer outputs disagreed, or
+    /// layer workloads whose fused and unfused outputs did (the report shows
+    /// them; the command fails after printing it).
+    #[error("{} {what} failed validation: {}", failures.len(), failures.join("; "))]
     ValidationFailed {
+        /// What failed: `attention configuration(s)`, `layer workload(s)`.
+        what: &'static str,
         /// One line per configuration: which, and why.
         failures: Vec<String>,
     },

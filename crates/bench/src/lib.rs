@@ -20,6 +20,8 @@
 //!   error underneath is wrapped, not rewritten);
 //! - [`attention`], [`fp8`]: the `--ops attention` and `--ops fp8` suites, on
 //!   the heads, caches and step graph of [`workload`];
+//! - [`layer`]: the `--ops layer` suite, one whole decoder layer compiled
+//!   fused and unfused, timed side by side;
 //! - [`startup`]: `kvjit bench --startup`, fresh processes timed.
 //!
 //! [`run`] runs a whole [`BenchConfig`]: the roofs, then for every shape,
@@ -33,6 +35,7 @@ pub mod compile;
 pub mod error;
 pub mod fp8;
 pub mod impls;
+pub mod layer;
 pub mod problem;
 pub mod render;
 pub mod report;
