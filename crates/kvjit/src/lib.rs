@@ -35,6 +35,7 @@ pub mod compare;
 mod compile;
 mod error;
 pub mod fuse;
+pub mod generate;
 pub mod models;
 mod registry;
 pub mod scenario;

@@ -73,24 +73,24 @@ fn fill_history(cache: &mut PagedKVCacheCollection, history: &[u32], rng: &mut S
 /// the ops' signatures ([`ArgRole`]), so any registered op gets valid example
 /// inputs.
 #[derive(Clone, Debug, Default)]
-struct Roles {
+pub(crate) struct Roles {
     /// Padded activations `[B, S, …]`: the first data input of each node
     /// that takes valid lengths, and every graph input whose leading two
     /// dims are that input's B and S (a hidden state normalized before the
     /// node, token ids embedded before it).
-    hidden: BTreeSet<String>,
+    pub(crate) hidden: BTreeSet<String>,
     /// Token ids: u32 inputs read as a `mo.gather`'s `ids`, with the rows
     /// of its table (the fewest, where several gathers read one input).
-    token_ids: BTreeMap<String, usize>,
-    valid_lengths: BTreeSet<String>,
+    pub(crate) token_ids: BTreeMap<String, usize>,
+    pub(crate) valid_lengths: BTreeSet<String>,
     /// layer_idx input → the layer it selects (order of first use modulo L).
-    layer_idx: BTreeMap<String, u32>,
+    pub(crate) layer_idx: BTreeMap<String, u32>,
     /// cache → the valid_lengths input of the first node writing it.
-    cache_lengths_from: BTreeMap<String, String>,
+    pub(crate) cache_lengths_from: BTreeMap<String, String>,
 }
 
 impl Roles {
-    fn of(graph: &Graph, ops: &OpRegistry) -> Result<Self> {
+    pub(crate) fn of(graph: &Graph, ops: &OpRegistry) -> Result<Self> {
         let mut roles = Roles::default();
         let input_name = |v: ValueId| match graph.value(v).def {
             ValueDef::Input => graph.value(v).name.clone(),
