@@ -472,3 +472,49 @@ fn only_regular_files_are_opened() {
         assert!(matches!(Gguf::open(Path::new(path)), Err(Error::NotARegularFile { .. })), "{path}");
     }
 }
+
+#[test]
+fn mutated_files_are_refused_or_read_without_panicking() {
+    let (w, _) = every_type();
+    let original = w.to_bytes();
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    let extremes = [0u64, 1, 31, 32, 255, 1 << 31, 1 << 32, (1 << 42) + 1, 1 << 62, 1 << 63, u64::MAX];
+    let mut accepted = 0;
+    for _ in 0..3000 {
+        let mut bytes = original.clone();
+        for _ in 0..1 + next() % 3 {
+            if bytes.is_empty() {
+                break;
+            }
+            let at = (next() % bytes.len() as u64) as usize;
+            match next() % 3 {
+                0 => bytes[at] = next() as u8,
+                1 => {
+                    // An extreme little-endian u64 or u32 over whatever field is there.
+                    let v = extremes[(next() % extremes.len() as u64) as usize].to_le_bytes();
+                    let n = if next() % 2 == 0 { 8 } else { 4 };
+                    let end = (at + n).min(bytes.len());
+                    bytes[at..end].copy_from_slice(&v[..end - at]);
+                }
+                _ => bytes.truncate(at),
+            }
+        }
+        let Ok(g) = Gguf::from_bytes("m.gguf", &bytes) else { continue };
+        accepted += 1;
+        for key in g.keys().map(str::to_string).collect::<Vec<_>>() {
+            let _ = (g.get_u32(&key), g.get_f32(&key), g.get_str(&key), g.get_str_array(&key), g.get_i32_array(&key));
+        }
+        for info in g.tensors() {
+            if info.numel() <= 1 << 20 {
+                let _ = g.tensor(info.name(), DType::BF16);
+            }
+        }
+    }
+    assert!(accepted > 100, "some mutations (of tensor data, say) still read: {accepted}");
+}
