@@ -4,7 +4,7 @@
 #   scripts/fuzz.sh [SECONDS] [TARGET...]     one target after another (default 60 s, all targets)
 #   scripts/fuzz.sh --parallel SECONDS        all targets at once, each under `nice -n 19`
 #
-# Targets (fuzz/fuzz_targets/): graph_file, safetensors_inputs, artifact, op_call.
+# Targets (fuzz/fuzz_targets/): graph_file, safetensors_inputs, artifact, gguf, op_call.
 # Needs cargo-fuzz (`cargo install cargo-fuzz`). Works on stable Rust:
 # RUSTC_BOOTSTRAP=1 lets cargo-fuzz pass its nightly-only flags. The
 # sanitizer is AddressSanitizer unless KVJIT_FUZZ_SANITIZER says otherwise
@@ -27,7 +27,7 @@ seconds="${1:-60}"
 shift || true
 targets=("$@")
 if [[ ${#targets[@]} -eq 0 ]]; then
-    targets=(graph_file safetensors_inputs artifact op_call)
+    targets=(graph_file safetensors_inputs artifact gguf op_call)
 fi
 sanitizer="${KVJIT_FUZZ_SANITIZER:-address}"
 export RUSTC_BOOTSTRAP=1

@@ -1,5 +1,5 @@
 //! Writes the committed seed corpora of the `graph_file`,
-//! `safetensors_inputs` and `artifact` targets (the `op_call` seeds are libFuzzer's own
+//! `safetensors_inputs`, `artifact` and `gguf` targets (the `op_call` seeds are libFuzzer's own
 //! minimized finds). Run from the repository root:
 //!
 //! ```sh
@@ -31,6 +31,7 @@ fn main() {
     }
     let registry = standard_registry();
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("corpus");
+    write_gguf_seeds(&root);
 
     // graph_file: the tiny chain (random-init weights), a small layer with a
     // data constant followed by its weights file, and the two-layer example.
@@ -177,6 +178,44 @@ fn main() {
     }
 }
 
+/// gguf: a tiny Llama-like file (metadata of the kinds a model carries, a
+/// tensor of every type kvjit reads), a file of a type it does not read,
+/// and a version-2 file with a non-default alignment.
+fn write_gguf_seeds(root: &Path) {
+    use kvjit_gguf::GgmlType;
+    use kvjit_gguf::writer::{GgufWriter, MetaValue};
+    let dir = root.join("gguf");
+    let values = |n: usize, seed: f32| -> Vec<f32> { (0..n).map(|i| (i as f32 * 0.37 + seed).sin()).collect() };
+    let mut w = GgufWriter::new();
+    w.kv("general.architecture", "llama")
+        .kv("llama.block_count", 1u32)
+        .kv("llama.embedding_length", 32u32)
+        .kv("llama.attention.head_count", 2u32)
+        .kv("llama.rope.freq_base", 10000.0f32)
+        .kv("tokenizer.ggml.model", "gpt2")
+        .kv("tokenizer.ggml.tokens", MetaValue::strings(["a", "b", "ab", "<0x0A>"]))
+        .kv("tokenizer.ggml.token_type", MetaValue::i32s([1, 1, 1, 6]))
+        .kv("tokenizer.ggml.merges", MetaValue::strings(["a b"]))
+        .kv("tokenizer.ggml.bos_token_id", 0u32)
+        .tensor("token_embd.weight", GgmlType::Q8_0, &[4, 32], &values(128, 0.0))
+        .tensor("blk.0.attn_norm.weight", GgmlType::F32, &[32], &values(32, 1.0))
+        .tensor("blk.0.attn_q.weight", GgmlType::Q4_0, &[2, 32], &values(64, 2.0))
+        .tensor("blk.0.attn_k.weight", GgmlType::Q4_1, &[2, 32], &values(64, 3.0))
+        .tensor("blk.0.ffn_up.weight", GgmlType::Q4K, &[1, 256], &values(256, 4.0))
+        .tensor("blk.0.ffn_down.weight", GgmlType::Q6K, &[1, 256], &values(256, 5.0))
+        .tensor("blk.0.f16", GgmlType::F16, &[2, 3], &values(6, 6.0))
+        .tensor("blk.0.bf16", GgmlType::BF16, &[3, 2], &values(6, 7.0));
+    write(&dir, "tiny_llama.gguf", &w.to_bytes());
+    let mut w = GgufWriter::new();
+    w.kv("general.architecture", "gpt2").tensor_raw("q5", GgmlType::Q5K, &[256], vec![0x55; 176]);
+    write(&dir, "unsupported_type.gguf", &w.to_bytes());
+    let mut w = GgufWriter::new();
+    w.version = 2;
+    w.alignment = 8;
+    w.kv("flag", true).kv("big", MetaValue::U64(1 << 40)).tensor("x", GgmlType::F32, &[3], &[1.0, -0.0, f32::NAN]);
+    write(&dir, "v2_align8.gguf", &w.to_bytes());
+}
+
 /// Run every committed seed through its target's harness (no libFuzzer).
 fn replay() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("corpus");
@@ -184,6 +223,7 @@ fn replay() {
         ("graph_file", kvjit_fuzz::graph_file as fn(&[u8])),
         ("safetensors_inputs", kvjit_fuzz::safetensors_inputs),
         ("artifact", kvjit_fuzz::artifact_file),
+        ("gguf", kvjit_fuzz::gguf_file),
     ] {
         for entry in std::fs::read_dir(root.join(target)).unwrap() {
             let path = entry.unwrap().path();

@@ -1,4 +1,4 @@
-//! What the `graph_file` and `safetensors_inputs` fuzz targets do with their
+//! What the `graph_file`, `safetensors_inputs` and `gguf` fuzz targets do with their
 //! bytes, and the tiny graphs they run (the `op_call` target lives in its own
 //! file: it runs the test kit's differential checker,
 //! `kvjit_testkit::fused_qkv::differential`, which the property tests share).
@@ -460,6 +460,82 @@ fn with_tiny<R>(f: impl FnOnce(&[Tiny]) -> R) -> R {
         }
         f(&tiny)
     })
+}
+
+/// Elements of one tensor the `gguf` target dequantizes (bigger ones are
+/// only checked for their size: a file of n bytes can declare a Q4_0 tensor
+/// of about 1.8·n elements, so this bounds memory, not correctness).
+pub const GGUF_MAX_ELEMENTS: usize = 1 << 22;
+
+/// The `gguf` target: the bytes of a GGUF file. A file the reader refuses
+/// is one line; one it accepts has every metadata value readable (arrays
+/// walked at their declared width, typed getters erroring, never
+/// panicking) and every tensor's stored bytes exactly its declared size,
+/// and a tensor kvjit reads dequantizes to f32, bf16 and f16 alike (each
+/// the f32 values rounded once).
+pub fn gguf_file(data: &[u8]) {
+    use kvjit::{bf16, f16};
+    use kvjit_gguf::{Gguf, Value};
+    let gguf = match Gguf::from_bytes("fuzz.gguf", data) {
+        Ok(g) => g,
+        Err(e) => {
+            let message = e.to_string();
+            assert!(!message.contains('\n'), "a refusal is one line: {message}");
+            return;
+        }
+    };
+    for key in gguf.keys() {
+        match gguf.get(key).expect("a listed key has a value") {
+            Value::Array(array) => {
+                assert_eq!(array.iter().count(), array.len(), "{key}: an array yields its length");
+                for v in array.iter() {
+                    let _ = (v.as_integer(), v.as_f32(), v.as_str());
+                }
+            }
+            v => {
+                let _ = (v.as_integer(), v.as_f32(), v.as_str());
+            }
+        }
+        let _ = gguf.get_u32(key).map_err(|e| e.to_string());
+        let _ = gguf.get_u64(key).map_err(|e| e.to_string());
+        let _ = gguf.get_f32(key).map_err(|e| e.to_string());
+        let _ = gguf.get_bool(key).map_err(|e| e.to_string());
+        let _ = gguf.get_str(key).map_err(|e| e.to_string());
+        let _ = gguf.get_str_array(key).map_err(|e| e.to_string());
+        let _ = gguf.get_i32_array(key).map_err(|e| e.to_string());
+        let _ = gguf.get_u32_array(key).map_err(|e| e.to_string());
+        let _ = gguf.get_f32_array(key).map_err(|e| e.to_string());
+    }
+    let _ = gguf.architecture().map_err(|e| e.to_string());
+    for info in gguf.tensors() {
+        let name = info.name();
+        let stored = gguf.tensor_data(name).expect("a listed tensor has data");
+        assert_eq!(stored.len(), info.byte_size(), "{name}: stored bytes");
+        let ty = info.ggml_type();
+        assert_eq!(info.numel() / ty.block_size() * ty.type_size(), info.byte_size(), "{name}: whole blocks of {ty}");
+        if info.numel() > GGUF_MAX_ELEMENTS {
+            continue;
+        }
+        let f32s = match gguf.tensor(name, DType::F32) {
+            Ok(t) => t,
+            Err(e) => {
+                assert!(!ty.is_supported(), "{name}: a {ty} tensor refused: {e}");
+                continue;
+            }
+        };
+        assert_eq!(f32s.shape(), &info.shape()[..], "{name}: shape");
+        let values = f32s.to_f32_vec().unwrap();
+        let bf16s = gguf.tensor(name, DType::BF16).expect("f32 loads, so bf16 does");
+        let f16s = gguf.tensor(name, DType::F16).expect("f32 loads, so f16 does");
+        let want_bf16: Vec<u16> = values.iter().map(|&v| bf16::from_f32(v).to_bits()).collect();
+        assert_eq!(le_u16s(bf16s.as_bytes()), want_bf16, "{name}: bf16 is the f32 values rounded once");
+        let want_f16: Vec<u16> = values.iter().map(|&v| f16::from_f32(v).to_bits()).collect();
+        assert_eq!(le_u16s(f16s.as_bytes()), want_f16, "{name}: f16 is the f32 values rounded once");
+    }
+}
+
+fn le_u16s(bytes: &[u8]) -> Vec<u16> {
+    bytes.chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]])).collect()
 }
 
 /// The `safetensors_inputs` target: the bytes of a `kvjit run --inputs`

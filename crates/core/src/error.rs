@@ -312,6 +312,28 @@ pub enum Error {
         /// Its dtype as the file spells it.
         dtype: String,
     },
+    /// A GGUF file's metadata lacks a key a caller needs, or holds it in
+    /// a type that cannot serve (the file itself is well-formed).
+    #[error("{}: {problem}", path.display())]
+    GgufMetadata {
+        /// The file.
+        path: PathBuf,
+        /// The metadata key, e.g. `llama.block_count`.
+        key: String,
+        /// What is wrong, naming the key.
+        problem: String,
+    },
+    /// A GGUF tensor that cannot become what was asked: a GGML type kvjit
+    /// cannot dequantize, or a dtype it cannot be converted into.
+    #[error("{}: tensor '{name}': {problem}", path.display())]
+    GgufTensor {
+        /// The file.
+        path: PathBuf,
+        /// The tensor's name.
+        name: String,
+        /// What is wrong.
+        problem: String,
+    },
     /// A needed tensor is not in the file.
     #[error("tensor '{name}' not found{context}")]
     MissingTensor {

@@ -1,4 +1,5 @@
-//! Graph files: versioned JSON for the graph, safetensors for the weights.
+//! Graph files: versioned JSON for the graph, safetensors (or GGUF) for the
+//! weights.
 //!
 //! A file is checked in this order: JSON syntax, the `format`/`version`
 //! marker (so a future version is reported as such, not as a parse error),
@@ -469,7 +470,10 @@ fn graph_needs_weights(graph: &Graph) -> bool {
     graph.constants().any(|(_, v)| matches!(v.def, ValueDef::Constant { init: None, .. }))
 }
 
-/// Load a graph file, and the weights file it names; its `init` recipes
+/// Load a graph file, and the weights file it names (safetensors, or GGUF
+/// when the name ends in `.gguf`: constants are looked up by tensor name,
+/// borrowed when stored in their declared dtype, otherwise converted or
+/// dequantized into it); its `init` recipes
 /// may generate [`DEFAULT_MEMORY_LIMIT`] bytes in all
 /// ([`load_graph_within`] sets another budget).
 ///
@@ -504,6 +508,9 @@ pub fn load_graph_within(path: &Path, registry: &OpRegistry, weights: WeightLoad
     let json: serde_json::Value = serde_json::from_str(&text)?;
     check_marker(&json)?;
     let weights = match json.get("weights").and_then(|w| w.as_str()) {
+        Some(name) if is_gguf_name(name) => {
+            Some(load_gguf_constants(&json, &confined_weights_path(path, name)?, mode)?)
+        }
         Some(name) => {
             let loaded = load_safetensors(&confined_weights_path(path, name)?, mode)?;
             tracing::debug!(
@@ -516,6 +523,53 @@ pub fn load_graph_within(path: &Path, registry: &OpRegistry, weights: WeightLoad
         None => None,
     };
     graph_from_json_within(&text, registry, weights.as_ref(), recipe_budget)
+}
+
+/// Whether a graph file's `weights` names a GGUF file (extension `.gguf`,
+/// any case).
+fn is_gguf_name(name: &str) -> bool {
+    Path::new(name).extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+}
+
+/// The constants of graph-file `json` that the GGUF file at `path` holds,
+/// each as its declared dtype: data stored in that dtype (F32, F16, BF16)
+/// is borrowed from the mapping, anything else is converted or dequantized
+/// ([`kvjit_gguf::Gguf::load_tensor`]). A tensor whose row-major shape
+/// differs from the constant's is refused naming both; a constant with an
+/// `init` recipe that the file also holds is ambiguous, as with
+/// safetensors. Tensors no constant names are not read.
+fn load_gguf_constants(json: &serde_json::Value, path: &Path, mode: WeightLoad) -> Result<BTreeMap<String, Tensor>> {
+    let gguf = kvjit_gguf::Gguf::open_with(path, mode)?;
+    let file: GraphFile<serde_json::Value> = serde_json::from_value(json.clone())?;
+    let mut wanted = Vec::new();
+    for value in &file.values {
+        let ValueEntry::Constant { name, dtype, shape, init, .. } = value else { continue };
+        let Some(info) = gguf.tensor_info(name) else { continue };
+        if init.is_some() {
+            return Err(GraphError::AmbiguousConstant { name: name.clone() });
+        }
+        if info.shape() != *shape {
+            return Err(GraphError::Tensor(kvjit_core::Error::GgufTensor {
+                path: path.to_path_buf(),
+                name: name.clone(),
+                problem: format!(
+                    "it is {}{:?} (GGUF dims {:?}, innermost first), but the graph's constant '{name}' is {dtype}{shape:?}",
+                    info.ggml_type(),
+                    info.shape(),
+                    info.ne()
+                ),
+            }));
+        }
+        wanted.push((name.as_str(), *dtype));
+    }
+    let loaded = gguf.load_tensors(wanted)?;
+    tracing::debug!(
+        mapped_bytes = loaded.mapped_bytes,
+        copied_bytes = loaded.copied_bytes,
+        "loaded GGUF weights {}",
+        path.display()
+    );
+    Ok(loaded.tensors)
 }
 
 /// The weights file `name` of the graph file at `graph`, checked to be a
