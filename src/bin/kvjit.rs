@@ -110,6 +110,89 @@ enum Command {
     /// reference and GEMM-library peers, on this machine's roofs; print a
     /// Markdown table.
     Bench(kvjit_bench::cli::BenchArgs),
+    /// Write DIR/model.json: the whole model graph of a GGUF file (a
+    /// Llama-family model), referring to the file for its weights.
+    Import {
+        /// The GGUF file.
+        model: PathBuf,
+        /// The folder to write model.json into (the GGUF is linked there
+        /// when it lies elsewhere).
+        #[arg(short, long)]
+        output: PathBuf,
+        #[command(flatten)]
+        shape: ModelShape,
+    },
+    /// Generate text with a model: a GGUF file, or a model.json written by
+    /// `kvjit import`. The prompt runs as one prefill, then one decode step
+    /// per token on the same compiled model and paged KV cache; text is
+    /// streamed as it is produced.
+    Generate(GenerateArgs),
+}
+
+/// How an imported model is compiled: dtype and cache size.
+#[derive(clap::Args, Clone, Copy)]
+struct ModelShape {
+    /// Activation and weight dtype (quantized weights are dequantized to it).
+    #[arg(long, default_value = "f32")]
+    dtype: DType,
+    /// Tokens a sequence may hold: prompt plus generated.
+    #[arg(long, default_value_t = 2048)]
+    context: usize,
+    /// Sequences the KV cache holds at that context.
+    #[arg(long, default_value_t = 4)]
+    max_batch: usize,
+}
+
+impl ModelShape {
+    fn options(self) -> kvjit::models::gguf::ImportOptions {
+        kvjit::models::gguf::ImportOptions {
+            dtype: self.dtype,
+            context: self.context,
+            max_batch: self.max_batch,
+            ..Default::default()
+        }
+    }
+}
+
+#[derive(clap::Args)]
+struct GenerateArgs {
+    /// A GGUF file, or a model.json written by `kvjit import`.
+    model: PathBuf,
+    /// The prompt (repeat it to run several prompts side by side).
+    #[arg(long, required = true)]
+    prompt: Vec<String>,
+    /// Wrap each prompt in the model's chat template as a user message.
+    #[arg(long)]
+    chat: bool,
+    /// Tokens to generate per prompt, at most.
+    #[arg(long, default_value_t = 128)]
+    max_tokens: usize,
+    /// 0 (default): greedy; otherwise sample at this temperature.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// Sample from the k most likely tokens only.
+    #[arg(long)]
+    top_k: Option<usize>,
+    /// Sample from the most likely tokens whose probabilities sum to p.
+    #[arg(long)]
+    top_p: Option<f32>,
+    /// Seed of the sampler.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Write the tokens (u32 [prompt + generated]) and the logits each
+    /// generated token was picked from (f32 [generated, vocab]) to this
+    /// safetensors file (names suffixed `.N` for prompt N when there are
+    /// several).
+    #[arg(long)]
+    logits: Option<PathBuf>,
+    /// CPU worker threads (0: one per core).
+    #[arg(long, default_value_t = 0)]
+    threads: usize,
+    /// Compile every node as its own kernel.
+    #[arg(long)]
+    no_fuse: bool,
+    #[command(flatten)]
+    shape: ModelShape,
 }
 
 #[derive(clap::Args)]
@@ -252,6 +335,12 @@ fn main() -> ExitCode {
         }
         Command::Compare { a, b, tolerance } => compare_files(&a, &b, tolerance),
         Command::Bench(args) => kvjit_bench::cli::run_bench(&args).map_err(bench_error),
+        Command::Import { model, output, shape } => {
+            kvjit::models::gguf::import(&model, &output, registry.ops(), &shape.options()).map(|(graph, gguf)| {
+                println!("wrote {} (weights: {})", graph.display(), gguf.display());
+            })
+        }
+        Command::Generate(args) => generate(&registry, &args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -595,6 +684,107 @@ fn run(registry: &Registry, args: &RunArgs) -> Result<()> {
         }
         write_safetensors(path, named.iter().map(|(n, t)| (n.as_str(), t)))?;
         println!("wrote {} tensors to {}", named.len(), path.display());
+    }
+    Ok(())
+}
+
+/// `kvjit generate`: load the model (a GGUF, or a graph file naming one)
+/// and its tokenizer, compile, run the prompts, stream the text.
+fn generate(registry: &Registry, args: &GenerateArgs) -> Result<()> {
+    use std::io::Write as _;
+
+    use kvjit::generate::{GenerateOptions, Model, Sampling};
+    use kvjit::models::gguf::{load_model, tokenizer};
+
+    let is_gguf = args.model.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf"));
+    let (graph, gguf_path) = if is_gguf {
+        (load_model(&args.model, registry.ops(), &args.shape.options(), WeightLoad::Map)?, args.model.clone())
+    } else {
+        let gguf_path = kvjit::models::gguf::gguf_of_graph_file(&args.model)?;
+        (load(registry, &args.model, WeightLoad::Map, None)?, gguf_path)
+    };
+    let tokenizer = tokenizer(&kvjit::gguf::Gguf::open(&gguf_path)?)?;
+    let options = CompileOptions { fuse: !args.no_fuse, ..CompileOptions::default() };
+    let started = Instant::now();
+    let exe = compile(&graph, registry, &options)?;
+    let ctx = DeviceContextPtr::for_target(Target::Cpu, args.threads)?;
+    let model = Model::new(&graph, registry, exe, Executor::new(ctx))?;
+    let compile_time = started.elapsed();
+
+    let mut prompts = Vec::with_capacity(args.prompt.len());
+    for text in &args.prompt {
+        let ids = if args.chat {
+            let messages = [kvjit::tokenizer::ChatMessage::new("user", text.as_str())];
+            let formatted = tokenizer
+                .apply_chat_template(&messages, true)
+                .map_err(|e| Error::Usage(format!("chat template: {e}")))?;
+            let parse = kvjit::tokenizer::EncodeOptions { add_special: true, parse_special: true };
+            tokenizer.encode_with(&formatted, parse)
+        } else {
+            tokenizer.encode(text, true)
+        };
+        prompts.push(ids.map_err(|e| Error::Usage(format!("tokenizer: {e}")))?);
+    }
+    let sampling = Sampling { temperature: args.temperature, top_k: args.top_k, top_p: args.top_p, seed: args.seed };
+    let generate_options = GenerateOptions {
+        max_tokens: args.max_tokens,
+        sampling,
+        stop: tokenizer.eog_ids().to_vec(),
+        keep_logits: args.logits.is_some(),
+    };
+    eprintln!("model '{}': {} prompt(s), compiled in {}", graph.name(), prompts.len(), format_duration(compile_time));
+    let streaming = prompts.len() == 1;
+    let mut decoders: Vec<_> = prompts.iter().map(|_| tokenizer.decoder().skip_special(true)).collect();
+    let mut texts = vec![String::new(); prompts.len()];
+    let mut stdout = std::io::stdout();
+    if streaming && !args.chat {
+        print!("{}", args.prompt[0]);
+    }
+    let out = model.generate(&prompts, &generate_options, &mut |p, token| {
+        let piece = decoders[p].push(token).unwrap_or_default();
+        if streaming {
+            print!("{piece}");
+            let _ = stdout.flush();
+        } else {
+            texts[p].push_str(&piece);
+        }
+    })?;
+    for (p, decoder) in decoders.iter_mut().enumerate() {
+        let rest = decoder.finish();
+        if streaming {
+            println!("{rest}");
+        } else {
+            texts[p].push_str(&rest);
+            println!(
+                "--- prompt {p}: {}\n{}{}",
+                args.prompt[p],
+                if args.chat { "" } else { &args.prompt[p] },
+                texts[p]
+            );
+        }
+    }
+    let prompt_tokens: usize = prompts.iter().map(Vec::len).sum();
+    let generated: usize = out.tokens.iter().map(Vec::len).sum();
+    let rate = |tokens: usize, time: Duration| tokens as f64 / time.as_secs_f64().max(1e-9);
+    let decoded = generated.saturating_sub(prompts.len());
+    eprintln!(
+        "prompt: {prompt_tokens} tokens, prefill {:.1} tok/s; generated: {generated} tokens, decode {:.1} tok/s",
+        rate(prompt_tokens, out.prefill),
+        rate(decoded, out.decode)
+    );
+    if let Some(path) = &args.logits {
+        let mut named: Vec<(String, Tensor)> = Vec::new();
+        for (p, prompt) in prompts.iter().enumerate() {
+            let suffix = if prompts.len() == 1 { String::new() } else { format!(".{p}") };
+            let tokens: Vec<u32> = prompt.iter().chain(&out.tokens[p]).copied().collect();
+            named.push((format!("tokens{suffix}"), Tensor::from_vec(&[tokens.len()], tokens)?));
+            let rows = &out.logits[p];
+            let vocab = rows.first().map_or(0, Vec::len);
+            let flat: Vec<f32> = rows.iter().flatten().copied().collect();
+            named.push((format!("logits{suffix}"), Tensor::from_vec(&[rows.len(), vocab], flat)?));
+        }
+        write_safetensors(path, named.iter().map(|(n, t)| (n.as_str(), t)))?;
+        eprintln!("wrote tokens and logits to {}", path.display());
     }
     Ok(())
 }

@@ -317,22 +317,22 @@ pub enum Error {
     #[error("{}: {problem}", path.display())]
     GgufMetadata {
         /// The file.
-        path: PathBuf,
+        path: Box<std::path::Path>,
         /// The metadata key, e.g. `llama.block_count`.
-        key: String,
+        key: Box<str>,
         /// What is wrong, naming the key.
-        problem: String,
+        problem: Box<str>,
     },
     /// A GGUF tensor that cannot become what was asked: a GGML type kvjit
     /// cannot dequantize, or a dtype it cannot be converted into.
     #[error("{}: tensor '{name}': {problem}", path.display())]
     GgufTensor {
         /// The file.
-        path: PathBuf,
+        path: Box<std::path::Path>,
         /// The tensor's name.
-        name: String,
+        name: Box<str>,
         /// What is wrong.
-        problem: String,
+        problem: Box<str>,
     },
     /// A needed tensor is not in the file.
     #[error("tensor '{name}' not found{context}")]

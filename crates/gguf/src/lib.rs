@@ -220,7 +220,7 @@ impl Gguf {
     }
 
     fn metadata_error(&self, key: &str, problem: String) -> Error {
-        Error::GgufMetadata { path: self.path.clone(), key: key.to_string(), problem }
+        Error::GgufMetadata { path: self.path.clone().into(), key: key.into(), problem: problem.into() }
     }
 
     fn required<T>(&self, key: &str, value: Result<Option<T>>) -> Result<T> {
@@ -469,7 +469,11 @@ impl Gguf {
     /// made (`false`: copied, converted or dequantized).
     pub fn load_tensor(&self, name: &str, dtype: DType) -> Result<(Tensor, bool)> {
         let info = self.info_or_missing(name)?;
-        let refuse = |problem: String| Error::GgufTensor { path: self.path.clone(), name: name.to_string(), problem };
+        let refuse = |problem: String| Error::GgufTensor {
+            path: self.path.clone().into(),
+            name: name.into(),
+            problem: problem.into(),
+        };
         if !dtype.is_compute_float() {
             return Err(refuse(format!("GGUF weights load as f32, bf16 or f16, not {dtype}")));
         }

@@ -168,7 +168,7 @@ fn missing_and_mistyped_keys_name_the_key() {
     let (w, _) = every_type();
     let g = Gguf::from_bytes("m.gguf", &w.to_bytes()).unwrap();
     let err = g.get_u32("llama.context_length").unwrap_err();
-    assert!(matches!(&err, Error::GgufMetadata { key, .. } if key == "llama.context_length"));
+    assert!(matches!(&err, Error::GgufMetadata { key, .. } if &**key == "llama.context_length"));
     assert_eq!(err.to_string(), "m.gguf: missing metadata key llama.context_length");
     assert_eq!(
         g.get_u32("general.architecture").unwrap_err().to_string(),

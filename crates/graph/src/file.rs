@@ -541,35 +541,96 @@ fn is_gguf_name(name: &str) -> bool {
 fn load_gguf_constants(json: &serde_json::Value, path: &Path, mode: WeightLoad) -> Result<BTreeMap<String, Tensor>> {
     let gguf = kvjit_gguf::Gguf::open_with(path, mode)?;
     let file: GraphFile<serde_json::Value> = serde_json::from_value(json.clone())?;
+    let mismatch = |name: &str, what: String, dtype: DType, shape: &[usize]| {
+        GraphError::Tensor(kvjit_core::Error::GgufTensor {
+            path: path.into(),
+            name: name.into(),
+            problem: format!("it is {what}, but the graph's constant '{name}' is {dtype}{shape:?}").into(),
+        })
+    };
     let mut wanted = Vec::new();
+    let mut fused = BTreeMap::new();
     for value in &file.values {
         let ValueEntry::Constant { name, dtype, shape, init, .. } = value else { continue };
-        let Some(info) = gguf.tensor_info(name) else { continue };
+        let Some(info) = gguf.tensor_info(name) else {
+            if let Some(parts) = qkv_parts(&gguf, name) {
+                if init.is_some() {
+                    return Err(GraphError::AmbiguousConstant { name: name.clone() });
+                }
+                fused.insert(name.clone(), load_rows_of(&gguf, &parts, *dtype, shape, path)?);
+            }
+            continue;
+        };
         if init.is_some() {
             return Err(GraphError::AmbiguousConstant { name: name.clone() });
         }
         if info.shape() != *shape {
-            return Err(GraphError::Tensor(kvjit_core::Error::GgufTensor {
-                path: path.to_path_buf(),
-                name: name.clone(),
-                problem: format!(
-                    "it is {}{:?} (GGUF dims {:?}, innermost first), but the graph's constant '{name}' is {dtype}{shape:?}",
-                    info.ggml_type(),
-                    info.shape(),
-                    info.ne()
-                ),
-            }));
+            let what = format!("{}{:?} (GGUF dims {:?}, innermost first)", info.ggml_type(), info.shape(), info.ne());
+            return Err(mismatch(name, what, *dtype, shape));
         }
         wanted.push((name.as_str(), *dtype));
     }
-    let loaded = gguf.load_tensors(wanted)?;
+    let mut loaded = gguf.load_tensors(wanted)?;
     tracing::debug!(
         mapped_bytes = loaded.mapped_bytes,
         copied_bytes = loaded.copied_bytes,
         "loaded GGUF weights {}",
         path.display()
     );
+    loaded.tensors.extend(fused);
     Ok(loaded.tensors)
+}
+
+/// A fused QKV weight the file stores in parts: llama.cpp names a fused
+/// projection `blk.N.attn_qkv.weight`; a file without it but with
+/// `blk.N.attn_q.weight`, `attn_k` and `attn_v` (every Llama converted by
+/// llama.cpp) holds it as those three, stacked row-wise in that order.
+fn qkv_parts(gguf: &kvjit_gguf::Gguf, name: &str) -> Option<[String; 3]> {
+    let prefix = name.strip_suffix("attn_qkv.weight")?;
+    let parts = ["attn_q", "attn_k", "attn_v"].map(|p| format!("{prefix}{p}.weight"));
+    parts.iter().all(|p| gguf.tensor_info(p).is_some()).then_some(parts)
+}
+
+/// The `parts` (each `[rows_i, K]`) stacked row-wise into one `[Σ rows_i,
+/// K]` tensor of `dtype`, refused naming the parts unless that is `shape`.
+fn load_rows_of(
+    gguf: &kvjit_gguf::Gguf,
+    parts: &[String; 3],
+    dtype: DType,
+    shape: &[usize],
+    path: &Path,
+) -> Result<Tensor> {
+    let shapes: Vec<Vec<usize>> =
+        parts.iter().map(|p| gguf.tensor_info(p).expect("qkv_parts checked every part").shape()).collect();
+    let rows: usize = shapes.iter().map(|s| s.first().copied().unwrap_or(0)).sum();
+    let stacked = shapes.iter().all(|s| s.len() == 2 && s[1] == shape.get(1).copied().unwrap_or(usize::MAX));
+    if !stacked || [rows, shapes[0][1]] != *shape {
+        return Err(GraphError::Tensor(kvjit_core::Error::GgufTensor {
+            path: path.into(),
+            name: parts.join(" + ").into(),
+            problem: format!("parts of shapes {shapes:?} do not stack into the constant's {dtype}{shape:?}").into(),
+        }));
+    }
+    let tensors = parts.iter().map(|p| gguf.tensor(p, dtype)).collect::<kvjit_core::Result<Vec<Tensor>>>()?;
+    Ok(Tensor::anonymous(dtype, shape, |out| {
+        let mut at = 0;
+        for t in &tensors {
+            let bytes = t.as_bytes();
+            out[at..at + bytes.len()].copy_from_slice(bytes);
+            at += bytes.len();
+        }
+    })?)
+}
+
+/// A graph from graph-file text whose constants come from the GGUF file at
+/// `gguf` (named by the caller, so not confined to a folder: the CLI's
+/// `kvjit generate MODEL.gguf` builds its graph in memory), loaded as
+/// [`load_graph_with`] loads a graph file's GGUF weights.
+pub fn graph_from_json_with_gguf(text: &str, registry: &OpRegistry, gguf: &Path, mode: WeightLoad) -> Result<Graph> {
+    let json: serde_json::Value = serde_json::from_str(text)?;
+    check_marker(&json)?;
+    let weights = load_gguf_constants(&json, gguf, mode)?;
+    graph_from_json(text, registry, Some(&weights))
 }
 
 /// The weights file `name` of the graph file at `graph`, checked to be a

@@ -26,8 +26,8 @@ pub use builder::{DEFAULT_SCALE_GRANULARITY, GraphBuilder};
 pub use error::{GraphError, Result};
 pub use file::{
     DEFAULT_MEMORY_LIMIT, FORMAT_NAME, FORMAT_VERSION, confined_weights_path, graph_from_json,
-    graph_from_json_prepared, graph_from_json_within, graph_to_json, load_graph, load_graph_with, load_graph_within,
-    save_graph,
+    graph_from_json_prepared, graph_from_json_with_gguf, graph_from_json_within, graph_to_json, load_graph,
+    load_graph_with, load_graph_within, save_graph,
 };
 pub use graph::{Graph, GraphOutput, Node, Value, ValueDef};
 pub use ids::{NodeId, ValueId};

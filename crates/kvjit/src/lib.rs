@@ -54,6 +54,8 @@ pub use kvjit_core::{
     bf16, f16, load_safetensors, read_safetensors, read_safetensors_header, tensors_from_safetensors,
     tensors_to_safetensors, write_safetensors,
 };
+/// GGUF files (`kvjit-gguf`): the reader, metadata and dequantization.
+pub use kvjit_gguf as gguf;
 pub use kvjit_graph::{
     ConstantInit, DEFAULT_MEMORY_LIMIT, Dim, Graph, GraphBuilder, GraphError, KvCacheType, OpRegistry, ParamValue,
     Params, RandomInit, SpecializedGraph, TensorType, ValueDef, ValueId, graph_from_json, graph_from_json_within,
@@ -61,6 +63,8 @@ pub use kvjit_graph::{
 };
 pub use kvjit_jit::{CompileCause, CompileRecord, compile_log};
 pub use kvjit_op_rope::{Llama3Scaling, RopeInit};
+/// The tokenizer from a GGUF's vocabulary (`kvjit-tokenizer`).
+pub use kvjit_tokenizer as tokenizer;
 
 /// The CPU tier `CpuTier::Auto` resolves to on this machine (`Avx2` on an
 /// x86-64 CPU with AVX2, FMA and F16C, else `Cranelift`): the tier JIT

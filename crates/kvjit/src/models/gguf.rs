@@ -1,0 +1,236 @@
+//! A Llama-family model from its GGUF file: the [`LlamaConfig`] its
+//! hyper-parameters describe, the whole model graph
+//! ([`model_graph`](super::llama::model_graph)) with its constants named as
+//! the file names its tensors, and the tokenizer its metadata holds.
+//!
+//! The graph refers to the file for every weight (`weights` names the
+//! GGUF; no weight is copied): quantized tensors are dequantized into the
+//! model's dtype when the graph is loaded, and the fused QKV weight is the
+//! file's `attn_q`, `attn_k` and `attn_v` stacked. llama.cpp's converter
+//! permutes Q and K rows for pairwise RoPE, so the model rotates
+//! interleaved pairs.
+
+use std::path::{Path, PathBuf};
+
+use kvjit_core::{DType, WeightLoad};
+use kvjit_gguf::Gguf;
+use kvjit_graph::{Graph, OpRegistry, graph_from_json_with_gguf, graph_to_json};
+use kvjit_tokenizer::{Tokenizer, VocabSpec};
+
+use super::llama::{LayerConfig, LlamaConfig, model_graph};
+use crate::{Error, Result};
+
+/// How an imported model is held: its dtype, and the paged cache it is
+/// compiled for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ImportOptions {
+    /// Activation and weight dtype (quantized weights are dequantized to it).
+    pub dtype: DType,
+    /// Tokens a sequence may hold (prompt plus generated).
+    pub context: usize,
+    /// Sequences the cache holds at that context.
+    pub max_batch: usize,
+    /// Tokens per cache page.
+    pub page_size: usize,
+}
+
+impl Default for ImportOptions {
+    fn default() -> Self {
+        Self { dtype: DType::F32, context: 2048, max_batch: 4, page_size: 16 }
+    }
+}
+
+/// The model `gguf` describes, as kvjit builds it. Architectures other than
+/// `llama` are refused naming theirs; a missing hyper-parameter is refused
+/// naming its key.
+pub fn llama_config(gguf: &Gguf, options: &ImportOptions) -> Result<LlamaConfig> {
+    let arch = gguf.architecture()?;
+    if arch != "llama" {
+        return Err(Error::Usage(format!(
+            "{}: architecture '{arch}' is not supported (kvjit imports 'llama' models)",
+            gguf.path().display()
+        )));
+    }
+    let key = |suffix: &str| gguf.arch_key(suffix);
+    let hidden = gguf.get_u32(&key("embedding_length")?)? as usize;
+    let heads = gguf.get_u32(&key("attention.head_count")?)? as usize;
+    let kv_heads = gguf.get_u32_opt(&key("attention.head_count_kv")?)?.map_or(heads, |h| h as usize);
+    let head_size = match gguf.get_u32_opt(&key("attention.key_length")?)? {
+        Some(d) => d as usize,
+        None if heads > 0 => hidden / heads,
+        None => 0,
+    };
+    let vocab = match gguf.get_u32_opt(&key("vocab_size")?)? {
+        Some(v) => v as usize,
+        None => gguf.tensor_info("token_embd.weight").and_then(|t| t.shape().first().copied()).unwrap_or(0),
+    };
+    if gguf.tensor_info("rope_freqs.weight").is_some() {
+        return Err(Error::Usage(format!(
+            "{}: RoPE frequency factors (rope_freqs.weight, Llama-3.1 scaling) are not supported yet",
+            gguf.path().display()
+        )));
+    }
+    let sizes = [hidden, heads, kv_heads, head_size, vocab, options.context, options.max_batch, options.page_size];
+    if sizes.contains(&0) || !heads.is_multiple_of(kv_heads) || !options.context.is_multiple_of(options.page_size) {
+        return Err(Error::Usage(format!(
+            "{}: hidden {hidden}, {heads} heads, {kv_heads} KV heads of {head_size}, vocabulary {vocab}, context {} in pages of {} is not a model kvjit builds",
+            gguf.path().display(),
+            options.context,
+            options.page_size
+        )));
+    }
+    let pages_per_seq = options.context / options.page_size;
+    let name = gguf.get_str_opt("general.name")?.unwrap_or("model");
+    let name: String = name.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' { c } else { '_' }).collect();
+    Ok(LlamaConfig {
+        layer: LayerConfig {
+            name,
+            dtype: options.dtype,
+            cache_dtype: None,
+            hidden_size: hidden,
+            num_q_heads: heads,
+            num_kv_heads: kv_heads,
+            head_size,
+            page_size: options.page_size,
+            num_layers: gguf.get_u32(&key("block_count")?)? as usize,
+            num_pages: pages_per_seq * options.max_batch,
+            max_pages_per_seq: pages_per_seq,
+            weight_seed: 0,
+        },
+        ffn_size: gguf.get_u32(&key("feed_forward_length")?)? as usize,
+        rope_theta: f64::from(gguf.get_f32_opt(&key("rope.freq_base")?)?.unwrap_or(10000.0)),
+        llama3_scaling: None,
+        rope_interleaved: true,
+        rms_norm_eps: f64::from(gguf.get_f32(&key("attention.layer_norm_rms_epsilon")?)?),
+        vocab_size: vocab,
+        tie_word_embeddings: gguf.tensor_info("output.weight").is_none(),
+    })
+}
+
+/// The GGUF tensor name of a model-graph constant: `embed_tokens` →
+/// `token_embd.weight`, `layers.3.o_proj` → `blk.3.attn_output.weight`, the
+/// fused QKV weight → `blk.N.attn_qkv.weight` (stacked from its parts when
+/// loaded), … `None` for constants the file does not hold (the RoPE
+/// table, a recipe).
+fn gguf_name(name: &str, num_layers: usize) -> Option<String> {
+    let model = match name {
+        "embed_tokens" => Some("token_embd.weight"),
+        "final_norm" => Some("output_norm.weight"),
+        "lm_head" => Some("output.weight"),
+        _ => None,
+    };
+    if let Some(model) = model {
+        return Some(model.into());
+    }
+    let (layer, weight) = match name.strip_prefix("layers.").and_then(|rest| rest.split_once('.')) {
+        Some((layer, weight)) => (layer.parse::<usize>().ok()?, weight),
+        None if num_layers == 1 => (0, name),
+        None => return None,
+    };
+    let tensor = match weight {
+        "attn_norm" => "attn_norm",
+        "qkv_weight" => "attn_qkv",
+        "o_proj" => "attn_output",
+        "ffn_norm" => "ffn_norm",
+        "gate_proj" => "ffn_gate",
+        "up_proj" => "ffn_up",
+        "down_proj" => "ffn_down",
+        _ => return None,
+    };
+    Some(format!("blk.{layer}.{tensor}.weight"))
+}
+
+/// The graph file of the model in `gguf`: [`model_graph`] of
+/// [`llama_config`], every weight constant renamed to its tensor in the
+/// file, its random recipe dropped, and `weights` naming the file as
+/// `weights_name`.
+pub fn model_graph_json(gguf: &Gguf, ops: &OpRegistry, options: &ImportOptions, weights_name: &str) -> Result<String> {
+    let config = llama_config(gguf, options)?;
+    let graph = model_graph(&config, ops)?;
+    let mut json: serde_json::Value =
+        serde_json::from_str(&graph_to_json(&graph, None)).map_err(kvjit_graph::GraphError::from)?;
+    let values = json.get_mut("values").and_then(|v| v.as_array_mut()).expect("a graph file has values");
+    for value in values {
+        let Some(entry) = value.as_object_mut() else { continue };
+        if entry.get("kind").and_then(|k| k.as_str()) != Some("constant") {
+            continue;
+        }
+        let Some(name) = entry.get("name").and_then(|n| n.as_str()) else { continue };
+        if let Some(tensor) = gguf_name(name, config.layer.num_layers) {
+            entry.insert("name".into(), tensor.into());
+            entry.remove("init");
+        }
+    }
+    json.as_object_mut().expect("a graph file is an object").insert("weights".into(), weights_name.into());
+    Ok(serde_json::to_string_pretty(&json).map_err(kvjit_graph::GraphError::from)? + "\n")
+}
+
+/// The model graph of the GGUF file at `path`, built in memory with its
+/// weights from the file.
+pub fn load_model(path: &Path, ops: &OpRegistry, options: &ImportOptions, mode: WeightLoad) -> Result<Graph> {
+    let gguf = Gguf::open_with(path, mode)?;
+    let text = model_graph_json(&gguf, ops, options, "model.gguf")?;
+    Ok(graph_from_json_with_gguf(&text, ops, path, mode)?)
+}
+
+/// `kvjit import`: write `dir/model.json`, the model graph of the GGUF at
+/// `gguf_path` referring to it. The graph file may only name a weights
+/// file in its own folder: a GGUF elsewhere is hard-linked into `dir`
+/// (copied where the file system cannot link). Returns the graph file and
+/// the GGUF path it names.
+pub fn import(gguf_path: &Path, dir: &Path, ops: &OpRegistry, options: &ImportOptions) -> Result<(PathBuf, PathBuf)> {
+    let gguf = Gguf::open(gguf_path)?;
+    std::fs::create_dir_all(dir).map_err(|e| Error::Usage(format!("{}: {e}", dir.display())))?;
+    let file_name =
+        gguf_path.file_name().ok_or_else(|| Error::Usage(format!("{} names no file", gguf_path.display())))?;
+    let inside = dir.join(file_name);
+    let same = |a: &Path, b: &Path| a.canonicalize().ok().zip(b.canonicalize().ok()).is_some_and(|(a, b)| a == b);
+    if !same(gguf_path, &inside) {
+        if inside.exists() {
+            return Err(Error::Usage(format!(
+                "{} exists and is another file; import into another folder",
+                inside.display()
+            )));
+        }
+        if std::fs::hard_link(gguf_path, &inside).is_err() {
+            std::fs::copy(gguf_path, &inside).map_err(|e| Error::Usage(format!("{}: {e}", inside.display())))?;
+        }
+    }
+    let text = model_graph_json(&gguf, ops, options, &file_name.to_string_lossy())?;
+    let graph_path = dir.join("model.json");
+    std::fs::write(&graph_path, text).map_err(|e| Error::Usage(format!("{}: {e}", graph_path.display())))?;
+    Ok((graph_path, inside))
+}
+
+/// The tokenizer the GGUF's metadata describes (`tokenizer.ggml.*`,
+/// `tokenizer.chat_template`).
+pub fn tokenizer(gguf: &Gguf) -> Result<Tokenizer> {
+    let owned = |v: Vec<&str>| v.into_iter().map(str::to_string).collect::<Vec<_>>();
+    let spec = VocabSpec {
+        model: gguf.get_str("tokenizer.ggml.model")?.to_string(),
+        pre: gguf.get_str_opt("tokenizer.ggml.pre")?.map(str::to_string),
+        tokens: owned(gguf.get_str_array("tokenizer.ggml.tokens")?),
+        merges: gguf.get_str_array_opt("tokenizer.ggml.merges")?.map(owned).unwrap_or_default(),
+        token_types: gguf.get_i32_array_opt("tokenizer.ggml.token_type")?,
+        bos: gguf.get_u32_opt("tokenizer.ggml.bos_token_id")?,
+        eos: gguf.get_u32_opt("tokenizer.ggml.eos_token_id")?,
+        add_bos: gguf.get_bool_opt("tokenizer.ggml.add_bos_token")?,
+        chat_template: gguf.get_str_opt("tokenizer.chat_template")?.map(str::to_string),
+        scores: gguf.get_f32_array_opt("tokenizer.ggml.scores")?,
+    };
+    Tokenizer::from_spec(spec).map_err(|e| Error::Usage(format!("{}: tokenizer: {e}", gguf.path().display())))
+}
+
+/// The GGUF file a graph file takes its weights from (its `weights`,
+/// confined to its folder as when the graph is loaded): where the
+/// tokenizer of a model written by [`import`] is.
+pub fn gguf_of_graph_file(path: &Path) -> Result<PathBuf> {
+    let refuse = |problem: String| Error::Usage(format!("{}: {problem}", path.display()));
+    let text = std::fs::read_to_string(path).map_err(|e| refuse(e.to_string()))?;
+    let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| refuse(e.to_string()))?;
+    let weights = json.get("weights").and_then(|w| w.as_str()).filter(|w| w.to_ascii_lowercase().ends_with(".gguf"));
+    let weights = weights.ok_or_else(|| {
+        refuse("the graph file names no .gguf weights, so there is no tokenizer (write one with kvjit import)".into())
+    })?;
+    Ok(kvjit_graph::confined_weights_path(path, weights)?)
+}
