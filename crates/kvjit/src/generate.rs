@@ -216,18 +216,11 @@ impl Model {
         self.num_pages / context.div_ceil(self.cache_params.page_size).max(1)
     }
 
-    /// Generate for every prompt side by side: one prefill of the prompts
-    /// padded to the longest, then decode steps of one token each until
-    /// every sequence has `max_tokens` tokens or stopped; `on_token(p,
-    /// token)` sees each token as it is picked. Refused before anything
-    /// runs when a prompt is empty, a sequence would outgrow the context,
-    /// or the prompts' pages outgrow the cache.
-    pub fn generate(
-        &self,
-        prompts: &[Vec<u32>],
-        options: &GenerateOptions,
-        on_token: &mut dyn FnMut(usize, u32),
-    ) -> Result<Generation> {
+    /// Whether [`generate`](Self::generate) can run `prompts` with
+    /// `options`: refused in one line when the sampling settings have no
+    /// meaning, `max_tokens` is 0, a prompt is empty, a sequence would
+    /// outgrow the context, or the prompts' pages outgrow the cache.
+    pub fn check(&self, prompts: &[Vec<u32>], options: &GenerateOptions) -> Result<()> {
         options.sampling.check()?;
         if options.max_tokens == 0 {
             return Err(Error::Usage("--max-tokens must be at least 1".into()));
@@ -253,6 +246,23 @@ impl Model {
                 self.num_pages
             )));
         }
+        Ok(())
+    }
+
+    /// Generate for every prompt side by side: one prefill of the prompts
+    /// padded to the longest, then decode steps of one token each until
+    /// every sequence has `max_tokens` tokens or stopped; `on_token(p,
+    /// token)` sees each token as it is picked. Refused before anything
+    /// runs as [`check`](Self::check) says.
+    pub fn generate(
+        &self,
+        prompts: &[Vec<u32>],
+        options: &GenerateOptions,
+        on_token: &mut dyn FnMut(usize, u32),
+    ) -> Result<Generation> {
+        self.check(prompts, options)?;
+        let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
+        let batch = prompts.len();
         let cache = PagedKVCacheCollection::new(self.cache_params, self.num_pages, batch, self.max_pages_per_seq)?;
         let mut caches = BTreeMap::from([(self.cache.clone(), cache)]);
         let mut sampler = Sampler::new(options.sampling);
