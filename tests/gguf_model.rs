@@ -530,11 +530,21 @@ fn bad_files_and_requests_are_refused_in_one_line() {
     // Truncated: in the header, in the metadata, in the tensor table, in
     // the data.
     let table = bytes.windows(17).position(|w| w == b"token_embd.weight").unwrap();
-    for cut in [3, 20, 200, table + 4, bytes.len() / 2, bytes.len() - 1] {
+    for cut in [3, 20, 200, 2000, table + 4, bytes.len() / 2, bytes.len() - 1] {
         let file = bad(&format!("cut{cut}.gguf"), &bytes[..cut]);
         refused(&["import", str(&file), "-o", str(&out)], "");
         refused(&["generate", str(&file), "--prompt", "hi"], "");
     }
+    // Corrupted: the magic, and a tensor's data offset past the end.
+    let mut magic = bytes.clone();
+    magic[3] = b'X';
+    let file = bad("magic.gguf", &magic);
+    refused(&["generate", str(&file), "--prompt", "hi"], "");
+    let mut offset = bytes.clone();
+    let entry = table + 17 + 4 + 8 * 2 + 4;
+    offset[entry..entry + 8].copy_from_slice(&(1u64 << 40).to_le_bytes());
+    let file = bad("offset.gguf", &offset);
+    refused(&["generate", str(&file), "--prompt", "hi"], "token_embd.weight");
     // An unknown tensor type id, and a known type kvjit does not read.
     let file = bad("unknown.gguf", &with_type_id(&bytes, "blk.0.attn_v.weight", 99));
     refused(&["generate", str(&file), "--prompt", "hi"], "");
