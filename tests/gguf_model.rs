@@ -593,7 +593,6 @@ fn requests_that_cannot_run(path: &Path) -> Vec<(Vec<String>, &'static str)> {
 }
 
 #[test]
-#[ignore = "kvjit generate prints its 'model …: compiled in …' line before Model::generate refuses the request (two lines on stderr)"]
 fn requests_that_cannot_run_are_refused_in_one_line() {
     let (_dir, path) = written(TIED);
     for (args, needle) in requests_that_cannot_run(&path) {

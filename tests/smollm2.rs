@@ -73,9 +73,8 @@ fn the_chat_template_renders_what_the_reference_did() {
     let tokenizer = the_tokenizer(&path);
     let reference = fixture("smollm2_reference.json");
     let chat = reference["prompts"].as_array().unwrap().iter().find(|p| p["chat"] == true).unwrap();
-    let rendered = tokenizer
-        .apply_chat_template(&[ChatMessage::new("user", "Write a haiku about the ocean.")], true)
-        .unwrap();
+    let rendered =
+        tokenizer.apply_chat_template(&[ChatMessage::new("user", "Write a haiku about the ocean.")], true).unwrap();
     assert_eq!(rendered, chat["prompt"].as_str().unwrap());
 }
 

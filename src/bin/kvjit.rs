@@ -732,6 +732,7 @@ fn generate(registry: &Registry, args: &GenerateArgs) -> Result<()> {
         stop: tokenizer.eog_ids().to_vec(),
         keep_logits: args.logits.is_some(),
     };
+    model.check(&prompts, &generate_options)?;
     eprintln!("model '{}': {} prompt(s), compiled in {}", graph.name(), prompts.len(), format_duration(compile_time));
     let streaming = prompts.len() == 1;
     let mut decoders: Vec<_> = prompts.iter().map(|_| tokenizer.decoder().skip_special(true)).collect();
