@@ -45,7 +45,7 @@ fn model_file() -> Option<PathBuf> {
     .clone()
 }
 
-fn the_tokenizer(path: &PathBuf) -> Tokenizer {
+fn the_tokenizer(path: &std::path::Path) -> Tokenizer {
     tokenizer(&kvjit::gguf::Gguf::open(path).unwrap()).unwrap()
 }
 
