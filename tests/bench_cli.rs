@@ -411,19 +411,19 @@ fn tiny_layer_bench_prints_tables_and_writes_json() {
 /// model suite, which needs no tokenizer.
 fn tiny_llama_gguf(path: &Path) {
     use kvjit::gguf::GgmlType;
-    use kvjit::gguf::writer::GgufWriter;
+    use kvjit::gguf::writer::{GgufWriter, MetaValue};
     let (layers, hidden, heads, kv_heads, head, ffn, vocab) = (2usize, 32usize, 4usize, 2usize, 8usize, 64usize, 40);
     let mut w = GgufWriter::new();
-    w.kv("general.architecture", "llama".into());
-    w.kv("llama.context_length", 256u32.into());
-    w.kv("llama.embedding_length", (hidden as u32).into());
-    w.kv("llama.block_count", (layers as u32).into());
-    w.kv("llama.feed_forward_length", (ffn as u32).into());
-    w.kv("llama.attention.head_count", (heads as u32).into());
-    w.kv("llama.attention.head_count_kv", (kv_heads as u32).into());
-    w.kv("llama.rope.dimension_count", (head as u32).into());
-    w.kv("llama.rope.freq_base", 10000.0f32.into());
-    w.kv("llama.attention.layer_norm_rms_epsilon", 1e-5f32.into());
+    w.kv("general.architecture", MetaValue::from("llama"));
+    w.kv("llama.context_length", MetaValue::from(256u32));
+    w.kv("llama.embedding_length", MetaValue::from(hidden as u32));
+    w.kv("llama.block_count", MetaValue::from(layers as u32));
+    w.kv("llama.feed_forward_length", MetaValue::from(ffn as u32));
+    w.kv("llama.attention.head_count", MetaValue::from(heads as u32));
+    w.kv("llama.attention.head_count_kv", MetaValue::from(kv_heads as u32));
+    w.kv("llama.rope.dimension_count", MetaValue::from(head as u32));
+    w.kv("llama.rope.freq_base", MetaValue::from(10000.0f32));
+    w.kv("llama.attention.layer_norm_rms_epsilon", MetaValue::from(1e-5f32));
     let mut seed = 1u32;
     let mut values = |n: usize, scale: f32| -> Vec<f32> {
         (0..n)
