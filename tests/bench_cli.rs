@@ -405,3 +405,98 @@ fn tiny_layer_bench_prints_tables_and_writes_json() {
     );
     assert_one_line_error(&kvjit(&["bench", "--tiny", "--no-fuse"]), "--no-fuse applies to --ops layer only");
 }
+
+/// A tiny Llama GGUF (2 layers, hidden 32, 4 query and 2 KV heads of 8,
+/// FFN 64, vocabulary 40, tied head), every tensor F32: enough for the
+/// model suite, which needs no tokenizer.
+fn tiny_llama_gguf(path: &Path) {
+    use kvjit::gguf::GgmlType;
+    use kvjit::gguf::writer::{GgufWriter, MetaValue};
+    let (layers, hidden, heads, kv_heads, head, ffn, vocab) = (2usize, 32usize, 4usize, 2usize, 8usize, 64usize, 40);
+    let mut w = GgufWriter::new();
+    w.kv("general.architecture", MetaValue::from("llama"));
+    w.kv("llama.context_length", MetaValue::from(256u32));
+    w.kv("llama.embedding_length", MetaValue::from(hidden as u32));
+    w.kv("llama.block_count", MetaValue::from(layers as u32));
+    w.kv("llama.feed_forward_length", MetaValue::from(ffn as u32));
+    w.kv("llama.attention.head_count", MetaValue::from(heads as u32));
+    w.kv("llama.attention.head_count_kv", MetaValue::from(kv_heads as u32));
+    w.kv("llama.rope.dimension_count", MetaValue::from(head as u32));
+    w.kv("llama.rope.freq_base", MetaValue::from(10000.0f32));
+    w.kv("llama.attention.layer_norm_rms_epsilon", MetaValue::from(1e-5f32));
+    let mut seed = 1u32;
+    let mut values = |n: usize, scale: f32| -> Vec<f32> {
+        (0..n)
+            .map(|_| {
+                seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                ((seed >> 8) as f32 / (1 << 24) as f32 - 0.5) * scale
+            })
+            .collect()
+    };
+    w.tensor("token_embd.weight", GgmlType::F32, &[vocab, hidden], &values(vocab * hidden, 1.0));
+    for l in 0..layers {
+        let ones = vec![1.0f32; hidden];
+        w.tensor(&format!("blk.{l}.attn_norm.weight"), GgmlType::F32, &[hidden], &ones);
+        for (name, n, k) in [
+            ("attn_q", heads * head, hidden),
+            ("attn_k", kv_heads * head, hidden),
+            ("attn_v", kv_heads * head, hidden),
+            ("attn_output", hidden, heads * head),
+            ("ffn_gate", ffn, hidden),
+            ("ffn_up", ffn, hidden),
+            ("ffn_down", hidden, ffn),
+        ] {
+            w.tensor(&format!("blk.{l}.{name}.weight"), GgmlType::F32, &[n, k], &values(n * k, 0.5));
+            if name == "attn_output" {
+                w.tensor(&format!("blk.{l}.ffn_norm.weight"), GgmlType::F32, &[hidden], &ones);
+            }
+        }
+    }
+    w.tensor("output_norm.weight", GgmlType::F32, &[hidden], &vec![1.0f32; hidden]);
+    w.write(path).unwrap();
+}
+
+/// `--ops model --tiny` on a tiny GGUF written here: the tables, the
+/// targets, the llama.cpp row labelled as quoted, the JSON figures; no
+/// `--gguf` is refused in one line.
+#[test]
+fn tiny_model_bench_prints_tables_and_writes_json() {
+    let dir = tempfile::tempdir().unwrap();
+    let gguf = dir.path().join("tiny.gguf");
+    tiny_llama_gguf(&gguf);
+    let json_path = dir.path().join("model.json");
+    let out = Command::new(env!("CARGO_BIN_EXE_kvjit"))
+        .args(["bench", "--ops", "model", "--tiny", "--gguf", gguf.to_str().unwrap()])
+        .args(["--json", json_path.to_str().unwrap()])
+        .env_remove("KVJIT_LLAMA_CPP")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    let md = stdout(&out);
+    for needle in [
+        "## Tokens per second",
+        "| kvjit f32 |",
+        "llama.cpp (quoted, not measured in this run)",
+        "llama.cpp peer: not installed",
+        "## Decode steps: read roof and executor overhead",
+        "## Where a decode step goes: f32 at context 32",
+        "matmul(ffn_down)+add",
+        "## Targets",
+        "executor overhead",
+    ] {
+        assert!(md.contains(needle), "no '{needle}' in:\n{md}");
+    }
+    let json = read_json(&json_path);
+    assert_eq!(json["suite"], "model");
+    let f32 = &json["dtypes"][0];
+    assert_eq!(f32["dtype"], "f32");
+    assert_eq!(f32["prefill"].as_array().unwrap().len(), 2);
+    let decode = &f32["decode"][1];
+    assert_eq!(decode["context"], 32);
+    assert!(decode["tokens_per_s"].as_f64().unwrap() > 0.0);
+    assert!(decode["bytes"].as_f64().unwrap() > 0.0);
+    assert_stats(&decode["time_s"], "decode time");
+    assert_eq!(json["llama_cpp"]["status"], "not installed");
+
+    assert_one_line_error(&kvjit(&["bench", "--ops", "model", "--tiny"]), "--gguf");
+}

@@ -16,6 +16,7 @@ use serde_json::Value;
 use crate::attention::{AttentionBenchConfig, AttentionReport, run_attention};
 use crate::fp8::{Fp8BenchConfig, Fp8Report, run_fp8};
 use crate::layer::{LayerBenchConfig, LayerReport, run_layer};
+use crate::model::{ModelBenchConfig, ModelReport, run_model};
 use crate::startup::{StartupConfig, StartupReport, run_startup};
 use crate::{BenchConfig, BenchError, Implementation, ModelShape, Progress, Result};
 
@@ -39,6 +40,12 @@ pub enum BenchOps {
     /// roofs, with the time per group of steps (honours --quick, --threads,
     /// --no-fuse, --json).
     Layer,
+    /// A whole model from a GGUF file (--gguf PATH, dequantized to bf16
+    /// and f32, or --dtypes): prefill tokens/s at 128 and 512 tokens,
+    /// decode tokens/s at contexts 128 and 2048, decode on the read roof,
+    /// the executor's overhead per decode step, against llama.cpp (set
+    /// KVJIT_LLAMA_CPP; else its figures quoted in issue 23).
+    Model,
 }
 
 impl std::fmt::Display for BenchOps {
@@ -70,7 +77,7 @@ pub struct BenchArgs {
     #[arg(long, value_delimiter = ',', value_parser = ModelShape::parse)]
     pub shapes: Option<Vec<ModelShape>>,
     /// Dtypes, comma-separated: f32, bf16, f16.
-    #[arg(long, value_delimiter = ',')]
+    #[arg(long, visible_alias = "dtype", value_delimiter = ',')]
     pub dtypes: Option<Vec<DType>>,
     /// Cache page sizes, comma-separated.
     #[arg(long, value_delimiter = ',')]
@@ -110,7 +117,7 @@ pub struct BenchArgs {
     /// times and decode speed with mapped vs copied weights.
     #[arg(long, conflicts_with_all = [
         "quick", "tiny", "shapes", "dtypes", "pages", "ms", "impls",
-        "reference_max_m", "compile_shape", "no_compile", "svg", "no_fuse",
+        "reference_max_m", "compile_shape", "no_compile", "svg", "no_fuse", "gguf",
     ])]
     pub startup: bool,
     /// Layers of the start-up graph (default 32: 1.61 GB of weights).
@@ -127,17 +134,20 @@ pub struct BenchArgs {
     /// (`fuse: false`), not both side by side.
     #[arg(long)]
     pub no_fuse: bool,
+    /// With --ops model: the GGUF file of the model.
+    #[arg(long)]
+    pub gguf: Option<PathBuf>,
 }
 
 impl BenchArgs {
     /// The options that pick what a suite measures, each with whether it was
     /// given and the suites that take it (`--threads`, `--quick` and
     /// `--json` apply to every suite).
-    fn suite_options(&self) -> [(&'static str, bool, &'static [BenchOps]); 10] {
-        use BenchOps::{Attention, Layer, Qkv};
+    fn suite_options(&self) -> [(&'static str, bool, &'static [BenchOps]); 11] {
+        use BenchOps::{Attention, Layer, Model, Qkv};
         [
             ("--shapes", self.shapes.is_some(), &[Qkv]),
-            ("--dtypes", self.dtypes.is_some(), &[Qkv, Attention]),
+            ("--dtypes", self.dtypes.is_some(), &[Qkv, Attention, Model]),
             ("--pages", self.pages.is_some(), &[Qkv]),
             ("--ms", self.ms.is_some(), &[Qkv]),
             ("--impls", self.impls.is_some(), &[Qkv]),
@@ -146,6 +156,7 @@ impl BenchArgs {
             ("--no-compile", self.no_compile, &[Qkv]),
             ("--svg", self.svg.is_some(), &[Qkv]),
             ("--no-fuse", self.no_fuse, &[Layer]),
+            ("--gguf", self.gguf.is_some(), &[Model]),
         ]
     }
 
@@ -207,6 +218,29 @@ impl BenchArgs {
             config.threads = threads;
         }
         config.unfused_only = self.no_fuse;
+        config.check()?;
+        Ok(config)
+    }
+
+    /// The `--ops model` run these options ask for: a preset on the
+    /// `--gguf` file with the given dtypes and thread count; options of the
+    /// other suites are refused.
+    pub fn model_config(&self) -> Result<ModelBenchConfig> {
+        self.refuse_options_of_other_suites(BenchOps::Model)?;
+        let gguf = self.gguf.clone().ok_or(BenchError::NoValues { option: "--gguf" })?;
+        let mut config = if self.tiny {
+            ModelBenchConfig::tiny(gguf)
+        } else if self.quick {
+            ModelBenchConfig::quick(gguf)
+        } else {
+            ModelBenchConfig::full(gguf)
+        };
+        if let Some(v) = &self.dtypes {
+            config.dtypes = v.clone();
+        }
+        if let Some(threads) = self.threads {
+            config.threads = threads;
+        }
         config.check()?;
         Ok(config)
     }
@@ -312,6 +346,10 @@ pub fn run_bench(args: &BenchArgs) -> Result<()> {
                 return Err(BenchError::ValidationFailed { what: "layer workload(s)", failures });
             }
         }
+        BenchOps::Model => {
+            let config = args.model_config()?;
+            drive(json, None, |progress| run_model(&config, progress))?;
+        }
     }
     Ok(())
 }
@@ -359,6 +397,15 @@ impl Rendered for Fp8Report {
 }
 
 impl Rendered for LayerReport {
+    fn markdown(&self) -> String {
+        self.to_markdown()
+    }
+    fn json(&self) -> Value {
+        self.to_json()
+    }
+}
+
+impl Rendered for ModelReport {
     fn markdown(&self) -> String {
         self.to_markdown()
     }

@@ -22,6 +22,8 @@
 //!   the heads, caches and step graph of [`workload`];
 //! - [`layer`]: the `--ops layer` suite, one whole decoder layer compiled
 //!   fused and unfused, timed side by side;
+//! - [`model`]: the `--ops model` suite, a whole model from a GGUF file:
+//!   prefill and decode tokens/s, the read roof, the executor's overhead;
 //! - [`startup`]: `kvjit bench --startup`, fresh processes timed.
 //!
 //! [`run`] runs a whole [`BenchConfig`]: the roofs, then for every shape,
@@ -36,6 +38,7 @@ pub mod error;
 pub mod fp8;
 pub mod impls;
 pub mod layer;
+pub mod model;
 pub mod problem;
 pub mod render;
 pub mod report;
