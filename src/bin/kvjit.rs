@@ -109,7 +109,7 @@ enum Command {
     /// Time the fused QKV kernels (specialized, generic) against the
     /// reference and GEMM-library peers, on this machine's roofs; print a
     /// Markdown table.
-    Bench(kvjit_bench::cli::BenchArgs),
+    Bench(Box<kvjit_bench::cli::BenchArgs>),
     /// Write DIR/model.json: the whole model graph of a GGUF file (a
     /// Llama-family model), referring to the file for its weights.
     Import {
