@@ -550,7 +550,7 @@ mod tests {
                 BenchError::OptionNotForOps {
                     option: "--dtypes",
                     ops: BenchOps::Fp8,
-                    takes: [BenchOps::Qkv, BenchOps::Attention]
+                    takes: [BenchOps::Qkv, BenchOps::Attention, BenchOps::Model]
                 }
             ),
             "{err:?}"

@@ -209,7 +209,11 @@ pub enum BenchError {
 
 /// `qkv and attention`.
 fn suites(ops: &[BenchOps]) -> String {
-    ops.iter().map(BenchOps::to_string).collect::<Vec<_>>().join(" and ")
+    let names: Vec<String> = ops.iter().map(BenchOps::to_string).collect();
+    match names.split_last() {
+        Some((last, rest)) if !rest.is_empty() => format!("{} and {last}", rest.join(", ")),
+        _ => names.concat(),
+    }
 }
 
 impl From<kvjit_core::Error> for BenchError {
