@@ -1,6 +1,6 @@
 //! A Llama-family model from its GGUF file: the [`LlamaConfig`] its
 //! hyper-parameters describe, the whole model graph
-//! ([`model_graph`](super::llama::model_graph)) with its constants named as
+//! ([`model_graph`]) with its constants named as
 //! the file names its tensors, and the tokenizer its metadata holds.
 //!
 //! The graph refers to the file for every weight (`weights` names the
