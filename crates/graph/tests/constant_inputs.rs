@@ -2,44 +2,11 @@
 //! input is a graph input or another node's output is refused when it is
 //! added and when a loaded graph is validated.
 
-use std::sync::Arc;
+use kvjit_core::DType;
+use kvjit_graph::{GraphBuilder, Params, RandomInit, graph_from_json, graph_to_json};
 
-use kvjit_core::{Backend, DType, KernelKey};
-use kvjit_graph::{
-    ArgSpec, GraphBuilder, GraphError, OpDef, OpRegistry, ParamSpec, Params, RandomInit, TensorType, ValueType,
-    graph_from_json, graph_to_json, tensor_input,
-};
-
-/// `lookup(table, x)`: its table must be a constant; the output is `x`'s type.
-struct Lookup;
-
-impl OpDef for Lookup {
-    fn name(&self) -> &'static str {
-        "test.lookup"
-    }
-    fn params(&self) -> &'static [ParamSpec] {
-        &[]
-    }
-    fn inputs(&self) -> &'static [ArgSpec] {
-        const INPUTS: &[ArgSpec] = &[ArgSpec::constant("table"), ArgSpec::tensor("x")];
-        INPUTS
-    }
-    fn outputs(&self) -> &'static [&'static str] {
-        &["output"]
-    }
-    fn infer(&self, _: &Params, inputs: &[&ValueType]) -> kvjit_graph::Result<Vec<TensorType>> {
-        Ok(vec![tensor_input(inputs, 1).clone()])
-    }
-    fn kernel_key(&self, _: &Params, _: &[&ValueType], _: Backend) -> kvjit_graph::Result<KernelKey> {
-        Err(GraphError::Unsupported("a test op has no kernels".into()))
-    }
-}
-
-fn registry() -> OpRegistry {
-    let mut registry = OpRegistry::new();
-    registry.register(Arc::new(Lookup)).unwrap();
-    registry
-}
+mod common;
+use common::registry;
 
 #[test]
 fn a_constant_input_must_be_a_graph_constant() {

@@ -3,46 +3,14 @@
 //! dequantized otherwise; shapes checked; the path confined.
 
 use std::path::Path;
-use std::sync::Arc;
 
-use kvjit_core::{Backend, DType, Error, KernelKey, Tensor, WeightLoad, bf16, f16};
+use kvjit_core::{DType, Error, Tensor, WeightLoad, bf16, f16};
 use kvjit_gguf::writer::{GgufWriter, quantize};
 use kvjit_gguf::{GgmlType, dequant};
-use kvjit_graph::{
-    ArgSpec, Graph, GraphBuilder, GraphError, OpDef, OpRegistry, ParamSpec, Params, TensorType, ValueDef, ValueType,
-    graph_to_json, load_graph, load_graph_with, tensor_input,
-};
+use kvjit_graph::{Graph, GraphBuilder, GraphError, Params, ValueDef, graph_to_json, load_graph, load_graph_with};
 
-/// `lookup(table, x)`: its table must be a constant; the output is `x`'s type.
-struct Lookup;
-
-impl OpDef for Lookup {
-    fn name(&self) -> &'static str {
-        "test.lookup"
-    }
-    fn params(&self) -> &'static [ParamSpec] {
-        &[]
-    }
-    fn inputs(&self) -> &'static [ArgSpec] {
-        const INPUTS: &[ArgSpec] = &[ArgSpec::constant("table"), ArgSpec::tensor("x")];
-        INPUTS
-    }
-    fn outputs(&self) -> &'static [&'static str] {
-        &["output"]
-    }
-    fn infer(&self, _: &Params, inputs: &[&ValueType]) -> kvjit_graph::Result<Vec<TensorType>> {
-        Ok(vec![tensor_input(inputs, 1).clone()])
-    }
-    fn kernel_key(&self, _: &Params, _: &[&ValueType], _: Backend) -> kvjit_graph::Result<KernelKey> {
-        Err(GraphError::Unsupported("a test op has no kernels".into()))
-    }
-}
-
-fn registry() -> OpRegistry {
-    let mut registry = OpRegistry::new();
-    registry.register(Arc::new(Lookup)).unwrap();
-    registry
-}
+mod common;
+use common::registry;
 
 fn values(n: usize, seed: f32) -> Vec<f32> {
     (0..n).map(|i| (i as f32 * 0.61 + seed).cos() * 2.0).collect()

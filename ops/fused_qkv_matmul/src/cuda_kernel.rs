@@ -75,9 +75,9 @@ use kvjit_op::checks::StepDims;
 use kvjit_op::{Call as OpCall, CallContract, OpKernel};
 use kvjit_runtime::{DeviceContextPtr, KernelStateOwner, RuntimeError};
 
-use crate::kernel::same_data;
 use crate::spec::KERNEL_NAME;
 use crate::{CallShape, CheckedCall, FusedQkvSpec};
+use kvjit_op::gemm::same_data;
 
 /// The CUDA source every variant is compiled from.
 pub const CUDA_SOURCE: &str = include_str!("../cuda/fused_qkv.cu");

@@ -129,7 +129,7 @@ pub(crate) fn check_against(
         unreachable!("the arity was checked against the signature")
     };
     let weight_arg = match prepared_weight {
-        Some(prepared) if crate::kernel::same_data(prepared, weight) => WeightArg::Prepared { n: spec.n(), k: spec.k },
+        Some(prepared) if kvjit_op::gemm::same_data(prepared, weight) => WeightArg::Prepared { n: spec.n(), k: spec.k },
         _ => WeightArg::Tensor(weight),
     };
     let checked =

@@ -193,20 +193,9 @@ impl<S: MatmulContract> JitKernel<S> {
     pub fn with_prepared(spec: S, prepared: &PreparedConstant, capture: CaptureText) -> Result<Self> {
         let gemm_spec = *spec.gemm();
         let mut kernel = Self::new(spec, None, capture).map_err(|e| Error::op(MatmulOp::NAME, e))?;
-        let expected = kernel.layout.id(gemm_spec.dtype);
-        let data = &prepared.data;
-        if prepared.layout != expected
-            || data.dtype() != gemm_spec.dtype
-            || data.shape() != [kernel.layout.packed_len()]
-            || !data.is_contiguous()
-        {
-            return Err(MatmulError::PreparedWeight {
-                expected: format!("{expected} ({}[{}])", gemm_spec.dtype, kernel.layout.packed_len()),
-                got: format!("{} ({}{:?})", prepared.layout, data.dtype(), data.shape()),
-            }
-            .into());
-        }
-        kernel.constant = Some(PackedWeights::prepared(data.clone()));
+        let constant = PackedWeights::prepared(&kernel.layout, gemm_spec.dtype, prepared)
+            .map_err(|(expected, got)| MatmulError::PreparedWeight { expected, got })?;
+        kernel.constant = Some(constant);
         Ok(kernel)
     }
 

@@ -33,7 +33,7 @@ use std::borrow::Cow;
 use std::sync::Arc;
 
 use half::slice::HalfFloatSliceExt;
-use kvjit_core::{CodeTier, CpuTier, Result, Tensor, TensorData, bf16, f16};
+use kvjit_core::{CodeTier, CpuTier, DType, PreparedConstant, Result, Tensor, TensorData, bf16, f16};
 use kvjit_jit::JitError;
 use kvjit_jit::microkernel::{self, MAX_TILE_ROWS};
 
@@ -74,9 +74,27 @@ impl PackedWeights {
         Ok(Self { plain, packed })
     }
 
-    /// Panels made earlier (a prepared constant).
-    pub fn prepared(packed: Arc<Tensor>) -> Self {
-        Self { plain: Vec::new(), packed }
+    /// Panels made earlier (a prepared constant from an artifact), checked
+    /// to be `layout`'s panels of `dtype`; otherwise `Err((expected, got))`,
+    /// each naming a layout id, dtype and shape, for the op's error.
+    pub fn prepared(
+        layout: &PanelLayout,
+        dtype: DType,
+        prepared: &PreparedConstant,
+    ) -> std::result::Result<Self, (String, String)> {
+        let expected = layout.id(dtype);
+        let data = &prepared.data;
+        if prepared.layout != expected
+            || data.dtype() != dtype
+            || data.shape() != [layout.packed_len()]
+            || !data.is_contiguous()
+        {
+            return Err((
+                format!("{expected} ({dtype}[{}])", layout.packed_len()),
+                format!("{} ({}{:?})", prepared.layout, data.dtype(), data.shape()),
+            ));
+        }
+        Ok(Self { plain: Vec::new(), packed: data.clone() })
     }
 
     /// The packed panels.

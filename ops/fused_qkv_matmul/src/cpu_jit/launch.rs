@@ -96,21 +96,8 @@ impl JitKernel {
         specialize_shapes: bool,
     ) -> Result<Self> {
         let tier = code_tier(&spec).map_err(|e| Error::op(OP_NAME, e))?;
-        let layout = layout(&spec, tier);
-        let expected = layout.id(spec.dtype);
-        let data = &prepared.data;
-        if prepared.layout != expected
-            || data.dtype() != spec.dtype
-            || data.shape() != [layout.packed_len()]
-            || !data.is_contiguous()
-        {
-            return Err(FusedQkvError::PreparedWeight {
-                expected: format!("{expected} ({}[{}])", spec.dtype, layout.packed_len()),
-                got: format!("{} ({}{:?})", prepared.layout, data.dtype(), data.shape()),
-            }
-            .into());
-        }
-        let constant = PackedWeights::prepared(data.clone());
+        let constant = PackedWeights::prepared(&layout(&spec, tier), spec.dtype, prepared)
+            .map_err(|(expected, got)| FusedQkvError::PreparedWeight { expected, got })?;
         Self::with_constant(spec, tier, Some(constant), capture, specialize_shapes).map_err(|e| Error::op(OP_NAME, e))
     }
 
