@@ -274,7 +274,7 @@ fn store(values: &[f32], output: &mut Tensor) -> Result<()> {
         DType::F32 => output.as_mut_slice::<f32>()?.copy_from_slice(values),
         DType::BF16 => output.as_mut_slice::<half::bf16>()?.convert_from_f32_slice(values),
         DType::F16 => output.as_mut_slice::<half::f16>()?.convert_from_f32_slice(values),
-        DType::U32 | DType::F8E4M3 => unreachable!("attention outputs are compute floats"),
+        _ => unreachable!("attention outputs are compute floats"),
     }
     Ok(())
 }
@@ -349,7 +349,7 @@ impl Blocks<'_> {
             DType::BF16 => Blocks::BF16(blocks.as_slice()?),
             DType::F16 => Blocks::F16(blocks.as_slice()?),
             DType::F8E4M3 => return Err(BenchError::PeerUnavailable { peer: "gather+gemm", dtype: DType::F8E4M3 }),
-            DType::U32 => unreachable!("caches hold floats"),
+            _ => unreachable!("caches hold floats"),
         })
     }
 

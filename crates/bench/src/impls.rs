@@ -530,7 +530,9 @@ fn scatter(p: &mut Problem, c: &[f32]) -> Result<()> {
                 out[r * q_dim..][..q_dim].convert_from_f32_slice(&c[r * n..][..q_dim]);
             }
         }
-        TensorData::U32(_) | TensorData::F8E4M3(_) => unreachable!("benchmark outputs are compute floats"),
+        TensorData::U32(_) | TensorData::F8E4M3(_) | TensorData::Blocks(..) => {
+            unreachable!("benchmark outputs are compute floats")
+        }
     }
     let valid = p.valid.as_slice::<u32>()?;
     let cache: &mut PagedKVCacheCollection = &mut p.cache;
@@ -558,7 +560,7 @@ fn scatter(p: &mut Problem, c: &[f32]) -> Result<()> {
                             *scale = kvjit::fp8::quantize_block(values, codes);
                         }
                     }
-                    DType::U32 => unreachable!("caches hold floats"),
+                    _ => unreachable!("caches hold floats"),
                 }
             }
         }

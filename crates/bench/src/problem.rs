@@ -253,7 +253,7 @@ pub(crate) fn convert_to_f32(t: &Tensor, out: &mut [f32]) {
         TensorData::BF16(v) => v.convert_to_f32_slice(out),
         TensorData::F16(v) => v.convert_to_f32_slice(out),
         TensorData::F8E4M3(v) => out.iter_mut().zip(v).for_each(|(o, v)| *o = v.to_f32()),
-        TensorData::U32(_) => unreachable!("benchmark tensors are floats"),
+        TensorData::U32(_) | TensorData::Blocks(..) => unreachable!("benchmark tensors are floats"),
     }
 }
 

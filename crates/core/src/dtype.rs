@@ -28,26 +28,99 @@ pub enum DType {
     /// scale per block of values beside it.
     #[serde(rename = "f8e4m3")]
     F8E4M3,
+    /// GGML's Q8_0 weight blocks ([`crate::quant`]): 32 weights, an f16
+    /// scale and 32 × i8.
+    #[serde(rename = "q8_0")]
+    Q8_0,
+    /// GGML's Q4_0 weight blocks: 32 weights, an f16 scale, 32 nibbles.
+    #[serde(rename = "q4_0")]
+    Q4_0,
+    /// GGML's Q4_1 weight blocks: 32 weights, an f16 scale and minimum, 32
+    /// nibbles.
+    #[serde(rename = "q4_1")]
+    Q4_1,
+    /// GGML's Q4_K super-blocks: 256 weights in 8 sub-blocks with 6-bit
+    /// scales and minimums.
+    #[serde(rename = "q4_k")]
+    Q4K,
+    /// GGML's Q6_K super-blocks: 256 weights in 16 sub-blocks with i8 scales.
+    #[serde(rename = "q6_k")]
+    Q6K,
 }
 
 impl DType {
     /// Every dtype, in a fixed order.
-    pub const ALL: [DType; 5] = [DType::F32, DType::BF16, DType::F16, DType::U32, DType::F8E4M3];
+    pub const ALL: [DType; 10] = [
+        DType::F32,
+        DType::BF16,
+        DType::F16,
+        DType::U32,
+        DType::F8E4M3,
+        DType::Q8_0,
+        DType::Q4_0,
+        DType::Q4_1,
+        DType::Q4K,
+        DType::Q6K,
+    ];
     /// The floating dtypes an op may compute in.
     pub const FLOATS: [DType; 3] = [DType::F32, DType::BF16, DType::F16];
 
-    /// Size of one element in bytes.
+    /// The weight block formats a constant may hold ([`crate::quant`]).
+    pub const BLOCK_FORMATS: [DType; 5] = [DType::Q8_0, DType::Q4_0, DType::Q4_1, DType::Q4K, DType::Q6K];
+
+    /// Size of one storage unit in bytes: an element, or for a block
+    /// format a byte of its blocks (their size is [`DType::block`]).
     pub fn size_bytes(self) -> usize {
         match self {
             DType::F32 | DType::U32 => 4,
             DType::BF16 | DType::F16 => 2,
-            DType::F8E4M3 => 1,
+            DType::F8E4M3 | DType::Q8_0 | DType::Q4_0 | DType::Q4_1 | DType::Q4K | DType::Q6K => 1,
         }
     }
 
-    /// Whether this is a floating-point dtype (FP8 included).
+    /// Elements per block and bytes per block: `(1, size)` for an element
+    /// dtype; for a block format, GGML's block geometry.
+    pub fn block(self) -> (usize, usize) {
+        match self {
+            DType::Q8_0 => (32, 34),
+            DType::Q4_0 => (32, 18),
+            DType::Q4_1 => (32, 20),
+            DType::Q4K => (256, 144),
+            DType::Q6K => (256, 210),
+            other => (1, other.size_bytes()),
+        }
+    }
+
+    /// Whether this is a weight block format ([`DType::BLOCK_FORMATS`]).
+    pub fn is_block_format(self) -> bool {
+        DType::BLOCK_FORMATS.contains(&self)
+    }
+
+    /// Bytes that `numel` elements take (whole blocks for a block format:
+    /// `None` when `numel` is not a whole number of blocks, or on overflow).
+    pub fn storage_bytes(self, numel: usize) -> Option<usize> {
+        let (elements, bytes) = self.block();
+        numel.is_multiple_of(elements).then(|| (numel / elements).checked_mul(bytes)).flatten()
+    }
+
+    /// Elements that `bytes` bytes hold (rounded down to whole blocks or
+    /// elements).
+    pub fn elements_in(self, bytes: usize) -> usize {
+        let (elements, size) = self.block();
+        bytes / size * elements
+    }
+
+    /// Bytes per weight (a block format's bytes per block over its
+    /// elements; an element dtype's size).
+    pub fn bytes_per_element(self) -> f64 {
+        let (elements, bytes) = self.block();
+        bytes as f64 / elements as f64
+    }
+
+    /// Whether this is a floating-point element dtype (FP8 included; block
+    /// formats are not elements).
     pub fn is_float(self) -> bool {
-        !matches!(self, DType::U32)
+        matches!(self, DType::F32 | DType::BF16 | DType::F16 | DType::F8E4M3)
     }
 
     /// Whether ops compute in this dtype: one of [`DType::FLOATS`] (FP8 is a
@@ -70,6 +143,11 @@ impl DType {
             DType::F16 => "f16",
             DType::U32 => "u32",
             DType::F8E4M3 => "f8e4m3",
+            DType::Q8_0 => "q8_0",
+            DType::Q4_0 => "q4_0",
+            DType::Q4_1 => "q4_1",
+            DType::Q4K => "q4_k",
+            DType::Q6K => "q6_k",
         }
     }
 }

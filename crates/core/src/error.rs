@@ -23,7 +23,7 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 #[non_exhaustive]
 pub enum Error {
     /// A dtype name that kvjit does not know.
-    #[error("unknown dtype '{0}': expected one of f32, bf16, f16, f8e4m3, u32")]
+    #[error("unknown dtype '{0}': expected one of f32, bf16, f16, f8e4m3, u32, q8_0, q4_0, q4_1, q4_k, q6_k")]
     UnknownDType(String),
     /// A target name that kvjit does not know.
     #[error("unknown target '{0}': expected cpu or cuda")]
@@ -61,6 +61,16 @@ pub enum Error {
         expected: usize,
         /// Bytes supplied.
         got: usize,
+    },
+    /// A block-format tensor whose rows are not whole blocks.
+    #[error("a {dtype} tensor's last dim must be a multiple of its {block}-element block; got shape {shape:?}")]
+    BlockShape {
+        /// The block format.
+        dtype: DType,
+        /// Elements per block.
+        block: usize,
+        /// The shape.
+        shape: Vec<usize>,
     },
     /// A floating-only operation on an integer tensor.
     #[error("{what} needs a floating tensor, got {dtype}")]
@@ -305,7 +315,9 @@ pub enum Error {
         problem: String,
     },
     /// A safetensors tensor in a dtype kvjit does not handle.
-    #[error("tensor '{name}' has dtype {dtype}, which kvjit does not support (F32, BF16, F16, F8_E4M3, U32)")]
+    #[error(
+        "tensor '{name}' has dtype {dtype}, which kvjit does not support (F32, BF16, F16, F8_E4M3, U32; U8 when its metadata names weight blocks)"
+    )]
     UnsupportedFileDType {
         /// Tensor name.
         name: String,

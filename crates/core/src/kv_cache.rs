@@ -60,7 +60,9 @@ impl CacheElement {
             (DType::F8E4M3, None) => Err(Error::InvalidCacheParams(format!(
                 "a {dtype} cache needs a scale_granularity (values per scale, dividing head_size)"
             ))),
-            (DType::U32, _) => Err(Error::InvalidCacheParams(format!("dtype must be a float type, got {dtype}"))),
+            (DType::U32 | DType::Q8_0 | DType::Q4_0 | DType::Q4_1 | DType::Q4K | DType::Q6K, _) => {
+                Err(Error::InvalidCacheParams(format!("dtype must be a float type, got {dtype}")))
+            }
             (_, Some(g)) => Err(Error::InvalidCacheParams(format!(
                 "scale_granularity ({g}) applies to f8e4m3 caches only, not {dtype}"
             ))),
@@ -771,8 +773,8 @@ impl PagedKVCacheCollection {
                 }
                 values
             }
-            TensorData::U32(_) => {
-                return Err(Error::NotFloat { what: "read_slot".into(), dtype: DType::U32 });
+            TensorData::U32(_) | TensorData::Blocks(..) => {
+                return Err(Error::NotFloat { what: "read_slot".into(), dtype: self.blocks.dtype() });
             }
         })
     }

@@ -12,6 +12,7 @@ mod error;
 pub mod fp8;
 mod kernel_key;
 mod kv_cache;
+pub mod quant;
 mod safetensors_io;
 mod tensor;
 

@@ -9,6 +9,9 @@ use safetensors::{Dtype, SafeTensors, tensor::TensorView};
 use crate::tensor::MappedBytes;
 use crate::{DType, Error, Result, Tensor};
 
+/// The safetensors dtype of a kvjit dtype: a block format (which
+/// safetensors has no name for) travels as U8 bytes, its format and
+/// logical shape in the header's metadata ([`block_metadata_key`]).
 fn to_file_dtype(dtype: DType) -> Dtype {
     match dtype {
         DType::F32 => Dtype::F32,
@@ -16,6 +19,56 @@ fn to_file_dtype(dtype: DType) -> Dtype {
         DType::F16 => Dtype::F16,
         DType::U32 => Dtype::U32,
         DType::F8E4M3 => Dtype::F8_E4M3,
+        DType::Q8_0 | DType::Q4_0 | DType::Q4_1 | DType::Q4K | DType::Q6K => Dtype::U8,
+    }
+}
+
+/// The metadata key that records the block format and logical shape of
+/// tensor `name` (stored as U8 bytes): value `"q4_1:576,576"`.
+fn block_metadata_key(name: &str) -> String {
+    format!("kvjit.blocks.{name}")
+}
+
+/// The dtype and logical shape of a U8 tensor `name` that metadata
+/// `value` names as blocks (`"q4_1:576,576"`).
+fn parse_block_metadata(name: &str, value: &str) -> Result<(DType, Vec<usize>)> {
+    let bad = || Error::UnsupportedFileDType { name: name.to_string(), dtype: format!("U8 blocks '{value}'") };
+    let (format, shape) = value.split_once(':').ok_or_else(bad)?;
+    let dtype: DType = format.parse().map_err(|_| bad())?;
+    if !dtype.is_block_format() {
+        return Err(bad());
+    }
+    let shape = if shape.is_empty() {
+        Vec::new()
+    } else {
+        shape.split(',').map(|d| d.parse::<usize>().map_err(|_| bad())).collect::<Result<_>>()?
+    };
+    Ok((dtype, shape))
+}
+
+/// The dtype and logical shape of a file's tensor: its own, or for U8
+/// bytes the metadata names as blocks, theirs (their byte count checked).
+fn file_tensor_type(
+    name: &str,
+    dtype: Dtype,
+    shape: &[usize],
+    metadata: Option<&std::collections::HashMap<String, String>>,
+) -> Result<(DType, Vec<usize>)> {
+    match metadata.and_then(|m| m.get(&block_metadata_key(name))) {
+        Some(value) if dtype == Dtype::U8 => {
+            let (format, logical) = parse_block_metadata(name, value)?;
+            let bytes = Tensor::storage_bytes(format, &logical)?;
+            if shape != [bytes] {
+                return Err(Error::ByteCount {
+                    dtype: format,
+                    shape: logical,
+                    expected: bytes,
+                    got: shape.iter().product(),
+                });
+            }
+            Ok((format, logical))
+        }
+        _ => Ok((from_file_dtype(name, dtype)?, shape.to_vec())),
     }
 }
 
@@ -33,25 +86,35 @@ fn from_file_dtype(name: &str, dtype: Dtype) -> Result<DType> {
 /// Serialize named tensors to safetensors bytes (strided tensors are packed).
 pub fn tensors_to_safetensors<'a>(tensors: impl IntoIterator<Item = (&'a str, &'a Tensor)>) -> Result<Vec<u8>> {
     let packed: Vec<(&str, Tensor)> = tensors.into_iter().map(|(n, t)| (n, t.to_contiguous())).collect();
+    let mut metadata = std::collections::HashMap::new();
     let views = packed
         .iter()
         .map(|(name, t)| {
-            TensorView::new(to_file_dtype(t.dtype()), t.shape().to_vec(), t.as_bytes()).map(|v| (*name, v))
+            let shape = if t.dtype().is_block_format() {
+                let dims: Vec<String> = t.shape().iter().map(|d| d.to_string()).collect();
+                metadata.insert(block_metadata_key(name), format!("{}:{}", t.dtype(), dims.join(",")));
+                vec![t.as_bytes().len()]
+            } else {
+                t.shape().to_vec()
+            };
+            TensorView::new(to_file_dtype(t.dtype()), shape, t.as_bytes()).map(|v| (*name, v))
         })
         .collect::<std::result::Result<Vec<_>, _>>()
         .map_err(|e| Error::Safetensors(e.to_string()))?;
-    safetensors::serialize(views, None).map_err(|e| Error::Safetensors(e.to_string()))
+    safetensors::serialize(views, (!metadata.is_empty()).then_some(metadata))
+        .map_err(|e| Error::Safetensors(e.to_string()))
 }
 
 /// Parse safetensors bytes into named tensors. Truncated or malformed data,
 /// and dtypes kvjit does not handle, are errors.
 pub fn tensors_from_safetensors(bytes: &[u8]) -> Result<BTreeMap<String, Tensor>> {
+    let (_, header) = SafeTensors::read_metadata(bytes).map_err(|e| Error::Safetensors(e.to_string()))?;
     let file = SafeTensors::deserialize(bytes).map_err(|e| Error::Safetensors(e.to_string()))?;
     file.tensors()
         .into_iter()
         .map(|(name, view)| {
-            let dtype = from_file_dtype(&name, view.dtype())?;
-            let tensor = Tensor::from_le_bytes(dtype, view.shape(), view.data())?;
+            let (dtype, shape) = file_tensor_type(&name, view.dtype(), view.shape(), header.metadata().as_ref())?;
+            let tensor = Tensor::from_le_bytes(dtype, &shape, view.data())?;
             Ok((name, tensor))
         })
         .collect()
@@ -158,9 +221,9 @@ fn read_header(path: &Path, file: &mut std::fs::File, file_len: u64) -> Result<S
     let mut tensors = Vec::with_capacity(metadata.tensors().len());
     for name in metadata.offset_keys() {
         let info = metadata.info(&name).expect("offset_keys names tensors of the metadata");
-        let dtype = from_file_dtype(&name, info.dtype)?;
+        let (dtype, shape) = file_tensor_type(&name, info.dtype, &info.shape, metadata.metadata().as_ref())?;
         let (start, end) = info.data_offsets;
-        tensors.push((name, dtype, info.shape.clone(), start..end));
+        tensors.push((name, dtype, shape, start..end));
     }
     Ok(SafetensorsHeader { data_start, tensors })
 }
@@ -425,6 +488,31 @@ mod tests {
     }
 
     #[test]
+    fn block_tensors_travel_as_bytes_with_their_format_and_shape() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("blocks.safetensors");
+        let bytes: Vec<u8> = (0..2 * 3 * 20).map(|i| (i * 7 % 251) as u8).collect();
+        let q = Tensor::from_le_bytes(DType::Q4_1, &[2, 96], &bytes).unwrap();
+        let f = Tensor::from_f32(DType::F32, &[2], &[1.5, -2.0]).unwrap();
+        write_safetensors(&path, [("q", &q), ("f", &f)]).unwrap();
+        for mode in [WeightLoad::Map, WeightLoad::Copy] {
+            let loaded = load_safetensors(&path, mode).unwrap();
+            assert_eq!(loaded.tensors["q"], q, "{mode:?}");
+            assert_eq!(loaded.tensors["f"], f, "{mode:?}");
+        }
+        let parsed = tensors_from_safetensors(&std::fs::read(&path).unwrap()).unwrap();
+        assert_eq!(parsed["q"].dtype(), DType::Q4_1);
+        assert_eq!(parsed["q"].shape(), &[2, 96]);
+        // Metadata naming a shape the bytes do not fill is refused.
+        let mut bad = std::collections::HashMap::new();
+        bad.insert(block_metadata_key("q"), "q4_1:2,128".to_string());
+        let view = TensorView::new(Dtype::U8, vec![bytes.len()], &bytes).unwrap();
+        let file = safetensors::serialize([("q", view)], Some(bad)).unwrap();
+        let err = tensors_from_safetensors(&file).unwrap_err().to_string();
+        assert!(err.contains("q4_1"), "{err}");
+    }
+
+    #[test]
     fn dtype_errors_list_every_dtype() {
         let unknown = "f64".parse::<DType>().unwrap_err().to_string();
         let unsupported = from_file_dtype("t", Dtype::F64).unwrap_err().to_string();
@@ -432,6 +520,7 @@ mod tests {
             assert!(unknown.contains(&dtype.to_string()), "{dtype} not in: {unknown}");
             let file_name = format!("{:?}", to_file_dtype(dtype));
             assert!(unsupported.contains(&file_name), "{file_name} not in: {unsupported}");
+            assert_eq!(dtype.is_block_format(), file_name == "U8", "{dtype}");
         }
     }
 

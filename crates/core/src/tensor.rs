@@ -33,6 +33,9 @@ pub enum TensorData<'a> {
     U32(&'a [u32]),
     /// FP8 E4M3 codes.
     F8E4M3(&'a [F8E4M3]),
+    /// Weight blocks of a block format ([`DType::BLOCK_FORMATS`]), as
+    /// stored.
+    Blocks(DType, &'a [u8]),
 }
 
 /// An element type a [`Tensor`] can store.
@@ -65,10 +68,13 @@ enum OwnedData {
     F16(Vec<f16>),
     U32(Vec<u32>),
     F8E4M3(Vec<F8E4M3>),
+    /// Blocks of a block format: bytes.
+    Blocks(DType, Vec<u8>),
 }
 
 impl OwnedData {
-    /// Zero-filled storage of `len` elements; an allocation the system
+    /// Zero-filled storage of `len` storage units (elements, or bytes of a
+    /// block format); an allocation the system
     /// cannot satisfy is an error ([`Error::OutOfMemory`]), not an abort.
     fn zeros(dtype: DType, len: usize) -> Result<Self> {
         // Zero is all-zero bits in every dtype, so the allocator's zeroed
@@ -84,6 +90,7 @@ impl OwnedData {
             DType::F16 => OwnedData::F16(zeroed(len, dtype)?),
             DType::U32 => OwnedData::U32(zeroed(len, dtype)?),
             DType::F8E4M3 => OwnedData::F8E4M3(zeroed(len, dtype)?),
+            format => OwnedData::Blocks(format, zeroed(len, dtype)?),
         })
     }
 
@@ -97,6 +104,7 @@ impl OwnedData {
             DType::F16 => OwnedData::F16(*values.downcast().expect(wrong)),
             DType::U32 => OwnedData::U32(*values.downcast().expect(wrong)),
             DType::F8E4M3 => OwnedData::F8E4M3(*values.downcast().expect(wrong)),
+            _ => unreachable!("{wrong}"),
         }
     }
 
@@ -113,6 +121,7 @@ impl OwnedData {
             OwnedData::F16(_) => DType::F16,
             OwnedData::U32(_) => DType::U32,
             OwnedData::F8E4M3(_) => DType::F8E4M3,
+            OwnedData::Blocks(format, _) => *format,
         }
     }
 
@@ -123,6 +132,7 @@ impl OwnedData {
             OwnedData::F16(v) => bytemuck::cast_slice(v),
             OwnedData::U32(v) => bytemuck::cast_slice(v),
             OwnedData::F8E4M3(v) => bytemuck::cast_slice(v),
+            OwnedData::Blocks(_, v) => v,
         }
     }
 
@@ -133,6 +143,7 @@ impl OwnedData {
             OwnedData::F16(v) => bytemuck::cast_slice_mut(v),
             OwnedData::U32(v) => bytemuck::cast_slice_mut(v),
             OwnedData::F8E4M3(v) => bytemuck::cast_slice_mut(v),
+            OwnedData::Blocks(_, v) => v,
         }
     }
 }
@@ -192,9 +203,10 @@ impl Storage {
         }
     }
 
-    /// Number of stored elements.
+    /// Number of stored elements (whole blocks' elements for a block
+    /// format).
     fn len(&self) -> usize {
-        self.as_bytes().len() / self.dtype().size_bytes()
+        self.dtype().elements_in(self.as_bytes().len())
     }
 
     /// The elements, typed. Mapped bytes were checked aligned for their
@@ -207,6 +219,7 @@ impl Storage {
             DType::F16 => TensorData::F16(bytemuck::cast_slice(bytes)),
             DType::U32 => TensorData::U32(bytemuck::cast_slice(bytes)),
             DType::F8E4M3 => TensorData::F8E4M3(bytemuck::cast_slice(bytes)),
+            format => TensorData::Blocks(format, bytes),
         }
     }
 }
@@ -281,10 +294,22 @@ impl Tensor {
         Self { shape: shape.to_vec(), strides: contiguous_strides(shape), data: Arc::new(data) }
     }
 
-    /// A zero-filled contiguous tensor.
-    pub fn zeros(dtype: DType, shape: &[usize]) -> Result<Self> {
+    /// Bytes a contiguous tensor of `dtype` and `shape` stores. A block
+    /// format's rows must be whole blocks (its last dim a multiple of the
+    /// block; [`Error::BlockShape`] otherwise).
+    pub fn storage_bytes(dtype: DType, shape: &[usize]) -> Result<usize> {
         let numel = checked_numel(shape)?;
-        Ok(Self::contiguous(shape, Storage::Owned(OwnedData::zeros(dtype, numel)?)))
+        let (block, _) = dtype.block();
+        if block > 1 && !shape.last().is_some_and(|&last| last.is_multiple_of(block)) {
+            return Err(Error::BlockShape { dtype, block, shape: shape.to_vec() });
+        }
+        dtype.storage_bytes(numel).ok_or_else(|| Error::ShapeOverflow(shape.to_vec()))
+    }
+
+    /// A zero-filled contiguous tensor (zero blocks for a block format).
+    pub fn zeros(dtype: DType, shape: &[usize]) -> Result<Self> {
+        let units = Self::storage_bytes(dtype, shape)? / dtype.size_bytes();
+        Ok(Self::contiguous(shape, Storage::Owned(OwnedData::zeros(dtype, units)?)))
     }
 
     /// A contiguous tensor over `values`, which must hold exactly `shape`'s
@@ -298,8 +323,7 @@ impl Tensor {
     }
 
     fn check_byte_count(dtype: DType, shape: &[usize], bytes: usize) -> Result<()> {
-        let numel = checked_numel(shape)?;
-        let expected = numel.checked_mul(dtype.size_bytes()).ok_or_else(|| Error::ShapeOverflow(shape.to_vec()))?;
+        let expected = Self::storage_bytes(dtype, shape)?;
         if bytes != expected {
             return Err(Error::ByteCount { dtype, shape: shape.to_vec(), expected, got: bytes });
         }
@@ -326,8 +350,7 @@ impl Tensor {
     /// (packed weights), which then cost few page faults to make and few
     /// TLB misses to stream.
     pub fn anonymous(dtype: DType, shape: &[usize], fill: impl FnOnce(&mut [u8])) -> Result<Self> {
-        let numel = checked_numel(shape)?;
-        let len = numel.checked_mul(dtype.size_bytes()).ok_or_else(|| Error::ShapeOverflow(shape.to_vec()))?;
+        let len = Self::storage_bytes(dtype, shape)?;
         if len == 0 {
             let mut t = Self::zeros(dtype, shape)?;
             fill(t.as_bytes_mut());
@@ -352,7 +375,7 @@ impl Tensor {
             DType::BF16 => Self::from_vec(shape, values.iter().map(|&v| bf16::from_f32(v)).collect()),
             DType::F16 => Self::from_vec(shape, values.iter().map(|&v| f16::from_f32(v)).collect()),
             DType::F8E4M3 => Self::from_vec(shape, values.iter().map(|&v| F8E4M3::from_f32(v)).collect()),
-            DType::U32 => Err(Error::NotFloat { what: "from_f32".into(), dtype }),
+            _ => Err(Error::NotFloat { what: "from_f32".into(), dtype }),
         }
     }
 
@@ -376,7 +399,7 @@ impl Tensor {
             OwnedData::BF16(v) => fill(v, rng, low, high),
             OwnedData::F16(v) => fill(v, rng, low, high),
             OwnedData::F8E4M3(v) => fill(v, rng, low, high),
-            OwnedData::U32(_) => return Err(Error::NotFloat { what: "random".into(), dtype }),
+            OwnedData::U32(_) | OwnedData::Blocks(..) => return Err(Error::NotFloat { what: "random".into(), dtype }),
         }
         Ok(t)
     }
@@ -491,10 +514,12 @@ impl Tensor {
         if numel != self.numel() {
             return Err(Error::ElementCount { shape: shape.to_vec(), expected: numel, got: self.numel() });
         }
+        Self::storage_bytes(self.dtype(), shape)?; // a block format's rows stay whole blocks
         Ok(Self { shape: shape.to_vec(), strides: contiguous_strides(shape), data: self.data.clone() })
     }
 
-    /// Every element widened to f32, in logical row-major order.
+    /// Every element widened to f32 (a block format's dequantized), in
+    /// logical row-major order.
     pub fn to_f32_vec(&self) -> Result<Vec<f32>> {
         fn widen<T: Element>(t: &Tensor, values: &[T]) -> Vec<f32> {
             t.logical_offsets().map(|o| values[o].to_f32()).collect()
@@ -504,6 +529,12 @@ impl Tensor {
             TensorData::BF16(v) => widen(self, v),
             TensorData::F16(v) => widen(self, v),
             TensorData::F8E4M3(v) => widen(self, v),
+            TensorData::Blocks(format, bytes) => {
+                // Block tensors are contiguous (they refuse permutation).
+                let mut out = vec![0f32; self.numel()];
+                crate::quant::dequantize(format, bytes, &mut out)?;
+                out
+            }
             TensorData::U32(_) => {
                 return Err(Error::NotFloat { what: "to_f32_vec".into(), dtype: DType::U32 });
             }
@@ -518,15 +549,15 @@ impl Tensor {
 
     /// Set every stored element to `value` rounded to the dtype (floats only).
     pub fn fill_f32(&mut self, value: f32) -> Result<()> {
-        if self.dtype() == DType::U32 {
-            return Err(Error::NotFloat { what: "fill_f32".into(), dtype: DType::U32 });
+        if !self.dtype().is_float() {
+            return Err(Error::NotFloat { what: "fill_f32".into(), dtype: self.dtype() });
         }
         match self.owned_mut() {
             OwnedData::F32(v) => v.fill(value),
             OwnedData::BF16(v) => v.fill(bf16::from_f32(value)),
             OwnedData::F16(v) => v.fill(f16::from_f32(value)),
             OwnedData::F8E4M3(v) => v.fill(F8E4M3::from_f32(value)),
-            OwnedData::U32(_) => unreachable!("checked above"),
+            OwnedData::U32(_) | OwnedData::Blocks(..) => unreachable!("checked above"),
         }
         Ok(())
     }
@@ -539,6 +570,11 @@ impl Tensor {
             && perm.iter().all(|&p| p < seen.len() && !std::mem::replace(&mut seen[p], true));
         if !valid {
             return Err(Error::BadPermutation { rank: self.shape.len(), perm: perm.to_vec() });
+        }
+        if self.dtype().is_block_format() && perm.iter().enumerate().any(|(i, &p)| i != p) {
+            // A block holds consecutive elements of a row: they cannot be
+            // seen in another order.
+            return Err(Error::NotFloat { what: "permuted (blocks keep their rows)".into(), dtype: self.dtype() });
         }
         Ok(Self {
             shape: perm.iter().map(|&p| self.shape[p]).collect(),
@@ -561,6 +597,7 @@ impl Tensor {
             TensorData::F16(v) => gather(self, v),
             TensorData::U32(v) => gather(self, v),
             TensorData::F8E4M3(v) => gather(self, v),
+            TensorData::Blocks(..) => unreachable!("block tensors are never permuted"),
         };
         Self::contiguous(&self.shape, Storage::Owned(data))
     }
@@ -605,6 +642,26 @@ mod tests {
         // 1 + 2^-8 lies exactly between two bf16 values; ties go to the even one (1.0).
         let t = Tensor::from_f32(DType::BF16, &[2], &[1.0 + 1.0 / 256.0, 1.0 + 3.0 / 256.0]).unwrap();
         assert_eq!(t.to_f32_vec().unwrap(), vec![1.0, 1.0 + 4.0 / 256.0]);
+    }
+
+    #[test]
+    fn block_tensors_hold_whole_blocks_of_rows_and_dequantize() {
+        // One Q8_0 block: d = 0.5 (f16 0x3800), q = 0, 1, ..., 31 (minus 16).
+        let mut block = vec![0x00u8, 0x38];
+        block.extend((0..32).map(|i| (i - 16i8) as u8));
+        let t = Tensor::from_le_bytes(DType::Q8_0, &[1, 32], &block).unwrap();
+        assert!(t.is_contiguous());
+        assert_eq!(t.numel(), 32);
+        let want: Vec<f32> = (0..32).map(|i| (i as f32 - 16.0) * 0.5).collect();
+        assert_eq!(t.to_f32_vec().unwrap(), want);
+        // Rows must be whole blocks; the bytes must be whole blocks.
+        assert!(matches!(Tensor::zeros(DType::Q4_1, &[2, 48]), Err(Error::BlockShape { block: 32, .. })));
+        assert!(matches!(Tensor::from_le_bytes(DType::Q8_0, &[1, 32], &block[..33]), Err(Error::ByteCount { .. })));
+        assert!(matches!(t.reshaped(&[2, 16]), Err(Error::BlockShape { .. })));
+        assert_eq!(t.reshaped(&[32]).unwrap().shape(), &[32]);
+        assert!(t.permuted(&[1, 0]).is_err(), "blocks keep their rows");
+        assert_eq!(Tensor::zeros(DType::Q4K, &[3, 512]).unwrap().as_bytes().len(), 3 * 2 * 144);
+        assert!(Tensor::random(DType::Q4_0, &[1, 32], &mut rand::thread_rng(), 0.0, 1.0).is_err());
     }
 
     #[test]

@@ -42,8 +42,7 @@ pub enum GgmlType {
     Mxfp4,
 }
 
-/// Elements in a K-quant super-block.
-pub const QK_K: usize = 256;
+pub use kvjit_core::quant::QK_K;
 
 /// (type, id, name, block size in elements, block size in bytes), as
 /// `ggml.h` and gguf-py's `GGML_QUANT_SIZES` define them.
@@ -116,6 +115,20 @@ impl GgmlType {
     /// Bytes per block.
     pub fn type_size(self) -> usize {
         self.row().4
+    }
+
+    /// The kvjit weight block format of this type, when kvjit keeps its
+    /// blocks as they are (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K).
+    pub fn block_format(self) -> Option<kvjit_core::DType> {
+        use kvjit_core::DType;
+        Some(match self {
+            GgmlType::Q8_0 => DType::Q8_0,
+            GgmlType::Q4_0 => DType::Q4_0,
+            GgmlType::Q4_1 => DType::Q4_1,
+            GgmlType::Q4K => DType::Q4K,
+            GgmlType::Q6K => DType::Q6K,
+            _ => return None,
+        })
     }
 
     /// Whether kvjit can turn this type into f32, bf16 or f16

@@ -338,7 +338,7 @@ mod x86 {
         match weights {
             DType::BF16 => Some(widen_kernel::<Bf16>),
             DType::F16 => Some(widen_kernel::<F16>),
-            DType::F32 | DType::U32 | DType::F8E4M3 => None,
+            _ => None,
         }
     }
 
@@ -347,7 +347,7 @@ mod x86 {
             DType::F32 => tiles::<F32>(rows),
             DType::BF16 => tiles::<Bf16>(rows),
             DType::F16 => tiles::<F16>(rows),
-            DType::U32 | DType::F8E4M3 => None,
+            _ => None,
         }
     }
 }

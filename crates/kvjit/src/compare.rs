@@ -46,14 +46,15 @@ impl Tolerance {
         Self { f32: value, bf16: value, f16: value, f8e4m3: value }
     }
 
-    /// The tolerance for tensors stored as `dtype` (0 for integers: exact).
+    /// The tolerance for tensors stored as `dtype` (0 for integers and
+    /// weight blocks: their bytes compare exactly).
     pub fn for_dtype(&self, dtype: DType) -> f64 {
         match dtype {
             DType::F32 => self.f32,
             DType::BF16 => self.bf16,
             DType::F16 => self.f16,
             DType::F8E4M3 => self.f8e4m3,
-            DType::U32 => 0.0,
+            DType::U32 | DType::Q8_0 | DType::Q4_0 | DType::Q4_1 | DType::Q4K | DType::Q6K => 0.0,
         }
     }
 }

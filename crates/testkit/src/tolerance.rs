@@ -52,7 +52,7 @@ pub fn unit_roundoff(dtype: DType) -> f64 {
         DType::BF16 => 1.0 / 256.0,
         DType::F16 => 1.0 / 2048.0,
         DType::F8E4M3 => 1.0 / 16.0,
-        DType::U32 => panic!("unit_roundoff: floats only, got {dtype}"),
+        _ => panic!("unit_roundoff: float elements only, got {dtype}"),
     }
 }
 
@@ -67,7 +67,7 @@ pub fn max_finite(dtype: DType) -> f64 {
         DType::BF16 => bf16::MAX.to_f64(),
         DType::F16 => f16::MAX.to_f64(),
         DType::F8E4M3 => f64::from(kvjit_core::fp8::E4M3_MAX),
-        DType::U32 => panic!("max_finite: floats only, got {dtype}"),
+        _ => panic!("max_finite: float elements only, got {dtype}"),
     }
 }
 
@@ -115,7 +115,7 @@ pub fn ulp(dtype: DType, v: f64) -> f64 {
                 f64::from(e4m3_to_f32(r + 1)) - f64::from(e4m3_to_f32(r))
             }
         }
-        DType::U32 => panic!("ulp: floats only, got {dtype}"),
+        _ => panic!("ulp: float elements only, got {dtype}"),
     }
 }
 
@@ -235,7 +235,7 @@ impl Tolerance {
                     DType::F16 => (unit_roundoff(dtype), F16_SUBNORMAL_HALF_STEP),
                     // Unscaled E4M3: subnormal steps of 2⁻⁹.
                     DType::F8E4M3 => (unit_roundoff(dtype), 1.0 / 1024.0),
-                    DType::U32 => panic!("AgainstExact: floats only, got {dtype}"),
+                    _ => panic!("AgainstExact: float elements only, got {dtype}"),
                 };
                 STORED_ROUNDOFF_UNITS * roundoff * want.abs() + (1.0 + roundoff) * accumulation + floor
             }

@@ -104,7 +104,7 @@ pub fn special_value(rng: &mut impl Rng, dtype: DType) -> f32 {
         DType::BF16 => bf16::from_bits(5).to_f32(),
         DType::F16 => f16::from_bits(7).to_f32(),
         DType::F8E4M3 => kvjit_core::fp8::e4m3_to_f32(3),
-        DType::U32 => panic!("special_value: floats only"),
+        _ => panic!("special_value: float elements only"),
     };
     match rng.gen_range(0..6) {
         0 => f32::NAN,

@@ -94,7 +94,9 @@ pub fn mha(
         TensorData::F32(_) => store::<f32>(output.as_mut_slice()?, &exact, |x| x as f32),
         TensorData::BF16(_) => store::<bf16>(output.as_mut_slice()?, &exact, bf16::from_f64),
         TensorData::F16(_) => store::<f16>(output.as_mut_slice()?, &exact, f16::from_f64),
-        TensorData::U32(_) | TensorData::F8E4M3(_) => unreachable!("check_output accepts only q's float dtype"),
+        TensorData::U32(_) | TensorData::F8E4M3(_) | TensorData::Blocks(..) => {
+            unreachable!("check_output accepts only q's float dtype")
+        }
     }
     Ok(shape)
 }

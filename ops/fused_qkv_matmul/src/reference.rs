@@ -80,7 +80,7 @@ fn run<T: Element>(
         DType::BF16 => run_typed::<T>(shape, x, w, cache, valid, output, store_plain::<bf16>),
         DType::F16 => run_typed::<T>(shape, x, w, cache, valid, output, store_plain::<f16>),
         DType::F8E4M3 => run_typed::<T>(shape, x, w, cache, valid, output, store_quantized),
-        DType::U32 => unreachable!("caches hold floats"),
+        _ => unreachable!("caches hold floats"),
     }
 }
 

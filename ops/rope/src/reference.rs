@@ -104,7 +104,7 @@ pub fn fused_qk_rope(
                 DType::BF16 => run::<$t, bf16>(&shape, $q, $f, kv_collection, valid, interleaved, output),
                 DType::F16 => run::<$t, f16>(&shape, $q, $f, kv_collection, valid, interleaved, output),
                 DType::F8E4M3 => run::<$t, F8E4M3>(&shape, $q, $f, kv_collection, valid, interleaved, output),
-                DType::U32 => unreachable!("caches hold floats"),
+                _ => unreachable!("caches hold float elements"),
             }
         }};
     }

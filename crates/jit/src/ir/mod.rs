@@ -61,7 +61,7 @@ pub fn load_f32x4(b: &mut FunctionBuilder, dtype: DType, ptr: Value, offset: i32
             let codes = e4m3::load_codes(b, ptr, offset);
             e4m3::widen_i32x4(b, codes)
         }
-        DType::U32 => no_float_lanes(dtype),
+        DType::U32 | DType::Q8_0 | DType::Q4_0 | DType::Q4_1 | DType::Q4K | DType::Q6K => no_float_lanes(dtype),
     }
 }
 
@@ -114,7 +114,7 @@ pub fn load_splat_f32x4(b: &mut FunctionBuilder, dtype: DType, ptr: Value, offse
             let code = b.ins().splat(types::I32X4, code);
             e4m3::widen_i32x4(b, code)
         }
-        DType::U32 => no_float_lanes(dtype),
+        DType::U32 | DType::Q8_0 | DType::Q4_0 | DType::Q4_1 | DType::Q4K | DType::Q6K => no_float_lanes(dtype),
     }
 }
 
@@ -160,7 +160,7 @@ pub fn store_f32x4(b: &mut FunctionBuilder, dtype: DType, value: Value, ptr: Val
             b.ins().store(mem(), low, ptr, offset);
         }
         DType::F8E4M3 => no_scale(dtype),
-        DType::U32 => no_float_lanes(dtype),
+        DType::U32 | DType::Q8_0 | DType::Q4_0 | DType::Q4_1 | DType::Q4K | DType::Q6K => no_float_lanes(dtype),
     }
 }
 
@@ -181,7 +181,7 @@ pub fn store_lane(b: &mut FunctionBuilder, dtype: DType, value: Value, lane: u8,
             b.ins().store(mem(), x, ptr, offset);
         }
         DType::F8E4M3 => no_scale(dtype),
-        DType::U32 => no_float_lanes(dtype),
+        DType::U32 | DType::Q8_0 | DType::Q4_0 | DType::Q4_1 | DType::Q4K | DType::Q6K => no_float_lanes(dtype),
     }
 }
 
@@ -301,7 +301,7 @@ fn no_scale(dtype: DType) -> ! {
 }
 
 fn no_float_lanes(dtype: DType) -> ! {
-    panic!("{dtype} elements are integers and never convert to or from f32 lanes")
+    panic!("{dtype} has no f32 lanes (integers, or weight blocks decoded by their own kernels)")
 }
 
 /// Byte order for bitcasts that change the lane count (kvjit's hosts are

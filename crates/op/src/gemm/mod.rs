@@ -170,7 +170,7 @@ pub fn rows_as_f32(x: &Tensor) -> Cow<'_, [f32]> {
         TensorData::F32(x) => Cow::Borrowed(x),
         TensorData::BF16(x) => convert(x.len(), &|out| <[bf16]>::convert_to_f32_slice(x, out)),
         TensorData::F16(x) => convert(x.len(), &|out| <[f16]>::convert_to_f32_slice(x, out)),
-        TensorData::U32(_) | TensorData::F8E4M3(_) => {
+        TensorData::U32(_) | TensorData::F8E4M3(_) | TensorData::Blocks(..) => {
             unreachable!("the check accepts activations of the compute floats only")
         }
     }

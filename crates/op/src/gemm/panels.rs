@@ -228,7 +228,7 @@ impl PanelLayout {
                 let ws: Vec<&[u16]> = weights.iter().map(|w| bits(w)).collect();
                 Tensor::anonymous(dtype, &shape, |out| pack_typed(self, &ws, out))
             }
-            DType::U32 | DType::F8E4M3 => Err(Error::NotFloat { what: "weight".into(), dtype }),
+            _ => Err(Error::NotFloat { what: "weight".into(), dtype }),
         }
     }
 }

@@ -1,0 +1,136 @@
+//! GGML's weight block formats ([`DType::BLOCK_FORMATS`]) and their
+//! dequantization to f32, bit for bit as gguf-py's numpy reference
+//! (`gguf/quants.py`) and ggml's `dequantize_row_*` compute it: every
+//! product and sum rounded to f32 in the same order, no fused multiply-add.
+//! This is the one definition of what a block means; kernels that decode
+//! blocks in registers are tested against it.
+//!
+//! | format | block | elements |
+//! |--------|-------|----------|
+//! | Q8_0 | f16 `d`, 32 × i8 `q` | `q[j]·d` |
+//! | Q4_0 | f16 `d`, 16 bytes | element `j < 16`: `d·((b[j] & 15) − 8)`; `j ≥ 16`: `d·((b[j−16] >> 4) − 8)` |
+//! | Q4_1 | f16 `d`, f16 `m`, 16 bytes | `d·q + m`, nibbles as Q4_0 |
+//! | Q4_K | f16 `d`, f16 `dmin`, 12 bytes of 6-bit scales and mins, 128 bytes | per 32 elements: `(d·sc)·q − dmin·m` |
+//! | Q6_K | 128 bytes low 4 bits, 64 bytes high 2 bits, 16 × i8 scales, f16 `d` | per 16 elements: `(d·sc)·(q − 32)` |
+
+use half::f16;
+
+use crate::{DType, Error, Result};
+
+/// Elements in a K-quant super-block.
+pub const QK_K: usize = 256;
+
+/// The f16 at byte `at` of `bytes`, as f32.
+pub fn f16_at(bytes: &[u8], at: usize) -> f32 {
+    f16::from_bits(u16::from_le_bytes([bytes[at], bytes[at + 1]])).to_f32()
+}
+
+/// Dequantize whole blocks of the block format `format` from `bytes` into
+/// `out`, which must hold exactly the elements of those blocks.
+pub fn dequantize(format: DType, bytes: &[u8], out: &mut [f32]) -> Result<()> {
+    let (block, size) = format.block();
+    if !format.is_block_format() {
+        return Err(Error::NotFloat { what: "dequantize (a weight block format)".into(), dtype: format });
+    }
+    if !bytes.len().is_multiple_of(size) || bytes.len() / size * block != out.len() {
+        return Err(Error::ByteCount {
+            dtype: format,
+            shape: vec![out.len()],
+            expected: out.len() / block * size,
+            got: bytes.len(),
+        });
+    }
+    let blocks = bytes.chunks_exact(size).zip(out.chunks_exact_mut(block));
+    match format {
+        DType::Q8_0 => blocks.for_each(|(b, o)| q8_0(b, o)),
+        DType::Q4_0 => blocks.for_each(|(b, o)| q4_0(b, o)),
+        DType::Q4_1 => blocks.for_each(|(b, o)| q4_1(b, o)),
+        DType::Q4K => blocks.for_each(|(b, o)| q4_k(b, o)),
+        DType::Q6K => blocks.for_each(|(b, o)| q6_k(b, o)),
+        _ => unreachable!("checked a block format above"),
+    }
+    Ok(())
+}
+
+/// One Q8_0 block (34 bytes) into 32 elements.
+fn q8_0(b: &[u8], out: &mut [f32]) {
+    let d = f16_at(b, 0);
+    for (o, &q) in out.iter_mut().zip(&b[2..34]) {
+        *o = f32::from(q as i8) * d;
+    }
+}
+
+/// One Q4_0 block (18 bytes) into 32 elements.
+fn q4_0(b: &[u8], out: &mut [f32]) {
+    let d = f16_at(b, 0);
+    let (low, high) = out.split_at_mut(16);
+    for (j, &q) in b[2..18].iter().enumerate() {
+        low[j] = d * f32::from((q & 0x0f) as i8 - 8);
+        high[j] = d * f32::from((q >> 4) as i8 - 8);
+    }
+}
+
+/// One Q4_1 block (20 bytes) into 32 elements.
+fn q4_1(b: &[u8], out: &mut [f32]) {
+    let d = f16_at(b, 0);
+    let m = f16_at(b, 2);
+    let (low, high) = out.split_at_mut(16);
+    for (j, &q) in b[4..20].iter().enumerate() {
+        low[j] = d * f32::from(q & 0x0f) + m;
+        high[j] = d * f32::from(q >> 4) + m;
+    }
+}
+
+/// Scale and min `j` (0–7) of a K-quant's 12 packed bytes: 6 bits each.
+fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
+    if j < 4 {
+        (q[j] & 63, q[j + 4] & 63)
+    } else {
+        ((q[j + 4] & 0x0f) | ((q[j - 4] >> 6) << 4), (q[j + 4] >> 4) | ((q[j] >> 6) << 4))
+    }
+}
+
+/// One Q4_K super-block (144 bytes) into 256 elements.
+fn q4_k(b: &[u8], out: &mut [f32]) {
+    let d = f16_at(b, 0);
+    let dmin = f16_at(b, 2);
+    let scales = &b[4..16];
+    let qs = &b[16..144];
+    for (chunk, (q, o)) in qs.chunks_exact(32).zip(out.chunks_exact_mut(64)).enumerate() {
+        let (sc1, m1) = scale_min_k4(2 * chunk, scales);
+        let (sc2, m2) = scale_min_k4(2 * chunk + 1, scales);
+        let (d1, min1) = (d * f32::from(sc1), dmin * f32::from(m1));
+        let (d2, min2) = (d * f32::from(sc2), dmin * f32::from(m2));
+        let (low, high) = o.split_at_mut(32);
+        for l in 0..32 {
+            low[l] = d1 * f32::from(q[l] & 0x0f) - min1;
+            high[l] = d2 * f32::from(q[l] >> 4) - min2;
+        }
+    }
+}
+
+/// One Q6_K super-block (210 bytes) into 256 elements.
+fn q6_k(b: &[u8], out: &mut [f32]) {
+    let (ql, rest) = b.split_at(QK_K / 2);
+    let (qh, rest) = rest.split_at(QK_K / 4);
+    let (scales, d) = rest.split_at(QK_K / 16);
+    let d = f16_at(d, 0);
+    for half in 0..2 {
+        let ql = &ql[64 * half..64 * half + 64];
+        let qh = &qh[32 * half..32 * half + 32];
+        let sc = &scales[8 * half..8 * half + 8];
+        let y = &mut out[128 * half..128 * half + 128];
+        for l in 0..32 {
+            let is = l / 16;
+            let q1 = ((ql[l] & 0x0f) | ((qh[l] & 3) << 4)) as i8 - 32;
+            let q2 = ((ql[l + 32] & 0x0f) | (((qh[l] >> 2) & 3) << 4)) as i8 - 32;
+            let q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) as i8 - 32;
+            let q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) as i8 - 32;
+            let scale = |k: usize| d * f32::from(sc[is + k] as i8);
+            y[l] = scale(0) * f32::from(q1);
+            y[l + 32] = scale(2) * f32::from(q2);
+            y[l + 64] = scale(4) * f32::from(q3);
+            y[l + 96] = scale(6) * f32::from(q4);
+        }
+    }
+}
