@@ -290,7 +290,7 @@ fn argmax(row: &[f64]) -> u32 {
 // ------------------------------------------------------------------- kvjit
 
 fn options(dtype: DType) -> ImportOptions {
-    ImportOptions { dtype, context: 128, max_batch: 2, page_size: 16 }
+    ImportOptions { dtype, dequantize: true, context: 128, max_batch: 2, page_size: 16 }
 }
 
 /// Compile `graph` and generate `max_tokens` greedy tokens (no stop token)

@@ -507,6 +507,7 @@ fn unusual_spec(seq: usize) -> FusedQkvSpec {
     FusedQkvSpec {
         backend: kvjit::cpu_backend(),
         dtype: DType::BF16,
+        weights: DType::BF16,
         cache: KvCacheParams {
             element: CacheElement::F16,
             num_layers: 5,

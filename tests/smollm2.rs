@@ -85,7 +85,8 @@ fn greedy_text_and_logits_equal_the_reference() {
     let reference = fixture("smollm2_reference.json");
     let tolerance = reference["tolerance"]["abs_logit_tolerance_f32"].as_f64().unwrap() as f32;
     let max_tokens = reference["max_tokens"].as_u64().unwrap() as usize;
-    let options = ImportOptions { dtype: DType::F32, context: 256, max_batch: 1, ..ImportOptions::default() };
+    let options =
+        ImportOptions { dtype: DType::F32, dequantize: true, context: 256, max_batch: 1, ..ImportOptions::default() };
     let graph = load_model(&path, registry.ops(), &options, WeightLoad::Map).unwrap();
     let exe = compile(&graph, &registry, &CompileOptions::default()).unwrap();
     let model = Model::new(&graph, &registry, exe, Executor::new(DeviceContextPtr::cpu(2).unwrap())).unwrap();

@@ -129,12 +129,17 @@ enum Command {
     Generate(GenerateArgs),
 }
 
-/// How an imported model is compiled: dtype and cache size.
+/// How an imported model is compiled: dtype, weights and cache size.
 #[derive(clap::Args, Clone, Copy)]
 struct ModelShape {
-    /// Activation and weight dtype (quantized weights are dequantized to it).
+    /// Activation dtype (and the weights' that the file does not store in a
+    /// block format kvjit decodes: Q8_0, Q4_0, Q4_1, Q4_K, Q6_K).
     #[arg(long, default_value = "f32")]
     dtype: DType,
+    /// Dequantize block-format weights into --dtype at load, instead of
+    /// keeping their blocks (which the kernels decode as they read).
+    #[arg(long)]
+    dequantize: bool,
     /// Tokens a sequence may hold: prompt plus generated.
     #[arg(long, default_value_t = 2048)]
     context: usize,
@@ -147,6 +152,7 @@ impl ModelShape {
     fn options(self) -> kvjit::models::gguf::ImportOptions {
         kvjit::models::gguf::ImportOptions {
             dtype: self.dtype,
+            dequantize: self.dequantize,
             context: self.context,
             max_batch: self.max_batch,
             ..Default::default()
@@ -445,6 +451,7 @@ fn inspect(registry: &Registry, path: &Path, options: &CompileOptions) -> Result
     let graph = specialized.graph();
     println!("graph '{}': {} nodes, symbols [{}]", graph.name(), graph.nodes().len(), graph.symbols().join(", "));
     println!("values:");
+    let (mut weight_bytes, mut weights) = (0usize, 0usize);
     for (i, value) in graph.values().iter().enumerate() {
         let kind = match value.def {
             ValueDef::Input => "input",
@@ -454,7 +461,29 @@ fn inspect(registry: &Registry, path: &Path, options: &CompileOptions) -> Result
             ValueDef::KvCache => "kv cache",
             ValueDef::NodeOutput { .. } => "node output",
         };
-        println!("  v{i:<3} {:<28} {:<24} {}", value.name.as_deref().unwrap_or("-"), kind, value.ty);
+        // A constant's storage: its bytes and bytes per weight (a block
+        // format's blocks over their weights; packed panels keep them).
+        let stored = match &value.def {
+            ValueDef::Constant { data, .. } => Some(data),
+            ValueDef::Prepared { data } => Some(&data.data),
+            _ => None,
+        };
+        let storage = match stored {
+            Some(data) => {
+                let bytes = data.as_bytes().len();
+                let logical = value.ty.as_tensor().and_then(|t| t.static_shape()).map_or(0, |s| s.iter().product());
+                (weight_bytes, weights) = (weight_bytes + bytes, weights + logical);
+                format!("  {bytes} B, {:.4} bytes/weight", bytes as f64 / logical.max(1) as f64)
+            }
+            None => String::new(),
+        };
+        println!("  v{i:<3} {:<28} {:<24} {}{storage}", value.name.as_deref().unwrap_or("-"), kind, value.ty);
+    }
+    if weights > 0 {
+        println!(
+            "constants: {weight_bytes} B for {weights} weights, {:.4} bytes/weight",
+            weight_bytes as f64 / weights as f64
+        );
     }
     println!("nodes ({target}):");
     for (node, key) in graph.nodes().iter().zip(specialized.kernel_keys()) {

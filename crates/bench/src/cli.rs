@@ -137,13 +137,17 @@ pub struct BenchArgs {
     /// With --ops model: the GGUF file of the model.
     #[arg(long)]
     pub gguf: Option<PathBuf>,
+    /// With --ops model: only the --dtypes runs (weights dequantized), not
+    /// the file's block-format weights as stored.
+    #[arg(long)]
+    pub dequantized_only: bool,
 }
 
 impl BenchArgs {
     /// The options that pick what a suite measures, each with whether it was
     /// given and the suites that take it (`--threads`, `--quick` and
     /// `--json` apply to every suite).
-    fn suite_options(&self) -> [(&'static str, bool, &'static [BenchOps]); 11] {
+    fn suite_options(&self) -> [(&'static str, bool, &'static [BenchOps]); 12] {
         use BenchOps::{Attention, Layer, Model, Qkv};
         [
             ("--shapes", self.shapes.is_some(), &[Qkv]),
@@ -157,6 +161,7 @@ impl BenchArgs {
             ("--svg", self.svg.is_some(), &[Qkv]),
             ("--no-fuse", self.no_fuse, &[Layer]),
             ("--gguf", self.gguf.is_some(), &[Model]),
+            ("--dequantized-only", self.dequantized_only, &[Model]),
         ]
     }
 
@@ -238,6 +243,7 @@ impl BenchArgs {
         if let Some(v) = &self.dtypes {
             config.dtypes = v.clone();
         }
+        config.blocks &= !self.dequantized_only;
         if let Some(threads) = self.threads {
             config.threads = threads;
         }

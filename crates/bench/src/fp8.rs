@@ -206,6 +206,7 @@ fn store_pair(
         let spec = FusedQkvSpec {
             backend: Backend::Cpu(crate::problem::widest_tier()),
             dtype: DType::BF16,
+            weights: DType::BF16,
             cache: KvCacheParams {
                 element: CacheElement::new(
                     dtype,

@@ -72,6 +72,9 @@ pub struct ModelBenchConfig {
     pub mode: String,
     /// The GGUF file.
     pub gguf: PathBuf,
+    /// Whether to run the file's block-format weights as stored (decoded by
+    /// the kernels as they read; f32 activations), before the dtypes.
+    pub blocks: bool,
     /// Dtypes the weights are dequantized to.
     pub dtypes: Vec<DType>,
     /// Worker threads (0: one per core).
@@ -99,6 +102,7 @@ impl ModelBenchConfig {
         Self {
             mode: "full".into(),
             gguf,
+            blocks: true,
             dtypes: vec![DType::BF16, DType::F32],
             threads: 2,
             prefill_lens: vec![128, 512],
@@ -145,6 +149,7 @@ impl ModelBenchConfig {
         let short = Plan { min_samples: 2, max_samples: 3, sample_time: Duration::ZERO, budget: Duration::ZERO };
         Self {
             mode: "tiny".into(),
+            blocks: false,
             dtypes: vec![DType::F32],
             prefill_lens: vec![8, 16],
             prefill_runs: 2,
@@ -186,7 +191,42 @@ impl ModelBenchConfig {
     }
 
     fn step_count(&self) -> usize {
-        2 + self.dtypes.len() * (1 + self.prefill_lens.len() + self.decode_contexts.len()) + 1
+        2 + self.runs().len() * (1 + self.prefill_lens.len() + self.decode_contexts.len()) + 1
+    }
+
+    /// How the weights are held in each run, in order.
+    pub fn runs(&self) -> Vec<WeightsAs> {
+        let blocks = self.blocks.then_some(WeightsAs::Blocks);
+        blocks.into_iter().chain(self.dtypes.iter().map(|&d| WeightsAs::Dequantized(d))).collect()
+    }
+}
+
+/// How a run holds the model's weights.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WeightsAs {
+    /// The file's block formats as stored (f32 activations).
+    Blocks,
+    /// Dequantized to this dtype (activations in it too).
+    Dequantized(DType),
+}
+
+impl WeightsAs {
+    /// The import options of a run.
+    fn options(self, context: usize, page_size: usize) -> ImportOptions {
+        let (dtype, dequantize) = match self {
+            WeightsAs::Blocks => (DType::F32, false),
+            WeightsAs::Dequantized(dtype) => (dtype, true),
+        };
+        ImportOptions { dtype, dequantize, context, max_batch: 1, page_size }
+    }
+}
+
+impl std::fmt::Display for WeightsAs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            WeightsAs::Blocks => f.write_str("blocks"),
+            WeightsAs::Dequantized(dtype) => write!(f, "{dtype}"),
+        }
     }
 }
 
@@ -392,11 +432,11 @@ impl DecodeResult {
     }
 }
 
-/// One dtype's results.
+/// One run's results.
 #[derive(Clone, Debug)]
 pub struct DtypeResult {
-    /// The dtype the weights were dequantized to.
-    pub dtype: DType,
+    /// How the weights were held.
+    pub dtype: WeightsAs,
     /// Seconds to load the graph from the GGUF.
     pub load_time: f64,
     /// Seconds to compile it.
@@ -475,9 +515,9 @@ pub fn run_model(config: &ModelBenchConfig, progress: &mut dyn FnMut(&Progress))
     roof_samples.measure(&ctx, &config.roof)?;
 
     let mut dtypes = Vec::new();
-    for &dtype in &config.dtypes {
+    for dtype in config.runs() {
         steps.start(format!("load and compile {} ({dtype})", config.gguf.display()));
-        let options = ImportOptions { dtype, context: config.context(), max_batch: 1, page_size: config.page_size };
+        let options = dtype.options(config.context(), config.page_size);
         let started = Instant::now();
         let graph = load_model(&config.gguf, registry.ops(), &options, WeightLoad::Map)?;
         let load_time = started.elapsed().as_secs_f64();

@@ -110,6 +110,7 @@ impl ModelShape {
         FusedQkvSpec {
             backend: Backend::Cpu(widest_tier()),
             dtype,
+            weights: dtype,
             cache: KvCacheParams {
                 element: CacheElement::new(dtype, None).expect("a compute float"),
                 num_layers: 1,

@@ -460,7 +460,10 @@ impl Gguf {
     /// shape. Data stored in that dtype is borrowed from the mapping (copied
     /// only if misaligned for it); other float types are converted and
     /// quantized types dequantized ([`dequant::dequantize`]) into fresh
-    /// memory, rounding once to `dtype`.
+    /// memory, rounding once to `dtype`. A `dtype` that is a weight block
+    /// format ([`DType::BLOCK_FORMATS`]) takes the tensor's blocks as
+    /// stored, borrowed from the mapping, when it is stored in that format
+    /// (and is refused otherwise).
     pub fn tensor(&self, name: &str, dtype: DType) -> Result<Tensor> {
         Ok(self.load_tensor(name, dtype)?.0)
     }
@@ -474,8 +477,24 @@ impl Gguf {
             name: name.into(),
             problem: problem.into(),
         };
+        if dtype.is_block_format() {
+            // Blocks are kept as stored: borrowed from the mapping (blocks
+            // are bytes, aligned anywhere), never requantized.
+            if info.ggml_type.block_format() != Some(dtype) {
+                return Err(refuse(format!(
+                    "it is stored as {}, not {dtype} blocks (kvjit keeps blocks as stored; load it as f32, bf16 or f16)",
+                    info.ggml_type
+                )));
+            }
+            let start = self.data_start + info.offset as usize;
+            let mapped = MappedBytes::new(self.map.clone(), start, info.size as usize, dtype)
+                .expect("the tensor's bytes were checked to lie in the mapping at open");
+            return Ok((Tensor::from_mapped(&info.shape(), mapped)?, true));
+        }
         if !dtype.is_compute_float() {
-            return Err(refuse(format!("GGUF weights load as f32, bf16 or f16, not {dtype}")));
+            return Err(refuse(format!(
+                "GGUF weights load as f32, bf16 or f16, not {dtype} (or as the block format they are stored in)"
+            )));
         }
         if !info.ggml_type.is_supported() {
             return Err(refuse(format!(

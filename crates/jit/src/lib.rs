@@ -35,6 +35,7 @@ mod function;
 pub mod ir;
 mod kernel;
 pub mod microkernel;
+pub mod quant;
 
 pub use cache::{CompileCause, CompileRecord, CompiledArtifact, KernelCache};
 pub use cranelift_codegen;

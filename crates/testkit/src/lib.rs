@@ -11,6 +11,8 @@
 //! - [`targets`] ([`target`]): CPU JIT, CPU reference, and CUDA when a
 //!   device exists (else `skipped: no CUDA device (<reason>)`;
 //!   `KVJIT_REQUIRE_CUDA=1` makes that a panic).
+//! - [`blocks`]: random weights in the block formats, and the bound of
+//!   the integer GEMV's activation rounding.
 //! - [`calls`]: a poisoned output and a call that must be refused with
 //!   nothing written, for tensor-only kernels.
 //! - [`mod@poison`]: NaN poison and canary guard regions ([`Guarded`]);
@@ -32,6 +34,7 @@ use std::collections::BTreeMap;
 
 use kvjit_core::{PagedKVCacheCollection, Tensor};
 
+pub mod blocks;
 pub mod calls;
 #[cfg(feature = "fused-qkv")]
 pub mod fused_qkv;

@@ -16,7 +16,7 @@ use kvjit_op::checks::{StepArgs, check_step, write_rows};
 pub struct QkvArgs<'a> {
     /// `[B, S, K]`, the compute dtype.
     pub hidden_state: &'a Tensor,
-    /// `[N, K]`, the compute dtype.
+    /// `[N, K]`, the compute dtype or a weight block format.
     pub weight: &'a Tensor,
     /// The paged cache K and V are written into.
     pub kv_collection: &'a mut PagedKVCacheCollection,
@@ -88,7 +88,8 @@ pub struct CheckedCall {
 /// sizes and the cache row each token writes.
 pub fn check_call(hidden_state: &Tensor, weight: &Tensor, step: StepArgs<'_>) -> Result<CheckedCall> {
     let dtype = kvjit_op::expect_float_step("hidden_state", hidden_state, step.layer_idx, step.valid_lengths)?;
-    expect_arg("weight", weight, dtype)?;
+    let weights = if weight.dtype().is_block_format() { weight.dtype() } else { dtype };
+    expect_arg("weight", weight, weights)?;
     check_shapes(hidden_state, WeightArg::Tensor(weight), step, step.kv_collection.params())
 }
 

@@ -180,6 +180,7 @@ pub fn all_kernel_symbols() -> Vec<String> {
             let spec = FusedQkvSpec {
                 backend: Backend::Cuda,
                 dtype,
+                weights: dtype,
                 cache: KvCacheParams {
                     element: CacheElement::new(cache_dtype, (cache_dtype == DType::F8E4M3).then_some(1))
                         .expect("a cache dtype, with a granularity for f8e4m3"),
@@ -238,6 +239,9 @@ pub fn choose_variants(spec: &FusedQkvSpec) -> std::result::Result<VariantPlan, 
     }
     if !spec.dtype.is_compute_float() {
         return Err(format!("CUDA variants exist for f32, bf16 and f16 compute dtypes, not {}", spec.dtype));
+    }
+    if spec.weights != spec.dtype {
+        return Err(format!("the CUDA kernels read weights of the compute dtype, not {} blocks", spec.weights));
     }
     let quantized = spec.cache.dtype() == DType::F8E4M3;
     if !spec.cache.dtype().is_compute_float() && !quantized {
@@ -789,6 +793,7 @@ mod tests {
         FusedQkvSpec {
             backend: Backend::Cuda,
             dtype,
+            weights: dtype,
             cache: KvCacheParams {
                 element: CacheElement::new(dtype, None).unwrap(),
                 num_layers: 32,
@@ -999,6 +1004,7 @@ mod tests {
         let spec = FusedQkvSpec {
             backend: Backend::Cuda,
             dtype: DType::F32,
+            weights: DType::F32,
             cache: params,
             k: 8,
             q_dim: 8,
@@ -1089,6 +1095,7 @@ mod tests {
         let spec = FusedQkvSpec {
             backend: Backend::Cuda,
             dtype: DType::F32,
+            weights: DType::F32,
             cache: KvCacheParams {
                 element: CacheElement::F8E4M3 { scale_granularity: g },
                 num_layers: 2,

@@ -97,11 +97,21 @@ impl Op for FusedQkvOp {
         };
         let weight = tensor_input(inputs, 1);
         let n = match weight.shape.as_slice() {
-            [Dim::Static(n), wk] if weight.dtype == dtype && same_dim(wk, k) && *n > 2 * kv_dim => *n,
+            [Dim::Static(n), wk]
+                if (weight.dtype == dtype || weight.dtype.is_block_format())
+                    && same_dim(wk, k)
+                    && k_static.is_multiple_of(weight.dtype.block().0)
+                    && *n > 2 * kv_dim =>
+            {
+                *n
+            }
             _ => {
                 return Err(input_error(
                     "weight",
-                    format!("{dtype}[q_dim + 2*{kv_dim}, {k}] with q_dim >= 1 (kv_dim = num_kv_heads*head_size)"),
+                    format!(
+                        "{dtype}[q_dim + 2*{kv_dim}, {k}] with q_dim >= 1 (kv_dim = num_kv_heads*head_size; \
+                         or that shape in a weight block format, K a multiple of its block)"
+                    ),
                     weight,
                 ));
             }
@@ -112,6 +122,7 @@ impl Op for FusedQkvOp {
         Ok(FusedQkvSpec {
             backend,
             dtype,
+            weights: weight.dtype,
             cache,
             k: k_static,
             q_dim: n - 2 * kv_dim,

@@ -52,34 +52,41 @@ pub(crate) fn write(
     output: &mut Tensor,
 ) -> Result<()> {
     let valid = valid_lengths.as_slice::<u32>()?;
-    match (hidden_state.data(), weight.data()) {
-        (TensorData::F32(x), TensorData::F32(w)) => {
-            run::<f32>(shape, x, w, kv_collection, valid, output.as_mut_slice()?)
-        }
-        (TensorData::BF16(x), TensorData::BF16(w)) => {
-            run::<bf16>(shape, x, w, kv_collection, valid, output.as_mut_slice()?)
-        }
-        (TensorData::F16(x), TensorData::F16(w)) => {
-            run::<f16>(shape, x, w, kv_collection, valid, output.as_mut_slice()?)
-        }
-        _ => unreachable!("the check accepts only matching float dtypes"),
+    // Block weights are read as their dequantized f32 values.
+    let dequantized = match weight.data() {
+        TensorData::Blocks(..) => Some(weight.to_f32_vec()?),
+        _ => None,
+    };
+    macro_rules! with_weight {
+        ($x:expr, $t:ty) => {
+            match (&dequantized, weight.data()) {
+                (Some(w), _) => run::<$t, f32>(shape, $x, w, kv_collection, valid, output.as_mut_slice()?),
+                (None, _) => run::<$t, $t>(shape, $x, weight.as_slice()?, kv_collection, valid, output.as_mut_slice()?),
+            }
+        };
+    }
+    match hidden_state.data() {
+        TensorData::F32(x) => with_weight!(x, f32),
+        TensorData::BF16(x) => with_weight!(x, bf16),
+        TensorData::F16(x) => with_weight!(x, f16),
+        _ => unreachable!("the check accepts only float activations"),
     }
     Ok(())
 }
 
-fn run<T: Element>(
+fn run<T: Element, W: Element>(
     shape: &CallShape,
     x: &[T],
-    w: &[T],
+    w: &[W],
     cache: &mut PagedKVCacheCollection,
     valid: &[u32],
     output: &mut [T],
 ) {
     match cache.blocks().dtype() {
-        DType::F32 => run_typed::<T>(shape, x, w, cache, valid, output, store_plain::<f32>),
-        DType::BF16 => run_typed::<T>(shape, x, w, cache, valid, output, store_plain::<bf16>),
-        DType::F16 => run_typed::<T>(shape, x, w, cache, valid, output, store_plain::<f16>),
-        DType::F8E4M3 => run_typed::<T>(shape, x, w, cache, valid, output, store_quantized),
+        DType::F32 => run_typed::<T, W>(shape, x, w, cache, valid, output, store_plain::<f32>),
+        DType::BF16 => run_typed::<T, W>(shape, x, w, cache, valid, output, store_plain::<bf16>),
+        DType::F16 => run_typed::<T, W>(shape, x, w, cache, valid, output, store_plain::<f16>),
+        DType::F8E4M3 => run_typed::<T, W>(shape, x, w, cache, valid, output, store_quantized),
         _ => unreachable!("caches hold floats"),
     }
 }
@@ -121,10 +128,10 @@ fn store_quantized(cache: &mut PagedKVCacheCollection, at: Slot, kv_values: &[f3
     }
 }
 
-fn run_typed<T: Element>(
+fn run_typed<T: Element, W: Element>(
     shape: &CallShape,
     x: &[T],
-    w: &[T],
+    w: &[W],
     cache: &mut PagedKVCacheCollection,
     valid: &[u32],
     output: &mut [T],

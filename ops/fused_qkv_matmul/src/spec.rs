@@ -34,8 +34,12 @@ pub enum Sizes {
 pub struct FusedQkvSpec {
     /// Target, and on the CPU the (resolved) code tier.
     pub backend: Backend,
-    /// Dtype of hidden state, weight and output.
+    /// Dtype of hidden state and output (and of a float weight).
     pub dtype: DType,
+    /// The weight's dtype: `dtype`, or a weight block format
+    /// ([`DType::BLOCK_FORMATS`], the CPU's 256-bit tier decoding it as it
+    /// reads, the Cranelift tier from f32 panels).
+    pub weights: DType,
     /// The layout of the cache K and V are written into.
     pub cache: KvCacheParams,
     /// Hidden size K.
@@ -78,7 +82,8 @@ impl FusedQkvSpec {
 
 impl KernelSpec for FusedQkvSpec {
     /// `fused_qkv_bshd_paged.cpu-avx2.bf16.k4096.q4096.hkv8.d128.p16.l32.kvbf16.bany.s1`:
-    /// the CPU tier in the target, then K, q_dim, the cache layout, B and S.
+    /// the CPU tier in the target, then K, q_dim, the cache layout, B and S
+    /// (and a block weight's format: `…s1.wq4_1`).
     fn key_name(&self) -> KernelKey {
         let key = KernelKey::new(KERNEL_NAME, self.backend.target(), self.dtype);
         let key = match self.tier() {
@@ -94,13 +99,23 @@ impl KernelSpec for FusedQkvSpec {
             Sizes::Runtime => KeyField::Dynamic,
         };
         let key = key.with("k", size(self.k)).with("q", size(self.q_dim));
-        with_cache_fields_as(key, &self.cache, size).with("b", dim(self.step.batch)).with("s", dim(self.step.seq))
+        let key =
+            with_cache_fields_as(key, &self.cache, size).with("b", dim(self.step.batch)).with("s", dim(self.step.seq));
+        match self.weights == self.dtype {
+            true => key,
+            false => key.with("w", KeyField::DType(self.weights)),
+        }
     }
 }
 
 impl CallContract for FusedQkvSpec {
     type Checked = CheckedCall;
-    const TENSORS: &'static [TensorArg] = kvjit_op::paged_tensors!["hidden_state", "weight"];
+    const TENSORS: &'static [TensorArg] = &[
+        TensorArg::compute("hidden_state"),
+        TensorArg::checked("weight"),
+        TensorArg::LAYER_IDX,
+        TensorArg::VALID_LENGTHS,
+    ];
     const CACHES: &'static [&'static str] = KV_COLLECTION;
 
     fn check(&self, tensors: &[&Tensor], caches: &[&PagedKVCacheCollection]) -> Result<CheckedCall> {
@@ -130,7 +145,10 @@ pub(crate) fn check_against(
     };
     let weight_arg = match prepared_weight {
         Some(prepared) if kvjit_op::gemm::same_data(prepared, weight) => WeightArg::Prepared { n: spec.n(), k: spec.k },
-        _ => WeightArg::Tensor(weight),
+        _ => {
+            kvjit_core::expect_arg("weight", weight, spec.weights)?;
+            WeightArg::Tensor(weight)
+        }
     };
     let checked =
         check_shapes(hidden, weight_arg, StepArgs { kv_collection: cache, layer_idx, valid_lengths }, &spec.cache)?;
@@ -157,6 +175,7 @@ mod tests {
         FusedQkvSpec {
             backend: Backend::Cpu(CodeTier::Avx2),
             dtype: DType::BF16,
+            weights: DType::BF16,
             cache: KvCacheParams {
                 element: CacheElement::BF16,
                 num_layers: 32,

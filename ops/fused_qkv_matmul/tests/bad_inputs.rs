@@ -69,6 +69,7 @@ impl Fixture {
         FusedQkvSpec {
             backend: Backend::Cpu(CodeTier::Cranelift),
             dtype: self.hidden.dtype(),
+            weights: self.hidden.dtype(),
             cache: KvCacheParams {
                 element: CacheElement::new(self.cache.blocks().dtype(), None).unwrap(),
                 num_layers: LAYERS,

@@ -131,6 +131,7 @@ fn problem(rng: &mut StdRng, d: &Draw) -> Problem {
         spec: FusedQkvSpec {
             backend: Backend::Cuda,
             dtype: d.dtype,
+            weights: d.dtype,
             cache: KvCacheParams {
                 element: CacheElement::new(d.cache_dtype, d.g).unwrap(),
                 num_layers: d.layers,
@@ -618,6 +619,7 @@ fn steps_over_one_resident_cache(ctx: &DeviceContextPtr, cache_dtype: DType, g: 
     let spec = FusedQkvSpec {
         backend: Backend::Cuda,
         dtype: DType::BF16,
+        weights: DType::BF16,
         cache: KvCacheParams {
             element: CacheElement::new(cache_dtype, g).unwrap(),
             num_layers: layers,
@@ -967,6 +969,7 @@ fn time_8b_qkv_against_cublas_gemm_plus_scatter() {
         let spec = FusedQkvSpec {
             backend: Backend::Cuda,
             dtype: DType::BF16,
+            weights: DType::BF16,
             cache: KvCacheParams {
                 dtype: DType::BF16,
                 num_layers: 1,

@@ -31,6 +31,7 @@ fn problem() -> Problem {
     let spec = FusedQkvSpec {
         backend: Backend::Cuda,
         dtype: DType::F32,
+        weights: DType::F32,
         cache: KvCacheParams { element: CacheElement::F32, num_layers: 2, page_size: 4, num_kv_heads: 2, head_size: 8 },
         k: 64,
         q_dim: 32,

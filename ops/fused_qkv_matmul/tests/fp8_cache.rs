@@ -77,6 +77,7 @@ impl Case {
         FusedQkvSpec {
             backend: Backend::Cpu(resolve_tier(self.tier).unwrap()),
             dtype: self.dtype,
+            weights: self.dtype,
             cache: KvCacheParams {
                 element: CacheElement::F8E4M3 { scale_granularity: self.granularity },
                 num_layers: self.num_layers,

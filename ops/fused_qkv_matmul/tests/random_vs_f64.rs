@@ -176,6 +176,7 @@ fn run_case(seed: u64, dtype: DType, cache_dtype: DType) {
         let spec = FusedQkvSpec {
             backend: Backend::Cpu(CodeTier::Cranelift),
             dtype,
+            weights: dtype,
             cache: *cache.params(),
             k,
             q_dim,

@@ -61,6 +61,7 @@ fn a_node_specializes_to_the_key_holding_its_spec() {
     let want = GatherSpec {
         target: Target::Cpu,
         dtype: DType::BF16,
+        table: DType::BF16,
         vocab: VOCAB,
         hidden: HIDDEN,
         step: StepDims::fixed(2, 3),
@@ -126,8 +127,9 @@ fn a_table_that_is_not_a_constant_and_bad_inputs_are_refused_in_one_line() {
 }
 
 #[test]
-fn params_are_none() {
-    assert!(GatherParams::SPECS.is_empty());
-    assert!(GatherParams {}.to_params().is_empty());
-    assert_eq!(GatherParams::read(&Default::default()).unwrap(), GatherParams {});
+fn the_one_param_is_an_optional_output_dtype() {
+    assert_eq!(GatherParams::SPECS.len(), 1);
+    assert!(!GatherParams::SPECS[0].required);
+    assert!(GatherParams { dtype: None }.to_params().is_empty());
+    assert_eq!(GatherParams::read(&Default::default()).unwrap(), GatherParams { dtype: None });
 }

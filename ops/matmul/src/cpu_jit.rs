@@ -54,11 +54,13 @@ pub fn layout(spec: &MatmulSpec, tier: CodeTier) -> PanelLayout {
 /// constant displacements in i32.
 fn addressable(spec: &MatmulSpec) -> Result<(), JitError> {
     let size = spec.dtype.size_bytes();
+    // Panels of f32 at most (the Cranelift tier's dequantized blocks).
+    let panel_size = spec.weights.size_bytes().max(4);
     let groups = spec.n.div_ceil(gemm::NR);
     let output_fits = spec.rows.rows.is_none_or(|m| {
         m.checked_mul(spec.n).and_then(|e| e.checked_mul(size)).is_some_and(|b| i64::try_from(b).is_ok())
     });
-    if !(output_fits && gemm::addressable(spec.k(), size, groups, spec.epilogue.weights(), spec.rows.rows)) {
+    if !(output_fits && gemm::addressable(spec.k(), panel_size, groups, spec.epilogue.weights(), spec.rows.rows)) {
         return Err(JitError::Unsupported {
             key: spec.key().to_string(),
             reason: "its sizes overflow the offsets the kernel computes".into(),
@@ -92,15 +94,16 @@ fn compile(spec: &MatmulSpec, tier: CodeTier, capture: CaptureText) -> Result<Ar
             };
             let m_arg = field(b, offset_of!(MatmulArgs, m));
             let weights = spec.epilogue.weights();
+            let panels = layout.panel_dtype(spec.weights);
             let emitter = GemmEmitter {
                 tier,
-                dtype: spec.dtype,
+                dtype: panels,
                 k: Size::Known(spec.k()),
                 m: spec.rows.rows,
                 weights,
                 disp,
                 bases,
-                scratch: Scratch::new(b, tier, spec.dtype, weights),
+                scratch: Scratch::new(b, tier, panels, weights),
                 epilogue: &store,
             };
             emitter.emit(b, m_arg, params.begin, params.end, &SegmentBounds::of(&layout));
@@ -179,7 +182,7 @@ impl<S: MatmulContract> JitKernel<S> {
         // the call's check refuses them) are not packed, and the kernel packs
         // whatever a call passes instead.
         let packable = |w: &Arc<Tensor>| {
-            w.dtype() == gemm_spec.dtype && w.shape() == gemm_spec.weight_shape() && w.is_contiguous()
+            w.dtype() == gemm_spec.weights && w.shape() == gemm_spec.weight_shape() && w.is_contiguous()
         };
         let constant = weights
             .filter(|ws| ws.iter().all(packable))
@@ -193,7 +196,8 @@ impl<S: MatmulContract> JitKernel<S> {
     pub fn with_prepared(spec: S, prepared: &PreparedConstant, capture: CaptureText) -> Result<Self> {
         let gemm_spec = *spec.gemm();
         let mut kernel = Self::new(spec, None, capture).map_err(|e| Error::op(MatmulOp::NAME, e))?;
-        let constant = PackedWeights::prepared(&kernel.layout, gemm_spec.dtype, prepared)
+        let panels = kernel.layout.panel_dtype(gemm_spec.weights);
+        let constant = PackedWeights::prepared(&kernel.layout, panels, prepared)
             .map_err(|(expected, got)| MatmulError::PreparedWeight { expected, got })?;
         kernel.constant = Some(constant);
         Ok(kernel)
@@ -239,7 +243,8 @@ impl<S: MatmulContract> JitKernel<S> {
         if rows == 0 {
             return Ok(());
         }
-        let (x, x_step) = gemm::activations(tensors[0], rows, spec.k(), self.tier);
+        let panels = self.layout.panel_dtype(spec.weights);
+        let (x, x_step) = gemm::activations(tensors[0], rows, spec.k(), self.tier, panels);
         let weights = self.weights(tensors);
         let packed_now;
         let packed = match self.constant.as_ref().and_then(|c| c.panels_for(&weights)) {
@@ -262,18 +267,20 @@ impl<S: MatmulContract> JitKernel<S> {
             x_step: x_step as u64,
         };
         // SAFETY: `self.code` was compiled by `compile` for this spec (its
-        // dtype, K, N, row count if baked, epilogue and tier), reading
+        // dtype, weight format, K, N, row count if baked, epilogue and tier), reading
         // `MatmulArgs` at its fields' offsets. The check (`check_call`,
         // after the platform's dtype and contiguity checks) established `a`
         // contiguous `[rows, K]` of the dtype (and the baked row count), the
-        // weights of the spec's shape (packed here into `self.layout`, or
+        // weights of the spec's shape and format (packed here into `self.layout`, or
         // the kernel's own panels of that layout), `other` (if the epilogue
         // reads it) of the result's shape `[rows, N]`, and the caller
         // established `output` holds exactly `rows·N` elements (`Kernel::run`
         // checked the output tensor against `outputs`, `run_into` the
         // buffer's length). For any panel-group range the code reads `x`
         // (`rows·K` f32, or ⌈rows/x_step⌉·x_step·K packed by
-        // `activations`), panels inside the packed weight, and reads `other`
+        // `activations`; one row quantized in K/32 blocks for block panels'
+        // integer GEMV, from the same row count the code branches on), panels
+        // inside the packed weight, and reads `other`
         // / writes the output only at `r·N + column` for `r < rows`,
         // `column < N`; different groups write different columns. Every
         // buffer outlives the launch.
@@ -333,7 +340,7 @@ impl<S: MatmulContract> OpKernel for JitKernel<S> {
                 vec![(
                     1,
                     PreparedConstant {
-                        layout: self.layout.id(self.spec.gemm().dtype),
+                        layout: self.layout.id(self.layout.panel_dtype(self.spec.gemm().weights)),
                         data: constant.packed().clone(),
                     },
                 )]

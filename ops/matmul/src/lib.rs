@@ -1,7 +1,9 @@
 //! `mo.matmul`: `a` `[..., K]` times a constant weight `b` — `[N, K]` with
 //! `transpose_b = true` (`a·bᵀ`, how checkpoints store a linear layer),
 //! `[K, N]` otherwise (`a·b`) — giving `[..., N]` in `a`'s dtype (f32, bf16
-//! or f16; `b` of the same dtype). Computed in f32, rounded once.
+//! or f16; `b` of the same dtype, or `[N, K]` in a weight block format —
+//! Q8_0, Q4_0, Q4_1, Q4_K, Q6_K — kept quantized and decoded as the kernel
+//! reads it). Computed in f32, rounded once.
 //!
 //! Its kernel is the platform's GEMM driver ([`kvjit_op::gemm`]: the
 //! weight packed once into panels at build, the tiers' schedules and
@@ -158,10 +160,14 @@ fn gemm_spec(
     let k = rows.width;
     let orientation = if transpose_b { WeightOrientation::NK } else { WeightOrientation::KN };
     let mut n = None;
+    let weight_dtype = tensor_input(inputs, weights[0].0).dtype;
     for &(index, name) in weights {
         let b = tensor_input(inputs, index);
         let expected = match orientation {
-            WeightOrientation::NK => format!("{}[N, {k}] (K of a, transpose_b = true)", a.dtype),
+            WeightOrientation::NK => format!(
+                "{}[N, {k}] (K of a, transpose_b = true; or [N, {k}] in a weight block format: q8_0, q4_0, q4_1, q4_k, q6_k)",
+                a.dtype
+            ),
             WeightOrientation::KN => format!("{}[{k}, N] (K of a, transpose_b = false)", a.dtype),
         };
         let shape = b.static_shape();
@@ -170,8 +176,13 @@ fn gemm_spec(
             (Some(&[bk, n]), WeightOrientation::KN) if bk == k && n >= 1 => n,
             _ => return Err(input_error(name, expected, b)),
         };
-        if b.dtype != a.dtype {
+        let block_weights = b.dtype.is_block_format() && orientation == WeightOrientation::NK;
+        if (b.dtype != a.dtype && !block_weights) || b.dtype != weight_dtype {
             return Err(input_error(name, expected, b));
+        }
+        if block_weights && !k.is_multiple_of(b.dtype.block().0) {
+            let block = b.dtype.block().0;
+            return Err(input_error(name, format!("{expected}, K a multiple of the {block}-weight block"), b));
         }
         if let Some(n) = n.filter(|&n| n != this_n) {
             return Err(input_error(name, format!("{expected} with N = {n}, like the first weight's"), b));
@@ -179,7 +190,7 @@ fn gemm_spec(
         n = Some(this_n);
     }
     let n = n.expect("every matmul has a weight");
-    Ok(MatmulSpec { backend, dtype: a.dtype, rows, n, orientation, epilogue })
+    Ok(MatmulSpec { backend, dtype: a.dtype, weights: weight_dtype, rows, n, orientation, epilogue })
 }
 
 /// `[..., N]` in `a`'s dtype.

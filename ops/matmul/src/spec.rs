@@ -74,8 +74,11 @@ impl Epilogue {
 pub struct MatmulSpec {
     /// Target, and on the CPU the (resolved) code tier.
     pub backend: Backend,
-    /// Dtype of `a`, the weights and the result.
+    /// Dtype of `a` and the result (and of float weights).
     pub dtype: DType,
+    /// The weights' dtype: `dtype`, or a weight block format
+    /// ([`DType::BLOCK_FORMATS`]) decoded by the kernel as it reads.
+    pub weights: DType,
     /// K (the row width of `a`) and, if static, the row count M.
     pub rows: Rows,
     /// Columns of the result, N.
@@ -117,6 +120,7 @@ impl MatmulSpec {
         let all_packed = weights.len() == 1 && packed.is_some_and(|p| same_data(p, weights[0]));
         if !all_packed {
             for (&name, weight) in weight_names.iter().zip(weights) {
+                kvjit_core::expect_arg(name, weight, self.weights)?;
                 if weight.shape() != self.weight_shape() {
                     let expected = format!("{:?} (baked into {})", self.weight_shape(), self.key());
                     return Err(kvjit_core::Error::NotBuiltFor { arg: name, expected, got: weight.shape().to_vec() });
@@ -180,17 +184,23 @@ pub struct MatmulCall {
 impl KernelSpec for MatmulSpec {
     /// `matmul_add.cpu-avx2.bf16.k4096.n4096.rowsany.tb1`: the epilogue in
     /// the name, the CPU tier in the target, then K, N, the row count and
-    /// whether the weight is `[N, K]` (`tb1`) or `[K, N]` (`tb0`).
+    /// whether the weight is `[N, K]` (`tb1`) or `[K, N]` (`tb0`); block
+    /// weights add their format (`…tb1.wq4_1`).
     fn key_name(&self) -> KernelKey {
         let key = KernelKey::new(self.epilogue.kernel_name(), self.backend.target(), self.dtype);
         let key = match self.tier() {
             Some(tier) => key.with_variant(tier.name()),
             None => key,
         };
-        key.with("k", KeyField::size(self.k()))
+        let key = key
+            .with("k", KeyField::size(self.k()))
             .with("n", KeyField::size(self.n))
             .with("rows", KeyField::dim(self.rows.rows))
-            .with("tb", KeyField::Static(u64::from(self.orientation == WeightOrientation::NK)))
+            .with("tb", KeyField::Static(u64::from(self.orientation == WeightOrientation::NK)));
+        match self.weights == self.dtype {
+            true => key,
+            false => key.with("w", KeyField::DType(self.weights)),
+        }
     }
 }
 
@@ -210,7 +220,7 @@ impl MatmulContract for MatmulSpec {
 /// `[a, b]`: `mo.matmul` and `kvjit.matmul_silu`.
 impl CallContract for MatmulSpec {
     type Checked = MatmulCall;
-    const TENSORS: &'static [TensorArg] = &[TensorArg::compute("a"), TensorArg::compute("b")];
+    const TENSORS: &'static [TensorArg] = &[TensorArg::compute("a"), TensorArg::checked("b")];
 
     fn check(&self, tensors: &[&Tensor], _caches: &[&PagedKVCacheCollection]) -> Result<MatmulCall> {
         self.check_call(tensors, None)
@@ -227,7 +237,7 @@ impl CallContract for MatmulSpec {
 
 /// Declare a spec that wraps [`MatmulSpec`] with its own tensor arguments.
 macro_rules! wrapped_spec {
-    ($(#[$meta:meta])* $name:ident, [$($arg:literal),+]) => {
+    ($(#[$meta:meta])* $name:ident, [$($kind:ident $arg:literal),+]) => {
         $(#[$meta])*
         #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
         pub struct $name(pub MatmulSpec);
@@ -246,7 +256,7 @@ macro_rules! wrapped_spec {
 
         impl CallContract for $name {
             type Checked = MatmulCall;
-            const TENSORS: &'static [TensorArg] = &[$(TensorArg::compute($arg)),+];
+            const TENSORS: &'static [TensorArg] = &[$(TensorArg::$kind($arg)),+];
 
             fn check(&self, tensors: &[&Tensor], _caches: &[&PagedKVCacheCollection]) -> Result<MatmulCall> {
                 self.0.check_call(tensors, None)
@@ -266,11 +276,11 @@ macro_rules! wrapped_spec {
 wrapped_spec!(
     /// `[a, b, other]`: `kvjit.matmul_epilogue` (add, mul, silu_mul).
     EpilogueMatmulSpec,
-    ["a", "b", "other"]
+    [compute "a", checked "b", compute "other"]
 );
 
 wrapped_spec!(
     /// `[a, gate, up]`: `kvjit.swiglu_matmul`.
     SwigluMatmulSpec,
-    ["a", "gate", "up"]
+    [compute "a", checked "gate", checked "up"]
 );

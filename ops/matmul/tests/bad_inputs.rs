@@ -86,8 +86,8 @@ fn a_weight_whose_k_dtype_or_rank_disagrees_with_a_is_refused() {
     let mut b = GraphBuilder::new("bad", &registry);
     let a = b.input("a", DType::F32, &[Dim::from("n"), Dim::Static(16)]).unwrap();
     let cases: [(&str, DType, &[usize], MatmulParams, &str); 8] = [
-        ("nk_short_k", DType::F32, &[8, 15], NK_PARAMS, "f32[N, 16] (K of a, transpose_b = true)"),
-        ("nk_given_kn", DType::F32, &[16, 8], NK_PARAMS, "f32[N, 16] (K of a, transpose_b = true)"),
+        ("nk_short_k", DType::F32, &[8, 15], NK_PARAMS, "f32[N, 16] (K of a, transpose_b = true"),
+        ("nk_given_kn", DType::F32, &[16, 8], NK_PARAMS, "f32[N, 16] (K of a, transpose_b = true"),
         ("kn_short_k", DType::F32, &[15, 8], KN_PARAMS, "f32[16, N] (K of a, transpose_b = false)"),
         ("kn_given_nk", DType::F32, &[8, 16], KN_PARAMS, "f32[16, N] (K of a, transpose_b = false)"),
         ("bf16_weight", DType::BF16, &[8, 16], NK_PARAMS, "f32[N, 16]"),

@@ -102,7 +102,15 @@ fn expected_spec(node: usize, backend: Backend, rows: Option<usize>) -> MatmulSp
         3 => (WeightOrientation::NK, Epilogue::Add),
         _ => (WeightOrientation::NK, Epilogue::SwiGlu),
     };
-    MatmulSpec { backend, dtype: DType::BF16, rows: Rows { width: K, rows }, n: N, orientation, epilogue }
+    MatmulSpec {
+        backend,
+        dtype: DType::BF16,
+        weights: DType::BF16,
+        rows: Rows { width: K, rows },
+        n: N,
+        orientation,
+        epilogue,
+    }
 }
 
 /// The GEMM spec a key holds, whichever of the three spec types it is.

@@ -301,7 +301,7 @@ fn no_scale(dtype: DType) -> ! {
 }
 
 fn no_float_lanes(dtype: DType) -> ! {
-    panic!("{dtype} has no f32 lanes (integers, or weight blocks decoded by their own kernels)")
+    panic!("{dtype} elements never convert to or from f32 lanes (integers, or weight blocks their own kernels decode)")
 }
 
 /// Byte order for bitcasts that change the lane count (kvjit's hosts are

@@ -4,9 +4,14 @@
 //! the file names its tensors, and the tokenizer its metadata holds.
 //!
 //! The graph refers to the file for every weight (`weights` names the
-//! GGUF; no weight is copied): quantized tensors are dequantized into the
-//! model's dtype when the graph is loaded, and the fused QKV weight is the
-//! file's `attn_q`, `attn_k` and `attn_v` stacked. llama.cpp's converter
+//! GGUF; no weight is copied). Matrices stored in a weight block format
+//! kvjit decodes (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) stay in it: the graph
+//! declares them in that format, they are borrowed from the mapping, and
+//! the matmuls, the fused QKV projection and the embedding gather decode
+//! them as they read ([`ImportOptions::dequantize`] dequantizes them into
+//! the model's dtype instead). The fused QKV weight is the file's `attn_q`,
+//! `attn_k` and `attn_v` stacked (in their format when all three share
+//! one). llama.cpp's converter
 //! permutes Q and K rows for pairwise RoPE, so the model rotates
 //! interleaved pairs.
 
@@ -24,8 +29,12 @@ use crate::{Error, Result};
 /// compiled for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ImportOptions {
-    /// Activation and weight dtype (quantized weights are dequantized to it).
+    /// Activation dtype (and the weights', except those kept in their block
+    /// format).
     pub dtype: DType,
+    /// Dequantize weights stored in a block format into `dtype` (instead of
+    /// keeping their blocks).
+    pub dequantize: bool,
     /// Tokens a sequence may hold (prompt plus generated).
     pub context: usize,
     /// Sequences the cache holds at that context.
@@ -36,7 +45,7 @@ pub struct ImportOptions {
 
 impl Default for ImportOptions {
     fn default() -> Self {
-        Self { dtype: DType::F32, context: 2048, max_batch: 4, page_size: 16 }
+        Self { dtype: DType::F32, dequantize: false, context: 2048, max_batch: 4, page_size: 16 }
     }
 }
 
@@ -140,9 +149,24 @@ fn gguf_name(name: &str, num_layers: usize) -> Option<String> {
     Some(format!("blk.{layer}.{tensor}.weight"))
 }
 
+/// The block format a matrix constant keeps: the format of the GGUF
+/// tensor `name` (of all three parts of a stacked QKV weight), when kvjit
+/// decodes it.
+fn kept_format(gguf: &Gguf, name: &str) -> Option<DType> {
+    let format = |name: &str| gguf.tensor_info(name).and_then(|t| t.ggml_type().block_format());
+    match name.strip_suffix("attn_qkv.weight").filter(|_| gguf.tensor_info(name).is_none()) {
+        Some(prefix) => {
+            let parts = ["attn_q", "attn_k", "attn_v"].map(|p| format(&format!("{prefix}{p}.weight")));
+            parts[0].filter(|f| parts.iter().all(|p| *p == Some(*f)))
+        }
+        None => format(name),
+    }
+}
+
 /// The graph file of the model in `gguf`: [`model_graph`] of
 /// [`llama_config`], every weight constant renamed to its tensor in the
-/// file, its random recipe dropped, and `weights` naming the file as
+/// file (and declared in its block format, unless `options.dequantize`),
+/// its random recipe dropped, and `weights` naming the file as
 /// `weights_name`.
 pub fn model_graph_json(gguf: &Gguf, ops: &OpRegistry, options: &ImportOptions, weights_name: &str) -> Result<String> {
     let config = llama_config(gguf, options)?;
@@ -157,6 +181,10 @@ pub fn model_graph_json(gguf: &Gguf, ops: &OpRegistry, options: &ImportOptions, 
         }
         let Some(name) = entry.get("name").and_then(|n| n.as_str()) else { continue };
         if let Some(tensor) = gguf_name(name, config.layer.num_layers) {
+            let matrix = entry.get("shape").and_then(|s| s.as_array()).is_some_and(|s| s.len() == 2);
+            if let Some(format) = kept_format(gguf, &tensor).filter(|_| matrix && !options.dequantize) {
+                entry.insert("dtype".into(), format.name().into());
+            }
             entry.insert("name".into(), tensor.into());
             entry.remove("init");
         }

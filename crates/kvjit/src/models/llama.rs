@@ -28,7 +28,7 @@ use kvjit_graph::{Dim, Graph, GraphBuilder, KvCacheType, OpRegistry, RandomInit,
 use kvjit_op_attention::{Mask, MhaParams, mha};
 use kvjit_op_binary::{add, mul};
 use kvjit_op_fused_qkv::{FusedQkvParams, fused_qkv_matmul};
-use kvjit_op_gather::gather;
+use kvjit_op_gather::gather_as;
 use kvjit_op_last_token::last_valid_token;
 use kvjit_op_matmul::{MatmulParams, matmul};
 use kvjit_op_reshape::reshape;
@@ -609,7 +609,9 @@ pub fn model_graph(config: &LlamaConfig, ops: &OpRegistry) -> Result<Graph> {
     let ids = b.input(TOKEN_IDS, DType::U32, &[Dim::from("batch"), Dim::from("seq")])?;
     let step = StepValues::declare(&mut b, config)?;
     let embedding = ModelWeight::Embedding.declare(&mut b, config)?;
-    let mut x = gather(&mut b, embedding, ids)?;
+    // The output's dtype named, so that a table kept in a weight block
+    // format (a GGUF model's) decodes to the model's dtype.
+    let mut x = gather_as(&mut b, embedding, ids, Some(layer.dtype))?;
     for l in 0..layer.num_layers {
         x = decoder_layer(&mut b, config, l, x, &step)?;
     }

@@ -148,7 +148,8 @@ pub struct GemmBases {
 pub struct GemmEmitter<'e> {
     /// Which code computes a tile.
     pub tier: CodeTier,
-    /// The weights' dtype.
+    /// The panels' dtype ([`PanelLayout::panel_dtype`]): a float, or a
+    /// weight block format the 256-bit tier decodes as it reads.
     pub dtype: DType,
     /// K, baked in or read at run time (the 256-bit tier only).
     pub k: Size,
@@ -200,7 +201,6 @@ impl GemmEmitter<'_> {
             None => m_arg,
         };
         let (nr, mc) = (self.schedule().panel_columns, self.schedule().block_rows);
-        let size = self.dtype.size_bytes();
         let zero = b.ins().iconst(types::I64, 0);
         counted_loop(b, zero, m, mc as i64, &[], |b, block_start, _| {
             let block_end = b.ins().iadd_imm_s(block_start, mc as i64);
@@ -235,7 +235,7 @@ impl GemmEmitter<'_> {
                     let lo = b.ins().smax(lo, panel_begin);
                     let hi = b.ins().smin(hi, panel_end);
                     counted_loop(b, lo, hi, 1, &[], |b, index, _| {
-                        let offset = self.k.times(b, index, (nr * size * self.weights) as i64);
+                        let offset = self.panel_bytes(b, index, self.weights);
                         let rel = b.ins().isub(index, first_panel);
                         let panel = Panel {
                             w: b.ins().iadd(self.bases.w, offset),
@@ -260,10 +260,45 @@ impl GemmEmitter<'_> {
         if j == 0 {
             return w;
         }
-        let bytes = self.schedule().panel_columns * self.dtype.size_bytes();
         let j = b.ins().iconst(types::I64, j as i64);
-        let offset = self.k.times(b, j, bytes as i64);
+        let offset = self.panel_bytes(b, j, 1);
         b.ins().iadd(w, offset)
+    }
+
+    /// Bytes of `count` panels (times `per` each: the siblings of a
+    /// group) over all of K: `count · per · K · panel_columns` elements of
+    /// the panels' dtype, or for block panels that many weights' blocks
+    /// (K is then known: the spec bakes it in).
+    fn panel_bytes(&self, b: &mut FunctionBuilder, count: Value, per: usize) -> Value {
+        let nr = self.schedule().panel_columns;
+        match (self.dtype.is_block_format(), self.k) {
+            (false, k) => k.times(b, count, (nr * per * self.dtype.size_bytes()) as i64),
+            (true, Size::Known(k)) => {
+                let bytes = self.dtype.storage_bytes(k * nr * per).expect("K is a multiple of the block");
+                b.ins().imul_imm_s(count, bytes as i64)
+            }
+            (true, Size::Runtime(_)) => unreachable!("block weights are read by kernels that bake K in"),
+        }
+    }
+
+    /// The byte offset of k value `kb` in a panel (a multiple of the
+    /// block for block panels).
+    fn panel_k_offset(&self, b: &mut FunctionBuilder, kb: Value) -> Value {
+        let (block, block_bytes) = self.dtype.block();
+        if block == 1 {
+            return b.ins().imul_imm_s(kb, (TILE_COLUMNS * self.dtype.size_bytes()) as i64);
+        }
+        debug_assert!(block.is_power_of_two());
+        let blocks = b.ins().ushr_imm_u(kb, block.trailing_zeros() as i64);
+        b.ins().imul_imm_s(blocks, (TILE_COLUMNS * block_bytes) as i64)
+    }
+
+    /// Whether one row streams the whole panel through one micro-kernel
+    /// call (the GEMV): every float dtype, and the block formats with an
+    /// integer GEMV; the others (Q4_K, Q6_K) decode k blocks into f32 first,
+    /// as for more rows.
+    fn streams_one_row(&self) -> bool {
+        !self.dtype.is_block_format() || kvjit_jit::quant::quant_gemv(self.dtype).is_some()
     }
 
     /// Tiles of `tile_rows` rows over `[start, end)` (`tile(b, rows, first
@@ -320,8 +355,9 @@ impl GemmEmitter<'_> {
                 Vec::new()
             });
             match self.m {
-                Some(1) => self.emit_avx2_k_blocks(b, start, end, w, c, None),
+                Some(1) if self.streams_one_row() => self.emit_avx2_k_blocks(b, start, end, w, c, None),
                 Some(_) => self.emit_avx2_k_blocks(b, start, end, w, c, Some(self.k_block())),
+                None if !self.streams_one_row() => self.emit_avx2_k_blocks(b, start, end, w, c, Some(self.k_block())),
                 None => {
                     // The generic kernel picks the schedule at run time: one
                     // row streams the whole of K (GEMV), more rows go k block
@@ -364,25 +400,32 @@ impl GemmEmitter<'_> {
         c: Value,
         k_block: Option<usize>,
     ) {
-        let size = self.dtype.size_bytes();
         // The widened block holds k_block·16 f32 (AVX2_BLOCK_BYTES).
         let widened = self.scratch.widened_block.filter(|_| k_block.is_some());
         debug_assert!(k_block.is_none_or(|kc| kc * TILE_COLUMNS * 4 <= AVX2_BLOCK_BYTES));
         let tiles = |b: &mut FunctionBuilder, kb: Value, kc: Size| {
-            let mut w = addr::element(b, panel_w, kb, TILE_COLUMNS * size);
+            let offset = self.panel_k_offset(b, kb);
+            let mut w = b.ins().iadd(panel_w, offset);
             let mut w_dtype = self.dtype;
             if let Some(slot) = widened {
-                let widen =
-                    microkernel::widen_block(self.dtype).expect("the avx2 tier has widening kernels for bf16 and f16");
+                let widen = match self.dtype.is_block_format() {
+                    true => kvjit_jit::quant::dequantize_block(self.dtype),
+                    false => microkernel::widen_block(self.dtype),
+                };
+                let widen = widen.expect("the avx2 tier widens bf16 and f16 and decodes every block format");
                 let one = b.ins().iconst(types::I64, 1);
                 let count = kc.times(b, one, TILE_COLUMNS as i64);
                 let out = b.ins().stack_addr(pointer_type(), slot, 0);
                 call_native(b, widen as usize, &[w, count, out]);
                 (w, w_dtype) = (out, DType::F32);
             }
-            self.emit_row_tiles(b, start, end, &|b, mr, row| {
-                self.emit_avx2_tile(b, (mr, row, start), (kb, kc), (w, w_dtype), c)
-            });
+            match k_block {
+                // The GEMV: exactly one row (the callers branch on it).
+                None => self.emit_avx2_tile(b, (1, start, start), (kb, kc), (w, w_dtype), c),
+                Some(_) => self.emit_row_tiles(b, start, end, &|b, mr, row| {
+                    self.emit_avx2_tile(b, (mr, row, start), (kb, kc), (w, w_dtype), c)
+                }),
+            }
         };
         match (self.k, k_block) {
             (k, None) => {
@@ -448,9 +491,13 @@ impl GemmEmitter<'_> {
         (w, w_dtype): (Value, DType),
         c: Value,
     ) {
-        let tile = microkernel::gemm_tile(w_dtype, mr).expect(
-            "the caller checked this CPU runs the avx2 tier, which has a tile of every height up to MAX_TILE_ROWS",
-        );
+        let tile = match w_dtype.is_block_format() {
+            // Block panels reach a tile only as one streamed row (the
+            // integer GEMV, on activations quantized per block).
+            true => kvjit_jit::quant::quant_gemv(w_dtype).filter(|_| mr == 1),
+            false => microkernel::gemm_tile(w_dtype, mr),
+        }
+        .expect("the caller checked this CPU runs the avx2 tier, which has a tile of every height up to MAX_TILE_ROWS");
         // Tiles start at multiples of the packing step (or at row 0 of a
         // single plain row), so the tile's x starts at element row·K +
         // kb·step of the packed activations.

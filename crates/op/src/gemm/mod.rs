@@ -121,15 +121,45 @@ pub fn same_data(a: &Tensor, b: &Tensor) -> bool {
     a.dtype() == b.dtype() && a.shape() == b.shape() && std::ptr::eq(a.as_bytes(), b.as_bytes())
 }
 
-/// The activations of `rows` rows of K as the tier's tiles read them, and
-/// the tile step ([`GemmBases::x_step`]): f32 rows (widened from bf16/f16),
-/// packed in tiles of 6 rows on the 256-bit tier when there is more than
-/// one row.
-pub fn activations(x: &Tensor, rows: usize, k: usize, tier: CodeTier) -> (Cow<'_, [f32]>, usize) {
+/// The activations of a call as the kernel's tiles read them.
+pub enum Activations<'a> {
+    /// f32 rows, or tiles of rows ([`pack_activations`]).
+    F32(Cow<'a, [f32]>),
+    /// One row quantized per 32 values for an integer GEMV on block
+    /// panels ([`kvjit_jit::quant::quantize_activations`]).
+    Q8(Vec<u8>),
+}
+
+impl Activations<'_> {
+    /// The address the kernel reads ([`GemmBases::x`]).
+    pub fn as_ptr(&self) -> *const u8 {
+        match self {
+            Activations::F32(x) => x.as_ptr().cast(),
+            Activations::Q8(x) => x.as_ptr(),
+        }
+    }
+}
+
+/// The activations of `rows` rows of K as the tier's tiles read them for
+/// panels of `panels` ([`PanelLayout::panel_dtype`]), and the tile step
+/// ([`GemmBases::x_step`]): f32 rows (widened from bf16/f16), packed in
+/// tiles of 6 rows on the 256-bit tier when there is more than one row;
+/// one row against block panels with an integer GEMV, quantized per
+/// block of 32 (what the emitter's GEMV reads: the same choice, made from
+/// the same row count).
+pub fn activations(x: &Tensor, rows: usize, k: usize, tier: CodeTier, panels: DType) -> (Activations<'_>, usize) {
     let plain = rows_as_f32(x);
+    let integer_gemv = panels.is_block_format() && kvjit_jit::quant::quant_gemv(panels).is_some();
     match tier {
-        CodeTier::Avx2 if rows > 1 => (Cow::Owned(pack_activations(&plain, rows, k, MAX_TILE_ROWS)), MAX_TILE_ROWS),
-        _ => (plain, 1),
+        CodeTier::Avx2 if rows == 1 && integer_gemv => {
+            let mut q = vec![0u8; k / 32 * kvjit_jit::quant::Q8_ACTIVATION_BLOCK_BYTES];
+            kvjit_jit::quant::quantize_activations(&plain, &mut q);
+            (Activations::Q8(q), 1)
+        }
+        CodeTier::Avx2 if rows > 1 => {
+            (Activations::F32(Cow::Owned(pack_activations(&plain, rows, k, MAX_TILE_ROWS))), MAX_TILE_ROWS)
+        }
+        _ => (Activations::F32(plain), 1),
     }
 }
 

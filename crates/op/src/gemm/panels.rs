@@ -146,6 +146,18 @@ impl PanelLayout {
         )
     }
 
+    /// The dtype of the panels made from weights of `weights`: the same,
+    /// except a weight block format in panels narrower than the 256-bit
+    /// tier's (the Cranelift tier's), which is dequantized to f32 as it is
+    /// packed (the 256-bit tier's micro-kernels decode blocks as they read;
+    /// Cranelift's tile reads floats).
+    pub fn panel_dtype(&self, weights: DType) -> DType {
+        match weights.is_block_format() && self.nr != kvjit_jit::microkernel::TILE_COLUMNS {
+            true => DType::F32,
+            false => weights,
+        }
+    }
+
     /// Elements of the packed weight.
     pub fn packed_len(&self) -> usize {
         self.total_panels() * self.weights * self.k * self.nr
@@ -160,8 +172,11 @@ impl PanelLayout {
     }
 
     /// Pack the sibling `weights` (one per [`weights`](Self::weights), each
-    /// of [`weight_shape`](Self::weight_shape) and one float dtype) into
-    /// panels (zero-padded), keeping their dtype.
+    /// of [`weight_shape`](Self::weight_shape) and one float dtype or weight
+    /// block format) into panels (zero-padded) of
+    /// [`panel_dtype`](Self::panel_dtype). Block panels keep each k block's
+    /// 16 columns together in the layout their micro-kernels read
+    /// ([`kvjit_jit::quant::pack_panel`]).
     pub fn pack(&self, weights: &[&Tensor]) -> Result<Tensor> {
         // Panel by panel, column by column (see below). The panels go to
         // huge-page memory (few faults to make, few TLB misses to stream).
@@ -212,6 +227,9 @@ impl PanelLayout {
         if let Some(w) = weights.iter().find(|w| w.dtype() != dtype || w.shape() != expected || !w.is_contiguous()) {
             return Err(kvjit_core::shape_mismatch("weight", format!("contiguous {dtype}{expected:?}"), w));
         }
+        if dtype.is_block_format() {
+            return self.pack_blocks(weights);
+        }
         match dtype {
             DType::F32 => {
                 let ws: Vec<&[f32]> = weights.iter().map(|w| w.as_slice::<f32>()).collect::<Result<_>>()?;
@@ -230,5 +248,42 @@ impl PanelLayout {
             }
             _ => Err(Error::NotFloat { what: "weight".into(), dtype }),
         }
+    }
+
+    /// [`pack`](Self::pack) for weights of a block format: `[N, K]` rows of
+    /// whole blocks, into block panels on the 256-bit tier, or dequantized
+    /// into f32 panels (see [`panel_dtype`](Self::panel_dtype)).
+    fn pack_blocks(&self, weights: &[&Tensor]) -> Result<Tensor> {
+        let format = weights[0].dtype();
+        let (k, nr) = (self.k, self.nr);
+        if self.orientation != WeightOrientation::NK || !k.is_multiple_of(format.block().0) {
+            let expected = format!("[N, K] rows of whole {}-weight {format} blocks", format.block().0);
+            return Err(kvjit_core::shape_mismatch("weight", expected, weights[0]));
+        }
+        if self.panel_dtype(format) != format {
+            let plain = weights
+                .iter()
+                .map(|w| Tensor::from_vec(w.shape(), w.to_f32_vec()?))
+                .collect::<Result<Vec<Tensor>>>()?;
+            let plain: Vec<&Tensor> = plain.iter().collect();
+            return self.pack(&plain);
+        }
+        let row_bytes = format.storage_bytes(k).expect("K is a multiple of the block");
+        let panel_bytes = kvjit_jit::quant::panel_bytes(format, k);
+        Tensor::anonymous(format, &[self.packed_len()], |out| {
+            let mut panels = out.chunks_exact_mut(panel_bytes);
+            for seg in &self.segments {
+                for p in 0..seg.panels(nr) {
+                    let first = seg.first_column + p * nr;
+                    let columns = nr.min(seg.columns - p * nr);
+                    for w in weights {
+                        let rows = &w.as_bytes()[first * row_bytes..][..columns * row_bytes];
+                        let columns: Vec<&[u8]> = rows.chunks_exact(row_bytes).collect();
+                        let panel = panels.next().expect("packed_len counts every panel");
+                        kvjit_jit::quant::pack_panel(format, &columns, k, panel);
+                    }
+                }
+            }
+        })
     }
 }

@@ -315,6 +315,7 @@ impl Call {
         let spec = FusedQkvSpec {
             backend: Backend::Cpu(runnable_tier(self.tier)),
             dtype: self.dtype,
+            weights: self.dtype,
             cache,
             k: self.k,
             q_dim: self.q_dim,

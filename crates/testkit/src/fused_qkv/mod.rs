@@ -84,6 +84,7 @@ impl QkvProblem {
         FusedQkvSpec {
             backend: widest_backend(device),
             dtype: self.dtype,
+            weights: self.dtype,
             cache: self.cache_params(),
             k: self.k,
             q_dim: self.q_dim,

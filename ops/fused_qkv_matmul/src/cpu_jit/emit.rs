@@ -35,8 +35,9 @@ pub(crate) fn addressable(spec: &FusedQkvSpec) -> Result<(), JitError> {
             Some(rows) => Some(rows?),
             None => None,
         };
-        (i64::try_from(blocks_bytes).is_ok() && gemm::addressable(spec.k, spec.dtype.size_bytes(), groups, 1, rows))
-            .then_some(())
+        // Panels of f32 at most (the Cranelift tier's dequantized blocks).
+        let panel_size = spec.weights.size_bytes().max(4);
+        (i64::try_from(blocks_bytes).is_ok() && gemm::addressable(spec.k, panel_size, groups, 1, rows)).then_some(())
     };
     fits().ok_or_else(|| JitError::Unsupported {
         key: spec.key().to_string(),
@@ -68,6 +69,12 @@ pub(super) fn emit_and_compile(
         return Err(JitError::Unsupported {
             key: key.to_string(),
             reason: "the unspecialized kernel exists on the avx2 tier only (the Cranelift tile unrolls K)".into(),
+        });
+    }
+    if runtime_sizes && spec.weights.is_block_format() {
+        return Err(JitError::Unsupported {
+            key: key.to_string(),
+            reason: "block weights are read by kernels that bake K in (the unspecialized kernel reads it)".into(),
         });
     }
     compile_kernel(&key, capture, |b, params| {
@@ -102,15 +109,16 @@ pub(super) fn emit_and_compile(
         };
         let bounds = segment_bounds(b, spec, tier, sizes);
         let m = spec.step.batch.zip(spec.step.seq).map(|(b, s)| b * s).filter(|_| !runtime_sizes);
+        let panels = super::layout(spec, tier).panel_dtype(spec.weights);
         let emitter = GemmEmitter {
             tier,
-            dtype: spec.dtype,
+            dtype: panels,
             k: sizes.k,
             m,
             weights: 1,
             disp,
             bases,
-            scratch: Scratch::new(b, tier, spec.dtype, 1),
+            scratch: Scratch::new(b, tier, panels, 1),
             epilogue: &epilogue,
         };
         emitter.emit(b, m_arg, params.begin, params.end, &bounds);

@@ -96,7 +96,8 @@ impl JitKernel {
         specialize_shapes: bool,
     ) -> Result<Self> {
         let tier = code_tier(&spec).map_err(|e| Error::op(OP_NAME, e))?;
-        let constant = PackedWeights::prepared(&layout(&spec, tier), spec.dtype, prepared)
+        let layout = layout(&spec, tier);
+        let constant = PackedWeights::prepared(&layout, layout.panel_dtype(spec.weights), prepared)
             .map_err(|(expected, got)| FusedQkvError::PreparedWeight { expected, got })?;
         Self::with_constant(spec, tier, Some(constant), capture, specialize_shapes).map_err(|e| Error::op(OP_NAME, e))
     }
@@ -106,8 +107,8 @@ impl JitKernel {
     fn pack_constant(spec: &FusedQkvSpec, tier: CodeTier, weight: Option<Arc<Tensor>>) -> Option<PackedWeights> {
         let layout = layout(spec, tier);
         weight
-            .filter(|w| w.dtype() == spec.dtype && w.shape() == [spec.n(), spec.k] && w.is_contiguous())
-            .map(|w| PackedWeights::pack(&layout, vec![w]).expect("a float weight of the layout's shape packs"))
+            .filter(|w| w.dtype() == spec.weights && w.shape() == [spec.n(), spec.k] && w.is_contiguous())
+            .map(|w| PackedWeights::pack(&layout, vec![w]).expect("a weight of the layout's shape and format packs"))
     }
 
     fn with_constant(
@@ -226,7 +227,13 @@ impl OpKernel for JitKernel {
 
     fn prepared_constants(&self) -> Vec<(usize, PreparedConstant)> {
         let Some(constant) = &self.constant_weight else { return Vec::new() };
-        vec![(1, PreparedConstant { layout: self.layout.id(self.spec.dtype), data: constant.packed().clone() })]
+        vec![(
+            1,
+            PreparedConstant {
+                layout: self.layout.id(self.layout.panel_dtype(self.spec.weights)),
+                data: constant.packed().clone(),
+            },
+        )]
     }
 }
 
@@ -243,7 +250,8 @@ impl JitKernel {
         let CheckedCall { shape, row_offsets } = checked;
         let QkvArgs { hidden_state, weight, kv_collection: cache, .. } = args;
         let rows = shape.batch * shape.seq;
-        let (x, x_step) = activations(hidden_state, rows, self.spec.k, self.tier);
+        let panels = self.layout.panel_dtype(self.spec.weights);
+        let (x, x_step) = activations(hidden_state, rows, self.spec.k, self.tier, panels);
         let packed_now;
         let packed = match self.constant_weight.as_ref().and_then(|c| c.panels_for(&[weight])) {
             Some(panels) => panels,

@@ -18,7 +18,7 @@ use rand::Rng;
 pub const GUARD: usize = 64;
 
 pub fn spec(dtype: DType, vocab: usize, hidden: usize, step: StepDims) -> GatherSpec {
-    GatherSpec { target: Target::Cpu, dtype, vocab, hidden, step }
+    GatherSpec { target: Target::Cpu, dtype, table: dtype, vocab, hidden, step }
 }
 
 pub fn jit(spec: GatherSpec) -> JitKernel {

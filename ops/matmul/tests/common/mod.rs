@@ -72,7 +72,15 @@ pub fn spec(
     (k, n): (usize, usize),
     rows: Option<usize>,
 ) -> MatmulSpec {
-    MatmulSpec { backend: Backend::Cpu(tier), dtype, rows: Rows { width: k, rows }, n, orientation, epilogue }
+    MatmulSpec {
+        backend: Backend::Cpu(tier),
+        dtype,
+        weights: dtype,
+        rows: Rows { width: k, rows },
+        n,
+        orientation,
+        epilogue,
+    }
 }
 
 pub fn ctx(threads: usize) -> DeviceContextPtr {
