@@ -394,6 +394,44 @@ fn f32_logits_and_greedy_tokens_match_the_naive_model_tied_and_untied() {
     }
 }
 
+/// The file's block weights kept as blocks (every projection stored in a
+/// format kvjit decodes, and the Q8_0 embedding): the kernels' keys name
+/// the formats, and the logits stay within the block tolerance of the
+/// naive model over the dequantized weights. Prefill rows multiply the
+/// dequantized blocks in f32; each decode step's single row goes through
+/// the integer GEMV on the 256-bit tier, its activations rounded to 8 bits
+/// per block of 32: up to half a step (max|x|/254) per product, which
+/// through two layers measured 7e-3 to 9e-3 of the largest logit; 3e-2
+/// leaves 3× while a wrong decode (a nibble order, a scale) is off by
+/// order 1.
+#[test]
+fn block_weights_stay_blocks_and_match_the_naive_model() {
+    for variant in [TIED, UNTIED] {
+        let (_dir, path) = written(variant);
+        let registry = standard_registry();
+        let options = ImportOptions { dequantize: false, ..options(DType::F32) };
+        let graph = load_model(&path, registry.ops(), &options, WeightLoad::Map).unwrap();
+        let kept: Vec<String> = graph
+            .constants()
+            .filter(|(_, v)| v.ty.as_tensor().is_some_and(|t| t.dtype.is_block_format()))
+            .map(|(_, v)| format!("{} {}", v.name.as_deref().unwrap_or("-"), v.ty))
+            .collect();
+        for want in ["token_embd.weight q8_0", "blk.0.attn_output.weight q4_0", "blk.1.ffn_down.weight q6_k"] {
+            assert!(kept.iter().any(|k| k.starts_with(want)), "{want} not kept: {kept:?}");
+        }
+        // QKV parts of different formats cannot stack as blocks: dequantized.
+        assert!(!kept.iter().any(|k| k.contains("attn_qkv")), "{kept:?}");
+        let exe = compile(&graph, &registry, &CompileOptions::default()).unwrap();
+        let keys: Vec<String> = exe.steps().iter().map(|s| s.kernel.key().to_string()).collect();
+        for format in ["wq8_0", "wq4_0", "wq4_1", "wq4_k", "wq6_k"] {
+            assert!(keys.iter().any(|k| k.ends_with(format)), "no kernel reads {format}: {keys:?}");
+        }
+        let error = check_against_naive(&graph, &path, DType::F32, 3);
+        eprintln!("blocks, tied {}: largest normalized logits error {error:.2e}", variant.tied);
+        assert!(error < 3e-2, "tied {}: {error}", variant.tied);
+    }
+}
+
 #[test]
 fn bf16_logits_and_greedy_tokens_match_the_naive_model() {
     let (_dir, path) = written(TIED);
@@ -485,6 +523,31 @@ fn import_then_generate_writes_tokens_and_the_logits_that_chose_them() {
     let direct_path = dir.path().join("direct.safetensors");
     succeeds(&["generate", str(&path), "--prompt", "hi", "--max-tokens", "5", "--logits", str(&direct_path)]);
     assert_eq!(read_safetensors(&direct_path).unwrap()["tokens"].to_u32_vec().unwrap(), tokens);
+}
+
+/// `kvjit import` keeps block weights by default (`--dequantize` opts out),
+/// and `kvjit inspect` shows each constant's bytes per weight.
+#[test]
+fn imported_block_weights_show_their_bytes_per_weight() {
+    let (dir, path) = written(TIED);
+    let kept = dir.path().join("kept");
+    succeeds(&["import", str(&path), "-o", str(&kept), "--context", "128"]);
+    let out = succeeds(&["inspect", str(&kept.join("model.json"))]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let line = |name: &str| stdout.lines().find(|l| l.contains(name)).unwrap_or_else(|| panic!("{name}: {stdout}"));
+    // Q4_1: 20 bytes per 32 weights; Q8_0: 34 per 32; an f32 norm: 4.
+    assert!(
+        line("blk.0.ffn_gate.weight").contains("q4_1[")
+            && line("blk.0.ffn_gate.weight").contains("0.6250 bytes/weight")
+    );
+    assert!(line("token_embd.weight").contains("q8_0[") && line("token_embd.weight").contains("1.0625 bytes/weight"));
+    assert!(line("blk.0.attn_norm.weight").contains("4.0000 bytes/weight"));
+    assert!(stdout.contains(".wq4_1 "), "a kernel key names the format: {stdout}");
+    let dequantized = dir.path().join("dequantized");
+    succeeds(&["import", str(&path), "-o", str(&dequantized), "--context", "128", "--dequantize"]);
+    let out = succeeds(&["inspect", str(&dequantized.join("model.json"))]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(!stdout.contains("q4_1[") && !stdout.contains(".wq"), "{stdout}");
 }
 
 #[test]

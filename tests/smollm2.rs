@@ -81,16 +81,44 @@ fn the_chat_template_renders_what_the_reference_did() {
 #[test]
 fn greedy_text_and_logits_equal_the_reference() {
     let Some(path) = model_file() else { return };
-    let registry = standard_registry();
     let reference = fixture("smollm2_reference.json");
     let tolerance = reference["tolerance"]["abs_logit_tolerance_f32"].as_f64().unwrap() as f32;
+    let worst = check_against_reference(&path, true, tolerance);
+    eprintln!("dequantized f32 weights: worst logit error {worst:.5} (tolerance {tolerance})");
+}
+
+/// Logit tolerance of the file's own block weights against the reference
+/// (which dequantized them). Prefill rows multiply the dequantized blocks in
+/// f32 (the reference's f32 tolerance); each decode step's matmuls stream one
+/// row through the integer GEMV, whose activations are rounded to 8 bits per
+/// block of 32 — llama.cpp's arithmetic — moving every product of a layer by
+/// up to half a step of its block's scale. Through 30 layers that measured
+/// at most 0.38 on a logit of ~26 (1.5 %) over the checked steps; 0.75
+/// leaves 2×. The greedy tokens must still be the reference's.
+const BLOCK_LOGIT_TOLERANCE: f32 = 0.75;
+
+#[test]
+fn block_weights_give_the_reference_text_and_close_logits() {
+    let Some(path) = model_file() else { return };
+    let worst = check_against_reference(&path, false, BLOCK_LOGIT_TOLERANCE);
+    eprintln!("block weights: worst logit error {worst:.5} (tolerance {BLOCK_LOGIT_TOLERANCE})");
+}
+
+/// Generate every reference prompt greedily with the model's weights
+/// dequantized to f32 or kept in their blocks: the same tokens and text as
+/// the reference, and its logits within `tolerance`. Returns the worst
+/// logit error seen.
+fn check_against_reference(path: &std::path::Path, dequantize: bool, tolerance: f32) -> f32 {
+    let registry = standard_registry();
+    let reference = fixture("smollm2_reference.json");
     let max_tokens = reference["max_tokens"].as_u64().unwrap() as usize;
     let options =
-        ImportOptions { dtype: DType::F32, dequantize: true, context: 256, max_batch: 1, ..ImportOptions::default() };
-    let graph = load_model(&path, registry.ops(), &options, WeightLoad::Map).unwrap();
+        ImportOptions { dtype: DType::F32, dequantize, context: 256, max_batch: 1, ..ImportOptions::default() };
+    let graph = load_model(path, registry.ops(), &options, WeightLoad::Map).unwrap();
     let exe = compile(&graph, &registry, &CompileOptions::default()).unwrap();
     let model = Model::new(&graph, &registry, exe, Executor::new(DeviceContextPtr::cpu(2).unwrap())).unwrap();
-    let tokenizer = the_tokenizer(&path);
+    let tokenizer = the_tokenizer(path);
+    let mut worst = 0f32;
     for prompt in reference["prompts"].as_array().unwrap() {
         let name = prompt["name"].as_str().unwrap();
         let special = EncodeOptions { add_special: true, parse_special: prompt["chat"] == true };
@@ -110,8 +138,9 @@ fn greedy_text_and_logits_equal_the_reference() {
         for step in prompt["steps"].as_array().unwrap() {
             let s = step["step"].as_u64().unwrap() as usize;
             let logits = &out.logits[0][s];
-            let close = |got: f32, want: f64, what: &str| {
+            let mut close = |got: f32, want: f64, what: &str| {
                 let error = (got - want as f32).abs();
+                worst = worst.max(error);
                 assert!(error <= tolerance, "{name} step {s}: {what} {got} vs {want} (tolerance {tolerance})");
             };
             for (id, want) in step["top_ids"].as_array().unwrap().iter().zip(step["top_logits"].as_array().unwrap()) {
@@ -123,4 +152,5 @@ fn greedy_text_and_logits_equal_the_reference() {
             close(lse, step["logsumexp"].as_f64().unwrap(), "log-sum-exp");
         }
     }
+    worst
 }
