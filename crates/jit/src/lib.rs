@@ -17,6 +17,9 @@
 //! - [`microkernel`]: the 256-bit tier — AVX2/FMA tile micro-kernels compiled
 //!   ahead of time, which Cranelift-emitted drivers call once per register
 //!   tile; [`microkernel::resolve_tier`] picks the tier a kernel is built for.
+//! - [`quant`]: GGML weight blocks in that tier — the packed panel layout of
+//!   Q8_0/Q4_0/Q4_1/Q4_K/Q6_K, the integer GEMV tiles over 8-bit quantized
+//!   activations, and the kernels that decode a block of a panel to f32.
 //! - [`kernels`]: the process-wide [`KernelCache`] — compile once per
 //!   [`KernelKey`](kvjit_core::KernelKey), share across nodes, graphs and
 //!   threads, free when the last user drops, and log every compile with its

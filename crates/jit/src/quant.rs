@@ -1,118 +1,294 @@
-//! Weight block formats in GEMM panels (placeholder scalar kernels, to be
-//! replaced by the AVX2 ones): the packed layout, activations quantized for
-//! the integer GEMV, and the kernels.
+//! GGML weight blocks in the 256-bit tier: the packed panel layout of the
+//! block formats ([`DType::BLOCK_FORMATS`]), activations quantized to 8
+//! bits for the integer GEMV, the integer GEMV micro-kernels
+//! ([`quant_gemv`]) and the kernels that decode a block of a packed panel
+//! to f32 for the multi-row tiles ([`dequantize_block`]).
+//!
+//! # The packed panel
+//!
+//! A panel holds [`TILE_COLUMNS`] (16) columns of C — 16 weight rows of K
+//! values each — in groups of one block of K (a "k-group": 32 k for Q8_0,
+//! Q4_0 and Q4_1, 256 for Q4_K and Q6_K), k-groups in order. A k-group
+//! holds the 16 columns' blocks of that range of K whole in content (the
+//! same bytes as the GGML blocks: [`panel_bytes`] = K / block × block
+//! bytes × 16), rearranged for the kernels:
+//!
+//! - **Q4_0 / Q4_1** (288 / 320 bytes): first the quants, as two halves
+//!   (columns 0–7, then 8–15) of 4 × 32 bytes. Vector `g` (0..4) of a half
+//!   holds one little-endian dword per column of the half (column `c` at
+//!   bytes `4c..4c + 4`), whose byte `j` (0..4) holds the weight at
+//!   k = 8g + j in its low nibble and k = 8g + 4 + j in its high nibble. So
+//!   `v & 0x0F` is, per column dword, the quants of k = 8g..8g + 3 — four
+//!   bytes that line up with a dword of the activations for `vpmaddubsw` —
+//!   and `(v >> 4) & 0x0F` those of 8g + 4..8g + 7; `(v >> 8j) & 0x0F` as
+//!   32-bit lanes is the eight columns' quant at k = 8g + j, the row a
+//!   decoded f32 panel wants. Then the 16 f16 scales `d` (32 bytes), then
+//!   (Q4_1 only) the 16 f16 minimums `m` (32 bytes).
+//! - **Q8_0** (544 bytes): two halves of 8 × 32 bytes; vector `g` (0..8)
+//!   of a half holds per column a dword of the 4 i8 weights at
+//!   k = 4g..4g + 3. Then the 16 f16 scales.
+//! - **Q4_K / Q6_K** (16 × 144 / 16 × 210 bytes): the columns' super-blocks
+//!   as they are, column 0 first.
+//!
+//! Columns past those given to [`pack_panel`] are padding that decodes to
+//! exactly +0.0 in every format (zero scales and quants whose decoded
+//! integer is 0: nibbles 8 for Q4_0, `q = 32` for Q6_K).
+//!
+//! # The integer GEMV
+//!
+//! One row of activations (decode) is quantized once per call with
+//! [`quantize_activations`], GGML's Q8_0 rounding with its sum kept
+//! alongside: per 32 values an f32 scale `d_x = max|x| / 127` and
+//! `q = round(x / d_x)` (half away from zero). [`quant_gemv`]'s tiles then
+//! multiply 8-bit integers: per k-group and half panel, `vpmaddubsw` of the
+//! (unsigned) weight quants against an activation dword broadcast to all
+//! eight columns, i16 partial sums where they cannot overflow, `vpmaddwd`
+//! with ones to 8 i32 lanes (one per column), then one f32 FMA with
+//! `d_w · d_x` per k-group and half (Q4_0 subtracts `8·Σq_x` from the integer
+//! sum first; Q4_1 adds `m · (d_x·Σq_x)` with a second FMA). No horizontal
+//! sums: the 16 columns of a panel are the lanes.
+//!
+//! **Accuracy.** The integer products and sums are exact; the result
+//! differs from the exact product of `x` with the dequantized weights by the
+//! activation rounding, at most `Σ_blocks (d_x / 2) · Σ_{k in block} |w_k|`
+//! (each `x_k` moves by at most half a step `d_x`), plus the f32 rounding of
+//! the division `x / d_x` (`u·Σ|x_k·w_k|`, `u = 2⁻²⁴`) and of the f32
+//! accumulation (one rounding of `d_w·d_x`, one per FMA, the chains summed:
+//! at most `(K/32 + 8)·u` times the sum of the magnitudes of the terms).
+//! That is GGML's own decode error (its `vec_dot_q4_0_q8_0` quantizes the
+//! activations the same way); for 4-bit weights it is far below the
+//! weights' own quantization error.
+//!
+//! # Decoding to f32
+//!
+//! [`dequantize_block`] decodes whole k-groups of a panel to the f32
+//! `[k][16]` panel the f32 tiles read, bit for bit as
+//! [`kvjit_core::quant::dequantize`] does (products and sums rounded
+//! separately, never fused), so prefill's GEMM with many rows reads each
+//! decoded block from L1 for all its row tiles.
 
 use kvjit_core::DType;
 
 use crate::microkernel::{GemmTile, TILE_COLUMNS, WidenBlock, avx2_available};
 
-/// Bytes of one quantized activation block of 32 values: 32 × i8, f32
-/// scale, i32 sum.
+#[cfg(target_arch = "x86_64")]
+mod x86;
+
+/// Bytes of one block of quantized activations ([`quantize_activations`]):
+/// 32 × i8 quants, the f32 scale, the i32 sum of the quants.
 pub const Q8_ACTIVATION_BLOCK_BYTES: usize = 40;
 
-/// Bytes of a packed panel of 16 columns over `k`.
+/// Activation values per block of [`quantize_activations`].
+pub const Q8_ACTIVATION_BLOCK: usize = 32;
+
+/// Bytes of a packed panel of `format` over `k` values of K: the GGML bytes
+/// of 16 columns, `k / block · block_bytes · 16` (for an element dtype, the
+/// plain `[k][16]` panel's bytes).
 pub fn panel_bytes(format: DType, k: usize) -> usize {
     let (block, bytes) = format.block();
     k / block * bytes * TILE_COLUMNS
 }
 
-/// Pack the columns' GGML blocks into a panel (placeholder layout: per k
-/// group, the 16 columns' blocks in order).
+/// Pack up to 16 columns of GGML blocks into one panel (the layout in the
+/// module docs): `columns[c]` holds column c's K / block blocks, raw;
+/// columns past `columns.len()` are padding that decodes to +0.0.
+///
+/// # Panics
+/// If `format` is not a block format, `k` not a multiple of its block,
+/// more than 16 columns are given, a column's length is not
+/// `k / block · block_bytes`, or `out.len() != panel_bytes(format, k)`.
 pub fn pack_panel(format: DType, columns: &[&[u8]], k: usize, out: &mut [u8]) {
-    let (block, bytes) = format.block();
-    assert!(columns.len() <= TILE_COLUMNS && out.len() == panel_bytes(format, k));
+    assert!(format.is_block_format(), "pack_panel packs GGML block formats, not {format}");
+    let (block, size) = format.block();
+    assert!(k.is_multiple_of(block), "k = {k} is not a whole number of {format} blocks ({block})");
+    assert!(columns.len() <= TILE_COLUMNS, "a panel holds at most {TILE_COLUMNS} columns, not {}", columns.len());
+    let groups = k / block;
+    for (c, column) in columns.iter().enumerate() {
+        assert_eq!(
+            column.len(),
+            groups * size,
+            "column {c} holds {} bytes, not {groups} {format} blocks",
+            column.len()
+        );
+    }
+    assert_eq!(out.len(), panel_bytes(format, k), "a {format} panel over k = {k}");
+    let group_bytes = size * TILE_COLUMNS;
+    for (g, out) in out.chunks_exact_mut(group_bytes).enumerate() {
+        let block_of = |c: usize| columns.get(c).map(|column| &column[g * size..(g + 1) * size]);
+        match format {
+            DType::Q4_0 | DType::Q4_1 => pack_q4(format, out, block_of),
+            DType::Q8_0 => pack_q8_0(out, block_of),
+            DType::Q4K | DType::Q6K => {
+                for (c, at) in out.chunks_exact_mut(size).enumerate() {
+                    match block_of(c) {
+                        Some(b) => at.copy_from_slice(b),
+                        None => padding_block(format, at),
+                    }
+                }
+            }
+            _ => unreachable!("checked a block format above"),
+        }
+    }
+}
+
+/// A block of `format` that decodes to +0.0 everywhere.
+fn padding_block(format: DType, out: &mut [u8]) {
     out.fill(0);
-    for g in 0..k / block {
-        for (c, column) in columns.iter().enumerate() {
-            out[(g * TILE_COLUMNS + c) * bytes..][..bytes].copy_from_slice(&column[g * bytes..][..bytes]);
-        }
+    if format == DType::Q6K {
+        // q = (low 4 bits 0) | (high 2 bits 2) << 4 = 32: q − 32 = 0.
+        out[128..192].fill(0xAA);
     }
 }
 
-/// Quantize activations per block of 32.
-pub fn quantize_activations(x: &[f32], out: &mut [u8]) {
-    for (xb, ob) in x.chunks_exact(32).zip(out.chunks_exact_mut(Q8_ACTIVATION_BLOCK_BYTES)) {
-        let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let d = amax / 127.0;
-        let inv = if d != 0.0 { 1.0 / d } else { 0.0 };
-        let mut sum = 0i32;
-        for (o, &v) in ob.iter_mut().zip(xb) {
-            let q = (v * inv).round() as i8;
-            sum += i32::from(q);
-            *o = q as u8;
-        }
-        ob[32..36].copy_from_slice(&d.to_le_bytes());
-        ob[36..40].copy_from_slice(&sum.to_le_bytes());
-    }
-}
-
-unsafe extern "C" fn dequant_generic<const F: usize>(w: *const u8, count: usize, out: *mut f32) {
-    let format = DType::BLOCK_FORMATS[F];
-    let (block, bytes) = format.block();
-    let kc = count / TILE_COLUMNS;
-    // SAFETY: the caller passes kc·16 weights of whole blocks at w and kc·16 f32 at out.
-    let (w, out) = unsafe {
-        (std::slice::from_raw_parts(w, kc / block * bytes * TILE_COLUMNS), std::slice::from_raw_parts_mut(out, count))
-    };
-    let mut values = vec![0f32; block];
-    for g in 0..kc / block {
-        for c in 0..TILE_COLUMNS {
-            kvjit_core::quant::dequantize(format, &w[(g * TILE_COLUMNS + c) * bytes..][..bytes], &mut values).unwrap();
-            for (j, &v) in values.iter().enumerate() {
-                out[(g * block + j) * TILE_COLUMNS + c] = v;
+/// One k-group of a Q4_0 / Q4_1 panel (see the module docs).
+fn pack_q4<'a>(format: DType, out: &mut [u8], block_of: impl Fn(usize) -> Option<&'a [u8]>) {
+    let (quants, scales) = out.split_at_mut(256);
+    let header = if format == DType::Q4_1 { 4 } else { 2 };
+    for c in 0..TILE_COLUMNS {
+        let (half, column) = (c / 8, c % 8);
+        let (d, m, qs) = match block_of(c) {
+            Some(b) => ([b[0], b[1]], [b.get(2).copied().unwrap_or(0), b.get(3).copied().unwrap_or(0)], &b[header..]),
+            // Q4_0 padding: nibble 8 decodes to d·0; Q4_1 padding: 0·0 + 0.
+            None => ([0; 2], [0; 2], if format == DType::Q4_0 { &[0x88u8; 16][..] } else { &[0u8; 16][..] }),
+        };
+        // Weight j < 16 is qs[j] & 15, weight j ≥ 16 is qs[j − 16] >> 4.
+        let weight = |j: usize| if j < 16 { qs[j] & 0x0f } else { qs[j - 16] >> 4 };
+        for g in 0..4 {
+            for j in 0..4 {
+                quants[half * 128 + g * 32 + column * 4 + j] = weight(8 * g + j) | (weight(8 * g + 4 + j) << 4);
             }
         }
-    }
-}
-
-unsafe extern "C" fn gemv_generic<const F: usize>(x: *const f32, _x_step: usize, w: *const u8, k: usize, c: *mut f32) {
-    let format = DType::BLOCK_FORMATS[F];
-    let (block, bytes) = format.block();
-    // SAFETY: the caller passes K/32 activation blocks, a panel over K and 16 outputs.
-    let (x, w, c) = unsafe {
-        (
-            std::slice::from_raw_parts(x.cast::<u8>(), k / 32 * Q8_ACTIVATION_BLOCK_BYTES),
-            std::slice::from_raw_parts(w, k / block * bytes * TILE_COLUMNS),
-            std::slice::from_raw_parts_mut(c, TILE_COLUMNS),
-        )
-    };
-    let mut values = vec![0f32; block];
-    for g in 0..k / block {
-        let xb = &x[g * Q8_ACTIVATION_BLOCK_BYTES..][..Q8_ACTIVATION_BLOCK_BYTES];
-        let d = f32::from_le_bytes(xb[32..36].try_into().unwrap());
-        for (col, out) in c.iter_mut().enumerate() {
-            kvjit_core::quant::dequantize(format, &w[(g * TILE_COLUMNS + col) * bytes..][..bytes], &mut values)
-                .unwrap();
-            let dot: f32 = values.iter().zip(&xb[..32]).map(|(&v, &q)| v * f32::from(q as i8)).sum();
-            *out += dot * d;
+        scales[2 * c..2 * c + 2].copy_from_slice(&d);
+        if format == DType::Q4_1 {
+            scales[32 + 2 * c..32 + 2 * c + 2].copy_from_slice(&m);
         }
     }
 }
 
-/// The integer GEMV of a 32-weight block format.
+/// One k-group of a Q8_0 panel (see the module docs).
+fn pack_q8_0<'a>(out: &mut [u8], block_of: impl Fn(usize) -> Option<&'a [u8]>) {
+    let (quants, scales) = out.split_at_mut(512);
+    for c in 0..TILE_COLUMNS {
+        let (half, column) = (c / 8, c % 8);
+        let Some(b) = block_of(c) else {
+            for g in 0..8 {
+                quants[half * 256 + g * 32 + column * 4..][..4].fill(0);
+            }
+            scales[2 * c..2 * c + 2].fill(0);
+            continue;
+        };
+        for g in 0..8 {
+            quants[half * 256 + g * 32 + column * 4..][..4].copy_from_slice(&b[2 + 4 * g..2 + 4 * g + 4]);
+        }
+        scales[2 * c..2 * c + 2].copy_from_slice(&b[..2]);
+    }
+}
+
+/// Quantize a row of activations for [`quant_gemv`]: per 32 values `x`
+/// (`x.len()` a multiple of 32), [`Q8_ACTIVATION_BLOCK_BYTES`] bytes of
+/// `out`: 32 × i8 `q = round(x / d)` (half away from zero, as llama.cpp's
+/// `roundf`), the f32 `d = max|x| / 127` (`d = 0` gives all `q = 0`), the
+/// i32 `Σq`, little-endian.
+///
+/// # Panics
+/// If `x.len()` is not a multiple of 32 or `out` does not hold exactly its
+/// blocks.
+pub fn quantize_activations(x: &[f32], out: &mut [u8]) {
+    assert!(x.len().is_multiple_of(Q8_ACTIVATION_BLOCK), "{} activations are not whole blocks of 32", x.len());
+    assert_eq!(out.len(), x.len() / Q8_ACTIVATION_BLOCK * Q8_ACTIVATION_BLOCK_BYTES, "quantized activations' bytes");
+    #[cfg(target_arch = "x86_64")]
+    if avx2_available() {
+        // SAFETY: the CPU has AVX2, FMA and F16C (checked just above).
+        unsafe { quantize_activations_avx2(x, out) };
+        return;
+    }
+    quantize_blocks(x, out);
+}
+
+/// [`quantize_blocks`] compiled for AVX2 (the same code, vectorized).
+///
+/// # Safety
+/// The CPU has AVX2, FMA and F16C.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn quantize_activations_avx2(x: &[f32], out: &mut [u8]) {
+    quantize_blocks(x, out);
+}
+
+/// The blocks of [`quantize_activations`].
+#[inline(always)]
+fn quantize_blocks(x: &[f32], out: &mut [u8]) {
+    for (x, out) in x.chunks_exact(Q8_ACTIVATION_BLOCK).zip(out.chunks_exact_mut(Q8_ACTIVATION_BLOCK_BYTES)) {
+        let x: &[f32; 32] = x.try_into().expect("chunks of 32");
+        let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let d = amax / 127.0;
+        let mut q = [0i8; 32];
+        if d != 0.0 {
+            for (q, &v) in q.iter_mut().zip(x) {
+                *q = round_half_away(v / d) as i8;
+            }
+        }
+        let sum: i32 = q.iter().map(|&q| i32::from(q)).sum();
+        for (o, q) in out[..32].iter_mut().zip(q) {
+            *o = q as u8;
+        }
+        out[32..36].copy_from_slice(&d.to_le_bytes());
+        out[36..40].copy_from_slice(&sum.to_le_bytes());
+    }
+}
+
+/// `roundf(v)` for |v| < 2³¹ (half away from zero), without a libm call:
+/// truncate, then step away from zero when the (exact) remainder is at
+/// least a half.
+#[inline(always)]
+fn round_half_away(v: f32) -> i32 {
+    let t = v as i32;
+    let rest = v - t as f32;
+    t + i32::from(rest >= 0.5) - i32::from(rest <= -0.5)
+}
+
+/// The integer GEMV tile for panels of `format` (Q8_0, Q4_0, Q4_1), with
+/// the [`GemmTile`] ABI read this way: `x` points at the row's quantized
+/// activations ([`quantize_activations`]' blocks, cast), `x_step` is
+/// ignored, `w` at a packed panel, `k` is K (a multiple of 32), and
+/// `c[j] += Σ_k x[k]·w[k][j]` for the 16 columns (within the accuracy in
+/// the module docs). `None` for other formats or when this CPU lacks the
+/// tier.
 pub fn quant_gemv(format: DType) -> Option<GemmTile> {
     if !avx2_available() {
         return None;
     }
-    Some(match format {
-        DType::Q8_0 => gemv_generic::<0>,
-        DType::Q4_0 => gemv_generic::<1>,
-        DType::Q4_1 => gemv_generic::<2>,
-        _ => return None,
-    })
+    #[cfg(target_arch = "x86_64")]
+    {
+        x86::gemv(format)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = format;
+        None
+    }
 }
 
-/// Dequantize a panel block to f32 `[k][16]`.
+/// The kernel that decodes a block of a packed panel of `format` (any block
+/// format) to f32, with the [`WidenBlock`] ABI read this way: `w` points at
+/// a packed panel at a k-group boundary, `count` is kc × 16 with kc a
+/// multiple of the format's block, and `out[k·16 + j]` (k < kc) receives
+/// weight (k, column j), bit for bit as [`kvjit_core::quant::dequantize`].
+/// `None` for other dtypes or when this CPU lacks the tier.
 pub fn dequantize_block(format: DType) -> Option<WidenBlock> {
     if !avx2_available() {
         return None;
     }
-    Some(match format {
-        DType::Q8_0 => dequant_generic::<0>,
-        DType::Q4_0 => dequant_generic::<1>,
-        DType::Q4_1 => dequant_generic::<2>,
-        DType::Q4K => dequant_generic::<3>,
-        DType::Q6K => dequant_generic::<4>,
-        _ => return None,
-    })
+    #[cfg(target_arch = "x86_64")]
+    {
+        x86::dequantize(format)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = format;
+        None
+    }
 }
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,307 @@
+use half::f16;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+use super::*;
+
+const FORMATS: [DType; 5] = DType::BLOCK_FORMATS;
+/// f32 unit roundoff.
+const U: f64 = 1.0 / (1u64 << 24) as f64;
+
+fn skip() -> bool {
+    let skip = !avx2_available();
+    if skip {
+        eprintln!("skipped: this CPU has no AVX2/FMA/F16C");
+    }
+    skip
+}
+
+fn f16_bytes(v: f32) -> [u8; 2] {
+    f16::from_f32(v).to_bits().to_le_bytes()
+}
+
+/// Byte offsets of a block's f16 scale and (Q4_1, Q4_K) minimum.
+fn scale_offsets(format: DType) -> (usize, Option<usize>) {
+    match format {
+        DType::Q8_0 | DType::Q4_0 => (0, None),
+        DType::Q4_1 | DType::Q4K => (0, Some(2)),
+        DType::Q6K => (208, None),
+        other => unreachable!("{other}"),
+    }
+}
+
+/// A block of random bytes whose f16 scales (and minimums) are finite, of
+/// either sign, in a sane range.
+fn random_block(format: DType, rng: &mut StdRng) -> Vec<u8> {
+    let (_, size) = format.block();
+    let mut b: Vec<u8> = (0..size).map(|_| rng.r#gen()).collect();
+    let (d, m) = scale_offsets(format);
+    let sign = |rng: &mut StdRng| if rng.gen_bool(0.5) { 1.0 } else { -1.0 };
+    let scale = sign(rng) * rng.gen_range(1e-3f32..0.1);
+    b[d..d + 2].copy_from_slice(&f16_bytes(scale));
+    if let Some(m) = m {
+        let min = sign(rng) * rng.gen_range(1e-3f32..1.0);
+        b[m..m + 2].copy_from_slice(&f16_bytes(min));
+    }
+    b
+}
+
+/// Blocks at the edges: zero, negative-zero, infinite and NaN scales (and
+/// minimums), extreme quants.
+fn crafted_blocks(format: DType, rng: &mut StdRng) -> Vec<Vec<u8>> {
+    let (d, m) = scale_offsets(format);
+    let scales: [u16; 7] = [0x0000, 0x8000, 0x7e00, 0xfc01, 0x7c00, 0x3c00, 0xbc00]; // 0, −0, NaN, sNaN, ∞, 1, −1
+    let fills: [u8; 5] = [0x00, 0xff, 0x0f, 0xf0, 0x80];
+    let mut blocks = Vec::new();
+    for (i, &s) in scales.iter().enumerate() {
+        for (j, &fill) in fills.iter().enumerate() {
+            let mut b = random_block(format, rng);
+            let quants = match format {
+                DType::Q8_0 | DType::Q4_0 => 2..b.len(),
+                DType::Q4_1 => 4..b.len(),
+                DType::Q4K => 16..b.len(),
+                _ => 0..192,
+            };
+            if j % 2 == 0 {
+                b[quants].fill(fill);
+            } else {
+                // Alternate the fill with 0x7f (i8 127, nibbles 15 and 7).
+                for (n, q) in b[quants].iter_mut().enumerate() {
+                    *q = if n % 2 == 0 { fill } else { 0x7f };
+                }
+            }
+            b[d..d + 2].copy_from_slice(&s.to_le_bytes());
+            if let Some(m) = m {
+                let other = scales[(i + j) % scales.len()];
+                b[m..m + 2].copy_from_slice(&other.to_le_bytes());
+            }
+            blocks.push(b);
+        }
+    }
+    if format == DType::Q6K {
+        // i8 scales −128 and 127.
+        let mut b = random_block(format, rng);
+        for (n, s) in b[192..208].iter_mut().enumerate() {
+            *s = if n % 2 == 0 { 0x80 } else { 0x7f };
+        }
+        blocks.push(b);
+    }
+    if format == DType::Q4K {
+        // 6-bit scales and minimums at 63.
+        let mut b = random_block(format, rng);
+        b[4..16].fill(0xff);
+        blocks.push(b);
+    }
+    blocks
+}
+
+/// Columns of `groups` blocks each, drawn from `pool` (cycled from `start`).
+fn columns_from(pool: &[Vec<u8>], n: usize, groups: usize, start: usize) -> Vec<Vec<u8>> {
+    (0..n).map(|c| (0..groups).flat_map(|g| pool[(start + c * groups + g) % pool.len()].clone()).collect()).collect()
+}
+
+fn pack(format: DType, columns: &[Vec<u8>], k: usize) -> Vec<u8> {
+    let refs: Vec<&[u8]> = columns.iter().map(Vec::as_slice).collect();
+    let mut panel = vec![0xa5u8; panel_bytes(format, k)];
+    pack_panel(format, &refs, k, &mut panel);
+    panel
+}
+
+fn reference(format: DType, column: &[u8], k: usize) -> Vec<f32> {
+    let mut out = vec![0f32; k];
+    kvjit_core::quant::dequantize(format, column, &mut out).expect("whole blocks");
+    out
+}
+
+#[test]
+fn panels_take_the_ggml_bytes() {
+    assert_eq!(panel_bytes(DType::Q4_0, 64), 2 * 18 * 16);
+    assert_eq!(panel_bytes(DType::Q4_1, 32), 320);
+    assert_eq!(panel_bytes(DType::Q8_0, 4096), 128 * 34 * 16);
+    assert_eq!(panel_bytes(DType::Q4K, 512), 2 * 144 * 16);
+    assert_eq!(panel_bytes(DType::Q6K, 256), 210 * 16);
+    assert_eq!(panel_bytes(DType::BF16, 8), 8 * 2 * 16);
+    assert!(quant_gemv(DType::Q4K).is_none() && quant_gemv(DType::BF16).is_none());
+    assert!(dequantize_block(DType::F32).is_none());
+}
+
+/// Packing then decoding gives `kvjit_core::quant::dequantize` of the
+/// original blocks bit for bit, for random and crafted blocks, every
+/// format, full panels and padded ones (padding is +0.0), decoding all of
+/// K or only its first k-groups, never writing past `count`.
+#[test]
+fn decoded_panels_are_the_reference_bit_for_bit() {
+    if skip() {
+        return;
+    }
+    let mut rng = StdRng::seed_from_u64(11);
+    for format in FORMATS {
+        let decode = dequantize_block(format).expect("every block format decodes");
+        let (block, _) = format.block();
+        let mut pool: Vec<Vec<u8>> = (0..64).map(|_| random_block(format, &mut rng)).collect();
+        pool.extend(crafted_blocks(format, &mut rng));
+        for groups in [1, 2, 3, 9] {
+            let k = groups * block;
+            for n in [16, 15, 9, 8, 3, 1, 0] {
+                // Enough panels that every pooled block lands in each column.
+                let panels = pool.len().div_ceil(n.max(1) * groups).max(1);
+                for p in 0..panels {
+                    let columns = columns_from(&pool, n, groups, p * n * groups);
+                    let panel = pack(format, &columns, k);
+                    let want: Vec<Vec<f32>> = columns.iter().map(|c| reference(format, c, k)).collect();
+                    for kc in [k, block].into_iter().take(if groups > 1 { 2 } else { 1 }) {
+                        let count = kc * TILE_COLUMNS;
+                        let mut out = vec![-7.5f32; count + 5];
+                        // SAFETY: panel holds k ≥ kc values of K in whole
+                        // k-groups; out holds count f32 and a guard.
+                        unsafe { decode(panel.as_ptr(), count, out.as_mut_ptr()) };
+                        for kk in 0..kc {
+                            for j in 0..TILE_COLUMNS {
+                                let got = out[kk * TILE_COLUMNS + j];
+                                let expect = want.get(j).map_or(0.0, |w| w[kk]);
+                                assert!(
+                                    got.to_bits() == expect.to_bits(),
+                                    "{format} k {k} columns {n} panel {p}: ({kk}, {j}) = {got:?} ({:#x}), want {expect:?} ({:#x})",
+                                    got.to_bits(),
+                                    expect.to_bits()
+                                );
+                            }
+                        }
+                        assert!(out[count..].iter().all(|&v| v == -7.5), "{format}: wrote past count");
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn rounding_is_half_away_from_zero() {
+    for v in [0.5f32, -0.5, 1.5, 2.5, -2.5, 0.49999997, -0.49999997, 126.5, -126.5, 127.0, 0.0, -0.0, 3.7, -3.2] {
+        assert_eq!(round_half_away(v), v.round() as i32, "{v}");
+    }
+    let mut rng = StdRng::seed_from_u64(3);
+    for _ in 0..100_000 {
+        let v: f32 = rng.gen_range(-128.0..128.0);
+        assert_eq!(round_half_away(v), v.round() as i32, "{v}");
+    }
+}
+
+fn block_of(out: &[u8], b: usize) -> ([i8; 32], f32, i32) {
+    let o = &out[b * 40..(b + 1) * 40];
+    let q = std::array::from_fn(|i| o[i] as i8);
+    (q, f32::from_le_bytes(o[32..36].try_into().unwrap()), i32::from_le_bytes(o[36..40].try_into().unwrap()))
+}
+
+#[test]
+fn activations_quantize_as_ggml_does() {
+    // Block 0: max 127, so d = 1 and q = round(x): ties go away from zero.
+    let mut x = vec![0f32; 96];
+    let ties = [127.0, -0.5, 0.5, 1.5, 2.5, -2.5, -126.5, 0.49999997, -3.7, 0.0, -0.0, 64.25];
+    x[..ties.len()].copy_from_slice(&ties);
+    // Block 1: all zero (d = 0, q = 0). Block 2: negative max, d = 2.54/127.
+    for (i, v) in x[64..].iter_mut().enumerate() {
+        *v = -2.54 + 0.08 * i as f32;
+    }
+    let mut out = vec![0u8; 3 * 40];
+    quantize_activations(&x, &mut out);
+
+    let (q, d, sum) = block_of(&out, 0);
+    assert_eq!(d, 1.0);
+    assert_eq!(&q[..ties.len()], &[127, -1, 1, 2, 3, -3, -127, 0, -4, 0, 0, 64]);
+    assert!(q[ties.len()..].iter().all(|&q| q == 0));
+    assert_eq!(sum, 127 - 1 + 1 + 2 + 3 - 3 - 127 - 4 + 64);
+
+    assert_eq!(block_of(&out, 1), ([0; 32], 0.0, 0));
+
+    let (q, d, sum) = block_of(&out, 2);
+    assert_eq!(d, 2.54f32 / 127.0);
+    for (i, &q) in q.iter().enumerate() {
+        assert_eq!(q as f32, (x[64 + i] / d).round(), "block 2 value {i}");
+    }
+    assert_eq!(q[0], -127);
+    assert_eq!(sum, q.iter().map(|&q| i32::from(q)).sum::<i32>());
+}
+
+/// A column's dequantized weights and, per block, its minimum (Q4_1's `m`,
+/// else 0).
+fn column_values(format: DType, column: &[u8], k: usize) -> (Vec<f32>, Vec<f64>) {
+    let w = reference(format, column, k);
+    let mins = column
+        .chunks_exact(format.block().1)
+        .map(|b| if format == DType::Q4_1 { kvjit_core::quant::f16_at(b, 2) as f64 } else { 0.0 })
+        .collect();
+    (w, mins)
+}
+
+/// The integer GEMV against the f64 product of the dequantized weights
+/// within the documented bound (activation rounding + f32 error), and
+/// against the f64 product with the quantized activations within the f32
+/// error alone; added into random accumulators, never written past them.
+#[test]
+fn integer_gemv_is_within_its_bound() {
+    if skip() {
+        return;
+    }
+    let mut rng = StdRng::seed_from_u64(7);
+    for format in [DType::Q8_0, DType::Q4_0, DType::Q4_1] {
+        let gemv = quant_gemv(format).expect("an integer GEMV");
+        for k in [32, 64, 96, 4096 + 32] {
+            for n in [16, 11] {
+                let groups = k / 32;
+                let pool: Vec<Vec<u8>> = (0..n * groups).map(|_| random_block(format, &mut rng)).collect();
+                let columns = columns_from(&pool, n, groups, 0);
+                let panel = pack(format, &columns, k);
+                let x: Vec<f32> = (0..k)
+                    .map(|_| {
+                        let v: f32 = rng.gen_range(0.01..2.0);
+                        if rng.gen_bool(0.5) { v } else { -v }
+                    })
+                    .collect();
+                let mut xq = vec![0u8; groups * Q8_ACTIVATION_BLOCK_BYTES];
+                quantize_activations(&x, &mut xq);
+                let c0: Vec<f32> = (0..TILE_COLUMNS).map(|_| rng.gen_range(-4.0..4.0)).collect();
+                let mut c = c0.clone();
+                c.extend([f32::NAN; 8]);
+                // SAFETY: xq holds K/32 activation blocks, the panel covers
+                // K, c holds 16 f32 (and a guard).
+                unsafe { gemv(xq.as_ptr().cast(), 1, panel.as_ptr(), k, c.as_mut_ptr()) };
+                assert!(c[TILE_COLUMNS..].iter().all(|v| v.is_nan()), "{format} k {k}: wrote past c");
+                for j in 0..TILE_COLUMNS {
+                    let got = c[j] as f64;
+                    let Some(column) = columns.get(j) else {
+                        assert_eq!(c[j], c0[j], "{format} k {k}: padding column {j} added to c");
+                        continue;
+                    };
+                    let (w, mins) = column_values(format, column, k);
+                    let (mut exact, mut quantized) = (c0[j] as f64, c0[j] as f64);
+                    let (mut rounding, mut magnitude, mut terms) = (0.0, 0.0, (c0[j] as f64).abs());
+                    for b in 0..groups {
+                        let (q, d, _) = block_of(&xq, b);
+                        let mut w_abs = 0.0;
+                        for i in 0..32 {
+                            let (xk, wk) = (x[32 * b + i] as f64, w[32 * b + i] as f64);
+                            let xhat = d as f64 * q[i] as f64;
+                            exact += xk * wk;
+                            quantized += xhat * wk;
+                            w_abs += wk.abs();
+                            magnitude += (xk * wk).abs();
+                            terms += xhat.abs() * (wk.abs() + 2.0 * mins[b].abs());
+                        }
+                        rounding += d as f64 / 2.0 * w_abs;
+                    }
+                    let f32_error = (groups as f64 + 8.0) * U * terms;
+                    let bound = rounding + U * magnitude + f32_error;
+                    assert!(
+                        (got - exact).abs() <= bound,
+                        "{format} k {k} c[{j}] = {got}, exact {exact}, bound {bound} (rounding {rounding})"
+                    );
+                    assert!(
+                        (got - quantized).abs() <= f32_error,
+                        "{format} k {k} c[{j}] = {got}, with quantized activations {quantized}, bound {f32_error}"
+                    );
+                }
+            }
+        }
+    }
+}
