@@ -1,0 +1,237 @@
+//! Single-thread GEMV over quantized weights: the integer GEMV tiles of
+//! `kvjit_jit::quant` against the bf16 GEMV tile over the same N×K, the
+//! decode-to-f32 route (a panel's blocks decoded into an L2 or L1 buffer,
+//! then the f32 tile), and the core's read-bandwidth roof.
+//!
+//! Every timed call is one whole GEMV (all N/16 panels; the quantized
+//! routes include quantizing the activations). "DRAM" rows rotate over
+//! copies of the weight filling ≥ 1 GiB (more than this class of host's
+//! L3), so each call reads its weights from memory; "warm" rows reuse one
+//! copy (from the last-level cache when it fits there). Medians of the
+//! reps; GB/s counts the weight bytes as stored (quantized bytes for the
+//! block formats).
+//!
+//! ```text
+//! cargo run --release -p kvjit-jit --example quant_gemv [reps]
+//! ```
+
+use std::hint::black_box;
+use std::time::Instant;
+
+use kvjit_core::DType;
+use kvjit_jit::microkernel::{GemmTile, TILE_COLUMNS, avx2_available, gemm_tile};
+use kvjit_jit::quant::{
+    Q8_ACTIVATION_BLOCK_BYTES, dequantize_block, pack_panel, panel_bytes, quant_gemv, quantize_activations,
+};
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+
+/// Bytes the DRAM rows spread their copies of a weight over.
+const ROTATE_BYTES: usize = 1 << 30;
+
+fn main() {
+    if !avx2_available() {
+        eprintln!("this CPU has no AVX2/FMA/F16C: nothing to measure");
+        return;
+    }
+    let reps: usize = std::env::args().nth(1).map_or(15, |r| r.parse().expect("reps: a number"));
+    let model = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())
+        })
+        .unwrap_or_else(|| "unknown".into());
+    println!("host: {model}; single thread; {reps} reps, medians");
+    roof(reps);
+    for (k, n, what) in [(4096, 4096, "QKV-ish"), (4096, 14336, "FFN")] {
+        println!("\nK = {k}, N = {n} ({what}), {} panels", n / TILE_COLUMNS);
+        println!(
+            "{:<34} {:>10} {:>9} {:>10} {:>9} {:>9}",
+            "route", "MB", "DRAM GB/s", "ns/panel", "warm GB/s", "ns/panel"
+        );
+        let mut rng = SmallRng::seed_from_u64(1);
+        let x: Vec<f32> = (0..k).map(|_| rng.gen_range(-1.0..1.0)).collect();
+        let bf16 = bf16_matrix(k, n, &mut rng);
+        let bf16_time =
+            bench_row("bf16 gemm_tile(BF16, 1)", &bf16, n, reps, |w, c| gemv_f(&x, w, k, n, DType::BF16, c));
+        drop(bf16);
+        for format in [DType::Q4_1, DType::Q4_0, DType::Q8_0, DType::Q4K, DType::Q6K] {
+            let packed = quant_matrix(format, k, n, &mut rng);
+            if let Some(tile) = quant_gemv(format) {
+                let mut xq = vec![0u8; k / 32 * Q8_ACTIVATION_BLOCK_BYTES];
+                let t = bench_row(&format!("{format} quant_gemv"), &packed, n, reps, |w, c| {
+                    gemv_q(&x, &mut xq, w, k, n, format, tile, c)
+                });
+                println!("{:<34} {:>10.2}x the bf16 GEMV (DRAM)", "", bf16_time / t);
+            }
+            for kc in [k, 256] {
+                let mut buffer = vec![0f32; kc * TILE_COLUMNS];
+                let name = format!("{format} decode {kc}k + gemm_tile(F32, 1)");
+                bench_row(&name, &packed, n, reps, |w, c| gemv_decoded(&x, &mut buffer, w, k, n, kc, format, c));
+            }
+        }
+    }
+}
+
+/// One route's row: DRAM (rotating copies) and warm (one copy) medians;
+/// returns the DRAM median in seconds.
+fn bench_row(name: &str, one: &[u8], n: usize, reps: usize, mut gemv: impl FnMut(&[u8], &mut [f32])) -> f64 {
+    let bytes = one.len();
+    let copies = ROTATE_BYTES.div_ceil(bytes).max(2);
+    let mut all = Vec::with_capacity(copies * bytes);
+    for _ in 0..copies {
+        all.extend_from_slice(one);
+    }
+    let mut c = vec![0f32; n];
+    gemv(one, &mut c); // warm up
+    let mut time = |rotate: bool| {
+        let mut times: Vec<f64> = (0..reps.max(copies))
+            .map(|r| {
+                let w = if rotate { &all[r % copies * bytes..][..bytes] } else { one };
+                let start = Instant::now();
+                gemv(w, &mut c);
+                let t = start.elapsed().as_secs_f64();
+                black_box(&c);
+                t
+            })
+            .collect();
+        times.sort_by(f64::total_cmp);
+        times[times.len() / 2]
+    };
+    let dram = time(true);
+    let warm = time(false);
+    let panels = (n / TILE_COLUMNS) as f64;
+    println!(
+        "{name:<34} {:>10.1} {:>9.1} {:>10.0} {:>9.1} {:>9.0}",
+        bytes as f64 / 1e6,
+        bytes as f64 / dram / 1e9,
+        dram / panels * 1e9,
+        bytes as f64 / warm / 1e9,
+        warm / panels * 1e9
+    );
+    dram
+}
+
+/// The bf16 GEMV: the one-row f32-activation tile over every panel.
+fn gemv_f(x: &[f32], w: &[u8], k: usize, n: usize, dtype: DType, c: &mut [f32]) {
+    let tile = gemm_tile(dtype, 1).expect("a one-row tile");
+    let panel = k * TILE_COLUMNS * dtype.size_bytes();
+    c.fill(0.0);
+    for p in 0..n / TILE_COLUMNS {
+        // SAFETY: x holds k f32, the panel k·16 elements, c 16 f32 at p·16.
+        unsafe { tile(x.as_ptr(), 1, w[p * panel..].as_ptr(), k, c[p * TILE_COLUMNS..].as_mut_ptr()) };
+    }
+}
+
+/// The integer GEMV: quantize x once, then the tile over every panel.
+#[allow(clippy::too_many_arguments, reason = "a benchmark's plumbing")]
+fn gemv_q(x: &[f32], xq: &mut [u8], w: &[u8], k: usize, n: usize, format: DType, tile: GemmTile, c: &mut [f32]) {
+    quantize_activations(x, xq);
+    let panel = panel_bytes(format, k);
+    c.fill(0.0);
+    for p in 0..n / TILE_COLUMNS {
+        // SAFETY: xq holds K/32 activation blocks, the panel covers K, c
+        // holds 16 f32 at p·16.
+        unsafe { tile(xq.as_ptr().cast(), 1, w[p * panel..].as_ptr(), k, c[p * TILE_COLUMNS..].as_mut_ptr()) };
+    }
+}
+
+/// The decode route: per panel, k-blocks of `kc` decoded to f32, then the
+/// f32 one-row tile over each.
+#[allow(clippy::too_many_arguments, reason = "a benchmark's plumbing")]
+fn gemv_decoded(x: &[f32], buffer: &mut [f32], w: &[u8], k: usize, n: usize, kc: usize, format: DType, c: &mut [f32]) {
+    let decode = dequantize_block(format).expect("a decoder");
+    let tile = gemm_tile(DType::F32, 1).expect("a one-row tile");
+    let panel = panel_bytes(format, k);
+    c.fill(0.0);
+    for p in 0..n / TILE_COLUMNS {
+        for kb in (0..k).step_by(kc) {
+            // SAFETY: k-block kb..kb + kc of panel p (whole k-groups) into
+            // the buffer of kc·16 f32; x from kb holds kc f32; c 16 f32.
+            unsafe {
+                decode(w[p * panel + panel_bytes(format, kb)..].as_ptr(), kc * TILE_COLUMNS, buffer.as_mut_ptr());
+                tile(x[kb..].as_ptr(), 1, buffer.as_ptr().cast(), kc, c[p * TILE_COLUMNS..].as_mut_ptr());
+            }
+        }
+    }
+}
+
+fn bf16_matrix(k: usize, n: usize, rng: &mut SmallRng) -> Vec<u8> {
+    (0..k * n).flat_map(|_| half::bf16::from_f32(rng.gen_range(-0.1..0.1)).to_bits().to_le_bytes()).collect()
+}
+
+/// N/16 packed panels of random blocks with sane f16 scales.
+fn quant_matrix(format: DType, k: usize, n: usize, rng: &mut SmallRng) -> Vec<u8> {
+    let (block, size) = format.block();
+    let column_bytes = k / block * size;
+    let panel = panel_bytes(format, k);
+    let mut out = vec![0u8; n / TILE_COLUMNS * panel];
+    let mut columns = vec![vec![0u8; column_bytes]; TILE_COLUMNS];
+    let scale = |rng: &mut SmallRng| half::f16::from_f32(rng.gen_range(1e-3..1e-2)).to_bits().to_le_bytes();
+    for p in 0..n / TILE_COLUMNS {
+        for column in &mut columns {
+            rng.fill(&mut column[..]);
+            for b in column.chunks_exact_mut(size) {
+                let at = if format == DType::Q6K { 208 } else { 0 };
+                b[at..at + 2].copy_from_slice(&scale(rng));
+                if matches!(format, DType::Q4_1 | DType::Q4K) {
+                    b[2..4].copy_from_slice(&scale(rng));
+                }
+            }
+        }
+        let refs: Vec<&[u8]> = columns.iter().map(Vec::as_slice).collect();
+        pack_panel(format, &refs, k, &mut out[p * panel..(p + 1) * panel]);
+    }
+    out
+}
+
+/// The core's read bandwidth: a sum over 1 GiB, as one sequential stream
+/// and as four (the GEMV tiles' pattern).
+fn roof(reps: usize) {
+    let buffer: Vec<u8> = (0..ROTATE_BYTES).map(|i| ((i * 131) >> 7) as u8).collect();
+    for streams in [1, 4] {
+        let mut times: Vec<f64> = (0..reps.min(7))
+            .map(|_| {
+                let start = Instant::now();
+                // SAFETY: the CPU has AVX2 (checked in main).
+                black_box(unsafe { sum(&buffer, streams) });
+                start.elapsed().as_secs_f64()
+            })
+            .collect();
+        times.sort_by(f64::total_cmp);
+        let t = times[times.len() / 2];
+        println!(
+            "read roof, {streams} stream(s): {:.1} GB/s (sum over {} MiB)",
+            buffer.len() as f64 / t / 1e9,
+            buffer.len() >> 20
+        );
+    }
+}
+
+/// The u64 lanes' sum of `buffer` (a multiple of 512 bytes · streams),
+/// read as `streams` contiguous ranges side by side.
+///
+/// # Safety
+/// The CPU has AVX2.
+#[target_feature(enable = "avx2")]
+unsafe fn sum(buffer: &[u8], streams: usize) -> u64 {
+    use std::arch::x86_64::*;
+    let span = buffer.len() / streams;
+    let mut acc = [_mm256_setzero_si256(); 8];
+    for at in (0..span).step_by(128) {
+        for s in 0..streams {
+            let p = buffer[s * span + at..][..128].as_ptr();
+            for (i, a) in acc[(s % 2) * 4..][..4].iter_mut().enumerate() {
+                // SAFETY: 4 × 32 bytes inside the 128-byte slice at p.
+                *a = _mm256_add_epi64(*a, unsafe { _mm256_loadu_si256(p.add(32 * i).cast()) });
+            }
+        }
+    }
+    let mut lanes = [0u64; 4];
+    let total = acc.iter().fold(_mm256_setzero_si256(), |s, &a| _mm256_add_epi64(s, a));
+    // SAFETY: 4 u64 of storage.
+    unsafe { _mm256_storeu_si256(lanes.as_mut_ptr().cast(), total) };
+    lanes.iter().sum()
+}
