@@ -21,7 +21,8 @@ use std::time::Instant;
 use kvjit_core::DType;
 use kvjit_jit::microkernel::{GemmTile, TILE_COLUMNS, avx2_available, gemm_tile};
 use kvjit_jit::quant::{
-    Q8_ACTIVATION_BLOCK_BYTES, dequantize_block, pack_panel, panel_bytes, quant_gemv, quantize_activations,
+    Q8_ACTIVATION_BLOCK_BYTES, dequantize_block, pack_panel, panel_bytes, quant_gemv, quant_gemv_avx2,
+    quantize_activations,
 };
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
@@ -43,7 +44,8 @@ fn main() {
                 .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())
         })
         .unwrap_or_else(|| "unknown".into());
-    println!("host: {model}; single thread; {reps} reps, medians");
+    let vnni = std::arch::is_x86_feature_detected!("avxvnni");
+    println!("host: {model}; AVX-VNNI: {vnni} (quant_gemv uses it when present); single thread; {reps} reps, medians");
     roof(reps);
     for (k, n, what) in [(4096, 4096, "QKV-ish"), (4096, 14336, "FFN")] {
         println!("\nK = {k}, N = {n} ({what}), {} panels", n / TILE_COLUMNS);
@@ -59,9 +61,10 @@ fn main() {
         drop(bf16);
         for format in [DType::Q4_1, DType::Q4_0, DType::Q8_0, DType::Q4K, DType::Q6K] {
             let packed = quant_matrix(format, k, n, &mut rng);
-            if let Some(tile) = quant_gemv(format) {
+            for (name, tile) in [("quant_gemv", quant_gemv(format)), ("quant_gemv_avx2", quant_gemv_avx2(format))] {
+                let Some(tile) = tile else { continue };
                 let mut xq = vec![0u8; k / 32 * Q8_ACTIVATION_BLOCK_BYTES];
-                let t = bench_row(&format!("{format} quant_gemv"), &packed, n, reps, |w, c| {
+                let t = bench_row(&format!("{format} {name}"), &packed, n, reps, |w, c| {
                     gemv_q(&x, &mut xq, w, k, n, format, tile, c)
                 });
                 println!("{:<34} {:>10.2}x the bf16 GEMV (DRAM)", "", bf16_time / t);

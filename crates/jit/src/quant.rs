@@ -252,8 +252,9 @@ fn round_half_away(v: f32) -> i32 {
 /// activations ([`quantize_activations`]' blocks, cast), `x_step` is
 /// ignored, `w` at a packed panel, `k` is K (a multiple of 32), and
 /// `c[j] += Σ_k x[k]·w[k][j]` for the 16 columns (within the accuracy in
-/// the module docs). `None` for other formats or when this CPU lacks the
-/// tier.
+/// the module docs). On a CPU with AVX-VNNI the tile multiplies with
+/// `vpdpbusd` (the same sums exactly; [`quant_gemv_avx2`] is the AVX2
+/// one). `None` for other formats or when this CPU lacks the tier.
 pub fn quant_gemv(format: DType) -> Option<GemmTile> {
     if !avx2_available() {
         return None;
@@ -261,6 +262,24 @@ pub fn quant_gemv(format: DType) -> Option<GemmTile> {
     #[cfg(target_arch = "x86_64")]
     {
         x86::gemv(format)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = format;
+        None
+    }
+}
+
+/// [`quant_gemv`]'s AVX2 tile even on a CPU with AVX-VNNI (where
+/// [`quant_gemv`] returns the `vpdpbusd` tile, the same sums exactly): for
+/// tests and measurements. `None` as for [`quant_gemv`].
+pub fn quant_gemv_avx2(format: DType) -> Option<GemmTile> {
+    if !avx2_available() {
+        return None;
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        x86::gemv_tier(format, false)
     }
     #[cfg(not(target_arch = "x86_64"))]
     {

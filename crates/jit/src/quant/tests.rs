@@ -161,7 +161,7 @@ fn decoded_panels_are_the_reference_bit_for_bit() {
                                 let expect = want.get(j).map_or(0.0, |w| w[kk]);
                                 assert!(
                                     got.to_bits() == expect.to_bits(),
-                                    "{format} k {k} columns {n} panel {p}: ({kk}, {j}) = {got:?} ({:#x}), want {expect:?} ({:#x})",
+                                    "{format} k {k} n {n} p {p}: ({kk}, {j}) = {got:?} ({:#x}), not {expect:?} ({:#x})",
                                     got.to_bits(),
                                     expect.to_bits()
                                 );
@@ -239,13 +239,18 @@ fn column_values(format: DType, column: &[u8], k: usize) -> (Vec<f32>, Vec<f64>)
 /// against the f64 product with the quantized activations within the f32
 /// error alone; added into random accumulators, never written past them.
 #[test]
+#[cfg(target_arch = "x86_64")]
 fn integer_gemv_is_within_its_bound() {
     if skip() {
         return;
     }
     let mut rng = StdRng::seed_from_u64(7);
-    for format in [DType::Q8_0, DType::Q4_0, DType::Q4_1] {
-        let gemv = quant_gemv(format).expect("an integer GEMV");
+    for (format, vnni) in [DType::Q8_0, DType::Q4_0, DType::Q4_1].into_iter().flat_map(|f| [(f, false), (f, true)]) {
+        if vnni && !x86::vnni_available() {
+            eprintln!("{format}: no AVX-VNNI on this CPU, its tile untested");
+            continue;
+        }
+        let gemv = if vnni { quant_gemv(format) } else { quant_gemv_avx2(format) }.expect("an integer GEMV");
         for k in [32, 64, 96, 4096 + 32] {
             for n in [16, 11] {
                 let groups = k / 32;
@@ -266,7 +271,7 @@ fn integer_gemv_is_within_its_bound() {
                 // SAFETY: xq holds K/32 activation blocks, the panel covers
                 // K, c holds 16 f32 (and a guard).
                 unsafe { gemv(xq.as_ptr().cast(), 1, panel.as_ptr(), k, c.as_mut_ptr()) };
-                assert!(c[TILE_COLUMNS..].iter().all(|v| v.is_nan()), "{format} k {k}: wrote past c");
+                assert!(c[TILE_COLUMNS..].iter().all(|v| v.is_nan()), "{format} vnni {vnni} k {k}: wrote past c");
                 for j in 0..TILE_COLUMNS {
                     let got = c[j] as f64;
                     let Some(column) = columns.get(j) else {
@@ -294,11 +299,11 @@ fn integer_gemv_is_within_its_bound() {
                     let bound = rounding + U * magnitude + f32_error;
                     assert!(
                         (got - exact).abs() <= bound,
-                        "{format} k {k} c[{j}] = {got}, exact {exact}, bound {bound} (rounding {rounding})"
+                        "{format} vnni {vnni} k {k} c[{j}] = {got}, exact {exact}, bound {bound} (rounding {rounding})"
                     );
                     assert!(
                         (got - quantized).abs() <= f32_error,
-                        "{format} k {k} c[{j}] = {got}, with quantized activations {quantized}, bound {f32_error}"
+                        "{format} vnni {vnni} k {k} c[{j}] = {got}, with quantized x {quantized}, bound {f32_error}"
                     );
                 }
             }
