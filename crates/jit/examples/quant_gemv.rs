@@ -9,17 +9,18 @@
 //! L3), so each call reads its weights from memory; "warm" rows reuse one
 //! copy (from the last-level cache when it fits there). Medians of the
 //! reps; GB/s counts the weight bytes as stored (quantized bytes for the
-//! block formats).
+//! block formats). A second argument (`q4_k`, …) runs only that format's
+//! rows (and bf16's).
 //!
 //! ```text
-//! cargo run --release -p kvjit-jit --example quant_gemv [reps]
+//! cargo run --release -p kvjit-jit --example quant_gemv [reps] [format]
 //! ```
 
 use std::hint::black_box;
 use std::time::Instant;
 
 use kvjit_core::DType;
-use kvjit_jit::microkernel::{GemmTile, TILE_COLUMNS, avx2_available, gemm_tile};
+use kvjit_jit::microkernel::{GemmTile, TILE_COLUMNS, WidenBlock, avx2_available, gemm_tile, widen_block};
 use kvjit_jit::quant::{
     Q8_ACTIVATION_BLOCK_BYTES, dequantize_block, pack_panel, panel_bytes, quant_gemv, quant_gemv_avx2,
     quantize_activations,
@@ -36,6 +37,7 @@ fn main() {
         return;
     }
     let reps: usize = std::env::args().nth(1).map_or(15, |r| r.parse().expect("reps: a number"));
+    let only = std::env::args().nth(2).unwrap_or_default();
     let model = std::fs::read_to_string("/proc/cpuinfo")
         .ok()
         .and_then(|s| {
@@ -46,7 +48,10 @@ fn main() {
         .unwrap_or_else(|| "unknown".into());
     let vnni = std::arch::is_x86_feature_detected!("avxvnni");
     println!("host: {model}; AVX-VNNI: {vnni} (quant_gemv uses it when present); single thread; {reps} reps, medians");
-    roof(reps);
+    if only.is_empty() {
+        roof(reps);
+        decode_table(reps);
+    }
     for (k, n, what) in [(4096, 4096, "QKV-ish"), (4096, 14336, "FFN")] {
         println!("\nK = {k}, N = {n} ({what}), {} panels", n / TILE_COLUMNS);
         println!(
@@ -60,6 +65,9 @@ fn main() {
             bench_row("bf16 gemm_tile(BF16, 1)", &bf16, n, reps, |w, c| gemv_f(&x, w, k, n, DType::BF16, c));
         drop(bf16);
         for format in [DType::Q4_1, DType::Q4_0, DType::Q8_0, DType::Q4K, DType::Q6K] {
+            if !format.to_string().contains(&only) {
+                continue;
+            }
             let packed = quant_matrix(format, k, n, &mut rng);
             for (name, tile) in [("quant_gemv", quant_gemv(format)), ("quant_gemv_avx2", quant_gemv_avx2(format))] {
                 let Some(tile) = tile else { continue };
@@ -75,6 +83,44 @@ fn main() {
                 bench_row(&name, &packed, n, reps, |w, c| gemv_decoded(&x, &mut buffer, w, k, n, kc, format, c));
             }
         }
+    }
+}
+
+/// The prefill path's decode alone: one k-block of 256 k × 16 columns
+/// decoded (or, for bf16, widened) into an L1 buffer, the source in cache,
+/// in ns per block and f32 outputs per ns.
+fn decode_table(reps: usize) {
+    let (k, blocks) = (256, 64);
+    let mut rng = SmallRng::seed_from_u64(2);
+    let mut out = vec![0f32; k * TILE_COLUMNS];
+    println!("\ndecode to f32, 256 k x 16 columns per block, source in L1/L2:");
+    let mut row = |name: String, source: &[u8], block_bytes: usize, decode: WidenBlock| {
+        let mut times: Vec<f64> = (0..reps.max(5))
+            .map(|_| {
+                let start = Instant::now();
+                for b in 0..blocks {
+                    // SAFETY: block b of the source, whole k-groups over 256 k;
+                    // out holds 256·16 f32.
+                    unsafe { decode(source[b * block_bytes..].as_ptr(), k * TILE_COLUMNS, out.as_mut_ptr()) };
+                    black_box(&out);
+                }
+                start.elapsed().as_secs_f64()
+            })
+            .collect();
+        times.sort_by(f64::total_cmp);
+        let t = times[times.len() / 2] / blocks as f64;
+        println!("{name:<34} {:>8.0} ns/block {:>6.2} values/ns", t * 1e9, (k * TILE_COLUMNS) as f64 / t / 1e9);
+    };
+    let bf16 = bf16_matrix(k, blocks * TILE_COLUMNS, &mut rng);
+    row("bf16 widen_block".into(), &bf16, k * TILE_COLUMNS * 2, widen_block(DType::BF16).expect("bf16 widens"));
+    for format in DType::BLOCK_FORMATS {
+        let packed = quant_matrix(format, k, blocks * TILE_COLUMNS, &mut rng);
+        row(
+            format!("{format} dequantize_block"),
+            &packed,
+            panel_bytes(format, k),
+            dequantize_block(format).expect("decodes"),
+        );
     }
 }
 
@@ -191,41 +237,49 @@ fn quant_matrix(format: DType, k: usize, n: usize, rng: &mut SmallRng) -> Vec<u8
 }
 
 /// The core's read bandwidth: a sum over 1 GiB, as one sequential stream
-/// and as four (the GEMV tiles' pattern).
+/// and as four side by side (the GEMV tiles' pattern), each without and
+/// with software prefetch 2 KiB ahead; the roof is the fastest.
 fn roof(reps: usize) {
     let buffer: Vec<u8> = (0..ROTATE_BYTES).map(|i| ((i * 131) >> 7) as u8).collect();
-    for streams in [1, 4] {
+    let mut best = 0f64;
+    for (streams, prefetch) in [(1, false), (4, false), (1, true), (4, true)] {
         let mut times: Vec<f64> = (0..reps.min(7))
             .map(|_| {
                 let start = Instant::now();
                 // SAFETY: the CPU has AVX2 (checked in main).
-                black_box(unsafe { sum(&buffer, streams) });
+                black_box(unsafe { sum(&buffer, streams, prefetch) });
                 start.elapsed().as_secs_f64()
             })
             .collect();
         times.sort_by(f64::total_cmp);
-        let t = times[times.len() / 2];
+        let rate = buffer.len() as f64 / times[times.len() / 2] / 1e9;
+        best = best.max(rate);
         println!(
-            "read roof, {streams} stream(s): {:.1} GB/s (sum over {} MiB)",
-            buffer.len() as f64 / t / 1e9,
+            "read, {streams} stream(s), prefetch {prefetch}: {rate:.1} GB/s (sum over {} MiB)",
             buffer.len() >> 20
         );
     }
+    println!("read roof: {best:.1} GB/s");
 }
 
-/// The u64 lanes' sum of `buffer` (a multiple of 512 bytes · streams),
-/// read as `streams` contiguous ranges side by side.
+/// The u64 lanes' sum of `buffer` (a multiple of 128 bytes · streams),
+/// read as `streams` contiguous ranges side by side, optionally
+/// prefetching 2 KiB ahead in each.
 ///
 /// # Safety
 /// The CPU has AVX2.
 #[target_feature(enable = "avx2")]
-unsafe fn sum(buffer: &[u8], streams: usize) -> u64 {
+unsafe fn sum(buffer: &[u8], streams: usize, prefetch: bool) -> u64 {
     use std::arch::x86_64::*;
     let span = buffer.len() / streams;
     let mut acc = [_mm256_setzero_si256(); 8];
     for at in (0..span).step_by(128) {
         for s in 0..streams {
             let p = buffer[s * span + at..][..128].as_ptr();
+            if prefetch {
+                _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(2048).cast());
+                _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(2048 + 64).cast());
+            }
             for (i, a) in acc[(s % 2) * 4..][..4].iter_mut().enumerate() {
                 // SAFETY: 4 × 32 bytes inside the 128-byte slice at p.
                 *a = _mm256_add_epi64(*a, unsafe { _mm256_loadu_si256(p.add(32 * i).cast()) });

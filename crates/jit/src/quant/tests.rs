@@ -121,7 +121,7 @@ fn panels_take_the_ggml_bytes() {
     assert_eq!(panel_bytes(DType::Q4K, 512), 2 * 144 * 16);
     assert_eq!(panel_bytes(DType::Q6K, 256), 210 * 16);
     assert_eq!(panel_bytes(DType::BF16, 8), 8 * 2 * 16);
-    assert!(quant_gemv(DType::Q4K).is_none() && quant_gemv(DType::BF16).is_none());
+    assert!(quant_gemv(DType::BF16).is_none() && quant_gemv(DType::F32).is_none());
     assert!(dequantize_block(DType::F32).is_none());
 }
 
@@ -223,13 +223,24 @@ fn activations_quantize_as_ggml_does() {
     assert_eq!(sum, q.iter().map(|&q| i32::from(q)).sum::<i32>());
 }
 
-/// A column's dequantized weights and, per block, its minimum (Q4_1's `m`,
-/// else 0).
+/// A column's dequantized weights and, per 32 k, the minimum its values
+/// are offset by (Q4_1's `m`, Q4_K's `dmin·m`, else 0).
 fn column_values(format: DType, column: &[u8], k: usize) -> (Vec<f32>, Vec<f64>) {
     let w = reference(format, column, k);
+    let f16_at = kvjit_core::quant::f16_at;
     let mins = column
         .chunks_exact(format.block().1)
-        .map(|b| if format == DType::Q4_1 { kvjit_core::quant::f16_at(b, 2) as f64 } else { 0.0 })
+        .flat_map(|b| match format {
+            DType::Q4_1 => vec![f16_at(b, 2) as f64],
+            DType::Q4K => (0..8)
+                .map(|s| {
+                    let q = &b[4..16];
+                    let m = if s < 4 { q[s + 4] & 63 } else { (q[s + 4] >> 4) | ((q[s] >> 6) << 4) };
+                    f16_at(b, 2) as f64 * m as f64
+                })
+                .collect(),
+            _ => vec![0.0; format.block().0 / 32],
+        })
         .collect();
     (w, mins)
 }
@@ -245,17 +256,19 @@ fn integer_gemv_is_within_its_bound() {
         return;
     }
     let mut rng = StdRng::seed_from_u64(7);
-    for (format, vnni) in [DType::Q8_0, DType::Q4_0, DType::Q4_1].into_iter().flat_map(|f| [(f, false), (f, true)]) {
+    for (format, vnni) in FORMATS.into_iter().flat_map(|f| [(f, false), (f, true)]) {
         if vnni && !x86::vnni_available() {
             eprintln!("{format}: no AVX-VNNI on this CPU, its tile untested");
             continue;
         }
         let gemv = if vnni { quant_gemv(format) } else { quant_gemv_avx2(format) }.expect("an integer GEMV");
-        for k in [32, 64, 96, 4096 + 32] {
+        let (block, _) = format.block();
+        let ks = if block == 32 { [32, 64, 96, 4096 + 32] } else { [256, 512, 768, 4096 + 256] };
+        for k in ks {
             for n in [16, 11] {
                 let groups = k / 32;
-                let pool: Vec<Vec<u8>> = (0..n * groups).map(|_| random_block(format, &mut rng)).collect();
-                let columns = columns_from(&pool, n, groups, 0);
+                let pool: Vec<Vec<u8>> = (0..n * k / block).map(|_| random_block(format, &mut rng)).collect();
+                let columns = columns_from(&pool, n, k / block, 0);
                 let panel = pack(format, &columns, k);
                 let x: Vec<f32> = (0..k)
                     .map(|_| {
@@ -295,7 +308,7 @@ fn integer_gemv_is_within_its_bound() {
                         }
                         rounding += d as f64 / 2.0 * w_abs;
                     }
-                    let f32_error = (groups as f64 + 8.0) * U * terms;
+                    let f32_error = (2.0 * groups as f64 + 8.0) * U * terms;
                     let bound = rounding + U * magnitude + f32_error;
                     assert!(
                         (got - exact).abs() <= bound,

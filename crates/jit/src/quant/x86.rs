@@ -8,10 +8,11 @@ use kvjit_core::DType;
 use super::Q8_ACTIVATION_BLOCK_BYTES;
 use crate::microkernel::{GemmTile, TILE_COLUMNS, WidenBlock};
 
-/// Independent k ranges a GEMV tile reads its panel in (each with its own
-/// accumulators): more line fills in flight per core than one stream, and
-/// ≥ 4 independent FMA chains (measured: 4 streams beat 1, 2 and 8).
-const STREAMS: usize = 4;
+/// The most independent k ranges ("streams") a GEMV tile reads its panel
+/// in, each with its own accumulators: more line fills in flight per core
+/// than one stream, and more independent FMA chains (each format picks its
+/// count, [`GemvFormat::STREAMS`]).
+const MAX_STREAMS: usize = 4;
 /// How far ahead of its loads each stream of a GEMV tile prefetches
 /// (measured: 2 KiB per stream reads DRAM at ~1.3× the rate of no software
 /// prefetch, within ~8% of the core's read roof; 1 KiB and 4 KiB less).
@@ -32,6 +33,36 @@ trait Dot {
     /// # Safety
     /// `q` readable for 256 bytes; the CPU has this `Dot`'s features.
     unsafe fn q8(q: *const u8, xs: &[__m256i; 8], sum: i32) -> __m256i;
+    /// A Q6_K half of a 32-k sub-group: the 4 low-nibble vectors at `low`
+    /// and 2 high-bit vectors at `high` against `xs`; the unsigned quants'
+    /// (0..64) sums over its two 16-k scale blocks.
+    ///
+    /// # Safety
+    /// `low` readable for 128 bytes, `high` for 64; the CPU has this
+    /// `Dot`'s features.
+    unsafe fn q6(low: *const u8, high: *const u8, xs: &[__m256i; 8]) -> [__m256i; 2];
+}
+
+/// Q6_K's 6-bit quants of Q4-layout vector `g` of a sub-group half, as
+/// bytes (0..64): `(low, high)` per column dword byte j for k = 8g + j and
+/// 8g + 4 + j. `low` is the nibble vector; `high` the high-bit vector of
+/// `g / 2`, whose byte j holds in bits 2f..2f + 2 the top 2 bits of k =
+/// 16·(g / 2) + 4f + j.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn q6_bytes(g: usize, low: __m256i, high: __m256i) -> (__m256i, __m256i) {
+    let nibbles = _mm256_set1_epi8(0x0f);
+    let top = _mm256_set1_epi8(0x30);
+    // Odd g reads fields 2 and 3: shift them down to fields 0 and 1 (16-bit
+    // shifts: what crosses a byte boundary is masked off below).
+    let high = if g % 2 == 1 { _mm256_srli_epi16::<4>(high) } else { high };
+    (
+        _mm256_or_si256(_mm256_and_si256(low, nibbles), _mm256_and_si256(_mm256_slli_epi16::<4>(high), top)),
+        _mm256_or_si256(
+            _mm256_and_si256(_mm256_srli_epi16::<4>(low), nibbles),
+            _mm256_and_si256(_mm256_slli_epi16::<2>(high), top),
+        ),
+    )
 }
 
 /// AVX2: `vpmaddubsw` to i16 pairs, `vpmaddwd` with ones to i32.
@@ -74,6 +105,24 @@ impl Dot for Avx2 {
         }
         _mm256_add_epi32(sums[0], sums[1])
     }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q6(low: *const u8, high: *const u8, xs: &[__m256i; 8]) -> [__m256i; 2] {
+        let ones = _mm256_set1_epi16(1);
+        // SAFETY: the caller's 64 bytes at high.
+        let highs = unsafe { [_mm256_loadu_si256(high.cast()), _mm256_loadu_si256(high.add(32).cast())] };
+        let mut sums = [_mm256_setzero_si256(); 2];
+        for g in 0..4 {
+            // SAFETY: vector g < 4 of the caller's 128 bytes at low.
+            let v = unsafe { _mm256_loadu_si256(low.add(32 * g).cast()) };
+            let (lo, hi) = q6_bytes(g, v, highs[g / 2]);
+            // An i16 lane: four u6·i8 products (≤ 4·63·128 = 32256).
+            let p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xs[2 * g]), _mm256_maddubs_epi16(hi, xs[2 * g + 1]));
+            sums[g / 2] = _mm256_add_epi32(sums[g / 2], _mm256_madd_epi16(p, ones));
+        }
+        sums
+    }
 }
 
 impl Dot for Vnni {
@@ -107,22 +156,91 @@ impl Dot for Vnni {
         }
         _mm256_sub_epi32(_mm256_add_epi32(sums[0], sums[1]), _mm256_set1_epi32(128 * sum))
     }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+    unsafe fn q6(low: *const u8, high: *const u8, xs: &[__m256i; 8]) -> [__m256i; 2] {
+        // SAFETY: the caller's 64 bytes at high.
+        let highs = unsafe { [_mm256_loadu_si256(high.cast()), _mm256_loadu_si256(high.add(32).cast())] };
+        let mut sums = [_mm256_setzero_si256(); 2];
+        for g in 0..4 {
+            // SAFETY: vector g < 4 of the caller's 128 bytes at low.
+            let v = unsafe { _mm256_loadu_si256(low.add(32 * g).cast()) };
+            let (lo, hi) = q6_bytes(g, v, highs[g / 2]);
+            sums[g / 2] =
+                _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(sums[g / 2], lo, xs[2 * g]), hi, xs[2 * g + 1]);
+        }
+        sums
+    }
+}
+
+/// Which kind of quants a GEMV format multiplies.
+#[derive(PartialEq, Eq)]
+enum Quants {
+    /// Nibbles in the Q4 layout (Q4_0, Q4_1, Q4_K).
+    Q4,
+    /// Q8_0's bytes.
+    Q8,
+    /// Q6_K's nibbles and high bits.
+    Q6,
+}
+
+/// One 32-k block of quantized activations: its scale and quants' sum,
+/// and where it lies (Q6_K sums halves of it).
+struct Activations {
+    /// The block.
+    at: *const u8,
+    /// Its scale `d_x`.
+    dx: f32,
+    /// `Σq_x`.
+    sum: i32,
 }
 
 /// A GEMV panel format: where a k-group's parts lie and how its integer
 /// sums become f32.
 trait GemvFormat {
+    /// k per k-group (the format's block).
+    const GROUP_K: usize;
     /// Bytes of a k-group of the packed panel.
     const GROUP_BYTES: usize;
-    /// Whether the quants are Q8_0's (else Q4's).
-    const Q8: bool;
-    /// `acc += d_w·d_x·dot` (and the format's offset or minimum term) for
-    /// the half `h` of the k-group at `w`, whose integer sums are `dot`,
-    /// with activations scaled by `dx` whose quants sum to `sx`.
+    /// Streams (≤ [`MAX_STREAMS`]) the tile reads a panel in. Measured from
+    /// DRAM at K = 4096: 4 for the 32-k formats (1.3× one stream, a little
+    /// ahead of 2 and 8), 2 for the K-quants (1.1–1.2× four, 1.3× one).
+    const STREAMS: usize;
+    /// The quants' kind.
+    const QUANTS: Quants;
+    /// Where half `h` of 32-k sub-group `s` of a k-group has its quants
+    /// (Q6_K: its nibbles).
+    fn quants(s: usize, h: usize) -> usize;
+    /// Q6_K: where half `h` of sub-group `s` has its high bits.
+    fn high(_s: usize, _h: usize) -> usize {
+        0
+    }
+    /// What a k-group's scales unpack to, once for all its sub-groups.
+    type Scales;
+    /// Unpack the scales of the k-group at `w` (Q4_K's 6-bit scales and
+    /// minimums; nothing for the others).
     ///
     /// # Safety
     /// `w` readable for `GROUP_BYTES`; AVX2, FMA, F16C.
-    unsafe fn add(w: *const u8, h: usize, dot: __m256i, dx: f32, sx: i32, acc: &mut __m256);
+    unsafe fn scales(w: *const u8) -> Self::Scales;
+    /// `acc += Σ x·w` for half `h` of sub-group `s` of the k-group at `w`
+    /// (its unpacked `scales`), from its exact integer sums `dots` (`[Σ,
+    /// _]`, or Q6_K's two 16-k halves) against the activation block `x`:
+    /// scales, offsets and minimums applied in f32.
+    ///
+    /// # Safety
+    /// `w` readable for `GROUP_BYTES`, `x.at` for an activation block;
+    /// AVX2, FMA, F16C.
+    unsafe fn add(
+        w: *const u8,
+        scales: &Self::Scales,
+        s: usize,
+        h: usize,
+        dots: [__m256i; 2],
+        x: &Activations,
+        acc: &mut __m256,
+    );
 }
 
 /// The 8 f16 at `p` as f32.
@@ -136,55 +254,229 @@ unsafe fn f16x8(p: *const u8) -> __m256 {
     _mm256_cvtph_ps(unsafe { _mm_loadu_si128(p.cast()) })
 }
 
+/// The 8 u8 at `p` as i32 lanes.
+///
+/// # Safety
+/// `p` readable for 8 bytes; AVX2.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn u8x8(p: *const u8) -> __m256i {
+    // SAFETY: the caller's 8 bytes.
+    _mm256_cvtepu8_epi32(unsafe { _mm_loadl_epi64(p.cast()) })
+}
+
+/// Q4_K's 6-bit scales and minimums of a k-group, unpacked as
+/// `scale_min_k4` does from the byte-sliced 12 rows of 16 columns at `p`
+/// (byte b of column c at `p + 16b + c`): scale of sub-block `s`, column
+/// `c` at `16s + c`, its minimum at `128 + 16s + c`. Two rows per vector,
+/// bytes shifted in 16-bit lanes (what crosses a byte is masked off).
+///
+/// # Safety
+/// `p` readable for 192 bytes; AVX2.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn k4_scales(p: *const u8) -> [u8; 256] {
+    // SAFETY: rows 2r, 2r + 1 < 12 of the caller's 192 bytes.
+    let rows = |r: usize| unsafe { _mm256_loadu_si256(p.add(32 * r).cast()) };
+    let (low6, low4, top2) = (_mm256_set1_epi8(63), _mm256_set1_epi8(0x0f), _mm256_set1_epi8(0x30));
+    let mut out = [0u8; 256];
+    for r in 0..2 {
+        // Sub-blocks 2r, 2r + 1 (< 4): scale = q[j] & 63, minimum = q[j + 4] & 63.
+        let (q_j, q_j4, q_j8) = (rows(r), rows(r + 2), rows(r + 4));
+        let sc = _mm256_and_si256(q_j, low6);
+        let m = _mm256_and_si256(q_j4, low6);
+        // Sub-blocks 4 + 2r, 5 + 2r: scale = (q[j + 4] & 15) | (q[j − 4] >> 6) << 4,
+        // minimum = (q[j + 4] >> 4) | (q[j] >> 6) << 4.
+        let sc_high =
+            _mm256_or_si256(_mm256_and_si256(q_j8, low4), _mm256_and_si256(_mm256_srli_epi16::<2>(q_j), top2));
+        let m_high = _mm256_or_si256(
+            _mm256_and_si256(_mm256_srli_epi16::<4>(q_j8), low4),
+            _mm256_and_si256(_mm256_srli_epi16::<2>(q_j4), top2),
+        );
+        // SAFETY: 32-byte stores at 32r, 64 + 32r, 128 + 32r, 192 + 32r.
+        unsafe {
+            let o = out.as_mut_ptr();
+            _mm256_storeu_si256(o.add(32 * r).cast(), sc);
+            _mm256_storeu_si256(o.add(64 + 32 * r).cast(), sc_high);
+            _mm256_storeu_si256(o.add(128 + 32 * r).cast(), m);
+            _mm256_storeu_si256(o.add(192 + 32 * r).cast(), m_high);
+        }
+    }
+    out
+}
+
+/// Where a Q4_K k-group keeps its parts (see the module docs).
+const Q4K_D: usize = 0;
+const Q4K_DMIN: usize = 32;
+const Q4K_SCALES: usize = 64;
+const Q4K_QUANTS: usize = 256;
+/// Where a Q6_K k-group keeps its parts (see the module docs).
+const Q6K_SCALES: usize = 0;
+const Q6K_D: usize = 256;
+const Q6K_QUANTS: usize = 288;
+const Q6K_SUBGROUP: usize = 384;
+
 struct Q4_0;
 struct Q4_1;
 struct Q8_0;
+struct Q4K;
+struct Q6K;
 
 impl GemvFormat for Q4_0 {
+    const GROUP_K: usize = 32;
     const GROUP_BYTES: usize = 288;
-    const Q8: bool = false;
+    const STREAMS: usize = 4;
+    const QUANTS: Quants = Quants::Q4;
+    type Scales = ();
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn add(w: *const u8, h: usize, dot: __m256i, dx: f32, sx: i32, acc: &mut __m256) {
+    unsafe fn scales(_w: *const u8) {}
+    fn quants(_s: usize, h: usize) -> usize {
+        128 * h
+    }
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn add(w: *const u8, _: &(), _s: usize, h: usize, dots: [__m256i; 2], x: &Activations, acc: &mut __m256) {
         // value = d·(q − 8): Σ q_x·(q_w − 8) = Σ q_x·q_w − 8·Σq_x.
-        let dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(8 * sx));
+        let dot = _mm256_sub_epi32(dots[0], _mm256_set1_epi32(8 * x.sum));
         // SAFETY: the half's 8 scales inside the caller's group.
-        let scale = _mm256_mul_ps(unsafe { f16x8(w.add(256 + 16 * h)) }, _mm256_set1_ps(dx));
+        let scale = _mm256_mul_ps(unsafe { f16x8(w.add(256 + 16 * h)) }, _mm256_set1_ps(x.dx));
         *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, *acc);
     }
 }
 
 impl GemvFormat for Q4_1 {
+    const GROUP_K: usize = 32;
     const GROUP_BYTES: usize = 320;
-    const Q8: bool = false;
+    const STREAMS: usize = 4;
+    const QUANTS: Quants = Quants::Q4;
+    type Scales = ();
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn add(w: *const u8, h: usize, dot: __m256i, dx: f32, sx: i32, acc: &mut __m256) {
+    unsafe fn scales(_w: *const u8) {}
+    fn quants(_s: usize, h: usize) -> usize {
+        128 * h
+    }
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn add(w: *const u8, _: &(), _s: usize, h: usize, dots: [__m256i; 2], x: &Activations, acc: &mut __m256) {
         // value = d·q + m: Σ x·w = d_x·d·Σ q_x·q + m·(d_x·Σq_x).
         // SAFETY: the half's 8 scales and 8 minimums inside the caller's
         // group.
         let (d, m) = unsafe { (f16x8(w.add(256 + 16 * h)), f16x8(w.add(288 + 16 * h))) };
-        let scale = _mm256_mul_ps(d, _mm256_set1_ps(dx));
-        *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, *acc);
-        *acc = _mm256_fmadd_ps(m, _mm256_set1_ps(dx * sx as f32), *acc);
+        let scale = _mm256_mul_ps(d, _mm256_set1_ps(x.dx));
+        *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[0]), scale, *acc);
+        *acc = _mm256_fmadd_ps(m, _mm256_set1_ps(x.dx * x.sum as f32), *acc);
     }
 }
 
 impl GemvFormat for Q8_0 {
+    const GROUP_K: usize = 32;
     const GROUP_BYTES: usize = 544;
-    const Q8: bool = true;
+    const STREAMS: usize = 4;
+    const QUANTS: Quants = Quants::Q8;
+    type Scales = ();
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn add(w: *const u8, h: usize, dot: __m256i, dx: f32, _sx: i32, acc: &mut __m256) {
+    unsafe fn scales(_w: *const u8) {}
+    fn quants(_s: usize, h: usize) -> usize {
+        256 * h
+    }
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn add(w: *const u8, _: &(), _s: usize, h: usize, dots: [__m256i; 2], x: &Activations, acc: &mut __m256) {
         // SAFETY: the half's 8 scales inside the caller's group.
-        let scale = _mm256_mul_ps(unsafe { f16x8(w.add(512 + 16 * h)) }, _mm256_set1_ps(dx));
-        *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, *acc);
+        let scale = _mm256_mul_ps(unsafe { f16x8(w.add(512 + 16 * h)) }, _mm256_set1_ps(x.dx));
+        *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[0]), scale, *acc);
+    }
+}
+
+impl GemvFormat for Q4K {
+    const GROUP_K: usize = 256;
+    const GROUP_BYTES: usize = 2304;
+    const STREAMS: usize = 2;
+    const QUANTS: Quants = Quants::Q4;
+    type Scales = [u8; 256];
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn scales(w: *const u8) -> [u8; 256] {
+        // SAFETY: the group's 12 rows of scale bytes.
+        unsafe { k4_scales(w.add(Q4K_SCALES)) }
+    }
+    fn quants(s: usize, h: usize) -> usize {
+        Q4K_QUANTS + 256 * s + 128 * h
+    }
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn add(
+        w: *const u8,
+        scales: &[u8; 256],
+        s: usize,
+        h: usize,
+        dots: [__m256i; 2],
+        x: &Activations,
+        acc: &mut __m256,
+    ) {
+        // value = (d·sc)·q − dmin·m: Σ x·w = d_x·(d·sc)·Σ q_x·q − dmin·m·(d_x·Σq_x).
+        // SAFETY: the half's 8 d, 8 dmin and scale rows inside the caller's
+        // group.
+        let (d, dmin, sc, m) = unsafe {
+            let p = scales.as_ptr().add(16 * s + 8 * h);
+            (f16x8(w.add(Q4K_D + 16 * h)), f16x8(w.add(Q4K_DMIN + 16 * h)), u8x8(p), u8x8(p.add(128)))
+        };
+        let scale = _mm256_mul_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(sc)), _mm256_set1_ps(x.dx));
+        let min = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(m));
+        *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[0]), scale, *acc);
+        *acc = _mm256_fnmadd_ps(min, _mm256_set1_ps(x.dx * x.sum as f32), *acc);
+    }
+}
+
+impl GemvFormat for Q6K {
+    const GROUP_K: usize = 256;
+    const GROUP_BYTES: usize = 3360;
+    const STREAMS: usize = 2;
+    const QUANTS: Quants = Quants::Q6;
+    type Scales = ();
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn scales(_w: *const u8) {}
+    fn quants(s: usize, h: usize) -> usize {
+        Q6K_QUANTS + Q6K_SUBGROUP * s + 128 * h
+    }
+    fn high(s: usize, h: usize) -> usize {
+        Q6K_QUANTS + Q6K_SUBGROUP * s + 256 + 64 * h
+    }
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn add(w: *const u8, _: &(), s: usize, h: usize, dots: [__m256i; 2], x: &Activations, acc: &mut __m256) {
+        // value = (d·sc)·(q − 32) per 16 k: Σ q_x·(q − 32) = Σ q_x·q − 32·Σq_x
+        // over each 16-k half of the block. Σ(q_x + 128) of its first 16
+        // bytes by `psadbw`, the second half's from the block's sum.
+        // SAFETY: the block's first 16 bytes.
+        let first = unsafe {
+            let biased = _mm_xor_si128(_mm_loadu_si128(x.at.cast()), _mm_set1_epi8(i8::MIN));
+            let sad = _mm_sad_epu8(biased, _mm_setzero_si128());
+            (_mm_cvtsi128_si64(sad) + _mm_extract_epi64::<1>(sad)) as i32 - 16 * 128
+        };
+        let sums = [first, x.sum - first];
+        // SAFETY: the half's 8 d and its sub-group's 2 scale rows inside
+        // the caller's group.
+        let d = unsafe { f16x8(w.add(Q6K_D + 16 * h)) };
+        let dx = _mm256_set1_ps(x.dx);
+        for t in 0..2 {
+            // SAFETY: scale row 2s + t < 16 of the group.
+            let sc =
+                unsafe { _mm256_cvtepi8_epi32(_mm_loadl_epi64(w.add(Q6K_SCALES + 16 * (2 * s + t) + 8 * h).cast())) };
+            let scale = _mm256_mul_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(sc)), dx);
+            let dot = _mm256_sub_epi32(dots[t], _mm256_set1_epi32(32 * sums[t]));
+            *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, *acc);
+        }
     }
 }
 
 /// The body of an integer GEMV tile of format `$format` multiplying with
 /// `$dot` (the [`GemmTile`] ABI as [`super::quant_gemv`] reads it): the
-/// panel's k-groups in [`STREAMS`] contiguous ranges side by side, each
+/// panel's k-groups in `STREAMS` contiguous ranges side by side, each
 /// with its own accumulators and prefetching [`PREFETCH_BYTES`] ahead of
 /// itself. A macro, not a function: `#[inline]` functions with target
 /// features inline only into callers with at least theirs, so each kernel
@@ -192,40 +484,55 @@ impl GemvFormat for Q8_0 {
 macro_rules! gemv_body {
     ($format:ty, $dot:ty, $x:ident, $w:ident, $k:ident, $c:ident) => {{
         let x = $x.cast::<u8>();
-        let groups = $k / 32;
-        let span = groups / STREAMS;
-        let mut acc = [[_mm256_setzero_ps(); 2]; STREAMS];
+        let subs = <$format>::GROUP_K / 32;
+        let part = <$format>::GROUP_BYTES / subs;
+        let groups = $k / <$format>::GROUP_K;
+        let streams = <$format>::STREAMS;
+        let span = groups / streams;
+        let mut acc = [[_mm256_setzero_ps(); 2]; MAX_STREAMS];
         // SAFETY: stream s reads k-groups s·span + j for j < span, the
-        // tail STREAMS·span..groups: every k-group < K/32 of the panel and
-        // of the activations (40 bytes each: 8 quant dwords, the scale at
-        // 32, the sum at 36), as the caller vouches; prefetches form their
-        // addresses with `wrapping_add` and never fault; the kernel has
-        // the features of `$dot` and the format's `add`.
+        // tail streams·span..groups: every k-group < K / GROUP_K of the
+        // panel and every 32-k activation block (40 bytes: 8 quant dwords,
+        // the scale at 32, the sum at 36), as the caller vouches;
+        // prefetches form their addresses with `wrapping_add` and never
+        // fault; the kernel has the features of `$dot` and the format's
+        // `add`.
         let group = |acc: &mut [__m256; 2], g: usize| unsafe {
             let w = $w.add(g * <$format>::GROUP_BYTES);
-            for line in (0..<$format>::GROUP_BYTES).step_by(64) {
-                _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add(PREFETCH_BYTES + line).cast());
-            }
-            let x = x.add(g * Q8_ACTIVATION_BLOCK_BYTES);
-            let xs: [__m256i; 8] =
-                std::array::from_fn(|i| _mm256_set1_epi32(x.add(4 * i).cast::<i32>().read_unaligned()));
-            let (dx, sx) = (x.add(32).cast::<f32>().read_unaligned(), x.add(36).cast::<i32>().read_unaligned());
-            for (h, acc) in acc.iter_mut().enumerate() {
-                let dot =
-                    if <$format>::Q8 { <$dot>::q8(w.add(256 * h), &xs, sx) } else { <$dot>::q4(w.add(128 * h), &xs) };
-                <$format>::add(w, h, dot, dx, sx, acc);
+            let scales = <$format>::scales(w);
+            for s in 0..subs {
+                for line in (s * part..(s + 1) * part).step_by(64) {
+                    _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add(PREFETCH_BYTES + line).cast());
+                }
+                let at = x.add((g * subs + s) * Q8_ACTIVATION_BLOCK_BYTES);
+                let xs: [__m256i; 8] =
+                    std::array::from_fn(|i| _mm256_set1_epi32(at.add(4 * i).cast::<i32>().read_unaligned()));
+                let block = Activations {
+                    at,
+                    dx: at.add(32).cast::<f32>().read_unaligned(),
+                    sum: at.add(36).cast::<i32>().read_unaligned(),
+                };
+                for (h, acc) in acc.iter_mut().enumerate() {
+                    let q = w.add(<$format>::quants(s, h));
+                    let dots = match <$format>::QUANTS {
+                        Quants::Q4 => [<$dot>::q4(q, &xs), _mm256_setzero_si256()],
+                        Quants::Q8 => [<$dot>::q8(q, &xs, block.sum), _mm256_setzero_si256()],
+                        Quants::Q6 => <$dot>::q6(q, w.add(<$format>::high(s, h)), &xs),
+                    };
+                    <$format>::add(w, &scales, s, h, dots, &block, acc);
+                }
             }
         };
         for j in 0..span {
-            for (s, stream) in acc.iter_mut().enumerate() {
+            for (s, stream) in acc[..streams].iter_mut().enumerate() {
                 group(stream, s * span + j);
             }
         }
-        for g in STREAMS * span..groups {
+        for g in streams * span..groups {
             group(&mut acc[0], g);
         }
         let mut sum = acc[0];
-        for stream in &acc[1..] {
+        for stream in &acc[1..streams] {
             sum[0] = _mm256_add_ps(sum[0], stream[0]);
             sum[1] = _mm256_add_ps(sum[1], stream[1]);
         }
@@ -241,7 +548,7 @@ macro_rules! gemv_body {
 ///
 /// # Safety
 /// `x` readable for K/32 quantized activation blocks (cast), `w` for a
-/// packed panel of `F` over `k` (a multiple of 32), `c` readable and
+/// packed panel of `F` over `k` (a multiple of `F`'s k-group), `c` readable and
 /// writable for 16 f32; the CPU has AVX2, FMA and F16C.
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe extern "C" fn gemv_kernel<F: GemvFormat>(x: *const f32, _x_step: usize, w: *const u8, k: usize, c: *mut f32) {
@@ -277,9 +584,13 @@ pub(super) fn gemv_tier(format: DType, vnni: bool) -> Option<GemmTile> {
         (DType::Q4_0, false) => gemv_kernel::<Q4_0>,
         (DType::Q4_1, false) => gemv_kernel::<Q4_1>,
         (DType::Q8_0, false) => gemv_kernel::<Q8_0>,
+        (DType::Q4K, false) => gemv_kernel::<Q4K>,
+        (DType::Q6K, false) => gemv_kernel::<Q6K>,
         (DType::Q4_0, true) => gemv_kernel_vnni::<Q4_0>,
         (DType::Q4_1, true) => gemv_kernel_vnni::<Q4_1>,
         (DType::Q8_0, true) => gemv_kernel_vnni::<Q8_0>,
+        (DType::Q4K, true) => gemv_kernel_vnni::<Q4K>,
+        (DType::Q6K, true) => gemv_kernel_vnni::<Q6K>,
         _ => return None,
     })
 }
@@ -376,27 +687,93 @@ unsafe extern "C" fn dequantize_q8_0(w: *const u8, count: usize, out: *mut f32) 
     }
 }
 
-/// Decode `count / 16` k of a Q4_K (`Q6 = false`) or Q6_K panel at `w`:
-/// each column's super-block through
-/// `kvjit_core::quant::dequantize`, then scattered to `[k][16]`.
+/// Decode `count / 16` k of a Q4_K panel at `w` to `out` (`[k][16]` f32),
+/// as `kvjit_core::quant` does: per 32-k sub-block `(d·sc)·q − dmin·m`,
+/// every product rounded before the difference.
 ///
 /// # Safety
-/// As for [`dequantize_q4`], for a Q4_K / Q6_K panel.
+/// As for [`dequantize_q4`], for a Q4_K panel (`count / 16` a multiple of
+/// 256).
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe extern "C" fn dequantize_k<const Q6: bool>(w: *const u8, count: usize, out: *mut f32) {
-    let format = if Q6 { DType::Q6K } else { DType::Q4K };
-    let (block, size) = format.block();
-    let mut column = [0f32; 256];
-    for g in 0..count / (block * TILE_COLUMNS) {
-        for c in 0..TILE_COLUMNS {
-            // SAFETY: column c's super-block of k-group g lies inside the
-            // caller's panel; its 256 outputs inside `out`.
-            unsafe {
-                let bytes = std::slice::from_raw_parts(w.add((g * TILE_COLUMNS + c) * size), size);
-                kvjit_core::quant::dequantize(format, bytes, &mut column).expect("one whole super-block");
-                let out = out.add(g * block * TILE_COLUMNS + c);
-                for (k, &v) in column.iter().enumerate() {
-                    *out.add(k * TILE_COLUMNS) = v;
+unsafe extern "C" fn dequantize_q4k(w: *const u8, count: usize, out: *mut f32) {
+    for g in 0..count / (256 * TILE_COLUMNS) {
+        // SAFETY: k-group g < count / 4096 of the panel and its 4096
+        // outputs.
+        unsafe {
+            let w = w.add(g * Q4K::GROUP_BYTES);
+            let out = out.add(g * 256 * TILE_COLUMNS);
+            let scales = k4_scales(w.add(Q4K_SCALES));
+            for h in 0..2 {
+                let d = f16x8(w.add(Q4K_D + 16 * h));
+                let dmin = f16x8(w.add(Q4K_DMIN + 16 * h));
+                for s in 0..8 {
+                    let (sc, m) =
+                        (u8x8(scales.as_ptr().add(16 * s + 8 * h)), u8x8(scales.as_ptr().add(128 + 16 * s + 8 * h)));
+                    let scale = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc));
+                    let min = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(m));
+                    let decode = |q: __m256i| _mm256_sub_ps(_mm256_mul_ps(scale, _mm256_cvtepi32_ps(q)), min);
+                    for v in 0..4 {
+                        let q = _mm256_loadu_si256(w.add(Q4K::quants(s, h) + 32 * v).cast());
+                        let row = |k: usize| out.add((32 * s + 8 * v + k) * TILE_COLUMNS + 8 * h);
+                        _mm256_storeu_ps(row(0), decode(nibble::<0>(q)));
+                        _mm256_storeu_ps(row(1), decode(nibble::<8>(q)));
+                        _mm256_storeu_ps(row(2), decode(nibble::<16>(q)));
+                        _mm256_storeu_ps(row(3), decode(nibble::<24>(q)));
+                        _mm256_storeu_ps(row(4), decode(nibble::<4>(q)));
+                        _mm256_storeu_ps(row(5), decode(nibble::<12>(q)));
+                        _mm256_storeu_ps(row(6), decode(nibble::<20>(q)));
+                        _mm256_storeu_ps(row(7), decode(_mm256_srli_epi32::<28>(q)));
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The 8 columns' byte at `SHIFT / 8` of their dwords in `v`, as i32 lanes.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn byte<const SHIFT: i32>(v: __m256i) -> __m256i {
+    _mm256_and_si256(_mm256_srli_epi32::<SHIFT>(v), _mm256_set1_epi32(0xff))
+}
+
+/// Decode `count / 16` k of a Q6_K panel at `w` to `out` (`[k][16]` f32),
+/// as `kvjit_core::quant` does: per 16-k block `(d·sc)·(q − 32)`.
+///
+/// # Safety
+/// As for [`dequantize_q4`], for a Q6_K panel (`count / 16` a multiple of
+/// 256).
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe extern "C" fn dequantize_q6k(w: *const u8, count: usize, out: *mut f32) {
+    let bias = _mm256_set1_epi32(32);
+    for g in 0..count / (256 * TILE_COLUMNS) {
+        // SAFETY: k-group g < count / 4096 of the panel and its 4096
+        // outputs.
+        unsafe {
+            let w = w.add(g * Q6K::GROUP_BYTES);
+            let out = out.add(g * 256 * TILE_COLUMNS);
+            for h in 0..2 {
+                let d = f16x8(w.add(Q6K_D + 16 * h));
+                for s in 0..8 {
+                    let highs = [Q6K::high(s, h), Q6K::high(s, h) + 32].map(|at| _mm256_loadu_si256(w.add(at).cast()));
+                    for v in 0..4 {
+                        let sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64(
+                            w.add(Q6K_SCALES + 16 * (2 * s + v / 2) + 8 * h).cast(),
+                        ));
+                        let scale = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc));
+                        let decode = |q: __m256i| _mm256_mul_ps(scale, _mm256_cvtepi32_ps(_mm256_sub_epi32(q, bias)));
+                        let nibbles = _mm256_loadu_si256(w.add(Q6K::quants(s, h) + 32 * v).cast());
+                        let (lo, hi) = q6_bytes(v, nibbles, highs[v / 2]);
+                        let row = |k: usize| out.add((32 * s + 8 * v + k) * TILE_COLUMNS + 8 * h);
+                        _mm256_storeu_ps(row(0), decode(byte::<0>(lo)));
+                        _mm256_storeu_ps(row(1), decode(byte::<8>(lo)));
+                        _mm256_storeu_ps(row(2), decode(byte::<16>(lo)));
+                        _mm256_storeu_ps(row(3), decode(_mm256_srli_epi32::<24>(lo)));
+                        _mm256_storeu_ps(row(4), decode(byte::<0>(hi)));
+                        _mm256_storeu_ps(row(5), decode(byte::<8>(hi)));
+                        _mm256_storeu_ps(row(6), decode(byte::<16>(hi)));
+                        _mm256_storeu_ps(row(7), decode(_mm256_srli_epi32::<24>(hi)));
+                    }
                 }
             }
         }
@@ -408,8 +785,8 @@ pub(super) fn dequantize(format: DType) -> Option<WidenBlock> {
         DType::Q4_0 => dequantize_q4::<false>,
         DType::Q4_1 => dequantize_q4::<true>,
         DType::Q8_0 => dequantize_q8_0,
-        DType::Q4K => dequantize_k::<false>,
-        DType::Q6K => dequantize_k::<true>,
+        DType::Q4K => dequantize_q4k,
+        DType::Q6K => dequantize_q6k,
         _ => return None,
     })
 }
