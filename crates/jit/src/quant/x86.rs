@@ -47,21 +47,21 @@ trait Dot {
 /// bytes (0..64): `(low, high)` per column dword byte j for k = 8g + j and
 /// 8g + 4 + j. `low` is the nibble vector; `high` the high-bit vector of
 /// `g / 2`, whose byte j holds in bits 2f..2f + 2 the top 2 bits of k =
-/// 16·(g / 2) + 4f + j.
+/// 16·(g / 2) + 4f + j: fields 0 and 1 for even g, 2 and 3 for odd g,
+/// moved to bits 4–5 (16-bit shifts: what crosses a byte is masked off).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 fn q6_bytes(g: usize, low: __m256i, high: __m256i) -> (__m256i, __m256i) {
     let nibbles = _mm256_set1_epi8(0x0f);
     let top = _mm256_set1_epi8(0x30);
-    // Odd g reads fields 2 and 3: shift them down to fields 0 and 1 (16-bit
-    // shifts: what crosses a byte boundary is masked off below).
-    let high = if g % 2 == 1 { _mm256_srli_epi16::<4>(high) } else { high };
+    let (with_low, with_high) = if g.is_multiple_of(2) {
+        (_mm256_slli_epi16::<4>(high), _mm256_slli_epi16::<2>(high))
+    } else {
+        (high, _mm256_srli_epi16::<2>(high))
+    };
     (
-        _mm256_or_si256(_mm256_and_si256(low, nibbles), _mm256_and_si256(_mm256_slli_epi16::<4>(high), top)),
-        _mm256_or_si256(
-            _mm256_and_si256(_mm256_srli_epi16::<4>(low), nibbles),
-            _mm256_and_si256(_mm256_slli_epi16::<2>(high), top),
-        ),
+        _mm256_or_si256(_mm256_and_si256(low, nibbles), _mm256_and_si256(with_low, top)),
+        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(low), nibbles), _mm256_and_si256(with_high, top)),
     )
 }
 
@@ -185,15 +185,28 @@ enum Quants {
     Q6,
 }
 
-/// One 32-k block of quantized activations: its scale and quants' sum,
-/// and where it lies (Q6_K sums halves of it).
+/// One 32-k block of quantized activations: its scale and quants' sums.
 struct Activations {
-    /// The block.
-    at: *const u8,
     /// Its scale `d_x`.
     dx: f32,
     /// `Σq_x`.
     sum: i32,
+    /// Q6_K only: `Σq_x` over its first 16 values (else 0).
+    first16: i32,
+}
+
+/// `Σq` of the first 16 activation quants at `x`: `psadbw` sums the
+/// quants biased to unsigned.
+///
+/// # Safety
+/// `x` readable for 16 bytes; AVX2.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn sum16(x: *const u8) -> i32 {
+    // SAFETY: the caller's 16 bytes.
+    let biased = _mm_xor_si128(unsafe { _mm_loadu_si128(x.cast()) }, _mm_set1_epi8(i8::MIN));
+    let sad = _mm_sad_epu8(biased, _mm_setzero_si128());
+    (_mm_cvtsi128_si64(sad) + _mm_extract_epi64::<1>(sad)) as i32 - 16 * 128
 }
 
 /// A GEMV panel format: where a k-group's parts lie and how its integer
@@ -230,8 +243,7 @@ trait GemvFormat {
     /// scales, offsets and minimums applied in f32.
     ///
     /// # Safety
-    /// `w` readable for `GROUP_BYTES`, `x.at` for an activation block;
-    /// AVX2, FMA, F16C.
+    /// `w` readable for `GROUP_BYTES`; AVX2, FMA, F16C.
     unsafe fn add(
         w: *const u8,
         scales: &Self::Scales,
@@ -450,15 +462,8 @@ impl GemvFormat for Q6K {
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn add(w: *const u8, _: &(), s: usize, h: usize, dots: [__m256i; 2], x: &Activations, acc: &mut __m256) {
         // value = (d·sc)·(q − 32) per 16 k: Σ q_x·(q − 32) = Σ q_x·q − 32·Σq_x
-        // over each 16-k half of the block. Σ(q_x + 128) of its first 16
-        // bytes by `psadbw`, the second half's from the block's sum.
-        // SAFETY: the block's first 16 bytes.
-        let first = unsafe {
-            let biased = _mm_xor_si128(_mm_loadu_si128(x.at.cast()), _mm_set1_epi8(i8::MIN));
-            let sad = _mm_sad_epu8(biased, _mm_setzero_si128());
-            (_mm_cvtsi128_si64(sad) + _mm_extract_epi64::<1>(sad)) as i32 - 16 * 128
-        };
-        let sums = [first, x.sum - first];
+        // over each 16-k half of the block.
+        let sums = [x.first16, x.sum - x.first16];
         // SAFETY: the half's 8 d and its sub-group's 2 scale rows inside
         // the caller's group.
         let d = unsafe { f16x8(w.add(Q6K_D + 16 * h)) };
@@ -508,9 +513,9 @@ macro_rules! gemv_body {
                 let xs: [__m256i; 8] =
                     std::array::from_fn(|i| _mm256_set1_epi32(at.add(4 * i).cast::<i32>().read_unaligned()));
                 let block = Activations {
-                    at,
                     dx: at.add(32).cast::<f32>().read_unaligned(),
                     sum: at.add(36).cast::<i32>().read_unaligned(),
+                    first16: if <$format>::QUANTS == Quants::Q6 { sum16(at) } else { 0 },
                 };
                 for (h, acc) in acc.iter_mut().enumerate() {
                     let q = w.add(<$format>::quants(s, h));
