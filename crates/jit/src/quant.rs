@@ -47,7 +47,7 @@
 //! mask per 8 columns' quant instead of a gather or a transpose (measured:
 //! a 256 × 16 block decodes 7–9× faster than through per-column scalar
 //! decoding, as fast as Q4_1), and an integer GEMV serves them as it does
-//! Q4_0/Q4_1. Scales come first in a k-group: a stream reads each group
+//! Q4_0/Q4_1 ([`quant_gemv_k_quants`]). Scales come first in a k-group: a stream reads each group
 //! in address order, so the prefetches ahead of it cover them.
 //!
 //! # The integer GEMV
@@ -61,8 +61,9 @@
 //! eight columns, i16 partial sums where they cannot overflow, `vpmaddwd`
 //! with ones to 8 i32 lanes (one per column), then one f32 FMA with
 //! `d_w · d_x` per k-group and half (Q4_0 subtracts `8·Σq_x` from the integer
-//! sum first; Q4_1 adds `m · (d_x·Σq_x)` with a second FMA). Q4_K is Q4_1
-//! per 32-k sub-block with scale `d·sc` and minimum `−dmin·m`; Q6_K
+//! sum first; Q4_1 adds `m · (d_x·Σq_x)` with a second FMA). The K-quants'
+//! tiles ([`quant_gemv_k_quants`], opt-in): Q4_K is Q4_1 per 32-k
+//! sub-block with scale `d·sc` and minimum `−dmin·m`; Q6_K
 //! multiplies its unsigned 6-bit quants and subtracts `32·Σq_x` per 16-k
 //! scale block (`psadbw` sums the first 16 activation quants). No
 //! horizontal sums: the 16 columns of a panel are the lanes. With AVX-VNNI
@@ -329,16 +330,33 @@ fn round_half_away(v: f32) -> i32 {
     t + i32::from(rest >= 0.5) - i32::from(rest <= -0.5)
 }
 
-/// The integer GEMV tile for panels of `format` (any block format: Q8_0,
-/// Q4_0, Q4_1, Q4_K, Q6_K), with the [`GemmTile`] ABI read this way: `x`
-/// points at the row's quantized activations ([`quantize_activations`]'
-/// blocks, cast), `x_step` is ignored, `w` at a packed panel, `k` is K (a
-/// multiple of the format's block: 32, or 256 for the K-quants), and
-/// `c[j] += Σ_k x[k]·w[k][j]` for the 16 columns (within the accuracy in
-/// the module docs). On a CPU with AVX-VNNI the tile multiplies with
+/// The integer GEMV tile for panels of `format` (Q8_0, Q4_0 or Q4_1),
+/// with the [`GemmTile`] ABI read this way: `x` points at the row's
+/// quantized activations ([`quantize_activations`]' blocks, cast),
+/// `x_step` is ignored, `w` at a packed panel, `k` is K (a multiple of 32),
+/// and `c[j] += Σ_k x[k]·w[k][j]` for the 16 columns (within the accuracy
+/// in the module docs). On a CPU with AVX-VNNI the tile multiplies with
 /// `vpdpbusd` (the same sums exactly; [`quant_gemv_avx2`] is the AVX2
-/// one). `None` for other formats or when this CPU lacks the tier.
+/// one). `None` for other formats (the K-quants' tiles are
+/// [`quant_gemv_k_quants`]) or when this CPU lacks the tier.
 pub fn quant_gemv(format: DType) -> Option<GemmTile> {
+    quant_gemv_any(format).filter(|_| matches!(format, DType::Q8_0 | DType::Q4_0 | DType::Q4_1))
+}
+
+/// The integer GEMV tile for Q4_K or Q6_K panels: [`quant_gemv`]'s ABI and
+/// accuracy bound, K a multiple of 256 (measured from DRAM: 2.5–3× the
+/// bf16 GEMV for Q4_K, ~1.7–2× for Q6_K, against ~1× for decoding each
+/// k-block to f32 first). Separate from [`quant_gemv`], which names the
+/// formats whose one-row matmuls take the integer route: a caller opts the
+/// K-quants in (their results then carry the activation rounding too).
+/// `None` for other formats or when this CPU lacks the tier.
+pub fn quant_gemv_k_quants(format: DType) -> Option<GemmTile> {
+    quant_gemv_any(format).filter(|_| matches!(format, DType::Q4K | DType::Q6K))
+}
+
+/// The integer GEMV tile of any block format, with AVX-VNNI where the CPU
+/// has it.
+fn quant_gemv_any(format: DType) -> Option<GemmTile> {
     if !avx2_available() {
         return None;
     }
@@ -353,9 +371,10 @@ pub fn quant_gemv(format: DType) -> Option<GemmTile> {
     }
 }
 
-/// [`quant_gemv`]'s AVX2 tile even on a CPU with AVX-VNNI (where
-/// [`quant_gemv`] returns the `vpdpbusd` tile, the same sums exactly): for
-/// tests and measurements. `None` as for [`quant_gemv`].
+/// The AVX2 integer GEMV tile of any block format, even on a CPU with
+/// AVX-VNNI (where [`quant_gemv`] and [`quant_gemv_k_quants`] return the
+/// `vpdpbusd` tile, the same sums exactly): for tests and measurements.
+/// `None` for other dtypes or when this CPU lacks the tier.
 pub fn quant_gemv_avx2(format: DType) -> Option<GemmTile> {
     if !avx2_available() {
         return None;

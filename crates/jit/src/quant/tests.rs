@@ -121,7 +121,15 @@ fn panels_take_the_ggml_bytes() {
     assert_eq!(panel_bytes(DType::Q4K, 512), 2 * 144 * 16);
     assert_eq!(panel_bytes(DType::Q6K, 256), 210 * 16);
     assert_eq!(panel_bytes(DType::BF16, 8), 8 * 2 * 16);
-    assert!(quant_gemv(DType::BF16).is_none() && quant_gemv(DType::F32).is_none());
+    assert!(quant_gemv(DType::BF16).is_none() && quant_gemv_avx2(DType::F32).is_none());
+    if avx2_available() {
+        for format in FORMATS {
+            let k_quant = format.block().0 == 256;
+            assert_eq!(quant_gemv(format).is_some(), !k_quant, "{format}");
+            assert_eq!(quant_gemv_k_quants(format).is_some(), k_quant, "{format}");
+            assert!(quant_gemv_avx2(format).is_some() && dequantize_block(format).is_some(), "{format}");
+        }
+    }
     assert!(dequantize_block(DType::F32).is_none());
 }
 
@@ -261,7 +269,8 @@ fn integer_gemv_is_within_its_bound() {
             eprintln!("{format}: no AVX-VNNI on this CPU, its tile untested");
             continue;
         }
-        let gemv = if vnni { quant_gemv(format) } else { quant_gemv_avx2(format) }.expect("an integer GEMV");
+        let chosen = if format.block().0 == 32 { quant_gemv(format) } else { quant_gemv_k_quants(format) };
+        let gemv = if vnni { chosen } else { quant_gemv_avx2(format) }.expect("an integer GEMV");
         let (block, _) = format.block();
         let ks = if block == 32 { [32, 64, 96, 4096 + 32] } else { [256, 512, 768, 4096 + 256] };
         for k in ks {
