@@ -50,6 +50,7 @@ fn main() {
     println!("host: {model}; AVX-VNNI: {vnni} (quant_gemv uses it when present); single thread; {reps} reps, medians");
     if only.is_empty() {
         roof(reps);
+        quantize_time(reps);
         decode_table(reps);
     }
     for (k, n, what) in [(4096, 4096, "QKV-ish"), (4096, 14336, "FFN")] {
@@ -87,6 +88,25 @@ fn main() {
                 bench_row(&name, &packed, n, reps, |w, c| gemv_decoded(&x, &mut buffer, w, k, n, kc, format, c));
             }
         }
+    }
+}
+
+/// What quantizing one row of activations costs (once per GEMV call).
+fn quantize_time(reps: usize) {
+    let mut rng = SmallRng::seed_from_u64(3);
+    for k in [4096, 14336] {
+        let x: Vec<f32> = (0..k).map(|_| rng.gen_range(-1.0..1.0)).collect();
+        let mut out = vec![0u8; k / 32 * Q8_ACTIVATION_BLOCK_BYTES];
+        let mut times: Vec<f64> = (0..reps.max(5) * 100)
+            .map(|_| {
+                let start = Instant::now();
+                quantize_activations(black_box(&x), &mut out);
+                black_box(&out);
+                start.elapsed().as_secs_f64()
+            })
+            .collect();
+        times.sort_by(f64::total_cmp);
+        println!("quantize_activations, K = {k}: {:.2} us", times[times.len() / 2] * 1e6);
     }
 }
 

@@ -231,6 +231,38 @@ fn activations_quantize_as_ggml_does() {
     assert_eq!(sum, q.iter().map(|&q| i32::from(q)).sum::<i32>());
 }
 
+/// The AVX2 quantizer gives the plain Rust one's bytes: random blocks of
+/// mixed scales, blocks of exact ties (x = (n + ½)·d), all-zero blocks.
+#[test]
+#[cfg(target_arch = "x86_64")]
+fn vector_quantizing_is_the_scalar_code_bit_for_bit() {
+    if skip() {
+        return;
+    }
+    let mut rng = StdRng::seed_from_u64(13);
+    let mut x = Vec::new();
+    for b in 0..3000 {
+        let scale = 10f32.powi(rng.gen_range(-6..4));
+        match b % 4 {
+            0 => x.extend([0.0; 32]),
+            1 => {
+                // Ties: with max 127·s, d = s (when exact) and x/d = n + 0.5.
+                x.push(127.0 * scale);
+                x.extend((1..32).map(|_| (rng.gen_range(-127..127) as f32 + 0.5) * scale));
+            }
+            _ => x.extend((0..32).map(|_| rng.gen_range(-1.0f32..1.0) * scale)),
+        }
+    }
+    let mut vector = vec![0u8; x.len() / 32 * 40];
+    let mut scalar = vector.clone();
+    // SAFETY: the CPU has AVX2 (skip() checked); out holds x's blocks.
+    unsafe { x86::quantize_activations(&x, &mut vector) };
+    quantize_blocks(&x, &mut scalar);
+    for (b, (v, s)) in vector.chunks(40).zip(scalar.chunks(40)).enumerate() {
+        assert_eq!(v, s, "block {b}: {:?}", &x[32 * b..32 * b + 32]);
+    }
+}
+
 /// A column's dequantized weights and, per 32 k, the minimum its values
 /// are offset by (Q4_1's `m`, Q4_K's `dmin·m`, else 0).
 fn column_values(format: DType, column: &[u8], k: usize) -> (Vec<f32>, Vec<f64>) {

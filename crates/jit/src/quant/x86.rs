@@ -795,3 +795,55 @@ pub(super) fn dequantize(format: DType) -> Option<WidenBlock> {
         _ => return None,
     })
 }
+
+/// [`super::quantize_activations`] with AVX2: per block of 32, `max|x|`
+/// across 4 vectors, `x / d` by `vdivps` (the same IEEE quotient as the
+/// scalar code), rounded half away from zero (truncate, then a step away
+/// from zero where the exact remainder is at least a half), packed to i8.
+///
+/// # Safety
+/// `out` holds [`Q8_ACTIVATION_BLOCK_BYTES`] per 32 values of `x`; the CPU
+/// has AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn quantize_activations(x: &[f32], out: &mut [u8]) {
+    let magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fff_ffff));
+    let (half, one) = (_mm256_set1_ps(0.5), _mm256_set1_ps(1.0));
+    for (x, out) in x.chunks_exact(32).zip(out.chunks_exact_mut(Q8_ACTIVATION_BLOCK_BYTES)) {
+        // SAFETY: 4 × 8 f32 of the 32 in this chunk.
+        let v: [__m256; 4] = std::array::from_fn(|i| unsafe { _mm256_loadu_ps(x.as_ptr().add(8 * i)) });
+        let abs = v.map(|v| _mm256_and_ps(v, magnitude));
+        let max = _mm256_max_ps(_mm256_max_ps(abs[0], abs[1]), _mm256_max_ps(abs[2], abs[3]));
+        let max = _mm_max_ps(_mm256_castps256_ps128(max), _mm256_extractf128_ps::<1>(max));
+        let max = _mm_max_ps(max, _mm_movehl_ps(max, max));
+        let amax = _mm_cvtss_f32(_mm_max_ss(max, _mm_shuffle_ps::<1>(max, max)));
+        let d = amax / 127.0;
+        let q: [__m256i; 4] = if d == 0.0 {
+            [_mm256_setzero_si256(); 4]
+        } else {
+            let d = _mm256_set1_ps(d);
+            v.map(|v| {
+                let v = _mm256_div_ps(v, d);
+                let t = _mm256_round_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(v);
+                let rest = _mm256_sub_ps(v, t);
+                let up = _mm256_and_ps(_mm256_cmp_ps::<_CMP_GE_OQ>(rest, half), one);
+                let down =
+                    _mm256_and_ps(_mm256_cmp_ps::<_CMP_LE_OQ>(rest, _mm256_sub_ps(_mm256_setzero_ps(), half)), one);
+                _mm256_cvtps_epi32(_mm256_sub_ps(_mm256_add_ps(t, up), down))
+            })
+        };
+        let sums = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+        let sums = _mm_add_epi32(_mm256_castsi256_si128(sums), _mm256_extracti128_si256::<1>(sums));
+        let sums = _mm_add_epi32(sums, _mm_unpackhi_epi64(sums, sums));
+        let sum = _mm_cvtsi128_si32(_mm_add_epi32(sums, _mm_shuffle_epi32::<1>(sums)));
+        // i32 → i16 → i8 packs interleave 128-bit lanes: dwords come out in
+        // the order 0, 4, 1, 5, 2, 6, 3, 7.
+        let bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+        let bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        // SAFETY: 32 + 4 + 4 bytes of this chunk of out.
+        unsafe {
+            _mm256_storeu_si256(out.as_mut_ptr().cast(), bytes);
+            out.as_mut_ptr().add(32).cast::<f32>().write_unaligned(d);
+            out.as_mut_ptr().add(36).cast::<i32>().write_unaligned(sum);
+        }
+    }
+}
