@@ -89,6 +89,62 @@ fn main() {
             }
         }
     }
+    prefill_table(reps, &only);
+}
+
+/// The prefill shape of the 256-bit tier's GEMM on one thread, as its
+/// driver runs it: per panel and k-block of 256, the block decoded (or
+/// bf16 widened) into an L1 buffer once, then every 6-row f32 tile of the
+/// M rows over it. K = 4096, N = 4096; weights from DRAM (rotating
+/// copies). Time per panel against bf16's.
+fn prefill_table(reps: usize, only: &str) {
+    let (k, n, kc) = (4096, 4096, 256);
+    let mut rng = SmallRng::seed_from_u64(4);
+    let bf16 = bf16_matrix(k, n, &mut rng);
+    let formats: Vec<DType> = DType::BLOCK_FORMATS.into_iter().filter(|f| f.to_string().contains(only)).collect();
+    let packed: Vec<Vec<u8>> = formats.iter().map(|&f| quant_matrix(f, k, n, &mut rng)).collect();
+    for m in [16usize, 64] {
+        println!(
+            "\nprefill M = {m}, K = {k}, N = {n}: decode (or widen) 256 k x 16, then {} f32 tiles of <= 6 rows",
+            m.div_ceil(6)
+        );
+        let tiles: Vec<(usize, Vec<f32>)> = (0..m)
+            .step_by(6)
+            .map(|r| ((m - r).min(6), (0..k * 6).map(|_| rng.gen_range(-1.0..1.0)).collect()))
+            .collect();
+        let mut buffer = vec![0f32; kc * TILE_COLUMNS];
+        let mut acc = vec![0f32; m * TILE_COLUMNS];
+        let mut run = |w: &[u8], panel: usize, decode: WidenBlock, k_bytes: &dyn Fn(usize) -> usize| {
+            for p in 0..n / TILE_COLUMNS {
+                acc.fill(0.0);
+                for kb in (0..k).step_by(kc) {
+                    // SAFETY: k-block kb..kb + kc of panel p into the buffer
+                    // of kc·16 f32; each tile reads kc k of its x (step 6)
+                    // and adds into its rows of acc.
+                    unsafe {
+                        decode(w[p * panel + k_bytes(kb)..].as_ptr(), kc * TILE_COLUMNS, buffer.as_mut_ptr());
+                        for (t, (rows, x)) in tiles.iter().enumerate() {
+                            let tile = gemm_tile(DType::F32, *rows).expect("a tile of up to 6 rows");
+                            let c = acc[6 * t * TILE_COLUMNS..].as_mut_ptr();
+                            tile(x[kb * 6..].as_ptr(), 6, buffer.as_ptr().cast(), kc, c);
+                        }
+                    }
+                }
+                black_box(&acc);
+            }
+        };
+        let bf16_panel = k * TILE_COLUMNS * 2;
+        let widen = widen_block(DType::BF16).expect("bf16 widens");
+        let base = bench_row("bf16 widen + tiles", &bf16, n, reps, |w, _| run(w, bf16_panel, widen, &|kb| kb * 32));
+        for (&format, matrix) in formats.iter().zip(&packed) {
+            let decode = dequantize_block(format).expect("decodes");
+            let panel = panel_bytes(format, k);
+            let t = bench_row(&format!("{format} decode + tiles"), matrix, n, reps, |w, _| {
+                run(w, panel, decode, &|kb| panel_bytes(format, kb))
+            });
+            println!("{:<34} {:>10.2}x bf16's time", "", t / base);
+        }
+    }
 }
 
 /// What quantizing one row of activations costs (once per GEMV call).
