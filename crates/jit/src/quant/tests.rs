@@ -6,6 +6,7 @@ use super::*;
 
 const FORMATS: [DType; 5] = DType::BLOCK_FORMATS;
 /// f32 unit roundoff.
+#[cfg(target_arch = "x86_64")]
 const U: f64 = 1.0 / (1u64 << 24) as f64;
 
 fn skip() -> bool {
@@ -265,6 +266,7 @@ fn vector_quantizing_is_the_scalar_code_bit_for_bit() {
 
 /// A column's dequantized weights and, per 32 k, the minimum its values
 /// are offset by (Q4_1's `m`, Q4_K's `dmin·m`, else 0).
+#[cfg(target_arch = "x86_64")]
 fn column_values(format: DType, column: &[u8], k: usize) -> (Vec<f32>, Vec<f64>) {
     let w = reference(format, column, k);
     let f16_at = kvjit_core::quant::f16_at;
