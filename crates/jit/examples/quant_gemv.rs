@@ -23,7 +23,7 @@ use kvjit_core::DType;
 use kvjit_jit::microkernel::{GemmTile, TILE_COLUMNS, WidenBlock, avx2_available, gemm_tile, widen_block};
 use kvjit_jit::quant::{
     Q8_ACTIVATION_BLOCK_BYTES, dequantize_block, pack_panel, panel_bytes, quant_gemv, quant_gemv_avx2,
-    quant_gemv_k_quants, quantize_activations,
+    quantize_activations,
 };
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
@@ -70,10 +70,7 @@ fn main() {
                 continue;
             }
             let packed = quant_matrix(format, k, n, &mut rng);
-            let (name, tile) = match format.block().0 {
-                32 => ("quant_gemv", quant_gemv(format)),
-                _ => ("quant_gemv_k_quants", quant_gemv_k_quants(format)),
-            };
+            let (name, tile) = ("quant_gemv", quant_gemv(format));
             for (name, tile) in [(name, tile), ("quant_gemv_avx2", quant_gemv_avx2(format))] {
                 let Some(tile) = tile else { continue };
                 let mut xq = vec![0u8; k / 32 * Q8_ACTIVATION_BLOCK_BYTES];

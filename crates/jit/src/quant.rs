@@ -47,7 +47,7 @@
 //! mask per 8 columns' quant instead of a gather or a transpose (measured:
 //! a 256 × 16 block decodes 7–9× faster than through per-column scalar
 //! decoding, as fast as Q4_1), and an integer GEMV serves them as it does
-//! Q4_0/Q4_1 ([`quant_gemv_k_quants`]). Scales come first in a k-group: a stream reads each group
+//! Q4_0/Q4_1 ([`quant_gemv`]). Scales come first in a k-group: a stream reads each group
 //! in address order, so the prefetches ahead of it cover them.
 //!
 //! # The integer GEMV
@@ -62,7 +62,7 @@
 //! with ones to 8 i32 lanes (one per column), then one f32 FMA with
 //! `d_w · d_x` per k-group and half (Q4_0 subtracts `8·Σq_x` from the integer
 //! sum first; Q4_1 adds `m · (d_x·Σq_x)` with a second FMA). The K-quants'
-//! tiles ([`quant_gemv_k_quants`], opt-in): Q4_K is Q4_1 per 32-k
+//! tiles: Q4_K is Q4_1 per 32-k
 //! sub-block with scale `d·sc` and minimum `−dmin·m`; Q6_K
 //! multiplies its unsigned 6-bit quants and subtracts `32·Σq_x` per 16-k
 //! scale block (`psadbw` sums the first 16 activation quants). No
@@ -99,6 +99,11 @@ mod x86;
 /// Bytes of one block of quantized activations ([`quantize_activations`]):
 /// 32 × i8 quants, the f32 scale, the i32 sum of the quants.
 pub const Q8_ACTIVATION_BLOCK_BYTES: usize = 40;
+
+/// This file's text, where the block panels' layout is defined
+/// ([`pack_panel`]): the GEMM's packed layout version hashes it, so a
+/// packed weight stored by a build that packed blocks otherwise is refused.
+pub const PACKING_SOURCE: &str = include_str!("quant.rs");
 
 /// Activation values per block of [`quantize_activations`].
 pub const Q8_ACTIVATION_BLOCK: usize = 32;
@@ -323,28 +328,19 @@ fn round_half_away(v: f32) -> i32 {
     t + i32::from(rest >= 0.5) - i32::from(rest <= -0.5)
 }
 
-/// The integer GEMV tile for panels of `format` (Q8_0, Q4_0 or Q4_1),
-/// with the [`GemmTile`] ABI read this way: `x` points at the row's
-/// quantized activations ([`quantize_activations`]' blocks, cast),
-/// `x_step` is ignored, `w` at a packed panel, `k` is K (a multiple of 32),
-/// and `c[j] += Σ_k x[k]·w[k][j]` for the 16 columns (within the accuracy
-/// in the module docs). On a CPU with AVX-VNNI the tile multiplies with
-/// `vpdpbusd` (the same sums exactly; [`quant_gemv_avx2`] is the AVX2
-/// one). `None` for other formats (the K-quants' tiles are
-/// [`quant_gemv_k_quants`]) or when this CPU lacks the tier.
+/// The integer GEMV tile for panels of a block `format`, with the
+/// [`GemmTile`] ABI read this way: `x` points at the row's quantized
+/// activations ([`quantize_activations`]' blocks, cast), `x_step` is
+/// ignored, `w` at a packed panel, `k` is K (a multiple of the block), and
+/// `c[j] += Σ_k x[k]·w[k][j]` for the 16 columns (within the accuracy in the
+/// module docs). On a CPU with AVX-VNNI the tile multiplies with
+/// `vpdpbusd` (the same sums exactly; [`quant_gemv_avx2`] is the AVX2 one).
+/// Measured from DRAM against the bf16 GEMV: Q4_0/Q4_1 3.1–3.8×, Q4_K
+/// 2.5–3.4×, Q8_0 2.2×, Q6_K 1.7–2.1× (against ~1× for decoding each
+/// k-block to f32 first). `None` for other dtypes or when this CPU lacks
+/// the tier.
 pub fn quant_gemv(format: DType) -> Option<GemmTile> {
-    quant_gemv_any(format).filter(|_| matches!(format, DType::Q8_0 | DType::Q4_0 | DType::Q4_1))
-}
-
-/// The integer GEMV tile for Q4_K or Q6_K panels: [`quant_gemv`]'s ABI and
-/// accuracy bound, K a multiple of 256 (measured from DRAM: 2.5–3× the
-/// bf16 GEMV for Q4_K, ~1.7–2× for Q6_K, against ~1× for decoding each
-/// k-block to f32 first). Separate from [`quant_gemv`], which names the
-/// formats whose one-row matmuls take the integer route: a caller opts the
-/// K-quants in (their results then carry the activation rounding too).
-/// `None` for other formats or when this CPU lacks the tier.
-pub fn quant_gemv_k_quants(format: DType) -> Option<GemmTile> {
-    quant_gemv_any(format).filter(|_| matches!(format, DType::Q4K | DType::Q6K))
+    quant_gemv_any(format)
 }
 
 /// The integer GEMV tile of any block format, with AVX-VNNI where the CPU
@@ -365,7 +361,7 @@ fn quant_gemv_any(format: DType) -> Option<GemmTile> {
 }
 
 /// The AVX2 integer GEMV tile of any block format, even on a CPU with
-/// AVX-VNNI (where [`quant_gemv`] and [`quant_gemv_k_quants`] return the
+/// AVX-VNNI (where [`quant_gemv`] returns the
 /// `vpdpbusd` tile, the same sums exactly): for tests and measurements.
 /// `None` for other dtypes or when this CPU lacks the tier.
 pub fn quant_gemv_avx2(format: DType) -> Option<GemmTile> {

@@ -25,10 +25,6 @@ use kvjit_op_matmul::{Epilogue, MatmulParams, MatmulSpec, matmul};
 use kvjit_testkit::blocks::{activation_rounding_bound, random_blocks};
 use rand::SeedableRng;
 
-/// The formats with a 32-weight block, which the 256-bit tier's integer
-/// GEMV serves.
-const INTEGER_GEMV: [DType; 3] = [DType::Q8_0, DType::Q4_0, DType::Q4_1];
-
 /// K values for `format`: one block, several, and (32-weight blocks) a
 /// count that is not a multiple of the 256-value k block.
 fn ks(format: DType) -> Vec<usize> {
@@ -42,7 +38,7 @@ fn block_spec(format: DType, dtype: DType, tier: CodeTier, k: usize, n: usize, r
 
 /// Whether a call of `rows` rows goes through the integer GEMV.
 fn integer_route(spec: &MatmulSpec, rows: usize) -> bool {
-    spec.tier() == Some(CodeTier::Avx2) && rows == 1 && INTEGER_GEMV.contains(&spec.weights)
+    spec.tier() == Some(CodeTier::Avx2) && rows == 1 && spec.weights.is_block_format()
 }
 
 /// [`check_close`] with the integer GEMV's activation rounding added to

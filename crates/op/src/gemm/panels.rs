@@ -20,12 +20,14 @@ use kvjit_core::{DType, Error, Result, Tensor, TensorData};
 use sha2::{Digest, Sha256};
 
 /// The version of the packed layout: the first 16 hex digits of the
-/// SHA-256 of this file's text (line endings normalized to `\n`), computed
-/// once. Any change to the packing code changes it.
+/// SHA-256 of this file's text and of the block panels' packing code
+/// ([`kvjit_jit::quant::PACKING_SOURCE`]) (line endings normalized to
+/// `\n`), computed once. Any change to the packing code changes it.
 pub fn layout_version() -> &'static str {
     static VERSION: OnceLock<String> = OnceLock::new();
     VERSION.get_or_init(|| {
-        let source: Vec<u8> = include_str!("panels.rs").bytes().filter(|&b| b != b'\r').collect();
+        let texts = [include_str!("panels.rs"), kvjit_jit::quant::PACKING_SOURCE];
+        let source: Vec<u8> = texts.iter().flat_map(|t| t.bytes()).filter(|&b| b != b'\r').collect();
         Sha256::digest(&source)[..8].iter().map(|b| format!("{b:02x}")).collect()
     })
 }
