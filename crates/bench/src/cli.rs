@@ -14,6 +14,7 @@ use kvjit_core::DType;
 use serde_json::Value;
 
 use crate::attention::{AttentionBenchConfig, AttentionReport, run_attention};
+use crate::blocks::{BlocksBenchConfig, BlocksReport, run_blocks};
 use crate::fp8::{Fp8BenchConfig, Fp8Report, run_fp8};
 use crate::layer::{LayerBenchConfig, LayerReport, run_layer};
 use crate::model::{ModelBenchConfig, ModelReport, run_model};
@@ -46,6 +47,11 @@ pub enum BenchOps {
     /// the executor's overhead per decode step, against llama.cpp (set
     /// KVJIT_LLAMA_CPP; else its figures quoted in issue 23).
     Model,
+    /// `mo.matmul` on weights in the GGUF block formats (Q8_0, Q4_0, Q4_1,
+    /// Q4_K, Q6_K) against bf16 and f32, at Llama-3-8B shapes: the decode
+    /// GEMV from DRAM on the read roof and the prefill GEMM (honours
+    /// --quick, --threads, --json).
+    Blocks,
 }
 
 impl std::fmt::Display for BenchOps {
@@ -227,6 +233,17 @@ impl BenchArgs {
         Ok(config)
     }
 
+    /// The `--ops blocks` run these options ask for: a preset and the
+    /// thread count; options of the other suites are refused.
+    pub fn blocks_config(&self) -> Result<BlocksBenchConfig> {
+        self.refuse_options_of_other_suites(BenchOps::Blocks)?;
+        let mut config = self.preset(BlocksBenchConfig::tiny, BlocksBenchConfig::quick, BlocksBenchConfig::full);
+        if let Some(threads) = self.threads {
+            config.threads = threads;
+        }
+        Ok(config)
+    }
+
     /// The `--ops model` run these options ask for: a preset on the
     /// `--gguf` file with the given dtypes and thread count; options of the
     /// other suites are refused.
@@ -356,6 +373,10 @@ pub fn run_bench(args: &BenchArgs) -> Result<()> {
             let config = args.model_config()?;
             drive(json, None, |progress| run_model(&config, progress))?;
         }
+        BenchOps::Blocks => {
+            let config = args.blocks_config()?;
+            drive(json, None, |progress| run_blocks(&config, progress))?;
+        }
     }
     Ok(())
 }
@@ -385,6 +406,15 @@ impl Rendered for crate::Report {
 }
 
 impl Rendered for AttentionReport {
+    fn markdown(&self) -> String {
+        self.to_markdown()
+    }
+    fn json(&self) -> Value {
+        self.to_json()
+    }
+}
+
+impl Rendered for BlocksReport {
     fn markdown(&self) -> String {
         self.to_markdown()
     }

@@ -202,6 +202,12 @@ pub enum BenchError {
         /// The figure.
         what: &'static str,
     },
+    /// A suite that measures the 256-bit tier, on a CPU without it.
+    #[error("--ops {suite} measures the avx2 tier, which this CPU lacks (it needs AVX2, FMA and F16C)")]
+    NeedsAvx2 {
+        /// The suite.
+        suite: &'static str,
+    },
     /// A kvjit error: a tensor, cache, graph, compile or run problem.
     #[error(transparent)]
     Kvjit(#[from] kvjit::Error),

@@ -32,6 +32,7 @@
 //! their spread shows how much the machine drifted during the run).
 
 pub mod attention;
+pub mod blocks;
 pub mod cli;
 pub mod compile;
 pub mod error;

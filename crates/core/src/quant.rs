@@ -14,8 +14,9 @@
 //! | Q6_K | 128 bytes low 4 bits, 64 bytes high 2 bits, 16 × i8 scales, f16 `d` | per 16 elements: `(d·sc)·(q − 32)` |
 
 use half::f16;
+use rand::Rng;
 
-use crate::{DType, Error, Result};
+use crate::{DType, Error, Result, Tensor};
 
 /// Elements in a K-quant super-block.
 pub const QK_K: usize = 256;
@@ -133,4 +134,50 @@ fn q6_k(b: &[u8], out: &mut [f32]) {
             y[l + 96] = scale(6) * f32::from(q4);
         }
     }
+}
+
+/// An f16 scale of magnitude in `[low, high)` (random sign when `signed`),
+/// as its bytes.
+fn random_scale(rng: &mut impl Rng, low: f32, high: f32, signed: bool) -> [u8; 2] {
+    let magnitude = rng.gen_range(low..high);
+    let value = if signed && rng.gen_bool(0.5) { -magnitude } else { magnitude };
+    f16::from_f32(value).to_bits().to_le_bytes()
+}
+
+/// One random block of the block format `format`: every quant byte random,
+/// the scales finite f16 of a size that keeps weights near ±1 (so a wrong
+/// decode shows as a wrong value, not a NaN that hides it).
+///
+/// # Panics
+/// If `format` is not a block format.
+pub fn random_block(format: DType, rng: &mut impl Rng) -> Vec<u8> {
+    let (_, bytes) = format.block();
+    let mut block: Vec<u8> = (0..bytes).map(|_| rng.r#gen()).collect();
+    match format {
+        DType::Q8_0 | DType::Q4_0 => block[..2].copy_from_slice(&random_scale(rng, 0.002, 0.02, true)),
+        DType::Q4_1 => {
+            block[..2].copy_from_slice(&random_scale(rng, 0.002, 0.02, true));
+            block[2..4].copy_from_slice(&random_scale(rng, 0.0, 0.1, true));
+        }
+        DType::Q4K => {
+            // d and dmin: the 6-bit scales and mins multiply them.
+            block[..2].copy_from_slice(&random_scale(rng, 0.0002, 0.002, false));
+            block[2..4].copy_from_slice(&random_scale(rng, 0.0, 0.002, false));
+        }
+        DType::Q6K => {
+            // d last; the 16 i8 scales before it multiply it.
+            block[bytes - 2..].copy_from_slice(&random_scale(rng, 0.00002, 0.0002, true));
+        }
+        other => panic!("{other} is not a weight block format"),
+    }
+    block
+}
+
+/// A random `[rows, k]` weight of the block format `format` ([`random_block`]
+/// per block; `k` a multiple of its block, else [`Error::BlockShape`]).
+pub fn random_blocks(format: DType, rows: usize, k: usize, rng: &mut impl Rng) -> Result<Tensor> {
+    let bytes = Tensor::storage_bytes(format, &[rows, k])?;
+    let blocks = bytes / format.block().1;
+    let data: Vec<u8> = (0..blocks).flat_map(|_| random_block(format, rng)).collect();
+    Tensor::from_le_bytes(format, &[rows, k], &data)
 }
