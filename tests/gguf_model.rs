@@ -550,6 +550,26 @@ fn imported_block_weights_show_their_bytes_per_weight() {
     assert!(!stdout.contains("q4_1[") && !stdout.contains(".wq"), "{stdout}");
 }
 
+/// A model whose block weights are packed into block panels compiles to an
+/// artifact that stores them packed and runs to the same logits.
+#[test]
+fn block_weights_travel_in_artifacts() {
+    let (dir, path) = written(UNTIED);
+    let kept = dir.path().join("kept");
+    succeeds(&["import", str(&path), "-o", str(&kept), "--context", "128"]);
+    let model_json = kept.join("model.json");
+    let artifact = kept.join("model.kvjit");
+    let out = succeeds(&["compile", str(&model_json), "-o", str(&artifact)]);
+    let wrote = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    assert!(wrote.contains("in kernel layout"), "{wrote}");
+    let checksum = |model: &Path| {
+        let out = succeeds(&["run", str(model), "--batch", "1", "--seq", "6"]);
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        stdout.lines().find(|l| l.starts_with("output 'logits'")).unwrap_or_else(|| panic!("{stdout}")).to_string()
+    };
+    assert_eq!(checksum(&artifact), checksum(&model_json));
+}
+
 #[test]
 fn chat_wraps_the_prompt_in_the_template() {
     let (dir, path) = written(TIED);

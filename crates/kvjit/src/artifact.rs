@@ -493,11 +493,10 @@ pub fn load_artifact_with(path: &Path, registry: &Registry, weights: WeightLoad)
         if !names.insert(c.name.as_str()) {
             return Err(malformed(format!("constant '{}' is stored twice", c.name)));
         }
-        let expected = c
-            .shape
-            .iter()
-            .try_fold(c.dtype.size_bytes() as u64, |acc, &d| acc.checked_mul(d as u64))
-            .ok_or_else(|| malformed(format!("constant '{}': shape {:?} overflows", c.name, c.shape)))?;
+        // Whole rows of blocks for a block format; the shape's bytes checked
+        // without overflow.
+        let expected = Tensor::storage_bytes(c.dtype, &c.shape)
+            .map_err(|e| malformed(format!("constant '{}': {e}", c.name)))? as u64;
         if expected != c.len {
             return Err(malformed(format!(
                 "constant '{}': {} bytes stored, but {}{:?} takes {expected}",
