@@ -586,8 +586,9 @@ unsafe extern "C" fn gemv_kernel<F: GemvFormat>(x: *const f32, _x_step: usize, w
 }
 
 /// The integer GEMV tile of format `F` with AVX-VNNI ([`gemv_body`]);
-/// measured 1.1–1.25× [`gemv_kernel`] on panels in L2 (Q4_1 and Q4_K
-/// ~1.12×, Q6_K ~1.15×, Q8_0 ~1.25×), 1.0–1.08× from DRAM.
+/// measured with two-part activations 1.1–1.65× [`gemv_kernel`] on panels
+/// in L2 (Q4_1 and Q4_K ~1.1×, Q6_K ~1.15×, Q4_0 ~1.35×, Q8_0 ~1.65×),
+/// 1.0–1.2× from DRAM (Q8_0 the most).
 ///
 /// # Safety
 /// As for [`gemv_kernel`], and the CPU has AVX-VNNI.
