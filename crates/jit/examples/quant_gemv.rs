@@ -9,7 +9,9 @@
 //! L3), so each call reads its weights from memory; "warm" rows reuse one
 //! copy (from the last-level cache when it fits there). Medians of the
 //! reps; GB/s counts the weight bytes as stored (quantized bytes for the
-//! block formats). A second argument (`q4_k`, …) runs only that format's
+//! block formats). The "in L2" table times the integer tiles alone on a
+//! weight small enough for the core's L2 (K = 4096, N = 256): their ALU
+//! headroom over the DRAM rows. A second argument (`q4_k`, …) runs only that format's
 //! rows (and bf16's).
 //!
 //! ```text
@@ -53,6 +55,7 @@ fn main() {
         quantize_time(reps);
         decode_table(reps);
     }
+    l2_table(reps, &only);
     for (k, n, what) in [(4096, 4096, "QKV-ish"), (4096, 14336, "FFN")] {
         println!("\nK = {k}, N = {n} ({what}), {} panels", n / TILE_COLUMNS);
         println!(
@@ -87,6 +90,63 @@ fn main() {
         }
     }
     prefill_table(reps, &only);
+}
+
+/// The integer GEMV tiles with their weights in L2: K = 4096, N = 256
+/// (0.6–1.1 MB of weights), one copy reused and the activations quantized
+/// once outside the timing, so the time is the tile's own work (its ALU
+/// headroom over the DRAM rows): GB/s of weight bytes and ns per panel.
+/// bf16 at N = 128 (1 MB) for scale.
+fn l2_table(reps: usize, only: &str) {
+    let k = 4096;
+    let mut rng = SmallRng::seed_from_u64(5);
+    let x: Vec<f32> = (0..k).map(|_| rng.gen_range(-1.0..1.0)).collect();
+    println!("\nin L2: K = {k}, one copy reused, tiles only (ALU headroom)");
+    println!("{:<34} {:>10} {:>9} {:>10}", "route", "MB", "GB/s", "ns/panel");
+    let time = |name: &str, bytes: usize, n: usize, gemv: &mut dyn FnMut(&mut [f32])| {
+        let mut c = vec![0f32; n];
+        gemv(&mut c);
+        let mut times: Vec<f64> = (0..reps.max(5) * 40)
+            .map(|_| {
+                let start = Instant::now();
+                gemv(&mut c);
+                black_box(&c);
+                start.elapsed().as_secs_f64()
+            })
+            .collect();
+        times.sort_by(f64::total_cmp);
+        let t = times[times.len() / 2];
+        let panels = (n / TILE_COLUMNS) as f64;
+        println!("{name:<34} {:>10.2} {:>9.1} {:>10.0}", bytes as f64 / 1e6, bytes as f64 / t / 1e9, t / panels * 1e9);
+    };
+    let bf16 = bf16_matrix(k, 128, &mut rng);
+    time("bf16 gemm_tile(BF16, 1), N = 128", bf16.len(), 128, &mut |c| gemv_f(&x, &bf16, k, 128, DType::BF16, c));
+    let n = 256;
+    let mut xq = vec![0u8; k / 32 * Q8_ACTIVATION_BLOCK_BYTES];
+    quantize_activations(&x, &mut xq);
+    for format in DType::BLOCK_FORMATS {
+        if !format.to_string().contains(only) {
+            continue;
+        }
+        let packed = quant_matrix(format, k, n, &mut rng);
+        let panel = panel_bytes(format, k);
+        let (name, tile) = match format.block().0 {
+            32 => ("quant_gemv", quant_gemv(format)),
+            _ => ("quant_gemv_k_quants", quant_gemv_k_quants(format)),
+        };
+        for (name, tile) in [(name, tile), ("quant_gemv_avx2", quant_gemv_avx2(format))] {
+            let Some(tile) = tile else { continue };
+            time(&format!("{format} {name}"), packed.len(), n, &mut |c| {
+                for p in 0..n / TILE_COLUMNS {
+                    // SAFETY: xq holds K/32 activation blocks, the panel
+                    // covers K, c holds 16 f32 at p·16.
+                    unsafe {
+                        tile(xq.as_ptr().cast(), 1, packed[p * panel..].as_ptr(), k, c[p * TILE_COLUMNS..].as_mut_ptr())
+                    };
+                }
+            });
+        }
+    }
 }
 
 /// The prefill shape of the 256-bit tier's GEMM on one thread, as its

@@ -1,6 +1,6 @@
 //! GGML weight blocks in the 256-bit tier: the packed panel layout of the
-//! block formats ([`DType::BLOCK_FORMATS`]), activations quantized to 8
-//! bits for the integer GEMV, the integer GEMV micro-kernels
+//! block formats ([`DType::BLOCK_FORMATS`]), activations quantized to two
+//! 8-bit parts for the integer GEMV, the integer GEMV micro-kernels
 //! ([`quant_gemv`]) and the kernels that decode a block of a packed panel
 //! to f32 for the multi-row tiles ([`dequantize_block`]).
 //!
@@ -53,33 +53,52 @@
 //! # The integer GEMV
 //!
 //! One row of activations (decode) is quantized once per call with
-//! [`quantize_activations`], GGML's Q8_0 rounding with its sum kept
-//! alongside: per 32 values an f32 scale `d_x = max|x| / 127` and
-//! `q = round(x / d_x)` (half away from zero). [`quant_gemv`]'s tiles then
-//! multiply 8-bit integers: per k-group and half panel, `vpmaddubsw` of the
-//! (unsigned) weight quants against an activation dword broadcast to all
-//! eight columns, i16 partial sums where they cannot overflow, `vpmaddwd`
-//! with ones to 8 i32 lanes (one per column), then one f32 FMA with
-//! `d_w · d_x` per k-group and half (Q4_0 subtracts `8·Σq_x` from the integer
-//! sum first; Q4_1 adds `m · (d_x·Σq_x)` with a second FMA). The K-quants'
+//! [`quantize_activations`] to 16-bit integers held as two 8-bit parts:
+//! per 32 values an f32 scale `s = max|x| / 32258` (32258 = 127·254),
+//! `Q = round(x / s)` (half away from zero, |Q| ≤ 32258), and
+//! `Q = 254·q_hi + q_lo` with `q_hi = round(Q / 254)` (GGML's Q8_0 quant
+//! `round(x / d)` for `d = 254·s = max|x| / 127`, up to ties) and the
+//! residual `q_lo ∈ [−127, 127]` — so `x ≈ d·q_hi + d_lo·q_lo` with
+//! `d_lo = d / 254 = s`. [`quant_gemv`]'s tiles then multiply 8-bit
+//! integers: per k-group and half panel, each weight vector is loaded and
+//! unpacked once and multiplied with both parts — `vpmaddubsw` of the
+//! (unsigned) weight quants against an activation dword of `q_hi`, then
+//! of `q_lo`, broadcast to all eight columns, i16 partial sums where they
+//! cannot overflow, `vpmaddwd` with 254 (hi) and 1 (lo) to 8 i32 lanes
+//! (one per column) of `Σ q_w·Q` exactly — then one f32 FMA with
+//! `d_w · s` per k-group and half (Q4_0 subtracts `8·ΣQ` from the integer
+//! sum first; Q4_1 adds `m · (s·ΣQ)` with a second FMA). The K-quants'
 //! tiles: Q4_K is Q4_1 per 32-k
-//! sub-block with scale `d·sc` and minimum `−dmin·m`; Q6_K
-//! multiplies its unsigned 6-bit quants and subtracts `32·Σq_x` per 16-k
-//! scale block (`psadbw` sums the first 16 activation quants). No
-//! horizontal sums: the 16 columns of a panel are the lanes. With AVX-VNNI
-//! (`vpdpbusd`) the products go straight to i32 lanes.
+//! sub-block with scale `d·sc` and minimum `−dmin·m`; Q6_K multiplies its
+//! unsigned 6-bit quants and subtracts `32·ΣQ` per 16-k scale block (the
+//! block stores `ΣQ` over its first 16 values too). No horizontal sums:
+//! the 16 columns of a panel are the lanes. With AVX-VNNI (`vpdpbusd`)
+//! the products go straight to i32 lanes, one accumulator per part,
+//! combined as `254·hi + lo` per k-group half.
+//!
+//! Why `d_lo = d / 254` exactly rather than a residual's own scale
+//! (`max|r| / 127` per block): the two parts are then one integer `Q`, so
+//! the tiles combine their sums in i32 (exact: every sum is below 2³¹)
+//! and keep the f32 work of 8-bit activations — one conversion and one
+//! FMA per k-group and half, offsets and minimums exact integer sums — and
+//! the residual is exact (integer `Q − 254·q_hi`, not `x − d·q_hi` in
+//! f32). A residual scale would gain almost nothing (`max|r|` of 32
+//! values is close to its bound `d / 2`) for a second scale per block and
+//! twice the f32 work.
 //!
 //! **Accuracy.** The integer products and sums are exact; the result
 //! differs from the exact product of `x` with the dequantized weights by the
-//! activation rounding, at most `Σ_blocks (d_x / 2) · Σ_{k in block} |w_k|`
-//! (each `x_k` moves by at most half a step `d_x`), plus the f32 rounding of
-//! the division `x / d_x` (`u·Σ|x_k·w_k|`, `u = 2⁻²⁴`) and of the f32
-//! accumulation (the roundings of the scale products and of ≤ 2 FMAs per
-//! 32 k, the chains summed: at most `(2·K/32 + 8)·u` times the sum of the
-//! magnitudes of the terms).
-//! That is GGML's own decode error (its `vec_dot_q4_0_q8_0` quantizes the
-//! activations the same way); for 4-bit weights it is far below the
-//! weights' own quantization error.
+//! activation rounding, at most `Σ_blocks (s / 2) · Σ_{k in block} |w_k|`
+//! (`s = d_lo = max|x_b| / 32258`: each `x_k` moves by at most half a
+//! step of `Q`; 254× below the bound of 8-bit activations,
+//! `Σ_blocks (max|x_b| / 254) · Σ|w_k|`), plus the f32 rounding of the
+//! division `x / s` (`u·Σ|x_k·w_k|`, `u = 2⁻²⁴`) and of the f32
+//! accumulation (the roundings of the integer sum's conversion, of the
+//! scale products and of ≤ 2 FMAs per 32 k, the chains summed: at most
+//! `(2·K/32 + 8)·u` times the sum of the magnitudes of the terms). (For
+//! blocks whose `max|x|` is subnormal, below ~4·10⁻³⁴, `s` loses
+//! precision and `Q` is clamped to ±32258; such activations do not occur
+//! in a model's forward pass.)
 //!
 //! # Decoding to f32
 //!
@@ -97,8 +116,13 @@ use crate::microkernel::{GemmTile, TILE_COLUMNS, WidenBlock, avx2_available};
 mod x86;
 
 /// Bytes of one block of quantized activations ([`quantize_activations`]):
-/// 32 × i8 quants, the f32 scale, the i32 sum of the quants.
-pub const Q8_ACTIVATION_BLOCK_BYTES: usize = 40;
+/// 32 × i8 `q_hi`, 32 × i8 `q_lo`, the f32 scale, the i32 sums of the
+/// 16-bit quants over the block and over its first 16 values, 4 zero bytes.
+pub const Q8_ACTIVATION_BLOCK_BYTES: usize = 80;
+
+/// The largest |Q| of [`quantize_activations`]' 16-bit quants: 127·254, so
+/// `q_hi = round(Q / 254)` and `q_lo = Q − 254·q_hi` fit in i8 (±127).
+const Q_MAX: i32 = 127 * 254;
 
 /// This file's text, where the block panels' layout is defined
 /// ([`pack_panel`]): the GEMM's packed layout version hashes it, so a
@@ -274,11 +298,18 @@ fn pack_q6k<'a>(out: &mut [u8], block_of: impl Fn(usize) -> &'a [u8]) {
 
 /// Quantize a row of activations for [`quant_gemv`]: per 32 values `x`
 /// (`x.len()` a multiple of 32), [`Q8_ACTIVATION_BLOCK_BYTES`] bytes of
-/// `out`: 32 × i8 `q = round(x / d)` (half away from zero, as llama.cpp's
-/// `roundf`), the f32 `d = max|x| / 127` (`d = 0` gives all `q = 0`), the
-/// i32 `Σq`, little-endian. `x` is finite (a NaN or infinity gives
-/// unspecified quants). With AVX2 (when the CPU has it): ~0.45 ns per
-/// value, 1.8 µs for K = 4096, measured.
+/// `out` (little-endian): the f32 scale `s = max|x| / 32258` at 64, the
+/// 16-bit quants `Q = round(x / s)` (half away from zero, as llama.cpp's
+/// `roundf`; clamped to ±32258, which only a subnormal `max|x|` reaches;
+/// `s = 0` gives all `Q = 0`) as two i8 parts `Q = 254·q_hi + q_lo`,
+/// `q_hi = round(Q / 254)` at 0..32 and `q_lo ∈ [−127, 127]` at 32..64,
+/// the i32 `ΣQ` at 68 and `ΣQ` over the first 16 values at 72, zeros at
+/// 76. The block represents `x̂ = s·Q = d·q_hi + d_lo·q_lo` (`d = 254·s`,
+/// `d_lo = s`), within `s / 2` (and the division's rounding) of `x`. `x`
+/// is finite (a NaN or infinity gives unspecified quants). With AVX2
+/// (when the CPU has it), bit for bit the plain Rust blocks: ~0.9 ns per
+/// value, 3.7 µs for K = 4096, measured (twice the 8-bit quantizer's
+/// time, well under 1% of a K = 4096 GEMV's).
 ///
 /// # Panics
 /// If `x.len()` is not a multiple of 32 or `out` does not hold exactly its
@@ -302,19 +333,25 @@ fn quantize_blocks(x: &[f32], out: &mut [u8]) {
     for (x, out) in x.chunks_exact(Q8_ACTIVATION_BLOCK).zip(out.chunks_exact_mut(Q8_ACTIVATION_BLOCK_BYTES)) {
         let x: &[f32; 32] = x.try_into().expect("chunks of 32");
         let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let d = amax / 127.0;
-        let mut q = [0i8; 32];
-        if d != 0.0 {
+        let s = amax / Q_MAX as f32;
+        let mut q = [0i32; 32];
+        if s != 0.0 {
             for (q, &v) in q.iter_mut().zip(x) {
-                *q = round_half_away(v / d) as i8;
+                *q = round_half_away(v / s).clamp(-Q_MAX, Q_MAX);
             }
         }
-        let sum: i32 = q.iter().map(|&q| i32::from(q)).sum();
-        for (o, q) in out[..32].iter_mut().zip(q) {
-            *o = q as u8;
+        for (i, &q) in q.iter().enumerate() {
+            // round(Q / 254), half away from zero, in integers.
+            let hi = (q + 127 * q.signum()) / 254;
+            out[i] = hi as i8 as u8;
+            out[32 + i] = (q - 254 * hi) as i8 as u8;
         }
-        out[32..36].copy_from_slice(&d.to_le_bytes());
-        out[36..40].copy_from_slice(&sum.to_le_bytes());
+        let first16: i32 = q[..16].iter().sum();
+        let sum = first16 + q[16..].iter().sum::<i32>();
+        out[64..68].copy_from_slice(&s.to_le_bytes());
+        out[68..72].copy_from_slice(&sum.to_le_bytes());
+        out[72..76].copy_from_slice(&first16.to_le_bytes());
+        out[76..80].fill(0);
     }
 }
 

@@ -194,44 +194,70 @@ fn rounding_is_half_away_from_zero() {
     }
 }
 
-fn block_of(out: &[u8], b: usize) -> ([i8; 32], f32, i32) {
-    let o = &out[b * 40..(b + 1) * 40];
-    let q = std::array::from_fn(|i| o[i] as i8);
-    (q, f32::from_le_bytes(o[32..36].try_into().unwrap()), i32::from_le_bytes(o[36..40].try_into().unwrap()))
+/// Block `b` of quantized activations: the 16-bit quants `Q` (checked to
+/// be `254·q_hi + q_lo` with `q_hi = round(Q / 254)`, `|q_lo| ≤ 127`), the
+/// scale, `ΣQ` and `ΣQ` over the first 16 (checked against `Q`).
+fn block_of(out: &[u8], b: usize) -> ([i32; 32], f32, i32) {
+    let o = &out[b * Q8_ACTIVATION_BLOCK_BYTES..(b + 1) * Q8_ACTIVATION_BLOCK_BYTES];
+    let word = |at: usize| -> [u8; 4] { o[at..at + 4].try_into().unwrap() };
+    let q: [i32; 32] = std::array::from_fn(|i| {
+        let (hi, lo) = (i32::from(o[i] as i8), i32::from(o[32 + i] as i8));
+        let q = 254 * hi + lo;
+        assert!(lo.abs() <= 127 && hi == (q as f64 / 254.0).round() as i32, "block {b} value {i}: {hi}, {lo}");
+        q
+    });
+    let (sum, first16) = (i32::from_le_bytes(word(68)), i32::from_le_bytes(word(72)));
+    assert_eq!(first16, q[..16].iter().sum::<i32>(), "block {b}");
+    assert_eq!(sum, q.iter().sum::<i32>(), "block {b}");
+    assert_eq!(word(76), [0; 4], "block {b}");
+    (q, f32::from_le_bytes(word(64)), sum)
 }
 
 #[test]
-fn activations_quantize_as_ggml_does() {
-    // Block 0: max 127, so d = 1 and q = round(x): ties go away from zero.
+fn activations_quantize_to_two_parts() {
+    // Block 0: max 32258, so s = 1 and Q = round(x): ties go away from
+    // zero, and so do q_hi's (127 = 254·1 − 127).
     let mut x = vec![0f32; 96];
-    let ties = [127.0, -0.5, 0.5, 1.5, 2.5, -2.5, -126.5, 0.49999997, -3.7, 0.0, -0.0, 64.25];
+    let ties = [
+        32258.0, -0.5, 0.5, 1.5, 2.5, -2.5, -126.5, 0.49999997, -3.7, 0.0, -0.0, 64.25, 127.0, -127.0, 381.0, -381.0,
+        32257.0, -32258.0, 126.0,
+    ];
     x[..ties.len()].copy_from_slice(&ties);
-    // Block 1: all zero (d = 0, q = 0). Block 2: negative max, d = 2.54/127.
+    // Block 1: all zero (s = 0, Q = 0). Block 2: negative max.
     for (i, v) in x[64..].iter_mut().enumerate() {
         *v = -2.54 + 0.08 * i as f32;
     }
-    let mut out = vec![0u8; 3 * 40];
+    let mut out = vec![0xa5u8; 3 * Q8_ACTIVATION_BLOCK_BYTES];
     quantize_activations(&x, &mut out);
 
-    let (q, d, sum) = block_of(&out, 0);
-    assert_eq!(d, 1.0);
-    assert_eq!(&q[..ties.len()], &[127, -1, 1, 2, 3, -3, -127, 0, -4, 0, 0, 64]);
+    let (q, s, sum) = block_of(&out, 0);
+    assert_eq!(s, 1.0);
+    let want = [32258, -1, 1, 2, 3, -3, -127, 0, -4, 0, 0, 64, 127, -127, 381, -381, 32257, -32258, 126];
+    assert_eq!(&q[..ties.len()], &want);
     assert!(q[ties.len()..].iter().all(|&q| q == 0));
-    assert_eq!(sum, 127 - 1 + 1 + 2 + 3 - 3 - 127 - 4 + 64);
+    assert_eq!(sum, want.iter().sum::<i32>());
+    // The parts of the ties: 127 → (1, −127), 381 → (2, −127), 126 → (0, 126).
+    let parts = |i: usize| (out[i] as i8, out[32 + i] as i8);
+    assert_eq!(
+        [parts(0), parts(12), parts(13), parts(14), parts(16), parts(18)],
+        [(127, 0), (1, -127), (-1, 127), (2, -127), (127, -1), (0, 126)]
+    );
 
     assert_eq!(block_of(&out, 1), ([0; 32], 0.0, 0));
 
-    let (q, d, sum) = block_of(&out, 2);
-    assert_eq!(d, 2.54f32 / 127.0);
+    let (q, s, _) = block_of(&out, 2);
+    assert_eq!(s, 2.54f32 / 32258.0);
     for (i, &q) in q.iter().enumerate() {
-        assert_eq!(q as f32, (x[64 + i] / d).round(), "block 2 value {i}");
+        let v = x[64 + i];
+        assert_eq!(q as f32, (v / s).round(), "block 2 value {i}");
+        assert!((v as f64 - s as f64 * q as f64).abs() <= s as f64 / 2.0 + v.abs() as f64 * 1e-7, "block 2 value {i}");
     }
-    assert_eq!(q[0], -127);
-    assert_eq!(sum, q.iter().map(|&q| i32::from(q)).sum::<i32>());
+    assert_eq!(q[0], -32258);
 }
 
 /// The AVX2 quantizer gives the plain Rust one's bytes: random blocks of
-/// mixed scales, blocks of exact ties (x = (n + ½)·d), all-zero blocks.
+/// mixed scales, blocks of exact ties of `Q` (x = (n + ½)·s) and of
+/// `q_hi` (Q = 254·n + 127), all-zero blocks, blocks of subnormals.
 #[test]
 #[cfg(target_arch = "x86_64")]
 fn vector_quantizing_is_the_scalar_code_bit_for_bit() {
@@ -240,25 +266,37 @@ fn vector_quantizing_is_the_scalar_code_bit_for_bit() {
     }
     let mut rng = StdRng::seed_from_u64(13);
     let mut x = Vec::new();
-    for b in 0..3000 {
+    for b in 0..4000 {
         let scale = 10f32.powi(rng.gen_range(-6..4));
-        match b % 4 {
+        match b % 6 {
             0 => x.extend([0.0; 32]),
             1 => {
-                // Ties: with max 127·s, d = s (when exact) and x/d = n + 0.5.
-                x.push(127.0 * scale);
-                x.extend((1..32).map(|_| (rng.gen_range(-127..127) as f32 + 0.5) * scale));
+                // Ties: with max 32258·s, the scale is s (when exact) and
+                // x/s = n + 0.5.
+                x.push(32258.0 * scale);
+                x.extend((1..32).map(|_| (rng.gen_range(-32258..32258) as f32 + 0.5) * scale));
             }
+            2 => {
+                // Ties of q_hi: Q = 254·n ± 127.
+                x.push(-32258.0 * scale);
+                x.extend((1..32).map(|_| (254 * rng.gen_range(-126..127) + 127) as f32 * scale));
+            }
+            3 => x.extend((0..32).map(|_| f32::from_bits(rng.gen_range(0..0x0080_0000)) * scale.signum())),
             _ => x.extend((0..32).map(|_| rng.gen_range(-1.0f32..1.0) * scale)),
         }
     }
-    let mut vector = vec![0u8; x.len() / 32 * 40];
-    let mut scalar = vector.clone();
+    let blocks = x.len() / 32;
+    let mut vector = vec![0u8; blocks * Q8_ACTIVATION_BLOCK_BYTES];
+    let mut scalar = vec![0x5au8; vector.len()];
     // SAFETY: the CPU has AVX2 (skip() checked); out holds x's blocks.
     unsafe { x86::quantize_activations(&x, &mut vector) };
     quantize_blocks(&x, &mut scalar);
-    for (b, (v, s)) in vector.chunks(40).zip(scalar.chunks(40)).enumerate() {
+    let size = Q8_ACTIVATION_BLOCK_BYTES;
+    for (b, (v, s)) in vector.chunks(size).zip(scalar.chunks(size)).enumerate() {
         assert_eq!(v, s, "block {b}: {:?}", &x[32 * b..32 * b + 32]);
+    }
+    for b in 0..blocks {
+        block_of(&scalar, b);
     }
 }
 
@@ -286,9 +324,11 @@ fn column_values(format: DType, column: &[u8], k: usize) -> (Vec<f32>, Vec<f64>)
 }
 
 /// The integer GEMV against the f64 product of the dequantized weights
-/// within the documented bound (activation rounding + f32 error), and
-/// against the f64 product with the quantized activations within the f32
-/// error alone; added into random accumulators, never written past them.
+/// within the documented bound (activation rounding `Σ_blocks (s/2)·Σ|w|`,
+/// checked to be within 1/127 of 8-bit activations' `Σ_blocks
+/// (max|x_b|/254)·Σ|w|`, + f32 error), and against the f64 product with
+/// the represented activations `s·Q` within the f32 error alone; added
+/// into random accumulators, never written past them.
 #[test]
 #[cfg(target_arch = "x86_64")]
 fn integer_gemv_is_within_its_bound() {
@@ -335,11 +375,14 @@ fn integer_gemv_is_within_its_bound() {
                     let (w, mins) = column_values(format, column, k);
                     let (mut exact, mut quantized) = (c0[j] as f64, c0[j] as f64);
                     let (mut rounding, mut magnitude, mut terms) = (0.0, 0.0, (c0[j] as f64).abs());
+                    let mut eight_bit = 0.0;
                     for b in 0..groups {
                         let (q, d, _) = block_of(&xq, b);
                         let mut w_abs = 0.0;
+                        let mut x_max = 0f64;
                         for i in 0..32 {
                             let (xk, wk) = (x[32 * b + i] as f64, w[32 * b + i] as f64);
+                            x_max = x_max.max(xk.abs());
                             let xhat = d as f64 * q[i] as f64;
                             exact += xk * wk;
                             quantized += xhat * wk;
@@ -348,7 +391,9 @@ fn integer_gemv_is_within_its_bound() {
                             terms += xhat.abs() * (wk.abs() + 2.0 * mins[b].abs());
                         }
                         rounding += d as f64 / 2.0 * w_abs;
+                        eight_bit += x_max / 254.0 * w_abs;
                     }
+                    assert!(rounding <= eight_bit / 127.0, "{format} k {k}: bound {rounding}, 8-bit {eight_bit}");
                     let f32_error = (2.0 * groups as f64 + 8.0) * U * terms;
                     let bound = rounding + U * magnitude + f32_error;
                     assert!(

@@ -5,7 +5,7 @@ use std::arch::x86_64::*;
 
 use kvjit_core::DType;
 
-use super::Q8_ACTIVATION_BLOCK_BYTES;
+use super::{Q_MAX, Q8_ACTIVATION_BLOCK_BYTES};
 use crate::microkernel::{GemmTile, TILE_COLUMNS, WidenBlock};
 
 /// The most independent k ranges ("streams") a GEMV tile reads its panel
@@ -18,21 +18,27 @@ const MAX_STREAMS: usize = 4;
 /// prefetch, within ~8% of the core's read roof; 1 KiB and 4 KiB less).
 const PREFETCH_BYTES: usize = 2048;
 
-/// How a GEMV tile multiplies 8-bit quants: 8 columns' `Σ_k q_w·q_x` over
-/// one k-group half as 8 i32 lanes, exactly.
+/// A block's activation quants as a `Dot` reads them: `[hi, lo]`, each
+/// the block's 8 dwords of i8 quants (each broadcast), the 16-bit quant
+/// `Q = 254·q_hi + q_lo` of [`super::quantize_activations`].
+type Xs = [[__m256i; 8]; 2];
+
+/// How a GEMV tile multiplies the weights' quants with a block's two-part
+/// activation quants: 8 columns' `Σ_k q_w·Q = 254·Σ q_w·q_hi + Σ q_w·q_lo`
+/// over one k-group half as 8 i32 lanes, exactly. Each weight vector is
+/// loaded and unpacked once for both parts.
 trait Dot {
-    /// A Q4 half: the 4 quant vectors at `q` against the block's 8
-    /// activation dwords `xs` (each broadcast).
+    /// A Q4 half: the 4 quant vectors at `q` against the block's `xs`.
     ///
     /// # Safety
     /// `q` readable for 128 bytes; the CPU has this `Dot`'s features.
-    unsafe fn q4(q: *const u8, xs: &[__m256i; 8]) -> __m256i;
-    /// A Q8_0 half: the 8 quant vectors at `q` against `xs`, whose quants
-    /// sum to `sum`.
+    unsafe fn q4(q: *const u8, xs: &Xs) -> __m256i;
+    /// A Q8_0 half: the 8 quant vectors at `q` against `xs`, whose 16-bit
+    /// quants `Q` sum to `sum`.
     ///
     /// # Safety
     /// `q` readable for 256 bytes; the CPU has this `Dot`'s features.
-    unsafe fn q8(q: *const u8, xs: &[__m256i; 8], sum: i32) -> __m256i;
+    unsafe fn q8(q: *const u8, xs: &Xs, sum: i32) -> __m256i;
     /// A Q6_K half of a 32-k sub-group: the 4 low-nibble vectors at `low`
     /// and 2 high-bit vectors at `high` against `xs`; the unsigned quants'
     /// (0..64) sums over its two 16-k scale blocks.
@@ -40,7 +46,15 @@ trait Dot {
     /// # Safety
     /// `low` readable for 128 bytes, `high` for 64; the CPU has this
     /// `Dot`'s features.
-    unsafe fn q6(low: *const u8, high: *const u8, xs: &[__m256i; 8]) -> [__m256i; 2];
+    unsafe fn q6(low: *const u8, high: *const u8, xs: &Xs) -> [__m256i; 2];
+}
+
+/// `254·hi + lo` in i32 lanes (VNNI's two parts' sums; exact: every
+/// caller's |hi| ≤ 32·255·127, so the result is below 2³¹).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn combine(hi: __m256i, lo: __m256i) -> __m256i {
+    _mm256_add_epi32(_mm256_mullo_epi32(hi, _mm256_set1_epi32(254)), lo)
 }
 
 /// Q6_K's 6-bit quants of Q4-layout vector `g` of a sub-group half, as
@@ -73,43 +87,53 @@ struct Vnni;
 impl Dot for Avx2 {
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn q4(q: *const u8, xs: &[__m256i; 8]) -> __m256i {
+    unsafe fn q4(q: *const u8, xs: &Xs) -> __m256i {
         let mask = _mm256_set1_epi8(0x0f);
-        let mut sums = [_mm256_setzero_si256(); 2];
+        // [part][g % 2]
+        let mut sums = [[_mm256_setzero_si256(); 2]; 2];
         for g in 0..4 {
             // SAFETY: vector g < 4 of the caller's 128 bytes.
             let v = unsafe { _mm256_loadu_si256(q.add(32 * g).cast()) };
             let low = _mm256_and_si256(v, mask);
             let high = _mm256_and_si256(_mm256_srli_epi16::<4>(v), mask);
-            // An i16 lane of a `vpmaddubsw`: two u4·i8 products
-            // (≤ 2·15·128); the 8 of the half sum to ≤ 30720 < 32767.
-            let p = _mm256_add_epi16(_mm256_maddubs_epi16(low, xs[2 * g]), _mm256_maddubs_epi16(high, xs[2 * g + 1]));
-            sums[g % 2] = _mm256_add_epi16(sums[g % 2], p);
+            for (sums, xs) in sums.iter_mut().zip(xs) {
+                // An i16 lane of a `vpmaddubsw`: two u4·i8 products
+                // (≤ 2·15·128); the 8 of the half sum to ≤ 30720 < 32767.
+                let p =
+                    _mm256_add_epi16(_mm256_maddubs_epi16(low, xs[2 * g]), _mm256_maddubs_epi16(high, xs[2 * g + 1]));
+                sums[g % 2] = _mm256_add_epi16(sums[g % 2], p);
+            }
         }
-        _mm256_madd_epi16(_mm256_add_epi16(sums[0], sums[1]), _mm256_set1_epi16(1))
+        // `vpmaddwd` with 254 (hi) and 1 (lo): 254·2·30720 < 2³¹.
+        let [hi, lo] = sums.map(|s| _mm256_add_epi16(s[0], s[1]));
+        _mm256_add_epi32(_mm256_madd_epi16(hi, _mm256_set1_epi16(254)), _mm256_madd_epi16(lo, _mm256_set1_epi16(1)))
     }
 
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn q8(q: *const u8, xs: &[__m256i; 8], _sum: i32) -> __m256i {
-        let ones = _mm256_set1_epi16(1);
+    unsafe fn q8(q: *const u8, xs: &Xs, _sum: i32) -> __m256i {
+        let factors = [_mm256_set1_epi16(254), _mm256_set1_epi16(1)];
         let mut sums = [_mm256_setzero_si256(); 2];
-        for (g, x) in xs.iter().enumerate() {
+        for g in 0..8 {
             // SAFETY: vector g < 8 of the caller's 256 bytes.
             let v = unsafe { _mm256_loadu_si256(q.add(32 * g).cast()) };
-            // |w| (128 for −128, read unsigned) times x with w's sign: two
-            // products per i16 lane, ≤ 2·128·127 = 32512, so widen each
-            // `vpmaddubsw` at once.
-            let p = _mm256_maddubs_epi16(_mm256_abs_epi8(v), _mm256_sign_epi8(*x, v));
-            sums[g % 2] = _mm256_add_epi32(sums[g % 2], _mm256_madd_epi16(p, ones));
+            let magnitude = _mm256_abs_epi8(v);
+            for (xs, factor) in xs.iter().zip(factors) {
+                // |w| (128 for −128, read unsigned) times x with w's sign
+                // (|q_x| ≤ 127 either part): two products per i16 lane,
+                // ≤ 2·128·127 = 32512, so widen each `vpmaddubsw` at once,
+                // times 254 for hi: ≤ 8·255·65024 < 2³¹ over the half.
+                let p = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xs[g], v));
+                sums[g % 2] = _mm256_add_epi32(sums[g % 2], _mm256_madd_epi16(p, factor));
+            }
         }
         _mm256_add_epi32(sums[0], sums[1])
     }
 
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn q6(low: *const u8, high: *const u8, xs: &[__m256i; 8]) -> [__m256i; 2] {
-        let ones = _mm256_set1_epi16(1);
+    unsafe fn q6(low: *const u8, high: *const u8, xs: &Xs) -> [__m256i; 2] {
+        let factors = [_mm256_set1_epi16(254), _mm256_set1_epi16(1)];
         // SAFETY: the caller's 64 bytes at high.
         let highs = unsafe { [_mm256_loadu_si256(high.cast()), _mm256_loadu_si256(high.add(32).cast())] };
         let mut sums = [_mm256_setzero_si256(); 2];
@@ -117,9 +141,12 @@ impl Dot for Avx2 {
             // SAFETY: vector g < 4 of the caller's 128 bytes at low.
             let v = unsafe { _mm256_loadu_si256(low.add(32 * g).cast()) };
             let (lo, hi) = q6_bytes(g, v, highs[g / 2]);
-            // An i16 lane: four u6·i8 products (≤ 4·63·128 = 32256).
-            let p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xs[2 * g]), _mm256_maddubs_epi16(hi, xs[2 * g + 1]));
-            sums[g / 2] = _mm256_add_epi32(sums[g / 2], _mm256_madd_epi16(p, ones));
+            for (xs, factor) in xs.iter().zip(factors) {
+                // An i16 lane: four u6·i8 products (≤ 4·63·128 = 32256);
+                // times 254 for hi: ≤ 2·254·2·32256 < 2³¹ per 16 k.
+                let p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xs[2 * g]), _mm256_maddubs_epi16(hi, xs[2 * g + 1]));
+                sums[g / 2] = _mm256_add_epi32(sums[g / 2], _mm256_madd_epi16(p, factor));
+            }
         }
         sums
     }
@@ -128,49 +155,58 @@ impl Dot for Avx2 {
 impl Dot for Vnni {
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
-    unsafe fn q4(q: *const u8, xs: &[__m256i; 8]) -> __m256i {
+    unsafe fn q4(q: *const u8, xs: &Xs) -> __m256i {
         let mask = _mm256_set1_epi8(0x0f);
-        let mut sums = [_mm256_setzero_si256(); 2];
+        // [part][nibble]
+        let mut sums = [[_mm256_setzero_si256(); 2]; 2];
         for g in 0..4 {
             // SAFETY: vector g < 4 of the caller's 128 bytes.
             let v = unsafe { _mm256_loadu_si256(q.add(32 * g).cast()) };
             let low = _mm256_and_si256(v, mask);
             let high = _mm256_and_si256(_mm256_srli_epi16::<4>(v), mask);
-            sums[0] = _mm256_dpbusd_avx_epi32(sums[0], low, xs[2 * g]);
-            sums[1] = _mm256_dpbusd_avx_epi32(sums[1], high, xs[2 * g + 1]);
+            for (sums, xs) in sums.iter_mut().zip(xs) {
+                sums[0] = _mm256_dpbusd_avx_epi32(sums[0], low, xs[2 * g]);
+                sums[1] = _mm256_dpbusd_avx_epi32(sums[1], high, xs[2 * g + 1]);
+            }
         }
-        _mm256_add_epi32(sums[0], sums[1])
+        let [hi, lo] = sums.map(|s| _mm256_add_epi32(s[0], s[1]));
+        combine(hi, lo)
     }
 
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
-    unsafe fn q8(q: *const u8, xs: &[__m256i; 8], sum: i32) -> __m256i {
-        // (w + 128) is unsigned: Σ (w + 128)·x = Σ w·x + 128·Σx, exact in
-        // i32 (≤ 32·255·128).
+    unsafe fn q8(q: *const u8, xs: &Xs, sum: i32) -> __m256i {
+        // (w + 128) is unsigned: Σ (w + 128)·Q = Σ w·Q + 128·ΣQ, exact in
+        // i32 (each part ≤ 32·255·127, 254·that < 2³¹).
         let bias = _mm256_set1_epi8(i8::MIN);
         let mut sums = [_mm256_setzero_si256(); 2];
-        for (g, x) in xs.iter().enumerate() {
+        for g in 0..8 {
             // SAFETY: vector g < 8 of the caller's 256 bytes.
-            let v = unsafe { _mm256_loadu_si256(q.add(32 * g).cast()) };
-            sums[g % 2] = _mm256_dpbusd_avx_epi32(sums[g % 2], _mm256_xor_si256(v, bias), *x);
+            let v = _mm256_xor_si256(unsafe { _mm256_loadu_si256(q.add(32 * g).cast()) }, bias);
+            for (sum, xs) in sums.iter_mut().zip(xs) {
+                *sum = _mm256_dpbusd_avx_epi32(*sum, v, xs[g]);
+            }
         }
-        _mm256_sub_epi32(_mm256_add_epi32(sums[0], sums[1]), _mm256_set1_epi32(128 * sum))
+        _mm256_sub_epi32(combine(sums[0], sums[1]), _mm256_set1_epi32(128 * sum))
     }
 
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
-    unsafe fn q6(low: *const u8, high: *const u8, xs: &[__m256i; 8]) -> [__m256i; 2] {
+    unsafe fn q6(low: *const u8, high: *const u8, xs: &Xs) -> [__m256i; 2] {
         // SAFETY: the caller's 64 bytes at high.
         let highs = unsafe { [_mm256_loadu_si256(high.cast()), _mm256_loadu_si256(high.add(32).cast())] };
-        let mut sums = [_mm256_setzero_si256(); 2];
+        // [part][16-k half]
+        let mut sums = [[_mm256_setzero_si256(); 2]; 2];
         for g in 0..4 {
             // SAFETY: vector g < 4 of the caller's 128 bytes at low.
             let v = unsafe { _mm256_loadu_si256(low.add(32 * g).cast()) };
             let (lo, hi) = q6_bytes(g, v, highs[g / 2]);
-            sums[g / 2] =
-                _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(sums[g / 2], lo, xs[2 * g]), hi, xs[2 * g + 1]);
+            for (sums, xs) in sums.iter_mut().zip(xs) {
+                sums[g / 2] =
+                    _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(sums[g / 2], lo, xs[2 * g]), hi, xs[2 * g + 1]);
+            }
         }
-        sums
+        [combine(sums[0][0], sums[1][0]), combine(sums[0][1], sums[1][1])]
     }
 }
 
@@ -185,28 +221,15 @@ enum Quants {
     Q6,
 }
 
-/// One 32-k block of quantized activations: its scale and quants' sums.
+/// One 32-k block of quantized activations: the scale of its 16-bit
+/// quants `Q` and their sums.
 struct Activations {
-    /// Its scale `d_x`.
+    /// The scale `s_x` of `Q` (the block represents x̂ = s_x·Q).
     dx: f32,
-    /// `Σq_x`.
+    /// `ΣQ`.
     sum: i32,
-    /// Q6_K only: `Σq_x` over its first 16 values (else 0).
+    /// `ΣQ` over its first 16 values (Q6_K's first 16-k scale block).
     first16: i32,
-}
-
-/// `Σq` of the first 16 activation quants at `x`: `psadbw` sums the
-/// quants biased to unsigned.
-///
-/// # Safety
-/// `x` readable for 16 bytes; AVX2.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn sum16(x: *const u8) -> i32 {
-    // SAFETY: the caller's 16 bytes.
-    let biased = _mm_xor_si128(unsafe { _mm_loadu_si128(x.cast()) }, _mm_set1_epi8(i8::MIN));
-    let sad = _mm_sad_epu8(biased, _mm_setzero_si128());
-    (_mm_cvtsi128_si64(sad) + _mm_extract_epi64::<1>(sad)) as i32 - 16 * 128
 }
 
 /// A GEMV panel format: where a k-group's parts lie and how its integer
@@ -349,7 +372,7 @@ impl GemvFormat for Q4_0 {
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn add(w: *const u8, _: &(), _s: usize, h: usize, dots: [__m256i; 2], x: &Activations, acc: &mut __m256) {
-        // value = d·(q − 8): Σ q_x·(q_w − 8) = Σ q_x·q_w − 8·Σq_x.
+        // value = d·(q − 8): Σ Q·(q_w − 8) = Σ Q·q_w − 8·ΣQ.
         let dot = _mm256_sub_epi32(dots[0], _mm256_set1_epi32(8 * x.sum));
         // SAFETY: the half's 8 scales inside the caller's group.
         let scale = _mm256_mul_ps(unsafe { f16x8(w.add(256 + 16 * h)) }, _mm256_set1_ps(x.dx));
@@ -372,7 +395,7 @@ impl GemvFormat for Q4_1 {
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn add(w: *const u8, _: &(), _s: usize, h: usize, dots: [__m256i; 2], x: &Activations, acc: &mut __m256) {
-        // value = d·q + m: Σ x·w = d_x·d·Σ q_x·q + m·(d_x·Σq_x).
+        // value = d·q + m: Σ x̂·w = s_x·d·Σ Q·q + m·(s_x·ΣQ).
         // SAFETY: the half's 8 scales and 8 minimums inside the caller's
         // group.
         let (d, m) = unsafe { (f16x8(w.add(256 + 16 * h)), f16x8(w.add(288 + 16 * h))) };
@@ -429,7 +452,7 @@ impl GemvFormat for Q4K {
         x: &Activations,
         acc: &mut __m256,
     ) {
-        // value = (d·sc)·q − dmin·m: Σ x·w = d_x·(d·sc)·Σ q_x·q − dmin·m·(d_x·Σq_x).
+        // value = (d·sc)·q − dmin·m: Σ x̂·w = s_x·(d·sc)·Σ Q·q − dmin·m·(s_x·ΣQ).
         // SAFETY: the half's 8 d, 8 dmin and scale rows inside the caller's
         // group.
         let (d, dmin, sc, m) = unsafe {
@@ -461,7 +484,7 @@ impl GemvFormat for Q6K {
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn add(w: *const u8, _: &(), s: usize, h: usize, dots: [__m256i; 2], x: &Activations, acc: &mut __m256) {
-        // value = (d·sc)·(q − 32) per 16 k: Σ q_x·(q − 32) = Σ q_x·q − 32·Σq_x
+        // value = (d·sc)·(q − 32) per 16 k: Σ Q·(q − 32) = Σ Q·q − 32·ΣQ
         // over each 16-k half of the block.
         let sums = [x.first16, x.sum - x.first16];
         // SAFETY: the half's 8 d and its sub-group's 2 scale rows inside
@@ -497,8 +520,9 @@ macro_rules! gemv_body {
         let mut acc = [[_mm256_setzero_ps(); 2]; MAX_STREAMS];
         // SAFETY: stream s reads k-groups s·span + j for j < span, the
         // tail streams·span..groups: every k-group < K / GROUP_K of the
-        // panel and every 32-k activation block (40 bytes: 8 quant dwords,
-        // the scale at 32, the sum at 36), as the caller vouches;
+        // panel and every 32-k activation block (80 bytes: 8 + 8 quant
+        // dwords, the scale at 64, the sums at 68 and 72), as the caller
+        // vouches;
         // prefetches form their addresses with `wrapping_add` and never
         // fault; the kernel has the features of `$dot` and the format's
         // `add`.
@@ -510,12 +534,13 @@ macro_rules! gemv_body {
                     _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add(PREFETCH_BYTES + line).cast());
                 }
                 let at = x.add((g * subs + s) * Q8_ACTIVATION_BLOCK_BYTES);
-                let xs: [__m256i; 8] =
-                    std::array::from_fn(|i| _mm256_set1_epi32(at.add(4 * i).cast::<i32>().read_unaligned()));
+                let xs: Xs = std::array::from_fn(|part| {
+                    std::array::from_fn(|i| _mm256_set1_epi32(at.add(32 * part + 4 * i).cast::<i32>().read_unaligned()))
+                });
                 let block = Activations {
-                    dx: at.add(32).cast::<f32>().read_unaligned(),
-                    sum: at.add(36).cast::<i32>().read_unaligned(),
-                    first16: if <$format>::QUANTS == Quants::Q6 { sum16(at) } else { 0 },
+                    dx: at.add(64).cast::<f32>().read_unaligned(),
+                    sum: at.add(68).cast::<i32>().read_unaligned(),
+                    first16: at.add(72).cast::<i32>().read_unaligned(),
                 };
                 for (h, acc) in acc.iter_mut().enumerate() {
                     let q = w.add(<$format>::quants(s, h));
@@ -561,8 +586,9 @@ unsafe extern "C" fn gemv_kernel<F: GemvFormat>(x: *const f32, _x_step: usize, w
 }
 
 /// The integer GEMV tile of format `F` with AVX-VNNI ([`gemv_body`]);
-/// measured 1.1–1.25× [`gemv_kernel`] on panels in L2 (Q4_1 and Q4_K
-/// ~1.12×, Q6_K ~1.15×, Q8_0 ~1.25×), 1.0–1.08× from DRAM.
+/// measured with two-part activations 1.1–1.65× [`gemv_kernel`] on panels
+/// in L2 (Q4_1 and Q4_K ~1.1×, Q6_K ~1.15×, Q4_0 ~1.35×, Q8_0 ~1.65×),
+/// 1.0–1.2× from DRAM (Q8_0 the most).
 ///
 /// # Safety
 /// As for [`gemv_kernel`], and the CPU has AVX-VNNI.
@@ -797,9 +823,13 @@ pub(super) fn dequantize(format: DType) -> Option<WidenBlock> {
 }
 
 /// [`super::quantize_activations`] with AVX2: per block of 32, `max|x|`
-/// across 4 vectors, `x / d` by `vdivps` (the same IEEE quotient as the
+/// across 4 vectors, `x / s` by `vdivps` (the same IEEE quotient as the
 /// scalar code), rounded half away from zero (truncate, then a step away
-/// from zero where the exact remainder is at least a half), packed to i8.
+/// from zero where the exact remainder is at least a half) and clamped to
+/// ±32258 as `Q`; `q_hi = round(Q / 254)` the same way (exact: `Q / 254`
+/// is either a tie, exact in f32, or at least 1/254 from one, far more
+/// than the quotient's rounding), `q_lo = Q − 254·q_hi` (exact in f32);
+/// both packed to i8.
 ///
 /// # Safety
 /// `out` holds [`Q8_ACTIVATION_BLOCK_BYTES`] per 32 values of `x`; the CPU
@@ -808,6 +838,26 @@ pub(super) fn dequantize(format: DType) -> Option<WidenBlock> {
 pub(super) unsafe fn quantize_activations(x: &[f32], out: &mut [u8]) {
     let magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fff_ffff));
     let (half, one) = (_mm256_set1_ps(0.5), _mm256_set1_ps(1.0));
+    let round = |v: __m256| {
+        let t = _mm256_round_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(v);
+        let rest = _mm256_sub_ps(v, t);
+        let up = _mm256_and_ps(_mm256_cmp_ps::<_CMP_GE_OQ>(rest, half), one);
+        let down = _mm256_and_ps(_mm256_cmp_ps::<_CMP_LE_OQ>(rest, _mm256_sub_ps(_mm256_setzero_ps(), half)), one);
+        _mm256_sub_ps(_mm256_add_ps(t, up), down)
+    };
+    let (limit, step) = (_mm256_set1_ps(Q_MAX as f32), _mm256_set1_ps(254.0));
+    // i32 → i16 → i8 packs interleave 128-bit lanes: dwords come out in
+    // the order 0, 4, 1, 5, 2, 6, 3, 7.
+    let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    let pack = |q: [__m256i; 4]| {
+        let bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+        _mm256_permutevar8x32_epi32(bytes, order)
+    };
+    let hsum = |v: __m256i| {
+        let v = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
+        let v = _mm_add_epi32(v, _mm_unpackhi_epi64(v, v));
+        _mm_cvtsi128_si32(_mm_add_epi32(v, _mm_shuffle_epi32::<1>(v)))
+    };
     for (x, out) in x.chunks_exact(32).zip(out.chunks_exact_mut(Q8_ACTIVATION_BLOCK_BYTES)) {
         // SAFETY: 4 × 8 f32 of the 32 in this chunk.
         let v: [__m256; 4] = std::array::from_fn(|i| unsafe { _mm256_loadu_ps(x.as_ptr().add(8 * i)) });
@@ -816,34 +866,34 @@ pub(super) unsafe fn quantize_activations(x: &[f32], out: &mut [u8]) {
         let max = _mm_max_ps(_mm256_castps256_ps128(max), _mm256_extractf128_ps::<1>(max));
         let max = _mm_max_ps(max, _mm_movehl_ps(max, max));
         let amax = _mm_cvtss_f32(_mm_max_ss(max, _mm_shuffle_ps::<1>(max, max)));
-        let d = amax / 127.0;
-        let q: [__m256i; 4] = if d == 0.0 {
-            [_mm256_setzero_si256(); 4]
+        let scale = amax / Q_MAX as f32;
+        let (q, hi, lo): ([__m256i; 4], [__m256i; 4], [__m256i; 4]) = if scale == 0.0 {
+            let zero = [_mm256_setzero_si256(); 4];
+            (zero, zero, zero)
         } else {
-            let d = _mm256_set1_ps(d);
-            v.map(|v| {
-                let v = _mm256_div_ps(v, d);
-                let t = _mm256_round_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(v);
-                let rest = _mm256_sub_ps(v, t);
-                let up = _mm256_and_ps(_mm256_cmp_ps::<_CMP_GE_OQ>(rest, half), one);
-                let down =
-                    _mm256_and_ps(_mm256_cmp_ps::<_CMP_LE_OQ>(rest, _mm256_sub_ps(_mm256_setzero_ps(), half)), one);
-                _mm256_cvtps_epi32(_mm256_sub_ps(_mm256_add_ps(t, up), down))
-            })
+            let s = _mm256_set1_ps(scale);
+            let q = v.map(|v| {
+                let q = round(_mm256_div_ps(v, s));
+                _mm256_max_ps(_mm256_min_ps(q, limit), _mm256_sub_ps(_mm256_setzero_ps(), limit))
+            });
+            let hi = q.map(|q| round(_mm256_div_ps(q, step)));
+            (
+                q.map(|q| _mm256_cvtps_epi32(q)),
+                hi.map(|h| _mm256_cvtps_epi32(h)),
+                std::array::from_fn(|i| _mm256_cvtps_epi32(_mm256_fnmadd_ps(hi[i], step, q[i]))),
+            )
         };
-        let sums = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
-        let sums = _mm_add_epi32(_mm256_castsi256_si128(sums), _mm256_extracti128_si256::<1>(sums));
-        let sums = _mm_add_epi32(sums, _mm_unpackhi_epi64(sums, sums));
-        let sum = _mm_cvtsi128_si32(_mm_add_epi32(sums, _mm_shuffle_epi32::<1>(sums)));
-        // i32 → i16 → i8 packs interleave 128-bit lanes: dwords come out in
-        // the order 0, 4, 1, 5, 2, 6, 3, 7.
-        let bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
-        let bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-        // SAFETY: 32 + 4 + 4 bytes of this chunk of out.
+        let first16 = hsum(_mm256_add_epi32(q[0], q[1]));
+        let sum = first16 + hsum(_mm256_add_epi32(q[2], q[3]));
+        // SAFETY: 32 + 32 + 4 · 4 bytes of this chunk of out.
         unsafe {
-            _mm256_storeu_si256(out.as_mut_ptr().cast(), bytes);
-            out.as_mut_ptr().add(32).cast::<f32>().write_unaligned(d);
-            out.as_mut_ptr().add(36).cast::<i32>().write_unaligned(sum);
+            let o = out.as_mut_ptr();
+            _mm256_storeu_si256(o.cast(), pack(hi));
+            _mm256_storeu_si256(o.add(32).cast(), pack(lo));
+            o.add(64).cast::<f32>().write_unaligned(scale);
+            o.add(68).cast::<i32>().write_unaligned(sum);
+            o.add(72).cast::<i32>().write_unaligned(first16);
+            o.add(76).cast::<i32>().write_unaligned(0);
         }
     }
 }
