@@ -130,10 +130,7 @@ fn l2_table(reps: usize, only: &str) {
         }
         let packed = quant_matrix(format, k, n, &mut rng);
         let panel = panel_bytes(format, k);
-        let (name, tile) = match format.block().0 {
-            32 => ("quant_gemv", quant_gemv(format)),
-            _ => ("quant_gemv_k_quants", quant_gemv_k_quants(format)),
-        };
+        let (name, tile) = ("quant_gemv", quant_gemv(format));
         for (name, tile) in [(name, tile), ("quant_gemv_avx2", quant_gemv_avx2(format))] {
             let Some(tile) = tile else { continue };
             time(&format!("{format} {name}"), packed.len(), n, &mut |c| {

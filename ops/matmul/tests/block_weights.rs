@@ -7,11 +7,11 @@
 //!
 //! The tolerance is the arithmetic's own: the f32 accumulation bound every
 //! matmul test uses, plus — where the 256-bit tier streams one row through
-//! its integer GEMV, on activations quantized to 8 bits per block of 32 —
-//! the most that rounding can move each element (half a step of each
-//! block's activation scale times the block's `Σ|w|`,
-//! [`activation_rounding_bound`]), carried through the epilogue like the
-//! accumulation error.
+//! its integer GEMV, on activations rounded to 16-bit integers per block of
+//! 32 — the most that rounding can move each element (half a step,
+//! `max|x_b|/32258`, of each block's activation scale times the block's
+//! `Σ|w|`, [`activation_rounding_bound`]), carried through the epilogue
+//! like the accumulation error.
 
 mod common;
 
