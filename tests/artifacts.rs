@@ -207,7 +207,7 @@ fn malformed_artifacts_are_refused_before_anything_is_mapped() {
         (
             "overflow",
             Box::new(|h, _| h["constants"][0]["shape"] = serde_json::json!([4294967296u64, 4294967296u64, 16])),
-            "overflows",
+            "has more elements than fit in memory",
         ),
         ("unknown field", Box::new(|h, _| h["extra"] = 1.into()), "unknown field"),
         ("wrong format", Box::new(|h, _| h["format"] = "kvjit-graph".into()), "header format"),
