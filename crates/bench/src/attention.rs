@@ -31,10 +31,10 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use half::slice::HalfFloatSliceExt;
-use kvjit::attention::{JitKernel as MhaKernel, jit_kernel as mha_kernel};
+use kvjit::attention::{JitKernel as MhaKernel, MhaSpec, jit_kernel as mha_kernel};
 use kvjit::models::llama::LlamaConfig;
 use kvjit::rope::{JitKernel as RopeKernel, RopeSpec};
-use kvjit_core::{DType, KernelSpec, PagedKVCacheCollection, Target, Tensor};
+use kvjit_core::{Backend, CodeTier, CpuTier, DType, KernelSpec, PagedKVCacheCollection, Target, Tensor};
 use kvjit_jit::CaptureText;
 use kvjit_op::Compiled;
 use kvjit_op::checks::StepDims;
@@ -566,6 +566,21 @@ pub struct AttentionReport {
     pub step: Option<StepResult>,
 }
 
+/// Environment variable naming the CPU tier the decode and prefill rows'
+/// attention kernels are built for (`auto`, `cranelift`, `avx2`; default
+/// `auto`): the rows' kernel keys name it (`cpu-avx2`).
+pub const ATTENTION_TIER_VAR: &str = "KVJIT_BENCH_ATTENTION_TIER";
+
+/// The tier [`ATTENTION_TIER_VAR`] asks for, resolved.
+fn decode_tier() -> Result<CodeTier> {
+    let requested = match std::env::var(ATTENTION_TIER_VAR) {
+        Ok(name) => name.parse::<CpuTier>()?,
+        Err(_) => CpuTier::Auto,
+    };
+    kvjit_jit::microkernel::resolve_tier(requested)
+        .map_err(|source| BenchError::Compile { key: format!("{ATTENTION_TIER_VAR}={requested}"), source })
+}
+
 /// Run a JIT kernel and the peer once on the same call and compare.
 fn validate(
     kernel: &Compiled<MhaKernel>,
@@ -596,7 +611,7 @@ fn run_pair(
     let StepShape { batch, history, new_tokens: seq } = step;
     let threads = ctx.cpu_context().map_or(1, |c| c.threads());
     let mut cache = make_cache(heads, dtype, layers, step, true, rng)?;
-    let spec = heads.spec(dtype, layers, batch, seq);
+    let spec = MhaSpec { backend: Backend::Cpu(decode_tier()?), ..heads.spec(dtype, layers, batch, seq) };
     let key = spec.key().to_string();
     let kernel =
         mha_kernel(spec, CaptureText::default()).map_err(|source| BenchError::Compile { key: key.clone(), source })?;

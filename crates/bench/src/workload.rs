@@ -61,7 +61,7 @@ impl Heads {
 
     pub(crate) fn spec(&self, dtype: DType, layers: usize, batch: usize, seq: usize) -> MhaSpec {
         MhaSpec {
-            target: Target::Cpu,
+            backend: kvjit_core::Backend::Cpu(crate::problem::widest_tier()),
             dtype,
             cache: cache_params(self, dtype, layers),
             num_heads: self.num_heads,

@@ -17,6 +17,9 @@
 //! - [`microkernel`]: the 256-bit tier — AVX2/FMA tile micro-kernels compiled
 //!   ahead of time, which Cranelift-emitted drivers call once per register
 //!   tile; [`microkernel::resolve_tier`] picks the tier a kernel is built for.
+//! - [`attention_kernel`]: the 256-bit tier of paged decode attention — an
+//!   AVX2/FMA flash-decoding micro-kernel over one KV head's query rows,
+//!   reading K/V (f32, bf16, f16, FP8 E4M3) in place from the cache pages.
 //! - [`kernels`]: the process-wide [`KernelCache`] — compile once per
 //!   [`KernelKey`](kvjit_core::KernelKey), share across nodes, graphs and
 //!   threads, free when the last user drops, and log every compile with its
@@ -30,6 +33,7 @@
 //! builds with debug assertions (every `cargo test`) or with
 //! `KVJIT_JIT_VERIFY=1` (see [`host_isa`]).
 
+pub mod attention_kernel;
 mod cache;
 mod function;
 pub mod ir;
