@@ -31,10 +31,10 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use half::slice::HalfFloatSliceExt;
-use kvjit::attention::{JitKernel as MhaKernel, MhaSpec, jit_kernel as mha_kernel};
+use kvjit::attention::{JitKernel as MhaKernel, jit_kernel as mha_kernel};
 use kvjit::models::llama::LlamaConfig;
 use kvjit::rope::{JitKernel as RopeKernel, RopeSpec};
-use kvjit_core::{Backend, CodeTier, CpuTier, DType, KernelSpec, PagedKVCacheCollection, Target, Tensor};
+use kvjit_core::{CodeTier, CpuTier, DType, KernelSpec, PagedKVCacheCollection, Target, Tensor};
 use kvjit_jit::CaptureText;
 use kvjit_op::Compiled;
 use kvjit_op::checks::StepDims;
@@ -566,19 +566,29 @@ pub struct AttentionReport {
     pub step: Option<StepResult>,
 }
 
-/// Environment variable naming the CPU tier the decode and prefill rows'
-/// attention kernels are built for (`auto`, `cranelift`, `avx2`; default
-/// `auto`): the rows' kernel keys name it (`cpu-avx2`).
+/// Environment variable naming the CPU tier the benches' paged-attention
+/// kernels (`--ops attention` decode and prefill rows, `--ops fp8` decode
+/// attention) are built for: `auto` (default), `cranelift`, `avx2`. The
+/// rows' kernel keys name it (`cpu-avx2`).
 pub const ATTENTION_TIER_VAR: &str = "KVJIT_BENCH_ATTENTION_TIER";
 
-/// The tier [`ATTENTION_TIER_VAR`] asks for, resolved.
-fn decode_tier() -> Result<CodeTier> {
+/// The tier [`ATTENTION_TIER_VAR`] asks for, resolved; the widest this CPU
+/// runs when it is unset, or (with a warning) names no tier this CPU runs.
+pub fn attention_tier() -> CodeTier {
     let requested = match std::env::var(ATTENTION_TIER_VAR) {
-        Ok(name) => name.parse::<CpuTier>()?,
+        Ok(name) => match name.parse::<CpuTier>() {
+            Ok(tier) => tier,
+            Err(e) => {
+                eprintln!("warning: {ATTENTION_TIER_VAR}: {e}; using the auto tier");
+                CpuTier::Auto
+            }
+        },
         Err(_) => CpuTier::Auto,
     };
-    kvjit_jit::microkernel::resolve_tier(requested)
-        .map_err(|source| BenchError::Compile { key: format!("{ATTENTION_TIER_VAR}={requested}"), source })
+    kvjit_jit::microkernel::resolve_tier(requested).unwrap_or_else(|e| {
+        eprintln!("warning: {ATTENTION_TIER_VAR}: {e}; using the auto tier");
+        crate::problem::widest_tier()
+    })
 }
 
 /// Run a JIT kernel and the peer once on the same call and compare.
@@ -611,7 +621,7 @@ fn run_pair(
     let StepShape { batch, history, new_tokens: seq } = step;
     let threads = ctx.cpu_context().map_or(1, |c| c.threads());
     let mut cache = make_cache(heads, dtype, layers, step, true, rng)?;
-    let spec = MhaSpec { backend: Backend::Cpu(decode_tier()?), ..heads.spec(dtype, layers, batch, seq) };
+    let spec = heads.spec(dtype, layers, batch, seq);
     let key = spec.key().to_string();
     let kernel =
         mha_kernel(spec, CaptureText::default()).map_err(|source| BenchError::Compile { key: key.clone(), source })?;

@@ -46,25 +46,29 @@ pub const DECODE_BLOCK_KEYS: usize = 32;
 /// 128-bit vector of `m`, `l`).
 pub const STATE_TILE_ROWS: usize = 4;
 
-/// The C ABI of the decode micro-kernel. For one KV head, `rows` (G)
-/// query rows and `keys` key positions:
+/// The C ABI of the decode micro-kernel. For `heads` KV heads, `rows` (G)
+/// query rows per head and `keys` key positions:
 ///
-/// - `q`: f32 query rows, pre-scaled, `ceil(rows / 4)·4` rows of
-///   `head_size` (rows past `rows` zero);
+/// - `q`: f32 query rows, pre-scaled, per head `ceil(rows / 4)·4` rows of
+///   `head_size` (rows past `rows` zero), head after head;
 /// - `blocks`: the cache's element bytes; `key_offsets[j]`, `j < keys`:
-///   the element offset of key j's K row (KV head 0); this head's K row is
-///   at `key_offsets[j] + head_offset`, its V row `kv_stride` elements on;
+///   the element offset of key j's K row of KV head 0; head h's K row is
+///   `h·head_size` elements on, its V row `kv_stride` elements after that;
 /// - `scales` (FP8 only, else unused): f32 scales, the scale of the
 ///   `granularity` elements at element offset `o` at `scales[o / granularity]`;
-/// - `state`: `ceil(rows / 4)` tiles of `tile_floats` f32, each
+/// - `state`: per head `ceil(rows / 4)` tiles of `tile_floats` f32, each
 ///   `[m: 4, l: 4, (8 words the kernel leaves alone), acc: 4 × head_size]`,
 ///   updated in place (flash attention's online softmax).
+///
+/// Keys go in blocks, every head of a block before the next block, so the
+/// block's K and V slots (all heads contiguous in a page) are read as a
+/// whole while they are in cache.
 pub type DecodeKernel = unsafe extern "C" fn(
     q: *const f32,
     blocks: *const u8,
     key_offsets: *const i64,
     keys: usize,
-    head_offset: usize,
+    heads: usize,
     scales: *const f32,
     state: *mut f32,
     rows: usize,
@@ -228,13 +232,13 @@ mod x86 {
         _mm256_add_ps(lo, hi)
     }
 
-    /// Prefetch the `bytes` bytes at `p` (never faults).
+    /// Prefetch the `bytes` bytes at `p` into L2 (never faults).
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     fn prefetch(p: *const u8, bytes: usize) {
         let mut o = 0;
         while o < bytes {
-            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(o).cast());
+            _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(o).cast());
             o += 64;
         }
     }
@@ -255,6 +259,10 @@ mod x86 {
         v: [*const u8; KB],
         ks: [*const f32; KB],
         vs: [*const f32; KB],
+        /// The same head's K rows of the next block's first `ahead` keys
+        /// (prefetched, K and V, while this block's keys are scored).
+        next: [*const u8; KB],
+        ahead: usize,
     }
 
     /// Scores `out[r][j]` (r < R, j < n rounded up to 8/R) of the R query
@@ -274,6 +282,10 @@ mod x86 {
     ) {
         let mut j0 = 0;
         while j0 < n {
+            for j in j0..(j0 + KN).min(rows.ahead) {
+                prefetch(rows.next[j], sh.d * E::BYTES);
+                prefetch(rows.next[j].wrapping_add(sh.kv_stride * E::BYTES), sh.d * E::BYTES);
+            }
             let mut acc = [[_mm256_setzero_ps(); KN]; R];
             let mut d = 0;
             while d < sh.d {
@@ -454,12 +466,12 @@ mod x86 {
     ///
     /// # Safety
     /// The [`DecodeKernel`] contract: every `key_offsets[j]`, j < keys, plus
-    /// `head_offset` (and plus `kv_stride`) is the element offset of a whole
-    /// row of `head_size` elements inside `blocks`; for FP8, `(offset +
-    /// head_offset) / granularity` (+ `kv_stride / granularity`) indexes
-    /// `head_size / granularity` f32 inside `scales`; q holds
-    /// `ceil(rows / 4)·4` rows of `head_size` f32 and `state` as many tiles
-    /// of `tile_floats ≥ 16 + 4·head_size` f32; head_size a multiple of 8,
+    /// `h·head_size` for h < heads (and plus `kv_stride`) is the element
+    /// offset of a whole row of `head_size` elements inside `blocks`; for
+    /// FP8, that offset / `granularity` indexes `head_size / granularity`
+    /// f32 inside `scales`; q holds `heads·ceil(rows / 4)·4` rows of
+    /// `head_size` f32 and `state` `heads·ceil(rows / 4)` tiles of
+    /// `tile_floats ≥ 16 + 4·head_size` f32; head_size a multiple of 8,
     /// granularity (FP8) a multiple of 8 dividing it; AVX2, FMA, F16C.
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe extern "C" fn decode<E: Elem, const R: usize, const KN: usize, const SV: usize>(
@@ -467,7 +479,7 @@ mod x86 {
         blocks: *const u8,
         key_offsets: *const i64,
         keys: usize,
-        head_offset: usize,
+        heads: usize,
         scales: *const f32,
         state: *mut f32,
         rows: usize,
@@ -477,51 +489,62 @@ mod x86 {
         tile_floats: usize,
     ) {
         let sh = Shape { d: head_size, kv_stride, g: granularity.max(1), tile_floats };
-        let tiles = if R == STATE_TILE_ROWS { rows.div_ceil(R) } else { 1 };
-        let row_bytes = head_size * E::BYTES;
-        // Element offset of this head's K row of key j (relative to the call).
+        // State tiles (and 4-row q tiles) per head; R < 4 only for rows ≤ R.
+        let head_tiles = rows.div_ceil(STATE_TILE_ROWS);
+        let tiles = if R == STATE_TILE_ROWS { head_tiles } else { 1 };
+        // Element offset of key j's K row of head 0 (relative to the call).
         // SAFETY: j < keys (the caller's table).
-        let offset = |j: usize| unsafe { *key_offsets.add(j) } as usize + head_offset;
+        let offset = |j: usize| unsafe { *key_offsets.add(j) } as usize;
         let mut rows_of = Rows {
             k: [std::ptr::null(); KB],
             v: [std::ptr::null(); KB],
             ks: [std::ptr::null(); KB],
             vs: [std::ptr::null(); KB],
+            next: [std::ptr::null(); KB],
+            ahead: 0,
         };
+        let mut slot = [0usize; KB];
         let mut p0 = 0;
         while p0 < keys {
             let n = (keys - p0).min(KB);
-            for j in 0..KB {
-                let o = offset(p0 + j.min(n - 1));
-                // Rows of the cache (the caller's contract); pointers only.
-                let k = blocks.wrapping_add(o * E::BYTES);
-                let v = k.wrapping_add(sh.kv_stride * E::BYTES);
-                rows_of.k[j] = k;
-                rows_of.v[j] = v;
-                if E::SCALED {
-                    rows_of.ks[j] = scales.wrapping_add(o / sh.g);
-                    rows_of.vs[j] = scales.wrapping_add((o + sh.kv_stride) / sh.g);
-                }
-                if j < n {
-                    // This block's V row now, the next block's K row.
-                    prefetch(v, row_bytes);
-                    if p0 + KB + j < keys {
-                        prefetch(blocks.wrapping_add(offset(p0 + KB + j) * E::BYTES), row_bytes);
+            let next = (keys - p0).saturating_sub(KB).min(KB);
+            for (j, o) in slot.iter_mut().enumerate() {
+                *o = offset(p0 + j.min(n - 1));
+            }
+            for h in 0..heads {
+                let head = h * head_size;
+                for j in 0..KB {
+                    let o = slot[j] + head;
+                    // Rows of the cache (the caller's contract); pointers only.
+                    let k = blocks.wrapping_add(o * E::BYTES);
+                    rows_of.k[j] = k;
+                    rows_of.v[j] = k.wrapping_add(sh.kv_stride * E::BYTES);
+                    if E::SCALED {
+                        rows_of.ks[j] = scales.wrapping_add(o / sh.g);
+                        rows_of.vs[j] = scales.wrapping_add((o + sh.kv_stride) / sh.g);
                     }
                 }
-            }
-            for t in 0..tiles {
-                // SAFETY: tile t's q rows and state (t < ceil(rows/4)); the
-                // block's rows are rows of the cache (the contract).
-                unsafe {
-                    tile_block::<E, R, KN, SV>(
-                        q.add(t * STATE_TILE_ROWS * head_size),
-                        state.add(t * sh.tile_floats),
-                        &rows_of,
-                        n,
-                        sh,
-                    )
-                };
+                // This head's rows of the next block, prefetched by the first
+                // tile's score loop.
+                for j in 0..next {
+                    rows_of.next[j] = blocks.wrapping_add((offset(p0 + KB + j) + head) * E::BYTES);
+                }
+                for t in 0..tiles {
+                    rows_of.ahead = if t == 0 { next } else { 0 };
+                    let tile = h * head_tiles + t;
+                    // SAFETY: tile < heads·ceil(rows/4): its q rows and state
+                    // are the caller's; the block's rows are rows of the
+                    // cache (the contract).
+                    unsafe {
+                        tile_block::<E, R, KN, SV>(
+                            q.add(tile * STATE_TILE_ROWS * head_size),
+                            state.add(tile * sh.tile_floats),
+                            &rows_of,
+                            n,
+                            sh,
+                        )
+                    };
+                }
             }
             p0 += KB;
         }

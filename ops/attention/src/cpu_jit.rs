@@ -48,6 +48,21 @@
 //! keys is refused). q is pre-scaled by `scale`, widened to f32 and packed
 //! per (b, query block) in row-tile order on the host (padded rows zero).
 //!
+//! **The 256-bit tier** (`MhaSpec::backend = Cpu(Avx2)`, key `cpu-avx2`):
+//! decode items (query block of 1, so every row of a KV head reads the same
+//! keys) skip the gather and the 128-bit loops: per KV head, the driver
+//! calls the ahead-of-time AVX2/FMA micro-kernel
+//! [`kvjit_jit::attention_kernel`] once over the item's key range, which
+//! reads K/V in place from the cache pages through the same offsets table
+//! (software-prefetching a block ahead), widens bf16/f16/FP8 in registers
+//! (FP8: E4M3 bit manipulation and the per-key g-block scales, no
+//! re-encoding pass) and leaves `(m, l, acc)` in the same tile layout, so
+//! the chunking, the partials and the host merge are the Cranelift tier's
+//! and the output stays bit-identical for any thread count. Prefill, and
+//! caches it does not serve (D or g not a multiple of 8), run the Cranelift
+//! code on that tier too; the Cranelift tier (`Cpu(Cranelift)`) is the
+//! fallback on every CPU.
+//!
 //! **FP8 (E4M3) cache.** The gather reads 1 byte per element (and the
 //! keys' `Hkv·D/g` f32 scales of K and of V) and re-encodes each code as
 //! the bf16 bits of its unscaled value, which is exact
@@ -601,10 +616,13 @@ impl Emitter {
         });
     }
 
-    /// Decode on the 256-bit tier: for each KV head, one call of the
-    /// micro-kernel over the item's keys `[lo, hi)`, reading K/V in place
-    /// through the sequence's row of the offsets table and updating the
-    /// head's row tiles (`m`, `l`, `acc`) in the partials.
+    /// Decode on the 256-bit tier: one call of the micro-kernel over the
+    /// item's keys `[lo, hi)` for every KV head (block by block, all heads
+    /// of a block together), reading K/V in place through the sequence's
+    /// row of the offsets table and updating the heads' row tiles (`m`,
+    /// `l`, `acc`) in the partials. The packed q and the tiles are head
+    /// after head, `tiles_per_head = ceil(G/4)` each, as the micro-kernel
+    /// reads them.
     fn emit_native_decode(&self, b: &mut FunctionBuilder, kernel: DecodeKernel, r: &NativeRanges) {
         let any = b.ins().icmp(IntCC::SignedLessThan, r.lo, r.hi);
         when(b, any, |b| {
@@ -612,29 +630,29 @@ impl Emitter {
             let keys = b.ins().isub(r.hi, r.lo);
             let first = b.ins().iadd(r.seq_offsets, r.lo);
             let offsets = addr::element(b, self.args.key_offsets, first, 8);
-            let tiles_per_head = self.args.tiles;
-            let q_head_bytes = b.ins().imul_imm_s(tiles_per_head, (ROW_TILE * d * 4) as i64);
-            let state_head_bytes = b.ins().imul_imm_s(tiles_per_head, self.tile_bytes() as i64);
-            let g = self.spec.cache.scale_granularity().unwrap_or(0);
             let scales = match self.fp8() {
                 true => self.args.scales,
                 false => iconst(b, 0),
             };
-            let zero = iconst(b, 0);
-            let heads = iconst(b, self.spec.cache.num_kv_heads as i64);
-            counted_loop(b, zero, heads, 1, &[], |b, hkv, _| {
-                let q_off = b.ins().imul(hkv, q_head_bytes);
-                let q = b.ins().iadd(r.q_group, q_off);
-                let state_off = b.ins().imul(hkv, state_head_bytes);
-                let state = b.ins().iadd(r.tiles_base, state_off);
-                let head_offset = b.ins().imul_imm_s(hkv, d as i64);
-                let consts = [self.spec.group(), d, self.kv_stride(), g, layout::tile_floats(d)];
-                let consts = consts.map(|c| iconst(b, c as i64));
-                let mut args = vec![q, self.args.blocks, offsets, keys, head_offset, scales, state];
-                args.extend(consts);
-                kvjit_jit::ir::call_native(b, kernel as usize, &args);
-                Vec::new()
-            });
+            let g = self.spec.cache.scale_granularity().unwrap_or(0);
+            let [heads, rows, d, kv_stride, g, tile_floats] =
+                [self.spec.cache.num_kv_heads, self.spec.group(), d, self.kv_stride(), g, layout::tile_floats(d)]
+                    .map(|c| iconst(b, c as i64));
+            let args = [
+                r.q_group,
+                self.args.blocks,
+                offsets,
+                keys,
+                heads,
+                scales,
+                r.tiles_base,
+                rows,
+                d,
+                kv_stride,
+                g,
+                tile_floats,
+            ];
+            kvjit_jit::ir::call_native(b, kernel as usize, &args);
         });
     }
 
