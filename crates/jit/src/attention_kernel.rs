@@ -243,6 +243,10 @@ mod x86 {
         }
     }
 
+    /// How many (block, head) pairs ahead of the one being computed its
+    /// rows are prefetched.
+    const AHEAD: usize = 2;
+
     /// The sizes of one call.
     #[derive(Clone, Copy)]
     struct Shape {
@@ -282,9 +286,9 @@ mod x86 {
     ) {
         let mut j0 = 0;
         while j0 < n {
+            // The K rows of the keys AHEAD pairs on (their V rows: the P·V loop).
             for j in j0..(j0 + KN).min(rows.ahead) {
                 prefetch(rows.next[j], sh.d * E::BYTES);
-                prefetch(rows.next[j].wrapping_add(sh.kv_stride * E::BYTES), sh.d * E::BYTES);
             }
             let mut acc = [[_mm256_setzero_ps(); KN]; R];
             let mut d = 0;
@@ -353,7 +357,15 @@ mod x86 {
                 *x = _mm256_mul_ps(al, unsafe { _mm256_loadu_ps(acc.add(r * sh.d + d0 + 8 * i)) });
             }
         }
+        // This slice's lines of the V rows of the keys AHEAD pairs on (a
+        // line once, by the slice it starts in), spread over the loop.
+        let (from, to) = (d0 * E::BYTES, (d0 + 8 * SV) * E::BYTES);
+        let first_line = from.next_multiple_of(64);
         for j in 0..n {
+            if j < rows.ahead && first_line < to {
+                let v_row = rows.next[j].wrapping_add(sh.kv_stride * E::BYTES);
+                prefetch(v_row.wrapping_add(first_line), to - first_line);
+            }
             let mut v = [_mm256_setzero_ps(); SV];
             for (i, x) in v.iter_mut().enumerate() {
                 let d = d0 + 8 * i;
@@ -504,10 +516,18 @@ mod x86 {
             ahead: 0,
         };
         let mut slot = [0usize; KB];
+        // The first AHEAD pairs (the score loops prefetch the rest).
+        for pair in 0..AHEAD {
+            let (p0, head) = ((pair / heads) * KB, (pair % heads) * head_size);
+            for j in 0..keys.saturating_sub(p0).min(KB) {
+                let k = blocks.wrapping_add((offset(p0 + j) + head) * E::BYTES);
+                prefetch(k, head_size * E::BYTES);
+                prefetch(k.wrapping_add(sh.kv_stride * E::BYTES), head_size * E::BYTES);
+            }
+        }
         let mut p0 = 0;
         while p0 < keys {
             let n = (keys - p0).min(KB);
-            let next = (keys - p0).saturating_sub(KB).min(KB);
             for (j, o) in slot.iter_mut().enumerate() {
                 *o = offset(p0 + j.min(n - 1));
             }
@@ -524,13 +544,16 @@ mod x86 {
                         rows_of.vs[j] = scales.wrapping_add((o + sh.kv_stride) / sh.g);
                     }
                 }
-                // This head's rows of the next block, prefetched by the first
-                // tile's score loop.
-                for j in 0..next {
-                    rows_of.next[j] = blocks.wrapping_add((offset(p0 + KB + j) + head) * E::BYTES);
+                // The rows of the (block, head) pair AHEAD pairs on, in
+                // processing order, prefetched by the first tile's score loop.
+                let pair = (p0 / KB) * heads + h + AHEAD;
+                let (ahead_p0, ahead_head) = ((pair / heads) * KB, (pair % heads) * head_size);
+                let ahead = keys.saturating_sub(ahead_p0).min(KB);
+                for j in 0..ahead {
+                    rows_of.next[j] = blocks.wrapping_add((offset(ahead_p0 + j) + ahead_head) * E::BYTES);
                 }
                 for t in 0..tiles {
-                    rows_of.ahead = if t == 0 { next } else { 0 };
+                    rows_of.ahead = if t == 0 { ahead } else { 0 };
                     let tile = h * head_tiles + t;
                     // SAFETY: tile < heads·ceil(rows/4): its q rows and state
                     // are the caller's; the block's rows are rows of the
