@@ -243,9 +243,40 @@ mod x86 {
         }
     }
 
-    /// How many (block, head) pairs ahead of the one being computed its
-    /// rows are prefetched.
-    const AHEAD: usize = 2;
+    /// Whole K and V slots (every head of a key: contiguous, consecutive
+    /// keys of a page adjacent) to prefetch in address order, so the L2
+    /// streamer follows; `k` and `v` are cursors (key, byte) spread over the
+    /// score and P·V loops.
+    struct Ahead {
+        slots: [*const u8; KB],
+        keys: usize,
+        slot_bytes: usize,
+        v_offset: usize,
+        k: (usize, usize),
+        v: (usize, usize),
+    }
+
+    impl Ahead {
+        /// Lines of one stream (K or V) left to prefetch.
+        fn lines(&self) -> usize {
+            self.keys * self.slot_bytes.div_ceil(64)
+        }
+
+        /// Prefetch the next `lines` lines of the K (`v` false) or V stream.
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        fn step(&mut self, v: bool, mut lines: usize) {
+            let (cursor, offset) = if v { (&mut self.v, self.v_offset) } else { (&mut self.k, 0) };
+            while lines > 0 && cursor.0 < self.keys {
+                _mm_prefetch::<_MM_HINT_T1>(self.slots[cursor.0].wrapping_add(offset + cursor.1).cast());
+                cursor.1 += 64;
+                if cursor.1 >= self.slot_bytes {
+                    *cursor = (cursor.0 + 1, 0);
+                }
+                lines -= 1;
+            }
+        }
+    }
 
     /// The sizes of one call.
     #[derive(Clone, Copy)]
@@ -263,10 +294,6 @@ mod x86 {
         v: [*const u8; KB],
         ks: [*const f32; KB],
         vs: [*const f32; KB],
-        /// The same head's K rows of the next block's first `ahead` keys
-        /// (prefetched, K and V, while this block's keys are scored).
-        next: [*const u8; KB],
-        ahead: usize,
     }
 
     /// Scores `out[r][j]` (r < R, j < n rounded up to 8/R) of the R query
@@ -283,16 +310,21 @@ mod x86 {
         n: usize,
         sh: Shape,
         out: &mut [[f32; KB]; R],
+        ahead: &mut Ahead,
     ) {
+        let per_group = ahead.lines().div_ceil(KB / KN);
         let mut j0 = 0;
         while j0 < n {
-            // The K rows of the keys AHEAD pairs on (their V rows: the P·V loop).
-            for j in j0..(j0 + KN).min(rows.ahead) {
-                prefetch(rows.next[j], sh.d * E::BYTES);
-            }
+            ahead.step(false, per_group);
             let mut acc = [[_mm256_setzero_ps(); KN]; R];
+            // The scale block of d (FP8), without a division per step.
+            let (mut blk, mut blk_end) = (0, sh.g);
             let mut d = 0;
             while d < sh.d {
+                if d == blk_end {
+                    blk += 1;
+                    blk_end += sh.g;
+                }
                 let mut k = [_mm256_setzero_ps(); KN];
                 for (kk, kv) in k.iter_mut().enumerate() {
                     // SAFETY: j0 + kk < KB (j0 a multiple of KN, KB of 8);
@@ -300,7 +332,7 @@ mod x86 {
                     unsafe {
                         *kv = E::load8(rows.k[j0 + kk].add(d * E::BYTES));
                         if E::SCALED {
-                            let s = _mm256_broadcast_ss(&*rows.ks[j0 + kk].add(d / sh.g));
+                            let s = _mm256_broadcast_ss(&*rows.ks[j0 + kk].add(blk));
                             *kv = _mm256_mul_ps(*kv, s);
                         }
                     }
@@ -348,6 +380,7 @@ mod x86 {
         sh: Shape,
         p: &[[f32; KB]; R],
         alpha: [f32; R],
+        (ahead, per_key): (&mut Ahead, usize),
     ) {
         let mut a = [[_mm256_setzero_ps(); SV]; R];
         for (r, row) in a.iter_mut().enumerate() {
@@ -357,15 +390,10 @@ mod x86 {
                 *x = _mm256_mul_ps(al, unsafe { _mm256_loadu_ps(acc.add(r * sh.d + d0 + 8 * i)) });
             }
         }
-        // This slice's lines of the V rows of the keys AHEAD pairs on (a
-        // line once, by the slice it starts in), spread over the loop.
-        let (from, to) = (d0 * E::BYTES, (d0 + 8 * SV) * E::BYTES);
-        let first_line = from.next_multiple_of(64);
+        // Each vector's scale block (FP8; g a multiple of 8).
+        let blk: [usize; SV] = std::array::from_fn(|i| (d0 + 8 * i) / sh.g);
         for j in 0..n {
-            if j < rows.ahead && first_line < to {
-                let v_row = rows.next[j].wrapping_add(sh.kv_stride * E::BYTES);
-                prefetch(v_row.wrapping_add(first_line), to - first_line);
-            }
+            ahead.step(true, per_key);
             let mut v = [_mm256_setzero_ps(); SV];
             for (i, x) in v.iter_mut().enumerate() {
                 let d = d0 + 8 * i;
@@ -373,7 +401,7 @@ mod x86 {
                 unsafe {
                     *x = E::load8(rows.v[j].add(d * E::BYTES));
                     if E::SCALED {
-                        *x = _mm256_mul_ps(*x, _mm256_broadcast_ss(&*rows.vs[j].add(d / sh.g)));
+                        *x = _mm256_mul_ps(*x, _mm256_broadcast_ss(&*rows.vs[j].add(blk[i])));
                     }
                 }
             }
@@ -404,10 +432,11 @@ mod x86 {
         rows: &Rows,
         n: usize,
         sh: Shape,
+        ahead: &mut Ahead,
     ) {
         let mut s = [[f32::NEG_INFINITY; KB]; R];
         // SAFETY: the caller's bounds on q and the rows.
-        unsafe { scores::<E, R, KN>(q, rows, n, sh, &mut s) };
+        unsafe { scores::<E, R, KN>(q, rows, n, sh, &mut s, ahead) };
         let mut alpha = [0f32; R];
         for r in 0..R {
             let row = &mut s[r];
@@ -460,15 +489,17 @@ mod x86 {
         // SAFETY: acc of the tile: R rows of D f32.
         let acc = unsafe { state.add(STATE_ACC) };
         let slice = 8 * SV;
+        let slices = sh.d / slice + (sh.d % slice) / 8;
+        let per_key = ahead.lines().div_ceil(slices * n);
         let mut d0 = 0;
         while d0 + slice <= sh.d {
             // SAFETY: d0 + 8·SV ≤ D.
-            unsafe { pv_slice::<E, R, SV>(acc, d0, rows, n, sh, &s, alpha) };
+            unsafe { pv_slice::<E, R, SV>(acc, d0, rows, n, sh, &s, alpha, (&mut *ahead, per_key)) };
             d0 += slice;
         }
         while d0 < sh.d {
             // SAFETY: D is a multiple of 8.
-            unsafe { pv_slice::<E, R, 1>(acc, d0, rows, n, sh, &s, alpha) };
+            unsafe { pv_slice::<E, R, 1>(acc, d0, rows, n, sh, &s, alpha, (&mut *ahead, per_key)) };
             d0 += 8;
         }
     }
@@ -512,22 +543,38 @@ mod x86 {
             v: [std::ptr::null(); KB],
             ks: [std::ptr::null(); KB],
             vs: [std::ptr::null(); KB],
-            next: [std::ptr::null(); KB],
-            ahead: 0,
         };
-        let mut slot = [0usize; KB];
-        // The first AHEAD pairs (the score loops prefetch the rest).
-        for pair in 0..AHEAD {
-            let (p0, head) = ((pair / heads) * KB, (pair % heads) * head_size);
-            for j in 0..keys.saturating_sub(p0).min(KB) {
-                let k = blocks.wrapping_add((offset(p0 + j) + head) * E::BYTES);
-                prefetch(k, head_size * E::BYTES);
-                prefetch(k.wrapping_add(sh.kv_stride * E::BYTES), head_size * E::BYTES);
-            }
+        let slot_bytes = heads * head_size * E::BYTES;
+        let v_offset = sh.kv_stride * E::BYTES;
+        let empty = || Ahead { slots: [std::ptr::null(); KB], keys: 0, slot_bytes, v_offset, k: (0, 0), v: (0, 0) };
+        // The first block's slots, all at once (the loops prefetch the
+        // next block's, a share per head).
+        let mut first = empty();
+        first.keys = keys.min(KB);
+        for (j, slot) in first.slots.iter_mut().enumerate().take(first.keys) {
+            *slot = blocks.wrapping_add(offset(j) * E::BYTES);
         }
+        let lines = first.lines();
+        first.step(false, lines);
+        first.step(true, lines);
+        // An FP8 key's K and V scales (every head's: contiguous f32).
+        let scale_bytes = heads * (head_size / sh.g) * 4;
+        let prefetch_scales = |o: usize| {
+            if E::SCALED {
+                for at in [o / sh.g, (o + sh.kv_stride) / sh.g] {
+                    prefetch(scales.wrapping_add(at).cast(), scale_bytes);
+                }
+            }
+        };
+        for j in 0..first.keys {
+            prefetch_scales(offset(j));
+        }
+        let share = KB.div_ceil(heads);
+        let mut slot = [0usize; KB];
         let mut p0 = 0;
         while p0 < keys {
             let n = (keys - p0).min(KB);
+            let next_n = keys.saturating_sub(p0 + KB).min(KB);
             for (j, o) in slot.iter_mut().enumerate() {
                 *o = offset(p0 + j.min(n - 1));
             }
@@ -538,22 +585,22 @@ mod x86 {
                     // Rows of the cache (the caller's contract); pointers only.
                     let k = blocks.wrapping_add(o * E::BYTES);
                     rows_of.k[j] = k;
-                    rows_of.v[j] = k.wrapping_add(sh.kv_stride * E::BYTES);
+                    rows_of.v[j] = k.wrapping_add(v_offset);
                     if E::SCALED {
                         rows_of.ks[j] = scales.wrapping_add(o / sh.g);
                         rows_of.vs[j] = scales.wrapping_add((o + sh.kv_stride) / sh.g);
                     }
                 }
-                // The rows of the (block, head) pair AHEAD pairs on, in
-                // processing order, prefetched by the first tile's score loop.
-                let pair = (p0 / KB) * heads + h + AHEAD;
-                let (ahead_p0, ahead_head) = ((pair / heads) * KB, (pair % heads) * head_size);
-                let ahead = keys.saturating_sub(ahead_p0).min(KB);
-                for j in 0..ahead {
-                    rows_of.next[j] = blocks.wrapping_add((offset(ahead_p0 + j) + ahead_head) * E::BYTES);
+                // This head's share of the next block's whole slots.
+                let mut ahead = empty();
+                let from = (h * share).min(next_n);
+                ahead.keys = ((h + 1) * share).min(next_n) - from;
+                for (j, slot) in ahead.slots.iter_mut().enumerate().take(ahead.keys) {
+                    let o = offset(p0 + KB + from + j);
+                    *slot = blocks.wrapping_add(o * E::BYTES);
+                    prefetch_scales(o);
                 }
                 for t in 0..tiles {
-                    rows_of.ahead = if t == 0 { ahead } else { 0 };
                     let tile = h * head_tiles + t;
                     // SAFETY: tile < heads·ceil(rows/4): its q rows and state
                     // are the caller's; the block's rows are rows of the
@@ -565,6 +612,7 @@ mod x86 {
                             &rows_of,
                             n,
                             sh,
+                            &mut ahead,
                         )
                     };
                 }
@@ -653,5 +701,68 @@ mod tests {
         assert!(special[2].is_nan());
         assert_eq!(special[3], 1.0);
         assert_eq!(special[4], 1.0);
+    }
+}
+
+/// Compute-bound timing of the decode micro-kernel (cache in L2): `cargo
+/// test --release -p kvjit-jit -- --ignored decode_kernel_speed --nocapture`.
+#[cfg(all(test, target_arch = "x86_64"))]
+mod speed {
+    use super::*;
+
+    #[test]
+    #[ignore = "a timing, not a test"]
+    fn decode_kernel_speed() {
+        if !avx2_available() {
+            return;
+        }
+        let (heads, rows, d, keys) = (8usize, 4usize, 128usize, 128usize);
+        for dtype in [DType::F32, DType::BF16, DType::F8E4M3] {
+            let bytes = dtype.size_bytes();
+            let slot = heads * d;
+            let kv_stride = keys * slot;
+            // Normal values in (-1, 1) (denormals would time assists).
+            let values = (0..2 * kv_stride).map(|i| ((i * 7919 % 1999) as f32 / 1000.0 - 1.0) * 0.9);
+            let blocks: Vec<u8> = match dtype {
+                DType::F32 => values.flat_map(|v| v.to_le_bytes()).collect(),
+                DType::BF16 => values.flat_map(|v| ((v.to_bits() >> 16) as u16).to_le_bytes()).collect(),
+                _ => values.map(|v| kvjit_core::fp8::e4m3_from_f32(v * 400.0)).collect(),
+            };
+            assert_eq!(blocks.len(), 2 * kv_stride * bytes);
+            let scales = vec![1.0f32 / 400.0; 2 * kv_stride / 128];
+            let offsets: Vec<i64> = (0..keys as i64).map(|j| j * slot as i64).collect();
+            let q = vec![0.01f32; heads * 4 * d];
+            let tile_floats = STATE_ACC + 4 * d;
+            let mut state = vec![0f32; heads * tile_floats];
+            let kernel = decode_kernel(dtype, rows).unwrap();
+            let iters = 2000;
+            let start = std::time::Instant::now();
+            for _ in 0..iters {
+                for t in 0..heads {
+                    state[t * tile_floats..][..4].fill(f32::NEG_INFINITY);
+                }
+                // SAFETY: every offset + h·d (+ kv_stride) is a whole row of
+                // `blocks`; scales cover blocks/128; q and state are sized
+                // for heads × 1 tile; AVX2 checked above.
+                unsafe {
+                    kernel(
+                        q.as_ptr(),
+                        blocks.as_ptr(),
+                        offsets.as_ptr(),
+                        keys,
+                        heads,
+                        scales.as_ptr(),
+                        state.as_mut_ptr(),
+                        rows,
+                        d,
+                        kv_stride,
+                        128,
+                        tile_floats,
+                    )
+                };
+            }
+            let per = start.elapsed().as_secs_f64() / (iters * keys * heads) as f64;
+            println!("{dtype}: {:.1} ns per key-head", per * 1e9);
+        }
     }
 }
