@@ -378,8 +378,7 @@ mod x86 {
         rows: &Rows,
         n: usize,
         sh: Shape,
-        p: &[[f32; KB]; R],
-        alpha: [f32; R],
+        (p, alpha): (&[[f32; KB]; R], [f32; R]),
         (ahead, per_key): (&mut Ahead, usize),
     ) {
         let mut a = [[_mm256_setzero_ps(); SV]; R];
@@ -392,16 +391,17 @@ mod x86 {
         }
         // Each vector's scale block (FP8; g a multiple of 8).
         let blk: [usize; SV] = std::array::from_fn(|i| (d0 + 8 * i) / sh.g);
-        for j in 0..n {
+        for (j, (&v_row, &v_scales)) in rows.v.iter().zip(&rows.vs).enumerate().take(n) {
             ahead.step(true, per_key);
             let mut v = [_mm256_setzero_ps(); SV];
             for (i, x) in v.iter_mut().enumerate() {
                 let d = d0 + 8 * i;
-                // SAFETY: j < n ≤ KB; rows.v[j] holds D elements.
+                // SAFETY: j < n ≤ KB; the row holds D elements (and, FP8,
+                // its D/g scales).
                 unsafe {
-                    *x = E::load8(rows.v[j].add(d * E::BYTES));
+                    *x = E::load8(v_row.add(d * E::BYTES));
                     if E::SCALED {
-                        *x = _mm256_mul_ps(*x, _mm256_broadcast_ss(&*rows.vs[j].add(blk[i])));
+                        *x = _mm256_mul_ps(*x, _mm256_broadcast_ss(&*v_scales.add(blk[i])));
                     }
                 }
             }
@@ -494,12 +494,12 @@ mod x86 {
         let mut d0 = 0;
         while d0 + slice <= sh.d {
             // SAFETY: d0 + 8·SV ≤ D.
-            unsafe { pv_slice::<E, R, SV>(acc, d0, rows, n, sh, &s, alpha, (&mut *ahead, per_key)) };
+            unsafe { pv_slice::<E, R, SV>(acc, d0, rows, n, sh, (&s, alpha), (&mut *ahead, per_key)) };
             d0 += slice;
         }
         while d0 < sh.d {
             // SAFETY: D is a multiple of 8.
-            unsafe { pv_slice::<E, R, 1>(acc, d0, rows, n, sh, &s, alpha, (&mut *ahead, per_key)) };
+            unsafe { pv_slice::<E, R, 1>(acc, d0, rows, n, sh, (&s, alpha), (&mut *ahead, per_key)) };
             d0 += 8;
         }
     }
@@ -580,8 +580,8 @@ mod x86 {
             }
             for h in 0..heads {
                 let head = h * head_size;
-                for j in 0..KB {
-                    let o = slot[j] + head;
+                for (j, &slot) in slot.iter().enumerate() {
+                    let o = slot + head;
                     // Rows of the cache (the caller's contract); pointers only.
                     let k = blocks.wrapping_add(o * E::BYTES);
                     rows_of.k[j] = k;

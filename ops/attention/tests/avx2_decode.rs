@@ -21,9 +21,9 @@ fn decode_case(cache_dtype: DType, group: usize, head_size: usize, batch: usize,
         _ => (0..batch as u32).map(|b| 131 + b * 197).collect(),
     };
     let valid_lengths: Vec<u32> = (0..batch).map(|b| u32::from(batch == 1 || b != 3)).collect();
-    let granularity = (cache_dtype == DType::F8E4M3).then_some(if seed % 2 == 0 { head_size } else { 32 });
+    let granularity = (cache_dtype == DType::F8E4M3).then_some(if seed.is_multiple_of(2) { head_size } else { 32 });
     Case {
-        dtype: if seed % 3 == 0 { DType::F32 } else { DType::BF16 },
+        dtype: if seed.is_multiple_of(3) { DType::F32 } else { DType::BF16 },
         cache_dtype,
         batch,
         seq: 1,
@@ -86,7 +86,7 @@ fn avx2_decode_windows_and_odd_heads() {
         {
             let base = decode_case(cache_dtype, 4, head_size, 8, 7);
             let case = Case { tier, window, mask: Mask::Null, ..base };
-            let native = tier == CodeTier::Avx2 && head_size % 8 == 0;
+            let native = tier == CodeTier::Avx2 && head_size.is_multiple_of(8);
             assert_eq!(runs_native_decode(&case.spec()), native, "{case:?}");
             let got = assert_same_bits_on_every_pool(&jit(&case), &case);
             check_against_reference(&case, &got);
