@@ -17,15 +17,16 @@
 //! - [`microkernel`]: the 256-bit tier — AVX2/FMA tile micro-kernels compiled
 //!   ahead of time, which Cranelift-emitted drivers call once per register
 //!   tile; [`microkernel::resolve_tier`] picks the tier a kernel is built for.
-//! - [`attention_kernel`]: the 256-bit tier of paged decode attention — an
-//!   AVX2/FMA flash-decoding micro-kernel over one KV head's query rows,
-//!   reading K/V (f32, bf16, f16, FP8 E4M3) in place from the cache pages.
 //! - [`kernels`]: the process-wide [`KernelCache`] — compile once per
 //!   [`KernelKey`](kvjit_core::KernelKey), share across nodes, graphs and
 //!   threads, free when the last user drops, and log every compile with its
 //!   cause ([`compile_log`]); [`compile_or_fetch`], the call every op's
 //!   kernel makes to it; [`SeenShapes`], the policy that specializes a
 //!   generic kernel for the shapes it runs with.
+//! - [`attention_kernel`]: the 256-bit tier of paged decode attention — an
+//!   AVX2/FMA flash-decoding micro-kernel over a run of keys for every KV
+//!   head's query rows, reading K/V (f32, bf16, f16, FP8 E4M3) in place
+//!   from the cache pages.
 //!
 //! Cranelift runs at `opt_level=none`: it keeps the IR order the emitters
 //! choose (the egraph at `speed` hoists every load of an unrolled body and
