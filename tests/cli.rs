@@ -49,7 +49,7 @@ fn default_run_is_the_8b_decoder_layer_with_its_matmuls_fused() {
         format!("fused_qkv_bshd_paged.cpu-{tier}.bf16.k4096.q4096.hkv8.d128.p16.l1.kvbf16.bany.sany [jit]"),
         "reshape.cpu.bf16.o0in0.o1in1.o2x32.o3x128 [view]".into(),
         "fused_qk_rope_paged.cpu.bf16.hq32.hkv8.d128.p16.l1.kvbf16.il0.bany.sany [jit]".into(),
-        "mha_padded_paged.cpu.bf16.hq32.hkv8.d128.p16.l1.kvbf16.causal1.w0.".into(),
+        format!("mha_padded_paged.cpu-{tier}.bf16.hq32.hkv8.d128.p16.l1.kvbf16.causal1.w0."),
         format!("matmul_add.cpu-{tier}.bf16.k4096.n4096.rowsany.tb1 [jit]"),
         format!("swiglu_matmul.cpu-{tier}.bf16.k4096.n14336.rowsany.tb1 [jit]"),
         format!("matmul_add.cpu-{tier}.bf16.k14336.n4096.rowsany.tb1 [jit]"),

@@ -34,7 +34,7 @@ use half::slice::HalfFloatSliceExt;
 use kvjit::attention::{JitKernel as MhaKernel, jit_kernel as mha_kernel};
 use kvjit::models::llama::LlamaConfig;
 use kvjit::rope::{JitKernel as RopeKernel, RopeSpec};
-use kvjit_core::{DType, KernelSpec, PagedKVCacheCollection, Target, Tensor};
+use kvjit_core::{CodeTier, CpuTier, DType, KernelSpec, PagedKVCacheCollection, Target, Tensor};
 use kvjit_jit::CaptureText;
 use kvjit_op::Compiled;
 use kvjit_op::checks::StepDims;
@@ -564,6 +564,31 @@ pub struct AttentionReport {
     pub rope: Vec<RopeResult>,
     /// The whole step.
     pub step: Option<StepResult>,
+}
+
+/// Environment variable naming the CPU tier the benches' paged-attention
+/// kernels (`--ops attention` decode and prefill rows, `--ops fp8` decode
+/// attention) are built for: `auto` (default), `cranelift`, `avx2`. The
+/// rows' kernel keys name it (`cpu-avx2`).
+pub const ATTENTION_TIER_VAR: &str = "KVJIT_BENCH_ATTENTION_TIER";
+
+/// The tier [`ATTENTION_TIER_VAR`] asks for, resolved; the widest this CPU
+/// runs when it is unset, or (with a warning) names no tier this CPU runs.
+pub fn attention_tier() -> CodeTier {
+    let requested = match std::env::var(ATTENTION_TIER_VAR) {
+        Ok(name) => match name.parse::<CpuTier>() {
+            Ok(tier) => tier,
+            Err(e) => {
+                eprintln!("warning: {ATTENTION_TIER_VAR}: {e}; using the auto tier");
+                CpuTier::Auto
+            }
+        },
+        Err(_) => CpuTier::Auto,
+    };
+    kvjit_jit::microkernel::resolve_tier(requested).unwrap_or_else(|e| {
+        eprintln!("warning: {ATTENTION_TIER_VAR}: {e}; using the auto tier");
+        crate::problem::widest_tier()
+    })
 }
 
 /// Run a JIT kernel and the peer once on the same call and compare.

@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use kvjit::attention::{Mask, MhaSpec};
 use kvjit::models::llama::{LayerConfig, LlamaConfig, attention_step_graph};
 use kvjit::{CompileOptions, compile, standard_registry};
-use kvjit_core::{CacheElement, DType, KvCacheParams, PagedKVCacheCollection, Target, Tensor};
+use kvjit_core::{CacheElement, DType, KvCacheParams, PagedKVCacheCollection, Tensor};
 use kvjit_op::checks::StepDims;
 use kvjit_runtime::Executable;
 use rand::rngs::SmallRng;
@@ -61,7 +61,7 @@ impl Heads {
 
     pub(crate) fn spec(&self, dtype: DType, layers: usize, batch: usize, seq: usize) -> MhaSpec {
         MhaSpec {
-            target: Target::Cpu,
+            backend: kvjit_core::Backend::Cpu(crate::attention::attention_tier()),
             dtype,
             cache: cache_params(self, dtype, layers),
             num_heads: self.num_heads,

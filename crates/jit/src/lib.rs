@@ -26,6 +26,10 @@
 //!   cause ([`compile_log`]); [`compile_or_fetch`], the call every op's
 //!   kernel makes to it; [`SeenShapes`], the policy that specializes a
 //!   generic kernel for the shapes it runs with.
+//! - [`attention_kernel`]: the 256-bit tier of paged decode attention — an
+//!   AVX2/FMA flash-decoding micro-kernel over a run of keys for every KV
+//!   head's query rows, reading K/V (f32, bf16, f16, FP8 E4M3) in place
+//!   from the cache pages.
 //!
 //! Cranelift runs at `opt_level=none`: it keeps the IR order the emitters
 //! choose (the egraph at `speed` hoists every load of an unrolled body and
@@ -33,6 +37,7 @@
 //! builds with debug assertions (every `cargo test`) or with
 //! `KVJIT_JIT_VERIFY=1` (see [`host_isa`]).
 
+pub mod attention_kernel;
 mod cache;
 mod function;
 pub mod ir;

@@ -48,6 +48,21 @@
 //! keys is refused). q is pre-scaled by `scale`, widened to f32 and packed
 //! per (b, query block) in row-tile order on the host (padded rows zero).
 //!
+//! **The 256-bit tier** (`MhaSpec::backend = Cpu(Avx2)`, key `cpu-avx2`):
+//! decode items (query block of 1, so every row of a KV head reads the same
+//! keys) skip the gather and the 128-bit loops: per KV head, the driver
+//! calls the ahead-of-time AVX2/FMA micro-kernel
+//! [`kvjit_jit::attention_kernel`] once over the item's key range, which
+//! reads K/V in place from the cache pages through the same offsets table
+//! (software-prefetching a block ahead), widens bf16/f16/FP8 in registers
+//! (FP8: E4M3 bit manipulation and the per-key g-block scales, no
+//! re-encoding pass) and leaves `(m, l, acc)` in the same tile layout, so
+//! the chunking, the partials and the host merge are the Cranelift tier's
+//! and the output stays bit-identical for any thread count. Prefill, and
+//! caches it does not serve (D or g not a multiple of 8), run the Cranelift
+//! code on that tier too; the Cranelift tier (`Cpu(Cranelift)`) is the
+//! fallback on every CPU.
+//!
 //! **FP8 (E4M3) cache.** The gather reads 1 byte per element (and the
 //! keys' `Hkv·D/g` f32 scales of K and of V) and re-encodes each code as
 //! the bf16 bits of its unscaled value, which is exact
@@ -75,7 +90,8 @@ use std::sync::Arc;
 use half::{bf16, f16};
 use std::mem::offset_of;
 
-use kvjit_core::{DType, KernelKey, KernelSpec, Result};
+use kvjit_core::{CodeTier, DType, KernelKey, KernelSpec, Result};
+use kvjit_jit::attention_kernel::{DecodeKernel, decode_kernel, decode_supported};
 use kvjit_jit::cranelift_codegen::ir::condcodes::{FloatCC, IntCC};
 use kvjit_jit::cranelift_codegen::ir::{InstBuilder, MemFlagsData, Value, types};
 use kvjit_jit::cranelift_frontend::FunctionBuilder;
@@ -254,7 +270,9 @@ pub const MAX_JIT_HEAD_SIZE: usize = 1024;
 /// fit the code's displacements.
 pub(crate) fn supported(spec: &MhaSpec) -> Result<(), JitError> {
     let d = spec.cache.head_size;
-    let reason = if !d.is_multiple_of(4) {
+    let reason = if spec.tier() == Some(CodeTier::Avx2) && !kvjit_jit::microkernel::avx2_available() {
+        Some("the avx2 CPU tier needs an x86-64 CPU with AVX2, FMA and F16C; this CPU lacks them".to_string())
+    } else if !d.is_multiple_of(4) {
         Some(format!("the CPU kernel needs head_size % 4 == 0 (whole F32X4 vectors), got {d}"))
     } else if d > MAX_JIT_HEAD_SIZE {
         Some(format!(
@@ -301,6 +319,22 @@ fn displacements(spec: &MhaSpec) -> Result<Displacements, JitError> {
     Displacements::up_to(&spec.key(), largest())
 }
 
+/// The 256-bit tier's decode micro-kernel for `spec`: on an AVX2 spec whose
+/// cache (element type, D a multiple of 8, an FP8 cache's g a multiple of
+/// 8) the micro-kernel serves; `None` on the Cranelift tier or otherwise
+/// (the Cranelift decode path then runs on that tier too).
+fn native_decode(spec: &MhaSpec) -> Option<DecodeKernel> {
+    let cache = &spec.cache;
+    let serves = decode_supported(cache.dtype(), cache.head_size, cache.scale_granularity());
+    (spec.tier() == Some(CodeTier::Avx2) && serves).then(|| decode_kernel(cache.dtype(), spec.group())).flatten()
+}
+
+/// Whether `spec` runs decode through the 256-bit micro-kernel (the AVX2
+/// tier, on a cache it serves).
+pub fn runs_native_decode(spec: &MhaSpec) -> bool {
+    native_decode(spec).is_some()
+}
+
 /// Compile the kernel for `spec` (or fetch it from the process-wide
 /// registry). Kept IR/disassembly bypass the registry.
 pub fn compile(spec: &MhaSpec, capture: CaptureText) -> Result<Arc<JitFunction>, JitError> {
@@ -313,7 +347,7 @@ fn emit_and_compile(spec: &MhaSpec, key: &KernelKey, capture: CaptureText) -> Re
     let disp = displacements(spec)?;
     compile_kernel(key, capture, |b, params| {
         let args = MhaArgs::load(b, &params);
-        let e = Emitter { spec: *spec, disp, args, begin: params.begin };
+        let e = Emitter { spec: *spec, disp, args, begin: params.begin, native: native_decode(spec) };
         counted_loop(b, params.begin, params.end, 1, &[], |b, item, _| {
             e.emit_item(b, item);
             Vec::new()
@@ -329,6 +363,21 @@ struct Emitter {
     args: MhaArgs<Value>,
     /// The invocation's first item (its block buffer's index).
     begin: Value,
+    /// The 256-bit tier's decode micro-kernel, when the spec runs it.
+    native: Option<DecodeKernel>,
+}
+
+/// What the native decode path of one item needs.
+struct NativeRanges {
+    /// This (b, query block)'s packed q.
+    q_group: Value,
+    /// The item's first row tile.
+    tiles_base: Value,
+    /// `b · T`: the sequence's row of the key-offset table.
+    seq_offsets: Value,
+    /// The item's relative key positions `[lo, hi)`.
+    lo: Value,
+    hi: Value,
 }
 
 /// What one row tile's pass over a key block needs.
@@ -512,39 +561,98 @@ impl Emitter {
             let hi = b.ins().smin(item_hi, c_hi);
             let stride = self.args.stride;
             let seq_offsets = b.ins().imul(batch, stride);
-            let convert = self.fp8().then(|| ToBf16::new(b, self.disp));
-            counted_loop(b, lo, hi, KB as i64, &[], |b, p0, _| {
-                let p0_end = b.ins().iadd_imm_s(p0, KB as i64);
-                let block_hi = b.ins().smin(p0_end, hi);
-                let n = b.ins().isub(block_hi, p0);
-                let n_pad = b.ins().iadd_imm_s(n, PV_UNROLL as i64 - 1);
-                let n_pad = b.ins().band_imm_s(n_pad, -(PV_UNROLL as i64));
-                self.emit_gather(b, buffer, seq_offsets, (p0, n, n_pad), convert.as_ref());
-                let p0_32 = b.ins().ireduce(types::I32, p0);
-                let p0_v = b.ins().splat(types::I32X4, p0_32);
-                let end_32 = b.ins().ireduce(types::I32, block_hi);
-                let end_v = b.ins().splat(types::I32X4, end_32);
-                let zero = iconst(b, 0);
-                let head_rows = KB * self.row_bytes();
-                counted_loop(b, zero, tiles, 1, &[], |b, t, _| {
-                    let tile = addr::element(b, tiles_base, t, self.tile_bytes());
-                    let q = addr::element(b, q_group, t, ROW_TILE * self.d() * 4);
-                    let hkv = b.ins().udiv(t, tiles_per_head);
-                    let k = addr::element(b, buffer, hkv, head_rows);
-                    let v = b.ins().iadd_imm_s(k, (hkv_count * head_rows) as i64);
-                    let scales = self.fp8().then(|| {
-                        let head_scales = KB * self.nb() * 4;
-                        let ks = addr::element(b, buffer, hkv, head_scales);
-                        let ks = b.ins().iadd_imm_s(ks, block_rows_bytes(&self.spec) as i64);
-                        let vs = b.ins().iadd_imm_s(ks, (hkv_count * head_scales) as i64);
-                        (ks, vs)
+            // The Cranelift path: keys gathered per block into the buffer,
+            // 128-bit loops (prefill on every tier; decode on Cranelift).
+            let gathered = |b: &mut FunctionBuilder| {
+                let convert = self.fp8().then(|| ToBf16::new(b, self.disp));
+                counted_loop(b, lo, hi, KB as i64, &[], |b, p0, _| {
+                    let p0_end = b.ins().iadd_imm_s(p0, KB as i64);
+                    let block_hi = b.ins().smin(p0_end, hi);
+                    let n = b.ins().isub(block_hi, p0);
+                    let n_pad = b.ins().iadd_imm_s(n, PV_UNROLL as i64 - 1);
+                    let n_pad = b.ins().band_imm_s(n_pad, -(PV_UNROLL as i64));
+                    self.emit_gather(b, buffer, seq_offsets, (p0, n, n_pad), convert.as_ref());
+                    let p0_32 = b.ins().ireduce(types::I32, p0);
+                    let p0_v = b.ins().splat(types::I32X4, p0_32);
+                    let end_32 = b.ins().ireduce(types::I32, block_hi);
+                    let end_v = b.ins().splat(types::I32X4, end_32);
+                    let zero = iconst(b, 0);
+                    let head_rows = KB * self.row_bytes();
+                    counted_loop(b, zero, tiles, 1, &[], |b, t, _| {
+                        let tile = addr::element(b, tiles_base, t, self.tile_bytes());
+                        let q = addr::element(b, q_group, t, ROW_TILE * self.d() * 4);
+                        let hkv = b.ins().udiv(t, tiles_per_head);
+                        let k = addr::element(b, buffer, hkv, head_rows);
+                        let v = b.ins().iadd_imm_s(k, (hkv_count * head_rows) as i64);
+                        let scales = self.fp8().then(|| {
+                            let head_scales = KB * self.nb() * 4;
+                            let ks = addr::element(b, buffer, hkv, head_scales);
+                            let ks = b.ins().iadd_imm_s(ks, block_rows_bytes(&self.spec) as i64);
+                            let vs = b.ins().iadd_imm_s(ks, (hkv_count * head_scales) as i64);
+                            (ks, vs)
+                        });
+                        let tb = TileBlock { tile, q, k, v, scales, scratch, p0, n_pad, p0_v, end_v };
+                        self.emit_tile_block(b, &tb);
+                        Vec::new()
                     });
-                    let tb = TileBlock { tile, q, k, v, scales, scratch, p0, n_pad, p0_v, end_v };
-                    self.emit_tile_block(b, &tb);
                     Vec::new()
                 });
-                Vec::new()
-            });
+            };
+            match self.native {
+                None => gathered(b),
+                Some(kernel) => {
+                    // The 256-bit tier: decode (one query per item, every
+                    // row of a KV head reading the same keys) through the
+                    // micro-kernel, prefill through the gathered path.
+                    let decode = b.ins().icmp_imm_s(IntCC::Equal, query_block, 1);
+                    when(b, decode, |b| {
+                        let ranges = NativeRanges { q_group, tiles_base, seq_offsets, lo, hi };
+                        self.emit_native_decode(b, kernel, &ranges);
+                    });
+                    let prefill = b.ins().icmp_imm_s(IntCC::NotEqual, query_block, 1);
+                    when(b, prefill, gathered);
+                }
+            }
+        });
+    }
+
+    /// Decode on the 256-bit tier: one call of the micro-kernel over the
+    /// item's keys `[lo, hi)` for every KV head (block by block, all heads
+    /// of a block together), reading K/V in place through the sequence's
+    /// row of the offsets table and updating the heads' row tiles (`m`,
+    /// `l`, `acc`) in the partials. The packed q and the tiles are head
+    /// after head, `tiles_per_head = ceil(G/4)` each, as the micro-kernel
+    /// reads them.
+    fn emit_native_decode(&self, b: &mut FunctionBuilder, kernel: DecodeKernel, r: &NativeRanges) {
+        let any = b.ins().icmp(IntCC::SignedLessThan, r.lo, r.hi);
+        when(b, any, |b| {
+            let d = self.d();
+            let keys = b.ins().isub(r.hi, r.lo);
+            let first = b.ins().iadd(r.seq_offsets, r.lo);
+            let offsets = addr::element(b, self.args.key_offsets, first, 8);
+            let scales = match self.fp8() {
+                true => self.args.scales,
+                false => iconst(b, 0),
+            };
+            let g = self.spec.cache.scale_granularity().unwrap_or(0);
+            let [heads, rows, d, kv_stride, g, tile_floats] =
+                [self.spec.cache.num_kv_heads, self.spec.group(), d, self.kv_stride(), g, layout::tile_floats(d)]
+                    .map(|c| iconst(b, c as i64));
+            let args = [
+                r.q_group,
+                self.args.blocks,
+                offsets,
+                keys,
+                heads,
+                scales,
+                r.tiles_base,
+                rows,
+                d,
+                kv_stride,
+                g,
+                tile_floats,
+            ];
+            kvjit_jit::ir::call_native(b, kernel as usize, &args);
         });
     }
 
@@ -1133,7 +1241,7 @@ mod tests {
 
     use super::*;
     use crate::AttentionConfig;
-    use kvjit_core::{DType, KvCacheParams, Target};
+    use kvjit_core::{Backend, DType, KvCacheParams};
 
     /// A decode step near u32::MAX tokens into a sequence with a 4096-key
     /// window, beside an idle one: the key-offset table (B·stride i64) and
@@ -1142,7 +1250,7 @@ mod tests {
     fn the_key_table_is_sized_by_the_window_not_the_position() {
         let window = 4096;
         let spec = MhaSpec {
-            target: Target::Cpu,
+            backend: Backend::Cpu(CodeTier::Cranelift),
             dtype: DType::BF16,
             cache: KvCacheParams {
                 element: CacheElement::BF16,

@@ -94,7 +94,7 @@ impl Op for MhaOp {
         let cache = paged_cache_input(inputs, 1, paged, batch)?;
         step_inputs(inputs, [2, 3], batch)?;
         Ok(MhaSpec {
-            target: backend.target(),
+            backend,
             dtype,
             cache: cache.params(),
             num_heads,

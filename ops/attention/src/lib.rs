@@ -22,7 +22,9 @@
 //!   cache's codes are re-encoded exactly as bf16 while gathered and
 //!   scaled by their block scales in the score and P·V loops
 //!   ([`jit_kernel`] builds it, [`run_into`](kvjit_op::Jit::run_into) runs it into caller-owned
-//!   bytes).
+//!   bytes). On the `cpu-avx2` tier decode calls the AVX2 micro-kernel
+//!   `kvjit_jit::attention_kernel` per KV head, reading K/V (FP8 widened in
+//!   registers) in place from the pages.
 
 mod call;
 pub mod cpu_jit;

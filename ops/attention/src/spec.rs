@@ -3,7 +3,7 @@
 //! ([`CallContract`]).
 
 use kvjit_core::{
-    DType, KernelKey, KernelSpec, KeyField, KvCacheParams, PagedKVCacheCollection, Result, Target, Tensor,
+    Backend, CodeTier, DType, KernelKey, KernelSpec, KeyField, KvCacheParams, PagedKVCacheCollection, Result, Tensor,
 };
 use kvjit_op::checks::{StepArgs, StepDims};
 use kvjit_op::{Call, CallContract, Choice, KV_COLLECTION, TensorArg, checks};
@@ -47,8 +47,11 @@ impl Choice for Mask {
 /// when symbolic.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct MhaSpec {
-    /// Target.
-    pub target: Target,
+    /// Target, and on the CPU the (resolved) code tier: `Cpu(Avx2)` runs
+    /// decode through the AVX2 micro-kernel
+    /// ([`kvjit_jit::attention_kernel`]), `Cpu(Cranelift)` is pure
+    /// Cranelift code.
+    pub backend: Backend,
     /// Dtype of `q` and the output.
     pub dtype: DType,
     /// The cache layout the kernel reads (Hkv, D, page size, layers, cache
@@ -67,6 +70,11 @@ pub struct MhaSpec {
 }
 
 impl MhaSpec {
+    /// The code tier of a CPU spec (`None` for CUDA).
+    pub fn tier(&self) -> Option<CodeTier> {
+        self.backend.cpu_tier()
+    }
+
     /// Head size D (the cache's).
     pub fn head_size(&self) -> usize {
         self.cache.head_size
@@ -107,10 +115,16 @@ impl MhaSpec {
 
 impl KernelSpec for MhaSpec {
     /// The canonical name, e.g.
-    /// `mha_padded_paged.cpu.bf16.hq32.hkv8.d128.p16.l32.kvbf16.causal1.w0.sc1035098028.bany.s1`
-    /// (`w0`: no window; `sc`: the f32 bit pattern of the scale).
+    /// `mha_padded_paged.cpu-avx2.bf16.hq32.hkv8.d128.p16.l32.kvbf16.causal1.w0.sc1035098028.bany.s1`
+    /// (the target names the CPU tier; `w0`: no window; `sc`: the f32 bit
+    /// pattern of the scale).
     fn key_name(&self) -> KernelKey {
-        let key = KernelKey::new(KERNEL_NAME, self.target, self.dtype).with("hq", KeyField::size(self.num_heads));
+        let key = KernelKey::new(KERNEL_NAME, self.backend.target(), self.dtype);
+        let key = match self.tier() {
+            Some(tier) => key.with_variant(tier.name()),
+            None => key,
+        };
+        let key = key.with("hq", KeyField::size(self.num_heads));
         let key = checks::with_cache_fields(key, &self.cache)
             .with("causal", KeyField::size(usize::from(self.mask == Mask::Causal)))
             .with("w", KeyField::size(self.window.unwrap_or(0)))
@@ -161,7 +175,7 @@ mod tests {
     #[test]
     fn the_key_names_the_spec_and_holds_it() {
         let spec = MhaSpec {
-            target: Target::Cpu,
+            backend: Backend::Cpu(CodeTier::Cranelift),
             dtype: DType::BF16,
             cache: KvCacheParams {
                 element: CacheElement::F16,
@@ -180,7 +194,7 @@ mod tests {
         assert_eq!(
             key.to_string(),
             format!(
-                "mha_padded_paged.cpu.bf16.hq32.hkv8.d128.p16.l32.kvf16.causal1.w0.sc{}.bany.s1",
+                "mha_padded_paged.cpu-cranelift.bf16.hq32.hkv8.d128.p16.l32.kvf16.causal1.w0.sc{}.bany.s1",
                 0.125f32.to_bits()
             )
         );
@@ -194,6 +208,10 @@ mod tests {
         let not_float = MhaSpec { dtype: DType::U32, ..spec };
         assert!(not_float.validate().is_err());
         let infinite = MhaSpec { scale: f32::INFINITY, ..spec };
+        let avx2 = MhaSpec { backend: Backend::Cpu(CodeTier::Avx2), ..spec };
+        assert!(avx2.key().to_string().starts_with("mha_padded_paged.cpu-avx2.bf16."), "{}", avx2.key());
+        assert_eq!(avx2.key().spec::<MhaSpec>(), Some(&avx2));
+        assert_ne!(avx2.key(), spec.key());
         assert!(infinite.validate().is_err());
     }
 

@@ -42,6 +42,7 @@ fn base_case() -> Case {
         window: None,
         scale: 0.3,
         seed: 11,
+        tier: common::default_tier(),
     }
 }
 
@@ -525,7 +526,7 @@ fn the_op_definition_builds_graphs_and_refuses_cuda() {
     assert!(mha(&mut GraphBuilder::new("x", &registry), [q, kv, layer, valid], wrong).is_err());
 
     let spec = MhaSpec {
-        target: Target::Cuda,
+        backend: Backend::Cuda,
         dtype: DType::BF16,
         cache: KvCacheParams {
             element: CacheElement::BF16,
@@ -541,7 +542,7 @@ fn the_op_definition_builds_graphs_and_refuses_cuda() {
         step: StepDims { batch: None, seq: None },
     };
     assert_eq!(Defined(MhaOp).supports(&spec.key()).unwrap_err(), NO_CUDA);
-    let cpu = MhaSpec { target: Target::Cpu, ..spec };
+    let cpu = MhaSpec { backend: Backend::Cpu(CodeTier::Cranelift), ..spec };
     Defined(MhaOp).supports(&cpu.key()).unwrap();
     let odd = MhaSpec { cache: KvCacheParams { head_size: 30, ..cpu.cache }, ..cpu };
     assert!(Defined(MhaOp).supports(&odd.key()).unwrap_err().contains("head_size % 4"));

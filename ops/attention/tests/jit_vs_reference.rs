@@ -17,9 +17,12 @@ fn run_random(decode: bool, cases: usize, seed: u64) {
     let mut worst = 0f64;
     for _ in 0..cases {
         let case = Case::random(&mut rng, decode);
-        let kernel = jit(&case);
-        let got = run_jit(&kernel, &case, 2);
-        worst = worst.max(check_against_reference(&case, &got));
+        // Every tier this CPU runs, on the same call.
+        for tier in common::tiers() {
+            let case = Case { tier, ..case.clone() };
+            let got = run_jit(&jit(&case), &case, 2);
+            worst = worst.max(check_against_reference(&case, &got));
+        }
     }
     println!("worst error / bound: {worst:.4}");
 }
@@ -55,6 +58,7 @@ fn long_decode_context_splits_into_chunks() {
             window: None,
             scale: 1.0 / 128f32.sqrt(),
             seed: 7,
+            tier: common::default_tier(),
         };
         let got = run_jit(&jit(&case), &case, 2);
         check_against_reference(&case, &got);
@@ -85,6 +89,7 @@ fn llama_shapes_match_the_reference() {
         window,
         scale: 1.0 / 128f32.sqrt(),
         seed: 11,
+        tier: common::default_tier(),
     };
     for cache_dtype in [DType::BF16, DType::F32] {
         for (case, threads) in [
@@ -131,6 +136,7 @@ fn results_do_not_depend_on_the_thread_count() {
         window: None,
         scale: 0.25,
         seed: 5,
+        tier: common::default_tier(),
     };
     for cache_dtype in [DType::F32, DType::BF16, DType::F8E4M3] {
         for case in [
@@ -185,6 +191,7 @@ fn positions_past_2_31_match_the_reference() {
         window: Some(window),
         scale: 0.3,
         seed: 9,
+        tier: common::default_tier(),
     };
     for cache_dtype in [DType::BF16, DType::F8E4M3] {
         for case in [

@@ -4,7 +4,7 @@
 #![allow(dead_code, reason = "each test binary uses a different part of the fixtures")]
 
 use kvjit_core::fp8::{E4M3_MAX, quantize_block};
-use kvjit_core::{CacheElement, DType, KvCacheParams, PagedKVCacheCollection, Target, Tensor};
+use kvjit_core::{Backend, CacheElement, CodeTier, CpuTier, DType, KvCacheParams, PagedKVCacheCollection, Tensor};
 use kvjit_jit::CaptureText;
 use kvjit_op::Compiled;
 use kvjit_op::checks::StepDims;
@@ -13,6 +13,24 @@ use kvjit_runtime::DeviceContextPtr;
 use kvjit_testkit::{Guarded, nan_bytes, u32s};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
+
+/// The CPU tier the tests build kernels for unless a test names one:
+/// `KVJIT_TEST_CPU_TIER` (`auto`, `cranelift`, `avx2`; default `auto`, the
+/// widest this CPU runs), resolved. Run the suite once per tier to cover
+/// both (the random and decode tests cover both in every run).
+pub fn default_tier() -> CodeTier {
+    let requested = std::env::var("KVJIT_TEST_CPU_TIER").map_or(CpuTier::Auto, |t| t.parse().unwrap());
+    kvjit_jit::microkernel::resolve_tier(requested).unwrap()
+}
+
+/// Every tier this CPU runs (Cranelift first).
+pub fn tiers() -> Vec<CodeTier> {
+    let mut tiers = vec![CodeTier::Cranelift];
+    if kvjit_jit::microkernel::avx2_available() {
+        tiers.push(CodeTier::Avx2);
+    }
+    tiers
+}
 
 /// One random valid call.
 #[derive(Clone, Debug)]
@@ -35,12 +53,14 @@ pub struct Case {
     pub window: Option<usize>,
     pub scale: f32,
     pub seed: u64,
+    /// The CPU code tier the kernel is built for.
+    pub tier: CodeTier,
 }
 
 impl Case {
     pub fn spec(&self) -> MhaSpec {
         MhaSpec {
-            target: Target::Cpu,
+            backend: Backend::Cpu(self.tier),
             dtype: self.dtype,
             cache: self.cache_params(),
             num_heads: self.num_heads,
@@ -251,6 +271,7 @@ impl Case {
             window: rng.gen_bool(0.3).then(|| rng.gen_range(1..40)),
             scale: if rng.gen_bool(0.5) { 1.0 / (head_size as f32).sqrt() } else { rng.gen_range(0.01..0.5) },
             seed: rng.r#gen(),
+            tier: default_tier(),
         }
     }
 
