@@ -67,16 +67,7 @@ impl BlocksBenchConfig {
                 sample_time: std::time::Duration::from_millis(20),
                 budget: std::time::Duration::from_secs(3),
             },
-            roof: RoofPlan {
-                read_bytes: 256 << 20,
-                fma_iterations: 1 << 20,
-                timing: Plan {
-                    min_samples: 10,
-                    max_samples: 20,
-                    sample_time: std::time::Duration::ZERO,
-                    budget: std::time::Duration::from_secs(2),
-                },
-            },
+            roof: RoofPlan::full(),
         }
     }
 
@@ -197,13 +188,11 @@ fn kernels(format: DType, n: usize, k: usize, config: &BlocksBenchConfig, rng: &
     let stored = Tensor::storage_bytes(format, &[n, k])?;
     let copies = config.rotate_bytes.div_ceil(stored).clamp(1, 64);
     let mut decode = Vec::with_capacity(copies);
-    let mut weight_bytes = 0;
     for c in 0..copies {
         let w = if c == 0 { one.clone() } else { weight(format, n, k, rng)? };
-        let kernel = compile(spec(1), &w)?;
-        weight_bytes = kvjit_op::OpKernel::prepared_constants(&kernel)[0].1.data.as_bytes().len();
-        decode.push((kernel, w));
+        decode.push((compile(spec(1), &w)?, w));
     }
+    let weight_bytes = kvjit_op::OpKernel::prepared_constants(&decode[0].0)[0].1.data.as_bytes().len();
     let prefill = compile(spec(config.prefill_rows), &one)?;
     Ok(Kernels { decode, prefill, prefill_weight: one, weight_bytes })
 }

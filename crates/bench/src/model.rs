@@ -111,16 +111,7 @@ impl ModelBenchConfig {
             decode_steps: 64,
             page_size: 16,
             seed: 7,
-            roof: RoofPlan {
-                read_bytes: 256 << 20,
-                fma_iterations: 1 << 20,
-                timing: Plan {
-                    min_samples: 10,
-                    max_samples: 20,
-                    sample_time: Duration::ZERO,
-                    budget: Duration::from_secs(2),
-                },
-            },
+            roof: RoofPlan::full(),
         }
     }
 

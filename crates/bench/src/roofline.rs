@@ -401,6 +401,23 @@ pub struct RoofPlan {
     pub timing: Plan,
 }
 
+impl RoofPlan {
+    /// The probes of a full suite: a 256 MiB read buffer, 2²⁰ FMA
+    /// iterations, 10 to 20 samples within 2 s.
+    pub fn full() -> Self {
+        Self {
+            read_bytes: 256 << 20,
+            fma_iterations: 1 << 20,
+            timing: Plan {
+                min_samples: 10,
+                max_samples: 20,
+                sample_time: std::time::Duration::ZERO,
+                budget: std::time::Duration::from_secs(2),
+            },
+        }
+    }
+}
+
 /// Raw per-call samples of the probes.
 #[derive(Clone, Debug, Default)]
 pub struct RoofSamples {

@@ -59,9 +59,9 @@ pub(crate) fn write(
     };
     macro_rules! with_weight {
         ($x:expr, $t:ty) => {
-            match (&dequantized, weight.data()) {
-                (Some(w), _) => run::<$t, f32>(shape, $x, w, kv_collection, valid, output.as_mut_slice()?),
-                (None, _) => run::<$t, $t>(shape, $x, weight.as_slice()?, kv_collection, valid, output.as_mut_slice()?),
+            match &dequantized {
+                Some(w) => run::<$t, f32>(shape, $x, w, kv_collection, valid, output.as_mut_slice()?),
+                None => run::<$t, $t>(shape, $x, weight.as_slice()?, kv_collection, valid, output.as_mut_slice()?),
             }
         };
     }
