@@ -450,7 +450,7 @@ impl GatherGemmPeer {
         let outputs: Vec<Vec<f32>> = {
             let run = || items.par_iter().map(item).collect();
             match ctx.cpu_context() {
-                Some(cpu) => cpu.pool().install(run),
+                Some(cpu) => cpu.rayon_pool().expect("starting the peer's rayon pool").install(run),
                 None => run(),
             }
         };

@@ -353,7 +353,7 @@ fn gemm_f32(m: usize, n: usize, k: usize, x: &[f32], w: &[f32], c: &mut [f32], c
         }
     };
     match ctx.cpu_context() {
-        Some(cpu) => cpu.pool().install(call),
+        Some(cpu) => cpu.rayon_pool().expect("starting the peer's rayon pool").install(call),
         None => call(),
     }
 }
@@ -391,7 +391,7 @@ fn matrixmultiply_f32(m: usize, n: usize, k: usize, x: &[f32], w: &[f32], c: &mu
         }
     };
     match ctx.cpu_context() {
-        Some(cpu) if threads > 1 => cpu.pool().scope(|s| {
+        Some(cpu) if threads > 1 => cpu.rayon_pool().expect("starting the peer's rayon pool").scope(|s| {
             for t in 0..threads {
                 let (first, end) = (columns(t), columns(t + 1));
                 if end > first {

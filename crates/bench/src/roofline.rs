@@ -43,7 +43,7 @@ const FMA_M: f32 = 0.999_999;
 const FMA_C: f32 = 1e-6;
 
 fn pool_of(ctx: &DeviceContextPtr) -> Result<&rayon::ThreadPool> {
-    ctx.cpu_context().map(|c| c.pool()).ok_or(BenchError::NotCpu { what: "the roofline probes" })
+    Ok(ctx.cpu_context().ok_or(BenchError::NotCpu { what: "the roofline probes" })?.rayon_pool()?)
 }
 
 /// Reads a large buffer with every thread of a CPU context.

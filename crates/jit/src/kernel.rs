@@ -124,20 +124,21 @@ pub unsafe fn launch<A: KernelArgs>(code: &JitFunction, args: &A, items: usize, 
     // (pointer, i64, i64; System V) — checked by the flag above — and `code`
     // outlives every call below (they end before this function returns).
     let entry = unsafe { std::mem::transmute::<*const u8, KernelEntry>(code.entry()) };
-    let run = |begin: usize, end: usize| {
+    // The job must be `'static` to reach the pool's threads: it carries
+    // the arguments' address, which `run` below outlives (it returns only
+    // once every part has finished, and a part never starts after that).
+    let args = std::ptr::from_ref(args).cast::<u64>() as usize;
+    let run = move |begin: usize, end: usize| {
         // SAFETY: the caller guarantees every access of the code for a range
         // inside 0..items stays inside the buffers of `args`, and that ranges
         // write disjoint memory; `args` is borrowed for the whole call.
-        unsafe { entry(std::ptr::from_ref(args).cast::<u64>(), begin as i64, end as i64) }
+        unsafe { entry(args as *const u64, begin as i64, end as i64) }
     };
     let threads = ctx.cpu_context().map_or(1, |c| c.threads()).min(items).max(1);
     match ctx.cpu_context() {
-        Some(cpu) if threads > 1 => cpu.pool().scope(|s| {
-            for t in 0..threads {
-                let (begin, end) = (items * t / threads, items * (t + 1) / threads);
-                s.spawn(move |_| run(begin, end));
-            }
-        }),
+        Some(cpu) if threads > 1 => {
+            cpu.workers().run(threads, move |t| run(items * t / threads, items * (t + 1) / threads));
+        }
         _ => run(0, items),
     }
 }

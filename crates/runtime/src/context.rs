@@ -18,24 +18,44 @@
 use std::any::Any;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError, Weak};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError, Weak};
 
 use kvjit_core::Target;
 use kvjit_cuda::CudaDevice;
 
+use crate::workers::WorkerPool;
 use crate::{Result, RuntimeError};
 
 /// The CPU context: a worker pool of a fixed number of threads.
 #[derive(Debug)]
 pub struct CpuContext {
-    pool: rayon::ThreadPool,
+    workers: WorkerPool,
+    /// A rayon pool of as many threads, built on first use.
+    rayon: OnceLock<rayon::ThreadPool>,
     threads: usize,
 }
 
 impl CpuContext {
     /// The worker pool kernels run their parallel work on.
-    pub fn pool(&self) -> &rayon::ThreadPool {
-        &self.pool
+    pub fn workers(&self) -> &WorkerPool {
+        &self.workers
+    }
+
+    /// A rayon pool of [`CpuContext::threads`] threads, for code that speaks
+    /// rayon (library peers in benchmarks, bandwidth probes); built on the
+    /// first call. Kernels run on [`CpuContext::workers`].
+    pub fn rayon_pool(&self) -> Result<&rayon::ThreadPool> {
+        if let Some(pool) = self.rayon.get() {
+            return Ok(pool);
+        }
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(self.threads)
+            .thread_name(|i| format!("kvjit-rayon-{i}"))
+            .build()
+            .map_err(|e| RuntimeError::ThreadPool(e.to_string()))?;
+        // Another thread may have won the race; either pool will do.
+        let _ = self.rayon.set(pool);
+        Ok(self.rayon.get().expect("set above"))
     }
 
     /// Number of worker threads.
@@ -136,12 +156,8 @@ impl DeviceContextPtr {
     /// A CPU context with `threads` workers (0 means one per available core).
     pub fn cpu(threads: usize) -> Result<Self> {
         let threads = if threads == 0 { std::thread::available_parallelism().map_or(1, |n| n.get()) } else { threads };
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .thread_name(|i| format!("kvjit-cpu-{i}"))
-            .build()
-            .map_err(|e| RuntimeError::ThreadPool(e.to_string()))?;
-        Ok(Self::wrap(DeviceContext::Cpu(CpuContext { pool, threads })))
+        let workers = WorkerPool::new(threads, "kvjit-cpu").map_err(|e| RuntimeError::ThreadPool(e.to_string()))?;
+        Ok(Self::wrap(DeviceContext::Cpu(CpuContext { workers, rayon: OnceLock::new(), threads })))
     }
 
     /// A context on CUDA device `ordinal` with a new stream, or

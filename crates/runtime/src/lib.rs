@@ -12,9 +12,11 @@ mod error;
 mod executable;
 mod executor;
 mod kernel;
+mod workers;
 
 pub use context::{CpuContext, CudaContext, DeviceContext, DeviceContextPtr, KernelStateOwner, cuda_availability};
 pub use error::{Result, RuntimeError};
 pub use executable::{CacheSpec, Executable, InputSpec, ShapeDim, Slot, Step};
 pub use executor::{Executor, RunOutput, StepTiming};
 pub use kernel::{BuildOptions, CodeInfo, ConstantInput, Kernel, KernelBuilder, KernelImpl, OutputSpec};
+pub use workers::{SPIN, WorkerPool};
