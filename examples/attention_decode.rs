@@ -46,7 +46,7 @@ fn main() -> kvjit::Result<()> {
     let bound = 1.0 / (hidden as f32).sqrt();
     let n = (q_heads + 2 * kv_heads) * head;
     let w = b.random_constant("qkv_weight", dtype, &[n, hidden], RandomInit { seed: 8, low: -bound, high: bound })?;
-    let rope = RopeInit { rope_theta: 500000.0, llama3_scaling: Some(Llama3Scaling::LLAMA_3_1) };
+    let rope = RopeInit { llama3_scaling: Some(Llama3Scaling::LLAMA_3_1), ..RopeInit::plain(500000.0) };
     let freqs = b.recipe_constant("freqs_cis", dtype, &[pages_per_seq * page, head], rope.into())?;
 
     let q = fused_qkv_matmul(

@@ -78,9 +78,15 @@ struct Variant {
     arch: &'static str,
     /// A metadata key left out.
     without: Option<&'static str>,
+    /// RoPE frequency divisors: a `rope_freqs.weight` tensor (Llama 3.1 as
+    /// llama.cpp converts it), and linear scaling by this factor.
+    rope_freqs: bool,
+    linear_rope: Option<f32>,
 }
 
-const TIED: Variant = Variant { tied: true, arch: "llama", without: None };
+const TIED: Variant = Variant { tied: true, arch: "llama", without: None, rope_freqs: false, linear_rope: None };
+/// The divisors the `rope_freqs` variant stores, one per pair of the head.
+const ROPE_FREQS: [f32; HEAD / 2] = [1.0, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0];
 const UNTIED: Variant = Variant { tied: false, ..TIED };
 
 /// `n` values uniform in ±`scale`.
@@ -111,6 +117,10 @@ fn tiny_gguf(variant: Variant) -> GgufWriter {
     }
     kv("llama.rope.dimension_count", (HEAD as u32).into());
     kv("llama.rope.freq_base", (THETA as f32).into());
+    if let Some(factor) = variant.linear_rope {
+        kv("llama.rope.scaling.type", "linear".into());
+        kv("llama.rope.scaling.factor", factor.into());
+    }
     kv("llama.attention.layer_norm_rms_epsilon", (EPS as f32).into());
     let bytes = byte_chars();
     let mut tokens: Vec<String> = bytes.iter().map(char::to_string).collect();
@@ -160,6 +170,9 @@ fn tiny_gguf(variant: Variant) -> GgufWriter {
             }
         }
     }
+    if variant.rope_freqs {
+        w.tensor("rope_freqs.weight", GgmlType::F32, &[HEAD / 2], &ROPE_FREQS);
+    }
     let final_norm: Vec<f32> = uniform(&mut rng, HIDDEN, 0.3).iter().map(|v| 1.0 + v).collect();
     w.tensor("output_norm.weight", GgmlType::F32, &[HIDDEN], &final_norm);
     if !variant.tied {
@@ -195,11 +208,12 @@ fn add(a: &[f64], b: &[f64]) -> Vec<f64> {
     a.iter().zip(b).map(|(a, b)| a + b).collect()
 }
 
-/// Rotate every head's adjacent pairs (2j, 2j+1) by position · θ^(−2j/D).
-fn rope_pairwise(x: &mut [f64], position: usize) {
+/// Rotate every head's adjacent pairs (2j, 2j+1) by position · θ^(−2j/D)
+/// / `divisors[j]`.
+fn rope_pairwise(x: &mut [f64], position: usize, divisors: &[f64]) {
     for head in x.chunks_exact_mut(HEAD) {
         for j in 0..HEAD / 2 {
-            let angle = position as f64 * THETA.powf(-2.0 * j as f64 / HEAD as f64);
+            let angle = position as f64 * THETA.powf(-2.0 * j as f64 / HEAD as f64) / divisors[j];
             let (sin, cos) = angle.sin_cos();
             let (a, b) = (head[2 * j], head[2 * j + 1]);
             head[2 * j] = a * cos - b * sin;
@@ -213,6 +227,9 @@ fn rope_pairwise(x: &mut [f64], position: usize) {
 struct Naive {
     weights: std::collections::HashMap<String, Vec<f64>>,
     history: Vec<Vec<(Vec<f64>, Vec<f64>)>>,
+    /// The RoPE frequencies' divisors: `rope_freqs.weight` times the linear
+    /// scaling factor (1 without either).
+    rope_divisors: Vec<f64>,
 }
 
 impl Naive {
@@ -226,7 +243,16 @@ impl Naive {
                 (info.name().to_string(), tensor.to_f32_vec().unwrap().into_iter().map(f64::from).collect())
             })
             .collect();
-        Self { weights, history: vec![Vec::new(); LAYERS] }
+        let mut rope_divisors = vec![1.0; HEAD / 2];
+        if gguf.tensor_info("rope_freqs.weight").is_some() {
+            let stored = gguf.tensor("rope_freqs.weight", DType::F32).unwrap().to_f32_vec().unwrap();
+            rope_divisors = stored.into_iter().map(f64::from).collect();
+        }
+        if gguf.get_str_opt("llama.rope.scaling.type").unwrap() == Some("linear") {
+            let factor = f64::from(gguf.get_f32("llama.rope.scaling.factor").unwrap());
+            rope_divisors.iter_mut().for_each(|d| *d *= factor);
+        }
+        Self { weights, history: vec![Vec::new(); LAYERS], rope_divisors }
     }
 
     fn weight(&self, name: &str) -> &[f64] {
@@ -242,8 +268,8 @@ impl Naive {
             let (mut q, mut k, v) =
                 (linear(&normed, w("attn_q")), linear(&normed, w("attn_k")), linear(&normed, w("attn_v")));
             let position = self.history[l].len();
-            rope_pairwise(&mut q, position);
-            rope_pairwise(&mut k, position);
+            rope_pairwise(&mut q, position, &self.rope_divisors);
+            rope_pairwise(&mut k, position, &self.rope_divisors);
             self.history[l].push((k, v));
             let history = &self.history[l];
             let mut attention = vec![0.0; HEADS * HEAD];
@@ -290,7 +316,7 @@ fn argmax(row: &[f64]) -> u32 {
 // ------------------------------------------------------------------- kvjit
 
 fn options(dtype: DType) -> ImportOptions {
-    ImportOptions { dtype, dequantize: true, context: 128, max_batch: 2, page_size: 16 }
+    ImportOptions { dtype, dequantize: true, context: 128, max_batch: 2, page_size: 16, cache_dtype: None }
 }
 
 /// Compile `graph` and generate `max_tokens` greedy tokens (no stop token)
@@ -391,6 +417,36 @@ fn f32_logits_and_greedy_tokens_match_the_naive_model_tied_and_untied() {
         let error = check_against_naive(&graph, &path, DType::F32, 3);
         eprintln!("f32, tied {}: largest normalized logits error {error:.2e}", variant.tied);
         assert!(error < tolerance(DType::F32), "tied {}: {error}", variant.tied);
+    }
+}
+
+/// RoPE frequency divisors — a `rope_freqs.weight` tensor, linear scaling,
+/// both — are honoured: the logits match the naive model that divides each
+/// frequency the same way, and differ from the plain file's.
+#[test]
+fn rope_frequency_factors_and_linear_scaling_match_the_naive_model() {
+    let registry = standard_registry();
+    let logits = |variant: Variant| {
+        let (_dir, path) = written(variant);
+        let graph = load_model(&path, registry.ops(), &options(DType::F32), WeightLoad::Map).unwrap();
+        let error = check_against_naive(&graph, &path, DType::F32, 2);
+        assert!(
+            error < tolerance(DType::F32),
+            "rope_freqs {}, linear {:?}: {error}",
+            variant.rope_freqs,
+            variant.linear_rope
+        );
+        generate(&graph, &prompt(&path), 1).logits[0][0].clone()
+    };
+    let plain = logits(TIED);
+    for variant in [
+        Variant { rope_freqs: true, ..TIED },
+        Variant { linear_rope: Some(4.0), ..TIED },
+        Variant { rope_freqs: true, linear_rope: Some(2.0), ..TIED },
+    ] {
+        let scaled = logits(variant);
+        let moved = plain.iter().zip(&scaled).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        assert!(moved > 1e-2, "the divisors change the logits (moved {moved})");
     }
 }
 
@@ -568,6 +624,23 @@ fn block_weights_travel_in_artifacts() {
         stdout.lines().find(|l| l.starts_with("output 'logits'")).unwrap_or_else(|| panic!("{stdout}")).to_string()
     };
     assert_eq!(checksum(&artifact), checksum(&model_json));
+    // `generate` starts from the artifact too (the tokenizer from the GGUF
+    // its source graph names) and chooses the same tokens from the same
+    // logits.
+    let logits = |model: &Path, name: &str| {
+        let path = dir.path().join(name);
+        succeeds(&["generate", str(model), "--prompt", "hi", "--max-tokens", "4", "--logits", str(&path)]);
+        read_safetensors(&path).unwrap()
+    };
+    let (from_artifact, from_json) =
+        (logits(&artifact, "artifact.safetensors"), logits(&model_json, "json.safetensors"));
+    assert_eq!(from_artifact["tokens"].to_u32_vec().unwrap(), from_json["tokens"].to_u32_vec().unwrap());
+    assert_eq!(from_artifact["logits"].to_f32_vec().unwrap(), from_json["logits"].to_f32_vec().unwrap());
+    // An artifact away from its graph file has no tokenizer: one line.
+    let moved = dir.path().join("elsewhere");
+    std::fs::create_dir(&moved).unwrap();
+    std::fs::copy(&artifact, moved.join("model.kvjit")).unwrap();
+    refused(&["generate", str(&moved.join("model.kvjit")), "--prompt", "hi"], "no tokenizer");
 }
 
 #[test]
@@ -646,6 +719,18 @@ fn bad_files_and_requests_are_refused_in_one_line() {
     tiny_gguf(Variant { arch: "gpt2", ..TIED }).write(&file).unwrap();
     refused(&["import", str(&file), "-o", str(&out)], "'gpt2'");
     refused(&["generate", str(&file), "--prompt", "hi"], "'gpt2'");
+    // RoPE scaling kvjit does not read, and frequency factors that do not
+    // fit the head: named.
+    let mut yarn = tiny_gguf(TIED);
+    yarn.kv("llama.rope.scaling.type", "yarn");
+    yarn.write(&file).unwrap();
+    refused(&["generate", str(&file), "--prompt", "hi"], "'yarn'");
+    for (shape, values) in [(3, vec![1.0f32; 3]), (HEAD / 2, vec![0.0; HEAD / 2])] {
+        let mut freqs = tiny_gguf(TIED);
+        freqs.tensor("rope_freqs.weight", GgmlType::F32, &[shape], &values);
+        freqs.write(&file).unwrap();
+        refused(&["generate", str(&file), "--prompt", "hi"], "rope_freqs.weight");
+    }
     // A prompt past the context, and nothing to generate: refused, exit 1,
     // no panic (one line: see the ignored test below).
     for (args, needle) in requests_that_cannot_run(&path) {

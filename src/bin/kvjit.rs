@@ -122,8 +122,8 @@ enum Command {
         #[command(flatten)]
         shape: ModelShape,
     },
-    /// Generate text with a model: a GGUF file, or a model.json written by
-    /// `kvjit import`. The prompt runs as one prefill, then one decode step
+    /// Generate text with a model: a GGUF file, a model.json written by
+    /// `kvjit import`, or an artifact compiled from one. The prompt runs as one prefill, then one decode step
     /// per token on the same compiled model and paged KV cache; text is
     /// streamed as it is produced.
     Generate(GenerateArgs),
@@ -146,6 +146,10 @@ struct ModelShape {
     /// Sequences the KV cache holds at that context.
     #[arg(long, default_value_t = 4)]
     max_batch: usize,
+    /// The KV cache's dtype (default: --dtype's): f32, bf16, or f8e4m3
+    /// (FP8 codes with a scale per block of the head).
+    #[arg(long)]
+    kv_cache_dtype: Option<DType>,
 }
 
 impl ModelShape {
@@ -155,6 +159,7 @@ impl ModelShape {
             dequantize: self.dequantize,
             context: self.context,
             max_batch: self.max_batch,
+            cache_dtype: self.kv_cache_dtype,
             ..Default::default()
         }
     }
@@ -162,7 +167,9 @@ impl ModelShape {
 
 #[derive(clap::Args)]
 struct GenerateArgs {
-    /// A GGUF file, or a model.json written by `kvjit import`.
+    /// A GGUF file, a model.json written by `kvjit import`, or an artifact
+    /// `kvjit compile` made of one (in the same folder; it runs with the
+    /// options it was compiled with).
     model: PathBuf,
     /// The prompt (repeat it to run several prompts side by side).
     #[arg(long, required = true)]
@@ -726,16 +733,33 @@ fn generate(registry: &Registry, args: &GenerateArgs) -> Result<()> {
     use kvjit::models::gguf::{load_model, tokenizer};
 
     let is_gguf = args.model.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf"));
-    let (graph, gguf_path) = if is_gguf {
-        (load_model(&args.model, registry.ops(), &args.shape.options(), WeightLoad::Map)?, args.model.clone())
+    let started = Instant::now();
+    let options = CompileOptions { fuse: !args.no_fuse, ..CompileOptions::default() };
+    let (graph, exe, gguf_path) = if is_gguf {
+        let graph = load_model(&args.model, registry.ops(), &args.shape.options(), WeightLoad::Map)?;
+        let exe = compile(&graph, registry, &options)?;
+        (graph, exe, args.model.clone())
+    } else if kvjit::artifact::is_artifact(&args.model) {
+        // The tokenizer is the GGUF's that the artifact's source graph
+        // (a model.json beside it) names.
+        let source = kvjit::artifact::source_graph_beside(&args.model).ok_or_else(|| {
+            Error::Usage(format!(
+                "{}: the artifact names no graph file beside it, so there is no tokenizer (compile it from the \
+                 model.json kvjit import wrote, into the same folder)",
+                args.model.display()
+            ))
+        })?;
+        let gguf_path = kvjit::models::gguf::gguf_of_graph_file(&source)?;
+        let loaded = kvjit::artifact::load_artifact(&args.model, registry)?;
+        let exe = loaded.compile(registry)?;
+        (loaded.graph, exe, gguf_path)
     } else {
         let gguf_path = kvjit::models::gguf::gguf_of_graph_file(&args.model)?;
-        (load(registry, &args.model, WeightLoad::Map, None)?, gguf_path)
+        let graph = load(registry, &args.model, WeightLoad::Map, None)?;
+        let exe = compile(&graph, registry, &options)?;
+        (graph, exe, gguf_path)
     };
     let tokenizer = tokenizer(&kvjit::gguf::Gguf::open(&gguf_path)?)?;
-    let options = CompileOptions { fuse: !args.no_fuse, ..CompileOptions::default() };
-    let started = Instant::now();
-    let exe = compile(&graph, registry, &options)?;
     let ctx = DeviceContextPtr::for_target(Target::Cpu, args.threads)?;
     let model = Model::new(&graph, registry, exe, Executor::new(ctx))?;
     let compile_time = started.elapsed();

@@ -195,7 +195,7 @@ impl ModelBenchConfig {
 /// How a run holds the model's weights.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum WeightsAs {
-    /// The file's block formats as stored (f32 activations).
+    /// The file's block formats as stored (f32 activations, a bf16 cache).
     Blocks,
     /// Dequantized to this dtype (activations in it too).
     Dequantized(DType),
@@ -208,7 +208,10 @@ impl WeightsAs {
             WeightsAs::Blocks => (DType::F32, false),
             WeightsAs::Dequantized(dtype) => (dtype, true),
         };
-        ImportOptions { dtype, dequantize, context, max_batch: 1, page_size }
+        // The blocks run keeps a bf16 cache: the K/V bytes llama.cpp's
+        // default f16 cache reads.
+        let cache_dtype = matches!(self, WeightsAs::Blocks).then_some(DType::BF16);
+        ImportOptions { dtype, dequantize, context, max_batch: 1, page_size, cache_dtype }
     }
 }
 
@@ -354,7 +357,7 @@ fn weight_bytes(graph: &Graph) -> f64 {
             })
         })
         .filter_map(|(_, v)| v.ty.as_tensor().and_then(|t| Some((t.dtype, t.static_shape()?))))
-        .map(|(dtype, shape)| (shape.iter().product::<usize>() * dtype.size_bytes()) as f64)
+        .map(|(dtype, shape)| shape.iter().product::<usize>() as f64 * dtype.bytes_per_element())
         .sum()
 }
 

@@ -150,7 +150,7 @@ impl WorkerPool {
         let mut polls = 0u32;
         while job.unfinished.load(Ordering::Acquire) != 0 {
             polls = polls.wrapping_add(1);
-            if polls % 256 == 0 {
+            if polls.is_multiple_of(256) {
                 std::thread::yield_now();
             } else {
                 std::hint::spin_loop();
@@ -194,7 +194,7 @@ fn worker_loop(shared: &Shared) {
         let mut polls = 0u32;
         while shared.generation.load(Ordering::Acquire) == seen {
             polls = polls.wrapping_add(1);
-            if polls % 1024 != 0 {
+            if !polls.is_multiple_of(1024) {
                 std::hint::spin_loop();
             } else if started.elapsed() >= SPIN {
                 break;

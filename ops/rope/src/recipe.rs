@@ -1,6 +1,7 @@
 //! The RoPE op's constant recipe: its `freqs_cis` table, made from the base
-//! θ and Llama-3.1 scaling instead of stored (`"init": {"rope_theta":
-//! 500000.0, "llama3_scaling": {…}}` in a graph file). [`RopeOp`](crate::RopeOp)
+//! θ, Llama-3.1 scaling and per-frequency divisors instead of stored
+//! (`"init": {"rope_theta": 500000.0, "llama3_scaling": {…}}` in a graph
+//! file). [`RopeOp`](crate::RopeOp)
 //! registers it, so a registry without the op does not know it.
 
 use kvjit_core::Tensor;
@@ -10,9 +11,10 @@ use serde::{Deserialize, Serialize};
 /// The standard rotary-embedding table `freqs_cis [max_positions, D]` of
 /// a RoPE op, as a constant recipe: row `pos` holds `cos(pos·θ_j)` at `2j`
 /// and `sin(pos·θ_j)` at `2j + 1` for `j < D/2`, with `θ_j = theta^(−2j/D)`
-/// (optionally rescaled the Llama-3 way). The constant's shape gives
-/// `max_positions` and `D`. Computed in f64, rounded once to the dtype.
-#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+/// (optionally rescaled the Llama-3 way, then divided by `freq_factors[j]`).
+/// The constant's shape gives `max_positions` and `D`. Computed in f64,
+/// rounded once to the dtype.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RopeInit {
     /// The base θ (Llama 3: 500000).
@@ -20,6 +22,18 @@ pub struct RopeInit {
     /// Llama-3.1 frequency scaling, if any.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub llama3_scaling: Option<Llama3Scaling>,
+    /// A divisor per frequency (`D/2` of them), if any: what GGUF files
+    /// store as `rope_freqs.weight` (llama.cpp's converter writes Llama-3.1
+    /// scaling so) and what linear RoPE scaling by `f` is (`f` for every j).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub freq_factors: Option<Vec<f64>>,
+}
+
+impl RopeInit {
+    /// The plain table of base `rope_theta`: no scaling, no divisors.
+    pub fn plain(rope_theta: f64) -> Self {
+        Self { rope_theta, llama3_scaling: None, freq_factors: None }
+    }
 }
 
 /// Llama 3.1's RoPE frequency scaling (`rope_type: "llama3"` in Hugging Face
@@ -86,10 +100,21 @@ impl Recipe for RopeInit {
             }
         }
         let (positions, d) = (shape[0], shape[1]);
+        if let Some(factors) = &self.freq_factors
+            && (factors.len() != d / 2 || !factors.iter().all(|f| f.is_finite() && *f > 0.0))
+        {
+            return Err(bad(format!(
+                "freq_factors needs D/2 = {} positive finite values, got {} ({:?}…)",
+                d / 2,
+                factors.len(),
+                &factors[..factors.len().min(4)]
+            )));
+        }
         let freqs: Vec<f64> = (0..d / 2)
             .map(|j| {
                 let freq = self.rope_theta.powf(-((2 * j) as f64) / d as f64);
-                self.llama3_scaling.map_or(freq, |s| s.scale(freq))
+                let freq = self.llama3_scaling.map_or(freq, |s| s.scale(freq));
+                self.freq_factors.as_ref().map_or(freq, |f| freq / f[j])
             })
             .collect();
         let mut values = Vec::new();
@@ -119,7 +144,7 @@ mod tests {
 
     #[test]
     fn the_rope_table_holds_cos_and_sin_of_position_times_frequency() {
-        let init = RopeInit { rope_theta: 10000.0, llama3_scaling: None };
+        let init = RopeInit::plain(10000.0);
         let (positions, d) = (5, 8);
         let t = table(init, positions, d);
         // Position 0: the identity rotation.
@@ -138,8 +163,8 @@ mod tests {
 
     #[test]
     fn llama3_scaling_keeps_high_frequencies_and_divides_low_ones() {
-        let plain = RopeInit { rope_theta: 500000.0, llama3_scaling: None };
-        let scaled = RopeInit { llama3_scaling: Some(Llama3Scaling::LLAMA_3_1), ..plain };
+        let plain = RopeInit::plain(500000.0);
+        let scaled = RopeInit { llama3_scaling: Some(Llama3Scaling::LLAMA_3_1), ..plain.clone() };
         let s = Llama3Scaling::LLAMA_3_1;
         // Wavelength 2π < 8192 / 4: unchanged.
         assert_eq!(s.scale(1.0), 1.0);
@@ -155,15 +180,39 @@ mod tests {
 
     #[test]
     fn bad_rope_tables_are_refused() {
-        let init = RopeInit { rope_theta: 10000.0, llama3_scaling: None };
+        let init = RopeInit::plain(10000.0);
         for shape in [vec![4usize, 7], vec![4], vec![4, 0]] {
             let ty = TensorType::new(DType::F32, shape.iter().map(|&d| d.into()));
             assert!(init.generate(&ty).is_err(), "{shape:?}");
         }
         let ty = TensorType::new(DType::F32, [4.into(), 8.into()]);
-        assert!(RopeInit { rope_theta: f64::NAN, ..init }.generate(&ty).is_err());
+        assert!(RopeInit { rope_theta: f64::NAN, ..init.clone() }.generate(&ty).is_err());
         let bad_scaling = Llama3Scaling { high_freq_factor: 0.5, ..Llama3Scaling::LLAMA_3_1 };
-        assert!(RopeInit { llama3_scaling: Some(bad_scaling), ..init }.generate(&ty).is_err());
+        assert!(RopeInit { llama3_scaling: Some(bad_scaling), ..init.clone() }.generate(&ty).is_err());
+        // D = 8 takes 4 factors, each positive and finite.
+        for factors in [vec![1.0; 3], vec![1.0; 5], vec![1.0, 0.0, 1.0, 1.0], vec![1.0, f64::NAN, 1.0, 1.0]] {
+            let err = RopeInit { freq_factors: Some(factors.clone()), ..init.clone() }.generate(&ty).unwrap_err();
+            assert!(err.to_string().contains("freq_factors"), "{factors:?}: {err}");
+        }
+    }
+
+    #[test]
+    fn frequency_factors_divide_each_frequency() {
+        let (positions, d) = (6, 8);
+        let factors = vec![1.0, 2.5, 8.0, 0.5];
+        let init = RopeInit { freq_factors: Some(factors.clone()), ..RopeInit::plain(10000.0) };
+        let t = table(init.clone(), positions, d);
+        for pos in 0..positions {
+            for (j, factor) in factors.iter().enumerate() {
+                let angle = pos as f64 * 10000f64.powf(-2.0 * j as f64 / d as f64) / factor;
+                assert_eq!(t[pos * d + 2 * j], angle.cos() as f32, "cos at pos {pos}, j {j}");
+                assert_eq!(t[pos * d + 2 * j + 1], angle.sin() as f32, "sin at pos {pos}, j {j}");
+            }
+        }
+        // They survive a graph file: written and read back as they were.
+        let text = serde_json::to_string(&init).unwrap();
+        assert_eq!(text, r#"{"rope_theta":10000.0,"freq_factors":[1.0,2.5,8.0,0.5]}"#);
+        assert_eq!(serde_json::from_str::<RopeInit>(&text).unwrap(), init);
     }
 
     #[test]
@@ -175,7 +224,7 @@ mod tests {
         assert!(err.to_string().contains("unknown field `rope_theta`"), "{err}");
         registry.register(std::sync::Arc::new(kvjit_op::Defined(crate::RopeOp))).unwrap();
         let rope = registry.read_recipe(fields()).unwrap();
-        assert_eq!(rope.get::<RopeInit>(), Some(&RopeInit { rope_theta: 500000.0, llama3_scaling: None }));
+        assert_eq!(rope.get::<RopeInit>(), Some(&RopeInit::plain(500000.0)));
         assert_eq!(serde_json::to_string(&rope).unwrap(), r#"{"rope_theta":500000.0}"#);
         // Written back field for field, in declared (not alphabetical) order.
         let text = r#"{"rope_theta":500000.0,"llama3_scaling":{"factor":8.0,"low_freq_factor":1.0,"high_freq_factor":4.0,"original_max_positions":8192.0}}"#;

@@ -41,11 +41,13 @@ pub struct ImportOptions {
     pub max_batch: usize,
     /// Tokens per cache page.
     pub page_size: usize,
+    /// The KV cache's dtype (`None`: `dtype`).
+    pub cache_dtype: Option<DType>,
 }
 
 impl Default for ImportOptions {
     fn default() -> Self {
-        Self { dtype: DType::F32, dequantize: false, context: 2048, max_batch: 4, page_size: 16 }
+        Self { dtype: DType::F32, dequantize: false, context: 2048, max_batch: 4, page_size: 16, cache_dtype: None }
     }
 }
 
@@ -73,12 +75,6 @@ pub fn llama_config(gguf: &Gguf, options: &ImportOptions) -> Result<LlamaConfig>
         Some(v) => v as usize,
         None => gguf.tensor_info("token_embd.weight").and_then(|t| t.shape().first().copied()).unwrap_or(0),
     };
-    if gguf.tensor_info("rope_freqs.weight").is_some() {
-        return Err(Error::Usage(format!(
-            "{}: RoPE frequency factors (rope_freqs.weight, Llama-3.1 scaling) are not supported yet",
-            gguf.path().display()
-        )));
-    }
     let sizes = [hidden, heads, kv_heads, head_size, vocab, options.context, options.max_batch, options.page_size];
     if sizes.contains(&0) || !heads.is_multiple_of(kv_heads) || !options.context.is_multiple_of(options.page_size) {
         return Err(Error::Usage(format!(
@@ -95,7 +91,7 @@ pub fn llama_config(gguf: &Gguf, options: &ImportOptions) -> Result<LlamaConfig>
         layer: LayerConfig {
             name,
             dtype: options.dtype,
-            cache_dtype: None,
+            cache_dtype: options.cache_dtype,
             hidden_size: hidden,
             num_q_heads: heads,
             num_kv_heads: kv_heads,
@@ -109,11 +105,54 @@ pub fn llama_config(gguf: &Gguf, options: &ImportOptions) -> Result<LlamaConfig>
         ffn_size: gguf.get_u32(&key("feed_forward_length")?)? as usize,
         rope_theta: f64::from(gguf.get_f32_opt(&key("rope.freq_base")?)?.unwrap_or(10000.0)),
         llama3_scaling: None,
+        rope_freq_factors: rope_freq_factors(gguf, head_size)?,
         rope_interleaved: true,
         rms_norm_eps: f64::from(gguf.get_f32(&key("attention.layer_norm_rms_epsilon")?)?),
         vocab_size: vocab,
         tie_word_embeddings: gguf.tensor_info("output.weight").is_none(),
     })
+}
+
+/// The divisors of the RoPE frequencies `gguf` asks for, if any: its
+/// `rope_freqs.weight` (`head_size / 2` values; llama.cpp's converter
+/// writes Llama-3.1 scaling so), times the factor of `rope.scaling.type`
+/// `linear`. Other scaling types (YaRN, LongRoPE) are refused naming theirs.
+fn rope_freq_factors(gguf: &Gguf, head_size: usize) -> Result<Option<Vec<f64>>> {
+    let refuse = |problem: String| Error::Usage(format!("{}: {problem}", gguf.path().display()));
+    let mut factors: Option<Vec<f64>> = None;
+    if let Some(info) = gguf.tensor_info("rope_freqs.weight") {
+        if info.shape() != [head_size / 2] {
+            return Err(refuse(format!(
+                "rope_freqs.weight has shape {:?}; head size {head_size} takes [{}]",
+                info.shape(),
+                head_size / 2
+            )));
+        }
+        let values = gguf.tensor("rope_freqs.weight", DType::F32)?.to_f32_vec()?;
+        if let Some(bad) = values.iter().find(|f| !(f.is_finite() && **f > 0.0)) {
+            return Err(refuse(format!("rope_freqs.weight holds {bad}; RoPE frequency factors must be positive")));
+        }
+        factors = Some(values.into_iter().map(f64::from).collect());
+    }
+    let scaling = gguf.get_str_opt(&gguf.arch_key("rope.scaling.type")?)?;
+    match scaling {
+        None | Some("none") => {}
+        Some("linear") => {
+            let key = gguf.arch_key("rope.scaling.factor")?;
+            let factor = f64::from(gguf.get_f32(&key)?);
+            if !(factor.is_finite() && factor > 0.0) {
+                return Err(refuse(format!("{key} is {factor}; linear RoPE scaling needs a positive factor")));
+            }
+            let each = factors.get_or_insert_with(|| vec![1.0; head_size / 2]);
+            each.iter_mut().for_each(|f| *f *= factor);
+        }
+        Some(other) => {
+            return Err(refuse(format!(
+                "RoPE scaling '{other}' is not supported (kvjit reads 'linear' and rope_freqs)"
+            )));
+        }
+    }
+    Ok(factors)
 }
 
 /// The GGUF tensor name of a model-graph constant: `embed_tokens` →

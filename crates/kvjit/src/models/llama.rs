@@ -309,6 +309,9 @@ pub struct LlamaConfig {
     /// Llama-3.1 frequency scaling of the RoPE table (`rope_scaling` of
     /// `rope_type: "llama3"`), if any.
     pub llama3_scaling: Option<Llama3Scaling>,
+    /// A divisor per RoPE frequency (`head_size / 2` of them), if any: a
+    /// GGUF file's `rope_freqs.weight`, or linear scaling's factor.
+    pub rope_freq_factors: Option<Vec<f64>>,
     /// RoPE pair layout: false rotates Hugging Face `rotate_half` halves
     /// (Llama's checkpoints), true GGUF's interleaved pairs.
     pub rope_interleaved: bool,
@@ -331,6 +334,7 @@ impl LlamaConfig {
             ffn_size: 14336,
             rope_theta: 500000.0,
             llama3_scaling: Some(Llama3Scaling::LLAMA_3_1),
+            rope_freq_factors: None,
             rope_interleaved: false,
             rms_norm_eps: 1e-5,
             vocab_size: 128256,
@@ -355,6 +359,7 @@ impl LlamaConfig {
             ffn_size: 256,
             rope_theta: 10000.0,
             llama3_scaling: None,
+            rope_freq_factors: None,
             rope_interleaved: false,
             rms_norm_eps: 1e-5,
             vocab_size: 512,
@@ -462,7 +467,11 @@ impl StepValues {
         let layer = &config.layer;
         let valid = b.input("valid_lengths", DType::U32, &[Dim::from("batch")])?;
         let cache = b.kv_cache("kv_cache", layer.cache_type())?;
-        let rope = RopeInit { rope_theta: config.rope_theta, llama3_scaling: config.llama3_scaling };
+        let rope = RopeInit {
+            rope_theta: config.rope_theta,
+            llama3_scaling: config.llama3_scaling,
+            freq_factors: config.rope_freq_factors.clone(),
+        };
         let freqs =
             b.recipe_constant("freqs_cis", layer.dtype, &[config.max_positions(), layer.head_size], rope.into())?;
         let rope = RopeParams {
