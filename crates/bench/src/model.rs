@@ -55,6 +55,9 @@ pub const DECODE_ROOF_TARGET: f64 = 0.85;
 pub const OVERHEAD_TARGET: f64 = 0.10;
 /// See [`DECODE_ROOF_TARGET`].
 pub const PREFILL_VS_LLAMA_TARGET: f64 = 1.5;
+/// The quantized-weights issue's target: decode on the file's own blocks
+/// at least this multiple of llama.cpp's, at each context.
+pub const BLOCKS_DECODE_VS_LLAMA_TARGET: f64 = 1.5;
 
 /// A peer's figures as quoted (ranges of tokens/s).
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -456,8 +459,21 @@ pub struct PeerResult {
     pub command: String,
     /// Prefill tokens/s by prompt length.
     pub prefill: BTreeMap<usize, f64>,
-    /// Decode tokens/s (short context).
-    pub decode: Option<f64>,
+    /// Decode tokens/s by context (the Python peer: after a prefill of
+    /// that many tokens), or at context 0 (llama-bench's `tg` test: a short
+    /// context).
+    pub decode: BTreeMap<usize, f64>,
+}
+
+impl PeerResult {
+    /// Decode tokens/s at `context`, or at a short context where that is
+    /// all the peer measured (and whether it was at `context`).
+    pub fn decode_at(&self, context: usize) -> Option<(f64, bool)> {
+        match self.decode.get(&context) {
+            Some(&v) => Some((v, true)),
+            None => self.decode.get(&0).map(|&v| (v, false)),
+        }
+    }
 }
 
 /// The llama.cpp peer: measured, or why not.
@@ -605,7 +621,7 @@ pub fn run_model(config: &ModelBenchConfig, progress: &mut dyn FnMut(&Progress))
     steps.start("roofline probes (again)");
     roof_samples.measure(&ctx, &config.roof)?;
     steps.start("llama.cpp peer");
-    let peer = run_peer(&config.gguf, threads);
+    let peer = run_peer(&config.gguf, threads, &config.prefill_lens, &config.decode_contexts);
     Ok(ModelReport {
         mode: config.mode.clone(),
         gguf: config.gguf.clone(),
@@ -628,42 +644,58 @@ fn check_finite(out: &RunOutput) -> Result<()> {
 }
 
 /// The optional llama.cpp peer named by [`LLAMA_CPP_ENV`].
-fn run_peer(gguf: &Path, threads: usize) -> Peer {
+fn run_peer(gguf: &Path, threads: usize, prefill_lens: &[usize], contexts: &[usize]) -> Peer {
     let Some(value) = std::env::var_os(LLAMA_CPP_ENV).filter(|v| !v.is_empty()) else {
         return Peer::NotInstalled;
     };
     let value = value.to_string_lossy().into_owned();
-    match peer_command(&value, gguf, threads) {
+    match peer_command(&value, gguf, threads, prefill_lens, contexts) {
         Ok(result) => Peer::Measured(result),
         Err(e) => Peer::Failed(e),
     }
 }
 
-/// The Python peer's script: argv = gguf, threads; prints JSON.
+/// The Python peer's script: argv = gguf, threads, prefill lengths,
+/// decode contexts (comma-separated); prints JSON. Decode at context c: a
+/// prefill of c random tokens, then 32 single-token steps timed.
 const PY_PEER: &str = r#"
 import json, random, sys, time
 from llama_cpp import Llama
-m = Llama(model_path=sys.argv[1], n_threads=int(sys.argv[2]), n_ctx=1024, verbose=False)
-out = {"prefill": {}, "decode": None}
-for n in (128, 512):
+lens = [int(n) for n in sys.argv[3].split(",") if n]
+contexts = [int(n) for n in sys.argv[4].split(",") if n]
+m = Llama(model_path=sys.argv[1], n_threads=int(sys.argv[2]), n_ctx=max(lens + contexts) + 64, n_batch=512, verbose=False)
+out = {"prefill": {}, "decode": {}}
+for n in lens:
     ts = []
     for _ in range(4):
         m.reset()
         ids = [random.randrange(m.n_vocab()) for _ in range(n)]
         t = time.perf_counter(); m.eval(ids); ts.append(time.perf_counter() - t)
     out["prefill"][n] = n / sorted(ts[1:])[1]
-m.reset(); m.eval([1] * 16)
-t = time.perf_counter()
-for _ in range(32):
-    m.eval([1])
-out["decode"] = 32 / (time.perf_counter() - t)
+for c in contexts:
+    m.reset(); m.eval([random.randrange(m.n_vocab()) for _ in range(c)])
+    m.eval([1]); m.eval([1])
+    t = time.perf_counter()
+    for _ in range(32):
+        m.eval([1])
+    out["decode"][c] = 32 / (time.perf_counter() - t)
 print(json.dumps(out))
 "#;
 
-fn peer_command(value: &str, gguf: &Path, threads: usize) -> std::result::Result<PeerResult, String> {
+fn peer_command(
+    value: &str,
+    gguf: &Path,
+    threads: usize,
+    prefill_lens: &[usize],
+    contexts: &[usize],
+) -> std::result::Result<PeerResult, String> {
     let gguf_s = gguf.to_string_lossy().into_owned();
+    let list = |v: &[usize]| v.iter().map(usize::to_string).collect::<Vec<_>>().join(",");
     let (program, args): (String, Vec<String>) = match value.strip_prefix("python:") {
-        Some(python) => (python.into(), vec!["-c".into(), PY_PEER.into(), gguf_s, threads.to_string()]),
+        Some(python) => (
+            python.into(),
+            vec!["-c".into(), PY_PEER.into(), gguf_s, threads.to_string(), list(prefill_lens), list(contexts)],
+        ),
         None => (
             value.into(),
             ["-m", &gguf_s, "-t", &threads.to_string(), "-p", "128,512", "-n", "32", "-o", "json"]
@@ -687,7 +719,7 @@ fn peer_command(value: &str, gguf: &Path, threads: usize) -> std::result::Result
             let get = |k: &str| row.get(k).and_then(Value::as_f64).unwrap_or(0.0);
             match (get("n_prompt") as usize, get("n_gen") as usize) {
                 (p, 0) if p > 0 => drop(result.prefill.insert(p, get("avg_ts"))),
-                (0, g) if g > 0 => result.decode = Some(get("avg_ts")),
+                (0, g) if g > 0 => drop(result.decode.insert(0, get("avg_ts"))),
                 _ => {}
             }
         }
@@ -699,7 +731,13 @@ fn peer_command(value: &str, gguf: &Path, threads: usize) -> std::result::Result
                 }
             }
         }
-        result.decode = json.get("decode").and_then(Value::as_f64);
+        if let Some(d) = json.get("decode").and_then(Value::as_object) {
+            for (c, v) in d {
+                if let (Ok(c), Some(v)) = (c.parse(), v.as_f64()) {
+                    result.decode.insert(c, v);
+                }
+            }
+        }
     }
     Ok(result)
 }
@@ -741,6 +779,23 @@ impl ModelReport {
                     goal: format!("≥ {:.0} %", 100.0 * DECODE_ROOF_TARGET),
                     met: r.roof_fraction(roof) >= DECODE_ROOF_TARGET,
                 });
+                let peer = match &self.peer {
+                    Peer::Measured(p) => p.decode_at(r.context),
+                    _ => None,
+                };
+                if let (WeightsAs::Blocks, Some((llama, same_context))) = (d.dtype, peer) {
+                    let at = if same_context { "at the same context" } else { "at a short context" };
+                    targets.push(ModelTarget {
+                        what: format!(
+                            "blocks decode at context {} vs llama.cpp ({at}: {} tok/s)",
+                            r.context,
+                            format_rate(llama)
+                        ),
+                        value: format!("{:.2}× ({} tok/s)", r.tokens_per_s() / llama, format_rate(r.tokens_per_s())),
+                        goal: format!("≥ {BLOCKS_DECODE_VS_LLAMA_TARGET}×"),
+                        met: r.tokens_per_s() >= BLOCKS_DECODE_VS_LLAMA_TARGET * llama,
+                    });
+                }
                 targets.push(ModelTarget {
                     what: format!("{} decode at context {}: executor overhead", d.dtype, r.context),
                     value: format!("{:.1} % ({})", 100.0 * r.overhead_fraction(), format_time(r.overhead.median)),
@@ -830,8 +885,13 @@ impl ModelReport {
                 for d in self.dtypes.first().into_iter().flat_map(|d| &d.prefill) {
                     let _ = write!(row, " {} |", p.prefill.get(&d.tokens).map_or("–".into(), |v| format_rate(*v)));
                 }
-                for _ in 0..cols.1 {
-                    let _ = write!(row, " {} (short context) |", p.decode.map_or("–".into(), format_rate));
+                for d in self.dtypes.first().into_iter().flat_map(|d| &d.decode) {
+                    let cell = match p.decode_at(d.context) {
+                        Some((v, true)) => format_rate(v),
+                        Some((v, false)) => format!("{} (short context)", format_rate(v)),
+                        None => "–".into(),
+                    };
+                    let _ = write!(row, " {cell} |");
                 }
                 let _ = writeln!(s, "{row}");
             }
@@ -974,7 +1034,7 @@ impl ModelReport {
                 Peer::Failed(e) => json!({"status": "failed", "error": e}),
                 Peer::Measured(p) => json!({"status": "measured", "command": p.command,
                     "prefill_tokens_per_s": p.prefill.iter().map(|(k, v)| (k.to_string(), json!(v))).collect::<serde_json::Map<_, _>>(),
-                    "decode_tokens_per_s": p.decode}),
+                    "decode_tokens_per_s": p.decode.iter().map(|(k, v)| (k.to_string(), json!(v))).collect::<serde_json::Map<_, _>>()}),
             },
             "targets": self.targets().iter().map(|t| json!({
                 "what": t.what, "value": t.value, "goal": t.goal, "met": t.met,
