@@ -518,6 +518,16 @@ macro_rules! gemv_body {
         let streams = <$format>::STREAMS;
         let span = groups / streams;
         let mut acc = [[_mm256_setzero_ps(); 2]; MAX_STREAMS];
+        let (stream_bytes, panel_bytes) = (span * <$format>::GROUP_BYTES, groups * <$format>::GROUP_BYTES);
+        // Where stream s prefetches while it reads its j-th k-group:
+        // PREFETCH_BYTES ahead, and past the stream's end the same place of
+        // the next panel's stream s — what the next call (the next 16
+        // columns, read next) starts on, so no stream starts cold.
+        let ahead = |s: usize, j: usize| {
+            let at = j * <$format>::GROUP_BYTES + PREFETCH_BYTES;
+            let at = if at >= stream_bytes { at - stream_bytes + panel_bytes } else { at };
+            $w.wrapping_add(s * stream_bytes + at)
+        };
         // SAFETY: stream s reads k-groups s·span + j for j < span, the
         // tail streams·span..groups: every k-group < K / GROUP_K of the
         // panel and every 32-k activation block (80 bytes: 8 + 8 quant
@@ -526,12 +536,12 @@ macro_rules! gemv_body {
         // prefetches form their addresses with `wrapping_add` and never
         // fault; the kernel has the features of `$dot` and the format's
         // `add`.
-        let group = |acc: &mut [__m256; 2], g: usize| unsafe {
+        let group = |acc: &mut [__m256; 2], g: usize, prefetch_at: *const u8| unsafe {
             let w = $w.add(g * <$format>::GROUP_BYTES);
             let scales = <$format>::scales(w);
             for s in 0..subs {
                 for line in (s * part..(s + 1) * part).step_by(64) {
-                    _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add(PREFETCH_BYTES + line).cast());
+                    _mm_prefetch::<_MM_HINT_T0>(prefetch_at.wrapping_add(line).cast());
                 }
                 let at = x.add((g * subs + s) * Q8_ACTIVATION_BLOCK_BYTES);
                 let xs: Xs = std::array::from_fn(|part| {
@@ -555,11 +565,12 @@ macro_rules! gemv_body {
         };
         for j in 0..span {
             for (s, stream) in acc[..streams].iter_mut().enumerate() {
-                group(stream, s * span + j);
+                group(stream, s * span + j, ahead(s, j));
             }
         }
         for g in streams * span..groups {
-            group(&mut acc[0], g);
+            let prefetch_at = $w.wrapping_add(g * <$format>::GROUP_BYTES + PREFETCH_BYTES);
+            group(&mut acc[0], g, prefetch_at);
         }
         let mut sum = acc[0];
         for stream in &acc[1..streams] {
