@@ -50,8 +50,8 @@ pub use cranelift_codegen;
 pub use cranelift_frontend;
 pub use function::{CaptureText, JitFunction, c_call_conv, compile_function, host_isa, live_code_bytes, pointer_type};
 pub use kernel::{
-    KernelArgs, KernelParams, MAX_SEEN_SHAPES, SeenShapes, compile_kernel, compile_log, compile_or_fetch, kernels,
-    launch,
+    KernelArgs, KernelParams, MAX_SEEN_SHAPES, SeenShapes, UNEVEN_PARTS_PER_THREAD, compile_kernel, compile_log,
+    compile_or_fetch, kernels, launch, launch_uneven,
 };
 
 /// What can go wrong turning IR into machine code.

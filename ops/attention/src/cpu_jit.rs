@@ -1127,7 +1127,7 @@ impl JitSpec for MhaSpec {
             // `block_buffer_bytes`; the pool's ranges are disjoint, so their
             // first items differ), so ranges write disjoint memory. The
             // cache is only read. All buffers outlive the launch.
-            unsafe { kvjit_jit::launch(call.code, &args, plan.items, ctx) };
+            unsafe { kvjit_jit::launch_uneven(call.code, &args, plan.items, ctx) };
             merge(shape, &plan, valid, &partials, &mut out);
         }
         store_output(self.dtype, &out, call.output);
