@@ -20,7 +20,7 @@ fn count_kernel() -> JitFunction {
             let old = b.ins().load(types::I32, mem(), dst, 0);
             let index = b.ins().ireduce(types::I32, i);
             let new = b.ins().iadd(old, index);
-            let new = b.ins().iadd_imm(new, 1);
+            let new = b.ins().iadd_imm_u(new, 1);
             b.ins().store(mem(), new, dst, 0);
             Vec::new()
         });
