@@ -198,6 +198,10 @@ fn worker_loop(shared: &Shared) {
                 std::hint::spin_loop();
             } else if started.elapsed() >= SPIN {
                 break;
+            } else {
+                // On a machine with more runnable threads than cores (a
+                // test run), let the thread that will post the next job run.
+                std::thread::yield_now();
             }
         }
         let job = {
