@@ -15,9 +15,10 @@
 //!
 //! The llama.cpp peer is optional and never built here: set
 //! `KVJIT_LLAMA_CPP` to a `llama-bench` binary (run as `llama-bench -m GGUF
-//! -t THREADS -p 128,512 -n 32 -o json`), or to `python:INTERPRETER` for an
-//! interpreter that imports the `llama_cpp` module (a small script times
-//! a 128- and a 512-token prefill and 32 decode steps). Without it the
+//! -t THREADS -p 128,512 -n 32 -o json`: its decode is at a short context),
+//! or to `python:INTERPRETER` for an interpreter that imports the
+//! `llama_cpp` module (a small script times the same prefill lengths, and
+//! 32 decode steps after a prefill of each decode context). Without it the
 //! report compares against the figures quoted in issue 23, measured by its
 //! author on this host class with 2 threads, labelled "quoted, not measured
 //! in this run".
@@ -710,7 +711,14 @@ fn peer_command(
         let stderr = String::from_utf8_lossy(&out.stderr);
         return Err(format!("{command} failed ({}): {}", out.status, stderr.lines().last().unwrap_or("")));
     }
-    let text = String::from_utf8_lossy(&out.stdout);
+    parse_peer_output(command, &String::from_utf8_lossy(&out.stdout))
+}
+
+/// A peer's figures from its JSON output: llama-bench's rows (`n_prompt`,
+/// `n_gen`, `avg_ts`; its `tg` test is decode at a short context, kept as
+/// context 0) or the Python script's `{"prefill": {len: tok/s}, "decode":
+/// {context: tok/s}}`.
+fn parse_peer_output(command: String, text: &str) -> std::result::Result<PeerResult, String> {
     let json: Value = serde_json::from_str(text.trim()).map_err(|e| format!("{command}: output is not JSON: {e}"))?;
     let mut result = PeerResult { command, ..PeerResult::default() };
     if let Some(rows) = json.as_array() {
@@ -1049,4 +1057,33 @@ fn kernel_counts(dtypes: &[DtypeResult]) -> String {
         .map(|d| format!("{} {} kernels ({} steps with views)", d.dtype, d.kernels.0, d.kernels.1))
         .collect::<Vec<_>>()
         .join(", ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_python_peer_reports_decode_per_context() {
+        let text = r#"{"prefill": {"128": 270.5, "512": 241.0}, "decode": {"128": 80.25, "2048": 51.5}}"#;
+        let p = parse_peer_output("py".into(), text).unwrap();
+        assert_eq!(p.prefill, BTreeMap::from([(128, 270.5), (512, 241.0)]));
+        assert_eq!(p.decode_at(128), Some((80.25, true)));
+        assert_eq!(p.decode_at(2048), Some((51.5, true)));
+        // A context it did not run, and no short-context figure: none.
+        assert_eq!(p.decode_at(4096), None);
+    }
+
+    #[test]
+    fn llama_bench_rows_give_prefill_and_a_short_context_decode() {
+        let text = r#"[{"n_prompt": 128, "n_gen": 0, "avg_ts": 260.0},
+                       {"n_prompt": 512, "n_gen": 0, "avg_ts": 230.0},
+                       {"n_prompt": 0, "n_gen": 32, "avg_ts": 90.0}]"#;
+        let p = parse_peer_output("llama-bench".into(), text).unwrap();
+        assert_eq!(p.prefill, BTreeMap::from([(128, 260.0), (512, 230.0)]));
+        // Every context falls back to the short-context figure, marked so.
+        assert_eq!(p.decode_at(2048), Some((90.0, false)));
+        let err = parse_peer_output("llama-bench".into(), "not json").unwrap_err();
+        assert!(err.contains("llama-bench: output is not JSON"), "{err}");
+    }
 }
