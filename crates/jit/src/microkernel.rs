@@ -257,6 +257,9 @@ mod x86 {
 
     /// Streams of the one-row tile (a GEMV over one panel).
     const GEMV_STREAMS: usize = 4;
+    /// How far ahead of its loads each stream of the one-row tile
+    /// prefetches (the quantized GEMV's distance).
+    const GEMV_PREFETCH_BYTES: usize = 2048;
 
     /// The one-row tile: a GEMV over one panel, read as [`GEMV_STREAMS`]
     /// sequential streams (k split into that many contiguous ranges, each
@@ -271,6 +274,16 @@ mod x86 {
         let row_bytes = TILE_COLUMNS * W::BYTES;
         let span = k / GEMV_STREAMS;
         let mut acc = [[_mm256_setzero_ps(); 2]; GEMV_STREAMS];
+        let (stream_bytes, panel_bytes) = (span * row_bytes, k * row_bytes);
+        // Where stream s prefetches at its j-th k: GEMV_PREFETCH_BYTES
+        // ahead, and past the stream's end the same place of the next
+        // panel's stream s (the next call's), so no call starts cold.
+        let ahead = |s: usize, j: usize| {
+            let at = j * row_bytes + GEMV_PREFETCH_BYTES;
+            let at = if at >= stream_bytes { at - stream_bytes + panel_bytes } else { at };
+            w.wrapping_add(s * stream_bytes + at)
+        };
+        let lines_per_row = 64 / row_bytes.min(64);
         // SAFETY (whole body): stream s reads k values s·span + j for
         // j < span, and the tail reads GEMV_STREAMS·span ..< k: every
         // k < k of x (x[k·x_step]) and of the panel.
@@ -282,6 +295,10 @@ mod x86 {
         };
         for j in 0..span {
             for (s, stream) in acc.iter_mut().enumerate() {
+                if j.is_multiple_of(lines_per_row) {
+                    // Never faults (`wrapping_add` forms the address).
+                    _mm_prefetch::<_MM_HINT_T0>(ahead(s, j).cast());
+                }
                 step(stream, s * span + j);
             }
         }
