@@ -31,6 +31,9 @@ pub const DEFAULT_SCALE_GRANULARITY: usize = 128;
 pub struct GraphBuilder<'r> {
     registry: &'r OpRegistry,
     graph: Graph,
+    /// Recipe constants are declared without computing their data
+    /// ([`GraphBuilder::for_graph_file`]).
+    deferred_recipes: bool,
 }
 
 impl<'r> GraphBuilder<'r> {
@@ -39,7 +42,17 @@ impl<'r> GraphBuilder<'r> {
         Self {
             registry,
             graph: Graph { name: name.to_string(), values: Vec::new(), nodes: Vec::new(), outputs: Vec::new() },
+            deferred_recipes: false,
         }
+    }
+
+    /// Start an empty graph to be written as a graph file
+    /// ([`GraphBuilder::finish_to_json`]), never run: recipe constants are
+    /// declared without computing their data (a graph file keeps the
+    /// recipe, so a model's hundred million random weights are not drawn
+    /// only to be dropped). [`GraphBuilder::finish`] refuses such a graph.
+    pub fn for_graph_file(name: &str, registry: &'r OpRegistry) -> Self {
+        Self { deferred_recipes: true, ..Self::new(name, registry) }
     }
 
     fn add_value(&mut self, name: Option<&str>, ty: ValueType, def: ValueDef) -> Result<ValueId> {
@@ -90,7 +103,12 @@ impl<'r> GraphBuilder<'r> {
             });
         }
         let ty = TensorType::new(dtype, shape.iter().map(|&d| Dim::Static(d)));
-        let data = init.materialize(&ty)?;
+        // Deferred: zeros of the type (untouched zero pages) hold the place;
+        // the graph is only ever written, which saves the recipe.
+        let data = match self.deferred_recipes {
+            true => Tensor::zeros(dtype, shape)?,
+            false => init.materialize(&ty)?,
+        };
         self.add_value(Some(name), ValueType::Tensor(ty), ValueDef::Constant { data: Arc::new(data), init: Some(init) })
     }
 
@@ -197,9 +215,22 @@ impl<'r> GraphBuilder<'r> {
         Ok(())
     }
 
-    /// Finish the graph, running the full validator once more.
+    /// Finish the graph, running the full validator once more. A builder
+    /// made [`for_graph_file`](GraphBuilder::for_graph_file) is refused
+    /// ([`GraphError::DeferredRecipes`]): its recipe constants hold no data.
     pub fn finish(self) -> Result<Graph> {
+        if self.deferred_recipes {
+            return Err(GraphError::DeferredRecipes { graph: self.graph.name });
+        }
         validate(&self.graph, self.registry)?;
         Ok(self.graph)
+    }
+
+    /// Finish the graph and write it as a graph file's JSON (no weights
+    /// file: every constant is a recipe or is named for the caller's
+    /// weights), running the full validator once more.
+    pub fn finish_to_json(self) -> Result<String> {
+        validate(&self.graph, self.registry)?;
+        Ok(crate::graph_to_json(&self.graph, None))
     }
 }

@@ -51,6 +51,15 @@ pub enum GraphError {
         /// The recipe it clashes with.
         registered: &'static str,
     },
+    /// A graph built for a graph file asked to be finished as a graph to
+    /// run ([`GraphBuilder::finish`](crate::GraphBuilder::finish)).
+    #[error(
+        "graph '{graph}' was built for a graph file (GraphBuilder::for_graph_file): its recipe constants hold no data, so it can only be written (finish_to_json)"
+    )]
+    DeferredRecipes {
+        /// The graph's name.
+        graph: String,
+    },
     /// A constant given a recipe the builder's registry does not know (a
     /// file saving it could not be loaded with that registry).
     #[error("recipe '{name}' is not registered: known recipes are {known}")]

@@ -172,3 +172,54 @@ fn an_init_with_the_markers_of_two_recipes_is_refused() {
     let random = with_ramp().read_recipe(serde_json::json!({"seed": 1, "low": 0.0, "high": 1.0})).unwrap();
     assert_eq!(random, ConstantInit::from(RandomInit { seed: 1, low: 0.0, high: 1.0 }));
 }
+
+/// A recipe whose data cannot be made: any attempt to draw it fails.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Undrawable {
+    undrawable: u32,
+}
+
+impl Recipe for Undrawable {
+    const NAME: &'static str = "undrawable";
+    const MARKER: &'static str = "undrawable";
+
+    fn generate(&self, _: &TensorType) -> kvjit_graph::Result<Tensor> {
+        Err(GraphError::Param { param: "init".into(), problem: "drawn".into() })
+    }
+}
+
+/// A builder for a graph file declares recipe constants without drawing
+/// them, writes the JSON a materialized graph writes, and refuses to hand
+/// out a graph to run.
+#[test]
+fn a_graph_file_builder_never_draws_its_recipes_and_never_hands_out_a_graph() {
+    const BOTH: &[RecipeKind] = &[RecipeKind::of::<Ramp>(), RecipeKind::of::<Undrawable>()];
+    let mut registry = OpRegistry::new();
+    registry.register(Arc::new(TableOp { name: "table", recipes: BOTH })).unwrap();
+    let ramp = ConstantInit::new(Ramp { ramp_start: 1.0, by: 0.5 });
+    let undrawable = ConstantInit::new(Undrawable { undrawable: 7 });
+
+    // Drawn: the undrawable recipe fails at once.
+    let mut b = GraphBuilder::new("tables", &registry);
+    let err = b.recipe_constant("u", DType::F32, &[2, 3], undrawable.clone()).unwrap_err();
+    assert!(err.to_string().contains("drawn"), "{err}");
+
+    let mut b = GraphBuilder::for_graph_file("tables", &registry);
+    b.recipe_constant("t", DType::F32, &[2, 3], ramp.clone()).unwrap();
+    b.recipe_constant("u", DType::BF16, &[4096, 4096], undrawable).unwrap();
+    let text = b.finish_to_json().unwrap();
+    assert!(text.contains("\"undrawable\": 7") && text.contains("\"ramp_start\": 1.0"), "{text}");
+
+    // The ramp alone, both ways: the same file.
+    let mut deferred = GraphBuilder::for_graph_file("tables", &registry);
+    deferred.recipe_constant("t", DType::F32, &[2, 3], ramp.clone()).unwrap();
+    let mut drawn = GraphBuilder::new("tables", &registry);
+    drawn.recipe_constant("t", DType::F32, &[2, 3], ramp).unwrap();
+    assert_eq!(deferred.finish_to_json().unwrap(), graph_to_json(&drawn.finish().unwrap(), None));
+
+    let mut b = GraphBuilder::for_graph_file("tables", &registry);
+    b.recipe_constant("t", DType::F32, &[2, 3], ConstantInit::new(Ramp { ramp_start: 0.0, by: 1.0 })).unwrap();
+    let err = b.finish().unwrap_err();
+    assert!(matches!(err, GraphError::DeferredRecipes { ref graph } if graph == "tables"), "{err}");
+}

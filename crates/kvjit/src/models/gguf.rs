@@ -1,6 +1,6 @@
 //! A Llama-family model from its GGUF file: the [`LlamaConfig`] its
 //! hyper-parameters describe, the whole model graph
-//! ([`model_graph`]) with its constants named as
+//! ([`model_graph`](super::llama::model_graph)) with its constants named as
 //! the file names its tensors, and the tokenizer its metadata holds.
 //!
 //! The graph refers to the file for every weight (`weights` names the
@@ -19,10 +19,10 @@ use std::path::{Path, PathBuf};
 
 use kvjit_core::{DType, WeightLoad};
 use kvjit_gguf::Gguf;
-use kvjit_graph::{Graph, OpRegistry, graph_from_json_with_gguf, graph_to_json};
+use kvjit_graph::{Graph, OpRegistry, graph_from_json_with_gguf};
 use kvjit_tokenizer::{Tokenizer, VocabSpec};
 
-use super::llama::{LayerConfig, LlamaConfig, model_graph};
+use super::llama::{LayerConfig, LlamaConfig, model_graph_file};
 use crate::{Error, Result};
 
 /// How an imported model is held: its dtype, and the paged cache it is
@@ -202,16 +202,17 @@ fn kept_format(gguf: &Gguf, name: &str) -> Option<DType> {
     }
 }
 
-/// The graph file of the model in `gguf`: [`model_graph`] of
+/// The graph file of the model in `gguf`: [`model_graph_file`] of
 /// [`llama_config`], every weight constant renamed to its tensor in the
 /// file (and declared in its block format, unless `options.dequantize`),
 /// its random recipe dropped, and `weights` naming the file as
 /// `weights_name`.
 pub fn model_graph_json(gguf: &Gguf, ops: &OpRegistry, options: &ImportOptions, weights_name: &str) -> Result<String> {
     let config = llama_config(gguf, options)?;
-    let graph = model_graph(&config, ops)?;
+    // The random weights stay recipes (never drawn): each becomes the
+    // file's tensor below.
     let mut json: serde_json::Value =
-        serde_json::from_str(&graph_to_json(&graph, None)).map_err(kvjit_graph::GraphError::from)?;
+        serde_json::from_str(&model_graph_file(&config, ops)?).map_err(kvjit_graph::GraphError::from)?;
     let values = json.get_mut("values").and_then(|v| v.as_array_mut()).expect("a graph file has values");
     for value in values {
         let Some(entry) = value.as_object_mut() else { continue };

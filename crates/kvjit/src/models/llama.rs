@@ -613,25 +613,39 @@ pub fn decoder_layer_graph(config: &LlamaConfig, ops: &OpRegistry) -> Result<Gra
 /// `layer_idx` per layer; the cache `kv_cache`; the RoPE table
 /// `freqs_cis`. A sequence of valid length 0 gets zero logits.
 pub fn model_graph(config: &LlamaConfig, ops: &OpRegistry) -> Result<Graph> {
+    let mut b = GraphBuilder::new(&config.layer.name, ops);
+    declare_model(&mut b, config)?;
+    Ok(b.finish()?)
+}
+
+/// [`model_graph`]'s graph file (JSON, no weights file), its random weights
+/// kept as their recipes and never drawn ([`GraphBuilder::for_graph_file`]).
+pub fn model_graph_file(config: &LlamaConfig, ops: &OpRegistry) -> Result<String> {
+    let mut b = GraphBuilder::for_graph_file(&config.layer.name, ops);
+    declare_model(&mut b, config)?;
+    Ok(b.finish_to_json()?)
+}
+
+/// Declare [`model_graph`]'s inputs, nodes and output in `b`.
+fn declare_model(b: &mut GraphBuilder, config: &LlamaConfig) -> Result<()> {
     let layer = &config.layer;
-    let mut b = GraphBuilder::new(&layer.name, ops);
     let ids = b.input(TOKEN_IDS, DType::U32, &[Dim::from("batch"), Dim::from("seq")])?;
-    let step = StepValues::declare(&mut b, config)?;
-    let embedding = ModelWeight::Embedding.declare(&mut b, config)?;
+    let step = StepValues::declare(b, config)?;
+    let embedding = ModelWeight::Embedding.declare(b, config)?;
     // The output's dtype named, so that a table kept in a weight block
     // format (a GGUF model's) decodes to the model's dtype.
-    let mut x = gather_as(&mut b, embedding, ids, Some(layer.dtype))?;
+    let mut x = gather_as(b, embedding, ids, Some(layer.dtype))?;
     for l in 0..layer.num_layers {
-        x = decoder_layer(&mut b, config, l, x, &step)?;
+        x = decoder_layer(b, config, l, x, &step)?;
     }
-    let final_norm = ModelWeight::FinalNorm.declare(&mut b, config)?;
-    let x = rms_norm(&mut b, x, final_norm, config.rms_norm_params())?;
-    let last = last_valid_token(&mut b, x, step.valid)?;
+    let final_norm = ModelWeight::FinalNorm.declare(b, config)?;
+    let x = rms_norm(b, x, final_norm, config.rms_norm_params())?;
+    let last = last_valid_token(b, x, step.valid)?;
     let head = match config.tie_word_embeddings {
         true => embedding,
-        false => ModelWeight::LmHead.declare(&mut b, config)?,
+        false => ModelWeight::LmHead.declare(b, config)?,
     };
-    let logits = project(&mut b, last, head)?;
+    let logits = project(b, last, head)?;
     b.output(LOGITS, logits)?;
-    Ok(b.finish()?)
+    Ok(())
 }
