@@ -117,62 +117,35 @@ mod x86 {
     use kvjit_core::DType;
 
     use super::{DECODE_BLOCK_KEYS as KB, DecodeKernel, STATE_ACC, STATE_TILE_ROWS};
+    use crate::microkernel::x86::{Bf16, F16, F32, Weights};
 
-    /// A cache element type, widened to f32 in registers.
-    trait Elem {
-        /// Bytes per element.
-        const BYTES: usize;
+    /// A cache element type, widened to f32 in registers: the GEMM tiles'
+    /// element types ([`Weights`]: `BYTES`, `load8`, unscaled), and FP8.
+    trait Elem: Weights {
         /// Whether values carry a per-block scale (FP8).
         const SCALED: bool;
-        /// Eight consecutive elements at `p` as f32 (unscaled).
-        ///
-        /// # Safety
-        /// `p` readable for 8 elements; AVX2, FMA and F16C.
-        unsafe fn load8(p: *const u8) -> __m256;
     }
 
-    struct F32;
-    struct Bf16;
-    struct F16;
     struct E4m3;
 
     impl Elem for F32 {
-        const BYTES: usize = 4;
         const SCALED: bool = false;
-        #[inline]
-        #[target_feature(enable = "avx2,fma,f16c")]
-        unsafe fn load8(p: *const u8) -> __m256 {
-            // SAFETY: the caller guarantees 8 readable f32 at `p`.
-            unsafe { _mm256_loadu_ps(p.cast()) }
-        }
     }
 
     impl Elem for Bf16 {
-        const BYTES: usize = 2;
         const SCALED: bool = false;
-        #[inline]
-        #[target_feature(enable = "avx2,fma,f16c")]
-        unsafe fn load8(p: *const u8) -> __m256 {
-            // SAFETY: the caller guarantees 8 readable bf16 (16 bytes) at `p`.
-            let h = unsafe { _mm_loadu_si128(p.cast()) };
-            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
-        }
     }
 
     impl Elem for F16 {
-        const BYTES: usize = 2;
         const SCALED: bool = false;
-        #[inline]
-        #[target_feature(enable = "avx2,fma,f16c")]
-        unsafe fn load8(p: *const u8) -> __m256 {
-            // SAFETY: the caller guarantees 8 readable f16 (16 bytes) at `p`.
-            _mm256_cvtph_ps(unsafe { _mm_loadu_si128(p.cast()) })
-        }
     }
 
     impl Elem for E4m3 {
-        const BYTES: usize = 1;
         const SCALED: bool = true;
+    }
+
+    impl Weights for E4m3 {
+        const BYTES: usize = 1;
         #[inline]
         #[target_feature(enable = "avx2,fma,f16c")]
         unsafe fn load8(p: *const u8) -> __m256 {

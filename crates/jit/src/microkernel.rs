@@ -40,6 +40,24 @@ pub const MAX_TILE_ROWS: usize = 6;
 /// How far ahead of its loads a tile prefetches its weight panel.
 pub const PREFETCH_BYTES: usize = 1024;
 
+/// Where, from the start of its panel, stream `s` of a GEMV tile prefetches
+/// while it reads byte `at` of its own range (`stream_bytes` long, streams
+/// one after another in a panel of `panel_bytes`): `ahead` bytes on, and
+/// past the stream's end the same place of the next panel's stream `s` —
+/// what the next call (the next 16 columns) starts on, so no call starts
+/// its streams cold.
+pub(crate) fn stream_prefetch_offset(
+    s: usize,
+    at: usize,
+    ahead: usize,
+    stream_bytes: usize,
+    panel_bytes: usize,
+) -> usize {
+    let at = at + ahead;
+    let at = if at >= stream_bytes { at - stream_bytes + panel_bytes } else { at };
+    s * stream_bytes + at
+}
+
 /// The C ABI of a tile micro-kernel: `c[i·16 + j] += Σ_k x[k·x_step + i] ·
 /// w[k·16 + j]` for `i < rows ≤ x_step`, `j < 16` (see the module docs).
 pub type GemmTile = unsafe extern "C" fn(x: *const f32, x_step: usize, w: *const u8, k: usize, c: *mut f32);
@@ -121,18 +139,19 @@ pub fn gemm_tile(weights: DType, rows: usize) -> Option<GemmTile> {
 }
 
 #[cfg(target_arch = "x86_64")]
-mod x86 {
+pub(crate) mod x86 {
     use std::arch::x86_64::*;
 
     use kvjit_core::DType;
 
-    use super::{GemmTile, PREFETCH_BYTES, TILE_COLUMNS};
+    use super::{GemmTile, PREFETCH_BYTES, TILE_COLUMNS, stream_prefetch_offset};
 
     /// k steps per iteration of the main loop.
     const UNROLL: usize = 4;
 
-    /// A weight element type, widened to f32 in registers.
-    trait Weights {
+    /// A weight element type, widened to f32 in registers (also the
+    /// decode attention kernel's cache elements).
+    pub(crate) trait Weights {
         /// Bytes per element.
         const BYTES: usize;
         /// Eight consecutive elements at `p` as f32.
@@ -143,9 +162,9 @@ mod x86 {
         unsafe fn load8(p: *const u8) -> __m256;
     }
 
-    struct F32;
-    struct Bf16;
-    struct F16;
+    pub(crate) struct F32;
+    pub(crate) struct Bf16;
+    pub(crate) struct F16;
 
     impl Weights for F32 {
         const BYTES: usize = 4;
@@ -275,13 +294,8 @@ mod x86 {
         let span = k / GEMV_STREAMS;
         let mut acc = [[_mm256_setzero_ps(); 2]; GEMV_STREAMS];
         let (stream_bytes, panel_bytes) = (span * row_bytes, k * row_bytes);
-        // Where stream s prefetches at its j-th k: GEMV_PREFETCH_BYTES
-        // ahead, and past the stream's end the same place of the next
-        // panel's stream s (the next call's), so no call starts cold.
         let ahead = |s: usize, j: usize| {
-            let at = j * row_bytes + GEMV_PREFETCH_BYTES;
-            let at = if at >= stream_bytes { at - stream_bytes + panel_bytes } else { at };
-            w.wrapping_add(s * stream_bytes + at)
+            w.wrapping_add(stream_prefetch_offset(s, j * row_bytes, GEMV_PREFETCH_BYTES, stream_bytes, panel_bytes))
         };
         let lines_per_row = 64 / row_bytes.min(64);
         // SAFETY (whole body): stream s reads k values s·span + j for

@@ -519,14 +519,16 @@ macro_rules! gemv_body {
         let span = groups / streams;
         let mut acc = [[_mm256_setzero_ps(); 2]; MAX_STREAMS];
         let (stream_bytes, panel_bytes) = (span * <$format>::GROUP_BYTES, groups * <$format>::GROUP_BYTES);
-        // Where stream s prefetches while it reads its j-th k-group:
-        // PREFETCH_BYTES ahead, and past the stream's end the same place of
-        // the next panel's stream s — what the next call (the next 16
-        // columns, read next) starts on, so no stream starts cold.
+        // Where stream s prefetches while it reads its j-th k-group.
         let ahead = |s: usize, j: usize| {
-            let at = j * <$format>::GROUP_BYTES + PREFETCH_BYTES;
-            let at = if at >= stream_bytes { at - stream_bytes + panel_bytes } else { at };
-            $w.wrapping_add(s * stream_bytes + at)
+            let at = j * <$format>::GROUP_BYTES;
+            $w.wrapping_add(crate::microkernel::stream_prefetch_offset(
+                s,
+                at,
+                PREFETCH_BYTES,
+                stream_bytes,
+                panel_bytes,
+            ))
         };
         // SAFETY: stream s reads k-groups s·span + j for j < span, the
         // tail streams·span..groups: every k-group < K / GROUP_K of the
