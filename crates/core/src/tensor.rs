@@ -522,7 +522,7 @@ impl Tensor {
     /// logical row-major order.
     pub fn to_f32_vec(&self) -> Result<Vec<f32>> {
         fn widen<T: Element>(t: &Tensor, values: &[T]) -> Vec<f32> {
-            t.logical_offsets().map(|o| values[o].to_f32()).collect()
+            t.map_elements(values, |v| v.to_f32())
         }
         Ok(match self.data() {
             TensorData::F32(v) => widen(self, v),
@@ -544,7 +544,7 @@ impl Tensor {
     /// Every element of a u32 tensor, in logical row-major order.
     pub fn to_u32_vec(&self) -> Result<Vec<u32>> {
         let values = self.as_slice::<u32>()?;
-        Ok(self.logical_offsets().map(|o| values[o]).collect())
+        Ok(self.map_elements(values, |v| v))
     }
 
     /// Set every stored element to `value` rounded to the dtype (floats only).
@@ -589,7 +589,7 @@ impl Tensor {
             return self.clone();
         }
         fn gather<T: Storable>(t: &Tensor, values: &[T]) -> OwnedData {
-            OwnedData::from_vec(t.logical_offsets().map(|o| values[o]).collect())
+            OwnedData::from_vec(t.map_elements(values, |v| v))
         }
         let data = match self.data() {
             TensorData::F32(v) => gather(self, v),
@@ -600,6 +600,17 @@ impl Tensor {
             TensorData::Blocks(..) => unreachable!("block tensors are never permuted"),
         };
         Self::contiguous(&self.shape, Storage::Owned(data))
+    }
+
+    /// `f` of each element of `values` (this tensor's storage) in logical
+    /// row-major order: straight down the storage when contiguous (a loop
+    /// the compiler vectorizes), else through the strides.
+    fn map_elements<T: Copy, U>(&self, values: &[T], mut f: impl FnMut(T) -> U) -> Vec<U> {
+        if self.is_contiguous() {
+            values.iter().map(|&v| f(v)).collect()
+        } else {
+            self.logical_offsets().map(|o| f(values[o])).collect()
+        }
     }
 
     /// Storage offsets of the elements in logical row-major order.

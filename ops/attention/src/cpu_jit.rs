@@ -1077,9 +1077,13 @@ impl JitSpec for MhaSpec {
                 })
                 .collect();
             let mut partials = vec![0f32; plan.items * plan.item_floats];
-            // Zeroed (calloc): only the buffers of the invocations' first
-            // items are ever touched.
-            let mut buffers = vec![0u8; plan.items * block_buffer_bytes(self)];
+            // Zeroed: only the buffers of the invocations' first items are
+            // ever touched, and none when the micro-kernel runs decode
+            // (it reads K/V in place), so such a call allocates none: a
+            // large zeroed buffer is not free (the allocator may memset
+            // reused memory).
+            let gathers = plan.query_block > 1 || !runs_native_decode(self);
+            let mut buffers = vec![0u8; if gathers { plan.items * block_buffer_bytes(self) } else { 0 }];
             let args = MhaArgs {
                 q: q.as_ptr() as u64,
                 blocks: cache.blocks().as_bytes().as_ptr() as u64,
@@ -1125,7 +1129,10 @@ impl JitSpec for MhaSpec {
             // (items·item_floats long), and an invocation of items [begin,
             // end) only buffer `begin` of `buffers` (items buffers of
             // `block_buffer_bytes`; the pool's ranges are disjoint, so their
-            // first items differ), so ranges write disjoint memory. The
+            // first items differ) — or, when `gathers` is false (S = 1 on
+            // the micro-kernel's path, the only path such a call takes),
+            // no buffer at all, so an empty `buffers` is never read or
+            // written — so ranges write disjoint memory. The
             // cache is only read. All buffers outlive the launch.
             unsafe { kvjit_jit::launch_uneven(call.code, &args, plan.items, ctx) };
             merge(shape, &plan, valid, &partials, &mut out);
