@@ -27,11 +27,15 @@
 //! While a block's K rows are scored, its V rows and the next block's K
 //! rows are software-prefetched through the offsets table.
 //!
-//! **FP8 (E4M3).** Codes are widened in registers by bit manipulation
-//! (magnitude `<< 20` read as an f32 and multiplied by 2¹²⁰ — exact for
-//! normal and subnormal codes —, sign `<< 24`, NaN codes 0x7f/0xff to NaN),
-//! and each widened vector of 8 is multiplied by its g-block's f32 scale
-//! (g a multiple of 8), shared by all the rows: no dequantized copy, one
+//! **FP8 (E4M3).** Codes are widened in registers through f16 (each code
+//! shifted into an f16's bit pattern, 2⁻⁸ × its value, subnormal codes
+//! included, NaN codes 0x7f/0xff to NaN; F16C widens the halves), and
+//! scaled per key, shared by all the rows: with one scale per head row (g =
+//! D) a key's 8 scores are multiplied by its K scale after the dot
+//! products, and its probabilities by its V scale before P·V (`l` sums the
+//! unscaled ones), so the inner loops are bf16's plus the widening; with
+//! g < D each widened vector of 8 is multiplied by its g-block's scale (g a
+//! multiple of 8). The 2⁸ rides in those scales. No dequantized copy, one
 //! byte read per element.
 
 use kvjit_core::DType;
@@ -146,22 +150,30 @@ mod x86 {
 
     impl Weights for E4m3 {
         const BYTES: usize = 1;
+        /// The codes' values times 2⁻⁸ ([`E4M3_UNIT`] is the factor back),
+        /// through f16: a code `s eeee mmm` shifted into the top byte of a
+        /// 16-bit word and arithmetic-shifted right by one (its sign bit
+        /// cleared from bit 14) is the f16 `s 0eeee mmm0000000`: exponent
+        /// bias 15 instead of 7, so 2⁻⁸ × the code's value, subnormal codes
+        /// included (f16 subnormals widen exactly, without the microcode
+        /// assists an f32 subnormal operand costs); NaN codes 0x7f/0xff
+        /// become all-ones (an f16 NaN). F16C widens the 8 halves.
         #[inline]
         #[target_feature(enable = "avx2,fma,f16c")]
         unsafe fn load8(p: *const u8) -> __m256 {
             // SAFETY: the caller guarantees 8 readable bytes at `p`.
-            let codes = _mm256_cvtepu8_epi32(unsafe { _mm_loadl_epi64(p.cast()) });
-            let magnitude = _mm256_and_si256(codes, _mm256_set1_epi32(0x7f));
-            let sign = _mm256_slli_epi32::<24>(_mm256_and_si256(codes, _mm256_set1_epi32(0x80)));
-            // eeee_mmm << 20 is an f32 with the code's exponent (bias 127
-            // instead of 7) and mantissa, a subnormal for e = 0: × 2^120
-            // is exact for both.
-            let bits = _mm256_or_si256(_mm256_slli_epi32::<20>(magnitude), sign);
-            let value = _mm256_mul_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps(f32::from_bits(0x7b80_0000)));
-            let nan = _mm256_cmpeq_epi32(magnitude, _mm256_set1_epi32(0x7f));
-            _mm256_or_ps(value, _mm256_castsi256_ps(nan))
+            let codes = unsafe { _mm_loadl_epi64(p.cast()) };
+            let high = _mm_unpacklo_epi8(_mm_setzero_si128(), codes);
+            let half = _mm_and_si128(_mm_srai_epi16::<1>(high), _mm_set1_epi16(0xbfff_u16 as i16));
+            let magnitude = _mm_and_si128(high, _mm_set1_epi16(0x7f00));
+            let nan = _mm_cmpeq_epi16(magnitude, _mm_set1_epi16(0x7f00));
+            _mm256_cvtph_ps(_mm_or_si128(half, nan))
         }
     }
+
+    /// What [`E4m3::load8`]'s values are multiplied by to be the codes'
+    /// values (folded into the scales).
+    pub(super) const E4M3_UNIT: f32 = 256.0;
 
     /// `e^x` in every lane: Cephes' degree-6 polynomial after a range
     /// reduction by ln 2 (≤ 2 ulp); `x < −87.33` (−inf included) gives 0,
@@ -255,6 +267,9 @@ mod x86 {
     #[derive(Clone, Copy)]
     struct Shape {
         d: usize,
+        /// One scale per head row (FP8, g = D): applied to a key's scores
+        /// and probabilities, not to every widened vector.
+        whole_rows: bool,
         kv_stride: usize,
         g: usize,
         tile_floats: usize,
@@ -304,9 +319,9 @@ mod x86 {
                     // rows.k[j] holds d elements (the caller), d + 8 ≤ D.
                     unsafe {
                         *kv = E::load8(rows.k[j0 + kk].add(d * E::BYTES));
-                        if E::SCALED {
+                        if E::SCALED && !sh.whole_rows {
                             let s = _mm256_broadcast_ss(&*rows.ks[j0 + kk].add(blk));
-                            *kv = _mm256_mul_ps(*kv, s);
+                            *kv = _mm256_mul_ps(*kv, _mm256_mul_ps(s, _mm256_set1_ps(E4M3_UNIT)));
                         }
                     }
                 }
@@ -331,6 +346,10 @@ mod x86 {
             for r in 0..R {
                 for kk in 0..KN {
                     out[r][j0 + kk] = sums[r * KN + kk];
+                    if E::SCALED && sh.whole_rows {
+                        // SAFETY: the key's K scale row (one scale: g = D).
+                        out[r][j0 + kk] *= unsafe { *rows.ks[j0 + kk] } * E4M3_UNIT;
+                    }
                 }
             }
             j0 += KN;
@@ -373,8 +392,9 @@ mod x86 {
                 // its D/g scales).
                 unsafe {
                     *x = E::load8(v_row.add(d * E::BYTES));
-                    if E::SCALED {
-                        *x = _mm256_mul_ps(*x, _mm256_broadcast_ss(&*v_scales.add(blk[i])));
+                    if E::SCALED && !sh.whole_rows {
+                        let s = _mm256_broadcast_ss(&*v_scales.add(blk[i]));
+                        *x = _mm256_mul_ps(*x, _mm256_mul_ps(s, _mm256_set1_ps(E4M3_UNIT)));
                     }
                 }
             }
@@ -458,6 +478,14 @@ mod x86 {
                 *m_at = m_new;
                 *l_at = a * l_old + total;
             }
+            if E::SCALED && sh.whole_rows {
+                // P·V multiplies P[j] by V_j's scale in place of every
+                // widened vector of V_j (`l` summed the unscaled P).
+                for (p, &scale) in row.iter_mut().zip(&rows.vs).take(n) {
+                    // SAFETY: the key's V scale row (one scale: g = D).
+                    *p *= unsafe { *scale } * E4M3_UNIT;
+                }
+            }
         }
         // SAFETY: acc of the tile: R rows of D f32.
         let acc = unsafe { state.add(STATE_ACC) };
@@ -504,7 +532,8 @@ mod x86 {
         granularity: usize,
         tile_floats: usize,
     ) {
-        let sh = Shape { d: head_size, kv_stride, g: granularity.max(1), tile_floats };
+        let g = granularity.max(1);
+        let sh = Shape { d: head_size, whole_rows: g == head_size, kv_stride, g, tile_floats };
         // State tiles (and 4-row q tiles) per head; R < 4 only for rows ≤ R.
         let head_tiles = rows.div_ceil(STATE_TILE_ROWS);
         let tiles = if R == STATE_TILE_ROWS { head_tiles } else { 1 };
@@ -643,7 +672,8 @@ mod tests {
             let codes: [u8; 8] = std::array::from_fn(|i| (first + i) as u8);
             let got = x86::widen_e4m3(&codes);
             for (code, value) in codes.iter().zip(got) {
-                let want = kvjit_core::fp8::e4m3_to_f32(*code);
+                // Every value is 2⁻⁸ × the code's, exactly.
+                let want = kvjit_core::fp8::e4m3_to_f32(*code) / x86::E4M3_UNIT;
                 assert!(
                     value.to_bits() == want.to_bits() || (value.is_nan() && want.is_nan()),
                     "{code:#04x}: {value} vs {want}"
@@ -691,6 +721,9 @@ mod speed {
         }
         let (heads, rows, d, keys) = (8usize, 4usize, 128usize, 128usize);
         for dtype in [DType::F32, DType::BF16, DType::F8E4M3] {
+            if std::env::var("DT").is_ok_and(|v| v != dtype.to_string()) {
+                continue;
+            }
             let bytes = dtype.size_bytes();
             let slot = heads * d;
             let kv_stride = keys * slot;
@@ -737,5 +770,98 @@ mod speed {
             let per = start.elapsed().as_secs_f64() / (iters * keys * heads) as f64;
             println!("{dtype}: {:.1} ns per key-head", per * 1e9);
         }
+    }
+}
+
+/// Streaming timing of the decode micro-kernel (cache from DRAM, random
+/// pages): `cargo test --release -p kvjit-jit -- --ignored decode_kernel_stream --nocapture`.
+#[cfg(all(test, target_arch = "x86_64"))]
+mod stream {
+    use super::*;
+
+    #[test]
+    #[ignore = "a timing, not a test"]
+    fn decode_kernel_stream() {
+        if !avx2_available() {
+            return;
+        }
+        let (heads, rows, d, page, keys) = (8usize, 4usize, 128usize, 16usize, 128usize);
+        let slot = heads * d;
+        let pages = 4096usize;
+        for dtype in [DType::F32, DType::BF16, DType::F8E4M3] {
+            let bytes = dtype.size_bytes();
+            // [pages, 2, page, slot]
+            let total = pages * 2 * page * slot;
+            let values = (0..total).map(|i| ((i * 7919 % 1999) as f32 / 1000.0 - 1.0) * 0.9);
+            let blocks: Vec<u8> = match dtype {
+                DType::F32 => values.flat_map(|v| v.to_le_bytes()).collect(),
+                DType::BF16 => values.flat_map(|v| ((v.to_bits() >> 16) as u16).to_le_bytes()).collect(),
+                _ => values.map(|v| kvjit_core::fp8::e4m3_from_f32(v * 400.0)).collect(),
+            };
+            let scales = vec![1.0f32 / 400.0; total / 128 + 1];
+            let kv_stride = page * slot;
+            let mut order: Vec<usize> = (0..pages).collect();
+            let mut s = 12345u64;
+            for i in (1..pages).rev() {
+                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                order.swap(i, (s >> 33) as usize % (i + 1));
+            }
+            let offsets: Vec<i64> =
+                (0..pages * page).map(|j| (order[j / page] * 2 * page * slot + (j % page) * slot) as i64).collect();
+            let q = vec![0.01f32; heads * 4 * d];
+            let tile_floats = STATE_ACC + 4 * d;
+            let mut state = vec![0f32; heads * tile_floats];
+            let kernel = decode_kernel(dtype, rows).unwrap();
+            let mut best = f64::MAX;
+            for _ in 0..3 {
+                let start = std::time::Instant::now();
+                for call in 0..pages * page / keys {
+                    for t in 0..heads {
+                        state[t * tile_floats..][..4].fill(f32::NEG_INFINITY);
+                    }
+                    // SAFETY: every offset + h·d (+ kv_stride) is a whole row
+                    // of `blocks`; scales cover blocks/128; AVX2 checked.
+                    unsafe {
+                        kernel(
+                            q.as_ptr(),
+                            blocks.as_ptr(),
+                            offsets.as_ptr().add(call * keys),
+                            keys,
+                            heads,
+                            scales.as_ptr(),
+                            state.as_mut_ptr(),
+                            rows,
+                            d,
+                            kv_stride,
+                            128,
+                            tile_floats,
+                        )
+                    };
+                }
+                best = best.min(start.elapsed().as_secs_f64());
+            }
+            let read = (pages * page * heads * 2 * d * bytes) as f64;
+            println!(
+                "{dtype}: {:.1} ns per key-head, {:.1} GB/s",
+                best / (pages * page * heads) as f64 * 1e9,
+                read / best / 1e9
+            );
+        }
+        // Plain read bandwidth of one thread over the same size.
+        let v: Vec<f32> = (0..pages * 2 * page * slot).map(|i| i as f32).collect();
+        let mut best = f64::MAX;
+        let mut sink = 0f32;
+        for _ in 0..3 {
+            let start = std::time::Instant::now();
+            let mut acc = [0f32; 16];
+            for c in v.chunks_exact(16) {
+                for (a, x) in acc.iter_mut().zip(c) {
+                    *a += x;
+                }
+            }
+            sink += acc.iter().sum::<f32>();
+            best = best.min(start.elapsed().as_secs_f64());
+        }
+        println!("read: {:.1} GB/s ({sink})", (v.len() * 4) as f64 / best / 1e9);
     }
 }
