@@ -291,12 +291,12 @@ impl PagedKVCacheCollection {
             .ok_or_else(|| Error::ShapeOverflow(vec![batch_size, max_pages_per_seq]))?;
         let shape = Self::shape_of(&params, num_pages);
         let scales = match params.scale_granularity() {
-            Some(_) => Some(Tensor::zeros(DType::F32, &Self::scales_shape_of(&params, num_pages))?),
+            Some(_) => Some(Tensor::zeros_in_huge_pages(DType::F32, &Self::scales_shape_of(&params, num_pages))?),
             None => None,
         };
         Ok(Self {
             params,
-            blocks: Tensor::zeros(params.dtype(), &shape)?,
+            blocks: Tensor::zeros_in_huge_pages(params.dtype(), &shape)?,
             scales,
             cache_lengths: vec![0; batch_size],
             lookup_table: {
@@ -433,7 +433,7 @@ impl PagedKVCacheCollection {
         &self.blocks
     }
 
-    /// Replace the blocks' contents. The new tensor must have exactly the
+    /// Replace the blocks' contents (copied into the cache's storage). The new tensor must have exactly the
     /// cache's shape `[P, 2, L, page_size, Hkv, D]` and dtype, contiguous, so
     /// the layout kernels rely on can never change under them.
     pub fn set_blocks(&mut self, blocks: Tensor) -> Result<()> {
@@ -455,7 +455,9 @@ impl PagedKVCacheCollection {
         if !blocks.is_contiguous() {
             return Err(Error::NotContiguous { arg: "kv_collection.blocks".into() });
         }
-        self.blocks = blocks;
+        // Copied into the cache's own storage, which stays (huge pages,
+        // where the system gives them).
+        self.blocks.as_bytes_mut().copy_from_slice(blocks.as_bytes());
         self.blocks_written();
         Ok(())
     }
@@ -466,8 +468,8 @@ impl PagedKVCacheCollection {
         self.scales.as_ref()
     }
 
-    /// Replace the scales of an FP8 cache: exactly its scales' shape, f32,
-    /// contiguous.
+    /// Replace the scales of an FP8 cache (copied into the cache's
+    /// storage): exactly its scales' shape, f32, contiguous.
     pub fn set_scales(&mut self, scales: Tensor) -> Result<()> {
         let expected = Self::scales_shape_of(&self.params, self.num_pages());
         if self.scales.is_none() {
@@ -481,7 +483,9 @@ impl PagedKVCacheCollection {
             });
         }
         crate::expect_arg("kv_collection.scales", &scales, DType::F32)?;
-        self.scales = Some(scales);
+        if let Some(own) = &mut self.scales {
+            own.as_bytes_mut().copy_from_slice(scales.as_bytes());
+        }
         self.blocks_written();
         Ok(())
     }

@@ -70,6 +70,37 @@ enum OwnedData {
     F8E4M3(Vec<F8E4M3>),
     /// Blocks of a block format: bytes.
     Blocks(DType, Vec<u8>),
+    /// Elements of `dtype` in anonymous memory advised to use transparent
+    /// huge pages ([`Tensor::zeros_in_huge_pages`]).
+    Pages(DType, HugePages),
+}
+
+/// Writable anonymous memory advised to use transparent huge pages:
+/// page-aligned, so it holds elements of any dtype; a clone is a copy.
+#[derive(Debug)]
+struct HugePages(memmap2::MmapMut);
+
+impl HugePages {
+    /// `len` zero bytes (untouched until written), or `None` when the
+    /// system cannot map them.
+    fn zeroed(len: usize) -> Option<Self> {
+        let memory = memmap2::MmapMut::map_anon(len).ok()?;
+        #[cfg(target_os = "linux")]
+        {
+            // Advice only: where transparent huge pages are off it changes nothing.
+            let _ = memory.advise(memmap2::Advice::HugePage);
+        }
+        Some(HugePages(memory))
+    }
+}
+
+impl Clone for HugePages {
+    fn clone(&self) -> Self {
+        let mut copy = HugePages::zeroed(self.0.len())
+            .unwrap_or_else(|| panic!("out of memory copying {} bytes of tensor data", self.0.len()));
+        copy.0.copy_from_slice(&self.0);
+        copy
+    }
 }
 
 impl OwnedData {
@@ -121,7 +152,7 @@ impl OwnedData {
             OwnedData::F16(_) => DType::F16,
             OwnedData::U32(_) => DType::U32,
             OwnedData::F8E4M3(_) => DType::F8E4M3,
-            OwnedData::Blocks(format, _) => *format,
+            OwnedData::Blocks(format, _) | OwnedData::Pages(format, _) => *format,
         }
     }
 
@@ -133,6 +164,7 @@ impl OwnedData {
             OwnedData::U32(v) => bytemuck::cast_slice(v),
             OwnedData::F8E4M3(v) => bytemuck::cast_slice(v),
             OwnedData::Blocks(_, v) => v,
+            OwnedData::Pages(_, pages) => &pages.0,
         }
     }
 
@@ -144,6 +176,7 @@ impl OwnedData {
             OwnedData::U32(v) => bytemuck::cast_slice_mut(v),
             OwnedData::F8E4M3(v) => bytemuck::cast_slice_mut(v),
             OwnedData::Blocks(_, v) => v,
+            OwnedData::Pages(_, pages) => &mut pages.0,
         }
     }
 }
@@ -344,6 +377,22 @@ impl Tensor {
         Ok(Self::contiguous(shape, Storage::Mapped(mapped)))
     }
 
+    /// A zero-filled contiguous tensor, like [`Tensor::zeros`], whose storage
+    /// from 2 MiB on is anonymous memory advised to use transparent huge
+    /// pages: for large buffers that kernels stream and write for a long
+    /// time (a KV cache), which then cost a TLB miss per 2 MiB instead of
+    /// per 4 KiB.
+    pub fn zeros_in_huge_pages(dtype: DType, shape: &[usize]) -> Result<Self> {
+        /// Below one huge page the advice cannot apply.
+        const HUGE_PAGE: usize = 2 << 20;
+        let len = Self::storage_bytes(dtype, shape)?;
+        if len < HUGE_PAGE {
+            return Self::zeros(dtype, shape);
+        }
+        let pages = HugePages::zeroed(len).ok_or(Error::OutOfMemory { bytes: len })?;
+        Ok(Self::contiguous(shape, Storage::Owned(OwnedData::Pages(dtype, pages))))
+    }
+
     /// A contiguous tensor of `dtype` and `shape` in fresh anonymous memory
     /// advised to use transparent huge pages, its bytes written once by
     /// `fill` and read-only after: for large constants made at build
@@ -400,6 +449,7 @@ impl Tensor {
             OwnedData::F16(v) => fill(v, rng, low, high),
             OwnedData::F8E4M3(v) => fill(v, rng, low, high),
             OwnedData::U32(_) | OwnedData::Blocks(..) => return Err(Error::NotFloat { what: "random".into(), dtype }),
+            OwnedData::Pages(..) => unreachable!("zeros() never makes huge-page storage"),
         }
         Ok(t)
     }
@@ -552,12 +602,14 @@ impl Tensor {
         if !self.dtype().is_float() {
             return Err(Error::NotFloat { what: "fill_f32".into(), dtype: self.dtype() });
         }
-        match self.owned_mut() {
-            OwnedData::F32(v) => v.fill(value),
-            OwnedData::BF16(v) => v.fill(bf16::from_f32(value)),
-            OwnedData::F16(v) => v.fill(f16::from_f32(value)),
-            OwnedData::F8E4M3(v) => v.fill(F8E4M3::from_f32(value)),
-            OwnedData::U32(_) | OwnedData::Blocks(..) => unreachable!("checked above"),
+        let dtype = self.dtype();
+        let bytes = self.owned_mut().as_bytes_mut();
+        match dtype {
+            DType::F32 => bytemuck::cast_slice_mut::<u8, f32>(bytes).fill(value),
+            DType::BF16 => bytemuck::cast_slice_mut::<u8, bf16>(bytes).fill(bf16::from_f32(value)),
+            DType::F16 => bytemuck::cast_slice_mut::<u8, f16>(bytes).fill(f16::from_f32(value)),
+            DType::F8E4M3 => bytemuck::cast_slice_mut::<u8, F8E4M3>(bytes).fill(F8E4M3::from_f32(value)),
+            _ => unreachable!("checked above"),
         }
         Ok(())
     }
@@ -635,6 +687,29 @@ impl Tensor {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn huge_page_tensors_are_zeroed_writable_storage_copied_on_clone() {
+        // 3 MiB of f32: past one huge page, so the mapped storage.
+        let mut t = Tensor::zeros_in_huge_pages(DType::F32, &[3, 1 << 18]).unwrap();
+        assert!(t.as_slice::<f32>().unwrap().iter().all(|&x| x == 0.0));
+        let values = t.as_mut_slice::<f32>().unwrap();
+        for (i, v) in values.iter_mut().enumerate() {
+            *v = i as f32;
+        }
+        let copy = t.clone();
+        t.fill_f32(-2.5).unwrap();
+        assert!(t.as_slice::<f32>().unwrap().iter().all(|&x| x == -2.5));
+        let kept = copy.as_slice::<f32>().unwrap();
+        assert!(kept.iter().enumerate().all(|(i, &x)| x == i as f32), "the clone kept its values");
+        let mut shared = copy.clone();
+        shared.as_mut_slice::<f32>().unwrap()[7] = 1e9;
+        assert_eq!(copy.as_slice::<f32>().unwrap()[7], 7.0, "a write copies shared storage first");
+        assert_eq!(shared.to_f32_vec().unwrap()[7], 1e9);
+        // Below a huge page: plain zeros.
+        let small = Tensor::zeros_in_huge_pages(DType::BF16, &[4, 8]).unwrap();
+        assert_eq!(small, Tensor::zeros(DType::BF16, &[4, 8]).unwrap());
+    }
 
     #[test]
     fn transpose_then_contiguous_moves_elements() {
