@@ -24,8 +24,18 @@
 //!                                        keys inner, V widened in registers)
 //! ```
 //!
-//! While a block's K rows are scored, its V rows and the next block's K
-//! rows are software-prefetched through the offsets table.
+//! While a block's K rows are scored, the next block's whole K and V slots
+//! (every head's, in address order) are software-prefetched through the
+//! offsets table; P·V issues no prefetch (one block ahead measured best:
+//! two or three blocks ahead, or the slots interleaved across pages, read
+//! slower from DRAM).
+//!
+//! **bf16** with D a multiple of 16 widens 16 elements per 256-bit load,
+//! one unpack with zero per 8 (the shuffle port) instead of a widening
+//! load and a shift per 8 (the shift competes with the FMAs for their two
+//! ports); the unpacks give each 16 elements in the order `[0..4, 8..12]`,
+//! `[4..8, 12..16]`, so the kernel reads q from a copy in that order and
+//! keeps `acc` permuted the same way between its entry and its exit.
 //!
 //! **FP8 (E4M3).** Codes are widened in registers through f16 (each code
 //! shifted into an f16's bit pattern, 2⁻⁸ × its value, subnormal codes
@@ -96,20 +106,22 @@ pub fn decode_supported(cache: DType, head_size: usize, granularity: Option<usiz
     avx2_available() && element && head_size > 0 && head_size.is_multiple_of(8)
 }
 
-/// The decode micro-kernel for a cache of `cache` elements and `rows`
-/// query rows per KV head; `None` when [`decode_supported`] refuses the
-/// element type on this CPU (checked again by the caller with its D and g).
-pub fn decode_kernel(cache: DType, rows: usize) -> Option<DecodeKernel> {
+/// The decode micro-kernel for a cache of `cache` elements, `rows` query
+/// rows per KV head and head size `head_size` (bf16 with D a multiple of
+/// 16 takes the 16-element widening); `None` when [`decode_supported`]
+/// refuses the element type on this CPU (checked again by the caller with
+/// its D and g).
+pub fn decode_kernel(cache: DType, rows: usize, head_size: usize) -> Option<DecodeKernel> {
     if !avx2_available() || rows == 0 {
         return None;
     }
     #[cfg(target_arch = "x86_64")]
     {
-        x86::kernel(cache, rows)
+        x86::kernel(cache, rows, head_size)
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
-        let _ = (cache, rows);
+        let _ = (cache, rows, head_size);
         None
     }
 }
@@ -128,6 +140,66 @@ mod x86 {
     trait Elem: Weights {
         /// Whether values carry a per-block scale (FP8).
         const SCALED: bool;
+        /// Whether each group of 16 elements widens as two vectors in the
+        /// order `[0..4, 8..12]`, `[4..8, 12..16]` (D a multiple of 16):
+        /// the kernel then permutes q and the state's `acc` the same way on
+        /// entry, and `acc` back on exit.
+        const PAIRED: bool = false;
+
+        /// The low (`HI` false) or high vector of the 16 elements at `p`:
+        /// elements 0..8 and 8..16, or for a `PAIRED` type its order.
+        ///
+        /// # Safety
+        /// `p` readable for 8 elements (16 when `PAIRED` or `HI`); AVX2,
+        /// FMA, F16C.
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn load_half<const HI: bool>(p: *const u8) -> __m256 {
+            // SAFETY: the caller's bounds.
+            unsafe { Self::load8(p.add(if HI { 8 * Self::BYTES } else { 0 })) }
+        }
+    }
+
+    /// bf16 widened 16 at a time without a shift: one 256-bit load and an
+    /// unpack with zero per 8 (the unpacks run on the shuffle port, leaving
+    /// the two FMA ports to the FMAs), in the `PAIRED` order.
+    struct Bf16Pairs;
+
+    impl Weights for Bf16Pairs {
+        const BYTES: usize = 2;
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn load8(p: *const u8) -> __m256 {
+            // SAFETY: the caller guarantees 8 readable bf16 at `p`.
+            unsafe { Bf16::load8(p) }
+        }
+    }
+
+    impl Elem for Bf16Pairs {
+        const SCALED: bool = false;
+        const PAIRED: bool = true;
+
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn load_half<const HI: bool>(p: *const u8) -> __m256 {
+            // SAFETY: the caller guarantees 16 readable bf16 at `p`.
+            let x = unsafe { _mm256_loadu_si256(p.cast()) };
+            // A bf16 in the high half of a 32-bit lane is that f32.
+            let wide = match HI {
+                false => _mm256_unpacklo_epi16(_mm256_setzero_si256(), x),
+                true => _mm256_unpackhi_epi16(_mm256_setzero_si256(), x),
+            };
+            _mm256_castsi256_ps(wide)
+        }
+    }
+
+    /// Swap the middle quads of every 16 values of `values` (an involution:
+    /// natural order ↔ the `PAIRED` order).
+    fn swap_middle_quads(values: &mut [f32]) {
+        for group in values.chunks_exact_mut(16) {
+            let (low, high) = group.split_at_mut(8);
+            low[4..8].swap_with_slice(&mut high[..4]);
+        }
     }
 
     struct E4m3;
@@ -304,34 +376,27 @@ mod x86 {
         let mut j0 = 0;
         while j0 < n {
             ahead.step(false, per_group);
+            ahead.step(true, per_group);
             let mut acc = [[_mm256_setzero_ps(); KN]; R];
             // The scale block of d (FP8), without a division per step.
             let (mut blk, mut blk_end) = (0, sh.g);
             let mut d = 0;
             while d < sh.d {
+                if E::PAIRED {
+                    // SAFETY: d + 16 ≤ D (D a multiple of 16 for a PAIRED type).
+                    unsafe {
+                        score_step::<E, R, KN, false>(q, rows, j0, (d, d), (blk, sh), &mut acc);
+                        score_step::<E, R, KN, true>(q, rows, j0, (d, d + 8), (blk, sh), &mut acc);
+                    }
+                    d += 16;
+                    continue;
+                }
                 if d == blk_end {
                     blk += 1;
                     blk_end += sh.g;
                 }
-                let mut k = [_mm256_setzero_ps(); KN];
-                for (kk, kv) in k.iter_mut().enumerate() {
-                    // SAFETY: j0 + kk < KB (j0 a multiple of KN, KB of 8);
-                    // rows.k[j] holds d elements (the caller), d + 8 ≤ D.
-                    unsafe {
-                        *kv = E::load8(rows.k[j0 + kk].add(d * E::BYTES));
-                        if E::SCALED && !sh.whole_rows {
-                            let s = _mm256_broadcast_ss(&*rows.ks[j0 + kk].add(blk));
-                            *kv = _mm256_mul_ps(*kv, _mm256_mul_ps(s, _mm256_set1_ps(E4M3_UNIT)));
-                        }
-                    }
-                }
-                for (r, row) in acc.iter_mut().enumerate() {
-                    // SAFETY: q holds R rows of D f32.
-                    let qv = unsafe { _mm256_loadu_ps(q.add(r * sh.d + d)) };
-                    for (a, kv) in row.iter_mut().zip(&k) {
-                        *a = _mm256_fmadd_ps(qv, *kv, *a);
-                    }
-                }
+                // SAFETY: d + 8 ≤ D.
+                unsafe { score_step::<E, R, KN, false>(q, rows, j0, (d, d), (blk, sh), &mut acc) };
                 d += 8;
             }
             let mut flat = [_mm256_setzero_ps(); 8];
@@ -356,6 +421,44 @@ mod x86 {
         }
     }
 
+    /// One vector step of [`scores`]: keys `j0 .. j0 + KN`, K's vector
+    /// `HI` of the 16 elements at `base` (8 elements at `base` when not
+    /// `PAIRED`), against q's 8 values at `d`; `blk` is d's scale block.
+    ///
+    /// # Safety
+    /// As [`scores`]'s, with `d + 8 ≤ D` and `base + 16 ≤ D` for a PAIRED
+    /// type or HI.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn score_step<E: Elem, const R: usize, const KN: usize, const HI: bool>(
+        q: *const f32,
+        rows: &Rows,
+        j0: usize,
+        (base, d): (usize, usize),
+        (blk, sh): (usize, Shape),
+        acc: &mut [[__m256; KN]; R],
+    ) {
+        let mut k = [_mm256_setzero_ps(); KN];
+        for (kk, kv) in k.iter_mut().enumerate() {
+            // SAFETY: j0 + kk < KB (j0 a multiple of KN, KB of 8); rows.k[j]
+            // holds D elements (the caller).
+            unsafe {
+                *kv = E::load_half::<HI>(rows.k[j0 + kk].add(base * E::BYTES));
+                if E::SCALED && !sh.whole_rows {
+                    let s = _mm256_broadcast_ss(&*rows.ks[j0 + kk].add(blk));
+                    *kv = _mm256_mul_ps(*kv, _mm256_mul_ps(s, _mm256_set1_ps(E4M3_UNIT)));
+                }
+            }
+        }
+        for (r, row) in acc.iter_mut().enumerate() {
+            // SAFETY: q holds R rows of D f32.
+            let qv = unsafe { _mm256_loadu_ps(q.add(r * sh.d + d)) };
+            for (a, kv) in row.iter_mut().zip(&k) {
+                *a = _mm256_fmadd_ps(qv, *kv, *a);
+            }
+        }
+    }
+
     /// `acc[r][d0 .. d0 + 8·SV] = α_r·acc[r][..] + Σ_{j<n} p[r][j]·V_j[..]`
     /// for the R rows of one state tile.
     ///
@@ -371,7 +474,6 @@ mod x86 {
         n: usize,
         sh: Shape,
         (p, alpha): (&[[f32; KB]; R], [f32; R]),
-        (ahead, per_key): (&mut Ahead, usize),
     ) {
         let mut a = [[_mm256_setzero_ps(); SV]; R];
         for (r, row) in a.iter_mut().enumerate() {
@@ -384,14 +486,17 @@ mod x86 {
         // Each vector's scale block (FP8; g a multiple of 8).
         let blk: [usize; SV] = std::array::from_fn(|i| (d0 + 8 * i) / sh.g);
         for (j, (&v_row, &v_scales)) in rows.v.iter().zip(&rows.vs).enumerate().take(n) {
-            ahead.step(true, per_key);
             let mut v = [_mm256_setzero_ps(); SV];
             for (i, x) in v.iter_mut().enumerate() {
                 let d = d0 + 8 * i;
                 // SAFETY: j < n ≤ KB; the row holds D elements (and, FP8,
                 // its D/g scales).
                 unsafe {
-                    *x = E::load8(v_row.add(d * E::BYTES));
+                    *x = match (E::PAIRED, i % 2 == 1) {
+                        (false, _) => E::load8(v_row.add(d * E::BYTES)),
+                        (true, false) => E::load_half::<false>(v_row.add(d * E::BYTES)),
+                        (true, true) => E::load_half::<true>(v_row.add((d - 8) * E::BYTES)),
+                    };
                     if E::SCALED && !sh.whole_rows {
                         let s = _mm256_broadcast_ss(&*v_scales.add(blk[i]));
                         *x = _mm256_mul_ps(*x, _mm256_mul_ps(s, _mm256_set1_ps(E4M3_UNIT)));
@@ -490,18 +595,22 @@ mod x86 {
         // SAFETY: acc of the tile: R rows of D f32.
         let acc = unsafe { state.add(STATE_ACC) };
         let slice = 8 * SV;
-        let slices = sh.d / slice + (sh.d % slice) / 8;
-        let per_key = ahead.lines().div_ceil(slices * n);
         let mut d0 = 0;
         while d0 + slice <= sh.d {
             // SAFETY: d0 + 8·SV ≤ D.
-            unsafe { pv_slice::<E, R, SV>(acc, d0, rows, n, sh, (&s, alpha), (&mut *ahead, per_key)) };
+            unsafe { pv_slice::<E, R, SV>(acc, d0, rows, n, sh, (&s, alpha)) };
             d0 += slice;
         }
         while d0 < sh.d {
-            // SAFETY: D is a multiple of 8.
-            unsafe { pv_slice::<E, R, 1>(acc, d0, rows, n, sh, (&s, alpha), (&mut *ahead, per_key)) };
-            d0 += 8;
+            if E::PAIRED {
+                // SAFETY: D is a multiple of 16 (PAIRED), d0 of 16.
+                unsafe { pv_slice::<E, R, 2>(acc, d0, rows, n, sh, (&s, alpha)) };
+                d0 += 16;
+            } else {
+                // SAFETY: D is a multiple of 8.
+                unsafe { pv_slice::<E, R, 1>(acc, d0, rows, n, sh, (&s, alpha)) };
+                d0 += 8;
+            }
         }
     }
 
@@ -537,6 +646,20 @@ mod x86 {
         // State tiles (and 4-row q tiles) per head; R < 4 only for rows ≤ R.
         let head_tiles = rows.div_ceil(STATE_TILE_ROWS);
         let tiles = if R == STATE_TILE_ROWS { head_tiles } else { 1 };
+        // A PAIRED type reads q and acc in its order within each 16 values
+        // of D: q from a permuted copy, acc permuted in place until the end.
+        let q_tiles = heads * head_tiles;
+        let permuted_q: Vec<f32>;
+        let q = match E::PAIRED {
+            false => q,
+            true => {
+                // SAFETY: q holds heads·ceil(rows/4)·4 rows of D f32 (the contract).
+                let mut copy = unsafe { std::slice::from_raw_parts(q, q_tiles * STATE_TILE_ROWS * head_size) }.to_vec();
+                swap_middle_quads(&mut copy);
+                permuted_q = copy;
+                permuted_q.as_ptr()
+            }
+        };
         // Element offset of key j's K row of head 0 (relative to the call).
         // SAFETY: j < keys (the caller's table).
         let offset = |j: usize| unsafe { *key_offsets.add(j) } as usize;
@@ -571,6 +694,22 @@ mod x86 {
         for j in 0..first.keys {
             prefetch_scales(offset(j));
         }
+        let permute_acc = || {
+            if E::PAIRED {
+                for tile in 0..q_tiles {
+                    // SAFETY: state holds heads·ceil(rows/4) tiles of
+                    // tile_floats ≥ 16 + 4·D f32 (the contract).
+                    let acc = unsafe {
+                        std::slice::from_raw_parts_mut(
+                            state.add(tile * tile_floats + STATE_ACC),
+                            STATE_TILE_ROWS * head_size,
+                        )
+                    };
+                    swap_middle_quads(acc);
+                }
+            }
+        };
+        permute_acc();
         let share = KB.div_ceil(heads);
         let mut slot = [0usize; KB];
         let mut p0 = 0;
@@ -621,6 +760,7 @@ mod x86 {
             }
             p0 += KB;
         }
+        permute_acc();
     }
 
     fn for_rows<E: Elem>(rows: usize) -> DecodeKernel {
@@ -631,9 +771,10 @@ mod x86 {
         }
     }
 
-    pub(super) fn kernel(cache: DType, rows: usize) -> Option<DecodeKernel> {
+    pub(super) fn kernel(cache: DType, rows: usize, head_size: usize) -> Option<DecodeKernel> {
         Some(match cache {
             DType::F32 => for_rows::<F32>(rows),
+            DType::BF16 if head_size.is_multiple_of(16) => for_rows::<Bf16Pairs>(rows),
             DType::BF16 => for_rows::<Bf16>(rows),
             DType::F16 => for_rows::<F16>(rows),
             DType::F8E4M3 => for_rows::<E4m3>(rows),
@@ -740,34 +881,38 @@ mod speed {
             let q = vec![0.01f32; heads * 4 * d];
             let tile_floats = STATE_ACC + 4 * d;
             let mut state = vec![0f32; heads * tile_floats];
-            let kernel = decode_kernel(dtype, rows).unwrap();
-            let iters = 2000;
-            let start = std::time::Instant::now();
-            for _ in 0..iters {
-                for t in 0..heads {
-                    state[t * tile_floats..][..4].fill(f32::NEG_INFINITY);
+            let kernel = decode_kernel(dtype, rows, d).unwrap();
+            let iters = 500;
+            let mut best = f64::MAX;
+            for _ in 0..7 {
+                let start = std::time::Instant::now();
+                for _ in 0..iters {
+                    for t in 0..heads {
+                        state[t * tile_floats..][..4].fill(f32::NEG_INFINITY);
+                    }
+                    // SAFETY: every offset + h·d (+ kv_stride) is a whole row of
+                    // `blocks`; scales cover blocks/128; q and state are sized
+                    // for heads × 1 tile; AVX2 checked above.
+                    unsafe {
+                        kernel(
+                            q.as_ptr(),
+                            blocks.as_ptr(),
+                            offsets.as_ptr(),
+                            keys,
+                            heads,
+                            scales.as_ptr(),
+                            state.as_mut_ptr(),
+                            rows,
+                            d,
+                            kv_stride,
+                            128,
+                            tile_floats,
+                        )
+                    };
                 }
-                // SAFETY: every offset + h·d (+ kv_stride) is a whole row of
-                // `blocks`; scales cover blocks/128; q and state are sized
-                // for heads × 1 tile; AVX2 checked above.
-                unsafe {
-                    kernel(
-                        q.as_ptr(),
-                        blocks.as_ptr(),
-                        offsets.as_ptr(),
-                        keys,
-                        heads,
-                        scales.as_ptr(),
-                        state.as_mut_ptr(),
-                        rows,
-                        d,
-                        kv_stride,
-                        128,
-                        tile_floats,
-                    )
-                };
+                best = best.min(start.elapsed().as_secs_f64());
             }
-            let per = start.elapsed().as_secs_f64() / (iters * keys * heads) as f64;
+            let per = best / (iters * keys * heads) as f64;
             println!("{dtype}: {:.1} ns per key-head", per * 1e9);
         }
     }
@@ -793,11 +938,15 @@ mod stream {
             // [pages, 2, page, slot]
             let total = pages * 2 * page * slot;
             let values = (0..total).map(|i| ((i * 7919 % 1999) as f32 / 1000.0 - 1.0) * 0.9);
-            let blocks: Vec<u8> = match dtype {
+            let bytes_of: Vec<u8> = match dtype {
                 DType::F32 => values.flat_map(|v| v.to_le_bytes()).collect(),
                 DType::BF16 => values.flat_map(|v| ((v.to_bits() >> 16) as u16).to_le_bytes()).collect(),
                 _ => values.map(|v| kvjit_core::fp8::e4m3_from_f32(v * 400.0)).collect(),
             };
+            // In huge pages, as a cache's blocks are.
+            let mut storage = kvjit_core::Tensor::zeros_in_huge_pages(DType::F32, &[bytes_of.len() / 4]).unwrap();
+            storage.as_bytes_mut().copy_from_slice(&bytes_of);
+            let blocks = storage.as_bytes();
             let scales = vec![1.0f32 / 400.0; total / 128 + 1];
             let kv_stride = page * slot;
             let mut order: Vec<usize> = (0..pages).collect();
@@ -811,7 +960,7 @@ mod stream {
             let q = vec![0.01f32; heads * 4 * d];
             let tile_floats = STATE_ACC + 4 * d;
             let mut state = vec![0f32; heads * tile_floats];
-            let kernel = decode_kernel(dtype, rows).unwrap();
+            let kernel = decode_kernel(dtype, rows, d).unwrap();
             let mut best = f64::MAX;
             for _ in 0..3 {
                 let start = std::time::Instant::now();

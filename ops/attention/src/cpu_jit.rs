@@ -326,7 +326,9 @@ fn displacements(spec: &MhaSpec) -> Result<Displacements, JitError> {
 fn native_decode(spec: &MhaSpec) -> Option<DecodeKernel> {
     let cache = &spec.cache;
     let serves = decode_supported(cache.dtype(), cache.head_size, cache.scale_granularity());
-    (spec.tier() == Some(CodeTier::Avx2) && serves).then(|| decode_kernel(cache.dtype(), spec.group())).flatten()
+    (spec.tier() == Some(CodeTier::Avx2) && serves)
+        .then(|| decode_kernel(cache.dtype(), spec.group(), cache.head_size))
+        .flatten()
 }
 
 /// Whether `spec` runs decode through the 256-bit micro-kernel (the AVX2

@@ -76,14 +76,18 @@ fn avx2_decode_matches_the_reference_on_every_pool() {
 }
 
 /// Decode on the 256-bit tier with a sliding window, the null mask and
-/// D = 24 (not a multiple of 8: the Cranelift decode path serves it on
-/// that tier too).
+/// head sizes that are multiples of 8 but not of 16 (D = 24, 40: bf16 then
+/// widens 8 elements at a time instead of in 16-element pairs).
 #[test]
 fn avx2_decode_windows_and_odd_heads() {
     for tier in tiers() {
-        for (cache_dtype, head_size, window) in
-            [(DType::BF16, 64, Some(300)), (DType::F8E4M3, 128, Some(129)), (DType::F32, 24, None)]
-        {
+        for (cache_dtype, head_size, window) in [
+            (DType::BF16, 64, Some(300)),
+            (DType::F8E4M3, 128, Some(129)),
+            (DType::F32, 24, None),
+            (DType::BF16, 40, None),
+            (DType::BF16, 24, Some(200)),
+        ] {
             let base = decode_case(cache_dtype, 4, head_size, 8, 7);
             let case = Case { tier, window, mask: Mask::Null, ..base };
             let native = tier == CodeTier::Avx2 && head_size.is_multiple_of(8);
