@@ -140,11 +140,13 @@ mod x86 {
     trait Elem: Weights {
         /// Whether values carry a per-block scale (FP8).
         const SCALED: bool;
-        /// Whether each group of 16 elements widens as two vectors in the
-        /// order `[0..4, 8..12]`, `[4..8, 12..16]` (D a multiple of 16):
-        /// the kernel then permutes q and the state's `acc` the same way on
-        /// entry, and `acc` back on exit.
+        /// Whether elements widen 16 at a time, [`Elem::load_half`] giving
+        /// each half (D a multiple of 16).
         const PAIRED: bool = false;
+        /// Whether those halves are in the order `[0..4, 8..12]`,
+        /// `[4..8, 12..16]`: the kernel then permutes q and the state's
+        /// `acc` the same way on entry, and `acc` back on exit.
+        const PERMUTED: bool = false;
 
         /// The low (`HI` false) or high vector of the 16 elements at `p`:
         /// elements 0..8 and 8..16, or for a `PAIRED` type its order.
@@ -157,6 +159,17 @@ mod x86 {
         unsafe fn load_half<const HI: bool>(p: *const u8) -> __m256 {
             // SAFETY: the caller's bounds.
             unsafe { Self::load8(p.add(if HI { 8 * Self::BYTES } else { 0 })) }
+        }
+
+        /// Both halves of the 16 elements at `p`.
+        ///
+        /// # Safety
+        /// `p` readable for 16 elements; AVX2, FMA, F16C.
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn load_pair(p: *const u8) -> [__m256; 2] {
+            // SAFETY: the caller's bounds.
+            unsafe { [Self::load_half::<false>(p), Self::load_half::<true>(p)] }
         }
     }
 
@@ -178,6 +191,7 @@ mod x86 {
     impl Elem for Bf16Pairs {
         const SCALED: bool = false;
         const PAIRED: bool = true;
+        const PERMUTED: bool = true;
 
         #[inline]
         #[target_feature(enable = "avx2,fma,f16c")]
@@ -246,6 +260,46 @@ mod x86 {
     /// What [`E4m3::load8`]'s values are multiplied by to be the codes'
     /// values (folded into the scales).
     pub(super) const E4M3_UNIT: f32 = 256.0;
+
+    /// E4M3 widened 16 codes at a time (the f16 route of [`E4m3::load8`]
+    /// on 16-bit lanes of a 256-bit vector, F16C on each half): half the
+    /// bit operations per code.
+    struct E4m3Pairs;
+
+    impl Weights for E4m3Pairs {
+        const BYTES: usize = 1;
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn load8(p: *const u8) -> __m256 {
+            // SAFETY: the caller guarantees 8 readable bytes at `p`.
+            unsafe { E4m3::load8(p) }
+        }
+    }
+
+    impl Elem for E4m3Pairs {
+        const SCALED: bool = true;
+        const PAIRED: bool = true;
+
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn load_half<const HI: bool>(p: *const u8) -> __m256 {
+            // SAFETY: the caller guarantees 16 readable bytes at `p`.
+            unsafe { Self::load_pair(p)[usize::from(HI)] }
+        }
+
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn load_pair(p: *const u8) -> [__m256; 2] {
+            // SAFETY: the caller guarantees 16 readable bytes at `p`.
+            let codes = _mm256_cvtepu8_epi16(unsafe { _mm_loadu_si128(p.cast()) });
+            let high = _mm256_slli_epi16::<8>(codes);
+            let half = _mm256_and_si256(_mm256_srai_epi16::<1>(high), _mm256_set1_epi16(0xbfff_u16 as i16));
+            let magnitude = _mm256_and_si256(codes, _mm256_set1_epi16(0x7f));
+            let nan = _mm256_cmpeq_epi16(magnitude, _mm256_set1_epi16(0x7f));
+            let halves = _mm256_or_si256(half, nan);
+            [_mm256_cvtph_ps(_mm256_castsi256_si128(halves)), _mm256_cvtph_ps(_mm256_extracti128_si256::<1>(halves))]
+        }
+    }
 
     /// `e^x` in every lane: Cephes' degree-6 polynomial after a range
     /// reduction by ln 2 (≤ 2 ulp); `x < −87.33` (−inf included) gives 0,
@@ -382,22 +436,25 @@ mod x86 {
             let (mut blk, mut blk_end) = (0, sh.g);
             let mut d = 0;
             while d < sh.d {
-                if E::PAIRED {
-                    // SAFETY: d + 16 ≤ D (D a multiple of 16 for a PAIRED type).
-                    unsafe {
-                        score_step::<E, R, KN, false>(q, rows, j0, (d, d), (blk, sh), &mut acc);
-                        score_step::<E, R, KN, true>(q, rows, j0, (d, d + 8), (blk, sh), &mut acc);
-                    }
-                    d += 16;
-                    continue;
-                }
                 if d == blk_end {
                     blk += 1;
                     blk_end += sh.g;
                 }
-                // SAFETY: d + 8 ≤ D.
-                unsafe { score_step::<E, R, KN, false>(q, rows, j0, (d, d), (blk, sh), &mut acc) };
-                d += 8;
+                if E::PAIRED {
+                    // The scale block of d + 8 (g a multiple of 8).
+                    let blk_hi = if d + 8 == blk_end { blk + 1 } else { blk };
+                    // SAFETY: d + 16 ≤ D (D a multiple of 16 for a PAIRED type).
+                    unsafe { score_pair::<E, R, KN>(q, rows, j0, d, ([blk, blk_hi], sh), &mut acc) };
+                    if blk_hi != blk {
+                        blk = blk_hi;
+                        blk_end += sh.g;
+                    }
+                    d += 16;
+                } else {
+                    // SAFETY: d + 8 ≤ D.
+                    unsafe { score_step::<E, R, KN, false>(q, rows, j0, (d, d), (blk, sh), &mut acc) };
+                    d += 8;
+                }
             }
             let mut flat = [_mm256_setzero_ps(); 8];
             for r in 0..R {
@@ -459,6 +516,46 @@ mod x86 {
         }
     }
 
+    /// Two vector steps of [`scores`] for a PAIRED type: keys `j0 .. j0 +
+    /// KN`, K's 16 elements at `d` (halves in scale blocks `blks`) against
+    /// q's 16 values at `d`, each key's pair widened once.
+    ///
+    /// # Safety
+    /// As [`scores`]'s, with `d + 16 ≤ D`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn score_pair<E: Elem, const R: usize, const KN: usize>(
+        q: *const f32,
+        rows: &Rows,
+        j0: usize,
+        d: usize,
+        (blks, sh): ([usize; 2], Shape),
+        acc: &mut [[__m256; KN]; R],
+    ) {
+        let mut k = [[_mm256_setzero_ps(); 2]; KN];
+        for (kk, kv) in k.iter_mut().enumerate() {
+            // SAFETY: j0 + kk < KB; rows.k[j] holds D elements (the caller).
+            unsafe {
+                *kv = E::load_pair(rows.k[j0 + kk].add(d * E::BYTES));
+                if E::SCALED && !sh.whole_rows {
+                    for (half, &blk) in kv.iter_mut().zip(&blks) {
+                        let s = _mm256_broadcast_ss(&*rows.ks[j0 + kk].add(blk));
+                        *half = _mm256_mul_ps(*half, _mm256_mul_ps(s, _mm256_set1_ps(E4M3_UNIT)));
+                    }
+                }
+            }
+        }
+        for half in 0..2 {
+            for (r, row) in acc.iter_mut().enumerate() {
+                // SAFETY: q holds R rows of D f32.
+                let qv = unsafe { _mm256_loadu_ps(q.add(r * sh.d + d + 8 * half)) };
+                for (a, kv) in row.iter_mut().zip(&k) {
+                    *a = _mm256_fmadd_ps(qv, kv[half], *a);
+                }
+            }
+        }
+    }
+
     /// `acc[r][d0 .. d0 + 8·SV] = α_r·acc[r][..] + Σ_{j<n} p[r][j]·V_j[..]`
     /// for the R rows of one state tile.
     ///
@@ -487,6 +584,7 @@ mod x86 {
         let blk: [usize; SV] = std::array::from_fn(|i| (d0 + 8 * i) / sh.g);
         for (j, (&v_row, &v_scales)) in rows.v.iter().zip(&rows.vs).enumerate().take(n) {
             let mut v = [_mm256_setzero_ps(); SV];
+            let mut pair = [_mm256_setzero_ps(); 2];
             for (i, x) in v.iter_mut().enumerate() {
                 let d = d0 + 8 * i;
                 // SAFETY: j < n ≤ KB; the row holds D elements (and, FP8,
@@ -494,8 +592,11 @@ mod x86 {
                 unsafe {
                     *x = match (E::PAIRED, i % 2 == 1) {
                         (false, _) => E::load8(v_row.add(d * E::BYTES)),
-                        (true, false) => E::load_half::<false>(v_row.add(d * E::BYTES)),
-                        (true, true) => E::load_half::<true>(v_row.add((d - 8) * E::BYTES)),
+                        (true, false) => {
+                            pair = E::load_pair(v_row.add(d * E::BYTES));
+                            pair[0]
+                        }
+                        (true, true) => pair[1],
                     };
                     if E::SCALED && !sh.whole_rows {
                         let s = _mm256_broadcast_ss(&*v_scales.add(blk[i]));
@@ -650,7 +751,7 @@ mod x86 {
         // of D: q from a permuted copy, acc permuted in place until the end.
         let q_tiles = heads * head_tiles;
         let permuted_q: Vec<f32>;
-        let q = match E::PAIRED {
+        let q = match E::PERMUTED {
             false => q,
             true => {
                 // SAFETY: q holds heads·ceil(rows/4)·4 rows of D f32 (the contract).
@@ -695,7 +796,7 @@ mod x86 {
             prefetch_scales(offset(j));
         }
         let permute_acc = || {
-            if E::PAIRED {
+            if E::PERMUTED {
                 for tile in 0..q_tiles {
                     // SAFETY: state holds heads·ceil(rows/4) tiles of
                     // tile_floats ≥ 16 + 4·D f32 (the contract).
@@ -777,6 +878,7 @@ mod x86 {
             DType::BF16 if head_size.is_multiple_of(16) => for_rows::<Bf16Pairs>(rows),
             DType::BF16 => for_rows::<Bf16>(rows),
             DType::F16 => for_rows::<F16>(rows),
+            DType::F8E4M3 if head_size.is_multiple_of(16) => for_rows::<E4m3Pairs>(rows),
             DType::F8E4M3 => for_rows::<E4m3>(rows),
             _ => return None,
         })

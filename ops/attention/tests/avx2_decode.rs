@@ -75,6 +75,22 @@ fn avx2_decode_matches_the_reference_on_every_pool() {
     }
 }
 
+/// FP8 caches whose scale blocks split a 16-element pair (g = 8), fall on
+/// its edges (g = 16) or cover a head (g = D), for D a multiple of 16 (codes
+/// widened 16 at a time) and not (D = 40), on every pool and tier.
+#[test]
+fn avx2_decode_fp8_scale_blocks() {
+    for tier in tiers() {
+        for (head_size, granularity) in [(64, 8), (48, 16), (48, 48), (40, 8), (40, 40)] {
+            let base = decode_case(DType::F8E4M3, 4, head_size, 8, 11);
+            let case = Case { tier, scale_granularity: Some(granularity), ..base };
+            assert_eq!(runs_native_decode(&case.spec()), tier == CodeTier::Avx2, "{case:?}");
+            let got = assert_same_bits_on_every_pool(&jit(&case), &case);
+            check_against_reference(&case, &got);
+        }
+    }
+}
+
 /// Decode on the 256-bit tier with a sliding window, the null mask and
 /// head sizes that are multiples of 8 but not of 16 (D = 24, 40: bf16 then
 /// widens 8 elements at a time instead of in 16-element pairs).
