@@ -323,12 +323,11 @@ fn displacements(spec: &MhaSpec) -> Result<Displacements, JitError> {
 /// cache (element type, D a multiple of 8, an FP8 cache's g a multiple of
 /// 8) the micro-kernel serves; `None` on the Cranelift tier or otherwise
 /// (the Cranelift decode path then runs on that tier too).
-fn native_decode(spec: &MhaSpec) -> Option<DecodeKernel> {
+fn native_decode(spec: &MhaSpec) -> Option<(DecodeKernel, DecodeKernel)> {
     let cache = &spec.cache;
     let serves = decode_supported(cache.dtype(), cache.head_size, cache.scale_granularity());
-    (spec.tier() == Some(CodeTier::Avx2) && serves)
-        .then(|| decode_kernel(cache.dtype(), spec.group(), cache.head_size))
-        .flatten()
+    let kernel = |rows| decode_kernel(cache.dtype(), rows, cache.head_size);
+    (spec.tier() == Some(CodeTier::Avx2) && serves).then(|| kernel(spec.group()).zip(kernel(ROW_TILE))).flatten()
 }
 
 /// Whether `spec` runs decode through the 256-bit micro-kernel (the AVX2
@@ -366,7 +365,9 @@ struct Emitter {
     /// The invocation's first item (its block buffer's index).
     begin: Value,
     /// The 256-bit tier's decode micro-kernel, when the spec runs it.
-    native: Option<DecodeKernel>,
+    /// The micro-kernels of decode (G rows) and of prefill blocks (tiles
+    /// of 4 rows), on the 256-bit tier.
+    native: Option<(DecodeKernel, DecodeKernel)>,
 }
 
 /// What the native decode path of one item needs.
@@ -377,9 +378,11 @@ struct NativeRanges {
     tiles_base: Value,
     /// `b · T`: the sequence's row of the key-offset table.
     seq_offsets: Value,
-    /// The item's relative key positions `[lo, hi)`.
+    /// The relative key positions `[lo, hi)` the call reads.
     lo: Value,
     hi: Value,
+    /// Query rows per KV head (`QB·G`).
+    rows: Value,
 }
 
 /// What one row tile's pass over a key block needs.
@@ -565,7 +568,7 @@ impl Emitter {
             let seq_offsets = b.ins().imul(batch, stride);
             // The Cranelift path: keys gathered per block into the buffer,
             // 128-bit loops (prefill on every tier; decode on Cranelift).
-            let gathered = |b: &mut FunctionBuilder| {
+            let gathered = |b: &mut FunctionBuilder, lo: Value, hi: Value| {
                 let convert = self.fp8().then(|| ToBf16::new(b, self.disp));
                 counted_loop(b, lo, hi, KB as i64, &[], |b, p0, _| {
                     let p0_end = b.ins().iadd_imm_s(p0, KB as i64);
@@ -601,31 +604,55 @@ impl Emitter {
                 });
             };
             match self.native {
-                None => gathered(b),
-                Some(kernel) => {
-                    // The 256-bit tier: decode (one query per item, every
-                    // row of a KV head reading the same keys) through the
-                    // micro-kernel, prefill through the gathered path.
+                None => gathered(b, lo, hi),
+                Some((decode_kernel, block_kernel)) => {
+                    // The 256-bit tier. Decode (one query per item, every
+                    // row of a KV head reading the same keys): the
+                    // micro-kernel over the item's keys.
                     let decode = b.ins().icmp_imm_s(IntCC::Equal, query_block, 1);
                     when(b, decode, |b| {
-                        let ranges = NativeRanges { q_group, tiles_base, seq_offsets, lo, hi };
-                        self.emit_native_decode(b, kernel, &ranges);
+                        let rows = iconst(b, self.spec.group() as i64);
+                        let ranges = NativeRanges { q_group, tiles_base, seq_offsets, lo, hi, rows };
+                        self.emit_native(b, decode_kernel, &ranges);
                     });
+                    // Prefill: the keys every valid query of the block reads
+                    // unmasked (from the last one's first key to the first
+                    // one's end) through the micro-kernel, all rows of the
+                    // block at once; the keys the mask cuts for some rows
+                    // (the causal diagonal, a window's edge) through the
+                    // gathered path, which masks per row. Both update the
+                    // same row tiles, so the split only orders the terms.
                     let prefill = b.ins().icmp_imm_s(IntCC::NotEqual, query_block, 1);
-                    when(b, prefill, gathered);
+                    when(b, prefill, |b| {
+                        let range = self.row_range(b, cl, valid, s_last);
+                        let (common_lo, _) = rebase(b, range);
+                        let range = self.row_range(b, cl, valid, s0);
+                        let (_, common_hi) = rebase(b, range);
+                        let native_lo = b.ins().smax(common_lo, lo);
+                        let native_lo = b.ins().smin(native_lo, hi);
+                        let native_hi = b.ins().smin(common_hi, hi);
+                        let native_hi = b.ins().smax(native_hi, native_lo);
+                        let group = iconst(b, self.spec.group() as i64);
+                        let rows = b.ins().imul(query_block, group);
+                        let ranges =
+                            NativeRanges { q_group, tiles_base, seq_offsets, lo: native_lo, hi: native_hi, rows };
+                        self.emit_native(b, block_kernel, &ranges);
+                        gathered(b, lo, native_lo);
+                        gathered(b, native_hi, hi);
+                    });
                 }
             }
         });
     }
 
-    /// Decode on the 256-bit tier: one call of the micro-kernel over the
-    /// item's keys `[lo, hi)` for every KV head (block by block, all heads
-    /// of a block together), reading K/V in place through the sequence's
-    /// row of the offsets table and updating the heads' row tiles (`m`,
-    /// `l`, `acc`) in the partials. The packed q and the tiles are head
-    /// after head, `tiles_per_head = ceil(G/4)` each, as the micro-kernel
-    /// reads them.
-    fn emit_native_decode(&self, b: &mut FunctionBuilder, kernel: DecodeKernel, r: &NativeRanges) {
+    /// The 256-bit tier: one call of the micro-kernel over the keys `[lo,
+    /// hi)` for every KV head (block by block, all heads of a block
+    /// together) and the item's `rows` query rows per KV head, reading K/V
+    /// in place through the sequence's row of the offsets table and
+    /// updating the heads' row tiles (`m`, `l`, `acc`) in the partials. The
+    /// packed q and the tiles are head after head, `tiles_per_head =
+    /// ceil(QB·G/4)` each, as the micro-kernel reads them.
+    fn emit_native(&self, b: &mut FunctionBuilder, kernel: DecodeKernel, r: &NativeRanges) {
         let any = b.ins().icmp(IntCC::SignedLessThan, r.lo, r.hi);
         when(b, any, |b| {
             let d = self.d();
@@ -637,9 +664,10 @@ impl Emitter {
                 false => iconst(b, 0),
             };
             let g = self.spec.cache.scale_granularity().unwrap_or(0);
-            let [heads, rows, d, kv_stride, g, tile_floats] =
-                [self.spec.cache.num_kv_heads, self.spec.group(), d, self.kv_stride(), g, layout::tile_floats(d)]
+            let [heads, d, kv_stride, g, tile_floats] =
+                [self.spec.cache.num_kv_heads, d, self.kv_stride(), g, layout::tile_floats(d)]
                     .map(|c| iconst(b, c as i64));
+            let rows = r.rows;
             let args = [
                 r.q_group,
                 self.args.blocks,
