@@ -90,7 +90,7 @@ use std::sync::Arc;
 use half::{bf16, f16};
 use std::mem::offset_of;
 
-use kvjit_core::{CodeTier, DType, KernelKey, KernelSpec, Result};
+use kvjit_core::{CodeTier, DType, Element, KernelKey, KernelSpec, Result, TensorData};
 use kvjit_jit::attention_kernel::{DecodeKernel, decode_kernel, decode_supported};
 use kvjit_jit::cranelift_codegen::ir::condcodes::{FloatCC, IntCC};
 use kvjit_jit::cranelift_codegen::ir::{InstBuilder, MemFlagsData, Value, types};
@@ -1093,13 +1093,20 @@ impl JitSpec for MhaSpec {
     fn launch(&self, shape: &CallShape, call: Launch<'_, '_>) -> Result<()> {
         let ([q, _, valid_lengths], cache, ctx) = (call.tensors(), &*call.caches[0], call.ctx);
         let valid = valid_lengths.as_slice::<u32>()?;
-        let mut out = vec![0f32; shape.output_shape().iter().product()];
-        // No valid query (B = 0, S = 0 or every row padded): nothing to
-        // launch, every row zero. Otherwise B ≥ 1, which the plan needs.
+        // Every row zero, then the valid rows written by the merge. No valid
+        // query (B = 0, S = 0 or every row padded): nothing to launch.
+        // Otherwise B ≥ 1, which the plan needs.
+        call.output.fill(0);
         if valid.iter().any(|&v| v > 0) {
             let plan = Plan::new(self, shape);
             let offsets = key_row_offsets(shape, cache, plan.stride)?;
-            let q = pack_q(shape, &plan, valid, self.scale, &q.to_f32_vec()?);
+            // q is contiguous (checked), so its storage is its elements.
+            let q = match q.data() {
+                TensorData::F32(q) => pack_q(shape, &plan, valid, self.scale, q),
+                TensorData::BF16(q) => pack_q(shape, &plan, valid, self.scale, q),
+                TensorData::F16(q) => pack_q(shape, &plan, valid, self.scale, q),
+                _ => unreachable!("the spec's dtype is a compute float"),
+            };
             let lengths: Vec<i64> = (0..shape.batch)
                 .flat_map(|b| {
                     let first_key = shape.key_ranges[b].0 as i64;
@@ -1165,9 +1172,8 @@ impl JitSpec for MhaSpec {
             // written — so ranges write disjoint memory. The
             // cache is only read. All buffers outlive the launch.
             unsafe { kvjit_jit::launch_uneven(call.code, &args, plan.items, ctx) };
-            merge(shape, &plan, valid, &partials, &mut out);
+            merge(shape, &plan, valid, &partials, (self.dtype, call.output));
         }
-        store_output(self.dtype, &out, call.output);
         Ok(())
     }
 }
@@ -1176,7 +1182,7 @@ impl JitSpec for MhaSpec {
 /// `tiles·4` rows of D f32, row r = (position `r / G` of the block, head
 /// `r % G` of the KV head's group); rows past the block or the sequence's
 /// valid length are zero.
-fn pack_q(shape: &CallShape, plan: &Plan, valid: &[u32], scale: f32, q: &[f32]) -> Vec<f32> {
+fn pack_q<T: Element>(shape: &CallShape, plan: &Plan, valid: &[u32], scale: f32, q: &[T]) -> Vec<f32> {
     let (d, hq, group) = (shape.head_size, shape.num_heads, shape.group());
     let rows = plan.tiles * ROW_TILE;
     let mut packed = vec![0f32; plan.groups * shape.num_kv_heads * rows * d];
@@ -1189,7 +1195,7 @@ fn pack_q(shape: &CallShape, plan: &Plan, valid: &[u32], scale: f32, q: &[f32]) 
             if s < valid[b] as usize {
                 let src = &q[((b * shape.seq + s) * hq + hkv * group + g) * d..][..d];
                 for (o, &x) in dst.iter_mut().zip(src) {
-                    *o = x * scale;
+                    *o = x.to_f32() * scale;
                 }
             }
         }
@@ -1197,9 +1203,11 @@ fn pack_q(shape: &CallShape, plan: &Plan, valid: &[u32], scale: f32, q: &[f32]) 
     packed
 }
 
-/// Combine the chunks' partials of every valid row into `out` (f32,
-/// `[B, S, Hq, D]`), always in chunk order; padded rows stay zero.
-fn merge(shape: &CallShape, plan: &Plan, valid: &[u32], partials: &[f32], out: &mut [f32]) {
+/// Combine the chunks' partials of every valid row, always in chunk order,
+/// and round it once to `dtype` into its row of `output` (`[B, S, Hq, D]`
+/// elements); padded rows are left as they are (zero).
+fn merge(shape: &CallShape, plan: &Plan, valid: &[u32], partials: &[f32], (dtype, output): (DType, &mut [u8])) {
+    let row_bytes = shape.head_size * dtype.size_bytes();
     let (d, hq, group) = (shape.head_size, shape.num_heads, shape.group());
     let tile_floats = layout::tile_floats(d);
     let mut acc = vec![0f32; d];
@@ -1223,9 +1231,8 @@ fn merge(shape: &CallShape, plan: &Plan, valid: &[u32], partials: &[f32], out: &
                 let max = (0..plan.chunks)
                     .map(|c| row(c).0)
                     .fold(f32::NEG_INFINITY, |a, m| if a.is_nan() || m.is_nan() { f32::NAN } else { a.max(m) });
-                let dst = &mut out[((b * shape.seq + s) * hq + h) * d..][..d];
+                let dst = &mut output[((b * shape.seq + s) * hq + h) * row_bytes..][..row_bytes];
                 if max == f32::NEG_INFINITY {
-                    dst.fill(0.0);
                     continue;
                 }
                 acc.fill(0.0);
@@ -1242,16 +1249,17 @@ fn merge(shape: &CallShape, plan: &Plan, valid: &[u32], partials: &[f32], out: &
                     }
                 }
                 let inv = 1.0 / total;
-                for (o, &a) in dst.iter_mut().zip(&acc) {
-                    *o = a * inv;
+                for a in acc.iter_mut() {
+                    *a *= inv;
                 }
+                store_row(dtype, &acc, dst);
             }
         }
     }
 }
 
 /// Round `values` once to `dtype` into `output`'s bytes.
-fn store_output(dtype: DType, values: &[f32], output: &mut [u8]) {
+fn store_row(dtype: DType, values: &[f32], output: &mut [u8]) {
     match dtype {
         DType::F32 => {
             for (dst, v) in output.chunks_exact_mut(4).zip(values) {
