@@ -1043,8 +1043,8 @@ impl Plan {
         let query_blocks = shape.seq.div_ceil(query_block).max(1);
         let groups = shape.batch * query_blocks;
         // Split the keys only as far as needed to make TARGET_ITEMS items
-        // (TARGET_PREFILL_ITEMS for prefill)
-        // (decode at small B); chunks of at least MIN_CHUNK.
+        // (decode at small B; TARGET_PREFILL_ITEMS for prefill); chunks of
+        // at least MIN_CHUNK.
         let target = if query_block > 1 { TARGET_PREFILL_ITEMS } else { TARGET_ITEMS };
         let want_chunks = target.div_ceil(groups).max(1);
         let chunk = span.div_ceil(want_chunks).next_multiple_of(KB).max(MIN_CHUNK);
