@@ -405,12 +405,7 @@ impl Tensor {
             fill(t.as_bytes_mut());
             return Ok(t);
         }
-        let mut memory = memmap2::MmapMut::map_anon(len).map_err(|_| Error::OutOfMemory { bytes: len })?;
-        #[cfg(target_os = "linux")]
-        {
-            // Advice only: where transparent huge pages are off it changes nothing.
-            let _ = memory.advise(memmap2::Advice::HugePage);
-        }
+        let HugePages(mut memory) = HugePages::zeroed(len).ok_or(Error::OutOfMemory { bytes: len })?;
         fill(&mut memory);
         let map = memory.make_read_only().map_err(|_| Error::OutOfMemory { bytes: len })?;
         let mapped = MappedBytes::new(Arc::new(map), 0, len, dtype).expect("a fresh mapping is page-aligned");

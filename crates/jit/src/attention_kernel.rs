@@ -140,28 +140,16 @@ mod x86 {
     trait Elem: Weights {
         /// Whether values carry a per-block scale (FP8).
         const SCALED: bool;
-        /// Whether elements widen 16 at a time, [`Elem::load_half`] giving
-        /// each half (D a multiple of 16).
+        /// Whether elements widen 16 at a time ([`Elem::load_pair`]; D a
+        /// multiple of 16).
         const PAIRED: bool = false;
         /// Whether those halves are in the order `[0..4, 8..12]`,
         /// `[4..8, 12..16]`: the kernel then permutes q and the state's
         /// `acc` the same way on entry, and `acc` back on exit.
         const PERMUTED: bool = false;
 
-        /// The low (`HI` false) or high vector of the 16 elements at `p`:
-        /// elements 0..8 and 8..16, or for a `PAIRED` type its order.
-        ///
-        /// # Safety
-        /// `p` readable for 8 elements (16 when `PAIRED` or `HI`); AVX2,
-        /// FMA, F16C.
-        #[inline]
-        #[target_feature(enable = "avx2,fma,f16c")]
-        unsafe fn load_half<const HI: bool>(p: *const u8) -> __m256 {
-            // SAFETY: the caller's bounds.
-            unsafe { Self::load8(p.add(if HI { 8 * Self::BYTES } else { 0 })) }
-        }
-
-        /// Both halves of the 16 elements at `p`.
+        /// The 16 elements at `p` as two vectors: elements 0..8 and 8..16,
+        /// or for a `PERMUTED` type its order.
         ///
         /// # Safety
         /// `p` readable for 16 elements; AVX2, FMA, F16C.
@@ -169,7 +157,7 @@ mod x86 {
         #[target_feature(enable = "avx2,fma,f16c")]
         unsafe fn load_pair(p: *const u8) -> [__m256; 2] {
             // SAFETY: the caller's bounds.
-            unsafe { [Self::load_half::<false>(p), Self::load_half::<true>(p)] }
+            unsafe { [Self::load8(p), Self::load8(p.add(8 * Self::BYTES))] }
         }
     }
 
@@ -195,15 +183,12 @@ mod x86 {
 
         #[inline]
         #[target_feature(enable = "avx2,fma,f16c")]
-        unsafe fn load_half<const HI: bool>(p: *const u8) -> __m256 {
+        unsafe fn load_pair(p: *const u8) -> [__m256; 2] {
             // SAFETY: the caller guarantees 16 readable bf16 at `p`.
             let x = unsafe { _mm256_loadu_si256(p.cast()) };
             // A bf16 in the high half of a 32-bit lane is that f32.
-            let wide = match HI {
-                false => _mm256_unpacklo_epi16(_mm256_setzero_si256(), x),
-                true => _mm256_unpackhi_epi16(_mm256_setzero_si256(), x),
-            };
-            _mm256_castsi256_ps(wide)
+            let zero = _mm256_setzero_si256();
+            [_mm256_unpacklo_epi16(zero, x), _mm256_unpackhi_epi16(zero, x)].map(|v| _mm256_castsi256_ps(v))
         }
     }
 
@@ -279,13 +264,6 @@ mod x86 {
     impl Elem for E4m3Pairs {
         const SCALED: bool = true;
         const PAIRED: bool = true;
-
-        #[inline]
-        #[target_feature(enable = "avx2,fma,f16c")]
-        unsafe fn load_half<const HI: bool>(p: *const u8) -> __m256 {
-            // SAFETY: the caller guarantees 16 readable bytes at `p`.
-            unsafe { Self::load_pair(p)[usize::from(HI)] }
-        }
 
         #[inline]
         #[target_feature(enable = "avx2,fma,f16c")]
@@ -452,7 +430,7 @@ mod x86 {
                     d += 16;
                 } else {
                     // SAFETY: d + 8 ≤ D.
-                    unsafe { score_step::<E, R, KN, false>(q, rows, j0, (d, d), (blk, sh), &mut acc) };
+                    unsafe { score_step::<E, R, KN>(q, rows, j0, d, (blk, sh), &mut acc) };
                     d += 8;
                 }
             }
@@ -478,20 +456,18 @@ mod x86 {
         }
     }
 
-    /// One vector step of [`scores`]: keys `j0 .. j0 + KN`, K's vector
-    /// `HI` of the 16 elements at `base` (8 elements at `base` when not
-    /// `PAIRED`), against q's 8 values at `d`; `blk` is d's scale block.
+    /// One vector step of [`scores`]: keys `j0 .. j0 + KN`, K's 8 elements
+    /// at `d` against q's; `blk` is d's scale block.
     ///
     /// # Safety
-    /// As [`scores`]'s, with `d + 8 ≤ D` and `base + 16 ≤ D` for a PAIRED
-    /// type or HI.
+    /// As [`scores`]'s, with `d + 8 ≤ D`.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn score_step<E: Elem, const R: usize, const KN: usize, const HI: bool>(
+    unsafe fn score_step<E: Elem, const R: usize, const KN: usize>(
         q: *const f32,
         rows: &Rows,
         j0: usize,
-        (base, d): (usize, usize),
+        d: usize,
         (blk, sh): (usize, Shape),
         acc: &mut [[__m256; KN]; R],
     ) {
@@ -500,7 +476,7 @@ mod x86 {
             // SAFETY: j0 + kk < KB (j0 a multiple of KN, KB of 8); rows.k[j]
             // holds D elements (the caller).
             unsafe {
-                *kv = E::load_half::<HI>(rows.k[j0 + kk].add(base * E::BYTES));
+                *kv = E::load8(rows.k[j0 + kk].add(d * E::BYTES));
                 if E::SCALED && !sh.whole_rows {
                     let s = _mm256_broadcast_ss(&*rows.ks[j0 + kk].add(blk));
                     *kv = _mm256_mul_ps(*kv, _mm256_mul_ps(s, _mm256_set1_ps(E4M3_UNIT)));
@@ -950,156 +926,162 @@ mod tests {
     }
 }
 
-/// Compute-bound timing of the decode micro-kernel (cache in L2): `cargo
-/// test --release -p kvjit-jit -- --ignored decode_kernel_speed --nocapture`.
+/// Timings of the decode micro-kernel, Llama-3-8B heads (8 KV heads of
+/// 128, 4 query rows each), 128 keys a call: `cargo test --release -p
+/// kvjit-jit -- --ignored decode_kernel --nocapture` (`DT=bf16` etc. for
+/// one cache type).
 #[cfg(all(test, target_arch = "x86_64"))]
-mod speed {
+mod timing {
     use super::*;
 
+    const HEADS: usize = 8;
+    const ROWS: usize = 4;
+    const D: usize = 128;
+    const KEYS: usize = 128;
+    /// FP8 codes hold 400× the values; their scale gives it back.
+    const FP8_SCALE: f32 = 1.0 / 400.0;
+
+    /// The cache types timed (all, or the one `DT` names).
+    fn dtypes() -> impl Iterator<Item = DType> {
+        [DType::F32, DType::BF16, DType::F8E4M3]
+            .into_iter()
+            .filter(|dtype| std::env::var("DT").map_or(true, |v| v == dtype.to_string()))
+    }
+
+    /// `n` normal values in (-0.9, 0.9) as `dtype`'s bytes (denormals
+    /// would time microcode assists).
+    fn encoded(dtype: DType, n: usize) -> Vec<u8> {
+        let values = (0..n).map(|i| ((i * 7919 % 1999) as f32 / 1000.0 - 1.0) * 0.9);
+        match dtype {
+            DType::F32 => values.flat_map(|v| v.to_le_bytes()).collect(),
+            DType::BF16 => values.flat_map(|v| ((v.to_bits() >> 16) as u16).to_le_bytes()).collect(),
+            _ => values.map(|v| kvjit_core::fp8::e4m3_from_f32(v / FP8_SCALE)).collect(),
+        }
+    }
+
+    /// One kernel with its q and state: calls over `KEYS` keys.
+    struct Caller {
+        kernel: DecodeKernel,
+        q: Vec<f32>,
+        state: Vec<f32>,
+    }
+
+    impl Caller {
+        const TILE_FLOATS: usize = STATE_ACC + 4 * D;
+
+        fn new(dtype: DType) -> Self {
+            let kernel = decode_kernel(dtype, ROWS, D).expect("AVX2 checked by the caller");
+            Caller { kernel, q: vec![0.01; HEADS * 4 * D], state: vec![0.0; HEADS * Self::TILE_FLOATS] }
+        }
+
+        /// Reset the state and run the kernel over the keys at `offsets`.
+        ///
+        /// # Safety
+        /// Every `offsets[j]`, j < KEYS, plus h·D (h < HEADS, and plus
+        /// `kv_stride`) is a whole row of D elements inside `blocks`, and
+        /// `scales` covers every such offset / 128.
+        unsafe fn call(&mut self, blocks: &[u8], offsets: &[i64], scales: &[f32], kv_stride: usize) {
+            for t in 0..HEADS {
+                self.state[t * Self::TILE_FLOATS..][..4].fill(f32::NEG_INFINITY);
+            }
+            // SAFETY: the caller's bounds on the rows and scales; q and state
+            // are sized for HEADS × 1 tile; AVX2 (the kernel exists).
+            unsafe {
+                (self.kernel)(
+                    self.q.as_ptr(),
+                    blocks.as_ptr(),
+                    offsets.as_ptr(),
+                    KEYS,
+                    HEADS,
+                    scales.as_ptr(),
+                    self.state.as_mut_ptr(),
+                    ROWS,
+                    D,
+                    kv_stride,
+                    128,
+                    Self::TILE_FLOATS,
+                )
+            };
+        }
+    }
+
+    /// Compute-bound: one call's K/V (512 KB for bf16) read again and again
+    /// from L2.
     #[test]
     #[ignore = "a timing, not a test"]
     fn decode_kernel_speed() {
         if !avx2_available() {
             return;
         }
-        let (heads, rows, d, keys) = (8usize, 4usize, 128usize, 128usize);
-        for dtype in [DType::F32, DType::BF16, DType::F8E4M3] {
-            if std::env::var("DT").is_ok_and(|v| v != dtype.to_string()) {
-                continue;
-            }
-            let bytes = dtype.size_bytes();
-            let slot = heads * d;
-            let kv_stride = keys * slot;
-            // Normal values in (-1, 1) (denormals would time assists).
-            let values = (0..2 * kv_stride).map(|i| ((i * 7919 % 1999) as f32 / 1000.0 - 1.0) * 0.9);
-            let blocks: Vec<u8> = match dtype {
-                DType::F32 => values.flat_map(|v| v.to_le_bytes()).collect(),
-                DType::BF16 => values.flat_map(|v| ((v.to_bits() >> 16) as u16).to_le_bytes()).collect(),
-                _ => values.map(|v| kvjit_core::fp8::e4m3_from_f32(v * 400.0)).collect(),
-            };
-            assert_eq!(blocks.len(), 2 * kv_stride * bytes);
-            let scales = vec![1.0f32 / 400.0; 2 * kv_stride / 128];
-            let offsets: Vec<i64> = (0..keys as i64).map(|j| j * slot as i64).collect();
-            let q = vec![0.01f32; heads * 4 * d];
-            let tile_floats = STATE_ACC + 4 * d;
-            let mut state = vec![0f32; heads * tile_floats];
-            let kernel = decode_kernel(dtype, rows, d).unwrap();
+        for dtype in dtypes() {
+            let slot = HEADS * D;
+            let kv_stride = KEYS * slot;
+            let blocks = encoded(dtype, 2 * kv_stride);
+            let scales = vec![FP8_SCALE; 2 * kv_stride / 128];
+            let offsets: Vec<i64> = (0..KEYS as i64).map(|j| j * slot as i64).collect();
+            let mut caller = Caller::new(dtype);
             let iters = 500;
             let mut best = f64::MAX;
             for _ in 0..7 {
                 let start = std::time::Instant::now();
                 for _ in 0..iters {
-                    for t in 0..heads {
-                        state[t * tile_floats..][..4].fill(f32::NEG_INFINITY);
-                    }
-                    // SAFETY: every offset + h·d (+ kv_stride) is a whole row of
-                    // `blocks`; scales cover blocks/128; q and state are sized
-                    // for heads × 1 tile; AVX2 checked above.
-                    unsafe {
-                        kernel(
-                            q.as_ptr(),
-                            blocks.as_ptr(),
-                            offsets.as_ptr(),
-                            keys,
-                            heads,
-                            scales.as_ptr(),
-                            state.as_mut_ptr(),
-                            rows,
-                            d,
-                            kv_stride,
-                            128,
-                            tile_floats,
-                        )
-                    };
+                    // SAFETY: key j's slot is at j·slot, its V rows kv_stride
+                    // on, all inside the 2·kv_stride elements of `blocks`;
+                    // scales cover blocks/128.
+                    unsafe { caller.call(&blocks, &offsets, &scales, kv_stride) };
                 }
                 best = best.min(start.elapsed().as_secs_f64());
             }
-            let per = best / (iters * keys * heads) as f64;
-            println!("{dtype}: {:.1} ns per key-head", per * 1e9);
+            println!("{dtype}: {:.1} ns per key-head", best / (iters * KEYS * HEADS) as f64 * 1e9);
         }
     }
-}
 
-/// Streaming timing of the decode micro-kernel (cache from DRAM, random
-/// pages): `cargo test --release -p kvjit-jit -- --ignored decode_kernel_stream --nocapture`.
-#[cfg(all(test, target_arch = "x86_64"))]
-mod stream {
-    use super::*;
-
+    /// From DRAM: 4096 pages of 16 keys in huge pages, as a cache's blocks
+    /// are, visited in a shuffled order; beside one thread's plain read
+    /// bandwidth over the same size.
     #[test]
     #[ignore = "a timing, not a test"]
     fn decode_kernel_stream() {
         if !avx2_available() {
             return;
         }
-        let (heads, rows, d, page, keys) = (8usize, 4usize, 128usize, 16usize, 128usize);
-        let slot = heads * d;
-        let pages = 4096usize;
-        for dtype in [DType::F32, DType::BF16, DType::F8E4M3] {
-            let bytes = dtype.size_bytes();
-            // [pages, 2, page, slot]
-            let total = pages * 2 * page * slot;
-            let values = (0..total).map(|i| ((i * 7919 % 1999) as f32 / 1000.0 - 1.0) * 0.9);
-            let bytes_of: Vec<u8> = match dtype {
-                DType::F32 => values.flat_map(|v| v.to_le_bytes()).collect(),
-                DType::BF16 => values.flat_map(|v| ((v.to_bits() >> 16) as u16).to_le_bytes()).collect(),
-                _ => values.map(|v| kvjit_core::fp8::e4m3_from_f32(v * 400.0)).collect(),
-            };
-            // In huge pages, as a cache's blocks are.
-            let mut storage = kvjit_core::Tensor::zeros_in_huge_pages(DType::F32, &[bytes_of.len() / 4]).unwrap();
-            storage.as_bytes_mut().copy_from_slice(&bytes_of);
+        let (page, pages) = (16usize, 4096usize);
+        let slot = HEADS * D;
+        // [pages, 2, page, slot]
+        let total = pages * 2 * page * slot;
+        let kv_stride = page * slot;
+        let mut order: Vec<usize> = (0..pages).collect();
+        let mut s = 12345u64;
+        for i in (1..pages).rev() {
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            order.swap(i, (s >> 33) as usize % (i + 1));
+        }
+        let offsets: Vec<i64> =
+            (0..pages * page).map(|j| (order[j / page] * 2 * page * slot + (j % page) * slot) as i64).collect();
+        let scales = vec![FP8_SCALE; total / 128 + 1];
+        for dtype in dtypes() {
+            let bytes = encoded(dtype, total);
+            let mut storage = kvjit_core::Tensor::zeros_in_huge_pages(DType::F32, &[bytes.len().div_ceil(4)]).unwrap();
+            storage.as_bytes_mut()[..bytes.len()].copy_from_slice(&bytes);
             let blocks = storage.as_bytes();
-            let scales = vec![1.0f32 / 400.0; total / 128 + 1];
-            let kv_stride = page * slot;
-            let mut order: Vec<usize> = (0..pages).collect();
-            let mut s = 12345u64;
-            for i in (1..pages).rev() {
-                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-                order.swap(i, (s >> 33) as usize % (i + 1));
-            }
-            let offsets: Vec<i64> =
-                (0..pages * page).map(|j| (order[j / page] * 2 * page * slot + (j % page) * slot) as i64).collect();
-            let q = vec![0.01f32; heads * 4 * d];
-            let tile_floats = STATE_ACC + 4 * d;
-            let mut state = vec![0f32; heads * tile_floats];
-            let kernel = decode_kernel(dtype, rows, d).unwrap();
+            let mut caller = Caller::new(dtype);
             let mut best = f64::MAX;
             for _ in 0..3 {
                 let start = std::time::Instant::now();
-                for call in 0..pages * page / keys {
-                    for t in 0..heads {
-                        state[t * tile_floats..][..4].fill(f32::NEG_INFINITY);
-                    }
-                    // SAFETY: every offset + h·d (+ kv_stride) is a whole row
-                    // of `blocks`; scales cover blocks/128; AVX2 checked.
-                    unsafe {
-                        kernel(
-                            q.as_ptr(),
-                            blocks.as_ptr(),
-                            offsets.as_ptr().add(call * keys),
-                            keys,
-                            heads,
-                            scales.as_ptr(),
-                            state.as_mut_ptr(),
-                            rows,
-                            d,
-                            kv_stride,
-                            128,
-                            tile_floats,
-                        )
-                    };
+                for call in 0..pages * page / KEYS {
+                    // SAFETY: each offset is a slot of a page's K half, its V
+                    // row kv_stride on in the same page's V half, all inside
+                    // `blocks`; scales cover blocks/128.
+                    unsafe { caller.call(blocks, &offsets[call * KEYS..], &scales, kv_stride) };
                 }
                 best = best.min(start.elapsed().as_secs_f64());
             }
-            let read = (pages * page * heads * 2 * d * bytes) as f64;
-            println!(
-                "{dtype}: {:.1} ns per key-head, {:.1} GB/s",
-                best / (pages * page * heads) as f64 * 1e9,
-                read / best / 1e9
-            );
+            let read = (pages * page * HEADS * 2 * D * dtype.size_bytes()) as f64;
+            let per_key_head = best / (pages * page * HEADS) as f64;
+            println!("{dtype}: {:.1} ns per key-head, {:.1} GB/s", per_key_head * 1e9, read / best / 1e9);
         }
         // Plain read bandwidth of one thread over the same size.
-        let v: Vec<f32> = (0..pages * 2 * page * slot).map(|i| i as f32).collect();
+        let v: Vec<f32> = (0..total).map(|i| i as f32).collect();
         let mut best = f64::MAX;
         let mut sink = 0f32;
         for _ in 0..3 {

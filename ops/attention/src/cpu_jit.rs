@@ -328,11 +328,12 @@ fn displacements(spec: &MhaSpec) -> Result<Displacements, JitError> {
     Displacements::up_to(&spec.key(), largest())
 }
 
-/// The 256-bit tier's decode micro-kernel for `spec`: on an AVX2 spec whose
-/// cache (element type, D a multiple of 8, an FP8 cache's g a multiple of
-/// 8) the micro-kernel serves; `None` on the Cranelift tier or otherwise
-/// (the Cranelift decode path then runs on that tier too).
-fn native_decode(spec: &MhaSpec) -> Option<(DecodeKernel, DecodeKernel)> {
+/// The 256-bit tier's micro-kernels for `spec`, one for decode (G rows per
+/// KV head) and one for prefill blocks (tiles of 4 rows): on an AVX2 spec
+/// whose cache (element type, D a multiple of 8, an FP8 cache's g a
+/// multiple of 8) the micro-kernel serves; `None` on the Cranelift tier or
+/// otherwise (the Cranelift path then runs everything on that tier too).
+fn native_kernels(spec: &MhaSpec) -> Option<(DecodeKernel, DecodeKernel)> {
     let cache = &spec.cache;
     let serves = decode_supported(cache.dtype(), cache.head_size, cache.scale_granularity());
     let kernel = |rows| decode_kernel(cache.dtype(), rows, cache.head_size);
@@ -342,7 +343,7 @@ fn native_decode(spec: &MhaSpec) -> Option<(DecodeKernel, DecodeKernel)> {
 /// Whether `spec` runs decode through the 256-bit micro-kernel (the AVX2
 /// tier, on a cache it serves).
 pub fn runs_native_decode(spec: &MhaSpec) -> bool {
-    native_decode(spec).is_some()
+    native_kernels(spec).is_some()
 }
 
 /// Compile the kernel for `spec` (or fetch it from the process-wide
@@ -357,7 +358,7 @@ fn emit_and_compile(spec: &MhaSpec, key: &KernelKey, capture: CaptureText) -> Re
     let disp = displacements(spec)?;
     compile_kernel(key, capture, |b, params| {
         let args = MhaArgs::load(b, &params);
-        let e = Emitter { spec: *spec, disp, args, begin: params.begin, native: native_decode(spec) };
+        let e = Emitter { spec: *spec, disp, args, begin: params.begin, native: native_kernels(spec) };
         counted_loop(b, params.begin, params.end, 1, &[], |b, item, _| {
             e.emit_item(b, item);
             Vec::new()
