@@ -380,6 +380,26 @@ pub fn quant_gemv(format: DType) -> Option<GemmTile> {
     quant_gemv_any(format)
 }
 
+/// The AVX-VNNI GEMV tile of `format` reading each panel in `streams`
+/// (1, 2 or 4) side-by-side k ranges instead of the tuned count, for
+/// measuring that choice (`examples/gemv_threads.rs`). `None` for other
+/// dtypes or stream counts, or when this CPU lacks AVX-VNNI.
+#[doc(hidden)]
+pub fn quant_gemv_with_streams(format: DType, streams: usize) -> Option<GemmTile> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if !avx2_available() || !x86::vnni_available() {
+            return None;
+        }
+        x86::gemv_with_streams(format, streams)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (format, streams);
+        None
+    }
+}
+
 /// The integer GEMV tile of any block format, with AVX-VNNI where the CPU
 /// has it.
 fn quant_gemv_any(format: DType) -> Option<GemmTile> {

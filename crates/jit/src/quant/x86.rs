@@ -8,11 +8,16 @@ use kvjit_core::DType;
 use super::{Q_MAX, Q8_ACTIVATION_BLOCK_BYTES};
 use crate::microkernel::{GemmTile, TILE_COLUMNS, WidenBlock};
 
-/// The most independent k ranges ("streams") a GEMV tile reads its panel
-/// in, each with its own accumulators: more line fills in flight per core
-/// than one stream, and more independent FMA chains (each format picks its
-/// count, [`GemvFormat::STREAMS`]).
-const MAX_STREAMS: usize = 4;
+/// The independent k ranges ("streams") a GEMV tile reads its panel in,
+/// side by side, each with its own accumulators: more line fills in
+/// flight per core than one stream, and independent FMA chains. Measured
+/// with two threads streaming Llama-3-8B QKV panels from DRAM in huge
+/// pages, where packed weights live (`examples/gemv_threads.rs`): two
+/// streams read 4–12 % faster than four for the 32-k formats and 1.3–1.4×
+/// for the K-quants; one stream is within ±5 % of two for Q4_1 and the
+/// K-quants but 7–30 % slower for Q4_0 and Q8_0. (Alone on one core,
+/// four streams had measured best.)
+const STREAMS: usize = 2;
 /// How far ahead of its loads each stream of a GEMV tile prefetches
 /// (measured: 2 KiB per stream reads DRAM at ~1.3× the rate of no software
 /// prefetch, within ~8% of the core's read roof; 1 KiB and 4 KiB less).
@@ -239,10 +244,6 @@ trait GemvFormat {
     const GROUP_K: usize;
     /// Bytes of a k-group of the packed panel.
     const GROUP_BYTES: usize;
-    /// Streams (≤ [`MAX_STREAMS`]) the tile reads a panel in. Measured from
-    /// DRAM at K = 4096: 4 for the 32-k formats (1.3× one stream, a little
-    /// ahead of 2 and 8), 2 for the K-quants (1.1–1.2× four, 1.3× one).
-    const STREAMS: usize;
     /// The quants' kind.
     const QUANTS: Quants;
     /// Where half `h` of 32-k sub-group `s` of a k-group has its quants
@@ -360,7 +361,6 @@ struct Q6K;
 impl GemvFormat for Q4_0 {
     const GROUP_K: usize = 32;
     const GROUP_BYTES: usize = 288;
-    const STREAMS: usize = 4;
     const QUANTS: Quants = Quants::Q4;
     type Scales = ();
     #[inline]
@@ -383,7 +383,6 @@ impl GemvFormat for Q4_0 {
 impl GemvFormat for Q4_1 {
     const GROUP_K: usize = 32;
     const GROUP_BYTES: usize = 320;
-    const STREAMS: usize = 4;
     const QUANTS: Quants = Quants::Q4;
     type Scales = ();
     #[inline]
@@ -408,7 +407,6 @@ impl GemvFormat for Q4_1 {
 impl GemvFormat for Q8_0 {
     const GROUP_K: usize = 32;
     const GROUP_BYTES: usize = 544;
-    const STREAMS: usize = 4;
     const QUANTS: Quants = Quants::Q8;
     type Scales = ();
     #[inline]
@@ -429,7 +427,6 @@ impl GemvFormat for Q8_0 {
 impl GemvFormat for Q4K {
     const GROUP_K: usize = 256;
     const GROUP_BYTES: usize = 2304;
-    const STREAMS: usize = 2;
     const QUANTS: Quants = Quants::Q4;
     type Scales = [u8; 256];
     #[inline]
@@ -469,7 +466,6 @@ impl GemvFormat for Q4K {
 impl GemvFormat for Q6K {
     const GROUP_K: usize = 256;
     const GROUP_BYTES: usize = 3360;
-    const STREAMS: usize = 2;
     const QUANTS: Quants = Quants::Q6;
     type Scales = ();
     #[inline]
@@ -510,25 +506,19 @@ impl GemvFormat for Q6K {
 /// features inline only into callers with at least theirs, so each kernel
 /// holds the body whose `$dot` calls its features allow.
 macro_rules! gemv_body {
-    ($format:ty, $dot:ty, $x:ident, $w:ident, $k:ident, $c:ident) => {{
+    ($format:ty, $dot:ty, $streams:expr, $x:ident, $w:ident, $k:ident, $c:ident) => {{
         let x = $x.cast::<u8>();
         let subs = <$format>::GROUP_K / 32;
         let part = <$format>::GROUP_BYTES / subs;
         let groups = $k / <$format>::GROUP_K;
-        let streams = <$format>::STREAMS;
+        let streams: usize = $streams;
         let span = groups / streams;
-        let mut acc = [[_mm256_setzero_ps(); 2]; MAX_STREAMS];
+        let mut acc = [[_mm256_setzero_ps(); 2]; $streams];
         let (stream_bytes, panel_bytes) = (span * <$format>::GROUP_BYTES, groups * <$format>::GROUP_BYTES);
         // Where stream s prefetches while it reads its j-th k-group.
         let ahead = |s: usize, j: usize| {
             let at = j * <$format>::GROUP_BYTES;
-            $w.wrapping_add(crate::microkernel::stream_prefetch_offset(
-                s,
-                at,
-                PREFETCH_BYTES,
-                stream_bytes,
-                panel_bytes,
-            ))
+            $w.wrapping_add(crate::microkernel::stream_prefetch_offset(s, at, PREFETCH_BYTES, stream_bytes, panel_bytes))
         };
         // SAFETY: stream s reads k-groups s·span + j for j < span, the
         // tail streams·span..groups: every k-group < K / GROUP_K of the
@@ -595,25 +585,50 @@ macro_rules! gemv_body {
 /// writable for 16 f32; the CPU has AVX2, FMA and F16C.
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe extern "C" fn gemv_kernel<F: GemvFormat>(x: *const f32, _x_step: usize, w: *const u8, k: usize, c: *mut f32) {
-    gemv_body!(F, Avx2, x, w, k, c)
+    gemv_body!(F, Avx2, STREAMS, x, w, k, c)
 }
 
-/// The integer GEMV tile of format `F` with AVX-VNNI ([`gemv_body`]);
-/// measured with two-part activations 1.1–1.65× [`gemv_kernel`] on panels
-/// in L2 (Q4_1 and Q4_K ~1.1×, Q6_K ~1.15×, Q4_0 ~1.35×, Q8_0 ~1.65×),
-/// 1.0–1.2× from DRAM (Q8_0 the most).
+/// The integer GEMV tile of format `F` with AVX-VNNI ([`gemv_body`]),
+/// reading each panel in `S` streams ([`STREAMS`]; other counts for
+/// measuring that choice, [`gemv_with_streams`]); measured with two-part
+/// activations 1.1–1.65× [`gemv_kernel`] on panels in L2 (Q4_1 and Q4_K
+/// ~1.1×, Q6_K ~1.15×, Q4_0 ~1.35×, Q8_0 ~1.65×), 1.0–1.2× from DRAM
+/// (Q8_0 the most).
 ///
 /// # Safety
 /// As for [`gemv_kernel`], and the CPU has AVX-VNNI.
 #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
-unsafe extern "C" fn gemv_kernel_vnni<F: GemvFormat>(
+unsafe extern "C" fn gemv_kernel_vnni<F: GemvFormat, const S: usize>(
     x: *const f32,
     _x_step: usize,
     w: *const u8,
     k: usize,
     c: *mut f32,
 ) {
-    gemv_body!(F, Vnni, x, w, k, c)
+    gemv_body!(F, Vnni, S, x, w, k, c)
+}
+
+/// The AVX-VNNI tile of `format` read in `streams` streams (1, 2 or 4; the
+/// caller checked [`vnni_available`]).
+pub(super) fn gemv_with_streams(format: DType, streams: usize) -> Option<GemmTile> {
+    macro_rules! pick {
+        ($f:ty) => {
+            match streams {
+                1 => gemv_kernel_vnni::<$f, 1> as GemmTile,
+                2 => gemv_kernel_vnni::<$f, 2>,
+                4 => gemv_kernel_vnni::<$f, 4>,
+                _ => return None,
+            }
+        };
+    }
+    Some(match format {
+        DType::Q4_0 => pick!(Q4_0),
+        DType::Q4_1 => pick!(Q4_1),
+        DType::Q8_0 => pick!(Q8_0),
+        DType::Q4K => pick!(Q4K),
+        DType::Q6K => pick!(Q6K),
+        _ => return None,
+    })
 }
 
 /// Whether this CPU has AVX-VNNI (the 256-bit `vpdpbusd`).
@@ -630,11 +645,11 @@ pub(super) fn gemv_tier(format: DType, vnni: bool) -> Option<GemmTile> {
         (DType::Q8_0, false) => gemv_kernel::<Q8_0>,
         (DType::Q4K, false) => gemv_kernel::<Q4K>,
         (DType::Q6K, false) => gemv_kernel::<Q6K>,
-        (DType::Q4_0, true) => gemv_kernel_vnni::<Q4_0>,
-        (DType::Q4_1, true) => gemv_kernel_vnni::<Q4_1>,
-        (DType::Q8_0, true) => gemv_kernel_vnni::<Q8_0>,
-        (DType::Q4K, true) => gemv_kernel_vnni::<Q4K>,
-        (DType::Q6K, true) => gemv_kernel_vnni::<Q6K>,
+        (DType::Q4_0, true) => gemv_kernel_vnni::<Q4_0, STREAMS>,
+        (DType::Q4_1, true) => gemv_kernel_vnni::<Q4_1, STREAMS>,
+        (DType::Q8_0, true) => gemv_kernel_vnni::<Q8_0, STREAMS>,
+        (DType::Q4K, true) => gemv_kernel_vnni::<Q4K, STREAMS>,
+        (DType::Q6K, true) => gemv_kernel_vnni::<Q6K, STREAMS>,
         _ => return None,
     })
 }

@@ -1,0 +1,194 @@
+//! Two-thread GEMV from DRAM: the bf16 GEMV tile against each block
+//! format's integer GEMV tile read in 1, 2 and 4 streams per panel (the
+//! tuned count is `STREAMS` in `quant/x86.rs`), interleaved call by call
+//! in one process so every variant sees the same machine state.
+//!
+//! Each call is a whole M = 1 GEMV of a Llama-3-8B-shaped matrix (K =
+//! 4096, N = 6144 by default): the panels split in two halves, the calling
+//! thread on one and a spinning worker on the other (as `WorkerPool`
+//! runs a launch). Calls rotate over copies filling 768 MiB of memory
+//! advised for transparent huge pages (where packed weights live), so each
+//! reads DRAM. Medians; GB/s counts the bytes as stored.
+//!
+//! ```text
+//! cargo run --release -p kvjit-jit --example gemv_threads [rounds] [format] [N]
+//! ```
+
+use std::hint::black_box;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Instant;
+
+use kvjit_core::{DType, Tensor};
+use kvjit_jit::microkernel::{GemmTile, TILE_COLUMNS, avx2_available, gemm_tile};
+use kvjit_jit::quant::{
+    Q8_ACTIVATION_BLOCK_BYTES, pack_panel, panel_bytes, quant_gemv_with_streams, quantize_activations,
+};
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+
+/// Bytes of copies each matrix rotates over.
+const ROTATE_BYTES: usize = 768 << 20;
+const K: usize = 4096;
+
+/// One timed route: a tile over the copies of one matrix.
+struct Route {
+    name: String,
+    tile: GemmTile,
+    /// Whether the tile reads quantized activations.
+    quantized: bool,
+    panel_bytes: usize,
+    matrix_bytes: usize,
+    copies: std::sync::Arc<Tensor>,
+}
+
+fn main() {
+    let vnni = std::arch::is_x86_feature_detected!("avxvnni");
+    if !avx2_available() || !vnni {
+        eprintln!("this CPU lacks AVX2/FMA/F16C or AVX-VNNI: nothing to measure");
+        return;
+    }
+    let mut args = std::env::args().skip(1);
+    let rounds: usize = args.next().map_or(20, |r| r.parse().expect("rounds: a number"));
+    let only = args.next().unwrap_or_default();
+    let n: usize = args.next().map_or(6144, |n| n.parse().expect("N: a number"));
+    assert!(n.is_multiple_of(2 * TILE_COLUMNS), "N: a multiple of 32");
+    let mut rng = SmallRng::seed_from_u64(1);
+    let x: Vec<f32> = (0..K).map(|_| rng.gen_range(-1.0..1.0)).collect();
+    let mut xq = vec![0u8; K / 32 * Q8_ACTIVATION_BLOCK_BYTES];
+    quantize_activations(&x, &mut xq);
+    println!("K = {K}, N = {n}, 2 threads, {rounds}×8 calls per route, medians");
+    for format in DType::BLOCK_FORMATS {
+        if !format.to_string().contains(&only) {
+            continue;
+        }
+        let bf16: Vec<u8> =
+            (0..K * n).flat_map(|_| half::bf16::from_f32(rng.gen_range(-0.1..0.1)).to_bits().to_le_bytes()).collect();
+        let mut routes = vec![Route {
+            name: "bf16".into(),
+            tile: gemm_tile(DType::BF16, 1).expect("a one-row bf16 tile"),
+            quantized: false,
+            panel_bytes: K * TILE_COLUMNS * 2,
+            matrix_bytes: bf16.len(),
+            copies: std::sync::Arc::new(copies(&bf16)),
+        }];
+        drop(bf16);
+        let packed = quant_matrix(format, n, &mut rng);
+        let packed_copies = std::sync::Arc::new(copies(&packed));
+        for streams in [1, 2, 4] {
+            routes.push(Route {
+                name: format!("{format}, {streams} stream(s)"),
+                tile: quant_gemv_with_streams(format, streams).expect("a VNNI tile"),
+                quantized: true,
+                panel_bytes: panel_bytes(format, K),
+                matrix_bytes: packed.len(),
+                copies: packed_copies.clone(),
+            });
+        }
+        let times = time(&routes, n, rounds, &x, &xq);
+        let bf16_time = times[0];
+        for (route, t) in routes.iter().zip(times) {
+            println!(
+                "{:<24} {:>8.1} µs {:>6.1} GB/s {:>6.2}× bf16",
+                route.name,
+                t * 1e6,
+                route.matrix_bytes as f64 / t / 1e9,
+                bf16_time / t
+            );
+        }
+    }
+}
+
+/// Median seconds per call of each route, calls interleaved across routes.
+fn time(routes: &[Route], n: usize, rounds: usize, x: &[f32], xq: &[u8]) -> Vec<f64> {
+    let panels = n / TILE_COLUMNS;
+    let run = |route: &Route, call: usize, range: std::ops::Range<usize>| {
+        let bytes = route.copies.as_bytes();
+        let copy = call % (bytes.len() / route.matrix_bytes);
+        let w = &bytes[copy * route.matrix_bytes..][..route.matrix_bytes];
+        let activations: *const f32 = if route.quantized { xq.as_ptr().cast() } else { x.as_ptr() };
+        let mut c = [0f32; TILE_COLUMNS];
+        for p in range {
+            // SAFETY: x holds K f32 (xq K/32 activation blocks), panel p of
+            // the matrix covers K, c holds 16 f32.
+            unsafe { (route.tile)(activations, 1, w[p * route.panel_bytes..].as_ptr(), K, c.as_mut_ptr()) };
+        }
+        black_box(c);
+    };
+    // The worker spins on `job` (0: none yet, MAX: stop) and counts its
+    // halves in `done`.
+    let (job, done) = (AtomicUsize::new(0), AtomicUsize::new(0));
+    let mut times = vec![Vec::new(); routes.len()];
+    std::thread::scope(|scope| {
+        scope.spawn(|| {
+            let mut seen = 0;
+            loop {
+                let j = job.load(Ordering::Acquire);
+                if j == seen {
+                    std::hint::spin_loop();
+                    continue;
+                }
+                if j == usize::MAX {
+                    return;
+                }
+                seen = j;
+                run(&routes[(j - 1) % routes.len()], j, panels / 2..panels);
+                done.fetch_add(1, Ordering::AcqRel);
+            }
+        });
+        let mut call = 0;
+        for _ in 0..rounds * 8 {
+            for (route, times) in routes.iter().zip(&mut times) {
+                call += 1;
+                let start = Instant::now();
+                job.store(call, Ordering::Release);
+                run(route, call, 0..panels / 2);
+                while done.load(Ordering::Acquire) != call {
+                    std::hint::spin_loop();
+                }
+                times.push(start.elapsed().as_secs_f64());
+            }
+        }
+        job.store(usize::MAX, Ordering::Release);
+    });
+    times
+        .into_iter()
+        .map(|mut t| {
+            t.sort_by(f64::total_cmp);
+            t[t.len() / 2]
+        })
+        .collect()
+}
+
+/// Copies of `matrix` filling [`ROTATE_BYTES`], in huge-page-advised memory.
+fn copies(matrix: &[u8]) -> Tensor {
+    let count = ROTATE_BYTES.div_ceil(matrix.len()).max(2);
+    let mut all = Tensor::zeros_in_huge_pages(DType::F32, &[count * matrix.len() / 4]).expect("memory for the copies");
+    for copy in all.as_bytes_mut().chunks_exact_mut(matrix.len()) {
+        copy.copy_from_slice(matrix);
+    }
+    all
+}
+
+/// N/16 packed panels of random blocks with sane f16 scales.
+fn quant_matrix(format: DType, n: usize, rng: &mut SmallRng) -> Vec<u8> {
+    let (block, size) = format.block();
+    let panel = panel_bytes(format, K);
+    let mut out = vec![0u8; n / TILE_COLUMNS * panel];
+    let mut columns = vec![vec![0u8; K / block * size]; TILE_COLUMNS];
+    let scale = |rng: &mut SmallRng| half::f16::from_f32(rng.gen_range(1e-3..1e-2)).to_bits().to_le_bytes();
+    for p in 0..n / TILE_COLUMNS {
+        for column in &mut columns {
+            rng.fill(&mut column[..]);
+            for b in column.chunks_exact_mut(size) {
+                let at = if format == DType::Q6K { 208 } else { 0 };
+                b[at..at + 2].copy_from_slice(&scale(rng));
+                if matches!(format, DType::Q4_1 | DType::Q4K) {
+                    b[2..4].copy_from_slice(&scale(rng));
+                }
+            }
+        }
+        let refs: Vec<&[u8]> = columns.iter().map(Vec::as_slice).collect();
+        pack_panel(format, &refs, K, &mut out[p * panel..(p + 1) * panel]);
+    }
+    out
+}
