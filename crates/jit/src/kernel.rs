@@ -96,9 +96,10 @@ pub fn compile_kernel(
 }
 
 /// Contiguous ranges [`launch_uneven`] cuts its items into per thread of
-/// the pool; threads claim ranges as they finish theirs, so items of
-/// unequal cost (causal prefill's query blocks) balance out. (Measured on
-/// causal prefill attention, 2 threads: 1.3× one range per thread.)
+/// the pool; threads claim ranges as they finish theirs, the last range
+/// first, so items of unequal cost (causal prefill's query blocks) balance
+/// out. (Measured on causal prefill attention, 2 threads: 1.3× one range
+/// per thread; 8 ranges per thread, claimed last first, no faster than 4.)
 pub const UNEVEN_PARTS_PER_THREAD: usize = 4;
 
 /// The machine-code type of every kernel (see the module docs).
@@ -130,8 +131,16 @@ pub unsafe fn launch<A: KernelArgs>(code: &JitFunction, args: &A, items: usize, 
     unsafe { launch_in_parts(code, args, items, ctx, 1) }
 }
 
-/// [`launch`] for items of unequal cost: [`UNEVEN_PARTS_PER_THREAD`]
-/// contiguous ranges per thread, claimed as threads finish theirs.
+/// [`launch`] for items of unequal cost, the costlier the later (causal
+/// prefill's query blocks: block i attends to i + 1 blocks of keys):
+/// [`UNEVEN_PARTS_PER_THREAD`] contiguous ranges per thread, claimed as
+/// threads finish theirs, from the last range down — the costliest start
+/// first and the cheap ones fill in at the end (longest first). With cost
+/// ∝ keys, 2 threads on a 64-block causal prefill claiming the first range
+/// first finish 12 % after an even split, the last first at it; measured
+/// (Llama-3-8B heads, bf16 cache, 2 threads, alternating runs, medians of
+/// 40 calls): a 2048-token prefill 317 → 281 ms, 512 tokens 29.2–33.3 →
+/// 28.3–30.6 ms (fastest calls 25.4–29.2 → 24.3–25.1 ms).
 ///
 /// # Safety
 ///
@@ -171,8 +180,13 @@ unsafe fn launch_in_parts<A: KernelArgs>(
     let threads = ctx.cpu_context().map_or(1, |c| c.threads()).min(items).max(1);
     match ctx.cpu_context() {
         Some(cpu) if threads > 1 => {
+            // Parts are claimed in index order: part t runs range
+            // parts − 1 − t, the last range first.
             let parts = items.min(threads * parts_per_thread);
-            cpu.workers().run(parts, move |t| run(items * t / parts, items * (t + 1) / parts));
+            cpu.workers().run(parts, move |t| {
+                let range = parts - 1 - t;
+                run(items * range / parts, items * (range + 1) / parts)
+            });
         }
         _ => run(0, items),
     }

@@ -518,7 +518,13 @@ macro_rules! gemv_body {
         // Where stream s prefetches while it reads its j-th k-group.
         let ahead = |s: usize, j: usize| {
             let at = j * <$format>::GROUP_BYTES;
-            $w.wrapping_add(crate::microkernel::stream_prefetch_offset(s, at, PREFETCH_BYTES, stream_bytes, panel_bytes))
+            $w.wrapping_add(crate::microkernel::stream_prefetch_offset(
+                s,
+                at,
+                PREFETCH_BYTES,
+                stream_bytes,
+                panel_bytes,
+            ))
         };
         // SAFETY: stream s reads k-groups s·span + j for j < span, the
         // tail streams·span..groups: every k-group < K / GROUP_K of the
