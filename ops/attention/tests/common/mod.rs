@@ -294,7 +294,8 @@ pub fn scale_bytes(cache: &PagedKVCacheCollection) -> Vec<u8> {
 }
 
 /// Run the JIT kernel into a NaN-poisoned output with guard regions on
-/// both sides; check the guards and that the cache was not touched.
+/// both sides (and its reused launch scratch poisoned); check the guards
+/// and that the cache was not touched.
 pub fn run_jit(kernel: &Compiled<JitKernel>, case: &Case, threads: usize) -> Vec<f32> {
     let (inputs, cache) = case.inputs();
     run_jit_on(kernel, case, &inputs, &cache, threads)
@@ -315,6 +316,8 @@ pub fn run_jit_on(
     let refs: Vec<&Tensor> = inputs.iter().collect();
     let mut run_on = cache.clone();
     let ctx = DeviceContextPtr::cpu(threads).unwrap();
+    // The launch scratch this thread reuses, poisoned like the output.
+    kvjit_op_attention::cpu_jit::poison_scratch();
     kernel.kernel().run_into(&refs, &mut [&mut run_on], out.body_mut(), &ctx).unwrap();
     out.assert_guards("attention output");
     assert!(run_on.blocks().as_bytes() == before.as_slice(), "the cache must be byte-identical after the call");
