@@ -20,11 +20,12 @@ use std::time::Instant;
 
 use kvjit_core::{DType, Tensor};
 use kvjit_jit::microkernel::{GemmTile, TILE_COLUMNS, avx2_available, gemm_tile};
-use kvjit_jit::quant::{
-    Q8_ACTIVATION_BLOCK_BYTES, pack_panel, panel_bytes, quant_gemv_with_streams, quantize_activations,
-};
+use kvjit_jit::quant::{Q8_ACTIVATION_BLOCK_BYTES, panel_bytes, quant_gemv_with_streams, quantize_activations};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
+
+mod common;
+use common::{bf16_matrix, quant_matrix};
 
 /// Bytes of copies each matrix rotates over.
 const ROTATE_BYTES: usize = 768 << 20;
@@ -61,8 +62,7 @@ fn main() {
         if !format.to_string().contains(&only) {
             continue;
         }
-        let bf16: Vec<u8> =
-            (0..K * n).flat_map(|_| half::bf16::from_f32(rng.gen_range(-0.1..0.1)).to_bits().to_le_bytes()).collect();
+        let bf16 = bf16_matrix(K, n, &mut rng);
         let mut routes = vec![Route {
             name: "bf16".into(),
             tile: gemm_tile(DType::BF16, 1).expect("a one-row bf16 tile"),
@@ -72,7 +72,7 @@ fn main() {
             copies: std::sync::Arc::new(copies(&bf16)),
         }];
         drop(bf16);
-        let packed = quant_matrix(format, n, &mut rng);
+        let packed = quant_matrix(format, K, n, &mut rng);
         let packed_copies = std::sync::Arc::new(copies(&packed));
         for streams in [1, 2, 4] {
             routes.push(Route {
@@ -167,28 +167,4 @@ fn copies(matrix: &[u8]) -> Tensor {
         copy.copy_from_slice(matrix);
     }
     all
-}
-
-/// N/16 packed panels of random blocks with sane f16 scales.
-fn quant_matrix(format: DType, n: usize, rng: &mut SmallRng) -> Vec<u8> {
-    let (block, size) = format.block();
-    let panel = panel_bytes(format, K);
-    let mut out = vec![0u8; n / TILE_COLUMNS * panel];
-    let mut columns = vec![vec![0u8; K / block * size]; TILE_COLUMNS];
-    let scale = |rng: &mut SmallRng| half::f16::from_f32(rng.gen_range(1e-3..1e-2)).to_bits().to_le_bytes();
-    for p in 0..n / TILE_COLUMNS {
-        for column in &mut columns {
-            rng.fill(&mut column[..]);
-            for b in column.chunks_exact_mut(size) {
-                let at = if format == DType::Q6K { 208 } else { 0 };
-                b[at..at + 2].copy_from_slice(&scale(rng));
-                if matches!(format, DType::Q4_1 | DType::Q4K) {
-                    b[2..4].copy_from_slice(&scale(rng));
-                }
-            }
-        }
-        let refs: Vec<&[u8]> = columns.iter().map(Vec::as_slice).collect();
-        pack_panel(format, &refs, K, &mut out[p * panel..(p + 1) * panel]);
-    }
-    out
 }

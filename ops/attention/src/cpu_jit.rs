@@ -1176,10 +1176,10 @@ impl JitSpec for MhaSpec {
             let gathers = plan.query_block > 1 || !runs_native_decode(self);
             let buffer_bytes = if gathers { plan.items * block_buffer_bytes(self) } else { 0 };
             let regions = [q_floats(shape, &plan), buffer_bytes.div_ceil(4), plan.items * plan.item_floats];
-            let starts = regions.map(|floats| floats.next_multiple_of(16));
-            with_scratch(starts.iter().sum(), |scratch| {
-                let (packed_q, rest) = scratch.split_at_mut(starts[0]);
-                let (buffers, partials) = rest.split_at_mut(starts[1]);
+            let rounded = regions.map(|floats| floats.next_multiple_of(16));
+            with_scratch(rounded.iter().sum(), |scratch| {
+                let (packed_q, rest) = scratch.split_at_mut(rounded[0]);
+                let (buffers, partials) = rest.split_at_mut(rounded[1]);
                 let (packed_q, partials) = (&mut packed_q[..regions[0]], &mut partials[..regions[2]]);
                 // q is contiguous (checked), so its storage is its elements.
                 match q.data() {
