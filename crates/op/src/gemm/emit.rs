@@ -94,6 +94,11 @@ pub fn addressable(k: usize, size: usize, groups: usize, weights: usize, rows: O
     fits().is_some()
 }
 
+/// Row tiles per k block up to which the 256-bit tier's bf16/f16 tiles
+/// read the panel as stored instead of from a widened copy
+/// ([`GemmEmitter::widens_k_blocks`]): batched decode.
+const FEW_TILES: usize = 6;
+
 /// The stack memory a GEMM kernel's 256-bit tier needs: its tiles'
 /// accumulators and a widened k block of a bf16/f16 panel.
 #[derive(Clone, Copy)]
@@ -401,7 +406,7 @@ impl GemmEmitter<'_> {
         k_block: Option<usize>,
     ) {
         // The widened block holds k_block·16 f32 (AVX2_BLOCK_BYTES).
-        let widened = self.scratch.widened_block.filter(|_| k_block.is_some());
+        let widened = self.scratch.widened_block.filter(|_| k_block.is_some() && self.widens_k_blocks());
         debug_assert!(k_block.is_none_or(|kc| kc * TILE_COLUMNS * 4 <= AVX2_BLOCK_BYTES));
         let tiles = |b: &mut FunctionBuilder, kb: Value, kc: Size| {
             let offset = self.panel_k_offset(b, kb);
@@ -460,6 +465,17 @@ impl GemmEmitter<'_> {
                 when(b, has_rest, |b| tiles(b, whole, Size::Runtime(rest)));
             }
         }
+    }
+
+    /// Whether the 256-bit tier widens (or decodes) each k block of a
+    /// panel into f32 once for all its row tiles: always for the block
+    /// formats (their only tile is the one-row integer GEMV); for bf16/f16
+    /// unless M is known to need at most [`FEW_TILES`] tiles, which read the
+    /// block as stored and widen it in registers — with so few readers the
+    /// separate widening pass (a store and a reload of every value) costs
+    /// more than it saves.
+    fn widens_k_blocks(&self) -> bool {
+        self.dtype.is_block_format() || self.m.is_none_or(|m| m > FEW_TILES * self.tile_rows())
     }
 
     /// k values per block of the 256-bit schedule for more than one row:
