@@ -359,21 +359,33 @@ impl GemmEmitter<'_> {
                 }
                 Vec::new()
             });
+            let k_blocks = |b: &mut FunctionBuilder, widen: bool| {
+                self.emit_avx2_k_blocks(b, start, end, w, c, Some((self.k_block(), widen)))
+            };
             match self.m {
                 Some(1) if self.streams_one_row() => self.emit_avx2_k_blocks(b, start, end, w, c, None),
-                Some(_) => self.emit_avx2_k_blocks(b, start, end, w, c, Some(self.k_block())),
-                None if !self.streams_one_row() => self.emit_avx2_k_blocks(b, start, end, w, c, Some(self.k_block())),
+                Some(m) => k_blocks(b, self.widens_k_blocks(Some(m))),
+                None if !self.streams_one_row() => k_blocks(b, self.widens_k_blocks(None)),
                 None => {
                     // The generic kernel picks the schedule at run time: one
                     // row streams the whole of K (GEMV), more rows go k block
-                    // by k block.
+                    // by k block — read as stored for a few row tiles,
+                    // widened first for more.
                     let rows = b.ins().isub(end, start);
                     let one_row = b.ins().icmp_imm_s(IntCC::Equal, rows, 1);
+                    let few_rows = (FEW_TILES * self.tile_rows()) as i64;
                     if_else(
                         b,
                         one_row,
                         |b| self.emit_avx2_k_blocks(b, start, end, w, c, None),
-                        |b| self.emit_avx2_k_blocks(b, start, end, w, c, Some(self.k_block())),
+                        |b| match self.widens_k_blocks(None) == self.widens_k_blocks(Some(1)) {
+                            // f32 never widens, block formats always do.
+                            true => k_blocks(b, self.widens_k_blocks(None)),
+                            false => {
+                                let few = b.ins().icmp_imm_s(IntCC::SignedLessThanOrEqual, rows, few_rows);
+                                if_else(b, few, |b| k_blocks(b, false), |b| k_blocks(b, true));
+                            }
+                        },
                     );
                 }
             }
@@ -392,10 +404,10 @@ impl GemmEmitter<'_> {
     }
 
     /// The row tiles of rows `[start, end)` over all of K for the panel at
-    /// `w`, adding into the accumulators at `c`: in blocks of `k_block` k
-    /// values (the last one shorter; bf16/f16 blocks widened to f32 first,
-    /// once for all the row tiles), or — `None`, the GEMV — all of K at
-    /// once, read as stored.
+    /// `w`, adding into the accumulators at `c`: in blocks of `k_block.0` k
+    /// values (the last one shorter; with `k_block.1`, bf16/f16 blocks
+    /// widened to f32 first, once for all the row tiles, and block formats
+    /// decoded), or — `None`, the GEMV — all of K at once, read as stored.
     fn emit_avx2_k_blocks(
         &self,
         b: &mut FunctionBuilder,
@@ -403,10 +415,11 @@ impl GemmEmitter<'_> {
         end: Value,
         panel_w: Value,
         c: Value,
-        k_block: Option<usize>,
+        k_block: Option<(usize, bool)>,
     ) {
         // The widened block holds k_block·16 f32 (AVX2_BLOCK_BYTES).
-        let widened = self.scratch.widened_block.filter(|_| k_block.is_some() && self.widens_k_blocks());
+        let widened = self.scratch.widened_block.filter(|_| k_block.is_some_and(|(_, widen)| widen));
+        let k_block = k_block.map(|(kc, _)| kc);
         debug_assert!(k_block.is_none_or(|kc| kc * TILE_COLUMNS * 4 <= AVX2_BLOCK_BYTES));
         let tiles = |b: &mut FunctionBuilder, kb: Value, kc: Size| {
             let offset = self.panel_k_offset(b, kb);
@@ -468,14 +481,15 @@ impl GemmEmitter<'_> {
     }
 
     /// Whether the 256-bit tier widens (or decodes) each k block of a
-    /// panel into f32 once for all its row tiles: always for the block
-    /// formats (their only tile is the one-row integer GEMV); for bf16/f16
-    /// unless M is known to need at most [`FEW_TILES`] tiles, which read the
-    /// block as stored and widen it in registers — with so few readers the
-    /// separate widening pass (a store and a reload of every value) costs
-    /// more than it saves.
-    fn widens_k_blocks(&self) -> bool {
-        self.dtype.is_block_format() || self.m.is_none_or(|m| m > FEW_TILES * self.tile_rows())
+    /// panel into f32 once for all its row tiles, for `rows` rows (`None`:
+    /// any number): never for f32; always for the block formats (their only
+    /// tile is the one-row integer GEMV); for bf16/f16 unless the rows need
+    /// at most [`FEW_TILES`] tiles, which read the block as stored and widen
+    /// it in registers — with so few readers the separate widening pass (a
+    /// store and a reload of every value) costs more than it saves.
+    fn widens_k_blocks(&self, rows: Option<usize>) -> bool {
+        self.dtype != DType::F32
+            && (self.dtype.is_block_format() || rows.is_none_or(|m| m > FEW_TILES * self.tile_rows()))
     }
 
     /// k values per block of the 256-bit schedule for more than one row:
