@@ -133,7 +133,7 @@ mod x86 {
     use kvjit_core::DType;
 
     use super::{DECODE_BLOCK_KEYS as KB, DecodeKernel, STATE_ACC, STATE_TILE_ROWS};
-    use crate::microkernel::x86::{Bf16, F16, F32, Weights};
+    use crate::microkernel::x86::{Bf16, F16, F32, Weights, bf16_unpacked};
 
     /// A cache element type, widened to f32 in registers: the GEMM tiles'
     /// element types ([`Weights`]: `BYTES`, `load8`, unscaled), and FP8.
@@ -185,10 +185,7 @@ mod x86 {
         #[target_feature(enable = "avx2,fma,f16c")]
         unsafe fn load_pair(p: *const u8) -> [__m256; 2] {
             // SAFETY: the caller guarantees 16 readable bf16 at `p`.
-            let x = unsafe { _mm256_loadu_si256(p.cast()) };
-            // A bf16 in the high half of a 32-bit lane is that f32.
-            let zero = _mm256_setzero_si256();
-            [_mm256_unpacklo_epi16(zero, x), _mm256_unpackhi_epi16(zero, x)].map(|v| _mm256_castsi256_ps(v))
+            unsafe { bf16_unpacked(p) }
         }
     }
 

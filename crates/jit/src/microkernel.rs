@@ -160,6 +160,47 @@ pub(crate) mod x86 {
         /// `p` must be readable for 8 elements; the CPU must have AVX2, FMA
         /// and F16C.
         unsafe fn load8(p: *const u8) -> __m256;
+
+        /// Whether [`Weights::load16`] gives its 16 elements in the order
+        /// `[0..4, 8..12]`, `[4..8, 12..16]` (see [`unpermute_columns`]).
+        const PERMUTED16: bool = false;
+
+        /// Sixteen consecutive elements at `p` as two vectors: elements
+        /// 0..8 and 8..16, or for a `PERMUTED16` type its order.
+        ///
+        /// # Safety
+        /// `p` must be readable for 16 elements; AVX2, FMA and F16C.
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn load16(p: *const u8) -> [__m256; 2] {
+            // SAFETY: the caller's bounds.
+            unsafe { [Self::load8(p), Self::load8(p.add(8 * Self::BYTES))] }
+        }
+    }
+
+    /// 16 bf16 at `p` widened without a shift: one 256-bit load and an
+    /// unpack with zero per 8 (the shuffle port), leaving the two FMA
+    /// ports to the FMAs; the unpacks give the elements in the order
+    /// `[0..4, 8..12]`, `[4..8, 12..16]`.
+    ///
+    /// # Safety
+    /// `p` readable for 16 bf16; AVX2.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(crate) unsafe fn bf16_unpacked(p: *const u8) -> [__m256; 2] {
+        // SAFETY: the caller guarantees 16 readable bf16 at `p`.
+        let x = unsafe { _mm256_loadu_si256(p.cast()) };
+        // A bf16 in the high half of a 32-bit lane is that f32.
+        let zero = _mm256_setzero_si256();
+        [_mm256_unpacklo_epi16(zero, x), _mm256_unpackhi_epi16(zero, x)].map(|v| _mm256_castsi256_ps(v))
+    }
+
+    /// A tile row's two accumulators back in column order from the
+    /// `PERMUTED16` order.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn unpermute_columns([a, b]: [__m256; 2]) -> [__m256; 2] {
+        [_mm256_permute2f128_ps::<0x20>(a, b), _mm256_permute2f128_ps::<0x31>(a, b)]
     }
 
     pub(crate) struct F32;
@@ -178,6 +219,7 @@ pub(crate) mod x86 {
 
     impl Weights for Bf16 {
         const BYTES: usize = 2;
+        const PERMUTED16: bool = true;
         #[inline]
         #[target_feature(enable = "avx2,fma,f16c")]
         unsafe fn load8(p: *const u8) -> __m256 {
@@ -185,6 +227,12 @@ pub(crate) mod x86 {
             let h = unsafe { _mm_loadu_si128(p.cast()) };
             // A bf16 is the top half of an f32: widen and shift up.
             _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
+        }
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn load16(p: *const u8) -> [__m256; 2] {
+            // SAFETY: the caller guarantees 16 readable bf16 at `p`.
+            unsafe { bf16_unpacked(p) }
         }
     }
 
@@ -221,9 +269,7 @@ pub(crate) mod x86 {
         // caller vouches for; prefetches form their addresses with
         // `wrapping_add` and never fault.
         let step = |acc: &mut [[__m256; 2]; MR], kk: usize| unsafe {
-            let wp = w.add(kk * row_bytes);
-            let w0 = W::load8(wp);
-            let w1 = W::load8(wp.add(8 * W::BYTES));
+            let [w0, w1] = W::load16(w.add(kk * row_bytes));
             for (i, row) in acc.iter_mut().enumerate() {
                 let xb = _mm256_broadcast_ss(&*x.add(kk * x_step + i));
                 row[0] = _mm256_fmadd_ps(xb, w0, row[0]);
@@ -253,8 +299,9 @@ pub(crate) mod x86 {
                 sum[1] = _mm256_add_ps(sum[1], row[1]);
             }
         }
+        let rows = if W::PERMUTED16 { first[0].map(|row| unpermute_columns(row)) } else { first[0] };
         // SAFETY: c holds MR·16 f32.
-        unsafe { add_rows(c, &first[0]) };
+        unsafe { add_rows(c, &rows) };
     }
 
     /// `c[i·16 ..][..16] += rows[i]`.
@@ -302,10 +349,10 @@ pub(crate) mod x86 {
         // j < span, and the tail reads GEMV_STREAMS·span ..< k: every
         // k < k of x (x[k·x_step]) and of the panel.
         let step = |acc: &mut [__m256; 2], kk: usize| unsafe {
-            let wp = w.add(kk * row_bytes);
+            let [w0, w1] = W::load16(w.add(kk * row_bytes));
             let xb = _mm256_broadcast_ss(&*x.add(kk * x_step));
-            acc[0] = _mm256_fmadd_ps(xb, W::load8(wp), acc[0]);
-            acc[1] = _mm256_fmadd_ps(xb, W::load8(wp.add(8 * W::BYTES)), acc[1]);
+            acc[0] = _mm256_fmadd_ps(xb, w0, acc[0]);
+            acc[1] = _mm256_fmadd_ps(xb, w1, acc[1]);
         };
         for j in 0..span {
             for (s, stream) in acc.iter_mut().enumerate() {
@@ -324,6 +371,7 @@ pub(crate) mod x86 {
             sum[0] = _mm256_add_ps(sum[0], stream[0]);
             sum[1] = _mm256_add_ps(sum[1], stream[1]);
         }
+        let sum = if W::PERMUTED16 { unpermute_columns(sum) } else { sum };
         // SAFETY: c holds 16 f32.
         unsafe { add_rows(c, &[sum]) };
     }
