@@ -133,60 +133,49 @@ mod x86 {
     use kvjit_core::DType;
 
     use super::{DECODE_BLOCK_KEYS as KB, DecodeKernel, STATE_ACC, STATE_TILE_ROWS};
-    use crate::microkernel::x86::{Bf16, F16, F32, Weights, bf16_unpacked};
+    use crate::microkernel::x86::{Bf16, F16, F32, Weights};
 
     /// A cache element type, widened to f32 in registers: the GEMM tiles'
-    /// element types ([`Weights`]: `BYTES`, `load8`, unscaled), and FP8.
+    /// element types ([`Weights`]: `BYTES`, `load8`, `load16`, unscaled),
+    /// and FP8.
     trait Elem: Weights {
         /// Whether values carry a per-block scale (FP8).
         const SCALED: bool;
-        /// Whether elements widen 16 at a time ([`Elem::load_pair`]; D a
+        /// Whether elements widen 16 at a time ([`Weights::load16`]; D a
         /// multiple of 16).
         const PAIRED: bool = false;
-        /// Whether those halves are in the order `[0..4, 8..12]`,
-        /// `[4..8, 12..16]`: the kernel then permutes q and the state's
-        /// `acc` the same way on entry, and `acc` back on exit.
-        const PERMUTED: bool = false;
-
-        /// The 16 elements at `p` as two vectors: elements 0..8 and 8..16,
-        /// or for a `PERMUTED` type its order.
-        ///
-        /// # Safety
-        /// `p` readable for 16 elements; AVX2, FMA, F16C.
-        #[inline]
-        #[target_feature(enable = "avx2,fma,f16c")]
-        unsafe fn load_pair(p: *const u8) -> [__m256; 2] {
-            // SAFETY: the caller's bounds.
-            unsafe { [Self::load8(p), Self::load8(p.add(8 * Self::BYTES))] }
-        }
+        /// Whether those 16 come in the order `[0..4, 8..12]`, `[4..8,
+        /// 12..16]` ([`Weights::PERMUTED16`]): the kernel then permutes q
+        /// and the state's `acc` the same way on entry, and `acc` back on
+        /// exit.
+        const PERMUTED: bool = Self::PAIRED && Self::PERMUTED16;
     }
 
-    /// bf16 widened 16 at a time without a shift: one 256-bit load and an
-    /// unpack with zero per 8 (the unpacks run on the shuffle port, leaving
-    /// the two FMA ports to the FMAs), in the `PAIRED` order.
+    /// bf16 widened 16 at a time ([`Bf16`]'s `load16`: an unpack with zero
+    /// per 8 on the shuffle port, leaving the two FMA ports to the FMAs),
+    /// in the `PERMUTED` order.
     struct Bf16Pairs;
 
     impl Weights for Bf16Pairs {
         const BYTES: usize = 2;
+        const PERMUTED16: bool = Bf16::PERMUTED16;
         #[inline]
         #[target_feature(enable = "avx2,fma,f16c")]
         unsafe fn load8(p: *const u8) -> __m256 {
             // SAFETY: the caller guarantees 8 readable bf16 at `p`.
             unsafe { Bf16::load8(p) }
         }
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn load16(p: *const u8) -> [__m256; 2] {
+            // SAFETY: the caller guarantees 16 readable bf16 at `p`.
+            unsafe { Bf16::load16(p) }
+        }
     }
 
     impl Elem for Bf16Pairs {
         const SCALED: bool = false;
         const PAIRED: bool = true;
-        const PERMUTED: bool = true;
-
-        #[inline]
-        #[target_feature(enable = "avx2,fma,f16c")]
-        unsafe fn load_pair(p: *const u8) -> [__m256; 2] {
-            // SAFETY: the caller guarantees 16 readable bf16 at `p`.
-            unsafe { bf16_unpacked(p) }
-        }
     }
 
     /// Swap the middle quads of every 16 values of `values` (an involution:
@@ -248,6 +237,11 @@ mod x86 {
     /// bit operations per code.
     struct E4m3Pairs;
 
+    impl Elem for E4m3Pairs {
+        const SCALED: bool = true;
+        const PAIRED: bool = true;
+    }
+
     impl Weights for E4m3Pairs {
         const BYTES: usize = 1;
         #[inline]
@@ -256,15 +250,10 @@ mod x86 {
             // SAFETY: the caller guarantees 8 readable bytes at `p`.
             unsafe { E4m3::load8(p) }
         }
-    }
-
-    impl Elem for E4m3Pairs {
-        const SCALED: bool = true;
-        const PAIRED: bool = true;
 
         #[inline]
         #[target_feature(enable = "avx2,fma,f16c")]
-        unsafe fn load_pair(p: *const u8) -> [__m256; 2] {
+        unsafe fn load16(p: *const u8) -> [__m256; 2] {
             // SAFETY: the caller guarantees 16 readable bytes at `p`.
             let codes = _mm256_cvtepu8_epi16(unsafe { _mm_loadu_si128(p.cast()) });
             let high = _mm256_slli_epi16::<8>(codes);
@@ -509,7 +498,7 @@ mod x86 {
         for (kk, kv) in k.iter_mut().enumerate() {
             // SAFETY: j0 + kk < KB; rows.k[j] holds D elements (the caller).
             unsafe {
-                *kv = E::load_pair(rows.k[j0 + kk].add(d * E::BYTES));
+                *kv = E::load16(rows.k[j0 + kk].add(d * E::BYTES));
                 if E::SCALED && !sh.whole_rows {
                     for (half, &blk) in kv.iter_mut().zip(&blks) {
                         let s = _mm256_broadcast_ss(&*rows.ks[j0 + kk].add(blk));
@@ -566,7 +555,7 @@ mod x86 {
                     *x = match (E::PAIRED, i % 2 == 1) {
                         (false, _) => E::load8(v_row.add(d * E::BYTES)),
                         (true, false) => {
-                            pair = E::load_pair(v_row.add(d * E::BYTES));
+                            pair = E::load16(v_row.add(d * E::BYTES));
                             pair[0]
                         }
                         (true, true) => pair[1],
