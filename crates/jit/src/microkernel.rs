@@ -37,8 +37,13 @@ pub const TILE_COLUMNS: usize = 16;
 /// Rows of the largest tile (6 × 2 accumulators + 2 weight vectors + 1
 /// broadcast = 15 of the 16 ymm registers).
 pub const MAX_TILE_ROWS: usize = 6;
-/// How far ahead of its loads a tile prefetches its weight panel.
-pub const PREFETCH_BYTES: usize = 1024;
+/// How far ahead of its loads a tile prefetches its weight panel: a whole
+/// k block of a bf16 panel. A few rows (batched decode) read the panel
+/// as stored at several bytes a cycle; 1 KiB ahead left them waiting on
+/// it (the fused QKV at M = 2–8, Llama-3-8B: 1.2–1.6× faster with 8 KiB,
+/// 4 KiB in between, 16 KiB no better); M ≥ 64 reads a widened copy from
+/// L1 and does not care.
+pub const PREFETCH_BYTES: usize = 8192;
 
 /// Where, from the start of its panel, stream `s` of a GEMV tile prefetches
 /// while it reads byte `at` of its own range (`stream_bytes` long, streams
