@@ -13,10 +13,11 @@
 //!   advances), so every run does the same work.
 //! - **Roofs**: the sum over the layer's ops of max(bytes / read bandwidth,
 //!   FLOPs / FMA rate): the five matmuls (QKV, o, gate, up, down: bytes =
-//!   their weights, FLOPs = 2·tokens·N·K on the FMA rate of the matmul
-//!   kernels' code tier) and attention (bytes = the K/V it reads, FLOPs =
-//!   4·Hq·D per (query, key) pair on the 128-bit rate, as the attention
-//!   suite counts). RoPE, RMSNorm, the residual adds and SwiGLU's
+//!   their weights, FLOPs = 2·tokens·N·K) and attention (bytes = the K/V it
+//!   reads, FLOPs = 4·Hq·D per (query, key) pair), the FLOPs on the FMA
+//!   rate of the kernels' code tier (the 256-bit one on the avx2 tier, where
+//!   the matmuls and attention both run micro-kernels of that width, as the
+//!   attention suite's step counts). RoPE, RMSNorm, the residual adds and SwiGLU's
 //!   elementwise work move well under 1 % of those bytes and count nothing.
 //! - **Where the time goes**: the executor's per-step timings
 //!   (`RunOutput::timings`), each step mapped back to the graph's nodes it
@@ -415,11 +416,8 @@ pub struct OpWork {
     pub role: Role,
     /// Bytes it must read: a matmul's weight, attention's K/V.
     pub bytes: f64,
-    /// FLOPs.
+    /// FLOPs (at the FMA rate of the layer's code tier).
     pub flops: f64,
-    /// Whether its FLOPs run at the matmul kernels' FMA rate (else the
-    /// 128-bit one).
-    pub matmul: bool,
 }
 
 /// The roof work of the node of `role` in `workload` (none for the ops
@@ -431,7 +429,7 @@ pub fn op_work(model: &LlamaConfig, workload: &Workload, role: Role) -> Option<O
         Role::Matmul(p) => {
             let shape = p.weight().shape(layer, model.ffn_size);
             let (n, k) = (shape[0] as f64, shape[1] as f64);
-            Some(OpWork { role, bytes: n * k * e, flops: 2.0 * workload.tokens() as f64 * n * k, matmul: true })
+            Some(OpWork { role, bytes: n * k * e, flops: 2.0 * workload.tokens() as f64 * n * k })
         }
         Role::Attention => {
             let heads = heads_of(model);
@@ -441,7 +439,7 @@ pub fn op_work(model: &LlamaConfig, workload: &Workload, role: Role) -> Option<O
             let (s, h) = (workload.seq as f64, workload.history as f64);
             let pairs = workload.batch as f64 * (s * h + s * (s + 1.0) / 2.0);
             let flops = 4.0 * (layer.num_q_heads * layer.head_size) as f64 * pairs;
-            Some(OpWork { role, bytes, flops, matmul: false })
+            Some(OpWork { role, bytes, flops })
         }
         _ => None,
     }
@@ -802,17 +800,17 @@ pub struct TargetCheck {
 }
 
 impl LayerReport {
-    /// The FMA rate the matmul kernels run at: the 256-bit one on the avx2
+    /// The FMA rate the layer's kernels run at: the 256-bit one on the avx2
     /// tier (where it was measured), else the 128-bit one.
-    pub fn matmul_fma(&self) -> f64 {
+    pub fn tier_fma(&self) -> f64 {
         match (self.tier, self.roof.fma256_flops_per_s) {
             (CodeTier::Avx2, Some(fma256)) => fma256.median,
             _ => self.roof.fma_flops_per_s.median,
         }
     }
 
-    /// Whether the matmul roofs use the 256-bit FMA rate.
-    pub fn matmul_fma_is_256(&self) -> bool {
+    /// Whether the roofs use the 256-bit FMA rate.
+    pub fn tier_fma_is_256(&self) -> bool {
         self.tier == CodeTier::Avx2 && self.roof.fma256_flops_per_s.is_some()
     }
 
@@ -823,7 +821,7 @@ impl LayerReport {
 
     /// Seconds of the FMA roof alone of `w`.
     pub fn fma_roof_time(&self, w: &OpWork) -> f64 {
-        w.flops / if w.matmul { self.matmul_fma() } else { self.roof.fma_flops_per_s.median }
+        w.flops / self.tier_fma()
     }
 
     /// Seconds of the read roof alone of `w`.
@@ -943,11 +941,12 @@ impl LayerReport {
         let _ = writeln!(
             s,
             "*roof* = Σ over the layer's ops of max(bytes / read bandwidth, FLOPs / FMA rate): the five matmuls \
-             (bytes = their weights, FLOPs = 2·tokens·N·K at the {} FMA rate) and attention (bytes = the K/V it \
-             reads, FLOPs = 4·Hq·D per query–key pair at the 128-bit rate); RoPE, RMSNorm, residuals and SwiGLU \
+             (bytes = their weights, FLOPs = 2·tokens·N·K) and attention (bytes = the K/V it reads, FLOPs = \
+             4·Hq·D per query–key pair), the FLOPs at the {} FMA rate of the kernels' tier; RoPE, RMSNorm, \
+             residuals and SwiGLU \
              count nothing. Medians of interleaved samples; *err* = normalized max error of the fused output \
              against the unfused one, checked before timing.\n",
-            if self.matmul_fma_is_256() { "256-bit" } else { "128-bit" },
+            if self.tier_fma_is_256() { "256-bit" } else { "128-bit" },
         );
 
         s.push_str(
@@ -1147,7 +1146,7 @@ impl LayerReport {
                 "read_bytes_per_s": self.roof.read_bytes_per_s.to_json(),
                 "fma_flops_per_s": self.roof.fma_flops_per_s.to_json(),
                 "fma256_flops_per_s": self.roof.fma256_flops_per_s.map(|f| f.to_json()),
-                "matmul_fma_flops_per_s": self.matmul_fma(),
+                "tier_fma_flops_per_s": self.tier_fma(),
             },
             "workloads": self.workloads.iter().map(|r| {
                 let w = &r.workload;
