@@ -8,7 +8,10 @@
 //! of row offsets (no gather into a buffer), and leaves the rows' online
 //! softmax state `(m, l, acc[D])` in the driver's tile layout, so the
 //! driver's split-KV partials and host merge are those of the Cranelift
-//! tier.
+//! tier. Each row reads only the keys of its own range (the tile's `lo`,
+//! `hi`): a prefill block's rows go through the same call, the causal
+//! diagonal and a window's edge masked per row (their scores set to −inf
+//! before the softmax), so no key needs the Cranelift path.
 //!
 //! Keys go in blocks of [`DECODE_BLOCK_KEYS`]; per block and row tile
 //! (`R` = 1, 2 or 4 rows: all of G = 1 or 2, tiles of 4 otherwise):
@@ -70,9 +73,14 @@ pub const STATE_TILE_ROWS: usize = 4;
 ///   `h·head_size` elements on, its V row `kv_stride` elements after that;
 /// - `scales` (FP8 only, else unused): f32 scales, the scale of the
 ///   `granularity` elements at element offset `o` at `scales[o / granularity]`;
+/// - `first_key`: the position of key 0 of the call, in the coordinates of
+///   the tiles' key ranges;
 /// - `state`: per head `ceil(rows / 4)` tiles of `tile_floats` f32, each
-///   `[m: 4, l: 4, (8 words the kernel leaves alone), acc: 4 × head_size]`,
-///   updated in place (flash attention's online softmax).
+///   `[m: 4, l: 4, lo: 4 i32, hi: 4 i32, acc: 4 × head_size]`: row r reads
+///   only the keys whose position is in `[lo[r], hi[r])` (the others are
+///   masked: a causal diagonal, a window's edge, a padded row's empty
+///   range); `m`, `l` and `acc` are updated in place (flash attention's
+///   online softmax), `lo`/`hi` left alone.
 ///
 /// Keys go in blocks, every head of a block before the next block, so the
 /// block's K and V slots (all heads contiguous in a page) are read as a
@@ -82,6 +90,7 @@ pub type DecodeKernel = unsafe extern "C" fn(
     blocks: *const u8,
     key_offsets: *const i64,
     keys: usize,
+    first_key: i64,
     heads: usize,
     scales: *const f32,
     state: *mut f32,
@@ -94,6 +103,11 @@ pub type DecodeKernel = unsafe extern "C" fn(
 
 /// Offset (f32) of `acc` within a state tile.
 pub const STATE_ACC: usize = 16;
+/// Offset (32-bit words) of the rows' first key positions (`lo`, i32)
+/// within a state tile; their ends (`hi`) follow.
+pub const STATE_LO: usize = 8;
+/// Offset (32-bit words) of the rows' key range ends (`hi`, i32).
+pub const STATE_HI: usize = 12;
 
 /// Whether the decode micro-kernel serves a cache of `cache` elements with
 /// head size `head_size` (and an FP8 cache's scale granularity): the CPU
@@ -132,7 +146,7 @@ mod x86 {
 
     use kvjit_core::DType;
 
-    use super::{DECODE_BLOCK_KEYS as KB, DecodeKernel, STATE_ACC, STATE_TILE_ROWS};
+    use super::{DECODE_BLOCK_KEYS as KB, DecodeKernel, STATE_ACC, STATE_HI, STATE_LO, STATE_TILE_ROWS};
     use crate::microkernel::x86::{Bf16, F16, F32, Weights};
 
     /// A cache element type, widened to f32 in registers: the GEMM tiles'
@@ -590,8 +604,7 @@ mod x86 {
     unsafe fn tile_block<E: Elem, const R: usize, const KN: usize, const SV: usize>(
         q: *const f32,
         state: *mut f32,
-        rows: &Rows,
-        n: usize,
+        (rows, n, pos0): (&Rows, usize, i64),
         sh: Shape,
         ahead: &mut Ahead,
     ) {
@@ -601,7 +614,17 @@ mod x86 {
         let mut alpha = [0f32; R];
         for r in 0..R {
             let row = &mut s[r];
-            row[n..].fill(f32::NEG_INFINITY);
+            // The row's keys of this block (the block's key j is at
+            // position pos0 + j): the rest masked, past n too.
+            // SAFETY: the tile's lo and hi words (state holds a whole tile).
+            let (lo, hi) = unsafe {
+                let words = state.cast::<i32>();
+                (i64::from(*words.add(STATE_LO + r)), i64::from(*words.add(STATE_HI + r)))
+            };
+            let from = (lo - pos0).clamp(0, n as i64) as usize;
+            let to = (hi - pos0).clamp(from as i64, n as i64) as usize;
+            row[..from].fill(f32::NEG_INFINITY);
+            row[to..].fill(f32::NEG_INFINITY);
             // SAFETY: the tile's m and l lanes (state holds a whole tile).
             let (m_at, l_at) = unsafe { (state.add(r), state.add(4 + r)) };
             // SAFETY: as above.
@@ -695,6 +718,7 @@ mod x86 {
         blocks: *const u8,
         key_offsets: *const i64,
         keys: usize,
+        first_key: i64,
         heads: usize,
         scales: *const f32,
         state: *mut f32,
@@ -813,8 +837,7 @@ mod x86 {
                         tile_block::<E, R, KN, SV>(
                             q.add(tile * STATE_TILE_ROWS * head_size),
                             state.add(tile * sh.tile_floats),
-                            &rows_of,
-                            n,
+                            (&rows_of, n, first_key + p0 as i64),
                             sh,
                             &mut ahead,
                         )
@@ -968,7 +991,11 @@ mod timing {
         /// `scales` covers every such offset / 128.
         unsafe fn call(&mut self, blocks: &[u8], offsets: &[i64], scales: &[f32], kv_stride: usize) {
             for t in 0..HEADS {
-                self.state[t * Self::TILE_FLOATS..][..4].fill(f32::NEG_INFINITY);
+                let tile = &mut self.state[t * Self::TILE_FLOATS..];
+                tile[..4].fill(f32::NEG_INFINITY);
+                // Every row reads every key: [0, KEYS).
+                tile[STATE_LO..STATE_LO + 4].fill(f32::from_bits(0));
+                tile[STATE_HI..STATE_HI + 4].fill(f32::from_bits(KEYS as u32));
             }
             // SAFETY: the caller's bounds on the rows and scales; q and state
             // are sized for HEADS × 1 tile; AVX2 (the kernel exists).
@@ -978,6 +1005,7 @@ mod timing {
                     blocks.as_ptr(),
                     offsets.as_ptr(),
                     KEYS,
+                    0,
                     HEADS,
                     scales.as_ptr(),
                     self.state.as_mut_ptr(),

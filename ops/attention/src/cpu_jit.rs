@@ -388,9 +388,9 @@ fn native_kernels(spec: &MhaSpec) -> Option<(DecodeKernel, DecodeKernel)> {
     (spec.tier() == Some(CodeTier::Avx2) && serves).then(|| kernel(spec.group()).zip(kernel(ROW_TILE))).flatten()
 }
 
-/// Whether `spec` runs decode through the 256-bit micro-kernel (the AVX2
-/// tier, on a cache it serves).
-pub fn runs_native_decode(spec: &MhaSpec) -> bool {
+/// Whether `spec` runs decode and prefill through the 256-bit
+/// micro-kernel (the AVX2 tier, on a cache it serves).
+pub fn runs_native(spec: &MhaSpec) -> bool {
     native_kernels(spec).is_some()
 }
 
@@ -625,7 +625,8 @@ impl Emitter {
             let stride = self.args.stride;
             let seq_offsets = b.ins().imul(batch, stride);
             // The Cranelift path: keys gathered per block into the buffer,
-            // 128-bit loops (prefill on every tier; decode on Cranelift).
+            // 128-bit loops, each row masked to its key range (the
+            // Cranelift tier, and caches the micro-kernel does not serve).
             let gathered = |b: &mut FunctionBuilder, lo: Value, hi: Value| {
                 let convert = self.fp8().then(|| ToBf16::new(b, self.disp));
                 counted_loop(b, lo, hi, KB as i64, &[], |b, p0, _| {
@@ -673,30 +674,16 @@ impl Emitter {
                         let ranges = NativeRanges { q_group, tiles_base, seq_offsets, lo, hi, rows };
                         self.emit_native(b, decode_kernel, &ranges);
                     });
-                    // Prefill: the keys every valid query of the block reads
-                    // unmasked (from the last one's first key to the first
-                    // one's end) through the micro-kernel, all rows of the
-                    // block at once; the keys the mask cuts for some rows
-                    // (the causal diagonal, a window's edge) through the
-                    // gathered path, which masks per row. Both update the
-                    // same row tiles, so the split only orders the terms.
+                    // Prefill: every key of the item through the micro-kernel,
+                    // all rows of the block at once, each row masked to its
+                    // own key range (the causal diagonal, a window's edge)
+                    // by the kernel from the tiles' lo/hi.
                     let prefill = b.ins().icmp_imm_s(IntCC::NotEqual, query_block, 1);
                     when(b, prefill, |b| {
-                        let range = self.row_range(b, cl, valid, s_last);
-                        let (common_lo, _) = rebase(b, range);
-                        let range = self.row_range(b, cl, valid, s0);
-                        let (_, common_hi) = rebase(b, range);
-                        let native_lo = b.ins().smax(common_lo, lo);
-                        let native_lo = b.ins().smin(native_lo, hi);
-                        let native_hi = b.ins().smin(common_hi, hi);
-                        let native_hi = b.ins().smax(native_hi, native_lo);
                         let group = iconst(b, self.spec.group() as i64);
                         let rows = b.ins().imul(query_block, group);
-                        let ranges =
-                            NativeRanges { q_group, tiles_base, seq_offsets, lo: native_lo, hi: native_hi, rows };
+                        let ranges = NativeRanges { q_group, tiles_base, seq_offsets, lo, hi, rows };
                         self.emit_native(b, block_kernel, &ranges);
-                        gathered(b, lo, native_lo);
-                        gathered(b, native_hi, hi);
                     });
                 }
             }
@@ -731,6 +718,7 @@ impl Emitter {
                 self.args.blocks,
                 offsets,
                 keys,
+                r.lo,
                 heads,
                 scales,
                 r.tiles_base,
@@ -1170,10 +1158,10 @@ impl JitSpec for MhaSpec {
             // packed q, the gather buffers and the partials, each written
             // before it is read: only the invocations' first items' buffers
             // are used, each filled by its gather before its tiles read it,
-            // and none when the micro-kernel runs decode (it reads K/V in
-            // place); every item writes its whole state in the partials
+            // and none when the micro-kernel runs (it reads K/V in place);
+            // every item writes its whole state in the partials
             // before the merge reads it.
-            let gathers = plan.query_block > 1 || !runs_native_decode(self);
+            let gathers = !runs_native(self);
             let buffer_bytes = if gathers { plan.items * block_buffer_bytes(self) } else { 0 };
             let regions = [q_floats(shape, &plan), buffer_bytes.div_ceil(4), plan.items * plan.item_floats];
             let rounded = regions.map(|floats| floats.next_multiple_of(16));

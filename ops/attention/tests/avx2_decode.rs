@@ -11,7 +11,7 @@ mod common;
 use common::{Case, assert_same_bits_on_every_pool, check_against_reference, jit, tiers};
 use kvjit_core::{CodeTier, DType};
 use kvjit_op_attention::Mask;
-use kvjit_op_attention::cpu_jit::{MIN_CHUNK, runs_native_decode};
+use kvjit_op_attention::cpu_jit::{MIN_CHUNK, runs_native};
 
 fn decode_case(cache_dtype: DType, group: usize, head_size: usize, batch: usize, seed: u64) -> Case {
     // Batch 1: 2100 keys, ~16 chunks of MIN_CHUNK+; batch 8: uneven
@@ -60,7 +60,7 @@ fn avx2_decode_matches_the_reference_on_every_pool() {
                     );
                     for tier in tiers() {
                         let case = Case { tier, ..base.clone() };
-                        assert_eq!(runs_native_decode(&case.spec()), tier == CodeTier::Avx2, "{case:?}");
+                        assert_eq!(runs_native(&case.spec()), tier == CodeTier::Avx2, "{case:?}");
                         native += usize::from(tier == CodeTier::Avx2);
                         let kernel = jit(&case);
                         let got = assert_same_bits_on_every_pool(&kernel, &case);
@@ -84,7 +84,7 @@ fn avx2_decode_fp8_scale_blocks() {
         for (head_size, granularity) in [(64, 8), (48, 16), (48, 48), (40, 8), (40, 40)] {
             let base = decode_case(DType::F8E4M3, 4, head_size, 8, 11);
             let case = Case { tier, scale_granularity: Some(granularity), ..base };
-            assert_eq!(runs_native_decode(&case.spec()), tier == CodeTier::Avx2, "{case:?}");
+            assert_eq!(runs_native(&case.spec()), tier == CodeTier::Avx2, "{case:?}");
             let got = assert_same_bits_on_every_pool(&jit(&case), &case);
             check_against_reference(&case, &got);
         }
@@ -107,7 +107,7 @@ fn avx2_decode_windows_and_odd_heads() {
             let base = decode_case(cache_dtype, 4, head_size, 8, 7);
             let case = Case { tier, window, mask: Mask::Null, ..base };
             let native = tier == CodeTier::Avx2 && head_size.is_multiple_of(8);
-            assert_eq!(runs_native_decode(&case.spec()), native, "{case:?}");
+            assert_eq!(runs_native(&case.spec()), native, "{case:?}");
             let got = assert_same_bits_on_every_pool(&jit(&case), &case);
             check_against_reference(&case, &got);
         }
