@@ -453,9 +453,10 @@ fn rope_frequency_factors_and_linear_scaling_match_the_naive_model() {
 /// The file's block weights kept as blocks (every projection stored in a
 /// format kvjit decodes, and the Q8_0 embedding): the kernels' keys name
 /// the formats, and the logits stay within the block tolerance of the
-/// naive model over the dequantized weights. Prefill rows multiply the
-/// dequantized blocks in f32; each decode step's single row goes through
-/// the integer GEMV on the 256-bit tier, its activations rounded to 16-bit
+/// naive model over the dequantized weights. The prompt's rows and each
+/// decode step's go through the integer GEMV on the 256-bit tier, one per
+/// row (longer prompts multiply the dequantized blocks in f32), its
+/// activations rounded to 16-bit
 /// integers per block of 32: up to half a step (max|x|/32258) per product,
 /// which through two layers measured 3.6e-5 to 4.9e-5 of the largest logit
 /// (8-bit activations measured 7e-3 to 9e-3); 2e-4 leaves 4× while a wrong
@@ -485,6 +486,40 @@ fn block_weights_stay_blocks_and_match_the_naive_model() {
         let error = check_against_naive(&graph, &path, DType::F32, 3);
         eprintln!("blocks, tied {}: largest normalized logits error {error:.2e}", variant.tied);
         assert!(error < 2e-4, "tied {}: {error}", variant.tied);
+    }
+}
+
+/// A batch of block-weight decodes gives every prompt what it gets alone:
+/// up to `gemv_rows` rows the matmuls run the integer GEMV once per row,
+/// each row on its own quantized activations (a row reading another's
+/// would be off by order 1). Not bit for bit: attention's split of the
+/// keys depends on the batch, and the GEMV's per-block rounding of the
+/// activations amplifies such last-bit differences to ~1e-5 of the largest
+/// logit; 2e-4 is the block tolerance of the naive-model test.
+#[test]
+fn a_batch_of_block_weight_decodes_matches_each_prompt_alone() {
+    if !kvjit::op::gemm::gemv_per_row(kvjit::CodeTier::Avx2, DType::Q4_0, 2) {
+        eprintln!("skipped: this CPU has no integer GEMV (the 256-bit tier)");
+        return;
+    }
+    let (_dir, path) = written(UNTIED);
+    let registry = standard_registry();
+    let options = ImportOptions { dequantize: false, ..options(DType::F32) };
+    let graph = load_model(&path, registry.ops(), &options, WeightLoad::Map).unwrap();
+    let exe = compile(&graph, &registry, &CompileOptions::default()).unwrap();
+    let model = Model::new(&graph, &registry, exe, Executor::new(DeviceContextPtr::cpu(2).unwrap())).unwrap();
+    let options = GenerateOptions { max_tokens: 4, sampling: Sampling::greedy(), stop: Vec::new(), keep_logits: true };
+    let ids = prompt(&path);
+    let prompts = [ids[..6].to_vec(), ids[3..].to_vec()];
+    let together = model.generate(&prompts, &options, &mut |_, _| {}).unwrap();
+    for (i, p) in prompts.iter().enumerate() {
+        let alone = model.generate(std::slice::from_ref(p), &options, &mut |_, _| {}).unwrap();
+        assert_eq!(together.tokens[i], alone.tokens[0], "prompt {i}");
+        for (step, (got, want)) in together.logits[i].iter().zip(&alone.logits[0]).enumerate() {
+            let want: Vec<f64> = want.iter().map(|&v| f64::from(v)).collect();
+            let error = normalized_error(got, &want);
+            assert!(error < 2e-4, "prompt {i} step {step}: {error:e}");
+        }
     }
 }
 

@@ -446,11 +446,11 @@ fn assert_close(case: &Case, prep: &Prepared, dtype: DType, got: f32, want: f32,
     } else {
         Tolerance::RelativeToScale { dtype, k: case.k, scale: prep.scale }
     };
-    // One streamed row against block weights on the 256-bit tier takes
-    // the integer GEMV, on activations rounded to 16-bit integers per block
-    // of 32: each of the K products moves by at most half a step
-    // (max|x|/32258) times |w|.
-    let integer_gemv = case.code_tier() == CodeTier::Avx2 && case.rows() == 1 && case.weights.is_some();
+    // A few rows against block weights on the 256-bit tier take the
+    // integer GEMV, one per row (`gemv_per_row`), on activations rounded to
+    // 16-bit integers per block of 32: each of the K products moves by at
+    // most half a step (max|x|/32258) times |w|.
+    let integer_gemv = case.weights.is_some_and(|w| kvjit_op::gemm::gemv_per_row(case.code_tier(), w, case.rows()));
     let steps = kvjit_testkit::blocks::ACTIVATION_STEPS;
     let rounding = if integer_gemv { case.k as f64 * prep.scale / (2.0 * steps) * 1.01 } else { 0.0 };
     let (g, w) = (f64::from(got), f64::from(want));

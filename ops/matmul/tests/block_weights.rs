@@ -36,9 +36,10 @@ fn block_spec(format: DType, dtype: DType, tier: CodeTier, k: usize, n: usize, r
     MatmulSpec { weights: format, ..spec(Epilogue::None, dtype, tier, WeightOrientation::NK, (k, n), rows) }
 }
 
-/// Whether a call of `rows` rows goes through the integer GEMV.
+/// Whether a call of `rows` rows goes through the integer GEMV (one per
+/// row, on activations quantized per block).
 fn integer_route(spec: &MatmulSpec, rows: usize) -> bool {
-    spec.tier() == Some(CodeTier::Avx2) && rows == 1 && spec.weights.is_block_format()
+    spec.tier().is_some_and(|tier| kvjit_op::gemm::gemv_per_row(tier, spec.weights, rows))
 }
 
 /// [`check_close`] with the integer GEMV's activation rounding added to
@@ -89,7 +90,10 @@ fn every_format_tier_row_count_and_k_matches_the_f64_product() {
     for format in DType::BLOCK_FORMATS {
         for tier in tiers() {
             for k in ks(format) {
-                for rows in [1, 2, 5, 7, 13] {
+                // Up to 64 rows run an integer GEMV per row (per format:
+                // `gemv_rows`), more decode k blocks for row tiles; 197 is
+                // a full block of 192 and a short one.
+                for rows in [1, 2, 5, 7, 13, 70, 197] {
                     for (dtype, baked) in [(DType::F32, true), (DType::F32, false), (DType::BF16, true)] {
                         let spec = block_spec(format, dtype, tier, k, n, baked.then_some(rows));
                         let inputs = block_inputs(&mut rng, &spec, rows);

@@ -38,8 +38,8 @@ use kvjit_jit::JitError;
 use kvjit_jit::microkernel::{self, MAX_TILE_ROWS};
 
 pub use emit::{
-    Epilogue, GemmBases, GemmEmitter, PanelAt, Scratch, SegmentBounds, addressable, displacements, load_columns,
-    store_columns,
+    Epilogue, GemmBases, GemmEmitter, PanelAt, Scratch, SegmentBounds, addressable, displacements, gemv_per_row,
+    gemv_rows, load_columns, store_columns,
 };
 pub use panels::{PanelLayout, Segment, WeightOrientation, layout_version};
 pub use schedule::{AVX2_BLOCK_BYTES, AVX2_BLOCK_ROWS, K_UNROLL, MC, MR, NR, Schedule};
@@ -144,16 +144,19 @@ impl Activations<'_> {
 /// panels of `panels` ([`PanelLayout::panel_dtype`]), and the tile step
 /// ([`GemmBases::x_step`]): f32 rows (widened from bf16/f16), packed in
 /// tiles of 6 rows on the 256-bit tier when there is more than one row;
-/// one row against block panels with an integer GEMV, quantized per
-/// block of 32 (what the emitter's GEMV reads: the same choice, made from
-/// the same row count).
+/// up to [`gemv_rows`] rows against block panels with an integer GEMV,
+/// each row quantized per block of 32, row after row (what the emitter's
+/// GEMV per row reads: the same rule, [`gemv_per_row`], on the same row
+/// count).
 pub fn activations(x: &Tensor, rows: usize, k: usize, tier: CodeTier, panels: DType) -> (Activations<'_>, usize) {
     let plain = rows_as_f32(x);
-    let integer_gemv = panels.is_block_format() && kvjit_jit::quant::quant_gemv(panels).is_some();
     match tier {
-        CodeTier::Avx2 if rows == 1 && integer_gemv => {
-            let mut q = vec![0u8; k / 32 * kvjit_jit::quant::Q8_ACTIVATION_BLOCK_BYTES];
-            kvjit_jit::quant::quantize_activations(&plain, &mut q);
+        CodeTier::Avx2 if gemv_per_row(tier, panels, rows) => {
+            let row_bytes = k / 32 * kvjit_jit::quant::Q8_ACTIVATION_BLOCK_BYTES;
+            let mut q = vec![0u8; rows * row_bytes];
+            for (row, out) in plain.chunks_exact(k).zip(q.chunks_exact_mut(row_bytes)) {
+                kvjit_jit::quant::quantize_activations(row, out);
+            }
             (Activations::Q8(q), 1)
         }
         CodeTier::Avx2 if rows > 1 => {
