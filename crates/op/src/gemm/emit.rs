@@ -99,10 +99,11 @@ pub fn addressable(k: usize, size: usize, groups: usize, weights: usize, rows: O
 /// block into f32 for the row tiles: batched decode and short prompts of
 /// a quantized model. Measured against the decoded route (`bench --ops
 /// blocks`, Llama-3-8B QKV and FFN shapes, 2 threads): Q8_0, Q4_0 and
-/// Q4_1 1.3–2.0× faster at M = 4, 1.2–1.3× at 16, 1.0–1.2× at 64; Q4_K
-/// 1.8–1.9× at 4, 1.2× at 16, even at 64; Q6_K 1.3–1.4× at 4, 0.8× at 16.
-/// Below the 192-row block, so only a first and only block can hold that
-/// few rows.
+/// Q4_1 1.3–2.0× faster at M = 4, 1.2–1.3× at 16, 1.0–1.2× at 64 (at 128
+/// still ahead on these shapes, but SmolLM2's 112-token prefill, K = 576,
+/// 2–7 % slower); Q4_K 1.8–1.9× at 4, 1.2× at 16, even at 64; Q6_K
+/// 1.3–1.4× at 4, 0.8× at 16. Below the 192-row block, so only a first and
+/// only block can hold that few rows.
 pub fn gemv_rows(dtype: DType) -> usize {
     match dtype {
         DType::Q6K => 4,
