@@ -121,9 +121,8 @@ pub const TARGET_ITEMS: usize = 128;
 /// → 25.8–26.2 ms in an A/B).
 pub const TARGET_PREFILL_ITEMS: usize = 32;
 /// The largest scratch a calling thread keeps for its next launch
-/// ([`with_scratch`]; a 2048-token Llama-3-8B prefill uses 102 MB, most of
-/// it gather buffers never touched); larger ones are freed after their
-/// call.
+/// ([`with_scratch`]: packed q, partials and, on the Cranelift path,
+/// gather buffers); larger ones are freed after their call.
 const RETAINED_SCRATCH_BYTES: usize = 128 << 20;
 
 thread_local! {
@@ -1224,8 +1223,8 @@ impl JitSpec for MhaSpec {
                 // `block_buffer_bytes`, of unspecified contents: the gather
                 // writes every row and scale of the block the tiles then
                 // read; the pool's ranges are disjoint, so their first items
-                // differ) — or, when `gathers` is false (S = 1 on
-                // the micro-kernel's path, the only path such a call takes),
+                // differ) — or, when `gathers` is false (the
+                // micro-kernel's path, the only path such a call takes),
                 // no buffer at all, so an empty `buffers` is never read or
                 // written — so ranges write disjoint memory. The
                 // cache is only read. All buffers outlive the launch.

@@ -427,37 +427,29 @@ impl GemmEmitter<'_> {
                     // widened first for more.
                     let rows = b.ins().isub(end, start);
                     let one_row = b.ins().icmp_imm_s(IntCC::Equal, rows, 1);
-                    let few_rows = (FEW_TILES * self.tile_rows()) as i64;
-                    if_else(
-                        b,
-                        one_row,
-                        |b| self.emit_avx2_k_blocks(b, start, end, w, c, None),
-                        |b| match (
-                            self.dtype.is_block_format(),
-                            self.widens_k_blocks(None) == self.widens_k_blocks(Some(1)),
-                        ) {
-                            // Block formats: a GEMV per row up to
-                            // `gemv_rows` rows in all (`end` ≤ `gemv_rows` <
-                            // block_rows only in the first and only
-                            // block), decoded k blocks beyond.
-                            (true, _) => {
-                                let few =
-                                    b.ins().icmp_imm_s(IntCC::SignedLessThanOrEqual, end, gemv_rows(self.dtype) as i64);
-                                if_else(
-                                    b,
-                                    few,
-                                    |b| self.emit_avx2_gemv_rows(b, start, end, w, c),
-                                    |b| k_blocks(b, true),
-                                );
-                            }
-                            // f32 never widens.
-                            (false, true) => k_blocks(b, self.widens_k_blocks(None)),
-                            (false, false) => {
-                                let few = b.ins().icmp_imm_s(IntCC::SignedLessThanOrEqual, rows, few_rows);
-                                if_else(b, few, |b| k_blocks(b, false), |b| k_blocks(b, true));
-                            }
-                        },
-                    );
+                    let more_rows = |b: &mut FunctionBuilder| {
+                        // Block formats: a GEMV per row up to `gemv_rows`
+                        // rows in all (`end` ≤ `gemv_rows` < block_rows
+                        // only in the first and only block), decoded k
+                        // blocks beyond; bf16/f16: as stored up to
+                        // FEW_TILES tiles; f32: never widened.
+                        let (counted, limit) = match self.dtype {
+                            DType::F32 => return k_blocks(b, false),
+                            d if d.is_block_format() => (end, gemv_rows(d)),
+                            _ => (rows, FEW_TILES * self.tile_rows()),
+                        };
+                        let few = b.ins().icmp_imm_s(IntCC::SignedLessThanOrEqual, counted, limit as i64);
+                        match self.dtype.is_block_format() {
+                            true => if_else(
+                                b,
+                                few,
+                                |b| self.emit_avx2_gemv_rows(b, start, end, w, c),
+                                |b| k_blocks(b, true),
+                            ),
+                            false => if_else(b, few, |b| k_blocks(b, false), |b| k_blocks(b, true)),
+                        }
+                    };
+                    if_else(b, one_row, |b| self.emit_avx2_k_blocks(b, start, end, w, c, None), more_rows);
                 }
             }
         }
@@ -602,9 +594,7 @@ impl GemmEmitter<'_> {
         let x = match (w_dtype.is_block_format(), self.k) {
             // Quantized activations: each row's K/32 blocks, row after row
             // (an integer GEMV reads all of K: kb is 0).
-            (true, Size::Known(k)) => {
-                addr::element(b, self.bases.x, row, k / 32 * kvjit_jit::quant::Q8_ACTIVATION_BLOCK_BYTES)
-            }
+            (true, Size::Known(k)) => addr::element(b, self.bases.x, row, super::quantized_row_bytes(k)),
             // Tiles start at multiples of the packing step (or at row 0 of
             // a single plain row), so the tile's x starts at element row·K
             // + kb·step of the packed activations.

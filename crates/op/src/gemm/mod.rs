@@ -152,7 +152,7 @@ pub fn activations(x: &Tensor, rows: usize, k: usize, tier: CodeTier, panels: DT
     let plain = rows_as_f32(x);
     match tier {
         CodeTier::Avx2 if gemv_per_row(tier, panels, rows) => {
-            let row_bytes = k / 32 * kvjit_jit::quant::Q8_ACTIVATION_BLOCK_BYTES;
+            let row_bytes = quantized_row_bytes(k);
             let mut q = vec![0u8; rows * row_bytes];
             for (row, out) in plain.chunks_exact(k).zip(q.chunks_exact_mut(row_bytes)) {
                 kvjit_jit::quant::quantize_activations(row, out);
@@ -164,6 +164,12 @@ pub fn activations(x: &Tensor, rows: usize, k: usize, tier: CodeTier, panels: DT
         }
         _ => (Activations::F32(plain), 1),
     }
+}
+
+/// Bytes of one row of K activations quantized per block of 32 for the
+/// integer GEMV (rows follow each other at this stride).
+fn quantized_row_bytes(k: usize) -> usize {
+    k / 32 * kvjit_jit::quant::Q8_ACTIVATION_BLOCK_BYTES
 }
 
 /// The 256-bit tier's activation layout: rows in tiles of `step`, each
