@@ -37,13 +37,17 @@ pub const TILE_COLUMNS: usize = 16;
 /// Rows of the largest tile (6 × 2 accumulators + 2 weight vectors + 1
 /// broadcast = 15 of the 16 ymm registers).
 pub const MAX_TILE_ROWS: usize = 6;
-/// How far ahead of its loads a tile prefetches its weight panel: a whole
-/// k block of a bf16 panel. A few rows (batched decode) read the panel
-/// as stored at several bytes a cycle; 1 KiB ahead left them waiting on
-/// it (the fused QKV at M = 2–8, Llama-3-8B: 1.2–1.6× faster with 8 KiB,
-/// 4 KiB in between, 16 KiB no better); M ≥ 64 reads a widened copy from
-/// L1 and does not care.
+/// How far ahead of its loads a tile prefetches a 16-bit weight panel: a
+/// whole k block of a bf16 panel. A few rows (batched decode) read the
+/// panel as stored at several bytes a cycle; 1 KiB ahead left them waiting
+/// on it (the fused QKV at M = 2–8, Llama-3-8B: 1.2–1.6× faster with 8
+/// KiB, 4 KiB in between, 16 KiB no better); M ≥ 64 reads a widened copy
+/// from L1 and does not care.
 pub const PREFETCH_BYTES: usize = 8192;
+/// The same for an f32 panel: 8 KiB ahead made f32 M = 4 and 16 slower
+/// (`bench --quick`: 0.79× and 1.46× the Cranelift tier, against 1.44×
+/// and 1.82× at 1 KiB).
+pub const F32_PREFETCH_BYTES: usize = 1024;
 
 /// Where, from the start of its panel, stream `s` of a GEMV tile prefetches
 /// while it reads byte `at` of its own range (`stream_bytes` long, streams
@@ -149,7 +153,7 @@ pub(crate) mod x86 {
 
     use kvjit_core::DType;
 
-    use super::{GemmTile, PREFETCH_BYTES, TILE_COLUMNS, stream_prefetch_offset};
+    use super::{F32_PREFETCH_BYTES, GemmTile, PREFETCH_BYTES, TILE_COLUMNS, stream_prefetch_offset};
 
     /// k steps per iteration of the main loop.
     const UNROLL: usize = 4;
@@ -284,7 +288,8 @@ pub(crate) mod x86 {
         let main = k - k % UNROLL;
         let mut kk = 0;
         while kk < main {
-            let ahead = w.wrapping_add(kk * row_bytes + PREFETCH_BYTES);
+            let ahead =
+                w.wrapping_add(kk * row_bytes + if W::BYTES == 4 { F32_PREFETCH_BYTES } else { PREFETCH_BYTES });
             for line in (0..UNROLL * row_bytes).step_by(64) {
                 _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line).cast());
             }
