@@ -82,6 +82,14 @@ pub enum BenchError {
         /// The cache dtype it was given.
         dtype: DType,
     },
+    /// An optional peer's system library could not be loaded.
+    #[error("the {peer} peer is not available: {why}")]
+    PeerNotLoaded {
+        /// The peer.
+        peer: &'static str,
+        /// What the loader said, and how to install the library.
+        why: String,
+    },
     /// A tensor of a rank or shape the call cannot take.
     #[error("{what} must be {expected}, got {got:?}")]
     Shape {

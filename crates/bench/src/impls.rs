@@ -247,7 +247,10 @@ impl Runner {
             Implementation::Reference => State::Reference,
             Implementation::GemmScatter | Implementation::MatrixMultiplyScatter => State::Peer(PeerBuffers::new(point)),
             #[cfg(feature = "openblas")]
-            Implementation::OpenBlasScatter => State::Peer(PeerBuffers::new(point)),
+            Implementation::OpenBlasScatter => {
+                openblas::check_available()?;
+                State::Peer(PeerBuffers::new(point))
+            }
         };
         Ok(Self { implementation, state, next_layer: 0 })
     }
@@ -304,7 +307,7 @@ impl Runner {
                 match self.implementation {
                     Implementation::GemmScatter => gemm_f32(m, n, k, x, w, c, ctx),
                     #[cfg(feature = "openblas")]
-                    Implementation::OpenBlasScatter => openblas::sgemm_f32(m, n, k, x, w, c, threads_of(ctx)),
+                    Implementation::OpenBlasScatter => openblas::sgemm_f32(m, n, k, x, w, c, threads_of(ctx))?,
                     _ => matrixmultiply_f32(m, n, k, x, w, c, ctx),
                 }
                 scatter(p, c)?;
@@ -403,12 +406,23 @@ fn matrixmultiply_f32(m: usize, n: usize, k: usize, x: &[f32], w: &[f32], c: &mu
     }
 }
 
-/// OpenBLAS, linked from the system (`libopenblas.so`, LP64: 32-bit `int`
-/// dimensions, as Debian's `libopenblas-dev` ships it); the two functions
-/// used are declared here as in OpenBLAS's `cblas.h`.
+/// OpenBLAS, loaded from the system at run time (`libopenblas.so.0`, LP64:
+/// 32-bit `int` dimensions, as Debian's `libopenblas-dev` ships it); the three
+/// functions used are declared here as in OpenBLAS's `cblas.h`.
+///
+/// Loaded rather than linked so that `OPENBLAS_THREAD_TIMEOUT` can be set
+/// before OpenBLAS starts its pool (its constructor reads it): by default its
+/// idle workers spin for 2²⁸ cycles (~0.1 s) after each call, and in the
+/// interleaved samples that spin lands on whichever implementation runs next
+/// (measured: kvjit's bf16 M = 4 in `bench --quick` 3.72 ms behind OpenBLAS,
+/// 2.51 ms with the spin off). The bench sets the shortest timeout OpenBLAS
+/// takes (2⁴ cycles) unless the environment already sets one.
 #[cfg(feature = "openblas")]
 mod openblas {
     use std::ffi::c_int;
+    use std::sync::OnceLock;
+
+    use crate::error::{BenchError, Result};
 
     /// `CblasRowMajor` (`enum CBLAS_ORDER`, passed as an `int`).
     const ROW_MAJOR: c_int = 101;
@@ -416,40 +430,92 @@ mod openblas {
     const NO_TRANS: c_int = 111;
     /// `CblasTrans`.
     const TRANS: c_int = 112;
+    /// The library's name as Debian installs it (the runtime package's
+    /// soname, present without the `-dev` package).
+    const LIBRARY: &str = "libopenblas.so.0";
 
-    #[link(name = "openblas")]
-    unsafe extern "C" {
-        fn cblas_sgemm(
-            order: c_int,
-            trans_a: c_int,
-            trans_b: c_int,
-            m: c_int,
-            n: c_int,
-            k: c_int,
-            alpha: f32,
-            a: *const f32,
-            lda: c_int,
-            b: *const f32,
-            ldb: c_int,
-            beta: f32,
-            c: *mut f32,
-            ldc: c_int,
-        );
-        fn cblas_sgemv(
-            order: c_int,
-            trans: c_int,
-            m: c_int,
-            n: c_int,
-            alpha: f32,
-            a: *const f32,
-            lda: c_int,
-            x: *const f32,
-            incx: c_int,
-            beta: f32,
-            y: *mut f32,
-            incy: c_int,
-        );
-        fn openblas_set_num_threads(num_threads: c_int);
+    type Sgemm = unsafe extern "C" fn(
+        c_int,
+        c_int,
+        c_int,
+        c_int,
+        c_int,
+        c_int,
+        f32,
+        *const f32,
+        c_int,
+        *const f32,
+        c_int,
+        f32,
+        *mut f32,
+        c_int,
+    );
+    type Sgemv = unsafe extern "C" fn(
+        c_int,
+        c_int,
+        c_int,
+        c_int,
+        f32,
+        *const f32,
+        c_int,
+        *const f32,
+        c_int,
+        f32,
+        *mut f32,
+        c_int,
+    );
+    type SetNumThreads = unsafe extern "C" fn(c_int);
+
+    /// The loaded library and the functions the peer calls.
+    struct OpenBlas {
+        sgemm: Sgemm,
+        sgemv: Sgemv,
+        set_num_threads: SetNumThreads,
+        /// Keeps the functions above mapped.
+        _library: libloading::Library,
+    }
+
+    /// Loads OpenBLAS once per process; a missing library or symbol is a
+    /// one-line error naming the install script.
+    fn library() -> Result<&'static OpenBlas> {
+        static LOADED: OnceLock<std::result::Result<OpenBlas, String>> = OnceLock::new();
+        LOADED
+            .get_or_init(load)
+            .as_ref()
+            .map_err(|why| BenchError::PeerNotLoaded { peer: "OpenBLAS", why: why.clone() })
+    }
+
+    fn load() -> std::result::Result<OpenBlas, String> {
+        const TIMEOUT: &str = "OPENBLAS_THREAD_TIMEOUT";
+        if std::env::var_os(TIMEOUT).is_none() {
+            // SAFETY: set_var races only with threads reading the
+            // environment. The bench's own threads (its rayon pool, the
+            // kernels' workers) never read it, and this runs once, inside
+            // OnceLock's initializer, before OpenBLAS (the one reader) exists.
+            unsafe { std::env::set_var(TIMEOUT, "4") };
+        }
+        let hint = "run scripts/install-openblas.sh";
+        // SAFETY: loading runs OpenBLAS's constructor, which only reads the
+        // environment and starts its thread pool; the library has no other
+        // initialization side effects on this process.
+        let library = unsafe { libloading::Library::new(LIBRARY) }.map_err(|e| format!("{e} ({hint})"))?;
+        // SAFETY: each symbol is looked up with the C signature `cblas.h`
+        // (LP64) and OpenBLAS's `openblas_config.h` declare for it.
+        unsafe {
+            let symbol = |name: &str| format!("{LIBRARY} has no `{name}` ({hint})");
+            let sgemm = *library.get::<Sgemm>(b"cblas_sgemm\0").map_err(|_| symbol("cblas_sgemm"))?;
+            let sgemv = *library.get::<Sgemv>(b"cblas_sgemv\0").map_err(|_| symbol("cblas_sgemv"))?;
+            let set_num_threads = *library
+                .get::<SetNumThreads>(b"openblas_set_num_threads\0")
+                .map_err(|_| symbol("openblas_set_num_threads"))?;
+            Ok(OpenBlas { sgemm, sgemv, set_num_threads, _library: library })
+        }
+    }
+
+    /// Fails with a clear message when OpenBLAS cannot be loaded; called
+    /// when the peer is set up, so a run fails before it measures anything.
+    pub(super) fn check_available() -> Result<()> {
+        library().map(|_| ())
     }
 
     /// `c[M, N] = x[M, K] · w[N, K]ᵀ` with `cblas_sgemm` on the calling
@@ -457,8 +523,17 @@ mod openblas {
     /// vector calls it — OpenBLAS's GEMV streams the weight at the read
     /// roof), OpenBLAS's own pool set to `threads` first (a process-wide
     /// setting; cheap when unchanged).
-    pub(super) fn sgemm_f32(m: usize, n: usize, k: usize, x: &[f32], w: &[f32], c: &mut [f32], threads: usize) {
+    pub(super) fn sgemm_f32(
+        m: usize,
+        n: usize,
+        k: usize,
+        x: &[f32],
+        w: &[f32],
+        c: &mut [f32],
+        threads: usize,
+    ) -> Result<()> {
         assert!(x.len() >= m * k && w.len() >= n * k && c.len() >= m * n, "peer buffers sized for the problem");
+        let blas = library()?;
         let dim = |d: usize| c_int::try_from(d).expect("GEMM dimensions fit OpenBLAS's 32-bit int");
         let (mi, ni, ki) = (dim(m), dim(n), dim(k));
         let threads = dim(threads.max(1));
@@ -466,16 +541,16 @@ mod openblas {
         // int (checked just above), the range OpenBLAS documents; it clamps
         // the count to its compile-time maximum and takes its server lock
         // when it grows its pool.
-        unsafe { openblas_set_num_threads(threads) };
+        unsafe { (blas.set_num_threads)(threads) };
         if m == 1 {
             // SAFETY: the assert and `dim` checks above: w is [n, k]
             // row-major (A, lda = k), x holds k values (one row, incx 1),
             // c holds n (incy 1); c is a unique borrow, so it aliases
             // neither input.
             unsafe {
-                cblas_sgemv(ROW_MAJOR, NO_TRANS, ni, ki, 1.0, w.as_ptr(), ki, x.as_ptr(), 1, 0.0, c.as_mut_ptr(), 1)
+                (blas.sgemv)(ROW_MAJOR, NO_TRANS, ni, ki, 1.0, w.as_ptr(), ki, x.as_ptr(), 1, 0.0, c.as_mut_ptr(), 1)
             };
-            return;
+            return Ok(());
         }
         // SAFETY: the assert and `dim` checks above: x is [m, k] row-major
         // (A, not transposed, lda = k), w is [n, k] row-major, read as
@@ -484,7 +559,7 @@ mod openblas {
         // c is a unique borrow, so it aliases neither input; OpenBLAS returns
         // only when the product is written.
         unsafe {
-            cblas_sgemm(
+            (blas.sgemm)(
                 ROW_MAJOR,
                 NO_TRANS,
                 TRANS,
@@ -500,7 +575,8 @@ mod openblas {
                 c.as_mut_ptr(),
                 ni,
             )
-        }
+        };
+        Ok(())
     }
 }
 
