@@ -109,8 +109,15 @@ use crate::{AttentionError, Mask, MhaSpec};
 /// Keys per block (the scores, probabilities and K/V row addresses of one
 /// block live in the item's scratch).
 pub const KB: usize = 32;
-/// Smallest chunk of key positions in split-KV (decode) launches.
+/// Smallest chunk of key positions in split-KV (decode) launches, unless a
+/// call needs smaller ones to make [`MIN_ITEMS`] items.
 pub const MIN_CHUNK: usize = 128;
+/// Items a call is cut into at least, when its keys allow chunks of a
+/// block: a short decode (SmolLM2 at context 128, batch 1: one sequence, one
+/// 128-key chunk) would otherwise run on one thread. Measured in `bench
+/// --ops model` (A/B, one binary): its f32 attention at context 128
+/// 728–772 → 603–636 µs a token.
+pub const MIN_ITEMS: usize = 8;
 /// Work items split-KV aims for: 8 per thread of a 16-thread pool (load
 /// balance). A constant, not the pool's size: the launch plan, and so every
 /// bit of the output, depends on the call only, never on the threads.
@@ -1083,7 +1090,10 @@ impl Plan {
         // at least MIN_CHUNK.
         let target = if query_block > 1 { TARGET_PREFILL_ITEMS } else { TARGET_ITEMS };
         let want_chunks = target.div_ceil(groups).max(1);
-        let chunk = span.div_ceil(want_chunks).next_multiple_of(KB).max(MIN_CHUNK);
+        // Below MIN_CHUNK only as far as MIN_ITEMS items need (a short
+        // decode), never below a block.
+        let floor = MIN_CHUNK.min((span / MIN_ITEMS.div_ceil(groups) / KB * KB).max(KB));
+        let chunk = span.div_ceil(want_chunks).next_multiple_of(KB).max(floor);
         let chunks = span.div_ceil(chunk);
         let tiles = (query_block * group).div_ceil(ROW_TILE);
         let head_floats = layout::head_floats(scale_blocks(spec));
@@ -1419,5 +1429,54 @@ mod tests {
         assert!(plan.chunks * plan.chunk >= window, "{plan:?}: the chunks cover the window");
         assert!(plan.stride <= window + plan.chunk + KB, "{plan:?}: a table row of the window's keys");
         assert!(plan.items <= 2 * TARGET_ITEMS, "{plan:?}");
+    }
+
+    /// A short decode is cut into MIN_ITEMS items when its keys allow
+    /// chunks of a block (and into blocks when they do not); a long one
+    /// keeps chunks of at least MIN_CHUNK; a batch that makes enough items
+    /// is not cut.
+    #[test]
+    fn short_decodes_are_cut_into_enough_items() {
+        let spec = MhaSpec {
+            backend: Backend::Cpu(CodeTier::Cranelift),
+            dtype: DType::F32,
+            cache: KvCacheParams {
+                element: CacheElement::F32,
+                num_layers: 1,
+                page_size: 16,
+                num_kv_heads: 3,
+                head_size: 64,
+            },
+            num_heads: 9,
+            mask: Mask::Causal,
+            window: None,
+            scale: 0.125,
+            step: kvjit_op::checks::StepDims::ANY,
+        };
+        let plan = |keys: &[usize]| {
+            let shape = CallShape {
+                batch: keys.len(),
+                seq: 1,
+                num_heads: 9,
+                num_kv_heads: 3,
+                head_size: 64,
+                layer: 0,
+                key_ranges: keys.iter().map(|&k| (0, k)).collect(),
+            };
+            Plan::new(&spec, &shape)
+        };
+        for keys in [256, 300, 512, 1000] {
+            let p = plan(&[keys]);
+            assert!((MIN_ITEMS..2 * MIN_ITEMS).contains(&p.items), "{keys} keys: {p:?}");
+            assert!(p.chunk.is_multiple_of(KB) && p.chunk < MIN_CHUNK, "{keys} keys: {p:?}");
+        }
+        for keys in [1, 100, 128] {
+            let p = plan(&[keys]);
+            assert_eq!((p.chunk, p.chunks), (KB, keys.div_ceil(KB)), "{keys} keys: one block a chunk");
+        }
+        let p = plan(&[4096]);
+        assert!(p.chunk >= MIN_CHUNK && p.items >= MIN_ITEMS, "{p:?}");
+        let p = plan(&[128; MIN_ITEMS]);
+        assert_eq!((p.chunks, p.items), (1, MIN_ITEMS), "a batch of {MIN_ITEMS}: one chunk each");
     }
 }

@@ -113,3 +113,22 @@ fn avx2_decode_windows_and_odd_heads() {
         }
     }
 }
+
+/// Short batch-1 decodes, cut into chunks of a block or a few (MIN_ITEMS
+/// items where the keys allow), GQA group 3 as SmolLM2's: every chunk's
+/// partial merged, on every pool and tier, against the reference.
+#[test]
+fn short_decodes_split_into_block_chunks() {
+    let mut seed = 300;
+    for tier in tiers() {
+        for cache_dtype in [DType::F32, DType::BF16, DType::F8E4M3] {
+            for context in [1, 31, 100, 300] {
+                seed += 1;
+                let base = decode_case(cache_dtype, 3, 64, 1, seed);
+                let case = Case { tier, cache_lengths: vec![context], ..base };
+                let got = assert_same_bits_on_every_pool(&jit(&case), &case);
+                check_against_reference(&case, &got);
+            }
+        }
+    }
+}
