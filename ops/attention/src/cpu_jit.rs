@@ -11,7 +11,12 @@
 //! items: the chunks of one sequence run in parallel and each leaves a
 //! partial `(max, sum, acc[D])` per row; the host merges the chunks of each
 //! row in chunk order (`out = Σ e^{m_c−M}·acc_c / Σ e^{m_c−M}·l_c`, f32) and
-//! rounds once to the dtype. Prefill uses the same code with QB = 8 and,
+//! rounds once to the dtype. With one chunk (prefill, or a decode of enough
+//! sequences) each item is a whole (b, query block): it packs its own q
+//! before its keys and writes its own output rows after them (the same
+//! code, [`ItemHooks`]), in parallel and while its partials are in cache —
+//! a 512-token prefill spent ~13 % of its time in the host's serial pack
+//! and merge (19.97 → 17.6–18.0 ms). Prefill uses the same code with QB = 8 and,
 //! when there are enough items, one chunk. The cut depends on the call's
 //! shapes and lengths only, never on the pool: the output is bit-identical
 //! for any number of threads.
@@ -263,6 +268,11 @@ struct MhaArgs<W> {
     /// An FP8 cache's f32 scales `[P, 2, L, page_size, Hkv, D/g]` (0 for
     /// other caches).
     scales: W,
+    /// An [`ItemHooks`] when every item is a whole (b, query block) (one
+    /// key chunk): each item packs its q before and writes its output rows
+    /// after, in parallel, with the data it just wrote still in cache. 0:
+    /// the host packs and merges.
+    hooks: W,
 }
 
 // SAFETY: `MhaArgs<u64>` is `#[repr(C)]` with only u64 fields.
@@ -287,6 +297,7 @@ impl MhaArgs<Value> {
             item_floats: field(offset_of!(MhaArgs<u64>, item_floats)),
             buffers: field(offset_of!(MhaArgs<u64>, buffers)),
             scales: field(offset_of!(MhaArgs<u64>, scales)),
+            hooks: field(offset_of!(MhaArgs<u64>, hooks)),
         }
     }
 }
@@ -414,7 +425,18 @@ fn emit_and_compile(spec: &MhaSpec, key: &KernelKey, capture: CaptureText) -> Re
         let args = MhaArgs::load(b, &params);
         let e = Emitter { spec: *spec, disp, args, begin: params.begin, native: native_kernels(spec) };
         counted_loop(b, params.begin, params.end, 1, &[], |b, item, _| {
-            e.emit_item(b, item);
+            // With hooks, an item's partials are merged before the next
+            // item of the invocation starts: the invocation's items share
+            // its first item's (kept in cache), as its block buffer.
+            let hooked = b.ins().icmp_imm_s(IntCC::NotEqual, e.args.hooks, 0);
+            let slot = b.ins().select(hooked, params.begin, item);
+            when(b, hooked, |b| {
+                kvjit_jit::ir::call_native(b, pack_item_q as *const () as usize, &[e.args.hooks, item])
+            });
+            e.emit_item(b, item, slot);
+            when(b, hooked, |b| {
+                kvjit_jit::ir::call_native(b, merge_item as *const () as usize, &[e.args.hooks, item, slot])
+            });
             Vec::new()
         });
     })
@@ -549,7 +571,7 @@ impl Emitter {
         layout::score_stride(self.nb())
     }
 
-    fn emit_item(&self, b: &mut FunctionBuilder, item: Value) {
+    fn emit_item(&self, b: &mut FunctionBuilder, item: Value, slot: Value) {
         let hkv_count = self.spec.cache.num_kv_heads;
         let chunks = self.args.chunks;
         let c = b.ins().urem(item, chunks);
@@ -558,7 +580,7 @@ impl Emitter {
         let qb = b.ins().urem(group_index, nqb);
         let batch = b.ins().udiv(group_index, nqb);
 
-        let item_bytes = b.ins().imul(item, self.args.item_floats);
+        let item_bytes = b.ins().imul(slot, self.args.item_floats);
         let scratch = addr::element(b, self.args.partials, item_bytes, 4);
         let tiles_base = b.ins().iadd_imm_s(scratch, layout::tiles(self.nb()) as i64);
         let tiles_per_head = self.args.tiles;
@@ -1150,11 +1172,12 @@ impl JitSpec for MhaSpec {
     fn launch(&self, shape: &CallShape, call: Launch<'_, '_>) -> Result<()> {
         let ([q, _, valid_lengths], cache, ctx) = (call.tensors(), &*call.caches[0], call.ctx);
         let valid = valid_lengths.as_slice::<u32>()?;
-        // Every row zero, then the valid rows written by the merge. No valid
-        // query (B = 0, S = 0 or every row padded): nothing to launch.
-        // Otherwise B ≥ 1, which the plan needs.
-        call.output.fill(0);
-        if valid.iter().any(|&v| v > 0) {
+        // No valid query (B = 0, S = 0 or every row padded): every row
+        // zero, nothing to launch. Otherwise B ≥ 1, which the plan needs,
+        // and the merge writes every row (padded ones zero).
+        if !valid.iter().any(|&v| v > 0) {
+            call.output.fill(0);
+        } else {
             let plan = Plan::new(self, shape);
             let offsets = key_row_offsets(shape, cache, plan.stride)?;
             let lengths: Vec<i64> = (0..shape.batch)
@@ -1179,12 +1202,25 @@ impl JitSpec for MhaSpec {
                 let (buffers, partials) = rest.split_at_mut(rounded[1]);
                 let (packed_q, partials) = (&mut packed_q[..regions[0]], &mut partials[..regions[2]]);
                 // q is contiguous (checked), so its storage is its elements.
-                match q.data() {
-                    TensorData::F32(q) => pack_q(shape, &plan, valid, self.scale, q, packed_q),
-                    TensorData::BF16(q) => pack_q(shape, &plan, valid, self.scale, q, packed_q),
-                    TensorData::F16(q) => pack_q(shape, &plan, valid, self.scale, q, packed_q),
-                    _ => unreachable!("the spec's dtype is a compute float"),
+                // One chunk: every item is a whole (b, query block) group,
+                // packs its own q and writes its own output rows.
+                let hooked = plan.chunks == 1;
+                let hooks = ItemHooks {
+                    shape,
+                    plan: &plan,
+                    valid,
+                    scale: self.scale,
+                    q: q.data(),
+                    packed_q: packed_q.as_mut_ptr(),
+                    partials: partials.as_ptr(),
+                    dtype: self.dtype,
+                    output: call.output.as_mut_ptr(),
                 };
+                if !hooked {
+                    for (group, dst) in packed_q.chunks_exact_mut(group_q_floats(shape, &plan)).enumerate() {
+                        pack_group(&hooks, group, dst);
+                    }
+                }
                 let q = packed_q;
                 let args = MhaArgs {
                     q: q.as_ptr() as u64,
@@ -1201,6 +1237,7 @@ impl JitSpec for MhaSpec {
                     item_floats: plan.item_floats as u64,
                     buffers: buffers.as_mut_ptr() as u64,
                     scales: cache.scales().map_or(0, |scales| scales.as_bytes().as_ptr() as u64),
+                    hooks: if hooked { &raw const hooks as u64 } else { 0 },
                 };
                 // SAFETY: `code` was compiled by `emit_and_compile` for this
                 // kernel's spec, reading `MhaArgs` at its fields' offsets.
@@ -1236,34 +1273,106 @@ impl JitSpec for MhaSpec {
                 // differ) — or, when `gathers` is false (the
                 // micro-kernel's path, the only path such a call takes),
                 // no buffer at all, so an empty `buffers` is never read or
-                // written — so ranges write disjoint memory. The
+                // written — so ranges write disjoint memory. `hooks`, when
+                // set (one chunk: item i is group i), points to `hooks`,
+                // alive until the launch returns, and the hooks item i calls
+                // write only group i's packed q (before its tiles read it)
+                // and group i's output rows (after its tiles wrote its
+                // partials), disjoint across items. The
                 // cache is only read. All buffers outlive the launch.
                 unsafe { kvjit_jit::launch_uneven(call.code, &args, plan.items, ctx) };
-                merge(shape, &plan, valid, partials, (self.dtype, call.output));
+                if !hooked {
+                    for group in 0..plan.groups {
+                        let rows = group_output_rows(&hooks, group);
+                        merge_group(&hooks, (group, group * plan.chunks), &mut call.output[rows]);
+                    }
+                }
             })?;
         }
         Ok(())
     }
 }
 
-/// q scaled and packed per (b, query block) group: for each KV head,
+/// What packing q and merging the partials of one (b, query block) group
+/// need: the host's loops and, when the plan has one key chunk, each item
+/// ([`pack_item_q`], [`merge_item`]) read it.
+struct ItemHooks<'a> {
+    shape: &'a CallShape,
+    plan: &'a Plan,
+    valid: &'a [u32],
+    scale: f32,
+    /// The call's q, `[B, S, Hq, D]`.
+    q: TensorData<'a>,
+    /// The packed q, [`q_floats`] long.
+    packed_q: *mut f32,
+    /// The partials, `items·item_floats` long.
+    partials: *const f32,
+    dtype: DType,
+    /// The output, `B·S·Hq·D` elements of `dtype`.
+    output: *mut u8,
+}
+
+/// Item `item`'s q, packed by the item itself (a one-chunk plan: the item is
+/// group `item`).
+///
+/// # Safety
+/// `hooks` points to the launch's live [`ItemHooks`] of a one-chunk plan,
+/// `item < groups`, and no other thread touches this group's packed q while
+/// the call runs (each item is run once).
+unsafe extern "C" fn pack_item_q(hooks: *const u8, item: u64) {
+    // SAFETY: the contract: a live ItemHooks.
+    let hooks = unsafe { &*hooks.cast::<ItemHooks<'_>>() };
+    let floats = group_q_floats(hooks.shape, hooks.plan);
+    // SAFETY: group `item`'s region of the packed q (q_floats =
+    // groups·floats long), written by this item only.
+    let dst = unsafe { std::slice::from_raw_parts_mut(hooks.packed_q.add(item as usize * floats), floats) };
+    pack_group(hooks, item as usize, dst);
+}
+
+/// Item `item`'s output rows, merged by the item itself from its partials
+/// (at partials slot `slot`) once they are written.
+///
+/// # Safety
+/// As [`pack_item_q`]'s; `slot < items` holds the item's partials, written
+/// (it runs after the item's tiles), and nothing else writes this group's
+/// output rows.
+unsafe extern "C" fn merge_item(hooks: *const u8, item: u64, slot: u64) {
+    // SAFETY: the contract: a live ItemHooks.
+    let hooks = unsafe { &*hooks.cast::<ItemHooks<'_>>() };
+    let rows = group_output_rows(hooks, item as usize);
+    // SAFETY: the group's rows of the output (B·S·Hq·D elements), disjoint
+    // from every other group's, written by this item only.
+    let out = unsafe { std::slice::from_raw_parts_mut(hooks.output.add(rows.start), rows.len()) };
+    merge_group(hooks, (item as usize, slot as usize), out);
+}
+
+/// q scaled and packed for one (b, query block) group: for each KV head,
 /// `tiles·4` rows of D f32, row r = (position `r / G` of the block, head
 /// `r % G` of the KV head's group); rows past the block or the sequence's
 /// valid length are zero.
-fn pack_q<T: Element>(shape: &CallShape, plan: &Plan, valid: &[u32], scale: f32, q: &[T], packed: &mut [f32]) {
-    let (d, hq, group) = (shape.head_size, shape.num_heads, shape.group());
+fn pack_group(hooks: &ItemHooks<'_>, group: usize, dst: &mut [f32]) {
+    match hooks.q {
+        TensorData::F32(q) => pack_group_of(hooks, q, group, dst),
+        TensorData::BF16(q) => pack_group_of(hooks, q, group, dst),
+        TensorData::F16(q) => pack_group_of(hooks, q, group, dst),
+        _ => unreachable!("the spec's dtype is a compute float"),
+    }
+}
+
+fn pack_group_of<T: Element>(hooks: &ItemHooks<'_>, q: &[T], group: usize, dst: &mut [f32]) {
+    let (shape, plan) = (hooks.shape, hooks.plan);
+    let (d, hq, g_size) = (shape.head_size, shape.num_heads, shape.group());
     let rows = plan.tiles * ROW_TILE;
-    assert_eq!(packed.len(), q_floats(shape, plan), "packed q's length");
-    for (index, dst) in packed.chunks_exact_mut(rows * d).enumerate() {
-        let (hkv, rest) = (index % shape.num_kv_heads, index / shape.num_kv_heads);
-        let (qb, b) = (rest % plan.query_blocks, rest / plan.query_blocks);
+    assert_eq!(dst.len(), group_q_floats(shape, plan), "a group's packed q");
+    let (qb, b) = (group % plan.query_blocks, group / plan.query_blocks);
+    for (hkv, dst) in dst.chunks_exact_mut(rows * d).enumerate() {
         for (r, dst) in dst.chunks_exact_mut(d).enumerate() {
-            let (ds, g) = (r / group, r % group);
+            let (ds, g) = (r / g_size, r % g_size);
             let s = qb * plan.query_block + ds;
-            if ds < plan.query_block && s < valid[b] as usize {
-                let src = &q[((b * shape.seq + s) * hq + hkv * group + g) * d..][..d];
+            if ds < plan.query_block && s < hooks.valid[b] as usize {
+                let src = &q[((b * shape.seq + s) * hq + hkv * g_size + g) * d..][..d];
                 for (o, &x) in dst.iter_mut().zip(src) {
-                    *o = x.to_f32() * scale;
+                    *o = x.to_f32() * hooks.scale;
                 }
             } else {
                 dst.fill(0.0);
@@ -1272,62 +1381,86 @@ fn pack_q<T: Element>(shape: &CallShape, plan: &Plan, valid: &[u32], scale: f32,
     }
 }
 
-/// f32 values of the packed q ([`pack_q`]).
+/// f32 values of the packed q ([`pack_group`], every group).
 fn q_floats(shape: &CallShape, plan: &Plan) -> usize {
-    plan.groups * shape.num_kv_heads * plan.tiles * ROW_TILE * shape.head_size
+    plan.groups * group_q_floats(shape, plan)
 }
 
-/// Combine the chunks' partials of every valid row, always in chunk order,
-/// and round it once to `dtype` into its row of `output` (`[B, S, Hq, D]`
-/// elements); padded rows are left as they are (zero).
-fn merge(shape: &CallShape, plan: &Plan, valid: &[u32], partials: &[f32], (dtype, output): (DType, &mut [u8])) {
-    let row_bytes = shape.head_size * dtype.size_bytes();
-    let (d, hq, group) = (shape.head_size, shape.num_heads, shape.group());
+/// f32 values of one group's packed q.
+fn group_q_floats(shape: &CallShape, plan: &Plan) -> usize {
+    shape.num_kv_heads * plan.tiles * ROW_TILE * shape.head_size
+}
+
+/// The bytes of the output (`[B, S, Hq, D]` elements of the spec's dtype)
+/// that hold group `group`'s rows: positions `[qb·QB, min(S, (qb+1)·QB))`
+/// of sequence b, every head.
+fn group_output_rows(hooks: &ItemHooks<'_>, group: usize) -> std::ops::Range<usize> {
+    let (shape, plan) = (hooks.shape, hooks.plan);
+    let (qb, b) = (group % plan.query_blocks, group / plan.query_blocks);
+    let s0 = qb * plan.query_block;
+    let s1 = (s0 + plan.query_block).min(shape.seq);
+    let position_bytes = shape.num_heads * shape.head_size * hooks.dtype.size_bytes();
+    (b * shape.seq + s0) * position_bytes..(b * shape.seq + s1) * position_bytes
+}
+
+/// Combine the chunks' partials of every row of one group (its chunks' at
+/// items `first_item ..`), always in chunk order, and round it once to the
+/// dtype into `out` (the group's rows, [`group_output_rows`]); padded rows
+/// and rows without a key are zero.
+fn merge_group(hooks: &ItemHooks<'_>, (group, first_item): (usize, usize), out: &mut [u8]) {
+    let (shape, plan, partials) = (hooks.shape, hooks.plan, hooks.partials);
+    let row_bytes = shape.head_size * hooks.dtype.size_bytes();
+    let (d, hq, g_size) = (shape.head_size, shape.num_heads, shape.group());
     let tile_floats = layout::tile_floats(d);
+    let (qb, b) = (group % plan.query_blocks, group / plan.query_blocks);
+    let s0 = qb * plan.query_block;
     let mut acc = vec![0f32; d];
-    for b in 0..shape.batch {
-        for s in 0..valid[b] as usize {
-            let (qb, ds) = (s / plan.query_block, s % plan.query_block);
-            for h in 0..hq {
-                let (hkv, g) = (h / group, h % group);
-                let first_item = (b * plan.query_blocks + qb) * plan.chunks;
-                let r = ds * group + g;
-                let (tile, lane) = (hkv * plan.tiles + r / ROW_TILE, r % ROW_TILE);
-                // (m, l, acc[D]) of row r in chunk c.
-                let row = |c: usize| {
-                    let at = (first_item + c) * plan.item_floats + plan.head_floats + tile * tile_floats;
-                    let state = &partials[at..at + tile_floats];
-                    let acc_at = layout::ACC / 4 + lane * d;
-                    (state[lane], state[4 + lane], &state[acc_at..acc_at + d])
-                };
-                // A NaN score (a NaN in K) makes its chunk's m NaN; keep it
-                // (`f32::max` would drop it) so the row is NaN, as in the reference.
-                let max = (0..plan.chunks)
-                    .map(|c| row(c).0)
-                    .fold(f32::NEG_INFINITY, |a, m| if a.is_nan() || m.is_nan() { f32::NAN } else { a.max(m) });
-                let dst = &mut output[((b * shape.seq + s) * hq + h) * row_bytes..][..row_bytes];
-                if max == f32::NEG_INFINITY {
+    for (position, dst) in out.chunks_exact_mut(hq * row_bytes).enumerate() {
+        let (s, ds) = (s0 + position, position);
+        for (h, dst) in dst.chunks_exact_mut(row_bytes).enumerate() {
+            if s >= hooks.valid[b] as usize {
+                dst.fill(0);
+                continue;
+            }
+            let (hkv, g) = (h / g_size, h % g_size);
+            let r = ds * g_size + g;
+            let (tile, lane) = (hkv * plan.tiles + r / ROW_TILE, r % ROW_TILE);
+            // (m, l, acc[D]) of row r in chunk c.
+            let row = |c: usize| {
+                let at = (first_item + c) * plan.item_floats + plan.head_floats + tile * tile_floats;
+                // SAFETY: item first_item + c < items: its tile lies inside
+                // the partials (items·item_floats long), written by the item.
+                let state = unsafe { std::slice::from_raw_parts(partials.add(at), tile_floats) };
+                let acc_at = layout::ACC / 4 + lane * d;
+                (state[lane], state[4 + lane], &state[acc_at..acc_at + d])
+            };
+            // A NaN score (a NaN in K) makes its chunk's m NaN; keep it
+            // (`f32::max` would drop it) so the row is NaN, as in the reference.
+            let max = (0..plan.chunks)
+                .map(|c| row(c).0)
+                .fold(f32::NEG_INFINITY, |a, m| if a.is_nan() || m.is_nan() { f32::NAN } else { a.max(m) });
+            if max == f32::NEG_INFINITY {
+                dst.fill(0);
+                continue;
+            }
+            acc.fill(0.0);
+            let mut total = 0f32;
+            for c in 0..plan.chunks {
+                let (m, l, part) = row(c);
+                if m == f32::NEG_INFINITY {
                     continue;
                 }
-                acc.fill(0.0);
-                let mut total = 0f32;
-                for c in 0..plan.chunks {
-                    let (m, l, part) = row(c);
-                    if m == f32::NEG_INFINITY {
-                        continue;
-                    }
-                    let w = (m - max).exp();
-                    total += w * l;
-                    for (a, &x) in acc.iter_mut().zip(part) {
-                        *a += w * x;
-                    }
+                let w = (m - max).exp();
+                total += w * l;
+                for (a, &x) in acc.iter_mut().zip(part) {
+                    *a += w * x;
                 }
-                let inv = 1.0 / total;
-                for a in acc.iter_mut() {
-                    *a *= inv;
-                }
-                store_row(dtype, &acc, dst);
             }
+            let inv = 1.0 / total;
+            for a in acc.iter_mut() {
+                *a *= inv;
+            }
+            store_row(hooks.dtype, &acc, dst);
         }
     }
 }
