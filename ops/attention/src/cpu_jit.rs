@@ -14,7 +14,7 @@
 //! rounds once to the dtype. With one chunk (prefill, or a decode of enough
 //! sequences) each item is a whole (b, query block): it packs its own q
 //! before its keys and writes its own output rows after them (the same
-//! code, [`ItemHooks`]), in parallel and while its partials are in cache —
+//! code, `ItemHooks`), in parallel and while its partials are in cache —
 //! a 512-token prefill spent ~13 % of its time in the host's serial pack
 //! and merge (19.97 → 17.6–18.0 ms). Prefill uses the same code with QB = 8 and,
 //! when there are enough items, one chunk. The cut depends on the call's
