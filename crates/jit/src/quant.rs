@@ -303,8 +303,9 @@ fn pack_q6k<'a>(out: &mut [u8], block_of: impl Fn(usize) -> &'a [u8]) {
 /// `roundf`; clamped to ±32258, which only a subnormal `max|x|` reaches;
 /// `s = 0` gives all `Q = 0`) as two i8 parts `Q = 254·q_hi + q_lo`,
 /// `q_hi = round(Q / 254)` at 0..32 and `q_lo ∈ [−127, 127]` at 32..64,
-/// the i32 `ΣQ` at 68 and `ΣQ` over the first 16 values at 72, zeros at
-/// 76. The block represents `x̂ = s·Q = d·q_hi + d_lo·q_lo` (`d = 254·s`,
+/// the i32 `ΣQ` at 68, `ΣQ` over the first 16 values at 72 and the f32
+/// `s·ΣQ` at 76 (the block's Σx̂, which Q4_1's minimums multiply). The
+/// block represents `x̂ = s·Q = d·q_hi + d_lo·q_lo` (`d = 254·s`,
 /// `d_lo = s`), within `s / 2` (and the division's rounding) of `x`. `x`
 /// is finite (a NaN or infinity gives unspecified quants). With AVX2
 /// (when the CPU has it), bit for bit the plain Rust blocks: ~0.9 ns per
@@ -351,7 +352,7 @@ fn quantize_blocks(x: &[f32], out: &mut [u8]) {
         out[64..68].copy_from_slice(&s.to_le_bytes());
         out[68..72].copy_from_slice(&sum.to_le_bytes());
         out[72..76].copy_from_slice(&first16.to_le_bytes());
-        out[76..80].fill(0);
+        out[76..80].copy_from_slice(&(s * sum as f32).to_le_bytes());
     }
 }
 

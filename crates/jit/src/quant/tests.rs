@@ -196,7 +196,8 @@ fn rounding_is_half_away_from_zero() {
 
 /// Block `b` of quantized activations: the 16-bit quants `Q` (checked to
 /// be `254·q_hi + q_lo` with `q_hi = round(Q / 254)`, `|q_lo| ≤ 127`), the
-/// scale, `ΣQ` and `ΣQ` over the first 16 (checked against `Q`).
+/// scale, `ΣQ` and `ΣQ` over the first 16 (checked against `Q`), and
+/// `s·ΣQ` (checked against the scale and `ΣQ`).
 fn block_of(out: &[u8], b: usize) -> ([i32; 32], f32, i32) {
     let o = &out[b * Q8_ACTIVATION_BLOCK_BYTES..(b + 1) * Q8_ACTIVATION_BLOCK_BYTES];
     let word = |at: usize| -> [u8; 4] { o[at..at + 4].try_into().unwrap() };
@@ -209,8 +210,9 @@ fn block_of(out: &[u8], b: usize) -> ([i32; 32], f32, i32) {
     let (sum, first16) = (i32::from_le_bytes(word(68)), i32::from_le_bytes(word(72)));
     assert_eq!(first16, q[..16].iter().sum::<i32>(), "block {b}");
     assert_eq!(sum, q.iter().sum::<i32>(), "block {b}");
-    assert_eq!(word(76), [0; 4], "block {b}");
-    (q, f32::from_le_bytes(word(64)), sum)
+    let scale = f32::from_le_bytes(word(64));
+    assert_eq!(f32::from_le_bytes(word(76)).to_bits(), (scale * sum as f32).to_bits(), "block {b}: s·ΣQ");
+    (q, scale, sum)
 }
 
 #[test]

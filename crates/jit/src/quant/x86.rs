@@ -235,6 +235,8 @@ struct Activations {
     sum: i32,
     /// `ΣQ` over its first 16 values (Q6_K's first 16-k scale block).
     first16: i32,
+    /// `s_x·ΣQ` (f32), the sum of the block's x̂: Q4_1's minimums multiply it.
+    scaled_sum: f32,
 }
 
 /// A GEMV panel format: where a k-group's parts lie and how its integer
@@ -400,7 +402,7 @@ impl GemvFormat for Q4_1 {
         let (d, m) = unsafe { (f16x8(w.add(256 + 16 * h)), f16x8(w.add(288 + 16 * h))) };
         let scale = _mm256_mul_ps(d, _mm256_set1_ps(x.dx));
         *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[0]), scale, *acc);
-        *acc = _mm256_fmadd_ps(m, _mm256_set1_ps(x.dx * x.sum as f32), *acc);
+        *acc = _mm256_fmadd_ps(m, _mm256_set1_ps(x.scaled_sum), *acc);
     }
 }
 
@@ -549,6 +551,7 @@ macro_rules! gemv_body {
                     dx: at.add(64).cast::<f32>().read_unaligned(),
                     sum: at.add(68).cast::<i32>().read_unaligned(),
                     first16: at.add(72).cast::<i32>().read_unaligned(),
+                    scaled_sum: at.add(76).cast::<f32>().read_unaligned(),
                 };
                 for (h, acc) in acc.iter_mut().enumerate() {
                     let q = w.add(<$format>::quants(s, h));
@@ -927,7 +930,7 @@ pub(super) unsafe fn quantize_activations(x: &[f32], out: &mut [u8]) {
             o.add(64).cast::<f32>().write_unaligned(scale);
             o.add(68).cast::<i32>().write_unaligned(sum);
             o.add(72).cast::<i32>().write_unaligned(first16);
-            o.add(76).cast::<i32>().write_unaligned(0);
+            o.add(76).cast::<f32>().write_unaligned(scale * sum as f32);
         }
     }
 }
