@@ -488,10 +488,14 @@ mod openblas {
     fn load() -> std::result::Result<OpenBlas, String> {
         const TIMEOUT: &str = "OPENBLAS_THREAD_TIMEOUT";
         if std::env::var_os(TIMEOUT).is_none() {
-            // SAFETY: set_var races only with threads reading the
-            // environment. The bench's own threads (its rayon pool, the
-            // kernels' workers) never read it, and this runs once, inside
-            // OnceLock's initializer, before OpenBLAS (the one reader) exists.
+            // SAFETY: set_var is unsound only against a concurrent getenv
+            // from C code (Rust's own readers take the environment lock).
+            // This runs once, inside OnceLock's initializer, while the
+            // peer is set up: no sample is running, the bench's other
+            // threads (its rayon pool, the kernels' idle workers) run no C
+            // code, and OpenBLAS is not loaded yet. (A llama.cpp child
+            // started later inherits the variable; it only changes how long
+            // an OpenBLAS there spins.)
             unsafe { std::env::set_var(TIMEOUT, "4") };
         }
         let hint = "run scripts/install-openblas.sh";

@@ -246,7 +246,9 @@ struct MhaArgs<W> {
     /// i64 `[B, 3]`: cache length, valid length and first key position read
     /// (`CallShape::key_ranges[b].0`) of each sequence.
     lengths: W,
-    /// f32 partials: per item `[scratch | Hkv·tiles_per_head × (m, l, lo, hi, acc[4·D])]`.
+    /// f32 partials: per item `[scratch | Hkv·tiles_per_head × (m, l, lo, hi, acc[4·D])]`
+    /// (with `hooks`, an invocation's items use its first item's, one after
+    /// another).
     partials: W,
     /// Row tiles per KV head in an item.
     tiles: W,
@@ -431,11 +433,11 @@ fn emit_and_compile(spec: &MhaSpec, key: &KernelKey, capture: CaptureText) -> Re
             let hooked = b.ins().icmp_imm_s(IntCC::NotEqual, e.args.hooks, 0);
             let slot = b.ins().select(hooked, params.begin, item);
             when(b, hooked, |b| {
-                kvjit_jit::ir::call_native(b, pack_item_q as *const () as usize, &[e.args.hooks, item])
+                kvjit_jit::ir::call_native(b, pack_group_q as *const () as usize, &[e.args.hooks, item])
             });
             e.emit_item(b, item, slot);
             when(b, hooked, |b| {
-                kvjit_jit::ir::call_native(b, merge_item as *const () as usize, &[e.args.hooks, item, slot])
+                kvjit_jit::ir::call_native(b, merge_group_rows as *const () as usize, &[e.args.hooks, item, slot])
             });
             Vec::new()
         });
@@ -1112,9 +1114,13 @@ impl Plan {
         // at least MIN_CHUNK.
         let target = if query_block > 1 { TARGET_PREFILL_ITEMS } else { TARGET_ITEMS };
         let want_chunks = target.div_ceil(groups).max(1);
-        // Below MIN_CHUNK only as far as MIN_ITEMS items need (a short
-        // decode), never below a block.
-        let floor = MIN_CHUNK.min((span / MIN_ITEMS.div_ceil(groups) / KB * KB).max(KB));
+        // Below MIN_CHUNK only when the groups alone make fewer than
+        // MIN_ITEMS items (a short decode of a few sequences), never below a
+        // block.
+        let floor = match MIN_ITEMS.div_ceil(groups) {
+            1 => MIN_CHUNK,
+            want => (span / want / KB * KB).clamp(KB, MIN_CHUNK),
+        };
         let chunk = span.div_ceil(want_chunks).next_multiple_of(KB).max(floor);
         let chunks = span.div_ceil(chunk);
         let tiles = (query_block * group).div_ceil(ROW_TILE);
@@ -1204,6 +1210,9 @@ impl JitSpec for MhaSpec {
                 // q is contiguous (checked), so its storage is its elements.
                 // One chunk: every item is a whole (b, query block) group,
                 // packs its own q and writes its own output rows.
+                // Every access to the packed q, the partials and the output
+                // from here on goes through these pointers (the kernel's
+                // and the hooks' alike).
                 let hooked = plan.chunks == 1;
                 let hooks = ItemHooks {
                     shape,
@@ -1212,22 +1221,24 @@ impl JitSpec for MhaSpec {
                     scale: self.scale,
                     q: q.data(),
                     packed_q: packed_q.as_mut_ptr(),
-                    partials: partials.as_ptr(),
+                    partials: partials.as_mut_ptr(),
                     dtype: self.dtype,
                     output: call.output.as_mut_ptr(),
                 };
+                let hooks_at = (&raw const hooks).cast::<u8>();
                 if !hooked {
-                    for (group, dst) in packed_q.chunks_exact_mut(group_q_floats(shape, &plan)).enumerate() {
-                        pack_group(&hooks, group, dst);
+                    for group in 0..plan.groups {
+                        // SAFETY: hooks is alive; one thread, before the
+                        // launch: nothing else touches the packed q.
+                        unsafe { pack_group_q(hooks_at, group as u64) };
                     }
                 }
-                let q = packed_q;
                 let args = MhaArgs {
-                    q: q.as_ptr() as u64,
+                    q: hooks.packed_q as u64,
                     blocks: cache.blocks().as_bytes().as_ptr() as u64,
                     key_offsets: offsets.as_ptr() as u64,
                     lengths: lengths.as_ptr() as u64,
-                    partials: partials.as_mut_ptr() as u64,
+                    partials: hooks.partials as u64,
                     tiles: plan.tiles as u64,
                     stride: plan.stride as u64,
                     query_blocks: plan.query_blocks as u64,
@@ -1237,7 +1248,7 @@ impl JitSpec for MhaSpec {
                     item_floats: plan.item_floats as u64,
                     buffers: buffers.as_mut_ptr() as u64,
                     scales: cache.scales().map_or(0, |scales| scales.as_bytes().as_ptr() as u64),
-                    hooks: if hooked { &raw const hooks as u64 } else { 0 },
+                    hooks: if hooked { hooks_at as u64 } else { 0 },
                 };
                 // SAFETY: `code` was compiled by `emit_and_compile` for this
                 // kernel's spec, reading `MhaArgs` at its fields' offsets.
@@ -1265,7 +1276,10 @@ impl JitSpec for MhaSpec {
                 // o/g (+ the K→V stride / g for V), inside `scales` whenever the
                 // row is inside `blocks`; `lengths` has 3·B words; each item reads and
                 // writes only its own `item_floats` values of `partials`
-                // (items·item_floats long), and an invocation of items [begin,
+                // (items·item_floats long) — with hooks, those of its
+                // invocation's first item, which the invocation's items use
+                // one after another, each merged before the next starts —,
+                // and an invocation of items [begin,
                 // end) only buffer `begin` of `buffers` (items buffers of
                 // `block_buffer_bytes`, of unspecified contents: the gather
                 // writes every row and scale of the block the tiles then
@@ -1275,7 +1289,9 @@ impl JitSpec for MhaSpec {
                 // no buffer at all, so an empty `buffers` is never read or
                 // written — so ranges write disjoint memory. `hooks`, when
                 // set (one chunk: item i is group i), points to `hooks`,
-                // alive until the launch returns, and the hooks item i calls
+                // alive until the launch returns and only read (its
+                // references are to shared, immutable data; its pointers
+                // are the ones the kernel uses), and the hooks item i calls
                 // write only group i's packed q (before its tiles read it)
                 // and group i's output rows (after its tiles wrote its
                 // partials), disjoint across items. The
@@ -1283,8 +1299,9 @@ impl JitSpec for MhaSpec {
                 unsafe { kvjit_jit::launch_uneven(call.code, &args, plan.items, ctx) };
                 if !hooked {
                     for group in 0..plan.groups {
-                        let rows = group_output_rows(&hooks, group);
-                        merge_group(&hooks, (group, group * plan.chunks), &mut call.output[rows]);
+                        // SAFETY: hooks is alive; one thread, after the
+                        // launch wrote every item's partials.
+                        unsafe { merge_group_rows(hooks_at, group as u64, (group * plan.chunks) as u64) };
                     }
                 }
             })?;
@@ -1294,8 +1311,11 @@ impl JitSpec for MhaSpec {
 }
 
 /// What packing q and merging the partials of one (b, query block) group
-/// need: the host's loops and, when the plan has one key chunk, each item
-/// ([`pack_item_q`], [`merge_item`]) read it.
+/// need ([`pack_group_q`], [`merge_group_rows`]: called by the host or, when
+/// the plan has one key chunk, by each item). Shared by the pool's threads
+/// through a raw pointer and only read: its references are to immutable
+/// call data, and what the groups write goes through its raw pointers to
+/// disjoint regions.
 struct ItemHooks<'a> {
     shape: &'a CallShape,
     plan: &'a Plan,
@@ -1306,44 +1326,47 @@ struct ItemHooks<'a> {
     /// The packed q, [`q_floats`] long.
     packed_q: *mut f32,
     /// The partials, `items·item_floats` long.
-    partials: *const f32,
+    partials: *mut f32,
     dtype: DType,
     /// The output, `B·S·Hq·D` elements of `dtype`.
     output: *mut u8,
 }
 
-/// Item `item`'s q, packed by the item itself (a one-chunk plan: the item is
-/// group `item`).
+/// Group `group`'s packed q: called by item `group` itself before its keys
+/// (a one-chunk plan: item i is group i), or by the host for every group
+/// before the launch.
 ///
 /// # Safety
-/// `hooks` points to the launch's live [`ItemHooks`] of a one-chunk plan,
-/// `item < groups`, and no other thread touches this group's packed q while
-/// the call runs (each item is run once).
-unsafe extern "C" fn pack_item_q(hooks: *const u8, item: u64) {
+/// `hooks` points to the launch's live [`ItemHooks`], `group < groups`, and
+/// nothing else reads or writes this group's packed q during the call.
+unsafe extern "C" fn pack_group_q(hooks: *const u8, group: u64) {
     // SAFETY: the contract: a live ItemHooks.
     let hooks = unsafe { &*hooks.cast::<ItemHooks<'_>>() };
     let floats = group_q_floats(hooks.shape, hooks.plan);
-    // SAFETY: group `item`'s region of the packed q (q_floats =
-    // groups·floats long), written by this item only.
-    let dst = unsafe { std::slice::from_raw_parts_mut(hooks.packed_q.add(item as usize * floats), floats) };
-    pack_group(hooks, item as usize, dst);
+    // SAFETY: group `group`'s region of the packed q (q_floats =
+    // groups·floats long), touched by this call only.
+    let dst = unsafe { std::slice::from_raw_parts_mut(hooks.packed_q.add(group as usize * floats), floats) };
+    pack_group(hooks, group as usize, dst);
 }
 
-/// Item `item`'s output rows, merged by the item itself from its partials
-/// (at partials slot `slot`) once they are written.
+/// Group `group`'s output rows, merged from the partials of its chunks at
+/// items `first_item ..`: called by the group's one item after its keys
+/// (`first_item` its invocation's partials slot), or by the host for every
+/// group after the launch (`first_item = group·C`).
 ///
 /// # Safety
-/// As [`pack_item_q`]'s; `slot < items` holds the item's partials, written
-/// (it runs after the item's tiles), and nothing else writes this group's
-/// output rows.
-unsafe extern "C" fn merge_item(hooks: *const u8, item: u64, slot: u64) {
+/// `hooks` points to the launch's live [`ItemHooks`], `group < groups`, the
+/// partials at `first_item ..` (C items, inside the partials) are written
+/// and not being written, and nothing else touches this group's output rows
+/// during the call.
+unsafe extern "C" fn merge_group_rows(hooks: *const u8, group: u64, first_item: u64) {
     // SAFETY: the contract: a live ItemHooks.
     let hooks = unsafe { &*hooks.cast::<ItemHooks<'_>>() };
-    let rows = group_output_rows(hooks, item as usize);
+    let rows = group_output_rows(hooks, group as usize);
     // SAFETY: the group's rows of the output (B·S·Hq·D elements), disjoint
-    // from every other group's, written by this item only.
+    // from every other group's, touched by this call only.
     let out = unsafe { std::slice::from_raw_parts_mut(hooks.output.add(rows.start), rows.len()) };
-    merge_group(hooks, (item as usize, slot as usize), out);
+    merge_group(hooks, (group as usize, first_item as usize), out);
 }
 
 /// q scaled and packed for one (b, query block) group: for each KV head,
@@ -1609,7 +1632,23 @@ mod tests {
         }
         let p = plan(&[4096]);
         assert!(p.chunk >= MIN_CHUNK && p.items >= MIN_ITEMS, "{p:?}");
-        let p = plan(&[128; MIN_ITEMS]);
-        assert_eq!((p.chunks, p.items), (1, MIN_ITEMS), "a batch of {MIN_ITEMS}: one chunk each");
+        for keys in [100, 128] {
+            let p = plan(&[keys; MIN_ITEMS]);
+            assert_eq!((p.chunks, p.items), (1, MIN_ITEMS), "a batch of {MIN_ITEMS} at {keys} keys: one chunk each");
+        }
+        let p = plan(&[100; 4]);
+        assert!((MIN_ITEMS..=2 * MIN_ITEMS).contains(&p.items), "4 sequences of 100 keys: {p:?}");
+        // A 100-token prefill: its 13 query blocks are enough items.
+        let shape = CallShape {
+            batch: 1,
+            seq: 100,
+            num_heads: 9,
+            num_kv_heads: 3,
+            head_size: 64,
+            layer: 0,
+            key_ranges: vec![(0, 100)],
+        };
+        let p = Plan::new(&spec, &shape);
+        assert_eq!((p.query_blocks, p.chunks), (13, 1), "{p:?}");
     }
 }
