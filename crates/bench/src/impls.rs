@@ -434,36 +434,39 @@ mod openblas {
     /// soname, present without the `-dev` package).
     const LIBRARY: &str = "libopenblas.so.0";
 
+    /// `cblas_sgemm` (LP64), as `cblas.h` declares it.
     type Sgemm = unsafe extern "C" fn(
-        c_int,
-        c_int,
-        c_int,
-        c_int,
-        c_int,
-        c_int,
-        f32,
-        *const f32,
-        c_int,
-        *const f32,
-        c_int,
-        f32,
-        *mut f32,
-        c_int,
+        order: c_int,
+        trans_a: c_int,
+        trans_b: c_int,
+        m: c_int,
+        n: c_int,
+        k: c_int,
+        alpha: f32,
+        a: *const f32,
+        lda: c_int,
+        b: *const f32,
+        ldb: c_int,
+        beta: f32,
+        c: *mut f32,
+        ldc: c_int,
     );
+    /// `cblas_sgemv` (LP64), as `cblas.h` declares it.
     type Sgemv = unsafe extern "C" fn(
-        c_int,
-        c_int,
-        c_int,
-        c_int,
-        f32,
-        *const f32,
-        c_int,
-        *const f32,
-        c_int,
-        f32,
-        *mut f32,
-        c_int,
+        order: c_int,
+        trans: c_int,
+        m: c_int,
+        n: c_int,
+        alpha: f32,
+        a: *const f32,
+        lda: c_int,
+        x: *const f32,
+        incx: c_int,
+        beta: f32,
+        y: *mut f32,
+        incy: c_int,
     );
+    /// `openblas_set_num_threads`.
     type SetNumThreads = unsafe extern "C" fn(c_int);
 
     /// The loaded library and the functions the peer calls.
