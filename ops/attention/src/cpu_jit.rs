@@ -14,10 +14,10 @@
 //! rounds once to the dtype. With one chunk (prefill, or a decode of enough
 //! sequences) each item is a whole (b, query block): it packs its own q
 //! before its keys and writes its own output rows after them (the same
-//! code, `ItemHooks`), in parallel and while its partials are in cache —
-//! a 512-token prefill spent ~13 % of its time in the host's serial pack
-//! and merge (19.97 → 17.6–18.0 ms). Prefill uses the same code with QB = 8 and,
-//! when there are enough items, one chunk. The cut depends on the call's
+//! code, `ItemHooks`), in parallel and while its partials are in cache — a
+//! 512-token prefill spent ~13 % of its time in the host's serial pack and
+//! merge (19.97 → 17.6–18.0 ms). Prefill uses the same code with QB = 8
+//! and, when there are enough items, one chunk. The cut depends on the call's
 //! shapes and lengths only, never on the pool: the output is bit-identical
 //! for any number of threads.
 //!
@@ -1100,6 +1100,12 @@ struct Plan {
 }
 
 impl Plan {
+    /// The sequence of group `group` (= b·query blocks + qb) and the first
+    /// position of its query block, qb·QB.
+    fn group(&self, group: usize) -> (usize, usize) {
+        (group / self.query_blocks, group % self.query_blocks * self.query_block)
+    }
+
     /// The plan of a call with at least one valid query (so B ≥ 1): a
     /// function of the call's shapes and lengths only.
     fn new(spec: &MhaSpec, shape: &CallShape) -> Self {
@@ -1387,11 +1393,11 @@ fn pack_group_of<T: Element>(hooks: &ItemHooks<'_>, q: &[T], group: usize, dst: 
     let (d, hq, g_size) = (shape.head_size, shape.num_heads, shape.group());
     let rows = plan.tiles * ROW_TILE;
     assert_eq!(dst.len(), group_q_floats(shape, plan), "a group's packed q");
-    let (qb, b) = (group % plan.query_blocks, group / plan.query_blocks);
+    let (b, s0) = plan.group(group);
     for (hkv, dst) in dst.chunks_exact_mut(rows * d).enumerate() {
         for (r, dst) in dst.chunks_exact_mut(d).enumerate() {
             let (ds, g) = (r / g_size, r % g_size);
-            let s = qb * plan.query_block + ds;
+            let s = s0 + ds;
             if ds < plan.query_block && s < hooks.valid[b] as usize {
                 let src = &q[((b * shape.seq + s) * hq + hkv * g_size + g) * d..][..d];
                 for (o, &x) in dst.iter_mut().zip(src) {
@@ -1419,8 +1425,7 @@ fn group_q_floats(shape: &CallShape, plan: &Plan) -> usize {
 /// of sequence b, every head.
 fn group_output_rows(hooks: &ItemHooks<'_>, group: usize) -> std::ops::Range<usize> {
     let (shape, plan) = (hooks.shape, hooks.plan);
-    let (qb, b) = (group % plan.query_blocks, group / plan.query_blocks);
-    let s0 = qb * plan.query_block;
+    let (b, s0) = plan.group(group);
     let s1 = (s0 + plan.query_block).min(shape.seq);
     let position_bytes = shape.num_heads * shape.head_size * hooks.dtype.size_bytes();
     (b * shape.seq + s0) * position_bytes..(b * shape.seq + s1) * position_bytes
@@ -1435,11 +1440,10 @@ fn merge_group(hooks: &ItemHooks<'_>, (group, first_item): (usize, usize), out: 
     let row_bytes = shape.head_size * hooks.dtype.size_bytes();
     let (d, hq, g_size) = (shape.head_size, shape.num_heads, shape.group());
     let tile_floats = layout::tile_floats(d);
-    let (qb, b) = (group % plan.query_blocks, group / plan.query_blocks);
-    let s0 = qb * plan.query_block;
+    let (b, s0) = plan.group(group);
     let mut acc = vec![0f32; d];
-    for (position, dst) in out.chunks_exact_mut(hq * row_bytes).enumerate() {
-        let (s, ds) = (s0 + position, position);
+    for (ds, dst) in out.chunks_exact_mut(hq * row_bytes).enumerate() {
+        let s = s0 + ds;
         for (h, dst) in dst.chunks_exact_mut(row_bytes).enumerate() {
             if s >= hooks.valid[b] as usize {
                 dst.fill(0);

@@ -152,11 +152,10 @@ pub fn activations(x: &Tensor, rows: usize, k: usize, tier: CodeTier, panels: DT
     let plain = rows_as_f32(x);
     match tier {
         CodeTier::Avx2 if gemv_per_row(tier, panels, rows) => {
-            let row_bytes = quantized_row_bytes(k);
-            let mut q = vec![0u8; rows * row_bytes];
-            for (row, out) in plain.chunks_exact(k).zip(q.chunks_exact_mut(row_bytes)) {
-                kvjit_jit::quant::quantize_activations(row, out);
-            }
+            // K is a multiple of 32, so the rows' blocks follow each other
+            // row after row: one call quantizes them all.
+            let mut q = vec![0u8; rows * quantized_row_bytes(k)];
+            kvjit_jit::quant::quantize_activations(&plain, &mut q);
             (Activations::Q8(q), 1)
         }
         CodeTier::Avx2 if rows > 1 => {
