@@ -43,9 +43,10 @@ struct Route {
 }
 
 fn main() {
-    let vnni = std::arch::is_x86_feature_detected!("avxvnni");
-    if !avx2_available() || !vnni {
-        eprintln!("this CPU lacks AVX2/FMA/F16C or AVX-VNNI: nothing to measure");
+    if !avx2_available() || quant_gemv_with_streams(DType::Q4_0, 1).is_none() {
+        eprintln!(
+            "this CPU lacks AVX2/FMA/F16C or vpdpbusd (AVX-VNNI, AVX512-VNNI), or KVJIT_QUANT_DOT=avx2: nothing to measure"
+        );
         return;
     }
     let mut args = std::env::args().skip(1);

@@ -6,7 +6,7 @@
 //!
 //! # The packed panel
 //!
-//! A panel holds [`TILE_COLUMNS`] (16) columns of C — 16 weight rows of K
+//! A panel holds [`TILE_COLUMNS`](crate::microkernel::TILE_COLUMNS) (16) columns of C — 16 weight rows of K
 //! values each — in groups of one block of K (a "k-group": 32 k for Q8_0,
 //! Q4_0 and Q4_1, 256 for Q4_K and Q6_K), k-groups in order. A k-group
 //! holds the 16 columns' blocks of that range of K whole in content (the
@@ -72,8 +72,9 @@
 //! sub-block with scale `d·sc` and minimum `−dmin·m`; Q6_K multiplies its
 //! unsigned 6-bit quants and subtracts `32·ΣQ` per 16-k scale block (the
 //! block stores `ΣQ` over its first 16 values too). No horizontal sums:
-//! the 16 columns of a panel are the lanes. With AVX-VNNI (`vpdpbusd`)
-//! the products go straight to i32 lanes, one accumulator per part,
+//! the 16 columns of a panel are the lanes. With `vpdpbusd` (AVX-VNNI, or
+//! AVX512-VNNI with AVX512-VL on 256-bit registers) the products go
+//! straight to i32 lanes, one accumulator per part,
 //! combined as `254·hi + lo` per k-group half.
 //!
 //! Why `d_lo = d / 254` exactly rather than a residual's own scale
@@ -110,10 +111,13 @@
 
 use kvjit_core::DType;
 
-use crate::microkernel::{GemmTile, TILE_COLUMNS, WidenBlock, avx2_available};
+use crate::microkernel::{GemmTile, WidenBlock, avx2_available};
 
+mod pack;
 #[cfg(target_arch = "x86_64")]
 mod x86;
+
+pub use pack::{pack_panel, panel_bytes};
 
 /// Bytes of one block of quantized activations ([`quantize_activations`]):
 /// 32 × i8 `q_hi`, 32 × i8 `q_lo`, the f32 scale, the i32 sums of the
@@ -124,177 +128,15 @@ pub const Q8_ACTIVATION_BLOCK_BYTES: usize = 80;
 /// `q_hi = round(Q / 254)` and `q_lo = Q − 254·q_hi` fit in i8 (±127).
 const Q_MAX: i32 = 127 * 254;
 
-/// This file's text, where the block panels' layout is defined
-/// ([`pack_panel`]): the GEMM's packed layout version hashes it, so a
-/// packed weight stored by a build that packed blocks otherwise is refused.
-pub const PACKING_SOURCE: &str = include_str!("quant.rs");
+/// The text of the block panels' packing code ([`pack_panel`], in
+/// `quant/pack.rs`): the GEMM's packed layout version hashes it, so a
+/// packed weight stored by a build that packed blocks otherwise is refused
+/// (the kernels that read the panels, and these docs, can change without
+/// retiring artifacts).
+pub const PACKING_SOURCE: &str = include_str!("quant/pack.rs");
 
 /// Activation values per block of [`quantize_activations`].
 pub const Q8_ACTIVATION_BLOCK: usize = 32;
-
-/// Bytes of a packed panel of `format` over `k` values of K: the GGML bytes
-/// of 16 columns, `k / block · block_bytes · 16` (for an element dtype, the
-/// plain `[k][16]` panel's bytes).
-pub fn panel_bytes(format: DType, k: usize) -> usize {
-    let (block, bytes) = format.block();
-    k / block * bytes * TILE_COLUMNS
-}
-
-/// Pack up to 16 columns of GGML blocks into one panel (the layout in the
-/// module docs): `columns[c]` holds column c's K / block blocks, raw;
-/// columns past `columns.len()` are padding that decodes to +0.0.
-///
-/// # Panics
-/// If `format` is not a block format, `k` not a multiple of its block,
-/// more than 16 columns are given, a column's length is not
-/// `k / block · block_bytes`, or `out.len() != panel_bytes(format, k)`.
-pub fn pack_panel(format: DType, columns: &[&[u8]], k: usize, out: &mut [u8]) {
-    assert!(format.is_block_format(), "pack_panel packs GGML block formats, not {format}");
-    let (block, size) = format.block();
-    assert!(k.is_multiple_of(block), "k = {k} is not a whole number of {format} blocks ({block})");
-    assert!(columns.len() <= TILE_COLUMNS, "a panel holds at most {TILE_COLUMNS} columns, not {}", columns.len());
-    let groups = k / block;
-    for (c, column) in columns.iter().enumerate() {
-        assert_eq!(
-            column.len(),
-            groups * size,
-            "column {c} holds {} bytes, not {groups} {format} blocks",
-            column.len()
-        );
-    }
-    assert_eq!(out.len(), panel_bytes(format, k), "a {format} panel over k = {k}");
-    let padding = padding_block(format);
-    let group_bytes = size * TILE_COLUMNS;
-    for (g, out) in out.chunks_exact_mut(group_bytes).enumerate() {
-        let block_of = |c: usize| columns.get(c).map_or(&padding[..], |column| &column[g * size..(g + 1) * size]);
-        match format {
-            DType::Q4_0 | DType::Q4_1 => pack_q4(format, out, block_of),
-            DType::Q8_0 => pack_q8_0(out, block_of),
-            DType::Q4K => pack_q4k(out, block_of),
-            DType::Q6K => pack_q6k(out, block_of),
-            _ => unreachable!("checked a block format above"),
-        }
-    }
-}
-
-/// A block of `format` that decodes to +0.0 everywhere: zero scales and
-/// quants whose integer is 0 (Q4_0 nibbles 8, Q6_K `q` = 32).
-fn padding_block(format: DType) -> Vec<u8> {
-    let mut block = vec![0u8; format.block().1];
-    match format {
-        DType::Q4_0 => block[2..].fill(0x88),
-        // High 2 bits 2 (low 4 bits 0): q = 32.
-        DType::Q6K => block[128..192].fill(0xaa),
-        _ => {}
-    }
-    block
-}
-
-/// The byte of the Q4 layout for 8 columns' 32 k at `k0` (see the module
-/// docs): vector `g`, column dword byte `j` holds the quants of
-/// k0 + 8g + j (low nibble) and k0 + 8g + 4 + j (high nibble), from
-/// `quant(k)` (0..16).
-fn q4_layout(out: &mut [u8], column: usize, k0: usize, quant: impl Fn(usize) -> u8) {
-    for g in 0..4 {
-        for j in 0..4 {
-            let k = k0 + 8 * g + j;
-            out[32 * g + 4 * column + j] = quant(k) | (quant(k + 4) << 4);
-        }
-    }
-}
-
-/// One k-group of a Q4_0 / Q4_1 panel (see the module docs).
-fn pack_q4<'a>(format: DType, out: &mut [u8], block_of: impl Fn(usize) -> &'a [u8]) {
-    let (quants, scales) = out.split_at_mut(256);
-    let header = if format == DType::Q4_1 { 4 } else { 2 };
-    for c in 0..TILE_COLUMNS {
-        let (half, column) = (c / 8, c % 8);
-        let b = block_of(c);
-        let qs = &b[header..];
-        // Weight j < 16 is qs[j] & 15, weight j ≥ 16 is qs[j − 16] >> 4.
-        q4_layout(&mut quants[128 * half..], column, 0, |j| if j < 16 { qs[j] & 0x0f } else { qs[j - 16] >> 4 });
-        scales[2 * c..2 * c + 2].copy_from_slice(&b[..2]);
-        if format == DType::Q4_1 {
-            scales[32 + 2 * c..32 + 2 * c + 2].copy_from_slice(&b[2..4]);
-        }
-    }
-}
-
-/// One k-group of a Q8_0 panel (see the module docs).
-fn pack_q8_0<'a>(out: &mut [u8], block_of: impl Fn(usize) -> &'a [u8]) {
-    let (quants, scales) = out.split_at_mut(512);
-    for c in 0..TILE_COLUMNS {
-        let (half, column) = (c / 8, c % 8);
-        let b = block_of(c);
-        for g in 0..8 {
-            quants[256 * half + 32 * g + 4 * column..][..4].copy_from_slice(&b[2 + 4 * g..2 + 4 * g + 4]);
-        }
-        scales[2 * c..2 * c + 2].copy_from_slice(&b[..2]);
-    }
-}
-
-/// One k-group (a super-block of each column) of a Q4_K panel (see the
-/// module docs).
-fn pack_q4k<'a>(out: &mut [u8], block_of: impl Fn(usize) -> &'a [u8]) {
-    let (d, rest) = out.split_at_mut(64);
-    let (scales, quants) = rest.split_at_mut(192);
-    for c in 0..TILE_COLUMNS {
-        let (half, column) = (c / 8, c % 8);
-        let b = block_of(c);
-        let qs = &b[16..144];
-        // Sub-block s (32 k) is the low nibbles (s even) or high nibbles
-        // (s odd) of bytes 32·(s / 2) ..+ 32.
-        let quant = |k: usize| {
-            let (s, l) = (k / 32, k % 32);
-            let byte = qs[32 * (s / 2) + l];
-            if s % 2 == 0 { byte & 0x0f } else { byte >> 4 }
-        };
-        for s in 0..8 {
-            q4_layout(&mut quants[256 * s + 128 * half..], column, 32 * s, quant);
-        }
-        d[2 * c..2 * c + 2].copy_from_slice(&b[..2]);
-        d[32 + 2 * c..32 + 2 * c + 2].copy_from_slice(&b[2..4]);
-        for (i, &byte) in b[4..16].iter().enumerate() {
-            scales[16 * i + c] = byte;
-        }
-    }
-}
-
-/// Q6_K's 6-bit quant `k` (0..256) of a super-block, as `kvjit_core::quant`
-/// reads it: per 128 k, 32 k at a time, low nibbles of `ql[l]`,
-/// `ql[l + 32]`, then their high nibbles, with bits 2·quarter.. of `qh[l]`.
-fn q6k_quant(b: &[u8], k: usize) -> u8 {
-    let (ql, qh) = (&b[..128], &b[128..192]);
-    let (half, quarter, l) = (k / 128, k % 128 / 32, k % 32);
-    let byte = ql[64 * half + 32 * (quarter % 2) + l];
-    let low = if quarter < 2 { byte & 0x0f } else { byte >> 4 };
-    low | (((qh[32 * half + l] >> (2 * quarter)) & 3) << 4)
-}
-
-/// One k-group (a super-block of each column) of a Q6_K panel (see the
-/// module docs).
-fn pack_q6k<'a>(out: &mut [u8], block_of: impl Fn(usize) -> &'a [u8]) {
-    let (scales, rest) = out.split_at_mut(256);
-    let (d, quants) = rest.split_at_mut(32);
-    for c in 0..TILE_COLUMNS {
-        let (half, column) = (c / 8, c % 8);
-        let b = block_of(c);
-        for s in 0..8 {
-            let sub = &mut quants[384 * s..384 * (s + 1)];
-            q4_layout(&mut sub[128 * half..], column, 32 * s, |k| q6k_quant(b, k) & 0x0f);
-            for t in 0..2 {
-                for j in 0..4 {
-                    let high = |f: usize| (q6k_quant(b, 32 * s + 16 * t + 4 * f + j) >> 4) << (2 * f);
-                    sub[256 + 64 * half + 32 * t + 4 * column + j] = high(0) | high(1) | high(2) | high(3);
-                }
-            }
-        }
-        for (i, &scale) in b[192..208].iter().enumerate() {
-            scales[16 * i + c] = scale;
-        }
-        d[2 * c..2 * c + 2].copy_from_slice(&b[208..210]);
-    }
-}
 
 /// Quantize a row of activations for [`quant_gemv`]: per 32 values `x`
 /// (`x.len()` a multiple of 32), [`Q8_ACTIVATION_BLOCK_BYTES`] bytes of
@@ -371,7 +213,8 @@ fn round_half_away(v: f32) -> i32 {
 /// activations ([`quantize_activations`]' blocks, cast), `x_step` is
 /// ignored, `w` at a packed panel, `k` is K (a multiple of the block), and
 /// `c[j] += Σ_k x[k]·w[k][j]` for the 16 columns (within the accuracy in the
-/// module docs). On a CPU with AVX-VNNI the tile multiplies with
+/// module docs). On a CPU with AVX-VNNI, or AVX512-VNNI and AVX512-VL
+/// (AMD Zen 4, Intel's AVX-512 servers), the tile multiplies with
 /// `vpdpbusd` (the same sums exactly; [`quant_gemv_avx2`] is the AVX2 one).
 /// Measured from DRAM against the bf16 GEMV: Q4_0/Q4_1 3.1–3.8×, Q4_K
 /// 2.5–3.4×, Q8_0 2.2×, Q6_K 1.7–2.1× (against ~1× for decoding each
@@ -381,15 +224,16 @@ pub fn quant_gemv(format: DType) -> Option<GemmTile> {
     quant_gemv_any(format)
 }
 
-/// The AVX-VNNI GEMV tile of `format` reading each panel in `streams`
+/// The `vpdpbusd` GEMV tile of `format` reading each panel in `streams`
 /// (1, 2 or 4) side-by-side k ranges instead of the tuned count, for
 /// measuring that choice (`examples/gemv_threads.rs`). `None` for other
-/// dtypes or stream counts, or when this CPU lacks AVX-VNNI.
+/// dtypes or stream counts, or when this CPU has neither AVX-VNNI nor
+/// AVX512-VNNI with AVX512-VL.
 #[doc(hidden)]
 pub fn quant_gemv_with_streams(format: DType, streams: usize) -> Option<GemmTile> {
     #[cfg(target_arch = "x86_64")]
     {
-        if !avx2_available() || !x86::vnni_available() {
+        if !avx2_available() {
             return None;
         }
         x86::gemv_with_streams(format, streams)
@@ -401,8 +245,22 @@ pub fn quant_gemv_with_streams(format: DType, streams: usize) -> Option<GemmTile
     }
 }
 
-/// The integer GEMV tile of any block format, with AVX-VNNI where the CPU
-/// has it.
+/// Whether [`quant_gemv`]'s tiles multiply with `vpdpbusd` on this CPU
+/// (AVX-VNNI, or AVX512-VNNI with AVX512-VL, and `KVJIT_QUANT_DOT` not
+/// `avx2`): the row counts up to which a per-row GEMV pays depend on it.
+pub fn quant_gemv_uses_vnni() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        avx2_available() && x86::DotTier::best() != x86::DotTier::Avx2
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// The integer GEMV tile of any block format, with `vpdpbusd` where the
+/// CPU has it.
 fn quant_gemv_any(format: DType) -> Option<GemmTile> {
     if !avx2_available() {
         return None;
@@ -419,7 +277,7 @@ fn quant_gemv_any(format: DType) -> Option<GemmTile> {
 }
 
 /// The AVX2 integer GEMV tile of any block format, even on a CPU with
-/// AVX-VNNI (where [`quant_gemv`] returns the
+/// `vpdpbusd` (where [`quant_gemv`] returns the
 /// `vpdpbusd` tile, the same sums exactly): for tests and measurements.
 /// `None` for other dtypes or when this CPU lacks the tier.
 pub fn quant_gemv_avx2(format: DType) -> Option<GemmTile> {
@@ -428,7 +286,7 @@ pub fn quant_gemv_avx2(format: DType) -> Option<GemmTile> {
     }
     #[cfg(target_arch = "x86_64")]
     {
-        x86::gemv_tier(format, false)
+        x86::gemv_tier(format, x86::DotTier::Avx2)
     }
     #[cfg(not(target_arch = "x86_64"))]
     {

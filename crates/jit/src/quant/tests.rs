@@ -3,6 +3,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use super::*;
+use crate::microkernel::TILE_COLUMNS;
 
 const FORMATS: [DType; 5] = DType::BLOCK_FORMATS;
 /// f32 unit roundoff.
@@ -338,21 +339,18 @@ fn integer_gemv_is_within_its_bound() {
         return;
     }
     let mut rng = StdRng::seed_from_u64(7);
-    // Stream counts: 0 for the tier's tuned count, else the VNNI tile read
-    // in that many streams (measurement variants, same bound).
-    for (format, vnni, streams) in
-        FORMATS.into_iter().flat_map(|f| [(f, false, 0), (f, true, 0), (f, true, 1), (f, true, 4)])
-    {
-        if vnni && !x86::vnni_available() {
-            eprintln!("{format}: no AVX-VNNI on this CPU, its tile untested");
+    // Every dot tier this CPU has, each `vpdpbusd` one also in the
+    // measurement variants' stream counts (same bound).
+    let tiers = x86::DotTier::ALL.into_iter().flat_map(|tier| {
+        let streams: &[usize] = if tier == x86::DotTier::Avx2 { &[x86::STREAMS] } else { &[1, 2, 4] };
+        streams.iter().map(move |&s| (tier, s))
+    });
+    for (format, (tier, streams)) in FORMATS.into_iter().flat_map(|f| tiers.clone().map(move |t| (f, t))) {
+        if !tier.available() {
+            eprintln!("{format}: this CPU lacks {tier:?}, its tile untested");
             continue;
         }
-        let gemv = match (vnni, streams) {
-            (false, _) => quant_gemv_avx2(format),
-            (true, 0) => quant_gemv(format),
-            (true, _) => quant_gemv_with_streams(format, streams),
-        }
-        .expect("an integer GEMV");
+        let gemv = x86::gemv_with_streams_on(format, tier, streams).expect("an integer GEMV");
         let (block, _) = format.block();
         let ks = if block == 32 { [32, 64, 96, 4096 + 32] } else { [256, 512, 768, 4096 + 256] };
         for k in ks {
@@ -377,7 +375,7 @@ fn integer_gemv_is_within_its_bound() {
                 unsafe { gemv(xq.as_ptr().cast(), 1, panel.as_ptr(), k, c.as_mut_ptr()) };
                 assert!(
                     c[TILE_COLUMNS..].iter().all(|v| v.is_nan()),
-                    "{format} vnni {vnni} streams {streams} k {k}: wrote past c"
+                    "{format} {tier:?} streams {streams} k {k}: wrote past c"
                 );
                 for j in 0..TILE_COLUMNS {
                     let got = c[j] as f64;
@@ -411,11 +409,11 @@ fn integer_gemv_is_within_its_bound() {
                     let bound = rounding + U * magnitude + f32_error;
                     assert!(
                         (got - exact).abs() <= bound,
-                        "{format} vnni {vnni} streams {streams} k {k} c[{j}] = {got}, exact {exact}, bound {bound} (rounding {rounding})"
+                        "{format} {tier:?} streams {streams} k {k} c[{j}] = {got}, exact {exact}, bound {bound} (rounding {rounding})"
                     );
                     assert!(
                         (got - quantized).abs() <= f32_error,
-                        "{format} vnni {vnni} k {k} c[{j}] = {got}, with quantized x {quantized}, bound {f32_error}"
+                        "{format} {tier:?} k {k} c[{j}] = {got}, with quantized x {quantized}, bound {f32_error}"
                     );
                 }
             }

@@ -17,7 +17,7 @@ use crate::microkernel::{GemmTile, TILE_COLUMNS, WidenBlock};
 /// for the K-quants; one stream is within ±5 % of two for Q4_1 and the
 /// K-quants but 7–30 % slower for Q4_0 and Q8_0. (Alone on one core,
 /// four streams had measured best.)
-const STREAMS: usize = 2;
+pub(super) const STREAMS: usize = 2;
 /// How far ahead of its loads each stream of a GEMV tile prefetches
 /// (measured: 2 KiB per stream reads DRAM at ~1.3× the rate of no software
 /// prefetch, within ~8% of the core's read roof; 1 KiB and 4 KiB less).
@@ -86,8 +86,13 @@ fn q6_bytes(g: usize, low: __m256i, high: __m256i) -> (__m256i, __m256i) {
 
 /// AVX2: `vpmaddubsw` to i16 pairs, `vpmaddwd` with ones to i32.
 struct Avx2;
-/// AVX-VNNI: `vpdpbusd`, four u8·i8 products straight into i32 lanes.
-struct Vnni;
+/// AVX-VNNI: `vpdpbusd` (VEX), four u8·i8 products straight into i32
+/// lanes.
+struct AvxVnni;
+/// AVX512-VNNI with AVX512-VL: the same `vpdpbusd` on 256-bit registers
+/// (EVEX), for the CPUs with AVX-512 but not AVX-VNNI (AMD Zen 4, Intel
+/// Ice Lake and Cascade Lake servers).
+struct Avx512Vnni;
 
 impl Dot for Avx2 {
     #[inline]
@@ -157,62 +162,67 @@ impl Dot for Avx2 {
     }
 }
 
-impl Dot for Vnni {
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
-    unsafe fn q4(q: *const u8, xs: &Xs) -> __m256i {
-        let mask = _mm256_set1_epi8(0x0f);
-        // [part][nibble]
-        let mut sums = [[_mm256_setzero_si256(); 2]; 2];
-        for g in 0..4 {
-            // SAFETY: vector g < 4 of the caller's 128 bytes.
-            let v = unsafe { _mm256_loadu_si256(q.add(32 * g).cast()) };
-            let low = _mm256_and_si256(v, mask);
-            let high = _mm256_and_si256(_mm256_srli_epi16::<4>(v), mask);
-            for (sums, xs) in sums.iter_mut().zip(xs) {
-                sums[0] = _mm256_dpbusd_avx_epi32(sums[0], low, xs[2 * g]);
-                sums[1] = _mm256_dpbusd_avx_epi32(sums[1], high, xs[2 * g + 1]);
+/// The `Dot` of a `vpdpbusd` tier: `$dpbusd` is its encoding's intrinsic,
+/// `$features` what the kernels using it enable.
+macro_rules! vnni_dot {
+    ($dot:ty, $features:literal, $dpbusd:ident) => {
+        impl Dot for $dot {
+            #[inline]
+            #[target_feature(enable = $features)]
+            unsafe fn q4(q: *const u8, xs: &Xs) -> __m256i {
+                let mask = _mm256_set1_epi8(0x0f);
+                // [part][nibble]
+                let mut sums = [[_mm256_setzero_si256(); 2]; 2];
+                for g in 0..4 {
+                    // SAFETY: vector g < 4 of the caller's 128 bytes.
+                    let v = unsafe { _mm256_loadu_si256(q.add(32 * g).cast()) };
+                    let low = _mm256_and_si256(v, mask);
+                    let high = _mm256_and_si256(_mm256_srli_epi16::<4>(v), mask);
+                    for (sums, xs) in sums.iter_mut().zip(xs) {
+                        sums[0] = $dpbusd(sums[0], low, xs[2 * g]);
+                        sums[1] = $dpbusd(sums[1], high, xs[2 * g + 1]);
+                    }
+                }
+                let [hi, lo] = sums.map(|s| _mm256_add_epi32(s[0], s[1]));
+                combine(hi, lo)
             }
-        }
-        let [hi, lo] = sums.map(|s| _mm256_add_epi32(s[0], s[1]));
-        combine(hi, lo)
-    }
 
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
-    unsafe fn q8(q: *const u8, xs: &Xs, sum: i32) -> __m256i {
-        // (w + 128) is unsigned: Σ (w + 128)·Q = Σ w·Q + 128·ΣQ, exact in
-        // i32 (each part ≤ 32·255·127, 254·that < 2³¹).
-        let bias = _mm256_set1_epi8(i8::MIN);
-        let mut sums = [_mm256_setzero_si256(); 2];
-        for g in 0..8 {
-            // SAFETY: vector g < 8 of the caller's 256 bytes.
-            let v = _mm256_xor_si256(unsafe { _mm256_loadu_si256(q.add(32 * g).cast()) }, bias);
-            for (sum, xs) in sums.iter_mut().zip(xs) {
-                *sum = _mm256_dpbusd_avx_epi32(*sum, v, xs[g]);
+            #[inline]
+            #[target_feature(enable = $features)]
+            unsafe fn q8(q: *const u8, xs: &Xs, sum: i32) -> __m256i {
+                // (w + 128) is unsigned: Σ (w + 128)·Q = Σ w·Q + 128·ΣQ, exact in
+                // i32 (each part ≤ 32·255·127, 254·that < 2³¹).
+                let bias = _mm256_set1_epi8(i8::MIN);
+                let mut sums = [_mm256_setzero_si256(); 2];
+                for g in 0..8 {
+                    // SAFETY: vector g < 8 of the caller's 256 bytes.
+                    let v = _mm256_xor_si256(unsafe { _mm256_loadu_si256(q.add(32 * g).cast()) }, bias);
+                    for (sum, xs) in sums.iter_mut().zip(xs) {
+                        *sum = $dpbusd(*sum, v, xs[g]);
+                    }
+                }
+                _mm256_sub_epi32(combine(sums[0], sums[1]), _mm256_set1_epi32(128 * sum))
             }
-        }
-        _mm256_sub_epi32(combine(sums[0], sums[1]), _mm256_set1_epi32(128 * sum))
-    }
 
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
-    unsafe fn q6(low: *const u8, high: *const u8, xs: &Xs) -> [__m256i; 2] {
-        // SAFETY: the caller's 64 bytes at high.
-        let highs = unsafe { [_mm256_loadu_si256(high.cast()), _mm256_loadu_si256(high.add(32).cast())] };
-        // [part][16-k half]
-        let mut sums = [[_mm256_setzero_si256(); 2]; 2];
-        for g in 0..4 {
-            // SAFETY: vector g < 4 of the caller's 128 bytes at low.
-            let v = unsafe { _mm256_loadu_si256(low.add(32 * g).cast()) };
-            let (lo, hi) = q6_bytes(g, v, highs[g / 2]);
-            for (sums, xs) in sums.iter_mut().zip(xs) {
-                sums[g / 2] =
-                    _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(sums[g / 2], lo, xs[2 * g]), hi, xs[2 * g + 1]);
+            #[inline]
+            #[target_feature(enable = $features)]
+            unsafe fn q6(low: *const u8, high: *const u8, xs: &Xs) -> [__m256i; 2] {
+                // SAFETY: the caller's 64 bytes at high.
+                let highs = unsafe { [_mm256_loadu_si256(high.cast()), _mm256_loadu_si256(high.add(32).cast())] };
+                // [part][16-k half]
+                let mut sums = [[_mm256_setzero_si256(); 2]; 2];
+                for g in 0..4 {
+                    // SAFETY: vector g < 4 of the caller's 128 bytes at low.
+                    let v = unsafe { _mm256_loadu_si256(low.add(32 * g).cast()) };
+                    let (lo, hi) = q6_bytes(g, v, highs[g / 2]);
+                    for (sums, xs) in sums.iter_mut().zip(xs) {
+                        sums[g / 2] = $dpbusd($dpbusd(sums[g / 2], lo, xs[2 * g]), hi, xs[2 * g + 1]);
+                    }
+                }
+                [combine(sums[0][0], sums[1][0]), combine(sums[0][1], sums[1][1])]
             }
         }
-        [combine(sums[0][0], sums[1][0]), combine(sums[0][1], sums[1][1])]
-    }
+    };
 }
 
 /// Which kind of quants a GEMV format multiplies.
@@ -597,35 +607,102 @@ unsafe extern "C" fn gemv_kernel<F: GemvFormat>(x: *const f32, _x_step: usize, w
     gemv_body!(F, Avx2, STREAMS, x, w, k, c)
 }
 
-/// The integer GEMV tile of format `F` with AVX-VNNI ([`gemv_body`]),
-/// reading each panel in `S` streams ([`STREAMS`]; other counts for
-/// measuring that choice, [`gemv_with_streams`]); measured with two-part
-/// activations 1.1–1.65× [`gemv_kernel`] on panels in L2 (Q4_1 and Q4_K
-/// ~1.1×, Q6_K ~1.15×, Q4_0 ~1.35×, Q8_0 ~1.65×), 1.0–1.2× from DRAM
-/// (Q8_0 the most).
-///
-/// # Safety
-/// As for [`gemv_kernel`], and the CPU has AVX-VNNI.
-#[target_feature(enable = "avx2,fma,f16c,avxvnni")]
-unsafe extern "C" fn gemv_kernel_vnni<F: GemvFormat, const S: usize>(
-    x: *const f32,
-    _x_step: usize,
-    w: *const u8,
-    k: usize,
-    c: *mut f32,
-) {
-    gemv_body!(F, Vnni, S, x, w, k, c)
+/// A `vpdpbusd` tier: its `Dot` ([`vnni_dot`], the products by `$dpbusd`)
+/// and its integer GEMV tile `$kernel::<F, S>` of format `F`
+/// ([`gemv_body`]) reading each panel in `S` streams ([`STREAMS`]; other
+/// counts for measuring that choice, [`gemv_with_streams`]), both compiled
+/// with `$features`. Measured (AVX-VNNI) with two-part activations
+/// 1.1–1.65× [`gemv_kernel`] on panels in L2 (Q4_1 and Q4_K ~1.1×, Q6_K
+/// ~1.15×, Q4_0 ~1.35×, Q8_0 ~1.65×), 1.0–1.2× from DRAM (Q8_0 the most);
+/// (AVX512-VNNI, AMD Zen 4, one core, `examples/quant_gemv.rs`) 1.2–1.9×
+/// in L2 (Q4_1 1.18×, Q4_K 1.21×, Q4_0 1.35×, Q6_K 1.48×, Q8_0 1.93×),
+/// even from DRAM.
+macro_rules! vnni_tier {
+    ($dot:ty, $kernel:ident, $features:literal, $dpbusd:ident) => {
+        vnni_dot!($dot, $features, $dpbusd);
+
+        /// # Safety
+        /// As for [`gemv_kernel`], and the CPU has this tier's features
+        /// ([`DotTier::available`]).
+        #[target_feature(enable = $features)]
+        unsafe extern "C" fn $kernel<F: GemvFormat, const S: usize>(
+            x: *const f32,
+            _x_step: usize,
+            w: *const u8,
+            k: usize,
+            c: *mut f32,
+        ) {
+            gemv_body!(F, $dot, S, x, w, k, c)
+        }
+    };
 }
 
-/// The AVX-VNNI tile of `format` read in `streams` streams (1, 2 or 4; the
-/// caller checked [`vnni_available`]).
-pub(super) fn gemv_with_streams(format: DType, streams: usize) -> Option<GemmTile> {
+vnni_tier!(AvxVnni, gemv_kernel_avx_vnni, "avx2,fma,f16c,avxvnni", _mm256_dpbusd_avx_epi32);
+vnni_tier!(Avx512Vnni, gemv_kernel_avx512_vnni, "avx2,fma,f16c,avx512vnni,avx512vl", _mm256_dpbusd_epi32);
+
+/// How an integer GEMV tile multiplies the quants: the instructions its
+/// `Dot` uses, and so the CPU features it needs. Every tier computes the
+/// same sums exactly.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum DotTier {
+    /// `vpmaddubsw` and `vpmaddwd` (AVX2).
+    Avx2,
+    /// `vpdpbusd`, VEX-encoded (AVX-VNNI).
+    AvxVnni,
+    /// `vpdpbusd` on 256-bit registers, EVEX-encoded (AVX512-VNNI and
+    /// AVX512-VL).
+    Avx512Vnni,
+}
+
+impl DotTier {
+    /// Every tier, in the order [`DotTier::best`] prefers them (the two
+    /// `vpdpbusd` encodings are the same µop).
+    pub(super) const ALL: [DotTier; 3] = [DotTier::AvxVnni, DotTier::Avx512Vnni, DotTier::Avx2];
+
+    /// Whether this CPU has the tier's features (AVX2, FMA and F16C
+    /// checked by the caller).
+    pub(super) fn available(self) -> bool {
+        match self {
+            DotTier::Avx2 => true,
+            DotTier::AvxVnni => std::arch::is_x86_feature_detected!("avxvnni"),
+            // AVX512-VL implies AVX512F to the compiler; checked too.
+            DotTier::Avx512Vnni => {
+                std::arch::is_x86_feature_detected!("avx512f")
+                    && std::arch::is_x86_feature_detected!("avx512vl")
+                    && std::arch::is_x86_feature_detected!("avx512vnni")
+            }
+        }
+    }
+
+    /// The fastest tier this CPU has: a `vpdpbusd` one where it can, unless
+    /// `KVJIT_QUANT_DOT=avx2` asks for the AVX2 tier (to measure what a CPU
+    /// without VNNI runs, on one with it). Read once per process.
+    pub(super) fn best() -> DotTier {
+        static BEST: std::sync::OnceLock<DotTier> = std::sync::OnceLock::new();
+        *BEST.get_or_init(|| {
+            if std::env::var_os("KVJIT_QUANT_DOT").is_some_and(|v| v == "avx2") {
+                return DotTier::Avx2;
+            }
+            Self::ALL.into_iter().find(|tier| tier.available()).unwrap_or(DotTier::Avx2)
+        })
+    }
+}
+
+/// The integer GEMV tile of `format` on `tier` read in `streams` streams
+/// (1, 2 or 4 for the `vpdpbusd` tiers, [`STREAMS`] for AVX2; the caller
+/// checked [`DotTier::available`]).
+pub(super) fn gemv_with_streams_on(format: DType, tier: DotTier, streams: usize) -> Option<GemmTile> {
     macro_rules! pick {
         ($f:ty) => {
-            match streams {
-                1 => gemv_kernel_vnni::<$f, 1> as GemmTile,
-                2 => gemv_kernel_vnni::<$f, 2>,
-                4 => gemv_kernel_vnni::<$f, 4>,
+            match (tier, streams) {
+                (DotTier::Avx2, STREAMS) => gemv_kernel::<$f> as GemmTile,
+                (DotTier::Avx2, _) => return None,
+                (DotTier::AvxVnni, 1) => gemv_kernel_avx_vnni::<$f, 1>,
+                (DotTier::AvxVnni, 2) => gemv_kernel_avx_vnni::<$f, 2>,
+                (DotTier::AvxVnni, 4) => gemv_kernel_avx_vnni::<$f, 4>,
+                (DotTier::Avx512Vnni, 1) => gemv_kernel_avx512_vnni::<$f, 1>,
+                (DotTier::Avx512Vnni, 2) => gemv_kernel_avx512_vnni::<$f, 2>,
+                (DotTier::Avx512Vnni, 4) => gemv_kernel_avx512_vnni::<$f, 4>,
                 _ => return None,
             }
         };
@@ -640,31 +717,21 @@ pub(super) fn gemv_with_streams(format: DType, streams: usize) -> Option<GemmTil
     })
 }
 
-/// Whether this CPU has AVX-VNNI (the 256-bit `vpdpbusd`).
-pub(super) fn vnni_available() -> bool {
-    std::arch::is_x86_feature_detected!("avxvnni")
+/// The tile of `format` on this CPU's best `vpdpbusd` tier read in
+/// `streams` streams; `None` without one (or with `KVJIT_QUANT_DOT=avx2`).
+pub(super) fn gemv_with_streams(format: DType, streams: usize) -> Option<GemmTile> {
+    let tier = DotTier::best();
+    (tier != DotTier::Avx2).then(|| gemv_with_streams_on(format, tier, streams)).flatten()
 }
 
-/// The integer GEMV tile of `format`: with AVX-VNNI when `vnni` (the
-/// caller checked [`vnni_available`]), else AVX2.
-pub(super) fn gemv_tier(format: DType, vnni: bool) -> Option<GemmTile> {
-    Some(match (format, vnni) {
-        (DType::Q4_0, false) => gemv_kernel::<Q4_0>,
-        (DType::Q4_1, false) => gemv_kernel::<Q4_1>,
-        (DType::Q8_0, false) => gemv_kernel::<Q8_0>,
-        (DType::Q4K, false) => gemv_kernel::<Q4K>,
-        (DType::Q6K, false) => gemv_kernel::<Q6K>,
-        (DType::Q4_0, true) => gemv_kernel_vnni::<Q4_0, STREAMS>,
-        (DType::Q4_1, true) => gemv_kernel_vnni::<Q4_1, STREAMS>,
-        (DType::Q8_0, true) => gemv_kernel_vnni::<Q8_0, STREAMS>,
-        (DType::Q4K, true) => gemv_kernel_vnni::<Q4K, STREAMS>,
-        (DType::Q6K, true) => gemv_kernel_vnni::<Q6K, STREAMS>,
-        _ => return None,
-    })
+/// The integer GEMV tile of `format` on `tier`, in [`STREAMS`] streams.
+pub(super) fn gemv_tier(format: DType, tier: DotTier) -> Option<GemmTile> {
+    gemv_with_streams_on(format, tier, STREAMS)
 }
 
+/// The integer GEMV tile of `format` on this CPU's best tier.
 pub(super) fn gemv(format: DType) -> Option<GemmTile> {
-    gemv_tier(format, vnni_available())
+    gemv_tier(format, DotTier::best())
 }
 
 /// The 8 columns' u4 quant at byte `SHIFT / 8`, nibble `SHIFT % 8 / 4` of

@@ -97,18 +97,38 @@ pub fn addressable(k: usize, size: usize, groups: usize, weights: usize, rows: O
 /// Rows up to which the 256-bit tier runs `dtype` block panels as one
 /// integer GEMV per row ([`gemv_per_row`]) rather than decoding each k
 /// block into f32 for the row tiles: batched decode and short prompts of
-/// a quantized model. Measured against the decoded route (`bench --ops
-/// blocks`, Llama-3-8B QKV and FFN shapes, 2 threads): Q8_0, Q4_0 and
-/// Q4_1 1.3–2.0× faster at M = 4, 1.2–1.3× at 16, 1.0–1.2× at 64 (at 128
-/// still ahead on these shapes, but SmolLM2's 112-token prefill, K = 576,
-/// 2–7 % slower); Q4_K 1.8–1.9× at 4, 1.2× at 16, even at 64; Q6_K
-/// 1.3–1.4× at 4, 0.8× at 16. Below the 192-row block, so only a first and
-/// only block can hold that few rows.
+/// a quantized model. The crossover depends on how the tiles multiply
+/// ([`kvjit_jit::quant::quant_gemv_uses_vnni`]). Measured against the
+/// decoded route (`bench --ops blocks`, Llama-3-8B QKV and FFN shapes, 2
+/// threads):
+/// - with `vpdpbusd` (Intel, AVX-VNNI): Q8_0, Q4_0 and Q4_1 1.3–2.0×
+///   faster at M = 4, 1.2–1.3× at 16, 1.0–1.2× at 64 (at 128 still ahead
+///   on these shapes, but SmolLM2's 112-token prefill, K = 576, 2–7 %
+///   slower); Q4_K 1.8–1.9× at 4, 1.2× at 16, even at 64; Q6_K 1.3–1.4× at
+///   4, 0.8× at 16. On AMD Zen 4 (AVX512-VNNI on 256-bit registers) the
+///   per-row route was 1.03–1.2× bf16's prefill at M = 16, 32 and 64, the
+///   decoded route 0.65–1.0×.
+/// - with AVX2 alone (`vpmaddubsw`, measured on Zen 4 with
+///   `KVJIT_QUANT_DOT=avx2`): Q8_0 per row 0.63–0.70× bf16 at M = 8 against
+///   0.49–0.52× decoded, but 0.58× against 0.65× at 16 and 0.62× against
+///   1.0× at 64; Q4_0 and Q4_1 per row 0.85–0.93× against 0.72–0.79× at
+///   16, 0.84–0.90× against 0.87–0.95× at 32 and 0.88–0.91× against
+///   1.0–1.06× at 64.
+///
+/// Below the 192-row block, so only a first and only block can hold that
+/// few rows.
 pub fn gemv_rows(dtype: DType) -> usize {
-    match dtype {
-        DType::Q6K => 4,
-        DType::Q4K => 16,
-        _ => 64,
+    gemv_rows_on(dtype, kvjit_jit::quant::quant_gemv_uses_vnni())
+}
+
+/// [`gemv_rows`] for tiles that multiply with `vpdpbusd` (`vnni`) or not.
+pub fn gemv_rows_on(dtype: DType, vnni: bool) -> usize {
+    match (dtype, vnni) {
+        (DType::Q6K, _) => 4,
+        (DType::Q4K, _) => 16,
+        (DType::Q8_0, false) => 8,
+        (_, false) => 16,
+        (_, true) => 64,
     }
 }
 
@@ -790,6 +810,12 @@ mod tests {
     #[test]
     fn gemv_rows_fit_in_the_first_block() {
         for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_1, DType::Q4K, DType::Q6K] {
+            for vnni in [false, true] {
+                assert!((1..AVX2_BLOCK_ROWS).contains(&gemv_rows_on(dtype, vnni)), "{dtype} vnni {vnni}");
+            }
+            // Without vpdpbusd a row's GEMV costs more: it pays up to fewer rows.
+            assert!(gemv_rows_on(dtype, false) <= gemv_rows_on(dtype, true), "{dtype}");
+            assert_eq!(gemv_rows(dtype), gemv_rows_on(dtype, kvjit_jit::quant::quant_gemv_uses_vnni()), "{dtype}");
             assert!((1..AVX2_BLOCK_ROWS).contains(&gemv_rows(dtype)), "{dtype}");
             assert!(!gemv_per_row(CodeTier::Cranelift, dtype, 1), "{dtype}");
             assert!(!gemv_per_row(CodeTier::Avx2, dtype, gemv_rows(dtype) + 1), "{dtype}");

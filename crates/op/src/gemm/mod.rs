@@ -39,7 +39,7 @@ use kvjit_jit::microkernel::{self, MAX_TILE_ROWS};
 
 pub use emit::{
     Epilogue, GemmBases, GemmEmitter, PanelAt, Scratch, SegmentBounds, addressable, displacements, gemv_per_row,
-    gemv_rows, load_columns, store_columns,
+    gemv_rows, gemv_rows_on, load_columns, store_columns,
 };
 pub use panels::{PanelLayout, Segment, WeightOrientation, layout_version};
 pub use schedule::{AVX2_BLOCK_BYTES, AVX2_BLOCK_ROWS, K_UNROLL, MC, MR, NR, Schedule};

@@ -1,0 +1,174 @@
+//! Packing GGML blocks into the panels the 256-bit tiles read (the layout
+//! in the parent's docs). This file is the block panels' packing code and
+//! nothing else: its text is [`super::PACKING_SOURCE`], which the GEMM's
+//! packed layout version hashes, so every edit here retires the compiled
+//! artifacts made before it — keep code that does not decide where a byte
+//! goes out of it.
+
+use kvjit_core::DType;
+
+use crate::microkernel::TILE_COLUMNS;
+
+/// Bytes of a packed panel of `format` over `k` values of K: the GGML bytes
+/// of 16 columns, `k / block · block_bytes · 16` (for an element dtype, the
+/// plain `[k][16]` panel's bytes).
+pub fn panel_bytes(format: DType, k: usize) -> usize {
+    let (block, bytes) = format.block();
+    k / block * bytes * TILE_COLUMNS
+}
+
+/// Pack up to 16 columns of GGML blocks into one panel (the layout in the
+/// [module docs](super)): `columns[c]` holds column c's K / block blocks, raw;
+/// columns past `columns.len()` are padding that decodes to +0.0.
+///
+/// # Panics
+/// If `format` is not a block format, `k` not a multiple of its block,
+/// more than 16 columns are given, a column's length is not
+/// `k / block · block_bytes`, or `out.len() != panel_bytes(format, k)`.
+pub fn pack_panel(format: DType, columns: &[&[u8]], k: usize, out: &mut [u8]) {
+    assert!(format.is_block_format(), "pack_panel packs GGML block formats, not {format}");
+    let (block, size) = format.block();
+    assert!(k.is_multiple_of(block), "k = {k} is not a whole number of {format} blocks ({block})");
+    assert!(columns.len() <= TILE_COLUMNS, "a panel holds at most {TILE_COLUMNS} columns, not {}", columns.len());
+    let groups = k / block;
+    for (c, column) in columns.iter().enumerate() {
+        assert_eq!(
+            column.len(),
+            groups * size,
+            "column {c} holds {} bytes, not {groups} {format} blocks",
+            column.len()
+        );
+    }
+    assert_eq!(out.len(), panel_bytes(format, k), "a {format} panel over k = {k}");
+    let padding = padding_block(format);
+    let group_bytes = size * TILE_COLUMNS;
+    for (g, out) in out.chunks_exact_mut(group_bytes).enumerate() {
+        let block_of = |c: usize| columns.get(c).map_or(&padding[..], |column| &column[g * size..(g + 1) * size]);
+        match format {
+            DType::Q4_0 | DType::Q4_1 => pack_q4(format, out, block_of),
+            DType::Q8_0 => pack_q8_0(out, block_of),
+            DType::Q4K => pack_q4k(out, block_of),
+            DType::Q6K => pack_q6k(out, block_of),
+            _ => unreachable!("checked a block format above"),
+        }
+    }
+}
+
+/// A block of `format` that decodes to +0.0 everywhere: zero scales and
+/// quants whose integer is 0 (Q4_0 nibbles 8, Q6_K `q` = 32).
+fn padding_block(format: DType) -> Vec<u8> {
+    let mut block = vec![0u8; format.block().1];
+    match format {
+        DType::Q4_0 => block[2..].fill(0x88),
+        // High 2 bits 2 (low 4 bits 0): q = 32.
+        DType::Q6K => block[128..192].fill(0xaa),
+        _ => {}
+    }
+    block
+}
+
+/// The byte of the Q4 layout for 8 columns' 32 k at `k0` (see the module
+/// docs): vector `g`, column dword byte `j` holds the quants of
+/// k0 + 8g + j (low nibble) and k0 + 8g + 4 + j (high nibble), from
+/// `quant(k)` (0..16).
+fn q4_layout(out: &mut [u8], column: usize, k0: usize, quant: impl Fn(usize) -> u8) {
+    for g in 0..4 {
+        for j in 0..4 {
+            let k = k0 + 8 * g + j;
+            out[32 * g + 4 * column + j] = quant(k) | (quant(k + 4) << 4);
+        }
+    }
+}
+
+/// One k-group of a Q4_0 / Q4_1 panel (see the module docs).
+fn pack_q4<'a>(format: DType, out: &mut [u8], block_of: impl Fn(usize) -> &'a [u8]) {
+    let (quants, scales) = out.split_at_mut(256);
+    let header = if format == DType::Q4_1 { 4 } else { 2 };
+    for c in 0..TILE_COLUMNS {
+        let (half, column) = (c / 8, c % 8);
+        let b = block_of(c);
+        let qs = &b[header..];
+        // Weight j < 16 is qs[j] & 15, weight j ≥ 16 is qs[j − 16] >> 4.
+        q4_layout(&mut quants[128 * half..], column, 0, |j| if j < 16 { qs[j] & 0x0f } else { qs[j - 16] >> 4 });
+        scales[2 * c..2 * c + 2].copy_from_slice(&b[..2]);
+        if format == DType::Q4_1 {
+            scales[32 + 2 * c..32 + 2 * c + 2].copy_from_slice(&b[2..4]);
+        }
+    }
+}
+
+/// One k-group of a Q8_0 panel (see the module docs).
+fn pack_q8_0<'a>(out: &mut [u8], block_of: impl Fn(usize) -> &'a [u8]) {
+    let (quants, scales) = out.split_at_mut(512);
+    for c in 0..TILE_COLUMNS {
+        let (half, column) = (c / 8, c % 8);
+        let b = block_of(c);
+        for g in 0..8 {
+            quants[256 * half + 32 * g + 4 * column..][..4].copy_from_slice(&b[2 + 4 * g..2 + 4 * g + 4]);
+        }
+        scales[2 * c..2 * c + 2].copy_from_slice(&b[..2]);
+    }
+}
+
+/// One k-group (a super-block of each column) of a Q4_K panel (see the
+/// module docs).
+fn pack_q4k<'a>(out: &mut [u8], block_of: impl Fn(usize) -> &'a [u8]) {
+    let (d, rest) = out.split_at_mut(64);
+    let (scales, quants) = rest.split_at_mut(192);
+    for c in 0..TILE_COLUMNS {
+        let (half, column) = (c / 8, c % 8);
+        let b = block_of(c);
+        let qs = &b[16..144];
+        // Sub-block s (32 k) is the low nibbles (s even) or high nibbles
+        // (s odd) of bytes 32·(s / 2) ..+ 32.
+        let quant = |k: usize| {
+            let (s, l) = (k / 32, k % 32);
+            let byte = qs[32 * (s / 2) + l];
+            if s % 2 == 0 { byte & 0x0f } else { byte >> 4 }
+        };
+        for s in 0..8 {
+            q4_layout(&mut quants[256 * s + 128 * half..], column, 32 * s, quant);
+        }
+        d[2 * c..2 * c + 2].copy_from_slice(&b[..2]);
+        d[32 + 2 * c..32 + 2 * c + 2].copy_from_slice(&b[2..4]);
+        for (i, &byte) in b[4..16].iter().enumerate() {
+            scales[16 * i + c] = byte;
+        }
+    }
+}
+
+/// Q6_K's 6-bit quant `k` (0..256) of a super-block, as `kvjit_core::quant`
+/// reads it: per 128 k, 32 k at a time, low nibbles of `ql[l]`,
+/// `ql[l + 32]`, then their high nibbles, with bits 2·quarter.. of `qh[l]`.
+fn q6k_quant(b: &[u8], k: usize) -> u8 {
+    let (ql, qh) = (&b[..128], &b[128..192]);
+    let (half, quarter, l) = (k / 128, k % 128 / 32, k % 32);
+    let byte = ql[64 * half + 32 * (quarter % 2) + l];
+    let low = if quarter < 2 { byte & 0x0f } else { byte >> 4 };
+    low | (((qh[32 * half + l] >> (2 * quarter)) & 3) << 4)
+}
+
+/// One k-group (a super-block of each column) of a Q6_K panel (see the
+/// module docs).
+fn pack_q6k<'a>(out: &mut [u8], block_of: impl Fn(usize) -> &'a [u8]) {
+    let (scales, rest) = out.split_at_mut(256);
+    let (d, quants) = rest.split_at_mut(32);
+    for c in 0..TILE_COLUMNS {
+        let (half, column) = (c / 8, c % 8);
+        let b = block_of(c);
+        for s in 0..8 {
+            let sub = &mut quants[384 * s..384 * (s + 1)];
+            q4_layout(&mut sub[128 * half..], column, 32 * s, |k| q6k_quant(b, k) & 0x0f);
+            for t in 0..2 {
+                for j in 0..4 {
+                    let high = |f: usize| (q6k_quant(b, 32 * s + 16 * t + 4 * f + j) >> 4) << (2 * f);
+                    sub[256 + 64 * half + 32 * t + 4 * column + j] = high(0) | high(1) | high(2) | high(3);
+                }
+            }
+        }
+        for (i, &scale) in b[192..208].iter().enumerate() {
+            scales[16 * i + c] = scale;
+        }
+        d[2 * c..2 * c + 2].copy_from_slice(&b[208..210]);
+    }
+}
