@@ -185,7 +185,11 @@ fn write_gguf_seeds(root: &Path) {
     use kvjit_gguf::GgmlType;
     use kvjit_gguf::writer::{GgufWriter, MetaValue};
     let dir = root.join("gguf");
-    let values = |n: usize, seed: f32| -> Vec<f32> { (0..n).map(|i| (i as f32 * 0.37 + seed).sin()).collect() };
+    // Multiples of 1/64 in [-1, 1): exact in every type, and the same on
+    // every host (a libm `sin` is not, and a one-ulp change moved a quant).
+    let values = |n: usize, seed: f32| -> Vec<f32> {
+        (0..n).map(|i| ((i * 37 + seed as usize * 11) % 128) as f32 / 64.0 - 1.0).collect()
+    };
     let mut w = GgufWriter::new();
     w.kv("general.architecture", "llama")
         .kv("llama.block_count", 1u32)
