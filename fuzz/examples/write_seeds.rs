@@ -10,10 +10,10 @@
 use std::path::Path;
 
 use kvjit::models::llama::{LayerConfig, qkv_layer_graph};
+use kvjit::scenario::Scenario;
 use kvjit::{
     DType, KvCacheParams, PagedKVCacheCollection, Tensor, graph_to_json, standard_registry, tensors_to_safetensors,
 };
-use kvjit::scenario::Scenario;
 use kvjit_fuzz::{TINY_ATTENTION_DTYPES, TINY_DTYPES, tiny_attention_graph, tiny_graph};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
@@ -65,7 +65,8 @@ fn main() {
                 num_layers: 1,
                 page_size: 2,
                 num_kv_heads: 1,
-                head_size: 2, scale_granularity: None,
+                head_size: 2,
+                scale_granularity: None,
                 num_pages: 6.into(),
                 batch: "batch".into(),
                 max_pages_per_seq: 3.into(),
@@ -132,7 +133,13 @@ fn main() {
     let inputs = root.join("safetensors_inputs");
     let mut rng = StdRng::seed_from_u64(5);
     for (dtype, cache_dtype) in TINY_DTYPES {
-        let params = KvCacheParams { element: kvjit::CacheElement::new(cache_dtype, None).unwrap(), num_layers: 2, page_size: 2, num_kv_heads: 1, head_size: 2 };
+        let params = KvCacheParams {
+            element: kvjit::CacheElement::new(cache_dtype, None).unwrap(),
+            num_layers: 2,
+            page_size: 2,
+            num_kv_heads: 1,
+            head_size: 2,
+        };
         let mut cache = PagedKVCacheCollection::new(params, 6, 2, 3).unwrap();
         cache.set_allocation_order(vec![4, 1, 5, 0, 3, 2]).unwrap();
         cache.set_blocks(Tensor::random(cache_dtype, cache.blocks().shape(), &mut rng, -1.0, 1.0).unwrap()).unwrap();
