@@ -67,8 +67,8 @@ fn padding_block(format: DType) -> Vec<u8> {
     block
 }
 
-/// The byte of the Q4 layout for 8 columns' 32 k at `k0` (see the module
-/// docs): vector `g`, column dword byte `j` holds the quants of
+/// The byte of the Q4 layout for 8 columns' 32 k at `k0` (see the
+/// [layout](super)): vector `g`, column dword byte `j` holds the quants of
 /// k0 + 8g + j (low nibble) and k0 + 8g + 4 + j (high nibble), from
 /// `quant(k)` (0..16).
 fn q4_layout(out: &mut [u8], column: usize, k0: usize, quant: impl Fn(usize) -> u8) {
@@ -80,7 +80,7 @@ fn q4_layout(out: &mut [u8], column: usize, k0: usize, quant: impl Fn(usize) -> 
     }
 }
 
-/// One k-group of a Q4_0 / Q4_1 panel (see the module docs).
+/// One k-group of a Q4_0 / Q4_1 panel (see the [layout](super)).
 fn pack_q4<'a>(format: DType, out: &mut [u8], block_of: impl Fn(usize) -> &'a [u8]) {
     let (quants, scales) = out.split_at_mut(256);
     let header = if format == DType::Q4_1 { 4 } else { 2 };
@@ -97,7 +97,7 @@ fn pack_q4<'a>(format: DType, out: &mut [u8], block_of: impl Fn(usize) -> &'a [u
     }
 }
 
-/// One k-group of a Q8_0 panel (see the module docs).
+/// One k-group of a Q8_0 panel (see the [layout](super)).
 fn pack_q8_0<'a>(out: &mut [u8], block_of: impl Fn(usize) -> &'a [u8]) {
     let (quants, scales) = out.split_at_mut(512);
     for c in 0..TILE_COLUMNS {
@@ -111,7 +111,7 @@ fn pack_q8_0<'a>(out: &mut [u8], block_of: impl Fn(usize) -> &'a [u8]) {
 }
 
 /// One k-group (a super-block of each column) of a Q4_K panel (see the
-/// module docs).
+/// [layout](super)).
 fn pack_q4k<'a>(out: &mut [u8], block_of: impl Fn(usize) -> &'a [u8]) {
     let (d, rest) = out.split_at_mut(64);
     let (scales, quants) = rest.split_at_mut(192);
@@ -149,7 +149,7 @@ fn q6k_quant(b: &[u8], k: usize) -> u8 {
 }
 
 /// One k-group (a super-block of each column) of a Q6_K panel (see the
-/// module docs).
+/// [layout](super)).
 fn pack_q6k<'a>(out: &mut [u8], block_of: impl Fn(usize) -> &'a [u8]) {
     let (scales, rest) = out.split_at_mut(256);
     let (d, quants) = rest.split_at_mut(32);

@@ -696,7 +696,6 @@ pub(super) fn gemv_with_streams_on(format: DType, tier: DotTier, streams: usize)
         ($f:ty) => {
             match (tier, streams) {
                 (DotTier::Avx2, STREAMS) => gemv_kernel::<$f> as GemmTile,
-                (DotTier::Avx2, _) => return None,
                 (DotTier::AvxVnni, 1) => gemv_kernel_avx_vnni::<$f, 1>,
                 (DotTier::AvxVnni, 2) => gemv_kernel_avx_vnni::<$f, 2>,
                 (DotTier::AvxVnni, 4) => gemv_kernel_avx_vnni::<$f, 4>,
@@ -720,8 +719,10 @@ pub(super) fn gemv_with_streams_on(format: DType, tier: DotTier, streams: usize)
 /// The tile of `format` on this CPU's best `vpdpbusd` tier read in
 /// `streams` streams; `None` without one (or with `KVJIT_QUANT_DOT=avx2`).
 pub(super) fn gemv_with_streams(format: DType, streams: usize) -> Option<GemmTile> {
-    let tier = DotTier::best();
-    (tier != DotTier::Avx2).then(|| gemv_with_streams_on(format, tier, streams)).flatten()
+    match DotTier::best() {
+        DotTier::Avx2 => None,
+        tier => gemv_with_streams_on(format, tier, streams),
+    }
 }
 
 /// The integer GEMV tile of `format` on `tier`, in [`STREAMS`] streams.
