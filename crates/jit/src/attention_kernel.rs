@@ -50,6 +50,15 @@
 //! g < D each widened vector of 8 is multiplied by its g-block's scale (g a
 //! multiple of 8). The 2⁸ rides in those scales. No dequantized copy, one
 //! byte read per element.
+//!
+//! **512-bit width.** On a CPU with AVX-512F, with D a multiple of 16 (and
+//! an FP8 cache's g equal to D or a multiple of 16), the scores and P·V of
+//! each row tile and block run on 512-bit vectors, 16 elements of D per
+//! FMA and per widening ([`DecodeWidth::Zmm`], picked by [`decode_width`]);
+//! the block loop, the masking and the online softmax are the 256-bit
+//! kernel's, so both widths leave the same state layout. Set
+//! `KVJIT_ATTENTION_AVX512=off` to run the 256-bit width on such a CPU (to
+//! time one against the other).
 
 use kvjit_core::DType;
 
@@ -120,18 +129,70 @@ pub fn decode_supported(cache: DType, head_size: usize, granularity: Option<usiz
     avx2_available() && element && head_size > 0 && head_size.is_multiple_of(8)
 }
 
-/// The decode micro-kernel for a cache of `cache` elements, `rows` query
-/// rows per KV head and head size `head_size` (bf16 with D a multiple of
-/// 16 takes the 16-element widening); `None` when [`decode_supported`]
+/// The vector width of the decode micro-kernel's products.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DecodeWidth {
+    /// 256-bit vectors (AVX2 + FMA + F16C): every cache it serves.
+    Ymm,
+    /// 512-bit vectors (AVX-512F) for the scores and P·V, where
+    /// [`zmm_serves`] says so.
+    Zmm,
+}
+
+/// Whether the 512-bit width serves a cache of `cache` elements with head
+/// size `head_size` (and an FP8 cache's granularity) on this CPU: AVX-512F,
+/// D a multiple of 16 and, FP8 with g < D, g a multiple of 16.
+pub fn zmm_serves(cache: DType, head_size: usize, granularity: Option<usize>) -> bool {
+    let scales = cache != DType::F8E4M3 || granularity.is_some_and(|g| g == head_size || g.is_multiple_of(16));
+    decode_supported(cache, head_size, granularity) && avx512f_available() && head_size.is_multiple_of(16) && scales
+}
+
+/// Whether this CPU has AVX-512F and `KVJIT_ATTENTION_AVX512` is not
+/// `off` (read once: it makes an AVX-512 CPU run the 256-bit kernel, to
+/// measure one against the other).
+fn avx512f_available() -> bool {
+    static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *AVAILABLE.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        let cpu = std::arch::is_x86_feature_detected!("avx512f");
+        #[cfg(not(target_arch = "x86_64"))]
+        let cpu = false;
+        cpu && std::env::var("KVJIT_ATTENTION_AVX512").map_or(true, |v| v != "off")
+    })
+}
+
+/// The width the decode micro-kernel runs at for this cache: 512-bit where
+/// [`zmm_serves`], else 256-bit.
+pub fn decode_width(cache: DType, head_size: usize, granularity: Option<usize>) -> DecodeWidth {
+    match zmm_serves(cache, head_size, granularity) {
+        true => DecodeWidth::Zmm,
+        false => DecodeWidth::Ymm,
+    }
+}
+
+/// The decode micro-kernel for a cache of `cache` elements (an FP8 cache's
+/// scale granularity), `rows` query rows per KV head and head size
+/// `head_size`, at [`decode_width`]; `None` when [`decode_supported`]
 /// refuses the element type on this CPU (checked again by the caller with
 /// its D and g).
-pub fn decode_kernel(cache: DType, rows: usize, head_size: usize) -> Option<DecodeKernel> {
-    if !avx2_available() || rows == 0 {
+pub fn decode_kernel(cache: DType, rows: usize, head_size: usize, granularity: Option<usize>) -> Option<DecodeKernel> {
+    decode_kernel_at(decode_width(cache, head_size, granularity), cache, rows, head_size)
+}
+
+/// The decode micro-kernel at `width` (bf16 at 256 bits with D a multiple
+/// of 16 takes the 16-element widening); `None` when this CPU lacks the
+/// width's features or the cache type is not served. The caller checks
+/// [`zmm_serves`] before asking for [`DecodeWidth::Zmm`].
+pub fn decode_kernel_at(width: DecodeWidth, cache: DType, rows: usize, head_size: usize) -> Option<DecodeKernel> {
+    if !avx2_available() || rows == 0 || (width == DecodeWidth::Zmm && !avx512f_available()) {
         return None;
     }
     #[cfg(target_arch = "x86_64")]
     {
-        x86::kernel(cache, rows, head_size)
+        match width {
+            DecodeWidth::Ymm => x86::kernel(cache, rows, head_size),
+            DecodeWidth::Zmm => x86::kernel_zmm(cache, rows),
+        }
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -163,6 +224,14 @@ mod x86 {
         /// and the state's `acc` the same way on entry, and `acc` back on
         /// exit.
         const PERMUTED: bool = Self::PAIRED && Self::PERMUTED16;
+
+        /// Sixteen consecutive elements at `p` widened to f32 in one
+        /// 512-bit vector, in their order (the [`Zmm`] width; FP8 codes
+        /// times 2⁻⁸ as [`E4m3::load8`]'s).
+        ///
+        /// # Safety
+        /// `p` readable for 16 elements; AVX-512F, AVX2, FMA, F16C.
+        unsafe fn widen16(p: *const u8) -> __m512;
     }
 
     /// bf16 widened 16 at a time ([`Bf16`]'s `load16`: an unpack with zero
@@ -190,6 +259,12 @@ mod x86 {
     impl Elem for Bf16Pairs {
         const SCALED: bool = false;
         const PAIRED: bool = true;
+        #[inline]
+        #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+        unsafe fn widen16(p: *const u8) -> __m512 {
+            // SAFETY: the caller guarantees 16 readable bf16 at `p`.
+            unsafe { Bf16::widen16(p) }
+        }
     }
 
     /// Swap the middle quads of every 16 values of `values` (an involution:
@@ -205,18 +280,44 @@ mod x86 {
 
     impl Elem for F32 {
         const SCALED: bool = false;
+        #[inline]
+        #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+        unsafe fn widen16(p: *const u8) -> __m512 {
+            // SAFETY: the caller guarantees 16 readable f32 at `p`.
+            unsafe { _mm512_loadu_ps(p.cast()) }
+        }
     }
 
     impl Elem for Bf16 {
         const SCALED: bool = false;
+        /// A bf16 is the top half of an f32: widen and shift up.
+        #[inline]
+        #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+        unsafe fn widen16(p: *const u8) -> __m512 {
+            // SAFETY: the caller guarantees 16 readable bf16 (32 bytes) at `p`.
+            let h = unsafe { _mm256_loadu_si256(p.cast()) };
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
+        }
     }
 
     impl Elem for F16 {
         const SCALED: bool = false;
+        #[inline]
+        #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+        unsafe fn widen16(p: *const u8) -> __m512 {
+            // SAFETY: the caller guarantees 16 readable f16 (32 bytes) at `p`.
+            _mm512_cvtph_ps(unsafe { _mm256_loadu_si256(p.cast()) })
+        }
     }
 
     impl Elem for E4m3 {
         const SCALED: bool = true;
+        #[inline]
+        #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+        unsafe fn widen16(p: *const u8) -> __m512 {
+            // SAFETY: the caller guarantees 16 readable codes at `p`.
+            unsafe { E4m3Pairs::widen16(p) }
+        }
     }
 
     impl Weights for E4m3 {
@@ -254,6 +355,31 @@ mod x86 {
     impl Elem for E4m3Pairs {
         const SCALED: bool = true;
         const PAIRED: bool = true;
+        /// [`E4m3Pairs::load16`]'s halves, widened by one 512-bit F16C
+        /// conversion.
+        #[inline]
+        #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+        unsafe fn widen16(p: *const u8) -> __m512 {
+            // SAFETY: the caller guarantees 16 readable codes at `p`.
+            _mm512_cvtph_ps(unsafe { e4m3_halves16(p) })
+        }
+    }
+
+    /// Sixteen E4M3 codes at `p` as the f16 bit patterns of
+    /// [`E4m3::load8`] (2⁻⁸ × each code's value, NaN codes all-ones).
+    ///
+    /// # Safety
+    /// `p` readable for 16 bytes; AVX2.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn e4m3_halves16(p: *const u8) -> __m256i {
+        // SAFETY: the caller guarantees 16 readable bytes at `p`.
+        let codes = _mm256_cvtepu8_epi16(unsafe { _mm_loadu_si128(p.cast()) });
+        let high = _mm256_slli_epi16::<8>(codes);
+        let half = _mm256_and_si256(_mm256_srai_epi16::<1>(high), _mm256_set1_epi16(0xbfff_u16 as i16));
+        let magnitude = _mm256_and_si256(codes, _mm256_set1_epi16(0x7f));
+        let nan = _mm256_cmpeq_epi16(magnitude, _mm256_set1_epi16(0x7f));
+        _mm256_or_si256(half, nan)
     }
 
     impl Weights for E4m3Pairs {
@@ -269,12 +395,7 @@ mod x86 {
         #[target_feature(enable = "avx2,fma,f16c")]
         unsafe fn load16(p: *const u8) -> [__m256; 2] {
             // SAFETY: the caller guarantees 16 readable bytes at `p`.
-            let codes = _mm256_cvtepu8_epi16(unsafe { _mm_loadu_si128(p.cast()) });
-            let high = _mm256_slli_epi16::<8>(codes);
-            let half = _mm256_and_si256(_mm256_srai_epi16::<1>(high), _mm256_set1_epi16(0xbfff_u16 as i16));
-            let magnitude = _mm256_and_si256(codes, _mm256_set1_epi16(0x7f));
-            let nan = _mm256_cmpeq_epi16(magnitude, _mm256_set1_epi16(0x7f));
-            let halves = _mm256_or_si256(half, nan);
+            let halves = unsafe { e4m3_halves16(p) };
             [_mm256_cvtph_ps(_mm256_castsi256_si128(halves)), _mm256_cvtph_ps(_mm256_extracti128_si256::<1>(halves))]
         }
     }
@@ -440,19 +561,38 @@ mod x86 {
                     flat[r * KN + kk] = acc[r][kk];
                 }
             }
-            let mut sums = [0f32; 8];
-            // SAFETY: sums holds 8 f32.
-            unsafe { _mm256_storeu_ps(sums.as_mut_ptr(), hsum8(flat)) };
-            for r in 0..R {
-                for kk in 0..KN {
-                    out[r][j0 + kk] = sums[r * KN + kk];
-                    if E::SCALED && sh.whole_rows {
-                        // SAFETY: the key's K scale row (one scale: g = D).
-                        out[r][j0 + kk] *= unsafe { *rows.ks[j0 + kk] } * E4M3_UNIT;
-                    }
+            // SAFETY: j0 + KN ≤ KB; the block's scale rows (the caller's).
+            unsafe { store_scores::<E, R, KN>(flat, rows, j0, sh, out) };
+            j0 += KN;
+        }
+    }
+
+    /// The scores of rows `r < R` against keys `j0 .. j0 + KN` from their
+    /// vectors of partial sums (`flat[r·KN + kk]`), into `out` (an FP8
+    /// cache's whole-row K scales applied).
+    ///
+    /// # Safety
+    /// `j0 + KN ≤ KB`; with FP8 and g = D, the keys' K scale rows readable.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn store_scores<E: Elem, const R: usize, const KN: usize>(
+        flat: [__m256; 8],
+        rows: &Rows,
+        j0: usize,
+        sh: Shape,
+        out: &mut [[f32; KB]; R],
+    ) {
+        let mut sums = [0f32; 8];
+        // SAFETY: sums holds 8 f32.
+        unsafe { _mm256_storeu_ps(sums.as_mut_ptr(), hsum8(flat)) };
+        for r in 0..R {
+            for kk in 0..KN {
+                out[r][j0 + kk] = sums[r * KN + kk];
+                if E::SCALED && sh.whole_rows {
+                    // SAFETY: the key's K scale row (one scale: g = D).
+                    out[r][j0 + kk] *= unsafe { *rows.ks[j0 + kk] } * E4M3_UNIT;
                 }
             }
-            j0 += KN;
         }
     }
 
@@ -601,7 +741,7 @@ mod x86 {
     /// As [`decode`]'s, for this tile's q rows and state.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn tile_block<E: Elem, const R: usize, const KN: usize, const SV: usize>(
+    unsafe fn tile_block<W: Width, E: Elem, const R: usize, const KN: usize, const SV: usize>(
         q: *const f32,
         state: *mut f32,
         (rows, n, pos0): (&Rows, usize, i64),
@@ -610,7 +750,7 @@ mod x86 {
     ) {
         let mut s = [[f32::NEG_INFINITY; KB]; R];
         // SAFETY: the caller's bounds on q and the rows.
-        unsafe { scores::<E, R, KN>(q, rows, n, sh, &mut s, ahead) };
+        unsafe { W::scores::<E, R, KN>(q, rows, n, sh, &mut s, ahead) };
         let mut alpha = [0f32; R];
         for r in 0..R {
             let row = &mut s[r];
@@ -678,24 +818,273 @@ mod x86 {
                 }
             }
         }
-        // SAFETY: acc of the tile: R rows of D f32.
-        let acc = unsafe { state.add(STATE_ACC) };
-        let slice = 8 * SV;
+        // SAFETY: acc of the tile: R rows of D f32; the block's V rows.
+        unsafe { W::pv::<E, R, SV>(state.add(STATE_ACC), rows, n, sh, (&s, alpha)) };
+    }
+
+    /// The vector width of a call's inner loops (the scores and P·V of one
+    /// row tile over one block); the online softmax between them is the
+    /// same for both.
+    trait Width {
+        /// [`scores`]'s contract.
+        ///
+        /// # Safety
+        /// As [`scores`]'s (and the width's CPU features).
+        unsafe fn scores<E: Elem, const R: usize, const KN: usize>(
+            q: *const f32,
+            rows: &Rows,
+            n: usize,
+            sh: Shape,
+            out: &mut [[f32; KB]; R],
+            ahead: &mut Ahead,
+        );
+
+        /// `acc[r][..D] = α_r·acc[r][..D] + Σ_{j<n} p[r][j]·V_j` for the R
+        /// rows of one state tile (`SV`: the 256-bit width's vectors per
+        /// slice of D).
+        ///
+        /// # Safety
+        /// As [`pv_slice`]'s for all of D (and the width's CPU features).
+        unsafe fn pv<E: Elem, const R: usize, const SV: usize>(
+            acc: *mut f32,
+            rows: &Rows,
+            n: usize,
+            sh: Shape,
+            p: (&[[f32; KB]; R], [f32; R]),
+        );
+    }
+
+    /// 256-bit vectors: AVX2 + FMA + F16C.
+    pub(super) struct Ymm;
+
+    impl Width for Ymm {
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn scores<E: Elem, const R: usize, const KN: usize>(
+            q: *const f32,
+            rows: &Rows,
+            n: usize,
+            sh: Shape,
+            out: &mut [[f32; KB]; R],
+            ahead: &mut Ahead,
+        ) {
+            // SAFETY: the caller's.
+            unsafe { scores::<E, R, KN>(q, rows, n, sh, out, ahead) }
+        }
+
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn pv<E: Elem, const R: usize, const SV: usize>(
+            acc: *mut f32,
+            rows: &Rows,
+            n: usize,
+            sh: Shape,
+            (s, alpha): (&[[f32; KB]; R], [f32; R]),
+        ) {
+            let slice = 8 * SV;
+            let mut d0 = 0;
+            while d0 + slice <= sh.d {
+                // SAFETY: d0 + 8·SV ≤ D.
+                unsafe { pv_slice::<E, R, SV>(acc, d0, rows, n, sh, (s, alpha)) };
+                d0 += slice;
+            }
+            while d0 < sh.d {
+                if E::PAIRED {
+                    // SAFETY: D is a multiple of 16 (PAIRED), d0 of 16.
+                    unsafe { pv_slice::<E, R, 2>(acc, d0, rows, n, sh, (s, alpha)) };
+                    d0 += 16;
+                } else {
+                    // SAFETY: D is a multiple of 8.
+                    unsafe { pv_slice::<E, R, 1>(acc, d0, rows, n, sh, (s, alpha)) };
+                    d0 += 8;
+                }
+            }
+        }
+    }
+
+    /// 512-bit vectors (AVX-512F) for the FMAs and the widening, 16
+    /// elements of D a vector: half the instructions of [`Ymm`] for the
+    /// same products. Serves D a multiple of 16 and, FP8 with g < D, g a
+    /// multiple of 16 ([`super::zmm_serves`]). Its scores and P·V are
+    /// real calls from the 256-bit driver (a target-feature boundary), one
+    /// per row tile and block, each over 32 keys.
+    pub(super) struct Zmm;
+
+    impl Width for Zmm {
+        #[inline]
+        unsafe fn scores<E: Elem, const R: usize, const KN: usize>(
+            q: *const f32,
+            rows: &Rows,
+            n: usize,
+            sh: Shape,
+            out: &mut [[f32; KB]; R],
+            ahead: &mut Ahead,
+        ) {
+            // SAFETY: the caller's bounds; the caller picked this width on
+            // a CPU with AVX-512F and a D (and g) it serves.
+            unsafe { scores_zmm::<E, R, KN>(q, rows, n, sh, out, ahead) }
+        }
+
+        #[inline]
+        unsafe fn pv<E: Elem, const R: usize, const SV: usize>(
+            acc: *mut f32,
+            rows: &Rows,
+            n: usize,
+            sh: Shape,
+            p: (&[[f32; KB]; R], [f32; R]),
+        ) {
+            // SAFETY: as for `scores`. Slices of 64 elements (16 vector
+            // accumulators for 4 rows), 128 for one or two rows.
+            unsafe {
+                match R {
+                    1 | 2 => pv_zmm::<E, R, 8>(acc, rows, n, sh, p),
+                    _ => pv_zmm::<E, R, 4>(acc, rows, n, sh, p),
+                }
+            }
+        }
+    }
+
+    /// [`scores`] on 512-bit vectors: 16 elements of D a step.
+    ///
+    /// # Safety
+    /// As [`scores`]'s, with D a multiple of 16 (and FP8 g < D a multiple
+    /// of 16); AVX-512F.
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    unsafe fn scores_zmm<E: Elem, const R: usize, const KN: usize>(
+        q: *const f32,
+        rows: &Rows,
+        n: usize,
+        sh: Shape,
+        out: &mut [[f32; KB]; R],
+        ahead: &mut Ahead,
+    ) {
+        let per_group = ahead.lines().div_ceil(KB / KN);
+        let mut j0 = 0;
+        while j0 < n {
+            ahead.step(false, per_group);
+            ahead.step(true, per_group);
+            let mut acc = [[_mm512_setzero_ps(); KN]; R];
+            // The scale block of d (FP8 with g < D), without a division per step.
+            let (mut blk, mut blk_end) = (0, sh.g);
+            let mut d = 0;
+            while d < sh.d {
+                if d == blk_end {
+                    blk += 1;
+                    blk_end += sh.g;
+                }
+                let mut k = [_mm512_setzero_ps(); KN];
+                for (kk, kv) in k.iter_mut().enumerate() {
+                    // SAFETY: j0 + kk < KB; rows.k[j] holds D elements, d + 16 ≤ D.
+                    unsafe {
+                        *kv = E::widen16(rows.k[j0 + kk].add(d * E::BYTES));
+                        if E::SCALED && !sh.whole_rows {
+                            *kv = _mm512_mul_ps(*kv, _mm512_set1_ps(*rows.ks[j0 + kk].add(blk) * E4M3_UNIT));
+                        }
+                    }
+                }
+                for (r, row) in acc.iter_mut().enumerate() {
+                    // SAFETY: q holds R rows of D f32.
+                    let qv = unsafe { _mm512_loadu_ps(q.add(r * sh.d + d)) };
+                    for (a, kv) in row.iter_mut().zip(&k) {
+                        *a = _mm512_fmadd_ps(qv, *kv, *a);
+                    }
+                }
+                d += 16;
+            }
+            let mut flat = [_mm256_setzero_ps(); 8];
+            for r in 0..R {
+                for kk in 0..KN {
+                    flat[r * KN + kk] = fold16(acc[r][kk]);
+                }
+            }
+            // SAFETY: j0 + KN ≤ KB; the block's scale rows (the caller's).
+            unsafe { store_scores::<E, R, KN>(flat, rows, j0, sh, out) };
+            j0 += KN;
+        }
+    }
+
+    /// The two 256-bit halves of `a` added.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    fn fold16(a: __m512) -> __m256 {
+        let high = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(a)));
+        _mm256_add_ps(_mm512_castps512_ps256(a), high)
+    }
+
+    /// [`Width::pv`] on 512-bit vectors: slices of `16·SV` elements of D,
+    /// then single vectors.
+    ///
+    /// # Safety
+    /// As [`pv_slice`]'s for all of D, D a multiple of 16 (and FP8 g < D a
+    /// multiple of 16); AVX-512F.
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    unsafe fn pv_zmm<E: Elem, const R: usize, const SV: usize>(
+        acc: *mut f32,
+        rows: &Rows,
+        n: usize,
+        sh: Shape,
+        p: (&[[f32; KB]; R], [f32; R]),
+    ) {
         let mut d0 = 0;
-        while d0 + slice <= sh.d {
-            // SAFETY: d0 + 8·SV ≤ D.
-            unsafe { pv_slice::<E, R, SV>(acc, d0, rows, n, sh, (&s, alpha)) };
-            d0 += slice;
+        while d0 + 16 * SV <= sh.d {
+            // SAFETY: d0 + 16·SV ≤ D.
+            unsafe { pv_slice_zmm::<E, R, SV>(acc, d0, rows, n, sh, p) };
+            d0 += 16 * SV;
         }
         while d0 < sh.d {
-            if E::PAIRED {
-                // SAFETY: D is a multiple of 16 (PAIRED), d0 of 16.
-                unsafe { pv_slice::<E, R, 2>(acc, d0, rows, n, sh, (&s, alpha)) };
-                d0 += 16;
-            } else {
-                // SAFETY: D is a multiple of 8.
-                unsafe { pv_slice::<E, R, 1>(acc, d0, rows, n, sh, (&s, alpha)) };
-                d0 += 8;
+            // SAFETY: D and d0 multiples of 16.
+            unsafe { pv_slice_zmm::<E, R, 1>(acc, d0, rows, n, sh, p) };
+            d0 += 16;
+        }
+    }
+
+    /// [`pv_slice`] on 512-bit vectors: `acc[r][d0 .. d0 + 16·SV]`.
+    ///
+    /// # Safety
+    /// As [`pv_slice`]'s with `d0 + 16·SV ≤ D`; AVX-512F.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    unsafe fn pv_slice_zmm<E: Elem, const R: usize, const SV: usize>(
+        acc: *mut f32,
+        d0: usize,
+        rows: &Rows,
+        n: usize,
+        sh: Shape,
+        (p, alpha): (&[[f32; KB]; R], [f32; R]),
+    ) {
+        let mut a = [[_mm512_setzero_ps(); SV]; R];
+        for (r, row) in a.iter_mut().enumerate() {
+            let al = _mm512_set1_ps(alpha[r]);
+            for (i, x) in row.iter_mut().enumerate() {
+                // SAFETY: row r of acc, d0 + 16i + 16 ≤ D.
+                *x = _mm512_mul_ps(al, unsafe { _mm512_loadu_ps(acc.add(r * sh.d + d0 + 16 * i)) });
+            }
+        }
+        // Each vector's scale block (FP8 with g < D; g a multiple of 16).
+        let blk: [usize; SV] = std::array::from_fn(|i| (d0 + 16 * i) / sh.g);
+        for (j, (&v_row, &v_scales)) in rows.v.iter().zip(&rows.vs).enumerate().take(n) {
+            let mut v = [_mm512_setzero_ps(); SV];
+            for (i, x) in v.iter_mut().enumerate() {
+                // SAFETY: j < n ≤ KB; the row holds D elements (and, FP8,
+                // its D/g scales).
+                unsafe {
+                    *x = E::widen16(v_row.add((d0 + 16 * i) * E::BYTES));
+                    if E::SCALED && !sh.whole_rows {
+                        *x = _mm512_mul_ps(*x, _mm512_set1_ps(*v_scales.add(blk[i]) * E4M3_UNIT));
+                    }
+                }
+            }
+            for (r, row) in a.iter_mut().enumerate() {
+                let pb = _mm512_set1_ps(p[r][j]);
+                for (x, vv) in row.iter_mut().zip(&v) {
+                    *x = _mm512_fmadd_ps(pb, *vv, *x);
+                }
+            }
+        }
+        for (r, row) in a.iter().enumerate() {
+            for (i, x) in row.iter().enumerate() {
+                // SAFETY: as the loads above.
+                unsafe { _mm512_storeu_ps(acc.add(r * sh.d + d0 + 16 * i), *x) };
             }
         }
     }
@@ -713,7 +1102,7 @@ mod x86 {
     /// `tile_floats ≥ 16 + 4·head_size` f32; head_size a multiple of 8,
     /// granularity (FP8) a multiple of 8 dividing it; AVX2, FMA, F16C.
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe extern "C" fn decode<E: Elem, const R: usize, const KN: usize, const SV: usize>(
+    unsafe extern "C" fn decode<W: Width, E: Elem, const R: usize, const KN: usize, const SV: usize>(
         q: *const f32,
         blocks: *const u8,
         key_offsets: *const i64,
@@ -834,7 +1223,7 @@ mod x86 {
                     // are the caller's; the block's rows are rows of the
                     // cache (the contract).
                     unsafe {
-                        tile_block::<E, R, KN, SV>(
+                        tile_block::<W, E, R, KN, SV>(
                             q.add(tile * STATE_TILE_ROWS * head_size),
                             state.add(tile * sh.tile_floats),
                             (&rows_of, n, first_key + p0 as i64),
@@ -853,23 +1242,37 @@ mod x86 {
     /// that many up to 3 (a GQA group of 3, SmolLM2's, measured 8–12 %
     /// faster at context 2048 than a 4-row tile with a padded row), 4-row
     /// tiles beyond.
-    fn for_rows<E: Elem>(rows: usize) -> DecodeKernel {
+    fn for_rows<W: Width, E: Elem>(rows: usize) -> DecodeKernel {
         match rows {
-            1 => decode::<E, 1, 8, 8>,
-            2 => decode::<E, 2, 4, 4>,
-            3 => decode::<E, 3, 2, 2>,
-            _ => decode::<E, 4, 2, 2>,
+            1 => decode::<W, E, 1, 8, 8>,
+            2 => decode::<W, E, 2, 4, 4>,
+            3 => decode::<W, E, 3, 2, 2>,
+            _ => decode::<W, E, 4, 2, 2>,
         }
     }
 
+    /// The 256-bit kernel for the cache's element type.
     pub(super) fn kernel(cache: DType, rows: usize, head_size: usize) -> Option<DecodeKernel> {
         Some(match cache {
-            DType::F32 => for_rows::<F32>(rows),
-            DType::BF16 if head_size.is_multiple_of(16) => for_rows::<Bf16Pairs>(rows),
-            DType::BF16 => for_rows::<Bf16>(rows),
-            DType::F16 => for_rows::<F16>(rows),
-            DType::F8E4M3 if head_size.is_multiple_of(16) => for_rows::<E4m3Pairs>(rows),
-            DType::F8E4M3 => for_rows::<E4m3>(rows),
+            DType::F32 => for_rows::<Ymm, F32>(rows),
+            DType::BF16 if head_size.is_multiple_of(16) => for_rows::<Ymm, Bf16Pairs>(rows),
+            DType::BF16 => for_rows::<Ymm, Bf16>(rows),
+            DType::F16 => for_rows::<Ymm, F16>(rows),
+            DType::F8E4M3 if head_size.is_multiple_of(16) => for_rows::<Ymm, E4m3Pairs>(rows),
+            DType::F8E4M3 => for_rows::<Ymm, E4m3>(rows),
+            _ => return None,
+        })
+    }
+
+    /// The 512-bit kernel for the cache's element type (the caller checked
+    /// [`super::zmm_serves`]): elements in their order, so q and `acc` are
+    /// never permuted.
+    pub(super) fn kernel_zmm(cache: DType, rows: usize) -> Option<DecodeKernel> {
+        Some(match cache {
+            DType::F32 => for_rows::<Zmm, F32>(rows),
+            DType::BF16 => for_rows::<Zmm, Bf16>(rows),
+            DType::F16 => for_rows::<Zmm, F16>(rows),
+            DType::F8E4M3 => for_rows::<Zmm, E4m3>(rows),
             _ => return None,
         })
     }
@@ -938,6 +1341,288 @@ mod tests {
         assert_eq!(special[3], 1.0);
         assert_eq!(special[4], 1.0);
     }
+
+    use rand::rngs::StdRng;
+    use rand::{Rng, SeedableRng};
+
+    /// KV heads and slots per page of [`Call`]'s cache.
+    const HEADS: usize = 2;
+    const PAGE: usize = 7;
+    /// Floats of poison after each state tile and after the whole state.
+    const GUARD: usize = 5;
+
+    /// One call of the decode kernel on a random paged cache `[pages, K|V,
+    /// PAGE, HEADS·D]` with its pages shuffled, random q rows, random
+    /// per-row key ranges and half the rows resuming a random partial
+    /// state; the cache's values decoded to f32 (FP8 times its scales)
+    /// for the reference.
+    struct Call {
+        d: usize,
+        g: usize,
+        rows: usize,
+        keys: usize,
+        first_key: i64,
+        bytes: Vec<u8>,
+        values: Vec<f32>,
+        scales: Vec<f32>,
+        offsets: Vec<i64>,
+        q: Vec<f32>,
+        state: Vec<f32>,
+    }
+
+    impl Call {
+        fn tiles(&self) -> usize {
+            self.rows.div_ceil(STATE_TILE_ROWS)
+        }
+
+        fn tile_floats(&self) -> usize {
+            STATE_ACC + STATE_TILE_ROWS * self.d + GUARD
+        }
+
+        fn kv_stride(&self) -> usize {
+            PAGE * HEADS * self.d
+        }
+
+        fn new(dtype: DType, d: usize, g: usize, rows: usize, keys: usize, seed: u64) -> Call {
+            let mut rng = StdRng::seed_from_u64(seed);
+            let pages = keys.div_ceil(PAGE) + 2;
+            let elements = pages * 2 * PAGE * HEADS * d;
+            let scales: Vec<f32> = (0..elements / g).map(|_| rng.gen_range(0.001..0.004)).collect();
+            let mut bytes = Vec::new();
+            let mut values = Vec::with_capacity(elements);
+            for e in 0..elements {
+                let v: f32 = rng.gen_range(-1.0..1.0);
+                let decoded = match dtype {
+                    DType::F32 => {
+                        bytes.extend(v.to_le_bytes());
+                        v
+                    }
+                    DType::BF16 => {
+                        let h = half::bf16::from_f32(v);
+                        bytes.extend(h.to_le_bytes());
+                        h.to_f32()
+                    }
+                    DType::F16 => {
+                        let h = half::f16::from_f32(v);
+                        bytes.extend(h.to_le_bytes());
+                        h.to_f32()
+                    }
+                    _ => {
+                        let code = kvjit_core::fp8::e4m3_from_f32(v / scales[e / g] / 4.0);
+                        bytes.push(code);
+                        kvjit_core::fp8::e4m3_to_f32(code) * scales[e / g]
+                    }
+                };
+                values.push(decoded);
+            }
+            let mut order: Vec<usize> = (0..pages).collect();
+            for i in (1..pages).rev() {
+                order.swap(i, rng.gen_range(0..=i));
+            }
+            let slot = HEADS * d;
+            let offsets = (0..keys).map(|j| ((order[j / PAGE] * 2 * PAGE + j % PAGE) * slot) as i64).collect();
+            let mut call = Call {
+                d,
+                g,
+                rows,
+                keys,
+                first_key: 500,
+                bytes,
+                values,
+                scales,
+                offsets,
+                q: Vec::new(),
+                state: Vec::new(),
+            };
+            let padded = call.tiles() * STATE_TILE_ROWS;
+            call.q = (0..HEADS * padded * d)
+                .map(|i| if (i / d) % padded < rows { rng.gen_range(-1.0..1.0) } else { 0.0 })
+                .collect();
+            call.state = vec![f32::NAN; HEADS * call.tiles() * call.tile_floats() + GUARD];
+            for h in 0..HEADS {
+                for t in 0..call.tiles() {
+                    let base = (h * call.tiles() + t) * call.tile_floats();
+                    for lane in 0..STATE_TILE_ROWS {
+                        let row = t * STATE_TILE_ROWS + lane;
+                        let (lo, hi, resume) = match row < rows {
+                            true => {
+                                let lo = rng.gen_range(0..=keys / 3) as i64;
+                                let hi = rng.gen_range(lo as usize..=keys) as i64;
+                                (lo, hi, rng.gen_bool(0.5))
+                            }
+                            false => (0, 0, false),
+                        };
+                        let tile = &mut call.state[base..];
+                        tile[STATE_LO + lane] = f32::from_bits((call.first_key + lo) as u32);
+                        tile[STATE_HI + lane] = f32::from_bits((call.first_key + hi) as u32);
+                        tile[lane] = if resume { rng.gen_range(-1.0..1.0) } else { f32::NEG_INFINITY };
+                        tile[4 + lane] = if resume { rng.gen_range(0.5..2.0) } else { 0.0 };
+                        for x in 0..d {
+                            tile[STATE_ACC + lane * d + x] = if resume { rng.gen_range(-1.0..1.0) } else { 0.0 };
+                        }
+                    }
+                }
+            }
+            call
+        }
+
+        /// Run `kernel` on a copy of the state and return it.
+        fn run(&self, kernel: DecodeKernel) -> Vec<f32> {
+            let mut state = self.state.clone();
+            // SAFETY: every offset is a K slot of a page of `bytes`, its V
+            // slot kv_stride on in the same page, HEADS·D elements each;
+            // scales cover every g elements; q and state are sized for
+            // HEADS × tiles() tiles of tile_floats() ≥ 16 + 4·D; the
+            // kernel exists, so this CPU has its features.
+            unsafe {
+                kernel(
+                    self.q.as_ptr(),
+                    self.bytes.as_ptr(),
+                    self.offsets.as_ptr(),
+                    self.keys,
+                    self.first_key,
+                    HEADS,
+                    self.scales.as_ptr(),
+                    state.as_mut_ptr(),
+                    self.rows,
+                    self.d,
+                    self.kv_stride(),
+                    self.g,
+                    self.tile_floats(),
+                )
+            };
+            state
+        }
+
+        /// The state after the call in f64 (`(m, l, acc)` per head and
+        /// row), from the state before it: flash attention's update by
+        /// each key of the row's range.
+        fn reference(&self) -> Vec<(f64, f64, Vec<f64>)> {
+            let mut out = Vec::new();
+            for h in 0..HEADS {
+                for row in 0..self.rows {
+                    let tile = &self.state[(h * self.tiles() + row / 4) * self.tile_floats()..];
+                    let lane = row % 4;
+                    let lo = (tile[STATE_LO + lane].to_bits() as i64 - self.first_key) as usize;
+                    let hi = (tile[STATE_HI + lane].to_bits() as i64 - self.first_key) as usize;
+                    let q = &self.q[((h * self.tiles() * 4) + row) * self.d..][..self.d];
+                    let scores: Vec<f64> = (lo..hi)
+                        .map(|j| {
+                            let k = &self.values[self.offsets[j] as usize + h * self.d..][..self.d];
+                            q.iter().zip(k).map(|(&a, &b)| f64::from(a) * f64::from(b)).sum()
+                        })
+                        .collect();
+                    let m0 = f64::from(tile[lane]);
+                    let m = scores.iter().copied().fold(m0, f64::max);
+                    let alpha = if m0 == f64::NEG_INFINITY { 0.0 } else { (m0 - m).exp() };
+                    let mut l = alpha * f64::from(tile[4 + lane]);
+                    let mut acc: Vec<f64> =
+                        (0..self.d).map(|x| alpha * f64::from(tile[STATE_ACC + lane * self.d + x])).collect();
+                    for (j, s) in (lo..hi).zip(&scores) {
+                        let p = (s - m).exp();
+                        l += p;
+                        let v = &self.values[self.offsets[j] as usize + self.kv_stride() + h * self.d..][..self.d];
+                        for (a, &x) in acc.iter_mut().zip(v) {
+                            *a += p * f64::from(x);
+                        }
+                    }
+                    out.push((m, l, acc));
+                }
+            }
+            out
+        }
+
+        /// `got` (a run's state) against the reference: each row's
+        /// `m + ln l` and `acc / l`, the `lo`/`hi` and padded rows left
+        /// alone, the guards still NaN.
+        fn check(&self, got: &[f32], what: &str) {
+            let want = self.reference();
+            for h in 0..HEADS {
+                for t in 0..self.tiles() {
+                    let base = (h * self.tiles() + t) * self.tile_floats();
+                    let before = &self.state[base..base + self.tile_floats()];
+                    let after = &got[base..base + self.tile_floats()];
+                    for lane in 0..STATE_TILE_ROWS {
+                        let row = t * STATE_TILE_ROWS + lane;
+                        for word in [STATE_LO + lane, STATE_HI + lane] {
+                            assert_eq!(after[word].to_bits(), before[word].to_bits(), "{what}: lo/hi of row {row}");
+                        }
+                        if row >= self.rows {
+                            continue;
+                        }
+                        let (m, l, acc) = &want[h * self.rows + row];
+                        if *l == 0.0 {
+                            assert_eq!(f64::from(after[4 + lane]), 0.0, "{what}: head {h} row {row} read no key");
+                            continue;
+                        }
+                        let (gm, gl) = (f64::from(after[lane]), f64::from(after[4 + lane]));
+                        let lse = gm + gl.ln();
+                        assert!((lse - (m + l.ln())).abs() < 1e-4, "{what}: head {h} row {row}: m + ln l {lse}");
+                        for (x, a) in acc.iter().enumerate() {
+                            let g = f64::from(after[STATE_ACC + lane * self.d + x]) / gl;
+                            assert!(
+                                (g - a / l).abs() < 2e-5 + 1e-4 * (a / l).abs(),
+                                "{what}: head {h} row {row} acc[{x}]: {g} vs {}",
+                                a / l
+                            );
+                        }
+                    }
+                    assert!(after[STATE_ACC + 4 * self.d..].iter().all(|x| x.is_nan()), "{what}: tile guard");
+                }
+            }
+            assert!(got[got.len() - GUARD..].iter().all(|x| x.is_nan()), "{what}: state guard");
+        }
+    }
+
+    /// Both widths of the decode kernel against the f64 reference on
+    /// every cache type (FP8 with g = D and g-blocks of 8, 16 and 32),
+    /// GQA groups 1–8, head sizes multiples of 16 and not (the 512-bit
+    /// width refuses those), whole and partial key blocks, masked ranges
+    /// and resumed states.
+    #[test]
+    fn decode_widths_match_the_reference() {
+        if !avx2_available() {
+            eprintln!("skipped: this CPU has no AVX2/FMA/F16C");
+            return;
+        }
+        let mut seed = 0;
+        let mut zmm_runs = 0;
+        for (dtype, d, g) in [
+            (DType::F32, 64usize, None),
+            (DType::F32, 40, None),
+            (DType::BF16, 128, None),
+            (DType::BF16, 48, None),
+            (DType::BF16, 24, None),
+            (DType::F16, 64, None),
+            (DType::F8E4M3, 64, Some(64)),
+            (DType::F8E4M3, 128, Some(32)),
+            (DType::F8E4M3, 48, Some(16)),
+            (DType::F8E4M3, 64, Some(8)),
+            (DType::F8E4M3, 40, Some(40)),
+        ] {
+            if !d.is_multiple_of(16) || g == Some(8) {
+                assert!(!zmm_serves(dtype, d, g), "{dtype} D {d} g {g:?}");
+            }
+            for rows in [1, 2, 3, 4, 5, 8] {
+                for keys in [5, 32, 77] {
+                    seed += 1;
+                    let call = Call::new(dtype, d, g.unwrap_or(d), rows, keys, seed);
+                    for width in [DecodeWidth::Ymm, DecodeWidth::Zmm] {
+                        if width == DecodeWidth::Zmm && !zmm_serves(dtype, d, g) {
+                            continue;
+                        }
+                        zmm_runs += usize::from(width == DecodeWidth::Zmm);
+                        let kernel = decode_kernel_at(width, dtype, rows, d).expect("the CPU and type are served");
+                        let got = call.run(kernel);
+                        call.check(&got, &format!("{width:?} {dtype} D {d} g {g:?} G {rows} keys {keys}"));
+                    }
+                }
+            }
+        }
+        if zmm_runs == 0 {
+            eprintln!("the 512-bit width was not tested: this CPU has no AVX-512F");
+        }
+    }
 }
 
 /// Timings of the decode micro-kernel, Llama-3-8B heads (8 KV heads of
@@ -984,7 +1669,7 @@ mod timing {
         const TILE_FLOATS: usize = STATE_ACC + 4 * D;
 
         fn new(dtype: DType) -> Self {
-            let kernel = decode_kernel(dtype, ROWS, D).expect("AVX2 checked by the caller");
+            let kernel = decode_kernel(dtype, ROWS, D, Some(128)).expect("AVX2 checked by the caller");
             Caller { kernel, q: vec![0.01; HEADS * 4 * D], state: vec![0.0; HEADS * Self::TILE_FLOATS] }
         }
 

@@ -403,7 +403,7 @@ fn displacements(spec: &MhaSpec) -> Result<Displacements, JitError> {
 fn native_kernels(spec: &MhaSpec) -> Option<(DecodeKernel, DecodeKernel)> {
     let cache = &spec.cache;
     let serves = decode_supported(cache.dtype(), cache.head_size, cache.scale_granularity());
-    let kernel = |rows| decode_kernel(cache.dtype(), rows, cache.head_size);
+    let kernel = |rows| decode_kernel(cache.dtype(), rows, cache.head_size, cache.scale_granularity());
     (spec.tier() == Some(CodeTier::Avx2) && serves).then(|| kernel(spec.group()).zip(kernel(ROW_TILE))).flatten()
 }
 
