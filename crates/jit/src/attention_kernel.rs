@@ -958,12 +958,17 @@ mod x86 {
         out: &mut [[f32; KB]; R],
         ahead: &mut Ahead,
     ) {
-        let per_group = ahead.lines().div_ceil(KB / KN);
+        // Keys per pass: two score groups of KN where the registers allow
+        // (R·2KN accumulators and 2KN widened K vectors of 32), so each q
+        // vector loaded feeds 2KN FMAs; one group for R = 1 (KN = 8).
+        let groups = if R == 1 { 1 } else { 2 };
+        let keys = KN * groups;
+        let per_pass = ahead.lines().div_ceil(KB / keys);
         let mut j0 = 0;
         while j0 < n {
-            ahead.step(false, per_group);
-            ahead.step(true, per_group);
-            let mut acc = [[_mm512_setzero_ps(); KN]; R];
+            ahead.step(false, per_pass);
+            ahead.step(true, per_pass);
+            let mut acc = [[_mm512_setzero_ps(); 8]; R];
             // The scale block of d (FP8 with g < D), without a division per step.
             let (mut blk, mut blk_end) = (0, sh.g);
             let mut d = 0;
@@ -972,9 +977,10 @@ mod x86 {
                     blk += 1;
                     blk_end += sh.g;
                 }
-                let mut k = [_mm512_setzero_ps(); KN];
-                for (kk, kv) in k.iter_mut().enumerate() {
-                    // SAFETY: j0 + kk < KB; rows.k[j] holds D elements, d + 16 ≤ D.
+                let mut k = [_mm512_setzero_ps(); 8];
+                for (kk, kv) in k.iter_mut().enumerate().take(keys) {
+                    // SAFETY: j0 + kk < KB (KB a multiple of 2KN); rows.k[j]
+                    // holds D elements, d + 16 ≤ D.
                     unsafe {
                         *kv = E::widen16(rows.k[j0 + kk].add(d * E::BYTES));
                         if E::SCALED && !sh.whole_rows {
@@ -985,21 +991,24 @@ mod x86 {
                 for (r, row) in acc.iter_mut().enumerate() {
                     // SAFETY: q holds R rows of D f32.
                     let qv = unsafe { _mm512_loadu_ps(q.add(r * sh.d + d)) };
-                    for (a, kv) in row.iter_mut().zip(&k) {
+                    for (a, kv) in row.iter_mut().zip(&k).take(keys) {
                         *a = _mm512_fmadd_ps(qv, *kv, *a);
                     }
                 }
                 d += 16;
             }
-            let mut flat = [_mm256_setzero_ps(); 8];
-            for r in 0..R {
-                for kk in 0..KN {
-                    flat[r * KN + kk] = fold16(acc[r][kk]);
+            for group in 0..groups {
+                let mut flat = [_mm256_setzero_ps(); 8];
+                for r in 0..R {
+                    for kk in 0..KN {
+                        flat[r * KN + kk] = fold16(acc[r][group * KN + kk]);
+                    }
                 }
+                // SAFETY: j0 + (group + 1)·KN ≤ KB; the block's scale rows
+                // (the caller's).
+                unsafe { store_scores::<E, R, KN>(flat, rows, j0 + group * KN, sh, out) };
             }
-            // SAFETY: j0 + KN ≤ KB; the block's scale rows (the caller's).
-            unsafe { store_scores::<E, R, KN>(flat, rows, j0, sh, out) };
-            j0 += KN;
+            j0 += keys;
         }
     }
 
