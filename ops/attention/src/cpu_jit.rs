@@ -400,6 +400,8 @@ fn displacements(spec: &MhaSpec) -> Result<Displacements, JitError> {
 /// whose cache (element type, D a multiple of 8, an FP8 cache's g a
 /// multiple of 8) the micro-kernel serves; `None` on the Cranelift tier or
 /// otherwise (the Cranelift path then runs everything on that tier too).
+/// Their products run 512 bits wide where the CPU and the cache allow
+/// ([`kvjit_jit::attention_kernel::decode_width`]).
 fn native_kernels(spec: &MhaSpec) -> Option<(DecodeKernel, DecodeKernel)> {
     let cache = &spec.cache;
     let serves = decode_supported(cache.dtype(), cache.head_size, cache.scale_granularity());
