@@ -176,15 +176,21 @@ pub fn decode_width(cache: DType, head_size: usize, granularity: Option<usize>) 
 /// refuses the element type on this CPU (checked again by the caller with
 /// its D and g).
 pub fn decode_kernel(cache: DType, rows: usize, head_size: usize, granularity: Option<usize>) -> Option<DecodeKernel> {
-    decode_kernel_at(decode_width(cache, head_size, granularity), cache, rows, head_size)
+    decode_kernel_at(decode_width(cache, head_size, granularity), cache, rows, head_size, granularity)
 }
 
 /// The decode micro-kernel at `width` (bf16 at 256 bits with D a multiple
 /// of 16 takes the 16-element widening); `None` when this CPU lacks the
-/// width's features or the cache type is not served. The caller checks
-/// [`zmm_serves`] before asking for [`DecodeWidth::Zmm`].
-pub fn decode_kernel_at(width: DecodeWidth, cache: DType, rows: usize, head_size: usize) -> Option<DecodeKernel> {
-    if !avx2_available() || rows == 0 || (width == DecodeWidth::Zmm && !avx512f_available()) {
+/// width's features or the cache type is not served, and for
+/// [`DecodeWidth::Zmm`] where [`zmm_serves`] refuses the cache.
+pub fn decode_kernel_at(
+    width: DecodeWidth,
+    cache: DType,
+    rows: usize,
+    head_size: usize,
+    granularity: Option<usize>,
+) -> Option<DecodeKernel> {
+    if !avx2_available() || rows == 0 || (width == DecodeWidth::Zmm && !zmm_serves(cache, head_size, granularity)) {
         return None;
     }
     #[cfg(target_arch = "x86_64")]
@@ -312,11 +318,13 @@ mod x86 {
 
     impl Elem for E4m3 {
         const SCALED: bool = true;
+        /// [`e4m3_halves16`]'s f16 patterns, widened by one 512-bit F16C
+        /// conversion.
         #[inline]
         #[target_feature(enable = "avx512f,avx2,fma,f16c")]
         unsafe fn widen16(p: *const u8) -> __m512 {
             // SAFETY: the caller guarantees 16 readable codes at `p`.
-            unsafe { E4m3Pairs::widen16(p) }
+            _mm512_cvtph_ps(unsafe { e4m3_halves16(p) })
         }
     }
 
@@ -355,13 +363,11 @@ mod x86 {
     impl Elem for E4m3Pairs {
         const SCALED: bool = true;
         const PAIRED: bool = true;
-        /// [`E4m3Pairs::load16`]'s halves, widened by one 512-bit F16C
-        /// conversion.
         #[inline]
         #[target_feature(enable = "avx512f,avx2,fma,f16c")]
         unsafe fn widen16(p: *const u8) -> __m512 {
             // SAFETY: the caller guarantees 16 readable codes at `p`.
-            _mm512_cvtph_ps(unsafe { e4m3_halves16(p) })
+            unsafe { E4m3::widen16(p) }
         }
     }
 
@@ -1621,7 +1627,7 @@ mod tests {
                             continue;
                         }
                         zmm_runs += usize::from(width == DecodeWidth::Zmm);
-                        let kernel = decode_kernel_at(width, dtype, rows, d).expect("the CPU and type are served");
+                        let kernel = decode_kernel_at(width, dtype, rows, d, g).expect("the CPU and type are served");
                         let got = call.run(kernel);
                         call.check(&got, &format!("{width:?} {dtype} D {d} g {g:?} G {rows} keys {keys}"));
                     }
