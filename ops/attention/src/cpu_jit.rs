@@ -471,6 +471,9 @@ struct NativeRanges {
     /// The relative key positions `[lo, hi)` the call reads.
     lo: Value,
     hi: Value,
+    /// Keys of the sequence after `hi` the call may prefetch (at most a
+    /// block): the next key chunk, which this thread's next item reads.
+    ahead: Value,
     /// Query rows per KV head (`QB·G`).
     rows: Value,
 }
@@ -654,6 +657,11 @@ impl Emitter {
             let c_hi = b.ins().iadd(c_lo, chunk);
             let lo = b.ins().smax(item_lo, c_lo);
             let hi = b.ins().smin(item_hi, c_hi);
+            // The next chunk's first keys (items of a thread are
+            // consecutive: its next item is this sequence's next chunk).
+            let rest = b.ins().isub(item_hi, hi);
+            let block = iconst(b, KB as i64);
+            let ahead = b.ins().smin(rest, block);
             let stride = self.args.stride;
             let seq_offsets = b.ins().imul(batch, stride);
             // The Cranelift path: keys gathered per block into the buffer,
@@ -703,7 +711,7 @@ impl Emitter {
                     let decode = b.ins().icmp_imm_s(IntCC::Equal, query_block, 1);
                     when(b, decode, |b| {
                         let rows = iconst(b, self.spec.group() as i64);
-                        let ranges = NativeRanges { q_group, tiles_base, seq_offsets, lo, hi, rows };
+                        let ranges = NativeRanges { q_group, tiles_base, seq_offsets, lo, hi, ahead, rows };
                         self.emit_native(b, decode_kernel, &ranges);
                     });
                     // Prefill: every key of the item through the micro-kernel,
@@ -714,7 +722,7 @@ impl Emitter {
                     when(b, prefill, |b| {
                         let group = iconst(b, self.spec.group() as i64);
                         let rows = b.ins().imul(query_block, group);
-                        let ranges = NativeRanges { q_group, tiles_base, seq_offsets, lo, hi, rows };
+                        let ranges = NativeRanges { q_group, tiles_base, seq_offsets, lo, hi, ahead, rows };
                         self.emit_native(b, block_kernel, &ranges);
                     });
                 }
@@ -750,6 +758,7 @@ impl Emitter {
                 self.args.blocks,
                 offsets,
                 keys,
+                r.ahead,
                 r.lo,
                 heads,
                 scales,
