@@ -53,10 +53,16 @@
 //! multiple of 8). The 2⁸ rides in those scales. No dequantized copy, one
 //! byte read per element.
 //!
-//! **512-bit width.** On a CPU with AVX-512F, with D a multiple of 16 (and
-//! an FP8 cache's g equal to D or a multiple of 16), the scores and P·V of
-//! each row tile and block run on 512-bit vectors, 16 elements of D per
-//! FMA and per widening ([`DecodeWidth::Zmm`], picked by [`decode_width`]);
+//! **512-bit width.** On a CPU with AVX-512F, BW and VBMI, with D a
+//! multiple of 16 (and an FP8 cache's g equal to D or a multiple of 16),
+//! the scores and P·V of each row tile and block run on 512-bit vectors,
+//! 16 elements of D per FMA ([`DecodeWidth::Zmm`], picked by
+//! [`decode_width`]); elements widen 32 at a time (FP8: the f16 route on
+//! 16-bit lanes, NaN codes through a mask register) or, FP8 with g = D and
+//! D a multiple of 64, 64 at a time through byte tables (
+//! `E4m3Lut`: `vpermt2b`, about 9 instructions per 64 codes, q and `acc`
+//! kept in its lane order; `KVJIT_ATTENTION_FP8_TABLES=off` for the
+//! shifts);
 //! the block loop, the masking and the online softmax are the 256-bit
 //! kernel's, so both widths leave the same state layout. Set
 //! `KVJIT_ATTENTION_AVX512=off` to run the 256-bit width on such a CPU (to
@@ -142,27 +148,31 @@ pub fn decode_supported(cache: DType, head_size: usize, granularity: Option<usiz
 pub enum DecodeWidth {
     /// 256-bit vectors (AVX2 + FMA + F16C): every cache it serves.
     Ymm,
-    /// 512-bit vectors (AVX-512F) for the scores and P·V, where
+    /// 512-bit vectors (AVX-512F, BW and VBMI) for the scores and P·V, where
     /// [`zmm_serves`] says so.
     Zmm,
 }
 
 /// Whether the 512-bit width serves a cache of `cache` elements with head
-/// size `head_size` (and an FP8 cache's granularity) on this CPU: AVX-512F,
-/// D a multiple of 16 and, FP8 with g < D, g a multiple of 16.
+/// size `head_size` (and an FP8 cache's granularity) on this CPU: AVX-512F
+/// and BW, D a multiple of 16 and, FP8 with g < D, g a multiple of 16.
 pub fn zmm_serves(cache: DType, head_size: usize, granularity: Option<usize>) -> bool {
     let scales = cache != DType::F8E4M3 || granularity.is_some_and(|g| g == head_size || g.is_multiple_of(16));
-    decode_supported(cache, head_size, granularity) && avx512f_available() && head_size.is_multiple_of(16) && scales
+    decode_supported(cache, head_size, granularity) && avx512_available() && head_size.is_multiple_of(16) && scales
 }
 
-/// Whether this CPU has AVX-512F and `KVJIT_ATTENTION_AVX512` is not
-/// `off` (read once: it makes an AVX-512 CPU run the 256-bit kernel, to
-/// measure one against the other).
-fn avx512f_available() -> bool {
+/// Whether this CPU has AVX-512F, BW and VBMI (the FP8 widenings' 16-bit
+/// lanes, masks and byte tables: Ice Lake and later, Zen 4; Skylake-SP and
+/// Cascade Lake run the 256-bit width) and `KVJIT_ATTENTION_AVX512` is not
+/// `off` (read once: it makes such a CPU run the 256-bit kernel, to measure
+/// one against the other).
+fn avx512_available() -> bool {
     static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *AVAILABLE.get_or_init(|| {
         #[cfg(target_arch = "x86_64")]
-        let cpu = std::arch::is_x86_feature_detected!("avx512f");
+        let cpu = std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512bw")
+            && std::arch::is_x86_feature_detected!("avx512vbmi");
         #[cfg(not(target_arch = "x86_64"))]
         let cpu = false;
         cpu && std::env::var("KVJIT_ATTENTION_AVX512").map_or(true, |v| v != "off")
@@ -205,7 +215,7 @@ pub fn decode_kernel_at(
     {
         match width {
             DecodeWidth::Ymm => x86::kernel(cache, rows, head_size),
-            DecodeWidth::Zmm => x86::kernel_zmm(cache, rows),
+            DecodeWidth::Zmm => x86::kernel_zmm(cache, rows, head_size, granularity),
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
@@ -238,6 +248,16 @@ mod x86 {
         /// and the state's `acc` the same way on entry, and `acc` back on
         /// exit.
         const PERMUTED: bool = Self::PAIRED && Self::PERMUTED16;
+        /// Whether elements widen 64 at a time ([`Elem::widen64`], D a
+        /// multiple of 64, the [`Zmm`] width only): the scores and P·V
+        /// then take every 64 elements of D that way.
+        const WIDE64: bool = false;
+
+        /// The `PERMUTED` order of `values` from their natural order, and
+        /// back (an involution, on every 16 or, for a `WIDE64` type, 64).
+        fn permute(values: &mut [f32]) {
+            swap_middle_quads(values);
+        }
 
         /// Sixteen consecutive elements at `p` widened to f32 in one
         /// 512-bit vector, in their order (the [`Zmm`] width; FP8 codes
@@ -246,6 +266,34 @@ mod x86 {
         /// # Safety
         /// `p` readable for 16 elements; AVX-512F, AVX2, FMA, F16C.
         unsafe fn widen16(p: *const u8) -> __m512;
+
+        /// Thirty-two consecutive elements at `p` widened as
+        /// [`Elem::widen16`]'s, in two vectors: one `widen16` each, unless
+        /// the type widens 32 at once for fewer instructions (FP8).
+        ///
+        /// # Safety
+        /// `p` readable for 32 elements; AVX-512F, BW and VBMI, AVX2, FMA, F16C.
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+        unsafe fn widen32(p: *const u8) -> [__m512; 2] {
+            // SAFETY: the caller guarantees 32 readable elements at `p`.
+            unsafe { [Self::widen16(p), Self::widen16(p.add(16 * Self::BYTES))] }
+        }
+
+        /// Sixty-four consecutive elements at `p` widened in four vectors,
+        /// in the type's `PERMUTED` order for a `WIDE64` type (else two
+        /// [`Elem::widen32`]).
+        ///
+        /// # Safety
+        /// `p` readable for 64 elements; AVX-512F, BW and VBMI; AVX2, FMA,
+        /// F16C.
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bw,avx512vbmi,avx2,fma,f16c")]
+        unsafe fn widen64(p: *const u8) -> [__m512; 4] {
+            // SAFETY: the caller guarantees 64 readable elements at `p`.
+            let ([a, b], [c, d]) = unsafe { (Self::widen32(p), Self::widen32(p.add(32 * Self::BYTES))) };
+            [a, b, c, d]
+        }
     }
 
     /// bf16 widened 16 at a time ([`Bf16`]'s `load16`: an unpack with zero
@@ -334,6 +382,24 @@ mod x86 {
             // SAFETY: the caller guarantees 16 readable codes at `p`.
             _mm512_cvtph_ps(unsafe { e4m3_halves16(p) })
         }
+
+        /// [`E4m3::load8`]'s f16 route on 32 codes in the 16-bit lanes of
+        /// one 512-bit vector, NaN codes set through a mask register:
+        /// about 11 instructions for 32 codes, against 18 for two
+        /// [`E4m3::widen16`] (every one of them on the two ports the FMAs
+        /// use while 512-bit instructions run).
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+        unsafe fn widen32(p: *const u8) -> [__m512; 2] {
+            // SAFETY: the caller guarantees 32 readable codes at `p`.
+            let codes = _mm512_cvtepu8_epi16(unsafe { _mm256_loadu_si256(p.cast()) });
+            let half = _mm512_srai_epi16::<1>(_mm512_slli_epi16::<8>(codes));
+            let half = _mm512_and_si512(half, _mm512_set1_epi16(0xbfff_u16 as i16));
+            let magnitude = _mm512_and_si512(codes, _mm512_set1_epi16(0x7f));
+            let nan = _mm512_cmpeq_epi16_mask(magnitude, _mm512_set1_epi16(0x7f));
+            let half = _mm512_mask_mov_epi16(half, nan, _mm512_set1_epi16(-1));
+            [_mm512_cvtph_ps(_mm512_castsi512_si256(half)), _mm512_cvtph_ps(_mm512_extracti64x4_epi64::<1>(half))]
+        }
     }
 
     impl Weights for E4m3 {
@@ -411,6 +477,130 @@ mod x86 {
             // SAFETY: the caller guarantees 16 readable bytes at `p`.
             let halves = unsafe { e4m3_halves16(p) };
             [_mm256_cvtph_ps(_mm256_castsi256_si128(halves)), _mm256_cvtph_ps(_mm256_extracti128_si256::<1>(halves))]
+        }
+    }
+
+    /// E4M3 widened 64 codes at a time through byte tables (AVX-512 VBMI),
+    /// for FP8 caches with one scale per head row (g = D) and D a multiple
+    /// of 64 on the [`Zmm`] width: each code's 7 magnitude bits index two
+    /// 128-byte tables (`vpermt2b`) holding the high and low bytes of the
+    /// bf16 of 2⁻⁸ × its value ([`E4m3::load8`]'s values: exact, subnormal
+    /// codes included, the NaN codes a bf16 NaN); the sign is OR-ed in and
+    /// two rounds of unpacks put each bf16 in the top half of an f32. About
+    /// 9 instructions per 64 codes, against 22 for two [`E4m3::widen32`];
+    /// the unpacks work within 128-bit lanes, so the vectors hold the
+    /// elements in the order [`transpose_quads64`] gives (q and `acc` are
+    /// kept in it).
+    struct E4m3Lut;
+
+    /// The bf16 bit patterns of 2⁻⁸ × each E4M3 magnitude `0..128` (0x7f,
+    /// NaN, a quiet bf16 NaN), split into their high and low bytes.
+    static E4M3_BF16_BYTES: [[u8; 128]; 2] = {
+        let mut bytes = [[0u8; 128]; 2];
+        let mut m = 0;
+        while m < 128 {
+            let bits = e4m3_bf16_bits(m as u8);
+            bytes[0][m] = (bits >> 8) as u8;
+            bytes[1][m] = bits as u8;
+            m += 1;
+        }
+        bytes
+    };
+
+    /// The bf16 bits of 2⁻⁸ × the value of the E4M3 magnitude `m < 128`
+    /// (exponent bias 7, 3 mantissa bits; 0x7f NaN), exactly: a normal
+    /// code `eeee mmm` is `2^(e − 15)·1.mmm`, bf16 exponent e + 112; a
+    /// subnormal `0000 f` is `f·2⁻¹⁷`, normalized.
+    const fn e4m3_bf16_bits(m: u8) -> u16 {
+        let (e, f) = ((m >> 3) as u16, (m & 7) as u16);
+        if m == 0x7f {
+            0x7fc0
+        } else if e != 0 {
+            ((e + 112) << 7) | (f << 4)
+        } else if f == 0 {
+            0
+        } else {
+            // f = 2^p·(1 + r), p = ⌊log₂ f⌋: (1 + r)·2^(p − 17).
+            let p = 15 - f.leading_zeros() as u16;
+            ((p + 110) << 7) | (((f << 7) >> p) - 128)
+        }
+    }
+
+    /// Within every 64 values, swap the index of the 16-value group and
+    /// that of the 4-value quad inside it (value `16g + 4k + i` ↔ `16k +
+    /// 4g + i`): natural order ↔ [`E4m3Lut`]'s (an involution).
+    fn transpose_quads64(values: &mut [f32]) {
+        for group in values.chunks_exact_mut(64) {
+            // Whole quads moved (16-byte copies, not 4 scalar swaps each).
+            let (quads, _) = group.as_chunks_mut::<4>();
+            for g in 0..4 {
+                for k in g + 1..4 {
+                    quads.swap(4 * g + k, 4 * k + g);
+                }
+            }
+        }
+    }
+
+    impl Weights for E4m3Lut {
+        const BYTES: usize = 1;
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn load8(p: *const u8) -> __m256 {
+            // SAFETY: the caller guarantees 8 readable bytes at `p`.
+            unsafe { E4m3::load8(p) }
+        }
+    }
+
+    impl Elem for E4m3Lut {
+        const SCALED: bool = true;
+        const PERMUTED: bool = true;
+        const WIDE64: bool = true;
+
+        fn permute(values: &mut [f32]) {
+            transpose_quads64(values);
+        }
+
+        /// Natural order (the 64-element steps never call it: D is a
+        /// multiple of 64).
+        #[inline]
+        #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+        unsafe fn widen16(p: *const u8) -> __m512 {
+            // SAFETY: the caller guarantees 16 readable codes at `p`.
+            unsafe { E4m3::widen16(p) }
+        }
+
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bw,avx512vbmi,avx2,fma,f16c")]
+        unsafe fn widen64(p: *const u8) -> [__m512; 4] {
+            let [high_bytes, low_bytes] = &E4M3_BF16_BYTES;
+            // SAFETY: each table is 128 bytes; the caller guarantees 64
+            // readable codes at `p`.
+            let (high_table, low_table, codes) = unsafe {
+                (
+                    [
+                        _mm512_loadu_si512(high_bytes.as_ptr().cast()),
+                        _mm512_loadu_si512(high_bytes[64..].as_ptr().cast()),
+                    ],
+                    [
+                        _mm512_loadu_si512(low_bytes.as_ptr().cast()),
+                        _mm512_loadu_si512(low_bytes[64..].as_ptr().cast()),
+                    ],
+                    _mm512_loadu_si512(p.cast()),
+                )
+            };
+            // The index's bit 7 (the sign) is ignored: 7 bits, 128 entries.
+            let high = _mm512_permutex2var_epi8(high_table[0], codes, high_table[1]);
+            // high | (codes & 0x80): the sign into the bf16's top bit.
+            let high = _mm512_ternarylogic_epi32::<0xf8>(high, codes, _mm512_set1_epi8(0x80_u8 as i8));
+            let low = _mm512_permutex2var_epi8(low_table[0], codes, low_table[1]);
+            let (words_low, words_high) = (_mm512_unpacklo_epi8(low, high), _mm512_unpackhi_epi8(low, high));
+            let zero = _mm512_setzero_si512();
+            [
+                _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, words_low)),
+                _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, words_low)),
+                _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, words_high)),
+                _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, words_high)),
+            ]
         }
     }
 
@@ -606,15 +796,21 @@ mod x86 {
         out: &mut [[f32; KB]; R],
     ) {
         let mut sums = [0f32; 8];
+        let mut scores = hsum8(flat);
+        if E::SCALED && sh.whole_rows {
+            // Lane r·KN + kk times key j0 + kk's K scale (one per row: g = D),
+            // all rows in one multiply.
+            // SAFETY: the keys' K scale rows (the caller's).
+            let scale: [f32; KN] = std::array::from_fn(|kk| unsafe { *rows.ks[j0 + kk] } * E4M3_UNIT);
+            let lanes: [f32; 8] = std::array::from_fn(|lane| scale[lane % KN]);
+            // SAFETY: lanes holds 8 f32.
+            scores = _mm256_mul_ps(scores, unsafe { _mm256_loadu_ps(lanes.as_ptr()) });
+        }
         // SAFETY: sums holds 8 f32.
-        unsafe { _mm256_storeu_ps(sums.as_mut_ptr(), hsum8(flat)) };
+        unsafe { _mm256_storeu_ps(sums.as_mut_ptr(), scores) };
         for r in 0..R {
             for kk in 0..KN {
                 out[r][j0 + kk] = sums[r * KN + kk];
-                if E::SCALED && sh.whole_rows {
-                    // SAFETY: the key's K scale row (one scale: g = D).
-                    out[r][j0 + kk] *= unsafe { *rows.ks[j0 + kk] } * E4M3_UNIT;
-                }
             }
         }
     }
@@ -775,6 +971,15 @@ mod x86 {
         // SAFETY: the caller's bounds on q and the rows.
         unsafe { W::scores::<E, R, KN>(q, rows, n, sh, &mut s, ahead) };
         let mut alpha = [0f32; R];
+        // The block's V scales (FP8, one per row), read once for the R rows;
+        // keys past n scale a probability of 0.
+        let mut v_scales = [0f32; KB];
+        if E::SCALED && sh.whole_rows {
+            for (scale, &row) in v_scales.iter_mut().zip(&rows.vs).take(n) {
+                // SAFETY: the key's V scale row (one scale: g = D).
+                *scale = unsafe { *row } * E4M3_UNIT;
+            }
+        }
         for r in 0..R {
             let row = &mut s[r];
             // The row's keys of this block (the block's key j is at
@@ -835,9 +1040,12 @@ mod x86 {
             if E::SCALED && sh.whole_rows {
                 // P·V multiplies P[j] by V_j's scale in place of every
                 // widened vector of V_j (`l` summed the unscaled P).
-                for (p, &scale) in row.iter_mut().zip(&rows.vs).take(n) {
-                    // SAFETY: the key's V scale row (one scale: g = D).
-                    *p *= unsafe { *scale } * E4M3_UNIT;
+                for (p, scale) in row.chunks_exact_mut(8).zip(v_scales.chunks_exact(8)) {
+                    // SAFETY: 8 f32 of the row and of the scales.
+                    unsafe {
+                        let scaled = _mm256_mul_ps(_mm256_loadu_ps(p.as_ptr()), _mm256_loadu_ps(scale.as_ptr()));
+                        _mm256_storeu_ps(p.as_mut_ptr(), scaled);
+                    }
                 }
             }
         }
@@ -925,7 +1133,7 @@ mod x86 {
         }
     }
 
-    /// 512-bit vectors (AVX-512F) for the FMAs and the widening, 16
+    /// 512-bit vectors (AVX-512F, BW and VBMI) for the FMAs and the widening, 16
     /// elements of D a vector: half the instructions of [`Ymm`] for the
     /// same products. Serves D a multiple of 16 and, FP8 with g < D, g a
     /// multiple of 16 ([`super::zmm_serves`]). Its scores and P·V are
@@ -944,7 +1152,7 @@ mod x86 {
             ahead: &mut Ahead,
         ) {
             // SAFETY: the caller's bounds; the caller picked this width on
-            // a CPU with AVX-512F and a D (and g) it serves.
+            // a CPU with AVX-512F, BW and VBMI and a D (and g) it serves.
             unsafe { scores_zmm::<E, R, KN>(q, rows, n, sh, out, ahead) }
         }
 
@@ -971,8 +1179,8 @@ mod x86 {
     ///
     /// # Safety
     /// As [`scores`]'s, with D a multiple of 16 (and FP8 g < D a multiple
-    /// of 16); AVX-512F.
-    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    /// of 16); AVX-512F, BW and VBMI.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vbmi,avx2,fma,f16c")]
     unsafe fn scores_zmm<E: Elem, const R: usize, const KN: usize>(
         q: *const f32,
         rows: &Rows,
@@ -994,11 +1202,60 @@ mod x86 {
             let mut acc = [[_mm512_setzero_ps(); 8]; R];
             // The scale block of d (FP8 with g < D), without a division per step.
             let (mut blk, mut blk_end) = (0, sh.g);
+            let blocked = E::SCALED && !sh.whole_rows;
             let mut d = 0;
             while d < sh.d {
-                if d == blk_end {
+                while blocked && d >= blk_end {
                     blk += 1;
                     blk_end += sh.g;
+                }
+                if E::WIDE64 {
+                    // 64 elements of d a step (D a multiple of 64; one
+                    // scale per row): q, in the type's order, read by the
+                    // FMAs from memory (its registers would spill).
+                    for kk in 0..keys {
+                        // SAFETY: j0 + kk < KB; rows.k[j] holds D elements,
+                        // d + 64 ≤ D.
+                        let k = unsafe { E::widen64(rows.k[j0 + kk].add(d * E::BYTES)) };
+                        for (r, row) in acc.iter_mut().enumerate() {
+                            for (i, kv) in k.iter().enumerate() {
+                                // SAFETY: q holds R rows of D f32, d + 64 ≤ D.
+                                let qv = unsafe { _mm512_loadu_ps(q.add(r * sh.d + d + 16 * i)) };
+                                row[kk] = _mm512_fmadd_ps(qv, *kv, row[kk]);
+                            }
+                        }
+                    }
+                    d += 64;
+                    continue;
+                }
+                if d + 32 <= sh.d {
+                    // 32 elements of d a step: the R rows' q in registers,
+                    // each key's 32 widened at once ([`Elem::widen32`]).
+                    // SAFETY: q holds R rows of D f32, d + 32 ≤ D.
+                    let qv: [[__m512; 2]; R] = std::array::from_fn(|r| unsafe {
+                        let at = q.add(r * sh.d + d);
+                        [_mm512_loadu_ps(at), _mm512_loadu_ps(at.add(16))]
+                    });
+                    // The second half's scale block (g a multiple of 16).
+                    let blk_high = if blocked && d + 16 >= blk_end { blk + 1 } else { blk };
+                    for kk in 0..keys {
+                        // SAFETY: j0 + kk < KB; rows.k[j] holds D elements,
+                        // d + 32 ≤ D (and, FP8, its D/g scales).
+                        let [mut low, mut high] = unsafe { E::widen32(rows.k[j0 + kk].add(d * E::BYTES)) };
+                        if blocked {
+                            // SAFETY: as above.
+                            unsafe {
+                                let scales = rows.ks[j0 + kk];
+                                low = _mm512_mul_ps(low, _mm512_set1_ps(*scales.add(blk) * E4M3_UNIT));
+                                high = _mm512_mul_ps(high, _mm512_set1_ps(*scales.add(blk_high) * E4M3_UNIT));
+                            }
+                        }
+                        for (row, [q_low, q_high]) in acc.iter_mut().zip(&qv) {
+                            row[kk] = _mm512_fmadd_ps(*q_high, high, _mm512_fmadd_ps(*q_low, low, row[kk]));
+                        }
+                    }
+                    d += 32;
+                    continue;
                 }
                 let mut k = [_mm512_setzero_ps(); 8];
                 for (kk, kv) in k.iter_mut().enumerate().take(keys) {
@@ -1006,7 +1263,7 @@ mod x86 {
                     // holds D elements, d + 16 ≤ D.
                     unsafe {
                         *kv = E::widen16(rows.k[j0 + kk].add(d * E::BYTES));
-                        if E::SCALED && !sh.whole_rows {
+                        if blocked {
                             *kv = _mm512_mul_ps(*kv, _mm512_set1_ps(*rows.ks[j0 + kk].add(blk) * E4M3_UNIT));
                         }
                     }
@@ -1048,8 +1305,8 @@ mod x86 {
     ///
     /// # Safety
     /// As [`pv_slice`]'s for all of D, D a multiple of 16 (and FP8 g < D a
-    /// multiple of 16); AVX-512F.
-    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    /// multiple of 16); AVX-512F, BW and VBMI.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vbmi,avx2,fma,f16c")]
     unsafe fn pv_zmm<E: Elem, const R: usize, const SV: usize>(
         acc: *mut f32,
         rows: &Rows,
@@ -1064,18 +1321,23 @@ mod x86 {
             d0 += 16 * SV;
         }
         while d0 < sh.d {
-            // SAFETY: D and d0 multiples of 16.
-            unsafe { pv_slice_zmm::<E, R, 1>(acc, d0, rows, n, sh, p) };
-            d0 += 16;
+            // SAFETY: D and d0 multiples of 16 (of 64 for a WIDE64 type).
+            unsafe {
+                match E::WIDE64 {
+                    true => pv_slice_zmm::<E, R, 4>(acc, d0, rows, n, sh, p),
+                    false => pv_slice_zmm::<E, R, 1>(acc, d0, rows, n, sh, p),
+                }
+            }
+            d0 += if E::WIDE64 { 64 } else { 16 };
         }
     }
 
     /// [`pv_slice`] on 512-bit vectors: `acc[r][d0 .. d0 + 16·SV]`.
     ///
     /// # Safety
-    /// As [`pv_slice`]'s with `d0 + 16·SV ≤ D`; AVX-512F.
+    /// As [`pv_slice`]'s with `d0 + 16·SV ≤ D`; AVX-512F, BW and VBMI.
     #[inline]
-    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vbmi,avx2,fma,f16c")]
     unsafe fn pv_slice_zmm<E: Elem, const R: usize, const SV: usize>(
         acc: *mut f32,
         d0: usize,
@@ -1096,14 +1358,27 @@ mod x86 {
         let blk: [usize; SV] = std::array::from_fn(|i| (d0 + 16 * i) / sh.g);
         for (j, (&v_row, &v_scales)) in rows.v.iter().zip(&rows.vs).enumerate().take(n) {
             let mut v = [_mm512_setzero_ps(); SV];
-            for (i, x) in v.iter_mut().enumerate() {
-                // SAFETY: j < n ≤ KB; the row holds D elements (and, FP8,
-                // its D/g scales).
+            // Fours (a WIDE64 type: SV a multiple of 4) or pairs of vectors
+            // widened at once ([`Elem::widen64`], [`Elem::widen32`]), an odd
+            // last one alone.
+            let step = if E::WIDE64 { 4 } else { 2 };
+            for i in (0..SV).step_by(step) {
+                // SAFETY: j < n ≤ KB; the row holds D elements, d0 + 16·SV ≤ D.
                 unsafe {
-                    *x = E::widen16(v_row.add((d0 + 16 * i) * E::BYTES));
-                    if E::SCALED && !sh.whole_rows {
-                        *x = _mm512_mul_ps(*x, _mm512_set1_ps(*v_scales.add(blk[i]) * E4M3_UNIT));
+                    let at = v_row.add((d0 + 16 * i) * E::BYTES);
+                    if E::WIDE64 {
+                        [v[i], v[i + 1], v[i + 2], v[i + 3]] = E::widen64(at);
+                    } else if i + 1 < SV {
+                        [v[i], v[i + 1]] = E::widen32(at);
+                    } else {
+                        v[i] = E::widen16(at);
                     }
+                }
+            }
+            if E::SCALED && !sh.whole_rows {
+                for (x, &blk) in v.iter_mut().zip(&blk) {
+                    // SAFETY: the row's D/g scales.
+                    *x = _mm512_mul_ps(*x, _mm512_set1_ps(unsafe { *v_scales.add(blk) } * E4M3_UNIT));
                 }
             }
             for (r, row) in a.iter_mut().enumerate() {
@@ -1165,7 +1440,7 @@ mod x86 {
             true => {
                 // SAFETY: q holds heads·ceil(rows/4)·4 rows of D f32 (the contract).
                 let mut copy = unsafe { std::slice::from_raw_parts(q, q_tiles * STATE_TILE_ROWS * head_size) }.to_vec();
-                swap_middle_quads(&mut copy);
+                E::permute(&mut copy);
                 permuted_q = copy;
                 permuted_q.as_ptr()
             }
@@ -1215,7 +1490,7 @@ mod x86 {
                             STATE_TILE_ROWS * head_size,
                         )
                     };
-                    swap_middle_quads(acc);
+                    E::permute(acc);
                 }
             }
         };
@@ -1302,16 +1577,33 @@ mod x86 {
     }
 
     /// The 512-bit kernel for the cache's element type (the caller checked
-    /// [`super::zmm_serves`]): elements in their order, so q and `acc` are
-    /// never permuted.
-    pub(super) fn kernel_zmm(cache: DType, rows: usize) -> Option<DecodeKernel> {
+    /// [`super::zmm_serves`]): elements in their order, except FP8 with one
+    /// scale per row (g = D), D a multiple of 64 and AVX-512 VBMI, which
+    /// widens through [`E4m3Lut`]'s tables.
+    pub(super) fn kernel_zmm(
+        cache: DType,
+        rows: usize,
+        head_size: usize,
+        granularity: Option<usize>,
+    ) -> Option<DecodeKernel> {
         Some(match cache {
             DType::F32 => for_rows::<Zmm, F32>(rows),
             DType::BF16 => for_rows::<Zmm, Bf16>(rows),
             DType::F16 => for_rows::<Zmm, F16>(rows),
+            DType::F8E4M3 if e4m3_tables_serve(head_size, granularity) => for_rows::<Zmm, E4m3Lut>(rows),
             DType::F8E4M3 => for_rows::<Zmm, E4m3>(rows),
             _ => return None,
         })
+    }
+
+    /// Whether [`E4m3Lut`] serves an FP8 cache on the [`Zmm`] width (whose
+    /// CPUs have VBMI): one scale per row, D a multiple of 64, and
+    /// `KVJIT_ATTENTION_FP8_TABLES` not `off` (read once: to time the table
+    /// widening against the shifts of [`E4m3::widen32`]).
+    fn e4m3_tables_serve(head_size: usize, granularity: Option<usize>) -> bool {
+        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        let on = *ON.get_or_init(|| std::env::var("KVJIT_ATTENTION_FP8_TABLES").map_or(true, |v| v != "off"));
+        on && granularity == Some(head_size) && head_size.is_multiple_of(64)
     }
 
     #[cfg(test)]
@@ -1320,6 +1612,25 @@ mod x86 {
         // SAFETY: 8 readable bytes; the test checked avx2_available().
         unsafe { _mm256_storeu_ps(out.as_mut_ptr(), E4m3::load8(codes.as_ptr())) };
         out
+    }
+
+    /// The 64 codes widened by [`E4m3Lut`], in their natural order; `None`
+    /// where the 512-bit width is not available.
+    #[cfg(test)]
+    pub(super) fn widen_e4m3_tables(codes: &[u8; 64]) -> Option<[f32; 64]> {
+        if !super::avx512_available() {
+            return None;
+        }
+        let mut out = [0f32; 64];
+        // SAFETY: 64 readable codes, 64 writable f32; AVX-512F, BW and VBMI
+        // checked above.
+        unsafe {
+            for (i, v) in E4m3Lut::widen64(codes.as_ptr()).into_iter().enumerate() {
+                _mm512_storeu_ps(out.as_mut_ptr().add(16 * i), v);
+            }
+        }
+        transpose_quads64(&mut out);
+        Some(out)
     }
 
     #[cfg(test)]
@@ -1346,6 +1657,24 @@ mod tests {
             let got = x86::widen_e4m3(&codes);
             for (code, value) in codes.iter().zip(got) {
                 // Every value is 2⁻⁸ × the code's, exactly.
+                let want = kvjit_core::fp8::e4m3_to_f32(*code) / x86::E4M3_UNIT;
+                assert!(
+                    value.to_bits() == want.to_bits() || (value.is_nan() && want.is_nan()),
+                    "{code:#04x}: {value} vs {want}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn e4m3_tables_widen_exactly() {
+        for first in (0..256).step_by(64) {
+            let codes: [u8; 64] = std::array::from_fn(|i| (first + i) as u8);
+            let Some(got) = x86::widen_e4m3_tables(&codes) else {
+                eprintln!("skipped: this CPU has no AVX-512 VBMI");
+                return;
+            };
+            for (code, value) in codes.iter().zip(got) {
                 let want = kvjit_core::fp8::e4m3_to_f32(*code) / x86::E4M3_UNIT;
                 assert!(
                     value.to_bits() == want.to_bits() || (value.is_nan() && want.is_nan()),
@@ -1667,7 +1996,7 @@ mod tests {
             }
         }
         if zmm_runs == 0 {
-            eprintln!("the 512-bit width was not tested: this CPU has no AVX-512F");
+            eprintln!("the 512-bit width was not tested: this CPU has no AVX-512F, BW and VBMI");
         }
     }
 }
