@@ -57,14 +57,16 @@
 //! multiple of 16 (and an FP8 cache's g equal to D or a multiple of 16),
 //! the scores and P·V of each row tile and block run on 512-bit vectors,
 //! 16 elements of D per FMA ([`DecodeWidth::Zmm`], picked by
-//! [`decode_width`]); elements widen 32 at a time (FP8: the f16 route on
-//! 16-bit lanes, NaN codes through a mask register) or, FP8 with g = D and
-//! D a multiple of 64, 64 at a time through byte tables (
-//! `E4m3Lut`: `vpermt2b`, about 9 instructions per 64 codes, q and `acc`
-//! kept in its lane order; `KVJIT_ATTENTION_FP8_TABLES=off` for the
-//! shifts);
-//! the block loop, the masking and the online softmax are the 256-bit
-//! kernel's, so both widths leave the same state layout. Set
+//! [`decode_width`]). Elements widen 32 at a time (FP8: the f16 route on
+//! 16-bit lanes, NaN codes through a mask register) and, where a lane
+//! order of their own takes fewer instructions, in that order, q and `acc`
+//! kept in it between the call's entry and exit: bf16 with D a multiple of
+//! 32 as even and odd elements (a mask or a shift of the loaded words, 1
+//! instruction per 16), FP8 with g = D and D a multiple of 64 through byte
+//! tables (`vpermt2b` into bf16, about 9 instructions per 64 codes);
+//! `KVJIT_ATTENTION_REORDERED=off` keeps the natural order. The block
+//! loop, the masking and the online softmax are the 256-bit kernel's, so
+//! both widths leave the same state layout. Set
 //! `KVJIT_ATTENTION_AVX512=off` to run the 256-bit width on such a CPU (to
 //! time one against the other).
 
@@ -248,14 +250,17 @@ mod x86 {
         /// and the state's `acc` the same way on entry, and `acc` back on
         /// exit.
         const PERMUTED: bool = Self::PAIRED && Self::PERMUTED16;
-        /// Whether elements widen 64 at a time ([`Elem::widen64`], D a
-        /// multiple of 64, the [`Zmm`] width only): the scores and P·V
-        /// then take every 64 elements of D that way.
-        const WIDE64: bool = false;
+        /// Elements of D the [`Zmm`] width widens together, in an order of
+        /// their own for a `PERMUTED` type: 16, or 32 ([`Elem::widen32`])
+        /// or 64 ([`Elem::widen64`]) for a type whose wider widening takes
+        /// fewer instructions in a lane order; D is then a multiple of it,
+        /// and the scores and P·V take every `GRANULE` elements that way.
+        const GRANULE: usize = 16;
 
-        /// The `PERMUTED` order of `values` from their natural order, and
-        /// back (an involution, on every 16 or, for a `WIDE64` type, 64).
-        fn permute(values: &mut [f32]) {
+        /// The `PERMUTED` order of `values` from their natural order
+        /// (`back`: the reverse), on every 16 or `GRANULE` values.
+        fn permute(values: &mut [f32], back: bool) {
+            let _ = back;
             swap_middle_quads(values);
         }
 
@@ -269,7 +274,8 @@ mod x86 {
 
         /// Thirty-two consecutive elements at `p` widened as
         /// [`Elem::widen16`]'s, in two vectors: one `widen16` each, unless
-        /// the type widens 32 at once for fewer instructions (FP8).
+        /// the type widens 32 at once for fewer instructions (FP8; bf16 in
+        /// its `PERMUTED` order, a `GRANULE` of 32).
         ///
         /// # Safety
         /// `p` readable for 32 elements; AVX-512F, BW and VBMI, AVX2, FMA, F16C.
@@ -281,7 +287,7 @@ mod x86 {
         }
 
         /// Sixty-four consecutive elements at `p` widened in four vectors,
-        /// in the type's `PERMUTED` order for a `WIDE64` type (else two
+        /// in the type's `PERMUTED` order for a `GRANULE` of 64 (else two
         /// [`Elem::widen32`]).
         ///
         /// # Safety
@@ -480,6 +486,92 @@ mod x86 {
         }
     }
 
+    /// bf16 widened 32 at a time on the [`Zmm`] width, D a multiple of 32:
+    /// one 512-bit load holds 32 bf16, the top halves of 16 f32 words; the
+    /// odd elements are those words masked (`vpandd`), the even ones the
+    /// words shifted up by 16 (`vpslld`): 1 instruction per 16 elements
+    /// instead of a widening load and a shift. q and `acc` are kept in that
+    /// order ([`deinterleave32`]).
+    struct Bf16EvenOdd;
+
+    impl Weights for Bf16EvenOdd {
+        const BYTES: usize = 2;
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn load8(p: *const u8) -> __m256 {
+            // SAFETY: the caller guarantees 8 readable bf16 at `p`.
+            unsafe { Bf16::load8(p) }
+        }
+    }
+
+    impl Elem for Bf16EvenOdd {
+        const SCALED: bool = false;
+        const PERMUTED: bool = true;
+        const GRANULE: usize = 32;
+
+        fn permute(values: &mut [f32], back: bool) {
+            deinterleave32(values, back);
+        }
+
+        /// Natural order (never called: D is a multiple of 32).
+        #[inline]
+        #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+        unsafe fn widen16(p: *const u8) -> __m512 {
+            // SAFETY: the caller guarantees 16 readable bf16 at `p`.
+            unsafe { Bf16::widen16(p) }
+        }
+
+        /// `[even elements, odd elements]` of the 32 at `p`.
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+        unsafe fn widen32(p: *const u8) -> [__m512; 2] {
+            // SAFETY: the caller guarantees 32 readable bf16 (64 bytes) at `p`.
+            let words = unsafe { _mm512_loadu_si512(p.cast()) };
+            let odd = _mm512_and_si512(words, _mm512_set1_epi32(0xffff_0000_u32 as i32));
+            [_mm512_castsi512_ps(_mm512_slli_epi32::<16>(words)), _mm512_castsi512_ps(odd)]
+        }
+    }
+
+    /// Within every 32 values, the even-indexed ones then the odd ones
+    /// ([`Bf16EvenOdd`]'s order); `back`: the reverse. Two 512-bit
+    /// two-source permutes per 32 values (a call permutes q and `acc`:
+    /// scalar moves cost the kernel ~10 % at 128 keys a call).
+    fn deinterleave32(values: &mut [f32], back: bool) {
+        assert!(super::avx512_available(), "the 512-bit width runs only where AVX-512F is available");
+        // SAFETY: AVX-512F, checked above.
+        unsafe { deinterleave32_zmm(values, back) }
+    }
+
+    /// [`deinterleave32`] on 512-bit vectors.
+    ///
+    /// # Safety
+    /// AVX-512F.
+    #[target_feature(enable = "avx512f")]
+    unsafe fn deinterleave32_zmm(values: &mut [f32], back: bool) {
+        // Lane i of the result takes lane idx[i] of (a, b), b's lanes 16..32.
+        let (first, second): ([i32; 16], [i32; 16]) = match back {
+            // Evens, odds.
+            false => (std::array::from_fn(|i| 2 * i as i32), std::array::from_fn(|i| 2 * i as i32 + 1)),
+            // Interleave the halves back: i/2 of evens (a) or odds (b).
+            true => (
+                std::array::from_fn(|i| (i / 2 + 16 * (i % 2)) as i32),
+                std::array::from_fn(|i| ((i + 16) / 2 + 16 * (i % 2)) as i32),
+            ),
+        };
+        // SAFETY: each array holds 16 i32.
+        let (first, second) =
+            unsafe { (_mm512_loadu_si512(first.as_ptr().cast()), _mm512_loadu_si512(second.as_ptr().cast())) };
+        for group in values.chunks_exact_mut(32) {
+            let at = group.as_mut_ptr();
+            // SAFETY: the group holds 32 f32.
+            unsafe {
+                let (a, b) = (_mm512_loadu_ps(at), _mm512_loadu_ps(at.add(16)));
+                _mm512_storeu_ps(at, _mm512_permutex2var_ps(a, first, b));
+                _mm512_storeu_ps(at.add(16), _mm512_permutex2var_ps(a, second, b));
+            }
+        }
+    }
+
     /// E4M3 widened 64 codes at a time through byte tables (AVX-512 VBMI),
     /// for FP8 caches with one scale per head row (g = D) and D a multiple
     /// of 64 on the [`Zmm`] width: each code's 7 magnitude bits index two
@@ -554,9 +646,9 @@ mod x86 {
     impl Elem for E4m3Lut {
         const SCALED: bool = true;
         const PERMUTED: bool = true;
-        const WIDE64: bool = true;
+        const GRANULE: usize = 64;
 
-        fn permute(values: &mut [f32]) {
+        fn permute(values: &mut [f32], _back: bool) {
             transpose_quads64(values);
         }
 
@@ -1209,7 +1301,7 @@ mod x86 {
                     blk += 1;
                     blk_end += sh.g;
                 }
-                if E::WIDE64 {
+                if E::GRANULE == 64 {
                     // 64 elements of d a step (D a multiple of 64; one
                     // scale per row): q, in the type's order, read by the
                     // FMAs from memory (its registers would spill).
@@ -1321,14 +1413,15 @@ mod x86 {
             d0 += 16 * SV;
         }
         while d0 < sh.d {
-            // SAFETY: D and d0 multiples of 16 (of 64 for a WIDE64 type).
+            // SAFETY: D and d0 multiples of 16 (of the type's GRANULE).
             unsafe {
-                match E::WIDE64 {
-                    true => pv_slice_zmm::<E, R, 4>(acc, d0, rows, n, sh, p),
-                    false => pv_slice_zmm::<E, R, 1>(acc, d0, rows, n, sh, p),
+                match E::GRANULE {
+                    64 => pv_slice_zmm::<E, R, 4>(acc, d0, rows, n, sh, p),
+                    32 => pv_slice_zmm::<E, R, 2>(acc, d0, rows, n, sh, p),
+                    _ => pv_slice_zmm::<E, R, 1>(acc, d0, rows, n, sh, p),
                 }
             }
-            d0 += if E::WIDE64 { 64 } else { 16 };
+            d0 += E::GRANULE;
         }
     }
 
@@ -1358,15 +1451,15 @@ mod x86 {
         let blk: [usize; SV] = std::array::from_fn(|i| (d0 + 16 * i) / sh.g);
         for (j, (&v_row, &v_scales)) in rows.v.iter().zip(&rows.vs).enumerate().take(n) {
             let mut v = [_mm512_setzero_ps(); SV];
-            // Fours (a WIDE64 type: SV a multiple of 4) or pairs of vectors
-            // widened at once ([`Elem::widen64`], [`Elem::widen32`]), an odd
-            // last one alone.
-            let step = if E::WIDE64 { 4 } else { 2 };
+            // Fours (a GRANULE of 64: SV a multiple of 4) or pairs of
+            // vectors widened at once ([`Elem::widen64`], [`Elem::widen32`];
+            // SV even for a GRANULE of 32), an odd last one alone.
+            let step = if E::GRANULE == 64 { 4 } else { 2 };
             for i in (0..SV).step_by(step) {
                 // SAFETY: j < n ≤ KB; the row holds D elements, d0 + 16·SV ≤ D.
                 unsafe {
                     let at = v_row.add((d0 + 16 * i) * E::BYTES);
-                    if E::WIDE64 {
+                    if E::GRANULE == 64 {
                         [v[i], v[i + 1], v[i + 2], v[i + 3]] = E::widen64(at);
                     } else if i + 1 < SV {
                         [v[i], v[i + 1]] = E::widen32(at);
@@ -1440,7 +1533,7 @@ mod x86 {
             true => {
                 // SAFETY: q holds heads·ceil(rows/4)·4 rows of D f32 (the contract).
                 let mut copy = unsafe { std::slice::from_raw_parts(q, q_tiles * STATE_TILE_ROWS * head_size) }.to_vec();
-                E::permute(&mut copy);
+                E::permute(&mut copy, false);
                 permuted_q = copy;
                 permuted_q.as_ptr()
             }
@@ -1479,7 +1572,7 @@ mod x86 {
         for j in 0..first.keys {
             prefetch_scales(offset(j));
         }
-        let permute_acc = || {
+        let permute_acc = |back: bool| {
             if E::PERMUTED {
                 for tile in 0..q_tiles {
                     // SAFETY: state holds heads·ceil(rows/4) tiles of
@@ -1490,11 +1583,11 @@ mod x86 {
                             STATE_TILE_ROWS * head_size,
                         )
                     };
-                    E::permute(acc);
+                    E::permute(acc, back);
                 }
             }
         };
-        permute_acc();
+        permute_acc(false);
         let share = KB.div_ceil(heads);
         let mut slot = [0usize; KB];
         let mut p0 = 0;
@@ -1547,7 +1640,7 @@ mod x86 {
             }
             p0 += KB;
         }
-        permute_acc();
+        permute_acc(true);
     }
 
     /// The kernel for `rows` query rows per KV head: a tile of exactly
@@ -1577,9 +1670,9 @@ mod x86 {
     }
 
     /// The 512-bit kernel for the cache's element type (the caller checked
-    /// [`super::zmm_serves`]): elements in their order, except FP8 with one
-    /// scale per row (g = D), D a multiple of 64 and AVX-512 VBMI, which
-    /// widens through [`E4m3Lut`]'s tables.
+    /// [`super::zmm_serves`]): elements in their order, except where
+    /// [`reordered`] picks bf16's even/odd split ([`Bf16EvenOdd`]) and
+    /// FP8's byte tables ([`E4m3Lut`]).
     pub(super) fn kernel_zmm(
         cache: DType,
         rows: usize,
@@ -1588,22 +1681,25 @@ mod x86 {
     ) -> Option<DecodeKernel> {
         Some(match cache {
             DType::F32 => for_rows::<Zmm, F32>(rows),
+            DType::BF16 if reordered() && head_size.is_multiple_of(32) => for_rows::<Zmm, Bf16EvenOdd>(rows),
             DType::BF16 => for_rows::<Zmm, Bf16>(rows),
             DType::F16 => for_rows::<Zmm, F16>(rows),
-            DType::F8E4M3 if e4m3_tables_serve(head_size, granularity) => for_rows::<Zmm, E4m3Lut>(rows),
+            DType::F8E4M3 if reordered() && granularity == Some(head_size) && head_size.is_multiple_of(64) => {
+                for_rows::<Zmm, E4m3Lut>(rows)
+            }
             DType::F8E4M3 => for_rows::<Zmm, E4m3>(rows),
             _ => return None,
         })
     }
 
-    /// Whether [`E4m3Lut`] serves an FP8 cache on the [`Zmm`] width (whose
-    /// CPUs have VBMI): one scale per row, D a multiple of 64, and
-    /// `KVJIT_ATTENTION_FP8_TABLES` not `off` (read once: to time the table
-    /// widening against the shifts of [`E4m3::widen32`]).
-    fn e4m3_tables_serve(head_size: usize, granularity: Option<usize>) -> bool {
+    /// Whether the [`Zmm`] width widens in a lane order of its own where
+    /// that takes fewer instructions ([`Bf16EvenOdd`], D a multiple of 32;
+    /// [`E4m3Lut`], g = D a multiple of 64): unless
+    /// `KVJIT_ATTENTION_REORDERED` is `off` (read once: to time them against
+    /// the natural-order widenings).
+    fn reordered() -> bool {
         static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        let on = *ON.get_or_init(|| std::env::var("KVJIT_ATTENTION_FP8_TABLES").map_or(true, |v| v != "off"));
-        on && granularity == Some(head_size) && head_size.is_multiple_of(64)
+        *ON.get_or_init(|| std::env::var("KVJIT_ATTENTION_REORDERED").map_or(true, |v| v != "off"))
     }
 
     #[cfg(test)]
