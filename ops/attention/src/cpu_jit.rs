@@ -59,7 +59,8 @@
 //! calls the ahead-of-time AVX2/FMA micro-kernel
 //! [`kvjit_jit::attention_kernel`] once over the item's key range, which
 //! reads K/V in place from the cache pages through the same offsets table
-//! (software-prefetching a block ahead), widens bf16/f16/FP8 in registers
+//! (software-prefetching a block ahead and, from its last block, the first
+//! block of the sequence's next chunk: the thread's next item), widens bf16/f16/FP8 in registers
 //! (FP8: E4M3 bit manipulation and the per-key g-block scales, no
 //! re-encoding pass) and leaves `(m, l, acc)` in the same tile layout, so
 //! the chunking, the partials and the host merge are the Cranelift tier's
