@@ -156,8 +156,8 @@ pub enum DecodeWidth {
 }
 
 /// Whether the 512-bit width serves a cache of `cache` elements with head
-/// size `head_size` (and an FP8 cache's granularity) on this CPU: AVX-512F
-/// and BW, D a multiple of 16 and, FP8 with g < D, g a multiple of 16.
+/// size `head_size` (and an FP8 cache's granularity) on this CPU: AVX-512F,
+/// BW and VBMI, D a multiple of 16 and, FP8 with g < D, g a multiple of 16.
 pub fn zmm_serves(cache: DType, head_size: usize, granularity: Option<usize>) -> bool {
     let scales = cache != DType::F8E4M3 || granularity.is_some_and(|g| g == head_size || g.is_multiple_of(16));
     decode_supported(cache, head_size, granularity) && avx512_available() && head_size.is_multiple_of(16) && scales
@@ -278,7 +278,7 @@ mod x86 {
         /// its `PERMUTED` order, a `GRANULE` of 32).
         ///
         /// # Safety
-        /// `p` readable for 32 elements; AVX-512F, BW and VBMI, AVX2, FMA, F16C.
+        /// `p` readable for 32 elements; AVX-512F and BW, AVX2, FMA, F16C.
         #[inline]
         #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
         unsafe fn widen32(p: *const u8) -> [__m512; 2] {
@@ -487,10 +487,11 @@ mod x86 {
     }
 
     /// bf16 widened 32 at a time on the [`Zmm`] width, D a multiple of 32:
-    /// one 512-bit load holds 32 bf16, the top halves of 16 f32 words; the
-    /// odd elements are those words masked (`vpandd`), the even ones the
-    /// words shifted up by 16 (`vpslld`): 1 instruction per 16 elements
-    /// instead of a widening load and a shift. q and `acc` are kept in that
+    /// one 512-bit load holds 32 bf16 in 16 words of 32 bits, each word an
+    /// even element in its low half and the next (odd) one in its high
+    /// half; the odd elements are the words masked (`vpandd`), the even
+    /// ones the words shifted up by 16 (`vpslld`): 1 instruction per 16
+    /// elements instead of a widening load and a shift. q and `acc` are kept in that
     /// order ([`deinterleave32`]).
     struct Bf16EvenOdd;
 
@@ -537,7 +538,7 @@ mod x86 {
     /// two-source permutes per 32 values (a call permutes q and `acc`:
     /// scalar moves cost the kernel ~10 % at 128 keys a call).
     fn deinterleave32(values: &mut [f32], back: bool) {
-        assert!(super::avx512_available(), "the 512-bit width runs only where AVX-512F is available");
+        assert!(super::avx512_available(), "the 512-bit width runs only where AVX-512 is available");
         // SAFETY: AVX-512F, checked above.
         unsafe { deinterleave32_zmm(values, back) }
     }
@@ -1225,12 +1226,12 @@ mod x86 {
         }
     }
 
-    /// 512-bit vectors (AVX-512F, BW and VBMI) for the FMAs and the widening, 16
-    /// elements of D a vector: half the instructions of [`Ymm`] for the
-    /// same products. Serves D a multiple of 16 and, FP8 with g < D, g a
-    /// multiple of 16 ([`super::zmm_serves`]). Its scores and P·V are
-    /// real calls from the 256-bit driver (a target-feature boundary), one
-    /// per row tile and block, each over 32 keys.
+    /// 512-bit vectors (AVX-512F, BW and VBMI) for the FMAs and the
+    /// widening, 16 elements of D a vector: half the instructions of
+    /// [`Ymm`] for the same products. Serves D a multiple of 16 and, FP8
+    /// with g < D, g a multiple of 16 ([`super::zmm_serves`]). Its scores
+    /// and P·V are real calls from the 256-bit driver (a target-feature
+    /// boundary), one per row tile and block, each over 32 keys.
     pub(super) struct Zmm;
 
     impl Width for Zmm {
