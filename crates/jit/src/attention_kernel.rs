@@ -245,10 +245,11 @@ mod x86 {
         /// Whether elements widen 16 at a time ([`Weights::load16`]; D a
         /// multiple of 16).
         const PAIRED: bool = false;
-        /// Whether those 16 come in the order `[0..4, 8..12]`, `[4..8,
-        /// 12..16]` ([`Weights::PERMUTED16`]): the kernel then permutes q
-        /// and the state's `acc` the same way on entry, and `acc` back on
-        /// exit.
+        /// Whether the widened vectors hold the elements in an order of the
+        /// type's own ([`Elem::permute`]: for a `PAIRED` type `[0..4,
+        /// 8..12]`, `[4..8, 12..16]`, [`Weights::PERMUTED16`]): the kernel
+        /// then permutes q and the state's `acc` the same way on entry, and
+        /// `acc` back on exit.
         const PERMUTED: bool = Self::PAIRED && Self::PERMUTED16;
         /// Elements of D the [`Zmm`] width widens together, in an order of
         /// their own for a `PERMUTED` type: 16, or 32 ([`Elem::widen32`])
@@ -259,8 +260,7 @@ mod x86 {
 
         /// The `PERMUTED` order of `values` from their natural order
         /// (`back`: the reverse), on every 16 or `GRANULE` values.
-        fn permute(values: &mut [f32], back: bool) {
-            let _ = back;
+        fn permute(values: &mut [f32], _back: bool) {
             swap_middle_quads(values);
         }
 
