@@ -1047,32 +1047,20 @@ mod x86 {
         }
     }
 
-    /// One row tile (R rows, state tile at `state`) over one block.
+    /// The online softmax of one row tile over one block, row by row on
+    /// 256-bit vectors ([`Width::softmax`]'s contract).
     ///
     /// # Safety
-    /// As [`decode`]'s, for this tile's q rows and state.
+    /// As [`Width::softmax`]'s.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn tile_block<W: Width, E: Elem, const R: usize, const KN: usize, const SV: usize>(
-        q: *const f32,
+    unsafe fn softmax_ymm<const R: usize>(
+        s: &mut [[f32; KB]; R],
         state: *mut f32,
-        (rows, n, pos0): (&Rows, usize, i64),
-        sh: Shape,
-        ahead: &mut Ahead,
-    ) {
-        let mut s = [[f32::NEG_INFINITY; KB]; R];
-        // SAFETY: the caller's bounds on q and the rows.
-        unsafe { W::scores::<E, R, KN>(q, rows, n, sh, &mut s, ahead) };
+        (n, pos0): (usize, i64),
+        v_scales: Option<&[f32; KB]>,
+    ) -> [f32; R] {
         let mut alpha = [0f32; R];
-        // The block's V scales (FP8, one per row), read once for the R rows;
-        // keys past n scale a probability of 0.
-        let mut v_scales = [0f32; KB];
-        if E::SCALED && sh.whole_rows {
-            for (scale, &row) in v_scales.iter_mut().zip(&rows.vs).take(n) {
-                // SAFETY: the key's V scale row (one scale: g = D).
-                *scale = unsafe { *row } * E4M3_UNIT;
-            }
-        }
         for r in 0..R {
             let row = &mut s[r];
             // The row's keys of this block (the block's key j is at
@@ -1130,7 +1118,7 @@ mod x86 {
                 *m_at = m_new;
                 *l_at = a * l_old + total;
             }
-            if E::SCALED && sh.whole_rows {
+            if let Some(v_scales) = v_scales {
                 // P·V multiplies P[j] by V_j's scale in place of every
                 // widened vector of V_j (`l` summed the unscaled P).
                 for (p, scale) in row.chunks_exact_mut(8).zip(v_scales.chunks_exact(8)) {
@@ -1142,6 +1130,138 @@ mod x86 {
                 }
             }
         }
+        alpha
+    }
+
+    /// [`softmax_ymm`] on 512-bit vectors: a row's block is two vectors,
+    /// its keys a mask register, its max and sum one reduction each.
+    ///
+    /// # Safety
+    /// As [`Width::softmax`]'s; AVX-512F.
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    unsafe fn softmax_zmm<const R: usize>(
+        s: &mut [[f32; KB]; R],
+        state: *mut f32,
+        (n, pos0): (usize, i64),
+        v_scales: Option<&[f32; KB]>,
+    ) -> [f32; R] {
+        const { assert!(KB == 32, "a block is two 512-bit vectors of scores") };
+        let ninf = _mm512_set1_ps(f32::NEG_INFINITY);
+        // Each row's masked scores and its new max.
+        let mut x = [[ninf; 2]; R];
+        let (mut m_old, mut m_use) = ([0f32; 16], [0f32; 16]);
+        for (r, row) in s.iter().enumerate() {
+            // SAFETY: the tile's lo and hi words (state holds a whole tile).
+            let (lo, hi) = unsafe {
+                let words = state.cast::<i32>();
+                (i64::from(*words.add(STATE_LO + r)), i64::from(*words.add(STATE_HI + r)))
+            };
+            let from = (lo - pos0).clamp(0, n as i64) as u32;
+            let to = (hi - pos0).clamp(i64::from(from), n as i64) as u32;
+            // Keys [from, to) of the block, bit j for key j (to ≤ 32).
+            let keys = ((1u64 << to) - 1) & !((1u64 << from) - 1);
+            let at = row.as_ptr();
+            // SAFETY: the row's 32 f32; masked lanes read nothing.
+            x[r] = unsafe {
+                [
+                    _mm512_mask_loadu_ps(ninf, keys as __mmask16, at),
+                    _mm512_mask_loadu_ps(ninf, (keys >> 16) as __mmask16, at.add(16)),
+                ]
+            };
+            let [x0, x1] = x[r];
+            let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(x0, x0) | _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(x1, x1);
+            let block_max = if nan != 0 { f32::NAN } else { _mm512_reduce_max_ps(_mm512_max_ps(x0, x1)) };
+            // SAFETY: the tile's m lane (state holds a whole tile).
+            m_old[r] = unsafe { *state.add(r) };
+            // NaN-propagating max (f32::max drops a NaN).
+            let m_new = if m_old[r].is_nan() || block_max.is_nan() { f32::NAN } else { m_old[r].max(block_max) };
+            m_use[r] = if m_new == f32::NEG_INFINITY { 0.0 } else { m_new };
+            // SAFETY: as above.
+            unsafe { *state.add(r) = m_new };
+        }
+        // Every row's α = e^(m_old − m_use) in one vector.
+        // SAFETY: both hold 16 f32.
+        let alpha_v = unsafe { exp16(_mm512_sub_ps(_mm512_loadu_ps(m_old.as_ptr()), _mm512_loadu_ps(m_use.as_ptr()))) };
+        let mut alpha_lanes = [0f32; 16];
+        // SAFETY: alpha_lanes holds 16 f32.
+        unsafe { _mm512_storeu_ps(alpha_lanes.as_mut_ptr(), alpha_v) };
+        for (r, row) in s.iter_mut().enumerate() {
+            let m_v = _mm512_set1_ps(m_use[r]);
+            let mut p = x[r].map(|x| exp16(_mm512_sub_ps(x, m_v)));
+            let total = _mm512_reduce_add_ps(_mm512_add_ps(p[0], p[1]));
+            // SAFETY: the tile's l lane (state holds a whole tile).
+            unsafe {
+                let l_at = state.add(4 + r);
+                *l_at = alpha_lanes[r] * *l_at + total;
+            }
+            if let Some(v_scales) = v_scales {
+                for (i, p) in p.iter_mut().enumerate() {
+                    // SAFETY: 16 f32 of the scales.
+                    *p = _mm512_mul_ps(*p, unsafe { _mm512_loadu_ps(v_scales.as_ptr().add(16 * i)) });
+                }
+            }
+            let at = row.as_mut_ptr();
+            // SAFETY: the row's 32 f32.
+            unsafe {
+                _mm512_storeu_ps(at, p[0]);
+                _mm512_storeu_ps(at.add(16), p[1]);
+            }
+        }
+        std::array::from_fn(|r| alpha_lanes[r])
+    }
+
+    /// [`exp8`] on 512-bit vectors: the same polynomial, lane for lane
+    /// the same results.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    fn exp16(x: __m512) -> __m512 {
+        let x = _mm512_min_ps(_mm512_set1_ps(88.376_26), x);
+        let kept = _mm512_cmp_ps_mask::<_CMP_NLT_UQ>(x, _mm512_set1_ps(-87.336_54));
+        let fx = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm512_mul_ps(
+            x,
+            _mm512_set1_ps(std::f32::consts::LOG2_E),
+        ));
+        let r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693_359_4), x);
+        let r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.121_944_4e-4), r);
+        let mut y = _mm512_set1_ps(1.987_569_1e-4);
+        for c in [1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 0.166_666_65, 0.5] {
+            y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(c));
+        }
+        let r2 = _mm512_mul_ps(r, r);
+        let y = _mm512_fmadd_ps(y, r2, _mm512_add_ps(r, _mm512_set1_ps(1.0)));
+        let n = _mm512_cvtps_epi32(fx);
+        let pow2n = _mm512_castsi512_ps(_mm512_slli_epi32::<23>(_mm512_add_epi32(n, _mm512_set1_epi32(127))));
+        _mm512_maskz_mul_ps(kept, y, pow2n)
+    }
+
+    /// One row tile (R rows, state tile at `state`) over one block.
+    ///
+    /// # Safety
+    /// As [`decode`]'s, for this tile's q rows and state.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn tile_block<W: Width, E: Elem, const R: usize, const KN: usize, const SV: usize>(
+        q: *const f32,
+        state: *mut f32,
+        (rows, n, pos0): (&Rows, usize, i64),
+        sh: Shape,
+        ahead: &mut Ahead,
+    ) {
+        let mut s = [[f32::NEG_INFINITY; KB]; R];
+        // SAFETY: the caller's bounds on q and the rows.
+        unsafe { W::scores::<E, R, KN>(q, rows, n, sh, &mut s, ahead) };
+        // The block's V scales (FP8, one per row), read once for the R rows;
+        // keys past n scale a probability of 0.
+        let mut v_scales = [0f32; KB];
+        if E::SCALED && sh.whole_rows {
+            for (scale, &row) in v_scales.iter_mut().zip(&rows.vs).take(n) {
+                // SAFETY: the key's V scale row (one scale: g = D).
+                *scale = unsafe { *row } * E4M3_UNIT;
+            }
+        }
+        let scaled = (E::SCALED && sh.whole_rows).then_some(&v_scales);
+        // SAFETY: state holds a whole tile (the caller's).
+        let alpha = unsafe { W::softmax::<R>(&mut s, state, (n, pos0), scaled) };
         // SAFETY: acc of the tile: R rows of D f32; the block's V rows.
         unsafe { W::pv::<E, R, SV>(state.add(STATE_ACC), rows, n, sh, (&s, alpha)) };
     }
@@ -1150,6 +1270,23 @@ mod x86 {
     /// row tile over one block); the online softmax between them is the
     /// same for both.
     trait Width {
+        /// The online softmax of one row tile over one block: each row's
+        /// scores `s[r]` outside its keys (the tile's lo/hi against the
+        /// block's first position `pos0`, and from `n` on) masked, its
+        /// running max `m` and sum `l` updated in the tile, `s[r]` turned
+        /// into the block's probabilities (times `v_scales`: FP8 with g =
+        /// D; `l` sums the unscaled ones). Returns each row's rescale α of
+        /// its `acc`.
+        ///
+        /// # Safety
+        /// `state` holds a whole tile; the width's CPU features.
+        unsafe fn softmax<const R: usize>(
+            s: &mut [[f32; KB]; R],
+            state: *mut f32,
+            block: (usize, i64),
+            v_scales: Option<&[f32; KB]>,
+        ) -> [f32; R];
+
         /// [`scores`]'s contract.
         ///
         /// # Safety
@@ -1182,6 +1319,18 @@ mod x86 {
     pub(super) struct Ymm;
 
     impl Width for Ymm {
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn softmax<const R: usize>(
+            s: &mut [[f32; KB]; R],
+            state: *mut f32,
+            block: (usize, i64),
+            v_scales: Option<&[f32; KB]>,
+        ) -> [f32; R] {
+            // SAFETY: the caller's.
+            unsafe { softmax_ymm::<R>(s, state, block, v_scales) }
+        }
+
         #[inline]
         #[target_feature(enable = "avx2,fma,f16c")]
         unsafe fn scores<E: Elem, const R: usize, const KN: usize>(
@@ -1235,6 +1384,17 @@ mod x86 {
     pub(super) struct Zmm;
 
     impl Width for Zmm {
+        #[inline]
+        unsafe fn softmax<const R: usize>(
+            s: &mut [[f32; KB]; R],
+            state: *mut f32,
+            block: (usize, i64),
+            v_scales: Option<&[f32; KB]>,
+        ) -> [f32; R] {
+            // SAFETY: the caller's; AVX-512F (the caller picked this width).
+            unsafe { softmax_zmm::<R>(s, state, block, v_scales) }
+        }
+
         #[inline]
         unsafe fn scores<E: Elem, const R: usize, const KN: usize>(
             q: *const f32,
@@ -1370,27 +1530,52 @@ mod x86 {
                 }
                 d += 16;
             }
-            for group in 0..groups {
-                let mut flat = [_mm256_setzero_ps(); 8];
-                for r in 0..R {
-                    for kk in 0..KN {
-                        flat[r * KN + kk] = fold16(acc[r][group * KN + kk]);
-                    }
-                }
-                // SAFETY: j0 + (group + 1)·KN ≤ KB; the block's scale rows
-                // (the caller's).
-                unsafe { store_scores::<E, R, KN>(flat, rows, j0 + group * KN, sh, out) };
+            // R·keys ≤ 16 sums (lane r·keys + kk: row r, key j0 + kk).
+            let mut flat = [_mm512_setzero_ps(); 16];
+            for (r, row) in acc.iter().enumerate() {
+                flat[r * keys..(r + 1) * keys].copy_from_slice(&row[..keys]);
+            }
+            let mut sums = reduce16(flat);
+            if E::SCALED && sh.whole_rows {
+                // Lane r·keys + kk times key j0 + kk's K scale (one per row:
+                // g = D), all rows in one multiply.
+                // SAFETY: the keys' K scale rows (the caller's).
+                let scale: [f32; 16] = std::array::from_fn(|lane| unsafe { *rows.ks[j0 + lane % keys] } * E4M3_UNIT);
+                // SAFETY: scale holds 16 f32.
+                sums = _mm512_mul_ps(sums, unsafe { _mm512_loadu_ps(scale.as_ptr()) });
+            }
+            let mut lanes = [0f32; 16];
+            // SAFETY: lanes holds 16 f32.
+            unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), sums) };
+            for (r, row) in out.iter_mut().enumerate() {
+                row[j0..j0 + keys].copy_from_slice(&lanes[r * keys..(r + 1) * keys]);
             }
             j0 += keys;
         }
     }
 
-    /// The two 256-bit halves of `a` added.
+    /// The 16 horizontal sums of `v[0..16]` as the lanes of one vector
+    /// (lane i: the sum of `v[i]`), by a transpose-and-add tree: 45
+    /// instructions for 16 sums.
     #[inline]
     #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-    fn fold16(a: __m512) -> __m256 {
-        let high = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(a)));
-        _mm256_add_ps(_mm512_castps512_ps256(a), high)
+    fn reduce16(v: [__m512; 16]) -> __m512 {
+        // Pairs interleaved within each 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3].
+        let w: [__m512; 8] = std::array::from_fn(|i| {
+            let (a, b) = (v[2 * i], v[2 * i + 1]);
+            _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b))
+        });
+        // Each 128-bit lane: one quarter's sums of four vectors, in order.
+        let u: [__m512; 4] = std::array::from_fn(|i| {
+            let (x, y) = (w[2 * i], w[2 * i + 1]);
+            _mm512_add_ps(_mm512_shuffle_ps::<0x44>(x, y), _mm512_shuffle_ps::<0xEE>(x, y))
+        });
+        // Quarters 0+2 and 1+3 of two such vectors.
+        let z: [__m512; 2] = std::array::from_fn(|i| {
+            let (x, y) = (u[2 * i], u[2 * i + 1]);
+            _mm512_add_ps(_mm512_shuffle_f32x4::<0x44>(x, y), _mm512_shuffle_f32x4::<0xEE>(x, y))
+        });
+        _mm512_add_ps(_mm512_shuffle_f32x4::<0x88>(z[0], z[1]), _mm512_shuffle_f32x4::<0xDD>(z[0], z[1]))
     }
 
     /// [`Width::pv`] on 512-bit vectors: slices of `16·SV` elements of D,
@@ -1737,6 +1922,19 @@ mod x86 {
         unsafe { _mm256_storeu_ps(out.as_mut_ptr(), exp8(_mm256_loadu_ps(x.as_ptr()))) };
         out
     }
+
+    /// [`exp16`] of 16 values; `None` where the 512-bit width is not
+    /// available.
+    #[cfg(test)]
+    pub(super) fn exp_lanes16(x: [f32; 16]) -> Option<[f32; 16]> {
+        if !super::avx512_available() {
+            return None;
+        }
+        let mut out = [0f32; 16];
+        // SAFETY: 16 f32 each; AVX-512F checked above.
+        unsafe { _mm512_storeu_ps(out.as_mut_ptr(), exp16(_mm512_loadu_ps(x.as_ptr()))) };
+        Some(out)
+    }
 }
 
 #[cfg(all(test, target_arch = "x86_64"))]
@@ -1803,6 +2001,30 @@ mod tests {
         assert!(special[2].is_nan());
         assert_eq!(special[3], 1.0);
         assert_eq!(special[4], 1.0);
+    }
+
+    /// The 512-bit exp gives the 256-bit one's bits in every lane, the
+    /// special values included.
+    #[test]
+    fn exp_widths_agree_bit_for_bit() {
+        let mut rng = StdRng::seed_from_u64(11);
+        for round in 0..2000 {
+            let mut xs: [f32; 16] = std::array::from_fn(|_| rng.gen_range(-95.0f32..90.0));
+            if round == 0 {
+                xs[..8].copy_from_slice(&[f32::NEG_INFINITY, -100.0, f32::NAN, 0.0, -0.0, 1.0, -1e-8, 88.5]);
+            }
+            let Some(wide) = x86::exp_lanes16(xs) else {
+                eprintln!("skipped: this CPU has no AVX-512F/BW/VBMI");
+                return;
+            };
+            for half in 0..2 {
+                let narrow = x86::exp_lanes(std::array::from_fn(|i| xs[8 * half + i]));
+                for (i, want) in narrow.iter().enumerate() {
+                    let got = wide[8 * half + i];
+                    assert_eq!(got.to_bits(), want.to_bits(), "exp({}) = {got}, want {want}", xs[8 * half + i]);
+                }
+            }
+        }
     }
 
     use rand::rngs::StdRng;
@@ -2099,16 +2321,31 @@ mod tests {
 }
 
 /// Timings of the decode micro-kernel, Llama-3-8B heads (8 KV heads of
-/// 128, 4 query rows each), 128 keys a call: `cargo test --release -p
-/// kvjit-jit -- --ignored decode_kernel --nocapture` (`DT=bf16` etc. for
-/// one cache type).
+/// 128, 4 query rows each; `SHAPE=smollm2` for SmolLM2-135M's), 128 keys
+/// a call, FP8 with g = D: `cargo test --release -p kvjit-jit --
+/// --ignored decode_kernel --nocapture` (`DT=bf16` etc. for one cache
+/// type, `ITERS` calls a sample).
 #[cfg(all(test, target_arch = "x86_64"))]
 mod timing {
     use super::*;
 
-    const HEADS: usize = 8;
-    const ROWS: usize = 4;
-    const D: usize = 128;
+    /// Whether `SHAPE=smollm2` asks for SmolLM2-135M's heads (3 KV heads
+    /// of 64, 3 query rows each) in place of Llama-3-8B's.
+    fn smollm2() -> bool {
+        std::env::var("SHAPE").is_ok_and(|v| v == "smollm2")
+    }
+    /// KV heads of a call.
+    fn heads() -> usize {
+        if smollm2() { 3 } else { 8 }
+    }
+    /// Query rows per KV head.
+    fn rows() -> usize {
+        if smollm2() { 3 } else { 4 }
+    }
+    /// Head size D.
+    fn d() -> usize {
+        if smollm2() { 64 } else { 128 }
+    }
     const KEYS: usize = 128;
     /// FP8 codes hold 400× the values; their scale gives it back.
     const FP8_SCALE: f32 = 1.0 / 400.0;
@@ -2139,11 +2376,13 @@ mod timing {
     }
 
     impl Caller {
-        const TILE_FLOATS: usize = STATE_ACC + 4 * D;
+        fn tile_floats() -> usize {
+            STATE_ACC + 4 * d()
+        }
 
         fn new(dtype: DType) -> Self {
-            let kernel = decode_kernel(dtype, ROWS, D, Some(128)).expect("AVX2 checked by the caller");
-            Caller { kernel, q: vec![0.01; HEADS * 4 * D], state: vec![0.0; HEADS * Self::TILE_FLOATS] }
+            let kernel = decode_kernel(dtype, rows(), d(), Some(d())).expect("AVX2 checked by the caller");
+            Caller { kernel, q: vec![0.01; heads() * 4 * d()], state: vec![0.0; heads() * Self::tile_floats()] }
         }
 
         /// Reset the state and run the kernel over the first `KEYS` keys at
@@ -2151,19 +2390,19 @@ mod timing {
         /// block prefetches, as an op's next key chunk).
         ///
         /// # Safety
-        /// Every `offsets[j]`, j < KEYS, plus h·D (h < HEADS, and plus
-        /// `kv_stride`) is a whole row of D elements inside `blocks`, and
-        /// `scales` covers every such offset / 128.
+        /// Every `offsets[j]`, j < KEYS, plus h·D (h below the KV heads, and
+        /// plus `kv_stride`) is a whole row of D elements inside `blocks`, and
+        /// `scales` covers every such offset / D.
         unsafe fn call(&mut self, blocks: &[u8], offsets: &[i64], scales: &[f32], kv_stride: usize) {
-            for t in 0..HEADS {
-                let tile = &mut self.state[t * Self::TILE_FLOATS..];
+            for t in 0..heads() {
+                let tile = &mut self.state[t * Self::tile_floats()..];
                 tile[..4].fill(f32::NEG_INFINITY);
                 // Every row reads every key: [0, KEYS).
                 tile[STATE_LO..STATE_LO + 4].fill(f32::from_bits(0));
                 tile[STATE_HI..STATE_HI + 4].fill(f32::from_bits(KEYS as u32));
             }
             // SAFETY: the caller's bounds on the rows and scales; q and state
-            // are sized for HEADS × 1 tile; AVX2 (the kernel exists).
+            // are sized for one tile a KV head; AVX2 (the kernel exists).
             unsafe {
                 (self.kernel)(
                     self.q.as_ptr(),
@@ -2172,14 +2411,14 @@ mod timing {
                     KEYS,
                     offsets.len() - KEYS,
                     0,
-                    HEADS,
+                    heads(),
                     scales.as_ptr(),
                     self.state.as_mut_ptr(),
-                    ROWS,
-                    D,
+                    rows(),
+                    d(),
                     kv_stride,
-                    128,
-                    Self::TILE_FLOATS,
+                    d(),
+                    Self::tile_floats(),
                 )
             };
         }
@@ -2194,25 +2433,25 @@ mod timing {
             return;
         }
         for dtype in dtypes() {
-            let slot = HEADS * D;
+            let slot = heads() * d();
             let kv_stride = KEYS * slot;
             let blocks = encoded(dtype, 2 * kv_stride);
-            let scales = vec![FP8_SCALE; 2 * kv_stride / 128];
+            let scales = vec![FP8_SCALE; 2 * kv_stride / d()];
             let offsets: Vec<i64> = (0..KEYS as i64).map(|j| j * slot as i64).collect();
             let mut caller = Caller::new(dtype);
-            let iters = 500;
+            let iters: usize = std::env::var("ITERS").map_or(500, |v| v.parse().unwrap());
             let mut best = f64::MAX;
             for _ in 0..7 {
                 let start = std::time::Instant::now();
                 for _ in 0..iters {
                     // SAFETY: key j's slot is at j·slot, its V rows kv_stride
                     // on, all inside the 2·kv_stride elements of `blocks`;
-                    // scales cover blocks/128.
+                    // scales cover blocks/D.
                     unsafe { caller.call(&blocks, &offsets, &scales, kv_stride) };
                 }
                 best = best.min(start.elapsed().as_secs_f64());
             }
-            println!("{dtype}: {:.1} ns per key-head", best / (iters * KEYS * HEADS) as f64 * 1e9);
+            println!("{dtype}: {:.1} ns per key-head", best / (iters * KEYS * heads()) as f64 * 1e9);
         }
     }
 
@@ -2226,7 +2465,7 @@ mod timing {
             return;
         }
         let (page, pages) = (16usize, 4096usize);
-        let slot = HEADS * D;
+        let slot = heads() * d();
         // [pages, 2, page, slot]
         let total = pages * 2 * page * slot;
         let kv_stride = page * slot;
@@ -2238,7 +2477,7 @@ mod timing {
         }
         let offsets: Vec<i64> =
             (0..pages * page).map(|j| (order[j / page] * 2 * page * slot + (j % page) * slot) as i64).collect();
-        let scales = vec![FP8_SCALE; total / 128 + 1];
+        let scales = vec![FP8_SCALE; total / d() + 1];
         for dtype in dtypes() {
             let bytes = encoded(dtype, total);
             let mut storage = kvjit_core::Tensor::zeros_in_huge_pages(DType::F32, &[bytes.len().div_ceil(4)]).unwrap();
@@ -2251,13 +2490,13 @@ mod timing {
                 for call in 0..pages * page / KEYS {
                     // SAFETY: each offset is a slot of a page's K half, its V
                     // row kv_stride on in the same page's V half, all inside
-                    // `blocks`; scales cover blocks/128.
+                    // `blocks`; scales cover blocks/D.
                     unsafe { caller.call(blocks, &offsets[call * KEYS..], &scales, kv_stride) };
                 }
                 best = best.min(start.elapsed().as_secs_f64());
             }
-            let read = (pages * page * HEADS * 2 * D * dtype.size_bytes()) as f64;
-            let per_key_head = best / (pages * page * HEADS) as f64;
+            let read = (pages * page * heads() * 2 * d() * dtype.size_bytes()) as f64;
+            let per_key_head = best / (pages * page * heads()) as f64;
             println!("{dtype}: {:.1} ns per key-head, {:.1} GB/s", per_key_head * 1e9, read / best / 1e9);
         }
         // Plain read bandwidth of one thread over the same size.
