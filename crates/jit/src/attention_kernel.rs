@@ -65,8 +65,10 @@
 //! instruction per 16), FP8 with g = D and D a multiple of 64 through byte
 //! tables (`vpermt2b` into bf16, about 9 instructions per 64 codes);
 //! `KVJIT_ATTENTION_REORDERED=off` keeps the natural order. The block
-//! loop, the masking and the online softmax are the 256-bit kernel's, so
-//! both widths leave the same state layout. Set
+//! loop and the prefetches are the 256-bit kernel's; the online softmax
+//! is on 512-bit vectors too (a row's 32 scores two vectors, its keys a
+//! mask register), and the scores' horizontal sums a 16-way
+//! transpose-and-add tree. Both widths leave the same state layout. Set
 //! `KVJIT_ATTENTION_AVX512=off` to run the 256-bit width on such a CPU (to
 //! time one against the other).
 
@@ -96,7 +98,10 @@ pub const STATE_TILE_ROWS: usize = 4;
 ///   call does not start on a cold block. They are only prefetched (which
 ///   never faults), so any value is sound;
 /// - `scales` (FP8 only, else unused): f32 scales, the scale of the
-///   `granularity` elements at element offset `o` at `scales[o / granularity]`;
+///   `granularity` elements at element offset `o` at `scales[o /
+///   granularity]`; the key offsets and `kv_stride` are multiples of
+///   `granularity` (as a cache's are: g divides D), so a row's scales are
+///   found without a division per head;
 /// - `first_key`: the position of key 0 of the call, in the coordinates of
 ///   the tiles' key ranges;
 /// - `state`: per head `ceil(rows / 4)` tiles of `tile_floats` f32, each
@@ -1746,11 +1751,16 @@ mod x86 {
         let lines = first.lines();
         first.step(false, lines);
         first.step(true, lines);
-        // An FP8 key's K and V scales (every head's: contiguous f32).
-        let scale_bytes = heads * (head_size / sh.g) * 4;
+        // An FP8 key's K and V scales (every head's: contiguous f32): the
+        // scales of head h's rows are h·D/g on from its key's, the V rows'
+        // kv_stride/g on from the K rows' (offsets are multiples of g).
+        let head_scales = head_size / sh.g;
+        let v_scales = sh.kv_stride / sh.g;
+        let scale_bytes = heads * head_scales * 4;
         let prefetch_scales = |o: usize| {
             if E::SCALED {
-                for at in [o / sh.g, (o + sh.kv_stride) / sh.g] {
+                let at = o / sh.g;
+                for at in [at, at + v_scales] {
                     prefetch(scales.wrapping_add(at).cast(), scale_bytes);
                 }
             }
@@ -1776,6 +1786,7 @@ mod x86 {
         permute_acc(false);
         let share = KB.div_ceil(heads);
         let mut slot = [0usize; KB];
+        let mut scale_slot = [0usize; KB];
         let mut p0 = 0;
         while p0 < keys {
             let n = (keys - p0).min(KB);
@@ -1785,6 +1796,9 @@ mod x86 {
             let next_n = (keys + ahead - next_from).min(KB);
             for (j, o) in slot.iter_mut().enumerate() {
                 *o = offset(p0 + j.min(n - 1));
+                if E::SCALED {
+                    scale_slot[j] = *o / sh.g;
+                }
             }
             for h in 0..heads {
                 let head = h * head_size;
@@ -1795,8 +1809,9 @@ mod x86 {
                     rows_of.k[j] = k;
                     rows_of.v[j] = k.wrapping_add(v_offset);
                     if E::SCALED {
-                        rows_of.ks[j] = scales.wrapping_add(o / sh.g);
-                        rows_of.vs[j] = scales.wrapping_add((o + sh.kv_stride) / sh.g);
+                        let ks = scales.wrapping_add(scale_slot[j] + h * head_scales);
+                        rows_of.ks[j] = ks;
+                        rows_of.vs[j] = ks.wrapping_add(v_scales);
                     }
                 }
                 // This head's share of the next block's whole slots.
