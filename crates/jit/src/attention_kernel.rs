@@ -702,6 +702,21 @@ mod x86 {
         }
     }
 
+    /// Cephes' `e^r` polynomial for `x` reduced by `fx` multiples of ln 2,
+    /// on either width's vectors (its intrinsics passed in): the one body of
+    /// [`exp8`] and [`exp16`].
+    macro_rules! exp_polynomial {
+        ($x:expr, $fx:expr, $set1:ident, $fmadd:ident, $fnmadd:ident, $mul:ident, $add:ident) => {{
+            let r = $fnmadd($fx, $set1(0.693_359_4), $x);
+            let r = $fnmadd($fx, $set1(-2.121_944_4e-4), r);
+            let mut y = $set1(1.987_569_1e-4);
+            for c in [1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 0.166_666_65, 0.5] {
+                y = $fmadd(y, r, $set1(c));
+            }
+            $fmadd(y, $mul(r, r), $add(r, $set1(1.0)))
+        }};
+    }
+
     /// `e^x` in every lane: Cephes' degree-6 polynomial after a range
     /// reduction by ln 2 (≤ 2 ulp); `x < −87.33` (−inf included) gives 0,
     /// NaN stays NaN.
@@ -715,14 +730,7 @@ mod x86 {
             x,
             _mm256_set1_ps(std::f32::consts::LOG2_E),
         ));
-        let r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693_359_4), x);
-        let r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.121_944_4e-4), r);
-        let mut y = _mm256_set1_ps(1.987_569_1e-4);
-        for c in [1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 0.166_666_65, 0.5] {
-            y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(c));
-        }
-        let r2 = _mm256_mul_ps(r, r);
-        let y = _mm256_fmadd_ps(y, r2, _mm256_add_ps(r, _mm256_set1_ps(1.0)));
+        let y = exp_polynomial!(x, fx, _mm256_set1_ps, _mm256_fmadd_ps, _mm256_fnmadd_ps, _mm256_mul_ps, _mm256_add_ps);
         let n = _mm256_cvtps_epi32(fx);
         let pow2n = _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(n, _mm256_set1_epi32(127))));
         _mm256_andnot_ps(underflow, _mm256_mul_ps(y, pow2n))
@@ -1226,14 +1234,7 @@ mod x86 {
             x,
             _mm512_set1_ps(std::f32::consts::LOG2_E),
         ));
-        let r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693_359_4), x);
-        let r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.121_944_4e-4), r);
-        let mut y = _mm512_set1_ps(1.987_569_1e-4);
-        for c in [1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 0.166_666_65, 0.5] {
-            y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(c));
-        }
-        let r2 = _mm512_mul_ps(r, r);
-        let y = _mm512_fmadd_ps(y, r2, _mm512_add_ps(r, _mm512_set1_ps(1.0)));
+        let y = exp_polynomial!(x, fx, _mm512_set1_ps, _mm512_fmadd_ps, _mm512_fnmadd_ps, _mm512_mul_ps, _mm512_add_ps);
         let n = _mm512_cvtps_epi32(fx);
         let pow2n = _mm512_castsi512_ps(_mm512_slli_epi32::<23>(_mm512_add_epi32(n, _mm512_set1_epi32(127))));
         _mm512_maskz_mul_ps(kept, y, pow2n)
