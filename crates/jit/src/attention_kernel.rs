@@ -1384,9 +1384,9 @@ mod x86 {
     /// 512-bit vectors (AVX-512F, BW and VBMI) for the FMAs and the
     /// widening, 16 elements of D a vector: half the instructions of
     /// [`Ymm`] for the same products. Serves D a multiple of 16 and, FP8
-    /// with g < D, g a multiple of 16 ([`super::zmm_serves`]). Its scores
-    /// and P·V are real calls from the 256-bit driver (a target-feature
-    /// boundary), one per row tile and block, each over 32 keys.
+    /// with g < D, g a multiple of 16 ([`super::zmm_serves`]). Its scores,
+    /// softmax and P·V are real calls from the 256-bit driver (a
+    /// target-feature boundary), one each per row tile and block of 32 keys.
     pub(super) struct Zmm;
 
     impl Width for Zmm {
