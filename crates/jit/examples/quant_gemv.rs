@@ -77,8 +77,8 @@ fn main() {
                 continue;
             }
             let packed = quant_matrix(format, k, n, &mut rng);
-            let (name, tile) = ("quant_gemv", quant_gemv(format));
-            for (name, tile) in [(name, tile), ("quant_gemv_avx2", quant_gemv_avx2(format))] {
+            let (name, tile) = ("quant_gemv", quant_gemv(format, k));
+            for (name, tile) in [(name, tile), ("quant_gemv_avx2", quant_gemv_avx2(format, k))] {
                 let Some(tile) = tile else { continue };
                 let mut xq = vec![0u8; k / 32 * Q8_ACTIVATION_BLOCK_BYTES];
                 let t = bench_row(&format!("{format} {name}"), &packed, n, reps, |w, c| {
@@ -134,8 +134,8 @@ fn l2_table(reps: usize, only: &str) {
         }
         let packed = quant_matrix(format, k, n, &mut rng);
         let panel = panel_bytes(format, k);
-        let (name, tile) = ("quant_gemv", quant_gemv(format));
-        for (name, tile) in [(name, tile), ("quant_gemv_avx2", quant_gemv_avx2(format))] {
+        let (name, tile) = ("quant_gemv", quant_gemv(format, k));
+        for (name, tile) in [(name, tile), ("quant_gemv_avx2", quant_gemv_avx2(format, k))] {
             let Some(tile) = tile else { continue };
             time(&format!("{format} {name}"), packed.len(), n, &mut |c| {
                 for p in 0..n / TILE_COLUMNS {

@@ -208,7 +208,8 @@ fn round_half_away(v: f32) -> i32 {
     t + i32::from(rest >= 0.5) - i32::from(rest <= -0.5)
 }
 
-/// The integer GEMV tile for panels of a block `format`, with the
+/// The integer GEMV tile for panels of a block `format` over `k` (the tile
+/// reads a panel in as many streams as its length pays for), with the
 /// [`GemmTile`] ABI read this way: `x` points at the row's quantized
 /// activations ([`quantize_activations`]' blocks, cast), `x_step` is
 /// ignored, `w` at a packed panel, `k` is K (a multiple of the block), and
@@ -220,8 +221,24 @@ fn round_half_away(v: f32) -> i32 {
 /// 2.5–3.4×, Q8_0 2.2×, Q6_K 1.7–2.1× (against ~1× for decoding each
 /// k-block to f32 first). `None` for other dtypes or when this CPU lacks
 /// the tier.
-pub fn quant_gemv(format: DType) -> Option<GemmTile> {
-    quant_gemv_any(format)
+pub fn quant_gemv(format: DType, k: usize) -> Option<GemmTile> {
+    if !avx2_available() {
+        return None;
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        x86::gemv(format, k)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (format, k);
+        None
+    }
+}
+
+/// Whether this CPU has an integer GEMV tile ([`quant_gemv`]) for `format`.
+pub fn has_quant_gemv(format: DType) -> bool {
+    quant_gemv(format, format.block().0).is_some()
 }
 
 /// The `vpdpbusd` GEMV tile of `format` reading each panel in `streams`
@@ -259,38 +276,21 @@ pub fn quant_gemv_uses_vnni() -> bool {
     }
 }
 
-/// The integer GEMV tile of any block format, with `vpdpbusd` where the
-/// CPU has it.
-fn quant_gemv_any(format: DType) -> Option<GemmTile> {
-    if !avx2_available() {
-        return None;
-    }
-    #[cfg(target_arch = "x86_64")]
-    {
-        x86::gemv(format)
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        let _ = format;
-        None
-    }
-}
-
 /// The AVX2 integer GEMV tile of any block format, even on a CPU with
 /// `vpdpbusd` (where [`quant_gemv`] returns the
 /// `vpdpbusd` tile, the same sums exactly): for tests and measurements.
 /// `None` for other dtypes or when this CPU lacks the tier.
-pub fn quant_gemv_avx2(format: DType) -> Option<GemmTile> {
+pub fn quant_gemv_avx2(format: DType, k: usize) -> Option<GemmTile> {
     if !avx2_available() {
         return None;
     }
     #[cfg(target_arch = "x86_64")]
     {
-        x86::gemv_tier(format, x86::DotTier::Avx2)
+        x86::gemv_tier(format, k, x86::DotTier::Avx2)
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
-        let _ = format;
+        let _ = (format, k);
         None
     }
 }

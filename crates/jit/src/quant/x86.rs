@@ -8,16 +8,32 @@ use kvjit_core::DType;
 use super::{Q_MAX, Q8_ACTIVATION_BLOCK_BYTES};
 use crate::microkernel::{GemmTile, TILE_COLUMNS, WidenBlock};
 
-/// The independent k ranges ("streams") a GEMV tile reads its panel in,
-/// side by side, each with its own accumulators: more line fills in
-/// flight per core than one stream, and independent FMA chains. Measured
-/// with two threads streaming Llama-3-8B QKV panels from DRAM in huge
-/// pages, where packed weights live (`examples/gemv_threads.rs`): two
-/// streams read 4–12 % faster than four for the 32-k formats and 1.3–1.4×
-/// for the K-quants; one stream is within ±5 % of two for Q4_1 and the
-/// K-quants but 7–30 % slower for Q4_0 and Q8_0. (Alone on one core,
-/// four streams had measured best.)
+/// The independent k ranges ("streams") a GEMV tile reads a long panel
+/// in, side by side, each with its own accumulators: more line fills in
+/// flight per core than one stream. Measured with two threads streaming
+/// Llama-3-8B QKV panels from DRAM in huge pages, where packed weights
+/// live (`examples/gemv_threads.rs`), on an Intel Xeon: two streams read
+/// 4–12 % faster than four for the 32-k formats and 1.3–1.4× for the
+/// K-quants; one stream within ±5 % of two for Q4_1 and the K-quants but
+/// 7–30 % slower for Q4_0 and Q8_0. Short panels read as one stream
+/// ([`streams_for`]).
 pub(super) const STREAMS: usize = 2;
+/// The shortest range, in bytes, a stream of a multi-stream GEMV tile
+/// reads per panel: below it the panel is one stream ([`streams_for`]).
+/// Two streams jump between two k ranges of each panel and restart both at
+/// every panel; in ranges this short the jumps keep the hardware's stream
+/// prefetchers from running ahead. Measured on AMD Zen 4 (two threads, from
+/// DRAM, `examples/gemv_threads.rs`): one stream 1.5–1.8× two at K = 576
+/// to 2048 (11–20 KiB ranges) for every 32-k format, 1.17–1.21× at K =
+/// 4096 for Q4_0, Q4_1, Q4_K and Q6_K (18–27 KiB ranges), and 0.93× for
+/// Q8_0 at K = 4096 (34 KiB ranges), even at K = 8192.
+const MIN_STREAM_BYTES: usize = 32 << 10;
+
+/// How many streams a GEMV tile reads a panel of `panel_bytes` in:
+/// [`STREAMS`] when each would still cover [`MIN_STREAM_BYTES`], else one.
+pub(super) fn streams_for(panel_bytes: usize) -> usize {
+    if panel_bytes / STREAMS >= MIN_STREAM_BYTES { STREAMS } else { 1 }
+}
 /// How far ahead of its loads each stream of a GEMV tile prefetches
 /// (measured: 2 KiB per stream reads DRAM at ~1.3× the rate of no software
 /// prefetch, within ~8% of the core's read roof; 1 KiB and 4 KiB less).
@@ -603,8 +619,14 @@ macro_rules! gemv_body {
 /// packed panel of `F` over `k` (a multiple of `F`'s k-group), `c` readable and
 /// writable for 16 f32; the CPU has AVX2, FMA and F16C.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe extern "C" fn gemv_kernel<F: GemvFormat>(x: *const f32, _x_step: usize, w: *const u8, k: usize, c: *mut f32) {
-    gemv_body!(F, Avx2, STREAMS, x, w, k, c)
+unsafe extern "C" fn gemv_kernel<F: GemvFormat, const S: usize>(
+    x: *const f32,
+    _x_step: usize,
+    w: *const u8,
+    k: usize,
+    c: *mut f32,
+) {
+    gemv_body!(F, Avx2, S, x, w, k, c)
 }
 
 /// A `vpdpbusd` tier: its `Dot` ([`vnni_dot`], the products by `$dpbusd`)
@@ -689,13 +711,14 @@ impl DotTier {
 }
 
 /// The integer GEMV tile of `format` on `tier` read in `streams` streams
-/// (1, 2 or 4 for the `vpdpbusd` tiers, [`STREAMS`] for AVX2; the caller
-/// checked [`DotTier::available`]).
+/// (1, 2 or 4 for the `vpdpbusd` tiers, 1 or [`STREAMS`] for AVX2; the
+/// caller checked [`DotTier::available`]).
 pub(super) fn gemv_with_streams_on(format: DType, tier: DotTier, streams: usize) -> Option<GemmTile> {
     macro_rules! pick {
         ($f:ty) => {
             match (tier, streams) {
-                (DotTier::Avx2, STREAMS) => gemv_kernel::<$f> as GemmTile,
+                (DotTier::Avx2, 1) => gemv_kernel::<$f, 1> as GemmTile,
+                (DotTier::Avx2, STREAMS) => gemv_kernel::<$f, STREAMS>,
                 (DotTier::AvxVnni, 1) => gemv_kernel_avx_vnni::<$f, 1>,
                 (DotTier::AvxVnni, 2) => gemv_kernel_avx_vnni::<$f, 2>,
                 (DotTier::AvxVnni, 4) => gemv_kernel_avx_vnni::<$f, 4>,
@@ -725,14 +748,16 @@ pub(super) fn gemv_with_streams(format: DType, streams: usize) -> Option<GemmTil
     }
 }
 
-/// The integer GEMV tile of `format` on `tier`, in [`STREAMS`] streams.
-pub(super) fn gemv_tier(format: DType, tier: DotTier) -> Option<GemmTile> {
-    gemv_with_streams_on(format, tier, STREAMS)
+/// The integer GEMV tile of `format` on `tier` for panels of `k`, in
+/// [`streams_for`] their bytes.
+pub(super) fn gemv_tier(format: DType, k: usize, tier: DotTier) -> Option<GemmTile> {
+    gemv_with_streams_on(format, tier, streams_for(super::panel_bytes(format, k)))
 }
 
-/// The integer GEMV tile of `format` on this CPU's best tier.
-pub(super) fn gemv(format: DType) -> Option<GemmTile> {
-    gemv_tier(format, DotTier::best())
+/// The integer GEMV tile of `format` on this CPU's best tier for panels
+/// of `k`.
+pub(super) fn gemv(format: DType, k: usize) -> Option<GemmTile> {
+    gemv_tier(format, k, DotTier::best())
 }
 
 /// The 8 columns' u4 quant at byte `SHIFT / 8`, nibble `SHIFT % 8 / 4` of

@@ -140,7 +140,7 @@ pub fn gemv_rows_on(dtype: DType, vnni: bool) -> usize {
 pub fn gemv_per_row(tier: CodeTier, dtype: DType, m: usize) -> bool {
     tier == CodeTier::Avx2
         && dtype.is_block_format()
-        && kvjit_jit::quant::quant_gemv(dtype).is_some()
+        && kvjit_jit::quant::has_quant_gemv(dtype)
         && (1..=gemv_rows(dtype)).contains(&m)
 }
 
@@ -355,7 +355,7 @@ impl GemmEmitter<'_> {
     /// integer GEMV; the others (Q4_K, Q6_K) decode k blocks into f32 first,
     /// as for more rows.
     fn streams_one_row(&self) -> bool {
-        !self.dtype.is_block_format() || kvjit_jit::quant::quant_gemv(self.dtype).is_some()
+        !self.dtype.is_block_format() || kvjit_jit::quant::has_quant_gemv(self.dtype)
     }
 
     /// Whether `m` rows of block panels run the integer GEMV once per row
@@ -606,8 +606,12 @@ impl GemmEmitter<'_> {
     ) {
         let tile = match w_dtype.is_block_format() {
             // Block panels reach a tile only as one streamed row (the
-            // integer GEMV, on activations quantized per block).
-            true => kvjit_jit::quant::quant_gemv(w_dtype).filter(|_| mr == 1),
+            // integer GEMV, on activations quantized per block, over all
+            // of a known K).
+            true => match self.k {
+                Size::Known(k) => kvjit_jit::quant::quant_gemv(w_dtype, k).filter(|_| mr == 1),
+                Size::Runtime(_) => None,
+            },
             false => microkernel::gemm_tile(w_dtype, mr),
         }
         .expect("the caller checked this CPU runs the avx2 tier, which has a tile of every height up to MAX_TILE_ROWS");
