@@ -769,7 +769,7 @@ fn time_step(
         }
         let mut times: Vec<(StepOp, f64)> = Vec::new();
         for t in &out.timings {
-            let op = op_of(&t.key);
+            let op = op_of(&exe.steps()[t.step].kernel.key().to_string());
             match times.iter_mut().find(|(o, _)| *o == op) {
                 Some((_, s)) => *s += t.elapsed.as_secs_f64(),
                 None => times.push((op, t.elapsed.as_secs_f64())),

@@ -576,7 +576,7 @@ pub fn run_model(config: &ModelBenchConfig, progress: &mut dyn FnMut(&Progress))
                 kernel_sums.push(kernels);
                 overheads.push((wall - kernels).max(0.0));
                 for t in &out.timings {
-                    per_label.entry(t.label.clone()).or_default().push(t.elapsed.as_secs_f64());
+                    per_label.entry(model.exe.steps()[t.step].label.clone()).or_default().push(t.elapsed.as_secs_f64());
                 }
             }
             let median = |v: &[f64]| Stats::from_samples(v).median;

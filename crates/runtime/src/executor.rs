@@ -9,12 +9,12 @@ use crate::executable::shape_string;
 use crate::{DeviceContextPtr, Executable, Result, RuntimeError, ShapeDim, Slot};
 
 /// How long one step took.
-#[derive(Clone, Debug)]
+#[derive(Clone, Copy, Debug)]
 pub struct StepTiming {
-    /// The step's label (node id).
-    pub label: String,
-    /// Its kernel key.
-    pub key: String,
+    /// The step: its index in [`Executable::steps`] (its label and kernel
+    /// are there; recorded as an index so that timing a step costs no
+    /// formatting or allocation).
+    pub step: usize,
     /// Wall time of the kernel call.
     pub elapsed: Duration,
 }
@@ -182,11 +182,7 @@ impl Executor {
                 key: step.kernel.key().to_string(),
                 source,
             })?;
-            timings.push(StepTiming {
-                label: step.label.clone(),
-                key: step.kernel.key().to_string(),
-                elapsed: start.elapsed(),
-            });
+            timings.push(StepTiming { step: index, elapsed: start.elapsed() });
             for (&c, cache) in step.caches.iter().zip(step_caches) {
                 cache_refs[c] = Some(cache);
             }
