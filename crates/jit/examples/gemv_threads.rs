@@ -1,17 +1,19 @@
-//! Two-thread GEMV from DRAM: the bf16 GEMV tile against each block
-//! format's integer GEMV tile read in 1, 2 and 4 streams per panel (the
-//! tuned count is `STREAMS` in `quant/x86.rs`), interleaved call by call
-//! in one process so every variant sees the same machine state.
+//! Two-thread GEMV from DRAM: the bf16 GEMV tile read in 4 and 1 streams
+//! per panel against each block format's integer GEMV tile read in 1, 2
+//! and 4 (the counts chosen are `GEMV_STREAMS`/`MIN_STREAM_BYTES` in
+//! `microkernel.rs` and `STREAMS` in `quant/x86.rs`), interleaved call by
+//! call in one process so every variant sees the same machine state.
 //!
-//! Each call is a whole M = 1 GEMV of a Llama-3-8B-shaped matrix (K =
-//! 4096, N = 6144 by default): the panels split in two halves, the calling
+//! Each call is a whole M = 1 GEMV of an N×K matrix (by default
+//! Llama-3-8B's QKV, K = 4096, N = 6144; SmolLM2-135M's are K = 576 and
+//! 1536): the panels split in two halves, the calling
 //! thread on one and a spinning worker on the other (as `WorkerPool`
 //! runs a launch). Calls rotate over copies filling 768 MiB of memory
 //! advised for transparent huge pages (where packed weights live), so each
 //! reads DRAM. Medians; GB/s counts the bytes as stored.
 //!
 //! ```text
-//! cargo run --release -p kvjit-jit --example gemv_threads [rounds] [format] [N]
+//! cargo run --release -p kvjit-jit --example gemv_threads [rounds] [format] [N] [K]
 //! ```
 
 use std::hint::black_box;
@@ -19,7 +21,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
 use kvjit_core::{DType, Tensor};
-use kvjit_jit::microkernel::{GemmTile, TILE_COLUMNS, avx2_available, gemm_tile};
+use kvjit_jit::microkernel::{GemmTile, TILE_COLUMNS, avx2_available, gemv_tile_with_streams};
 use kvjit_jit::quant::{Q8_ACTIVATION_BLOCK_BYTES, panel_bytes, quant_gemv_with_streams, quantize_activations};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
@@ -29,7 +31,6 @@ use common::{bf16_matrix, quant_matrix};
 
 /// Bytes of copies each matrix rotates over.
 const ROTATE_BYTES: usize = 768 << 20;
-const K: usize = 4096;
 
 /// One timed route: a tile over the copies of one matrix.
 struct Route {
@@ -54,38 +55,43 @@ fn main() {
     let only = args.next().unwrap_or_default();
     let n: usize = args.next().map_or(6144, |n| n.parse().expect("N: a number"));
     assert!(n.is_multiple_of(2 * TILE_COLUMNS), "N: a multiple of 32");
+    let k: usize = args.next().map_or(4096, |k| k.parse().expect("K: a number"));
+    assert!(k.is_multiple_of(32), "K: a multiple of 32");
     let mut rng = SmallRng::seed_from_u64(1);
-    let x: Vec<f32> = (0..K).map(|_| rng.gen_range(-1.0..1.0)).collect();
-    let mut xq = vec![0u8; K / 32 * Q8_ACTIVATION_BLOCK_BYTES];
+    let x: Vec<f32> = (0..k).map(|_| rng.gen_range(-1.0..1.0)).collect();
+    let mut xq = vec![0u8; k / 32 * Q8_ACTIVATION_BLOCK_BYTES];
     quantize_activations(&x, &mut xq);
-    println!("K = {K}, N = {n}, 2 threads, {rounds}×8 calls per route, medians");
+    println!("K = {k}, N = {n}, 2 threads, {rounds}×8 calls per route, medians");
     for format in DType::BLOCK_FORMATS {
         if !format.to_string().contains(&only) {
             continue;
         }
-        let bf16 = bf16_matrix(K, n, &mut rng);
-        let mut routes = vec![Route {
-            name: "bf16".into(),
-            tile: gemm_tile(DType::BF16, 1).expect("a one-row bf16 tile"),
-            quantized: false,
-            panel_bytes: K * TILE_COLUMNS * 2,
-            matrix_bytes: bf16.len(),
-            copies: std::sync::Arc::new(copies(&bf16)),
-        }];
+        let bf16 = bf16_matrix(k, n, &mut rng);
+        let bf16_copies = std::sync::Arc::new(copies(&bf16));
+        let mut routes: Vec<Route> = [4, 1]
+            .map(|streams| Route {
+                name: format!("bf16, {streams} stream(s)"),
+                tile: gemv_tile_with_streams(DType::BF16, streams).expect("a one-row bf16 tile"),
+                quantized: false,
+                panel_bytes: k * TILE_COLUMNS * 2,
+                matrix_bytes: bf16.len(),
+                copies: bf16_copies.clone(),
+            })
+            .into();
         drop(bf16);
-        let packed = quant_matrix(format, K, n, &mut rng);
+        let packed = quant_matrix(format, k, n, &mut rng);
         let packed_copies = std::sync::Arc::new(copies(&packed));
         for streams in [1, 2, 4] {
             routes.push(Route {
                 name: format!("{format}, {streams} stream(s)"),
                 tile: quant_gemv_with_streams(format, streams).expect("a VNNI tile"),
                 quantized: true,
-                panel_bytes: panel_bytes(format, K),
+                panel_bytes: panel_bytes(format, k),
                 matrix_bytes: packed.len(),
                 copies: packed_copies.clone(),
             });
         }
-        let times = time(&routes, n, rounds, &x, &xq);
+        let times = time(&routes, n, k, rounds, &x, &xq);
         let bf16_time = times[0];
         for (route, t) in routes.iter().zip(times) {
             println!(
@@ -100,7 +106,7 @@ fn main() {
 }
 
 /// Median seconds per call of each route, calls interleaved across routes.
-fn time(routes: &[Route], n: usize, rounds: usize, x: &[f32], xq: &[u8]) -> Vec<f64> {
+fn time(routes: &[Route], n: usize, k: usize, rounds: usize, x: &[f32], xq: &[u8]) -> Vec<f64> {
     let panels = n / TILE_COLUMNS;
     let run = |route: &Route, call: usize, range: std::ops::Range<usize>| {
         let bytes = route.copies.as_bytes();
@@ -111,7 +117,7 @@ fn time(routes: &[Route], n: usize, rounds: usize, x: &[f32], xq: &[u8]) -> Vec<
         for p in range {
             // SAFETY: x holds K f32 (xq K/32 activation blocks), panel p of
             // the matrix covers K, c holds 16 f32.
-            unsafe { (route.tile)(activations, 1, w[p * route.panel_bytes..].as_ptr(), K, c.as_mut_ptr()) };
+            unsafe { (route.tile)(activations, 1, w[p * route.panel_bytes..].as_ptr(), k, c.as_mut_ptr()) };
         }
         black_box(c);
     };

@@ -23,9 +23,10 @@
 //! two accumulator sets, so every tile keeps ≥ 8 independent FMA chains in
 //! flight (two 256-bit FMA pipes with a latency of 4 cycles), and prefetch
 //! their panel [`PREFETCH_BYTES`] ahead of the loads. The one-row tile is a
-//! GEMV: it reads its panel as four sequential streams (k split in four
-//! contiguous ranges, one accumulator pair each), which keeps more line
-//! fills in flight per core than one stream.
+//! GEMV ([`gemv_tile`]): it reads a long panel as four sequential streams
+//! (k split in four contiguous ranges, one accumulator pair each), which
+//! keeps more line fills in flight per core than one stream, and a short
+//! one as one stream ([`streams_for`]).
 
 use kvjit_core::{CodeTier, CpuTier, DType};
 
@@ -48,6 +49,29 @@ pub const PREFETCH_BYTES: usize = 8192;
 /// (`bench --quick`: 0.79× and 1.46× the Cranelift tier, against 1.44×
 /// and 1.82× at 1 KiB).
 pub const F32_PREFETCH_BYTES: usize = 1024;
+
+/// The shortest range, in bytes, a stream of a multi-stream GEMV tile
+/// (this module's and [`crate::quant`]'s) reads per panel: below it the
+/// panel is read as one stream ([`streams_for`]). Several streams jump
+/// between k ranges of each panel and restart at every panel; in short
+/// ranges the jumps keep the hardware's stream prefetchers from running
+/// ahead, where one stream runs on through consecutive panels. Measured
+/// on AMD Zen 4, two threads from DRAM (`examples/gemv_threads.rs`, one
+/// stream against the multi-stream count): bf16 1.77× at K = 576 (4.5 KiB
+/// ranges), 1.58× at K = 1536, 1.22× at K = 4096, 1.13× at K = 14336; the
+/// integer GEMV 1.5–1.8× at K = 576 to 2048 (11–20 KiB ranges) for the
+/// 32-k formats, 1.17–1.21× at K = 4096 for Q4_0, Q4_1, Q4_K and Q6_K
+/// (18–27 KiB), 0.93× for Q8_0 at K = 4096 (34 KiB), 1.0–1.14× at K =
+/// 14336. Long panels keep the counts measured on an Intel Xeon
+/// ([`crate::quant`]'s `STREAMS`), where more streams paid at K = 4096.
+pub(crate) const MIN_STREAM_BYTES: usize = 32 << 10;
+
+/// How many streams a GEMV tile that reads long panels in `streams`
+/// streams reads a panel of `panel_bytes` in: `streams` when each would
+/// still cover [`MIN_STREAM_BYTES`], else one.
+pub(crate) fn streams_for(panel_bytes: usize, streams: usize) -> usize {
+    if panel_bytes / streams >= MIN_STREAM_BYTES { streams } else { 1 }
+}
 
 /// Where, from the start of its panel, stream `s` of a GEMV tile prefetches
 /// while it reads byte `at` of its own range (`stream_bytes` long, streams
@@ -143,6 +167,44 @@ pub fn gemm_tile(weights: DType, rows: usize) -> Option<GemmTile> {
     #[cfg(not(target_arch = "x86_64"))]
     {
         let _ = (weights, rows);
+        None
+    }
+}
+
+/// The one-row tile (the GEMV) for panels of `weights` over `k`: the tile
+/// [`gemm_tile`] gives for one row, reading a short panel as one stream
+/// ([`streams_for`]); `None` when this CPU lacks the tier or the dtype has
+/// no tile.
+pub fn gemv_tile(weights: DType, k: usize) -> Option<GemmTile> {
+    if !avx2_available() {
+        return None;
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        x86::gemv(weights, streams_for(k * TILE_COLUMNS * weights.size_bytes(), x86::GEMV_STREAMS))
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (weights, k);
+        None
+    }
+}
+
+/// The one-row tile of `weights` read in `streams` (1 or 4) streams, for
+/// measuring that choice (`examples/gemv_threads.rs`); `None` for other
+/// counts or dtypes, or without the tier.
+#[doc(hidden)]
+pub fn gemv_tile_with_streams(weights: DType, streams: usize) -> Option<GemmTile> {
+    if !avx2_available() {
+        return None;
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        x86::gemv(weights, streams)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (weights, streams);
         None
     }
 }
@@ -331,24 +393,32 @@ pub(crate) mod x86 {
         }
     }
 
-    /// Streams of the one-row tile (a GEMV over one panel).
-    const GEMV_STREAMS: usize = 4;
+    /// Streams of the one-row tile (a GEMV over one panel) on a long panel.
+    pub(super) const GEMV_STREAMS: usize = 4;
     /// How far ahead of its loads each stream of the one-row tile
     /// prefetches (the quantized GEMV's distance).
     const GEMV_PREFETCH_BYTES: usize = 2048;
 
-    /// The one-row tile: a GEMV over one panel, read as [`GEMV_STREAMS`]
-    /// sequential streams (k split into that many contiguous ranges, each
-    /// with its own accumulators). Several streams per core keep more
-    /// cache-line fills in flight than one: the weight, read once, is all
-    /// this tile's cost.
+    /// The one-row tile: a GEMV over one panel, read as `S` sequential
+    /// streams (k split into that many contiguous ranges, each with its
+    /// own accumulators; one stream takes [`GEMV_STREAMS`] accumulator
+    /// pairs in turn, k by k, for as many independent FMA chains). Several
+    /// streams per core keep more cache-line fills in flight than one on a
+    /// long panel: the weight, read once, is all this tile's cost.
     ///
     /// # Safety
     /// As for [`tile_kernel`] with one row.
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe extern "C" fn gemv_kernel<W: Weights>(x: *const f32, x_step: usize, w: *const u8, k: usize, c: *mut f32) {
+    unsafe extern "C" fn gemv_kernel<W: Weights, const S: usize>(
+        x: *const f32,
+        x_step: usize,
+        w: *const u8,
+        k: usize,
+        c: *mut f32,
+    ) {
+        const { assert!(S == 1 || S == GEMV_STREAMS) };
         let row_bytes = TILE_COLUMNS * W::BYTES;
-        let span = k / GEMV_STREAMS;
+        let span = k / S;
         let mut acc = [[_mm256_setzero_ps(); 2]; GEMV_STREAMS];
         let (stream_bytes, panel_bytes) = (span * row_bytes, k * row_bytes);
         let ahead = |s: usize, j: usize| {
@@ -356,8 +426,8 @@ pub(crate) mod x86 {
         };
         let lines_per_row = 64 / row_bytes.min(64);
         // SAFETY (whole body): stream s reads k values s·span + j for
-        // j < span, and the tail reads GEMV_STREAMS·span ..< k: every
-        // k < k of x (x[k·x_step]) and of the panel.
+        // j < span, and the tail reads S·span ..< k: every k < k of x
+        // (x[k·x_step]) and of the panel.
         let step = |acc: &mut [__m256; 2], kk: usize| unsafe {
             // Widened 8 at a time: the bf16 unpack of `load16` measured 4 %
             // slower here (a GEMV from DRAM, 2 threads, A/B), where the FMA
@@ -368,21 +438,22 @@ pub(crate) mod x86 {
             acc[1] = _mm256_fmadd_ps(xb, W::load8(wp.add(8 * W::BYTES)), acc[1]);
         };
         for j in 0..span {
-            for (s, stream) in acc.iter_mut().enumerate() {
+            for s in 0..S {
                 if j.is_multiple_of(lines_per_row) {
                     // Never faults (`wrapping_add` forms the address).
                     _mm_prefetch::<_MM_HINT_T0>(ahead(s, j).cast());
                 }
-                step(stream, s * span + j);
+                let pair = if S == 1 { j % GEMV_STREAMS } else { s };
+                step(&mut acc[pair], s * span + j);
             }
         }
-        for kk in GEMV_STREAMS * span..k {
+        for kk in S * span..k {
             step(&mut acc[0], kk);
         }
         let mut sum = acc[0];
-        for stream in &acc[1..] {
-            sum[0] = _mm256_add_ps(sum[0], stream[0]);
-            sum[1] = _mm256_add_ps(sum[1], stream[1]);
+        for pair in &acc[1..] {
+            sum[0] = _mm256_add_ps(sum[0], pair[0]);
+            sum[1] = _mm256_add_ps(sum[1], pair[1]);
         }
         // SAFETY: c holds 16 f32.
         unsafe { add_rows(c, &[sum]) };
@@ -391,7 +462,7 @@ pub(crate) mod x86 {
     fn tiles<W: Weights>(rows: usize) -> Option<GemmTile> {
         // Accumulator sets per tile height: ≥ 8 FMA chains, ≤ 12 accumulators.
         Some(match rows {
-            1 => gemv_kernel::<W> as GemmTile,
+            1 => gemv_kernel::<W, GEMV_STREAMS> as GemmTile,
             2 => tile_kernel::<W, 2, 2>,
             3 => tile_kernel::<W, 3, 2>,
             4 => tile_kernel::<W, 4, 1>,
@@ -429,6 +500,23 @@ pub(crate) mod x86 {
         match weights {
             DType::BF16 => Some(widen_kernel::<Bf16>),
             DType::F16 => Some(widen_kernel::<F16>),
+            _ => None,
+        }
+    }
+
+    /// The one-row tile of `weights` in `streams` (1 or [`GEMV_STREAMS`]).
+    pub(super) fn gemv(weights: DType, streams: usize) -> Option<GemmTile> {
+        fn of<W: Weights>(streams: usize) -> Option<GemmTile> {
+            match streams {
+                1 => Some(gemv_kernel::<W, 1>),
+                GEMV_STREAMS => Some(gemv_kernel::<W, GEMV_STREAMS>),
+                _ => None,
+            }
+        }
+        match weights {
+            DType::F32 => of::<F32>(streams),
+            DType::BF16 => of::<Bf16>(streams),
+            DType::F16 => of::<F16>(streams),
             _ => None,
         }
     }
@@ -478,6 +566,16 @@ mod tests {
         assert_eq!(resolve_tier(CpuTier::Cranelift).unwrap(), CodeTier::Cranelift);
     }
 
+    #[test]
+    fn short_panels_read_as_one_stream() {
+        // A bf16 panel of SmolLM2's K = 576 (18 KiB) and Llama-3-8B's K =
+        // 4096 (128 KiB, four streams of 32 KiB).
+        assert_eq!(streams_for(576 * TILE_COLUMNS * 2, 4), 1);
+        assert_eq!(streams_for(4096 * TILE_COLUMNS * 2, 4), 4);
+        assert_eq!(streams_for(4 * MIN_STREAM_BYTES - 1, 4), 1);
+        assert_eq!(streams_for(2 * MIN_STREAM_BYTES, 2), 2);
+    }
+
     /// Every tile against an f64 sum on random data (added into random
     /// accumulators), with k not a multiple of the unroll and a guard after
     /// the tile's output.
@@ -488,8 +586,11 @@ mod tests {
             return;
         }
         let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+        // Every height's tile, and the one-row tile also in one stream
+        // (what short panels get).
+        let tiles = (1..=MAX_TILE_ROWS).map(|rows| (rows, None)).chain([(1, Some(1))]);
         for dtype in [DType::F32, DType::BF16, DType::F16] {
-            for rows in 1..=MAX_TILE_ROWS {
+            for (rows, streams) in tiles.clone() {
                 for k in [1, 3, 4, 7, 64, 129] {
                     let x_step = rows + (k % 2); // tiles may read fewer rows than were packed
                     let x: Vec<f32> = (0..k * x_step).map(|_| rng.gen_range(-1.0..1.0)).collect();
@@ -514,7 +615,10 @@ mod tests {
                     let c0: Vec<f32> = (0..rows * TILE_COLUMNS).map(|_| rng.gen_range(-1.0..1.0)).collect();
                     let mut c = c0.clone();
                     c.extend([f32::NAN; 8]); // a guard after the tile
-                    let tile = gemm_tile(dtype, rows).expect("every height from 1 to 6 has a tile");
+                    let tile = match streams {
+                        None => gemm_tile(dtype, rows).expect("every height from 1 to 6 has a tile"),
+                        Some(streams) => gemv_tile_with_streams(dtype, streams).expect("a one-stream GEMV"),
+                    };
                     // SAFETY: x holds k·x_step f32 (rows ≤ x_step), w
                     // holds k·16 elements of dtype, c holds ≥ rows·16 f32;
                     // avx2_available() was checked above.
@@ -529,7 +633,7 @@ mod tests {
                             let bound = 1e-6 * (k as f64).sqrt() * 4.0;
                             assert!(
                                 (got - exact).abs() <= bound,
-                                "{dtype} rows {rows} k {k} c[{i}][{j}] = {got}, f64 {exact}"
+                                "{dtype} rows {rows} streams {streams:?} k {k} c[{i}][{j}] = {got}, f64 {exact}"
                             );
                         }
                     }

@@ -16,23 +16,12 @@ use crate::microkernel::{GemmTile, TILE_COLUMNS, WidenBlock};
 /// 4–12 % faster than four for the 32-k formats and 1.3–1.4× for the
 /// K-quants; one stream within ±5 % of two for Q4_1 and the K-quants but
 /// 7–30 % slower for Q4_0 and Q8_0. Short panels read as one stream
-/// ([`streams_for`]).
+/// ([`streams_for`]; on Zen 4 that is most of K = 4096 too).
 pub(super) const STREAMS: usize = 2;
-/// The shortest range, in bytes, a stream of a multi-stream GEMV tile
-/// reads per panel: below it the panel is one stream ([`streams_for`]).
-/// Two streams jump between two k ranges of each panel and restart both at
-/// every panel; in ranges this short the jumps keep the hardware's stream
-/// prefetchers from running ahead. Measured on AMD Zen 4 (two threads, from
-/// DRAM, `examples/gemv_threads.rs`): one stream 1.5–1.8× two at K = 576
-/// to 2048 (11–20 KiB ranges) for every 32-k format, 1.17–1.21× at K =
-/// 4096 for Q4_0, Q4_1, Q4_K and Q6_K (18–27 KiB ranges), and 0.93× for
-/// Q8_0 at K = 4096 (34 KiB ranges), even at K = 8192.
-const MIN_STREAM_BYTES: usize = 32 << 10;
-
-/// How many streams a GEMV tile reads a panel of `panel_bytes` in:
-/// [`STREAMS`] when each would still cover [`MIN_STREAM_BYTES`], else one.
+/// How many streams a GEMV tile reads a panel of `panel_bytes` in
+/// ([`crate::microkernel::streams_for`] of [`STREAMS`]).
 pub(super) fn streams_for(panel_bytes: usize) -> usize {
-    if panel_bytes / STREAMS >= MIN_STREAM_BYTES { STREAMS } else { 1 }
+    crate::microkernel::streams_for(panel_bytes, STREAMS)
 }
 /// How far ahead of its loads each stream of a GEMV tile prefetches
 /// (measured: 2 KiB per stream reads DRAM at ~1.3× the rate of no software

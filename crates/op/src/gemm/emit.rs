@@ -612,7 +612,12 @@ impl GemmEmitter<'_> {
                 Size::Known(k) => kvjit_jit::quant::quant_gemv(w_dtype, k).filter(|_| mr == 1),
                 Size::Runtime(_) => None,
             },
-            false => microkernel::gemm_tile(w_dtype, mr),
+            // One row over all of a known K: the GEMV, in the streams its
+            // panel's length pays for.
+            false => match (mr, self.k, kc) {
+                (1, Size::Known(k), Size::Known(kc)) if kc == k => microkernel::gemv_tile(w_dtype, k),
+                _ => microkernel::gemm_tile(w_dtype, mr),
+            },
         }
         .expect("the caller checked this CPU runs the avx2 tier, which has a tile of every height up to MAX_TILE_ROWS");
         let x = match (w_dtype.is_block_format(), self.k) {
