@@ -190,6 +190,28 @@ pub fn gemv_tile(weights: DType, k: usize) -> Option<GemmTile> {
     }
 }
 
+/// What [`gemv_tile`] picks from, for a K known only at run time: the
+/// one-stream tile of `weights`, the multi-stream one, and the smallest K
+/// that gets the latter.
+pub fn gemv_tiles(weights: DType) -> Option<(GemmTile, GemmTile, usize)> {
+    if !avx2_available() {
+        return None;
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        let streams = x86::GEMV_STREAMS;
+        // streams_for(k·row, streams) > 1 ⇔ ⌊k·row / streams⌋ ≥ MIN ⇔
+        // k·row ≥ streams·MIN.
+        let min_k = (streams * MIN_STREAM_BYTES).div_ceil(TILE_COLUMNS * weights.size_bytes());
+        Some((x86::gemv(weights, 1)?, x86::gemv(weights, streams)?, min_k))
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = weights;
+        None
+    }
+}
+
 /// The one-row tile of `weights` read in `streams` (1 or 4) streams, for
 /// measuring that choice (`examples/gemv_threads.rs`); `None` for other
 /// counts or dtypes, or without the tier.
@@ -564,6 +586,19 @@ mod tests {
             Err(e) => assert!(!avx2_available() && !e.to_string().contains("--"), "{e}"),
         }
         assert_eq!(resolve_tier(CpuTier::Cranelift).unwrap(), CodeTier::Cranelift);
+    }
+
+    #[test]
+    fn gemv_tiles_switch_where_gemv_tile_does() {
+        if !avx2_available() {
+            return;
+        }
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            let (_, _, min_k) = gemv_tiles(dtype).expect("float GEMV tiles");
+            let row = TILE_COLUMNS * dtype.size_bytes();
+            assert_eq!(streams_for((min_k - 1) * row, x86::GEMV_STREAMS), 1, "{dtype}");
+            assert_eq!(streams_for(min_k * row, x86::GEMV_STREAMS), x86::GEMV_STREAMS, "{dtype}");
+        }
     }
 
     #[test]

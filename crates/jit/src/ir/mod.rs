@@ -344,11 +344,17 @@ fn bor_const(b: &mut FunctionBuilder, x: Value, v: u32) -> Value {
 /// host's calling convention, taking `args` by their IR types and returning
 /// nothing): its address is baked into the code as a constant.
 pub fn call_native(b: &mut FunctionBuilder, address: usize, args: &[Value]) {
+    let callee = b.ins().iconst(crate::pointer_type(), address as i64);
+    call_native_at(b, callee, args);
+}
+
+/// [`call_native`] of the function whose address is the IR value `callee`
+/// (one of several baked-in addresses, chosen at run time).
+pub fn call_native_at(b: &mut FunctionBuilder, callee: Value, args: &[Value]) {
     let mut signature = ir::Signature::new(b.func.signature.call_conv);
     for &arg in args {
         signature.params.push(ir::AbiParam::new(b.func.dfg.value_type(arg)));
     }
     let signature = b.import_signature(signature);
-    let callee = b.ins().iconst(crate::pointer_type(), address as i64);
     b.ins().call_indirect(signature, callee, args);
 }

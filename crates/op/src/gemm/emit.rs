@@ -7,8 +7,8 @@ use cranelift_frontend::FunctionBuilder;
 use kvjit_core::{CodeTier, DType, KernelKey};
 use kvjit_jit::ir::addr::{self, Displacements, Size};
 use kvjit_jit::ir::{
-    call_native, counted_loop, if_else, load_f32x4_raw, load_splat_f32x4, match_cases, mem, store_f32x4, store_lane,
-    when,
+    call_native, call_native_at, counted_loop, if_else, load_f32x4_raw, load_splat_f32x4, match_cases, mem,
+    store_f32x4, store_lane, when,
 };
 use kvjit_jit::microkernel::{self, MAX_TILE_ROWS, TILE_COLUMNS};
 use kvjit_jit::{JitError, cranelift_codegen, cranelift_frontend, pointer_type};
@@ -374,7 +374,7 @@ impl GemmEmitter<'_> {
         };
         counted_loop(b, start, end, 1, &[], |b, row, _| {
             let kb = b.ins().iconst(types::I64, 0);
-            self.emit_avx2_tile(b, (1, row, start), (kb, Size::Known(k)), (w, self.dtype), c);
+            self.emit_avx2_tile(b, true, (1, row, start), (kb, Size::Known(k)), (w, self.dtype), c);
             Vec::new()
         });
     }
@@ -522,9 +522,9 @@ impl GemmEmitter<'_> {
             }
             match k_block {
                 // The GEMV: exactly one row (the callers branch on it).
-                None => self.emit_avx2_tile(b, (1, start, start), (kb, kc), (w, w_dtype), c),
+                None => self.emit_avx2_tile(b, true, (1, start, start), (kb, kc), (w, w_dtype), c),
                 Some(_) => self.emit_row_tiles(b, start, end, &|b, mr, row| {
-                    self.emit_avx2_tile(b, (mr, row, start), (kb, kc), (w, w_dtype), c)
+                    self.emit_avx2_tile(b, false, (mr, row, start), (kb, kc), (w, w_dtype), c)
                 }),
             }
         };
@@ -599,27 +599,35 @@ impl GemmEmitter<'_> {
     fn emit_avx2_tile(
         &self,
         b: &mut FunctionBuilder,
+        whole_k: bool,
         (mr, row, start): (usize, Value, Value),
         (kb, kc): (Value, Size),
         (w, w_dtype): (Value, DType),
         c: Value,
     ) {
-        let tile = match w_dtype.is_block_format() {
+        let missing =
+            "the caller checked this CPU runs the avx2 tier, which has a tile of every height up to MAX_TILE_ROWS";
+        let constant = |b: &mut FunctionBuilder, tile: Option<microkernel::GemmTile>| {
+            b.ins().iconst(pointer_type(), tile.expect(missing) as usize as i64)
+        };
+        let tile = match (w_dtype.is_block_format(), whole_k && mr == 1, self.k) {
             // Block panels reach a tile only as one streamed row (the
             // integer GEMV, on activations quantized per block, over all
             // of a known K).
-            true => match self.k {
-                Size::Known(k) => kvjit_jit::quant::quant_gemv(w_dtype, k).filter(|_| mr == 1),
-                Size::Runtime(_) => None,
-            },
-            // One row over all of a known K: the GEMV, in the streams its
-            // panel's length pays for.
-            false => match (mr, self.k, kc) {
-                (1, Size::Known(k), Size::Known(kc)) if kc == k => microkernel::gemv_tile(w_dtype, k),
-                _ => microkernel::gemm_tile(w_dtype, mr),
-            },
-        }
-        .expect("the caller checked this CPU runs the avx2 tier, which has a tile of every height up to MAX_TILE_ROWS");
+            (true, _, Size::Known(k)) => constant(b, kvjit_jit::quant::quant_gemv(w_dtype, k).filter(|_| mr == 1)),
+            (true, _, Size::Runtime(_)) => unreachable!("block weights are read by kernels that bake K in"),
+            // One row over all of K: the GEMV, in the streams its panel's
+            // length pays for, chosen as `gemv_tile` chooses when K is
+            // known only at run time (so both give the same bytes).
+            (false, true, Size::Known(k)) => constant(b, microkernel::gemv_tile(w_dtype, k)),
+            (false, true, Size::Runtime(k)) => {
+                let (one, many, min_k) = microkernel::gemv_tiles(w_dtype).expect(missing);
+                let (one, many) = (constant(b, Some(one)), constant(b, Some(many)));
+                let long = b.ins().icmp_imm_s(IntCC::UnsignedGreaterThanOrEqual, k, min_k as i64);
+                b.ins().select(long, many, one)
+            }
+            (false, false, _) => constant(b, microkernel::gemm_tile(w_dtype, mr)),
+        };
         let x = match (w_dtype.is_block_format(), self.k) {
             // Quantized activations: each row's K/32 blocks, row after row
             // (an integer GEMV reads all of K: kb is 0).
@@ -636,7 +644,7 @@ impl GemmEmitter<'_> {
         };
         let kc = kc.value(b);
         let c = self.tile_row_address(b, c, start, row);
-        call_native(b, tile as usize, &[x, self.bases.x_step, w, kc, c]);
+        call_native_at(b, tile, &[x, self.bases.x_step, w, kc, c]);
     }
 
     /// The Cranelift tile: an `mr`×NR tile of C = X·Wᵀ in registers for
