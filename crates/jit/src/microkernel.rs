@@ -26,7 +26,7 @@
 //! GEMV ([`gemv_tile`]): it reads a long panel as four sequential streams
 //! (k split in four contiguous ranges, one accumulator pair each), which
 //! keeps more line fills in flight per core than one stream, and a short
-//! one as one stream ([`streams_for`]).
+//! one as one stream (`streams_for`).
 
 use kvjit_core::{CodeTier, CpuTier, DType};
 
@@ -173,7 +173,7 @@ pub fn gemm_tile(weights: DType, rows: usize) -> Option<GemmTile> {
 
 /// The one-row tile (the GEMV) for panels of `weights` over `k`: the tile
 /// [`gemm_tile`] gives for one row, reading a short panel as one stream
-/// ([`streams_for`]); `None` when this CPU lacks the tier or the dtype has
+/// (`streams_for`); `None` when this CPU lacks the tier or the dtype has
 /// no tile.
 pub fn gemv_tile(weights: DType, k: usize) -> Option<GemmTile> {
     if !avx2_available() {
