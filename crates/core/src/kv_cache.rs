@@ -125,6 +125,11 @@ impl KvCacheParams {
     /// `built_for` may use: every field equal, else
     /// [`Error::CacheLayout`] naming the first that differs.
     pub fn expect_built_for(&self, built_for: &KvCacheParams) -> Result<()> {
+        // The fields below are the whole struct: equal params need no
+        // message (kernels check this on every call).
+        if self == built_for {
+            return Ok(());
+        }
         for (what, expected, got) in [
             ("dtype", built_for.dtype().to_string(), self.dtype().to_string()),
             ("num_layers", built_for.num_layers.to_string(), self.num_layers.to_string()),
