@@ -291,13 +291,20 @@ pub fn shape_mismatch(arg: &str, expected: String, got: &Tensor) -> Error {
 
 /// Row-major strides (in elements) of a contiguous tensor of `shape`.
 pub fn contiguous_strides(shape: &[usize]) -> Vec<usize> {
-    let mut strides = vec![1usize; shape.len()];
+    let mut strides = Vec::with_capacity(shape.len());
+    set_contiguous_strides(&mut strides, shape);
+    strides
+}
+
+/// [`contiguous_strides`] written into `strides` (its allocation reused).
+fn set_contiguous_strides(strides: &mut Vec<usize>, shape: &[usize]) {
+    strides.clear();
+    strides.resize(shape.len(), 1);
     for i in (0..shape.len().saturating_sub(1)).rev() {
         // Saturating: only a tensor with a zero dim can overflow here, and it
         // has no element to address.
         strides[i] = strides[i + 1].saturating_mul(shape[i + 1]);
     }
-    strides
 }
 
 fn checked_numel(shape: &[usize]) -> Result<usize> {
@@ -343,6 +350,33 @@ impl Tensor {
     pub fn zeros(dtype: DType, shape: &[usize]) -> Result<Self> {
         let units = Self::storage_bytes(dtype, shape)? / dtype.size_bytes();
         Ok(Self::contiguous(shape, Storage::Owned(OwnedData::zeros(dtype, units)?)))
+    }
+
+    /// [`Tensor::zeros`] of `dtype` and `shape` made in this tensor's
+    /// storage (zeroed in place, no allocation) when the storage is owned,
+    /// held by this tensor alone (no clone, view or reshape shares it) and
+    /// exactly as large; otherwise the tensor back, untouched. For callers
+    /// that make the same buffers over and over (the executor's step
+    /// outputs), where a fresh allocation costs an allocator call and, for
+    /// large buffers, fresh page faults every time.
+    pub fn rezeroed(mut self, dtype: DType, shape: &[usize]) -> std::result::Result<Self, Self> {
+        let Ok(bytes) = Self::storage_bytes(dtype, shape) else { return Err(self) };
+        match Arc::get_mut(&mut self.data) {
+            Some(Storage::Owned(data)) if data.dtype() == dtype && data.as_bytes().len() == bytes => {
+                data.as_bytes_mut().fill(0);
+            }
+            _ => return Err(self),
+        }
+        self.shape.clear();
+        self.shape.extend_from_slice(shape);
+        set_contiguous_strides(&mut self.strides, shape);
+        Ok(self)
+    }
+
+    /// Whether this tensor alone holds its storage (no clone, view or
+    /// reshape shares it), so that [`Tensor::rezeroed`] can reuse it.
+    pub fn holds_storage_alone(&self) -> bool {
+        Arc::strong_count(&self.data) == 1 && Arc::weak_count(&self.data) == 0
     }
 
     /// A contiguous tensor over `values`, which must hold exactly `shape`'s
@@ -493,13 +527,20 @@ impl Tensor {
 
     /// Whether the elements lie in row-major order with no gaps.
     pub fn is_contiguous(&self) -> bool {
-        self.data.len() == self.numel()
-            && self
-                .shape
-                .iter()
-                .zip(&self.strides)
-                .zip(contiguous_strides(&self.shape))
-                .all(|((&dim, &stride), want)| dim <= 1 || stride == want)
+        if self.data.len() != self.numel() {
+            return false;
+        }
+        // The strides `contiguous_strides` makes, innermost first, compared
+        // as they are made (no allocation: kernels ask this of every
+        // argument on every call).
+        let mut want = 1usize;
+        for (&dim, &stride) in self.shape.iter().zip(&self.strides).rev() {
+            if dim > 1 && stride != want {
+                return false;
+            }
+            want = want.saturating_mul(dim);
+        }
+        true
     }
 
     /// Whether the elements are borrowed from a memory mapping (a weights
@@ -704,6 +745,34 @@ mod tests {
         // Below a huge page: plain zeros.
         let small = Tensor::zeros_in_huge_pages(DType::BF16, &[4, 8]).unwrap();
         assert_eq!(small, Tensor::zeros(DType::BF16, &[4, 8]).unwrap());
+    }
+
+    #[test]
+    fn rezeroed_reuses_only_storage_held_alone_of_the_same_dtype_and_size() {
+        let mut rng = <rand::rngs::StdRng as rand::SeedableRng>::seed_from_u64(5);
+        let t = Tensor::random(DType::F32, &[4, 6], &mut rng, 0.5, 1.0).unwrap();
+        let address = t.as_bytes().as_ptr();
+        // Same dtype and byte count under another shape: zeroed in place.
+        let reused = t.rezeroed(DType::F32, &[3, 2, 4]).unwrap();
+        assert_eq!(reused.as_bytes().as_ptr(), address, "the storage was reallocated");
+        assert_eq!(reused, Tensor::zeros(DType::F32, &[3, 2, 4]).unwrap());
+        assert!(reused.holds_storage_alone());
+
+        // Shared with a clone or a view, of another dtype or size, or
+        // mapped: handed back as it was.
+        let t = Tensor::random(DType::BF16, &[2, 8], &mut rng, 0.5, 1.0).unwrap();
+        let before = t.to_f32_vec().unwrap();
+        let view = t.reshaped(&[16]).unwrap();
+        assert!(!t.holds_storage_alone());
+        let t = t.rezeroed(DType::BF16, &[16]).unwrap_err();
+        drop(view);
+        let t = t.rezeroed(DType::F16, &[2, 8]).unwrap_err();
+        let t = t.rezeroed(DType::BF16, &[2, 9]).unwrap_err();
+        let t = t.rezeroed(DType::Q8_0, &[1, 32]).unwrap_err();
+        assert_eq!((t.shape(), t.to_f32_vec().unwrap()), (&[2, 8][..], before));
+        let mapped = Tensor::anonymous(DType::BF16, &[2, 8], |bytes| bytes.fill(7)).unwrap();
+        assert!(mapped.holds_storage_alone() && mapped.is_mapped());
+        assert!(mapped.rezeroed(DType::BF16, &[2, 8]).is_err(), "mapped storage is read-only");
     }
 
     #[test]
