@@ -490,3 +490,46 @@ fn one_executable_serves_two_caches_alternately() {
     // The two scenarios really are different problems.
     assert_ne!(alone_a[0].0["layers.0.q"].shape(), alone_b[0].0["layers.0.q"].shape());
 }
+
+// ---------------------------------------------------------------- buffer reuse
+
+/// An executor makes each run's step outputs in the buffers its last run
+/// left (zeroed first): a run of it must write exactly what a fresh
+/// executor writes, whatever ran before it, and never touch outputs the
+/// caller kept from an earlier run.
+#[test]
+fn a_reused_executor_writes_what_a_fresh_one_writes_and_leaves_kept_outputs_alone() {
+    use kvjit::models::llama::{HIDDEN_STATE_OUT, LlamaConfig, decoder_layer_graph};
+    let registry = standard_registry();
+    let graph = decoder_layer_graph(&LlamaConfig::tiny(), registry.ops()).unwrap();
+    let exe = compile(&graph, &registry, &CompileOptions::default()).unwrap();
+    let reused = executor();
+    let mut kept: Vec<(Tensor, Vec<f32>)> = Vec::new();
+    // Prefill, two decode steps (same shapes: their buffers are reused),
+    // then a prefill of other shapes and a decode step after it.
+    for (seed, batch, seq) in [(21, 3, 5), (22, 2, 7)] {
+        let mut scenario = Scenario::prefill_with(&graph, seed, batch, seq).unwrap();
+        for step in 0..3 {
+            if step > 0 {
+                scenario.advance().unwrap();
+                scenario.next_decode_step().unwrap();
+            }
+            let mut fresh_caches = scenario.caches.clone();
+            let want = executor().run(&exe, &scenario.inputs, &mut fresh_caches).unwrap();
+            let got = reused.run(&exe, &scenario.inputs, &mut scenario.caches).unwrap();
+            assert_outputs_identical(&got.outputs, &want.outputs);
+            assert_caches_identical(&scenario.caches, &fresh_caches);
+            // Keep the first decode step's output; drop the others so their
+            // buffers go back to the executor.
+            if step == 1 {
+                let output = got.outputs[HIDDEN_STATE_OUT].clone();
+                let values = output.to_f32_vec().unwrap();
+                assert!(values.iter().any(|&v| v != 0.0));
+                kept.push((output, values));
+            }
+        }
+    }
+    for (output, values) in &kept {
+        assert_eq!(bits(&output.to_f32_vec().unwrap()), bits(values), "a later run wrote a kept output");
+    }
+}

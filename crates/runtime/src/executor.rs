@@ -1,6 +1,7 @@
 //! Running executables.
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use kvjit_core::{PagedKVCacheCollection, Tensor};
@@ -29,9 +30,20 @@ pub struct RunOutput {
 }
 
 /// Runs executables on one device context.
+///
+/// Between runs it keeps the step outputs of its last run that nothing
+/// else holds (not graph outputs the caller kept, not views), and the next
+/// run makes each step output in the buffer the same step output had when
+/// dtype and size agree: a decode loop then allocates no activations after
+/// its first step. What is kept is at most what the last run had live at
+/// its end; a run of other shapes replaces it.
 pub struct Executor {
     ctx: DeviceContextPtr,
+    spare: Mutex<SpareOutputs>,
 }
+
+/// Step outputs kept from the last run, by step index and output index.
+type SpareOutputs = Vec<Vec<Option<Tensor>>>;
 
 /// Sizes bound to symbols during one run, with where each was first seen.
 #[derive(Default)]
@@ -67,7 +79,7 @@ impl Bindings {
 impl Executor {
     /// An executor whose kernels run on `ctx`.
     pub fn new(ctx: DeviceContextPtr) -> Self {
-        Self { ctx }
+        Self { ctx, spare: Mutex::new(Vec::new()) }
     }
 
     /// The context kernels get.
@@ -119,9 +131,10 @@ impl Executor {
         // order, before any kernel runs. Earlier steps' outputs are allocated
         // here and passed to later checks (their shapes are final; their
         // values are written by the run).
+        let mut spare = std::mem::take(&mut *self.spare.lock().unwrap_or_else(|poisoned| poisoned.into_inner()));
         let mut produced: Vec<Vec<Tensor>> = Vec::with_capacity(exe.steps().len());
         let mut view_shapes: Vec<Option<Vec<usize>>> = Vec::with_capacity(exe.steps().len());
-        for step in exe.steps() {
+        for (index, step) in exe.steps().iter().enumerate() {
             let kernel_error =
                 |source| RuntimeError::Kernel { step: step.label.clone(), key: step.kernel.key().to_string(), source };
             let args: Vec<&Tensor> =
@@ -141,9 +154,13 @@ impl Executor {
                 vec![args[0].reshaped(shape).map_err(kernel_error)?]
             } else {
                 view_shapes.push(None);
+                let mut kept = spare.get_mut(index).map(std::mem::take).unwrap_or_default().into_iter();
                 specs
                     .iter()
-                    .map(|(dtype, shape)| Tensor::zeros(*dtype, shape))
+                    .map(|(dtype, shape)| match kept.next().flatten().map(|t| t.rezeroed(*dtype, shape)) {
+                        Some(Ok(reused)) => Ok(reused),
+                        _ => Tensor::zeros(*dtype, shape),
+                    })
                     .collect::<kvjit_core::Result<Vec<_>>>()
                     .map_err(kernel_error)?
             };
@@ -193,7 +210,26 @@ impl Executor {
             .iter()
             .map(|(name, slot)| (name.clone(), Self::resolve(exe, &input_refs, &produced, *slot).clone()))
             .collect();
+        self.keep_spare(produced, &view_shapes);
         Ok(RunOutput { outputs, timings })
+    }
+
+    /// Keep this run's step outputs that nothing else holds for the next
+    /// run (views are dropped first: they share their producer's storage).
+    fn keep_spare(&self, produced: Vec<Vec<Tensor>>, view_shapes: &[Option<Vec<usize>>]) {
+        let mut produced: SpareOutputs =
+            produced.into_iter().map(|outputs| outputs.into_iter().map(Some).collect()).collect();
+        for (outputs, shape) in produced.iter_mut().zip(view_shapes) {
+            if shape.is_some() {
+                outputs.clear();
+            }
+        }
+        for output in produced.iter_mut().flatten() {
+            if output.as_ref().is_some_and(|t| !t.holds_storage_alone()) {
+                *output = None;
+            }
+        }
+        *self.spare.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = produced;
     }
 
     fn resolve<'a>(exe: &'a Executable, inputs: &[&'a Tensor], produced: &'a [Vec<Tensor>], slot: Slot) -> &'a Tensor {
