@@ -166,6 +166,9 @@ impl Executor {
             };
             produced.push(outputs);
         }
+        // What the plan did not reuse (a run of other shapes) goes now, not
+        // after the run: it would only add to the run's peak memory.
+        drop(spare);
 
         for (outputs, shape) in produced.iter_mut().zip(&view_shapes) {
             if shape.is_some() {
