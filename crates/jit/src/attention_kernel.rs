@@ -14,17 +14,18 @@
 //! before the softmax), so no key needs the Cranelift path.
 //!
 //! Keys go in blocks of [`DECODE_BLOCK_KEYS`]; per block and row tile
-//! (`R` = 1, 2 or 4 rows: all of G = 1 or 2, tiles of 4 otherwise):
+//! (`R` = 1, 2 or 3 rows: all of G ≤ 3, tiles of 4 otherwise):
 //!
 //! ```text
-//! S[r][j] = q_r · K_j          (R rows × 8/R keys of 256-bit FMA chains along D, q read
-//!                               from L1, K widened in registers; an 8-way hadd tree
-//!                               gives the 8 (row, key) scores in one vector)
+//! S[r][j] = q_r · K_j          (R rows × KN keys of 256-bit FMA chains along D — KN = 8,
+//!                               4, 2, 2 for R = 1 … 4 —, q read from L1, K widened in
+//!                               registers; an 8-way hadd tree gives the R·KN (row, key)
+//!                               scores in one vector)
 //! m' = max(m, max_j S[r][j])   (a row with no key yet uses 0 in place of -inf)
 //! P[r][j] = exp(S[r][j] − m'), α = exp(m − m')   (vector polynomial exp)
 //! l = α·l + Σ_j P[r][j]
-//! acc[r] = α·acc[r] + Σ_j P[r][j]·V_j   (slices of 64/R values of D in R·8/R registers,
-//!                                        keys inner, V widened in registers)
+//! acc[r] = α·acc[r] + Σ_j P[r][j]·V_j   (slices of 8·SV values of D in R·SV registers —
+//!                                        SV = KN —, keys inner, V widened in registers)
 //! ```
 //!
 //! While a block's K rows are scored, the next block's whole K and V slots
