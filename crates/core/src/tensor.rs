@@ -300,11 +300,20 @@ pub fn contiguous_strides(shape: &[usize]) -> Vec<usize> {
 fn set_contiguous_strides(strides: &mut Vec<usize>, shape: &[usize]) {
     strides.clear();
     strides.resize(shape.len(), 1);
-    for i in (0..shape.len().saturating_sub(1)).rev() {
-        // Saturating: only a tensor with a zero dim can overflow here, and it
-        // has no element to address.
-        strides[i] = strides[i + 1].saturating_mul(shape[i + 1]);
+    for (stride, want) in strides.iter_mut().rev().zip(contiguous_strides_innermost_first(shape)) {
+        *stride = want;
     }
+}
+
+/// The row-major strides of `shape`, innermost dim first, computed as they
+/// are yielded (no allocation). Saturating: only a tensor with a zero dim
+/// can overflow here, and it has no element to address.
+fn contiguous_strides_innermost_first(shape: &[usize]) -> impl Iterator<Item = usize> + '_ {
+    shape.iter().rev().scan(1usize, |next, &dim| {
+        let stride = *next;
+        *next = next.saturating_mul(dim);
+        Some(stride)
+    })
 }
 
 fn checked_numel(shape: &[usize]) -> Result<usize> {
@@ -527,20 +536,15 @@ impl Tensor {
 
     /// Whether the elements lie in row-major order with no gaps.
     pub fn is_contiguous(&self) -> bool {
-        if self.data.len() != self.numel() {
-            return false;
-        }
-        // The strides `contiguous_strides` makes, innermost first, compared
-        // as they are made (no allocation: kernels ask this of every
-        // argument on every call).
-        let mut want = 1usize;
-        for (&dim, &stride) in self.shape.iter().zip(&self.strides).rev() {
-            if dim > 1 && stride != want {
-                return false;
-            }
-            want = want.saturating_mul(dim);
-        }
-        true
+        // No allocation: kernels ask this of every argument on every call.
+        self.data.len() == self.numel()
+            && self
+                .shape
+                .iter()
+                .zip(&self.strides)
+                .rev()
+                .zip(contiguous_strides_innermost_first(&self.shape))
+                .all(|((&dim, &stride), want)| dim <= 1 || stride == want)
     }
 
     /// Whether the elements are borrowed from a memory mapping (a weights

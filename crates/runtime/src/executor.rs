@@ -131,7 +131,7 @@ impl Executor {
         // order, before any kernel runs. Earlier steps' outputs are allocated
         // here and passed to later checks (their shapes are final; their
         // values are written by the run).
-        let mut spare = std::mem::take(&mut *self.spare.lock().unwrap_or_else(|poisoned| poisoned.into_inner()));
+        let mut spare = std::mem::take(&mut *self.spare());
         let mut produced: Vec<Vec<Tensor>> = Vec::with_capacity(exe.steps().len());
         let mut view_shapes: Vec<Option<Vec<usize>>> = Vec::with_capacity(exe.steps().len());
         for (index, step) in exe.steps().iter().enumerate() {
@@ -217,22 +217,24 @@ impl Executor {
         Ok(RunOutput { outputs, timings })
     }
 
+    /// The step outputs kept from the last run (a poisoned lock still
+    /// holds whole tensors: nothing is written under it).
+    fn spare(&self) -> std::sync::MutexGuard<'_, SpareOutputs> {
+        self.spare.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
     /// Keep this run's step outputs that nothing else holds for the next
     /// run (views are dropped first: they share their producer's storage).
-    fn keep_spare(&self, produced: Vec<Vec<Tensor>>, view_shapes: &[Option<Vec<usize>>]) {
-        let mut produced: SpareOutputs =
-            produced.into_iter().map(|outputs| outputs.into_iter().map(Some).collect()).collect();
+    fn keep_spare(&self, mut produced: Vec<Vec<Tensor>>, view_shapes: &[Option<Vec<usize>>]) {
         for (outputs, shape) in produced.iter_mut().zip(view_shapes) {
             if shape.is_some() {
                 outputs.clear();
             }
         }
-        for output in produced.iter_mut().flatten() {
-            if output.as_ref().is_some_and(|t| !t.holds_storage_alone()) {
-                *output = None;
-            }
-        }
-        *self.spare.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = produced;
+        *self.spare() = produced
+            .into_iter()
+            .map(|outputs| outputs.into_iter().map(|t| Some(t).filter(Tensor::holds_storage_alone)).collect())
+            .collect();
     }
 
     fn resolve<'a>(exe: &'a Executable, inputs: &[&'a Tensor], produced: &'a [Vec<Tensor>], slot: Slot) -> &'a Tensor {
