@@ -1,0 +1,377 @@
+//! The 256-bit tier's prefill attention as GEMM tiles (a child of the
+//! decode kernel's `x86` module: its `exp8` and state layout).
+//!
+//! One call serves the [`DecodeKernel`] ABI for a block of query rows (a
+//! query block's positions × the GQA group, per KV head) over a run of
+//! keys, leaving the same `(m, l, acc)` tiles, so the op's driver, split
+//! and merge are unchanged. Where the decode micro-kernel scores one row
+//! tile of 4 against 2 keys at a time through horizontal sums, and widens
+//! every K and V vector again for each row tile, this kernel multiplies
+//! whole blocks through register tiles of 6 × 16:
+//!
+//! ```text
+//! per KV head: qᵀ [D × R16] packed once per call (rows padded to 16 with zeros)
+//! per block of PB keys (K and V rows widened once into f32 rows [PB × D]):
+//!   Sᵀ[j][r]  = Σ_d K[j][d] · qᵀ[d][r]     6 keys × 16 rows a tile (12 accumulators, K broadcast)
+//!   online softmax across rows, 8 rows a vector (a row's keys outside its
+//!   [lo, hi) set to −inf, no horizontal sums): m, l, α; Pᵀ in place of Sᵀ
+//!   acc[r] ·= α_r (rows whose max moved)
+//!   acc[r][d] += Σ_j Pᵀ[j][r] · V[j][d]   6 rows × 16 of D a tile (P broadcast)
+//! ```
+//!
+//! `acc` lives in a row-major copy for the call and goes back to the
+//! tiles at its end. f32, bf16 and f16 caches with D a multiple of 16;
+//! the op keeps the decode kernel for FP8 caches and other D.
+
+use std::arch::x86_64::*;
+
+use super::{DecodeKernel, STATE_ACC, STATE_HI, STATE_LO, STATE_TILE_ROWS, exp8};
+use crate::microkernel::x86::{Bf16, F16, F32, Weights};
+
+/// Keys per block: the P·V tiles' depth (longer blocks spread each tile
+/// call's fixed cost over more FMAs).
+pub(super) const PREFILL_BLOCK_KEYS: usize = 64;
+/// Rows of a register tile (12 accumulators of the 16 ymm registers).
+const TILE_ROWS: usize = 6;
+/// Columns of a register tile: two vectors.
+const TILE_COLUMNS: usize = 16;
+
+/// `c[i·c_row + j] += Σ_{kk<k} x[i·x_row + kk·x_k] · w[kk·w_k + j]` for
+/// `i < MR`, `j < 16`.
+///
+/// # Safety
+/// Every address the sums name is readable (and `c`'s writable), for
+/// `i < MR`, `kk < k`, `j < 16`; AVX2, FMA.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn tile<const MR: usize>(
+    x: *const f32,
+    (x_row, x_k): (usize, usize),
+    (w, w_k): (*const f32, usize),
+    k: usize,
+    (c, c_row): (*mut f32, usize),
+) {
+    let mut acc = [[_mm256_setzero_ps(); 2]; MR];
+    for kk in 0..k {
+        // SAFETY: row kk of w's 16 columns and x[i, kk] (the caller's).
+        unsafe {
+            let wp = w.add(kk * w_k);
+            let (w0, w1) = (_mm256_loadu_ps(wp), _mm256_loadu_ps(wp.add(8)));
+            for (i, row) in acc.iter_mut().enumerate() {
+                let xb = _mm256_broadcast_ss(&*x.add(i * x_row + kk * x_k));
+                row[0] = _mm256_fmadd_ps(xb, w0, row[0]);
+                row[1] = _mm256_fmadd_ps(xb, w1, row[1]);
+            }
+        }
+    }
+    for (i, row) in acc.iter().enumerate() {
+        // SAFETY: c's row i, 16 f32 (the caller's).
+        unsafe {
+            let at = c.add(i * c_row);
+            _mm256_storeu_ps(at, _mm256_add_ps(_mm256_loadu_ps(at), row[0]));
+            _mm256_storeu_ps(at.add(8), _mm256_add_ps(_mm256_loadu_ps(at.add(8)), row[1]));
+        }
+    }
+}
+
+/// [`tile`] for `rows` ≤ [`TILE_ROWS`] rows (the remainder of a range).
+///
+/// # Safety
+/// As [`tile`]'s for `rows` rows.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn partial_tile(
+    rows: usize,
+    x: *const f32,
+    xs: (usize, usize),
+    w: (*const f32, usize),
+    k: usize,
+    c: (*mut f32, usize),
+) {
+    // SAFETY: the caller's, for `rows` rows.
+    unsafe {
+        match rows {
+            6 => tile::<6>(x, xs, w, k, c),
+            5 => tile::<5>(x, xs, w, k, c),
+            4 => tile::<4>(x, xs, w, k, c),
+            3 => tile::<3>(x, xs, w, k, c),
+            2 => tile::<2>(x, xs, w, k, c),
+            1 => tile::<1>(x, xs, w, k, c),
+            _ => {}
+        }
+    }
+}
+
+/// One call's scratch, f32: qᵀ, K and V rows of a block, Sᵀ/Pᵀ, `acc`.
+struct Scratch {
+    /// `[D][R16]`.
+    q_t: Vec<f32>,
+    /// `[PB][D]` each (keys past a block's count zero).
+    k: Vec<f32>,
+    v: Vec<f32>,
+    /// `[PB][R16]`: the scores, then the probabilities.
+    s_t: Vec<f32>,
+    /// `[rows of the tiles][D]`.
+    acc: Vec<f32>,
+    /// Per row (R16; rows past the tiles' masked): the running max and
+    /// sum, the key range, a block's rescale α.
+    m: Vec<f32>,
+    l: Vec<f32>,
+    lo: Vec<i32>,
+    hi: Vec<i32>,
+    alpha: Vec<f32>,
+}
+
+/// The prefill kernel (the [`DecodeKernel`] ABI; `ahead`, `scales` and
+/// `granularity` unused: no FP8) for elements `W`.
+///
+/// # Safety
+/// As [`DecodeKernel`]'s contract, with `W` the cache's element type, D a
+/// multiple of 16; AVX2, FMA, F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe extern "C" fn prefill<W: Weights>(
+    q: *const f32,
+    blocks: *const u8,
+    key_offsets: *const i64,
+    keys: usize,
+    _ahead: usize,
+    first_key: i64,
+    heads: usize,
+    _scales: *const f32,
+    state: *mut f32,
+    rows: usize,
+    head_size: usize,
+    kv_stride: usize,
+    _granularity: usize,
+    tile_floats: usize,
+) {
+    let d = head_size;
+    let head_tiles = rows.div_ceil(STATE_TILE_ROWS);
+    let tile_rows = head_tiles * STATE_TILE_ROWS;
+    let r16 = tile_rows.next_multiple_of(TILE_COLUMNS);
+    let pb = PREFILL_BLOCK_KEYS;
+    let mut scratch = Scratch {
+        q_t: vec![0.0; d * r16],
+        k: vec![0.0; pb.next_multiple_of(TILE_ROWS) * d],
+        v: vec![0.0; pb * d],
+        s_t: vec![0.0; pb.next_multiple_of(TILE_ROWS) * r16],
+        acc: vec![0.0; tile_rows * d],
+        m: vec![0.0; r16],
+        l: vec![0.0; r16],
+        lo: vec![0; r16],
+        hi: vec![0; r16],
+        alpha: vec![0.0; r16],
+    };
+    for h in 0..heads {
+        // SAFETY: head h's q rows and state tiles (the contract); its K/V
+        // rows at key_offsets[j] + h·D (+ kv_stride) for j < keys.
+        unsafe {
+            prefill_head::<W>(
+                q.add(h * tile_rows * d),
+                state.add(h * head_tiles * tile_floats),
+                (blocks, key_offsets, h * d, kv_stride),
+                (keys, first_key),
+                (rows, d, tile_floats),
+                &mut scratch,
+            )
+        };
+    }
+}
+
+/// One KV head of [`prefill`].
+///
+/// # Safety
+/// `q` holds the head's `ceil(rows/4)·4` rows of D f32, `state` its tiles
+/// of `tile_floats`; the cache rows as [`DecodeKernel`] promises; AVX2,
+/// FMA, F16C.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn prefill_head<W: Weights>(
+    q: *const f32,
+    state: *mut f32,
+    (blocks, key_offsets, head, kv_stride): (*const u8, *const i64, usize, usize),
+    (keys, first_key): (usize, i64),
+    (rows, d, tile_floats): (usize, usize, usize),
+    scratch: &mut Scratch,
+) {
+    let head_tiles = rows.div_ceil(STATE_TILE_ROWS);
+    let tile_rows = head_tiles * STATE_TILE_ROWS;
+    let r16 = tile_rows.next_multiple_of(TILE_COLUMNS);
+    let Scratch { q_t, k: k_rows, v: v_rows, s_t, acc, m, l, lo, hi, alpha } = scratch;
+    // Row r of the tiles: tile r/4, lane r%4.
+    let lane = |r: usize| (r / STATE_TILE_ROWS) * tile_floats + r % STATE_TILE_ROWS;
+    // qᵀ (rows past the tiles' zero), acc, m, l, lo, hi per row.
+    q_t.fill(0.0);
+    m.fill(f32::NEG_INFINITY);
+    l.fill(0.0);
+    lo.fill(0);
+    hi.fill(0);
+    for r in 0..tile_rows {
+        // SAFETY: row r < ceil(rows/4)·4 of q; its tile's m, l, lo, hi
+        // and acc row (state holds the head's tiles).
+        unsafe {
+            for (dd, &value) in std::slice::from_raw_parts(q.add(r * d), d).iter().enumerate() {
+                q_t[dd * r16 + r] = value;
+            }
+            let t = state.add(lane(r));
+            (m[r], l[r]) = (*t, *t.add(4));
+            let words = state.cast::<i32>().add(lane(r));
+            (lo[r], hi[r]) = (*words.add(STATE_LO), *words.add(STATE_HI));
+            let row = state.add((r / STATE_TILE_ROWS) * tile_floats + STATE_ACC + (r % STATE_TILE_ROWS) * d);
+            acc[r * d..(r + 1) * d].copy_from_slice(std::slice::from_raw_parts(row, d));
+        }
+    }
+    let pb = PREFILL_BLOCK_KEYS;
+    let mut p0 = 0;
+    while p0 < keys {
+        let n = (keys - p0).min(pb);
+        // The block's K and V rows widened (keys past n zero: their
+        // scores are masked, their probabilities 0).
+        for j in 0..pb.next_multiple_of(TILE_ROWS) {
+            let (k_row, v_row) = (&mut k_rows[j * d..(j + 1) * d], v_rows.get_mut(j * d..(j + 1) * d));
+            if j >= n {
+                k_row.fill(0.0);
+                if let Some(v_row) = v_row {
+                    v_row.fill(0.0);
+                }
+                continue;
+            }
+            // SAFETY: key p0 + j < keys: its offset, and its K and V rows
+            // of this head (D elements each) in the cache (the contract).
+            unsafe {
+                let at = (*key_offsets.add(p0 + j)) as usize + head;
+                let k_src = blocks.add(at * W::BYTES);
+                let v_src = blocks.add((at + kv_stride) * W::BYTES);
+                let v_row = v_row.expect("j < n ≤ PB");
+                for dd in (0..d).step_by(8) {
+                    _mm256_storeu_ps(k_row.as_mut_ptr().add(dd), W::load8(k_src.add(dd * W::BYTES)));
+                    _mm256_storeu_ps(v_row.as_mut_ptr().add(dd), W::load8(v_src.add(dd * W::BYTES)));
+                }
+            }
+        }
+        // Sᵀ = K · qᵀ.
+        let key_tiles = n.next_multiple_of(TILE_ROWS);
+        s_t[..key_tiles * r16].fill(0.0);
+        for j0 in (0..key_tiles).step_by(TILE_ROWS) {
+            for c0 in (0..r16).step_by(TILE_COLUMNS) {
+                // SAFETY: K rows j0..j0 + 6 ≤ key_tiles of D; qᵀ columns
+                // c0..c0 + 16 ≤ R16 of D rows; Sᵀ rows j0.. of R16.
+                unsafe {
+                    tile::<TILE_ROWS>(
+                        k_rows.as_ptr().add(j0 * d),
+                        (d, 1),
+                        (q_t.as_ptr().add(c0), r16),
+                        d,
+                        (s_t.as_mut_ptr().add(j0 * r16 + c0), r16),
+                    )
+                };
+            }
+        }
+        // The online softmax, 8 rows a vector.
+        let pos0 = first_key + p0 as i64;
+        for r0 in (0..r16).step_by(8) {
+            // SAFETY: 8 lanes of each per-row array (r16 a multiple of 16)
+            // and of Sᵀ rows j < n.
+            unsafe {
+                let lo_v = _mm256_loadu_si256(lo.as_ptr().add(r0).cast());
+                let hi_v = _mm256_loadu_si256(hi.as_ptr().add(r0).cast());
+                let ninf = _mm256_set1_ps(f32::NEG_INFINITY);
+                // Whether every row of the vector reads every key of the
+                // block (no mask to apply: most blocks of a long prefill).
+                let first = _mm256_set1_epi32(pos0 as i32);
+                let last = _mm256_set1_epi32((pos0 + n as i64 - 1) as i32);
+                let outside = _mm256_or_si256(_mm256_cmpgt_epi32(lo_v, first), _mm256_cmpgt_epi32(last, hi_v));
+                let whole = _mm256_testz_si256(outside, outside) != 0
+                    && _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(last, hi_v))) == 0;
+                // Four running maxima and NaN flags (independent chains).
+                let mut block_max = [ninf; 4];
+                let mut nan = [_mm256_setzero_ps(); 4];
+                for j in 0..n {
+                    let at = s_t.as_mut_ptr().add(j * r16 + r0);
+                    let mut s = _mm256_loadu_ps(at);
+                    if !whole {
+                        let pos = _mm256_set1_epi32((pos0 + j as i64) as i32);
+                        // lo ≤ pos < hi: not (lo > pos), and hi > pos.
+                        let inside = _mm256_andnot_si256(_mm256_cmpgt_epi32(lo_v, pos), _mm256_cmpgt_epi32(hi_v, pos));
+                        s = _mm256_blendv_ps(ninf, s, _mm256_castsi256_ps(inside));
+                        _mm256_storeu_ps(at, s);
+                    }
+                    block_max[j % 4] = _mm256_max_ps(block_max[j % 4], s);
+                    nan[j % 4] = _mm256_or_ps(nan[j % 4], _mm256_cmp_ps::<_CMP_UNORD_Q>(s, s));
+                }
+                let block_max =
+                    _mm256_max_ps(_mm256_max_ps(block_max[0], block_max[1]), _mm256_max_ps(block_max[2], block_max[3]));
+                let nan = _mm256_or_ps(_mm256_or_ps(nan[0], nan[1]), _mm256_or_ps(nan[2], nan[3]));
+                let m_old = _mm256_loadu_ps(m.as_ptr().add(r0));
+                // NaN-propagating max of the old max and the block's.
+                let nan = _mm256_or_ps(nan, _mm256_cmp_ps::<_CMP_UNORD_Q>(m_old, m_old));
+                let m_new = _mm256_blendv_ps(_mm256_max_ps(m_old, block_max), _mm256_set1_ps(f32::NAN), nan);
+                // A row with no key yet subtracts 0 (−inf − −inf never occurs).
+                let none = _mm256_cmp_ps::<_CMP_EQ_OQ>(m_new, ninf);
+                let m_use = _mm256_blendv_ps(m_new, _mm256_setzero_ps(), none);
+                let a = exp8(_mm256_sub_ps(m_old, m_use));
+                let mut sums = [_mm256_setzero_ps(); 4];
+                for j in 0..n {
+                    let at = s_t.as_mut_ptr().add(j * r16 + r0);
+                    let p = exp8(_mm256_sub_ps(_mm256_loadu_ps(at), m_use));
+                    _mm256_storeu_ps(at, p);
+                    sums[j % 4] = _mm256_add_ps(sums[j % 4], p);
+                }
+                let sum = _mm256_add_ps(_mm256_add_ps(sums[0], sums[1]), _mm256_add_ps(sums[2], sums[3]));
+                let l_at = l.as_mut_ptr().add(r0);
+                _mm256_storeu_ps(l_at, _mm256_fmadd_ps(a, _mm256_loadu_ps(l_at), sum));
+                _mm256_storeu_ps(m.as_mut_ptr().add(r0), m_new);
+                _mm256_storeu_ps(alpha.as_mut_ptr().add(r0), a);
+            }
+        }
+        for (r, &a) in alpha.iter().enumerate().take(rows) {
+            if a != 1.0 {
+                acc[r * d..(r + 1) * d].iter_mut().for_each(|x| *x *= a);
+            }
+        }
+        // acc += P · V, rows of the query block (the tiles' padded rows
+        // have P = 0).
+        for r0 in (0..rows).step_by(TILE_ROWS) {
+            let mr = (rows - r0).min(TILE_ROWS);
+            for d0 in (0..d).step_by(TILE_COLUMNS) {
+                // SAFETY: Pᵀ columns r0..r0 + mr of rows j < n (R16 wide);
+                // V rows j < n, columns d0..d0 + 16 ≤ D; acc rows r0.. of D.
+                unsafe {
+                    partial_tile(
+                        mr,
+                        s_t.as_ptr().add(r0),
+                        (1, r16),
+                        (v_rows.as_ptr().add(d0), d),
+                        n,
+                        (acc.as_mut_ptr().add(r0 * d + d0), d),
+                    )
+                };
+            }
+        }
+        p0 += pb;
+    }
+    for r in 0..tile_rows {
+        // SAFETY: as on entry.
+        unsafe {
+            let t = state.add(lane(r));
+            (*t, *t.add(4)) = (m[r], l[r]);
+            let row = state.add((r / STATE_TILE_ROWS) * tile_floats + STATE_ACC + (r % STATE_TILE_ROWS) * d);
+            std::slice::from_raw_parts_mut(row, d).copy_from_slice(&acc[r * d..(r + 1) * d]);
+        }
+    }
+}
+
+/// The prefill kernel for a cache of `cache` elements (f32, bf16, f16)
+/// with head size `head_size` (a multiple of 16); `None` otherwise.
+pub(crate) fn kernel(cache: kvjit_core::DType, head_size: usize) -> Option<DecodeKernel> {
+    use kvjit_core::DType;
+    if !head_size.is_multiple_of(TILE_COLUMNS) || head_size == 0 {
+        return None;
+    }
+    Some(match cache {
+        DType::F32 => prefill::<F32>,
+        DType::BF16 => prefill::<Bf16>,
+        DType::F16 => prefill::<F16>,
+        _ => return None,
+    })
+}
