@@ -10,7 +10,7 @@
 //! whole blocks through register tiles of 6 × 16:
 //!
 //! ```text
-//! per KV head: qᵀ [D × R16] packed once per call (rows padded to 16 with zeros)
+//! per KV head: qᵀ [D × R8] packed once per call (rows padded to 8 with zeros)
 //! per block of PB keys (K and V rows widened once into f32 rows [PB × D]):
 //!   Sᵀ[j][r]  = Σ_d K[j][d] · qᵀ[d][r]     6 keys × 16 rows a tile (12 accumulators, K broadcast)
 //!   online softmax across rows, 8 rows a vector (a row's keys outside its
@@ -37,39 +37,41 @@ const TILE_ROWS: usize = 6;
 const TILE_COLUMNS: usize = 16;
 
 /// `c[i·c_row + j] += Σ_{kk<k} x[i·x_row + kk·x_k] · w[kk·w_k + j]` for
-/// `i < MR`, `j < 16`.
+/// `i < MR`, `j < 8·NV` (NV: 1 or 2 vectors of columns).
 ///
 /// # Safety
 /// Every address the sums name is readable (and `c`'s writable), for
 /// `i < MR`, `kk < k`, `j < 16`; AVX2, FMA.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn tile<const MR: usize>(
+unsafe fn tile<const MR: usize, const NV: usize>(
     x: *const f32,
     (x_row, x_k): (usize, usize),
     (w, w_k): (*const f32, usize),
     k: usize,
     (c, c_row): (*mut f32, usize),
 ) {
-    let mut acc = [[_mm256_setzero_ps(); 2]; MR];
+    let mut acc = [[_mm256_setzero_ps(); NV]; MR];
     for kk in 0..k {
-        // SAFETY: row kk of w's 16 columns and x[i, kk] (the caller's).
+        // SAFETY: row kk of w's 8·NV columns and x[i, kk] (the caller's).
         unsafe {
             let wp = w.add(kk * w_k);
-            let (w0, w1) = (_mm256_loadu_ps(wp), _mm256_loadu_ps(wp.add(8)));
+            let wv: [__m256; NV] = std::array::from_fn(|v| _mm256_loadu_ps(wp.add(8 * v)));
             for (i, row) in acc.iter_mut().enumerate() {
                 let xb = _mm256_broadcast_ss(&*x.add(i * x_row + kk * x_k));
-                row[0] = _mm256_fmadd_ps(xb, w0, row[0]);
-                row[1] = _mm256_fmadd_ps(xb, w1, row[1]);
+                for (a, w) in row.iter_mut().zip(&wv) {
+                    *a = _mm256_fmadd_ps(xb, *w, *a);
+                }
             }
         }
     }
     for (i, row) in acc.iter().enumerate() {
-        // SAFETY: c's row i, 16 f32 (the caller's).
-        unsafe {
-            let at = c.add(i * c_row);
-            _mm256_storeu_ps(at, _mm256_add_ps(_mm256_loadu_ps(at), row[0]));
-            _mm256_storeu_ps(at.add(8), _mm256_add_ps(_mm256_loadu_ps(at.add(8)), row[1]));
+        for (v, a) in row.iter().enumerate() {
+            // SAFETY: c's row i, 8·NV f32 (the caller's).
+            unsafe {
+                let at = c.add(i * c_row + 8 * v);
+                _mm256_storeu_ps(at, _mm256_add_ps(_mm256_loadu_ps(at), *a));
+            }
         }
     }
 }
@@ -91,12 +93,12 @@ unsafe fn partial_tile(
     // SAFETY: the caller's, for `rows` rows.
     unsafe {
         match rows {
-            6 => tile::<6>(x, xs, w, k, c),
-            5 => tile::<5>(x, xs, w, k, c),
-            4 => tile::<4>(x, xs, w, k, c),
-            3 => tile::<3>(x, xs, w, k, c),
-            2 => tile::<2>(x, xs, w, k, c),
-            1 => tile::<1>(x, xs, w, k, c),
+            6 => tile::<6, 2>(x, xs, w, k, c),
+            5 => tile::<5, 2>(x, xs, w, k, c),
+            4 => tile::<4, 2>(x, xs, w, k, c),
+            3 => tile::<3, 2>(x, xs, w, k, c),
+            2 => tile::<2, 2>(x, xs, w, k, c),
+            1 => tile::<1, 2>(x, xs, w, k, c),
             _ => {}
         }
     }
@@ -104,16 +106,16 @@ unsafe fn partial_tile(
 
 /// One call's scratch, f32: qᵀ, K and V rows of a block, Sᵀ/Pᵀ, `acc`.
 struct Scratch {
-    /// `[D][R16]`.
+    /// `[D][R8]`.
     q_t: Vec<f32>,
     /// `[PB][D]` each (keys past a block's count zero).
     k: Vec<f32>,
     v: Vec<f32>,
-    /// `[PB][R16]`: the scores, then the probabilities.
+    /// `[PB][R8]`: the scores, then the probabilities.
     s_t: Vec<f32>,
     /// `[rows of the tiles][D]`.
     acc: Vec<f32>,
-    /// Per row (R16; rows past the tiles' masked): the running max and
+    /// Per row (R8; rows past the tiles' masked): the running max and
     /// sum, the key range, a block's rescale α.
     m: Vec<f32>,
     l: Vec<f32>,
@@ -148,19 +150,19 @@ pub(super) unsafe extern "C" fn prefill<W: Weights>(
     let d = head_size;
     let head_tiles = rows.div_ceil(STATE_TILE_ROWS);
     let tile_rows = head_tiles * STATE_TILE_ROWS;
-    let r16 = tile_rows.next_multiple_of(TILE_COLUMNS);
+    let r8 = tile_rows.next_multiple_of(8);
     let pb = PREFILL_BLOCK_KEYS;
     let mut scratch = Scratch {
-        q_t: vec![0.0; d * r16],
+        q_t: vec![0.0; d * r8],
         k: vec![0.0; pb.next_multiple_of(TILE_ROWS) * d],
         v: vec![0.0; pb * d],
-        s_t: vec![0.0; pb.next_multiple_of(TILE_ROWS) * r16],
+        s_t: vec![0.0; pb.next_multiple_of(TILE_ROWS) * r8],
         acc: vec![0.0; tile_rows * d],
-        m: vec![0.0; r16],
-        l: vec![0.0; r16],
-        lo: vec![0; r16],
-        hi: vec![0; r16],
-        alpha: vec![0.0; r16],
+        m: vec![0.0; r8],
+        l: vec![0.0; r8],
+        lo: vec![0; r8],
+        hi: vec![0; r8],
+        alpha: vec![0.0; r8],
     };
     for h in 0..heads {
         // SAFETY: head h's q rows and state tiles (the contract); its K/V
@@ -196,7 +198,7 @@ unsafe fn prefill_head<W: Weights>(
 ) {
     let head_tiles = rows.div_ceil(STATE_TILE_ROWS);
     let tile_rows = head_tiles * STATE_TILE_ROWS;
-    let r16 = tile_rows.next_multiple_of(TILE_COLUMNS);
+    let r8 = tile_rows.next_multiple_of(8);
     let Scratch { q_t, k: k_rows, v: v_rows, s_t, acc, m, l, lo, hi, alpha } = scratch;
     // Row r of the tiles: tile r/4, lane r%4.
     let lane = |r: usize| (r / STATE_TILE_ROWS) * tile_floats + r % STATE_TILE_ROWS;
@@ -211,7 +213,7 @@ unsafe fn prefill_head<W: Weights>(
         // and acc row (state holds the head's tiles).
         unsafe {
             for (dd, &value) in std::slice::from_raw_parts(q.add(r * d), d).iter().enumerate() {
-                q_t[dd * r16 + r] = value;
+                q_t[dd * r8 + r] = value;
             }
             let t = state.add(lane(r));
             (m[r], l[r]) = (*t, *t.add(4));
@@ -251,26 +253,26 @@ unsafe fn prefill_head<W: Weights>(
         }
         // Sᵀ = K · qᵀ.
         let key_tiles = n.next_multiple_of(TILE_ROWS);
-        s_t[..key_tiles * r16].fill(0.0);
+        s_t[..key_tiles * r8].fill(0.0);
         for j0 in (0..key_tiles).step_by(TILE_ROWS) {
-            for c0 in (0..r16).step_by(TILE_COLUMNS) {
+            for c0 in (0..r8).step_by(TILE_COLUMNS) {
+                let (x, w) = (k_rows[j0 * d..].as_ptr(), q_t[c0..].as_ptr());
+                let c = s_t[j0 * r8 + c0..].as_mut_ptr();
                 // SAFETY: K rows j0..j0 + 6 ≤ key_tiles of D; qᵀ columns
-                // c0..c0 + 16 ≤ R16 of D rows; Sᵀ rows j0.. of R16.
+                // c0..c0 + 16 (or the last 8) ≤ R8 of D rows; Sᵀ rows j0..
+                // of R8.
                 unsafe {
-                    tile::<TILE_ROWS>(
-                        k_rows.as_ptr().add(j0 * d),
-                        (d, 1),
-                        (q_t.as_ptr().add(c0), r16),
-                        d,
-                        (s_t.as_mut_ptr().add(j0 * r16 + c0), r16),
-                    )
+                    match r8 - c0 {
+                        8 => tile::<TILE_ROWS, 1>(x, (d, 1), (w, r8), d, (c, r8)),
+                        _ => tile::<TILE_ROWS, 2>(x, (d, 1), (w, r8), d, (c, r8)),
+                    }
                 };
             }
         }
         // The online softmax, 8 rows a vector.
         let pos0 = first_key + p0 as i64;
-        for r0 in (0..r16).step_by(8) {
-            // SAFETY: 8 lanes of each per-row array (r16 a multiple of 16)
+        for r0 in (0..r8).step_by(8) {
+            // SAFETY: 8 lanes of each per-row array (r8 a multiple of 8)
             // and of Sᵀ rows j < n.
             unsafe {
                 let lo_v = _mm256_loadu_si256(lo.as_ptr().add(r0).cast());
@@ -287,7 +289,7 @@ unsafe fn prefill_head<W: Weights>(
                 let mut block_max = [ninf; 4];
                 let mut nan = [_mm256_setzero_ps(); 4];
                 for j in 0..n {
-                    let at = s_t.as_mut_ptr().add(j * r16 + r0);
+                    let at = s_t.as_mut_ptr().add(j * r8 + r0);
                     let mut s = _mm256_loadu_ps(at);
                     if !whole {
                         let pos = _mm256_set1_epi32((pos0 + j as i64) as i32);
@@ -312,7 +314,7 @@ unsafe fn prefill_head<W: Weights>(
                 let a = exp8(_mm256_sub_ps(m_old, m_use));
                 let mut sums = [_mm256_setzero_ps(); 4];
                 for j in 0..n {
-                    let at = s_t.as_mut_ptr().add(j * r16 + r0);
+                    let at = s_t.as_mut_ptr().add(j * r8 + r0);
                     let p = exp8(_mm256_sub_ps(_mm256_loadu_ps(at), m_use));
                     _mm256_storeu_ps(at, p);
                     sums[j % 4] = _mm256_add_ps(sums[j % 4], p);
@@ -330,17 +332,20 @@ unsafe fn prefill_head<W: Weights>(
             }
         }
         // acc += P · V, rows of the query block (the tiles' padded rows
-        // have P = 0).
-        for r0 in (0..rows).step_by(TILE_ROWS) {
-            let mr = (rows - r0).min(TILE_ROWS);
+        // have P = 0), in tiles of as even a height as 6 allows (32 rows:
+        // 6, 6, 5, 5, 5, 5, not a 2-row tile of 4 accumulator chains).
+        let row_tiles = rows.div_ceil(TILE_ROWS);
+        for t in 0..row_tiles {
+            let (r0, r1) = (rows * t / row_tiles, rows * (t + 1) / row_tiles);
+            let mr = r1 - r0;
             for d0 in (0..d).step_by(TILE_COLUMNS) {
-                // SAFETY: Pᵀ columns r0..r0 + mr of rows j < n (R16 wide);
+                // SAFETY: Pᵀ columns r0..r0 + mr of rows j < n (R8 wide);
                 // V rows j < n, columns d0..d0 + 16 ≤ D; acc rows r0.. of D.
                 unsafe {
                     partial_tile(
                         mr,
                         s_t.as_ptr().add(r0),
-                        (1, r16),
+                        (1, r8),
                         (v_rows.as_ptr().add(d0), d),
                         n,
                         (acc.as_mut_ptr().add(r0 * d + d0), d),
