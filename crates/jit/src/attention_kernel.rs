@@ -207,20 +207,21 @@ pub fn decode_kernel(cache: DType, rows: usize, head_size: usize, granularity: O
 
 /// The prefill kernel of the 256-bit tier (the [`DecodeKernel`] ABI, for
 /// a query block's rows): whole blocks of keys through 6 × 16 register
-/// tiles, no horizontal sums; for f32, bf16 and f16 caches with D a
-/// multiple of 16 on a CPU with AVX2, FMA and F16C, else `None` (the
-/// caller keeps the decode kernel's 4-row tiles).
-pub fn prefill_kernel(cache: DType, head_size: usize) -> Option<DecodeKernel> {
+/// tiles, no horizontal sums; for f32, bf16, f16 and FP8 caches (an FP8
+/// cache's g a multiple of 8 dividing D) with D a multiple of 16 on a CPU
+/// with AVX2, FMA and F16C, else `None` (the caller keeps the decode
+/// kernel's 4-row tiles).
+pub fn prefill_kernel(cache: DType, head_size: usize, granularity: Option<usize>) -> Option<DecodeKernel> {
     if !avx2_available() {
         return None;
     }
     #[cfg(target_arch = "x86_64")]
     {
-        x86::prefill::kernel(cache, head_size)
+        x86::prefill::kernel(cache, head_size, granularity)
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
-        let _ = (cache, head_size);
+        let _ = (cache, head_size, granularity);
         None
     }
 }
@@ -2357,26 +2358,35 @@ mod tests {
             eprintln!("the 512-bit width was not tested: this CPU has no AVX-512F, BW and VBMI");
         }
     }
-    /// The prefill kernel against the f64 reference: f32, bf16 and f16
-    /// caches, head sizes 16–128, query blocks of 1 to 32 rows (partial
+    /// The prefill kernel against the f64 reference: f32, bf16, f16 and
+    /// FP8 caches (g = D and g-blocks of 8 and 32), head sizes 16–128, query blocks of 1 to 32 rows (partial
     /// row and key tiles), key runs shorter and longer than a block,
-    /// masked ranges and resumed states; D not a multiple of 16 and FP8
-    /// refused.
+    /// masked ranges and resumed states; D not a multiple of 16 and an FP8
+    /// g not a multiple of 8 refused.
     #[test]
     fn prefill_kernel_matches_the_reference() {
         if !avx2_available() {
             eprintln!("skipped: this CPU has no AVX2/FMA/F16C");
             return;
         }
-        assert!(prefill_kernel(DType::F32, 40).is_none());
-        assert!(prefill_kernel(DType::F8E4M3, 64).is_none());
+        assert!(prefill_kernel(DType::F32, 40, None).is_none());
+        assert!(prefill_kernel(DType::F8E4M3, 64, Some(4)).is_none());
+        assert!(prefill_kernel(DType::F8E4M3, 64, None).is_none());
         let mut seed = 1000;
-        for (dtype, d) in [(DType::F32, 64usize), (DType::BF16, 128), (DType::BF16, 16), (DType::F16, 48)] {
-            let kernel = prefill_kernel(dtype, d).expect("the CPU and type are served");
+        for (dtype, d, g) in [
+            (DType::F32, 64usize, None),
+            (DType::BF16, 128, None),
+            (DType::BF16, 16, None),
+            (DType::F16, 48, None),
+            (DType::F8E4M3, 64, Some(64)),
+            (DType::F8E4M3, 128, Some(32)),
+            (DType::F8E4M3, 48, Some(8)),
+        ] {
+            let kernel = prefill_kernel(dtype, d, g).expect("the CPU and type are served");
             for rows in [1, 3, 4, 7, 24, 32] {
                 for keys in [5, 64, 77, 150] {
                     seed += 1;
-                    let call = Call::new(dtype, d, d, rows, keys, seed);
+                    let call = Call::new(dtype, d, g.unwrap_or(d), rows, keys, seed);
                     let got = call.run(kernel);
                     call.check(&got, &format!("prefill {dtype} D {d} rows {rows} keys {keys}"));
                 }
@@ -2521,7 +2531,7 @@ mod timing {
     }
 
     /// Prefill: a query block of 8 positions (Llama-3-8B: 32 rows a KV
-    /// head; SmolLM2: 24) against 512 keys in L2, the decode kernel's 4-row
+    /// head; SmolLM2: 24) against 512 keys (FP8 with g = D), the decode kernel's 4-row
     /// tiles (what prefill ran before) against [`prefill_kernel`],
     /// alternated; GFLOP/s of the scores and P·V (4·D a row and key).
     #[test]
@@ -2534,16 +2544,17 @@ mod timing {
         let rows = 8 * rows();
         let tiles = rows.div_ceil(STATE_TILE_ROWS);
         let tile_floats = STATE_ACC + 4 * d();
-        for dtype in dtypes().filter(|&t| t != DType::F8E4M3) {
+        for dtype in dtypes() {
             let slot = heads() * d();
             let kv_stride = PREFILL_KEYS * slot;
             let blocks = encoded(dtype, 2 * kv_stride);
+            let scales = vec![FP8_SCALE; 2 * kv_stride / d()];
             let offsets: Vec<i64> =
                 (0..PREFILL_KEYS as i64 + 64).map(|j| j.min(PREFILL_KEYS as i64 - 1) * slot as i64).collect();
             let q = vec![0.01f32; heads() * tiles * 4 * d()];
             let kernels = [
-                ("4-row tiles", decode_kernel(dtype, 4, d(), None).expect("AVX2 checked")),
-                ("GEMM tiles", prefill_kernel(dtype, d()).expect("D a multiple of 16")),
+                ("4-row tiles", decode_kernel(dtype, 4, d(), Some(d())).expect("AVX2 checked")),
+                ("GEMM tiles", prefill_kernel(dtype, d(), Some(d())).expect("D a multiple of 16")),
             ];
             let mut best = [f64::MAX; 2];
             for _ in 0..7 {
@@ -2561,7 +2572,7 @@ mod timing {
                         // SAFETY: key j's slot at j·slot (the table's tail
                         // repeats the last key), V rows kv_stride on, inside
                         // `blocks`; q and state sized for `tiles` tiles a
-                        // head; no FP8, so no scales are read.
+                        // head; scales cover blocks / D.
                         unsafe {
                             kernel(
                                 q.as_ptr(),
@@ -2571,7 +2582,7 @@ mod timing {
                                 64,
                                 0,
                                 heads(),
-                                std::ptr::null(),
+                                scales.as_ptr(),
                                 state.as_mut_ptr(),
                                 rows,
                                 d(),

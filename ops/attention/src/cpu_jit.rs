@@ -66,14 +66,16 @@
 //! the chunking, the partials and the host merge are the Cranelift tier's
 //! and the output stays bit-identical for any thread count. Prefill items
 //! (a query block of up to 8 positions) call a micro-kernel the same way
-//! with all the block's rows, each masked to its own key range: on f32,
-//! bf16 and f16 caches with D a multiple of 16 (256-bit products), the
-//! GEMM-tile kernel ([`kvjit_jit::attention_kernel::prefill_kernel`]: K and
-//! V rows widened once per block of 64 keys, scores and P·V through 6 × 16
-//! register tiles, the softmax across rows; measured in L2 on an AMD Zen 3,
-//! one thread, a query block of Llama-3-8B's 32 rows against 512 keys:
-//! 57–63 against 36–39 GFLOP/s for f32, 64–68 against 44–53 for bf16;
-//! SmolLM2's 24 rows of 64 within noise to 1.15×); otherwise the decode
+//! with all the block's rows, each masked to its own key range: with D a
+//! multiple of 16 (and 256-bit products; an FP8 cache's g a multiple of 8),
+//! the GEMM-tile kernel ([`kvjit_jit::attention_kernel::prefill_kernel`]: K
+//! and V rows widened, FP8 scaled, once per block of 64 keys, scores and
+//! P·V through 6 × 16 register tiles, the softmax across rows; measured on
+//! an AMD Zen 3, one thread, a query block against 512 keys, `cargo test
+//! --release -p kvjit-jit --lib -- --ignored prefill_kernel_speed`:
+//! Llama-3-8B's 32 rows of 128 f32 62 against 38–39 GFLOP/s, bf16 67–68
+//! against 53, FP8 57 against 37; SmolLM2's 24 rows of 64 f32 55 against
+//! 48, bf16 61–63 against 52, FP8 50–51 against 33); otherwise the decode
 //! kernel's tiles of 4 rows. Caches it does not serve (D or g not a
 //! multiple of 8) run the Cranelift code on that tier too; the Cranelift
 //! tier (`Cpu(Cranelift)`) is the fallback on every CPU.
@@ -414,16 +416,16 @@ fn displacements(spec: &MhaSpec) -> Result<Displacements, JitError> {
 /// Cranelift path then runs everything on that tier too). Their products
 /// run 512 bits wide where the CPU and the cache allow
 /// ([`kvjit_jit::attention_kernel::decode_width`]). Prefill blocks run the
-/// GEMM-tile kernel ([`prefill_kernel`]: f32, bf16 and f16 caches with D a
-/// multiple of 16) where the products are 256 bits wide, else the decode
-/// kernel's tiles of 4 rows.
+/// GEMM-tile kernel ([`prefill_kernel`]: D a multiple of 16, an FP8 cache's
+/// g a multiple of 8) where the products are 256 bits wide, else the
+/// decode kernel's tiles of 4 rows.
 fn native_kernels(spec: &MhaSpec) -> Option<(DecodeKernel, DecodeKernel)> {
     let cache = &spec.cache;
     let (dtype, d, g) = (cache.dtype(), cache.head_size, cache.scale_granularity());
     let serves = decode_supported(dtype, d, g);
     let kernel = |rows| decode_kernel(dtype, rows, d, g);
     let block = || match decode_width(dtype, d, g) {
-        DecodeWidth::Ymm => prefill_kernel(dtype, d).or_else(|| kernel(ROW_TILE)),
+        DecodeWidth::Ymm => prefill_kernel(dtype, d, g).or_else(|| kernel(ROW_TILE)),
         DecodeWidth::Zmm => kernel(ROW_TILE),
     };
     (spec.tier() == Some(CodeTier::Avx2) && serves).then(|| kernel(spec.group()).zip(block())).flatten()

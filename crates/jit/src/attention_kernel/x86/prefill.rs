@@ -20,13 +20,14 @@
 //! ```
 //!
 //! `acc` lives in a row-major copy for the call and goes back to the
-//! tiles at its end. f32, bf16 and f16 caches with D a multiple of 16;
-//! the op keeps the decode kernel for FP8 caches and other D.
+//! tiles at its end. f32, bf16, f16 and FP8 (E4M3: codes widened and
+//! times their g-block's scale once per block, g a multiple of 8) caches
+//! with D a multiple of 16; the op keeps the decode kernel for other D.
 
 use std::arch::x86_64::*;
 
-use super::{DecodeKernel, STATE_ACC, STATE_HI, STATE_LO, STATE_TILE_ROWS, exp8};
-use crate::microkernel::x86::{Bf16, F16, F32, Weights};
+use super::{DecodeKernel, E4M3_UNIT, E4m3, Elem, STATE_ACC, STATE_HI, STATE_LO, STATE_TILE_ROWS, exp8};
+use crate::microkernel::x86::{Bf16, F16, F32};
 
 /// Keys per block: the P·V tiles' depth (longer blocks spread each tile
 /// call's fixed cost over more FMAs).
@@ -124,14 +125,16 @@ struct Scratch {
     alpha: Vec<f32>,
 }
 
-/// The prefill kernel (the [`DecodeKernel`] ABI; `ahead`, `scales` and
-/// `granularity` unused: no FP8) for elements `W`.
+/// The prefill kernel (the [`DecodeKernel`] ABI; `ahead` unused) for
+/// elements `E` (FP8: each widened vector of 8 times its g-block's scale,
+/// once per block for all the rows).
 ///
 /// # Safety
-/// As [`DecodeKernel`]'s contract, with `W` the cache's element type, D a
-/// multiple of 16; AVX2, FMA, F16C.
+/// As [`DecodeKernel`]'s contract, with `E` the cache's element type, D a
+/// multiple of 16 (and an FP8 cache's g a multiple of 8 dividing D); AVX2,
+/// FMA, F16C.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe extern "C" fn prefill<W: Weights>(
+pub(super) unsafe extern "C" fn prefill<E: Elem>(
     q: *const f32,
     blocks: *const u8,
     key_offsets: *const i64,
@@ -139,12 +142,12 @@ pub(super) unsafe extern "C" fn prefill<W: Weights>(
     _ahead: usize,
     first_key: i64,
     heads: usize,
-    _scales: *const f32,
+    scales: *const f32,
     state: *mut f32,
     rows: usize,
     head_size: usize,
     kv_stride: usize,
-    _granularity: usize,
+    granularity: usize,
     tile_floats: usize,
 ) {
     let d = head_size;
@@ -168,10 +171,11 @@ pub(super) unsafe extern "C" fn prefill<W: Weights>(
         // SAFETY: head h's q rows and state tiles (the contract); its K/V
         // rows at key_offsets[j] + h·D (+ kv_stride) for j < keys.
         unsafe {
-            prefill_head::<W>(
+            prefill_head::<E>(
                 q.add(h * tile_rows * d),
                 state.add(h * head_tiles * tile_floats),
                 (blocks, key_offsets, h * d, kv_stride),
+                (scales, granularity.max(1)),
                 (keys, first_key),
                 (rows, d, tile_floats),
                 &mut scratch,
@@ -184,14 +188,16 @@ pub(super) unsafe extern "C" fn prefill<W: Weights>(
 ///
 /// # Safety
 /// `q` holds the head's `ceil(rows/4)·4` rows of D f32, `state` its tiles
-/// of `tile_floats`; the cache rows as [`DecodeKernel`] promises; AVX2,
-/// FMA, F16C.
+/// of `tile_floats`; the cache rows (and an FP8 cache's scales: that of
+/// element offset `o` at `scales[o / g]`) as [`DecodeKernel`] promises;
+/// AVX2, FMA, F16C.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn prefill_head<W: Weights>(
+unsafe fn prefill_head<E: Elem>(
     q: *const f32,
     state: *mut f32,
     (blocks, key_offsets, head, kv_stride): (*const u8, *const i64, usize, usize),
+    (scales, g): (*const f32, usize),
     (keys, first_key): (usize, i64),
     (rows, d, tile_floats): (usize, usize, usize),
     scratch: &mut Scratch,
@@ -238,16 +244,23 @@ unsafe fn prefill_head<W: Weights>(
                 }
                 continue;
             }
-            // SAFETY: key p0 + j < keys: its offset, and its K and V rows
-            // of this head (D elements each) in the cache (the contract).
+            // SAFETY: key p0 + j < keys: its offset, its K and V rows of
+            // this head (D elements each) in the cache and, FP8, their
+            // scales (the contract; g divides every offset's 8-run).
             unsafe {
                 let at = (*key_offsets.add(p0 + j)) as usize + head;
-                let k_src = blocks.add(at * W::BYTES);
-                let v_src = blocks.add((at + kv_stride) * W::BYTES);
+                let v_at = at + kv_stride;
                 let v_row = v_row.expect("j < n ≤ PB");
                 for dd in (0..d).step_by(8) {
-                    _mm256_storeu_ps(k_row.as_mut_ptr().add(dd), W::load8(k_src.add(dd * W::BYTES)));
-                    _mm256_storeu_ps(v_row.as_mut_ptr().add(dd), W::load8(v_src.add(dd * W::BYTES)));
+                    let mut k = E::load8(blocks.add((at + dd) * E::BYTES));
+                    let mut v = E::load8(blocks.add((v_at + dd) * E::BYTES));
+                    if E::SCALED {
+                        let unit = _mm256_set1_ps(E4M3_UNIT);
+                        k = _mm256_mul_ps(k, _mm256_mul_ps(_mm256_broadcast_ss(&*scales.add((at + dd) / g)), unit));
+                        v = _mm256_mul_ps(v, _mm256_mul_ps(_mm256_broadcast_ss(&*scales.add((v_at + dd) / g)), unit));
+                    }
+                    _mm256_storeu_ps(k_row.as_mut_ptr().add(dd), k);
+                    _mm256_storeu_ps(v_row.as_mut_ptr().add(dd), v);
                 }
             }
         }
@@ -366,9 +379,10 @@ unsafe fn prefill_head<W: Weights>(
     }
 }
 
-/// The prefill kernel for a cache of `cache` elements (f32, bf16, f16)
-/// with head size `head_size` (a multiple of 16); `None` otherwise.
-pub(crate) fn kernel(cache: kvjit_core::DType, head_size: usize) -> Option<DecodeKernel> {
+/// The prefill kernel for a cache of `cache` elements (f32, bf16, f16, or
+/// f8e4m3 with a granularity g that is a multiple of 8 dividing D) with
+/// head size `head_size` (a multiple of 16); `None` otherwise.
+pub(crate) fn kernel(cache: kvjit_core::DType, head_size: usize, granularity: Option<usize>) -> Option<DecodeKernel> {
     use kvjit_core::DType;
     if !head_size.is_multiple_of(TILE_COLUMNS) || head_size == 0 {
         return None;
@@ -377,6 +391,9 @@ pub(crate) fn kernel(cache: kvjit_core::DType, head_size: usize) -> Option<Decod
         DType::F32 => prefill::<F32>,
         DType::BF16 => prefill::<Bf16>,
         DType::F16 => prefill::<F16>,
+        DType::F8E4M3 if granularity.is_some_and(|g| g > 0 && g.is_multiple_of(8) && head_size.is_multiple_of(g)) => {
+            prefill::<E4m3>
+        }
         _ => return None,
     })
 }
