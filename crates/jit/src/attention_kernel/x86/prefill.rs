@@ -251,6 +251,16 @@ unsafe fn prefill_head<E: Elem>(
                 let at = (*key_offsets.add(p0 + j)) as usize + head;
                 let v_at = at + kv_stride;
                 let v_row = v_row.expect("j < n ≤ PB");
+                // The same key of the next block, into L2 while this block
+                // computes (a prefetch never faults; its offset is read only
+                // when that key is one of the call's).
+                if p0 + pb + j < keys {
+                    let next = (*key_offsets.add(p0 + pb + j)) as usize + head;
+                    for line in (0..d * E::BYTES).step_by(64) {
+                        _mm_prefetch::<_MM_HINT_T1>(blocks.wrapping_add(next * E::BYTES + line).cast());
+                        _mm_prefetch::<_MM_HINT_T1>(blocks.wrapping_add((next + kv_stride) * E::BYTES + line).cast());
+                    }
+                }
                 for dd in (0..d).step_by(8) {
                     let mut k = E::load8(blocks.add((at + dd) * E::BYTES));
                     let mut v = E::load8(blocks.add((v_at + dd) * E::BYTES));
