@@ -418,17 +418,45 @@ fn displacements(spec: &MhaSpec) -> Result<Displacements, JitError> {
 /// ([`kvjit_jit::attention_kernel::decode_width`]). Prefill blocks run the
 /// GEMM-tile kernel ([`prefill_kernel`]: D a multiple of 16, an FP8 cache's
 /// g a multiple of 8) where the products are 256 bits wide, else the
-/// decode kernel's tiles of 4 rows.
+/// decode kernel's tiles of 4 rows ([`prefill_choice`] overrides that).
 fn native_kernels(spec: &MhaSpec) -> Option<(DecodeKernel, DecodeKernel)> {
     let cache = &spec.cache;
     let (dtype, d, g) = (cache.dtype(), cache.head_size, cache.scale_granularity());
     let serves = decode_supported(dtype, d, g);
     let kernel = |rows| decode_kernel(dtype, rows, d, g);
-    let block = || match decode_width(dtype, d, g) {
-        DecodeWidth::Ymm => prefill_kernel(dtype, d, g).or_else(|| kernel(ROW_TILE)),
-        DecodeWidth::Zmm => kernel(ROW_TILE),
+    let block = || match (prefill_choice(), decode_width(dtype, d, g)) {
+        (PrefillKernel::RowTiles, _) | (PrefillKernel::Default, DecodeWidth::Zmm) => kernel(ROW_TILE),
+        (PrefillKernel::GemmTiles, _) | (PrefillKernel::Default, DecodeWidth::Ymm) => {
+            prefill_kernel(dtype, d, g).or_else(|| kernel(ROW_TILE))
+        }
     };
     (spec.tier() == Some(CodeTier::Avx2) && serves).then(|| kernel(spec.group()).zip(block())).flatten()
+}
+
+/// Which micro-kernel prefill blocks take on the 256-bit tier.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum PrefillKernel {
+    /// The GEMM tiles where products are 256 bits wide, the decode
+    /// kernel's row tiles where they are 512.
+    Default,
+    /// The GEMM tiles wherever they serve the cache
+    /// (`KVJIT_ATTENTION_PREFILL=gemm`).
+    GemmTiles,
+    /// The decode kernel's tiles of 4 rows (`KVJIT_ATTENTION_PREFILL=rows`).
+    RowTiles,
+}
+
+/// `KVJIT_ATTENTION_PREFILL`, read once: `gemm` or `rows` pick one prefill
+/// kernel everywhere (to time one against the other on a host, or the
+/// GEMM tiles against the 512-bit row tiles on an AVX-512 host); unset or
+/// anything else keeps the default.
+fn prefill_choice() -> PrefillKernel {
+    static CHOICE: std::sync::OnceLock<PrefillKernel> = std::sync::OnceLock::new();
+    *CHOICE.get_or_init(|| match std::env::var("KVJIT_ATTENTION_PREFILL").as_deref() {
+        Ok("gemm") => PrefillKernel::GemmTiles,
+        Ok("rows") => PrefillKernel::RowTiles,
+        _ => PrefillKernel::Default,
+    })
 }
 
 /// Whether `spec` runs decode and prefill through the 256-bit

@@ -105,6 +105,17 @@ unsafe fn partial_tile(
     }
 }
 
+/// Where a call's keys are: the [`DecodeKernel`] arguments that locate
+/// their rows (and an FP8 cache's scales, g elements a scale).
+#[derive(Clone, Copy)]
+struct Cache {
+    blocks: *const u8,
+    key_offsets: *const i64,
+    kv_stride: usize,
+    scales: *const f32,
+    g: usize,
+}
+
 /// One call's scratch, f32: qᵀ, K and V rows of a block, Sᵀ/Pᵀ, `acc`.
 struct Scratch {
     /// `[D][R8]`.
@@ -174,8 +185,8 @@ pub(super) unsafe extern "C" fn prefill<E: Elem>(
             prefill_head::<E>(
                 q.add(h * tile_rows * d),
                 state.add(h * head_tiles * tile_floats),
-                (blocks, key_offsets, h * d, kv_stride),
-                (scales, granularity.max(1)),
+                Cache { blocks, key_offsets, kv_stride, scales, g: granularity.max(1) },
+                (h * d, (h + 1 < heads).then_some((h + 1) * d)),
                 (keys, first_key),
                 (rows, d, tile_floats),
                 &mut scratch,
@@ -190,14 +201,15 @@ pub(super) unsafe extern "C" fn prefill<E: Elem>(
 /// `q` holds the head's `ceil(rows/4)·4` rows of D f32, `state` its tiles
 /// of `tile_floats`; the cache rows (and an FP8 cache's scales: that of
 /// element offset `o` at `scales[o / g]`) as [`DecodeKernel`] promises;
-/// AVX2, FMA, F16C.
+/// AVX2, FMA, F16C. `next_head` (the next KV head's row offset, if any) is
+/// only prefetched from the last block on.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn prefill_head<E: Elem>(
     q: *const f32,
     state: *mut f32,
-    (blocks, key_offsets, head, kv_stride): (*const u8, *const i64, usize, usize),
-    (scales, g): (*const f32, usize),
+    Cache { blocks, key_offsets, kv_stride, scales, g }: Cache,
+    (head, next_head): (usize, Option<usize>),
     (keys, first_key): (usize, i64),
     (rows, d, tile_floats): (usize, usize, usize),
     scratch: &mut Scratch,
@@ -251,11 +263,16 @@ unsafe fn prefill_head<E: Elem>(
                 let at = (*key_offsets.add(p0 + j)) as usize + head;
                 let v_at = at + kv_stride;
                 let v_row = v_row.expect("j < n ≤ PB");
-                // The same key of the next block, into L2 while this block
-                // computes (a prefetch never faults; its offset is read only
-                // when that key is one of the call's).
-                if p0 + pb + j < keys {
-                    let next = (*key_offsets.add(p0 + pb + j)) as usize + head;
+                // The same key of the next block (from the last block on,
+                // the next head's first block), into L2 while this block
+                // computes (a prefetch never faults; an offset is read only
+                // for a key of the call).
+                let next = match (p0 + pb + j < keys, next_head) {
+                    (true, _) => Some((*key_offsets.add(p0 + pb + j)) as usize + head),
+                    (false, Some(next_head)) => Some((*key_offsets.add(j)) as usize + next_head),
+                    (false, None) => None,
+                };
+                if let Some(next) = next {
                     for line in (0..d * E::BYTES).step_by(64) {
                         _mm_prefetch::<_MM_HINT_T1>(blocks.wrapping_add(next * E::BYTES + line).cast());
                         _mm_prefetch::<_MM_HINT_T1>(blocks.wrapping_add((next + kv_stride) * E::BYTES + line).cast());
