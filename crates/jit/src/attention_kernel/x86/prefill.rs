@@ -11,8 +11,10 @@
 //!
 //! ```text
 //! per KV head: qᵀ [D × R8] packed once per call (rows padded to 8 with zeros)
-//! per block of PB keys (K and V rows widened once into f32 rows [PB × D]):
-//!   Sᵀ[j][r]  = Σ_d K[j][d] · qᵀ[d][r]     6 keys × 16 rows a tile (12 accumulators, K broadcast)
+//! per block of PB = 64 keys (K and V rows widened once into f32 rows [PB × D],
+//! the next block's prefetched):
+//!   Sᵀ[j][r]  = Σ_d K[j][d] · qᵀ[d][r]     6 keys × 16 rows a tile (12 accumulators, K broadcast;
+//!                                          a last panel of 8 rows: 6 × 8)
 //!   online softmax across rows, 8 rows a vector (a row's keys outside its
 //!   [lo, hi) set to −inf, no horizontal sums): m, l, α; Pᵀ in place of Sᵀ
 //!   acc[r] ·= α_r (rows whose max moved)
@@ -136,7 +138,8 @@ struct Scratch {
     alpha: Vec<f32>,
 }
 
-/// The prefill kernel (the [`DecodeKernel`] ABI; `ahead` unused) for
+/// The prefill kernel (the [`DecodeKernel`] ABI; `ahead` unused: a call's
+/// last block prefetches the next head's first, not the next chunk) for
 /// elements `E` (FP8: each widened vector of 8 times its g-block's scale,
 /// once per block for all the rows).
 ///
