@@ -28,6 +28,7 @@
 
 use std::arch::x86_64::*;
 
+use super::super::decode_supported;
 use super::{DecodeKernel, E4M3_UNIT, E4m3, Elem, STATE_ACC, STATE_HI, STATE_LO, STATE_TILE_ROWS, exp8};
 use crate::microkernel::x86::{Bf16, F16, F32};
 
@@ -118,7 +119,18 @@ struct Cache {
     g: usize,
 }
 
-/// One call's scratch, f32: qᵀ, K and V rows of a block, Sᵀ/Pᵀ, `acc`.
+/// A call's state tiles per KV head, their rows (`rows` rounded up to
+/// whole tiles of 4), and those rows rounded up to 8 (qᵀ's and Sᵀ's width).
+fn padded_rows(rows: usize) -> (usize, usize, usize) {
+    let head_tiles = rows.div_ceil(STATE_TILE_ROWS);
+    let tile_rows = head_tiles * STATE_TILE_ROWS;
+    (head_tiles, tile_rows, tile_rows.next_multiple_of(8))
+}
+
+/// A thread's scratch, f32, kept for its next call: qᵀ, K and V rows of a
+/// block, Sᵀ/Pᵀ, `acc`. A call sizes it ([`Scratch::fit`]) and writes
+/// every part before reading it, so it needs no clearing in between.
+#[derive(Default)]
 struct Scratch {
     /// `[D][R8]`.
     q_t: Vec<f32>,
@@ -136,6 +148,37 @@ struct Scratch {
     lo: Vec<i32>,
     hi: Vec<i32>,
     alpha: Vec<f32>,
+}
+
+impl Scratch {
+    /// At least the sizes a call with head size `d` and these padded rows
+    /// uses.
+    fn fit(&mut self, d: usize, tile_rows: usize, r8: usize) {
+        let keys = PREFILL_BLOCK_KEYS.next_multiple_of(TILE_ROWS);
+        for (part, len) in [
+            (&mut self.q_t, d * r8),
+            (&mut self.k, keys * d),
+            (&mut self.v, PREFILL_BLOCK_KEYS * d),
+            (&mut self.s_t, keys * r8),
+            (&mut self.acc, tile_rows * d),
+            (&mut self.m, r8),
+            (&mut self.l, r8),
+            (&mut self.alpha, r8),
+        ] {
+            if part.len() < len {
+                part.resize(len, 0.0);
+            }
+        }
+        for part in [&mut self.lo, &mut self.hi] {
+            if part.len() < r8 {
+                part.resize(r8, 0);
+            }
+        }
+    }
+}
+
+thread_local! {
+    static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::new(Scratch::default());
 }
 
 /// The prefill kernel (the [`DecodeKernel`] ABI; `ahead` unused: a call's
@@ -165,37 +208,25 @@ pub(super) unsafe extern "C" fn prefill<E: Elem>(
     tile_floats: usize,
 ) {
     let d = head_size;
-    let head_tiles = rows.div_ceil(STATE_TILE_ROWS);
-    let tile_rows = head_tiles * STATE_TILE_ROWS;
-    let r8 = tile_rows.next_multiple_of(8);
-    let pb = PREFILL_BLOCK_KEYS;
-    let mut scratch = Scratch {
-        q_t: vec![0.0; d * r8],
-        k: vec![0.0; pb.next_multiple_of(TILE_ROWS) * d],
-        v: vec![0.0; pb * d],
-        s_t: vec![0.0; pb.next_multiple_of(TILE_ROWS) * r8],
-        acc: vec![0.0; tile_rows * d],
-        m: vec![0.0; r8],
-        l: vec![0.0; r8],
-        lo: vec![0; r8],
-        hi: vec![0; r8],
-        alpha: vec![0.0; r8],
-    };
-    for h in 0..heads {
-        // SAFETY: head h's q rows and state tiles (the contract); its K/V
-        // rows at key_offsets[j] + h·D (+ kv_stride) for j < keys.
-        unsafe {
-            prefill_head::<E>(
-                q.add(h * tile_rows * d),
-                state.add(h * head_tiles * tile_floats),
-                Cache { blocks, key_offsets, kv_stride, scales, g: granularity.max(1) },
-                (h * d, (h + 1 < heads).then_some((h + 1) * d)),
-                (keys, first_key),
-                (rows, d, tile_floats),
-                &mut scratch,
-            )
-        };
-    }
+    let (head_tiles, tile_rows, r8) = padded_rows(rows);
+    SCRATCH.with_borrow_mut(|scratch| {
+        scratch.fit(d, tile_rows, r8);
+        for h in 0..heads {
+            // SAFETY: head h's q rows and state tiles (the contract); its
+            // K/V rows at key_offsets[j] + h·D (+ kv_stride) for j < keys.
+            unsafe {
+                prefill_head::<E>(
+                    q.add(h * tile_rows * d),
+                    state.add(h * head_tiles * tile_floats),
+                    Cache { blocks, key_offsets, kv_stride, scales, g: granularity.max(1) },
+                    (h * d, (h + 1 < heads).then_some((h + 1) * d)),
+                    (keys, first_key),
+                    (rows, d, tile_floats),
+                    scratch,
+                )
+            };
+        }
+    });
 }
 
 /// One KV head of [`prefill`].
@@ -217,18 +248,21 @@ unsafe fn prefill_head<E: Elem>(
     (rows, d, tile_floats): (usize, usize, usize),
     scratch: &mut Scratch,
 ) {
-    let head_tiles = rows.div_ceil(STATE_TILE_ROWS);
-    let tile_rows = head_tiles * STATE_TILE_ROWS;
-    let r8 = tile_rows.next_multiple_of(8);
+    let (_, tile_rows, r8) = padded_rows(rows);
     let Scratch { q_t, k: k_rows, v: v_rows, s_t, acc, m, l, lo, hi, alpha } = scratch;
-    // Row r of the tiles: tile r/4, lane r%4.
+    // Row r of the tiles: tile r/4, lane r%4 of m (l 4 on, lo and hi at
+    // STATE_LO and STATE_HI words on), its acc row D·(r%4) into the
+    // tile's acc.
     let lane = |r: usize| (r / STATE_TILE_ROWS) * tile_floats + r % STATE_TILE_ROWS;
-    // qᵀ (rows past the tiles' zero), acc, m, l, lo, hi per row.
-    q_t.fill(0.0);
-    m.fill(f32::NEG_INFINITY);
-    l.fill(0.0);
-    lo.fill(0);
-    hi.fill(0);
+    let acc_row = |r: usize| (r / STATE_TILE_ROWS) * tile_floats + STATE_ACC + (r % STATE_TILE_ROWS) * d;
+    // qᵀ (rows past the tiles' zero), acc, m, l, lo, hi per row (the
+    // scratch may be longer than this call's sizes: only r8 columns of qᵀ
+    // and rows of the per-row arrays are read).
+    q_t[..d * r8].fill(0.0);
+    m[..r8].fill(f32::NEG_INFINITY);
+    l[..r8].fill(0.0);
+    lo[..r8].fill(0);
+    hi[..r8].fill(0);
     for r in 0..tile_rows {
         // SAFETY: row r < ceil(rows/4)·4 of q; its tile's m, l, lo, hi
         // and acc row (state holds the head's tiles).
@@ -240,7 +274,7 @@ unsafe fn prefill_head<E: Elem>(
             (m[r], l[r]) = (*t, *t.add(4));
             let words = state.cast::<i32>().add(lane(r));
             (lo[r], hi[r]) = (*words.add(STATE_LO), *words.add(STATE_HI));
-            let row = state.add((r / STATE_TILE_ROWS) * tile_floats + STATE_ACC + (r % STATE_TILE_ROWS) * d);
+            let row = state.add(acc_row(r));
             acc[r * d..(r + 1) * d].copy_from_slice(std::slice::from_raw_parts(row, d));
         }
     }
@@ -403,27 +437,26 @@ unsafe fn prefill_head<E: Elem>(
         unsafe {
             let t = state.add(lane(r));
             (*t, *t.add(4)) = (m[r], l[r]);
-            let row = state.add((r / STATE_TILE_ROWS) * tile_floats + STATE_ACC + (r % STATE_TILE_ROWS) * d);
+            let row = state.add(acc_row(r));
             std::slice::from_raw_parts_mut(row, d).copy_from_slice(&acc[r * d..(r + 1) * d]);
         }
     }
 }
 
-/// The prefill kernel for a cache of `cache` elements (f32, bf16, f16, or
-/// f8e4m3 with a granularity g that is a multiple of 8 dividing D) with
-/// head size `head_size` (a multiple of 16); `None` otherwise.
+/// The prefill kernel for a cache the decode kernel serves
+/// ([`decode_supported`]: f32, bf16, f16, or f8e4m3 with g a multiple of 8
+/// dividing D) with head size `head_size` a multiple of 16; `None`
+/// otherwise.
 pub(crate) fn kernel(cache: kvjit_core::DType, head_size: usize, granularity: Option<usize>) -> Option<DecodeKernel> {
     use kvjit_core::DType;
-    if !head_size.is_multiple_of(TILE_COLUMNS) || head_size == 0 {
+    if !head_size.is_multiple_of(TILE_COLUMNS) || !decode_supported(cache, head_size, granularity) {
         return None;
     }
     Some(match cache {
         DType::F32 => prefill::<F32>,
         DType::BF16 => prefill::<Bf16>,
         DType::F16 => prefill::<F16>,
-        DType::F8E4M3 if granularity.is_some_and(|g| g > 0 && g.is_multiple_of(8) && head_size.is_multiple_of(g)) => {
-            prefill::<E4m3>
-        }
+        DType::F8E4M3 => prefill::<E4m3>,
         _ => return None,
     })
 }
