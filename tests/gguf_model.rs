@@ -749,6 +749,11 @@ fn bad_files_and_requests_are_refused_in_one_line() {
     tiny_gguf(Variant { without: Some("llama.block_count"), ..TIED }).write(&file).unwrap();
     refused(&["import", str(&file), "-o", str(&out)], "llama.block_count");
     refused(&["generate", str(&file), "--prompt", "hi"], "llama.block_count");
+    // Query heads that are not a multiple of the KV heads.
+    let mut three_kv = tiny_gguf(Variant { without: Some("llama.attention.head_count_kv"), ..TIED });
+    three_kv.kv("llama.attention.head_count_kv", 3u32);
+    three_kv.write(&file).unwrap();
+    refused(&["generate", str(&file), "--prompt", "hi"], "4 attention heads are not a multiple of 3 KV heads");
     // Another architecture, named.
     let file = dir.path().join("gpt2.gguf");
     tiny_gguf(Variant { arch: "gpt2", ..TIED }).write(&file).unwrap();
@@ -779,8 +784,9 @@ fn bad_files_and_requests_are_refused_in_one_line() {
     }
 }
 
-/// A prompt past the context (`--context 64`, 80 prompt tokens) and
-/// `--max-tokens 0`, with what their error line names.
+/// A prompt past the context (`--context 64`, 80 prompt tokens),
+/// `--max-tokens 0` and caches kvjit cannot build, with what their error
+/// line names.
 fn requests_that_cannot_run(path: &Path) -> Vec<(Vec<String>, &'static str)> {
     let path = str(path).to_string();
     let args = |rest: &[&str]| {
@@ -792,6 +798,17 @@ fn requests_that_cannot_run(path: &Path) -> Vec<(Vec<String>, &'static str)> {
     vec![
         (args(&["--context", "64", "--prompt", &long, "--max-tokens", "8"]), "past the context length 64"),
         (args(&["--prompt", "hi", "--max-tokens", "0"]), "--max-tokens must be at least 1"),
+        // A cache that is not whole pages, or holds no sequence: each cause
+        // named, with the sizes that would do.
+        (
+            args(&["--context", "20", "--prompt", "hi"]),
+            "--context 20 is not a whole number of 16-token cache pages (take 16 or 32)",
+        ),
+        (
+            args(&["--context", "0", "--prompt", "hi"]),
+            "--context 0 is not a whole number of 16-token cache pages (take 16)",
+        ),
+        (args(&["--max-batch", "0", "--prompt", "hi"]), "--max-batch must be at least 1"),
     ]
 }
 

@@ -75,15 +75,7 @@ pub fn llama_config(gguf: &Gguf, options: &ImportOptions) -> Result<LlamaConfig>
         Some(v) => v as usize,
         None => gguf.tensor_info("token_embd.weight").and_then(|t| t.shape().first().copied()).unwrap_or(0),
     };
-    let sizes = [hidden, heads, kv_heads, head_size, vocab, options.context, options.max_batch, options.page_size];
-    if sizes.contains(&0) || !heads.is_multiple_of(kv_heads) || !options.context.is_multiple_of(options.page_size) {
-        return Err(Error::Usage(format!(
-            "{}: hidden {hidden}, {heads} heads, {kv_heads} KV heads of {head_size}, vocabulary {vocab}, context {} in pages of {} is not a model kvjit builds",
-            gguf.path().display(),
-            options.context,
-            options.page_size
-        )));
-    }
+    check_sizes(gguf, [hidden, heads, kv_heads, head_size, vocab], options)?;
     let pages_per_seq = options.context / options.page_size;
     let name = gguf.get_str_opt("general.name")?.unwrap_or("model");
     let name: String = name.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' { c } else { '_' }).collect();
@@ -111,6 +103,37 @@ pub fn llama_config(gguf: &Gguf, options: &ImportOptions) -> Result<LlamaConfig>
         vocab_size: vocab,
         tie_word_embeddings: gguf.tensor_info("output.weight").is_none(),
     })
+}
+
+/// Refuse, one cause a line, a model kvjit cannot build: a hyper-parameter
+/// of 0 (`sizes`: hidden, heads, KV heads, head size, vocabulary), heads
+/// not a multiple of the KV heads, or a cache that is not whole pages.
+fn check_sizes(gguf: &Gguf, sizes: [usize; 5], options: &ImportOptions) -> Result<()> {
+    let refuse = |problem: String| Err(Error::Usage(format!("{}: {problem}", gguf.path().display())));
+    let names = ["hidden size", "attention heads", "KV heads", "head size", "vocabulary"];
+    if let Some((name, _)) = names.iter().zip(sizes).find(|(_, size)| *size == 0) {
+        return refuse(format!("the model's {name} is 0"));
+    }
+    let [_, heads, kv_heads, ..] = sizes;
+    if !heads.is_multiple_of(kv_heads) {
+        return refuse(format!("{heads} attention heads are not a multiple of {kv_heads} KV heads"));
+    }
+    let page = options.page_size;
+    if page == 0 {
+        return refuse("cache pages of 0 tokens".into());
+    }
+    if options.context == 0 || !options.context.is_multiple_of(page) {
+        let whole = options.context / page * page;
+        let choices = if whole == 0 { format!("{}", whole + page) } else { format!("{whole} or {}", whole + page) };
+        return refuse(format!(
+            "--context {} is not a whole number of {page}-token cache pages (take {choices})",
+            options.context
+        ));
+    }
+    if options.max_batch == 0 {
+        return refuse("--max-batch must be at least 1".into());
+    }
+    Ok(())
 }
 
 /// The divisors of the RoPE frequencies `gguf` asks for, if any: its
