@@ -749,6 +749,14 @@ fn bad_files_and_requests_are_refused_in_one_line() {
     tiny_gguf(Variant { without: Some("llama.block_count"), ..TIED }).write(&file).unwrap();
     refused(&["import", str(&file), "-o", str(&out)], "llama.block_count");
     refused(&["generate", str(&file), "--prompt", "hi"], "llama.block_count");
+    // Neither a GGUF file, an artifact nor a model.json: said so.
+    for (name, contents) in [("notes.txt", &b"# notes"[..]), ("blob.bin", &[0xff, 0xfe, 0x00, 0x01][..])] {
+        let file = bad(name, contents);
+        refused(
+            &["generate", str(&file), "--prompt", "hi"],
+            "not a GGUF file (by its name), a compiled artifact or a model.json",
+        );
+    }
     // Query heads that are not a multiple of the KV heads.
     let mut three_kv = tiny_gguf(Variant { without: Some("llama.attention.head_count_kv"), ..TIED });
     three_kv.kv("llama.attention.head_count_kv", 3u32);

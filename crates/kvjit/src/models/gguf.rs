@@ -317,8 +317,13 @@ pub fn tokenizer(gguf: &Gguf) -> Result<Tokenizer> {
 /// tokenizer of a model written by [`import`] is.
 pub fn gguf_of_graph_file(path: &Path) -> Result<PathBuf> {
     let refuse = |problem: String| Error::Usage(format!("{}: {problem}", path.display()));
-    let text = std::fs::read_to_string(path).map_err(|e| refuse(e.to_string()))?;
-    let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| refuse(e.to_string()))?;
+    let not_a_model =
+        |why: String| refuse(format!("not a GGUF file (by its name), a compiled artifact or a model.json: {why}"));
+    let text = std::fs::read_to_string(path).map_err(|e| match e.kind() {
+        std::io::ErrorKind::InvalidData => not_a_model("not UTF-8 text".into()),
+        _ => refuse(e.to_string()),
+    })?;
+    let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| not_a_model(format!("as JSON, {e}")))?;
     let weights = json.get("weights").and_then(|w| w.as_str()).filter(|w| w.to_ascii_lowercase().ends_with(".gguf"));
     let weights = weights.ok_or_else(|| {
         refuse("the graph file names no .gguf weights, so there is no tokenizer (write one with kvjit import)".into())
