@@ -752,11 +752,13 @@ fn bad_files_and_requests_are_refused_in_one_line() {
     // Neither a GGUF file, an artifact nor a model.json: said so.
     for (name, contents) in [("notes.txt", &b"# notes"[..]), ("blob.bin", &[0xff, 0xfe, 0x00, 0x01][..])] {
         let file = bad(name, contents);
-        refused(
-            &["generate", str(&file), "--prompt", "hi"],
-            "not a GGUF file (by its name), a compiled artifact or a model.json",
-        );
+        refused(&["generate", str(&file), "--prompt", "hi"], "not a GGUF file, a compiled artifact or a model.json");
     }
+    // A GGUF file under another name is read as one (by its magic).
+    let renamed = dir.path().join("model.bin");
+    std::fs::copy(&path, &renamed).unwrap();
+    let ran = succeeds(&["generate", str(&renamed), "--prompt", "hi", "--max-tokens", "2"]);
+    assert!(String::from_utf8_lossy(&ran.stderr).contains("generated: "), "{ran:?}");
     // Query heads that are not a multiple of the KV heads.
     let mut three_kv = tiny_gguf(Variant { without: Some("llama.attention.head_count_kv"), ..TIED });
     three_kv.kv("llama.attention.head_count_kv", 3u32);

@@ -732,7 +732,7 @@ fn generate(registry: &Registry, args: &GenerateArgs) -> Result<()> {
     use kvjit::generate::{GenerateOptions, Model, Sampling};
     use kvjit::models::gguf::{load_model, tokenizer};
 
-    let is_gguf = args.model.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf"));
+    let is_gguf = kvjit::models::gguf::is_gguf(&args.model);
     let started = Instant::now();
     let options = CompileOptions { fuse: !args.no_fuse, ..CompileOptions::default() };
     let (graph, exe, gguf_path) = if is_gguf {

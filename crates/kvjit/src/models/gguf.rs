@@ -136,6 +136,17 @@ fn check_sizes(gguf: &Gguf, sizes: [usize; 5], options: &ImportOptions) -> Resul
     Ok(())
 }
 
+/// Whether `path` is a GGUF file: named `.gguf`, or starting with GGUF's
+/// magic (a file saved under another name).
+pub fn is_gguf(path: &Path) -> bool {
+    use std::io::Read as _;
+    let mut magic = [0u8; 4];
+    path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+        || std::fs::File::open(path)
+            .and_then(|mut f| f.read_exact(&mut magic))
+            .is_ok_and(|()| magic == kvjit_gguf::MAGIC)
+}
+
 /// The divisors of the RoPE frequencies `gguf` asks for, if any: its
 /// `rope_freqs.weight` (`head_size / 2` values; llama.cpp's converter
 /// writes Llama-3.1 scaling so), times the factor of `rope.scaling.type`
@@ -317,8 +328,7 @@ pub fn tokenizer(gguf: &Gguf) -> Result<Tokenizer> {
 /// tokenizer of a model written by [`import`] is.
 pub fn gguf_of_graph_file(path: &Path) -> Result<PathBuf> {
     let refuse = |problem: String| Error::Usage(format!("{}: {problem}", path.display()));
-    let not_a_model =
-        |why: String| refuse(format!("not a GGUF file (by its name), a compiled artifact or a model.json: {why}"));
+    let not_a_model = |why: String| refuse(format!("not a GGUF file, a compiled artifact or a model.json: {why}"));
     let text = std::fs::read_to_string(path).map_err(|e| match e.kind() {
         std::io::ErrorKind::InvalidData => not_a_model("not UTF-8 text".into()),
         _ => refuse(e.to_string()),
