@@ -253,6 +253,12 @@ fn bad_graphs_and_arguments_are_one_line_errors() {
     assert_eq!(unknown_flag.status.code(), Some(1));
     assert_eq!(stderr(&unknown_flag).lines().count(), 1, "{}", stderr(&unknown_flag));
     assert_one_line_error(&kvjit(&["inspect", &example("small_two_layers.json"), "--bind", "heads=2"]), "heads");
+    // An output file that cannot be written: refused before the run (no
+    // step table printed), the file left alone where it exists.
+    let nowhere = dir.path().join("no_such_dir").join("out.safetensors");
+    let out = kvjit(&["run", &example("small_two_layers.json"), "--output", nowhere.to_str().unwrap()]);
+    assert_one_line_error(&out, "--output");
+    assert!(stdout(&out).is_empty(), "ran before refusing: {}", stdout(&out));
 }
 
 /// `--target cuda` is a one-line `CUDA target unavailable: …` error where

@@ -754,6 +754,10 @@ fn bad_files_and_requests_are_refused_in_one_line() {
         let file = bad(name, contents);
         refused(&["generate", str(&file), "--prompt", "hi"], "not a GGUF file, a compiled artifact or a model.json");
     }
+    // A --logits file that cannot be written: refused before generating
+    // (so nothing is printed but the error).
+    let nowhere = dir.path().join("no_such_dir").join("l.safetensors");
+    refused(&["generate", str(&path), "--prompt", "hi", "--logits", str(&nowhere)], "--logits");
     // A GGUF file under another name is read as one (by its magic).
     let renamed = dir.path().join("model.bin");
     std::fs::copy(&path, &renamed).unwrap();

@@ -640,6 +640,9 @@ fn run(registry: &Registry, args: &RunArgs) -> Result<()> {
         }
     };
 
+    if let Some(path) = &args.output {
+        check_writable(path).map_err(|e| Error::Usage(format!("--output {}: {e}", path.display())))?;
+    }
     println!(
         "graph '{}': {} node(s), target {}, {} threads, seed {}",
         graph.name(),
@@ -724,6 +727,18 @@ fn run(registry: &Registry, args: &RunArgs) -> Result<()> {
     Ok(())
 }
 
+/// Whether a file can be written at `path` (checked before a long run, not
+/// after it): opened for appending, so an existing file is left as it is,
+/// and removed again if this made it.
+fn check_writable(path: &Path) -> std::io::Result<()> {
+    let existed = path.exists();
+    std::fs::OpenOptions::new().append(true).create(true).open(path)?;
+    if !existed {
+        std::fs::remove_file(path)?;
+    }
+    Ok(())
+}
+
 /// `kvjit generate`: load the model (a GGUF, or a graph file naming one)
 /// and its tokenizer, compile, run the prompts, stream the text.
 fn generate(registry: &Registry, args: &GenerateArgs) -> Result<()> {
@@ -786,6 +801,9 @@ fn generate(registry: &Registry, args: &GenerateArgs) -> Result<()> {
         keep_logits: args.logits.is_some(),
     };
     model.check(&prompts, &generate_options)?;
+    if let Some(path) = &args.logits {
+        check_writable(path).map_err(|e| Error::Usage(format!("--logits {}: {e}", path.display())))?;
+    }
     eprintln!("model '{}': {} prompt(s), compiled in {}", graph.name(), prompts.len(), format_duration(compile_time));
     let streaming = prompts.len() == 1;
     let mut decoders: Vec<_> = prompts.iter().map(|_| tokenizer.decoder().skip_special(true)).collect();
