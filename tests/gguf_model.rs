@@ -676,6 +676,15 @@ fn block_weights_travel_in_artifacts() {
     std::fs::create_dir(&moved).unwrap();
     std::fs::copy(&artifact, moved.join("model.kvjit")).unwrap();
     refused(&["generate", str(&moved.join("model.kvjit")), "--prompt", "hi"], "no tokenizer");
+    // Options that would rebuild the model are refused for a model.json or
+    // an artifact (import and compile fixed them), naming each, not
+    // silently ignored.
+    refused(
+        &["generate", str(&model_json), "--prompt", "hi", "--dtype", "bf16", "--context", "64"],
+        "fixed what --dtype, --context would set",
+    );
+    refused(&["generate", str(&artifact), "--prompt", "hi", "--no-fuse"], "fixed what --no-fuse would set");
+    refused(&["generate", str(&artifact), "--prompt", "hi", "--kv-cache-dtype", "bf16"], "--kv-cache-dtype");
 }
 
 #[test]

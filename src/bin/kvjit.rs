@@ -129,23 +129,26 @@ enum Command {
     Generate(GenerateArgs),
 }
 
-/// How an imported model is compiled: dtype, weights and cache size.
+/// How an imported model is compiled: dtype, weights and cache size. Each
+/// is `None` unless given, so `generate` can refuse them for a model whose
+/// import or compile already fixed them.
 #[derive(clap::Args, Clone, Copy)]
 struct ModelShape {
     /// Activation dtype (and the weights' that the file does not store in a
-    /// block format kvjit decodes: Q8_0, Q4_0, Q4_1, Q4_K, Q6_K).
-    #[arg(long, default_value = "f32")]
-    dtype: DType,
+    /// block format kvjit decodes: Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) [default:
+    /// f32].
+    #[arg(long)]
+    dtype: Option<DType>,
     /// Dequantize block-format weights into --dtype at load, instead of
     /// keeping their blocks (which the kernels decode as they read).
     #[arg(long)]
     dequantize: bool,
-    /// Tokens a sequence may hold: prompt plus generated.
-    #[arg(long, default_value_t = 2048)]
-    context: usize,
-    /// Sequences the KV cache holds at that context.
-    #[arg(long, default_value_t = 4)]
-    max_batch: usize,
+    /// Tokens a sequence may hold: prompt plus generated [default: 2048].
+    #[arg(long)]
+    context: Option<usize>,
+    /// Sequences the KV cache holds at that context [default: 4].
+    #[arg(long)]
+    max_batch: Option<usize>,
     /// The KV cache's dtype (default: --dtype's): f32, bf16, or f8e4m3
     /// (FP8 codes with a scale per block of the head).
     #[arg(long)]
@@ -154,14 +157,29 @@ struct ModelShape {
 
 impl ModelShape {
     fn options(self) -> kvjit::models::gguf::ImportOptions {
+        let defaults = kvjit::models::gguf::ImportOptions::default();
         kvjit::models::gguf::ImportOptions {
-            dtype: self.dtype,
+            dtype: self.dtype.unwrap_or(defaults.dtype),
             dequantize: self.dequantize,
-            context: self.context,
-            max_batch: self.max_batch,
+            context: self.context.unwrap_or(defaults.context),
+            max_batch: self.max_batch.unwrap_or(defaults.max_batch),
             cache_dtype: self.kv_cache_dtype,
-            ..Default::default()
+            ..defaults
         }
+    }
+
+    /// The options given on the command line, by flag.
+    fn given(self) -> Vec<&'static str> {
+        [
+            ("--dtype", self.dtype.is_some()),
+            ("--dequantize", self.dequantize),
+            ("--context", self.context.is_some()),
+            ("--max-batch", self.max_batch.is_some()),
+            ("--kv-cache-dtype", self.kv_cache_dtype.is_some()),
+        ]
+        .into_iter()
+        .filter_map(|(flag, given)| given.then_some(flag))
+        .collect()
     }
 }
 
@@ -748,13 +766,29 @@ fn generate(registry: &Registry, args: &GenerateArgs) -> Result<()> {
     use kvjit::models::gguf::{load_model, tokenizer};
 
     let is_gguf = kvjit::models::gguf::is_gguf(&args.model);
+    let is_artifact = !is_gguf && kvjit::artifact::is_artifact(&args.model);
+    // A model.json fixed its dtype and cache at import, an artifact also
+    // its fusion at compile: flags that would change them are refused, not
+    // ignored.
+    let mut fixed = if is_gguf { Vec::new() } else { args.shape.given() };
+    if is_artifact && args.no_fuse {
+        fixed.push("--no-fuse");
+    }
+    if !fixed.is_empty() {
+        let made_by = if is_artifact { "kvjit import and kvjit compile" } else { "kvjit import" };
+        return Err(Error::Usage(format!(
+            "{} was built by {made_by}, which fixed what {} would set (pass them there, or give the .gguf)",
+            args.model.display(),
+            fixed.join(", ")
+        )));
+    }
     let started = Instant::now();
     let options = CompileOptions { fuse: !args.no_fuse, ..CompileOptions::default() };
     let (graph, exe, gguf_path) = if is_gguf {
         let graph = load_model(&args.model, registry.ops(), &args.shape.options(), WeightLoad::Map)?;
         let exe = compile(&graph, registry, &options)?;
         (graph, exe, args.model.clone())
-    } else if kvjit::artifact::is_artifact(&args.model) {
+    } else if is_artifact {
         // The tokenizer is the GGUF's that the artifact's source graph
         // (a model.json beside it) names.
         let source = kvjit::artifact::source_graph_beside(&args.model).ok_or_else(|| {
