@@ -204,12 +204,14 @@ pub enum Error {
         /// Sequences in the cache.
         batch_size: usize,
     },
-    /// Not enough free pages to grow a sequence.
-    #[error("sequence {batch} needs {needed} more pages but only {free} are free")]
+    /// Not enough free pages to grow the step's sequences.
+    #[error(
+        "the step needs {needed} more cache pages in all (sequence {batch} the first to grow) but only {free} are free"
+    )]
     OutOfPages {
-        /// Sequence index.
+        /// The first sequence that needs pages.
         batch: usize,
-        /// Pages needed.
+        /// Pages the step needs, all sequences together.
         needed: usize,
         /// Pages free.
         free: usize,

@@ -899,7 +899,10 @@ mod tests {
     fn reserve_is_all_or_nothing() {
         let mut cache = PagedKVCacheCollection::new(params(), 2, 2, 3).unwrap();
         let before = cache.clone();
-        assert!(matches!(cache.reserve(&[4, 5]), Err(Error::OutOfPages { needed: 3, free: 2, .. })));
+        let refused = cache.reserve(&[4, 5]).unwrap_err();
+        assert!(matches!(refused, Error::OutOfPages { batch: 0, needed: 3, free: 2 }), "{refused:?}");
+        // The count is the step's, not the first sequence's (which needs 1).
+        assert!(refused.to_string().starts_with("the step needs 3 more cache pages in all (sequence 0"), "{refused}");
         assert!(matches!(cache.reserve(&[13, 0]), Err(Error::SequenceTooLong { .. })));
         assert_eq!(cache, before);
     }
