@@ -253,6 +253,9 @@ fn bad_graphs_and_arguments_are_one_line_errors() {
     assert_eq!(unknown_flag.status.code(), Some(1));
     assert_eq!(stderr(&unknown_flag).lines().count(), 1, "{}", stderr(&unknown_flag));
     assert_one_line_error(&kvjit(&["inspect", &example("small_two_layers.json"), "--bind", "heads=2"]), "heads");
+    // A thread count past what a pool takes: one line, before a thread is
+    // spawned (100 000 threads once aborted the process).
+    assert_one_line_error(&kvjit(&["run", "--threads", "100000"]), "at most 1024 threads");
     // An output file that cannot be written: refused before the run (no
     // step table printed), the file left alone where it exists.
     let nowhere = dir.path().join("no_such_dir").join("out.safetensors");

@@ -216,8 +216,8 @@ struct GenerateArgs {
     /// several).
     #[arg(long)]
     logits: Option<PathBuf>,
-    /// CPU worker threads (0: one per core).
-    #[arg(long, default_value_t = 0)]
+    /// CPU worker threads (0: one per core; at most 1024).
+    #[arg(long, default_value_t = 0, value_parser = kvjit::parse_threads)]
     threads: usize,
     /// Compile every node as its own kernel.
     #[arg(long)]
@@ -260,8 +260,8 @@ struct RunArgs {
     /// Padded tokens per sequence in the generated first step.
     #[arg(long, default_value_t = 8)]
     seq: usize,
-    /// CPU worker threads (0: one per core).
-    #[arg(long, default_value_t = 0)]
+    /// CPU worker threads (0: one per core; at most 1024).
+    #[arg(long, default_value_t = 0, value_parser = kvjit::parse_threads)]
     threads: usize,
     /// Bind a symbol at compile time (repeatable), e.g. --bind batch=4.
     #[arg(long = "bind", value_parser = parse_binding)]

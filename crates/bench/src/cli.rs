@@ -98,8 +98,8 @@ pub struct BenchArgs {
     /// openblas_scatter (with the crate feature `openblas`).
     #[arg(long, value_delimiter = ',', value_parser = Implementation::parse)]
     pub impls: Option<Vec<Implementation>>,
-    /// Worker threads of kernels, peers and roof probes (0: one per core; default 2).
-    #[arg(long)]
+    /// Worker threads of kernels, peers and roof probes (0: one per core; default 2; at most 1024).
+    #[arg(long, value_parser = kvjit_runtime::parse_threads)]
     pub threads: Option<usize>,
     /// Run the reference only up to this M (it is ~100× slower).
     #[arg(long)]

@@ -123,6 +123,6 @@ pub mod ops {
     pub use kvjit_op_silu::silu;
 }
 pub use kvjit_runtime::{
-    BuildOptions, CodeInfo, DeviceContextPtr, Executable, Executor, KernelImpl, RunOutput, RuntimeError,
-    cuda_availability,
+    BuildOptions, CodeInfo, DeviceContextPtr, Executable, Executor, KernelImpl, MAX_WORKER_THREADS, RunOutput,
+    RuntimeError, cuda_availability, parse_threads,
 };

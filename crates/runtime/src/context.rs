@@ -153,9 +153,13 @@ impl Drop for KernelStateOwner {
 pub struct DeviceContextPtr(Arc<ContextInner>);
 
 impl DeviceContextPtr {
-    /// A CPU context with `threads` workers (0 means one per available core).
+    /// A CPU context with `threads` workers (0 means one per available core;
+    /// more than [`MAX_WORKER_THREADS`](crate::MAX_WORKER_THREADS) is refused).
     pub fn cpu(threads: usize) -> Result<Self> {
-        let threads = if threads == 0 { std::thread::available_parallelism().map_or(1, |n| n.get()) } else { threads };
+        let threads = match threads {
+            0 => std::thread::available_parallelism().map_or(1, |n| n.get()).min(crate::MAX_WORKER_THREADS),
+            threads => threads,
+        };
         let workers = WorkerPool::new(threads, "kvjit-cpu").map_err(|e| RuntimeError::ThreadPool(e.to_string()))?;
         Ok(Self::wrap(DeviceContext::Cpu(CpuContext { workers, rayon: OnceLock::new(), threads })))
     }

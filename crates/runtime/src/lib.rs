@@ -19,4 +19,4 @@ pub use error::{Result, RuntimeError};
 pub use executable::{CacheSpec, Executable, InputSpec, ShapeDim, Slot, Step};
 pub use executor::{Executor, RunOutput, StepTiming};
 pub use kernel::{BuildOptions, CodeInfo, ConstantInput, Kernel, KernelBuilder, KernelImpl, OutputSpec};
-pub use workers::{SPIN, WorkerPool};
+pub use workers::{MAX_WORKER_THREADS, SPIN, WorkerPool, parse_threads};

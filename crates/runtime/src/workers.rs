@@ -35,6 +35,21 @@ use std::time::{Duration, Instant};
 /// How long an idle worker polls for the next job before it parks.
 pub const SPIN: Duration = Duration::from_millis(2);
 
+/// The most threads a pool takes: more than any CPU has cores (a pool
+/// that size only shares them), and few enough that spawning them cannot
+/// run the process out of memory (100 000 aborted it).
+pub const MAX_WORKER_THREADS: usize = 1024;
+
+/// Parse a command line's thread count: 0 (one per core) up to
+/// [`MAX_WORKER_THREADS`].
+pub fn parse_threads(text: &str) -> std::result::Result<usize, String> {
+    let threads: usize = text.parse().map_err(|e| format!("{e}"))?;
+    if threads > MAX_WORKER_THREADS {
+        return Err(format!("at most {MAX_WORKER_THREADS} threads (0: one per core), got {threads}"));
+    }
+    Ok(threads)
+}
+
 /// A job's parts: the closure, how many parts, and who has claimed and
 /// finished what.
 struct Job {
@@ -99,6 +114,12 @@ impl WorkerPool {
     /// A pool running jobs on `threads` threads (at least 1): the caller's
     /// and `threads − 1` workers named `{name}-{i}`.
     pub fn new(threads: usize, name: &str) -> std::io::Result<Self> {
+        if threads > MAX_WORKER_THREADS {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!("{threads} threads asked for; a pool takes at most {MAX_WORKER_THREADS}"),
+            ));
+        }
         let threads = threads.max(1);
         let shared = Arc::new(Shared {
             posted: Mutex::new(Posted { generation: 0, job: None }),
@@ -244,6 +265,16 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn thread_counts_past_the_limit_are_refused_before_spawning() {
+        let err = WorkerPool::new(MAX_WORKER_THREADS + 1, "test").unwrap_err();
+        assert_eq!(err.kind(), std::io::ErrorKind::InvalidInput);
+        assert_eq!(parse_threads("0"), Ok(0));
+        assert_eq!(parse_threads("1024"), Ok(MAX_WORKER_THREADS));
+        assert!(parse_threads("1025").unwrap_err().contains("at most 1024"));
+        assert!(parse_threads("-1").is_err() && parse_threads("many").is_err());
     }
 
     #[test]
