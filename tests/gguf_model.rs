@@ -818,7 +818,7 @@ fn requests_that_cannot_run(path: &Path) -> Vec<(Vec<String>, &'static str)> {
         args
     };
     let long = "hi ".repeat(40);
-    vec![
+    let mut requests = vec![
         (args(&["--context", "64", "--prompt", &long, "--max-tokens", "8"]), "past the context length 64"),
         (args(&["--prompt", "hi", "--max-tokens", "0"]), "--max-tokens must be at least 1"),
         // A cache that is not whole pages, or holds no sequence: each cause
@@ -832,7 +832,16 @@ fn requests_that_cannot_run(path: &Path) -> Vec<(Vec<String>, &'static str)> {
             "--context 0 is not a whole number of 16-token cache pages (take 16)",
         ),
         (args(&["--max-batch", "0", "--prompt", "hi"]), "--max-batch must be at least 1"),
-    ]
+        // A page count past usize.
+        (args(&["--max-batch", "18446744073709551615", "--prompt", "hi"]), "more cache pages than can be counted"),
+    ];
+    if cfg!(target_os = "linux") {
+        // A cache larger than the machine's memory (known from
+        // /proc/meminfo): refused before it is allocated (it once failed
+        // after compiling, naming no cause).
+        requests.push((args(&["--max-batch", "1000000000000", "--prompt", "hi"]), "more than this machine's"));
+    }
+    requests
 }
 
 #[test]

@@ -237,6 +237,18 @@ impl Model {
             )));
         }
         let batch = prompts.len();
+        let cache_bytes =
+            self.cache_params.cache_bytes(self.num_pages, batch, self.max_pages_per_seq).unwrap_or(u64::MAX);
+        if let Some(memory) = physical_memory().filter(|&memory| cache_bytes > memory) {
+            return Err(Error::Usage(format!(
+                "the model's KV cache ({} pages of {} tokens) takes {:.1} GB, more than this machine's {:.1} GB of \
+                 memory: give a smaller --context or --max-batch (to kvjit import, for a model.json)",
+                self.num_pages,
+                self.cache_params.page_size,
+                cache_bytes as f64 / 1e9,
+                memory as f64 / 1e9
+            )));
+        }
         let pages_each = (longest + options.max_tokens).div_ceil(self.cache_params.page_size);
         if batch * pages_each > self.num_pages {
             return Err(Error::Usage(format!(
@@ -347,4 +359,13 @@ impl Model {
         }
         next
     }
+}
+
+/// This machine's memory in bytes (Linux: `MemTotal` of `/proc/meminfo`;
+/// `None` where it cannot be read).
+fn physical_memory() -> Option<u64> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = meminfo.lines().find(|line| line.starts_with("MemTotal:"))?;
+    let kib: u64 = line.trim_start_matches("MemTotal:").trim().trim_end_matches("kB").trim().parse().ok()?;
+    kib.checked_mul(1024)
 }

@@ -77,6 +77,14 @@ pub fn llama_config(gguf: &Gguf, options: &ImportOptions) -> Result<LlamaConfig>
     };
     check_sizes(gguf, [hidden, heads, kv_heads, head_size, vocab], options)?;
     let pages_per_seq = options.context / options.page_size;
+    let num_pages = pages_per_seq.checked_mul(options.max_batch).ok_or_else(|| {
+        Error::Usage(format!(
+            "{}: --max-batch {} of --context {} is more cache pages than can be counted",
+            gguf.path().display(),
+            options.max_batch,
+            options.context
+        ))
+    })?;
     let name = gguf.get_str_opt("general.name")?.unwrap_or("model");
     let name: String = name.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' { c } else { '_' }).collect();
     Ok(LlamaConfig {
@@ -90,7 +98,7 @@ pub fn llama_config(gguf: &Gguf, options: &ImportOptions) -> Result<LlamaConfig>
             head_size,
             page_size: options.page_size,
             num_layers: gguf.get_u32(&key("block_count")?)? as usize,
-            num_pages: pages_per_seq * options.max_batch,
+            num_pages,
             max_pages_per_seq: pages_per_seq,
             weight_seed: 0,
         },
