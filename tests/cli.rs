@@ -264,6 +264,30 @@ fn bad_graphs_and_arguments_are_one_line_errors() {
     assert!(stdout(&out).is_empty(), "ran before refusing: {}", stdout(&out));
 }
 
+/// A reader that goes away (`kvjit run | head`) ends the run quietly with
+/// the status of a death by SIGPIPE (141), not a panic on the closed
+/// stdout.
+#[cfg(unix)]
+#[test]
+fn a_closed_stdout_ends_the_run_quietly() {
+    use std::io::Read as _;
+    use std::process::Stdio;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvjit"))
+        .args(["run", "--steps", "1"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("the kvjit binary starts");
+    // Closed before the first line is printed (the built-in layer takes
+    // about a second to compile first).
+    drop(child.stdout.take());
+    let status = child.wait().unwrap();
+    let mut err = String::new();
+    child.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+    assert_eq!(status.code(), Some(141), "stderr: {err}");
+    assert!(err.is_empty(), "nothing on stderr: {err}");
+}
+
 /// `--target cuda` is a one-line `CUDA target unavailable: …` error where
 /// there is no usable device, and a successful run where there is one (this
 /// test once asserted the error unconditionally, failing on GPU machines).

@@ -334,7 +334,28 @@ fn parse_binding(text: &str) -> std::result::Result<(String, usize), String> {
     Ok((name.to_string(), size))
 }
 
+/// Exit as a Unix tool does when its reader goes away (`kvjit run | head`):
+/// quietly, with the status a death by SIGPIPE reports (128 + 13), instead
+/// of the panic that `print!` raises on a closed stdout. Other panics keep
+/// the default report.
+fn exit_quietly_on_a_closed_stdout() {
+    let report = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let message = info
+            .payload()
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| info.payload().downcast_ref::<&str>().copied())
+            .unwrap_or_default();
+        if message.starts_with("failed printing to stdout") && message.contains("Broken pipe") {
+            std::process::exit(141);
+        }
+        report(info);
+    }));
+}
+
 fn main() -> ExitCode {
+    exit_quietly_on_a_closed_stdout();
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         Err(e) if matches!(e.kind(), clap::error::ErrorKind::DisplayHelp | clap::error::ErrorKind::DisplayVersion) => {
