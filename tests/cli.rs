@@ -249,6 +249,8 @@ fn bad_graphs_and_arguments_are_one_line_errors() {
     let future = dir.path().join("future.json");
     std::fs::write(&future, "{\"format\": \"kvjit-graph\", \"version\": 99}").unwrap();
     assert_one_line_error(&kvjit(&["inspect", future.to_str().unwrap()]), "version 99 is not supported");
+    // Missing arguments are named on the one line.
+    assert_one_line_error(&kvjit(&["generate"]), "not provided: --prompt <PROMPT> <MODEL>");
     let unknown_flag = kvjit(&["run", "--no-such-flag"]);
     assert_eq!(unknown_flag.status.code(), Some(1));
     assert_eq!(stderr(&unknown_flag).lines().count(), 1, "{}", stderr(&unknown_flag));

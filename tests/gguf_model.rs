@@ -832,6 +832,10 @@ fn requests_that_cannot_run(path: &Path) -> Vec<(Vec<String>, &'static str)> {
             "--context 0 is not a whole number of 16-token cache pages (take 16)",
         ),
         (args(&["--max-batch", "0", "--prompt", "hi"]), "--max-batch must be at least 1"),
+        // Negative sampling settings reach the sampler's check (not clap's
+        // "unexpected argument").
+        (args(&["--prompt", "hi", "--temperature", "-1"]), "--temperature must be finite and ≥ 0, got -1"),
+        (args(&["--prompt", "hi", "--temperature", "1", "--top-p", "-0.5"]), "--top-p must be in (0, 1]"),
         // A page count past usize.
         (args(&["--max-batch", "18446744073709551615", "--prompt", "hi"]), "more cache pages than can be counted"),
     ];

@@ -199,13 +199,13 @@ struct GenerateArgs {
     #[arg(long, default_value_t = 128)]
     max_tokens: usize,
     /// 0 (default): greedy; otherwise sample at this temperature.
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     temperature: f32,
     /// Sample from the k most likely tokens only.
     #[arg(long)]
     top_k: Option<usize>,
     /// Sample from the most likely tokens whose probabilities sum to p.
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     top_p: Option<f32>,
     /// Seed of the sampler.
     #[arg(long, default_value_t = 0)]
@@ -363,9 +363,12 @@ fn main() -> ExitCode {
             return ExitCode::SUCCESS;
         }
         Err(e) => {
+            // clap's first paragraph in one line: the error and what it
+            // lists (the missing arguments), without the usage and tips.
             let text = e.to_string();
-            let first = text.lines().next().unwrap_or("bad arguments");
-            eprintln!("{} (see kvjit --help)", first.trim());
+            let first: Vec<&str> = text.lines().map(str::trim).take_while(|line| !line.is_empty()).collect();
+            let first = if first.is_empty() { "bad arguments".to_string() } else { first.join(" ") };
+            eprintln!("{first} (see kvjit --help)");
             return ExitCode::FAILURE;
         }
     };
