@@ -73,6 +73,17 @@ fn default_run_is_the_8b_decoder_layer_with_its_matmuls_fused() {
     assert!((fused - unfused).abs() <= 0.01 * unfused, "fused {fused} vs unfused {unfused}");
 }
 
+/// `--bind batch=N` alone sizes the example scenario too (it once kept
+/// its default batch of 4 and failed the bound input shape).
+#[test]
+fn a_bound_batch_sizes_the_example_scenario() {
+    let out = kvjit(&["run", &example("small_two_layers.json"), "--bind", "batch=2", "--steps", "0"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let first_step = stdout(&out).lines().find(|l| l.starts_with("0 ")).map(str::to_string).unwrap_or_default();
+    let valid: Vec<&str> = first_step.split('[').nth(1).and_then(|v| v.split(']').next()).unwrap().split(',').collect();
+    assert_eq!(valid.len(), 2, "two sequences' valid lengths: {first_step}");
+}
+
 #[test]
 fn same_seed_same_checksum_and_other_seed_differs() {
     let checksum = |seed: &str| {
@@ -249,6 +260,11 @@ fn bad_graphs_and_arguments_are_one_line_errors() {
     let future = dir.path().join("future.json");
     std::fs::write(&future, "{\"format\": \"kvjit-graph\", \"version\": 99}").unwrap();
     assert_one_line_error(&kvjit(&["inspect", future.to_str().unwrap()]), "version 99 is not supported");
+    // --batch and a --bind of batch that disagree: refused naming both.
+    assert_one_line_error(
+        &kvjit(&["run", &example("small_two_layers.json"), "--batch", "3", "--bind", "batch=2"]),
+        "--batch 3 disagrees with --bind batch=2",
+    );
     // Missing arguments are named on the one line.
     assert_one_line_error(&kvjit(&["generate"]), "not provided: --prompt <PROMPT> <MODEL>");
     let unknown_flag = kvjit(&["run", "--no-such-flag"]);

@@ -254,12 +254,14 @@ struct RunArgs {
     /// Decode steps after the first step; each adds a token per sequence.
     #[arg(long, default_value_t = 2)]
     steps: usize,
-    /// Sequences in the generated first step.
-    #[arg(long, default_value_t = 4)]
-    batch: usize,
-    /// Padded tokens per sequence in the generated first step.
-    #[arg(long, default_value_t = 8)]
-    seq: usize,
+    /// Sequences in the generated first step [default: 4, or what --bind
+    /// batch=N binds].
+    #[arg(long)]
+    batch: Option<usize>,
+    /// Padded tokens per sequence in the generated first step [default: 8,
+    /// or what --bind seq=N binds].
+    #[arg(long)]
+    seq: Option<usize>,
     /// CPU worker threads (0: one per core; at most 1024).
     #[arg(long, default_value_t = 0, value_parser = kvjit::parse_threads)]
     threads: usize,
@@ -294,6 +296,21 @@ struct RunArgs {
     /// compiled with --no-fuse runs unfused either way).
     #[arg(long)]
     no_fuse: bool,
+}
+
+impl RunArgs {
+    /// The example scenario's `batch` or `seq` (`symbol`): `--batch`/`--seq`
+    /// (`given`), else what `--bind` binds the symbol to, else `default`;
+    /// refused when the two are given and disagree.
+    fn scenario_size(&self, symbol: &str, given: Option<usize>, default: usize) -> Result<usize> {
+        let bound = self.bindings.iter().rev().find(|(name, _)| name == symbol).map(|&(_, size)| size);
+        match (given, bound) {
+            (Some(given), Some(bound)) if given != bound => Err(Error::Usage(format!(
+                "--{symbol} {given} disagrees with --bind {symbol}={bound} (give one, or the same size)"
+            ))),
+            (given, bound) => Ok(given.or(bound).unwrap_or(default)),
+        }
+    }
 }
 
 fn parse_bytes(text: &str) -> std::result::Result<u64, String> {
@@ -678,7 +695,8 @@ fn run(registry: &Registry, args: &RunArgs) -> Result<()> {
         Some(path) => Scenario::from_tensors(&graph, read_safetensors(path)?, args.seed)?,
         None => {
             let budget = args.memory_budget.unwrap_or(kvjit::DEFAULT_MEMORY_LIMIT);
-            Scenario::prefill_within(&graph, args.seed, args.batch, args.seq, budget)?
+            let (batch, seq) = (args.scenario_size("batch", args.batch, 4)?, args.scenario_size("seq", args.seq, 8)?);
+            Scenario::prefill_within(&graph, args.seed, batch, seq, budget)?
         }
     };
 
