@@ -176,7 +176,8 @@ fn stale_artifacts_are_refused_naming_what_differs() {
             Box::new(|h, _| h["layout_version"] = "0000000000000000".into()),
             "made for packed layout version 0000000000000000",
         ),
-        ("keys", Box::new(|h, _| h["kernel_keys"][0] = "other.key".into()), "kernel keys"),
+        // The first key that differs, not the whole lists.
+        ("keys", Box::new(|h, _| h["kernel_keys"][0] = "other.key".into()), "(step 0: other.key)"),
     ];
     for (name, edit, expected) in cases {
         let path = tampered(dir.path(), &artifact, &format!("{name}.kvjit"), edit);

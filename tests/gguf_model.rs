@@ -677,13 +677,15 @@ fn block_weights_travel_in_artifacts() {
     std::fs::copy(&artifact, moved.join("model.kvjit")).unwrap();
     refused(&["generate", str(&moved.join("model.kvjit")), "--prompt", "hi"], "no tokenizer");
     // Options that would rebuild the model are refused for a model.json or
-    // an artifact (import and compile fixed them), naming each, not
-    // silently ignored.
+    // an artifact (import fixed them), naming each, not silently ignored.
     refused(
         &["generate", str(&model_json), "--prompt", "hi", "--dtype", "bf16", "--context", "64"],
         "fixed what --dtype, --context would set",
     );
-    refused(&["generate", str(&artifact), "--prompt", "hi", "--no-fuse"], "fixed what --no-fuse would set");
+    // A fused artifact cannot run unfused: said so (it once failed as a
+    // stale artifact listing every kernel key).
+    refused(&["generate", str(&artifact), "--prompt", "hi", "--no-fuse"], "compiled with its nodes fused");
+    refused(&["run", str(&artifact), "--no-fuse"], "compile it again with --no-fuse");
     refused(&["generate", str(&artifact), "--prompt", "hi", "--kv-cache-dtype", "bf16"], "--kv-cache-dtype");
 }
 

@@ -680,8 +680,10 @@ fn run(registry: &Registry, args: &RunArgs) -> Result<()> {
                     args.cpu_tier
                 )));
             }
+            if args.no_fuse && artifact.options.fuse {
+                return Err(unfused_artifact(&artifact.path));
+            }
             artifact.options.memory_budget = args.memory_budget;
-            artifact.options.fuse &= !args.no_fuse;
             artifact.compile(registry)?
         }
         None => compile(&graph, registry, &options)?,
@@ -787,6 +789,15 @@ fn run(registry: &Registry, args: &RunArgs) -> Result<()> {
     Ok(())
 }
 
+/// `--no-fuse` for an artifact compiled fused: its kernels (and packed
+/// sibling weights) are the fused ones, so it cannot run unfused.
+fn unfused_artifact(path: &Path) -> Error {
+    Error::Usage(format!(
+        "{} was compiled with its nodes fused, so --no-fuse cannot apply to it (compile it again with --no-fuse)",
+        path.display()
+    ))
+}
+
 /// Whether a file can be written at `path` (checked before a long run, not
 /// after it): opened for appending, so an existing file is left as it is,
 /// and removed again if this made it.
@@ -809,17 +820,12 @@ fn generate(registry: &Registry, args: &GenerateArgs) -> Result<()> {
 
     let is_gguf = kvjit::models::gguf::is_gguf(&args.model);
     let is_artifact = !is_gguf && kvjit::artifact::is_artifact(&args.model);
-    // A model.json fixed its dtype and cache at import, an artifact also
-    // its fusion at compile: flags that would change them are refused, not
-    // ignored.
-    let mut fixed = if is_gguf { Vec::new() } else { args.shape.given() };
-    if is_artifact && args.no_fuse {
-        fixed.push("--no-fuse");
-    }
+    // A model.json or an artifact fixed its dtype and cache at import:
+    // flags that would change them are refused, not ignored.
+    let fixed = if is_gguf { Vec::new() } else { args.shape.given() };
     if !fixed.is_empty() {
-        let made_by = if is_artifact { "kvjit import and kvjit compile" } else { "kvjit import" };
         return Err(Error::Usage(format!(
-            "{} was built by {made_by}, which fixed what {} would set (pass them there, or give the .gguf)",
+            "{} was built by kvjit import, which fixed what {} would set (pass them there, or give the .gguf)",
             args.model.display(),
             fixed.join(", ")
         )));
@@ -842,6 +848,9 @@ fn generate(registry: &Registry, args: &GenerateArgs) -> Result<()> {
         })?;
         let gguf_path = kvjit::models::gguf::gguf_of_graph_file(&source)?;
         let loaded = kvjit::artifact::load_artifact(&args.model, registry)?;
+        if args.no_fuse && loaded.options.fuse {
+            return Err(unfused_artifact(&loaded.path));
+        }
         let exe = loaded.compile(registry)?;
         (loaded.graph, exe, gguf_path)
     } else {

@@ -406,11 +406,19 @@ impl LoadedArtifact {
         let exe = compile(&self.graph, registry, &self.options)?;
         let keys: Vec<String> = exe.steps().iter().map(|s| s.kernel.key().to_string()).collect();
         if keys != self.header.kernel_keys {
+            // The first step whose key differs, and the counts (the whole
+            // lists run to hundreds of keys).
+            let made = &self.header.kernel_keys;
+            let step = made.iter().zip(&keys).position(|(a, b)| a != b).unwrap_or(made.len().min(keys.len()));
+            let describe = |list: &[String]| {
+                let at = list.get(step).map_or("none", String::as_str);
+                format!("{} kernels (step {step}: {at})", list.len())
+            };
             return Err(ArtifactError::Stale {
                 path: self.path.clone(),
                 what: "kernel keys",
-                made: self.header.kernel_keys.join(" "),
-                here: keys.join(" "),
+                made: describe(made),
+                here: describe(&keys),
             }
             .into());
         }
