@@ -838,6 +838,9 @@ fn requests_that_cannot_run(path: &Path) -> Vec<(Vec<String>, &'static str)> {
         // "unexpected argument").
         (args(&["--prompt", "hi", "--temperature", "-1"]), "--temperature must be finite and ≥ 0, got -1"),
         (args(&["--prompt", "hi", "--temperature", "1", "--top-p", "-0.5"]), "--top-p must be in (0, 1]"),
+        // Dtypes the model cannot compute or cache in, named by their flag.
+        (args(&["--prompt", "hi", "--dtype", "f8e4m3"]), "--dtype f8e4m3: the model computes in f32, bf16 or f16"),
+        (args(&["--prompt", "hi", "--kv-cache-dtype", "q4_0"]), "--kv-cache-dtype q4_0: the KV cache holds"),
         // A page count past usize.
         (args(&["--max-batch", "18446744073709551615", "--prompt", "hi"]), "more cache pages than can be counted"),
     ];

@@ -115,7 +115,8 @@ pub fn llama_config(gguf: &Gguf, options: &ImportOptions) -> Result<LlamaConfig>
 
 /// Refuse, one cause a line, a model kvjit cannot build: a hyper-parameter
 /// of 0 (`sizes`: hidden, heads, KV heads, head size, vocabulary), heads
-/// not a multiple of the KV heads, or a cache that is not whole pages.
+/// not a multiple of the KV heads, a cache that is not whole pages, or
+/// dtypes the model's ops do not compute or cache in.
 fn check_sizes(gguf: &Gguf, sizes: [usize; 5], options: &ImportOptions) -> Result<()> {
     let refuse = |problem: String| Err(Error::Usage(format!("{}: {problem}", gguf.path().display())));
     let names = ["hidden size", "attention heads", "KV heads", "head size", "vocabulary"];
@@ -140,6 +141,14 @@ fn check_sizes(gguf: &Gguf, sizes: [usize; 5], options: &ImportOptions) -> Resul
     }
     if options.max_batch == 0 {
         return refuse("--max-batch must be at least 1".into());
+    }
+    if !matches!(options.dtype, DType::F32 | DType::BF16 | DType::F16) {
+        return refuse(format!("--dtype {}: the model computes in f32, bf16 or f16", options.dtype));
+    }
+    if let Some(cache) =
+        options.cache_dtype.filter(|d| !matches!(d, DType::F32 | DType::BF16 | DType::F16 | DType::F8E4M3))
+    {
+        return refuse(format!("--kv-cache-dtype {cache}: the KV cache holds f32, bf16, f16 or f8e4m3"));
     }
     Ok(())
 }
