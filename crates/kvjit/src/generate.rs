@@ -78,15 +78,7 @@ impl Sampler {
 
     /// The next token from one row of logits.
     pub fn pick(&mut self, logits: &[f32]) -> u32 {
-        let greedy = || {
-            let mut best = 0;
-            for (i, &l) in logits.iter().enumerate() {
-                if l > logits[best] || logits[best].is_nan() {
-                    best = i;
-                }
-            }
-            best as u32
-        };
+        let greedy = || argmax(logits);
         let Sampling { temperature, top_k, top_p, .. } = self.sampling;
         if temperature == 0.0 || top_k == Some(1) {
             return greedy();
@@ -361,6 +353,25 @@ impl Model {
     }
 }
 
+/// The id of the largest logit, the lowest on a tie; NaNs are never the
+/// largest (0 when every logit is NaN, or there is none). Two passes that
+/// vectorize (a vocabulary's row per token: the branchy one-pass scan cost
+/// ~1 % of a SmolLM2 decode step).
+fn argmax(logits: &[f32]) -> u32 {
+    const LANES: usize = 16;
+    // `v > m` is false for a NaN v: NaNs never enter the maxima.
+    let mut lanes = [f32::NEG_INFINITY; LANES];
+    let chunks = logits.chunks_exact(LANES);
+    let tail = chunks.remainder();
+    for chunk in chunks {
+        for (m, &v) in lanes.iter_mut().zip(chunk) {
+            *m = if v > *m { v } else { *m };
+        }
+    }
+    let max = lanes.iter().chain(tail).fold(f32::NEG_INFINITY, |m, &v| if v > m { v } else { m });
+    logits.iter().position(|&v| v == max).unwrap_or(0) as u32
+}
+
 /// This machine's memory in bytes (Linux: `MemTotal` of `/proc/meminfo`;
 /// `None` where it cannot be read).
 fn physical_memory() -> Option<u64> {
@@ -368,4 +379,44 @@ fn physical_memory() -> Option<u64> {
     let line = meminfo.lines().find(|line| line.starts_with("MemTotal:"))?;
     let kib: u64 = line.trim_start_matches("MemTotal:").trim().trim_end_matches("kB").trim().parse().ok()?;
     kib.checked_mul(1024)
+}
+
+#[cfg(test)]
+mod tests {
+    use rand::{Rng, SeedableRng};
+
+    use super::argmax;
+
+    /// The first index of the largest non-NaN value, by a plain scan.
+    fn first_max(logits: &[f32]) -> u32 {
+        let mut best: Option<usize> = None;
+        for (i, &v) in logits.iter().enumerate() {
+            if !v.is_nan() && best.is_none_or(|b| v > logits[b]) {
+                best = Some(i);
+            }
+        }
+        best.unwrap_or(0) as u32
+    }
+
+    #[test]
+    fn argmax_is_the_first_largest_logit_and_never_a_nan() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+        for len in [0, 1, 2, 15, 16, 17, 100, 49152] {
+            for _ in 0..20 {
+                // Few distinct values (ties), infinities and NaNs.
+                let logits: Vec<f32> = (0..len)
+                    .map(|_| match rng.gen_range(0..20) {
+                        0 => f32::NAN,
+                        1 => f32::NEG_INFINITY,
+                        2 => f32::INFINITY,
+                        _ => rng.gen_range(-4i32..4) as f32 * 0.5,
+                    })
+                    .collect();
+                assert_eq!(argmax(&logits), first_max(&logits), "{logits:?}");
+            }
+        }
+        assert_eq!(argmax(&[f32::NAN, f32::NAN]), 0, "all NaN: 0");
+        assert_eq!(argmax(&[f32::NAN, f32::NEG_INFINITY, f32::NAN]), 1);
+        assert_eq!(argmax(&[1.0, f32::NAN, 3.0, 3.0]), 2, "the lowest id of a tie");
+    }
 }
