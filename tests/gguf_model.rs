@@ -634,6 +634,22 @@ fn imported_block_weights_show_their_bytes_per_weight() {
     assert!(line("token_embd.weight").contains("q8_0[") && line("token_embd.weight").contains("1.0625 bytes/weight"));
     assert!(line("blk.0.attn_norm.weight").contains("4.0000 bytes/weight"));
     assert!(stdout.contains(".wq4_1 "), "a kernel key names the format: {stdout}");
+    // Importing again into the same folder (here with other options)
+    // finds its own link to the GGUF there and rewrites model.json; another
+    // file under the GGUF's name is refused.
+    succeeds(&["import", str(&path), "-o", str(&kept), "--context", "128", "--dequantize"]);
+    let again = String::from_utf8_lossy(&succeeds(&["inspect", str(&kept.join("model.json"))]).stdout).into_owned();
+    assert!(!again.contains("q4_1["), "the second import's options: {again}");
+    // A copy with the same bytes (what import makes where it cannot link)
+    // counts as the same file too.
+    let copied = dir.path().join("copied");
+    std::fs::create_dir(&copied).unwrap();
+    std::fs::copy(&path, copied.join(path.file_name().unwrap())).unwrap();
+    succeeds(&["import", str(&path), "-o", str(&copied), "--context", "128"]);
+    let clash = dir.path().join("clash");
+    std::fs::create_dir(&clash).unwrap();
+    std::fs::write(clash.join(path.file_name().unwrap()), b"another file").unwrap();
+    refused(&["import", str(&path), "-o", str(&clash)], "exists and is another file");
     let dequantized = dir.path().join("dequantized");
     succeeds(&["import", str(&path), "-o", str(&dequantized), "--context", "128", "--dequantize"]);
     let out = succeeds(&["inspect", str(&dequantized.join("model.json"))]);

@@ -303,8 +303,7 @@ pub fn import(gguf_path: &Path, dir: &Path, ops: &OpRegistry, options: &ImportOp
     let file_name =
         gguf_path.file_name().ok_or_else(|| Error::Usage(format!("{} names no file", gguf_path.display())))?;
     let inside = dir.join(file_name);
-    let same = |a: &Path, b: &Path| a.canonicalize().ok().zip(b.canonicalize().ok()).is_some_and(|(a, b)| a == b);
-    if !same(gguf_path, &inside) {
+    if !same_file(gguf_path, &inside) {
         if inside.exists() {
             return Err(Error::Usage(format!(
                 "{} exists and is another file; import into another folder",
@@ -319,6 +318,38 @@ pub fn import(gguf_path: &Path, dir: &Path, ops: &OpRegistry, options: &ImportOp
     let graph_path = dir.join("model.json");
     std::fs::write(&graph_path, text).map_err(|e| Error::Usage(format!("{}: {e}", graph_path.display())))?;
     Ok((graph_path, inside))
+}
+
+/// Whether `a` and `b` are one file: one path, one inode (the hard link
+/// an earlier import made), or the same bytes (the copy it made where the
+/// file system cannot link) — so importing again into a folder works.
+fn same_file(a: &Path, b: &Path) -> bool {
+    use std::io::Read as _;
+    if a.canonicalize().ok().zip(b.canonicalize().ok()).is_some_and(|(a, b)| a == b) {
+        return true;
+    }
+    let (Ok(meta_a), Ok(meta_b)) = (std::fs::metadata(a), std::fs::metadata(b)) else { return false };
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::MetadataExt as _;
+        if (meta_a.dev(), meta_a.ino()) == (meta_b.dev(), meta_b.ino()) {
+            return true;
+        }
+    }
+    if meta_a.len() != meta_b.len() {
+        return false;
+    }
+    let (Ok(mut file_a), Ok(mut file_b)) = (std::fs::File::open(a), std::fs::File::open(b)) else { return false };
+    let (mut chunk_a, mut chunk_b) = (vec![0u8; 1 << 20], vec![0u8; 1 << 20]);
+    loop {
+        let Ok(n) = file_a.read(&mut chunk_a) else { return false };
+        if n == 0 {
+            return true;
+        }
+        if file_b.read_exact(&mut chunk_b[..n]).is_err() || chunk_a[..n] != chunk_b[..n] {
+            return false;
+        }
+    }
 }
 
 /// The tokenizer the GGUF's metadata describes (`tokenizer.ggml.*`,
