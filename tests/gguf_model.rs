@@ -785,6 +785,10 @@ fn bad_files_and_requests_are_refused_in_one_line() {
     // (so nothing is printed but the error).
     let nowhere = dir.path().join("no_such_dir").join("l.safetensors");
     refused(&["generate", str(&path), "--prompt", "hi", "--logits", str(&nowhere)], "--logits");
+    // The commands that take graph files say what to do with a GGUF.
+    for command in ["run", "inspect", "validate"] {
+        refused(&[command, str(&path)], "is a GGUF model file, not a graph file: kvjit generate runs it");
+    }
     // A GGUF file under another name is read as one (by its magic).
     let renamed = dir.path().join("model.bin");
     std::fs::copy(&path, &renamed).unwrap();

@@ -435,6 +435,13 @@ fn bench_error(e: kvjit_bench::BenchError) -> Error {
 /// Load a graph file whose init recipes may generate `memory_budget` bytes
 /// (the default limit when none is given).
 fn load(registry: &Registry, path: &Path, weights: WeightLoad, memory_budget: Option<u64>) -> Result<Graph> {
+    if kvjit::models::gguf::is_gguf(path) {
+        return Err(Error::Usage(format!(
+            "{} is a GGUF model file, not a graph file: kvjit generate runs it, and kvjit import -o DIR writes the \
+             graph file (DIR/model.json) that run, inspect, validate and compile take",
+            path.display()
+        )));
+    }
     let recipe_budget = memory_budget.unwrap_or(kvjit::DEFAULT_MEMORY_LIMIT);
     Ok(load_graph_within(path, registry.ops(), weights, recipe_budget)?)
 }
