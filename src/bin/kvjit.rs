@@ -298,6 +298,11 @@ struct RunArgs {
     no_fuse: bool,
 }
 
+/// The example scenario's sequences and padded tokens per sequence in its
+/// first step, unless `--batch`/`--seq` or a `--bind` say otherwise.
+const EXAMPLE_BATCH: usize = 4;
+const EXAMPLE_SEQ: usize = 8;
+
 impl RunArgs {
     /// The example scenario's `batch` or `seq` (`symbol`): `--batch`/`--seq`
     /// (`given`), else what `--bind` binds the symbol to, else `default`;
@@ -704,7 +709,10 @@ fn run(registry: &Registry, args: &RunArgs) -> Result<()> {
         Some(path) => Scenario::from_tensors(&graph, read_safetensors(path)?, args.seed)?,
         None => {
             let budget = args.memory_budget.unwrap_or(kvjit::DEFAULT_MEMORY_LIMIT);
-            let (batch, seq) = (args.scenario_size("batch", args.batch, 4)?, args.scenario_size("seq", args.seq, 8)?);
+            let (batch, seq) = (
+                args.scenario_size("batch", args.batch, EXAMPLE_BATCH)?,
+                args.scenario_size("seq", args.seq, EXAMPLE_SEQ)?,
+            );
             Scenario::prefill_within(&graph, args.seed, batch, seq, budget)?
         }
     };
