@@ -75,7 +75,7 @@ pub fn llama_config(gguf: &Gguf, options: &ImportOptions) -> Result<LlamaConfig>
         Some(v) => v as usize,
         None => gguf.tensor_info("token_embd.weight").and_then(|t| t.shape().first().copied()).unwrap_or(0),
     };
-    check_sizes(gguf, [hidden, heads, kv_heads, head_size, vocab], options)?;
+    check_buildable(gguf, [hidden, heads, kv_heads, head_size, vocab], options)?;
     let pages_per_seq = options.context / options.page_size;
     let num_pages = pages_per_seq.checked_mul(options.max_batch).ok_or_else(|| {
         Error::Usage(format!(
@@ -117,7 +117,7 @@ pub fn llama_config(gguf: &Gguf, options: &ImportOptions) -> Result<LlamaConfig>
 /// of 0 (`sizes`: hidden, heads, KV heads, head size, vocabulary), heads
 /// not a multiple of the KV heads, a cache that is not whole pages, or
 /// dtypes the model's ops do not compute or cache in.
-fn check_sizes(gguf: &Gguf, sizes: [usize; 5], options: &ImportOptions) -> Result<()> {
+fn check_buildable(gguf: &Gguf, sizes: [usize; 5], options: &ImportOptions) -> Result<()> {
     let refuse = |problem: String| Err(Error::Usage(format!("{}: {problem}", gguf.path().display())));
     let names = ["hidden size", "attention heads", "KV heads", "head size", "vocabulary"];
     if let Some((name, _)) = names.iter().zip(sizes).find(|(_, size)| *size == 0) {
@@ -133,7 +133,7 @@ fn check_sizes(gguf: &Gguf, sizes: [usize; 5], options: &ImportOptions) -> Resul
     }
     if options.context == 0 || !options.context.is_multiple_of(page) {
         let whole = options.context / page * page;
-        let choices = if whole == 0 { format!("{}", whole + page) } else { format!("{whole} or {}", whole + page) };
+        let choices = if whole == 0 { format!("{page}") } else { format!("{whole} or {}", whole + page) };
         return refuse(format!(
             "--context {} is not a whole number of {page}-token cache pages (take {choices})",
             options.context
