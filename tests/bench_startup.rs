@@ -77,4 +77,10 @@ fn bad_startup_options_fail_with_one_line() {
     assert_one_line_error(&out, "required");
     let out = kvjit(&["bench", "--startup", "--quick"]);
     assert_one_line_error(&out, "cannot be used with");
+    if cfg!(target_os = "linux") {
+        // More weights than the machine's memory: refused before a byte is
+        // written (it once began writing them to the temporary folder).
+        let out = kvjit(&["bench", "--startup", "--startup-layers", "100000000"]);
+        assert_one_line_error(&out, "more than this machine's");
+    }
 }

@@ -24,6 +24,9 @@ pub enum BenchError {
         /// The option, as typed (`--ms`).
         option: &'static str,
     },
+    /// A run larger than this machine can hold.
+    #[error("{0}")]
+    TooLarge(String),
     /// A count or size of 0 where the run needs at least one.
     #[error("{what} must be at least 1")]
     Zero {

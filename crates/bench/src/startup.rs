@@ -98,6 +98,20 @@ impl StartupConfig {
         if self.decode_steps == 0 {
             return Err(BenchError::Zero { what: "decode steps" });
         }
+        // The copy-mode runs hold every weight in memory (and the run
+        // writes them twice: the weights file and the artifact).
+        let layer = self.layer_config();
+        let weight_bytes =
+            (layer.num_layers as u64).saturating_mul((layer.n() * layer.hidden_size * layer.dtype.size_bytes()) as u64);
+        if let Some(memory) = kvjit_runtime::physical_memory().filter(|&memory| weight_bytes > memory) {
+            return Err(BenchError::TooLarge(format!(
+                "--startup-layers {} takes {:.1} GB of weights (written twice, held in memory by the copy runs), \
+                 more than this machine's {:.1} GB of memory",
+                self.layers,
+                weight_bytes as f64 / 1e9,
+                memory as f64 / 1e9
+            )));
+        }
         Ok(())
     }
 }

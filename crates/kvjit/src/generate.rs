@@ -231,7 +231,7 @@ impl Model {
         let batch = prompts.len();
         let cache_bytes =
             self.cache_params.cache_bytes(self.num_pages, batch, self.max_pages_per_seq).unwrap_or(u64::MAX);
-        if let Some(memory) = physical_memory().filter(|&memory| cache_bytes > memory) {
+        if let Some(memory) = kvjit_runtime::physical_memory().filter(|&memory| cache_bytes > memory) {
             return Err(Error::Usage(format!(
                 "the model's KV cache ({} pages of {} tokens) takes {:.1} GB, more than this machine's {:.1} GB of \
                  memory: give a smaller --context or --max-batch (to kvjit import, for a model.json)",
@@ -370,15 +370,6 @@ fn argmax(logits: &[f32]) -> u32 {
     }
     let max = lanes.iter().chain(tail).fold(f32::NEG_INFINITY, |m, &v| if v > m { v } else { m });
     logits.iter().position(|&v| v == max).unwrap_or(0) as u32
-}
-
-/// This machine's memory in bytes (Linux: `MemTotal` of `/proc/meminfo`;
-/// `None` where it cannot be read).
-fn physical_memory() -> Option<u64> {
-    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = meminfo.lines().find(|line| line.starts_with("MemTotal:"))?;
-    let kib: u64 = line.trim_start_matches("MemTotal:").trim().trim_end_matches("kB").trim().parse().ok()?;
-    kib.checked_mul(1024)
 }
 
 #[cfg(test)]

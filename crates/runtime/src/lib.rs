@@ -12,6 +12,7 @@ mod error;
 mod executable;
 mod executor;
 mod kernel;
+mod machine;
 mod workers;
 
 pub use context::{CpuContext, CudaContext, DeviceContext, DeviceContextPtr, KernelStateOwner, cuda_availability};
@@ -19,4 +20,5 @@ pub use error::{Result, RuntimeError};
 pub use executable::{CacheSpec, Executable, InputSpec, ShapeDim, Slot, Step};
 pub use executor::{Executor, RunOutput, StepTiming};
 pub use kernel::{BuildOptions, CodeInfo, ConstantInput, Kernel, KernelBuilder, KernelImpl, OutputSpec};
+pub use machine::physical_memory;
 pub use workers::{MAX_WORKER_THREADS, SPIN, WorkerPool, parse_threads};
