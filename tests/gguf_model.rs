@@ -794,6 +794,10 @@ fn bad_files_and_requests_are_refused_in_one_line() {
     std::fs::copy(&path, &renamed).unwrap();
     let ran = succeeds(&["generate", str(&renamed), "--prompt", "hi", "--max-tokens", "2"]);
     assert!(String::from_utf8_lossy(&ran.stderr).contains("generated: "), "{ran:?}");
+    // One token is the prefill's pick: no decode rate is made up for it.
+    let one = succeeds(&["generate", str(&path), "--prompt", "hi", "--max-tokens", "1"]);
+    let last = String::from_utf8_lossy(&one.stderr).lines().last().unwrap_or_default().to_string();
+    assert!(last.starts_with("prompt: 1 token, ") && last.ends_with("generated: 1 token, no decode step"), "{last}");
     // Query heads that are not a multiple of the KV heads.
     let mut three_kv = tiny_gguf(Variant { without: Some("llama.attention.head_count_kv"), ..TIED });
     three_kv.kv("llama.attention.head_count_kv", 3u32);

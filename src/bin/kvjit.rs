@@ -938,11 +938,18 @@ fn generate(registry: &Registry, args: &GenerateArgs) -> Result<()> {
     let prompt_tokens: usize = prompts.iter().map(Vec::len).sum();
     let generated: usize = out.tokens.iter().map(Vec::len).sum();
     let rate = |tokens: usize, time: Duration| tokens as f64 / time.as_secs_f64().max(1e-9);
+    // The prefill picks each prompt's first token; decode steps the rest.
     let decoded = generated.saturating_sub(prompts.len());
+    let decode = if decoded == 0 {
+        "no decode step".to_string()
+    } else {
+        format!("decode {:.1} tok/s", rate(decoded, out.decode))
+    };
     eprintln!(
-        "prompt: {prompt_tokens} tokens, prefill {:.1} tok/s; generated: {generated} tokens, decode {:.1} tok/s",
+        "prompt: {}, prefill {:.1} tok/s; generated: {}, {decode}",
+        kvjit::generate::count_tokens(prompt_tokens),
         rate(prompt_tokens, out.prefill),
-        rate(decoded, out.decode)
+        kvjit::generate::count_tokens(generated),
     );
     if let Some(path) = &args.logits {
         let mut named: Vec<(String, Tensor)> = Vec::new();

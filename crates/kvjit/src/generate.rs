@@ -224,7 +224,8 @@ impl Model {
         let context = self.context_length();
         if longest + options.max_tokens > context {
             return Err(Error::Usage(format!(
-                "a prompt of {longest} tokens plus {} to generate is past the context length {context}",
+                "a prompt of {} plus {} to generate is past the context length {context}",
+                count_tokens(longest),
                 options.max_tokens
             )));
         }
@@ -351,6 +352,11 @@ impl Model {
         }
         next
     }
+}
+
+/// `n` tokens in words: "1 token", "3 tokens".
+pub fn count_tokens(n: usize) -> String {
+    format!("{n} token{}", if n == 1 { "" } else { "s" })
 }
 
 /// The id of the largest logit, the lowest on a tie; NaNs are never the
