@@ -27,6 +27,10 @@ impl ChatMessage {
 }
 
 /// Renders `template` for `messages`.
+/// Template instructions a rendering may run: real chat templates take a
+/// few hundred per message; a loop of 10¹⁰ (a crafted file's) runs out.
+const TEMPLATE_FUEL: u64 = 10_000_000;
+
 pub(crate) fn render(
     template: &str,
     messages: &[ChatMessage],
@@ -43,6 +47,9 @@ pub(crate) fn render(
             .expect("the default delimiters are valid"),
     );
     env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+    // The template comes from the model file: a crafted one must not loop
+    // or grow without end.
+    env.set_fuel(Some(TEMPLATE_FUEL));
     env.add_function("raise_exception", |msg: String| -> Result<String, Error> {
         Err(Error::new(ErrorKind::InvalidOperation, msg))
     });

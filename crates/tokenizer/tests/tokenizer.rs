@@ -309,6 +309,19 @@ fn chat_template_variables_and_errors() {
     s.chat_template = None;
     let err = Tokenizer::from_spec(s).unwrap().apply_chat_template(&[], false).unwrap_err();
     assert!(matches!(err, TokenizerError::NoChatTemplate));
+
+    // A template from a crafted file that would loop 10¹⁰ times (and write
+    // 100 GB): refused when it runs out of instructions, not left to hang.
+    let mut s = spec("smollm", &[]);
+    s.chat_template =
+        Some("{% for a in range(100000) %}{% for b in range(100000) %}xxxxxxxxxx{% endfor %}{% endfor %}".into());
+    let err = Tokenizer::from_spec(s).unwrap().apply_chat_template(&[], false).unwrap_err();
+    assert!(matches!(err, TokenizerError::ChatTemplate(_)) && err.to_string().contains("out of fuel"), "{err}");
+    // While the real template of a long conversation renders.
+    let t = tok("smollm");
+    let long: Vec<ChatMessage> =
+        (0..2000).map(|i| ChatMessage::new(["user", "assistant"][i % 2], "some words")).collect();
+    assert!(t.apply_chat_template(&long, true).unwrap().len() > 2000 * 10);
 }
 
 /// Each bad vocabulary is refused with one line naming the problem.
