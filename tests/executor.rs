@@ -533,3 +533,42 @@ fn a_reused_executor_writes_what_a_fresh_one_writes_and_leaves_kept_outputs_alon
         assert_eq!(bits(&output.to_f32_vec().unwrap()), bits(values), "a later run wrote a kept output");
     }
 }
+
+/// A large run releases each step output after the last step that reads
+/// it: a chain of five 64 MiB elementwise steps (320 MiB in all, over
+/// `RELEASE_DEAD_ABOVE`) holds at most two outputs at once, and computes
+/// what the reference computes. A small run keeps every output.
+#[test]
+fn a_large_run_releases_outputs_after_their_last_reader() {
+    use kvjit::ops::{add, silu};
+    let registry = standard_registry();
+    let build = |len: usize| {
+        let mut b = kvjit::GraphBuilder::new("chain", registry.ops());
+        let x = b.input("x", DType::F32, &[kvjit::Dim::from(len)]).unwrap();
+        let mut v = silu(&mut b, x).unwrap();
+        for _ in 0..3 {
+            v = silu(&mut b, v).unwrap();
+        }
+        let out = add(&mut b, v, x).unwrap();
+        b.output("y", out).unwrap();
+        b.finish().unwrap()
+    };
+    for (len, releases) in [(16 << 20, true), (1 << 16, false)] {
+        let graph = build(len);
+        let exe = compile_cpu(&graph, &registry);
+        let mut rng = <rand::rngs::StdRng as rand::SeedableRng>::seed_from_u64(5);
+        let x = Tensor::random(DType::F32, &[len], &mut rng, -2.0, 2.0).unwrap();
+        let inputs: Tensors = [("x".to_string(), x)].into();
+        let run = executor().run(&exe, &inputs, &mut Caches::new()).unwrap();
+        let output = (len * 4) as u64;
+        let all = 5 * output;
+        if releases {
+            assert!(all > kvjit::RELEASE_DEAD_ABOVE);
+            assert_eq!(run.peak_output_bytes, 2 * output, "a step's input and output at once");
+        } else {
+            assert_eq!(run.peak_output_bytes, all, "a small run keeps every output");
+        }
+        let reference = reference_run(&graph, &inputs, &mut Caches::new());
+        assert_outputs_identical(&run.outputs, &reference);
+    }
+}

@@ -123,6 +123,6 @@ pub mod ops {
     pub use kvjit_op_silu::silu;
 }
 pub use kvjit_runtime::{
-    BuildOptions, CodeInfo, DeviceContextPtr, Executable, Executor, KernelImpl, MAX_WORKER_THREADS, RunOutput,
-    RuntimeError, cuda_availability, parse_threads,
+    BuildOptions, CodeInfo, DeviceContextPtr, Executable, Executor, KernelImpl, MAX_WORKER_THREADS, RELEASE_DEAD_ABOVE,
+    RunOutput, RuntimeError, cuda_availability, parse_threads,
 };

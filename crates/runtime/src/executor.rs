@@ -27,7 +27,21 @@ pub struct RunOutput {
     pub outputs: BTreeMap<String, Tensor>,
     /// Per-step timings, in step order.
     pub timings: Vec<StepTiming>,
+    /// The most bytes of step outputs held at once during the run (views
+    /// counted once, in their producer): with every output kept, their sum;
+    /// less where a large run released outputs after their last reader
+    /// ([`RELEASE_DEAD_ABOVE`]).
+    pub peak_output_bytes: u64,
 }
+
+/// A run whose step outputs take more bytes than this in all releases each
+/// output of at least [`RELEASE_MIN_BYTES`] after the last step that reads
+/// it (a long prefill: its activations for every layer would otherwise
+/// stay until the run ends — 14 GB for 20,000 SmolLM2 tokens). Smaller
+/// runs (decode steps) keep every output, for the next run to reuse.
+pub const RELEASE_DEAD_ABOVE: u64 = 256 << 20;
+/// The smallest output a large run releases early.
+pub const RELEASE_MIN_BYTES: u64 = 64 << 10;
 
 /// Runs executables on one device context.
 ///
@@ -159,7 +173,10 @@ impl Executor {
                     .iter()
                     .map(|(dtype, shape)| match kept.next().flatten().map(|t| t.rezeroed(*dtype, shape)) {
                         Some(Ok(reused)) => Ok(reused),
-                        _ => Tensor::zeros(*dtype, shape),
+                        // From 2 MiB on, mapped memory of its own: released
+                        // to the system when the output is (the allocator
+                        // would keep a heap chunk's pages).
+                        _ => Tensor::zeros_in_huge_pages(*dtype, shape),
                     })
                     .collect::<kvjit_core::Result<Vec<_>>>()
                     .map_err(kernel_error)?
@@ -176,8 +193,70 @@ impl Executor {
             }
         }
 
+        // After which step each output is read for the last time (graph
+        // outputs: never), and whether this run is large enough to release
+        // outputs then.
+        let output_bytes = |t: &Tensor| t.as_bytes().len() as u64;
+        let total: u64 = produced
+            .iter()
+            .zip(&view_shapes)
+            .filter(|(_, view)| view.is_none())
+            .flat_map(|(outputs, _)| outputs.iter().map(output_bytes))
+            .sum();
+        let mut last_read: Vec<Vec<usize>> =
+            produced.iter().enumerate().map(|(index, outputs)| vec![index; outputs.len()]).collect();
+        for (index, step) in exe.steps().iter().enumerate() {
+            for slot in &step.inputs {
+                if let Slot::StepOutput { step, output } = *slot {
+                    last_read[step][output] = last_read[step][output].max(index);
+                }
+            }
+        }
+        for (_, slot) in exe.outputs() {
+            if let Slot::StepOutput { step, output } = *slot {
+                last_read[step][output] = usize::MAX;
+            }
+        }
+        // A view shares its producer's storage: the storage lives until the
+        // last read of either (steps run in order, so a view's producer
+        // comes first, and its own producer, if a view, before it).
+        let mut storage_of: Vec<Option<(usize, usize)>> = vec![None; exe.steps().len()];
+        for (index, step) in exe.steps().iter().enumerate() {
+            if view_shapes[index].is_some()
+                && let Some(&Slot::StepOutput { step: source, output }) = step.inputs.first()
+            {
+                storage_of[index] = Some(storage_of[source].unwrap_or((source, output)));
+            }
+        }
+        for (view, root) in storage_of.iter().enumerate() {
+            if let Some((step, output)) = *root {
+                last_read[step][output] = last_read[step][output].max(last_read[view][0]);
+            }
+        }
+        let release = total > RELEASE_DEAD_ABOVE;
+        let mut dead_after: Vec<Vec<(usize, usize)>> = vec![Vec::new(); exe.steps().len()];
+        if release {
+            for (step, reads) in last_read.iter().enumerate() {
+                for (output, &last) in reads.iter().enumerate() {
+                    if last != usize::MAX {
+                        dead_after[last].push((step, output));
+                    }
+                }
+            }
+        }
+        let (mut live, mut peak_output_bytes) = (total, total);
+        if release {
+            // Outputs count from their step on, while they are held.
+            live = 0;
+            peak_output_bytes = 0;
+        }
+
         let mut timings = Vec::with_capacity(exe.steps().len());
         for (index, step) in exe.steps().iter().enumerate() {
+            if release && view_shapes[index].is_none() {
+                live += produced[index].iter().map(output_bytes).sum::<u64>();
+                peak_output_bytes = peak_output_bytes.max(live);
+            }
             let (earlier, rest) = produced.split_at_mut(index);
             let outputs = &mut rest[0];
             let args: Vec<&Tensor> = step.inputs.iter().map(|s| Self::resolve(exe, &input_refs, earlier, *s)).collect();
@@ -206,6 +285,19 @@ impl Executor {
             for (&c, cache) in step.caches.iter().zip(step_caches) {
                 cache_refs[c] = Some(cache);
             }
+            // Outputs no later step reads: released (their memory goes back
+            // once no view shares it).
+            for &(step, output) in &dead_after[index] {
+                let tensor = &mut produced[step][output];
+                let bytes = output_bytes(tensor);
+                let is_view = view_shapes[step].is_some();
+                if is_view || bytes >= RELEASE_MIN_BYTES {
+                    *tensor = Tensor::zeros(tensor.dtype(), &[0]).map_err(|e| RuntimeError::Plan(e.to_string()))?;
+                    if !is_view {
+                        live -= bytes;
+                    }
+                }
+            }
         }
 
         let outputs = exe
@@ -214,7 +306,7 @@ impl Executor {
             .map(|(name, slot)| (name.clone(), Self::resolve(exe, &input_refs, &produced, *slot).clone()))
             .collect();
         self.keep_spare(produced, &view_shapes);
-        Ok(RunOutput { outputs, timings })
+        Ok(RunOutput { outputs, timings, peak_output_bytes })
     }
 
     /// The step outputs kept from the last run (a poisoned lock still

@@ -18,7 +18,7 @@ mod workers;
 pub use context::{CpuContext, CudaContext, DeviceContext, DeviceContextPtr, KernelStateOwner, cuda_availability};
 pub use error::{Result, RuntimeError};
 pub use executable::{CacheSpec, Executable, InputSpec, ShapeDim, Slot, Step};
-pub use executor::{Executor, RunOutput, StepTiming};
+pub use executor::{Executor, RELEASE_DEAD_ABOVE, RELEASE_MIN_BYTES, RunOutput, StepTiming};
 pub use kernel::{BuildOptions, CodeInfo, ConstantInput, Kernel, KernelBuilder, KernelImpl, OutputSpec};
 pub use machine::physical_memory;
 pub use workers::{MAX_WORKER_THREADS, SPIN, WorkerPool, parse_threads};
