@@ -193,9 +193,8 @@ impl Executor {
             }
         }
 
-        // After which step each output is read for the last time (graph
-        // outputs: never), and whether this run is large enough to release
-        // outputs then.
+        // Whether this run is large enough to release outputs after their
+        // last reader (decode steps are not: they skip the schedule).
         let output_bytes = |t: &Tensor| t.as_bytes().len() as u64;
         let total: u64 = produced
             .iter()
@@ -203,53 +202,10 @@ impl Executor {
             .filter(|(_, view)| view.is_none())
             .flat_map(|(outputs, _)| outputs.iter().map(output_bytes))
             .sum();
-        let mut last_read: Vec<Vec<usize>> =
-            produced.iter().enumerate().map(|(index, outputs)| vec![index; outputs.len()]).collect();
-        for (index, step) in exe.steps().iter().enumerate() {
-            for slot in &step.inputs {
-                if let Slot::StepOutput { step, output } = *slot {
-                    last_read[step][output] = last_read[step][output].max(index);
-                }
-            }
-        }
-        for (_, slot) in exe.outputs() {
-            if let Slot::StepOutput { step, output } = *slot {
-                last_read[step][output] = usize::MAX;
-            }
-        }
-        // A view shares its producer's storage: the storage lives until the
-        // last read of either (steps run in order, so a view's producer
-        // comes first, and its own producer, if a view, before it).
-        let mut storage_of: Vec<Option<(usize, usize)>> = vec![None; exe.steps().len()];
-        for (index, step) in exe.steps().iter().enumerate() {
-            if view_shapes[index].is_some()
-                && let Some(&Slot::StepOutput { step: source, output }) = step.inputs.first()
-            {
-                storage_of[index] = Some(storage_of[source].unwrap_or((source, output)));
-            }
-        }
-        for (view, root) in storage_of.iter().enumerate() {
-            if let Some((step, output)) = *root {
-                last_read[step][output] = last_read[step][output].max(last_read[view][0]);
-            }
-        }
         let release = total > RELEASE_DEAD_ABOVE;
-        let mut dead_after: Vec<Vec<(usize, usize)>> = vec![Vec::new(); exe.steps().len()];
-        if release {
-            for (step, reads) in last_read.iter().enumerate() {
-                for (output, &last) in reads.iter().enumerate() {
-                    if last != usize::MAX {
-                        dead_after[last].push((step, output));
-                    }
-                }
-            }
-        }
-        let (mut live, mut peak_output_bytes) = (total, total);
-        if release {
-            // Outputs count from their step on, while they are held.
-            live = 0;
-            peak_output_bytes = 0;
-        }
+        let dead_after = if release { Self::dead_after(exe, &produced, &view_shapes) } else { Vec::new() };
+        // Released runs count outputs from their step on, while held.
+        let (mut live, mut peak_output_bytes) = if release { (0, 0) } else { (total, total) };
 
         let mut timings = Vec::with_capacity(exe.steps().len());
         for (index, step) in exe.steps().iter().enumerate() {
@@ -287,7 +243,7 @@ impl Executor {
             }
             // Outputs no later step reads: released (their memory goes back
             // once no view shares it).
-            for &(step, output) in &dead_after[index] {
+            for &(step, output) in dead_after.get(index).map_or(&[][..], Vec::as_slice) {
                 let tensor = &mut produced[step][output];
                 let bytes = output_bytes(tensor);
                 let is_view = view_shapes[step].is_some();
@@ -307,6 +263,52 @@ impl Executor {
             .collect();
         self.keep_spare(produced, &view_shapes);
         Ok(RunOutput { outputs, timings, peak_output_bytes })
+    }
+
+    /// Per step, the outputs `(step, output)` that no later step reads and
+    /// that are not graph outputs: released after that step runs. A view
+    /// shares its producer's storage, which lives until the last read of
+    /// either.
+    fn dead_after(
+        exe: &Executable,
+        produced: &[Vec<Tensor>],
+        view_shapes: &[Option<Vec<usize>>],
+    ) -> Vec<Vec<(usize, usize)>> {
+        let mut last_read: Vec<Vec<usize>> =
+            produced.iter().enumerate().map(|(index, outputs)| vec![index; outputs.len()]).collect();
+        for (index, step) in exe.steps().iter().enumerate() {
+            for slot in &step.inputs {
+                if let Slot::StepOutput { step, output } = *slot {
+                    last_read[step][output] = last_read[step][output].max(index);
+                }
+            }
+        }
+        for (_, slot) in exe.outputs() {
+            if let Slot::StepOutput { step, output } = *slot {
+                last_read[step][output] = usize::MAX;
+            }
+        }
+        // Steps run in order, so a view's producer comes first (and its own
+        // producer, if a view, before it).
+        let mut storage_of: Vec<Option<(usize, usize)>> = vec![None; exe.steps().len()];
+        for (index, step) in exe.steps().iter().enumerate() {
+            if view_shapes[index].is_some()
+                && let Some(&Slot::StepOutput { step: source, output }) = step.inputs.first()
+            {
+                let root = storage_of[source].unwrap_or((source, output));
+                storage_of[index] = Some(root);
+                last_read[root.0][root.1] = last_read[root.0][root.1].max(last_read[index][0]);
+            }
+        }
+        let mut dead_after: Vec<Vec<(usize, usize)>> = vec![Vec::new(); exe.steps().len()];
+        for (step, reads) in last_read.iter().enumerate() {
+            for (output, &last) in reads.iter().enumerate() {
+                if last != usize::MAX {
+                    dead_after[last].push((step, output));
+                }
+            }
+        }
+        dead_after
     }
 
     /// The step outputs kept from the last run (a poisoned lock still
