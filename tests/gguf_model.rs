@@ -1,7 +1,8 @@
 //! A tiny Llama-family GGUF file written here (2 layers, hidden 64, 4 query
 //! heads and 2 KV heads of 16, FFN 256, a 262-token byte-level BPE
 //! vocabulary with ChatML control tokens), its tensors spread over every
-//! type kvjit reads (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q6_K), run by
+//! type the writer quantizes (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q6_K;
+//! the others kvjit reads are checked against gguf-py in `kvjit-gguf`), run by
 //! kvjit from the file and checked against a naive f64 model written here
 //! over the same weights read back from the file: `load_model` and
 //! `generate::Model` (prefill and greedy decode steps, f32 and bf16, tied
@@ -489,6 +490,35 @@ fn block_weights_stay_blocks_and_match_the_naive_model() {
     }
 }
 
+/// A matrix stored as IQ4_NL — here the tiny file's Q4_0 `attn_output`
+/// retagged (the same 18-byte blocks of 32, now read through IQ4_NL's
+/// levels) — is held as the Q8_0 blocks of exactly its values: the kernel
+/// that reads it is a q8_0 one, and the logits match the naive model over
+/// the file's dequantized weights (which reads the bytes as IQ4_NL).
+#[test]
+fn an_iq4_nl_matrix_is_held_as_q8_0_and_matches_the_naive_model() {
+    let (dir, path) = written(TIED);
+    let retagged = dir.path().join("iq4_nl.gguf");
+    let bytes = std::fs::read(&path).unwrap();
+    std::fs::write(&retagged, with_type_id(&bytes, "blk.0.attn_output.weight", GgmlType::Iq4Nl.id())).unwrap();
+    let registry = standard_registry();
+    let options = ImportOptions { dequantize: false, ..options(DType::F32) };
+    let graph = load_model(&retagged, registry.ops(), &options, WeightLoad::Map).unwrap();
+    let held = graph
+        .constants()
+        .find(|(_, v)| v.name.as_deref() == Some("blk.0.attn_output.weight"))
+        .map(|(_, v)| v.ty.to_string())
+        .unwrap();
+    assert!(held.starts_with("q8_0"), "{held}");
+    let exe = compile(&graph, &registry, &CompileOptions::default()).unwrap();
+    let q8_kernels = exe.steps().iter().filter(|s| s.kernel.key().to_string().ends_with("wq8_0")).count();
+    // The Q8_0 embedding's gather and the retagged matrix's matmul.
+    assert!(q8_kernels >= 2, "{q8_kernels} kernels read q8_0");
+    let error = check_against_naive(&graph, &retagged, DType::F32, 3);
+    eprintln!("iq4_nl held as q8_0: largest normalized logits error {error:.2e}");
+    assert!(error < 2e-4, "{error}");
+}
+
 /// A batch of block-weight decodes gives every prompt what it gets alone:
 /// up to `gemv_rows` rows the matmuls run the integer GEMV once per row,
 /// each row on its own quantized activations (a row reading another's
@@ -767,10 +797,10 @@ fn bad_files_and_requests_are_refused_in_one_line() {
     let file = bad("unknown.gguf", &with_type_id(&bytes, "blk.0.attn_v.weight", 99));
     refused(&["generate", str(&file), "--prompt", "hi"], "");
     refused(&["import", str(&file), "-o", str(&out)], "");
-    // IQ4_NL blocks are Q4_0's size (32 elements in 18 bytes), so the file
-    // stays well formed; kvjit does not dequantize IQ4_NL.
-    let file = bad("iq4_nl.gguf", &with_type_id(&bytes, "blk.1.attn_q.weight", GgmlType::Iq4Nl.id()));
-    refused(&["generate", str(&file), "--prompt", "hi"], "IQ4_NL");
+    // I16 elements are F16's size, so the file stays well formed; kvjit
+    // does not read I16 weights.
+    let file = bad("i16.gguf", &with_type_id(&bytes, "blk.0.attn_q.weight", GgmlType::I16.id()));
+    refused(&["generate", str(&file), "--prompt", "hi"], "GGML type I16 is not one kvjit reads");
     // A missing hyper-parameter, named.
     let file = dir.path().join("no_blocks.gguf");
     tiny_gguf(Variant { without: Some("llama.block_count"), ..TIED }).write(&file).unwrap();

@@ -9,6 +9,13 @@
 //! fixture's stated f32 tolerance (0.01 per logit: 20× what another f32
 //! implementation measured). Without the model file each test prints one
 //! line and passes.
+//!
+//! Another quantization of the model checks the same way against its own
+//! reference: `$KVJIT_SMOLLM2_GGUF` names the file and
+//! `$KVJIT_SMOLLM2_FIXTURES` the folder with the `smollm2_reference.json`
+//! and `smollm2_tokens.json` that `scripts/reference/run.sh --model FILE`
+//! wrote for it (`scripts/reference/other-quants.sh` does all of it for
+//! llama.cpp's K-quant mixes of the file).
 
 use std::path::PathBuf;
 use std::sync::OnceLock;
@@ -21,7 +28,10 @@ use serde_json::Value;
 use sha2::{Digest, Sha256};
 
 fn fixture(name: &str) -> Value {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name);
+    let dir = std::env::var_os("KVJIT_SMOLLM2_FIXTURES")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures"));
+    let path = dir.join(name);
     serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap()
 }
 

@@ -3,6 +3,9 @@
 #   tests/fixtures/smollm2_reference.json and tests/fixtures/smollm2_tokens.json
 #
 #   scripts/reference/run.sh [ARGS...]     ARGS go to smollm2_reference.py (--help)
+#   scripts/reference/run.sh --dequant-fixture
+#       instead rewrites crates/gguf/tests/fixtures/gguf_py_dequant.json
+#       (gguf_dequant_fixture.py: gguf-py's dequantization of random blocks)
 #
 # Makes (once) a virtual environment with the pinned requirements.txt under
 # $KVJIT_REFERENCE_VENV, default ${XDG_CACHE_HOME:-~/.cache}/kvjit/reference-venv-<hash of
@@ -36,4 +39,7 @@ if [[ ! -f "$venv/.complete" ]]; then
     echo "reference venv ready: $venv" >&2
 fi
 
+if [[ "${1:-}" == --dequant-fixture ]]; then
+    exec "$venv/bin/python" "$here/gguf_dequant_fixture.py"
+fi
 exec "$venv/bin/python" "$here/smollm2_reference.py" "$@"

@@ -111,9 +111,10 @@ class Gguf:
         t = self.tensors.get(name)
         if t is None:
             fail(f"missing tensor {name}")
-        if t.tensor_type not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16,
-                                 GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_1,
-                                 GGMLQuantizationType.Q4_0):
+        # The types kvjit reads (other quantizations of the model, such as
+        # llama.cpp's K-quant mixes, go through the same gguf-py dequantizer).
+        if t.tensor_type.name not in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
+                                      "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"):
             fail(f"tensor {name} has type {t.tensor_type.name}, which this reference does not expect")
         w = dequantize(t.data, t.tensor_type)  # float32, shape = reversed GGUF dims
         shape = tuple(int(d) for d in reversed(t.shape))

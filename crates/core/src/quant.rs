@@ -82,8 +82,9 @@ fn q4_1(b: &[u8], out: &mut [f32]) {
     }
 }
 
-/// Scale and min `j` (0–7) of a K-quant's 12 packed bytes: 6 bits each.
-fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
+/// Scale and min `j` (0–7) of a K-quant's 12 packed bytes: 6 bits each
+/// (GGML's `get_scale_min_k4`, shared by Q4_K and Q5_K).
+pub fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
     if j < 4 {
         (q[j] & 63, q[j + 4] & 63)
     } else {

@@ -10,10 +10,24 @@
 //! | Q4_1 | f16 `d`, f16 `m`, 16 bytes | `d·q + m`, nibbles as Q4_0 |
 //! | Q4_K | f16 `d`, f16 `dmin`, 12 bytes of 6-bit scales and mins, 128 bytes | per 32 elements: `(d·sc)·q − dmin·m` |
 //! | Q6_K | 128 bytes low 4 bits, 64 bytes high 2 bits, 16 × i8 scales, f16 `d` | per 16 elements: `(d·sc)·(q − 32)` |
+//! | Q5_0 | f16 `d`, 32 high bits, 16 bytes | `d·(q − 16)`, low nibbles as Q4_0, bit j of the high bits on element j |
+//! | Q5_1 | f16 `d`, f16 `m`, 32 high bits, 16 bytes | `d·q + m`, 5-bit `q` as Q5_0 |
+//! | Q2_K | 16 bytes of 4-bit scale and min, 64 bytes of 2-bit quants, f16 `d`, f16 `dmin` | per 16 elements: `(d·sc)·q − dmin·m` |
+//! | Q3_K | 32 bytes high-bit mask, 64 bytes of 2-bit quants, 12 bytes of 6-bit scales, f16 `d` | per 16 elements: `(d·(sc − 32))·(q − 4·!h)` |
+//! | Q5_K | f16 `d`, f16 `dmin`, Q4_K's 12 scale bytes, 32 bytes high bits, 128 bytes | per 32 elements: `(d·sc)·q − dmin·m`, 5-bit `q` |
+//! | IQ4_NL | f16 `d`, 16 bytes | `d·T[q]`, `T` the 16 non-linear levels, nibbles as Q4_0 |
+//! | IQ4_XS | f16 `d`, 16 bits high scale bits, 4 bytes low scale bits, 128 bytes | per 32 elements: `(d·(sc − 32))·T[q]` |
+//!
+//! The first five are also kvjit's weight block formats (kept as stored,
+//! decoded in the kernels: [`kvjit_core::quant`] dequantizes them); the
+//! others are dequantized when a model loads.
 
 use crate::GgmlType;
 
-use kvjit_core::quant::f16_at;
+use kvjit_core::quant::{QK_K, f16_at, scale_min_k4};
+
+/// IQ4_NL's and IQ4_XS's 16 levels (`kvalues_iq4nl`), by 4-bit code.
+const IQ4_LEVELS: [i8; 16] = [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113];
 
 /// Dequantize whole blocks of `ty` from `bytes` into `out`, which must hold
 /// exactly `bytes.len() / type_size × block_size` elements; `bytes` must be
@@ -49,11 +63,151 @@ pub fn dequantize(ty: GgmlType, bytes: &[u8], out: &mut [f32]) -> Result<(), Str
             let format = ty.block_format().expect("the five block formats kvjit keeps");
             kvjit_core::quant::dequantize(format, bytes, out).map_err(|e| e.to_string())?;
         }
+        GgmlType::Q5_0 => blocks.for_each(|(b, o)| q5::<false>(b, o)),
+        GgmlType::Q5_1 => blocks.for_each(|(b, o)| q5::<true>(b, o)),
+        GgmlType::Q2K => blocks.for_each(|(b, o)| q2_k(b, o)),
+        GgmlType::Q3K => blocks.for_each(|(b, o)| q3_k(b, o)),
+        GgmlType::Q5K => blocks.for_each(|(b, o)| q5_k(b, o)),
+        GgmlType::Iq4Nl => blocks.for_each(|(b, o)| iq4_nl(b, o)),
+        GgmlType::Iq4Xs => blocks.for_each(|(b, o)| iq4_xs(b, o)),
         other => {
             return Err(format!("kvjit cannot dequantize {other} (it reads {})", GgmlType::supported_names()));
         }
     }
     Ok(())
+}
+
+/// One Q5_0 (`MIN = false`: `d·(q − 16)`, 22 bytes) or Q5_1 (`d·q + m`,
+/// 24 bytes) block into 32 elements: element `j < 16` is the low nibble of
+/// quant byte `j`, `j ≥ 16` the high nibble of byte `j − 16`, and bit `j`
+/// of the little-endian u32 before the quants is its fifth bit.
+fn q5<const MIN: bool>(b: &[u8], out: &mut [f32]) {
+    let d = f16_at(b, 0);
+    let (m, at) = if MIN { (f16_at(b, 2), 4) } else { (0.0, 2) };
+    let high = u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]]);
+    let qs = &b[at + 4..at + 20];
+    for (j, o) in out.iter_mut().enumerate() {
+        let low = if j < 16 { qs[j] & 0x0f } else { qs[j - 16] >> 4 };
+        let q = low | (((high >> j) & 1) as u8) << 4;
+        *o = if MIN { d * f32::from(q) + m } else { d * f32::from(q as i8 - 16) };
+    }
+}
+
+/// One Q2_K super-block (84 bytes) into 256 elements. Group `g` (0..16)
+/// of 16 elements is half `g / 8`'s 32 quant bytes, bytes `16·(g % 2)..`
+/// shifted right by `2·(g % 8 / 2)`; its scale byte `g` holds the scale in
+/// the low nibble and the min in the high one.
+fn q2_k(b: &[u8], out: &mut [f32]) {
+    let (scales, rest) = b.split_at(QK_K / 16);
+    let (qs, rest) = rest.split_at(QK_K / 4);
+    let (d, dmin) = (f16_at(rest, 0), f16_at(rest, 2));
+    for (g, o) in out.chunks_exact_mut(16).enumerate() {
+        let dl = d * f32::from(scales[g] & 0x0f);
+        let ml = dmin * f32::from(scales[g] >> 4);
+        let q = &qs[32 * (g / 8) + 16 * (g % 2)..][..16];
+        let shift = 2 * (g % 8 / 2);
+        for (o, &q) in o.iter_mut().zip(q) {
+            *o = dl * f32::from((q >> shift) & 3) - ml;
+        }
+    }
+}
+
+/// One Q3_K super-block (110 bytes) into 256 elements. Group `g` of 16
+/// takes its 2 low bits as Q2_K's group `g` does, its third bit (set: no
+/// offset; clear: −4) from bit `g / 2` of mask bytes `16·(g % 2)..`, and a
+/// 6-bit scale (minus 32): the low 4 bits from nibble `g / 8` of byte
+/// `g % 8`, the high 2 from bits `2·(g / 4)..` of byte `8 + g % 4`.
+fn q3_k(b: &[u8], out: &mut [f32]) {
+    let (mask, rest) = b.split_at(QK_K / 8);
+    let (qs, rest) = rest.split_at(QK_K / 4);
+    let (scales, d) = rest.split_at(12);
+    let d = f16_at(d, 0);
+    for (g, o) in out.chunks_exact_mut(16).enumerate() {
+        let low = (scales[g % 8] >> (4 * (g / 8))) & 0x0f;
+        let high = (scales[8 + g % 4] >> (2 * (g / 4))) & 3;
+        let dl = d * f32::from((low | high << 4) as i8 - 32);
+        let q = &qs[32 * (g / 8) + 16 * (g % 2)..][..16];
+        let h = &mask[16 * (g % 2)..][..16];
+        let shift = 2 * (g % 8 / 2);
+        for ((o, &q), &h) in o.iter_mut().zip(q).zip(h) {
+            let offset = if (h >> (g / 2)) & 1 == 1 { 0 } else { 4 };
+            *o = dl * f32::from(((q >> shift) & 3) as i8 - offset);
+        }
+    }
+}
+
+/// One Q5_K super-block (176 bytes) into 256 elements: per 32-element
+/// sub-block `s`, Q4_K's scale and min and nibble (`s % 2`) of quant bytes
+/// `32·(s / 2)..`, with bit `s` of high-bit byte `l` as the fifth bit.
+fn q5_k(b: &[u8], out: &mut [f32]) {
+    let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
+    let scales = &b[4..16];
+    let (high, qs) = b[16..].split_at(QK_K / 8);
+    for (s, o) in out.chunks_exact_mut(32).enumerate() {
+        let (sc, m) = scale_min_k4(s, scales);
+        let (dl, ml) = (d * f32::from(sc), dmin * f32::from(m));
+        let q = &qs[32 * (s / 2)..][..32];
+        for ((o, &q), &h) in o.iter_mut().zip(q).zip(high) {
+            let q = ((q >> (4 * (s % 2))) & 0x0f) | ((h >> s) & 1) << 4;
+            *o = dl * f32::from(q) - ml;
+        }
+    }
+}
+
+/// One IQ4_NL block (18 bytes) into 32 elements: `d·T[code]`, the codes
+/// as Q4_0's nibbles.
+fn iq4_nl(b: &[u8], out: &mut [f32]) {
+    let d = f16_at(b, 0);
+    iq4_levels(d, &b[2..18], out);
+}
+
+/// 32 elements `d·T[code]` of the 16 code bytes `qs` (low nibbles first).
+fn iq4_levels(d: f32, qs: &[u8], out: &mut [f32]) {
+    let (low, high) = out.split_at_mut(16);
+    for (j, &q) in qs.iter().enumerate() {
+        low[j] = d * f32::from(IQ4_LEVELS[usize::from(q & 0x0f)]);
+        high[j] = d * f32::from(IQ4_LEVELS[usize::from(q >> 4)]);
+    }
+}
+
+/// One IQ4_XS super-block (136 bytes) into 256 elements: per 32-element
+/// sub-block `s`, IQ4_NL's codes of bytes `16·s..` scaled by
+/// `d·(sc − 32)`, the 6-bit `sc` from nibble `s % 2` of low byte `s / 2`
+/// and bits `2s..2s + 2` of the 16-bit high field.
+fn iq4_xs(b: &[u8], out: &mut [f32]) {
+    let d = f16_at(b, 0);
+    let high = u16::from_le_bytes([b[2], b[3]]);
+    let (low, qs) = b[4..].split_at(QK_K / 64);
+    for (s, o) in out.chunks_exact_mut(32).enumerate() {
+        let sc = ((low[s / 2] >> (4 * (s % 2))) & 0x0f) | (((high >> (2 * s)) & 3) as u8) << 4;
+        iq4_levels(d * f32::from(sc as i8 - 32), &qs[16 * s..16 * s + 16], o);
+    }
+}
+
+/// Q5_0 or IQ4_NL blocks rewritten as Q8_0 blocks (34 bytes: the same f16
+/// `d`, then the 32 elements' integers `q − 16` or `T[q]`), so that every
+/// element dequantizes to the same f32 bits (`d` times the same integer).
+/// `None` for other types or bytes that are not whole blocks.
+pub fn to_q8_0(ty: GgmlType, bytes: &[u8]) -> Option<Vec<u8>> {
+    let size = ty.type_size();
+    if !matches!(ty, GgmlType::Q5_0 | GgmlType::Iq4Nl) || !bytes.len().is_multiple_of(size) {
+        return None;
+    }
+    let mut out = Vec::with_capacity(bytes.len() / size * 34);
+    for b in bytes.chunks_exact(size) {
+        out.extend_from_slice(&b[..2]);
+        let qs = if ty == GgmlType::Q5_0 { &b[6..22] } else { &b[2..18] };
+        let high = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+        out.extend((0..32).map(|j| {
+            let low = if j < 16 { qs[j] & 0x0f } else { qs[j - 16] >> 4 };
+            let integer = match ty {
+                GgmlType::Q5_0 => (low | (((high >> j) & 1) as u8) << 4) as i8 - 16,
+                _ => IQ4_LEVELS[usize::from(low)],
+            };
+            integer as u8
+        }));
+    }
+    Some(out)
 }
 
 #[cfg(test)]
@@ -206,7 +360,89 @@ mod tests {
         let mut out = [0f32; 32];
         assert!(dequantize(GgmlType::Q8_0, &[0; 33], &mut out).is_err());
         assert!(dequantize(GgmlType::Q8_0, &[0; 34], &mut out[..31]).is_err());
-        let err = dequantize(GgmlType::Q5K, &[0; 176], &mut [0f32; 256]).unwrap_err();
-        assert!(err.contains("cannot dequantize Q5_K"), "{err}");
+        let err = dequantize(GgmlType::Iq2Xxs, &[0; 66], &mut [0f32; 256]).unwrap_err();
+        assert!(err.contains("cannot dequantize IQ2_XXS"), "{err}");
+        assert!(err.contains("Q5_K") && err.contains("IQ4_XS"), "{err}");
+    }
+
+    #[test]
+    fn q5_0_and_q5_1_take_bit_j_of_the_high_word_as_element_j_fifth_bit() {
+        // d = 2 (0x4000); high bits set for elements 0 and 31 only.
+        let mut rest = (1u32 | 1 << 31).to_le_bytes().to_vec();
+        let mut qs = [0u8; 16];
+        qs[0] = 0x0f; // element 0: 15 | 16 = 31; element 16: 0
+        qs[15] = 0xf0; // element 15: 0; element 31: 15 | 16 = 31
+        rest.extend_from_slice(&qs);
+        let out = run(GgmlType::Q5_0, &block(&[0x4000], &rest, 22));
+        assert_eq!([out[0], out[16], out[15], out[31], out[1]], [30.0, -32.0, -32.0, 30.0, -32.0]);
+        // Q5_1: d = 0.5 (0x3800), m = −4 (0xc400): 0.5·q − 4.
+        let out = run(GgmlType::Q5_1, &block(&[0x3800, 0xc400], &rest, 24));
+        assert_eq!([out[0], out[16], out[31], out[1]], [11.5, -4.0, 11.5, -4.0]);
+    }
+
+    #[test]
+    fn q2_k_and_q3_k_groups_of_16_take_their_own_scales_and_shifts() {
+        // Q2_K: d = 1, dmin = 0.5. Group 0 (bytes 0..16, shift 0): sc 3,
+        // m 2; group 3 (bytes 16..32, shift 2): sc 5, m 0; group 9
+        // (second half, bytes 48..64, shift 0): sc 1, m 15.
+        let mut b = vec![0u8; 84];
+        b[0] = 3 | 2 << 4;
+        b[3] = 5;
+        b[9] = 1 | 15 << 4;
+        b[16] = 0b11; // element 0: q 3
+        b[16 + 16] = 0b10_00; // group 3's element 0 (element 48): q 2
+        b[16 + 48] = 0b01; // group 9's element 0 (element 144): q 1
+        b[80..84].copy_from_slice(&[0x00, 0x3c, 0x00, 0x38]);
+        let out = run(GgmlType::Q2K, &b);
+        assert_eq!([out[0], out[1], out[48], out[144], out[145]], [8.0, -1.0, 10.0, -6.5, -7.5]);
+        // Q3_K: d = 0.25; group 0's scale (4 | 0b10 << 4) − 32 = 4 (low
+        // 4 bits from byte 0, high 2 from bits 0..2 of byte 8), group 1's
+        // 0 − 32 = −32 (byte 1, byte 9). Mask bit 0 of
+        // byte 0 set: element 0 has no −4; element 1 does.
+        let mut b = vec![0u8; 110];
+        b[0] = 1; // mask: element 0's third bit
+        b[32] = 0b11; // element 0: q 3
+        b[32 + 1] = 0b01; // element 1: q 1
+        b[96] = 4;
+        b[96 + 8] = 0b10;
+        b[96 + 1] = 0;
+        b[108..110].copy_from_slice(&0x3400u16.to_le_bytes());
+        let out = run(GgmlType::Q3K, &b);
+        assert_eq!(out[0], 0.25 * 4.0 * 3.0);
+        assert_eq!(out[1], 0.25 * 4.0 * (1.0 - 4.0));
+        assert_eq!(out[2], 0.25 * 4.0 * -4.0);
+        assert_eq!(out[16], 0.25 * -32.0 * -4.0); // group 1, q 0, no mask bit
+    }
+
+    #[test]
+    fn q5_k_iq4_nl_and_iq4_xs_decode_by_hand() {
+        // Q5_K: d = 1, dmin = 1; sub-block 1 (high nibbles of bytes
+        // 0..32, fifth bit = bit 1): sc 3, m 2.
+        let mut b = vec![0u8; 176];
+        b[0..4].copy_from_slice(&[0x00, 0x3c, 0x00, 0x3c]);
+        b[4 + 1] = 3;
+        b[4 + 5] = 2;
+        b[16] = 0b10; // element 32's fifth bit
+        b[48] = 0x70; // element 32: high nibble 7
+        let out = run(GgmlType::Q5K, &b);
+        assert_eq!(out[32], 3.0 * 23.0 - 2.0);
+        assert_eq!(out[33], -2.0);
+        assert_eq!(out[0].to_bits(), 0); // sub-block 0: sc 0, m 0
+        // IQ4_NL: d = 0.5; codes 0 and 15 are the ends of the table.
+        let mut qs = [0x88u8; 16];
+        qs[0] = 0xf0;
+        let out = run(GgmlType::Iq4Nl, &block(&[0x3800], &qs, 18));
+        assert_eq!([out[0], out[16], out[1]], [-63.5, 56.5, 0.5]);
+        // IQ4_XS: d = 1; sub-block 3's scale: high nibble of low byte 1
+        // (5), bits 6..8 of the high field (0b11) → 53 − 32 = 21.
+        let mut b = vec![0u8; 136];
+        b[0..2].copy_from_slice(&0x3c00u16.to_le_bytes());
+        b[2..4].copy_from_slice(&(0b11u16 << 6).to_le_bytes());
+        b[5] = 5 << 4;
+        b[8 + 48] = 0x0f; // sub-block 3's element 0: code 15
+        let out = run(GgmlType::Iq4Xs, &b);
+        assert_eq!(out[96], 21.0 * 113.0);
+        assert_eq!(out[97], 21.0 * -127.0);
+        assert_eq!(out[0], -32.0 * -127.0); // sub-block 0: scale 0 − 32
     }
 }

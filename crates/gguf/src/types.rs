@@ -131,8 +131,22 @@ impl GgmlType {
         })
     }
 
+    /// The kvjit weight block format this type's blocks are held in: its
+    /// own ([`GgmlType::block_format`]), or Q8_0 for the types whose every
+    /// value is an f16 scale times an integer in −128..=127 per block of 32
+    /// — Q5_0 (`d·(q − 16)`) and IQ4_NL (`d·T[q]`) — rewritten block for
+    /// block without changing a bit of any value ([`crate::dequant::to_q8_0`]).
+    pub fn kept_format(self) -> Option<kvjit_core::DType> {
+        match self {
+            GgmlType::Q5_0 | GgmlType::Iq4Nl => Some(kvjit_core::DType::Q8_0),
+            _ => self.block_format(),
+        }
+    }
+
     /// Whether kvjit can turn this type into f32, bf16 or f16
-    /// ([`crate::Gguf::tensor`]).
+    /// ([`crate::Gguf::tensor`]): the plain floats and the block types of
+    /// [`crate::dequant`] (not Q8_1/Q8_K, which files do not store, nor the
+    /// IQ1–IQ3 and ternary types, whose grids kvjit does not carry).
     pub fn is_supported(self) -> bool {
         matches!(
             self,
@@ -144,6 +158,13 @@ impl GgmlType {
                 | GgmlType::Q4_1
                 | GgmlType::Q4K
                 | GgmlType::Q6K
+                | GgmlType::Q5_0
+                | GgmlType::Q5_1
+                | GgmlType::Q2K
+                | GgmlType::Q3K
+                | GgmlType::Q5K
+                | GgmlType::Iq4Nl
+                | GgmlType::Iq4Xs
         )
     }
 

@@ -184,10 +184,10 @@ fn missing_and_mistyped_keys_name_the_key() {
     assert_eq!(g.tensor("nope", DType::F32).unwrap_err().to_string(), "tensor 'nope' not found in m.gguf");
     assert!(g.tensor("f32", DType::U32).unwrap_err().to_string().contains("f32, bf16 or f16, not u32"));
     let mut w = GgufWriter::new();
-    w.tensor_raw("q5", GgmlType::Q5K, &[256], vec![0; 176]);
+    w.tensor_raw("iq2", GgmlType::Iq2Xxs, &[256], vec![0; 66]);
     let g = Gguf::from_bytes("m.gguf", &w.to_bytes()).unwrap();
-    let err = g.tensor("q5", DType::F32).unwrap_err().to_string();
-    assert!(err.starts_with("m.gguf: tensor 'q5': GGML type Q5_K is not one kvjit reads"), "{err}");
+    let err = g.tensor("iq2", DType::F32).unwrap_err().to_string();
+    assert!(err.starts_with("m.gguf: tensor 'iq2': GGML type IQ2_XXS is not one kvjit reads"), "{err}");
 }
 
 #[test]
@@ -517,4 +517,51 @@ fn mutated_files_are_refused_or_read_without_panicking() {
         }
     }
     assert!(accepted > 100, "some mutations (of tensor data, say) still read: {accepted}");
+}
+
+/// Q5_0 and IQ4_NL load as Q8_0 blocks holding the same values bit for bit
+/// (every element an f16 scale times an integer in −128..=127 per 32), as
+/// f32 the same as their own dequantization; other block types do not
+/// load as Q8_0, and neither type loads as another block format.
+#[test]
+fn q5_0_and_iq4_nl_load_as_the_q8_0_blocks_of_the_same_values() {
+    // Bytes from a fixed LCG; each block's f16 scale set to a normal value
+    // of either sign (2^-6 .. 2^1), the rest (quants, high bits) as drawn.
+    let mut state = 0x2545_f491_4f6c_dd1du64;
+    let mut byte = || {
+        state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (state >> 56) as u8
+    };
+    let mut w = GgufWriter::new();
+    for (name, ty) in [("q5_0", GgmlType::Q5_0), ("iq4_nl", GgmlType::Iq4Nl), ("q5_1", GgmlType::Q5_1)] {
+        let (rows, k) = (3, 64);
+        let mut bytes: Vec<u8> = (0..rows * k / 32 * ty.type_size()).map(|_| byte()).collect();
+        for block in bytes.chunks_exact_mut(ty.type_size()) {
+            let scale =
+                half::f16::from_f32((f32::from(block[3]) / 255.0 + 0.1) * if block[4] & 1 == 1 { 2.0 } else { -0.02 });
+            block[..2].copy_from_slice(&scale.to_bits().to_le_bytes());
+        }
+        w.tensor_raw(name, ty, &[rows, k], bytes);
+    }
+    let g = Gguf::from_bytes("m.gguf", &w.to_bytes()).unwrap();
+    for name in ["q5_0", "iq4_nl"] {
+        let (q8, borrowed) = g.load_tensor(name, DType::Q8_0).unwrap();
+        assert!(!borrowed, "{name}: rewritten into memory of its own");
+        assert_eq!(q8.shape(), &[3, 64]);
+        assert_eq!(q8.as_bytes().len(), 3 * 2 * 34, "{name}");
+        let mut from_q8 = vec![f32::NAN; 3 * 64];
+        dequant::dequantize(GgmlType::Q8_0, q8.as_bytes(), &mut from_q8).unwrap();
+        let info = g.tensor_info(name).unwrap();
+        let mut direct = vec![f32::NAN; 3 * 64];
+        dequant::dequantize(info.ggml_type(), g.tensor_data(name).unwrap(), &mut direct).unwrap();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&from_q8), bits(&direct), "{name}");
+        assert!(direct.iter().any(|&v| v > 1.0) && direct.iter().any(|&v| v < 0.0), "{name}: varied values");
+        let err = g.tensor(name, DType::Q4_0).unwrap_err().to_string();
+        assert!(err.contains("not q4_0 blocks"), "{err}");
+    }
+    let err = g.tensor("q5_1", DType::Q8_0).unwrap_err().to_string();
+    assert!(err.contains("it is stored as Q5_1, not q8_0 blocks"), "{err}");
+    assert_eq!(GgmlType::Q5_1.kept_format(), None);
+    assert_eq!(GgmlType::Q4K.kept_format(), Some(DType::Q4K));
 }

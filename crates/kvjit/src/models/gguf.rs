@@ -9,7 +9,11 @@
 //! declares them in that format, they are borrowed from the mapping, and
 //! the matmuls, the fused QKV projection and the embedding gather decode
 //! them as they read ([`ImportOptions::dequantize`] dequantizes them into
-//! the model's dtype instead). The fused QKV weight is the file's `attn_q`,
+//! the model's dtype instead). Q5_0 and IQ4_NL matrices (what llama.cpp's
+//! K-quant mixes store where a row is not a multiple of 256) are held as
+//! the Q8_0 blocks of exactly their values; the other GGML types kvjit
+//! reads (Q5_1, Q2_K, Q3_K, Q5_K, IQ4_XS, f16, bf16) are dequantized into
+//! the model's dtype as the model loads. The fused QKV weight is the file's `attn_q`,
 //! `attn_k` and `attn_v` stacked (in their format when all three share
 //! one). llama.cpp's converter
 //! permutes Q and K rows for pairwise RoPE, so the model rotates
@@ -243,7 +247,7 @@ fn gguf_name(name: &str, num_layers: usize) -> Option<String> {
 /// tensor `name` (of all three parts of a stacked QKV weight), when kvjit
 /// decodes it.
 fn kept_format(gguf: &Gguf, name: &str) -> Option<DType> {
-    let format = |name: &str| gguf.tensor_info(name).and_then(|t| t.ggml_type().block_format());
+    let format = |name: &str| gguf.tensor_info(name).and_then(|t| t.ggml_type().kept_format());
     match name.strip_suffix("attn_qkv.weight").filter(|_| gguf.tensor_info(name).is_none()) {
         Some(prefix) => {
             let parts = ["attn_q", "attn_k", "attn_v"].map(|p| format(&format!("{prefix}{p}.weight")));
