@@ -889,7 +889,7 @@ impl ModelReport {
         let cols = self.dtypes.first().map_or((0, 0), |d| (d.prefill.len(), d.decode.len()));
         match &self.peer {
             Peer::Measured(p) => {
-                let mut row = "| llama.cpp (measured, Q4_1 file as is) |".to_string();
+                let mut row = "| llama.cpp (measured, the same GGUF file) |".to_string();
                 for d in self.dtypes.first().into_iter().flat_map(|d| &d.prefill) {
                     let _ = write!(row, " {} |", p.prefill.get(&d.tokens).map_or("–".into(), |v| format_rate(*v)));
                 }
