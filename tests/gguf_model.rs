@@ -22,7 +22,7 @@ use std::process::{Command, Output};
 use kvjit::generate::{GenerateOptions, Generation, Model, Sampling};
 use kvjit::gguf::writer::{GgufWriter, MetaValue};
 use kvjit::gguf::{GgmlType, Gguf};
-use kvjit::models::gguf::{ImportOptions, import, load_model, tokenizer};
+use kvjit::models::gguf::{ImportOptions, import, load_model, tokenizer, weight_notes};
 use kvjit::{
     CompileOptions, DType, DeviceContextPtr, Executor, Graph, WeightLoad, compile, load_graph, read_safetensors,
     standard_registry,
@@ -517,6 +517,37 @@ fn an_iq4_nl_matrix_is_held_as_q8_0_and_matches_the_naive_model() {
     let error = check_against_naive(&graph, &retagged, DType::F32, 3);
     eprintln!("iq4_nl held as q8_0: largest normalized logits error {error:.2e}");
     assert!(error < 2e-4, "{error}");
+}
+
+/// What loading says of matrices the kernels do not read in their own
+/// blocks: Q5_0/IQ4_NL held as Q8_0, other quantized types dequantized into
+/// the dtype (with its bytes a weight); nothing for matrices kept as they
+/// are, for vectors, or when `--dequantize` asked for the dtype throughout.
+#[test]
+fn weight_notes_name_the_matrices_held_as_q8_0_and_those_dequantized() {
+    let mut w = GgufWriter::new();
+    w.kv("general.architecture", MetaValue::from("llama"));
+    let raw = |w: &mut GgufWriter, name: &str, ty: GgmlType, rows: usize| {
+        let bytes = rows * 256 / ty.block_size() * ty.type_size();
+        w.tensor_raw(name, ty, &[rows, 256], vec![0; bytes]);
+    };
+    raw(&mut w, "a", GgmlType::Q5_0, 2);
+    raw(&mut w, "b", GgmlType::Q5_0, 2);
+    raw(&mut w, "c", GgmlType::Iq4Nl, 2);
+    raw(&mut w, "d", GgmlType::Q5_1, 2);
+    raw(&mut w, "e", GgmlType::Q5K, 2);
+    raw(&mut w, "f", GgmlType::Q4K, 2);
+    w.tensor_raw("v", GgmlType::Q5_1, &[256], vec![0; 8 * 24]);
+    let gguf = Gguf::from_bytes("m.gguf", &w.to_bytes()).unwrap();
+    let notes = weight_notes(&gguf, &ImportOptions::default());
+    assert_eq!(notes.len(), 2, "{notes:?}");
+    assert!(notes[0].contains("1 IQ4_NL, 2 Q5_0 matrices held as the Q8_0 blocks"), "{notes:?}");
+    assert!(notes[1].contains("1 Q5_1, 1 Q5_K matrices dequantized to f32 at load, 4 bytes a weight"), "{notes:?}");
+    let bf16 = weight_notes(&gguf, &ImportOptions { dtype: DType::BF16, ..ImportOptions::default() });
+    assert!(bf16[1].contains("to bf16 at load, 2 bytes a weight;"), "{bf16:?}");
+    assert!(weight_notes(&gguf, &ImportOptions { dequantize: true, ..ImportOptions::default() }).is_empty());
+    let (_dir, path) = written(TIED);
+    assert!(weight_notes(&Gguf::open(&path).unwrap(), &ImportOptions::default()).is_empty());
 }
 
 /// A batch of block-weight decodes gives every prompt what it gets alone:

@@ -415,6 +415,9 @@ fn main() -> ExitCode {
         Command::Import { model, output, shape } => {
             kvjit::models::gguf::import(&model, &output, registry.ops(), &shape.options()).map(|(graph, gguf)| {
                 println!("wrote {} (weights: {})", graph.display(), gguf.display());
+                if let Ok(file) = kvjit::gguf::Gguf::open(&gguf) {
+                    kvjit::models::gguf::weight_notes(&file, &shape.options()).iter().for_each(|n| println!("{n}"));
+                }
             })
         }
         Command::Generate(args) => generate(&registry, &args),
@@ -874,7 +877,8 @@ fn generate(registry: &Registry, args: &GenerateArgs) -> Result<()> {
         let exe = compile(&graph, registry, &options)?;
         (graph, exe, gguf_path)
     };
-    let tokenizer = tokenizer(&kvjit::gguf::Gguf::open(&gguf_path)?)?;
+    let gguf_file = kvjit::gguf::Gguf::open(&gguf_path)?;
+    let tokenizer = tokenizer(&gguf_file)?;
     let ctx = DeviceContextPtr::for_target(Target::Cpu, args.threads)?;
     let model = Model::new(&graph, registry, exe, Executor::new(ctx))?;
     let compile_time = started.elapsed();
@@ -905,6 +909,9 @@ fn generate(registry: &Registry, args: &GenerateArgs) -> Result<()> {
         check_writable(path).map_err(|e| Error::Usage(format!("--logits {}: {e}", path.display())))?;
     }
     eprintln!("model '{}': {} prompt(s), compiled in {}", graph.name(), prompts.len(), format_duration(compile_time));
+    if is_gguf {
+        kvjit::models::gguf::weight_notes(&gguf_file, &args.shape.options()).iter().for_each(|n| eprintln!("{n}"));
+    }
     let streaming = prompts.len() == 1;
     let mut decoders: Vec<_> = prompts.iter().map(|_| tokenizer.decoder().skip_special(true)).collect();
     let mut texts = vec![String::new(); prompts.len()];

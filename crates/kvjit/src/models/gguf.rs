@@ -296,6 +296,51 @@ pub fn load_model(path: &Path, ops: &OpRegistry, options: &ImportOptions, mode: 
     Ok(graph_from_json_with_gguf(&text, ops, path, mode)?)
 }
 
+/// What loading `gguf` with `options` does to its quantized matrices that
+/// the kernels do not read in their own blocks, one line per kind (none
+/// when every quantized matrix stays in its blocks, or `--dequantize` asked
+/// for all of them in the dtype): Q5_0/IQ4_NL held as Q8_0, and the types
+/// dequantized into the model's dtype, with the bytes a weight each costs.
+pub fn weight_notes(gguf: &Gguf, options: &ImportOptions) -> Vec<String> {
+    use std::collections::BTreeMap;
+    if options.dequantize {
+        return Vec::new();
+    }
+    let (mut held, mut dequantized) = (BTreeMap::new(), BTreeMap::new());
+    for info in gguf.tensors().iter().filter(|t| t.shape().len() == 2 && t.ggml_type().block_size() > 1) {
+        let ty = info.ggml_type();
+        match (ty.block_format(), ty.kept_format()) {
+            (Some(_), _) => {}
+            (None, Some(_)) => *held.entry(ty.name()).or_insert(0usize) += 1,
+            (None, None) => *dequantized.entry(ty.name()).or_insert(0usize) += 1,
+        }
+    }
+    let list = |counts: &BTreeMap<&str, usize>| {
+        counts.iter().map(|(name, n)| format!("{n} {name}")).collect::<Vec<_>>().join(", ")
+    };
+    let mut notes = Vec::new();
+    if !held.is_empty() {
+        notes.push(format!(
+            "note: {} matrices held as the Q8_0 blocks of the same values (1.0625 bytes a weight)",
+            list(&held)
+        ));
+    }
+    if !dequantized.is_empty() {
+        let dtype = options.dtype;
+        let cheaper = match dtype {
+            DType::F32 => " (--dtype bf16 halves that)",
+            _ => "",
+        };
+        notes.push(format!(
+            "note: {} matrices dequantized to {dtype} at load, {} bytes a weight{cheaper}; kvjit's kernels read \
+             Q8_0, Q4_0, Q4_1, Q4_K and Q6_K blocks as they are",
+            list(&dequantized),
+            dtype.size_bytes()
+        ));
+    }
+    notes
+}
+
 /// `kvjit import`: write `dir/model.json`, the model graph of the GGUF at
 /// `gguf_path` referring to it. The graph file may only name a weights
 /// file in its own folder: a GGUF elsewhere is hard-linked into `dir`
