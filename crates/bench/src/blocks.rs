@@ -1,5 +1,5 @@
 //! `kvjit bench --ops blocks`: `mo.matmul` on weights kept in their GGUF
-//! block formats (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) against the same matrix in
+//! block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q6_K) against the same matrix in
 //! bf16 and f32, side by side in one run, at Llama-3-8B shapes: a decode
 //! GEMV (M = 1, the weights streamed from DRAM: enough copies of each
 //! matrix are rotated that none is cached) on the read roof, in the bytes
@@ -58,7 +58,17 @@ impl BlocksBenchConfig {
                 ("llama3-8b ffn up".into(), 14336, 4096),
                 ("llama3-8b ffn down".into(), 4096, 14336),
             ],
-            formats: vec![DType::BF16, DType::F32, DType::Q8_0, DType::Q4_0, DType::Q4_1, DType::Q4K, DType::Q6K],
+            formats: vec![
+                DType::BF16,
+                DType::F32,
+                DType::Q8_0,
+                DType::Q4_0,
+                DType::Q4_1,
+                DType::Q5_0,
+                DType::Q5_1,
+                DType::Q4K,
+                DType::Q6K,
+            ],
             prefill_rows: 64,
             rotate_bytes: 768 << 20,
             timing: Plan {

@@ -39,6 +39,13 @@ pub enum DType {
     /// nibbles.
     #[serde(rename = "q4_1")]
     Q4_1,
+    /// GGML's Q5_0 weight blocks: 32 weights, an f16 scale, 32 nibbles and
+    /// a 32-bit word of their fifth bits.
+    #[serde(rename = "q5_0")]
+    Q5_0,
+    /// GGML's Q5_1 weight blocks: Q5_0's with an f16 minimum.
+    #[serde(rename = "q5_1")]
+    Q5_1,
     /// GGML's Q4_K super-blocks: 256 weights in 8 sub-blocks with 6-bit
     /// scales and minimums.
     #[serde(rename = "q4_k")]
@@ -50,7 +57,7 @@ pub enum DType {
 
 impl DType {
     /// Every dtype, in a fixed order.
-    pub const ALL: [DType; 10] = [
+    pub const ALL: [DType; 12] = [
         DType::F32,
         DType::BF16,
         DType::F16,
@@ -59,6 +66,8 @@ impl DType {
         DType::Q8_0,
         DType::Q4_0,
         DType::Q4_1,
+        DType::Q5_0,
+        DType::Q5_1,
         DType::Q4K,
         DType::Q6K,
     ];
@@ -66,7 +75,8 @@ impl DType {
     pub const FLOATS: [DType; 3] = [DType::F32, DType::BF16, DType::F16];
 
     /// The weight block formats a constant may hold ([`crate::quant`]).
-    pub const BLOCK_FORMATS: [DType; 5] = [DType::Q8_0, DType::Q4_0, DType::Q4_1, DType::Q4K, DType::Q6K];
+    pub const BLOCK_FORMATS: [DType; 7] =
+        [DType::Q8_0, DType::Q4_0, DType::Q4_1, DType::Q5_0, DType::Q5_1, DType::Q4K, DType::Q6K];
 
     /// Size of one storage unit in bytes: an element, or for a block
     /// format a byte of its blocks (their size is [`DType::block`]).
@@ -74,7 +84,14 @@ impl DType {
         match self {
             DType::F32 | DType::U32 => 4,
             DType::BF16 | DType::F16 => 2,
-            DType::F8E4M3 | DType::Q8_0 | DType::Q4_0 | DType::Q4_1 | DType::Q4K | DType::Q6K => 1,
+            DType::F8E4M3
+            | DType::Q8_0
+            | DType::Q4_0
+            | DType::Q4_1
+            | DType::Q5_0
+            | DType::Q5_1
+            | DType::Q4K
+            | DType::Q6K => 1,
         }
     }
 
@@ -85,6 +102,8 @@ impl DType {
             DType::Q8_0 => (32, 34),
             DType::Q4_0 => (32, 18),
             DType::Q4_1 => (32, 20),
+            DType::Q5_0 => (32, 22),
+            DType::Q5_1 => (32, 24),
             DType::Q4K => (256, 144),
             DType::Q6K => (256, 210),
             other => (1, other.size_bytes()),
@@ -146,6 +165,8 @@ impl DType {
             DType::Q8_0 => "q8_0",
             DType::Q4_0 => "q4_0",
             DType::Q4_1 => "q4_1",
+            DType::Q5_0 => "q5_0",
+            DType::Q5_1 => "q5_1",
             DType::Q4K => "q4_k",
             DType::Q6K => "q6_k",
         }

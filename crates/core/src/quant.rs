@@ -10,6 +10,8 @@
 //! | Q8_0 | f16 `d`, 32 × i8 `q` | `q[j]·d` |
 //! | Q4_0 | f16 `d`, 16 bytes | element `j < 16`: `d·((b[j] & 15) − 8)`; `j ≥ 16`: `d·((b[j−16] >> 4) − 8)` |
 //! | Q4_1 | f16 `d`, f16 `m`, 16 bytes | `d·q + m`, nibbles as Q4_0 |
+//! | Q5_0 | f16 `d`, 32 high bits, 16 bytes | `d·(q − 16)`, low nibbles as Q4_0, bit j of the high bits on element j |
+//! | Q5_1 | f16 `d`, f16 `m`, 32 high bits, 16 bytes | `d·q + m`, 5-bit `q` as Q5_0 |
 //! | Q4_K | f16 `d`, f16 `dmin`, 12 bytes of 6-bit scales and mins, 128 bytes | per 32 elements: `(d·sc)·q − dmin·m` |
 //! | Q6_K | 128 bytes low 4 bits, 64 bytes high 2 bits, 16 × i8 scales, f16 `d` | per 16 elements: `(d·sc)·(q − 32)` |
 
@@ -46,6 +48,8 @@ pub fn dequantize(format: DType, bytes: &[u8], out: &mut [f32]) -> Result<()> {
         DType::Q8_0 => blocks.for_each(|(b, o)| q8_0(b, o)),
         DType::Q4_0 => blocks.for_each(|(b, o)| q4_0(b, o)),
         DType::Q4_1 => blocks.for_each(|(b, o)| q4_1(b, o)),
+        DType::Q5_0 => blocks.for_each(|(b, o)| q5::<false>(b, o)),
+        DType::Q5_1 => blocks.for_each(|(b, o)| q5::<true>(b, o)),
         DType::Q4K => blocks.for_each(|(b, o)| q4_k(b, o)),
         DType::Q6K => blocks.for_each(|(b, o)| q6_k(b, o)),
         _ => unreachable!("checked a block format above"),
@@ -79,6 +83,22 @@ fn q4_1(b: &[u8], out: &mut [f32]) {
     for (j, &q) in b[4..20].iter().enumerate() {
         low[j] = d * f32::from(q & 0x0f) + m;
         high[j] = d * f32::from(q >> 4) + m;
+    }
+}
+
+/// One Q5_0 (`MIN = false`: `d·(q − 16)`, 22 bytes) or Q5_1 (`d·q + m`,
+/// 24 bytes) block into 32 elements: element `j < 16` is the low nibble of
+/// quant byte `j`, `j ≥ 16` the high nibble of byte `j − 16`, and bit `j`
+/// of the little-endian u32 before the quants is its fifth bit.
+fn q5<const MIN: bool>(b: &[u8], out: &mut [f32]) {
+    let d = f16_at(b, 0);
+    let (m, at) = if MIN { (f16_at(b, 2), 4) } else { (0.0, 2) };
+    let high = u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]]);
+    let qs = &b[at + 4..at + 20];
+    for (j, o) in out.iter_mut().enumerate() {
+        let low = if j < 16 { qs[j] & 0x0f } else { qs[j - 16] >> 4 };
+        let q = low | (((high >> j) & 1) as u8) << 4;
+        *o = if MIN { d * f32::from(q) + m } else { d * f32::from(q as i8 - 16) };
     }
 }
 
@@ -155,8 +175,8 @@ pub fn random_block(format: DType, rng: &mut impl Rng) -> Vec<u8> {
     let (_, bytes) = format.block();
     let mut block: Vec<u8> = (0..bytes).map(|_| rng.r#gen()).collect();
     match format {
-        DType::Q8_0 | DType::Q4_0 => block[..2].copy_from_slice(&random_scale(rng, 0.002, 0.02, true)),
-        DType::Q4_1 => {
+        DType::Q8_0 | DType::Q4_0 | DType::Q5_0 => block[..2].copy_from_slice(&random_scale(rng, 0.002, 0.02, true)),
+        DType::Q4_1 | DType::Q5_1 => {
             block[..2].copy_from_slice(&random_scale(rng, 0.002, 0.02, true));
             block[2..4].copy_from_slice(&random_scale(rng, 0.0, 0.1, true));
         }

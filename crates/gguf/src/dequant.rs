@@ -18,9 +18,10 @@
 //! | IQ4_NL | f16 `d`, 16 bytes | `d·T[q]`, `T` the 16 non-linear levels, nibbles as Q4_0 |
 //! | IQ4_XS | f16 `d`, 16 bits high scale bits, 4 bytes low scale bits, 128 bytes | per 32 elements: `(d·(sc − 32))·T[q]` |
 //!
-//! The first five are also kvjit's weight block formats (kept as stored,
-//! decoded in the kernels: [`kvjit_core::quant`] dequantizes them); the
-//! others are dequantized when a model loads.
+//! Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K and Q6_K are also kvjit's weight
+//! block formats (kept as stored, decoded in the kernels:
+//! [`kvjit_core::quant`] is their definition); IQ4_NL is held as Q8_0
+//! ([`to_q8_0`]); the others are dequantized when a model loads.
 
 use crate::GgmlType;
 
@@ -59,12 +60,16 @@ pub fn dequantize(ty: GgmlType, bytes: &[u8], out: &mut [f32]) -> Result<(), Str
                 o[0] = f32::from_bits(u32::from(u16::from_le_bytes([b[0], b[1]])) << 16);
             }
         }
-        GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q4K | GgmlType::Q6K => {
-            let format = ty.block_format().expect("the five block formats kvjit keeps");
+        GgmlType::Q8_0
+        | GgmlType::Q4_0
+        | GgmlType::Q4_1
+        | GgmlType::Q5_0
+        | GgmlType::Q5_1
+        | GgmlType::Q4K
+        | GgmlType::Q6K => {
+            let format = ty.block_format().expect("the seven block formats kvjit keeps");
             kvjit_core::quant::dequantize(format, bytes, out).map_err(|e| e.to_string())?;
         }
-        GgmlType::Q5_0 => blocks.for_each(|(b, o)| q5::<false>(b, o)),
-        GgmlType::Q5_1 => blocks.for_each(|(b, o)| q5::<true>(b, o)),
         GgmlType::Q2K => blocks.for_each(|(b, o)| q2_k(b, o)),
         GgmlType::Q3K => blocks.for_each(|(b, o)| q3_k(b, o)),
         GgmlType::Q5K => blocks.for_each(|(b, o)| q5_k(b, o)),
@@ -75,22 +80,6 @@ pub fn dequantize(ty: GgmlType, bytes: &[u8], out: &mut [f32]) -> Result<(), Str
         }
     }
     Ok(())
-}
-
-/// One Q5_0 (`MIN = false`: `d·(q − 16)`, 22 bytes) or Q5_1 (`d·q + m`,
-/// 24 bytes) block into 32 elements: element `j < 16` is the low nibble of
-/// quant byte `j`, `j ≥ 16` the high nibble of byte `j − 16`, and bit `j`
-/// of the little-endian u32 before the quants is its fifth bit.
-fn q5<const MIN: bool>(b: &[u8], out: &mut [f32]) {
-    let d = f16_at(b, 0);
-    let (m, at) = if MIN { (f16_at(b, 2), 4) } else { (0.0, 2) };
-    let high = u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]]);
-    let qs = &b[at + 4..at + 20];
-    for (j, o) in out.iter_mut().enumerate() {
-        let low = if j < 16 { qs[j] & 0x0f } else { qs[j - 16] >> 4 };
-        let q = low | (((high >> j) & 1) as u8) << 4;
-        *o = if MIN { d * f32::from(q) + m } else { d * f32::from(q as i8 - 16) };
-    }
 }
 
 /// One Q2_K super-block (84 bytes) into 256 elements. Group `g` (0..16)
@@ -184,27 +173,22 @@ fn iq4_xs(b: &[u8], out: &mut [f32]) {
     }
 }
 
-/// Q5_0 or IQ4_NL blocks rewritten as Q8_0 blocks (34 bytes: the same f16
-/// `d`, then the 32 elements' integers `q − 16` or `T[q]`), so that every
+/// IQ4_NL blocks rewritten as Q8_0 blocks (34 bytes: the same f16 `d`,
+/// then the 32 elements' levels `T[q]`, each in −127..=113), so that every
 /// element dequantizes to the same f32 bits (`d` times the same integer).
 /// `None` for other types or bytes that are not whole blocks.
 pub fn to_q8_0(ty: GgmlType, bytes: &[u8]) -> Option<Vec<u8>> {
     let size = ty.type_size();
-    if !matches!(ty, GgmlType::Q5_0 | GgmlType::Iq4Nl) || !bytes.len().is_multiple_of(size) {
+    if ty != GgmlType::Iq4Nl || !bytes.len().is_multiple_of(size) {
         return None;
     }
     let mut out = Vec::with_capacity(bytes.len() / size * 34);
     for b in bytes.chunks_exact(size) {
         out.extend_from_slice(&b[..2]);
-        let qs = if ty == GgmlType::Q5_0 { &b[6..22] } else { &b[2..18] };
-        let high = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+        let qs = &b[2..18];
         out.extend((0..32).map(|j| {
-            let low = if j < 16 { qs[j] & 0x0f } else { qs[j - 16] >> 4 };
-            let integer = match ty {
-                GgmlType::Q5_0 => (low | (((high >> j) & 1) as u8) << 4) as i8 - 16,
-                _ => IQ4_LEVELS[usize::from(low)],
-            };
-            integer as u8
+            let code = if j < 16 { qs[j] & 0x0f } else { qs[j - 16] >> 4 };
+            IQ4_LEVELS[usize::from(code)] as u8
         }));
     }
     Some(out)

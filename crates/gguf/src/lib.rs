@@ -463,7 +463,7 @@ impl Gguf {
     /// memory, rounding once to `dtype`. A `dtype` that is a weight block
     /// format ([`DType::BLOCK_FORMATS`]) takes the tensor's blocks as
     /// stored, borrowed from the mapping, when it is stored in that format;
-    /// Q5_0 and IQ4_NL load as the Q8_0 blocks of the same values
+    /// IQ4_NL loads as the Q8_0 blocks of the same values
     /// ([`GgmlType::kept_format`]); other types are refused.
     pub fn tensor(&self, name: &str, dtype: DType) -> Result<Tensor> {
         Ok(self.load_tensor(name, dtype)?.0)
@@ -480,8 +480,8 @@ impl Gguf {
         };
         if dtype.is_block_format() {
             // Blocks are kept as stored: borrowed from the mapping (blocks
-            // are bytes, aligned anywhere), never requantized. Q5_0 and
-            // IQ4_NL are rewritten as the Q8_0 blocks of the same values.
+            // are bytes, aligned anywhere), never requantized. IQ4_NL
+            // is rewritten as the Q8_0 blocks of the same values.
             if info.ggml_type.kept_format() != Some(dtype) {
                 return Err(refuse(format!(
                     "it is stored as {}, not {dtype} blocks (kvjit keeps blocks as stored; load it as f32, bf16 or f16)",
@@ -490,7 +490,7 @@ impl Gguf {
             }
             if info.ggml_type.block_format() != Some(dtype) {
                 let blocks = dequant::to_q8_0(info.ggml_type, self.bytes_of(info))
-                    .expect("Q5_0 and IQ4_NL are kept as Q8_0, and their sizes were checked at open");
+                    .expect("IQ4_NL is kept as Q8_0, and its size was checked at open");
                 return Ok((Tensor::from_le_bytes(dtype, &info.shape(), &blocks)?, false));
             }
             let start = self.data_start + info.offset as usize;

@@ -118,13 +118,15 @@ impl GgmlType {
     }
 
     /// The kvjit weight block format of this type, when kvjit keeps its
-    /// blocks as they are (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K).
+    /// blocks as they are (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q6_K).
     pub fn block_format(self) -> Option<kvjit_core::DType> {
         use kvjit_core::DType;
         Some(match self {
             GgmlType::Q8_0 => DType::Q8_0,
             GgmlType::Q4_0 => DType::Q4_0,
             GgmlType::Q4_1 => DType::Q4_1,
+            GgmlType::Q5_0 => DType::Q5_0,
+            GgmlType::Q5_1 => DType::Q5_1,
             GgmlType::Q4K => DType::Q4K,
             GgmlType::Q6K => DType::Q6K,
             _ => return None,
@@ -132,13 +134,13 @@ impl GgmlType {
     }
 
     /// The kvjit weight block format this type's blocks are held in: its
-    /// own ([`GgmlType::block_format`]), or Q8_0 for the types whose every
-    /// value is an f16 scale times an integer in −128..=127 per block of 32
-    /// — Q5_0 (`d·(q − 16)`) and IQ4_NL (`d·T[q]`) — rewritten block for
-    /// block without changing a bit of any value ([`crate::dequant::to_q8_0`]).
+    /// own ([`GgmlType::block_format`]), or Q8_0 for IQ4_NL, whose every
+    /// value is an f16 scale times a level in −127..=113 per block of 32,
+    /// rewritten block for block without changing a bit of any value
+    /// ([`crate::dequant::to_q8_0`]).
     pub fn kept_format(self) -> Option<kvjit_core::DType> {
         match self {
-            GgmlType::Q5_0 | GgmlType::Iq4Nl => Some(kvjit_core::DType::Q8_0),
+            GgmlType::Iq4Nl => Some(kvjit_core::DType::Q8_0),
             _ => self.block_format(),
         }
     }

@@ -519,49 +519,52 @@ fn mutated_files_are_refused_or_read_without_panicking() {
     assert!(accepted > 100, "some mutations (of tensor data, say) still read: {accepted}");
 }
 
-/// Q5_0 and IQ4_NL load as Q8_0 blocks holding the same values bit for bit
-/// (every element an f16 scale times an integer in −128..=127 per 32), as
-/// f32 the same as their own dequantization; other block types do not
-/// load as Q8_0, and neither type loads as another block format.
+/// IQ4_NL loads as Q8_0 blocks holding the same values bit for bit (every
+/// element an f16 scale times a level in −127..=113 per 32), as f32 the
+/// same as its own dequantization; Q5_0 and Q5_1 load as their own blocks,
+/// borrowed; no type loads as a block format it is not held in.
 #[test]
-fn q5_0_and_iq4_nl_load_as_the_q8_0_blocks_of_the_same_values() {
+fn iq4_nl_loads_as_the_q8_0_blocks_of_the_same_values_and_q5_as_itself() {
     // Bytes from a fixed LCG; each block's f16 scale set to a normal value
-    // of either sign (2^-6 .. 2^1), the rest (quants, high bits) as drawn.
+    // of either sign, the rest (codes, fifth bits) as drawn.
     let mut state = 0x2545_f491_4f6c_dd1du64;
     let mut byte = || {
         state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
         (state >> 56) as u8
     };
     let mut w = GgufWriter::new();
-    for (name, ty) in [("q5_0", GgmlType::Q5_0), ("iq4_nl", GgmlType::Iq4Nl), ("q5_1", GgmlType::Q5_1)] {
+    for (name, ty) in [("iq4_nl", GgmlType::Iq4Nl), ("q5_0", GgmlType::Q5_0), ("q5_1", GgmlType::Q5_1)] {
         let (rows, k) = (3, 64);
         let mut bytes: Vec<u8> = (0..rows * k / 32 * ty.type_size()).map(|_| byte()).collect();
         for block in bytes.chunks_exact_mut(ty.type_size()) {
-            let scale =
-                half::f16::from_f32((f32::from(block[3]) / 255.0 + 0.1) * if block[4] & 1 == 1 { 2.0 } else { -0.02 });
+            let sign = if block[4] & 1 == 1 { 2.0 } else { -0.02 };
+            let scale = half::f16::from_f32((f32::from(block[3]) / 255.0 + 0.1) * sign);
             block[..2].copy_from_slice(&scale.to_bits().to_le_bytes());
         }
         w.tensor_raw(name, ty, &[rows, k], bytes);
     }
     let g = Gguf::from_bytes("m.gguf", &w.to_bytes()).unwrap();
-    for name in ["q5_0", "iq4_nl"] {
-        let (q8, borrowed) = g.load_tensor(name, DType::Q8_0).unwrap();
-        assert!(!borrowed, "{name}: rewritten into memory of its own");
-        assert_eq!(q8.shape(), &[3, 64]);
-        assert_eq!(q8.as_bytes().len(), 3 * 2 * 34, "{name}");
-        let mut from_q8 = vec![f32::NAN; 3 * 64];
-        dequant::dequantize(GgmlType::Q8_0, q8.as_bytes(), &mut from_q8).unwrap();
-        let info = g.tensor_info(name).unwrap();
-        let mut direct = vec![f32::NAN; 3 * 64];
-        dequant::dequantize(info.ggml_type(), g.tensor_data(name).unwrap(), &mut direct).unwrap();
-        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-        assert_eq!(bits(&from_q8), bits(&direct), "{name}");
-        assert!(direct.iter().any(|&v| v > 1.0) && direct.iter().any(|&v| v < 0.0), "{name}: varied values");
-        let err = g.tensor(name, DType::Q4_0).unwrap_err().to_string();
-        assert!(err.contains("not q4_0 blocks"), "{err}");
+    let (q8, borrowed) = g.load_tensor("iq4_nl", DType::Q8_0).unwrap();
+    assert!(!borrowed, "rewritten into memory of its own");
+    assert_eq!(q8.shape(), &[3, 64]);
+    assert_eq!(q8.as_bytes().len(), 3 * 2 * 34);
+    let mut from_q8 = vec![f32::NAN; 3 * 64];
+    dequant::dequantize(GgmlType::Q8_0, q8.as_bytes(), &mut from_q8).unwrap();
+    let mut direct = vec![f32::NAN; 3 * 64];
+    dequant::dequantize(GgmlType::Iq4Nl, g.tensor_data("iq4_nl").unwrap(), &mut direct).unwrap();
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&from_q8), bits(&direct));
+    assert!(direct.iter().any(|&v| v > 1.0) && direct.iter().any(|&v| v < 0.0), "varied values");
+    for (name, format) in [("q5_0", DType::Q5_0), ("q5_1", DType::Q5_1)] {
+        let (blocks, borrowed) = g.load_tensor(name, format).unwrap();
+        assert!(borrowed, "{name}: borrowed from the mapping");
+        assert_eq!(blocks.as_bytes(), g.tensor_data(name).unwrap(), "{name}");
+        let err = g.tensor(name, DType::Q8_0).unwrap_err().to_string();
+        assert!(err.contains("not q8_0 blocks"), "{err}");
     }
-    let err = g.tensor("q5_1", DType::Q8_0).unwrap_err().to_string();
-    assert!(err.contains("it is stored as Q5_1, not q8_0 blocks"), "{err}");
-    assert_eq!(GgmlType::Q5_1.kept_format(), None);
+    let err = g.tensor("iq4_nl", DType::Q4_0).unwrap_err().to_string();
+    assert!(err.contains("it is stored as IQ4_NL, not q4_0 blocks"), "{err}");
+    assert_eq!(GgmlType::Q5_1.kept_format(), Some(DType::Q5_1));
+    assert_eq!(GgmlType::Q5K.kept_format(), None);
     assert_eq!(GgmlType::Q4K.kept_format(), Some(DType::Q4K));
 }

@@ -24,6 +24,13 @@
 //!   32-bit lanes is the eight columns' quant at k = 8g + j, the row a
 //!   decoded f32 panel wants. Then the 16 f16 scales `d` (32 bytes), then
 //!   (Q4_1 only) the 16 f16 minimums `m` (32 bytes).
+//! - **Q5_0 / Q5_1** (352 / 384 bytes): Q4_0's quant halves (the low 4
+//!   bits), then per half the 8 columns' fifth bits as one dword per column
+//!   (32 bytes a half), whose byte `j` holds in bit `2g` the fifth bit of
+//!   k = 8g + j and in bit `2g + 1` that of k = 8g + 4 + j — so for vector
+//!   `g` one 16-bit shift and a mask put each byte's two bits at bit 4 of
+//!   the nibble they belong to —, then the 16 f16 `d` (and the 16 f16 `m`
+//!   of Q5_1).
 //! - **Q8_0** (544 bytes): two halves of 8 × 32 bytes; vector `g` (0..8)
 //!   of a half holds per column a dword of the 4 i8 weights at
 //!   k = 4g..4g + 3. Then the 16 f16 scales.

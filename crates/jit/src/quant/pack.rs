@@ -46,6 +46,7 @@ pub fn pack_panel(format: DType, columns: &[&[u8]], k: usize, out: &mut [u8]) {
         let block_of = |c: usize| columns.get(c).map_or(&padding[..], |column| &column[g * size..(g + 1) * size]);
         match format {
             DType::Q4_0 | DType::Q4_1 => pack_q4(format, out, block_of),
+            DType::Q5_0 | DType::Q5_1 => pack_q5(format, out, block_of),
             DType::Q8_0 => pack_q8_0(out, block_of),
             DType::Q4K => pack_q4k(out, block_of),
             DType::Q6K => pack_q6k(out, block_of),
@@ -55,11 +56,13 @@ pub fn pack_panel(format: DType, columns: &[&[u8]], k: usize, out: &mut [u8]) {
 }
 
 /// A block of `format` that decodes to +0.0 everywhere: zero scales and
-/// quants whose integer is 0 (Q4_0 nibbles 8, Q6_K `q` = 32).
+/// quants whose integer is 0 (Q4_0 nibbles 8, Q5_0 `q` = 16, Q6_K `q` = 32).
 fn padding_block(format: DType) -> Vec<u8> {
     let mut block = vec![0u8; format.block().1];
     match format {
         DType::Q4_0 => block[2..].fill(0x88),
+        // Every fifth bit set, nibbles 0: q = 16.
+        DType::Q5_0 => block[2..6].fill(0xff),
         // High 2 bits 2 (low 4 bits 0): q = 32.
         DType::Q6K => block[128..192].fill(0xaa),
         _ => {}
@@ -92,6 +95,32 @@ fn pack_q4<'a>(format: DType, out: &mut [u8], block_of: impl Fn(usize) -> &'a [u
         q4_layout(&mut quants[128 * half..], column, 0, |j| if j < 16 { qs[j] & 0x0f } else { qs[j - 16] >> 4 });
         scales[2 * c..2 * c + 2].copy_from_slice(&b[..2]);
         if format == DType::Q4_1 {
+            scales[32 + 2 * c..32 + 2 * c + 2].copy_from_slice(&b[2..4]);
+        }
+    }
+}
+
+/// One k-group of a Q5_0 / Q5_1 panel (see the [layout](super)): Q4's
+/// nibbles, then per half the 8 columns' fifth bits as one dword each,
+/// whose byte `j` holds in bit `2g` that of k = 8g + j and in bit `2g + 1`
+/// that of k = 8g + 4 + j, then the scales (and minimums).
+fn pack_q5<'a>(format: DType, out: &mut [u8], block_of: impl Fn(usize) -> &'a [u8]) {
+    let (quants, rest) = out.split_at_mut(256);
+    let (high, scales) = rest.split_at_mut(64);
+    let header = if format == DType::Q5_1 { 4 } else { 2 };
+    for c in 0..TILE_COLUMNS {
+        let (half, column) = (c / 8, c % 8);
+        let b = block_of(c);
+        let bits = u32::from_le_bytes([b[header], b[header + 1], b[header + 2], b[header + 3]]);
+        let qs = &b[header + 4..];
+        q4_layout(&mut quants[128 * half..], column, 0, |j| if j < 16 { qs[j] & 0x0f } else { qs[j - 16] >> 4 });
+        for j in 0..4 {
+            let bit = |k: usize| ((bits >> k) & 1) as u8;
+            high[32 * half + 4 * column + j] =
+                (0..4).map(|g| bit(8 * g + j) << (2 * g) | bit(8 * g + 4 + j) << (2 * g + 1)).sum();
+        }
+        scales[2 * c..2 * c + 2].copy_from_slice(&b[..2]);
+        if format == DType::Q5_1 {
             scales[32 + 2 * c..32 + 2 * c + 2].copy_from_slice(&b[2..4]);
         }
     }

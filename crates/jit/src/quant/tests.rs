@@ -5,7 +5,7 @@ use rand::{Rng, SeedableRng};
 use super::*;
 use crate::microkernel::TILE_COLUMNS;
 
-const FORMATS: [DType; 5] = DType::BLOCK_FORMATS;
+const FORMATS: [DType; 7] = DType::BLOCK_FORMATS;
 /// f32 unit roundoff.
 #[cfg(target_arch = "x86_64")]
 const U: f64 = 1.0 / (1u64 << 24) as f64;
@@ -25,8 +25,8 @@ fn f16_bytes(v: f32) -> [u8; 2] {
 /// Byte offsets of a block's f16 scale and (Q4_1, Q4_K) minimum.
 fn scale_offsets(format: DType) -> (usize, Option<usize>) {
     match format {
-        DType::Q8_0 | DType::Q4_0 => (0, None),
-        DType::Q4_1 | DType::Q4K => (0, Some(2)),
+        DType::Q8_0 | DType::Q4_0 | DType::Q5_0 => (0, None),
+        DType::Q4_1 | DType::Q5_1 | DType::Q4K => (0, Some(2)),
         DType::Q6K => (208, None),
         other => unreachable!("{other}"),
     }
@@ -48,6 +48,17 @@ fn random_block(format: DType, rng: &mut StdRng) -> Vec<u8> {
     b
 }
 
+/// The bytes of a block that hold its quants (Q5's fifth bits included).
+fn quant_bytes(format: DType) -> std::ops::Range<usize> {
+    let size = format.block().1;
+    match format {
+        DType::Q8_0 | DType::Q4_0 | DType::Q5_0 => 2..size,
+        DType::Q4_1 | DType::Q5_1 => 4..size,
+        DType::Q4K => 16..size,
+        _ => 0..192,
+    }
+}
+
 /// Blocks at the edges: zero, negative-zero, infinite and NaN scales (and
 /// minimums), extreme quants.
 fn crafted_blocks(format: DType, rng: &mut StdRng) -> Vec<Vec<u8>> {
@@ -58,12 +69,7 @@ fn crafted_blocks(format: DType, rng: &mut StdRng) -> Vec<Vec<u8>> {
     for (i, &s) in scales.iter().enumerate() {
         for (j, &fill) in fills.iter().enumerate() {
             let mut b = random_block(format, rng);
-            let quants = match format {
-                DType::Q8_0 | DType::Q4_0 => 2..b.len(),
-                DType::Q4_1 => 4..b.len(),
-                DType::Q4K => 16..b.len(),
-                _ => 0..192,
-            };
+            let quants = quant_bytes(format);
             if j % 2 == 0 {
                 b[quants].fill(fill);
             } else {
@@ -323,7 +329,7 @@ fn vector_quantizing_is_the_scalar_code_bit_for_bit() {
 }
 
 /// A column's dequantized weights and, per 32 k, the minimum its values
-/// are offset by (Q4_1's `m`, Q4_K's `dmin·m`, else 0).
+/// are offset by (Q4_1's and Q5_1's `m`, Q4_K's `dmin·m`, else 0).
 #[cfg(target_arch = "x86_64")]
 fn column_values(format: DType, column: &[u8], k: usize) -> (Vec<f32>, Vec<f64>) {
     let w = reference(format, column, k);
@@ -331,7 +337,7 @@ fn column_values(format: DType, column: &[u8], k: usize) -> (Vec<f32>, Vec<f64>)
     let mins = column
         .chunks_exact(format.block().1)
         .flat_map(|b| match format {
-            DType::Q4_1 => vec![f16_at(b, 2) as f64],
+            DType::Q4_1 | DType::Q5_1 => vec![f16_at(b, 2) as f64],
             DType::Q4K => (0..8)
                 .map(|s| {
                     let q = &b[4..16];
@@ -350,7 +356,10 @@ fn column_values(format: DType, column: &[u8], k: usize) -> (Vec<f32>, Vec<f64>)
 /// checked to be within 1/127 of 8-bit activations' `Σ_blocks
 /// (max|x_b|/254)·Σ|w|`, + f32 error), and against the f64 product with
 /// the represented activations `s·Q` within the f32 error alone; added
-/// into random accumulators, never written past them.
+/// into random accumulators, never written past them. Besides random
+/// blocks and activations, the largest sums the tiles' 16-bit partial sums
+/// see: every quant byte 0xff (Q4's and Q5's largest quants) against equal
+/// activations (every `q_hi` 127).
 #[test]
 #[cfg(target_arch = "x86_64")]
 fn integer_gemv_is_within_its_bound() {
@@ -372,16 +381,23 @@ fn integer_gemv_is_within_its_bound() {
         let gemv = x86::gemv_with_streams_on(format, tier, streams).expect("an integer GEMV");
         let (block, _) = format.block();
         let ks = if block == 32 { [32, 64, 96, 4096 + 32] } else { [256, 512, 768, 4096 + 256] };
-        for k in ks {
+        for (k, extreme) in ks.into_iter().flat_map(|k| [(k, false), (k, true)]) {
             for n in [16, 11] {
                 let groups = k / 32;
-                let pool: Vec<Vec<u8>> = (0..n * k / block).map(|_| random_block(format, &mut rng)).collect();
+                let block_for = |rng: &mut StdRng| {
+                    let mut b = random_block(format, rng);
+                    if extreme {
+                        b[quant_bytes(format)].fill(0xff);
+                    }
+                    b
+                };
+                let pool: Vec<Vec<u8>> = (0..n * k / block).map(|_| block_for(&mut rng)).collect();
                 let columns = columns_from(&pool, n, k / block, 0);
                 let panel = pack(format, &columns, k);
                 let x: Vec<f32> = (0..k)
                     .map(|_| {
-                        let v: f32 = rng.gen_range(0.01..2.0);
-                        if rng.gen_bool(0.5) { v } else { -v }
+                        let v: f32 = if extreme { 1.5 } else { rng.gen_range(0.01..2.0) };
+                        if !extreme && rng.gen_bool(0.5) { -v } else { v }
                     })
                     .collect();
                 let mut xq = vec![0u8; groups * Q8_ACTIVATION_BLOCK_BYTES];

@@ -57,6 +57,43 @@ trait Dot {
     /// `low` readable for 128 bytes, `high` for 64; the CPU has this
     /// `Dot`'s features.
     unsafe fn q6(low: *const u8, high: *const u8, xs: &Xs) -> [__m256i; 2];
+    /// A Q5 half: the 4 low-nibble vectors at `q` and the fifth-bit vector
+    /// at `high` ([`q5_quants`]) against `xs`.
+    ///
+    /// # Safety
+    /// `q` readable for 128 bytes, `high` for 32; the CPU has this `Dot`'s
+    /// features.
+    unsafe fn q5(q: *const u8, high: *const u8, xs: &Xs) -> __m256i;
+}
+
+/// A Q5 half's 5-bit quants as bytes (0..32), `[g][0]` for k = 8g + j and
+/// `[g][1]` for 8g + 4 + j (column dword byte j) of Q4-layout vector `g`
+/// (0..4): its nibbles with bit 4 from the fifth-bit vector `bits`, whose
+/// byte j holds that of k = 8g + j in bit 2g and of 8g + 4 + j in bit
+/// 2g + 1 — moved to bit 4 by a 16-bit shift (what crosses a byte lands
+/// below bit 4 and is masked off). Three to four AVX2 operations a byte
+/// vector.
+///
+/// # Safety
+/// `q` readable for 128 bytes; AVX2.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q5_quants(q: *const u8, bits: __m256i) -> [[__m256i; 2]; 4] {
+    let (nibble, fifth) = (_mm256_set1_epi8(0x0f), _mm256_set1_epi8(0x10));
+    // Bits 2g and 2g + 1 of each byte, at bit 4.
+    let moved = [
+        [_mm256_slli_epi16::<4>(bits), _mm256_slli_epi16::<3>(bits)],
+        [_mm256_slli_epi16::<2>(bits), _mm256_slli_epi16::<1>(bits)],
+        [bits, _mm256_srli_epi16::<1>(bits)],
+        [_mm256_srli_epi16::<2>(bits), _mm256_srli_epi16::<3>(bits)],
+    ];
+    std::array::from_fn(|g| {
+        // SAFETY: vector g < 4 of the caller's 128 bytes.
+        let v = unsafe { _mm256_loadu_si256(q.add(32 * g).cast()) };
+        let low = _mm256_or_si256(_mm256_and_si256(v, nibble), _mm256_and_si256(moved[g][0], fifth));
+        let high = _mm256_and_si256(_mm256_srli_epi16::<4>(v), nibble);
+        [low, _mm256_or_si256(high, _mm256_and_si256(moved[g][1], fifth))]
+    })
 }
 
 /// `254·hi + lo` in i32 lanes (VNNI's two parts' sums; exact: every
@@ -208,6 +245,31 @@ impl Dot for Avx2 {
         }
         sums
     }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q5(q: *const u8, high: *const u8, xs: &Xs) -> __m256i {
+        // SAFETY: the caller's 128 bytes at q and 32 at high.
+        let quants = unsafe { q5_quants(q, _mm256_loadu_si256(high.cast())) };
+        // [part][g % 2]
+        let mut sums = [[_mm256_setzero_si256(); 2]; 2];
+        for (g, &[low, high]) in quants.iter().enumerate() {
+            for (sums, xs) in sums.iter_mut().zip(xs) {
+                // An i16 lane of a `vpmaddubsw`: two u5·i8 products
+                // (≤ 2·31·127); the 8 of two vectors sum to ≤ 31496 < 32767
+                // (16, Q4's count, would not fit: each pair widens apart).
+                let p =
+                    _mm256_add_epi16(_mm256_maddubs_epi16(low, xs[2 * g]), _mm256_maddubs_epi16(high, xs[2 * g + 1]));
+                sums[g % 2] = _mm256_add_epi16(sums[g % 2], p);
+            }
+        }
+        // `vpmaddwd` with 254 (hi) and 1 (lo): 4·254·31496 < 2³¹.
+        let widen = |s: [__m256i; 2], factor: i16| {
+            let factor = _mm256_set1_epi16(factor);
+            _mm256_add_epi32(_mm256_madd_epi16(s[0], factor), _mm256_madd_epi16(s[1], factor))
+        };
+        _mm256_add_epi32(widen(sums[0], 254), widen(sums[1], 1))
+    }
 }
 
 /// The `Dot` of a `vpdpbusd` tier: `$dpbusd` is its encoding's intrinsic,
@@ -267,6 +329,23 @@ macro_rules! vnni_dot {
                 }
                 [combine(sums[0][0], sums[1][0]), combine(sums[0][1], sums[1][1])]
             }
+
+            #[inline]
+            #[target_feature(enable = $features)]
+            unsafe fn q5(q: *const u8, high: *const u8, xs: &Xs) -> __m256i {
+                // SAFETY: the caller's 128 bytes at q and 32 at high.
+                let quants = unsafe { q5_quants(q, _mm256_loadu_si256(high.cast())) };
+                // [part][nibble]
+                let mut sums = [[_mm256_setzero_si256(); 2]; 2];
+                for (g, &[low, high]) in quants.iter().enumerate() {
+                    for (sums, xs) in sums.iter_mut().zip(xs) {
+                        sums[0] = $dpbusd(sums[0], low, xs[2 * g]);
+                        sums[1] = $dpbusd(sums[1], high, xs[2 * g + 1]);
+                    }
+                }
+                let [hi, lo] = sums.map(|s| _mm256_add_epi32(s[0], s[1]));
+                combine(hi, lo)
+            }
         }
     };
 }
@@ -276,6 +355,8 @@ macro_rules! vnni_dot {
 enum Quants {
     /// Nibbles in the Q4 layout (Q4_0, Q4_1, Q4_K).
     Q4,
+    /// Q4's nibbles and a vector of fifth bits (Q5_0, Q5_1).
+    Q5,
     /// Q8_0's bytes.
     Q8,
     /// Q6_K's nibbles and high bits.
@@ -410,8 +491,16 @@ const Q6K_D: usize = 256;
 const Q6K_QUANTS: usize = 288;
 const Q6K_SUBGROUP: usize = 384;
 
+/// Where a Q5_0 / Q5_1 k-group keeps its fifth bits, scales and
+/// minimums (see the module docs).
+const Q5_HIGH: usize = 256;
+const Q5_D: usize = 320;
+const Q5_M: usize = 352;
+
 struct Q4_0;
 struct Q4_1;
+struct Q5_0;
+struct Q5_1;
 struct Q8_0;
 struct Q4K;
 struct Q6K;
@@ -456,6 +545,58 @@ impl GemvFormat for Q4_1 {
         // SAFETY: the half's 8 scales and 8 minimums inside the caller's
         // group.
         let (d, m) = unsafe { (f16x8(w.add(256 + 16 * h)), f16x8(w.add(288 + 16 * h))) };
+        let scale = _mm256_mul_ps(d, _mm256_set1_ps(x.dx));
+        *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[0]), scale, *acc);
+        *acc = _mm256_fmadd_ps(m, _mm256_set1_ps(x.scaled_sum), *acc);
+    }
+}
+
+impl GemvFormat for Q5_0 {
+    const GROUP_K: usize = 32;
+    const GROUP_BYTES: usize = 352;
+    const QUANTS: Quants = Quants::Q5;
+    type Scales = ();
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn scales(_w: *const u8) {}
+    fn quants(_s: usize, h: usize) -> usize {
+        128 * h
+    }
+    fn high(_s: usize, h: usize) -> usize {
+        Q5_HIGH + 32 * h
+    }
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn add(w: *const u8, _: &(), _s: usize, h: usize, dots: [__m256i; 2], x: &Activations, acc: &mut __m256) {
+        // value = d·(q − 16): Σ Q·(q_w − 16) = Σ Q·q_w − 16·ΣQ.
+        let dot = _mm256_sub_epi32(dots[0], _mm256_set1_epi32(16 * x.sum));
+        // SAFETY: the half's 8 scales inside the caller's group.
+        let scale = _mm256_mul_ps(unsafe { f16x8(w.add(Q5_D + 16 * h)) }, _mm256_set1_ps(x.dx));
+        *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, *acc);
+    }
+}
+
+impl GemvFormat for Q5_1 {
+    const GROUP_K: usize = 32;
+    const GROUP_BYTES: usize = 384;
+    const QUANTS: Quants = Quants::Q5;
+    type Scales = ();
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn scales(_w: *const u8) {}
+    fn quants(_s: usize, h: usize) -> usize {
+        128 * h
+    }
+    fn high(_s: usize, h: usize) -> usize {
+        Q5_HIGH + 32 * h
+    }
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn add(w: *const u8, _: &(), _s: usize, h: usize, dots: [__m256i; 2], x: &Activations, acc: &mut __m256) {
+        // value = d·q + m: Σ x̂·w = s_x·d·Σ Q·q + m·(s_x·ΣQ).
+        // SAFETY: the half's 8 scales and 8 minimums inside the caller's
+        // group.
+        let (d, m) = unsafe { (f16x8(w.add(Q5_D + 16 * h)), f16x8(w.add(Q5_M + 16 * h))) };
         let scale = _mm256_mul_ps(d, _mm256_set1_ps(x.dx));
         *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[0]), scale, *acc);
         *acc = _mm256_fmadd_ps(m, _mm256_set1_ps(x.scaled_sum), *acc);
@@ -613,6 +754,7 @@ macro_rules! gemv_body {
                     let q = w.add(<$format>::quants(s, h));
                     let dots = match <$format>::QUANTS {
                         Quants::Q4 => [<$dot>::q4(q, &xs), _mm256_setzero_si256()],
+                        Quants::Q5 => [<$dot>::q5(q, w.add(<$format>::high(s, h)), &xs), _mm256_setzero_si256()],
                         Quants::Q8 => [<$dot>::q8(q, &xs, block.sum), _mm256_setzero_si256()],
                         Quants::Q6 => <$dot>::q6(q, w.add(<$format>::high(s, h)), &xs),
                     };
@@ -781,6 +923,8 @@ pub(super) fn gemv_with_streams_on(format: DType, tier: DotTier, streams: usize)
     Some(match format {
         DType::Q4_0 => pick!(Q4_0),
         DType::Q4_1 => pick!(Q4_1),
+        DType::Q5_0 => pick!(Q5_0),
+        DType::Q5_1 => pick!(Q5_1),
         DType::Q8_0 => pick!(Q8_0),
         DType::Q4K => pick!(Q4K),
         DType::Q6K => pick!(Q6K),
@@ -863,6 +1007,54 @@ unsafe extern "C" fn dequantize_q4<const MIN: bool>(w: *const u8, count: usize, 
                     _mm256_storeu_ps(row(5), decode(nibble::<12>(q)));
                     _mm256_storeu_ps(row(6), decode(nibble::<20>(q)));
                     _mm256_storeu_ps(row(7), decode(_mm256_srli_epi32::<28>(q)));
+                }
+            }
+        }
+    }
+}
+
+/// Decode `count / 16` k of a Q5_0 (`MIN = false`) or Q5_1 panel at `w` to
+/// `out` (`[k][16]` f32), as `kvjit_core::quant` does: `d·(q − 16)` or
+/// `d·q + m`, the product rounded before the sum.
+///
+/// # Safety
+/// As for [`dequantize_q4`], for a Q5_0 or Q5_1 panel.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe extern "C" fn dequantize_q5<const MIN: bool>(w: *const u8, count: usize, out: *mut f32) {
+    let group_bytes = if MIN { 384 } else { 352 };
+    let sixteen = _mm256_set1_epi32(16);
+    // Bits `shift..shift + width` of each column dword of `v`, as i32 lanes.
+    let field = |v: __m256i, shift: i32, mask: i32| {
+        _mm256_and_si256(_mm256_srlv_epi32(v, _mm256_set1_epi32(shift)), _mm256_set1_epi32(mask))
+    };
+    for g in 0..count / (32 * TILE_COLUMNS) {
+        // SAFETY: k-group g < count / 512 of the panel and its 512 outputs.
+        unsafe {
+            let w = w.add(g * group_bytes);
+            let out = out.add(g * 32 * TILE_COLUMNS);
+            for h in 0..2 {
+                let d = f16x8(w.add(Q5_D + 16 * h));
+                let m = if MIN { f16x8(w.add(Q5_M + 16 * h)) } else { _mm256_setzero_ps() };
+                let bits = _mm256_loadu_si256(w.add(Q5_HIGH + 32 * h).cast());
+                let decode = |q: __m256i| {
+                    if MIN {
+                        _mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(q)), m)
+                    } else {
+                        _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(q, sixteen)))
+                    }
+                };
+                for v in 0..4 {
+                    let q = _mm256_loadu_si256(w.add(128 * h + 32 * v).cast());
+                    for j in 0..4 {
+                        // k = 8v + j: byte j's low nibble, fifth bit 8j + 2v;
+                        // k = 8v + 4 + j: its high nibble, fifth bit 8j + 2v + 1.
+                        let (shift, bit) = (8 * j as i32, (8 * j + 2 * v) as i32);
+                        let low = _mm256_or_si256(field(q, shift, 0x0f), _mm256_slli_epi32::<4>(field(bits, bit, 1)));
+                        let high =
+                            _mm256_or_si256(field(q, shift + 4, 0x0f), _mm256_slli_epi32::<4>(field(bits, bit + 1, 1)));
+                        _mm256_storeu_ps(out.add((8 * v + j) * TILE_COLUMNS + 8 * h), decode(low));
+                        _mm256_storeu_ps(out.add((8 * v + 4 + j) * TILE_COLUMNS + 8 * h), decode(high));
+                    }
                 }
             }
         }
@@ -992,6 +1184,8 @@ pub(super) fn dequantize(format: DType) -> Option<WidenBlock> {
     Some(match format {
         DType::Q4_0 => dequantize_q4::<false>,
         DType::Q4_1 => dequantize_q4::<true>,
+        DType::Q5_0 => dequantize_q5::<false>,
+        DType::Q5_1 => dequantize_q5::<true>,
         DType::Q8_0 => dequantize_q8_0,
         DType::Q4K => dequantize_q4k,
         DType::Q6K => dequantize_q6k,

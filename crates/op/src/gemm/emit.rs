@@ -826,7 +826,7 @@ mod tests {
     /// first block ending there: only true while that is below a block.
     #[test]
     fn gemv_rows_fit_in_the_first_block() {
-        for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_1, DType::Q4K, DType::Q6K] {
+        for dtype in DType::BLOCK_FORMATS {
             for vnni in [false, true] {
                 assert!((1..AVX2_BLOCK_ROWS).contains(&gemv_rows_on(dtype, vnni)), "{dtype} vnni {vnni}");
             }
