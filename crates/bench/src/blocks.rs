@@ -58,17 +58,7 @@ impl BlocksBenchConfig {
                 ("llama3-8b ffn up".into(), 14336, 4096),
                 ("llama3-8b ffn down".into(), 4096, 14336),
             ],
-            formats: vec![
-                DType::BF16,
-                DType::F32,
-                DType::Q8_0,
-                DType::Q4_0,
-                DType::Q4_1,
-                DType::Q5_0,
-                DType::Q5_1,
-                DType::Q4K,
-                DType::Q6K,
-            ],
+            formats: [DType::BF16, DType::F32].into_iter().chain(DType::BLOCK_FORMATS).collect(),
             prefill_rows: 64,
             rotate_bytes: 768 << 20,
             timing: Plan {

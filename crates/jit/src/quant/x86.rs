@@ -499,8 +499,8 @@ const Q5_M: usize = 352;
 
 struct Q4_0;
 struct Q4_1;
-struct Q5_0;
-struct Q5_1;
+/// Q5_0 (`MIN = false`) or Q5_1.
+struct Q5<const MIN: bool>;
 struct Q8_0;
 struct Q4K;
 struct Q6K;
@@ -551,9 +551,9 @@ impl GemvFormat for Q4_1 {
     }
 }
 
-impl GemvFormat for Q5_0 {
+impl<const MIN: bool> GemvFormat for Q5<MIN> {
     const GROUP_K: usize = 32;
-    const GROUP_BYTES: usize = 352;
+    const GROUP_BYTES: usize = if MIN { 384 } else { 352 };
     const QUANTS: Quants = Quants::Q5;
     type Scales = ();
     #[inline]
@@ -568,38 +568,20 @@ impl GemvFormat for Q5_0 {
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn add(w: *const u8, _: &(), _s: usize, h: usize, dots: [__m256i; 2], x: &Activations, acc: &mut __m256) {
-        // value = d·(q − 16): Σ Q·(q_w − 16) = Σ Q·q_w − 16·ΣQ.
-        let dot = _mm256_sub_epi32(dots[0], _mm256_set1_epi32(16 * x.sum));
         // SAFETY: the half's 8 scales inside the caller's group.
-        let scale = _mm256_mul_ps(unsafe { f16x8(w.add(Q5_D + 16 * h)) }, _mm256_set1_ps(x.dx));
-        *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, *acc);
-    }
-}
-
-impl GemvFormat for Q5_1 {
-    const GROUP_K: usize = 32;
-    const GROUP_BYTES: usize = 384;
-    const QUANTS: Quants = Quants::Q5;
-    type Scales = ();
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn scales(_w: *const u8) {}
-    fn quants(_s: usize, h: usize) -> usize {
-        128 * h
-    }
-    fn high(_s: usize, h: usize) -> usize {
-        Q5_HIGH + 32 * h
-    }
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn add(w: *const u8, _: &(), _s: usize, h: usize, dots: [__m256i; 2], x: &Activations, acc: &mut __m256) {
-        // value = d·q + m: Σ x̂·w = s_x·d·Σ Q·q + m·(s_x·ΣQ).
-        // SAFETY: the half's 8 scales and 8 minimums inside the caller's
-        // group.
-        let (d, m) = unsafe { (f16x8(w.add(Q5_D + 16 * h)), f16x8(w.add(Q5_M + 16 * h))) };
+        let d = unsafe { f16x8(w.add(Q5_D + 16 * h)) };
         let scale = _mm256_mul_ps(d, _mm256_set1_ps(x.dx));
-        *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[0]), scale, *acc);
-        *acc = _mm256_fmadd_ps(m, _mm256_set1_ps(x.scaled_sum), *acc);
+        if MIN {
+            // value = d·q + m: Σ x̂·w = s_x·d·Σ Q·q + m·(s_x·ΣQ).
+            // SAFETY: as for d, the half's 8 minimums.
+            let m = unsafe { f16x8(w.add(Q5_M + 16 * h)) };
+            *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[0]), scale, *acc);
+            *acc = _mm256_fmadd_ps(m, _mm256_set1_ps(x.scaled_sum), *acc);
+        } else {
+            // value = d·(q − 16): Σ Q·(q_w − 16) = Σ Q·q_w − 16·ΣQ.
+            let dot = _mm256_sub_epi32(dots[0], _mm256_set1_epi32(16 * x.sum));
+            *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, *acc);
+        }
     }
 }
 
@@ -923,8 +905,8 @@ pub(super) fn gemv_with_streams_on(format: DType, tier: DotTier, streams: usize)
     Some(match format {
         DType::Q4_0 => pick!(Q4_0),
         DType::Q4_1 => pick!(Q4_1),
-        DType::Q5_0 => pick!(Q5_0),
-        DType::Q5_1 => pick!(Q5_1),
+        DType::Q5_0 => pick!(Q5<false>),
+        DType::Q5_1 => pick!(Q5<true>),
         DType::Q8_0 => pick!(Q8_0),
         DType::Q4K => pick!(Q4K),
         DType::Q6K => pick!(Q6K),
@@ -969,61 +951,21 @@ fn signed_byte<const LEFT: i32>(v: __m256i) -> __m256i {
     _mm256_srai_epi32::<24>(_mm256_slli_epi32::<LEFT>(v))
 }
 
-/// Decode `count / 16` k of a Q4_0 (`MIN = false`) or Q4_1 panel at `w` to
-/// `out` (`[k][16]` f32), as `kvjit_core::quant` does: `d·(q − 8)` or
-/// `d·q + m`, the product rounded before the sum.
+/// Decode `count / 16` k of a Q4_0 / Q4_1 (`FIFTH = false`) or Q5_0 /
+/// Q5_1 panel at `w` to `out` (`[k][16]` f32), as `kvjit_core::quant`
+/// does: `d·(q − offset)` (Q4_0: 8, Q5_0: 16) or, with `MIN`, `d·q + m`,
+/// the product rounded before the sum.
 ///
 /// # Safety
 /// `w` readable for the panel's k-groups over `count / 16` k (a multiple of
 /// 32), `out` writable for `count` f32; AVX2, FMA, F16C.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe extern "C" fn dequantize_q4<const MIN: bool>(w: *const u8, count: usize, out: *mut f32) {
-    let group_bytes = if MIN { 320 } else { 288 };
-    let eight = _mm256_set1_epi32(8);
-    for g in 0..count / (32 * TILE_COLUMNS) {
-        // SAFETY: k-group g < count / 512 of the panel and its 512 outputs.
-        unsafe {
-            let w = w.add(g * group_bytes);
-            let out = out.add(g * 32 * TILE_COLUMNS);
-            for h in 0..2 {
-                let d = f16x8(w.add(256 + 16 * h));
-                let m = if MIN { f16x8(w.add(288 + 16 * h)) } else { _mm256_setzero_ps() };
-                let decode = |q: __m256i| {
-                    if MIN {
-                        _mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(q)), m)
-                    } else {
-                        _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(q, eight)))
-                    }
-                };
-                for v in 0..4 {
-                    let q = _mm256_loadu_si256(w.add(128 * h + 32 * v).cast());
-                    // k = 8v + j at byte j's low nibble, 8v + 4 + j at its high.
-                    let row = |k: usize| out.add((8 * v + k) * TILE_COLUMNS + 8 * h);
-                    _mm256_storeu_ps(row(0), decode(nibble::<0>(q)));
-                    _mm256_storeu_ps(row(1), decode(nibble::<8>(q)));
-                    _mm256_storeu_ps(row(2), decode(nibble::<16>(q)));
-                    _mm256_storeu_ps(row(3), decode(nibble::<24>(q)));
-                    _mm256_storeu_ps(row(4), decode(nibble::<4>(q)));
-                    _mm256_storeu_ps(row(5), decode(nibble::<12>(q)));
-                    _mm256_storeu_ps(row(6), decode(nibble::<20>(q)));
-                    _mm256_storeu_ps(row(7), decode(_mm256_srli_epi32::<28>(q)));
-                }
-            }
-        }
-    }
-}
-
-/// Decode `count / 16` k of a Q5_0 (`MIN = false`) or Q5_1 panel at `w` to
-/// `out` (`[k][16]` f32), as `kvjit_core::quant` does: `d·(q − 16)` or
-/// `d·q + m`, the product rounded before the sum.
-///
-/// # Safety
-/// As for [`dequantize_q4`], for a Q5_0 or Q5_1 panel.
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe extern "C" fn dequantize_q5<const MIN: bool>(w: *const u8, count: usize, out: *mut f32) {
-    let group_bytes = if MIN { 384 } else { 352 };
-    let sixteen = _mm256_set1_epi32(16);
-    // Bits `shift..shift + width` of each column dword of `v`, as i32 lanes.
+unsafe extern "C" fn dequantize_nibbles<const MIN: bool, const FIFTH: bool>(w: *const u8, count: usize, out: *mut f32) {
+    // Where a k-group keeps its parts, and its bytes.
+    let (d_at, m_at) = if FIFTH { (Q5_D, Q5_M) } else { (256, 288) };
+    let group_bytes = if MIN { m_at + 32 } else { d_at + 32 };
+    let offset = _mm256_set1_epi32(if FIFTH { 16 } else { 8 });
+    // Bits `shift..` of each column dword of `v` under `mask`, as i32 lanes.
     let field = |v: __m256i, shift: i32, mask: i32| {
         _mm256_and_si256(_mm256_srlv_epi32(v, _mm256_set1_epi32(shift)), _mm256_set1_epi32(mask))
     };
@@ -1033,14 +975,20 @@ unsafe extern "C" fn dequantize_q5<const MIN: bool>(w: *const u8, count: usize, 
             let w = w.add(g * group_bytes);
             let out = out.add(g * 32 * TILE_COLUMNS);
             for h in 0..2 {
-                let d = f16x8(w.add(Q5_D + 16 * h));
-                let m = if MIN { f16x8(w.add(Q5_M + 16 * h)) } else { _mm256_setzero_ps() };
-                let bits = _mm256_loadu_si256(w.add(Q5_HIGH + 32 * h).cast());
-                let decode = |q: __m256i| {
+                let d = f16x8(w.add(d_at + 16 * h));
+                let m = if MIN { f16x8(w.add(m_at + 16 * h)) } else { _mm256_setzero_ps() };
+                let bits =
+                    if FIFTH { _mm256_loadu_si256(w.add(Q5_HIGH + 32 * h).cast()) } else { _mm256_setzero_si256() };
+                // Quant (k of the nibble at `shift`, fifth bit `bit`) as f32.
+                let decode = |q: __m256i, shift: i32, bit: i32| {
+                    let mut q = field(q, shift, 0x0f);
+                    if FIFTH {
+                        q = _mm256_or_si256(q, _mm256_slli_epi32::<4>(field(bits, bit, 1)));
+                    }
                     if MIN {
                         _mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(q)), m)
                     } else {
-                        _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(q, sixteen)))
+                        _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(q, offset)))
                     }
                 };
                 for v in 0..4 {
@@ -1049,11 +997,11 @@ unsafe extern "C" fn dequantize_q5<const MIN: bool>(w: *const u8, count: usize, 
                         // k = 8v + j: byte j's low nibble, fifth bit 8j + 2v;
                         // k = 8v + 4 + j: its high nibble, fifth bit 8j + 2v + 1.
                         let (shift, bit) = (8 * j as i32, (8 * j + 2 * v) as i32);
-                        let low = _mm256_or_si256(field(q, shift, 0x0f), _mm256_slli_epi32::<4>(field(bits, bit, 1)));
-                        let high =
-                            _mm256_or_si256(field(q, shift + 4, 0x0f), _mm256_slli_epi32::<4>(field(bits, bit + 1, 1)));
-                        _mm256_storeu_ps(out.add((8 * v + j) * TILE_COLUMNS + 8 * h), decode(low));
-                        _mm256_storeu_ps(out.add((8 * v + 4 + j) * TILE_COLUMNS + 8 * h), decode(high));
+                        _mm256_storeu_ps(out.add((8 * v + j) * TILE_COLUMNS + 8 * h), decode(q, shift, bit));
+                        _mm256_storeu_ps(
+                            out.add((8 * v + 4 + j) * TILE_COLUMNS + 8 * h),
+                            decode(q, shift + 4, bit + 1),
+                        );
                     }
                 }
             }
@@ -1065,7 +1013,7 @@ unsafe extern "C" fn dequantize_q5<const MIN: bool>(w: *const u8, count: usize, 
 /// `q·d`.
 ///
 /// # Safety
-/// As for [`dequantize_q4`], for a Q8_0 panel.
+/// As for [`dequantize_nibbles`], for a Q8_0 panel.
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe extern "C" fn dequantize_q8_0(w: *const u8, count: usize, out: *mut f32) {
     for g in 0..count / (32 * TILE_COLUMNS) {
@@ -1094,7 +1042,7 @@ unsafe extern "C" fn dequantize_q8_0(w: *const u8, count: usize, out: *mut f32) 
 /// every product rounded before the difference.
 ///
 /// # Safety
-/// As for [`dequantize_q4`], for a Q4_K panel (`count / 16` a multiple of
+/// As for [`dequantize_nibbles`], for a Q4_K panel (`count / 16` a multiple of
 /// 256).
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe extern "C" fn dequantize_q4k(w: *const u8, count: usize, out: *mut f32) {
@@ -1143,7 +1091,7 @@ fn byte<const SHIFT: i32>(v: __m256i) -> __m256i {
 /// as `kvjit_core::quant` does: per 16-k block `(d·sc)·(q − 32)`.
 ///
 /// # Safety
-/// As for [`dequantize_q4`], for a Q6_K panel (`count / 16` a multiple of
+/// As for [`dequantize_nibbles`], for a Q6_K panel (`count / 16` a multiple of
 /// 256).
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe extern "C" fn dequantize_q6k(w: *const u8, count: usize, out: *mut f32) {
@@ -1182,10 +1130,10 @@ unsafe extern "C" fn dequantize_q6k(w: *const u8, count: usize, out: *mut f32) {
 
 pub(super) fn dequantize(format: DType) -> Option<WidenBlock> {
     Some(match format {
-        DType::Q4_0 => dequantize_q4::<false>,
-        DType::Q4_1 => dequantize_q4::<true>,
-        DType::Q5_0 => dequantize_q5::<false>,
-        DType::Q5_1 => dequantize_q5::<true>,
+        DType::Q4_0 => dequantize_nibbles::<false, false>,
+        DType::Q4_1 => dequantize_nibbles::<true, false>,
+        DType::Q5_0 => dequantize_nibbles::<false, true>,
+        DType::Q5_1 => dequantize_nibbles::<true, true>,
         DType::Q8_0 => dequantize_q8_0,
         DType::Q4K => dequantize_q4k,
         DType::Q6K => dequantize_q6k,
