@@ -173,22 +173,33 @@ fn iq4_xs(b: &[u8], out: &mut [f32]) {
     }
 }
 
-/// IQ4_NL blocks rewritten as Q8_0 blocks (34 bytes: the same f16 `d`,
-/// then the 32 elements' levels `T[q]`, each in −127..=113), so that every
-/// element dequantizes to the same f32 bits (`d` times the same integer).
-/// `None` for other types or bytes that are not whole blocks.
+/// Blocks of a type whose every element is an f16 scale times an integer
+/// in −128..=127 per block of 32 ([`GgmlType::exact_in_q8_0`]: Q4_0, Q5_0,
+/// IQ4_NL) rewritten as Q8_0 blocks (34 bytes: the same f16 `d`, then the
+/// 32 integers `q − 8`, `q − 16` or `T[q]`), so that every element
+/// dequantizes to the same f32 bits (`d` times the same integer). `None`
+/// for other types (Q8_0 itself included) or bytes that are not whole
+/// blocks.
 pub fn to_q8_0(ty: GgmlType, bytes: &[u8]) -> Option<Vec<u8>> {
     let size = ty.type_size();
-    if ty != GgmlType::Iq4Nl || !bytes.len().is_multiple_of(size) {
+    if !matches!(ty, GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Iq4Nl) || !bytes.len().is_multiple_of(size) {
         return None;
     }
     let mut out = Vec::with_capacity(bytes.len() / size * 34);
     for b in bytes.chunks_exact(size) {
         out.extend_from_slice(&b[..2]);
-        let qs = &b[2..18];
+        let (qs, high) = match ty {
+            GgmlType::Q5_0 => (&b[6..22], u32::from_le_bytes([b[2], b[3], b[4], b[5]])),
+            _ => (&b[2..18], 0),
+        };
         out.extend((0..32).map(|j| {
             let code = if j < 16 { qs[j] & 0x0f } else { qs[j - 16] >> 4 };
-            IQ4_LEVELS[usize::from(code)] as u8
+            let integer = match ty {
+                GgmlType::Q4_0 => code as i8 - 8,
+                GgmlType::Q5_0 => (code | (((high >> j) & 1) as u8) << 4) as i8 - 16,
+                _ => IQ4_LEVELS[usize::from(code)],
+            };
+            integer as u8
         }));
     }
     Some(out)

@@ -463,7 +463,8 @@ impl Gguf {
     /// memory, rounding once to `dtype`. A `dtype` that is a weight block
     /// format ([`DType::BLOCK_FORMATS`]) takes the tensor's blocks as
     /// stored, borrowed from the mapping, when it is stored in that format;
-    /// IQ4_NL loads as the Q8_0 blocks of the same values
+    /// IQ4_NL (and Q4_0 or Q5_0 asked for as Q8_0: [`GgmlType::exact_in_q8_0`])
+    /// loads as the Q8_0 blocks of the same values
     /// ([`GgmlType::kept_format`]); other types are refused.
     pub fn tensor(&self, name: &str, dtype: DType) -> Result<Tensor> {
         Ok(self.load_tensor(name, dtype)?.0)
@@ -480,9 +481,11 @@ impl Gguf {
         };
         if dtype.is_block_format() {
             // Blocks are kept as stored: borrowed from the mapping (blocks
-            // are bytes, aligned anywhere), never requantized. IQ4_NL
-            // is rewritten as the Q8_0 blocks of the same values.
-            if info.ggml_type.kept_format() != Some(dtype) {
+            // are bytes, aligned anywhere), never requantized. IQ4_NL,
+            // Q4_0 and Q5_0 asked for as Q8_0 are rewritten as the Q8_0
+            // blocks of the same values.
+            let rewritten = dtype == DType::Q8_0 && info.ggml_type.exact_in_q8_0();
+            if info.ggml_type.kept_format() != Some(dtype) && !rewritten {
                 return Err(refuse(format!(
                     "it is stored as {}, not {dtype} blocks (kvjit keeps blocks as stored; load it as f32, bf16 or f16)",
                     info.ggml_type
@@ -490,7 +493,7 @@ impl Gguf {
             }
             if info.ggml_type.block_format() != Some(dtype) {
                 let blocks = dequant::to_q8_0(info.ggml_type, self.bytes_of(info))
-                    .expect("IQ4_NL is kept as Q8_0, and its size was checked at open");
+                    .expect("a type exact in Q8_0, of a size checked at open");
                 return Ok((Tensor::from_le_bytes(dtype, &info.shape(), &blocks)?, false));
             }
             let start = self.data_start + info.offset as usize;

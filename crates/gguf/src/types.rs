@@ -139,10 +139,22 @@ impl GgmlType {
     /// rewritten block for block without changing a bit of any value
     /// ([`crate::dequant::to_q8_0`]).
     pub fn kept_format(self) -> Option<kvjit_core::DType> {
+        // (The Q8_0 rewrite of exact_in_q8_0 serves IQ4_NL always, and the
+        // others only where parts of one constant must share a format.)
         match self {
             GgmlType::Iq4Nl => Some(kvjit_core::DType::Q8_0),
             _ => self.block_format(),
         }
+    }
+
+    /// Whether every value of this type is an f16 scale times an integer in
+    /// −128..=127 per block of 32, so that it loads as Q8_0 blocks of
+    /// exactly its values: Q8_0 itself, and Q4_0, Q5_0 and IQ4_NL rewritten
+    /// ([`crate::dequant::to_q8_0`]). Parts of one constant stored in
+    /// different such types (llama.cpp's mixes store a layer's V in Q8_0
+    /// beside Q and K in Q5_0) load as one Q8_0 constant.
+    pub fn exact_in_q8_0(self) -> bool {
+        matches!(self, GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Iq4Nl)
     }
 
     /// Whether kvjit can turn this type into f32, bf16 or f16

@@ -521,8 +521,10 @@ fn mutated_files_are_refused_or_read_without_panicking() {
 
 /// IQ4_NL loads as Q8_0 blocks holding the same values bit for bit (every
 /// element an f16 scale times a level in −127..=113 per 32), as f32 the
-/// same as its own dequantization; Q5_0 and Q5_1 load as their own blocks,
-/// borrowed; no type loads as a block format it is not held in.
+/// same as its own dequantization, and so do Q4_0 and Q5_0 asked for as
+/// Q8_0 (parts of one constant); Q5_0 and Q5_1 load as their own blocks,
+/// borrowed; Q5_1 (an offset per block) does not load as Q8_0, nor any type
+/// as a block format it is not held in.
 #[test]
 fn iq4_nl_loads_as_the_q8_0_blocks_of_the_same_values_and_q5_as_itself() {
     // Bytes from a fixed LCG; each block's f16 scale set to a normal value
@@ -533,7 +535,9 @@ fn iq4_nl_loads_as_the_q8_0_blocks_of_the_same_values_and_q5_as_itself() {
         (state >> 56) as u8
     };
     let mut w = GgufWriter::new();
-    for (name, ty) in [("iq4_nl", GgmlType::Iq4Nl), ("q5_0", GgmlType::Q5_0), ("q5_1", GgmlType::Q5_1)] {
+    let types =
+        [("iq4_nl", GgmlType::Iq4Nl), ("q5_0", GgmlType::Q5_0), ("q5_1", GgmlType::Q5_1), ("q4_0", GgmlType::Q4_0)];
+    for (name, ty) in types {
         let (rows, k) = (3, 64);
         let mut bytes: Vec<u8> = (0..rows * k / 32 * ty.type_size()).map(|_| byte()).collect();
         for block in bytes.chunks_exact_mut(ty.type_size()) {
@@ -544,24 +548,26 @@ fn iq4_nl_loads_as_the_q8_0_blocks_of_the_same_values_and_q5_as_itself() {
         w.tensor_raw(name, ty, &[rows, k], bytes);
     }
     let g = Gguf::from_bytes("m.gguf", &w.to_bytes()).unwrap();
-    let (q8, borrowed) = g.load_tensor("iq4_nl", DType::Q8_0).unwrap();
-    assert!(!borrowed, "rewritten into memory of its own");
-    assert_eq!(q8.shape(), &[3, 64]);
-    assert_eq!(q8.as_bytes().len(), 3 * 2 * 34);
-    let mut from_q8 = vec![f32::NAN; 3 * 64];
-    dequant::dequantize(GgmlType::Q8_0, q8.as_bytes(), &mut from_q8).unwrap();
-    let mut direct = vec![f32::NAN; 3 * 64];
-    dequant::dequantize(GgmlType::Iq4Nl, g.tensor_data("iq4_nl").unwrap(), &mut direct).unwrap();
-    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-    assert_eq!(bits(&from_q8), bits(&direct));
-    assert!(direct.iter().any(|&v| v > 1.0) && direct.iter().any(|&v| v < 0.0), "varied values");
+    for (name, ty) in [("iq4_nl", GgmlType::Iq4Nl), ("q5_0", GgmlType::Q5_0), ("q4_0", GgmlType::Q4_0)] {
+        let (q8, borrowed) = g.load_tensor(name, DType::Q8_0).unwrap();
+        assert!(!borrowed, "{name}: rewritten into memory of its own");
+        assert_eq!(q8.shape(), &[3, 64]);
+        assert_eq!(q8.as_bytes().len(), 3 * 2 * 34);
+        let mut from_q8 = vec![f32::NAN; 3 * 64];
+        dequant::dequantize(GgmlType::Q8_0, q8.as_bytes(), &mut from_q8).unwrap();
+        let mut direct = vec![f32::NAN; 3 * 64];
+        dequant::dequantize(ty, g.tensor_data(name).unwrap(), &mut direct).unwrap();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&from_q8), bits(&direct), "{name}");
+        assert!(direct.iter().any(|&v| v > 1.0) && direct.iter().any(|&v| v < 0.0), "{name}: varied values");
+    }
     for (name, format) in [("q5_0", DType::Q5_0), ("q5_1", DType::Q5_1)] {
         let (blocks, borrowed) = g.load_tensor(name, format).unwrap();
         assert!(borrowed, "{name}: borrowed from the mapping");
         assert_eq!(blocks.as_bytes(), g.tensor_data(name).unwrap(), "{name}");
-        let err = g.tensor(name, DType::Q8_0).unwrap_err().to_string();
-        assert!(err.contains("not q8_0 blocks"), "{err}");
     }
+    let err = g.tensor("q5_1", DType::Q8_0).unwrap_err().to_string();
+    assert!(err.contains("it is stored as Q5_1, not q8_0 blocks"), "{err}");
     let err = g.tensor("iq4_nl", DType::Q4_0).unwrap_err().to_string();
     assert!(err.contains("it is stored as IQ4_NL, not q4_0 blocks"), "{err}");
     assert_eq!(GgmlType::Q5_1.kept_format(), Some(DType::Q5_1));

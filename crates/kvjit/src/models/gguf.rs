@@ -244,14 +244,19 @@ fn gguf_name(name: &str, num_layers: usize) -> Option<String> {
 }
 
 /// The block format a matrix constant keeps: the format of the GGUF
-/// tensor `name` (of all three parts of a stacked QKV weight), when kvjit
+/// tensor `name` (of all three parts of a stacked QKV weight, or Q8_0 for
+/// parts of different formats that each hold exactly in Q8_0), when kvjit
 /// decodes it.
 fn kept_format(gguf: &Gguf, name: &str) -> Option<DType> {
     let format = |name: &str| gguf.tensor_info(name).and_then(|t| t.ggml_type().kept_format());
     match name.strip_suffix("attn_qkv.weight").filter(|_| gguf.tensor_info(name).is_none()) {
         Some(prefix) => {
-            let parts = ["attn_q", "attn_k", "attn_v"].map(|p| format(&format!("{prefix}{p}.weight")));
-            parts[0].filter(|f| parts.iter().all(|p| *p == Some(*f)))
+            let names = ["attn_q", "attn_k", "attn_v"].map(|p| format!("{prefix}{p}.weight"));
+            let parts = names.clone().map(|name| format(&name));
+            // Parts in different formats stack as Q8_0 where each holds
+            // exactly there (Q5_0 Q and K beside a Q8_0 V).
+            let exact = names.iter().all(|n| gguf.tensor_info(n).is_some_and(|t| t.ggml_type().exact_in_q8_0()));
+            parts[0].filter(|f| parts.iter().all(|p| *p == Some(*f))).or(exact.then_some(DType::Q8_0))
         }
         None => format(name),
     }
