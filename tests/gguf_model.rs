@@ -522,7 +522,7 @@ fn an_iq4_nl_matrix_is_held_as_q8_0_and_matches_the_naive_model() {
 /// What loading says of matrices the kernels do not read in their own
 /// blocks: IQ4_NL held as Q8_0, other quantized types dequantized into the
 /// dtype (with its bytes a weight); nothing for matrices kept as they are
-/// (Q5_0 and Q5_1 among them), for vectors, or when `--dequantize` asked
+/// (Q5_0, Q5_1 and Q5_K among them), for vectors, or when `--dequantize` asked
 /// for the dtype throughout.
 #[test]
 fn weight_notes_name_the_matrices_held_as_q8_0_and_those_dequantized() {
@@ -536,14 +536,15 @@ fn weight_notes_name_the_matrices_held_as_q8_0_and_those_dequantized() {
     raw(&mut w, "b", GgmlType::Q5_0, 2);
     raw(&mut w, "c", GgmlType::Iq4Nl, 2);
     raw(&mut w, "d", GgmlType::Q5_1, 2);
-    raw(&mut w, "e", GgmlType::Q5K, 2);
+    raw(&mut w, "e", GgmlType::Q3K, 2);
+    raw(&mut w, "g", GgmlType::Q5K, 2);
     raw(&mut w, "f", GgmlType::Q4K, 2);
     w.tensor_raw("v", GgmlType::Q5_1, &[256], vec![0; 8 * 24]);
     let gguf = Gguf::from_bytes("m.gguf", &w.to_bytes()).unwrap();
     let notes = weight_notes(&gguf, &ImportOptions::default());
     assert_eq!(notes.len(), 2, "{notes:?}");
     assert!(notes[0].contains("1 IQ4_NL matrices held as the Q8_0 blocks"), "{notes:?}");
-    assert!(notes[1].contains("1 Q5_K matrices dequantized to f32 at load, 4 bytes a weight"), "{notes:?}");
+    assert!(notes[1].contains("1 Q3_K matrices dequantized to f32 at load, 4 bytes a weight"), "{notes:?}");
     let bf16 = weight_notes(&gguf, &ImportOptions { dtype: DType::BF16, ..ImportOptions::default() });
     assert!(bf16[1].contains("to bf16 at load, 2 bytes a weight;"), "{bf16:?}");
     assert!(weight_notes(&gguf, &ImportOptions { dequantize: true, ..ImportOptions::default() }).is_empty());

@@ -48,7 +48,7 @@ pub enum BenchOps {
     /// KVJIT_LLAMA_CPP; else its figures quoted in issue 23).
     Model,
     /// `mo.matmul` on weights in the GGUF block formats (Q8_0, Q4_0, Q4_1,
-    /// Q5_0, Q5_1, Q4_K, Q6_K) against bf16 and f32, at Llama-3-8B shapes: the decode
+    /// Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) against bf16 and f32, at Llama-3-8B shapes: the decode
     /// GEMV from DRAM on the read roof and the prefill GEMM (honours
     /// --quick, --threads, --json).
     Blocks,

@@ -50,6 +50,9 @@ pub enum DType {
     /// scales and minimums.
     #[serde(rename = "q4_k")]
     Q4K,
+    /// GGML's Q5_K super-blocks: Q4_K's with a fifth bit per weight.
+    #[serde(rename = "q5_k")]
+    Q5K,
     /// GGML's Q6_K super-blocks: 256 weights in 16 sub-blocks with i8 scales.
     #[serde(rename = "q6_k")]
     Q6K,
@@ -57,7 +60,7 @@ pub enum DType {
 
 impl DType {
     /// Every dtype, in a fixed order.
-    pub const ALL: [DType; 12] = [
+    pub const ALL: [DType; 13] = [
         DType::F32,
         DType::BF16,
         DType::F16,
@@ -69,14 +72,15 @@ impl DType {
         DType::Q5_0,
         DType::Q5_1,
         DType::Q4K,
+        DType::Q5K,
         DType::Q6K,
     ];
     /// The floating dtypes an op may compute in.
     pub const FLOATS: [DType; 3] = [DType::F32, DType::BF16, DType::F16];
 
     /// The weight block formats a constant may hold ([`crate::quant`]).
-    pub const BLOCK_FORMATS: [DType; 7] =
-        [DType::Q8_0, DType::Q4_0, DType::Q4_1, DType::Q5_0, DType::Q5_1, DType::Q4K, DType::Q6K];
+    pub const BLOCK_FORMATS: [DType; 8] =
+        [DType::Q8_0, DType::Q4_0, DType::Q4_1, DType::Q5_0, DType::Q5_1, DType::Q4K, DType::Q5K, DType::Q6K];
 
     /// Size of one storage unit in bytes: an element, or for a block
     /// format a byte of its blocks (their size is [`DType::block`]).
@@ -91,6 +95,7 @@ impl DType {
             | DType::Q5_0
             | DType::Q5_1
             | DType::Q4K
+            | DType::Q5K
             | DType::Q6K => 1,
         }
     }
@@ -105,6 +110,7 @@ impl DType {
             DType::Q5_0 => (32, 22),
             DType::Q5_1 => (32, 24),
             DType::Q4K => (256, 144),
+            DType::Q5K => (256, 176),
             DType::Q6K => (256, 210),
             other => (1, other.size_bytes()),
         }
@@ -168,6 +174,7 @@ impl DType {
             DType::Q5_0 => "q5_0",
             DType::Q5_1 => "q5_1",
             DType::Q4K => "q4_k",
+            DType::Q5K => "q5_k",
             DType::Q6K => "q6_k",
         }
     }

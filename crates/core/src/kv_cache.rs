@@ -68,6 +68,7 @@ impl CacheElement {
                 | DType::Q5_0
                 | DType::Q5_1
                 | DType::Q4K
+                | DType::Q5K
                 | DType::Q6K,
                 _,
             ) => Err(Error::InvalidCacheParams(format!("dtype must be a float type, got {dtype}"))),

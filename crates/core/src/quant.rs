@@ -13,6 +13,7 @@
 //! | Q5_0 | f16 `d`, 32 high bits, 16 bytes | `d·(q − 16)`, low nibbles as Q4_0, bit j of the high bits on element j |
 //! | Q5_1 | f16 `d`, f16 `m`, 32 high bits, 16 bytes | `d·q + m`, 5-bit `q` as Q5_0 |
 //! | Q4_K | f16 `d`, f16 `dmin`, 12 bytes of 6-bit scales and mins, 128 bytes | per 32 elements: `(d·sc)·q − dmin·m` |
+//! | Q5_K | Q4_K's header, 32 bytes of fifth bits, 128 bytes | per 32 elements: `(d·sc)·q − dmin·m`, bit `s` of high byte `l` the fifth bit of element `l` of sub-block `s` |
 //! | Q6_K | 128 bytes low 4 bits, 64 bytes high 2 bits, 16 × i8 scales, f16 `d` | per 16 elements: `(d·sc)·(q − 32)` |
 
 use half::f16;
@@ -51,6 +52,7 @@ pub fn dequantize(format: DType, bytes: &[u8], out: &mut [f32]) -> Result<()> {
         DType::Q5_0 => blocks.for_each(|(b, o)| q5::<false>(b, o)),
         DType::Q5_1 => blocks.for_each(|(b, o)| q5::<true>(b, o)),
         DType::Q4K => blocks.for_each(|(b, o)| q4_k(b, o)),
+        DType::Q5K => blocks.for_each(|(b, o)| q5_k(b, o)),
         DType::Q6K => blocks.for_each(|(b, o)| q6_k(b, o)),
         _ => unreachable!("checked a block format above"),
     }
@@ -104,7 +106,7 @@ fn q5<const MIN: bool>(b: &[u8], out: &mut [f32]) {
 
 /// Scale and min `j` (0–7) of a K-quant's 12 packed bytes: 6 bits each
 /// (GGML's `get_scale_min_k4`, shared by Q4_K and Q5_K).
-pub fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
+fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
     if j < 4 {
         (q[j] & 63, q[j + 4] & 63)
     } else {
@@ -127,6 +129,24 @@ fn q4_k(b: &[u8], out: &mut [f32]) {
         for l in 0..32 {
             low[l] = d1 * f32::from(q[l] & 0x0f) - min1;
             high[l] = d2 * f32::from(q[l] >> 4) - min2;
+        }
+    }
+}
+
+/// One Q5_K super-block (176 bytes) into 256 elements: per 32-element
+/// sub-block `s`, Q4_K's scale and min and nibble (`s % 2`) of quant bytes
+/// `32·(s / 2)..`, with bit `s` of high-bit byte `l` as the fifth bit.
+fn q5_k(b: &[u8], out: &mut [f32]) {
+    let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
+    let scales = &b[4..16];
+    let (high, qs) = b[16..].split_at(QK_K / 8);
+    for (s, o) in out.chunks_exact_mut(32).enumerate() {
+        let (sc, m) = scale_min_k4(s, scales);
+        let (dl, ml) = (d * f32::from(sc), dmin * f32::from(m));
+        let q = &qs[32 * (s / 2)..][..32];
+        for ((o, &q), &h) in o.iter_mut().zip(q).zip(high) {
+            let q = ((q >> (4 * (s % 2))) & 0x0f) | ((h >> s) & 1) << 4;
+            *o = dl * f32::from(q) - ml;
         }
     }
 }
@@ -180,7 +200,7 @@ pub fn random_block(format: DType, rng: &mut impl Rng) -> Vec<u8> {
             block[..2].copy_from_slice(&random_scale(rng, 0.002, 0.02, true));
             block[2..4].copy_from_slice(&random_scale(rng, 0.0, 0.1, true));
         }
-        DType::Q4K => {
+        DType::Q4K | DType::Q5K => {
             // d and dmin: the 6-bit scales and mins multiply them.
             block[..2].copy_from_slice(&random_scale(rng, 0.0002, 0.002, false));
             block[2..4].copy_from_slice(&random_scale(rng, 0.0, 0.002, false));

@@ -18,14 +18,14 @@
 //! | IQ4_NL | f16 `d`, 16 bytes | `d·T[q]`, `T` the 16 non-linear levels, nibbles as Q4_0 |
 //! | IQ4_XS | f16 `d`, 16 bits high scale bits, 4 bytes low scale bits, 128 bytes | per 32 elements: `(d·(sc − 32))·T[q]` |
 //!
-//! Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K and Q6_K are also kvjit's weight
+//! Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K are also kvjit's weight
 //! block formats (kept as stored, decoded in the kernels:
 //! [`kvjit_core::quant`] is their definition); IQ4_NL is held as Q8_0
 //! ([`to_q8_0`]); the others are dequantized when a model loads.
 
 use crate::GgmlType;
 
-use kvjit_core::quant::{QK_K, f16_at, scale_min_k4};
+use kvjit_core::quant::{QK_K, f16_at};
 
 /// IQ4_NL's and IQ4_XS's 16 levels (`kvalues_iq4nl`), by 4-bit code.
 const IQ4_LEVELS: [i8; 16] = [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113];
@@ -66,13 +66,13 @@ pub fn dequantize(ty: GgmlType, bytes: &[u8], out: &mut [f32]) -> Result<(), Str
         | GgmlType::Q5_0
         | GgmlType::Q5_1
         | GgmlType::Q4K
+        | GgmlType::Q5K
         | GgmlType::Q6K => {
-            let format = ty.block_format().expect("the seven block formats kvjit keeps");
+            let format = ty.block_format().expect("the eight block formats kvjit keeps");
             kvjit_core::quant::dequantize(format, bytes, out).map_err(|e| e.to_string())?;
         }
         GgmlType::Q2K => blocks.for_each(|(b, o)| q2_k(b, o)),
         GgmlType::Q3K => blocks.for_each(|(b, o)| q3_k(b, o)),
-        GgmlType::Q5K => blocks.for_each(|(b, o)| q5_k(b, o)),
         GgmlType::Iq4Nl => blocks.for_each(|(b, o)| iq4_nl(b, o)),
         GgmlType::Iq4Xs => blocks.for_each(|(b, o)| iq4_xs(b, o)),
         other => {
@@ -121,24 +121,6 @@ fn q3_k(b: &[u8], out: &mut [f32]) {
         for ((o, &q), &h) in o.iter_mut().zip(q).zip(h) {
             let offset = if (h >> (g / 2)) & 1 == 1 { 0 } else { 4 };
             *o = dl * f32::from(((q >> shift) & 3) as i8 - offset);
-        }
-    }
-}
-
-/// One Q5_K super-block (176 bytes) into 256 elements: per 32-element
-/// sub-block `s`, Q4_K's scale and min and nibble (`s % 2`) of quant bytes
-/// `32·(s / 2)..`, with bit `s` of high-bit byte `l` as the fifth bit.
-fn q5_k(b: &[u8], out: &mut [f32]) {
-    let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
-    let scales = &b[4..16];
-    let (high, qs) = b[16..].split_at(QK_K / 8);
-    for (s, o) in out.chunks_exact_mut(32).enumerate() {
-        let (sc, m) = scale_min_k4(s, scales);
-        let (dl, ml) = (d * f32::from(sc), dmin * f32::from(m));
-        let q = &qs[32 * (s / 2)..][..32];
-        for ((o, &q), &h) in o.iter_mut().zip(q).zip(high) {
-            let q = ((q >> (4 * (s % 2))) & 0x0f) | ((h >> s) & 1) << 4;
-            *o = dl * f32::from(q) - ml;
         }
     }
 }

@@ -118,7 +118,7 @@ impl GgmlType {
     }
 
     /// The kvjit weight block format of this type, when kvjit keeps its
-    /// blocks as they are (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q6_K).
+    /// blocks as they are (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K).
     pub fn block_format(self) -> Option<kvjit_core::DType> {
         use kvjit_core::DType;
         Some(match self {
@@ -128,6 +128,7 @@ impl GgmlType {
             GgmlType::Q5_0 => DType::Q5_0,
             GgmlType::Q5_1 => DType::Q5_1,
             GgmlType::Q4K => DType::Q4K,
+            GgmlType::Q5K => DType::Q5K,
             GgmlType::Q6K => DType::Q6K,
             _ => return None,
         })

@@ -571,6 +571,7 @@ fn iq4_nl_loads_as_the_q8_0_blocks_of_the_same_values_and_q5_as_itself() {
     let err = g.tensor("iq4_nl", DType::Q4_0).unwrap_err().to_string();
     assert!(err.contains("it is stored as IQ4_NL, not q4_0 blocks"), "{err}");
     assert_eq!(GgmlType::Q5_1.kept_format(), Some(DType::Q5_1));
-    assert_eq!(GgmlType::Q5K.kept_format(), None);
+    assert_eq!(GgmlType::Q5K.kept_format(), Some(DType::Q5K));
+    assert_eq!(GgmlType::Q3K.kept_format(), None);
     assert_eq!(GgmlType::Q4K.kept_format(), Some(DType::Q4K));
 }

@@ -8,7 +8,7 @@
 //!
 //! A panel holds [`TILE_COLUMNS`](crate::microkernel::TILE_COLUMNS) (16) columns of C — 16 weight rows of K
 //! values each — in groups of one block of K (a "k-group": 32 k for Q8_0,
-//! Q4_0 and Q4_1, 256 for Q4_K and Q6_K), k-groups in order. A k-group
+//! Q4_0, Q4_1, Q5_0 and Q5_1, 256 for Q4_K, Q5_K and Q6_K), k-groups in order. A k-group
 //! holds the 16 columns' blocks of that range of K whole in content (the
 //! same bytes as the GGML blocks: [`panel_bytes`] = K / block × block
 //! bytes × 16), rearranged for the kernels:
@@ -40,6 +40,11 @@
 //!   load); then at 256 the 8 sub-blocks of 32 k, each as 256 bytes of
 //!   quants in the Q4 layout above (sub-block `s` at `256 + 256s`: k =
 //!   32s + 8g + j and 32s + 8g + 4 + j).
+//! - **Q5_K** (2816 = 16 × 176 bytes): Q4_K's k-group of the blocks'
+//!   scales and nibbles, then per sub-block `s` (at `2304 + 64s`) two
+//!   halves of 32 bytes of fifth bits in Q5_0's arrangement (bit `2g` of
+//!   column dword byte `j`: k = 32s + 8g + j; bit `2g + 1`: 32s + 8g + 4 +
+//!   j).
 //! - **Q6_K** (3360 = 16 × 210 bytes): the 16 i8 scales of 16 k
 //!   byte-sliced (scale `i` of column `c` at `16i + c`), the 16 f16 `d` (at
 //!   256), then at 288 per 32-k sub-group `s` (at `288 + 384s`) the low 4

@@ -61,6 +61,7 @@ impl Tolerance {
             | DType::Q5_0
             | DType::Q5_1
             | DType::Q4K
+            | DType::Q5K
             | DType::Q6K => 0.0,
         }
     }

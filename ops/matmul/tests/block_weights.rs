@@ -1,4 +1,4 @@
-//! Weights in the block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q6_K), kept
+//! Weights in the block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), kept
 //! quantized and decoded by the kernels as they read: every format × tier
 //! × row count × K (block multiples, N with a narrower last panel) against
 //! the f64 product of the dequantized weights, every epilogue, the packed

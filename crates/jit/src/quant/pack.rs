@@ -49,6 +49,7 @@ pub fn pack_panel(format: DType, columns: &[&[u8]], k: usize, out: &mut [u8]) {
             DType::Q5_0 | DType::Q5_1 => pack_q5(format, out, block_of),
             DType::Q8_0 => pack_q8_0(out, block_of),
             DType::Q4K => pack_q4k(out, block_of),
+            DType::Q5K => pack_q5k(out, block_of),
             DType::Q6K => pack_q6k(out, block_of),
             _ => unreachable!("checked a block format above"),
         }
@@ -162,6 +163,36 @@ fn pack_q4k<'a>(out: &mut [u8], block_of: impl Fn(usize) -> &'a [u8]) {
         d[32 + 2 * c..32 + 2 * c + 2].copy_from_slice(&b[2..4]);
         for (i, &byte) in b[4..16].iter().enumerate() {
             scales[16 * i + c] = byte;
+        }
+    }
+}
+
+/// One k-group of a Q5_K panel (see the [layout](super)): Q4_K's k-group
+/// of the blocks with their fifth bits left out, then per sub-block `s` and
+/// half the 8 columns' fifth bits in Q5_0's arrangement (byte `j` of a
+/// column dword: bit `2g` for k = 32s + 8g + j, bit `2g + 1` for
+/// 32s + 8g + 4 + j).
+fn pack_q5k<'a>(out: &mut [u8], block_of: impl Fn(usize) -> &'a [u8]) {
+    let (q4k, high) = out.split_at_mut(TILE_COLUMNS * 144);
+    // Q4_K's bytes of each block: the header and the nibbles.
+    let q4k_blocks: Vec<Vec<u8>> = (0..TILE_COLUMNS)
+        .map(|c| {
+            let b = block_of(c);
+            [&b[..16], &b[48..176]].concat()
+        })
+        .collect();
+    pack_q4k(q4k, |c| &q4k_blocks[c]);
+    for c in 0..TILE_COLUMNS {
+        let (half, column) = (c / 8, c % 8);
+        let qh = &block_of(c)[16..48];
+        // Element l of sub-block s has its fifth bit at bit s of qh[l].
+        let bit = |k: usize| (qh[k % 32] >> (k / 32)) & 1;
+        for s in 0..8 {
+            for j in 0..4 {
+                let k = |g: usize, upper: usize| 32 * s + 8 * g + 4 * upper + j;
+                high[64 * s + 32 * half + 4 * column + j] =
+                    (0..4).map(|g| bit(k(g, 0)) << (2 * g) | bit(k(g, 1)) << (2 * g + 1)).sum();
+            }
         }
     }
 }

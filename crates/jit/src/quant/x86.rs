@@ -503,6 +503,8 @@ struct Q4_1;
 struct Q5<const MIN: bool>;
 struct Q8_0;
 struct Q4K;
+/// Q4_K's k-group followed by the fifth bits of its 8 sub-blocks.
+struct Q5K;
 struct Q6K;
 
 impl GemvFormat for Q4_0 {
@@ -641,6 +643,40 @@ impl GemvFormat for Q4K {
         let min = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(m));
         *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[0]), scale, *acc);
         *acc = _mm256_fnmadd_ps(min, _mm256_set1_ps(x.dx * x.sum as f32), *acc);
+    }
+}
+
+impl GemvFormat for Q5K {
+    const GROUP_K: usize = 256;
+    const GROUP_BYTES: usize = Q4K::GROUP_BYTES + 8 * 64;
+    const QUANTS: Quants = Quants::Q5;
+    type Scales = [u8; 256];
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn scales(w: *const u8) -> [u8; 256] {
+        // SAFETY: Q4_K's scale rows, at the same place.
+        unsafe { Q4K::scales(w) }
+    }
+    fn quants(s: usize, h: usize) -> usize {
+        Q4K::quants(s, h)
+    }
+    fn high(s: usize, h: usize) -> usize {
+        Q4K::GROUP_BYTES + 64 * s + 32 * h
+    }
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn add(
+        w: *const u8,
+        scales: &[u8; 256],
+        s: usize,
+        h: usize,
+        dots: [__m256i; 2],
+        x: &Activations,
+        acc: &mut __m256,
+    ) {
+        // Q4_K's arithmetic on 5-bit quants.
+        // SAFETY: Q4_K's d, dmin and scale rows, at the same place.
+        unsafe { Q4K::add(w, scales, s, h, dots, x, acc) }
     }
 }
 
@@ -909,6 +945,7 @@ pub(super) fn gemv_with_streams_on(format: DType, tier: DotTier, streams: usize)
         DType::Q5_1 => pick!(Q5<true>),
         DType::Q8_0 => pick!(Q8_0),
         DType::Q4K => pick!(Q4K),
+        DType::Q5K => pick!(Q5K),
         DType::Q6K => pick!(Q6K),
         _ => return None,
     })
@@ -935,20 +972,26 @@ pub(super) fn gemv(format: DType, k: usize) -> Option<GemmTile> {
     gemv_tier(format, k, DotTier::best())
 }
 
-/// The 8 columns' u4 quant at byte `SHIFT / 8`, nibble `SHIFT % 8 / 4` of
-/// their dwords in `v`, as i32 lanes.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn nibble<const SHIFT: i32>(v: __m256i) -> __m256i {
-    _mm256_and_si256(_mm256_srli_epi32::<SHIFT>(v), _mm256_set1_epi32(0x0f))
-}
-
 /// The 8 columns' i8 quant at byte `(24 − LEFT) / 8` of their dwords in `v`,
 /// sign-extended to i32 lanes.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 fn signed_byte<const LEFT: i32>(v: __m256i) -> __m256i {
     _mm256_srai_epi32::<24>(_mm256_slli_epi32::<LEFT>(v))
+}
+
+/// The 8 columns' quant in the nibble at bit `shift` of their dwords in
+/// `q`, as i32 lanes, with (`FIFTH`) bit `bit` of their dwords in `bits`
+/// as its bit 4: a Q4 or Q5 quant of a decoded row (the shifts are the
+/// row's, constant once the caller's loops unroll).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn five_bit_quant<const FIFTH: bool>(q: __m256i, shift: i32, bits: __m256i, bit: i32) -> __m256i {
+    let field = |v: __m256i, shift: i32, mask: i32| {
+        _mm256_and_si256(_mm256_srlv_epi32(v, _mm256_set1_epi32(shift)), _mm256_set1_epi32(mask))
+    };
+    let q = field(q, shift, 0x0f);
+    if FIFTH { _mm256_or_si256(q, _mm256_slli_epi32::<4>(field(bits, bit, 1))) } else { q }
 }
 
 /// Decode `count / 16` k of a Q4_0 / Q4_1 (`FIFTH = false`) or Q5_0 /
@@ -965,10 +1008,6 @@ unsafe extern "C" fn dequantize_nibbles<const MIN: bool, const FIFTH: bool>(w: *
     let (d_at, m_at) = if FIFTH { (Q5_D, Q5_M) } else { (256, 288) };
     let group_bytes = if MIN { m_at + 32 } else { d_at + 32 };
     let offset = _mm256_set1_epi32(if FIFTH { 16 } else { 8 });
-    // Bits `shift..` of each column dword of `v` under `mask`, as i32 lanes.
-    let field = |v: __m256i, shift: i32, mask: i32| {
-        _mm256_and_si256(_mm256_srlv_epi32(v, _mm256_set1_epi32(shift)), _mm256_set1_epi32(mask))
-    };
     for g in 0..count / (32 * TILE_COLUMNS) {
         // SAFETY: k-group g < count / 512 of the panel and its 512 outputs.
         unsafe {
@@ -981,10 +1020,7 @@ unsafe extern "C" fn dequantize_nibbles<const MIN: bool, const FIFTH: bool>(w: *
                     if FIFTH { _mm256_loadu_si256(w.add(Q5_HIGH + 32 * h).cast()) } else { _mm256_setzero_si256() };
                 // Quant (k of the nibble at `shift`, fifth bit `bit`) as f32.
                 let decode = |q: __m256i, shift: i32, bit: i32| {
-                    let mut q = field(q, shift, 0x0f);
-                    if FIFTH {
-                        q = _mm256_or_si256(q, _mm256_slli_epi32::<4>(field(bits, bit, 1)));
-                    }
+                    let q = five_bit_quant::<FIFTH>(q, shift, bits, bit);
                     if MIN {
                         _mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(q)), m)
                     } else {
@@ -1037,20 +1073,22 @@ unsafe extern "C" fn dequantize_q8_0(w: *const u8, count: usize, out: *mut f32) 
     }
 }
 
-/// Decode `count / 16` k of a Q4_K panel at `w` to `out` (`[k][16]` f32),
-/// as `kvjit_core::quant` does: per 32-k sub-block `(d·sc)·q − dmin·m`,
-/// every product rounded before the difference.
+/// Decode `count / 16` k of a Q4_K (`FIFTH = false`) or Q5_K panel at `w`
+/// to `out` (`[k][16]` f32), as `kvjit_core::quant` does: per 32-k
+/// sub-block `(d·sc)·q − dmin·m`, every product rounded before the
+/// difference.
 ///
 /// # Safety
-/// As for [`dequantize_nibbles`], for a Q4_K panel (`count / 16` a multiple of
-/// 256).
+/// As for [`dequantize_nibbles`], for a Q4_K or Q5_K panel (`count / 16` a
+/// multiple of 256).
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe extern "C" fn dequantize_q4k(w: *const u8, count: usize, out: *mut f32) {
+unsafe extern "C" fn dequantize_k4<const FIFTH: bool>(w: *const u8, count: usize, out: *mut f32) {
+    let group_bytes = if FIFTH { Q5K::GROUP_BYTES } else { Q4K::GROUP_BYTES };
     for g in 0..count / (256 * TILE_COLUMNS) {
         // SAFETY: k-group g < count / 4096 of the panel and its 4096
         // outputs.
         unsafe {
-            let w = w.add(g * Q4K::GROUP_BYTES);
+            let w = w.add(g * group_bytes);
             let out = out.add(g * 256 * TILE_COLUMNS);
             let scales = k4_scales(w.add(Q4K_SCALES));
             for h in 0..2 {
@@ -1061,18 +1099,22 @@ unsafe extern "C" fn dequantize_q4k(w: *const u8, count: usize, out: *mut f32) {
                         (u8x8(scales.as_ptr().add(16 * s + 8 * h)), u8x8(scales.as_ptr().add(128 + 16 * s + 8 * h)));
                     let scale = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc));
                     let min = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(m));
-                    let decode = |q: __m256i| _mm256_sub_ps(_mm256_mul_ps(scale, _mm256_cvtepi32_ps(q)), min);
+                    let bits = match FIFTH {
+                        true => _mm256_loadu_si256(w.add(Q5K::high(s, h)).cast()),
+                        false => _mm256_setzero_si256(),
+                    };
+                    let decode = |q: __m256i, shift: i32, bit: i32| {
+                        let q = five_bit_quant::<FIFTH>(q, shift, bits, bit);
+                        _mm256_sub_ps(_mm256_mul_ps(scale, _mm256_cvtepi32_ps(q)), min)
+                    };
                     for v in 0..4 {
                         let q = _mm256_loadu_si256(w.add(Q4K::quants(s, h) + 32 * v).cast());
-                        let row = |k: usize| out.add((32 * s + 8 * v + k) * TILE_COLUMNS + 8 * h);
-                        _mm256_storeu_ps(row(0), decode(nibble::<0>(q)));
-                        _mm256_storeu_ps(row(1), decode(nibble::<8>(q)));
-                        _mm256_storeu_ps(row(2), decode(nibble::<16>(q)));
-                        _mm256_storeu_ps(row(3), decode(nibble::<24>(q)));
-                        _mm256_storeu_ps(row(4), decode(nibble::<4>(q)));
-                        _mm256_storeu_ps(row(5), decode(nibble::<12>(q)));
-                        _mm256_storeu_ps(row(6), decode(nibble::<20>(q)));
-                        _mm256_storeu_ps(row(7), decode(_mm256_srli_epi32::<28>(q)));
+                        for j in 0..4 {
+                            let (shift, bit) = (8 * j as i32, (8 * j + 2 * v) as i32);
+                            let row = |k: usize| out.add((32 * s + 8 * v + k) * TILE_COLUMNS + 8 * h);
+                            _mm256_storeu_ps(row(j), decode(q, shift, bit));
+                            _mm256_storeu_ps(row(4 + j), decode(q, shift + 4, bit + 1));
+                        }
                     }
                 }
             }
@@ -1135,7 +1177,8 @@ pub(super) fn dequantize(format: DType) -> Option<WidenBlock> {
         DType::Q5_0 => dequantize_nibbles::<false, true>,
         DType::Q5_1 => dequantize_nibbles::<true, true>,
         DType::Q8_0 => dequantize_q8_0,
-        DType::Q4K => dequantize_q4k,
+        DType::Q4K => dequantize_k4::<false>,
+        DType::Q5K => dequantize_k4::<true>,
         DType::Q6K => dequantize_q6k,
         _ => return None,
     })

@@ -5,15 +5,16 @@
 //!
 //! The graph refers to the file for every weight (`weights` names the
 //! GGUF; no weight is copied). Matrices stored in a weight block format
-//! kvjit decodes (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q6_K) stay in it: the graph
+//! kvjit decodes (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) stay in it: the graph
 //! declares them in that format, they are borrowed from the mapping, and
 //! the matmuls, the fused QKV projection and the embedding gather decode
 //! them as they read ([`ImportOptions::dequantize`] dequantizes them into
 //! the model's dtype instead). IQ4_NL matrices (what llama.cpp's IQ mixes
 //! store where a row is not a multiple of 256) are held as the Q8_0 blocks
-//! of exactly their values; the other GGML types kvjit reads (Q2_K, Q3_K,
-//! Q5_K, IQ4_XS, f16, bf16) are dequantized into the model's dtype as the
-//! model loads. The fused QKV weight is the file's `attn_q`,
+//! of exactly their values (so are Q4_0 and Q5_0 parts of a fused QKV
+//! weight whose parts differ in format); the other GGML types kvjit reads
+//! (Q2_K, Q3_K, IQ4_XS, f16, bf16) are dequantized into the model's dtype
+//! as the model loads. The fused QKV weight is the file's `attn_q`,
 //! `attn_k` and `attn_v` stacked (in their format when all three share
 //! one). llama.cpp's converter
 //! permutes Q and K rows for pairwise RoPE, so the model rotates
@@ -338,7 +339,7 @@ pub fn weight_notes(gguf: &Gguf, options: &ImportOptions) -> Vec<String> {
         };
         notes.push(format!(
             "note: {} matrices dequantized to {dtype} at load, {} bytes a weight{cheaper}; kvjit's kernels read \
-             Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K and Q6_K blocks as they are",
+             Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K blocks as they are",
             list(&dequantized),
             dtype.size_bytes()
         ));

@@ -125,7 +125,8 @@ pub fn gemv_rows(dtype: DType) -> usize {
 pub fn gemv_rows_on(dtype: DType, vnni: bool) -> usize {
     match (dtype, vnni) {
         (DType::Q6K, _) => 4,
-        (DType::Q4K, _) => 16,
+        // Q5_K's count is Q4_K's (not measured apart).
+        (DType::Q4K | DType::Q5K, _) => 16,
         (DType::Q8_0, false) => 8,
         (_, false) => 16,
         (_, true) => 64,
