@@ -160,6 +160,12 @@ impl DType {
         matches!(self, DType::F8E4M3)
     }
 
+    /// Every dtype's [`name`](DType::name), comma-separated (what a wrong
+    /// name is told to choose from).
+    pub fn names() -> String {
+        DType::ALL.map(DType::name).join(", ")
+    }
+
     /// The lowercase name used in graph files and kernel keys.
     pub fn name(self) -> &'static str {
         match self {

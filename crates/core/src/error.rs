@@ -23,7 +23,7 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 #[non_exhaustive]
 pub enum Error {
     /// A dtype name that kvjit does not know.
-    #[error("unknown dtype '{0}': expected one of f32, bf16, f16, f8e4m3, u32, q8_0, q4_0, q4_1, q4_k, q6_k")]
+    #[error("unknown dtype '{0}': expected one of {names}", names = crate::DType::names())]
     UnknownDType(String),
     /// A target name that kvjit does not know.
     #[error("unknown target '{0}': expected cpu or cuda")]

@@ -27,7 +27,7 @@
 mod cpu_jit;
 mod spec;
 
-use kvjit_core::{Backend, Result};
+use kvjit_core::{Backend, DType, Result};
 use kvjit_graph::{ArgSpec, Dim, GraphBuilder, GraphError, TensorType, ValueId, ValueType, input_error, tensor_input};
 use kvjit_op::gemm::WeightOrientation;
 use kvjit_op::{Choice, Op, Specialized, add_node, rows};
@@ -165,8 +165,9 @@ fn gemm_spec(
         let b = tensor_input(inputs, index);
         let expected = match orientation {
             WeightOrientation::NK => format!(
-                "{}[N, {k}] (K of a, transpose_b = true; or [N, {k}] in a weight block format: q8_0, q4_0, q4_1, q4_k, q6_k)",
-                a.dtype
+                "{}[N, {k}] (K of a, transpose_b = true; or [N, {k}] in a weight block format: {})",
+                a.dtype,
+                DType::BLOCK_FORMATS.map(DType::name).join(", ")
             ),
             WeightOrientation::KN => format!("{}[{k}, N] (K of a, transpose_b = false)", a.dtype),
         };
