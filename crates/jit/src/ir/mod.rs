@@ -61,15 +61,8 @@ pub fn load_f32x4(b: &mut FunctionBuilder, dtype: DType, ptr: Value, offset: i32
             let codes = e4m3::load_codes(b, ptr, offset);
             e4m3::widen_i32x4(b, codes)
         }
-        DType::U32
-        | DType::Q8_0
-        | DType::Q4_0
-        | DType::Q4_1
-        | DType::Q5_0
-        | DType::Q5_1
-        | DType::Q4K
-        | DType::Q5K
-        | DType::Q6K => no_float_lanes(dtype),
+        // U32 and the weight block formats.
+        _ => no_float_lanes(dtype),
     }
 }
 
@@ -122,15 +115,8 @@ pub fn load_splat_f32x4(b: &mut FunctionBuilder, dtype: DType, ptr: Value, offse
             let code = b.ins().splat(types::I32X4, code);
             e4m3::widen_i32x4(b, code)
         }
-        DType::U32
-        | DType::Q8_0
-        | DType::Q4_0
-        | DType::Q4_1
-        | DType::Q5_0
-        | DType::Q5_1
-        | DType::Q4K
-        | DType::Q5K
-        | DType::Q6K => no_float_lanes(dtype),
+        // U32 and the weight block formats.
+        _ => no_float_lanes(dtype),
     }
 }
 
@@ -176,15 +162,8 @@ pub fn store_f32x4(b: &mut FunctionBuilder, dtype: DType, value: Value, ptr: Val
             b.ins().store(mem(), low, ptr, offset);
         }
         DType::F8E4M3 => no_scale(dtype),
-        DType::U32
-        | DType::Q8_0
-        | DType::Q4_0
-        | DType::Q4_1
-        | DType::Q5_0
-        | DType::Q5_1
-        | DType::Q4K
-        | DType::Q5K
-        | DType::Q6K => no_float_lanes(dtype),
+        // U32 and the weight block formats.
+        _ => no_float_lanes(dtype),
     }
 }
 
@@ -205,15 +184,8 @@ pub fn store_lane(b: &mut FunctionBuilder, dtype: DType, value: Value, lane: u8,
             b.ins().store(mem(), x, ptr, offset);
         }
         DType::F8E4M3 => no_scale(dtype),
-        DType::U32
-        | DType::Q8_0
-        | DType::Q4_0
-        | DType::Q4_1
-        | DType::Q5_0
-        | DType::Q5_1
-        | DType::Q4K
-        | DType::Q5K
-        | DType::Q6K => no_float_lanes(dtype),
+        // U32 and the weight block formats.
+        _ => no_float_lanes(dtype),
     }
 }
 
