@@ -327,8 +327,9 @@ pub fn weight_notes(gguf: &Gguf, options: &ImportOptions) -> Vec<String> {
     let mut notes = Vec::new();
     if !held.is_empty() {
         notes.push(format!(
-            "note: {} matrices held as the Q8_0 blocks of the same values (1.0625 bytes a weight)",
-            list(&held)
+            "note: {} matrices held as the Q8_0 blocks of the same values ({} bytes a weight)",
+            list(&held),
+            DType::Q8_0.bytes_per_element()
         ));
     }
     if !dequantized.is_empty() {
@@ -339,9 +340,10 @@ pub fn weight_notes(gguf: &Gguf, options: &ImportOptions) -> Vec<String> {
         };
         notes.push(format!(
             "note: {} matrices dequantized to {dtype} at load, {} bytes a weight{cheaper}; kvjit's kernels read \
-             Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K blocks as they are",
+             {} blocks as they are",
             list(&dequantized),
-            dtype.size_bytes()
+            dtype.size_bytes(),
+            DType::BLOCK_FORMATS.map(|f| f.name().to_uppercase()).join(", ")
         ));
     }
     notes
