@@ -485,7 +485,7 @@ impl Gguf {
             // Q4_0 and Q5_0 asked for as Q8_0 are rewritten as the Q8_0
             // blocks of the same values.
             let rewritten = dtype == DType::Q8_0 && info.ggml_type.exact_in_q8_0();
-            if info.ggml_type.kept_format() != Some(dtype) && !rewritten {
+            if info.ggml_type.block_format() != Some(dtype) && !rewritten {
                 return Err(refuse(format!(
                     "it is stored as {}, not {dtype} blocks (kvjit keeps blocks as stored; load it as f32, bf16 or f16)",
                     info.ggml_type
