@@ -106,6 +106,17 @@ impl BlocksBenchConfig {
         }
     }
 
+    /// Refuse formats the suite cannot time and empty lists.
+    pub fn check(&self) -> Result<()> {
+        if self.formats.is_empty() {
+            return Err(crate::BenchError::NoValues { option: "--dtypes" });
+        }
+        match self.formats.iter().find(|f| !f.is_compute_float() && !f.is_block_format()) {
+            Some(&dtype) => Err(crate::BenchError::NotWeightFormat { dtype }),
+            None => Ok(()),
+        }
+    }
+
     fn step_count(&self) -> usize {
         1 + self.shapes.len() * 2 + 1
     }

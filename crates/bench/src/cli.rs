@@ -82,7 +82,9 @@ pub struct BenchArgs {
     /// Model shapes, comma-separated: 1b, 8b, mha, or K/QH/KVH/D.
     #[arg(long, value_delimiter = ',', value_parser = ModelShape::parse)]
     pub shapes: Option<Vec<ModelShape>>,
-    /// Dtypes, comma-separated: f32, bf16, f16.
+    /// Dtypes, comma-separated: f32, bf16, f16 (with --ops blocks, the
+    /// weight formats: those and q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q5_k,
+    /// q6_k).
     #[arg(long, visible_alias = "dtype", value_delimiter = ',')]
     pub dtypes: Option<Vec<DType>>,
     /// Cache page sizes, comma-separated.
@@ -154,10 +156,10 @@ impl BenchArgs {
     /// given and the suites that take it (`--threads`, `--quick` and
     /// `--json` apply to every suite).
     fn suite_options(&self) -> [(&'static str, bool, &'static [BenchOps]); 12] {
-        use BenchOps::{Attention, Layer, Model, Qkv};
+        use BenchOps::{Attention, Blocks, Layer, Model, Qkv};
         [
             ("--shapes", self.shapes.is_some(), &[Qkv]),
-            ("--dtypes", self.dtypes.is_some(), &[Qkv, Attention, Model]),
+            ("--dtypes", self.dtypes.is_some(), &[Qkv, Attention, Model, Blocks]),
             ("--pages", self.pages.is_some(), &[Qkv]),
             ("--ms", self.ms.is_some(), &[Qkv]),
             ("--impls", self.impls.is_some(), &[Qkv]),
@@ -233,14 +235,19 @@ impl BenchArgs {
         Ok(config)
     }
 
-    /// The `--ops blocks` run these options ask for: a preset and the
-    /// thread count; options of the other suites are refused.
+    /// The `--ops blocks` run these options ask for: a preset, the weight
+    /// formats (`--dtypes`) and the thread count; options of the other
+    /// suites are refused.
     pub fn blocks_config(&self) -> Result<BlocksBenchConfig> {
         self.refuse_options_of_other_suites(BenchOps::Blocks)?;
         let mut config = self.preset(BlocksBenchConfig::tiny, BlocksBenchConfig::quick, BlocksBenchConfig::full);
+        if let Some(formats) = &self.dtypes {
+            config.formats = formats.clone();
+        }
         if let Some(threads) = self.threads {
             config.threads = threads;
         }
+        config.check()?;
         Ok(config)
     }
 

@@ -39,6 +39,15 @@ pub enum BenchError {
         /// The dtype given.
         dtype: DType,
     },
+    /// A weight format the block-format suite cannot time.
+    #[error(
+        "weight format {dtype} is neither a float type (f32, bf16, f16) nor a block format ({})",
+        block_format_names()
+    )]
+    NotWeightFormat {
+        /// The dtype given.
+        dtype: DType,
+    },
     /// Attention heads no kernel takes (a zero size, query heads not a
     /// multiple of KV heads).
     #[error("invalid attention heads {heads:?}")]
@@ -249,4 +258,9 @@ impl From<kvjit_runtime::RuntimeError> for BenchError {
     fn from(e: kvjit_runtime::RuntimeError) -> Self {
         Self::Kvjit(e.into())
     }
+}
+
+/// The block formats, comma-separated, for messages.
+fn block_format_names() -> String {
+    DType::BLOCK_FORMATS.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")
 }

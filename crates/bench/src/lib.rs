@@ -447,6 +447,16 @@ mod tests {
         assert!(matches!(err, BenchError::NotComputeFloat { dtype: DType::U32 }), "{err:?}");
         assert_eq!(err.to_string(), "dtype u32 is not a float type: use f32, bf16 or f16");
 
+        let formats = blocks::BlocksBenchConfig {
+            formats: vec![DType::Q4_1, DType::F8E4M3],
+            ..blocks::BlocksBenchConfig::tiny()
+        };
+        let err = formats.check().unwrap_err();
+        assert!(matches!(err, BenchError::NotWeightFormat { dtype: DType::F8E4M3 }), "{err:?}");
+        assert!(err.to_string().contains("q5_k"), "{err}");
+        let formats = blocks::BlocksBenchConfig { formats: vec![], ..blocks::BlocksBenchConfig::tiny() };
+        assert!(matches!(formats.check(), Err(BenchError::NoValues { option: "--dtypes" })));
+
         let mut attention = attention::AttentionBenchConfig::tiny();
         attention.heads.num_kv_heads = 3;
         assert!(matches!(attention.check(), Err(BenchError::InvalidHeads { heads }) if heads.num_kv_heads == 3));

@@ -972,26 +972,85 @@ pub(super) fn gemv(format: DType, k: usize) -> Option<GemmTile> {
     gemv_tier(format, k, DotTier::best())
 }
 
-/// The 8 columns' i8 quant at byte `(24 − LEFT) / 8` of their dwords in `v`,
-/// sign-extended to i32 lanes.
+/// The 8 columns' 4 bytes in `v` (byte j of each column's dword at
+/// `[j]`) as i32 lanes: sign-extended (`SIGNED`) or zero-extended.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn signed_byte<const LEFT: i32>(v: __m256i) -> __m256i {
-    _mm256_srai_epi32::<24>(_mm256_slli_epi32::<LEFT>(v))
+fn dword_bytes<const SIGNED: bool>(v: __m256i) -> [__m256i; 4] {
+    if SIGNED {
+        [
+            _mm256_srai_epi32::<24>(_mm256_slli_epi32::<24>(v)),
+            _mm256_srai_epi32::<24>(_mm256_slli_epi32::<16>(v)),
+            _mm256_srai_epi32::<24>(_mm256_slli_epi32::<8>(v)),
+            _mm256_srai_epi32::<24>(v),
+        ]
+    } else {
+        let byte = _mm256_set1_epi32(0xff);
+        [
+            _mm256_and_si256(v, byte),
+            _mm256_and_si256(_mm256_srli_epi32::<8>(v), byte),
+            _mm256_and_si256(_mm256_srli_epi32::<16>(v), byte),
+            _mm256_srli_epi32::<24>(v),
+        ]
+    }
 }
 
-/// The 8 columns' quant in the nibble at bit `shift` of their dwords in
-/// `q`, as i32 lanes, with (`FIFTH`) bit `bit` of their dwords in `bits`
-/// as its bit 4: a Q4 or Q5 quant of a decoded row (the shifts are the
-/// row's, constant once the caller's loops unroll).
+/// A Q4 half's quants as bytes (0..16), laid out as [`q5_quants`]'.
+///
+/// # Safety
+/// `q` readable for 128 bytes; AVX2.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn five_bit_quant<const FIFTH: bool>(q: __m256i, shift: i32, bits: __m256i, bit: i32) -> __m256i {
-    let field = |v: __m256i, shift: i32, mask: i32| {
-        _mm256_and_si256(_mm256_srlv_epi32(v, _mm256_set1_epi32(shift)), _mm256_set1_epi32(mask))
-    };
-    let q = field(q, shift, 0x0f);
-    if FIFTH { _mm256_or_si256(q, _mm256_slli_epi32::<4>(field(bits, bit, 1))) } else { q }
+unsafe fn q4_quants(q: *const u8) -> [[__m256i; 2]; 4] {
+    let nibble = _mm256_set1_epi8(0x0f);
+    std::array::from_fn(|g| {
+        // SAFETY: vector g < 4 of the caller's 128 bytes.
+        let v = unsafe { _mm256_loadu_si256(q.add(32 * g).cast()) };
+        [_mm256_and_si256(v, nibble), _mm256_and_si256(_mm256_srli_epi16::<4>(v), nibble)]
+    })
+}
+
+/// A Q4 (`FIFTH = false`) or Q5 half's quants as bytes: [`q4_quants`] or
+/// [`q5_quants`] of the 128 quant bytes at `q` and the fifth-bit vector at
+/// `bits`.
+///
+/// # Safety
+/// `q` readable for 128 bytes and, with `FIFTH`, `bits` for 32; AVX2.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn nibble_quants<const FIFTH: bool>(q: *const u8, bits: *const u8) -> [[__m256i; 2]; 4] {
+    // SAFETY: the caller's bytes.
+    unsafe { if FIFTH { q5_quants(q, _mm256_loadu_si256(bits.cast())) } else { q4_quants(q) } }
+}
+
+/// Store the 16-wide rows `8g + k` (k = 0..8) of a decoded panel half `h`
+/// at `out` (`[k][16]` f32) from a sub-group's quant bytes as [`q5_quants`]
+/// lays them out, each lane `decode`d from its i32 quant: the byte, or
+/// with `CENTRED` the byte less `centre` (which must fit an i8).
+///
+/// # Safety
+/// `out` writable for the sub-group's 32 rows of 16 f32 at half `h`; AVX.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn store_sub_group<const CENTRED: bool>(
+    quants: &[[__m256i; 2]; 4],
+    centre: i8,
+    out: *mut f32,
+    h: usize,
+    decode: impl Fn(usize, __m256i) -> __m256,
+) {
+    let centre = _mm256_set1_epi8(centre);
+    for (g, &[low, high]) in quants.iter().enumerate() {
+        for (half, bytes) in [low, high].into_iter().enumerate() {
+            // Centred once a byte vector, then sign-extended.
+            let bytes = if CENTRED { _mm256_sub_epi8(bytes, centre) } else { bytes };
+            for (j, q) in dword_bytes::<CENTRED>(bytes).into_iter().enumerate() {
+                let k = 8 * g + 4 * half + j;
+                // SAFETY: row k < 32 of the caller's rows, 8 f32 at half h.
+                unsafe { _mm256_storeu_ps(out.add(k * TILE_COLUMNS + 8 * h), decode(g, q)) };
+            }
+        }
+    }
 }
 
 /// Decode `count / 16` k of a Q4_0 / Q4_1 (`FIFTH = false`) or Q5_0 /
@@ -1007,7 +1066,7 @@ unsafe extern "C" fn dequantize_nibbles<const MIN: bool, const FIFTH: bool>(w: *
     // Where a k-group keeps its parts, and its bytes.
     let (d_at, m_at) = if FIFTH { (Q5_D, Q5_M) } else { (256, 288) };
     let group_bytes = if MIN { m_at + 32 } else { d_at + 32 };
-    let offset = _mm256_set1_epi32(if FIFTH { 16 } else { 8 });
+    let offset = if FIFTH { 16 } else { 8 };
     for g in 0..count / (32 * TILE_COLUMNS) {
         // SAFETY: k-group g < count / 512 of the panel and its 512 outputs.
         unsafe {
@@ -1015,30 +1074,14 @@ unsafe extern "C" fn dequantize_nibbles<const MIN: bool, const FIFTH: bool>(w: *
             let out = out.add(g * 32 * TILE_COLUMNS);
             for h in 0..2 {
                 let d = f16x8(w.add(d_at + 16 * h));
-                let m = if MIN { f16x8(w.add(m_at + 16 * h)) } else { _mm256_setzero_ps() };
-                let bits =
-                    if FIFTH { _mm256_loadu_si256(w.add(Q5_HIGH + 32 * h).cast()) } else { _mm256_setzero_si256() };
-                // Quant (k of the nibble at `shift`, fifth bit `bit`) as f32.
-                let decode = |q: __m256i, shift: i32, bit: i32| {
-                    let q = five_bit_quant::<FIFTH>(q, shift, bits, bit);
-                    if MIN {
+                let quants = nibble_quants::<FIFTH>(w.add(128 * h), w.add(Q5_HIGH + 32 * h));
+                if MIN {
+                    let m = f16x8(w.add(m_at + 16 * h));
+                    store_sub_group::<false>(&quants, 0, out, h, |_, q| {
                         _mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(q)), m)
-                    } else {
-                        _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(q, offset)))
-                    }
-                };
-                for v in 0..4 {
-                    let q = _mm256_loadu_si256(w.add(128 * h + 32 * v).cast());
-                    for j in 0..4 {
-                        // k = 8v + j: byte j's low nibble, fifth bit 8j + 2v;
-                        // k = 8v + 4 + j: its high nibble, fifth bit 8j + 2v + 1.
-                        let (shift, bit) = (8 * j as i32, (8 * j + 2 * v) as i32);
-                        _mm256_storeu_ps(out.add((8 * v + j) * TILE_COLUMNS + 8 * h), decode(q, shift, bit));
-                        _mm256_storeu_ps(
-                            out.add((8 * v + 4 + j) * TILE_COLUMNS + 8 * h),
-                            decode(q, shift + 4, bit + 1),
-                        );
-                    }
+                    });
+                } else {
+                    store_sub_group::<true>(&quants, offset, out, h, |_, q| _mm256_mul_ps(d, _mm256_cvtepi32_ps(q)));
                 }
             }
         }
@@ -1059,14 +1102,14 @@ unsafe extern "C" fn dequantize_q8_0(w: *const u8, count: usize, out: *mut f32) 
             let out = out.add(g * 32 * TILE_COLUMNS);
             for h in 0..2 {
                 let d = f16x8(w.add(512 + 16 * h));
-                let decode = |q: __m256i| _mm256_mul_ps(_mm256_cvtepi32_ps(q), d);
                 for v in 0..8 {
                     let q = _mm256_loadu_si256(w.add(256 * h + 32 * v).cast());
-                    let row = |k: usize| out.add((4 * v + k) * TILE_COLUMNS + 8 * h);
-                    _mm256_storeu_ps(row(0), decode(signed_byte::<24>(q)));
-                    _mm256_storeu_ps(row(1), decode(signed_byte::<16>(q)));
-                    _mm256_storeu_ps(row(2), decode(signed_byte::<8>(q)));
-                    _mm256_storeu_ps(row(3), decode(_mm256_srai_epi32::<24>(q)));
+                    for (j, q) in dword_bytes::<true>(q).into_iter().enumerate() {
+                        _mm256_storeu_ps(
+                            out.add((4 * v + j) * TILE_COLUMNS + 8 * h),
+                            _mm256_mul_ps(_mm256_cvtepi32_ps(q), d),
+                        );
+                    }
                 }
             }
         }
@@ -1099,34 +1142,15 @@ unsafe extern "C" fn dequantize_k4<const FIFTH: bool>(w: *const u8, count: usize
                         (u8x8(scales.as_ptr().add(16 * s + 8 * h)), u8x8(scales.as_ptr().add(128 + 16 * s + 8 * h)));
                     let scale = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc));
                     let min = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(m));
-                    let bits = match FIFTH {
-                        true => _mm256_loadu_si256(w.add(Q5K::high(s, h)).cast()),
-                        false => _mm256_setzero_si256(),
-                    };
-                    let decode = |q: __m256i, shift: i32, bit: i32| {
-                        let q = five_bit_quant::<FIFTH>(q, shift, bits, bit);
+                    let high = if FIFTH { Q5K::high(s, h) } else { 0 };
+                    let quants = nibble_quants::<FIFTH>(w.add(Q4K::quants(s, h)), w.add(high));
+                    store_sub_group::<false>(&quants, 0, out.add(32 * s * TILE_COLUMNS), h, |_, q| {
                         _mm256_sub_ps(_mm256_mul_ps(scale, _mm256_cvtepi32_ps(q)), min)
-                    };
-                    for v in 0..4 {
-                        let q = _mm256_loadu_si256(w.add(Q4K::quants(s, h) + 32 * v).cast());
-                        for j in 0..4 {
-                            let (shift, bit) = (8 * j as i32, (8 * j + 2 * v) as i32);
-                            let row = |k: usize| out.add((32 * s + 8 * v + k) * TILE_COLUMNS + 8 * h);
-                            _mm256_storeu_ps(row(j), decode(q, shift, bit));
-                            _mm256_storeu_ps(row(4 + j), decode(q, shift + 4, bit + 1));
-                        }
-                    }
+                    });
                 }
             }
         }
     }
-}
-
-/// The 8 columns' byte at `SHIFT / 8` of their dwords in `v`, as i32 lanes.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn byte<const SHIFT: i32>(v: __m256i) -> __m256i {
-    _mm256_and_si256(_mm256_srli_epi32::<SHIFT>(v), _mm256_set1_epi32(0xff))
 }
 
 /// Decode `count / 16` k of a Q6_K panel at `w` to `out` (`[k][16]` f32),
@@ -1137,7 +1161,6 @@ fn byte<const SHIFT: i32>(v: __m256i) -> __m256i {
 /// 256).
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe extern "C" fn dequantize_q6k(w: *const u8, count: usize, out: *mut f32) {
-    let bias = _mm256_set1_epi32(32);
     for g in 0..count / (256 * TILE_COLUMNS) {
         // SAFETY: k-group g < count / 4096 of the panel and its 4096
         // outputs.
@@ -1148,22 +1171,15 @@ unsafe extern "C" fn dequantize_q6k(w: *const u8, count: usize, out: *mut f32) {
                 let d = f16x8(w.add(Q6K_D + 16 * h));
                 for s in 0..8 {
                     let quants = q6_quants(w.add(Q6K::quants(s, h)), w.add(Q6K::high(s, h)));
-                    for (v, &[lo, hi]) in quants.iter().enumerate() {
-                        let sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64(
-                            w.add(Q6K_SCALES + 16 * (2 * s + v / 2) + 8 * h).cast(),
-                        ));
-                        let scale = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc));
-                        let decode = |q: __m256i| _mm256_mul_ps(scale, _mm256_cvtepi32_ps(_mm256_sub_epi32(q, bias)));
-                        let row = |k: usize| out.add((32 * s + 8 * v + k) * TILE_COLUMNS + 8 * h);
-                        _mm256_storeu_ps(row(0), decode(byte::<0>(lo)));
-                        _mm256_storeu_ps(row(1), decode(byte::<8>(lo)));
-                        _mm256_storeu_ps(row(2), decode(byte::<16>(lo)));
-                        _mm256_storeu_ps(row(3), decode(_mm256_srli_epi32::<24>(lo)));
-                        _mm256_storeu_ps(row(4), decode(byte::<0>(hi)));
-                        _mm256_storeu_ps(row(5), decode(byte::<8>(hi)));
-                        _mm256_storeu_ps(row(6), decode(byte::<16>(hi)));
-                        _mm256_storeu_ps(row(7), decode(_mm256_srli_epi32::<24>(hi)));
-                    }
+                    // Each 16-k block's scale: that of vectors 2b and 2b + 1.
+                    let scales: [__m256; 2] = std::array::from_fn(|b| {
+                        let sc =
+                            _mm256_cvtepi8_epi32(_mm_loadl_epi64(w.add(Q6K_SCALES + 16 * (2 * s + b) + 8 * h).cast()));
+                        _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc))
+                    });
+                    store_sub_group::<true>(&quants, 32, out.add(32 * s * TILE_COLUMNS), h, |g, q| {
+                        _mm256_mul_ps(scales[g / 2], _mm256_cvtepi32_ps(q))
+                    });
                 }
             }
         }
