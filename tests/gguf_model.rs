@@ -83,9 +83,18 @@ struct Variant {
     /// llama.cpp converts it), and linear scaling by this factor.
     rope_freqs: bool,
     linear_rope: Option<f32>,
+    /// Each layer's projection types ([`LAYER_TYPES`]).
+    layer_types: &'static [[GgmlType; 7]; LAYERS],
 }
 
-const TIED: Variant = Variant { tied: true, arch: "llama", without: None, rope_freqs: false, linear_rope: None };
+const TIED: Variant = Variant {
+    tied: true,
+    arch: "llama",
+    without: None,
+    rope_freqs: false,
+    linear_rope: None,
+    layer_types: &LAYER_TYPES,
+};
 /// The divisors the `rope_freqs` variant stores, one per pair of the head.
 const ROPE_FREQS: [f32; HEAD / 2] = [1.0, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0];
 const UNTIED: Variant = Variant { tied: false, ..TIED };
@@ -147,7 +156,7 @@ fn tiny_gguf(variant: Variant) -> GgufWriter {
     embedding[IM_START as usize * HIDDEN..].fill(0.0);
     w.tensor("token_embd.weight", GgmlType::Q8_0, &[VOCAB, HIDDEN], &embedding);
     let (q_dim, kv_dim) = (HEADS * HEAD, KV_HEADS * HEAD);
-    for (l, types) in LAYER_TYPES.iter().enumerate() {
+    for (l, types) in variant.layer_types.iter().enumerate() {
         let norm = |rng: &mut StdRng| uniform(rng, HIDDEN, 0.3).iter().map(|v| 1.0 + v).collect::<Vec<_>>();
         let norm_type = if l == 0 { GgmlType::F32 } else { GgmlType::BF16 };
         w.tensor(&format!("blk.{l}.attn_norm.weight"), GgmlType::F32, &[HIDDEN], &norm(&mut rng));
@@ -516,6 +525,43 @@ fn an_iq4_nl_matrix_is_held_as_q8_0_and_matches_the_naive_model() {
     assert!(q8_kernels >= 2, "{q8_kernels} kernels read q8_0");
     let error = check_against_naive(&graph, &retagged, DType::F32, 3);
     eprintln!("iq4_nl held as q8_0: largest normalized logits error {error:.2e}");
+    assert!(error < 2e-4, "{error}");
+}
+
+/// Layers whose Q, K and V are stored in different 32-blocks types, not
+/// all exact in Q8_0 (Q4_1 among them), as llama.cpp's Q5_K_M mix stores
+/// a 576-wide model's Q5_1 Q and K beside a Q8_0 V.
+const MIXED_QKV_TYPES: [[GgmlType; 7]; LAYERS] = [
+    [GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::F32, GgmlType::Q4K],
+    [GgmlType::Q8_0, GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::BF16, GgmlType::Q8_0, GgmlType::F16, GgmlType::Q6K],
+];
+
+/// A fused QKV weight whose parts are stored in Q4_1, Q8_0 and Q4_0 is held
+/// as the q8_min blocks of exactly their values: the kernel that reads it is
+/// a q8_min one, the load says so, and the logits match the naive model
+/// over the file's dequantized weights.
+#[test]
+fn a_qkv_weight_of_mixed_block_types_is_held_as_q8_min_and_matches_the_naive_model() {
+    let (_dir, path) = written(Variant { layer_types: &MIXED_QKV_TYPES, ..TIED });
+    let registry = standard_registry();
+    let options = ImportOptions { dequantize: false, ..options(DType::F32) };
+    let graph = load_model(&path, registry.ops(), &options, WeightLoad::Map).unwrap();
+    for l in 0..LAYERS {
+        let name = format!("blk.{l}.attn_qkv.weight");
+        let held = graph.constants().find(|(_, v)| v.name.as_deref() == Some(&name)).map(|(_, v)| v.ty.to_string());
+        assert!(held.as_deref().is_some_and(|t| t.starts_with("q8_min")), "{name}: {held:?}");
+    }
+    let notes = weight_notes(&Gguf::open(&path).unwrap(), &options);
+    let want = [
+        "note: 1 fused QKV weights of parts in Q4_0 + Q4_1 + Q8_0 load as the q8_min blocks of the same values (1.125 bytes a weight)",
+        "note: 1 fused QKV weights of parts in Q4_1 + Q8_0 load as the q8_min blocks of the same values (1.125 bytes a weight)",
+    ];
+    assert_eq!(notes, want);
+    let exe = compile(&graph, &registry, &CompileOptions::default()).unwrap();
+    let kernels = exe.steps().iter().filter(|s| s.kernel.key().to_string().contains("wq8_min")).count();
+    assert!(kernels >= LAYERS, "{kernels} kernels read q8_min");
+    let error = check_against_naive(&graph, &path, DType::F32, 3);
+    eprintln!("mixed QKV held as q8_min: largest normalized logits error {error:.2e}");
     assert!(error < 2e-4, "{error}");
 }
 

@@ -1,5 +1,5 @@
 //! `kvjit bench --ops blocks`: `mo.matmul` on weights kept in their GGUF
-//! block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) against the same matrix in
+//! block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, q8_min, Q4_K, Q5_K, Q6_K) against the same matrix in
 //! bf16 and f32, side by side in one run, at Llama-3-8B shapes: a decode
 //! GEMV (M = 1, the weights streamed from DRAM: enough copies of each
 //! matrix are rotated that none is cached) on the read roof, in the bytes

@@ -46,6 +46,15 @@ pub enum DType {
     /// GGML's Q5_1 weight blocks: Q5_0's with an f16 minimum.
     #[serde(rename = "q5_1")]
     Q5_1,
+    /// kvjit's own 8-bit blocks with a minimum ([`crate::quant`]): 32
+    /// weights, an f16 scale `d` and minimum `m`, 32 × u8 `q`, worth
+    /// `d·q + m` — Q4_1's arithmetic on bytes. Every Q8_0, Q4_0, Q4_1,
+    /// Q5_0, Q5_1 and IQ4_NL block with a finite scale below 512 holds in
+    /// one exactly, so parts of one constant stored in different ones of
+    /// those (a fused QKV weight whose V llama.cpp kept in Q8_0 beside Q5_1
+    /// Q and K) stack as one q8_min constant.
+    #[serde(rename = "q8_min")]
+    Q8Min,
     /// GGML's Q4_K super-blocks: 256 weights in 8 sub-blocks with 6-bit
     /// scales and minimums.
     #[serde(rename = "q4_k")]
@@ -60,7 +69,7 @@ pub enum DType {
 
 impl DType {
     /// Every dtype, in a fixed order.
-    pub const ALL: [DType; 13] = [
+    pub const ALL: [DType; 14] = [
         DType::F32,
         DType::BF16,
         DType::F16,
@@ -71,6 +80,7 @@ impl DType {
         DType::Q4_1,
         DType::Q5_0,
         DType::Q5_1,
+        DType::Q8Min,
         DType::Q4K,
         DType::Q5K,
         DType::Q6K,
@@ -79,8 +89,17 @@ impl DType {
     pub const FLOATS: [DType; 3] = [DType::F32, DType::BF16, DType::F16];
 
     /// The weight block formats a constant may hold ([`crate::quant`]).
-    pub const BLOCK_FORMATS: [DType; 8] =
-        [DType::Q8_0, DType::Q4_0, DType::Q4_1, DType::Q5_0, DType::Q5_1, DType::Q4K, DType::Q5K, DType::Q6K];
+    pub const BLOCK_FORMATS: [DType; 9] = [
+        DType::Q8_0,
+        DType::Q4_0,
+        DType::Q4_1,
+        DType::Q5_0,
+        DType::Q5_1,
+        DType::Q8Min,
+        DType::Q4K,
+        DType::Q5K,
+        DType::Q6K,
+    ];
 
     /// Size of one storage unit in bytes: an element, or for a block
     /// format a byte of its blocks (their size is [`DType::block`]).
@@ -94,6 +113,7 @@ impl DType {
             | DType::Q4_1
             | DType::Q5_0
             | DType::Q5_1
+            | DType::Q8Min
             | DType::Q4K
             | DType::Q5K
             | DType::Q6K => 1,
@@ -109,6 +129,7 @@ impl DType {
             DType::Q4_1 => (32, 20),
             DType::Q5_0 => (32, 22),
             DType::Q5_1 => (32, 24),
+            DType::Q8Min => (32, 36),
             DType::Q4K => (256, 144),
             DType::Q5K => (256, 176),
             DType::Q6K => (256, 210),
@@ -179,6 +200,7 @@ impl DType {
             DType::Q4_1 => "q4_1",
             DType::Q5_0 => "q5_0",
             DType::Q5_1 => "q5_1",
+            DType::Q8Min => "q8_min",
             DType::Q4K => "q4_k",
             DType::Q5K => "q5_k",
             DType::Q6K => "q6_k",

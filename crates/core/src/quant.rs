@@ -12,6 +12,7 @@
 //! | Q4_1 | f16 `d`, f16 `m`, 16 bytes | `d·q + m`, nibbles as Q4_0 |
 //! | Q5_0 | f16 `d`, 32 high bits, 16 bytes | `d·(q − 16)`, low nibbles as Q4_0, bit j of the high bits on element j |
 //! | Q5_1 | f16 `d`, f16 `m`, 32 high bits, 16 bytes | `d·q + m`, 5-bit `q` as Q5_0 |
+//! | Q8_MIN (kvjit's) | f16 `d`, f16 `m`, 32 × u8 `q` | `d·q + m` |
 //! | Q4_K | f16 `d`, f16 `dmin`, 12 bytes of 6-bit scales and mins, 128 bytes | per 32 elements: `(d·sc)·q − dmin·m` |
 //! | Q5_K | Q4_K's header, 32 bytes of fifth bits, 128 bytes | per 32 elements: `(d·sc)·q − dmin·m`, bit `s` of high byte `l` the fifth bit of element `l` of sub-block `s` |
 //! | Q6_K | 128 bytes low 4 bits, 64 bytes high 2 bits, 16 × i8 scales, f16 `d` | per 16 elements: `(d·sc)·(q − 32)` |
@@ -51,6 +52,7 @@ pub fn dequantize(format: DType, bytes: &[u8], out: &mut [f32]) -> Result<()> {
         DType::Q4_1 => blocks.for_each(|(b, o)| q4_1(b, o)),
         DType::Q5_0 => blocks.for_each(|(b, o)| q5::<false>(b, o)),
         DType::Q5_1 => blocks.for_each(|(b, o)| q5::<true>(b, o)),
+        DType::Q8Min => blocks.for_each(|(b, o)| q8_min(b, o)),
         DType::Q4K => blocks.for_each(|(b, o)| q4_k(b, o)),
         DType::Q5K => blocks.for_each(|(b, o)| q5_k(b, o)),
         DType::Q6K => blocks.for_each(|(b, o)| q6_k(b, o)),
@@ -101,6 +103,16 @@ fn q5<const MIN: bool>(b: &[u8], out: &mut [f32]) {
         let low = if j < 16 { qs[j] & 0x0f } else { qs[j - 16] >> 4 };
         let q = low | (((high >> j) & 1) as u8) << 4;
         *o = if MIN { d * f32::from(q) + m } else { d * f32::from(q as i8 - 16) };
+    }
+}
+
+/// One q8_min block (36 bytes) into 32 elements: `d·q + m`, the product
+/// rounded before the sum (Q4_1's arithmetic).
+fn q8_min(b: &[u8], out: &mut [f32]) {
+    let d = f16_at(b, 0);
+    let m = f16_at(b, 2);
+    for (o, &q) in out.iter_mut().zip(&b[4..36]) {
+        *o = d * f32::from(q) + m;
     }
 }
 
@@ -199,6 +211,10 @@ pub fn random_block(format: DType, rng: &mut impl Rng) -> Vec<u8> {
         DType::Q4_1 | DType::Q5_1 => {
             block[..2].copy_from_slice(&random_scale(rng, 0.002, 0.02, true));
             block[2..4].copy_from_slice(&random_scale(rng, 0.0, 0.1, true));
+        }
+        DType::Q8Min => {
+            block[..2].copy_from_slice(&random_scale(rng, 0.001, 0.01, true));
+            block[2..4].copy_from_slice(&random_scale(rng, 0.0, 1.0, true));
         }
         DType::Q4K | DType::Q5K => {
             // d and dmin: the 6-bit scales and mins multiply them.

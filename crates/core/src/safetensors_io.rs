@@ -19,9 +19,15 @@ fn to_file_dtype(dtype: DType) -> Dtype {
         DType::F16 => Dtype::F16,
         DType::U32 => Dtype::U32,
         DType::F8E4M3 => Dtype::F8_E4M3,
-        DType::Q8_0 | DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q4K | DType::Q5K | DType::Q6K => {
-            Dtype::U8
-        }
+        DType::Q8_0
+        | DType::Q4_0
+        | DType::Q4_1
+        | DType::Q5_0
+        | DType::Q5_1
+        | DType::Q8Min
+        | DType::Q4K
+        | DType::Q5K
+        | DType::Q6K => Dtype::U8,
     }
 }
 

@@ -21,7 +21,9 @@
 //! Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K are also kvjit's weight
 //! block formats (kept as stored, decoded in the kernels:
 //! [`kvjit_core::quant`] is their definition); IQ4_NL is held as Q8_0
-//! ([`to_q8_0`]); the others are dequantized when a model loads.
+//! ([`to_q8_0`]); parts of one constant in different ones of the 32-blocks
+//! types are held as kvjit's q8_min ([`to_q8_min`]); the others are
+//! dequantized when a model loads.
 
 use crate::GgmlType;
 
@@ -155,6 +157,26 @@ fn iq4_xs(b: &[u8], out: &mut [f32]) {
     }
 }
 
+/// The 32 integers of a block of a 32-element type whose values are `d`
+/// (its leading f16) times an integer, or `d·q + m`: Q8_0's `q`, Q4_0's
+/// `q − 8`, Q5_0's `q − 16`, IQ4_NL's level `T[q]`, Q4_1's and Q5_1's
+/// unsigned `q`. `None` for other types.
+fn block_integers(ty: GgmlType, b: &[u8]) -> Option<[i16; 32]> {
+    if !ty.exact_in_q8_min() {
+        return None;
+    }
+    let nibble = |qs: &[u8], j: usize| if j < 16 { qs[j] & 0x0f } else { qs[j - 16] >> 4 };
+    let fifth = |at: usize, j: usize| ((u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]]) >> j) & 1) as u8;
+    Some(std::array::from_fn(|j| match ty {
+        GgmlType::Q8_0 => i16::from(b[2 + j] as i8),
+        GgmlType::Q4_0 => i16::from(nibble(&b[2..], j)) - 8,
+        GgmlType::Q4_1 => i16::from(nibble(&b[4..], j)),
+        GgmlType::Q5_0 => i16::from(nibble(&b[6..], j) | fifth(2, j) << 4) - 16,
+        GgmlType::Q5_1 => i16::from(nibble(&b[8..], j) | fifth(4, j) << 4),
+        _ => i16::from(IQ4_LEVELS[usize::from(nibble(&b[2..], j))]),
+    }))
+}
+
 /// Blocks of a type whose every element is an f16 scale times an integer
 /// in −128..=127 per block of 32 ([`GgmlType::exact_in_q8_0`]: Q4_0, Q5_0,
 /// IQ4_NL) rewritten as Q8_0 blocks (34 bytes: the same f16 `d`, then the
@@ -170,19 +192,50 @@ pub fn to_q8_0(ty: GgmlType, bytes: &[u8]) -> Option<Vec<u8>> {
     let mut out = Vec::with_capacity(bytes.len() / size * 34);
     for b in bytes.chunks_exact(size) {
         out.extend_from_slice(&b[..2]);
-        let (qs, high) = match ty {
-            GgmlType::Q5_0 => (&b[6..22], u32::from_le_bytes([b[2], b[3], b[4], b[5]])),
-            _ => (&b[2..18], 0),
+        out.extend(block_integers(ty, b)?.map(|q| q as i8 as u8));
+    }
+    Some(out)
+}
+
+/// Blocks of Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 or IQ4_NL ([`GgmlType::exact_in_q8_min`])
+/// rewritten as kvjit's q8_min blocks (36 bytes: f16 `d`, f16 `m`, 32 × u8
+/// `q`, worth `d·q + m`), every element the same f32 value: Q4_1 and Q5_1
+/// keep `d`, `m` and `q`; the others, `d` times an integer `i` in
+/// −128..=127, become `q = i + c`, `m = −c·d` with `c` = 128 (Q8_0, IQ4_NL),
+/// 8 (Q4_0) or 16 (Q5_0) — `d·q` is exact in f32 (11 × 8 bits) and so is
+/// `d·q − c·d = d·i`, the value the type gives, so the one rounding of the
+/// sum leaves it as it is (a zero may change its sign). `None` for other
+/// types, bytes that are not whole blocks, or a block whose `−c·d` is not
+/// an f16 (`d` not finite, or `|c·d|` past f16's range).
+pub fn to_q8_min(ty: GgmlType, bytes: &[u8]) -> Option<Vec<u8>> {
+    let size = ty.type_size();
+    if !ty.exact_in_q8_min() || !bytes.len().is_multiple_of(size) {
+        return None;
+    }
+    let offset: i16 = match ty {
+        GgmlType::Q4_1 | GgmlType::Q5_1 => 0,
+        GgmlType::Q4_0 => 8,
+        GgmlType::Q5_0 => 16,
+        _ => 128,
+    };
+    let mut out = Vec::with_capacity(bytes.len() / size * 36);
+    for b in bytes.chunks_exact(size) {
+        let integers = block_integers(ty, b)?;
+        let m = match offset {
+            0 => [b[2], b[3]],
+            c => {
+                let d = half::f16::from_le_bytes([b[0], b[1]]);
+                // c·d is exact in f16 when finite: c is a power of two.
+                let m = half::f16::from_f32(-f32::from(c) * d.to_f32());
+                if !d.is_finite() || !m.is_finite() {
+                    return None;
+                }
+                m.to_le_bytes()
+            }
         };
-        out.extend((0..32).map(|j| {
-            let code = if j < 16 { qs[j] & 0x0f } else { qs[j - 16] >> 4 };
-            let integer = match ty {
-                GgmlType::Q4_0 => code as i8 - 8,
-                GgmlType::Q5_0 => (code | (((high >> j) & 1) as u8) << 4) as i8 - 16,
-                _ => IQ4_LEVELS[usize::from(code)],
-            };
-            integer as u8
-        }));
+        out.extend_from_slice(&b[..2]);
+        out.extend_from_slice(&m);
+        out.extend(integers.map(|i| u8::try_from(i + offset).expect("i + c is in 0..=255")));
     }
     Some(out)
 }
@@ -216,6 +269,28 @@ mod tests {
         let out = run(GgmlType::Q8_0, &block(&[0x3e00], &q, 34));
         assert_eq!(&out[..5], &[-192.0, -1.5, 0.0, 1.5, 190.5]);
         assert!(out[5..].iter().all(|&v| v.to_bits() == 0));
+    }
+
+    #[test]
+    fn q8_0_to_q8_min_by_hand() {
+        // d = 1.5; q = -128, -1, 0, 1, 127 → q + 128 = 0, 127, 128, 129, 255,
+        // m = −128·1.5 = −192 (f16 0xda00); the other 27 quants 0 → 128.
+        let q = [0x80u8, 0xff, 0, 1, 127];
+        let held = to_q8_min(GgmlType::Q8_0, &block(&[0x3e00], &q, 34)).unwrap();
+        assert_eq!(&held[..9], &[0x00, 0x3e, 0x00, 0xda, 0, 127, 128, 129, 255]);
+        assert!(held[9..].iter().all(|&b| b == 128) && held.len() == 36);
+        let mut out = [f32::NAN; 32];
+        kvjit_core::quant::dequantize(kvjit_core::DType::Q8Min, &held, &mut out).unwrap();
+        assert_eq!(&out[..5], &[-192.0, -1.5, 0.0, 1.5, 190.5]);
+        // Q4_1 keeps d, m and its nibbles: low nibbles first.
+        let mut qs = [0u8; 16];
+        qs[0] = 0xf3;
+        let held = to_q8_min(GgmlType::Q4_1, &block(&[0x3e00, 0xbc00], &qs, 20)).unwrap();
+        assert_eq!(&held[..5], &[0x00, 0x3e, 0x00, 0xbc, 3]);
+        assert_eq!(held[4 + 16], 15);
+        // Types q8_min does not hold, and bytes that are not whole blocks.
+        assert!(to_q8_min(GgmlType::Q4K, &[0; 144]).is_none());
+        assert!(to_q8_min(GgmlType::Q8_0, &[0; 35]).is_none());
     }
 
     #[test]

@@ -465,9 +465,27 @@ impl Gguf {
     /// stored, borrowed from the mapping, when it is stored in that format;
     /// IQ4_NL (and Q4_0 or Q5_0 asked for as Q8_0: [`GgmlType::exact_in_q8_0`])
     /// loads as the Q8_0 blocks of the same values
-    /// ([`GgmlType::kept_format`]); other types are refused.
+    /// ([`GgmlType::kept_format`]), and any of the types
+    /// [`GgmlType::exact_in_q8_min`] asked for as q8_min as the q8_min
+    /// blocks of the same values ([`Gguf::holds_exactly`]); other types are
+    /// refused.
     pub fn tensor(&self, name: &str, dtype: DType) -> Result<Tensor> {
         Ok(self.load_tensor(name, dtype)?.0)
+    }
+
+    /// Whether tensor `name` loads as the block format `dtype` with every
+    /// value as stored: stored in it, or rewritable into it exactly
+    /// ([`Gguf::tensor`]; for q8_min this reads the blocks' scales).
+    pub fn holds_exactly(&self, name: &str, dtype: DType) -> bool {
+        let Some(info) = self.tensor_info(name) else { return false };
+        match dtype {
+            _ if info.ggml_type.block_format() == Some(dtype) => true,
+            DType::Q8_0 => info.ggml_type.exact_in_q8_0(),
+            DType::Q8Min => {
+                info.ggml_type.exact_in_q8_min() && dequant::to_q8_min(info.ggml_type, self.bytes_of(info)).is_some()
+            }
+            _ => false,
+        }
     }
 
     /// [`Gguf::tensor`], and whether it borrows the mapping (`true`) or was
@@ -481,25 +499,35 @@ impl Gguf {
         };
         if dtype.is_block_format() {
             // Blocks are kept as stored: borrowed from the mapping (blocks
-            // are bytes, aligned anywhere), never requantized. IQ4_NL,
-            // Q4_0 and Q5_0 asked for as Q8_0 are rewritten as the Q8_0
-            // blocks of the same values.
-            let rewritten = dtype == DType::Q8_0 && info.ggml_type.exact_in_q8_0();
-            if info.ggml_type.block_format() != Some(dtype) && !rewritten {
-                return Err(refuse(format!(
+            // are bytes, aligned anywhere), never requantized.
+            if info.ggml_type.block_format() == Some(dtype) {
+                let start = self.data_start + info.offset as usize;
+                let mapped = MappedBytes::new(self.map.clone(), start, info.size as usize, dtype)
+                    .expect("the tensor's bytes were checked to lie in the mapping at open");
+                return Ok((Tensor::from_mapped(&info.shape(), mapped)?, true));
+            }
+            // Or rewritten as blocks of exactly the same values: IQ4_NL,
+            // Q4_0 and Q5_0 as Q8_0; any of Q8_0, Q4_0, Q4_1, Q5_0, Q5_1
+            // and IQ4_NL as q8_min.
+            let (fits, blocks) = match dtype {
+                DType::Q8_0 => (info.ggml_type.exact_in_q8_0(), dequant::to_q8_0(info.ggml_type, self.bytes_of(info))),
+                DType::Q8Min => {
+                    (info.ggml_type.exact_in_q8_min(), dequant::to_q8_min(info.ggml_type, self.bytes_of(info)))
+                }
+                _ => (false, None),
+            };
+            return match blocks {
+                Some(blocks) => Ok((Tensor::from_le_bytes(dtype, &info.shape(), &blocks)?, false)),
+                None if fits => Err(refuse(format!(
+                    "its {} blocks do not all hold exactly in {dtype}: a scale is not finite or too large \
+                     (load it as f32, bf16 or f16)",
+                    info.ggml_type
+                ))),
+                None => Err(refuse(format!(
                     "it is stored as {}, not {dtype} blocks (kvjit keeps blocks as stored; load it as f32, bf16 or f16)",
                     info.ggml_type
-                )));
-            }
-            if info.ggml_type.block_format() != Some(dtype) {
-                let blocks = dequant::to_q8_0(info.ggml_type, self.bytes_of(info))
-                    .expect("a type exact in Q8_0, of a size checked at open");
-                return Ok((Tensor::from_le_bytes(dtype, &info.shape(), &blocks)?, false));
-            }
-            let start = self.data_start + info.offset as usize;
-            let mapped = MappedBytes::new(self.map.clone(), start, info.size as usize, dtype)
-                .expect("the tensor's bytes were checked to lie in the mapping at open");
-            return Ok((Tensor::from_mapped(&info.shape(), mapped)?, true));
+                ))),
+            };
         }
         if !dtype.is_compute_float() {
             return Err(refuse(format!(

@@ -158,6 +158,21 @@ impl GgmlType {
         matches!(self, GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Iq4Nl)
     }
 
+    /// Whether every value of this type is `d·q + m` for per-32 f16 `d` and
+    /// `m` and a `q` in 0..=255, so that it loads as kvjit's q8_min blocks
+    /// of exactly its values ([`crate::dequant::to_q8_min`], which refuses a
+    /// block whose scale is not finite or too large): Q8_0, Q4_0, Q4_1,
+    /// Q5_0, Q5_1 and IQ4_NL. Parts of one constant stored in different
+    /// such types, not all [`GgmlType::exact_in_q8_0`] (llama.cpp's Q5_K_M
+    /// mix of a 576-wide model stores a layer's V in Q8_0 beside Q and K in
+    /// Q5_1), load as one q8_min constant.
+    pub fn exact_in_q8_min(self) -> bool {
+        matches!(
+            self,
+            GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1 | GgmlType::Iq4Nl
+        )
+    }
+
     /// Whether kvjit can turn this type into f32, bf16 or f16
     /// ([`crate::Gguf::tensor`]): the plain floats and the block types of
     /// [`crate::dequant`] (not Q8_1/Q8_K, which files do not store, nor the

@@ -575,3 +575,78 @@ fn iq4_nl_loads_as_the_q8_0_blocks_of_the_same_values_and_q5_as_itself() {
     assert_eq!(GgmlType::Q3K.kept_format(), None);
     assert_eq!(GgmlType::Q4K.kept_format(), Some(DType::Q4K));
 }
+
+/// Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and IQ4_NL each load as kvjit's q8_min
+/// blocks of the same values (a zero's sign aside), into memory of their
+/// own; a block whose offset `−c·d` is not an f16 (an infinite scale, or
+/// |128·d| past 65504) is refused by name, and so is a type that q8_min
+/// cannot hold. Q4_1 and Q5_1 keep their `d` and `m`, NaN included.
+#[test]
+fn the_32_blocks_types_load_as_the_q8_min_blocks_of_the_same_values() {
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    let mut byte = || {
+        state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (state >> 56) as u8
+    };
+    let types = [
+        ("q8_0", GgmlType::Q8_0),
+        ("q4_0", GgmlType::Q4_0),
+        ("q4_1", GgmlType::Q4_1),
+        ("q5_0", GgmlType::Q5_0),
+        ("q5_1", GgmlType::Q5_1),
+        ("iq4_nl", GgmlType::Iq4Nl),
+    ];
+    let (rows, k) = (3, 96);
+    let mut w = GgufWriter::new();
+    for (name, ty) in types {
+        let mut bytes: Vec<u8> = (0..rows * k / 32 * ty.type_size()).map(|_| byte()).collect();
+        for (i, block) in bytes.chunks_exact_mut(ty.type_size()).enumerate() {
+            // Normal scales of either sign, the largest that q8_min holds
+            // for every type (|128·d| = 65408), and a subnormal one.
+            let d = match i % 4 {
+                0 => 511.0,
+                1 => -3.0e-7,
+                _ => (f32::from(block[5]) / 255.0 + 0.01) * if block[6] & 1 == 1 { 1.0 } else { -1.0 },
+            };
+            block[..2].copy_from_slice(&half::f16::from_f32(d).to_le_bytes());
+        }
+        w.tensor_raw(name, ty, &[rows, k], bytes);
+    }
+    let mut bad = |name: &str, ty: GgmlType, d: f32| {
+        let mut bytes: Vec<u8> = (0..ty.type_size()).map(|_| byte()).collect();
+        bytes[..2].copy_from_slice(&half::f16::from_f32(d).to_le_bytes());
+        w.tensor_raw(name, ty, &[1, 32], bytes);
+    };
+    bad("q8_0_infinite", GgmlType::Q8_0, f32::INFINITY);
+    bad("q8_0_large", GgmlType::Q8_0, 512.0);
+    bad("q4_0_large", GgmlType::Q4_0, 8200.0);
+    bad("q4_1_nan", GgmlType::Q4_1, f32::NAN);
+    w.tensor_raw("q4_k", GgmlType::Q4K, &[1, 256], vec![0; 144]);
+    let g = Gguf::from_bytes("m.gguf", &w.to_bytes()).unwrap();
+    for (name, ty) in types {
+        assert!(g.holds_exactly(name, DType::Q8Min), "{name}");
+        let (blocks, borrowed) = g.load_tensor(name, DType::Q8Min).unwrap();
+        assert!(!borrowed, "{name}: rewritten into memory of its own");
+        assert_eq!(blocks.as_bytes().len(), rows * k / 32 * 36, "{name}");
+        let mut held = vec![f32::NAN; rows * k];
+        kvjit_core::quant::dequantize(DType::Q8Min, blocks.as_bytes(), &mut held).unwrap();
+        let mut direct = vec![f32::NAN; rows * k];
+        dequant::dequantize(ty, g.tensor_data(name).unwrap(), &mut direct).unwrap();
+        for (i, (h, d)) in held.iter().zip(&direct).enumerate() {
+            assert!(h == d || (h.is_nan() && d.is_nan()), "{name} element {i}: q8_min {h:e}, {ty} {d:e}");
+        }
+        assert!(direct.iter().any(|&v| v.abs() > 1000.0) && direct.iter().any(|&v| v < 0.0), "{name}: varied");
+    }
+    for name in ["q8_0_infinite", "q8_0_large", "q4_0_large"] {
+        assert!(!g.holds_exactly(name, DType::Q8Min), "{name}");
+        let err = g.tensor(name, DType::Q8Min).unwrap_err().to_string();
+        assert!(err.contains("blocks do not all hold exactly in q8_min"), "{name}: {err}");
+    }
+    let (nan, _) = g.load_tensor("q4_1_nan", DType::Q8Min).unwrap();
+    let mut held = vec![0.0; 32];
+    kvjit_core::quant::dequantize(DType::Q8Min, nan.as_bytes(), &mut held).unwrap();
+    assert!(held.iter().all(|v| v.is_nan()), "{held:?}");
+    assert!(!g.holds_exactly("q4_k", DType::Q8Min));
+    let err = g.tensor("q4_k", DType::Q8Min).unwrap_err().to_string();
+    assert!(err.contains("it is stored as Q4_K, not q8_min blocks"), "{err}");
+}

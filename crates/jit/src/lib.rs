@@ -18,7 +18,7 @@
 //!   ahead of time, which Cranelift-emitted drivers call once per register
 //!   tile; [`microkernel::resolve_tier`] picks the tier a kernel is built for.
 //! - [`quant`]: GGML weight blocks in that tier — the packed panel layout of
-//!   Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K, the integer GEMV tiles over 8-bit quantized
+//!   Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/q8_min/Q4_K/Q5_K/Q6_K, the integer GEMV tiles over 8-bit quantized
 //!   activations, and the kernels that decode a block of a panel to f32.
 //! - [`kernels`]: the process-wide [`KernelCache`] — compile once per
 //!   [`KernelKey`](kvjit_core::KernelKey), share across nodes, graphs and

@@ -8,7 +8,7 @@
 //!
 //! A panel holds [`TILE_COLUMNS`](crate::microkernel::TILE_COLUMNS) (16) columns of C — 16 weight rows of K
 //! values each — in groups of one block of K (a "k-group": 32 k for Q8_0,
-//! Q4_0, Q4_1, Q5_0 and Q5_1, 256 for Q4_K, Q5_K and Q6_K), k-groups in order. A k-group
+//! Q4_0, Q4_1, Q5_0, Q5_1 and q8_min, 256 for Q4_K, Q5_K and Q6_K), k-groups in order. A k-group
 //! holds the 16 columns' blocks of that range of K whole in content (the
 //! same bytes as the GGML blocks: [`panel_bytes`] = K / block × block
 //! bytes × 16), rearranged for the kernels:
@@ -34,6 +34,10 @@
 //! - **Q8_0** (544 bytes): two halves of 8 × 32 bytes; vector `g` (0..8)
 //!   of a half holds per column a dword of the 4 i8 weights at
 //!   k = 4g..4g + 3. Then the 16 f16 scales.
+//! - **q8_min** (576 bytes): Q8_0's arrangement of the quants, each byte
+//!   stored as `q − 128` (an i8, so Q8_0's dot products serve it; the
+//!   128·ΣQ they leave out is added back with the scale), then the 16 f16
+//!   `d`, then the 16 f16 `m`.
 //! - **Q4_K** (2304 = 16 × 144 bytes): the 16 f16 `d`, the 16 f16 `dmin`,
 //!   then the 12 bytes of 6-bit scales and minimums byte-sliced (byte `b`
 //!   of column `c` at `64 + 16b + c`, so 8 columns' byte `b` widen in one

@@ -2,7 +2,7 @@
 //! lookup. `table` `[V, H]` is a graph constant of f32, bf16 or f16; `ids`
 //! is u32 `[B, S]` (B and S may be symbolic); the output `[B, S, H]` has the
 //! table's dtype and each of its rows is a table row, copied bit for bit.
-//! A table in a weight block format (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K; H a
+//! A table in a weight block format (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, q8_min, Q4_K, Q5_K, Q6_K; H a
 //! multiple of its block) stays quantized: each gathered row is decoded
 //! (exactly as [`kvjit_core::quant::dequantize`]) into the output, of the
 //! node's `dtype` (f32 unless it names bf16 or f16, rounded once).

@@ -2,7 +2,7 @@
 //! `transpose_b = true` (`a·bᵀ`, how checkpoints store a linear layer),
 //! `[K, N]` otherwise (`a·b`) — giving `[..., N]` in `a`'s dtype (f32, bf16
 //! or f16; `b` of the same dtype, or `[N, K]` in a weight block format —
-//! Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K — kept quantized and decoded as the kernel
+//! Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K and kvjit's q8_min — kept quantized and decoded as the kernel
 //! reads it). Computed in f32, rounded once.
 //!
 //! Its kernel is the platform's GEMM driver ([`kvjit_op::gemm`]: the

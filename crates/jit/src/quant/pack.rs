@@ -47,7 +47,7 @@ pub fn pack_panel(format: DType, columns: &[&[u8]], k: usize, out: &mut [u8]) {
         match format {
             DType::Q4_0 | DType::Q4_1 => pack_q4(format, out, block_of),
             DType::Q5_0 | DType::Q5_1 => pack_q5(format, out, block_of),
-            DType::Q8_0 => pack_q8_0(out, block_of),
+            DType::Q8_0 | DType::Q8Min => pack_q8(format, out, block_of),
             DType::Q4K => pack_q4k(out, block_of),
             DType::Q5K => pack_q5k(out, block_of),
             DType::Q6K => pack_q6k(out, block_of),
@@ -127,16 +127,23 @@ fn pack_q5<'a>(format: DType, out: &mut [u8], block_of: impl Fn(usize) -> &'a [u
     }
 }
 
-/// One k-group of a Q8_0 panel (see the [layout](super)).
-fn pack_q8_0<'a>(out: &mut [u8], block_of: impl Fn(usize) -> &'a [u8]) {
+/// One k-group of a Q8_0 or q8_min panel (see the [layout](super)):
+/// q8_min's u8 quants stored as `q − 128` (an i8, as Q8_0's), its
+/// minimums after the scales.
+fn pack_q8<'a>(format: DType, out: &mut [u8], block_of: impl Fn(usize) -> &'a [u8]) {
     let (quants, scales) = out.split_at_mut(512);
+    let (header, bias) = if format == DType::Q8Min { (4, 0x80) } else { (2, 0) };
     for c in 0..TILE_COLUMNS {
         let (half, column) = (c / 8, c % 8);
         let b = block_of(c);
-        for g in 0..8 {
-            quants[256 * half + 32 * g + 4 * column..][..4].copy_from_slice(&b[2 + 4 * g..2 + 4 * g + 4]);
+        for (k, &q) in b[header..header + 32].iter().enumerate() {
+            let (g, j) = (k / 4, k % 4);
+            quants[256 * half + 32 * g + 4 * column + j] = q ^ bias;
         }
         scales[2 * c..2 * c + 2].copy_from_slice(&b[..2]);
+        if format == DType::Q8Min {
+            scales[32 + 2 * c..32 + 2 * c + 2].copy_from_slice(&b[2..4]);
+        }
     }
 }
 

@@ -5,7 +5,7 @@ use rand::{Rng, SeedableRng};
 use super::*;
 use crate::microkernel::TILE_COLUMNS;
 
-const FORMATS: [DType; 8] = DType::BLOCK_FORMATS;
+const FORMATS: [DType; 9] = DType::BLOCK_FORMATS;
 /// f32 unit roundoff.
 #[cfg(target_arch = "x86_64")]
 const U: f64 = 1.0 / (1u64 << 24) as f64;
@@ -26,7 +26,7 @@ fn f16_bytes(v: f32) -> [u8; 2] {
 fn scale_offsets(format: DType) -> (usize, Option<usize>) {
     match format {
         DType::Q8_0 | DType::Q4_0 | DType::Q5_0 => (0, None),
-        DType::Q4_1 | DType::Q5_1 | DType::Q4K | DType::Q5K => (0, Some(2)),
+        DType::Q4_1 | DType::Q5_1 | DType::Q8Min | DType::Q4K | DType::Q5K => (0, Some(2)),
         DType::Q6K => (208, None),
         other => unreachable!("{other}"),
     }
@@ -53,7 +53,7 @@ fn quant_bytes(format: DType) -> std::ops::Range<usize> {
     let size = format.block().1;
     match format {
         DType::Q8_0 | DType::Q4_0 | DType::Q5_0 => 2..size,
-        DType::Q4_1 | DType::Q5_1 => 4..size,
+        DType::Q4_1 | DType::Q5_1 | DType::Q8Min => 4..size,
         DType::Q4K | DType::Q5K => 16..size,
         _ => 0..192,
     }
@@ -337,7 +337,7 @@ fn column_values(format: DType, column: &[u8], k: usize) -> (Vec<f32>, Vec<f64>)
     let mins = column
         .chunks_exact(format.block().1)
         .flat_map(|b| match format {
-            DType::Q4_1 | DType::Q5_1 => vec![f16_at(b, 2) as f64],
+            DType::Q4_1 | DType::Q5_1 | DType::Q8Min => vec![f16_at(b, 2) as f64],
             DType::Q4K | DType::Q5K => (0..8)
                 .map(|s| {
                     let q = &b[4..16];

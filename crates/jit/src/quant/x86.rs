@@ -357,7 +357,7 @@ enum Quants {
     Q4,
     /// Q4's nibbles and a vector of fifth bits (Q5_0, Q5_1).
     Q5,
-    /// Q8_0's bytes.
+    /// Q8_0's bytes (and q8_min's, stored as i8).
     Q8,
     /// Q6_K's nibbles and high bits.
     Q6,
@@ -502,6 +502,9 @@ struct Q4_1;
 /// Q5_0 (`MIN = false`) or Q5_1.
 struct Q5<const MIN: bool>;
 struct Q8_0;
+/// kvjit's q8_min: Q8_0's k-group with its quants stored as `q − 128` and
+/// the minimums after the scales.
+struct Q8Min;
 struct Q4K;
 /// Q4_K's k-group followed by the fifth bits of its 8 sub-blocks.
 struct Q5K;
@@ -604,6 +607,33 @@ impl GemvFormat for Q8_0 {
         // SAFETY: the half's 8 scales inside the caller's group.
         let scale = _mm256_mul_ps(unsafe { f16x8(w.add(512 + 16 * h)) }, _mm256_set1_ps(x.dx));
         *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[0]), scale, *acc);
+    }
+}
+
+impl GemvFormat for Q8Min {
+    const GROUP_K: usize = 32;
+    const GROUP_BYTES: usize = 576;
+    const QUANTS: Quants = Quants::Q8;
+    type Scales = ();
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn scales(_w: *const u8) {}
+    fn quants(_s: usize, h: usize) -> usize {
+        256 * h
+    }
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn add(w: *const u8, _: &(), _s: usize, h: usize, dots: [__m256i; 2], x: &Activations, acc: &mut __m256) {
+        // value = d·q + m with q = v + 128 (v the stored i8): Σ x̂·w =
+        // s_x·d·(Σ Q·v + 128·ΣQ) + m·(s_x·ΣQ); the sum is exact in i32
+        // (each term ≤ 32·32258·128 < 2³⁰).
+        let dot = _mm256_add_epi32(dots[0], _mm256_set1_epi32(128 * x.sum));
+        // SAFETY: the half's 8 scales and 8 minimums inside the caller's
+        // group.
+        let (d, m) = unsafe { (f16x8(w.add(512 + 16 * h)), f16x8(w.add(544 + 16 * h))) };
+        let scale = _mm256_mul_ps(d, _mm256_set1_ps(x.dx));
+        *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, *acc);
+        *acc = _mm256_fmadd_ps(m, _mm256_set1_ps(x.scaled_sum), *acc);
     }
 }
 
@@ -944,6 +974,7 @@ pub(super) fn gemv_with_streams_on(format: DType, tier: DotTier, streams: usize)
         DType::Q5_0 => pick!(Q5<false>),
         DType::Q5_1 => pick!(Q5<true>),
         DType::Q8_0 => pick!(Q8_0),
+        DType::Q8Min => pick!(Q8Min),
         DType::Q4K => pick!(Q4K),
         DType::Q5K => pick!(Q5K),
         DType::Q6K => pick!(Q6K),
@@ -1088,27 +1119,32 @@ unsafe extern "C" fn dequantize_nibbles<const MIN: bool, const FIFTH: bool>(w: *
     }
 }
 
-/// Decode `count / 16` k of a Q8_0 panel at `w` to `out` (`[k][16]` f32):
-/// `q·d`.
+/// Decode `count / 16` k of a Q8_0 (`MIN = false`: `q·d`) or q8_min
+/// (`d·(v + 128) + m`, `v` the stored i8, the product rounded before the
+/// sum) panel at `w` to `out` (`[k][16]` f32).
 ///
 /// # Safety
-/// As for [`dequantize_nibbles`], for a Q8_0 panel.
+/// As for [`dequantize_nibbles`], for a Q8_0 or q8_min panel.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe extern "C" fn dequantize_q8_0(w: *const u8, count: usize, out: *mut f32) {
+unsafe extern "C" fn dequantize_q8<const MIN: bool>(w: *const u8, count: usize, out: *mut f32) {
+    let group_bytes = if MIN { 576 } else { 544 };
+    let bias = _mm256_set1_epi32(128);
     for g in 0..count / (32 * TILE_COLUMNS) {
         // SAFETY: k-group g < count / 512 of the panel and its 512 outputs.
         unsafe {
-            let w = w.add(g * 544);
+            let w = w.add(g * group_bytes);
             let out = out.add(g * 32 * TILE_COLUMNS);
             for h in 0..2 {
                 let d = f16x8(w.add(512 + 16 * h));
+                let m = if MIN { f16x8(w.add(544 + 16 * h)) } else { _mm256_setzero_ps() };
                 for v in 0..8 {
                     let q = _mm256_loadu_si256(w.add(256 * h + 32 * v).cast());
                     for (j, q) in dword_bytes::<true>(q).into_iter().enumerate() {
-                        _mm256_storeu_ps(
-                            out.add((4 * v + j) * TILE_COLUMNS + 8 * h),
-                            _mm256_mul_ps(_mm256_cvtepi32_ps(q), d),
-                        );
+                        let value = match MIN {
+                            true => _mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_add_epi32(q, bias))), m),
+                            false => _mm256_mul_ps(_mm256_cvtepi32_ps(q), d),
+                        };
+                        _mm256_storeu_ps(out.add((4 * v + j) * TILE_COLUMNS + 8 * h), value);
                     }
                 }
             }
@@ -1192,7 +1228,8 @@ pub(super) fn dequantize(format: DType) -> Option<WidenBlock> {
         DType::Q4_1 => dequantize_nibbles::<true, false>,
         DType::Q5_0 => dequantize_nibbles::<false, true>,
         DType::Q5_1 => dequantize_nibbles::<true, true>,
-        DType::Q8_0 => dequantize_q8_0,
+        DType::Q8_0 => dequantize_q8::<false>,
+        DType::Q8Min => dequantize_q8::<true>,
         DType::Q4K => dequantize_k4::<false>,
         DType::Q5K => dequantize_k4::<true>,
         DType::Q6K => dequantize_q6k,

@@ -12,7 +12,10 @@
 //! the model's dtype instead). IQ4_NL matrices (what llama.cpp's IQ mixes
 //! store where a row is not a multiple of 256) are held as the Q8_0 blocks
 //! of exactly their values (so are Q4_0 and Q5_0 parts of a fused QKV
-//! weight whose parts differ in format); the other GGML types kvjit reads
+//! weight whose parts differ in format; parts in other mixes of Q8_0, Q4_0,
+//! Q4_1, Q5_0, Q5_1 and IQ4_NL, such as Q5_K_M's Q5_1 Q and K beside a
+//! Q8_0 V, are held as kvjit's q8_min blocks of exactly their values,
+//! 1.125 bytes a weight); the other GGML types kvjit reads
 //! (Q2_K, Q3_K, IQ4_XS, f16, bf16) are dequantized into the model's dtype
 //! as the model loads. The fused QKV weight is the file's `attn_q`,
 //! `attn_k` and `attn_v` stacked (in their format when all three share
@@ -245,19 +248,19 @@ fn gguf_name(name: &str, num_layers: usize) -> Option<String> {
 }
 
 /// The block format a matrix constant keeps: the format of the GGUF
-/// tensor `name` (of all three parts of a stacked QKV weight, or Q8_0 for
-/// parts of different formats that each hold exactly in Q8_0), when kvjit
-/// decodes it.
+/// tensor `name` when kvjit decodes it; for a stacked QKV weight, that of
+/// all three parts, else the first of Q8_0 and q8_min that holds every
+/// part exactly (Q5_0 Q and K beside a Q8_0 V: Q8_0; Q5_1 beside Q8_0:
+/// q8_min).
 fn kept_format(gguf: &Gguf, name: &str) -> Option<DType> {
     let format = |name: &str| gguf.tensor_info(name).and_then(|t| t.ggml_type().kept_format());
     match name.strip_suffix("attn_qkv.weight").filter(|_| gguf.tensor_info(name).is_none()) {
         Some(prefix) => {
             let names = ["attn_q", "attn_k", "attn_v"].map(|p| format!("{prefix}{p}.weight"));
             let parts = names.clone().map(|name| format(&name));
-            // Parts in different formats stack as Q8_0 where each holds
-            // exactly there (Q5_0 Q and K beside a Q8_0 V).
-            let exact = names.iter().all(|n| gguf.tensor_info(n).is_some_and(|t| t.ggml_type().exact_in_q8_0()));
-            parts[0].filter(|f| parts.iter().all(|p| *p == Some(*f))).or(exact.then_some(DType::Q8_0))
+            let common =
+                [DType::Q8_0, DType::Q8Min].into_iter().find(|&f| names.iter().all(|n| gguf.holds_exactly(n, f)));
+            parts[0].filter(|f| parts.iter().all(|p| *p == Some(*f))).or(common)
         }
         None => format(name),
     }
@@ -343,10 +346,47 @@ pub fn weight_notes(gguf: &Gguf, options: &ImportOptions) -> Vec<String> {
              {} blocks as they are",
             list(&dequantized),
             dtype.size_bytes(),
-            DType::BLOCK_FORMATS.map(|f| f.name().to_uppercase()).join(", ")
+            DType::BLOCK_FORMATS
+                .into_iter()
+                .filter(|&f| f != DType::Q8Min)
+                .map(|f| f.name().to_uppercase())
+                .collect::<Vec<_>>()
+                .join(", ")
         ));
     }
+    notes.extend(mixed_qkv_notes(gguf, options));
     notes
+}
+
+/// One note per way the fused QKV weights whose parts the file stores in
+/// different quantized types load (as Q8_0 or q8_min blocks of the same
+/// values, or dequantized into the dtype), with how many and the types.
+fn mixed_qkv_notes(gguf: &Gguf, options: &ImportOptions) -> Vec<String> {
+    use std::collections::BTreeMap;
+    let mut mixed: BTreeMap<(String, String), usize> = BTreeMap::new();
+    for info in gguf.tensors() {
+        let Some(prefix) = info.name().strip_suffix("attn_q.weight") else { continue };
+        let qkv = format!("{prefix}attn_qkv.weight");
+        let parts = ["attn_q", "attn_k", "attn_v"].map(|p| gguf.tensor_info(&format!("{prefix}{p}.weight")));
+        let [Some(q), Some(k), Some(v)] = parts else { continue };
+        let types: std::collections::BTreeSet<&str> = [q, k, v].iter().map(|t| t.ggml_type().name()).collect();
+        let quantized = [q, k, v].iter().all(|t| t.ggml_type().block_size() > 1);
+        if types.len() < 2 || !quantized || gguf.tensor_info(&qkv).is_some() {
+            continue;
+        }
+        let loads_as = match kept_format(gguf, &qkv) {
+            Some(format) => {
+                format!("as the {format} blocks of the same values ({} bytes a weight)", format.bytes_per_element())
+            }
+            None => format!("dequantized to {} ({} bytes a weight)", options.dtype, options.dtype.size_bytes()),
+        };
+        let types = types.into_iter().collect::<Vec<_>>().join(" + ");
+        *mixed.entry((types, loads_as)).or_insert(0) += 1;
+    }
+    mixed
+        .into_iter()
+        .map(|((types, loads_as), n)| format!("note: {n} fused QKV weights of parts in {types} load {loads_as}"))
+        .collect()
 }
 
 /// `kvjit import`: write `dir/model.json`, the model graph of the GGUF at
