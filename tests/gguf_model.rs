@@ -598,6 +598,49 @@ fn weight_notes_name_the_matrices_held_as_q8_0_and_those_dequantized() {
     assert!(weight_notes(&Gguf::open(&path).unwrap(), &ImportOptions::default()).is_empty());
 }
 
+/// What loading says of fused QKV weights whose parts the file stores in
+/// different quantized types: held as q8_kmin (K-quants), as q8_min (32
+/// blocks), or dequantized (a part in a type no common format holds);
+/// nothing for parts of one type, or with a float part.
+#[test]
+fn weight_notes_say_how_qkv_weights_of_mixed_types_load() {
+    let mut w = GgufWriter::new();
+    w.kv("general.architecture", MetaValue::from("llama"));
+    let raw = |w: &mut GgufWriter, name: &str, ty: GgmlType, rows: usize| {
+        let bytes = rows * 256 / ty.block_size() * ty.type_size();
+        w.tensor_raw(name, ty, &[rows, 256], vec![0; bytes]);
+    };
+    let layers = [
+        [GgmlType::Q4K, GgmlType::Q4K, GgmlType::Q6K],
+        [GgmlType::Q5K, GgmlType::Q4K, GgmlType::Q6K],
+        [GgmlType::Q5_1, GgmlType::Q5_1, GgmlType::Q8_0],
+        [GgmlType::Q4K, GgmlType::Q3K, GgmlType::Q4K],
+        [GgmlType::Q4K, GgmlType::Q4K, GgmlType::Q4K],
+        [GgmlType::Q4K, GgmlType::F16, GgmlType::Q6K],
+    ];
+    for (l, types) in layers.iter().enumerate() {
+        for (part, &ty) in ["attn_q", "attn_k", "attn_v"].iter().zip(types) {
+            raw(&mut w, &format!("blk.{l}.{part}.weight"), ty, 2);
+        }
+    }
+    let gguf = Gguf::from_bytes("m.gguf", &w.to_bytes()).unwrap();
+    let notes = weight_notes(&gguf, &ImportOptions::default());
+    let mixed: Vec<&String> = notes.iter().filter(|n| n.contains("fused QKV")).collect();
+    assert_eq!(
+        mixed,
+        [
+            "note: 1 fused QKV weights of parts in Q3_K + Q4_K load dequantized to f32 (4 bytes a weight)",
+            "note: 1 fused QKV weights of parts in Q4_K + Q5_K + Q6_K load as the q8_kmin blocks of the same values \
+             (1.203125 bytes a weight)",
+            "note: 1 fused QKV weights of parts in Q4_K + Q6_K load as the q8_kmin blocks of the same values \
+             (1.203125 bytes a weight)",
+            "note: 1 fused QKV weights of parts in Q5_1 + Q8_0 load as the q8_min blocks of the same values \
+             (1.125 bytes a weight)",
+        ],
+        "{notes:?}"
+    );
+}
+
 /// A batch of block-weight decodes gives every prompt what it gets alone:
 /// up to `gemv_rows` rows the matmuls run the integer GEMV once per row,
 /// each row on its own quantized activations (a row reading another's

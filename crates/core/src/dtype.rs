@@ -65,11 +65,20 @@ pub enum DType {
     /// GGML's Q6_K super-blocks: 256 weights in 16 sub-blocks with i8 scales.
     #[serde(rename = "q6_k")]
     Q6K,
+    /// kvjit's own 8-bit super-blocks with a minimum ([`crate::quant`]): 256
+    /// weights, an f16 `d` and `dmin`, per 16 an i8 scale `sc` and an i16
+    /// minimum `m`, 256 × u8 `q`, worth `(d·sc)·q − dmin·m` with one
+    /// rounding. Every Q4_K, Q5_K and Q6_K super-block with finite scales
+    /// holds in one exactly, so parts of one constant stored in different
+    /// ones of those (a fused QKV weight whose V llama.cpp kept in Q6_K
+    /// beside Q4_K Q and K) stack as one q8_kmin constant.
+    #[serde(rename = "q8_kmin")]
+    Q8KMin,
 }
 
 impl DType {
     /// Every dtype, in a fixed order.
-    pub const ALL: [DType; 14] = [
+    pub const ALL: [DType; 15] = [
         DType::F32,
         DType::BF16,
         DType::F16,
@@ -84,12 +93,13 @@ impl DType {
         DType::Q4K,
         DType::Q5K,
         DType::Q6K,
+        DType::Q8KMin,
     ];
     /// The floating dtypes an op may compute in.
     pub const FLOATS: [DType; 3] = [DType::F32, DType::BF16, DType::F16];
 
     /// The weight block formats a constant may hold ([`crate::quant`]).
-    pub const BLOCK_FORMATS: [DType; 9] = [
+    pub const BLOCK_FORMATS: [DType; 10] = [
         DType::Q8_0,
         DType::Q4_0,
         DType::Q4_1,
@@ -99,6 +109,7 @@ impl DType {
         DType::Q4K,
         DType::Q5K,
         DType::Q6K,
+        DType::Q8KMin,
     ];
 
     /// Size of one storage unit in bytes: an element, or for a block
@@ -116,7 +127,8 @@ impl DType {
             | DType::Q8Min
             | DType::Q4K
             | DType::Q5K
-            | DType::Q6K => 1,
+            | DType::Q6K
+            | DType::Q8KMin => 1,
         }
     }
 
@@ -133,6 +145,7 @@ impl DType {
             DType::Q4K => (256, 144),
             DType::Q5K => (256, 176),
             DType::Q6K => (256, 210),
+            DType::Q8KMin => (256, 308),
             other => (1, other.size_bytes()),
         }
     }
@@ -204,6 +217,7 @@ impl DType {
             DType::Q4K => "q4_k",
             DType::Q5K => "q5_k",
             DType::Q6K => "q6_k",
+            DType::Q8KMin => "q8_kmin",
         }
     }
 }

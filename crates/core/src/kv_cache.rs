@@ -70,7 +70,8 @@ impl CacheElement {
                 | DType::Q8Min
                 | DType::Q4K
                 | DType::Q5K
-                | DType::Q6K,
+                | DType::Q6K
+                | DType::Q8KMin,
                 _,
             ) => Err(Error::InvalidCacheParams(format!("dtype must be a float type, got {dtype}"))),
             (_, Some(g)) => Err(Error::InvalidCacheParams(format!(

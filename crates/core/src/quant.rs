@@ -2,7 +2,8 @@
 //! dequantization to f32, bit for bit as gguf-py's numpy reference
 //! (`gguf/quants.py`) and ggml's `dequantize_row_*` compute it: every
 //! product and sum rounded to f32 in the same order, no fused multiply-add.
-//! This is the one definition of what a block means; kernels that decode
+//! (kvjit's own q8_min and q8_kmin, which GGML does not have, are defined
+//! here.) This is the one definition of what a block means; kernels that decode
 //! blocks in registers are tested against it.
 //!
 //! | format | block | elements |
@@ -16,6 +17,7 @@
 //! | Q4_K | f16 `d`, f16 `dmin`, 12 bytes of 6-bit scales and mins, 128 bytes | per 32 elements: `(d·sc)·q − dmin·m` |
 //! | Q5_K | Q4_K's header, 32 bytes of fifth bits, 128 bytes | per 32 elements: `(d·sc)·q − dmin·m`, bit `s` of high byte `l` the fifth bit of element `l` of sub-block `s` |
 //! | Q6_K | 128 bytes low 4 bits, 64 bytes high 2 bits, 16 × i8 scales, f16 `d` | per 16 elements: `(d·sc)·(q − 32)` |
+//! | Q8_KMIN (kvjit's) | f16 `d`, f16 `dmin`, 16 × i8 `sc`, 16 × i16 `m`, 256 × u8 `q` | per 16 elements: `(d·sc)·q − dmin·m`, one rounding (a fused multiply-add) |
 
 use half::f16;
 use rand::Rng;
@@ -56,6 +58,7 @@ pub fn dequantize(format: DType, bytes: &[u8], out: &mut [f32]) -> Result<()> {
         DType::Q4K => blocks.for_each(|(b, o)| q4_k(b, o)),
         DType::Q5K => blocks.for_each(|(b, o)| q5_k(b, o)),
         DType::Q6K => blocks.for_each(|(b, o)| q6_k(b, o)),
+        DType::Q8KMin => blocks.for_each(|(b, o)| q8_kmin(b, o)),
         _ => unreachable!("checked a block format above"),
     }
     Ok(())
@@ -116,9 +119,29 @@ fn q8_min(b: &[u8], out: &mut [f32]) {
     }
 }
 
+/// Bytes of a q8_kmin super-block before its quants: `d`, `dmin`, 16 i8
+/// scales and 16 i16 minimums.
+pub const Q8_KMIN_HEADER: usize = 52;
+
+/// One q8_kmin super-block (308 bytes) into 256 elements: per 16, `S·q −
+/// M` rounded once, `S = d·sc` and `M = dmin·m` (each exact in f32 for
+/// the scales and minimums that GGML's K-quants give: 11 × 8 and 11 × 13
+/// bits).
+fn q8_kmin(b: &[u8], out: &mut [f32]) {
+    let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
+    for (i, o) in out.chunks_exact_mut(16).enumerate() {
+        let scale = d * f32::from(b[4 + i] as i8);
+        let min = dmin * f32::from(i16::from_le_bytes([b[20 + 2 * i], b[21 + 2 * i]]));
+        let quants = &b[Q8_KMIN_HEADER + 16 * i..Q8_KMIN_HEADER + 16 * i + 16];
+        for (o, &q) in o.iter_mut().zip(quants) {
+            *o = scale.mul_add(f32::from(q), -min);
+        }
+    }
+}
+
 /// Scale and min `j` (0–7) of a K-quant's 12 packed bytes: 6 bits each
 /// (GGML's `get_scale_min_k4`, shared by Q4_K and Q5_K).
-fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
+pub fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
     if j < 4 {
         (q[j] & 63, q[j + 4] & 63)
     } else {
@@ -220,6 +243,11 @@ pub fn random_block(format: DType, rng: &mut impl Rng) -> Vec<u8> {
             // d and dmin: the 6-bit scales and mins multiply them.
             block[..2].copy_from_slice(&random_scale(rng, 0.0002, 0.002, false));
             block[2..4].copy_from_slice(&random_scale(rng, 0.0, 0.002, false));
+        }
+        DType::Q8KMin => {
+            // d and dmin: the i8 scales and i16 minimums multiply them.
+            block[..2].copy_from_slice(&random_scale(rng, 0.000003, 0.00003, true));
+            block[2..4].copy_from_slice(&random_scale(rng, 0.0, 0.00003, true));
         }
         DType::Q6K => {
             // d last; the 16 i8 scales before it multiply it.

@@ -27,7 +27,8 @@ fn to_file_dtype(dtype: DType) -> Dtype {
         | DType::Q8Min
         | DType::Q4K
         | DType::Q5K
-        | DType::Q6K => Dtype::U8,
+        | DType::Q6K
+        | DType::Q8KMin => Dtype::U8,
     }
 }
 

@@ -22,12 +22,13 @@
 //! block formats (kept as stored, decoded in the kernels:
 //! [`kvjit_core::quant`] is their definition); IQ4_NL is held as Q8_0
 //! ([`to_q8_0`]); parts of one constant in different ones of the 32-blocks
-//! types are held as kvjit's q8_min ([`to_q8_min`]); the others are
-//! dequantized when a model loads.
+//! types are held as kvjit's q8_min ([`to_q8_min`]), and in different
+//! K-quants as its q8_kmin ([`to_q8_kmin`]); the others are dequantized
+//! when a model loads.
 
 use crate::GgmlType;
 
-use kvjit_core::quant::{QK_K, f16_at};
+use kvjit_core::quant::{Q8_KMIN_HEADER, QK_K, f16_at, scale_min_k4};
 
 /// IQ4_NL's and IQ4_XS's 16 levels (`kvalues_iq4nl`), by 4-bit code.
 const IQ4_LEVELS: [i8; 16] = [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113];
@@ -236,6 +237,66 @@ pub fn to_q8_min(ty: GgmlType, bytes: &[u8]) -> Option<Vec<u8>> {
         out.extend_from_slice(&b[..2]);
         out.extend_from_slice(&m);
         out.extend(integers.map(|i| u8::try_from(i + offset).expect("i + c is in 0..=255")));
+    }
+    Some(out)
+}
+
+/// Super-blocks of Q4_K, Q5_K or Q6_K ([`GgmlType::exact_in_q8_kmin`])
+/// rewritten as kvjit's q8_kmin super-blocks (308 bytes: f16 `d`, f16
+/// `dmin`, per 16 elements an i8 `sc` and i16 `m`, 256 × u8 `q`, worth
+/// `(d·sc)·q − dmin·m` rounded once), every element the same f32 value:
+/// Q4_K and Q5_K keep `d`, `dmin`, each 32-element sub-block's 6-bit scale
+/// and minimum (for both its 16-element halves) and the 4- or 5-bit quants
+/// — the type's `(d·sc)·q` is exact in f32, so its one rounding is that
+/// of the difference —; Q6_K, `(d·sc)·(q − 32)`, becomes `dmin = d`, `m =
+/// 32·sc` and `q` its 6-bit quant, so `(d·sc)·q − d·(32·sc)` is the same
+/// real number rounded once. `None` for other types, bytes that are not
+/// whole super-blocks, or a super-block whose `d` or `dmin` is not finite.
+pub fn to_q8_kmin(ty: GgmlType, bytes: &[u8]) -> Option<Vec<u8>> {
+    let size = ty.type_size();
+    if !ty.exact_in_q8_kmin() || !bytes.len().is_multiple_of(size) {
+        return None;
+    }
+    let mut out = Vec::with_capacity(bytes.len() / size * 308);
+    for b in bytes.chunks_exact(size) {
+        let mut block = [0u8; 308];
+        let (scales, quants) = block[4..].split_at_mut(Q8_KMIN_HEADER - 4);
+        let (sc, m) = scales.split_at_mut(16);
+        let (d, dmin) = match ty {
+            GgmlType::Q6K => ([b[208], b[209]], [b[208], b[209]]),
+            _ => ([b[0], b[1]], [b[2], b[3]]),
+        };
+        if ![d, dmin].iter().all(|x| half::f16::from_le_bytes(*x).is_finite()) {
+            return None;
+        }
+        for i in 0..16 {
+            let (scale, min) = match ty {
+                GgmlType::Q6K => (b[192 + i] as i8, 32 * i16::from(b[192 + i] as i8)),
+                _ => {
+                    let (scale, min) = scale_min_k4(i / 2, &b[4..16]);
+                    (scale as i8, i16::from(min))
+                }
+            };
+            sc[i] = scale as u8;
+            m[2 * i..2 * i + 2].copy_from_slice(&min.to_le_bytes());
+        }
+        for (e, q) in quants.iter_mut().enumerate() {
+            let (s, l) = (e / 32, e % 32);
+            *q = match ty {
+                GgmlType::Q4K => (b[16 + 32 * (s / 2) + l] >> (4 * (s % 2))) & 0x0f,
+                GgmlType::Q5K => ((b[48 + 32 * (s / 2) + l] >> (4 * (s % 2))) & 0x0f) | ((b[16 + l] >> s) & 1) << 4,
+                _ => {
+                    // Q6_K: per 128, rows r = 0..4 of 32 from the low and
+                    // high nibbles of ql and the 2-bit fields of qh.
+                    let (half, r) = (e / 128, e % 128 / 32);
+                    let low = (b[64 * half + 32 * (r % 2) + l] >> (4 * (r / 2))) & 0x0f;
+                    low | ((b[128 + 32 * half + l] >> (2 * r)) & 3) << 4
+                }
+            };
+        }
+        block[..2].copy_from_slice(&d);
+        block[2..4].copy_from_slice(&dmin);
+        out.extend_from_slice(&block);
     }
     Some(out)
 }

@@ -467,8 +467,9 @@ impl Gguf {
     /// loads as the Q8_0 blocks of the same values
     /// ([`GgmlType::kept_format`]), and any of the types
     /// [`GgmlType::exact_in_q8_min`] asked for as q8_min as the q8_min
-    /// blocks of the same values ([`Gguf::holds_exactly`]); other types are
-    /// refused.
+    /// blocks of the same values, and so for q8_kmin
+    /// ([`GgmlType::exact_in_q8_kmin`], [`Gguf::holds_exactly`]); other
+    /// types are refused.
     pub fn tensor(&self, name: &str, dtype: DType) -> Result<Tensor> {
         Ok(self.load_tensor(name, dtype)?.0)
     }
@@ -483,6 +484,9 @@ impl Gguf {
             DType::Q8_0 => info.ggml_type.exact_in_q8_0(),
             DType::Q8Min => {
                 info.ggml_type.exact_in_q8_min() && dequant::to_q8_min(info.ggml_type, self.bytes_of(info)).is_some()
+            }
+            DType::Q8KMin => {
+                info.ggml_type.exact_in_q8_kmin() && dequant::to_q8_kmin(info.ggml_type, self.bytes_of(info)).is_some()
             }
             _ => false,
         }
@@ -508,11 +512,14 @@ impl Gguf {
             }
             // Or rewritten as blocks of exactly the same values: IQ4_NL,
             // Q4_0 and Q5_0 as Q8_0; any of Q8_0, Q4_0, Q4_1, Q5_0, Q5_1
-            // and IQ4_NL as q8_min.
+            // and IQ4_NL as q8_min; any of Q4_K, Q5_K and Q6_K as q8_kmin.
             let (fits, blocks) = match dtype {
                 DType::Q8_0 => (info.ggml_type.exact_in_q8_0(), dequant::to_q8_0(info.ggml_type, self.bytes_of(info))),
                 DType::Q8Min => {
                     (info.ggml_type.exact_in_q8_min(), dequant::to_q8_min(info.ggml_type, self.bytes_of(info)))
+                }
+                DType::Q8KMin => {
+                    (info.ggml_type.exact_in_q8_kmin(), dequant::to_q8_kmin(info.ggml_type, self.bytes_of(info)))
                 }
                 _ => (false, None),
             };

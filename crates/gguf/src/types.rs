@@ -173,6 +173,18 @@ impl GgmlType {
         )
     }
 
+    /// Whether every value of this type is `(d·sc)·q − dmin·m` per 16 with
+    /// f16 `d` and `dmin`, an i8 `sc`, an i16 `m` and a `q` in 0..=255, one
+    /// rounding, so that it loads as kvjit's q8_kmin super-blocks of exactly
+    /// its values ([`crate::dequant::to_q8_kmin`], which refuses a
+    /// super-block whose scales are not finite): Q4_K, Q5_K and Q6_K.
+    /// Parts of one constant stored in different such types (llama.cpp's
+    /// Q4_K_M mix stores a layer's V in Q6_K beside Q and K in Q4_K) load
+    /// as one q8_kmin constant.
+    pub fn exact_in_q8_kmin(self) -> bool {
+        matches!(self, GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K)
+    }
+
     /// Whether kvjit can turn this type into f32, bf16 or f16
     /// ([`crate::Gguf::tensor`]): the plain floats and the block types of
     /// [`crate::dequant`] (not Q8_1/Q8_K, which files do not store, nor the

@@ -650,3 +650,62 @@ fn the_32_blocks_types_load_as_the_q8_min_blocks_of_the_same_values() {
     let err = g.tensor("q4_k", DType::Q8Min).unwrap_err().to_string();
     assert!(err.contains("it is stored as Q4_K, not q8_min blocks"), "{err}");
 }
+
+/// Q4_K, Q5_K and Q6_K each load as kvjit's q8_kmin super-blocks of the
+/// same values (a zero's sign aside), into memory of their own; a
+/// super-block with an infinite or NaN scale is refused by name, and so is
+/// a type that q8_kmin cannot hold.
+#[test]
+fn the_k_quants_load_as_the_q8_kmin_blocks_of_the_same_values() {
+    let mut state = 0x2545_f491_4f6c_dd1du64;
+    let mut byte = || {
+        state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (state >> 56) as u8
+    };
+    let types = [("q4_k", GgmlType::Q4K), ("q5_k", GgmlType::Q5K), ("q6_k", GgmlType::Q6K)];
+    // Where each type keeps its f16 d (and dmin).
+    let scales_at = |ty: GgmlType| if ty == GgmlType::Q6K { vec![208] } else { vec![0, 2] };
+    let (rows, k) = (2, 512);
+    let mut w = GgufWriter::new();
+    for (name, ty) in types {
+        let mut bytes: Vec<u8> = (0..rows * k / 256 * ty.type_size()).map(|_| byte()).collect();
+        for (i, block) in bytes.chunks_exact_mut(ty.type_size()).enumerate() {
+            for (n, at) in scales_at(ty).into_iter().enumerate() {
+                let magnitude = f32::from(block[20 + n]) / 255.0 * 0.01 + 1e-4;
+                let d = if (i + n) % 2 == 0 { magnitude } else { -magnitude };
+                block[at..at + 2].copy_from_slice(&half::f16::from_f32(d).to_le_bytes());
+            }
+        }
+        w.tensor_raw(name, ty, &[rows, k], bytes);
+    }
+    for (name, ty, d) in [("q6_k_nan", GgmlType::Q6K, f32::NAN), ("q4_k_infinite", GgmlType::Q4K, f32::INFINITY)] {
+        let mut bytes: Vec<u8> = (0..ty.type_size()).map(|_| byte()).collect();
+        let at = scales_at(ty)[0];
+        bytes[at..at + 2].copy_from_slice(&half::f16::from_f32(d).to_le_bytes());
+        w.tensor_raw(name, ty, &[1, 256], bytes);
+    }
+    w.tensor_raw("q8_0", GgmlType::Q8_0, &[1, 32], vec![0; 34]);
+    let g = Gguf::from_bytes("m.gguf", &w.to_bytes()).unwrap();
+    for (name, ty) in types {
+        assert!(g.holds_exactly(name, DType::Q8KMin), "{name}");
+        let (blocks, borrowed) = g.load_tensor(name, DType::Q8KMin).unwrap();
+        assert!(!borrowed, "{name}: rewritten into memory of its own");
+        assert_eq!(blocks.as_bytes().len(), rows * k / 256 * 308, "{name}");
+        let mut held = vec![f32::NAN; rows * k];
+        kvjit_core::quant::dequantize(DType::Q8KMin, blocks.as_bytes(), &mut held).unwrap();
+        let mut direct = vec![f32::NAN; rows * k];
+        dequant::dequantize(ty, g.tensor_data(name).unwrap(), &mut direct).unwrap();
+        for (i, (h, d)) in held.iter().zip(&direct).enumerate() {
+            assert!(h == d, "{name} element {i}: q8_kmin {h:e}, {ty} {d:e}");
+        }
+        assert!(direct.iter().any(|&v| v > 0.0) && direct.iter().any(|&v| v < 0.0), "{name}: varied");
+    }
+    for name in ["q6_k_nan", "q4_k_infinite"] {
+        assert!(!g.holds_exactly(name, DType::Q8KMin), "{name}");
+        let err = g.tensor(name, DType::Q8KMin).unwrap_err().to_string();
+        assert!(err.contains("blocks do not all hold exactly in q8_kmin"), "{name}: {err}");
+    }
+    assert!(!g.holds_exactly("q8_0", DType::Q8KMin));
+    let err = g.tensor("q8_0", DType::Q8KMin).unwrap_err().to_string();
+    assert!(err.contains("it is stored as Q8_0, not q8_kmin blocks"), "{err}");
+}

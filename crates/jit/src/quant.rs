@@ -8,7 +8,7 @@
 //!
 //! A panel holds [`TILE_COLUMNS`](crate::microkernel::TILE_COLUMNS) (16) columns of C — 16 weight rows of K
 //! values each — in groups of one block of K (a "k-group": 32 k for Q8_0,
-//! Q4_0, Q4_1, Q5_0, Q5_1 and q8_min, 256 for Q4_K, Q5_K and Q6_K), k-groups in order. A k-group
+//! Q4_0, Q4_1, Q5_0, Q5_1 and q8_min, 256 for Q4_K, Q5_K, Q6_K and q8_kmin), k-groups in order. A k-group
 //! holds the 16 columns' blocks of that range of K whole in content (the
 //! same bytes as the GGML blocks: [`panel_bytes`] = K / block × block
 //! bytes × 16), rearranged for the kernels:
@@ -57,6 +57,13 @@
 //!   dword whose byte `j` has in bits `2f..2f + 2` the high bits of
 //!   k = 32s + 16t + 4f + j (f = 0..4; fields 0/1 pair with the nibbles of
 //!   Q4 vector `2t`, fields 2/3 with those of `2t + 1`).
+//!
+//! - **q8_kmin** (4928 = 16 × 308 bytes): the 16 f16 `d`, the 16 f16
+//!   `dmin`, then the 16 i8 scales of 16 k byte-sliced (scale `i` of
+//!   column `c` at `64 + 16i + c`), the 16 i16 minimums the same way (at
+//!   `320 + 2·(16i + c)`), then at 832 per 32-k sub-group `s` (at `832 +
+//!   512s`) Q8_0's arrangement of its quants, stored as `q − 128` as
+//!   q8_min's.
 //!
 //! The K-quants are rearranged (not kept whole per column) so that their
 //! 32-k sub-blocks decode and multiply like Q4_1's blocks: one shift and

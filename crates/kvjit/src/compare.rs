@@ -63,7 +63,8 @@ impl Tolerance {
             | DType::Q8Min
             | DType::Q4K
             | DType::Q5K
-            | DType::Q6K => 0.0,
+            | DType::Q6K
+            | DType::Q8KMin => 0.0,
         }
     }
 }

@@ -51,6 +51,7 @@ pub fn pack_panel(format: DType, columns: &[&[u8]], k: usize, out: &mut [u8]) {
             DType::Q4K => pack_q4k(out, block_of),
             DType::Q5K => pack_q5k(out, block_of),
             DType::Q6K => pack_q6k(out, block_of),
+            DType::Q8KMin => pack_q8kmin(out, block_of),
             _ => unreachable!("checked a block format above"),
         }
     }
@@ -237,5 +238,29 @@ fn pack_q6k<'a>(out: &mut [u8], block_of: impl Fn(usize) -> &'a [u8]) {
             scales[16 * i + c] = scale;
         }
         d[2 * c..2 * c + 2].copy_from_slice(&b[208..210]);
+    }
+}
+
+/// One k-group (a super-block of each column) of a q8_kmin panel (see the
+/// [layout](super)): the 16 `d`, the 16 `dmin`, the i8 scales and the i16
+/// minimums byte-sliced per 16 k, then per 32-k sub-group Q8_0's
+/// arrangement of the quants, stored as `q − 128`.
+fn pack_q8kmin<'a>(out: &mut [u8], block_of: impl Fn(usize) -> &'a [u8]) {
+    let (d, rest) = out.split_at_mut(64);
+    let (scales, rest) = rest.split_at_mut(256);
+    let (mins, quants) = rest.split_at_mut(512);
+    for c in 0..TILE_COLUMNS {
+        let (half, column) = (c / 8, c % 8);
+        let b = block_of(c);
+        d[2 * c..2 * c + 2].copy_from_slice(&b[..2]);
+        d[32 + 2 * c..32 + 2 * c + 2].copy_from_slice(&b[2..4]);
+        for i in 0..16 {
+            scales[16 * i + c] = b[4 + i];
+            mins[2 * (16 * i + c)..2 * (16 * i + c) + 2].copy_from_slice(&b[20 + 2 * i..22 + 2 * i]);
+        }
+        for (k, &q) in b[kvjit_core::quant::Q8_KMIN_HEADER..].iter().enumerate() {
+            let (s, g, j) = (k / 32, k % 32 / 4, k % 4);
+            quants[512 * s + 256 * half + 32 * g + 4 * column + j] = q ^ 0x80;
+        }
     }
 }

@@ -5,7 +5,7 @@ use rand::{Rng, SeedableRng};
 use super::*;
 use crate::microkernel::TILE_COLUMNS;
 
-const FORMATS: [DType; 9] = DType::BLOCK_FORMATS;
+const FORMATS: [DType; 10] = DType::BLOCK_FORMATS;
 /// f32 unit roundoff.
 #[cfg(target_arch = "x86_64")]
 const U: f64 = 1.0 / (1u64 << 24) as f64;
@@ -26,7 +26,7 @@ fn f16_bytes(v: f32) -> [u8; 2] {
 fn scale_offsets(format: DType) -> (usize, Option<usize>) {
     match format {
         DType::Q8_0 | DType::Q4_0 | DType::Q5_0 => (0, None),
-        DType::Q4_1 | DType::Q5_1 | DType::Q8Min | DType::Q4K | DType::Q5K => (0, Some(2)),
+        DType::Q4_1 | DType::Q5_1 | DType::Q8Min | DType::Q4K | DType::Q5K | DType::Q8KMin => (0, Some(2)),
         DType::Q6K => (208, None),
         other => unreachable!("{other}"),
     }
@@ -55,6 +55,7 @@ fn quant_bytes(format: DType) -> std::ops::Range<usize> {
         DType::Q8_0 | DType::Q4_0 | DType::Q5_0 => 2..size,
         DType::Q4_1 | DType::Q5_1 | DType::Q8Min => 4..size,
         DType::Q4K | DType::Q5K => 16..size,
+        DType::Q8KMin => kvjit_core::quant::Q8_KMIN_HEADER..size,
         _ => 0..192,
     }
 }
@@ -343,6 +344,13 @@ fn column_values(format: DType, column: &[u8], k: usize) -> (Vec<f32>, Vec<f64>)
                     let q = &b[4..16];
                     let m = if s < 4 { q[s + 4] & 63 } else { (q[s + 4] >> 4) | ((q[s] >> 6) << 4) };
                     f16_at(b, 2) as f64 * m as f64
+                })
+                .collect(),
+            // Per 32 k, the larger of its two 16-k minimums dmin·m.
+            DType::Q8KMin => (0..8)
+                .map(|s| {
+                    let m = |i: usize| i16::from_le_bytes([b[20 + 2 * i], b[21 + 2 * i]]) as f64;
+                    f16_at(b, 2) as f64 * m(2 * s).abs().max(m(2 * s + 1).abs())
                 })
                 .collect(),
             _ => vec![0.0; format.block().0 / 32],

@@ -49,6 +49,12 @@ trait Dot {
     /// # Safety
     /// `q` readable for 256 bytes; the CPU has this `Dot`'s features.
     unsafe fn q8(q: *const u8, xs: &Xs, sum: i32) -> __m256i;
+    /// [`Dot::q8`] over each 16-k half of the block apart (vectors 0–3 and
+    /// 4–7), whose quants `Q` sum to `sums`.
+    ///
+    /// # Safety
+    /// As for [`Dot::q8`].
+    unsafe fn q8_halves(q: *const u8, xs: &Xs, sums: [i32; 2]) -> [__m256i; 2];
     /// A Q6_K half of a 32-k sub-group: the 4 low-nibble vectors at `low`
     /// and 2 high-bit vectors at `high` against `xs`; the unsigned quants'
     /// (0..64) sums over its two 16-k scale blocks.
@@ -230,6 +236,24 @@ impl Dot for Avx2 {
 
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q8_halves(q: *const u8, xs: &Xs, _sums: [i32; 2]) -> [__m256i; 2] {
+        let factors = [_mm256_set1_epi16(254), _mm256_set1_epi16(1)];
+        let mut sums = [_mm256_setzero_si256(); 2];
+        for g in 0..8 {
+            // SAFETY: vector g < 8 of the caller's 256 bytes.
+            let v = unsafe { _mm256_loadu_si256(q.add(32 * g).cast()) };
+            let magnitude = _mm256_abs_epi8(v);
+            for (xs, factor) in xs.iter().zip(factors) {
+                // As in `q8`, summed per 16 k (vectors 0–3, 4–7).
+                let p = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xs[g], v));
+                sums[g / 4] = _mm256_add_epi32(sums[g / 4], _mm256_madd_epi16(p, factor));
+            }
+        }
+        sums
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn q6(low: *const u8, high: *const u8, xs: &Xs) -> [__m256i; 2] {
         let factors = [_mm256_set1_epi16(254), _mm256_set1_epi16(1)];
         // SAFETY: the caller's 128 bytes at low and 64 at high.
@@ -317,6 +341,24 @@ macro_rules! vnni_dot {
 
             #[inline]
             #[target_feature(enable = $features)]
+            unsafe fn q8_halves(q: *const u8, xs: &Xs, sums: [i32; 2]) -> [__m256i; 2] {
+                // As in `q8`, summed per 16 k: [16-k half][part].
+                let bias = _mm256_set1_epi8(i8::MIN);
+                let mut parts = [[_mm256_setzero_si256(); 2]; 2];
+                for g in 0..8 {
+                    // SAFETY: vector g < 8 of the caller's 256 bytes.
+                    let v = _mm256_xor_si256(unsafe { _mm256_loadu_si256(q.add(32 * g).cast()) }, bias);
+                    for (part, xs) in parts[g / 4].iter_mut().zip(xs) {
+                        *part = $dpbusd(*part, v, xs[g]);
+                    }
+                }
+                std::array::from_fn(|t| {
+                    _mm256_sub_epi32(combine(parts[t][0], parts[t][1]), _mm256_set1_epi32(128 * sums[t]))
+                })
+            }
+
+            #[inline]
+            #[target_feature(enable = $features)]
             unsafe fn q6(low: *const u8, high: *const u8, xs: &Xs) -> [__m256i; 2] {
                 // SAFETY: the caller's 128 bytes at low and 64 at high.
                 let quants = unsafe { $q6_quants(low, high) };
@@ -359,6 +401,8 @@ enum Quants {
     Q5,
     /// Q8_0's bytes (and q8_min's, stored as i8).
     Q8,
+    /// q8_kmin's bytes (stored as i8), summed per 16 k.
+    Q8Halves,
     /// Q6_K's nibbles and high bits.
     Q6,
 }
@@ -509,6 +553,15 @@ struct Q4K;
 /// Q4_K's k-group followed by the fifth bits of its 8 sub-blocks.
 struct Q5K;
 struct Q6K;
+/// kvjit's q8_kmin: per 16 k an i8 scale and i16 minimum, quants stored as
+/// `q − 128` in Q8_0's arrangement per 32-k sub-group.
+struct Q8KMin;
+
+/// Where a q8_kmin k-group keeps its parts (see the module docs).
+const Q8KMIN_DMIN: usize = 32;
+const Q8KMIN_SCALES: usize = 64;
+const Q8KMIN_MINS: usize = 320;
+const Q8KMIN_QUANTS: usize = 832;
 
 impl GemvFormat for Q4_0 {
     const GROUP_K: usize = 32;
@@ -745,6 +798,46 @@ impl GemvFormat for Q6K {
     }
 }
 
+impl GemvFormat for Q8KMin {
+    const GROUP_K: usize = 256;
+    const GROUP_BYTES: usize = 4928;
+    const QUANTS: Quants = Quants::Q8Halves;
+    type Scales = ();
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn scales(_w: *const u8) {}
+    fn quants(s: usize, h: usize) -> usize {
+        Q8KMIN_QUANTS + 512 * s + 256 * h
+    }
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn add(w: *const u8, _: &(), s: usize, h: usize, dots: [__m256i; 2], x: &Activations, acc: &mut __m256) {
+        // value = S·q − M per 16 k (S = d·sc, M = dmin·m), q = v + 128 (v
+        // the stored i8): Σ x̂·w = s_x·S·(Σ Q·v + 128·ΣQ) − M·(s_x·ΣQ) over
+        // each 16-k half; the sum is exact in i32 (each term ≤ 16·32258·128).
+        let sums = [x.first16, x.sum - x.first16];
+        // SAFETY: the half's 8 d, 8 dmin, and its sub-group's 2 rows of
+        // scales and minimums inside the caller's group.
+        let (d, dmin) = unsafe { (f16x8(w.add(16 * h)), f16x8(w.add(Q8KMIN_DMIN + 16 * h))) };
+        let dx = _mm256_set1_ps(x.dx);
+        for t in 0..2 {
+            let row = 16 * (2 * s + t) + 8 * h;
+            // SAFETY: row 2s + t < 16 of the group's scales and minimums.
+            let (sc, m) = unsafe {
+                (
+                    _mm256_cvtepi8_epi32(_mm_loadl_epi64(w.add(Q8KMIN_SCALES + row).cast())),
+                    _mm256_cvtepi16_epi32(_mm_loadu_si128(w.add(Q8KMIN_MINS + 2 * row).cast())),
+                )
+            };
+            let scale = _mm256_mul_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(sc)), dx);
+            let min = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(m));
+            let dot = _mm256_add_epi32(dots[t], _mm256_set1_epi32(128 * sums[t]));
+            *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, *acc);
+            *acc = _mm256_fnmadd_ps(min, _mm256_set1_ps(x.dx * sums[t] as f32), *acc);
+        }
+    }
+}
+
 /// The body of an integer GEMV tile of format `$format` multiplying with
 /// `$dot` (the [`GemmTile`] ABI as [`super::quant_gemv`] reads it): the
 /// panel's k-groups in `STREAMS` contiguous ranges side by side, each
@@ -804,6 +897,7 @@ macro_rules! gemv_body {
                         Quants::Q4 => [<$dot>::q4(q, &xs), _mm256_setzero_si256()],
                         Quants::Q5 => [<$dot>::q5(q, w.add(<$format>::high(s, h)), &xs), _mm256_setzero_si256()],
                         Quants::Q8 => [<$dot>::q8(q, &xs, block.sum), _mm256_setzero_si256()],
+                        Quants::Q8Halves => <$dot>::q8_halves(q, &xs, [block.first16, block.sum - block.first16]),
                         Quants::Q6 => <$dot>::q6(q, w.add(<$format>::high(s, h)), &xs),
                     };
                     <$format>::add(w, &scales, s, h, dots, &block, acc);
@@ -978,6 +1072,7 @@ pub(super) fn gemv_with_streams_on(format: DType, tier: DotTier, streams: usize)
         DType::Q4K => pick!(Q4K),
         DType::Q5K => pick!(Q5K),
         DType::Q6K => pick!(Q6K),
+        DType::Q8KMin => pick!(Q8KMin),
         _ => return None,
     })
 }
@@ -1222,6 +1317,46 @@ unsafe extern "C" fn dequantize_q6k(w: *const u8, count: usize, out: *mut f32) {
     }
 }
 
+/// Decode `count / 16` k of a q8_kmin panel at `w` to `out` (`[k][16]`
+/// f32), as `kvjit_core::quant` does: per 16 k `S·(v + 128) − M` rounded
+/// once (`S = d·sc`, `M = dmin·m`, `v` the stored i8).
+///
+/// # Safety
+/// As for [`dequantize_nibbles`], for a q8_kmin panel (`count / 16` a
+/// multiple of 256).
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe extern "C" fn dequantize_q8kmin(w: *const u8, count: usize, out: *mut f32) {
+    let bias = _mm256_set1_epi32(128);
+    for g in 0..count / (256 * TILE_COLUMNS) {
+        // SAFETY: k-group g < count / 4096 of the panel and its 4096
+        // outputs.
+        unsafe {
+            let w = w.add(g * Q8KMin::GROUP_BYTES);
+            let out = out.add(g * 256 * TILE_COLUMNS);
+            for h in 0..2 {
+                let (d, dmin) = (f16x8(w.add(16 * h)), f16x8(w.add(Q8KMIN_DMIN + 16 * h)));
+                for i in 0..16 {
+                    let row = 16 * i + 8 * h;
+                    let sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64(w.add(Q8KMIN_SCALES + row).cast()));
+                    let m = _mm256_cvtepi16_epi32(_mm_loadu_si128(w.add(Q8KMIN_MINS + 2 * row).cast()));
+                    let scale = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc));
+                    let min = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(m));
+                    // 16 k: vectors 4·(i % 2) .. +4 of sub-group i / 2.
+                    for v in 4 * (i % 2)..4 * (i % 2) + 4 {
+                        let at = Q8KMIN_QUANTS + 512 * (i / 2) + 256 * h + 32 * v;
+                        let q = _mm256_loadu_si256(w.add(at).cast());
+                        for (j, q) in dword_bytes::<true>(q).into_iter().enumerate() {
+                            let q = _mm256_cvtepi32_ps(_mm256_add_epi32(q, bias));
+                            let k = 32 * (i / 2) + 4 * v + j;
+                            _mm256_storeu_ps(out.add(k * TILE_COLUMNS + 8 * h), _mm256_fmsub_ps(scale, q, min));
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
 pub(super) fn dequantize(format: DType) -> Option<WidenBlock> {
     Some(match format {
         DType::Q4_0 => dequantize_nibbles::<false, false>,
@@ -1233,6 +1368,7 @@ pub(super) fn dequantize(format: DType) -> Option<WidenBlock> {
         DType::Q4K => dequantize_k4::<false>,
         DType::Q5K => dequantize_k4::<true>,
         DType::Q6K => dequantize_q6k,
+        DType::Q8KMin => dequantize_q8kmin,
         _ => return None,
     })
 }

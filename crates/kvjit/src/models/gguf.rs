@@ -15,7 +15,10 @@
 //! weight whose parts differ in format; parts in other mixes of Q8_0, Q4_0,
 //! Q4_1, Q5_0, Q5_1 and IQ4_NL, such as Q5_K_M's Q5_1 Q and K beside a
 //! Q8_0 V, are held as kvjit's q8_min blocks of exactly their values,
-//! 1.125 bytes a weight); the other GGML types kvjit reads
+//! 1.125 bytes a weight, and parts in mixes of Q4_K, Q5_K and Q6_K, such
+//! as Q4_K_M's Q4_K Q and K beside a Q6_K V on rows of a multiple of 256,
+//! as its q8_kmin super-blocks, 1.203 bytes a weight); the other GGML
+//! types kvjit reads
 //! (Q2_K, Q3_K, IQ4_XS, f16, bf16) are dequantized into the model's dtype
 //! as the model loads. The fused QKV weight is the file's `attn_q`,
 //! `attn_k` and `attn_v` stacked (in their format when all three share
@@ -249,17 +252,18 @@ fn gguf_name(name: &str, num_layers: usize) -> Option<String> {
 
 /// The block format a matrix constant keeps: the format of the GGUF
 /// tensor `name` when kvjit decodes it; for a stacked QKV weight, that of
-/// all three parts, else the first of Q8_0 and q8_min that holds every
-/// part exactly (Q5_0 Q and K beside a Q8_0 V: Q8_0; Q5_1 beside Q8_0:
-/// q8_min).
+/// all three parts, else the first of Q8_0, q8_min and q8_kmin that holds
+/// every part exactly (Q5_0 Q and K beside a Q8_0 V: Q8_0; Q5_1 beside
+/// Q8_0: q8_min; Q4_K beside Q6_K: q8_kmin).
 fn kept_format(gguf: &Gguf, name: &str) -> Option<DType> {
     let format = |name: &str| gguf.tensor_info(name).and_then(|t| t.ggml_type().kept_format());
     match name.strip_suffix("attn_qkv.weight").filter(|_| gguf.tensor_info(name).is_none()) {
         Some(prefix) => {
             let names = ["attn_q", "attn_k", "attn_v"].map(|p| format!("{prefix}{p}.weight"));
             let parts = names.clone().map(|name| format(&name));
-            let common =
-                [DType::Q8_0, DType::Q8Min].into_iter().find(|&f| names.iter().all(|n| gguf.holds_exactly(n, f)));
+            let common = [DType::Q8_0, DType::Q8Min, DType::Q8KMin]
+                .into_iter()
+                .find(|&f| names.iter().all(|n| gguf.holds_exactly(n, f)));
             parts[0].filter(|f| parts.iter().all(|p| *p == Some(*f))).or(common)
         }
         None => format(name),
@@ -348,7 +352,7 @@ pub fn weight_notes(gguf: &Gguf, options: &ImportOptions) -> Vec<String> {
             dtype.size_bytes(),
             DType::BLOCK_FORMATS
                 .into_iter()
-                .filter(|&f| f != DType::Q8Min)
+                .filter(|f| !matches!(f, DType::Q8Min | DType::Q8KMin))
                 .map(|f| f.name().to_uppercase())
                 .collect::<Vec<_>>()
                 .join(", ")
