@@ -135,8 +135,8 @@ enum Command {
 #[derive(clap::Args, Clone, Copy)]
 struct ModelShape {
     /// Activation dtype (and the weights' that the file does not store in a
-    /// block format kvjit decodes: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K,
-    /// Q5_K, Q6_K, and IQ4_NL, held as Q8_0) [default: f32].
+    /// block format kvjit decodes: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL,
+    /// Q4_K, Q5_K, Q6_K) [default: f32].
     #[arg(long)]
     dtype: Option<DType>,
     /// Dequantize block-format weights into --dtype at load, instead of

@@ -46,6 +46,10 @@ pub enum DType {
     /// GGML's Q5_1 weight blocks: Q5_0's with an f16 minimum.
     #[serde(rename = "q5_1")]
     Q5_1,
+    /// GGML's IQ4_NL weight blocks: 32 weights, an f16 scale, 32 4-bit codes
+    /// of 16 non-linear levels in −127..=113.
+    #[serde(rename = "iq4_nl")]
+    Iq4Nl,
     /// kvjit's own 8-bit blocks with a minimum ([`crate::quant`]): 32
     /// weights, an f16 scale `d` and minimum `m`, 32 × u8 `q`, worth
     /// `d·q + m` — Q4_1's arithmetic on bytes. Every Q8_0, Q4_0, Q4_1,
@@ -78,7 +82,7 @@ pub enum DType {
 
 impl DType {
     /// Every dtype, in a fixed order.
-    pub const ALL: [DType; 15] = [
+    pub const ALL: [DType; 16] = [
         DType::F32,
         DType::BF16,
         DType::F16,
@@ -89,6 +93,7 @@ impl DType {
         DType::Q4_1,
         DType::Q5_0,
         DType::Q5_1,
+        DType::Iq4Nl,
         DType::Q8Min,
         DType::Q4K,
         DType::Q5K,
@@ -99,12 +104,13 @@ impl DType {
     pub const FLOATS: [DType; 3] = [DType::F32, DType::BF16, DType::F16];
 
     /// The weight block formats a constant may hold ([`crate::quant`]).
-    pub const BLOCK_FORMATS: [DType; 10] = [
+    pub const BLOCK_FORMATS: [DType; 11] = [
         DType::Q8_0,
         DType::Q4_0,
         DType::Q4_1,
         DType::Q5_0,
         DType::Q5_1,
+        DType::Iq4Nl,
         DType::Q8Min,
         DType::Q4K,
         DType::Q5K,
@@ -124,6 +130,7 @@ impl DType {
             | DType::Q4_1
             | DType::Q5_0
             | DType::Q5_1
+            | DType::Iq4Nl
             | DType::Q8Min
             | DType::Q4K
             | DType::Q5K
@@ -141,6 +148,7 @@ impl DType {
             DType::Q4_1 => (32, 20),
             DType::Q5_0 => (32, 22),
             DType::Q5_1 => (32, 24),
+            DType::Iq4Nl => (32, 18),
             DType::Q8Min => (32, 36),
             DType::Q4K => (256, 144),
             DType::Q5K => (256, 176),
@@ -213,6 +221,7 @@ impl DType {
             DType::Q4_1 => "q4_1",
             DType::Q5_0 => "q5_0",
             DType::Q5_1 => "q5_1",
+            DType::Iq4Nl => "iq4_nl",
             DType::Q8Min => "q8_min",
             DType::Q4K => "q4_k",
             DType::Q5K => "q5_k",

@@ -67,6 +67,7 @@ impl CacheElement {
                 | DType::Q4_1
                 | DType::Q5_0
                 | DType::Q5_1
+                | DType::Iq4Nl
                 | DType::Q8Min
                 | DType::Q4K
                 | DType::Q5K

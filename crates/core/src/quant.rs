@@ -13,6 +13,7 @@
 //! | Q4_1 | f16 `d`, f16 `m`, 16 bytes | `d·q + m`, nibbles as Q4_0 |
 //! | Q5_0 | f16 `d`, 32 high bits, 16 bytes | `d·(q − 16)`, low nibbles as Q4_0, bit j of the high bits on element j |
 //! | Q5_1 | f16 `d`, f16 `m`, 32 high bits, 16 bytes | `d·q + m`, 5-bit `q` as Q5_0 |
+//! | IQ4_NL | f16 `d`, 16 bytes | `d·T[q]`, `T` the 16 levels [`IQ4_NL_LEVELS`], nibbles as Q4_0 |
 //! | Q8_MIN (kvjit's) | f16 `d`, f16 `m`, 32 × u8 `q` | `d·q + m` |
 //! | Q4_K | f16 `d`, f16 `dmin`, 12 bytes of 6-bit scales and mins, 128 bytes | per 32 elements: `(d·sc)·q − dmin·m` |
 //! | Q5_K | Q4_K's header, 32 bytes of fifth bits, 128 bytes | per 32 elements: `(d·sc)·q − dmin·m`, bit `s` of high byte `l` the fifth bit of element `l` of sub-block `s` |
@@ -54,6 +55,7 @@ pub fn dequantize(format: DType, bytes: &[u8], out: &mut [f32]) -> Result<()> {
         DType::Q4_1 => blocks.for_each(|(b, o)| q4_1(b, o)),
         DType::Q5_0 => blocks.for_each(|(b, o)| q5::<false>(b, o)),
         DType::Q5_1 => blocks.for_each(|(b, o)| q5::<true>(b, o)),
+        DType::Iq4Nl => blocks.for_each(|(b, o)| iq4_nl(b, o)),
         DType::Q8Min => blocks.for_each(|(b, o)| q8_min(b, o)),
         DType::Q4K => blocks.for_each(|(b, o)| q4_k(b, o)),
         DType::Q5K => blocks.for_each(|(b, o)| q5_k(b, o)),
@@ -106,6 +108,21 @@ fn q5<const MIN: bool>(b: &[u8], out: &mut [f32]) {
         let low = if j < 16 { qs[j] & 0x0f } else { qs[j - 16] >> 4 };
         let q = low | (((high >> j) & 1) as u8) << 4;
         *o = if MIN { d * f32::from(q) + m } else { d * f32::from(q as i8 - 16) };
+    }
+}
+
+/// IQ4_NL's (and IQ4_XS's) 16 levels, by 4-bit code (GGML's
+/// `kvalues_iq4nl`).
+pub const IQ4_NL_LEVELS: [i8; 16] = [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113];
+
+/// One IQ4_NL block (18 bytes) into 32 elements: `d·T[q]`, the codes as
+/// Q4_0's nibbles.
+fn iq4_nl(b: &[u8], out: &mut [f32]) {
+    let d = f16_at(b, 0);
+    let (low, high) = out.split_at_mut(16);
+    for (j, &q) in b[2..18].iter().enumerate() {
+        low[j] = d * f32::from(IQ4_NL_LEVELS[usize::from(q & 0x0f)]);
+        high[j] = d * f32::from(IQ4_NL_LEVELS[usize::from(q >> 4)]);
     }
 }
 
@@ -230,7 +247,9 @@ pub fn random_block(format: DType, rng: &mut impl Rng) -> Vec<u8> {
     let (_, bytes) = format.block();
     let mut block: Vec<u8> = (0..bytes).map(|_| rng.r#gen()).collect();
     match format {
-        DType::Q8_0 | DType::Q4_0 | DType::Q5_0 => block[..2].copy_from_slice(&random_scale(rng, 0.002, 0.02, true)),
+        DType::Q8_0 | DType::Q4_0 | DType::Q5_0 | DType::Iq4Nl => {
+            block[..2].copy_from_slice(&random_scale(rng, 0.002, 0.02, true))
+        }
         DType::Q4_1 | DType::Q5_1 => {
             block[..2].copy_from_slice(&random_scale(rng, 0.002, 0.02, true));
             block[2..4].copy_from_slice(&random_scale(rng, 0.0, 0.1, true));

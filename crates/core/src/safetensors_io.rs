@@ -24,6 +24,7 @@ fn to_file_dtype(dtype: DType) -> Dtype {
         | DType::Q4_1
         | DType::Q5_0
         | DType::Q5_1
+        | DType::Iq4Nl
         | DType::Q8Min
         | DType::Q4K
         | DType::Q5K

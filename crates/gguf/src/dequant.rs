@@ -28,10 +28,7 @@
 
 use crate::GgmlType;
 
-use kvjit_core::quant::{Q8_KMIN_HEADER, QK_K, f16_at, scale_min_k4};
-
-/// IQ4_NL's and IQ4_XS's 16 levels (`kvalues_iq4nl`), by 4-bit code.
-const IQ4_LEVELS: [i8; 16] = [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113];
+use kvjit_core::quant::{IQ4_NL_LEVELS as IQ4_LEVELS, Q8_KMIN_HEADER, QK_K, f16_at, scale_min_k4};
 
 /// Dequantize whole blocks of `ty` from `bytes` into `out`, which must hold
 /// exactly `bytes.len() / type_size × block_size` elements; `bytes` must be
@@ -68,15 +65,15 @@ pub fn dequantize(ty: GgmlType, bytes: &[u8], out: &mut [f32]) -> Result<(), Str
         | GgmlType::Q4_1
         | GgmlType::Q5_0
         | GgmlType::Q5_1
+        | GgmlType::Iq4Nl
         | GgmlType::Q4K
         | GgmlType::Q5K
         | GgmlType::Q6K => {
-            let format = ty.block_format().expect("the eight block formats kvjit keeps");
+            let format = ty.block_format().expect("the nine block formats kvjit keeps");
             kvjit_core::quant::dequantize(format, bytes, out).map_err(|e| e.to_string())?;
         }
         GgmlType::Q2K => blocks.for_each(|(b, o)| q2_k(b, o)),
         GgmlType::Q3K => blocks.for_each(|(b, o)| q3_k(b, o)),
-        GgmlType::Iq4Nl => blocks.for_each(|(b, o)| iq4_nl(b, o)),
         GgmlType::Iq4Xs => blocks.for_each(|(b, o)| iq4_xs(b, o)),
         other => {
             return Err(format!("kvjit cannot dequantize {other} (it reads {})", GgmlType::supported_names()));
@@ -126,13 +123,6 @@ fn q3_k(b: &[u8], out: &mut [f32]) {
             *o = dl * f32::from(((q >> shift) & 3) as i8 - offset);
         }
     }
-}
-
-/// One IQ4_NL block (18 bytes) into 32 elements: `d·T[code]`, the codes
-/// as Q4_0's nibbles.
-fn iq4_nl(b: &[u8], out: &mut [f32]) {
-    let d = f16_at(b, 0);
-    iq4_levels(d, &b[2..18], out);
 }
 
 /// 32 elements `d·T[code]` of the 16 code bytes `qs` (low nibbles first).

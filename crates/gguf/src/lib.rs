@@ -463,9 +463,8 @@ impl Gguf {
     /// memory, rounding once to `dtype`. A `dtype` that is a weight block
     /// format ([`DType::BLOCK_FORMATS`]) takes the tensor's blocks as
     /// stored, borrowed from the mapping, when it is stored in that format;
-    /// IQ4_NL (and Q4_0 or Q5_0 asked for as Q8_0: [`GgmlType::exact_in_q8_0`])
-    /// loads as the Q8_0 blocks of the same values
-    /// ([`GgmlType::kept_format`]), and any of the types
+    /// IQ4_NL, Q4_0 or Q5_0 asked for as Q8_0 ([`GgmlType::exact_in_q8_0`])
+    /// loads as the Q8_0 blocks of the same values, and any of the types
     /// [`GgmlType::exact_in_q8_min`] asked for as q8_min as the q8_min
     /// blocks of the same values, and so for q8_kmin
     /// ([`GgmlType::exact_in_q8_kmin`], [`Gguf::holds_exactly`]); other

@@ -118,7 +118,10 @@ impl GgmlType {
     }
 
     /// The kvjit weight block format of this type, when kvjit keeps its
-    /// blocks as they are (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K).
+    /// blocks as they are (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q4_K, Q5_K,
+    /// Q6_K). (A stacked constant whose parts differ in type is held in a
+    /// common format that holds each exactly: [`GgmlType::exact_in_q8_0`],
+    /// [`GgmlType::exact_in_q8_min`], [`GgmlType::exact_in_q8_kmin`].)
     pub fn block_format(self) -> Option<kvjit_core::DType> {
         use kvjit_core::DType;
         Some(match self {
@@ -127,25 +130,12 @@ impl GgmlType {
             GgmlType::Q4_1 => DType::Q4_1,
             GgmlType::Q5_0 => DType::Q5_0,
             GgmlType::Q5_1 => DType::Q5_1,
+            GgmlType::Iq4Nl => DType::Iq4Nl,
             GgmlType::Q4K => DType::Q4K,
             GgmlType::Q5K => DType::Q5K,
             GgmlType::Q6K => DType::Q6K,
             _ => return None,
         })
-    }
-
-    /// The kvjit weight block format this type's blocks are held in: its
-    /// own ([`GgmlType::block_format`]), or Q8_0 for IQ4_NL, whose every
-    /// value is an f16 scale times a level in −127..=113 per block of 32,
-    /// rewritten block for block without changing a bit of any value
-    /// ([`crate::dequant::to_q8_0`]).
-    pub fn kept_format(self) -> Option<kvjit_core::DType> {
-        // (The Q8_0 rewrite of exact_in_q8_0 serves IQ4_NL always, and the
-        // others only where parts of one constant must share a format.)
-        match self {
-            GgmlType::Iq4Nl => Some(kvjit_core::DType::Q8_0),
-            _ => self.block_format(),
-        }
     }
 
     /// Whether every value of this type is an f16 scale times an integer in

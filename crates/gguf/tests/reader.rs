@@ -570,10 +570,13 @@ fn iq4_nl_loads_as_the_q8_0_blocks_of_the_same_values_and_q5_as_itself() {
     assert!(err.contains("it is stored as Q5_1, not q8_0 blocks"), "{err}");
     let err = g.tensor("iq4_nl", DType::Q4_0).unwrap_err().to_string();
     assert!(err.contains("it is stored as IQ4_NL, not q4_0 blocks"), "{err}");
-    assert_eq!(GgmlType::Q5_1.kept_format(), Some(DType::Q5_1));
-    assert_eq!(GgmlType::Q5K.kept_format(), Some(DType::Q5K));
-    assert_eq!(GgmlType::Q3K.kept_format(), None);
-    assert_eq!(GgmlType::Q4K.kept_format(), Some(DType::Q4K));
+    assert_eq!(GgmlType::Q5_1.block_format(), Some(DType::Q5_1));
+    assert_eq!(GgmlType::Q5K.block_format(), Some(DType::Q5K));
+    assert_eq!(GgmlType::Q3K.block_format(), None);
+    assert_eq!(GgmlType::Q4K.block_format(), Some(DType::Q4K));
+    assert_eq!(GgmlType::Iq4Nl.block_format(), Some(DType::Iq4Nl));
+    let (held, borrowed) = g.load_tensor("iq4_nl", DType::Iq4Nl).unwrap();
+    assert!(borrowed && held.as_bytes() == g.tensor_data("iq4_nl").unwrap(), "IQ4_NL kept as stored");
 }
 
 /// Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and IQ4_NL each load as kvjit's q8_min

@@ -8,12 +8,14 @@
 //!
 //! A panel holds [`TILE_COLUMNS`](crate::microkernel::TILE_COLUMNS) (16) columns of C — 16 weight rows of K
 //! values each — in groups of one block of K (a "k-group": 32 k for Q8_0,
-//! Q4_0, Q4_1, Q5_0, Q5_1 and q8_min, 256 for Q4_K, Q5_K, Q6_K and q8_kmin), k-groups in order. A k-group
+//! Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL and q8_min, 256 for Q4_K, Q5_K, Q6_K and q8_kmin), k-groups in order. A k-group
 //! holds the 16 columns' blocks of that range of K whole in content (the
 //! same bytes as the GGML blocks: [`panel_bytes`] = K / block × block
 //! bytes × 16), rearranged for the kernels:
 //!
-//! - **Q4_0 / Q4_1** (288 / 320 bytes): first the quants, as two halves
+//! - **Q4_0 / Q4_1 / IQ4_NL** (288 / 320 / 288 bytes): first the quants
+//!   (IQ4_NL's 4-bit codes, each looked up with `vpshufb` in the table of
+//!   its 16 levels), as two halves
 //!   (columns 0–7, then 8–15) of 4 × 32 bytes. Vector `g` (0..4) of a half
 //!   holds one little-endian dword per column of the half (column `c` at
 //!   bytes `4c..4c + 4`), whose byte `j` (0..4) holds the weight at

@@ -60,6 +60,7 @@ impl Tolerance {
             | DType::Q4_1
             | DType::Q5_0
             | DType::Q5_1
+            | DType::Iq4Nl
             | DType::Q8Min
             | DType::Q4K
             | DType::Q5K

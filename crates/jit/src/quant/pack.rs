@@ -45,7 +45,7 @@ pub fn pack_panel(format: DType, columns: &[&[u8]], k: usize, out: &mut [u8]) {
     for (g, out) in out.chunks_exact_mut(group_bytes).enumerate() {
         let block_of = |c: usize| columns.get(c).map_or(&padding[..], |column| &column[g * size..(g + 1) * size]);
         match format {
-            DType::Q4_0 | DType::Q4_1 => pack_q4(format, out, block_of),
+            DType::Q4_0 | DType::Q4_1 | DType::Iq4Nl => pack_q4(format, out, block_of),
             DType::Q5_0 | DType::Q5_1 => pack_q5(format, out, block_of),
             DType::Q8_0 | DType::Q8Min => pack_q8(format, out, block_of),
             DType::Q4K => pack_q4k(out, block_of),
@@ -62,7 +62,8 @@ pub fn pack_panel(format: DType, columns: &[&[u8]], k: usize, out: &mut [u8]) {
 fn padding_block(format: DType) -> Vec<u8> {
     let mut block = vec![0u8; format.block().1];
     match format {
-        DType::Q4_0 => block[2..].fill(0x88),
+        // Code 8 is IQ4_NL's level 1: 0·1 = +0.
+        DType::Q4_0 | DType::Iq4Nl => block[2..].fill(0x88),
         // Every fifth bit set, nibbles 0: q = 16.
         DType::Q5_0 => block[2..6].fill(0xff),
         // High 2 bits 2 (low 4 bits 0): q = 32.
@@ -85,7 +86,7 @@ fn q4_layout(out: &mut [u8], column: usize, k0: usize, quant: impl Fn(usize) -> 
     }
 }
 
-/// One k-group of a Q4_0 / Q4_1 panel (see the [layout](super)).
+/// One k-group of a Q4_0 / Q4_1 / IQ4_NL panel (see the [layout](super)).
 fn pack_q4<'a>(format: DType, out: &mut [u8], block_of: impl Fn(usize) -> &'a [u8]) {
     let (quants, scales) = out.split_at_mut(256);
     let header = if format == DType::Q4_1 { 4 } else { 2 };

@@ -5,7 +5,7 @@ use rand::{Rng, SeedableRng};
 use super::*;
 use crate::microkernel::TILE_COLUMNS;
 
-const FORMATS: [DType; 10] = DType::BLOCK_FORMATS;
+const FORMATS: [DType; 11] = DType::BLOCK_FORMATS;
 /// f32 unit roundoff.
 #[cfg(target_arch = "x86_64")]
 const U: f64 = 1.0 / (1u64 << 24) as f64;
@@ -25,7 +25,7 @@ fn f16_bytes(v: f32) -> [u8; 2] {
 /// Byte offsets of a block's f16 scale and (Q4_1, Q4_K) minimum.
 fn scale_offsets(format: DType) -> (usize, Option<usize>) {
     match format {
-        DType::Q8_0 | DType::Q4_0 | DType::Q5_0 => (0, None),
+        DType::Q8_0 | DType::Q4_0 | DType::Q5_0 | DType::Iq4Nl => (0, None),
         DType::Q4_1 | DType::Q5_1 | DType::Q8Min | DType::Q4K | DType::Q5K | DType::Q8KMin => (0, Some(2)),
         DType::Q6K => (208, None),
         other => unreachable!("{other}"),
@@ -52,7 +52,7 @@ fn random_block(format: DType, rng: &mut StdRng) -> Vec<u8> {
 fn quant_bytes(format: DType) -> std::ops::Range<usize> {
     let size = format.block().1;
     match format {
-        DType::Q8_0 | DType::Q4_0 | DType::Q5_0 => 2..size,
+        DType::Q8_0 | DType::Q4_0 | DType::Q5_0 | DType::Iq4Nl => 2..size,
         DType::Q4_1 | DType::Q5_1 | DType::Q8Min => 4..size,
         DType::Q4K | DType::Q5K => 16..size,
         DType::Q8KMin => kvjit_core::quant::Q8_KMIN_HEADER..size,

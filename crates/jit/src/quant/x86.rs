@@ -4,6 +4,7 @@
 use std::arch::x86_64::*;
 
 use kvjit_core::DType;
+use kvjit_core::quant::IQ4_NL_LEVELS;
 
 use super::{Q_MAX, Q8_ACTIVATION_BLOCK_BYTES};
 use crate::microkernel::{GemmTile, TILE_COLUMNS, WidenBlock};
@@ -49,6 +50,13 @@ trait Dot {
     /// # Safety
     /// `q` readable for 256 bytes; the CPU has this `Dot`'s features.
     unsafe fn q8(q: *const u8, xs: &Xs, sum: i32) -> __m256i;
+    /// An IQ4_NL half: the 4 code vectors at `q` (Q4's layout), each code
+    /// the level [`IQ4_NL_LEVELS`] it names, against `xs`, whose 16-bit
+    /// quants `Q` sum to `sum`.
+    ///
+    /// # Safety
+    /// `q` readable for 128 bytes; the CPU has this `Dot`'s features.
+    unsafe fn iq4(q: *const u8, xs: &Xs, sum: i32) -> __m256i;
     /// [`Dot::q8`] over each 16-k half of the block apart (vectors 0–3 and
     /// 4–7), whose quants `Q` sum to `sums`.
     ///
@@ -178,6 +186,29 @@ unsafe fn q6_quants_ternlog(low: *const u8, high: *const u8) -> [[__m256i; 2]; 4
     })
 }
 
+/// The 16 IQ4_NL levels (plus `bias`, wrapping) in both 128-bit lanes,
+/// for `vpshufb`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn iq4_table(bias: i8) -> __m256i {
+    let levels: [i8; 32] = std::array::from_fn(|i| IQ4_NL_LEVELS[i % 16].wrapping_add(bias));
+    // SAFETY: levels holds 32 bytes.
+    unsafe { _mm256_loadu_si256(levels.as_ptr().cast()) }
+}
+
+/// An IQ4_NL half's levels (plus the table's bias) as bytes, laid out as
+/// [`q4_quants`]' codes: each code looked up in `table` ([`iq4_table`]).
+///
+/// # Safety
+/// `q` readable for 128 bytes; AVX2.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn iq4_levels(q: *const u8, table: __m256i) -> [[__m256i; 2]; 4] {
+    // SAFETY: the caller's 128 bytes.
+    let codes = unsafe { q4_quants(q) };
+    codes.map(|pair| pair.map(|c| _mm256_shuffle_epi8(table, c)))
+}
+
 /// AVX2: `vpmaddubsw` to i16 pairs, `vpmaddwd` with ones to i32.
 struct Avx2;
 /// AVX-VNNI: `vpdpbusd` (VEX), four u8·i8 products straight into i32
@@ -250,6 +281,27 @@ impl Dot for Avx2 {
             }
         }
         sums
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn iq4(q: *const u8, xs: &Xs, _sum: i32) -> __m256i {
+        let factors = [_mm256_set1_epi16(254), _mm256_set1_epi16(1)];
+        // SAFETY: the caller's 128 bytes.
+        let levels = unsafe { iq4_levels(q, iq4_table(0)) };
+        let mut sums = [_mm256_setzero_si256(); 2];
+        for (g, pair) in levels.iter().enumerate() {
+            for (nibble, &w) in pair.iter().enumerate() {
+                let magnitude = _mm256_abs_epi8(w);
+                for (xs, factor) in xs.iter().zip(factors) {
+                    // As in `q8`: |w| ≤ 127 times x with w's sign, two
+                    // products per i16 lane (≤ 2·127·127), widened at once.
+                    let p = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xs[2 * g + nibble], w));
+                    sums[nibble] = _mm256_add_epi32(sums[nibble], _mm256_madd_epi16(p, factor));
+                }
+            }
+        }
+        _mm256_add_epi32(sums[0], sums[1])
     }
 
     #[inline]
@@ -359,6 +411,22 @@ macro_rules! vnni_dot {
 
             #[inline]
             #[target_feature(enable = $features)]
+            unsafe fn iq4(q: *const u8, xs: &Xs, sum: i32) -> __m256i {
+                // The levels plus 128 (1..=241) are unsigned: Σ (w + 128)·Q
+                // = Σ w·Q + 128·ΣQ, exact in i32 as in `q8`.
+                // SAFETY: the caller's 128 bytes.
+                let levels = unsafe { iq4_levels(q, iq4_table(i8::MIN)) };
+                let mut sums = [_mm256_setzero_si256(); 2];
+                for (g, &[low, high]) in levels.iter().enumerate() {
+                    for (sum, xs) in sums.iter_mut().zip(xs) {
+                        *sum = $dpbusd($dpbusd(*sum, low, xs[2 * g]), high, xs[2 * g + 1]);
+                    }
+                }
+                _mm256_sub_epi32(combine(sums[0], sums[1]), _mm256_set1_epi32(128 * sum))
+            }
+
+            #[inline]
+            #[target_feature(enable = $features)]
             unsafe fn q6(low: *const u8, high: *const u8, xs: &Xs) -> [__m256i; 2] {
                 // SAFETY: the caller's 128 bytes at low and 64 at high.
                 let quants = unsafe { $q6_quants(low, high) };
@@ -403,6 +471,8 @@ enum Quants {
     Q8,
     /// q8_kmin's bytes (stored as i8), summed per 16 k.
     Q8Halves,
+    /// IQ4_NL's codes in Q4's layout, each naming a level.
+    Iq4,
     /// Q6_K's nibbles and high bits.
     Q6,
 }
@@ -546,6 +616,8 @@ struct Q4_1;
 /// Q5_0 (`MIN = false`) or Q5_1.
 struct Q5<const MIN: bool>;
 struct Q8_0;
+/// IQ4_NL: Q4_0's k-group, its codes naming levels.
+struct Iq4Nl;
 /// kvjit's q8_min: Q8_0's k-group with its quants stored as `q − 128` and
 /// the minimums after the scales.
 struct Q8Min;
@@ -659,6 +731,27 @@ impl GemvFormat for Q8_0 {
     unsafe fn add(w: *const u8, _: &(), _s: usize, h: usize, dots: [__m256i; 2], x: &Activations, acc: &mut __m256) {
         // SAFETY: the half's 8 scales inside the caller's group.
         let scale = _mm256_mul_ps(unsafe { f16x8(w.add(512 + 16 * h)) }, _mm256_set1_ps(x.dx));
+        *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[0]), scale, *acc);
+    }
+}
+
+impl GemvFormat for Iq4Nl {
+    const GROUP_K: usize = 32;
+    const GROUP_BYTES: usize = 288;
+    const QUANTS: Quants = Quants::Iq4;
+    type Scales = ();
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn scales(_w: *const u8) {}
+    fn quants(_s: usize, h: usize) -> usize {
+        128 * h
+    }
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn add(w: *const u8, _: &(), _s: usize, h: usize, dots: [__m256i; 2], x: &Activations, acc: &mut __m256) {
+        // value = d·T[code]: Σ x̂·w = s_x·d·Σ Q·T[code].
+        // SAFETY: the half's 8 scales inside the caller's group.
+        let scale = _mm256_mul_ps(unsafe { f16x8(w.add(256 + 16 * h)) }, _mm256_set1_ps(x.dx));
         *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[0]), scale, *acc);
     }
 }
@@ -897,6 +990,7 @@ macro_rules! gemv_body {
                         Quants::Q4 => [<$dot>::q4(q, &xs), _mm256_setzero_si256()],
                         Quants::Q5 => [<$dot>::q5(q, w.add(<$format>::high(s, h)), &xs), _mm256_setzero_si256()],
                         Quants::Q8 => [<$dot>::q8(q, &xs, block.sum), _mm256_setzero_si256()],
+                        Quants::Iq4 => [<$dot>::iq4(q, &xs, block.sum), _mm256_setzero_si256()],
                         Quants::Q8Halves => <$dot>::q8_halves(q, &xs, [block.first16, block.sum - block.first16]),
                         Quants::Q6 => <$dot>::q6(q, w.add(<$format>::high(s, h)), &xs),
                     };
@@ -1068,6 +1162,7 @@ pub(super) fn gemv_with_streams_on(format: DType, tier: DotTier, streams: usize)
         DType::Q5_0 => pick!(Q5<false>),
         DType::Q5_1 => pick!(Q5<true>),
         DType::Q8_0 => pick!(Q8_0),
+        DType::Iq4Nl => pick!(Iq4Nl),
         DType::Q8Min => pick!(Q8Min),
         DType::Q4K => pick!(Q4K),
         DType::Q5K => pick!(Q5K),
@@ -1209,6 +1304,28 @@ unsafe extern "C" fn dequantize_nibbles<const MIN: bool, const FIFTH: bool>(w: *
                 } else {
                     store_sub_group::<true>(&quants, offset, out, h, |_, q| _mm256_mul_ps(d, _mm256_cvtepi32_ps(q)));
                 }
+            }
+        }
+    }
+}
+
+/// Decode `count / 16` k of an IQ4_NL panel at `w` to `out` (`[k][16]`
+/// f32), as `kvjit_core::quant` does: `d·T[code]`.
+///
+/// # Safety
+/// As for [`dequantize_nibbles`], for an IQ4_NL panel.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe extern "C" fn dequantize_iq4nl(w: *const u8, count: usize, out: *mut f32) {
+    let table = iq4_table(0);
+    for g in 0..count / (32 * TILE_COLUMNS) {
+        // SAFETY: k-group g < count / 512 of the panel and its 512 outputs.
+        unsafe {
+            let w = w.add(g * Iq4Nl::GROUP_BYTES);
+            let out = out.add(g * 32 * TILE_COLUMNS);
+            for h in 0..2 {
+                let d = f16x8(w.add(256 + 16 * h));
+                let levels = iq4_levels(w.add(128 * h), table);
+                store_sub_group::<true>(&levels, 0, out, h, |_, q| _mm256_mul_ps(d, _mm256_cvtepi32_ps(q)));
             }
         }
     }
@@ -1364,6 +1481,7 @@ pub(super) fn dequantize(format: DType) -> Option<WidenBlock> {
         DType::Q5_0 => dequantize_nibbles::<false, true>,
         DType::Q5_1 => dequantize_nibbles::<true, true>,
         DType::Q8_0 => dequantize_q8::<false>,
+        DType::Iq4Nl => dequantize_iq4nl,
         DType::Q8Min => dequantize_q8::<true>,
         DType::Q4K => dequantize_k4::<false>,
         DType::Q5K => dequantize_k4::<true>,

@@ -5,14 +5,13 @@
 //!
 //! The graph refers to the file for every weight (`weights` names the
 //! GGUF; no weight is copied). Matrices stored in a weight block format
-//! kvjit decodes (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) stay in it: the graph
-//! declares them in that format, they are borrowed from the mapping, and
-//! the matmuls, the fused QKV projection and the embedding gather decode
-//! them as they read ([`ImportOptions::dequantize`] dequantizes them into
-//! the model's dtype instead). IQ4_NL matrices (what llama.cpp's IQ mixes
-//! store where a row is not a multiple of 256) are held as the Q8_0 blocks
-//! of exactly their values (so are Q4_0 and Q5_0 parts of a fused QKV
-//! weight whose parts differ in format; parts in other mixes of Q8_0, Q4_0,
+//! kvjit decodes (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q4_K, Q5_K, Q6_K)
+//! stay in it: the graph declares them in that format, they are borrowed
+//! from the mapping, and the matmuls, the fused QKV projection and the
+//! embedding gather decode them as they read ([`ImportOptions::dequantize`]
+//! dequantizes them into the model's dtype instead). The parts of a fused
+//! QKV weight that differ in format are held in a format that holds each
+//! exactly (Q4_0, Q5_0 and IQ4_NL beside Q8_0: Q8_0; parts in other mixes of Q8_0, Q4_0,
 //! Q4_1, Q5_0, Q5_1 and IQ4_NL, such as Q5_K_M's Q5_1 Q and K beside a
 //! Q8_0 V, are held as kvjit's q8_min blocks of exactly their values,
 //! 1.125 bytes a weight, and parts in mixes of Q4_K, Q5_K and Q6_K, such
@@ -256,7 +255,7 @@ fn gguf_name(name: &str, num_layers: usize) -> Option<String> {
 /// every part exactly (Q5_0 Q and K beside a Q8_0 V: Q8_0; Q5_1 beside
 /// Q8_0: q8_min; Q4_K beside Q6_K: q8_kmin).
 fn kept_format(gguf: &Gguf, name: &str) -> Option<DType> {
-    let format = |name: &str| gguf.tensor_info(name).and_then(|t| t.ggml_type().kept_format());
+    let format = |name: &str| gguf.tensor_info(name).and_then(|t| t.ggml_type().block_format());
     match name.strip_suffix("attn_qkv.weight").filter(|_| gguf.tensor_info(name).is_none()) {
         Some(prefix) => {
             let names = ["attn_q", "attn_k", "attn_v"].map(|p| format!("{prefix}{p}.weight"));
@@ -312,33 +311,25 @@ pub fn load_model(path: &Path, ops: &OpRegistry, options: &ImportOptions, mode: 
 /// What loading `gguf` with `options` does to its quantized matrices that
 /// the kernels do not read in their own blocks, one line per kind (none
 /// when every quantized matrix stays in its blocks, or `--dequantize` asked
-/// for all of them in the dtype): IQ4_NL held as Q8_0, and the types
-/// dequantized into the model's dtype, with the bytes a weight each costs.
+/// for all of them in the dtype): the types dequantized into the model's
+/// dtype, with the bytes a weight each costs, and the fused QKV weights
+/// whose parts differ in type.
 pub fn weight_notes(gguf: &Gguf, options: &ImportOptions) -> Vec<String> {
     use std::collections::BTreeMap;
     if options.dequantize {
         return Vec::new();
     }
-    let (mut held, mut dequantized) = (BTreeMap::new(), BTreeMap::new());
+    let mut dequantized = BTreeMap::new();
     for info in gguf.tensors().iter().filter(|t| t.shape().len() == 2 && t.ggml_type().block_size() > 1) {
         let ty = info.ggml_type();
-        match (ty.block_format(), ty.kept_format()) {
-            (Some(_), _) => {}
-            (None, Some(_)) => *held.entry(ty.name()).or_insert(0usize) += 1,
-            (None, None) => *dequantized.entry(ty.name()).or_insert(0usize) += 1,
+        if ty.block_format().is_none() {
+            *dequantized.entry(ty.name()).or_insert(0usize) += 1;
         }
     }
     let list = |counts: &BTreeMap<&str, usize>| {
         counts.iter().map(|(name, n)| format!("{n} {name}")).collect::<Vec<_>>().join(", ")
     };
     let mut notes = Vec::new();
-    if !held.is_empty() {
-        notes.push(format!(
-            "note: {} matrices held as the Q8_0 blocks of the same values ({} bytes a weight)",
-            list(&held),
-            DType::Q8_0.bytes_per_element()
-        ));
-    }
     if !dequantized.is_empty() {
         let dtype = options.dtype;
         let cheaper = match dtype {

@@ -127,9 +127,9 @@ pub fn gemv_rows_on(dtype: DType, vnni: bool) -> usize {
         (DType::Q6K, _) => 4,
         // Q5_K's count is Q4_K's (not measured apart).
         (DType::Q4K | DType::Q5K, _) => 16,
-        // q8_min's and q8_kmin's count is Q8_0's (the same dot products;
-        // not measured apart).
-        (DType::Q8_0 | DType::Q8Min | DType::Q8KMin, false) => 8,
+        // q8_min's, q8_kmin's and IQ4_NL's count is Q8_0's (the same dot
+        // products, IQ4_NL's after a table lookup; not measured apart).
+        (DType::Q8_0 | DType::Q8Min | DType::Q8KMin | DType::Iq4Nl, false) => 8,
         (_, false) => 16,
         (_, true) => 64,
     }
