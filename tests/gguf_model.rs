@@ -565,12 +565,12 @@ fn a_qkv_weight_of_mixed_block_types_is_held_as_q8_min_and_matches_the_naive_mod
 }
 
 /// What loading says of matrices the kernels do not read in their own
-/// blocks: quantized types dequantized into the dtype (with its bytes a
-/// weight); nothing for matrices kept as they are (Q5_0, Q5_1, Q5_K and
-/// IQ4_NL among them), for vectors, or when `--dequantize` asked for the
-/// dtype throughout.
+/// blocks: Q3_K held as q8_kmin, a Q3_K matrix with a NaN scale
+/// dequantized into the dtype (with its bytes a weight); nothing for
+/// matrices kept as they are (Q5_0, Q5_1, Q5_K and IQ4_NL among them), for
+/// vectors, or when `--dequantize` asked for the dtype throughout.
 #[test]
-fn weight_notes_name_the_matrices_dequantized() {
+fn weight_notes_name_the_matrices_held_as_q8_kmin_and_those_dequantized() {
     let mut w = GgufWriter::new();
     w.kv("general.architecture", MetaValue::from("llama"));
     let raw = |w: &mut GgufWriter, name: &str, ty: GgmlType, rows: usize| {
@@ -583,14 +583,17 @@ fn weight_notes_name_the_matrices_dequantized() {
     raw(&mut w, "d", GgmlType::Q5_1, 2);
     raw(&mut w, "e", GgmlType::Q3K, 2);
     raw(&mut w, "g", GgmlType::Q5K, 2);
+    // A Q3_K matrix whose d (its last 2 bytes) is NaN.
+    w.tensor_raw("h", GgmlType::Q3K, &[1, 256], [vec![0; 108], vec![0xff; 2]].concat());
     raw(&mut w, "f", GgmlType::Q4K, 2);
     w.tensor_raw("v", GgmlType::Q5_1, &[256], vec![0; 8 * 24]);
     let gguf = Gguf::from_bytes("m.gguf", &w.to_bytes()).unwrap();
     let notes = weight_notes(&gguf, &ImportOptions::default());
-    assert_eq!(notes.len(), 1, "{notes:?}");
-    assert!(notes[0].contains("1 Q3_K matrices dequantized to f32 at load, 4 bytes a weight"), "{notes:?}");
+    assert_eq!(notes.len(), 2, "{notes:?}");
+    assert!(notes[0].contains("1 Q3_K matrices held as the q8_kmin blocks of the same values"), "{notes:?}");
+    assert!(notes[1].contains("1 Q3_K matrices dequantized to f32 at load, 4 bytes a weight"), "{notes:?}");
     let bf16 = weight_notes(&gguf, &ImportOptions { dtype: DType::BF16, ..ImportOptions::default() });
-    assert!(bf16[0].contains("to bf16 at load, 2 bytes a weight;"), "{bf16:?}");
+    assert!(bf16[1].contains("to bf16 at load, 2 bytes a weight;"), "{bf16:?}");
     assert!(weight_notes(&gguf, &ImportOptions { dequantize: true, ..ImportOptions::default() }).is_empty());
     let (_dir, path) = written(TIED);
     assert!(weight_notes(&Gguf::open(&path).unwrap(), &ImportOptions::default()).is_empty());
@@ -598,8 +601,9 @@ fn weight_notes_name_the_matrices_dequantized() {
 
 /// What loading says of fused QKV weights whose parts the file stores in
 /// different quantized types: held as q8_kmin (K-quants), as q8_min (32
-/// blocks), or dequantized (a part in a type no common format holds);
-/// nothing for parts of one type, or with a float part.
+/// blocks), or dequantized (a part in a type no common format holds: a
+/// Q4_0 beside K-quants); nothing for parts of one type, or with a float
+/// part.
 #[test]
 fn weight_notes_say_how_qkv_weights_of_mixed_types_load() {
     let mut w = GgufWriter::new();
@@ -615,6 +619,7 @@ fn weight_notes_say_how_qkv_weights_of_mixed_types_load() {
         [GgmlType::Q4K, GgmlType::Q3K, GgmlType::Q4K],
         [GgmlType::Q4K, GgmlType::Q4K, GgmlType::Q4K],
         [GgmlType::Q4K, GgmlType::F16, GgmlType::Q6K],
+        [GgmlType::Q4K, GgmlType::Q4_0, GgmlType::Q6K],
     ];
     for (l, types) in layers.iter().enumerate() {
         for (part, &ty) in ["attn_q", "attn_k", "attn_v"].iter().zip(types) {
@@ -627,7 +632,9 @@ fn weight_notes_say_how_qkv_weights_of_mixed_types_load() {
     assert_eq!(
         mixed,
         [
-            "note: 1 fused QKV weights of parts in Q3_K + Q4_K load dequantized to f32 (4 bytes a weight)",
+            "note: 1 fused QKV weights of parts in Q3_K + Q4_K load as the q8_kmin blocks of the same values \
+             (1.203125 bytes a weight)",
+            "note: 1 fused QKV weights of parts in Q4_0 + Q4_K + Q6_K load dequantized to f32 (4 bytes a weight)",
             "note: 1 fused QKV weights of parts in Q4_K + Q5_K + Q6_K load as the q8_kmin blocks of the same values \
              (1.203125 bytes a weight)",
             "note: 1 fused QKV weights of parts in Q4_K + Q6_K load as the q8_kmin blocks of the same values \

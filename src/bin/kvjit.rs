@@ -136,7 +136,8 @@ enum Command {
 struct ModelShape {
     /// Activation dtype (and the weights' that the file does not store in a
     /// block format kvjit decodes: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL,
-    /// Q4_K, Q5_K, Q6_K) [default: f32].
+    /// Q4_K, Q5_K, Q6_K, and Q2_K, Q3_K, IQ4_XS held as q8_kmin) [default:
+    /// f32].
     #[arg(long)]
     dtype: Option<DType>,
     /// Dequantize block-format weights into --dtype at load, instead of

@@ -112,9 +112,7 @@ fn q3_k(b: &[u8], out: &mut [f32]) {
     let (scales, d) = rest.split_at(12);
     let d = f16_at(d, 0);
     for (g, o) in out.chunks_exact_mut(16).enumerate() {
-        let low = (scales[g % 8] >> (4 * (g / 8))) & 0x0f;
-        let high = (scales[8 + g % 4] >> (2 * (g / 4))) & 3;
-        let dl = d * f32::from((low | high << 4) as i8 - 32);
+        let dl = d * f32::from(q3_k_scale(scales, g));
         let q = &qs[32 * (g / 8) + 16 * (g % 2)..][..16];
         let h = &mask[16 * (g % 2)..][..16];
         let shift = 2 * (g % 8 / 2);
@@ -140,11 +138,9 @@ fn iq4_levels(d: f32, qs: &[u8], out: &mut [f32]) {
 /// and bits `2s..2s + 2` of the 16-bit high field.
 fn iq4_xs(b: &[u8], out: &mut [f32]) {
     let d = f16_at(b, 0);
-    let high = u16::from_le_bytes([b[2], b[3]]);
-    let (low, qs) = b[4..].split_at(QK_K / 64);
+    let qs = &b[4 + QK_K / 64..];
     for (s, o) in out.chunks_exact_mut(32).enumerate() {
-        let sc = ((low[s / 2] >> (4 * (s % 2))) & 0x0f) | (((high >> (2 * s)) & 3) as u8) << 4;
-        iq4_levels(d * f32::from(sc as i8 - 32), &qs[16 * s..16 * s + 16], o);
+        iq4_levels(d * f32::from(iq4_xs_scale(b, s)), &qs[16 * s..16 * s + 16], o);
     }
 }
 
@@ -231,17 +227,23 @@ pub fn to_q8_min(ty: GgmlType, bytes: &[u8]) -> Option<Vec<u8>> {
     Some(out)
 }
 
-/// Super-blocks of Q4_K, Q5_K or Q6_K ([`GgmlType::exact_in_q8_kmin`])
-/// rewritten as kvjit's q8_kmin super-blocks (308 bytes: f16 `d`, f16
-/// `dmin`, per 16 elements an i8 `sc` and i16 `m`, 256 × u8 `q`, worth
-/// `(d·sc)·q − dmin·m` rounded once), every element the same f32 value:
-/// Q4_K and Q5_K keep `d`, `dmin`, each 32-element sub-block's 6-bit scale
-/// and minimum (for both its 16-element halves) and the 4- or 5-bit quants
-/// — the type's `(d·sc)·q` is exact in f32, so its one rounding is that
-/// of the difference —; Q6_K, `(d·sc)·(q − 32)`, becomes `dmin = d`, `m =
-/// 32·sc` and `q` its 6-bit quant, so `(d·sc)·q − d·(32·sc)` is the same
-/// real number rounded once. `None` for other types, bytes that are not
-/// whole super-blocks, or a super-block whose `d` or `dmin` is not finite.
+/// Super-blocks of Q4_K, Q5_K, Q6_K, Q2_K, Q3_K or IQ4_XS
+/// ([`GgmlType::exact_in_q8_kmin`]) rewritten as kvjit's q8_kmin
+/// super-blocks (308 bytes: f16 `d`, f16 `dmin`, per 16 elements an i8
+/// `sc` and i16 `m`, 256 × u8 `q`, worth `(d·sc)·q − dmin·m` rounded once),
+/// every element the same f32 value. Each type is `S·i − M` per 16 with
+/// `S = d·sc` and `M = dmin·m` exact in f32 and one rounding:
+/// - Q4_K, Q5_K and Q2_K are that form already (`S·i` exact, the one
+///   rounding that of the difference): `d`, `dmin`, scales, minimums and
+///   quants kept (Q4_K's and Q5_K's per 32 for both 16-halves);
+/// - Q6_K, `(d·sc)·(q − 32)`, Q3_K, `(d·(sc − 32))·(q − o)`, and IQ4_XS,
+///   `(d·(sc − 32))·T[code]`, are `S·(q − c)` for a constant `c` (32, 4,
+///   128 with `q` = `T[code] + 128`): `dmin = d`, `m = c·sc` (the scale
+///   less 32 for Q3_K and IQ4_XS), so `S·q − d·(c·sc)` is the same real
+///   number rounded once.
+///
+/// `None` for other types, bytes that are not whole super-blocks, or a
+/// super-block whose `d` or `dmin` is not finite.
 pub fn to_q8_kmin(ty: GgmlType, bytes: &[u8]) -> Option<Vec<u8>> {
     let size = ty.type_size();
     if !ty.exact_in_q8_kmin() || !bytes.len().is_multiple_of(size) {
@@ -250,18 +252,32 @@ pub fn to_q8_kmin(ty: GgmlType, bytes: &[u8]) -> Option<Vec<u8>> {
     let mut out = Vec::with_capacity(bytes.len() / size * 308);
     for b in bytes.chunks_exact(size) {
         let mut block = [0u8; 308];
-        let (scales, quants) = block[4..].split_at_mut(Q8_KMIN_HEADER - 4);
-        let (sc, m) = scales.split_at_mut(16);
         let (d, dmin) = match ty {
             GgmlType::Q6K => ([b[208], b[209]], [b[208], b[209]]),
+            GgmlType::Q2K => ([b[80], b[81]], [b[82], b[83]]),
+            GgmlType::Q3K => ([b[108], b[109]], [b[108], b[109]]),
+            GgmlType::Iq4Xs => ([b[0], b[1]], [b[0], b[1]]),
             _ => ([b[0], b[1]], [b[2], b[3]]),
         };
         if ![d, dmin].iter().all(|x| half::f16::from_le_bytes(*x).is_finite()) {
             return None;
         }
+        block[..2].copy_from_slice(&d);
+        block[2..4].copy_from_slice(&dmin);
+        let (scales, quants) = block[4..].split_at_mut(Q8_KMIN_HEADER - 4);
+        let (sc, m) = scales.split_at_mut(16);
         for i in 0..16 {
-            let (scale, min) = match ty {
+            let (scale, min): (i8, i16) = match ty {
                 GgmlType::Q6K => (b[192 + i] as i8, 32 * i16::from(b[192 + i] as i8)),
+                GgmlType::Q2K => ((b[i] & 0x0f) as i8, i16::from(b[i] >> 4)),
+                GgmlType::Q3K => {
+                    let scale = q3_k_scale(&b[96..108], i);
+                    (scale, 4 * i16::from(scale))
+                }
+                GgmlType::Iq4Xs => {
+                    let scale = iq4_xs_scale(b, i / 2);
+                    (scale, 128 * i16::from(scale))
+                }
                 _ => {
                     let (scale, min) = scale_min_k4(i / 2, &b[4..16]);
                     (scale as i8, i16::from(min))
@@ -272,23 +288,57 @@ pub fn to_q8_kmin(ty: GgmlType, bytes: &[u8]) -> Option<Vec<u8>> {
         }
         for (e, q) in quants.iter_mut().enumerate() {
             let (s, l) = (e / 32, e % 32);
+            // Q2_K's and Q3_K's 2 low bits of element e: group g = e / 16.
+            let two_bits = || {
+                let g = e / 16;
+                (b[if ty == GgmlType::Q2K { 16 } else { 32 } + 32 * (g / 8) + 16 * (g % 2) + e % 16]
+                    >> (2 * (g % 8 / 2)))
+                    & 3
+            };
             *q = match ty {
                 GgmlType::Q4K => (b[16 + 32 * (s / 2) + l] >> (4 * (s % 2))) & 0x0f,
                 GgmlType::Q5K => ((b[48 + 32 * (s / 2) + l] >> (4 * (s % 2))) & 0x0f) | ((b[16 + l] >> s) & 1) << 4,
-                _ => {
-                    // Q6_K: per 128, rows r = 0..4 of 32 from the low and
-                    // high nibbles of ql and the 2-bit fields of qh.
+                GgmlType::Q6K => {
+                    // Per 128, rows r = 0..4 of 32 from the low and high
+                    // nibbles of ql and the 2-bit fields of qh.
                     let (half, r) = (e / 128, e % 128 / 32);
                     let low = (b[64 * half + 32 * (r % 2) + l] >> (4 * (r / 2))) & 0x0f;
                     low | ((b[128 + 32 * half + l] >> (2 * r)) & 3) << 4
                 }
+                GgmlType::Q2K => two_bits(),
+                GgmlType::Q3K => {
+                    // q − 4 with the third bit clear, q with it set: + 4.
+                    let g = e / 16;
+                    let high = (b[16 * (g % 2) + e % 16] >> (g / 2)) & 1;
+                    two_bits() + 4 * high
+                }
+                _ => {
+                    // IQ4_XS: the level + 128 (1..=241).
+                    let code = (b[8 + 16 * s + l % 16] >> (4 * (l / 16))) & 0x0f;
+                    (IQ4_LEVELS[usize::from(code)] as u8) ^ 0x80
+                }
             };
         }
-        block[..2].copy_from_slice(&d);
-        block[2..4].copy_from_slice(&dmin);
         out.extend_from_slice(&block);
     }
     Some(out)
+}
+
+/// Q3_K's scale of 16-element group `g`, less 32: the low 4 bits from
+/// nibble `g / 8` of byte `g % 8`, the high 2 from bits `2·(g / 4)..` of
+/// byte `8 + g % 4` of its 12 scale bytes.
+fn q3_k_scale(scales: &[u8], g: usize) -> i8 {
+    let low = (scales[g % 8] >> (4 * (g / 8))) & 0x0f;
+    let high = (scales[8 + g % 4] >> (2 * (g / 4))) & 3;
+    (low | high << 4) as i8 - 32
+}
+
+/// IQ4_XS's scale of 32-element sub-block `s`, less 32: nibble `s % 2` of
+/// low byte `s / 2` and bits `2s..2s + 2` of the 16-bit high field.
+fn iq4_xs_scale(b: &[u8], s: usize) -> i8 {
+    let high = u16::from_le_bytes([b[2], b[3]]);
+    let low = b[4 + s / 2];
+    (((low >> (4 * (s % 2))) & 0x0f) | (((high >> (2 * s)) & 3) as u8) << 4) as i8 - 32
 }
 
 #[cfg(test)]

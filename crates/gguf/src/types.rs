@@ -167,12 +167,13 @@ impl GgmlType {
     /// f16 `d` and `dmin`, an i8 `sc`, an i16 `m` and a `q` in 0..=255, one
     /// rounding, so that it loads as kvjit's q8_kmin super-blocks of exactly
     /// its values ([`crate::dequant::to_q8_kmin`], which refuses a
-    /// super-block whose scales are not finite): Q4_K, Q5_K and Q6_K.
+    /// super-block whose scales are not finite): Q4_K, Q5_K, Q6_K, and
+    /// Q2_K, Q3_K and IQ4_XS, which kvjit has no kernels of their own for.
     /// Parts of one constant stored in different such types (llama.cpp's
     /// Q4_K_M mix stores a layer's V in Q6_K beside Q and K in Q4_K) load
     /// as one q8_kmin constant.
     pub fn exact_in_q8_kmin(self) -> bool {
-        matches!(self, GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K)
+        matches!(self, GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K | GgmlType::Q2K | GgmlType::Q3K | GgmlType::Iq4Xs)
     }
 
     /// Whether kvjit can turn this type into f32, bf16 or f16

@@ -654,8 +654,8 @@ fn the_32_blocks_types_load_as_the_q8_min_blocks_of_the_same_values() {
     assert!(err.contains("it is stored as Q4_K, not q8_min blocks"), "{err}");
 }
 
-/// Q4_K, Q5_K and Q6_K each load as kvjit's q8_kmin super-blocks of the
-/// same values (a zero's sign aside), into memory of their own; a
+/// Q4_K, Q5_K, Q6_K, Q2_K, Q3_K and IQ4_XS each load as kvjit's q8_kmin
+/// super-blocks of the same values (a zero's sign aside), into memory of their own; a
 /// super-block with an infinite or NaN scale is refused by name, and so is
 /// a type that q8_kmin cannot hold.
 #[test]
@@ -665,9 +665,22 @@ fn the_k_quants_load_as_the_q8_kmin_blocks_of_the_same_values() {
         state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
         (state >> 56) as u8
     };
-    let types = [("q4_k", GgmlType::Q4K), ("q5_k", GgmlType::Q5K), ("q6_k", GgmlType::Q6K)];
+    let types = [
+        ("q4_k", GgmlType::Q4K),
+        ("q5_k", GgmlType::Q5K),
+        ("q6_k", GgmlType::Q6K),
+        ("q2_k", GgmlType::Q2K),
+        ("q3_k", GgmlType::Q3K),
+        ("iq4_xs", GgmlType::Iq4Xs),
+    ];
     // Where each type keeps its f16 d (and dmin).
-    let scales_at = |ty: GgmlType| if ty == GgmlType::Q6K { vec![208] } else { vec![0, 2] };
+    let scales_at = |ty: GgmlType| match ty {
+        GgmlType::Q6K => vec![208],
+        GgmlType::Q2K => vec![80, 82],
+        GgmlType::Q3K => vec![108],
+        GgmlType::Iq4Xs => vec![0],
+        _ => vec![0, 2],
+    };
     let (rows, k) = (2, 512);
     let mut w = GgufWriter::new();
     for (name, ty) in types {

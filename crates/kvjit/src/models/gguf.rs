@@ -16,10 +16,11 @@
 //! Q8_0 V, are held as kvjit's q8_min blocks of exactly their values,
 //! 1.125 bytes a weight, and parts in mixes of Q4_K, Q5_K and Q6_K, such
 //! as Q4_K_M's Q4_K Q and K beside a Q6_K V on rows of a multiple of 256,
-//! as its q8_kmin super-blocks, 1.203 bytes a weight); the other GGML
-//! types kvjit reads
-//! (Q2_K, Q3_K, IQ4_XS, f16, bf16) are dequantized into the model's dtype
-//! as the model loads. The fused QKV weight is the file's `attn_q`,
+//! as its q8_kmin super-blocks, 1.203 bytes a weight). Q2_K, Q3_K and
+//! IQ4_XS matrices, which have no kernels of their own, are held as
+//! q8_kmin too (exactly: each is `S·i − M` per 16 with one rounding); f16
+//! and bf16 matrices (and Q2_K, Q3_K or IQ4_XS ones with a scale that is
+//! not finite) are converted into the model's dtype as the model loads. The fused QKV weight is the file's `attn_q`,
 //! `attn_k` and `attn_v` stacked (in their format when all three share
 //! one). llama.cpp's converter
 //! permutes Q and K rows for pairwise RoPE, so the model rotates
@@ -250,12 +251,17 @@ fn gguf_name(name: &str, num_layers: usize) -> Option<String> {
 }
 
 /// The block format a matrix constant keeps: the format of the GGUF
-/// tensor `name` when kvjit decodes it; for a stacked QKV weight, that of
+/// tensor `name` when kvjit decodes it, or q8_kmin for Q2_K, Q3_K and
+/// IQ4_XS, which it holds exactly; for a stacked QKV weight, that of
 /// all three parts, else the first of Q8_0, q8_min and q8_kmin that holds
 /// every part exactly (Q5_0 Q and K beside a Q8_0 V: Q8_0; Q5_1 beside
 /// Q8_0: q8_min; Q4_K beside Q6_K: q8_kmin).
 fn kept_format(gguf: &Gguf, name: &str) -> Option<DType> {
-    let format = |name: &str| gguf.tensor_info(name).and_then(|t| t.ggml_type().block_format());
+    // A type without kernels of its own (Q2_K, Q3_K, IQ4_XS) in q8_kmin.
+    let format = |name: &str| {
+        let stored = gguf.tensor_info(name)?.ggml_type().block_format();
+        stored.or_else(|| gguf.holds_exactly(name, DType::Q8KMin).then_some(DType::Q8KMin))
+    };
     match name.strip_suffix("attn_qkv.weight").filter(|_| gguf.tensor_info(name).is_none()) {
         Some(prefix) => {
             let names = ["attn_q", "attn_k", "attn_v"].map(|p| format!("{prefix}{p}.weight"));
@@ -311,25 +317,35 @@ pub fn load_model(path: &Path, ops: &OpRegistry, options: &ImportOptions, mode: 
 /// What loading `gguf` with `options` does to its quantized matrices that
 /// the kernels do not read in their own blocks, one line per kind (none
 /// when every quantized matrix stays in its blocks, or `--dequantize` asked
-/// for all of them in the dtype): the types dequantized into the model's
-/// dtype, with the bytes a weight each costs, and the fused QKV weights
+/// for all of them in the dtype): Q2_K, Q3_K and IQ4_XS held as q8_kmin,
+/// types dequantized into the model's dtype (a block whose scale is not
+/// finite), with the bytes a weight each costs, and the fused QKV weights
 /// whose parts differ in type.
 pub fn weight_notes(gguf: &Gguf, options: &ImportOptions) -> Vec<String> {
     use std::collections::BTreeMap;
     if options.dequantize {
         return Vec::new();
     }
-    let mut dequantized = BTreeMap::new();
+    let (mut held, mut dequantized) = (BTreeMap::new(), BTreeMap::new());
     for info in gguf.tensors().iter().filter(|t| t.shape().len() == 2 && t.ggml_type().block_size() > 1) {
         let ty = info.ggml_type();
-        if ty.block_format().is_none() {
-            *dequantized.entry(ty.name()).or_insert(0usize) += 1;
+        match (ty.block_format(), kept_format(gguf, info.name())) {
+            (Some(_), _) => {}
+            (None, Some(_)) => *held.entry(ty.name()).or_insert(0usize) += 1,
+            (None, None) => *dequantized.entry(ty.name()).or_insert(0usize) += 1,
         }
     }
     let list = |counts: &BTreeMap<&str, usize>| {
         counts.iter().map(|(name, n)| format!("{n} {name}")).collect::<Vec<_>>().join(", ")
     };
     let mut notes = Vec::new();
+    if !held.is_empty() {
+        notes.push(format!(
+            "note: {} matrices held as the q8_kmin blocks of the same values ({} bytes a weight)",
+            list(&held),
+            DType::Q8KMin.bytes_per_element()
+        ));
+    }
     if !dequantized.is_empty() {
         let dtype = options.dtype;
         let cheaper = match dtype {
