@@ -593,12 +593,16 @@ mod tests {
                 BenchError::OptionNotForOps {
                     option: "--dtypes",
                     ops: BenchOps::Fp8,
-                    takes: [BenchOps::Qkv, BenchOps::Attention, BenchOps::Model]
+                    takes: [BenchOps::Qkv, BenchOps::Attention, BenchOps::Model, BenchOps::Blocks]
                 }
             ),
             "{err:?}"
         );
         assert_eq!(args(&["--ops", "attention", "--dtypes", "f32"]).attention_config().unwrap().dtypes, [DType::F32]);
+        let blocks = args(&["--ops", "blocks", "--dtypes", "bf16,q8_kmin,iq4_nl"]).blocks_config().unwrap();
+        assert_eq!(blocks.formats, [DType::BF16, DType::Q8KMin, DType::Iq4Nl]);
+        let err = args(&["--ops", "blocks", "--dtypes", "f8e4m3"]).blocks_config().unwrap_err();
+        assert!(matches!(err, BenchError::NotWeightFormat { dtype: DType::F8E4M3 }), "{err:?}");
         assert_eq!(args(&["--ops", "fp8", "--threads", "3"]).fp8_config().unwrap().threads, 3);
         let err = args(&["--ops", "attention", "--no-fuse"]).attention_config().unwrap_err();
         assert_eq!(err.to_string(), "--no-fuse applies to --ops layer only, not to --ops attention");
