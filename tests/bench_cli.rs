@@ -328,7 +328,7 @@ fn bad_options_fail_with_one_error_line() {
         (&["bench", "--quick", "--tiny"], "cannot be used with"),
         (
             &["bench", "--ops", "fp8", "--dtypes", "bf16"],
-            "--dtypes applies to --ops qkv, attention and model only, not to --ops fp8",
+            "--dtypes applies to --ops qkv, attention, model and blocks only, not to --ops fp8",
         ),
         (&["bench", "--ops", "attention", "--svg", "a.svg"], "--svg applies to --ops qkv only, not to --ops attention"),
     ];
