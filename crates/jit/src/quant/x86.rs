@@ -186,27 +186,44 @@ unsafe fn q6_quants_ternlog(low: *const u8, high: *const u8) -> [[__m256i; 2]; 4
     })
 }
 
-/// The 16 IQ4_NL levels (plus `bias`, wrapping) in both 128-bit lanes,
-/// for `vpshufb`.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn iq4_table(bias: i8) -> __m256i {
-    let levels: [i8; 32] = std::array::from_fn(|i| IQ4_NL_LEVELS[i % 16].wrapping_add(bias));
-    // SAFETY: levels holds 32 bytes.
-    unsafe { _mm256_loadu_si256(levels.as_ptr().cast()) }
+/// The 16 IQ4_NL levels plus `bias` (wrapping) in both 128-bit lanes, for
+/// `vpshufb`.
+const fn iq4_table(bias: i8) -> [i8; 32] {
+    let mut table = [0i8; 32];
+    let mut i = 0;
+    while i < 32 {
+        table[i] = IQ4_NL_LEVELS[i % 16].wrapping_add(bias);
+        i += 1;
+    }
+    table
 }
 
+/// The levels as they are (signed) and plus 128 (unsigned: 1..=241).
+const IQ4_LEVELS_SIGNED: [i8; 32] = iq4_table(0);
+const IQ4_LEVELS_BIASED: [i8; 32] = iq4_table(i8::MIN);
+
 /// An IQ4_NL half's levels (plus the table's bias) as bytes, laid out as
-/// [`q4_quants`]' codes: each code looked up in `table` ([`iq4_table`]).
+/// [`q4_quants`]' codes: each code looked up in `table`
+/// ([`IQ4_LEVELS_SIGNED`] or [`IQ4_LEVELS_BIASED`]). (A loop, not
+/// `array::map`: its closures kept the vectors in memory, 10× slower.)
 ///
 /// # Safety
 /// `q` readable for 128 bytes; AVX2.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn iq4_levels(q: *const u8, table: __m256i) -> [[__m256i; 2]; 4] {
-    // SAFETY: the caller's 128 bytes.
-    let codes = unsafe { q4_quants(q) };
-    codes.map(|pair| pair.map(|c| _mm256_shuffle_epi8(table, c)))
+unsafe fn iq4_levels(q: *const u8, table: &[i8; 32]) -> [[__m256i; 2]; 4] {
+    // SAFETY: table holds 32 bytes.
+    let table = unsafe { _mm256_loadu_si256(table.as_ptr().cast()) };
+    let nibble = _mm256_set1_epi8(0x0f);
+    let mut levels = [[_mm256_setzero_si256(); 2]; 4];
+    for (g, pair) in levels.iter_mut().enumerate() {
+        // SAFETY: vector g < 4 of the caller's 128 bytes.
+        let v = unsafe { _mm256_loadu_si256(q.add(32 * g).cast()) };
+        let low = _mm256_and_si256(v, nibble);
+        let high = _mm256_and_si256(_mm256_srli_epi16::<4>(v), nibble);
+        *pair = [_mm256_shuffle_epi8(table, low), _mm256_shuffle_epi8(table, high)];
+    }
+    levels
 }
 
 /// AVX2: `vpmaddubsw` to i16 pairs, `vpmaddwd` with ones to i32.
@@ -288,7 +305,7 @@ impl Dot for Avx2 {
     unsafe fn iq4(q: *const u8, xs: &Xs, _sum: i32) -> __m256i {
         let factors = [_mm256_set1_epi16(254), _mm256_set1_epi16(1)];
         // SAFETY: the caller's 128 bytes.
-        let levels = unsafe { iq4_levels(q, iq4_table(0)) };
+        let levels = unsafe { iq4_levels(q, &IQ4_LEVELS_SIGNED) };
         let mut sums = [_mm256_setzero_si256(); 2];
         for (g, pair) in levels.iter().enumerate() {
             for (nibble, &w) in pair.iter().enumerate() {
@@ -415,7 +432,7 @@ macro_rules! vnni_dot {
                 // The levels plus 128 (1..=241) are unsigned: Σ (w + 128)·Q
                 // = Σ w·Q + 128·ΣQ, exact in i32 as in `q8`.
                 // SAFETY: the caller's 128 bytes.
-                let levels = unsafe { iq4_levels(q, iq4_table(i8::MIN)) };
+                let levels = unsafe { iq4_levels(q, &IQ4_LEVELS_BIASED) };
                 let mut sums = [_mm256_setzero_si256(); 2];
                 for (g, &[low, high]) in levels.iter().enumerate() {
                     for (sum, xs) in sums.iter_mut().zip(xs) {
@@ -1316,7 +1333,6 @@ unsafe extern "C" fn dequantize_nibbles<const MIN: bool, const FIFTH: bool>(w: *
 /// As for [`dequantize_nibbles`], for an IQ4_NL panel.
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe extern "C" fn dequantize_iq4nl(w: *const u8, count: usize, out: *mut f32) {
-    let table = iq4_table(0);
     for g in 0..count / (32 * TILE_COLUMNS) {
         // SAFETY: k-group g < count / 512 of the panel and its 512 outputs.
         unsafe {
@@ -1324,7 +1340,7 @@ unsafe extern "C" fn dequantize_iq4nl(w: *const u8, count: usize, out: *mut f32)
             let out = out.add(g * 32 * TILE_COLUMNS);
             for h in 0..2 {
                 let d = f16x8(w.add(256 + 16 * h));
-                let levels = iq4_levels(w.add(128 * h), table);
+                let levels = iq4_levels(w.add(128 * h), &IQ4_LEVELS_SIGNED);
                 store_sub_group::<true>(&levels, 0, out, h, |_, q| _mm256_mul_ps(d, _mm256_cvtepi32_ps(q)));
             }
         }
