@@ -199,32 +199,69 @@ pub fn to_q8_min(ty: GgmlType, bytes: &[u8]) -> Option<Vec<u8>> {
     if !ty.exact_in_q8_min() || !bytes.len().is_multiple_of(size) {
         return None;
     }
-    let offset: i16 = match ty {
+    let offset = q8_min_offset(ty);
+    let mut out = Vec::with_capacity(bytes.len() / size * 36);
+    for b in bytes.chunks_exact(size) {
+        let integers = block_integers(ty, b)?;
+        out.extend_from_slice(&b[..2]);
+        out.extend_from_slice(&q8_min_minimum(ty, b)?);
+        out.extend(integers.map(|i| u8::try_from(i + offset).expect("i + c is in 0..=255")));
+    }
+    Some(out)
+}
+
+/// The `c` of a type's q8_min rewrite: `q = i + c`, `m = −c·d`.
+fn q8_min_offset(ty: GgmlType) -> i16 {
+    match ty {
         GgmlType::Q4_1 | GgmlType::Q5_1 => 0,
         GgmlType::Q4_0 => 8,
         GgmlType::Q5_0 => 16,
         _ => 128,
-    };
-    let mut out = Vec::with_capacity(bytes.len() / size * 36);
-    for b in bytes.chunks_exact(size) {
-        let integers = block_integers(ty, b)?;
-        let m = match offset {
-            0 => [b[2], b[3]],
-            c => {
-                let d = half::f16::from_le_bytes([b[0], b[1]]);
-                // c·d is exact in f16 when finite: c is a power of two.
-                let m = half::f16::from_f32(-f32::from(c) * d.to_f32());
-                if !d.is_finite() || !m.is_finite() {
-                    return None;
-                }
-                m.to_le_bytes()
-            }
-        };
-        out.extend_from_slice(&b[..2]);
-        out.extend_from_slice(&m);
-        out.extend(integers.map(|i| u8::try_from(i + offset).expect("i + c is in 0..=255")));
     }
-    Some(out)
+}
+
+/// The f16 minimum `m` of block `b` rewritten as q8_min: its own (Q4_1,
+/// Q5_1) or `−c·d`; `None` where that is not an f16 (`d` not finite, or
+/// `|c·d|` past f16's range).
+fn q8_min_minimum(ty: GgmlType, b: &[u8]) -> Option<[u8; 2]> {
+    match q8_min_offset(ty) {
+        0 => Some([b[2], b[3]]),
+        c => {
+            let d = half::f16::from_le_bytes([b[0], b[1]]);
+            // c·d is exact in f16 when finite: c is a power of two.
+            let m = half::f16::from_f32(-f32::from(c) * d.to_f32());
+            (d.is_finite() && m.is_finite()).then(|| m.to_le_bytes())
+        }
+    }
+}
+
+/// The f16 `d` and `dmin` of super-block `b` rewritten as q8_kmin; `None`
+/// where either is not finite.
+fn q8_kmin_scales(ty: GgmlType, b: &[u8]) -> Option<([u8; 2], [u8; 2])> {
+    let (d, dmin) = match ty {
+        GgmlType::Q6K => ([b[208], b[209]], [b[208], b[209]]),
+        GgmlType::Q2K => ([b[80], b[81]], [b[82], b[83]]),
+        GgmlType::Q3K => ([b[108], b[109]], [b[108], b[109]]),
+        GgmlType::Iq4Xs => ([b[0], b[1]], [b[0], b[1]]),
+        _ => ([b[0], b[1]], [b[2], b[3]]),
+    };
+    [d, dmin].iter().all(|x| half::f16::from_le_bytes(*x).is_finite()).then_some((d, dmin))
+}
+
+/// Whether `bytes` of `ty` rewrite exactly into `format` (Q8_0, q8_min or
+/// q8_kmin) — what [`to_q8_0`], [`to_q8_min`] and [`to_q8_kmin`] would
+/// return `Some` for — reading only the blocks' scales.
+pub fn holds_in(ty: GgmlType, bytes: &[u8], format: kvjit_core::DType) -> bool {
+    use kvjit_core::DType;
+    let size = ty.type_size();
+    let whole = bytes.len().is_multiple_of(size);
+    let mut blocks = bytes.chunks_exact(size);
+    match format {
+        DType::Q8_0 => whole && matches!(ty, GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Iq4Nl),
+        DType::Q8Min => whole && ty.exact_in_q8_min() && blocks.all(|b| q8_min_minimum(ty, b).is_some()),
+        DType::Q8KMin => whole && ty.exact_in_q8_kmin() && blocks.all(|b| q8_kmin_scales(ty, b).is_some()),
+        _ => false,
+    }
 }
 
 /// Super-blocks of Q4_K, Q5_K, Q6_K, Q2_K, Q3_K or IQ4_XS
@@ -252,16 +289,7 @@ pub fn to_q8_kmin(ty: GgmlType, bytes: &[u8]) -> Option<Vec<u8>> {
     let mut out = Vec::with_capacity(bytes.len() / size * 308);
     for b in bytes.chunks_exact(size) {
         let mut block = [0u8; 308];
-        let (d, dmin) = match ty {
-            GgmlType::Q6K => ([b[208], b[209]], [b[208], b[209]]),
-            GgmlType::Q2K => ([b[80], b[81]], [b[82], b[83]]),
-            GgmlType::Q3K => ([b[108], b[109]], [b[108], b[109]]),
-            GgmlType::Iq4Xs => ([b[0], b[1]], [b[0], b[1]]),
-            _ => ([b[0], b[1]], [b[2], b[3]]),
-        };
-        if ![d, dmin].iter().all(|x| half::f16::from_le_bytes(*x).is_finite()) {
-            return None;
-        }
+        let (d, dmin) = q8_kmin_scales(ty, b)?;
         block[..2].copy_from_slice(&d);
         block[2..4].copy_from_slice(&dmin);
         let (scales, quants) = block[4..].split_at_mut(Q8_KMIN_HEADER - 4);

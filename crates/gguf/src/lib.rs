@@ -475,20 +475,11 @@ impl Gguf {
 
     /// Whether tensor `name` loads as the block format `dtype` with every
     /// value as stored: stored in it, or rewritable into it exactly
-    /// ([`Gguf::tensor`]; for q8_min this reads the blocks' scales).
+    /// ([`Gguf::tensor`]; for q8_min and q8_kmin this reads the blocks'
+    /// scales, [`dequant::holds_in`]).
     pub fn holds_exactly(&self, name: &str, dtype: DType) -> bool {
         let Some(info) = self.tensor_info(name) else { return false };
-        match dtype {
-            _ if info.ggml_type.block_format() == Some(dtype) => true,
-            DType::Q8_0 => info.ggml_type.exact_in_q8_0(),
-            DType::Q8Min => {
-                info.ggml_type.exact_in_q8_min() && dequant::to_q8_min(info.ggml_type, self.bytes_of(info)).is_some()
-            }
-            DType::Q8KMin => {
-                info.ggml_type.exact_in_q8_kmin() && dequant::to_q8_kmin(info.ggml_type, self.bytes_of(info)).is_some()
-            }
-            _ => false,
-        }
+        info.ggml_type.block_format() == Some(dtype) || dequant::holds_in(info.ggml_type, self.bytes_of(info), dtype)
     }
 
     /// [`Gguf::tensor`], and whether it borrows the mapping (`true`) or was
