@@ -81,25 +81,23 @@ pub enum DType {
 }
 
 impl DType {
-    /// Every dtype, in a fixed order.
-    pub const ALL: [DType; 16] = [
-        DType::F32,
-        DType::BF16,
-        DType::F16,
-        DType::U32,
-        DType::F8E4M3,
-        DType::Q8_0,
-        DType::Q4_0,
-        DType::Q4_1,
-        DType::Q5_0,
-        DType::Q5_1,
-        DType::Iq4Nl,
-        DType::Q8Min,
-        DType::Q4K,
-        DType::Q5K,
-        DType::Q6K,
-        DType::Q8KMin,
-    ];
+    /// The element dtypes: the floats an op computes in, indices, and FP8.
+    pub const ELEMENTS: [DType; 5] = [DType::F32, DType::BF16, DType::F16, DType::U32, DType::F8E4M3];
+
+    /// Every dtype, in a fixed order: [`DType::ELEMENTS`], then
+    /// [`DType::BLOCK_FORMATS`].
+    pub const ALL: [DType; 16] = {
+        let mut all = [DType::F32; 16];
+        let mut i = 0;
+        while i < all.len() {
+            all[i] = match i < DType::ELEMENTS.len() {
+                true => DType::ELEMENTS[i],
+                false => DType::BLOCK_FORMATS[i - DType::ELEMENTS.len()],
+            };
+            i += 1;
+        }
+        all
+    };
     /// The floating dtypes an op may compute in.
     pub const FLOATS: [DType; 3] = [DType::F32, DType::BF16, DType::F16];
 
