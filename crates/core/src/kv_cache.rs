@@ -60,24 +60,11 @@ impl CacheElement {
             (DType::F8E4M3, None) => Err(Error::InvalidCacheParams(format!(
                 "a {dtype} cache needs a scale_granularity (values per scale, dividing head_size)"
             ))),
-            (
-                DType::U32
-                | DType::Q8_0
-                | DType::Q4_0
-                | DType::Q4_1
-                | DType::Q5_0
-                | DType::Q5_1
-                | DType::Iq4Nl
-                | DType::Q8Min
-                | DType::Q4K
-                | DType::Q5K
-                | DType::Q6K
-                | DType::Q8KMin,
-                _,
-            ) => Err(Error::InvalidCacheParams(format!("dtype must be a float type, got {dtype}"))),
-            (_, Some(g)) => Err(Error::InvalidCacheParams(format!(
+            (_, Some(g)) if dtype.is_float() => Err(Error::InvalidCacheParams(format!(
                 "scale_granularity ({g}) applies to f8e4m3 caches only, not {dtype}"
             ))),
+            // U32 and the weight block formats.
+            _ => Err(Error::InvalidCacheParams(format!("dtype must be a float type, got {dtype}"))),
         }
     }
 

@@ -19,17 +19,8 @@ fn to_file_dtype(dtype: DType) -> Dtype {
         DType::F16 => Dtype::F16,
         DType::U32 => Dtype::U32,
         DType::F8E4M3 => Dtype::F8_E4M3,
-        DType::Q8_0
-        | DType::Q4_0
-        | DType::Q4_1
-        | DType::Q5_0
-        | DType::Q5_1
-        | DType::Iq4Nl
-        | DType::Q8Min
-        | DType::Q4K
-        | DType::Q5K
-        | DType::Q6K
-        | DType::Q8KMin => Dtype::U8,
+        // Every other dtype is a weight block format.
+        _ => Dtype::U8,
     }
 }
 

@@ -54,18 +54,8 @@ impl Tolerance {
             DType::BF16 => self.bf16,
             DType::F16 => self.f16,
             DType::F8E4M3 => self.f8e4m3,
-            DType::U32
-            | DType::Q8_0
-            | DType::Q4_0
-            | DType::Q4_1
-            | DType::Q5_0
-            | DType::Q5_1
-            | DType::Iq4Nl
-            | DType::Q8Min
-            | DType::Q4K
-            | DType::Q5K
-            | DType::Q6K
-            | DType::Q8KMin => 0.0,
+            // U32 and the weight block formats.
+            _ => 0.0,
         }
     }
 }

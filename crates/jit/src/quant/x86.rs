@@ -652,6 +652,26 @@ const Q8KMIN_SCALES: usize = 64;
 const Q8KMIN_MINS: usize = 320;
 const Q8KMIN_QUANTS: usize = 832;
 
+/// The f32 step of a 32-k format's half (one scale per block, and a
+/// minimum): `acc += s_x·d·dot`, and `+ m·(s_x·ΣQ)` with the 8 f16 `m` at
+/// `m_at` — `value = d·q (+ m)`, so `Σ x̂·w = s_x·d·Σ Q·q + m·(s_x·ΣQ)`.
+///
+/// # Safety
+/// `w` readable for the 8 f16 `d` at `d_at` (and `m` at `m_at`); AVX2,
+/// FMA, F16C.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn add_scaled(w: *const u8, d_at: usize, m_at: Option<usize>, dot: __m256i, x: &Activations, acc: &mut __m256) {
+    // SAFETY: the caller's 16 bytes at d_at.
+    let scale = _mm256_mul_ps(unsafe { f16x8(w.add(d_at)) }, _mm256_set1_ps(x.dx));
+    *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, *acc);
+    if let Some(m_at) = m_at {
+        // SAFETY: the caller's 16 bytes at m_at.
+        let m = unsafe { f16x8(w.add(m_at)) };
+        *acc = _mm256_fmadd_ps(m, _mm256_set1_ps(x.scaled_sum), *acc);
+    }
+}
+
 impl GemvFormat for Q4_0 {
     const GROUP_K: usize = 32;
     const GROUP_BYTES: usize = 288;
@@ -669,8 +689,7 @@ impl GemvFormat for Q4_0 {
         // value = d·(q − 8): Σ Q·(q_w − 8) = Σ Q·q_w − 8·ΣQ.
         let dot = _mm256_sub_epi32(dots[0], _mm256_set1_epi32(8 * x.sum));
         // SAFETY: the half's 8 scales inside the caller's group.
-        let scale = _mm256_mul_ps(unsafe { f16x8(w.add(256 + 16 * h)) }, _mm256_set1_ps(x.dx));
-        *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, *acc);
+        unsafe { add_scaled(w, 256 + 16 * h, None, dot, x, acc) }
     }
 }
 
@@ -688,13 +707,9 @@ impl GemvFormat for Q4_1 {
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn add(w: *const u8, _: &(), _s: usize, h: usize, dots: [__m256i; 2], x: &Activations, acc: &mut __m256) {
-        // value = d·q + m: Σ x̂·w = s_x·d·Σ Q·q + m·(s_x·ΣQ).
         // SAFETY: the half's 8 scales and 8 minimums inside the caller's
         // group.
-        let (d, m) = unsafe { (f16x8(w.add(256 + 16 * h)), f16x8(w.add(288 + 16 * h))) };
-        let scale = _mm256_mul_ps(d, _mm256_set1_ps(x.dx));
-        *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[0]), scale, *acc);
-        *acc = _mm256_fmadd_ps(m, _mm256_set1_ps(x.scaled_sum), *acc);
+        unsafe { add_scaled(w, 256 + 16 * h, Some(288 + 16 * h), dots[0], x, acc) }
     }
 }
 
@@ -715,20 +730,14 @@ impl<const MIN: bool> GemvFormat for Q5<MIN> {
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn add(w: *const u8, _: &(), _s: usize, h: usize, dots: [__m256i; 2], x: &Activations, acc: &mut __m256) {
-        // SAFETY: the half's 8 scales inside the caller's group.
-        let d = unsafe { f16x8(w.add(Q5_D + 16 * h)) };
-        let scale = _mm256_mul_ps(d, _mm256_set1_ps(x.dx));
-        if MIN {
-            // value = d·q + m: Σ x̂·w = s_x·d·Σ Q·q + m·(s_x·ΣQ).
-            // SAFETY: as for d, the half's 8 minimums.
-            let m = unsafe { f16x8(w.add(Q5_M + 16 * h)) };
-            *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[0]), scale, *acc);
-            *acc = _mm256_fmadd_ps(m, _mm256_set1_ps(x.scaled_sum), *acc);
-        } else {
-            // value = d·(q − 16): Σ Q·(q_w − 16) = Σ Q·q_w − 16·ΣQ.
-            let dot = _mm256_sub_epi32(dots[0], _mm256_set1_epi32(16 * x.sum));
-            *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, *acc);
-        }
+        // Q5_1: d·q + m; Q5_0: d·(q − 16), Σ Q·(q_w − 16) = Σ Q·q_w − 16·ΣQ.
+        let dot = match MIN {
+            true => dots[0],
+            false => _mm256_sub_epi32(dots[0], _mm256_set1_epi32(16 * x.sum)),
+        };
+        // SAFETY: the half's 8 scales (and 8 minimums) inside the caller's
+        // group.
+        unsafe { add_scaled(w, Q5_D + 16 * h, MIN.then_some(Q5_M + 16 * h), dot, x, acc) }
     }
 }
 
@@ -747,8 +756,7 @@ impl GemvFormat for Q8_0 {
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn add(w: *const u8, _: &(), _s: usize, h: usize, dots: [__m256i; 2], x: &Activations, acc: &mut __m256) {
         // SAFETY: the half's 8 scales inside the caller's group.
-        let scale = _mm256_mul_ps(unsafe { f16x8(w.add(512 + 16 * h)) }, _mm256_set1_ps(x.dx));
-        *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[0]), scale, *acc);
+        unsafe { add_scaled(w, 512 + 16 * h, None, dots[0], x, acc) }
     }
 }
 
@@ -768,8 +776,7 @@ impl GemvFormat for Iq4Nl {
     unsafe fn add(w: *const u8, _: &(), _s: usize, h: usize, dots: [__m256i; 2], x: &Activations, acc: &mut __m256) {
         // value = d·T[code]: Σ x̂·w = s_x·d·Σ Q·T[code].
         // SAFETY: the half's 8 scales inside the caller's group.
-        let scale = _mm256_mul_ps(unsafe { f16x8(w.add(256 + 16 * h)) }, _mm256_set1_ps(x.dx));
-        *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[0]), scale, *acc);
+        unsafe { add_scaled(w, 256 + 16 * h, None, dots[0], x, acc) }
     }
 }
 
@@ -793,10 +800,7 @@ impl GemvFormat for Q8Min {
         let dot = _mm256_add_epi32(dots[0], _mm256_set1_epi32(128 * x.sum));
         // SAFETY: the half's 8 scales and 8 minimums inside the caller's
         // group.
-        let (d, m) = unsafe { (f16x8(w.add(512 + 16 * h)), f16x8(w.add(544 + 16 * h))) };
-        let scale = _mm256_mul_ps(d, _mm256_set1_ps(x.dx));
-        *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, *acc);
-        *acc = _mm256_fmadd_ps(m, _mm256_set1_ps(x.scaled_sum), *acc);
+        unsafe { add_scaled(w, 512 + 16 * h, Some(544 + 16 * h), dot, x, acc) }
     }
 }
 
