@@ -1,6 +1,6 @@
 //! Two-thread GEMV from DRAM: the bf16 GEMV tile read in 4 and 1 streams
 //! per panel against each block format's integer GEMV tile read in 1, 2
-//! and 4 (the counts chosen are `GEMV_STREAMS`/`MIN_STREAM_BYTES` in
+//! and 4 (the counts chosen are `GEMV_STREAMS`/`min_stream_bytes` in
 //! `microkernel.rs` and `STREAMS` in `quant/x86.rs`), interleaved call by
 //! call in one process so every variant sees the same machine state.
 //!

@@ -51,8 +51,9 @@ pub const PREFETCH_BYTES: usize = 8192;
 pub const F32_PREFETCH_BYTES: usize = 1024;
 
 /// The shortest range, in bytes, a stream of a multi-stream GEMV tile
-/// (this module's and [`crate::quant`]'s) reads per panel: below it the
-/// panel is read as one stream ([`streams_for`]). Several streams jump
+/// (this module's and [`crate::quant`]'s) reads per panel on an AMD CPU:
+/// below it the panel is read as one stream ([`streams_for`]). Several
+/// streams jump
 /// between k ranges of each panel and restart at every panel; in short
 /// ranges the jumps keep the hardware's stream prefetchers from running
 /// ahead, where one stream runs on through consecutive panels. Measured
@@ -64,13 +65,52 @@ pub const F32_PREFETCH_BYTES: usize = 1024;
 /// (18–27 KiB), 0.93× for Q8_0 at K = 4096 (34 KiB), 1.0–1.14× at K =
 /// 14336. Long panels keep the counts measured on an Intel Xeon
 /// ([`crate::quant`]'s `STREAMS`), where more streams paid at K = 4096.
-pub(crate) const MIN_STREAM_BYTES: usize = 32 << 10;
+pub(crate) const AMD_MIN_STREAM_BYTES: usize = 32 << 10;
+
+/// [`AMD_MIN_STREAM_BYTES`] on the other x86 CPUs (Intel's), whose
+/// prefetchers follow several streams of short ranges: measured on an
+/// Intel Xeon (Emerald Rapids, two vCPUs, `examples/gemv_threads.rs`, two
+/// threads from DRAM), several streams read faster than one at every
+/// length — bf16's four 1.20–1.25× one at K = 576, 1536 and 4096 (4.5 KiB
+/// ranges and up); the integer GEMV's two 1.03–1.14× one for Q4_0, Q4_1,
+/// Q8_0, Q4_K and Q6_K at K = 4096 and 14336 and for Q4_1 and Q8_0 at K =
+/// 576 and 1536 (1.4–6 KiB ranges), Q4_K at K = 1536 within 1 % either
+/// way. Ranges stay at least this long.
+pub(crate) const INTEL_MIN_STREAM_BYTES: usize = 1 << 10;
+
+/// The shortest range a stream of a multi-stream GEMV tile reads per panel
+/// on this CPU: [`AMD_MIN_STREAM_BYTES`] on AMD (and Hygon) CPUs,
+/// [`INTEL_MIN_STREAM_BYTES`] on the others. Read once per process.
+pub(crate) fn min_stream_bytes() -> usize {
+    static MIN: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *MIN.get_or_init(|| if cpu_is_amd() { AMD_MIN_STREAM_BYTES } else { INTEL_MIN_STREAM_BYTES })
+}
+
+/// Whether the CPU's vendor string (CPUID leaf 0) names AMD or Hygon (Zen
+/// cores); `true` off x86-64, where no tile reads streams.
+fn cpu_is_amd() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let leaf = std::arch::x86_64::__cpuid(0);
+        let vendor: Vec<u8> = [leaf.ebx, leaf.edx, leaf.ecx].iter().flat_map(|r| r.to_le_bytes()).collect();
+        matches!(&vendor[..], b"AuthenticAMD" | b"HygonGenuine")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        true
+    }
+}
 
 /// How many streams a GEMV tile that reads long panels in `streams`
-/// streams reads a panel of `panel_bytes` in: `streams` when each would
-/// still cover [`MIN_STREAM_BYTES`], else one.
+/// streams reads a panel of `panel_bytes` in on this CPU: `streams` when
+/// each would still cover [`min_stream_bytes`], else one.
 pub(crate) fn streams_for(panel_bytes: usize, streams: usize) -> usize {
-    if panel_bytes / streams >= MIN_STREAM_BYTES { streams } else { 1 }
+    streams_for_min(panel_bytes, streams, min_stream_bytes())
+}
+
+/// [`streams_for`] with ranges of at least `min_bytes`.
+pub(crate) fn streams_for_min(panel_bytes: usize, streams: usize, min_bytes: usize) -> usize {
+    if panel_bytes / streams >= min_bytes { streams } else { 1 }
 }
 
 /// Where, from the start of its panel, stream `s` of a GEMV tile prefetches
@@ -202,7 +242,7 @@ pub fn gemv_tiles(weights: DType) -> Option<(GemmTile, GemmTile, usize)> {
         let streams = x86::GEMV_STREAMS;
         // streams_for(k·row, streams) > 1 ⇔ ⌊k·row / streams⌋ ≥ MIN ⇔
         // k·row ≥ streams·MIN.
-        let min_k = (streams * MIN_STREAM_BYTES).div_ceil(TILE_COLUMNS * weights.size_bytes());
+        let min_k = (streams * min_stream_bytes()).div_ceil(TILE_COLUMNS * weights.size_bytes());
         Some((x86::gemv(weights, 1)?, x86::gemv(weights, streams)?, min_k))
     }
     #[cfg(not(target_arch = "x86_64"))]
@@ -603,12 +643,23 @@ mod tests {
 
     #[test]
     fn short_panels_read_as_one_stream() {
-        // A bf16 panel of SmolLM2's K = 576 (18 KiB) and Llama-3-8B's K =
-        // 4096 (128 KiB, four streams of 32 KiB).
-        assert_eq!(streams_for(576 * TILE_COLUMNS * 2, 4), 1);
-        assert_eq!(streams_for(4096 * TILE_COLUMNS * 2, 4), 4);
-        assert_eq!(streams_for(4 * MIN_STREAM_BYTES - 1, 4), 1);
-        assert_eq!(streams_for(2 * MIN_STREAM_BYTES, 2), 2);
+        // On AMD: a bf16 panel of SmolLM2's K = 576 (18 KiB) and
+        // Llama-3-8B's K = 4096 (128 KiB, four streams of 32 KiB).
+        let amd = AMD_MIN_STREAM_BYTES;
+        assert_eq!(streams_for_min(576 * TILE_COLUMNS * 2, 4, amd), 1);
+        assert_eq!(streams_for_min(4096 * TILE_COLUMNS * 2, 4, amd), 4);
+        assert_eq!(streams_for_min(4 * amd - 1, 4, amd), 1);
+        assert_eq!(streams_for_min(2 * amd, 2, amd), 2);
+        // Elsewhere K = 576 is four streams too, a 3 KiB panel one.
+        let intel = INTEL_MIN_STREAM_BYTES;
+        assert_eq!(streams_for_min(576 * TILE_COLUMNS * 2, 4, intel), 4);
+        assert_eq!(streams_for_min(3 << 10, 4, intel), 1);
+        assert_eq!(streams_for_min(4 * intel, 4, intel), 4);
+        // And this CPU reads by its vendor's minimum.
+        let host = min_stream_bytes();
+        assert!(host == amd || host == intel);
+        assert_eq!(streams_for(4 * host - 1, 4), 1);
+        assert_eq!(streams_for(4 * host, 4), 4);
     }
 
     /// Every tile against an f64 sum on random data (added into random

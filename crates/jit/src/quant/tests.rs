@@ -127,6 +127,8 @@ fn reference(format: DType, column: &[u8], k: usize) -> Vec<f32> {
 fn short_panels_read_as_one_stream() {
     // SmolLM2's K = 576 and 1536 panels, and Llama-3-8B's K = 4096 but for
     // Q8_0's 68 KiB panel, whose two streams each read 34 KiB.
+    // (On AMD CPUs; elsewhere every one of these reads in two.)
+    let amd = crate::microkernel::AMD_MIN_STREAM_BYTES;
     for (format, k, streams) in [
         (DType::Q4_1, 576, 1),
         (DType::Q8_0, 576, 1),
@@ -137,7 +139,10 @@ fn short_panels_read_as_one_stream() {
         (DType::Q8_0, 4096, x86::STREAMS),
         (DType::Q4_1, 14336, x86::STREAMS),
     ] {
-        assert_eq!(x86::streams_for(panel_bytes(format, k)), streams, "{format} k {k}");
+        let bytes = panel_bytes(format, k);
+        assert_eq!(crate::microkernel::streams_for_min(bytes, x86::STREAMS, amd), streams, "{format} k {k}");
+        let intel = crate::microkernel::INTEL_MIN_STREAM_BYTES;
+        assert_eq!(crate::microkernel::streams_for_min(bytes, x86::STREAMS, intel), x86::STREAMS, "{format} k {k}");
     }
 }
 
@@ -457,6 +462,69 @@ fn integer_gemv_is_within_its_bound() {
                     assert!(
                         (got - quantized).abs() <= f32_error,
                         "{format} {tier:?} k {k} c[{j}] = {got}, with quantized x {quantized}, bound {f32_error}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// The zmm tiles compute the ymm tiles' sums and f32 steps lane for lane:
+/// their output is bit for bit the AVX512-VNNI ymm tile's, for every
+/// format (those without a zmm tile run the ymm one), stream count and K
+/// tail, on random weights (extreme nibbles too) and activations.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn zmm_tiles_are_the_ymm_tiles_bit_for_bit() {
+    if skip() {
+        return;
+    }
+    if !x86::DotTier::Avx512Zmm.available() {
+        eprintln!("skipped: this CPU lacks AVX512-F, AVX512-VL or AVX512-VNNI");
+        return;
+    }
+    let mut rng = StdRng::seed_from_u64(11);
+    for format in FORMATS {
+        let (block, _) = format.block();
+        for k in [block, 2 * block, 3 * block, 4096 + block, 16384 + block] {
+            let columns: Vec<Vec<u8>> = (0..TILE_COLUMNS)
+                .map(|_| {
+                    (0..k / block)
+                        .flat_map(|_| {
+                            let mut b = random_block(format, &mut rng);
+                            if rng.gen_bool(0.1) {
+                                b[quant_bytes(format)].fill(0xff);
+                            }
+                            b
+                        })
+                        .collect()
+                })
+                .collect();
+            let panel = pack(format, &columns, k);
+            let x: Vec<f32> = (0..k).map(|_| rng.gen_range(-2.0..2.0)).collect();
+            let mut xq = vec![0u8; k / 32 * Q8_ACTIVATION_BLOCK_BYTES];
+            quantize_activations(&x, &mut xq);
+            let c0: Vec<f32> = (0..TILE_COLUMNS).map(|_| rng.gen_range(-4.0..4.0)).collect();
+            for streams in [1, 2, 4] {
+                let run = |tier| {
+                    let gemv = x86::gemv_with_streams_on(format, tier, streams).expect("an integer GEMV");
+                    let mut c = c0.clone();
+                    c.extend([f32::NAN; 8]);
+                    // SAFETY: xq holds K/32 activation blocks, the panel
+                    // covers K, c holds 16 f32 (and a guard).
+                    unsafe { gemv(xq.as_ptr().cast(), 1, panel.as_ptr(), k, c.as_mut_ptr()) };
+                    assert!(c[TILE_COLUMNS..].iter().all(|v| v.is_nan()), "{format} {tier:?}: wrote past c");
+                    c
+                };
+                let (zmm, ymm) = (run(x86::DotTier::Avx512Zmm), run(x86::DotTier::Avx512Vnni));
+                assert_ne!(zmm[..TILE_COLUMNS], c0[..], "{format} k {k}: nothing added");
+                for j in 0..TILE_COLUMNS {
+                    assert_eq!(
+                        zmm[j].to_bits(),
+                        ymm[j].to_bits(),
+                        "{format} streams {streams} k {k} c[{j}]: zmm {} ymm {}",
+                        zmm[j],
+                        ymm[j]
                     );
                 }
             }

@@ -9,6 +9,8 @@ use kvjit_core::quant::IQ4_NL_LEVELS;
 use super::{Q_MAX, Q8_ACTIVATION_BLOCK_BYTES};
 use crate::microkernel::{GemmTile, TILE_COLUMNS, WidenBlock};
 
+mod zmm;
+
 /// The independent k ranges ("streams") a GEMV tile reads a long panel
 /// in, side by side, each with its own accumulators: more line fills in
 /// flight per core than one stream. Measured with two threads streaming
@@ -16,8 +18,11 @@ use crate::microkernel::{GemmTile, TILE_COLUMNS, WidenBlock};
 /// live (`examples/gemv_threads.rs`), on an Intel Xeon: two streams read
 /// 4–12 % faster than four for the 32-k formats and 1.3–1.4× for the
 /// K-quants; one stream within ±5 % of two for Q4_1 and the K-quants but
-/// 7–30 % slower for Q4_0 and Q8_0. Short panels read as one stream
-/// ([`streams_for`]; on Zen 4 that is most of K = 4096 too).
+/// 7–30 % slower for Q4_0 and Q8_0 (and, on an Emerald Rapids Xeon, two
+/// 1.03–1.14× one for Q4_0, Q4_1, Q8_0, Q4_K and Q6_K, see
+/// [`crate::microkernel::INTEL_MIN_STREAM_BYTES`]). On AMD CPUs short
+/// panels read as one stream ([`streams_for`]; on Zen 4 that is most of
+/// K = 4096 too).
 pub(super) const STREAMS: usize = 2;
 /// How many streams a GEMV tile reads a panel of `panel_bytes` in
 /// ([`crate::microkernel::streams_for`] of [`STREAMS`]).
@@ -1109,12 +1114,18 @@ pub(super) enum DotTier {
     /// `vpdpbusd` on 256-bit registers, EVEX-encoded (AVX512-VNNI and
     /// AVX512-VL).
     Avx512Vnni,
+    /// `vpdpbusd` on 512-bit registers, a panel's 16 columns in one
+    /// ([`zmm`]; AVX512-F, AVX512-VL and AVX512-VNNI): Q4_0, Q4_1, Q4_K,
+    /// Q8_0 and q8_min, the other formats on [`DotTier::Avx512Vnni`]'s
+    /// tiles.
+    Avx512Zmm,
 }
 
 impl DotTier {
-    /// Every tier, in the order [`DotTier::best`] prefers them (the two
-    /// `vpdpbusd` encodings are the same µop).
-    pub(super) const ALL: [DotTier; 3] = [DotTier::AvxVnni, DotTier::Avx512Vnni, DotTier::Avx2];
+    /// Every tier, in the order [`DotTier::best`] prefers them: the zmm
+    /// tiles first (measured on an Intel Xeon with AVX-512, see [`zmm`]),
+    /// then the two ymm `vpdpbusd` encodings (the same µop).
+    pub(super) const ALL: [DotTier; 4] = [DotTier::Avx512Zmm, DotTier::AvxVnni, DotTier::Avx512Vnni, DotTier::Avx2];
 
     /// Whether this CPU has the tier's features (AVX2, FMA and F16C
     /// checked by the caller).
@@ -1123,7 +1134,7 @@ impl DotTier {
             DotTier::Avx2 => true,
             DotTier::AvxVnni => std::arch::is_x86_feature_detected!("avxvnni"),
             // AVX512-VL implies AVX512F to the compiler; checked too.
-            DotTier::Avx512Vnni => {
+            DotTier::Avx512Vnni | DotTier::Avx512Zmm => {
                 std::arch::is_x86_feature_detected!("avx512f")
                     && std::arch::is_x86_feature_detected!("avx512vl")
                     && std::arch::is_x86_feature_detected!("avx512vnni")
@@ -1131,13 +1142,14 @@ impl DotTier {
         }
     }
 
-    /// The tier `KVJIT_QUANT_DOT` names: `avx2`, `avx-vnni` or
-    /// `avx512-vnni`.
+    /// The tier `KVJIT_QUANT_DOT` names: `avx2`, `avx-vnni`, `avx512-vnni`
+    /// or `avx512-zmm`.
     fn named(name: &str) -> Option<DotTier> {
         match name {
             "avx2" => Some(DotTier::Avx2),
             "avx-vnni" => Some(DotTier::AvxVnni),
             "avx512-vnni" => Some(DotTier::Avx512Vnni),
+            "avx512-zmm" => Some(DotTier::Avx512Zmm),
             _ => None,
         }
     }
@@ -1162,6 +1174,9 @@ impl DotTier {
 /// (1, 2 or 4 for the `vpdpbusd` tiers, 1 or [`STREAMS`] for AVX2; the
 /// caller checked [`DotTier::available`]).
 pub(super) fn gemv_with_streams_on(format: DType, tier: DotTier, streams: usize) -> Option<GemmTile> {
+    if tier == DotTier::Avx512Zmm {
+        return zmm::gemv(format, streams).or_else(|| gemv_with_streams_on(format, DotTier::Avx512Vnni, streams));
+    }
     macro_rules! pick {
         ($f:ty) => {
             match (tier, streams) {
