@@ -1115,9 +1115,7 @@ pub(super) enum DotTier {
     /// AVX512-VL).
     Avx512Vnni,
     /// `vpdpbusd` on 512-bit registers, a panel's 16 columns in one
-    /// ([`zmm`]; AVX512-F, AVX512-VL and AVX512-VNNI): Q4_0, Q4_1, Q4_K,
-    /// Q8_0 and q8_min, the other formats on [`DotTier::Avx512Vnni`]'s
-    /// tiles.
+    /// ([`zmm`]; AVX512-F, AVX512-BW, AVX512-VL and AVX512-VNNI).
     Avx512Zmm,
 }
 
@@ -1134,11 +1132,12 @@ impl DotTier {
             DotTier::Avx2 => true,
             DotTier::AvxVnni => std::arch::is_x86_feature_detected!("avxvnni"),
             // AVX512-VL implies AVX512F to the compiler; checked too.
-            DotTier::Avx512Vnni | DotTier::Avx512Zmm => {
+            DotTier::Avx512Vnni => {
                 std::arch::is_x86_feature_detected!("avx512f")
                     && std::arch::is_x86_feature_detected!("avx512vl")
                     && std::arch::is_x86_feature_detected!("avx512vnni")
             }
+            DotTier::Avx512Zmm => DotTier::Avx512Vnni.available() && std::arch::is_x86_feature_detected!("avx512bw"),
         }
     }
 
@@ -1175,7 +1174,7 @@ impl DotTier {
 /// caller checked [`DotTier::available`]).
 pub(super) fn gemv_with_streams_on(format: DType, tier: DotTier, streams: usize) -> Option<GemmTile> {
     if tier == DotTier::Avx512Zmm {
-        return zmm::gemv(format, streams).or_else(|| gemv_with_streams_on(format, DotTier::Avx512Vnni, streams));
+        return zmm::gemv(format, streams);
     }
     macro_rules! pick {
         ($f:ty) => {
