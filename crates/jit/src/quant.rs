@@ -287,18 +287,38 @@ pub fn quant_gemv_with_streams(format: DType, streams: usize) -> Option<GemmTile
     }
 }
 
-/// Whether [`quant_gemv`]'s tiles multiply with `vpdpbusd` on this CPU
-/// (AVX-VNNI, or AVX512-VNNI with AVX512-VL, and `KVJIT_QUANT_DOT` not
-/// `avx2`): the row counts up to which a per-row GEMV pays depend on it.
-pub fn quant_gemv_uses_vnni() -> bool {
+/// How [`quant_gemv`]'s tiles multiply on this CPU: the row counts up to
+/// which a per-row GEMV pays depend on it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum QuantDot {
+    /// `vpmaddubsw` and `vpmaddwd` (AVX2 alone, `KVJIT_QUANT_DOT=avx2`,
+    /// or no integer tiles at all).
+    Avx2,
+    /// `vpdpbusd` on 256-bit registers (AVX-VNNI, or AVX512-VNNI with
+    /// AVX512-VL): 8 columns a register.
+    Vnni256,
+    /// `vpdpbusd` on 512-bit registers (AVX512-F, BW, VL and VNNI): a
+    /// panel's 16 columns a register.
+    Vnni512,
+}
+
+/// This CPU's [`QuantDot`] (as `KVJIT_QUANT_DOT` picks it).
+pub fn quant_dot() -> QuantDot {
     #[cfg(target_arch = "x86_64")]
-    {
-        avx2_available() && x86::DotTier::best() != x86::DotTier::Avx2
+    if avx2_available() {
+        return match x86::DotTier::best() {
+            x86::DotTier::Avx2 => QuantDot::Avx2,
+            x86::DotTier::AvxVnni | x86::DotTier::Avx512Vnni => QuantDot::Vnni256,
+            x86::DotTier::Avx512Zmm => QuantDot::Vnni512,
+        };
     }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
+    QuantDot::Avx2
+}
+
+/// Whether [`quant_gemv`]'s tiles multiply with `vpdpbusd` on this CPU
+/// ([`QuantDot::Vnni256`] or [`QuantDot::Vnni512`]).
+pub fn quant_gemv_uses_vnni() -> bool {
+    quant_dot() != QuantDot::Avx2
 }
 
 /// The AVX2 integer GEMV tile of any block format, even on a CPU with

@@ -11,6 +11,7 @@ use kvjit_jit::ir::{
     store_f32x4, store_lane, when,
 };
 use kvjit_jit::microkernel::{self, MAX_TILE_ROWS, TILE_COLUMNS};
+use kvjit_jit::quant::QuantDot;
 use kvjit_jit::{JitError, cranelift_codegen, cranelift_frontend, pointer_type};
 
 use super::panels::PanelLayout;
@@ -98,9 +99,13 @@ pub fn addressable(k: usize, size: usize, groups: usize, weights: usize, rows: O
 /// integer GEMV per row ([`gemv_per_row`]) rather than decoding each k
 /// block into f32 for the row tiles: batched decode and short prompts of
 /// a quantized model. The crossover depends on how the tiles multiply
-/// ([`kvjit_jit::quant::quant_gemv_uses_vnni`]). Measured against the
+/// ([`kvjit_jit::quant::quant_dot`]). Measured against the
 /// decoded route (`bench --ops blocks`, Llama-3-8B QKV and FFN shapes, 2
 /// threads):
+/// - with `vpdpbusd` on 512-bit registers (Intel Xeon, Emerald Rapids):
+///   every format per row at M = 64 — the 32-k formats 1.04–1.84× bf16's
+///   prefill, q8_kmin 0.95–0.97×; Q4_K 1.47–1.51× (decoded 1.02×), Q5_K
+///   1.08–1.12× (0.98–0.99×), Q6_K 1.07–1.09× (1.01–1.04×).
 /// - with `vpdpbusd` (Intel, AVX-VNNI): Q8_0, Q4_0 and Q4_1 1.3–2.0×
 ///   faster at M = 4, 1.2–1.3× at 16, 1.0–1.2× at 64 (at 128 still ahead
 ///   on these shapes, but SmolLM2's 112-token prefill, K = 576, 2–7 %
@@ -118,11 +123,15 @@ pub fn addressable(k: usize, size: usize, groups: usize, weights: usize, rows: O
 /// Below the 192-row block, so only a first and only block can hold that
 /// few rows.
 pub fn gemv_rows(dtype: DType) -> usize {
-    gemv_rows_on(dtype, kvjit_jit::quant::quant_gemv_uses_vnni())
+    gemv_rows_on(dtype, kvjit_jit::quant::quant_dot())
 }
 
-/// [`gemv_rows`] for tiles that multiply with `vpdpbusd` (`vnni`) or not.
-pub fn gemv_rows_on(dtype: DType, vnni: bool) -> usize {
+/// [`gemv_rows`] for tiles that multiply as `dot` does.
+pub fn gemv_rows_on(dtype: DType, dot: QuantDot) -> usize {
+    if dot == QuantDot::Vnni512 {
+        return 64;
+    }
+    let vnni = dot == QuantDot::Vnni256;
     match (dtype, vnni) {
         (DType::Q6K, _) => 4,
         // Q5_K's count is Q4_K's (not measured apart).
@@ -829,13 +838,16 @@ mod tests {
     /// first block ending there: only true while that is below a block.
     #[test]
     fn gemv_rows_fit_in_the_first_block() {
+        let dots = [QuantDot::Avx2, QuantDot::Vnni256, QuantDot::Vnni512];
         for dtype in DType::BLOCK_FORMATS {
-            for vnni in [false, true] {
-                assert!((1..AVX2_BLOCK_ROWS).contains(&gemv_rows_on(dtype, vnni)), "{dtype} vnni {vnni}");
+            for dot in dots {
+                assert!((1..AVX2_BLOCK_ROWS).contains(&gemv_rows_on(dtype, dot)), "{dtype} {dot:?}");
             }
-            // Without vpdpbusd a row's GEMV costs more: it pays up to fewer rows.
-            assert!(gemv_rows_on(dtype, false) <= gemv_rows_on(dtype, true), "{dtype}");
-            assert_eq!(gemv_rows(dtype), gemv_rows_on(dtype, kvjit_jit::quant::quant_gemv_uses_vnni()), "{dtype}");
+            // The slower a row's GEMV, the fewer rows it pays up to.
+            for pair in dots.windows(2) {
+                assert!(gemv_rows_on(dtype, pair[0]) <= gemv_rows_on(dtype, pair[1]), "{dtype} {pair:?}");
+            }
+            assert_eq!(gemv_rows(dtype), gemv_rows_on(dtype, kvjit_jit::quant::quant_dot()), "{dtype}");
             assert!((1..AVX2_BLOCK_ROWS).contains(&gemv_rows(dtype)), "{dtype}");
             assert!(!gemv_per_row(CodeTier::Cranelift, dtype, 1), "{dtype}");
             assert!(!gemv_per_row(CodeTier::Avx2, dtype, gemv_rows(dtype) + 1), "{dtype}");
