@@ -100,7 +100,10 @@
 //! the 16 columns of a panel are the lanes. With `vpdpbusd` (AVX-VNNI, or
 //! AVX512-VNNI with AVX512-VL on 256-bit registers) the products go
 //! straight to i32 lanes, one accumulator per part,
-//! combined as `254·hi + lo` per k-group half.
+//! combined as `254·hi + lo` per k-group half; with AVX512-BW too the
+//! tiles run on 512-bit registers, both halves of the panel in one (the
+//! same sums and f32 steps lane for lane, so the same results bit for
+//! bit).
 //!
 //! Why `d_lo = d / 254` exactly rather than a residual's own scale
 //! (`max|r| / 127` per block): the two parts are then one integer `Q`, so
@@ -241,7 +244,8 @@ fn round_half_away(v: f32) -> i32 {
 /// `c[j] += Σ_k x[k]·w[k][j]` for the 16 columns (within the accuracy in the
 /// module docs). On a CPU with AVX-VNNI, or AVX512-VNNI and AVX512-VL
 /// (AMD Zen 4, Intel's AVX-512 servers), the tile multiplies with
-/// `vpdpbusd` (the same sums exactly; [`quant_gemv_avx2`] is the AVX2 one).
+/// `vpdpbusd` (the same sums exactly; [`quant_gemv_avx2`] is the AVX2 one),
+/// on 512-bit registers where the CPU has AVX512-BW too.
 /// Measured from DRAM against the bf16 GEMV: Q4_0/Q4_1 3.1–3.8×, Q4_K
 /// 2.5–3.4×, Q8_0 2.2×, Q6_K 1.7–2.1× (against ~1× for decoding each
 /// k-block to f32 first). `None` for other dtypes or when this CPU lacks
