@@ -91,10 +91,10 @@ fn every_format_tier_row_count_and_k_matches_the_f64_product() {
         for tier in tiers() {
             for k in ks(format) {
                 // A few rows run an integer GEMV per row (per format and
-                // CPU: `gemv_rows`, 4 to 64), more decode k blocks for row
+                // CPU: `gemv_rows`, 4 to 191), more decode k blocks for row
                 // tiles (each limit and the row past it); 197 is a full
                 // block of 192 and a short one.
-                for rows in [1, 2, 4, 5, 8, 9, 16, 17, 64, 65, 197] {
+                for rows in [1, 2, 4, 5, 8, 9, 16, 17, 64, 65, 191, 192, 197] {
                     for (dtype, baked) in [(DType::F32, true), (DType::F32, false), (DType::BF16, true)] {
                         let spec = block_spec(format, dtype, tier, k, n, baked.then_some(rows));
                         let inputs = block_inputs(&mut rng, &spec, rows);

@@ -103,9 +103,16 @@ pub fn addressable(k: usize, size: usize, groups: usize, weights: usize, rows: O
 /// decoded route (`bench --ops blocks`, Llama-3-8B QKV and FFN shapes, 2
 /// threads):
 /// - with `vpdpbusd` on 512-bit registers (Intel Xeon, Emerald Rapids):
-///   every format per row at M = 64 — the 32-k formats 1.04–1.84× bf16's
-///   prefill, q8_kmin 0.95–0.97×; Q4_K 1.47–1.51× (decoded 1.02×), Q5_K
-///   1.08–1.12× (0.98–0.99×), Q6_K 1.07–1.09× (1.01–1.04×).
+///   every format per row up to a whole first block. At M = 64 the 32-k
+///   formats ran 1.04–1.86× bf16's prefill, q8_kmin 1.01–1.10×; Q4_K
+///   1.47–1.51× (decoded 1.02×), Q5_K 1.08–1.12× (0.98–0.99×), Q6_K
+///   1.07–1.09× (1.01–1.04×). At M = 128 (two runs, the bench's prefill
+///   rows set to 128) per row against decoded: Q8_0 1.22–1.52× against
+///   0.93–1.03×, Q4_1 1.59–1.95× against 0.94–1.03×, Q5_0 1.20–1.27×
+///   against 0.89–1.02×, Q4_K 1.39–1.58× against 1.01–1.03×, Q6_K
+///   1.00–1.19× against 1.01–1.02×; SmolLM2's 128-token prefill (K = 576
+///   and 1536, `bench --ops model`, four interleaved pairs) 496–674 against
+///   427–557 tok/s, three pairs of four ahead.
 /// - with `vpdpbusd` (Intel, AVX-VNNI): Q8_0, Q4_0 and Q4_1 1.3–2.0×
 ///   faster at M = 4, 1.2–1.3× at 16, 1.0–1.2× at 64 (at 128 still ahead
 ///   on these shapes, but SmolLM2's 112-token prefill, K = 576, 2–7 %
@@ -129,7 +136,7 @@ pub fn gemv_rows(dtype: DType) -> usize {
 /// [`gemv_rows`] for tiles that multiply as `dot` does.
 pub fn gemv_rows_on(dtype: DType, dot: QuantDot) -> usize {
     if dot == QuantDot::Vnni512 {
-        return 64;
+        return AVX2_BLOCK_ROWS - 1;
     }
     let vnni = dot == QuantDot::Vnni256;
     match (dtype, vnni) {
