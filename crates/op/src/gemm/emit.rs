@@ -108,7 +108,7 @@ pub fn addressable(k: usize, size: usize, groups: usize, weights: usize, rows: O
 ///   1.47–1.51× (decoded 1.02×), Q5_K 1.08–1.12× (0.98–0.99×), Q6_K
 ///   1.07–1.09× (1.01–1.04×). At M = 128 (two runs, the bench's prefill
 ///   rows set to 128) per row against decoded: Q8_0 1.22–1.52× against
-///   0.93–1.03×, Q4_1 1.59–1.95× against 0.94–1.03×, Q5_0 1.20–1.27×
+///   0.93–1.03×, Q4_1 1.59–1.95× against 0.92–1.03×, Q5_0 1.20–1.27×
 ///   against 0.89–1.02×, Q4_K 1.39–1.58× against 1.01–1.03×, Q6_K
 ///   1.00–1.19× against 1.01–1.02×; SmolLM2's 128-token prefill (K = 576
 ///   and 1536, `bench --ops model`, four interleaved pairs) 496–674 against
