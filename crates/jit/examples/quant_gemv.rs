@@ -50,10 +50,8 @@ fn main() {
                 .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())
         })
         .unwrap_or_else(|| "unknown".into());
-    let vnni = kvjit_jit::quant::quant_gemv_uses_vnni();
-    println!(
-        "host: {model}; quant_gemv multiplies with vpdpbusd (AVX-VNNI or AVX512-VNNI): {vnni}; single thread; {reps} reps, medians"
-    );
+    let dot = kvjit_jit::quant::quant_dot();
+    println!("host: {model}; quant_gemv multiplies as {dot:?}; single thread; {reps} reps, medians");
     if only.is_empty() {
         roof(reps);
         quantize_time(reps);

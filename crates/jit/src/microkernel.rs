@@ -92,8 +92,8 @@ fn cpu_is_amd() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         let leaf = std::arch::x86_64::__cpuid(0);
-        let vendor: Vec<u8> = [leaf.ebx, leaf.edx, leaf.ecx].iter().flat_map(|r| r.to_le_bytes()).collect();
-        matches!(&vendor[..], b"AuthenticAMD" | b"HygonGenuine")
+        let vendor = [leaf.ebx, leaf.edx, leaf.ecx].map(u32::to_le_bytes);
+        matches!(vendor.as_flattened(), b"AuthenticAMD" | b"HygonGenuine")
     }
     #[cfg(not(target_arch = "x86_64"))]
     {

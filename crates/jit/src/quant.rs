@@ -319,12 +319,6 @@ pub fn quant_dot() -> QuantDot {
     QuantDot::Avx2
 }
 
-/// Whether [`quant_gemv`]'s tiles multiply with `vpdpbusd` on this CPU
-/// ([`QuantDot::Vnni256`] or [`QuantDot::Vnni512`]).
-pub fn quant_gemv_uses_vnni() -> bool {
-    quant_dot() != QuantDot::Avx2
-}
-
 /// The AVX2 integer GEMV tile of any block format, even on a CPU with
 /// `vpdpbusd` (where [`quant_gemv`] returns the
 /// `vpdpbusd` tile, the same sums exactly): for tests and measurements.

@@ -512,6 +512,27 @@ struct Activations {
     scaled_sum: f32,
 }
 
+impl Activations {
+    /// The scalars of the activation block at `at` (laid out as
+    /// [`super::quantize_activations`] writes it: the scale at 64, the sums
+    /// at 68 and 72, `s_x·ΣQ` at 76).
+    ///
+    /// # Safety
+    /// `at` readable for [`Q8_ACTIVATION_BLOCK_BYTES`].
+    #[inline(always)]
+    unsafe fn read(at: *const u8) -> Activations {
+        // SAFETY: the caller's block.
+        unsafe {
+            Activations {
+                dx: at.add(64).cast::<f32>().read_unaligned(),
+                sum: at.add(68).cast::<i32>().read_unaligned(),
+                first16: at.add(72).cast::<i32>().read_unaligned(),
+                scaled_sum: at.add(76).cast::<f32>().read_unaligned(),
+            }
+        }
+    }
+}
+
 /// A GEMV panel format: where a k-group's parts lie and how its integer
 /// sums become f32.
 trait GemvFormat {
@@ -1004,12 +1025,7 @@ macro_rules! gemv_body {
                 let xs: Xs = std::array::from_fn(|part| {
                     std::array::from_fn(|i| _mm256_set1_epi32(at.add(32 * part + 4 * i).cast::<i32>().read_unaligned()))
                 });
-                let block = Activations {
-                    dx: at.add(64).cast::<f32>().read_unaligned(),
-                    sum: at.add(68).cast::<i32>().read_unaligned(),
-                    first16: at.add(72).cast::<i32>().read_unaligned(),
-                    scaled_sum: at.add(76).cast::<f32>().read_unaligned(),
-                };
+                let block = Activations::read(at);
                 for (h, acc) in acc.iter_mut().enumerate() {
                     let q = w.add(<$format>::quants(s, h));
                     let dots = match <$format>::QUANTS {

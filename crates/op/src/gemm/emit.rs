@@ -135,19 +135,16 @@ pub fn gemv_rows(dtype: DType) -> usize {
 
 /// [`gemv_rows`] for tiles that multiply as `dot` does.
 pub fn gemv_rows_on(dtype: DType, dot: QuantDot) -> usize {
-    if dot == QuantDot::Vnni512 {
-        return AVX2_BLOCK_ROWS - 1;
-    }
-    let vnni = dot == QuantDot::Vnni256;
-    match (dtype, vnni) {
+    match (dtype, dot) {
+        (_, QuantDot::Vnni512) => AVX2_BLOCK_ROWS - 1,
         (DType::Q6K, _) => 4,
         // Q5_K's count is Q4_K's (not measured apart).
         (DType::Q4K | DType::Q5K, _) => 16,
         // q8_min's, q8_kmin's and IQ4_NL's count is Q8_0's (the same dot
         // products, IQ4_NL's after a table lookup; not measured apart).
-        (DType::Q8_0 | DType::Q8Min | DType::Q8KMin | DType::Iq4Nl, false) => 8,
-        (_, false) => 16,
-        (_, true) => 64,
+        (DType::Q8_0 | DType::Q8Min | DType::Q8KMin | DType::Iq4Nl, QuantDot::Avx2) => 8,
+        (_, QuantDot::Avx2) => 16,
+        (_, QuantDot::Vnni256) => 64,
     }
 }
 

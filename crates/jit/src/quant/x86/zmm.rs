@@ -486,12 +486,7 @@ unsafe extern "C" fn gemv_kernel_zmm<F: ZmmFormat, const S: usize>(
             let xs: Xs16 = std::array::from_fn(|part| {
                 std::array::from_fn(|i| _mm512_set1_epi32(at.add(32 * part + 4 * i).cast::<i32>().read_unaligned()))
             });
-            let block = Activations {
-                dx: at.add(64).cast::<f32>().read_unaligned(),
-                sum: at.add(68).cast::<i32>().read_unaligned(),
-                first16: at.add(72).cast::<i32>().read_unaligned(),
-                scaled_sum: at.add(76).cast::<f32>().read_unaligned(),
-            };
+            let block = Activations::read(at);
             let (q0, q1) = (w.add(F::quants(s, 0)), w.add(F::quants(s, 1)));
             let (h0, h1) = (w.add(F::high(s, 0)), w.add(F::high(s, 1)));
             let zero = _mm512_setzero_si512();
