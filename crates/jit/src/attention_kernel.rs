@@ -28,11 +28,17 @@
 //!                                        SV = KN —, keys inner, V widened in registers)
 //! ```
 //!
-//! While a block's K rows are scored, the next block's whole K and V slots
-//! (every head's, in address order) are software-prefetched through the
-//! offsets table; P·V issues no prefetch (one block ahead measured best:
-//! two or three blocks ahead, or the slots interleaved across pages, read
-//! slower from DRAM). A call's last block prefetches the first block of
+//! The next block's whole K and V slots (every head's, in address order)
+//! are software-prefetched through the offsets table, each head's call a
+//! share: its K lines spread over its score passes and, at 512 bits, its V
+//! lines over its P·V keys, so the prefetches are issued at an even pace,
+//! not in a burst the line-fill buffers cannot take (the burst — K and V
+//! both during the scores — read 10–15 % slower from DRAM on a Xeon:
+//! `decode_kernel_stream`, bf16 50.5–52.6 → 46.8–49.5 ns per key-head,
+//! f32 88–95 → 78–80, FP8 38.5–42 → 37.4–38; the 256-bit P·V loop, short
+//! of registers, ran 5–10 % slower in L2 with the steps and no faster from
+//! DRAM, so it keeps the burst). One block ahead measured best: two or three blocks ahead,
+//! or the slots interleaved across pages, read slower from DRAM. A call's last block prefetches the first block of
 //! the keys its caller reads next (`ahead`: the op's next key chunk, which
 //! the same thread takes next), so a chunk does not start on a cold block.
 //!
@@ -801,17 +807,25 @@ mod x86 {
     }
 
     impl Ahead {
-        /// Lines of one stream (K or V) left to prefetch.
+        /// Lines of one stream (K or V) of this share.
         fn lines(&self) -> usize {
             self.keys * self.slot_bytes.div_ceil(64)
+        }
+
+        /// Lines of one stream to prefetch at each of `visits` steps so the
+        /// stream is done by the last (`visits` at most the steps taken).
+        fn per_visit(&self, visits: usize) -> usize {
+            self.lines().div_ceil(visits.max(1))
         }
 
         /// Prefetch the next `lines` lines of the K (`v` false) or V stream:
         /// a tight loop over each slot's lines, the cursor moved once per
         /// slot (moved per line, it cost the kernel in L2 10–20 %: bf16
         /// 39.4–40.1 → 35.3–35.6 ns per key-head, f32 49–70 → 42–60).
-        #[inline]
-        #[target_feature(enable = "avx2,fma,f16c")]
+        /// Always inlined and free of target features: a call from the
+        /// score or P·V loops would spill their vector registers (the P·V
+        /// loop of FP8 ran 1.8× slower from DRAM with `step` a call).
+        #[inline(always)]
         fn step(&mut self, v: bool, mut lines: usize) {
             let (cursor, offset) = if v { (&mut self.v, self.v_offset) } else { (&mut self.k, 0) };
             let (mut key, mut at) = *cursor;
@@ -820,7 +834,8 @@ mod x86 {
                 let end = self.slot_bytes.min(at + 64 * lines);
                 lines -= (end - at).div_ceil(64);
                 while at < end {
-                    _mm_prefetch::<_MM_HINT_T1>(slot.wrapping_add(at).cast());
+                    // SAFETY: SSE (every x86-64); a prefetch never faults.
+                    unsafe { _mm_prefetch::<_MM_HINT_T1>(slot.wrapping_add(at).cast()) };
                     at += 64;
                 }
                 if at >= self.slot_bytes {
@@ -868,9 +883,12 @@ mod x86 {
         out: &mut [[f32; KB]; R],
         ahead: &mut Ahead,
     ) {
-        let per_group = ahead.lines().div_ceil(KB / KN);
+        let per_group = ahead.per_visit(KB / KN);
         let mut j0 = 0;
         while j0 < n {
+            // Both streams here: a prefetch step in the 256-bit P·V loop
+            // costs it registers it has not got (the 512-bit width spreads
+            // V over its P·V).
             ahead.step(false, per_group);
             ahead.step(true, per_group);
             let mut acc = [[_mm256_setzero_ps(); KN]; R];
@@ -1293,7 +1311,7 @@ mod x86 {
         // SAFETY: state holds a whole tile (the caller's).
         let alpha = unsafe { W::softmax::<R>(&mut s, state, (n, pos0), scaled) };
         // SAFETY: acc of the tile: R rows of D f32; the block's V rows.
-        unsafe { W::pv::<E, R, SV>(state.add(STATE_ACC), rows, n, sh, (&s, alpha)) };
+        unsafe { W::pv::<E, R, SV>(state.add(STATE_ACC), rows, n, sh, (&s, alpha), ahead) };
     }
 
     /// The vector width of a call's inner loops (the scores and P·V of one
@@ -1332,7 +1350,8 @@ mod x86 {
 
         /// `acc[r][..D] = α_r·acc[r][..D] + Σ_{j<n} p[r][j]·V_j` for the R
         /// rows of one state tile (`SV`: the 256-bit width's vectors per
-        /// slice of D).
+        /// slice of D); the 512-bit width prefetches `ahead`'s V stream
+        /// along the way.
         ///
         /// # Safety
         /// As [`pv_slice`]'s for all of D (and the width's CPU features).
@@ -1342,6 +1361,7 @@ mod x86 {
             n: usize,
             sh: Shape,
             p: (&[[f32; KB]; R], [f32; R]),
+            ahead: &mut Ahead,
         );
     }
 
@@ -1383,6 +1403,7 @@ mod x86 {
             n: usize,
             sh: Shape,
             (s, alpha): (&[[f32; KB]; R], [f32; R]),
+            _ahead: &mut Ahead,
         ) {
             let slice = 8 * SV;
             let mut d0 = 0;
@@ -1446,13 +1467,14 @@ mod x86 {
             n: usize,
             sh: Shape,
             p: (&[[f32; KB]; R], [f32; R]),
+            ahead: &mut Ahead,
         ) {
             // SAFETY: as for `scores`. Slices of 64 elements (16 vector
             // accumulators for 4 rows), 128 for one or two rows.
             unsafe {
                 match R {
-                    1 | 2 => pv_zmm::<E, R, 8>(acc, rows, n, sh, p),
-                    _ => pv_zmm::<E, R, 4>(acc, rows, n, sh, p),
+                    1 | 2 => pv_zmm::<E, R, 8>(acc, rows, n, sh, p, ahead),
+                    _ => pv_zmm::<E, R, 4>(acc, rows, n, sh, p, ahead),
                 }
             }
         }
@@ -1477,11 +1499,10 @@ mod x86 {
         // vector loaded feeds 2KN FMAs; one group for R = 1 (KN = 8).
         let groups = if R == 1 { 1 } else { 2 };
         let keys = KN * groups;
-        let per_pass = ahead.lines().div_ceil(KB / keys);
+        let per_pass = ahead.per_visit(KB / keys);
         let mut j0 = 0;
         while j0 < n {
             ahead.step(false, per_pass);
-            ahead.step(true, per_pass);
             let mut acc = [[_mm512_setzero_ps(); 8]; R];
             // The scale block of d (FP8 with g < D), without a division per step.
             let (mut blk, mut blk_end) = (0, sh.g);
@@ -1621,20 +1642,23 @@ mod x86 {
         n: usize,
         sh: Shape,
         p: (&[[f32; KB]; R], [f32; R]),
+        ahead: &mut Ahead,
     ) {
+        // The V stream, a share at each key of each slice.
+        let per_key = ahead.per_visit(n * (sh.d / (16 * SV)));
         let mut d0 = 0;
         while d0 + 16 * SV <= sh.d {
             // SAFETY: d0 + 16·SV ≤ D.
-            unsafe { pv_slice_zmm::<E, R, SV>(acc, d0, rows, n, sh, p) };
+            unsafe { pv_slice_zmm::<E, R, SV>(acc, d0, rows, n, sh, p, (ahead, per_key)) };
             d0 += 16 * SV;
         }
         while d0 < sh.d {
             // SAFETY: D and d0 multiples of 16 (of the type's GRANULE).
             unsafe {
                 match E::GRANULE {
-                    64 => pv_slice_zmm::<E, R, 4>(acc, d0, rows, n, sh, p),
-                    32 => pv_slice_zmm::<E, R, 2>(acc, d0, rows, n, sh, p),
-                    _ => pv_slice_zmm::<E, R, 1>(acc, d0, rows, n, sh, p),
+                    64 => pv_slice_zmm::<E, R, 4>(acc, d0, rows, n, sh, p, (ahead, per_key)),
+                    32 => pv_slice_zmm::<E, R, 2>(acc, d0, rows, n, sh, p, (ahead, per_key)),
+                    _ => pv_slice_zmm::<E, R, 1>(acc, d0, rows, n, sh, p, (ahead, per_key)),
                 }
             }
             d0 += E::GRANULE;
@@ -1654,6 +1678,7 @@ mod x86 {
         n: usize,
         sh: Shape,
         (p, alpha): (&[[f32; KB]; R], [f32; R]),
+        (ahead, per_key): (&mut Ahead, usize),
     ) {
         let mut a = [[_mm512_setzero_ps(); SV]; R];
         for (r, row) in a.iter_mut().enumerate() {
@@ -1666,6 +1691,7 @@ mod x86 {
         // Each vector's scale block (FP8 with g < D; g a multiple of 16).
         let blk: [usize; SV] = std::array::from_fn(|i| (d0 + 16 * i) / sh.g);
         for (j, (&v_row, &v_scales)) in rows.v.iter().zip(&rows.vs).enumerate().take(n) {
+            ahead.step(true, per_key);
             let mut v = [_mm512_setzero_ps(); SV];
             // Fours (a GRANULE of 64: SV a multiple of 4) or pairs of
             // vectors widened at once ([`Elem::widen64`], [`Elem::widen32`];
@@ -2632,7 +2658,7 @@ mod timing {
             let blocks = storage.as_bytes();
             let mut caller = Caller::new(dtype);
             let mut best = f64::MAX;
-            for _ in 0..3 {
+            for _ in 0..5 {
                 let start = std::time::Instant::now();
                 for call in 0..pages * page / KEYS {
                     // SAFETY: each offset is a slot of a page's K half, its V
