@@ -37,9 +37,10 @@
 //! `decode_kernel_stream`, bf16 50.5–52.6 → 46.8–49.5 ns per key-head,
 //! f32 88–95 → 78–80, FP8 38.5–42 → 37.4–38; the 256-bit P·V loop, short
 //! of registers, ran 5–10 % slower in L2 with the steps and no faster from
-//! DRAM, so it keeps the burst). One block ahead measured best: two or three blocks ahead,
-//! or the slots interleaved across pages, read slower from DRAM. A call's last block prefetches the first block of
-//! the keys its caller reads next (`ahead`: the op's next key chunk, which
+//! DRAM, so it keeps the burst). One block ahead measured best: two or
+//! three blocks ahead, or the slots interleaved across pages, read slower
+//! from DRAM. A call's last block prefetches the first block of the keys
+//! its caller reads next (`ahead`: the op's next key chunk, which
 //! the same thread takes next), so a chunk does not start on a cold block.
 //!
 //! **bf16** with D a multiple of 16 widens 16 elements per 256-bit load,
@@ -1644,8 +1645,10 @@ mod x86 {
         p: (&[[f32; KB]; R], [f32; R]),
         ahead: &mut Ahead,
     ) {
-        // The V stream, a share at each key of each slice.
-        let per_key = ahead.per_visit(n * (sh.d / (16 * SV)));
+        // The V stream, a share at each key of each slice (the whole
+        // slices and the tail's).
+        let slices = sh.d / (16 * SV) + sh.d % (16 * SV) / E::GRANULE;
+        let per_key = ahead.per_visit(n * slices);
         let mut d0 = 0;
         while d0 + 16 * SV <= sh.d {
             // SAFETY: d0 + 16·SV ≤ D.
@@ -2631,6 +2634,14 @@ mod timing {
         }
     }
 
+    /// `bytes` copied into memory advised for huge pages, as a cache's
+    /// blocks are.
+    fn in_huge_pages(bytes: &[u8]) -> kvjit_core::Tensor {
+        let mut storage = kvjit_core::Tensor::zeros_in_huge_pages(DType::F32, &[bytes.len().div_ceil(4)]).unwrap();
+        storage.as_bytes_mut()[..bytes.len()].copy_from_slice(bytes);
+        storage
+    }
+
     /// How [`read_pages`] walks the pages, a block of 32 keys at a time.
     #[derive(Clone, Copy, Debug)]
     enum ReadPattern {
@@ -2745,9 +2756,7 @@ mod timing {
             (0..pages * page).map(|j| (order[j / page] * 2 * page * slot + (j % page) * slot) as i64).collect();
         let scales = vec![FP8_SCALE; total / d() + 1];
         for dtype in dtypes() {
-            let bytes = encoded(dtype, total);
-            let mut storage = kvjit_core::Tensor::zeros_in_huge_pages(DType::F32, &[bytes.len().div_ceil(4)]).unwrap();
-            storage.as_bytes_mut()[..bytes.len()].copy_from_slice(&bytes);
+            let storage = in_huge_pages(&encoded(dtype, total));
             let blocks = storage.as_bytes();
             let mut caller = Caller::new(dtype);
             let mut best = f64::MAX;
@@ -2767,9 +2776,7 @@ mod timing {
         }
         // Pure readers of the same pages (bf16 sizes, no arithmetic): what
         // the access pattern alone reads at, beside the kernel.
-        let bytes = encoded(DType::BF16, total);
-        let mut storage = kvjit_core::Tensor::zeros_in_huge_pages(DType::F32, &[bytes.len().div_ceil(4)]).unwrap();
-        storage.as_bytes_mut()[..bytes.len()].copy_from_slice(&bytes);
+        let storage = in_huge_pages(&encoded(DType::BF16, total));
         for pattern in [ReadPattern::Slots, ReadPattern::HeadMajor, ReadPattern::Burst, ReadPattern::Paced] {
             let mut best = f64::MAX;
             let mut sink = 0u64;
