@@ -823,6 +823,18 @@ fn params_whose_product_overflows_are_a_typed_error_not_a_panic() {
 }
 
 #[test]
+fn a_layer_count_past_u32_is_refused_at_load() {
+    // Layer indices are u32: 2³² layers once passed validation and made
+    // `kvjit run` divide by zero (the count cast to u32).
+    let registry = standard_registry();
+    let mut json = json_of(&small_graph(&registry));
+    value_entry(&mut json, "kv_cache")["num_layers"] = json!(4294967296u64);
+    let err = rejected(&json);
+    assert!(matches!(&err, GraphError::Param { param, .. } if param == "num_layers"), "{err:?}");
+    assert_message(&err, &["num_layers", "must be at most 4294967295"]);
+}
+
+#[test]
 fn an_input_shape_the_op_rejects_is_named_with_its_argument() {
     let registry = standard_registry();
     let good = json_of(&small_graph(&registry));

@@ -212,6 +212,14 @@ impl KvCacheParams {
                 return Err(Error::InvalidCacheParams(format!("{name} must be at least 1")));
             }
         }
+        // Layer indices are u32 inputs of the paged ops.
+        if u32::try_from(self.num_layers).is_err() {
+            return Err(Error::InvalidCacheParams(format!(
+                "num_layers must be at most {} (layer indices are u32), got {}",
+                u32::MAX,
+                self.num_layers
+            )));
+        }
         Ok(())
     }
 }

@@ -150,6 +150,13 @@ impl<'r> GraphBuilder<'r> {
                 });
             }
         }
+        // Layer indices are u32 inputs of the paged ops.
+        if u32::try_from(ty.num_layers).is_err() {
+            return Err(GraphError::Param {
+                param: "num_layers".into(),
+                problem: format!("of KV cache '{name}' must be at most {}, got {}", u32::MAX, ty.num_layers),
+            });
+        }
         if let Err(e) = ty.element().and_then(|_| ty.params().validate()) {
             return Err(GraphError::Param {
                 param: "scale_granularity".into(),

@@ -115,8 +115,9 @@ impl Roles {
             let cache = with_role(ArgRole::Cache).next();
             let num_layers = cache.and_then(|c| graph.value(c).ty.as_kv_cache()).map_or(1, |c| c.num_layers);
             for layer in with_role(ArgRole::LayerIndex).filter_map(input_name) {
-                let next = roles.layer_idx.len() as u32;
-                roles.layer_idx.entry(layer).or_insert(next % num_layers as u32);
+                // num_layers ≤ u32::MAX (a cache's params are validated).
+                let next = roles.layer_idx.len() % num_layers.max(1);
+                roles.layer_idx.entry(layer).or_insert(next as u32);
             }
             let Some(valid) = with_role(ArgRole::ValidLengths).find_map(input_name) else { continue };
             if let Some(data) = with_role(ArgRole::Data).next() {
