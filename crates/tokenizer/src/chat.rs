@@ -26,11 +26,45 @@ impl ChatMessage {
     }
 }
 
-/// Renders `template` for `messages`.
-/// Template instructions a rendering may run: real chat templates take a
-/// few hundred per message; a loop of 10¹⁰ (a crafted file's) runs out.
-const TEMPLATE_FUEL: u64 = 10_000_000;
+/// The work a rendering may do, in minijinja's fuel: one per instruction
+/// and one per 64 bytes of data made. Real chat templates take a few
+/// hundred instructions per message; a loop of 10¹⁰ or a string doubled
+/// again and again (a crafted file's) runs out, having made at most 64 MB.
+const TEMPLATE_FUEL: u64 = 1_000_000;
 
+/// The longest string `join` may make. minijinja charges a join's output
+/// to the fuel only when its joiner is not empty, so `['x' * 10⁷] * 10⁴ |
+/// join` would ask for 100 GB at once (the process aborts on a failed
+/// allocation): the size is checked first.
+const MAX_JOINED_BYTES: usize = 64 << 20;
+
+/// minijinja's `join`, refused when its result would pass
+/// [`MAX_JOINED_BYTES`] (items that are not strings counted by their
+/// display).
+fn bounded_join(
+    state: &mut minijinja::State,
+    value: &Value,
+    joiner: Option<minijinja::value::StringInput<'_>>,
+    attribute: Option<&str>,
+    kwargs: minijinja::value::Kwargs,
+) -> Result<Value, Error> {
+    let separator = joiner.as_ref().map_or(0, |j| j.as_str().len());
+    let mut total = 0usize;
+    for item in value.try_iter()? {
+        let len = item.as_str().map_or_else(|| item.to_string().len(), str::len);
+        total = total.saturating_add(len).saturating_add(separator);
+        if total > MAX_JOINED_BYTES {
+            return Err(Error::new(
+                ErrorKind::InvalidOperation,
+                format!("join would make a string of more than {MAX_JOINED_BYTES} bytes"),
+            ));
+        }
+    }
+    minijinja::filters::join(state, value, joiner, attribute, kwargs)
+}
+
+/// Renders `template` for `messages`, within [`TEMPLATE_FUEL`] and
+/// [`MAX_JOINED_BYTES`].
 pub(crate) fn render(
     template: &str,
     messages: &[ChatMessage],
@@ -50,6 +84,7 @@ pub(crate) fn render(
     // The template comes from the model file: a crafted one must not loop
     // or grow without end.
     env.set_fuel(Some(TEMPLATE_FUEL));
+    env.add_filter("join", bounded_join);
     env.add_function("raise_exception", |msg: String| -> Result<String, Error> {
         Err(Error::new(ErrorKind::InvalidOperation, msg))
     });

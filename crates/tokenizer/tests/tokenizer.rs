@@ -317,7 +317,32 @@ fn chat_template_variables_and_errors() {
         Some("{% for a in range(100000) %}{% for b in range(100000) %}xxxxxxxxxx{% endfor %}{% endfor %}".into());
     let err = Tokenizer::from_spec(s).unwrap().apply_chat_template(&[], false).unwrap_err();
     assert!(matches!(err, TokenizerError::ChatTemplate(_)) && err.to_string().contains("out of fuel"), "{err}");
-    // While the real template of a long conversation renders.
+    // Templates that build gigabytes in a few instructions: a join of
+    // many copies of a long string (its size is not charged to the fuel
+    // with an empty joiner: it once asked for 5 GB and aborted), and a
+    // string doubled again and again. Refused in one line.
+    for (template, want) in [
+        ("{% set a = 'x' * 5000000 %}{% set b = [a] * 1000 %}{{ b | join('') }}", "join would make a string"),
+        ("{{ (['x' * 10000000] * 10000) | join }}", "join would make a string"),
+        (
+            "{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}",
+            "out of fuel",
+        ),
+    ] {
+        let mut s = spec("smollm", &[]);
+        s.chat_template = Some(template.into());
+        let err = Tokenizer::from_spec(s).unwrap().apply_chat_template(&[], false).unwrap_err();
+        assert!(matches!(err, TokenizerError::ChatTemplate(_)) && err.to_string().contains(want), "{template}: {err}");
+    }
+    // A join of ordinary size still joins.
+    let mut s = spec("smollm", &[]);
+    s.chat_template = Some("{{ ['ab', 'cd', 3] | join('-') }}".into());
+    assert_eq!(Tokenizer::from_spec(s).unwrap().apply_chat_template(&[], false).unwrap(), "ab-cd-3");
+    // While the real template of a long conversation renders, and of a
+    // message of a megabyte.
+    let megabyte = "word ".repeat(200_000);
+    let rendered = tok("smollm").apply_chat_template(&[ChatMessage::new("user", megabyte.as_str())], true).unwrap();
+    assert!(rendered.contains(&megabyte));
     let t = tok("smollm");
     let long: Vec<ChatMessage> =
         (0..2000).map(|i| ChatMessage::new(["user", "assistant"][i % 2], "some words")).collect();
