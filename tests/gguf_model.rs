@@ -341,7 +341,9 @@ fn generate(graph: &Graph, prompt: &[u32], max_tokens: usize) -> Generation {
 
 /// The prompt of the numeric checks, tokenized by the file's vocabulary.
 fn prompt(path: &Path) -> Vec<u32> {
-    let tokenizer = tokenizer(&Gguf::open(path).unwrap()).unwrap();
+    let gguf = Gguf::open(path).unwrap();
+    let vocab = gguf.tensor_info("token_embd.weight").unwrap().shape()[0];
+    let tokenizer = tokenizer(&gguf, vocab).unwrap();
     let ids = tokenizer.encode("hi the cat, hi!", false).unwrap();
     // "hi" and "Ġthe" are merged tokens; the rest are bytes.
     let (hi, the) = (256, 259);
@@ -933,6 +935,41 @@ fn bad_files_and_requests_are_refused_in_one_line() {
     tiny_gguf(Variant { without: Some("llama.block_count"), ..TIED }).write(&file).unwrap();
     refused(&["import", str(&file), "-o", str(&out)], "llama.block_count");
     refused(&["generate", str(&file), "--prompt", "hi"], "llama.block_count");
+    // A layer count past the file's layers, however large: refused naming
+    // the first missing layer, before anything is built per layer (2³² − 1
+    // once spun building layers).
+    for count in [LAYERS as u32 + 1, 100_000, u32::MAX] {
+        let mut blocks = tiny_gguf(Variant { without: Some("llama.block_count"), ..TIED });
+        blocks.kv("llama.block_count", count);
+        blocks.write(&file).unwrap();
+        let missing = format!("the file has no layer {LAYERS} (tensor 'blk.{LAYERS}.attn_norm.weight' not found)");
+        refused(&["import", str(&file), "-o", str(&out)], &missing);
+        refused(&["generate", str(&file), "--prompt", "hi"], &missing);
+    }
+    // A RoPE base that is not a positive number, and a rotary dimension
+    // other than the head's: named, at import (a NaN base once reached
+    // the model.json as null).
+    for base in [f32::NAN, f32::INFINITY, 0.0] {
+        let mut rope = tiny_gguf(Variant { without: Some("llama.rope.freq_base"), ..TIED });
+        rope.kv("llama.rope.freq_base", base);
+        rope.write(&file).unwrap();
+        refused(&["import", str(&file), "-o", str(&out)], "llama.rope.freq_base");
+    }
+    let mut partial = tiny_gguf(Variant { without: Some("llama.rope.dimension_count"), ..TIED });
+    partial.kv("llama.rope.dimension_count", HEAD as u32 / 2);
+    partial.write(&file).unwrap();
+    refused(&["generate", str(&file), "--prompt", "hi"], "llama.rope.dimension_count");
+    // A vocabulary of another size than the model's rows: refused before
+    // generating (a shorter one once dropped the text of the ids past its
+    // end without a word).
+    let short_vocab = {
+        let mut short = tiny_gguf(Variant { without: Some("tokenizer.ggml.tokens"), ..TIED });
+        let tokens: Vec<String> = byte_chars().iter().map(char::to_string).collect();
+        short.kv("tokenizer.ggml.tokens", MetaValue::strings(&tokens));
+        short
+    };
+    short_vocab.write(&file).unwrap();
+    refused(&["generate", str(&file), "--prompt", "hi"], &format!("holds 256 tokens, but the model scores {VOCAB}"));
     // Neither a GGUF file, an artifact nor a model.json: said so.
     for (name, contents) in [("notes.txt", &b"# notes"[..]), ("blob.bin", &[0xff, 0xfe, 0x00, 0x01][..])] {
         let file = bad(name, contents);
@@ -942,6 +979,22 @@ fn bad_files_and_requests_are_refused_in_one_line() {
     // (so nothing is printed but the error).
     let nowhere = dir.path().join("no_such_dir").join("l.safetensors");
     refused(&["generate", str(&path), "--prompt", "hi", "--logits", str(&nowhere)], "--logits");
+    // Nor anything but a regular file: a FIFO (the check once blocked on
+    // it), a device, a link to nothing (once written through, the link
+    // replaced) — and the link and its target are left alone.
+    #[cfg(unix)]
+    {
+        let fifo = dir.path().join("fifo");
+        assert!(std::process::Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+        let dangling = dir.path().join("dangling");
+        let target = dir.path().join("target.safetensors");
+        std::os::unix::fs::symlink(&target, &dangling).unwrap();
+        for logits in [fifo.as_path(), Path::new("/dev/full"), dangling.as_path()] {
+            refused(&["generate", str(&path), "--prompt", "hi", "--logits", str(logits)], "--logits");
+        }
+        assert!(std::fs::symlink_metadata(&dangling).unwrap().file_type().is_symlink());
+        assert!(!target.exists());
+    }
     // The commands that take graph files say what to do with a GGUF.
     for command in ["run", "inspect", "validate"] {
         refused(&[command, str(&path)], "is a GGUF model file, not a graph file: kvjit generate runs it");
@@ -1024,6 +1077,9 @@ fn requests_that_cannot_run(path: &Path) -> Vec<(Vec<String>, &'static str)> {
         (args(&["--prompt", "hi", "--kv-cache-dtype", "q4_0"]), "--kv-cache-dtype q4_0: the KV cache holds"),
         // A page count past usize.
         (args(&["--max-batch", "18446744073709551615", "--prompt", "hi"]), "more cache pages than can be counted"),
+        // A --max-tokens whose sum with the prompt would wrap usize (it
+        // once passed the context check as 1 token).
+        (args(&["--prompt", "hi", "--max-tokens", "18446744073709551615"]), "past the context length"),
     ];
     if cfg!(target_os = "linux") {
         // A cache larger than the machine's memory (known from

@@ -56,7 +56,9 @@ fn model_file() -> Option<PathBuf> {
 }
 
 fn the_tokenizer(path: &std::path::Path) -> Tokenizer {
-    tokenizer(&kvjit::gguf::Gguf::open(path).unwrap()).unwrap()
+    let gguf = kvjit::gguf::Gguf::open(path).unwrap();
+    let vocab = gguf.tensor_info("token_embd.weight").unwrap().shape()[0];
+    tokenizer(&gguf, vocab).unwrap()
 }
 
 fn ids(value: &Value) -> Vec<u32> {

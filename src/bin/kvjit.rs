@@ -818,13 +818,28 @@ fn unfused_artifact(path: &Path) -> Error {
 }
 
 /// Whether a file can be written at `path` (checked before a long run, not
-/// after it): opened for appending, so an existing file is left as it is,
-/// and removed again if this made it.
+/// after it): a regular file (or a link to one) is opened for appending,
+/// so it is left as it is; where nothing is, a file is made and removed
+/// again. Anything else is refused: a FIFO would block the check, a
+/// device (`/dev/full`) fail only after the run, and a link to nothing
+/// would be written through.
 fn check_writable(path: &Path) -> std::io::Result<()> {
-    let existed = path.exists();
-    std::fs::OpenOptions::new().append(true).create(true).open(path)?;
-    if !existed {
-        std::fs::remove_file(path)?;
+    use std::io::{Error, ErrorKind};
+    match std::fs::symlink_metadata(path) {
+        Ok(_) => {
+            let target = std::fs::metadata(path)
+                .map_err(|e| Error::new(e.kind(), format!("a symbolic link to nothing that can be read ({e})")))?;
+            if !target.is_file() {
+                return Err(Error::new(ErrorKind::InvalidInput, "not a regular file"));
+            }
+            std::fs::OpenOptions::new().append(true).open(path)?;
+        }
+        Err(e) if e.kind() == ErrorKind::NotFound => {
+            // create_new does not follow a link: nothing is made elsewhere.
+            std::fs::OpenOptions::new().write(true).create_new(true).open(path)?;
+            std::fs::remove_file(path)?;
+        }
+        Err(e) => return Err(e),
     }
     Ok(())
 }
@@ -879,18 +894,16 @@ fn generate(registry: &Registry, args: &GenerateArgs) -> Result<()> {
         (graph, exe, gguf_path)
     };
     let gguf_file = kvjit::gguf::Gguf::open(&gguf_path)?;
-    let tokenizer = tokenizer(&gguf_file)?;
     let ctx = DeviceContextPtr::for_target(Target::Cpu, args.threads)?;
     let model = Model::new(&graph, registry, exe, Executor::new(ctx))?;
+    let tokenizer = tokenizer(&gguf_file, model.vocab_size())?;
     let compile_time = started.elapsed();
 
     let mut prompts = Vec::with_capacity(args.prompt.len());
     for text in &args.prompt {
         let ids = if args.chat {
             let messages = [kvjit::tokenizer::ChatMessage::new("user", text.as_str())];
-            let formatted = tokenizer
-                .apply_chat_template(&messages, true)
-                .map_err(|e| Error::Usage(format!("chat template: {e}")))?;
+            let formatted = tokenizer.apply_chat_template(&messages, true).map_err(|e| Error::Usage(e.to_string()))?;
             let parse = kvjit::tokenizer::EncodeOptions { add_special: true, parse_special: true };
             tokenizer.encode_with(&formatted, parse)
         } else {
@@ -920,8 +933,17 @@ fn generate(registry: &Registry, args: &GenerateArgs) -> Result<()> {
     if streaming && !args.chat {
         print!("{}", args.prompt[0]);
     }
+    // The tokenizer covers every id the model scores (checked above), so
+    // a decoding error is a bug to report, not a piece to drop.
+    let mut decode_error = None;
     let out = model.generate(&prompts, &generate_options, &mut |p, token| {
-        let piece = decoders[p].push(token).unwrap_or_default();
+        let piece = match decoders[p].push(token) {
+            Ok(piece) => piece,
+            Err(e) => {
+                decode_error.get_or_insert(e);
+                String::new()
+            }
+        };
         if streaming {
             print!("{piece}");
             let _ = stdout.flush();
@@ -929,6 +951,9 @@ fn generate(registry: &Registry, args: &GenerateArgs) -> Result<()> {
             texts[p].push_str(&piece);
         }
     })?;
+    if let Some(e) = decode_error {
+        return Err(Error::Usage(format!("decoding the generated tokens: {e}")));
+    }
     for (p, decoder) in decoders.iter_mut().enumerate() {
         let rest = decoder.finish();
         if streaming {

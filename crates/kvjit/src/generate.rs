@@ -156,6 +156,7 @@ pub struct Model {
     cache_params: KvCacheParams,
     num_pages: usize,
     max_pages_per_seq: usize,
+    vocab_size: usize,
 }
 
 impl Model {
@@ -173,9 +174,14 @@ impl Model {
         };
         let ids = one(roles.token_ids.keys().cloned().collect(), "token-ids")?;
         let valid_lengths = one(roles.valid_lengths.iter().cloned().collect(), "valid-lengths")?;
-        if !graph.outputs().iter().any(|o| o.name == LOGITS) {
+        let Some(logits) = graph.outputs().iter().find(|o| o.name == LOGITS) else {
             return Err(not_a_model(format!("it has no output '{LOGITS}'")));
-        }
+        };
+        let Some(vocab_size) =
+            graph.value(logits.value).ty.as_tensor().and_then(|t| t.shape.last()?.as_static()).filter(|&v| v > 0)
+        else {
+            return Err(not_a_model(format!("its output '{LOGITS}' needs a static vocabulary (last) dimension")));
+        };
         let caches: Vec<_> = graph.kv_caches().collect();
         let [(_, cache)] = caches.as_slice() else {
             return Err(not_a_model(format!("it needs exactly one KV cache, it has {}", caches.len())));
@@ -195,7 +201,13 @@ impl Model {
             cache_params: ty.params(),
             num_pages,
             max_pages_per_seq,
+            vocab_size,
         })
+    }
+
+    /// Token ids the model scores: the width of its `logits` rows.
+    pub fn vocab_size(&self) -> usize {
+        self.vocab_size
     }
 
     /// Tokens a sequence may hold in the cache: prompt plus generated.
@@ -222,7 +234,10 @@ impl Model {
         }
         let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
         let context = self.context_length();
-        if longest + options.max_tokens > context {
+        // Saturating: a --max-tokens near usize::MAX must not wrap past
+        // the check.
+        let total = longest.saturating_add(options.max_tokens);
+        if total > context {
             return Err(Error::Usage(format!(
                 "a prompt of {} plus {} to generate is past the context length {context}",
                 count_tokens(longest),
@@ -242,11 +257,12 @@ impl Model {
                 memory as f64 / 1e9
             )));
         }
-        let pages_each = (longest + options.max_tokens).div_ceil(self.cache_params.page_size);
+        // total ≤ context here, so neither product wraps.
+        let pages_each = total.div_ceil(self.cache_params.page_size);
         if batch * pages_each > self.num_pages {
             return Err(Error::Usage(format!(
                 "{batch} sequences of {} tokens need {} cache pages; the model's cache has {}",
-                longest + options.max_tokens,
+                total,
                 batch * pages_each,
                 self.num_pages
             )));

@@ -69,8 +69,9 @@ pub fn llama_config(gguf: &Gguf, options: &ImportOptions) -> Result<LlamaConfig>
     let arch = gguf.architecture()?;
     if arch != "llama" {
         return Err(Error::Usage(format!(
-            "{}: architecture '{arch}' is not supported (kvjit imports 'llama' models)",
-            gguf.path().display()
+            "{}: architecture '{}' is not supported (kvjit imports 'llama' models)",
+            gguf.path().display(),
+            arch.escape_debug()
         )));
     }
     let key = |suffix: &str| gguf.arch_key(suffix);
@@ -87,6 +88,21 @@ pub fn llama_config(gguf: &Gguf, options: &ImportOptions) -> Result<LlamaConfig>
         None => gguf.tensor_info("token_embd.weight").and_then(|t| t.shape().first().copied()).unwrap_or(0),
     };
     check_buildable(gguf, [hidden, heads, kv_heads, head_size, vocab], options)?;
+    let num_layers = layer_count(gguf)?;
+    let refuse = |problem: String| Error::Usage(format!("{}: {problem}", gguf.path().display()));
+    if let Some(rotated) = gguf.get_u32_opt(&key("rope.dimension_count")?)?
+        && rotated as usize != head_size
+    {
+        // llama.cpp refuses the same: a Llama model rotates whole heads.
+        return Err(refuse(format!(
+            "{} is {rotated}, but a llama model rotates whole heads of {head_size}",
+            key("rope.dimension_count")?
+        )));
+    }
+    let rope_theta = f64::from(gguf.get_f32_opt(&key("rope.freq_base")?)?.unwrap_or(10000.0));
+    if !(rope_theta.is_finite() && rope_theta > 0.0) {
+        return Err(refuse(format!("{} is {rope_theta}; RoPE needs a positive base", key("rope.freq_base")?)));
+    }
     let pages_per_seq = options.context / options.page_size;
     let num_pages = pages_per_seq.checked_mul(options.max_batch).ok_or_else(|| {
         Error::Usage(format!(
@@ -108,13 +124,13 @@ pub fn llama_config(gguf: &Gguf, options: &ImportOptions) -> Result<LlamaConfig>
             num_kv_heads: kv_heads,
             head_size,
             page_size: options.page_size,
-            num_layers: gguf.get_u32(&key("block_count")?)? as usize,
+            num_layers,
             num_pages,
             max_pages_per_seq: pages_per_seq,
             weight_seed: 0,
         },
         ffn_size: gguf.get_u32(&key("feed_forward_length")?)? as usize,
-        rope_theta: f64::from(gguf.get_f32_opt(&key("rope.freq_base")?)?.unwrap_or(10000.0)),
+        rope_theta,
         llama3_scaling: None,
         rope_freq_factors: rope_freq_factors(gguf, head_size)?,
         rope_interleaved: true,
@@ -122,6 +138,27 @@ pub fn llama_config(gguf: &Gguf, options: &ImportOptions) -> Result<LlamaConfig>
         vocab_size: vocab,
         tie_word_embeddings: gguf.tensor_info("output.weight").is_none(),
     })
+}
+
+/// The model's `block_count`, checked against the file's tensors before
+/// anything is built per layer: a count of 0, or one past the layers the
+/// file holds (a crafted count of 2³² − 1 would otherwise build billions
+/// of layers before the first missing weight is noticed), is refused
+/// naming the first missing layer.
+fn layer_count(gguf: &Gguf) -> Result<usize> {
+    let key = gguf.arch_key("block_count")?;
+    let count = gguf.get_u32(&key)? as usize;
+    if count == 0 {
+        return Err(Error::Usage(format!("{}: {key} is 0", gguf.path().display())));
+    }
+    if let Some(missing) = (0..count).find(|i| gguf.tensor_info(&format!("blk.{i}.attn_norm.weight")).is_none()) {
+        return Err(Error::Usage(format!(
+            "{}: {key} is {count}, but the file has no layer {missing} (tensor 'blk.{missing}.attn_norm.weight' not \
+             found)",
+            gguf.path().display()
+        )));
+    }
+    Ok(count)
 }
 
 /// Refuse, one cause a line, a model kvjit cannot build: a hyper-parameter
@@ -461,13 +498,24 @@ fn same_file(a: &Path, b: &Path) -> bool {
 }
 
 /// The tokenizer the GGUF's metadata describes (`tokenizer.ggml.*`,
-/// `tokenizer.chat_template`).
-pub fn tokenizer(gguf: &Gguf) -> Result<Tokenizer> {
+/// `tokenizer.chat_template`), for a model scoring `vocab_size` token ids:
+/// a vocabulary of another size is refused before it is built (as
+/// llama.cpp does), since ids past its end would have no text and ids past
+/// the model's would never be scored.
+pub fn tokenizer(gguf: &Gguf, vocab_size: usize) -> Result<Tokenizer> {
     let owned = |v: Vec<&str>| v.into_iter().map(str::to_string).collect::<Vec<_>>();
+    let tokens = gguf.get_str_array("tokenizer.ggml.tokens")?;
+    if tokens.len() != vocab_size {
+        return Err(Error::Usage(format!(
+            "{}: tokenizer.ggml.tokens holds {} tokens, but the model scores {vocab_size} (its logits' width)",
+            gguf.path().display(),
+            tokens.len()
+        )));
+    }
     let spec = VocabSpec {
         model: gguf.get_str("tokenizer.ggml.model")?.to_string(),
         pre: gguf.get_str_opt("tokenizer.ggml.pre")?.map(str::to_string),
-        tokens: owned(gguf.get_str_array("tokenizer.ggml.tokens")?),
+        tokens: owned(tokens),
         merges: gguf.get_str_array_opt("tokenizer.ggml.merges")?.map(owned).unwrap_or_default(),
         token_types: gguf.get_i32_array_opt("tokenizer.ggml.token_type")?,
         bos: gguf.get_u32_opt("tokenizer.ggml.bos_token_id")?,
