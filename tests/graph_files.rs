@@ -823,6 +823,25 @@ fn params_whose_product_overflows_are_a_typed_error_not_a_panic() {
 }
 
 #[test]
+fn names_with_control_characters_are_refused_at_load() {
+    // Names are printed: an escape sequence or a NUL from a crafted file
+    // must not reach the terminal.
+    let registry = standard_registry();
+    let good = json_of(&small_graph(&registry));
+    for name in ["evil\u{1b}[31m", "nul\u{0}", "two\nlines"] {
+        let mut graph_name = good.clone();
+        graph_name["name"] = json!(name);
+        let mut value_name = good.clone();
+        value_entry(&mut value_name, "kv_cache")["name"] = json!(name);
+        for json in [graph_name, value_name] {
+            let err = rejected(&json);
+            assert_message(&err, &["holds a control character"]);
+            assert!(!err.to_string().chars().any(char::is_control), "{err}");
+        }
+    }
+}
+
+#[test]
 fn a_layer_count_past_u32_is_refused_at_load() {
     // Layer indices are u32: 2³² layers once passed validation and made
     // `kvjit run` divide by zero (the count cast to u32).

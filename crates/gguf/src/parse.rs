@@ -138,7 +138,8 @@ pub(crate) fn parse(bytes: &[u8]) -> Result<Parsed, String> {
     for i in 0..kv_count {
         let key = r.string(&|| format!("metadata key {i}"))?;
         let key = utf8(key, &|| format!("metadata key {i}"))?;
-        let what = |key: &str| format!("metadata '{key}'");
+        // Names come from the file: control characters are escaped.
+        let what = |key: &str| format!("metadata '{}'", key.escape_debug());
         if keys.insert(key, i).is_some() {
             return Err(format!("{} appears twice", what(key)));
         }
@@ -166,7 +167,7 @@ pub(crate) fn parse(bytes: &[u8]) -> Result<Parsed, String> {
     for i in 0..tensor_count {
         let name = r.string(&|| format!("the name of tensor {i}"))?;
         let name = utf8(name, &|| format!("the name of tensor {i}"))?;
-        let what = || format!("tensor '{name}'");
+        let what = || format!("tensor '{}'", name.escape_debug());
         if names.insert(name, ()).is_some() {
             return Err(format!("{} appears twice", what()));
         }
@@ -201,7 +202,9 @@ pub(crate) fn parse(bytes: &[u8]) -> Result<Parsed, String> {
         if end.is_none_or(|end| end > data_len) {
             return Err(format!(
                 "tensor '{}' ({} bytes at offset {} of the data) runs past the {data_len}-byte data section",
-                t.name, t.size, t.offset
+                t.name.escape_debug(),
+                t.size,
+                t.offset
             ));
         }
     }

@@ -338,6 +338,8 @@ fn malformed_metadata_is_refused() {
     };
     let cases: Vec<(Vec<u8>, &str)> = vec![
         (raw(3, 0, 1, |out| kv(out, "k", 13, &[0; 8])), "metadata 'k' has unknown value type 13"),
+        // A key's control characters are escaped, not sent to the terminal.
+        (raw(3, 0, 1, |out| kv(out, "k\u{1b}[31m", 13, &[0; 8])), "metadata 'k\\u{1b}[31m' has unknown value type 13"),
         (
             raw(3, 0, 1, |out| {
                 kv(out, "k", 9, &{

@@ -90,6 +90,14 @@ impl<Init> ValueEntry<Init> {
             ValueEntry::Input { id, .. } | ValueEntry::Constant { id, .. } | ValueEntry::KvCache { id, .. } => *id,
         }
     }
+
+    fn name(&self) -> &str {
+        match self {
+            ValueEntry::Input { name, .. } | ValueEntry::Constant { name, .. } | ValueEntry::KvCache { name, .. } => {
+                name
+            }
+        }
+    }
 }
 
 #[derive(Serialize, Deserialize)]
@@ -320,6 +328,15 @@ fn parse_graph(
         })
         .collect::<Result<Vec<_>>>()?;
 
+    // Names are printed in messages and listings: a control character (an
+    // escape sequence, a NUL) from a crafted file would reach the terminal.
+    let mut names = std::iter::once(file.name.as_str())
+        .chain(file.values.iter().map(ValueEntry::name))
+        .chain(file.outputs.iter().map(|o| o.name.as_str()));
+    if let Some(bad) = names.find(|n| n.chars().any(char::is_control)) {
+        let problem = format!("the name {bad:?} holds a control character");
+        return Err(GraphError::Json(<serde_json::Error as serde::de::Error>::custom(problem)));
+    }
     let mut declared = HashSet::new();
     for value in &file.values {
         if !declared.insert(value.id()) {
