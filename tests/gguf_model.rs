@@ -970,6 +970,19 @@ fn bad_files_and_requests_are_refused_in_one_line() {
     };
     short_vocab.write(&file).unwrap();
     refused(&["generate", str(&file), "--prompt", "hi"], &format!("holds 256 tokens, but the model scores {VOCAB}"));
+    // A model.json whose RoPE table has fewer positions than the
+    // sequence needs: refused before generating (it once failed part-way
+    // through the stream).
+    succeeds(&["import", str(&path), "-o", str(&out)]);
+    let model_json = out.join("model.json");
+    let mut graph: serde_json::Value = serde_json::from_slice(&std::fs::read(&model_json).unwrap()).unwrap();
+    let table = graph["values"].as_array_mut().unwrap().iter_mut().find(|v| v["name"] == "freqs_cis").unwrap();
+    table["shape"][0] = 4.into();
+    std::fs::write(&model_json, serde_json::to_vec(&graph).unwrap()).unwrap();
+    refused(
+        &["generate", str(&model_json), "--prompt", "hi the cat", "--max-tokens", "8"],
+        "past the 4 positions of the model's RoPE table",
+    );
     // Neither a GGUF file, an artifact nor a model.json: said so.
     for (name, contents) in [("notes.txt", &b"# notes"[..]), ("blob.bin", &[0xff, 0xfe, 0x00, 0x01][..])] {
         let file = bad(name, contents);

@@ -22,6 +22,9 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use crate::models::llama::LOGITS;
+
+/// The argument of RoPE's op that holds its table (`[positions, D]`).
+const ROPE_TABLE: &str = "freqs_cis";
 use crate::scenario::Roles;
 use crate::{Error, Registry, Result};
 
@@ -157,6 +160,7 @@ pub struct Model {
     num_pages: usize,
     max_pages_per_seq: usize,
     vocab_size: usize,
+    rope_positions: Option<usize>,
 }
 
 impl Model {
@@ -182,6 +186,19 @@ impl Model {
         else {
             return Err(not_a_model(format!("its output '{LOGITS}' needs a static vocabulary (last) dimension")));
         };
+        // The positions RoPE has a row for (the fewest, over its nodes'
+        // tables): a sequence past them fails mid-generation otherwise.
+        let mut rope_positions: Option<usize> = None;
+        for node in graph.nodes() {
+            let op = registry.ops().get(&node.op)?;
+            for (spec, &table) in op.inputs().iter().zip(&node.inputs) {
+                if spec.name == ROPE_TABLE
+                    && let Some(rows) = graph.value(table).ty.as_tensor().and_then(|t| t.shape.first()?.as_static())
+                {
+                    rope_positions = Some(rope_positions.map_or(rows, |r| r.min(rows)));
+                }
+            }
+        }
         let caches: Vec<_> = graph.kv_caches().collect();
         let [(_, cache)] = caches.as_slice() else {
             return Err(not_a_model(format!("it needs exactly one KV cache, it has {}", caches.len())));
@@ -202,6 +219,7 @@ impl Model {
             num_pages,
             max_pages_per_seq,
             vocab_size,
+            rope_positions,
         })
     }
 
@@ -240,6 +258,14 @@ impl Model {
         if total > context {
             return Err(Error::Usage(format!(
                 "a prompt of {} plus {} to generate is past the context length {context}",
+                count_tokens(longest),
+                options.max_tokens
+            )));
+        }
+        if let Some(rows) = self.rope_positions.filter(|&rows| total > rows) {
+            return Err(Error::Usage(format!(
+                "a prompt of {} plus {} to generate is past the {rows} positions of the model's RoPE table \
+                 ({ROPE_TABLE})",
                 count_tokens(longest),
                 options.max_tokens
             )));
