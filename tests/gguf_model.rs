@@ -85,6 +85,9 @@ struct Variant {
     linear_rope: Option<f32>,
     /// Each layer's projection types ([`LAYER_TYPES`]).
     layer_types: &'static [[GgmlType; 7]; LAYERS],
+    /// A SentencePiece (`llama`) vocabulary of the same size in place of
+    /// the byte-level BPE one ([`SPM_PIECES`]).
+    sentencepiece: bool,
 }
 
 const TIED: Variant = Variant {
@@ -94,7 +97,11 @@ const TIED: Variant = Variant {
     rope_freqs: false,
     linear_rope: None,
     layer_types: &LAYER_TYPES,
+    sentencepiece: false,
 };
+/// The SentencePiece variant's pieces after `<unk>`, `<s>`, `</s>` and the
+/// 256 byte tokens, with their scores: "hi" is "▁h" "i".
+const SPM_PIECES: [(&str, f32); 3] = [("▁", -3.0), ("▁h", -1.0), ("i", -2.0)];
 /// The divisors the `rope_freqs` variant stores, one per pair of the head.
 const ROPE_FREQS: [f32; HEAD / 2] = [1.0, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0];
 const UNTIED: Variant = Variant { tied: false, ..TIED };
@@ -139,14 +146,29 @@ fn tiny_gguf(variant: Variant) -> GgufWriter {
     let mut types = vec![1; VOCAB];
     types[IM_START as usize] = 3;
     types[IM_END as usize] = 3;
-    kv("tokenizer.ggml.model", "gpt2".into());
-    kv("tokenizer.ggml.pre", "smollm".into());
-    kv("tokenizer.ggml.tokens", MetaValue::strings(&tokens));
-    kv("tokenizer.ggml.token_type", MetaValue::i32s(types));
-    kv("tokenizer.ggml.merges", MetaValue::strings(MERGES.iter().map(|(a, b)| format!("{a} {b}"))));
-    kv("tokenizer.ggml.bos_token_id", IM_START.into());
-    kv("tokenizer.ggml.eos_token_id", IM_END.into());
-    kv("tokenizer.ggml.add_bos_token", false.into());
+    if variant.sentencepiece {
+        let mut tokens: Vec<String> = ["<unk>", "<s>", "</s>"].map(String::from).to_vec();
+        tokens.extend((0..=255u8).map(|b| format!("<0x{b:02X}>")));
+        tokens.extend(SPM_PIECES.iter().map(|(piece, _)| piece.to_string()));
+        let types: Vec<i32> = [2, 3, 3].into_iter().chain([6; 256]).chain([1; SPM_PIECES.len()]).collect();
+        let scores: Vec<f32> = [0.0; 259].into_iter().chain(SPM_PIECES.iter().map(|&(_, s)| s)).collect();
+        assert_eq!(tokens.len(), VOCAB);
+        kv("tokenizer.ggml.model", "llama".into());
+        kv("tokenizer.ggml.tokens", MetaValue::strings(&tokens));
+        kv("tokenizer.ggml.token_type", MetaValue::i32s(types));
+        kv("tokenizer.ggml.scores", MetaValue::f32s(scores));
+        kv("tokenizer.ggml.bos_token_id", 1u32.into());
+        kv("tokenizer.ggml.eos_token_id", 2u32.into());
+    } else {
+        kv("tokenizer.ggml.model", "gpt2".into());
+        kv("tokenizer.ggml.pre", "smollm".into());
+        kv("tokenizer.ggml.tokens", MetaValue::strings(&tokens));
+        kv("tokenizer.ggml.token_type", MetaValue::i32s(types));
+        kv("tokenizer.ggml.merges", MetaValue::strings(MERGES.iter().map(|(a, b)| format!("{a} {b}"))));
+        kv("tokenizer.ggml.bos_token_id", IM_START.into());
+        kv("tokenizer.ggml.eos_token_id", IM_END.into());
+        kv("tokenizer.ggml.add_bos_token", false.into());
+    }
     kv("tokenizer.chat_template", CHATML.into());
 
     let mut rng = StdRng::seed_from_u64(23);
@@ -773,6 +795,20 @@ fn import_then_generate_writes_tokens_and_the_logits_that_chose_them() {
     let direct_path = dir.path().join("direct.safetensors");
     succeeds(&["generate", str(&path), "--prompt", "hi", "--max-tokens", "5", "--logits", str(&direct_path)]);
     assert_eq!(read_safetensors(&direct_path).unwrap()["tokens"].to_u32_vec().unwrap(), tokens);
+}
+
+/// A model with a SentencePiece vocabulary generates from its GGUF: the
+/// prompt is BOS and the score-merged pieces, and the text comes back.
+#[test]
+fn a_sentencepiece_vocabulary_generates() {
+    let (dir, path) = written(Variant { sentencepiece: true, ..TIED });
+    let logits = dir.path().join("spm.safetensors");
+    let out = succeeds(&["generate", str(&path), "--prompt", "hi", "--max-tokens", "3", "--logits", str(&logits)]);
+    let tokens = read_safetensors(&logits).unwrap()["tokens"].to_u32_vec().unwrap();
+    let (bos, spaced_h, i) = (1, 259 + 1, 259 + 2);
+    assert_eq!(tokens[..3], [bos, spaced_h, i], "{tokens:?}");
+    assert_eq!(tokens.len(), 3 + 3);
+    assert!(String::from_utf8_lossy(&out.stdout).starts_with("hi"), "{out:?}");
 }
 
 /// `kvjit import` keeps block weights by default (`--dequantize` opts out),

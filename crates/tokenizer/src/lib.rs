@@ -1,6 +1,7 @@
-//! kvjit's tokenizer: the byte-level BPE vocabulary a GGUF file carries in its
-//! `tokenizer.*` metadata, turned into a tokenizer that gives the same token
-//! ids as llama.cpp, plus the model's chat template.
+//! kvjit's tokenizer: the vocabulary a GGUF file carries in its `tokenizer.*`
+//! metadata (byte-level BPE, `gpt2`, or SentencePiece, `llama`), turned into
+//! a tokenizer that gives the same token ids as llama.cpp, plus the model's
+//! chat template.
 //!
 //! The input is plain data ([`VocabSpec`]), so this crate does not depend on
 //! the GGUF reader: whoever reads the file fills the spec from its keys
@@ -25,6 +26,9 @@
 //! 3. **Byte-level BPE.** Each word's UTF-8 bytes are spelled in GPT-2's byte
 //!    alphabet and merged by the ranked merges.
 //!
+//! A SentencePiece vocabulary (`llama`) takes step 1 as above and then
+//! llama.cpp's score-driven merges instead of 2 and 3 (see `spm.rs`).
+//!
 //! Steps 2 and 3 run on Hugging Face's [`tokenizers`] crate (a `BPE` model
 //! from the GGUF vocabulary and merges, `Split` pre-tokenizers with the
 //! Isolated behaviour, `ByteLevel` without its own regex), built with
@@ -36,14 +40,15 @@
 //! # Decoding
 //!
 //! Each token stands for bytes: a normal token for its text read back through
-//! the byte alphabet, a special token for its text, a byte token `<0xNN>` for
-//! that byte. [`Tokenizer::decode`] joins them; [`StreamDecoder`] hands out
+//! the byte alphabet (SentencePiece: its text with `▁` read as a space), a
+//! special token for its text, a byte token `<0xNN>` for that byte. [`Tokenizer::decode`] joins them; [`StreamDecoder`] hands out
 //! text as soon as the bytes so far form whole UTF-8 characters, so a
 //! character split over two tokens (an emoji is often two or three) is never
 //! shown in halves.
 //!
-//! Not done: SentencePiece (`llama`) vocabularies are refused with one line;
-//! llama.cpp's `clean_spaces` post-processing of decoded text (which removes
+//! Checked against llama.cpp's own test vectors (`tests/llama_cpp_vocabs.rs`
+//! in the `kvjit` crate: GPT-2, Llama 3, Qwen 2, Llama 2's and Phi-3's
+//! SentencePiece vocabularies). Not done: llama.cpp's `clean_spaces` post-processing of decoded text (which removes
 //! the space before `?`, `!`, `.`, `,` for `gpt2`/`llama-bpe`, not `smollm`)
 //! is not applied; per-token `lstrip`/`rstrip` attributes (not in GGUF) are
 //! ignored.
@@ -51,6 +56,7 @@
 mod bytes;
 mod chat;
 mod pretok;
+mod spm;
 mod stream;
 
 use std::collections::{HashMap, HashSet};
@@ -68,8 +74,8 @@ pub use stream::StreamDecoder;
 /// A vocabulary as a GGUF file's `tokenizer.*` metadata holds it.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct VocabSpec {
-    /// `tokenizer.ggml.model`: `"gpt2"` (byte-level BPE) is supported;
-    /// `"llama"` (SentencePiece) is refused.
+    /// `tokenizer.ggml.model`: `"gpt2"` (byte-level BPE) or `"llama"`
+    /// (SentencePiece).
     pub model: String,
     /// `tokenizer.ggml.pre`: the pre-tokenizer (`smollm`, `llama-bpe`,
     /// `gpt2`, …). Absent means llama.cpp's `default`.
@@ -86,11 +92,14 @@ pub struct VocabSpec {
     /// `tokenizer.ggml.eos_token_id`.
     pub eos: Option<u32>,
     /// `tokenizer.ggml.add_bos_token` (absent: the pre-tokenizer's default,
-    /// true for `llama-bpe` only, as in llama.cpp).
+    /// true for `llama-bpe` and SentencePiece only, as in llama.cpp).
     pub add_bos: Option<bool>,
+    /// `tokenizer.ggml.add_space_prefix` (SentencePiece; absent: true).
+    pub add_space_prefix: Option<bool>,
     /// `tokenizer.chat_template`: a Jinja template.
     pub chat_template: Option<String>,
-    /// `tokenizer.ggml.scores` (SentencePiece vocabularies; unused by BPE).
+    /// `tokenizer.ggml.scores`: SentencePiece's merge priorities, one per
+    /// token (needed there; unused by BPE).
     pub scores: Option<Vec<f32>>,
 }
 
@@ -140,11 +149,8 @@ impl TokenKind {
 #[derive(Debug, thiserror::Error)]
 pub enum TokenizerError {
     /// `tokenizer.ggml.model` names a kind of vocabulary not supported.
-    #[error("tokenizer model '{0}' is not supported (only byte-level BPE, 'gpt2')")]
+    #[error("tokenizer model '{0}' is not supported (byte-level BPE, 'gpt2', and SentencePiece, 'llama', are)")]
     UnsupportedModel(String),
-    /// A SentencePiece (`llama`) vocabulary: not implemented yet.
-    #[error("SentencePiece ('llama') tokenizer vocabularies are not supported yet; only byte-level BPE ('gpt2')")]
-    SentencePieceUnsupported,
     /// `tokenizer.ggml.pre` names a pre-tokenizer not supported.
     #[error("unknown pre-tokenizer '{name}' (tokenizer.ggml.pre); supported: {known}")]
     UnknownPreTokenizer {
@@ -191,7 +197,16 @@ pub struct EncodeOptions {
     pub parse_special: bool,
 }
 
-/// A byte-level BPE tokenizer built from a GGUF vocabulary.
+/// How the text between special tokens becomes ids.
+enum Engine {
+    /// Byte-level BPE on Hugging Face's pipeline.
+    Bpe(Box<tokenizers::Tokenizer>),
+    /// SentencePiece's score-driven merges.
+    Spm(spm::Spm),
+}
+
+/// A tokenizer built from a GGUF vocabulary (byte-level BPE or
+/// SentencePiece).
 pub struct Tokenizer {
     model: String,
     pre: Option<String>,
@@ -202,7 +217,7 @@ pub struct Tokenizer {
     token_to_id: HashMap<String, u32>,
     /// Control, user-defined and unknown tokens, longest text first.
     specials: Vec<u32>,
-    bpe: tokenizers::Tokenizer,
+    engine: Engine,
     bos: Option<u32>,
     eos: Option<u32>,
     add_bos: bool,
@@ -248,15 +263,19 @@ impl Tokenizer {
     /// and 0xC0): a byte without a token is dropped when encoding, as
     /// llama.cpp and Hugging Face do.
     pub fn from_spec(spec: VocabSpec) -> Result<Self> {
-        match spec.model.as_str() {
-            "gpt2" => {}
-            "llama" => return Err(TokenizerError::SentencePieceUnsupported),
+        // SentencePiece has no pre-tokenizer (llama.cpp ignores the key).
+        let sentencepiece = match spec.model.as_str() {
+            "gpt2" => false,
+            "llama" => true,
             other => return Err(TokenizerError::UnsupportedModel(other.into())),
-        }
-        let pre = pretok::lookup(spec.pre.as_deref()).ok_or_else(|| TokenizerError::UnknownPreTokenizer {
-            name: spec.pre.clone().unwrap_or_default(),
-            known: pretok::KNOWN,
-        })?;
+        };
+        let pre = match sentencepiece {
+            true => None,
+            false => Some(pretok::lookup(spec.pre.as_deref()).ok_or_else(|| TokenizerError::UnknownPreTokenizer {
+                name: spec.pre.clone().unwrap_or_default(),
+                known: pretok::KNOWN,
+            })?),
+        };
         let invalid = |msg: String| TokenizerError::InvalidVocab(msg);
         let n_tokens = spec.tokens.len();
         if n_tokens == 0 {
@@ -299,7 +318,7 @@ impl Tokenizer {
         };
         let bos = check_id("BOS", spec.bos)?;
         let eos = check_id("EOS", spec.eos)?;
-        let add_bos = spec.add_bos.unwrap_or(pre.add_bos_default);
+        let add_bos = spec.add_bos.unwrap_or(pre.as_ref().is_none_or(|pre| pre.add_bos_default));
         if add_bos && bos.is_none() {
             return Err(invalid("BOS is to be added but there is no BOS token id".into()));
         }
@@ -318,6 +337,7 @@ impl Tokenizer {
         let mut pieces = Vec::with_capacity(n_tokens);
         for (text, kind) in tokens.iter().zip(&kinds) {
             pieces.push(match kind {
+                TokenKind::Normal if sentencepiece => text.replace(spm::META_SPACE, " ").into_bytes(),
                 TokenKind::Normal => bytes::decode_byte_level(text),
                 TokenKind::Control | TokenKind::Unknown | TokenKind::UserDefined => text.as_bytes().to_vec(),
                 TokenKind::Byte => vec![
@@ -335,7 +355,14 @@ impl Tokenizer {
             .collect();
         specials.sort_by_key(|&id| std::cmp::Reverse(tokens[id as usize].len()));
 
-        let bpe = build_bpe(&tokens, &spec.merges, &pre)?;
+        let engine = match &pre {
+            Some(pre) => Engine::Bpe(Box::new(build_bpe(&tokens, &spec.merges, pre)?)),
+            None => {
+                let unknown = kinds.iter().position(|&k| k == TokenKind::Unknown).map(|id| id as u32);
+                let add_space_prefix = spec.add_space_prefix.unwrap_or(true);
+                Engine::Spm(spm::Spm::new(&tokens, &token_to_id, spec.scores, unknown, add_space_prefix)?)
+            }
+        };
 
         Ok(Self {
             model: spec.model,
@@ -345,7 +372,7 @@ impl Tokenizer {
             pieces,
             token_to_id,
             specials,
-            bpe,
+            engine,
             bos,
             eos,
             add_bos,
@@ -370,12 +397,24 @@ impl Tokenizer {
         if options.add_special && self.add_bos {
             out.extend(self.bos);
         }
+        // SentencePiece spells a space in front of a text that starts the
+        // input or follows a special token (llama.cpp's `is_prev_special`).
+        let mut after_special = true;
         for fragment in self.partition(text, options.parse_special) {
             match fragment {
-                Fragment::Token(id) => out.push(id),
+                Fragment::Token(id) => {
+                    out.push(id);
+                    after_special = true;
+                }
                 Fragment::Text(t) => {
-                    let encoding = self.bpe.encode(t, false).map_err(|e| TokenizerError::Backend(e.to_string()))?;
-                    out.extend_from_slice(encoding.get_ids());
+                    match &self.engine {
+                        Engine::Bpe(bpe) => {
+                            let encoding = bpe.encode(t, false).map_err(|e| TokenizerError::Backend(e.to_string()))?;
+                            out.extend_from_slice(encoding.get_ids());
+                        }
+                        Engine::Spm(spm) => spm.encode(t, after_special, &self.token_to_id, &mut out)?,
+                    }
+                    after_special = false;
                 }
             }
         }
@@ -429,10 +468,23 @@ impl Tokenizer {
     /// The text of `ids`; with `skip_special`, control and unknown tokens
     /// (BOS, EOS, `<|im_start|>`) are left out, as llama.cpp's
     /// `token_to_piece(…, special = false)`.
+    ///
+    /// A SentencePiece vocabulary that spells a space in front of the text
+    /// drops it again from the first token, as llama.cpp's `detokenize`
+    /// (which keeps it after a BOS it skips).
     pub fn decode_with(&self, ids: &[u32], skip_special: bool) -> Result<String> {
         let mut bytes = Vec::new();
+        let mut strip_space = matches!(&self.engine, Engine::Spm(spm) if spm.add_space_prefix);
+        let mut ids = ids;
+        if skip_special && self.add_bos && ids.first().is_some_and(|&id| Some(id) == self.bos) {
+            strip_space = false;
+            ids = &ids[1..];
+        }
         for &id in ids {
-            bytes.extend_from_slice(self.piece(id, skip_special)?);
+            let piece = self.piece(id, skip_special)?;
+            let skip = if strip_space { piece.iter().take_while(|&&b| b == b' ').count() } else { 0 };
+            bytes.extend_from_slice(&piece[skip..]);
+            strip_space = false;
         }
         Ok(String::from_utf8_lossy(&bytes).into_owned())
     }

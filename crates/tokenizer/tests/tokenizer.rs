@@ -57,6 +57,7 @@ fn spec(pre: &str, extra: &[&str]) -> VocabSpec {
         bos: Some(1),
         eos: Some(2),
         add_bos: Some(false),
+        add_space_prefix: None,
         chat_template: Some(SMOLLM2_TEMPLATE.into()),
         scores: None,
     }
@@ -358,9 +359,12 @@ fn bad_vocabularies_are_one_line_errors() {
         assert!(!err.contains('\n'), "{err:?}");
     };
     check(spec("nonesuch", &[]), "unknown pre-tokenizer 'nonesuch'");
+    // A SentencePiece vocabulary without its scores, or with too few.
     let mut s = spec("smollm", &[]);
     s.model = "llama".into();
-    check(s, "SentencePiece");
+    check(s.clone(), "a SentencePiece vocabulary needs its scores (tokenizer.ggml.scores)");
+    s.scores = Some(vec![0.0; 3]);
+    check(s, "3 scores for");
     let mut s = spec("smollm", &[]);
     s.model = "bert".into();
     check(s, "tokenizer model 'bert' is not supported");
@@ -408,4 +412,70 @@ fn bytes_without_a_token_are_dropped() {
     let t = Tokenizer::from_spec(s).unwrap();
     let ids = t.encode("a\u{4}b", false).unwrap();
     assert_eq!(texts(&t, &ids), ["a", "b"]);
+}
+
+/// A small SentencePiece vocabulary: `<unk>`, `<s>`, `</s>`, the 256 byte
+/// tokens, then pieces with their scores (higher merges first).
+fn spm_spec(pieces: &[(&str, f32)]) -> VocabSpec {
+    let mut tokens: Vec<String> = ["<unk>", "<s>", "</s>"].map(String::from).to_vec();
+    let mut types = vec![2, 3, 3];
+    for b in 0..=255u8 {
+        tokens.push(format!("<0x{b:02X}>"));
+        types.push(6);
+    }
+    let mut scores = vec![0.0; tokens.len()];
+    for &(piece, score) in pieces {
+        tokens.push(piece.into());
+        types.push(1);
+        scores.push(score);
+    }
+    VocabSpec {
+        model: "llama".into(),
+        tokens,
+        token_types: Some(types),
+        scores: Some(scores),
+        bos: Some(1),
+        eos: Some(2),
+        ..VocabSpec::default()
+    }
+}
+
+#[test]
+fn sentencepiece_merges_by_score_and_falls_back_to_bytes() {
+    // "▁ab" can be reached as "▁a"+"b" or "▁"+"ab": the pair with the
+    // higher score merges first ("ab", -1), then "▁"+"ab" (the only pair
+    // left that is a token).
+    let pieces = [("▁", -5.0), ("a", -3.0), ("b", -3.0), ("▁a", -2.0), ("ab", -1.0), ("▁ab", -4.0), ("c", -3.0)];
+    let t = Tokenizer::from_spec(spm_spec(&pieces)).unwrap();
+    let texts = |text: &str, options: EncodeOptions| -> Vec<String> {
+        let ids = t.encode_with(text, options).unwrap();
+        ids.iter().map(|&id| t.token_text(id).unwrap().to_string()).collect()
+    };
+    let plain = EncodeOptions::default();
+    // The space in front of the text, spaces spelled as ▁.
+    assert_eq!(texts("ab", plain), ["▁ab"]);
+    assert_eq!(texts("ab c", plain), ["▁ab", "▁", "c"]);
+    // Equal scores: the leftmost pair first ("b"+"c" is no token; "a"+"b"
+    // is "ab", ahead of nothing else).
+    assert_eq!(texts("cab", plain), ["▁", "c", "ab"]);
+    // A character without a token is its UTF-8 bytes' tokens.
+    assert_eq!(texts("é", plain), ["▁", "<0xC3>", "<0xA9>"]);
+    // BOS with add_special (SentencePiece adds it by default), and the
+    // decode drops the space spelled in front.
+    let ids = t.encode("ab c", true).unwrap();
+    assert_eq!(ids[0], 1);
+    assert_eq!(t.decode_with(&ids[1..], true).unwrap(), "ab c");
+    assert_eq!(t.decode_with(&t.encode("é ab", false).unwrap(), false).unwrap(), "é ab");
+    // After a control token parsed whole, the next text gets its space
+    // again (llama.cpp's is_prev_special).
+    let special = EncodeOptions { add_special: false, parse_special: true };
+    assert_eq!(texts("ab</s>ab", special), ["▁ab", "</s>", "▁ab"]);
+    // Without the space prefix (tokenizer.ggml.add_space_prefix = false).
+    let mut s = spm_spec(&pieces);
+    s.add_space_prefix = Some(false);
+    let t = Tokenizer::from_spec(s).unwrap();
+    let ids = t.encode("ab ab", false).unwrap();
+    let got: Vec<&str> = ids.iter().map(|&id| t.token_text(id).unwrap()).collect();
+    assert_eq!(got, ["ab", "▁ab"]);
+    assert_eq!(t.decode(&ids).unwrap(), "ab ab");
 }

@@ -521,6 +521,7 @@ pub fn tokenizer(gguf: &Gguf, vocab_size: usize) -> Result<Tokenizer> {
         bos: gguf.get_u32_opt("tokenizer.ggml.bos_token_id")?,
         eos: gguf.get_u32_opt("tokenizer.ggml.eos_token_id")?,
         add_bos: gguf.get_bool_opt("tokenizer.ggml.add_bos_token")?,
+        add_space_prefix: gguf.get_bool_opt("tokenizer.ggml.add_space_prefix")?,
         chat_template: gguf.get_str_opt("tokenizer.chat_template")?.map(str::to_string),
         scores: gguf.get_f32_array_opt("tokenizer.ggml.scores")?,
     };
