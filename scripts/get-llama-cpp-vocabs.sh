@@ -21,7 +21,7 @@ URL=https://files.pythonhosted.org/packages/ec/e9/e7de2b0463ea3ffbf0ede6cb21b58c
 SHA256=832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
 # The byte-level BPE vocabularies kvjit's pre-tokenizers cover, and the
 # SentencePiece ones.
-NAMES=(gpt-2 llama-bpe qwen2 llama-spm phi-3)
+NAMES=(gpt-2 llama-bpe qwen2 mpt starcoder refact command-r llama-spm phi-3)
 
 die() {
     echo "error: get-llama-cpp-vocabs: $*" >&2

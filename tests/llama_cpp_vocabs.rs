@@ -87,3 +87,23 @@ fn llama2_sentencepiece_matches_llama_cpp() {
 fn phi3_sentencepiece_matches_llama_cpp() {
     matches_llama_cpp("phi-3");
 }
+
+#[test]
+fn mpt_matches_llama_cpp() {
+    matches_llama_cpp("mpt");
+}
+
+#[test]
+fn starcoder_matches_llama_cpp() {
+    matches_llama_cpp("starcoder");
+}
+
+#[test]
+fn refact_matches_llama_cpp() {
+    matches_llama_cpp("refact");
+}
+
+#[test]
+fn command_r_matches_llama_cpp() {
+    matches_llama_cpp("command-r");
+}

@@ -47,8 +47,8 @@
 //! shown in halves.
 //!
 //! Checked against llama.cpp's own test vectors (`tests/llama_cpp_vocabs.rs`
-//! in the `kvjit` crate: GPT-2, Llama 3, Qwen 2, Llama 2's and Phi-3's
-//! SentencePiece vocabularies). Not done: llama.cpp's `clean_spaces` post-processing of decoded text (which removes
+//! in the `kvjit` crate: GPT-2, Llama 3, Qwen 2, MPT, StarCoder, Refact,
+//! Command-R, and Llama 2's and Phi-3's SentencePiece vocabularies). Not done: llama.cpp's `clean_spaces` post-processing of decoded text (which removes
 //! the space before `?`, `!`, `.`, `,` for `gpt2`/`llama-bpe`, not `smollm`)
 //! is not applied; per-token `lstrip`/`rstrip` attributes (not in GGUF) are
 //! ignored.
