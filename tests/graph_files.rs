@@ -842,6 +842,18 @@ fn names_with_control_characters_are_refused_at_load() {
 }
 
 #[test]
+fn a_page_table_row_longer_than_the_cache_is_refused_at_load() {
+    // A row of 2³² entries once made `kvjit generate` fill 17 GB of table.
+    let registry = standard_registry();
+    let mut json = json_of(&small_graph(&registry));
+    let pages = value_entry(&mut json, "kv_cache")["num_pages"].as_u64().unwrap();
+    value_entry(&mut json, "kv_cache")["max_pages_per_seq"] = json!(pages + 1);
+    let err = rejected(&json);
+    assert!(matches!(&err, GraphError::Param { param, .. } if param == "max_pages_per_seq"), "{err:?}");
+    assert_message(&err, &[&format!("is {}, more than its {pages} pages", pages + 1)]);
+}
+
+#[test]
 fn a_layer_count_past_u32_is_refused_at_load() {
     // Layer indices are u32: 2³² layers once passed validation and made
     // `kvjit run` divide by zero (the count cast to u32).
