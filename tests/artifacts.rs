@@ -211,6 +211,11 @@ fn malformed_artifacts_are_refused_before_anything_is_mapped() {
             "has more elements than fit in memory",
         ),
         ("unknown field", Box::new(|h, _| h["extra"] = 1.into()), "unknown field"),
+        (
+            "undeclared constant",
+            Box::new(|h, _| h["constants"][0]["name"] = "not_in_the_graph".into()),
+            "constant 'not_in_the_graph' is stored, but the graph declares no constant of that name",
+        ),
         ("wrong format", Box::new(|h, _| h["format"] = "kvjit-graph".into()), "header format"),
         (
             "layout",

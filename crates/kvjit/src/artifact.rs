@@ -495,11 +495,27 @@ pub fn load_artifact_with(path: &Path, registry: &Registry, weights: WeightLoad)
 
     let data_start = (16 + header_len).next_multiple_of(ARTIFACT_ALIGN);
     let data_len = file_len.saturating_sub(data_start);
+    // Only the constants the graph declares are stored: a header listing
+    // others (a crafted one held a million empty ones) is refused, not
+    // mapped and ignored.
+    let declared: HashSet<&str> = header.graph["values"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|v| v["kind"] == "constant")
+        .filter_map(|v| v["name"].as_str())
+        .collect();
     let mut names = HashSet::new();
     let mut ranges: Vec<(u64, u64, &str)> = Vec::new();
     for c in &header.constants {
         if !names.insert(c.name.as_str()) {
             return Err(malformed(format!("constant '{}' is stored twice", c.name)));
+        }
+        if !declared.contains(c.name.as_str()) {
+            return Err(malformed(format!(
+                "constant '{}' is stored, but the graph declares no constant of that name",
+                c.name.escape_debug()
+            )));
         }
         // Whole rows of blocks for a block format; the shape's bytes checked
         // without overflow.
