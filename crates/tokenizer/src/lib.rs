@@ -239,16 +239,34 @@ impl std::fmt::Debug for Tokenizer {
 }
 
 /// Texts llama.cpp treats as end of generation wherever they are in a
-/// vocabulary (besides EOS), as control tokens.
+/// vocabulary (besides EOS), as control tokens: its list in
+/// `llama_vocab::impl::load` (llama.cpp of llama-cpp-python 0.3.36). A
+/// token among them is a control token whatever the file says, so it is
+/// not matched in text without special parsing (Phi-3 marks `</s>`
+/// user-defined; Qwen 2's vocabulary holds it as a normal token).
 const EOG_TEXTS: &[&str] = &[
     "<|eot_id|>",
     "<|im_end|>",
     "<|end|>",
+    "<|return|>",
+    "<|call|>",
+    "<|flush|>",
+    "<|calls|>",
     "<end_of_turn>",
     "<|endoftext|>",
-    "<|end_of_text|>",
+    "</s>",
     "<|eom_id|>",
     "<EOT>",
+    "_<EOT>",
+    "[EOT]",
+    "[EOS]",
+    "<|end_of_text|>",
+    "<end_of_utterance>",
+    "<eos>",
+    "<turn|>",
+    "<|tool_response>",
+    "<\u{ff5c}end\u{2581}of\u{2581}sentence\u{ff5c}>",
+    "[e~[",
 ];
 
 impl Tokenizer {
@@ -410,7 +428,10 @@ impl Tokenizer {
                     match &self.engine {
                         Engine::Bpe(bpe) => {
                             let encoding = bpe.encode(t, false).map_err(|e| TokenizerError::Backend(e.to_string()))?;
-                            out.extend_from_slice(encoding.get_ids());
+                            // Bytes without a token are placeholders past
+                            // the vocabulary ([`build_bpe`]): dropped.
+                            let n_tokens = self.tokens.len() as u32;
+                            out.extend(encoding.get_ids().iter().filter(|&&id| id < n_tokens));
                         }
                         Engine::Spm(spm) => spm.encode(t, after_special, &self.token_to_id, &mut out)?,
                     }
@@ -604,9 +625,20 @@ fn parse_byte_token(text: &str) -> Option<u8> {
 
 /// The Hugging Face pipeline for text between special tokens: the
 /// pre-tokenizer's regexes as Isolated splits, the byte alphabet, BPE.
+///
+/// A byte the vocabulary has no token for stays in its word as a
+/// placeholder token past the vocabulary's ids (no merge names it, so its
+/// neighbours do not merge across it) and is dropped from the output
+/// ([`Tokenizer::encode_with`]): llama.cpp's behaviour. Dropping it before
+/// the merges joined its neighbours (`" \u{4}<"` gave `Ġ<` where llama.cpp
+/// gives `Ġ`, `<`).
 fn build_bpe(tokens: &[String], merges: &[String], pre: &pretok::PreTokenizerSpec) -> Result<tokenizers::Tokenizer> {
     let invalid = |msg: String| TokenizerError::InvalidVocab(msg);
-    let vocab: Vocab = tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
+    let mut vocab: Vocab = tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
+    let n_tokens = tokens.len() as u32;
+    for (b, c) in bytes::byte_to_char().iter().enumerate() {
+        vocab.entry(c.to_string()).or_insert(n_tokens + b as u32);
+    }
     // "a b", split at the first space after the first byte (llama.cpp); a
     // pair given twice keeps its first (highest) rank.
     let mut seen = HashSet::with_capacity(merges.len());

@@ -412,6 +412,27 @@ fn bytes_without_a_token_are_dropped() {
     let t = Tokenizer::from_spec(s).unwrap();
     let ids = t.encode("a\u{4}b", false).unwrap();
     assert_eq!(texts(&t, &ids), ["a", "b"]);
+    // The byte stays in its word until the merges are done, so its
+    // neighbours do not merge across it (llama.cpp's ids).
+    assert_eq!(encode_texts(&t, "us"), ["us"]);
+    assert_eq!(encode_texts(&t, "u\u{4}s"), ["u", "s"]);
+}
+
+#[test]
+fn llama_cpps_end_of_generation_texts_are_control_tokens() {
+    // "</s>" given as user-defined (Phi-3's file) or normal (Qwen 2's) is
+    // an end-of-generation control token, as llama.cpp makes it: matched
+    // whole only with special parsing.
+    for kind in [1, 4] {
+        let mut s = spec("smollm", &["</s>"]);
+        *s.token_types.as_mut().unwrap().last_mut().unwrap() = kind;
+        let t = Tokenizer::from_spec(s).unwrap();
+        let id = t.token_id("</s>").unwrap();
+        assert!(t.is_eog(id) && t.token_kind(id) == Some(TokenKind::Control));
+        assert!(!t.encode_with("a</s>", EncodeOptions::default()).unwrap().contains(&id));
+        let parsed = EncodeOptions { add_special: false, parse_special: true };
+        assert!(t.encode_with("a</s>", parsed).unwrap().contains(&id));
+    }
 }
 
 /// A small SentencePiece vocabulary: `<unk>`, `<s>`, `</s>`, the 256 byte
