@@ -797,6 +797,32 @@ fn import_then_generate_writes_tokens_and_the_logits_that_chose_them() {
     assert_eq!(read_safetensors(&direct_path).unwrap()["tokens"].to_u32_vec().unwrap(), tokens);
 }
 
+/// `kvjit tokenize` prints the ids `generate` feeds the model, a line
+/// each with its text, from the GGUF or from an imported model.json.
+#[test]
+fn tokenize_shows_the_ids_generate_feeds_the_model() {
+    let (dir, path) = written(TIED);
+    let ids_of = |out: &Output| -> Vec<u32> {
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .map(|l| l.split_whitespace().next().unwrap().parse().unwrap())
+            .collect()
+    };
+    let out = succeeds(&["tokenize", str(&path), "--prompt", "hi the cat, hi!"]);
+    assert_eq!(ids_of(&out), prompt(&path));
+    assert!(String::from_utf8_lossy(&out.stdout).lines().next().unwrap().ends_with("\"hi\""), "{out:?}");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("10 tokens"), "{out:?}");
+    // The chat template's control tokens are parsed whole, as in generate.
+    let chat = ids_of(&succeeds(&["tokenize", str(&path), "--prompt", "hi", "--chat"]));
+    assert_eq!(chat[0], IM_START);
+    assert!(chat.contains(&IM_END));
+    // From an imported model.json: its GGUF's tokenizer.
+    let imported = dir.path().join("imported");
+    succeeds(&["import", str(&path), "-o", str(&imported)]);
+    let again = succeeds(&["tokenize", str(&imported.join("model.json")), "--prompt", "hi the cat, hi!"]);
+    assert_eq!(ids_of(&again), prompt(&path));
+}
+
 /// A model with a SentencePiece vocabulary generates from its GGUF: the
 /// prompt is BOS and the score-merged pieces, and the text comes back.
 #[test]

@@ -127,6 +127,21 @@ enum Command {
     /// per token on the same compiled model and paged KV cache; text is
     /// streamed as it is produced.
     Generate(GenerateArgs),
+    /// Show the token ids `generate` feeds a model for a prompt (BOS as the
+    /// vocabulary asks, control tokens written in the text parsed whole),
+    /// each with the text it stands for.
+    Tokenize {
+        /// A GGUF file, or a model.json `kvjit import` wrote or an artifact
+        /// compiled from one (the tokenizer of the GGUF it names).
+        model: PathBuf,
+        /// The text.
+        #[arg(long)]
+        prompt: String,
+        /// Wrap it in the model's chat template as a user message, as
+        /// `generate --chat` does.
+        #[arg(long)]
+        chat: bool,
+    },
 }
 
 /// How an imported model is compiled: dtype, weights and cache size. Each
@@ -422,6 +437,7 @@ fn main() -> ExitCode {
             })
         }
         Command::Generate(args) => generate(&registry, &args),
+        Command::Tokenize { model, prompt, chat } => tokenize(&model, &prompt, chat),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -844,6 +860,60 @@ fn check_writable(path: &Path) -> std::io::Result<()> {
     Ok(())
 }
 
+/// The ids of a prompt as the model is fed it: BOS as the vocabulary asks
+/// and control tokens parsed whole, wrapped in the chat template as a user
+/// message with `chat`.
+fn prompt_ids(tokenizer: &kvjit::tokenizer::Tokenizer, text: &str, chat: bool) -> Result<Vec<u32>> {
+    let ids = if chat {
+        let messages = [kvjit::tokenizer::ChatMessage::new("user", text)];
+        let formatted = tokenizer.apply_chat_template(&messages, true).map_err(|e| Error::Usage(e.to_string()))?;
+        let parse = kvjit::tokenizer::EncodeOptions { add_special: true, parse_special: true };
+        tokenizer.encode_with(&formatted, parse)
+    } else {
+        tokenizer.encode(text, true)
+    };
+    ids.map_err(|e| Error::Usage(format!("tokenizer: {e}")))
+}
+
+/// The GGUF file whose tokenizer `model` uses: the file itself, or the one
+/// the model.json names (for an artifact, the model.json it was compiled
+/// from, beside it).
+fn tokenizer_gguf(model: &Path) -> Result<PathBuf> {
+    if kvjit::models::gguf::is_gguf(model) {
+        return Ok(model.to_path_buf());
+    }
+    if kvjit::artifact::is_artifact(model) {
+        let source = kvjit::artifact::source_graph_beside(model).ok_or_else(|| {
+            Error::Usage(format!(
+                "{}: the artifact names no graph file beside it, so there is no tokenizer (compile it from the \
+                 model.json kvjit import wrote, into the same folder)",
+                model.display()
+            ))
+        })?;
+        return kvjit::models::gguf::gguf_of_graph_file(&source);
+    }
+    kvjit::models::gguf::gguf_of_graph_file(model)
+}
+
+/// `kvjit tokenize`: the prompt's ids, a line each with the text each
+/// stands for (escaped), then their count.
+fn tokenize(model: &Path, prompt: &str, chat: bool) -> Result<()> {
+    let gguf = kvjit::gguf::Gguf::open(&tokenizer_gguf(model)?)?;
+    let vocab = gguf.get_str_array("tokenizer.ggml.tokens")?.len();
+    let tokenizer = kvjit::models::gguf::tokenizer(&gguf, vocab)?;
+    let ids = prompt_ids(&tokenizer, prompt, chat)?;
+    for &id in &ids {
+        // A piece that is not whole UTF-8 (part of an emoji) as its bytes.
+        let bytes = tokenizer.token_bytes(id).unwrap_or_default();
+        match std::str::from_utf8(bytes) {
+            Ok(text) => println!("{id:>7} {text:?}"),
+            Err(_) => println!("{id:>7} b\"{}\"", bytes.escape_ascii()),
+        }
+    }
+    eprintln!("{}", kvjit::generate::count_tokens(ids.len()));
+    Ok(())
+}
+
 /// `kvjit generate`: load the model (a GGUF, or a graph file naming one)
 /// and its tokenizer, compile, run the prompts, stream the text.
 fn generate(registry: &Registry, args: &GenerateArgs) -> Result<()> {
@@ -873,14 +943,7 @@ fn generate(registry: &Registry, args: &GenerateArgs) -> Result<()> {
     } else if is_artifact {
         // The tokenizer is the GGUF's that the artifact's source graph
         // (a model.json beside it) names.
-        let source = kvjit::artifact::source_graph_beside(&args.model).ok_or_else(|| {
-            Error::Usage(format!(
-                "{}: the artifact names no graph file beside it, so there is no tokenizer (compile it from the \
-                 model.json kvjit import wrote, into the same folder)",
-                args.model.display()
-            ))
-        })?;
-        let gguf_path = kvjit::models::gguf::gguf_of_graph_file(&source)?;
+        let gguf_path = tokenizer_gguf(&args.model)?;
         let loaded = kvjit::artifact::load_artifact(&args.model, registry)?;
         if args.no_fuse && loaded.options.fuse {
             return Err(unfused_artifact(&loaded.path));
@@ -888,7 +951,7 @@ fn generate(registry: &Registry, args: &GenerateArgs) -> Result<()> {
         let exe = loaded.compile(registry)?;
         (loaded.graph, exe, gguf_path)
     } else {
-        let gguf_path = kvjit::models::gguf::gguf_of_graph_file(&args.model)?;
+        let gguf_path = tokenizer_gguf(&args.model)?;
         let graph = load(registry, &args.model, WeightLoad::Map, None)?;
         let exe = compile(&graph, registry, &options)?;
         (graph, exe, gguf_path)
@@ -899,18 +962,7 @@ fn generate(registry: &Registry, args: &GenerateArgs) -> Result<()> {
     let tokenizer = tokenizer(&gguf_file, model.vocab_size())?;
     let compile_time = started.elapsed();
 
-    let mut prompts = Vec::with_capacity(args.prompt.len());
-    for text in &args.prompt {
-        let ids = if args.chat {
-            let messages = [kvjit::tokenizer::ChatMessage::new("user", text.as_str())];
-            let formatted = tokenizer.apply_chat_template(&messages, true).map_err(|e| Error::Usage(e.to_string()))?;
-            let parse = kvjit::tokenizer::EncodeOptions { add_special: true, parse_special: true };
-            tokenizer.encode_with(&formatted, parse)
-        } else {
-            tokenizer.encode(text, true)
-        };
-        prompts.push(ids.map_err(|e| Error::Usage(format!("tokenizer: {e}")))?);
-    }
+    let prompts = args.prompt.iter().map(|text| prompt_ids(&tokenizer, text, args.chat)).collect::<Result<Vec<_>>>()?;
     let sampling = Sampling { temperature: args.temperature, top_k: args.top_k, top_p: args.top_p, seed: args.seed };
     let generate_options = GenerateOptions {
         max_tokens: args.max_tokens,
