@@ -20,8 +20,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         return Err("usage: tokenize_jsonl MODEL.gguf STRINGS.jsonl|-".into());
     };
     let gguf = kvjit::gguf::Gguf::open(std::path::Path::new(model))?;
-    let vocab = gguf.get_str_array("tokenizer.ggml.tokens")?.len();
-    let tokenizer = kvjit::models::gguf::tokenizer(&gguf, vocab)?;
+    let tokenizer = kvjit::models::gguf::vocabulary_tokenizer(&gguf)?;
     let interactive = strings == "-";
     let input: Box<dyn std::io::Read> =
         if interactive { Box::new(std::io::stdin()) } else { Box::new(std::fs::File::open(strings)?) };

@@ -13,7 +13,7 @@
 use std::path::PathBuf;
 
 use kvjit::gguf::Gguf;
-use kvjit::models::gguf::tokenizer;
+use kvjit::models::gguf::vocabulary_tokenizer;
 use kvjit::tokenizer::EncodeOptions;
 
 /// Where the script puts the files.
@@ -49,8 +49,7 @@ fn matches_llama_cpp(name: &str) {
     let read = |ext: &str| std::fs::read_to_string(dir.join(format!("ggml-vocab-{name}.gguf.{ext}"))).unwrap();
     let cases = cases(&read("inp"), &read("out"));
     let gguf = Gguf::open(&path).unwrap();
-    let vocab = gguf.get_str_array("tokenizer.ggml.tokens").unwrap().len();
-    let tokenizer = tokenizer(&gguf, vocab).unwrap();
+    let tokenizer = vocabulary_tokenizer(&gguf).unwrap();
     let plain = EncodeOptions { add_special: false, parse_special: false };
     let differ: Vec<String> = cases
         .iter()

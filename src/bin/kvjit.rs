@@ -899,8 +899,7 @@ fn tokenizer_gguf(model: &Path) -> Result<PathBuf> {
 /// stands for (escaped), then their count.
 fn tokenize(model: &Path, prompt: &str, chat: bool) -> Result<()> {
     let gguf = kvjit::gguf::Gguf::open(&tokenizer_gguf(model)?)?;
-    let vocab = gguf.get_str_array("tokenizer.ggml.tokens")?.len();
-    let tokenizer = kvjit::models::gguf::tokenizer(&gguf, vocab)?;
+    let tokenizer = kvjit::models::gguf::vocabulary_tokenizer(&gguf)?;
     let ids = prompt_ids(&tokenizer, prompt, chat)?;
     for &id in &ids {
         // A piece that is not whole UTF-8 (part of an emoji) as its bytes.

@@ -21,10 +21,9 @@ use kvjit_runtime::{Executable, Executor};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-use crate::models::llama::LOGITS;
+use kvjit_op_rope::FREQS_CIS as ROPE_TABLE;
 
-/// The argument of RoPE's op that holds its table (`[positions, D]`).
-const ROPE_TABLE: &str = "freqs_cis";
+use crate::models::llama::LOGITS;
 use crate::scenario::Roles;
 use crate::{Error, Registry, Result};
 

@@ -53,10 +53,13 @@ pub fn fused_qk_rope(
 #[derive(Clone, Copy, Debug, Default)]
 pub struct RopeOp;
 
+/// The argument holding the RoPE table (`[max_seq, D]`: a row per position).
+pub const FREQS_CIS: &str = "freqs_cis";
+
 const INPUTS: &[ArgSpec] = &[
     ArgSpec::tensor("q_proj"),
     ArgSpec::KV_COLLECTION,
-    ArgSpec::tensor("freqs_cis"),
+    ArgSpec::tensor(FREQS_CIS),
     ArgSpec::LAYER_IDX,
     ArgSpec::VALID_LENGTHS,
 ];
@@ -102,7 +105,7 @@ impl Op for RopeOp {
         let cache = paged_cache_input(inputs, 1, paged, batch)?;
         let freqs = tensor_input(inputs, 2);
         if freqs.dtype != dtype || !matches!(freqs.shape.as_slice(), [_, Dim::Static(d)] if *d == head_size) {
-            return Err(input_error("freqs_cis", format!("{dtype}[max_seq, {head_size}]"), freqs));
+            return Err(input_error(FREQS_CIS, format!("{dtype}[max_seq, {head_size}]"), freqs));
         }
         step_inputs(inputs, [3, 4], batch)?;
         Ok(RopeSpec {

@@ -37,7 +37,7 @@ mod spec;
 
 pub use call::{CallShape, RowPlan, check_call, check_output};
 pub use cpu_jit::JitKernel;
-pub use def::{MAX_JIT_HEAD_SIZE, OP_NAME, RopeOp, RopeParams, fused_qk_rope};
+pub use def::{FREQS_CIS, MAX_JIT_HEAD_SIZE, OP_NAME, RopeOp, RopeParams, fused_qk_rope};
 pub use error::RopeError;
 pub use kernel::ReferenceKernel;
 pub use recipe::{Llama3Scaling, RopeInit};

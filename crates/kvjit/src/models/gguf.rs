@@ -503,7 +503,6 @@ fn same_file(a: &Path, b: &Path) -> bool {
 /// llama.cpp does), since ids past its end would have no text and ids past
 /// the model's would never be scored.
 pub fn tokenizer(gguf: &Gguf, vocab_size: usize) -> Result<Tokenizer> {
-    let owned = |v: Vec<&str>| v.into_iter().map(str::to_string).collect::<Vec<_>>();
     let tokens = gguf.get_str_array("tokenizer.ggml.tokens")?;
     if tokens.len() != vocab_size {
         return Err(Error::Usage(format!(
@@ -512,6 +511,20 @@ pub fn tokenizer(gguf: &Gguf, vocab_size: usize) -> Result<Tokenizer> {
             tokens.len()
         )));
     }
+    tokenizer_of(gguf, tokens)
+}
+
+/// The tokenizer of the GGUF's vocabulary, whatever its size: for what
+/// scores nothing (`kvjit tokenize`, comparisons with other tokenizers,
+/// vocabulary-only files).
+pub fn vocabulary_tokenizer(gguf: &Gguf) -> Result<Tokenizer> {
+    tokenizer_of(gguf, gguf.get_str_array("tokenizer.ggml.tokens")?)
+}
+
+/// The tokenizer of `tokens` (the GGUF's `tokenizer.ggml.tokens`) and the
+/// rest of the GGUF's tokenizer metadata.
+fn tokenizer_of(gguf: &Gguf, tokens: Vec<&str>) -> Result<Tokenizer> {
+    let owned = |v: Vec<&str>| v.into_iter().map(str::to_string).collect::<Vec<_>>();
     let spec = VocabSpec {
         model: gguf.get_str("tokenizer.ggml.model")?.to_string(),
         pre: gguf.get_str_opt("tokenizer.ggml.pre")?.map(str::to_string),
