@@ -1,6 +1,10 @@
 //! The machine's roofs, measured in the same run as the kernels, so every
 //! result can be read as a fraction of what this machine can do right now.
 //!
+//! Every probe runs on the kernels' own worker pool (one part per thread),
+//! never on a second pool, so a probe timed between kernels shares no core
+//! with a worker still spinning for the next kernel.
+//!
 //! - [`ReadProbe`]: read bandwidth with the benchmark's thread count — a
 //!   buffer far larger than the caches, in huge-page memory (few TLB
 //!   misses), each thread summing its contiguous share as four independent
@@ -24,7 +28,8 @@ use kvjit_core::{DType, KernelKey, Target, Tensor};
 use kvjit_jit::cranelift_codegen::ir::{InstBuilder, types};
 use kvjit_jit::ir::{mem, splat_f32};
 use kvjit_jit::{CaptureText, JitFunction, compile_kernel};
-use kvjit_runtime::DeviceContextPtr;
+use kvjit_runtime::{DeviceContextPtr, WorkerPool};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use super::timing::{Plan, Stats, measure_interleaved};
 use crate::{BenchError, Result};
@@ -42,14 +47,41 @@ pub const READ_STREAMS: usize = 4;
 const FMA_M: f32 = 0.999_999;
 const FMA_C: f32 = 1e-6;
 
-fn pool_of(ctx: &DeviceContextPtr) -> Result<&rayon::ThreadPool> {
-    Ok(ctx.cpu_context().ok_or(BenchError::NotCpu { what: "the roofline probes" })?.rayon_pool()?)
+/// The pool the probes run on: the kernels' own workers, so a probe timed
+/// between kernels never competes with a worker still spinning for the
+/// next kernel (on a 2-core host, a probe on a second pool of threads
+/// shared a core with that worker and read as little as half the rate).
+fn workers_of(ctx: &DeviceContextPtr) -> Result<&WorkerPool> {
+    Ok(ctx.cpu_context().ok_or(BenchError::NotCpu { what: "the roofline probes" })?.workers())
+}
+
+/// Run `part(i)` for `i < threads` on the kernels' workers, one part per
+/// thread, and collect what each returns in part order.
+fn on_every_thread<T: Send + 'static>(
+    ctx: &DeviceContextPtr,
+    part: impl Fn(usize, usize) -> T + Send + Sync + 'static,
+) -> Result<Vec<T>> {
+    let workers = workers_of(ctx)?;
+    let threads = workers.threads();
+    let results: Arc<Vec<Mutex<Option<T>>>> = Arc::new((0..threads).map(|_| Mutex::new(None)).collect());
+    let slots = results.clone();
+    workers.run(threads, move |i| {
+        let value = part(i, threads);
+        *slots[i].lock().unwrap_or_else(PoisonError::into_inner) = Some(value);
+    });
+    // `run` returned, so every part has stored its value (a worker may
+    // still hold the job, and with it `slots`, until it sees the next one).
+    Ok(results
+        .iter()
+        .map(|slot| slot.lock().unwrap_or_else(PoisonError::into_inner).take().expect("every part ran"))
+        .collect())
 }
 
 /// Reads a large buffer with every thread of a CPU context.
 pub struct ReadProbe {
-    /// u32 words in anonymous memory advised to use huge pages.
-    buffer: Tensor,
+    /// u32 words in anonymous memory advised to use huge pages (shared with
+    /// the worker threads that read it).
+    buffer: Arc<Tensor>,
 }
 
 /// Word `i` of the read probe's buffer (a hash, so a word read twice or
@@ -78,7 +110,7 @@ impl ReadProbe {
                 w.copy_from_slice(&read_probe_word(i).to_le_bytes());
             }
         })?;
-        Ok(Self { buffer })
+        Ok(Self { buffer: Arc::new(buffer) })
     }
 
     /// Bytes read per call.
@@ -101,11 +133,14 @@ impl ReadProbe {
         Some(huge.min(self.bytes()) as f64 / self.bytes() as f64)
     }
 
-    /// Read the whole buffer once, each thread of the pool its contiguous
-    /// share: the wrapping sum of its words.
+    /// Read the whole buffer once, each thread of the kernels' pool its
+    /// contiguous share: the wrapping sum of its words.
     pub fn run(&self, ctx: &DeviceContextPtr) -> Result<u64> {
-        let words = self.words();
-        let sums = pool_of(ctx)?.broadcast(|b| sum_words(&words[share(words.len(), b.num_threads(), b.index())]));
+        let buffer = self.buffer.clone();
+        let sums = on_every_thread(ctx, move |i, threads| {
+            let words: &[u32] = buffer.as_slice().expect("the buffer is u32");
+            sum_words(&words[share(words.len(), threads, i)])
+        })?;
         Ok(u64::from(sums.into_iter().fold(0u32, u32::wrapping_add)))
     }
 }
@@ -260,7 +295,7 @@ impl FmaProbe {
 
     /// Run the loop once on every thread of the pool, concurrently.
     pub fn run(&self, ctx: &DeviceContextPtr) -> Result<f32> {
-        let threads = pool_of(ctx)?.current_num_threads();
+        let threads = workers_of(ctx)?.threads();
         let mut out = vec![0f32; 4 * threads];
         let args = [self.iterations as u64, out.as_mut_ptr() as u64];
         // SAFETY: the probe was compiled with the kernel ABI reading
@@ -301,7 +336,8 @@ impl Fma256Probe {
     /// Run the loop once on every thread of the pool, concurrently: the sum
     /// of every thread's accumulators.
     pub fn run(&self, ctx: &DeviceContextPtr) -> Result<f32> {
-        let lanes = pool_of(ctx)?.broadcast(|_| fma256_lanes(self.iterations, FMA_M, FMA_C));
+        let iterations = self.iterations;
+        let lanes = on_every_thread(ctx, move |_, _| fma256_lanes(iterations, FMA_M, FMA_C))?;
         Ok(lanes.into_iter().flatten().flatten().flatten().sum())
     }
 }
@@ -440,7 +476,7 @@ impl RoofSamples {
         }
         let fma = FmaProbe::new(plan.fma_iterations)?;
         let fma256 = Fma256Probe::new(plan.fma_iterations);
-        let threads = pool_of(ctx)?.current_num_threads();
+        let threads = workers_of(ctx)?.threads();
         let probes = if fma256.is_some() { 3 } else { 2 };
         let measured = measure_interleaved(probes, &plan.timing, |i| {
             match (i, &fma256) {
