@@ -42,9 +42,13 @@ impl CpuContext {
     }
 
     /// A rayon pool of [`CpuContext::threads`] threads, for code that speaks
-    /// rayon (library peers in benchmarks, bandwidth probes); built on the
-    /// first call. Kernels run on [`CpuContext::workers`].
+    /// rayon (library peers in benchmarks); built on the first call.
+    /// Kernels run on [`CpuContext::workers`], whose idle workers this
+    /// parks first ([`WorkerPool::park_idle`]): a worker spinning for the
+    /// next kernel would share a core with rayon's threads (a peer timed
+    /// right after a kernel ran slower for it).
     pub fn rayon_pool(&self) -> Result<&rayon::ThreadPool> {
+        self.workers.park_idle();
         if let Some(pool) = self.rayon.get() {
             return Ok(pool);
         }

@@ -87,6 +87,9 @@ struct Shared {
     generation: AtomicU64,
     /// Workers parked on `wake`.
     parked: AtomicUsize,
+    /// Set by [`WorkerPool::park_idle`] to the latest job's number: a worker
+    /// that has seen that job and spins for the next parks at once.
+    park_after: AtomicU64,
     shutdown: AtomicBool,
 }
 
@@ -126,6 +129,7 @@ impl WorkerPool {
             wake: Condvar::new(),
             generation: AtomicU64::new(0),
             parked: AtomicUsize::new(0),
+            park_after: AtomicU64::new(u64::MAX),
             shutdown: AtomicBool::new(false),
         });
         let mut pool = Self { shared, workers: Vec::new(), dispatch: Mutex::new(()), threads };
@@ -184,6 +188,23 @@ impl WorkerPool {
         }
     }
 
+    /// Park the workers spinning for a next job now rather than after
+    /// [`SPIN`], and wait (at most `SPIN`) until every worker is parked: so
+    /// threads outside the pool (another library's pool, a bandwidth probe)
+    /// get the cores the spinning workers would share with them. The next
+    /// job wakes them as usual.
+    pub fn park_idle(&self) {
+        if self.workers.is_empty() {
+            return;
+        }
+        let latest = self.shared.generation.load(Ordering::Acquire);
+        self.shared.park_after.store(latest, Ordering::Release);
+        let started = Instant::now();
+        while self.shared.parked.load(Ordering::Acquire) < self.workers.len() && started.elapsed() < SPIN {
+            std::thread::yield_now();
+        }
+    }
+
     /// Make `job` the latest and wake parked workers.
     fn post(&self, job: Option<Arc<Job>>) {
         let mut posted = self.shared.posted.lock().unwrap_or_else(PoisonError::into_inner);
@@ -217,7 +238,7 @@ fn worker_loop(shared: &Shared) {
             polls = polls.wrapping_add(1);
             if !polls.is_multiple_of(1024) {
                 std::hint::spin_loop();
-            } else if started.elapsed() >= SPIN {
+            } else if started.elapsed() >= SPIN || shared.park_after.load(Ordering::Acquire) == seen {
                 break;
             } else {
                 // On a machine with more runnable threads than cores (a
@@ -293,6 +314,33 @@ mod tests {
             }
         });
         assert_eq!(threads.lock().unwrap().len(), 3, "the parked workers took parts");
+    }
+
+    #[test]
+    fn park_idle_parks_the_spinning_workers_and_the_next_job_wakes_them() {
+        let pool = WorkerPool::new(3, "test").unwrap();
+        for _ in 0..3 {
+            // The workers are spinning after this job.
+            pool.run(8, |_| std::hint::black_box(()));
+            pool.park_idle();
+            // park_idle waits at most SPIN; on a loaded test machine a
+            // worker may not have run by then.
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+            while pool.shared.parked.load(Ordering::SeqCst) < 2 && std::time::Instant::now() < deadline {
+                std::thread::yield_now();
+            }
+            assert_eq!(pool.shared.parked.load(Ordering::SeqCst), 2, "both workers parked");
+            let arrived = Arc::new(AtomicUsize::new(0));
+            let all = arrived.clone();
+            // Each part waits for the others: the parked workers must wake.
+            pool.run(3, move |_| {
+                all.fetch_add(1, Ordering::SeqCst);
+                while all.load(Ordering::SeqCst) < 3 {
+                    std::hint::spin_loop();
+                }
+            });
+            assert_eq!(arrived.load(Ordering::SeqCst), 3);
+        }
     }
 
     #[test]
