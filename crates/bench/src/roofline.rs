@@ -1,8 +1,8 @@
 //! The machine's roofs, measured in the same run as the kernels, so every
 //! result can be read as a fraction of what this machine can do right now.
 //!
-//! Every probe runs on the kernels' own worker pool (one part per thread),
-//! never on a second pool, so a probe timed between kernels shares no core
+//! Every probe runs on the kernels' own worker pool, as the kernels' parts
+//! do, never on a second pool, so a probe timed between kernels shares no core
 //! with a worker still spinning for the next kernel.
 //!
 //! - [`ReadProbe`]: read bandwidth with the benchmark's thread count — a
@@ -40,8 +40,12 @@ pub const FMA_ACCUMULATORS: usize = 12;
 pub const FMA_UNROLL: usize = 4;
 /// Independent 256-bit (8 × f32) accumulators of the 256-bit FMA probe.
 pub const FMA256_ACCUMULATORS: usize = 12;
-/// Independent streams each thread of the read probe reads its share as.
+/// Independent streams each part of the read probe reads its share as.
 pub const READ_STREAMS: usize = 4;
+/// Contiguous parts of the read probe's buffer per thread (at 256 MiB, 32
+/// MiB each): claimed as they come, so a worker that wakes late costs the
+/// probe its lateness, not a whole share run after the caller's.
+pub const READ_PARTS_PER_THREAD: usize = 4;
 /// The FMA probes' recurrence, `acc ← acc·m + c`: it stays bounded (m < 1)
 /// and never denormal.
 const FMA_M: f32 = 0.999_999;
@@ -55,18 +59,21 @@ fn workers_of(ctx: &DeviceContextPtr) -> Result<&WorkerPool> {
     Ok(ctx.cpu_context().ok_or(BenchError::NotCpu { what: "the roofline probes" })?.workers())
 }
 
-/// Run `part(i)` for `i < threads` on the kernels' workers, one part per
-/// thread, and collect what each returns in part order.
-fn on_every_thread<T: Send + 'static>(
+/// Run `part(i, parts)` for `i < parts_per_thread · threads` on the
+/// kernels' workers (claimed as kernels' parts are: a worker slow to wake
+/// leaves its parts to the others rather than doubling the call), and
+/// collect what each returns in part order.
+fn on_workers<T: Send + 'static>(
     ctx: &DeviceContextPtr,
+    parts_per_thread: usize,
     part: impl Fn(usize, usize) -> T + Send + Sync + 'static,
 ) -> Result<Vec<T>> {
     let workers = workers_of(ctx)?;
-    let threads = workers.threads();
-    let results: Arc<Vec<Mutex<Option<T>>>> = Arc::new((0..threads).map(|_| Mutex::new(None)).collect());
+    let parts = workers.threads() * parts_per_thread.max(1);
+    let results: Arc<Vec<Mutex<Option<T>>>> = Arc::new((0..parts).map(|_| Mutex::new(None)).collect());
     let slots = results.clone();
-    workers.run(threads, move |i| {
-        let value = part(i, threads);
+    workers.run(parts, move |i| {
+        let value = part(i, parts);
         *slots[i].lock().unwrap_or_else(PoisonError::into_inner) = Some(value);
     });
     // `run` returned, so every part has stored its value (a worker may
@@ -133,25 +140,26 @@ impl ReadProbe {
         Some(huge.min(self.bytes()) as f64 / self.bytes() as f64)
     }
 
-    /// Read the whole buffer once, each thread of the kernels' pool its
-    /// contiguous share: the wrapping sum of its words.
+    /// Read the whole buffer once on the kernels' pool, in
+    /// [`READ_PARTS_PER_THREAD`] contiguous parts per thread: the wrapping
+    /// sum of its words.
     pub fn run(&self, ctx: &DeviceContextPtr) -> Result<u64> {
         let buffer = self.buffer.clone();
-        let sums = on_every_thread(ctx, move |i, threads| {
+        let sums = on_workers(ctx, READ_PARTS_PER_THREAD, move |i, parts| {
             let words: &[u32] = buffer.as_slice().expect("the buffer is u32");
-            sum_words(&words[share(words.len(), threads, i)])
+            sum_words(&words[share(words.len(), parts, i)])
         })?;
         Ok(u64::from(sums.into_iter().fold(0u32, u32::wrapping_add)))
     }
 }
 
-/// Thread `i` of `threads`' share of `len` words: contiguous, split at
-/// 4 KiB boundaries (the last share takes the rest).
-fn share(len: usize, threads: usize, i: usize) -> std::ops::Range<usize> {
+/// Part `i` of `parts`' share of `len` words: contiguous, split at 4 KiB
+/// boundaries (the last share takes the rest).
+fn share(len: usize, parts: usize, i: usize) -> std::ops::Range<usize> {
     const BLOCK: usize = 1024;
     let blocks = len / BLOCK;
-    let start = blocks * i / threads * BLOCK;
-    let end = if i + 1 == threads { len } else { blocks * (i + 1) / threads * BLOCK };
+    let start = blocks * i / parts * BLOCK;
+    let end = if i + 1 == parts { len } else { blocks * (i + 1) / parts * BLOCK };
     start..end
 }
 
@@ -337,7 +345,7 @@ impl Fma256Probe {
     /// of every thread's accumulators.
     pub fn run(&self, ctx: &DeviceContextPtr) -> Result<f32> {
         let iterations = self.iterations;
-        let lanes = on_every_thread(ctx, move |_, _| fma256_lanes(iterations, FMA_M, FMA_C))?;
+        let lanes = on_workers(ctx, 1, move |_, _| fma256_lanes(iterations, FMA_M, FMA_C))?;
         Ok(lanes.into_iter().flatten().flatten().flatten().sum())
     }
 }
