@@ -7,9 +7,11 @@
 //!
 //! - [`ReadProbe`]: read bandwidth with the benchmark's thread count — a
 //!   buffer far larger than the caches, in huge-page memory (few TLB
-//!   misses), each thread summing its contiguous share as four independent
-//!   streams with 256-bit integer adds (AVX2 where the CPU has it): the best
-//!   streaming read we found, so the rate is what DRAM delivers.
+//!   misses), the threads summing contiguous parts of it (a few per
+//!   thread), each as four independent streams with 256-bit integer adds
+//!   (AVX2 where the CPU has it): the best streaming read we found, so the
+//!   rate is what DRAM delivers (on the Intel host the f32 GEMV, the
+//!   fastest reader among the kernels, reads 1.02–1.05× it).
 //! - [`FmaProbe`]: the 128-bit FMA rate with the benchmark's thread count —
 //!   a Cranelift-compiled loop of F32X4 `fma`s on 12 independent
 //!   accumulators (enough to cover the FMA latency on two pipes), the same
