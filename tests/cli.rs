@@ -526,3 +526,34 @@ fn the_example_scenario_refuses_caches_over_the_memory_limit_before_allocating_t
     let tables = 4 * (cache.lookup_table().len() + cache.cache_lengths().len() + cache.num_pages());
     assert_eq!((cache.blocks().as_bytes().len() + tables) as u64, needed);
 }
+
+/// A graph with no hidden-state input (here one `mo.add`) runs from given
+/// inputs with `--steps 0`; asked for decode steps it is refused before its
+/// first step, not aborted after it.
+#[test]
+fn given_inputs_without_a_hidden_state_make_no_decode_steps() {
+    let dir = tempfile::tempdir().unwrap();
+    let graph = dir.path().join("add.json");
+    std::fs::write(
+        &graph,
+        r#"{"format":"kvjit-graph","version":1,"name":"add",
+ "values":[{"kind":"input","id":"v0","name":"a","dtype":"f32","shape":[4]},
+           {"kind":"input","id":"v1","name":"b","dtype":"f32","shape":[4]}],
+ "nodes":[{"id":"n0","op":"mo.add","inputs":["v0","v1"],"outputs":["v2"]}],
+ "outputs":[{"name":"sum","value":"v2"}]}"#,
+    )
+    .unwrap();
+    let inputs = dir.path().join("in.safetensors");
+    let a = Tensor::from_f32(DType::F32, &[4], &[1.0, 2.0, 3.0, 4.0]).unwrap();
+    let b = Tensor::from_f32(DType::F32, &[4], &[0.5, -2.0, 7.0, 0.25]).unwrap();
+    write_safetensors(&inputs, [("a", &a), ("b", &b)]).unwrap();
+    let output = dir.path().join("out.safetensors");
+    let (graph, inputs, output) = (graph.to_str().unwrap(), inputs.to_str().unwrap(), output.to_str().unwrap());
+    let once = kvjit(&["run", graph, "--inputs", inputs, "--steps", "0", "--output", output]);
+    assert!(once.status.success(), "{}", stderr(&once));
+    let sum = read_safetensors(Path::new(output)).unwrap()["sum"].to_f32_vec().unwrap();
+    assert_eq!(sum, [1.5, 0.0, 10.0, 4.25]);
+    let decode = kvjit(&["run", graph, "--inputs", inputs, "--steps", "2"]);
+    assert_one_line_error(&decode, "no hidden-state input");
+    assert!(stdout(&decode).is_empty(), "nothing runs before the refusal: {}", stdout(&decode));
+}

@@ -740,6 +740,10 @@ fn run(registry: &Registry, args: &RunArgs) -> Result<()> {
     if let Some(path) = &args.output {
         check_writable(path).map_err(|e| Error::Usage(format!("--output {}: {e}", path.display())))?;
     }
+    if args.steps > 0 {
+        // Refused before the first step runs, not after it.
+        scenario.check_decode_steps()?;
+    }
     println!(
         "graph '{}': {} node(s), target {}, {} threads, seed {}",
         graph.name(),

@@ -294,10 +294,25 @@ impl Scenario {
         Ok(())
     }
 
+    /// Whether [`Scenario::next_decode_step`] can make steps: the graph has
+    /// a hidden-state input to size them by (a graph run from given inputs
+    /// may have none).
+    pub fn check_decode_steps(&self) -> Result<()> {
+        match self.roles.hidden.is_empty() {
+            false => Ok(()),
+            true => Err(Error::Usage(format!(
+                "graph '{}' has no hidden-state input (the data input of a node that takes valid lengths), \
+                 so no decode step can follow the given inputs: run it with --steps 0",
+                self.graph.name()
+            ))),
+        }
+    }
+
     /// Make the next decode step: one new token per sequence (or, where the
     /// graph fixes seq, a random number of valid tokens), pages reserved.
     pub fn next_decode_step(&mut self) -> Result<()> {
-        let hidden_name = self.roles.hidden.iter().next().expect("roles found a hidden state").clone();
+        self.check_decode_steps()?;
+        let hidden_name = self.roles.hidden.iter().next().expect("checked just above").clone();
         let (_, hidden_value) = self
             .graph
             .inputs()
