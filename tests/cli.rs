@@ -557,3 +557,46 @@ fn given_inputs_without_a_hidden_state_make_no_decode_steps() {
     assert_one_line_error(&decode, "no hidden-state input");
     assert!(stdout(&decode).is_empty(), "nothing runs before the refusal: {}", stdout(&decode));
 }
+
+/// Every command that takes a model or graph path refuses a FIFO as not a
+/// regular file rather than blocking on opening it (`tokenize`, `generate`
+/// and `import` sniffed the file's magic with a plain open, which blocks
+/// until a writer comes).
+#[cfg(unix)]
+#[test]
+fn a_fifo_given_as_a_model_or_graph_is_refused_without_blocking() {
+    let dir = tempfile::tempdir().unwrap();
+    let fifo = dir.path().join("model.bin");
+    if !Command::new("mkfifo").arg(&fifo).status().is_ok_and(|s| s.success()) {
+        eprintln!("no mkfifo here: skipped");
+        return;
+    }
+    let fifo = fifo.to_str().unwrap();
+    let out_dir = dir.path().join("out");
+    let out_dir = out_dir.to_str().unwrap();
+    for args in [
+        vec!["validate", fifo],
+        vec!["inspect", fifo],
+        vec!["run", fifo],
+        vec!["tokenize", fifo, "--prompt", "hi"],
+        vec!["generate", fifo, "--prompt", "hi"],
+        vec!["import", fifo, "--output", out_dir],
+    ] {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_kvjit"))
+            .args(&args)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        while child.try_wait().unwrap().is_none() {
+            if std::time::Instant::now() > deadline {
+                child.kill().unwrap();
+                panic!("{args:?} blocked on the FIFO");
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        let out = child.wait_with_output().unwrap();
+        assert_one_line_error(&out, "not a regular file");
+    }
+}

@@ -201,15 +201,15 @@ fn check_buildable(gguf: &Gguf, sizes: [usize; 5], options: &ImportOptions) -> R
     Ok(())
 }
 
-/// Whether `path` is a GGUF file: named `.gguf`, or starting with GGUF's
-/// magic (a file saved under another name).
+/// Whether `path` is a GGUF file: named `.gguf`, or a regular file
+/// starting with GGUF's magic (a file saved under another name). Only a
+/// regular file is opened (opening a FIFO would block).
 pub fn is_gguf(path: &Path) -> bool {
     use std::io::Read as _;
     let mut magic = [0u8; 4];
     path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
-        || std::fs::File::open(path)
-            .and_then(|mut f| f.read_exact(&mut magic))
-            .is_ok_and(|()| magic == kvjit_gguf::MAGIC)
+        || kvjit_core::open_regular_file(path)
+            .is_ok_and(|(mut f, _)| f.read_exact(&mut magic).is_ok() && magic == kvjit_gguf::MAGIC)
 }
 
 /// The divisors of the RoPE frequencies `gguf` asks for, if any: its
@@ -484,7 +484,11 @@ fn same_file(a: &Path, b: &Path) -> bool {
     if meta_a.len() != meta_b.len() {
         return false;
     }
-    let (Ok(mut file_a), Ok(mut file_b)) = (std::fs::File::open(a), std::fs::File::open(b)) else { return false };
+    let (Ok((mut file_a, _)), Ok((mut file_b, _))) =
+        (kvjit_core::open_regular_file(a), kvjit_core::open_regular_file(b))
+    else {
+        return false;
+    };
     let (mut chunk_a, mut chunk_b) = (vec![0u8; 1 << 20], vec![0u8; 1 << 20]);
     loop {
         let Ok(n) = file_a.read(&mut chunk_a) else { return false };
@@ -547,10 +551,12 @@ fn tokenizer_of(gguf: &Gguf, tokens: Vec<&str>) -> Result<Tokenizer> {
 pub fn gguf_of_graph_file(path: &Path) -> Result<PathBuf> {
     let refuse = |problem: String| Error::Usage(format!("{}: {problem}", path.display()));
     let not_a_model = |why: String| refuse(format!("not a GGUF file, a compiled artifact or a model.json: {why}"));
-    let text = std::fs::read_to_string(path).map_err(|e| match e.kind() {
-        std::io::ErrorKind::InvalidData => not_a_model("not UTF-8 text".into()),
-        _ => refuse(e.to_string()),
+    // A regular file only (reading a FIFO would block).
+    let bytes = kvjit_core::read_regular_file(path).map_err(|e| match e {
+        kvjit_core::Error::Io { source, .. } => refuse(source.to_string()),
+        other => Error::from(other),
     })?;
+    let text = String::from_utf8(bytes).map_err(|_| not_a_model("not UTF-8 text".into()))?;
     let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| not_a_model(format!("as JSON, {e}")))?;
     let weights = json.get("weights").and_then(|w| w.as_str()).filter(|w| w.to_ascii_lowercase().ends_with(".gguf"));
     let weights = weights.ok_or_else(|| {
