@@ -600,3 +600,46 @@ fn a_fifo_given_as_a_model_or_graph_is_refused_without_blocking() {
         assert_one_line_error(&out, "not a regular file");
     }
 }
+
+/// Names and values a file echoes into an error reach the terminal escaped
+/// and cut short: an op name of 100 000 characters with escape sequences
+/// gives one printable line of about 2000, and `compare` escapes the
+/// tensor names it prints and says which file holds a tensor it refuses.
+#[test]
+fn echoed_names_are_escaped_and_cut_short() {
+    let dir = tempfile::tempdir().unwrap();
+    let graph = dir.path().join("g.json");
+    let op = format!("mo.\u{1b}[31m{}\u{7}", "x".repeat(100_000));
+    let text = format!(
+        r#"{{"format":"kvjit-graph","version":1,"name":"g",
+ "values":[{{"kind":"input","id":"v0","name":"a","dtype":"f32","shape":[4]}}],
+ "nodes":[{{"id":"n0","op":{},"inputs":["v0","v0"],"outputs":["v1"]}}],
+ "outputs":[{{"name":"o","value":"v1"}}]}}"#,
+        serde_json::to_string(&op).unwrap()
+    );
+    std::fs::write(&graph, text).unwrap();
+    let out = kvjit(&["validate", graph.to_str().unwrap()]);
+    assert_one_line_error(&out, "node n0 (mo.\\u{1b}[31mxxx");
+    let err = stderr(&out);
+    assert!(!err.contains('\u{1b}') && !err.contains('\u{7}'), "{err}");
+    assert!(err.contains("more characters)") && err.chars().count() < 2200, "{} characters", err.chars().count());
+
+    let (a, b) = (dir.path().join("a.safetensors"), dir.path().join("b.safetensors"));
+    let one = Tensor::from_f32(DType::F32, &[1], &[1.0]).unwrap();
+    let two = Tensor::from_f32(DType::F32, &[1], &[2.0]).unwrap();
+    write_safetensors(&a, [("t\u{1b}[2J", &one)]).unwrap();
+    write_safetensors(&b, [("t\u{1b}[2J", &two)]).unwrap();
+    let out = kvjit(&["compare", a.to_str().unwrap(), b.to_str().unwrap()]);
+    assert_one_line_error(&out, "tensor 't\\u{1b}[2J'");
+    assert!(!stdout(&out).contains('\u{1b}'), "{}", stdout(&out));
+
+    // An F64 tensor: the error names the file it is in.
+    let header = br#"{"x":{"dtype":"F64","shape":[1],"data_offsets":[0,8]}}"#;
+    let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+    bytes.extend_from_slice(header);
+    bytes.extend_from_slice(&1.0f64.to_le_bytes());
+    let f64_file = dir.path().join("f64.safetensors");
+    std::fs::write(&f64_file, bytes).unwrap();
+    let out = kvjit(&["compare", a.to_str().unwrap(), f64_file.to_str().unwrap()]);
+    assert_one_line_error(&out, &format!("{}: not a valid safetensors file: tensor 'x'", f64_file.display()));
+}

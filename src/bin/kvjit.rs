@@ -442,7 +442,7 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {}", e.to_string().replace('\n', " "));
+            eprintln!("error: {}", one_line(&e.to_string()));
             ExitCode::FAILURE
         }
     }
@@ -469,6 +469,29 @@ fn load(registry: &Registry, path: &Path, weights: WeightLoad, memory_budget: Op
     }
     let recipe_budget = memory_budget.unwrap_or(kvjit::DEFAULT_MEMORY_LIMIT);
     Ok(load_graph_within(path, registry.ops(), weights, recipe_budget)?)
+}
+
+/// The most characters of an error message printed: names and values from
+/// a file are echoed in messages, and a file may hold a 100 MB one.
+const MESSAGE_CHARS: usize = 2000;
+
+/// `message` as one printable line: newlines as spaces, other control
+/// characters escaped (a file's names and values must not drive the
+/// terminal), cut after [`MESSAGE_CHARS`] characters.
+fn one_line(message: &str) -> String {
+    let mut line = String::new();
+    for (count, c) in message.chars().enumerate() {
+        if count == MESSAGE_CHARS {
+            line.push_str(&format!("… ({} more characters)", message.chars().count() - count));
+            break;
+        }
+        match c {
+            '\n' => line.push(' '),
+            c if c.is_control() => line.extend(c.escape_debug()),
+            c => line.push(c),
+        }
+    }
+    line
 }
 
 fn compare_files(a: &Path, b: &Path, tolerance: Option<f64>) -> Result<()> {

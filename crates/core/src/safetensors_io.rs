@@ -222,7 +222,15 @@ fn read_header(path: &Path, file: &mut std::fs::File, file_len: u64) -> Result<S
     let mut tensors = Vec::with_capacity(metadata.tensors().len());
     for name in metadata.offset_keys() {
         let info = metadata.info(&name).expect("offset_keys names tensors of the metadata");
-        let (dtype, shape) = file_tensor_type(&name, info.dtype, &info.shape, metadata.metadata().as_ref())?;
+        let (dtype, shape) =
+            file_tensor_type(&name, info.dtype, &info.shape, metadata.metadata().as_ref()).map_err(|e| {
+                // Name the tensor where the error does not already.
+                let message = e.to_string();
+                match message.contains(&format!("'{name}'")) {
+                    true => bad(message),
+                    false => bad(format!("tensor '{}': {message}", name.escape_debug())),
+                }
+            })?;
         let (start, end) = info.data_offsets;
         tensors.push((name, dtype, shape, start..end));
     }

@@ -89,7 +89,7 @@ impl TensorComparison {
 
 impl std::fmt::Display for TensorComparison {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "tensor '{}' ({})", self.name, self.ty)?;
+        write!(f, "tensor '{}' ({})", self.name.escape_debug(), self.ty)?;
         if let Some(problem) = &self.problem {
             return write!(f, ": {problem}");
         }
