@@ -515,16 +515,27 @@ fn the_example_scenario_refuses_caches_over_the_memory_limit_before_allocating_t
     assert!(stderr(&out).contains("more than the memory budget of 1073741824 bytes"), "{}", stderr(&out));
     assert!(stdout(&out).is_empty(), "nothing ran: {}", stdout(&out));
 
-    // The check counts what the caches take, exactly: 48 pages of 2052
-    // bytes and the 272-byte table.
+    // The check counts what the caches take, exactly (48 pages of 2052
+    // bytes and the 272-byte table), then what the inputs take.
     let graph = load_graph(Path::new(&example("small_two_layers.json")), standard_registry().ops()).unwrap();
     let needed = 48 * 2052 + 272;
     let err = kvjit::scenario::Scenario::prefill_within(&graph, 7, 4, 8, needed - 1).err().expect("over the budget");
     assert!(err.to_string().contains(&format!("KV caches need {needed} bytes")), "{err}");
-    let scenario = kvjit::scenario::Scenario::prefill_within(&graph, 7, 4, 8, needed).unwrap();
+    let err = kvjit::scenario::Scenario::prefill_within(&graph, 7, 4, 8, needed).err().expect("no room for inputs");
+    assert!(err.to_string().contains("KV caches and inputs need"), "{err}");
+    let mut scenario = None;
+    for budget in needed..needed + (1 << 20) {
+        if let Ok(made) = kvjit::scenario::Scenario::prefill_within(&graph, 7, 4, 8, budget) {
+            scenario = Some((made, budget));
+            break;
+        }
+    }
+    let (scenario, budget) = scenario.expect("a budget that holds the caches and inputs");
     let cache = &scenario.caches["kv_cache"];
     let tables = 4 * (cache.lookup_table().len() + cache.cache_lengths().len() + cache.num_pages());
     assert_eq!((cache.blocks().as_bytes().len() + tables) as u64, needed);
+    let inputs: usize = scenario.inputs.values().map(|t| t.as_bytes().len()).sum();
+    assert_eq!(budget, needed + inputs as u64, "the smallest budget that runs is caches plus inputs");
 }
 
 /// A graph with no hidden-state input (here one `mo.add`) runs from given
@@ -642,4 +653,14 @@ fn echoed_names_are_escaped_and_cut_short() {
     std::fs::write(&f64_file, bytes).unwrap();
     let out = kvjit(&["compare", a.to_str().unwrap(), f64_file.to_str().unwrap()]);
     assert_one_line_error(&out, &format!("{}: not a valid safetensors file: tensor 'x'", f64_file.display()));
+}
+
+/// A prefill longer than the example cache holds is refused before its
+/// inputs are made (4 million tokens of the 8B layer's hidden state took
+/// 4 GB before the page check refused them).
+#[test]
+fn a_prefill_longer_than_the_cache_is_refused_before_its_inputs_are_made() {
+    let out = kvjit(&["run", "--seq", "4000000"]);
+    assert_one_line_error(&out, "prefill of 4000000 tokens takes 250000 pages of 16 a sequence");
+    assert!(stdout(&out).is_empty(), "nothing ran: {}", stdout(&out));
 }

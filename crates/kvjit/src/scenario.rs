@@ -219,7 +219,30 @@ impl Scenario {
                     "the example scenario's KV caches need {needed} bytes (cache '{name}': {bytes} bytes), more than the memory budget of {memory_budget} bytes"
                 )));
             }
+            // The prefill writes seq tokens to every sequence (the first
+            // one exactly seq): refused here, before anything is made.
+            let pages_each = seq.div_ceil(ty.page_size.max(1));
+            if pages_each > max_pages_per_seq || pages_each.saturating_mul(batch) > num_pages {
+                return Err(Error::Usage(format!(
+                    "the example scenario's prefill of {seq} tokens takes {pages_each} pages of {} a sequence, \
+                     but cache '{name}' holds {max_pages_per_seq} a sequence and {num_pages} in all for {batch} sequences",
+                    ty.page_size
+                )));
+            }
             sizes.push((name, ty, [num_pages, batch, max_pages_per_seq]));
+        }
+        // And the inputs (a hidden state of batch × seq rows), before any is made.
+        for (_, value) in graph.inputs() {
+            let Some(ty) = value.ty.as_tensor() else { continue };
+            let shape = ty.shape.iter().map(|d| dim_size(d, &bindings)).collect::<Result<Vec<_>>>()?;
+            let bytes = Tensor::storage_bytes(ty.dtype, &shape).map_or(u64::MAX, |b| b as u64);
+            needed = needed.saturating_add(bytes);
+            if needed > memory_budget {
+                return Err(Error::Usage(format!(
+                    "the example scenario's KV caches and inputs need {needed} bytes (input '{}': {bytes} bytes), more than the memory budget of {memory_budget} bytes",
+                    value.name.as_deref().unwrap_or("?")
+                )));
+            }
         }
         let mut caches = BTreeMap::new();
         for (name, ty, [num_pages, batch, max_pages_per_seq]) in sizes {
