@@ -1161,6 +1161,10 @@ fn requests_that_cannot_run(path: &Path) -> Vec<(Vec<String>, &'static str)> {
         // /proc/meminfo): refused before it is allocated (it once failed
         // after compiling, naming no cause).
         requests.push((args(&["--max-batch", "1000000000000", "--prompt", "hi"]), "more than this machine's"));
+        // A --context of 10⁸ tokens: refused before the graph, whose RoPE
+        // table alone has that many rows, is built (it once asked for a
+        // 25.6 GB tensor first).
+        requests.push((args(&["--context", "100000000", "--prompt", "hi"]), "more than this machine's"));
     }
     requests
 }

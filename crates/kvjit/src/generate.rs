@@ -270,18 +270,7 @@ impl Model {
             )));
         }
         let batch = prompts.len();
-        let cache_bytes =
-            self.cache_params.cache_bytes(self.num_pages, batch, self.max_pages_per_seq).unwrap_or(u64::MAX);
-        if let Some(memory) = kvjit_runtime::physical_memory().filter(|&memory| cache_bytes > memory) {
-            return Err(Error::Usage(format!(
-                "the model's KV cache ({} pages of {} tokens) takes {:.1} GB, more than this machine's {:.1} GB of \
-                 memory: give a smaller --context or --max-batch (to kvjit import, for a model.json)",
-                self.num_pages,
-                self.cache_params.page_size,
-                cache_bytes as f64 / 1e9,
-                memory as f64 / 1e9
-            )));
-        }
+        check_cache_fits_memory(&self.cache_params, self.num_pages, batch, self.max_pages_per_seq)?;
         // total ≤ context here, so neither product wraps.
         let pages_each = total.div_ceil(self.cache_params.page_size);
         if batch * pages_each > self.num_pages {
@@ -417,6 +406,28 @@ fn argmax(logits: &[f32]) -> u32 {
     }
     let max = lanes.iter().chain(tail).fold(f32::NEG_INFINITY, |m, &v| if v > m { v } else { m });
     logits.iter().position(|&v| v == max).unwrap_or(0) as u32
+}
+
+/// Refuse a KV cache of `params` (`num_pages` pages, `batch` sequences of
+/// `max_pages_per_seq`) larger than this machine's memory, before anything
+/// of it (or of the model it belongs to) is made.
+pub(crate) fn check_cache_fits_memory(
+    params: &KvCacheParams,
+    num_pages: usize,
+    batch: usize,
+    max_pages_per_seq: usize,
+) -> Result<()> {
+    let cache_bytes = params.cache_bytes(num_pages, batch, max_pages_per_seq).unwrap_or(u64::MAX);
+    match kvjit_runtime::physical_memory().filter(|&memory| cache_bytes > memory) {
+        None => Ok(()),
+        Some(memory) => Err(Error::Usage(format!(
+            "the model's KV cache ({num_pages} pages of {} tokens) takes {:.1} GB, more than this machine's {:.1} GB of \
+             memory: give a smaller --context or --max-batch (to kvjit import, for a model.json)",
+            params.page_size,
+            cache_bytes as f64 / 1e9,
+            memory as f64 / 1e9
+        ))),
+    }
 }
 
 #[cfg(test)]

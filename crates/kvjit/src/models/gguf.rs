@@ -28,7 +28,7 @@
 
 use std::path::{Path, PathBuf};
 
-use kvjit_core::{DType, WeightLoad};
+use kvjit_core::{DType, KvCacheParams, WeightLoad};
 use kvjit_gguf::Gguf;
 use kvjit_graph::{Graph, OpRegistry, graph_from_json_with_gguf};
 use kvjit_tokenizer::{Tokenizer, VocabSpec};
@@ -347,6 +347,18 @@ pub fn model_graph_json(gguf: &Gguf, ops: &OpRegistry, options: &ImportOptions, 
 /// weights from the file.
 pub fn load_model(path: &Path, ops: &OpRegistry, options: &ImportOptions, mode: WeightLoad) -> Result<Graph> {
     let gguf = Gguf::open_with(path, mode)?;
+    // The cache this model will run with, refused past this machine's
+    // memory before the graph (its RoPE table of --context rows) is built.
+    let layer = llama_config(&gguf, options)?.layer;
+    let cache = layer.cache_type();
+    let params = KvCacheParams {
+        element: cache.element()?,
+        num_layers: cache.num_layers,
+        page_size: cache.page_size,
+        num_kv_heads: cache.num_kv_heads,
+        head_size: cache.head_size,
+    };
+    crate::generate::check_cache_fits_memory(&params, layer.num_pages, options.max_batch, layer.max_pages_per_seq)?;
     let text = model_graph_json(&gguf, ops, options, "model.gguf")?;
     Ok(graph_from_json_with_gguf(&text, ops, path, mode)?)
 }
