@@ -664,3 +664,19 @@ fn a_prefill_longer_than_the_cache_is_refused_before_its_inputs_are_made() {
     assert_one_line_error(&out, "prefill of 4000000 tokens takes 250000 pages of 16 a sequence");
     assert!(stdout(&out).is_empty(), "nothing ran: {}", stdout(&out));
 }
+
+/// `compare --tolerance` takes a finite tolerance of at least 0: NaN or a
+/// negative one (which called identical tensors a mismatch) is refused.
+#[test]
+fn compare_refuses_a_tolerance_that_matches_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("a.safetensors");
+    write_safetensors(&file, [("t", &Tensor::from_f32(DType::F32, &[2], &[1.0, -3.0]).unwrap())]).unwrap();
+    let file = file.to_str().unwrap();
+    for bad in ["nan", "-1", "inf"] {
+        let out = kvjit(&["compare", file, file, &format!("--tolerance={bad}")]);
+        assert_one_line_error(&out, &format!("must be finite and ≥ 0, got {bad}"));
+    }
+    let out = kvjit(&["compare", file, file, "--tolerance", "0"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+}

@@ -63,8 +63,8 @@ enum Command {
         /// its largest magnitude).
         b: PathBuf,
         /// Normalized max error allowed for every float dtype (default: f32
-        /// 1e-4, bf16 2^-6, f16 2^-9).
-        #[arg(long)]
+        /// 1e-4, bf16 2^-6, f16 2^-9): finite and ≥ 0.
+        #[arg(long, value_parser = parse_tolerance)]
         tolerance: Option<f64>,
     },
     /// Load and validate a graph file (reading only the header of its
@@ -469,6 +469,16 @@ fn load(registry: &Registry, path: &Path, weights: WeightLoad, memory_budget: Op
     }
     let recipe_budget = memory_budget.unwrap_or(kvjit::DEFAULT_MEMORY_LIMIT);
     Ok(load_graph_within(path, registry.ops(), weights, recipe_budget)?)
+}
+
+/// `--tolerance`: a finite normalized error of at least 0 (NaN or a
+/// negative one would call identical tensors a mismatch).
+fn parse_tolerance(text: &str) -> std::result::Result<f64, String> {
+    let value: f64 = text.parse().map_err(|e| format!("{e}"))?;
+    match value.is_finite() && value >= 0.0 {
+        true => Ok(value),
+        false => Err(format!("must be finite and ≥ 0, got {text}")),
+    }
 }
 
 /// The most characters of an error message printed: names and values from
