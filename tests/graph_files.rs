@@ -854,6 +854,19 @@ fn a_page_table_row_longer_than_the_cache_is_refused_at_load() {
 }
 
 #[test]
+fn a_cache_of_no_pages_is_refused_at_load() {
+    // max_pages_per_seq 0 once passed validate and compile.
+    let registry = standard_registry();
+    for field in ["num_pages", "max_pages_per_seq"] {
+        let mut json = json_of(&small_graph(&registry));
+        value_entry(&mut json, "kv_cache")[field] = json!(0);
+        let err = rejected(&json);
+        assert!(matches!(&err, GraphError::Param { param, .. } if param == field), "{err:?}");
+        assert_message(&err, &["must be at least 1"]);
+    }
+}
+
+#[test]
 fn a_layer_count_past_u32_is_refused_at_load() {
     // Layer indices are u32: 2³² layers once passed validation and made
     // `kvjit run` divide by zero (the count cast to u32).

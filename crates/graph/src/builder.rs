@@ -154,6 +154,17 @@ impl<'r> GraphBuilder<'r> {
                 });
             }
         }
+        // A cache of no pages, or whose sequences may hold none, can never
+        // take a token (given as static sizes; bound sizes are checked when
+        // the cache is made).
+        for (what, dim) in [("num_pages", &ty.num_pages), ("max_pages_per_seq", &ty.max_pages_per_seq)] {
+            if dim.as_static() == Some(0) {
+                return Err(GraphError::Param {
+                    param: what.into(),
+                    problem: format!("of KV cache '{name}' must be at least 1"),
+                });
+            }
+        }
         // A sequence's page table row cannot name more pages than there
         // are (a row of 2³² entries once made `generate` fill 17 GB).
         if let (Some(pages), Some(per_seq)) = (ty.num_pages.as_static(), ty.max_pages_per_seq.as_static())
