@@ -232,6 +232,14 @@ impl BenchConfig {
         if self.ms.contains(&0) {
             return Err(BenchError::Zero { what: "M" });
         }
+        // M tokens follow each sequence's history in the cache, whose
+        // positions are u32 (a larger M wrapped to a small one).
+        let most = (u32::MAX - problem::HISTORY) as usize;
+        if let Some(&m) = self.ms.iter().find(|&&m| m > most) {
+            return Err(BenchError::TooLarge(format!(
+                "M {m} is more tokens than a cache's u32 positions hold (at most {most})"
+            )));
+        }
         Ok(())
     }
 
@@ -442,6 +450,10 @@ mod tests {
         let err = config.check().unwrap_err();
         assert!(matches!(err, BenchError::Zero { what: "M" }), "{err:?}");
         assert_eq!(err.to_string(), "M must be at least 1");
+        // An M past the cache's u32 positions (it wrapped to a small one).
+        let config = BenchConfig { ms: vec![1, 1 << 32], ..BenchConfig::tiny() };
+        let err = config.check().unwrap_err();
+        assert!(matches!(&err, BenchError::TooLarge(m) if m.starts_with("M 4294967296 is more tokens")), "{err:?}");
         let config = BenchConfig { dtypes: vec![DType::F32, DType::U32], ..BenchConfig::tiny() };
         let err = config.check().unwrap_err();
         assert!(matches!(err, BenchError::NotComputeFloat { dtype: DType::U32 }), "{err:?}");
