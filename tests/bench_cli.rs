@@ -316,7 +316,7 @@ fn options_pick_shapes_dtypes_pages_ms_implementations_and_threads() {
 fn bad_options_fail_with_one_error_line() {
     let dir = tempfile::tempdir().unwrap();
     let missing = dir.path().join("no/such/dir/bench.json");
-    let cases: [(&[&str], &str); 11] = [
+    let cases: [(&[&str], &str); 15] = [
         (&["bench", "--tiny", "--dtypes", "f64"], "f64"),
         (&["bench", "--tiny", "--dtypes", "u32"], "not a float type"),
         (&["bench", "--tiny", "--shapes", "7b"], "unknown shape '7b'"),
@@ -324,6 +324,11 @@ fn bad_options_fail_with_one_error_line() {
         (&["bench", "--tiny", "--ms", "0"], "M must be at least 1"),
         (&["bench", "--tiny", "--pages", "0"], "page sizes must be at least 1"),
         (&["bench", "--tiny", "--impls", "cublas"], "unknown implementation 'cublas'"),
+        // A value named twice ran every point of it twice.
+        (&["bench", "--tiny", "--pages", "16,4,16"], "--pages names 16 twice"),
+        (&["bench", "--tiny", "--shapes", "8b,8b"], "--shapes names 8b twice"),
+        (&["bench", "--ops", "attention", "--tiny", "--dtypes", "bf16,bf16"], "--dtypes names bf16 twice"),
+        (&["bench", "--tiny", "--ms", "18446744073709551615"], "more tokens than a cache's u32 positions hold"),
         (&["bench", "--tiny", "--json", missing.to_str().unwrap()], "cannot write"),
         (&["bench", "--quick", "--tiny"], "cannot be used with"),
         (

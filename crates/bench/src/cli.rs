@@ -173,6 +173,28 @@ impl BenchArgs {
         ]
     }
 
+    /// Refuse what no suite `ops` can run: an option of another suite, or a
+    /// list naming a value twice (`--pages 16,16` ran every point twice).
+    fn check_options_for(&self, ops: BenchOps) -> Result<()> {
+        fn repeated<T: PartialEq>(
+            option: &'static str,
+            values: Option<&Vec<T>>,
+            name: impl Fn(&T) -> String,
+        ) -> Result<()> {
+            let values = values.map_or(&[][..], Vec::as_slice);
+            match values.iter().enumerate().find(|(i, v)| values[..*i].contains(v)) {
+                Some((_, value)) => Err(BenchError::Repeated { option, value: name(value) }),
+                None => Ok(()),
+            }
+        }
+        repeated("--shapes", self.shapes.as_ref(), |s| s.label.clone())?;
+        repeated("--dtypes", self.dtypes.as_ref(), DType::to_string)?;
+        repeated("--pages", self.pages.as_ref(), usize::to_string)?;
+        repeated("--ms", self.ms.as_ref(), usize::to_string)?;
+        repeated("--impls", self.impls.as_ref(), |i| i.id().to_string())?;
+        self.refuse_options_of_other_suites(ops)
+    }
+
     /// Refuse the first option given that the suite `ops` does not take.
     fn refuse_options_of_other_suites(&self, ops: BenchOps) -> Result<()> {
         match self.suite_options().into_iter().find(|(_, given, takes)| *given && !takes.contains(&ops)) {
@@ -198,7 +220,7 @@ impl BenchArgs {
     /// The `--ops attention` run these options ask for: a preset with the
     /// given overrides; options of the QKV suite are refused.
     pub fn attention_config(&self) -> Result<AttentionBenchConfig> {
-        self.refuse_options_of_other_suites(BenchOps::Attention)?;
+        self.check_options_for(BenchOps::Attention)?;
         let mut config =
             self.preset(AttentionBenchConfig::tiny, AttentionBenchConfig::quick, AttentionBenchConfig::full);
         if let Some(v) = &self.dtypes {
@@ -214,7 +236,7 @@ impl BenchArgs {
     /// The `--ops fp8` run these options ask for: a preset with the given
     /// thread count; options of the other suites are refused.
     pub fn fp8_config(&self) -> Result<Fp8BenchConfig> {
-        self.refuse_options_of_other_suites(BenchOps::Fp8)?;
+        self.check_options_for(BenchOps::Fp8)?;
         let mut config = self.preset(Fp8BenchConfig::tiny, Fp8BenchConfig::quick, Fp8BenchConfig::full);
         if let Some(threads) = self.threads {
             config.threads = threads;
@@ -225,7 +247,7 @@ impl BenchArgs {
     /// The `--ops layer` run these options ask for: a preset with the given
     /// thread count and `--no-fuse`; options of the other suites are refused.
     pub fn layer_config(&self) -> Result<LayerBenchConfig> {
-        self.refuse_options_of_other_suites(BenchOps::Layer)?;
+        self.check_options_for(BenchOps::Layer)?;
         let mut config = self.preset(LayerBenchConfig::tiny, LayerBenchConfig::quick, LayerBenchConfig::full);
         if let Some(threads) = self.threads {
             config.threads = threads;
@@ -239,7 +261,7 @@ impl BenchArgs {
     /// formats (`--dtypes`) and the thread count; options of the other
     /// suites are refused.
     pub fn blocks_config(&self) -> Result<BlocksBenchConfig> {
-        self.refuse_options_of_other_suites(BenchOps::Blocks)?;
+        self.check_options_for(BenchOps::Blocks)?;
         let mut config = self.preset(BlocksBenchConfig::tiny, BlocksBenchConfig::quick, BlocksBenchConfig::full);
         if let Some(formats) = &self.dtypes {
             config.formats = formats.clone();
@@ -255,7 +277,7 @@ impl BenchArgs {
     /// `--gguf` file with the given dtypes and thread count; options of the
     /// other suites are refused.
     pub fn model_config(&self) -> Result<ModelBenchConfig> {
-        self.refuse_options_of_other_suites(BenchOps::Model)?;
+        self.check_options_for(BenchOps::Model)?;
         let gguf = self.gguf.clone().ok_or(BenchError::NoValues { option: "--gguf" })?;
         let mut config = if self.tiny {
             ModelBenchConfig::tiny(gguf)
@@ -350,7 +372,7 @@ pub fn run_bench(args: &BenchArgs) -> Result<()> {
     }
     match args.ops {
         BenchOps::Qkv => {
-            args.refuse_options_of_other_suites(BenchOps::Qkv)?;
+            args.check_options_for(BenchOps::Qkv)?;
             let config = args.config();
             config.check()?;
             let svg = args.svg_path()?;

@@ -24,6 +24,14 @@ pub enum BenchError {
         /// The option, as typed (`--ms`).
         option: &'static str,
     },
+    /// A list option naming one value twice.
+    #[error("{option} names {value} twice")]
+    Repeated {
+        /// The option, as typed (`--pages`).
+        option: &'static str,
+        /// The value named twice.
+        value: String,
+    },
     /// A run larger than this machine can hold.
     #[error("{0}")]
     TooLarge(String),
