@@ -680,3 +680,16 @@ fn compare_refuses_a_tolerance_that_matches_nothing() {
     let out = kvjit(&["compare", file, file, "--tolerance", "0"]);
     assert!(out.status.success(), "{}", stderr(&out));
 }
+
+/// A symbol bound twice to different sizes is refused (the last `--bind`
+/// silently won); bound twice to one size it runs.
+#[test]
+fn disagreeing_binds_are_refused() {
+    let graph = example("small_attention.json");
+    for args in [vec!["run"], vec!["inspect", &graph]] {
+        let out = kvjit(&[&args[..], &["--bind", "batch=4", "--bind", "batch=2"]].concat());
+        assert_one_line_error(&out, "--bind batch=4 and --bind batch=2 disagree");
+    }
+    let out = kvjit(&["run", "--bind", "batch=2", "--bind", "batch=2", "--steps", "0"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+}

@@ -366,6 +366,18 @@ impl KernelChoice {
     }
 }
 
+/// The `--bind`s as a map; a symbol bound twice to different sizes is
+/// refused (the last one silently won).
+fn binding_map(bindings: &[(String, usize)]) -> Result<std::collections::BTreeMap<String, usize>> {
+    let mut map = std::collections::BTreeMap::new();
+    for (symbol, size) in bindings {
+        if let Some(earlier) = map.insert(symbol.clone(), *size).filter(|earlier| earlier != size) {
+            return Err(Error::Usage(format!("--bind {symbol}={earlier} and --bind {symbol}={size} disagree")));
+        }
+    }
+    Ok(map)
+}
+
 fn parse_binding(text: &str) -> std::result::Result<(String, usize), String> {
     let (name, size) = text.split_once('=').ok_or_else(|| format!("'{text}' is not SYMBOL=SIZE"))?;
     let size = size.parse().map_err(|_| format!("'{size}' is not a size"))?;
@@ -415,16 +427,18 @@ fn main() -> ExitCode {
         Command::Run(args) => run(&registry, &args),
         Command::Inspect { graph, target, bindings, dump_clif, disasm, cpu_tier, no_fuse } => {
             let build = BuildOptions { keep_ir: dump_clif, keep_disasm: disasm, cpu_tier, ..BuildOptions::default() };
-            let bindings = bindings.into_iter().collect();
-            let options = CompileOptions { target, bindings, build, memory_budget: None, fuse: !no_fuse };
-            inspect(&registry, &graph, &options)
+            binding_map(&bindings).and_then(|bindings| {
+                let options = CompileOptions { target, bindings, build, memory_budget: None, fuse: !no_fuse };
+                inspect(&registry, &graph, &options)
+            })
         }
         Command::Validate { graph } => validate(&registry, &graph),
         Command::Compile { graph, output, target, bindings, kernel, cpu_tier, memory_budget, no_fuse } => {
             let build = BuildOptions { implementation: kernel.implementation(), cpu_tier, ..BuildOptions::default() };
-            let bindings = bindings.into_iter().collect();
-            let options = CompileOptions { target, bindings, build, memory_budget, fuse: !no_fuse };
-            compile_artifact(&registry, &graph, &output, &options)
+            binding_map(&bindings).and_then(|bindings| {
+                let options = CompileOptions { target, bindings, build, memory_budget, fuse: !no_fuse };
+                compile_artifact(&registry, &graph, &output, &options)
+            })
         }
         Command::Compare { a, b, tolerance } => compare_files(&a, &b, tolerance),
         Command::Bench(args) => kvjit_bench::cli::run_bench(&args).map_err(bench_error),
@@ -714,7 +728,7 @@ fn run(registry: &Registry, args: &RunArgs) -> Result<()> {
     let graph = loaded.graph;
     let options = CompileOptions {
         target: args.target,
-        bindings: args.bindings.iter().cloned().collect(),
+        bindings: binding_map(&args.bindings)?,
         build: BuildOptions {
             implementation: args.kernel.implementation(),
             specialize_shapes: args.specialize_shapes,
