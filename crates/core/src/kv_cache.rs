@@ -851,9 +851,18 @@ impl PagedKVCacheCollection {
             lookup_table.to_u32_vec()?,
             table_shape[1],
         )?;
+        for (name, scalar) in ["max_seq_length", "max_cache_length"].iter().zip(&scalars) {
+            if let Some(t) = scalar.as_ref().filter(|t| t.numel() != 1) {
+                return Err(Error::ShapeMismatch {
+                    arg: format!("{prefix}.{name}"),
+                    expected: "[] (one u32)".into(),
+                    got: t.shape().to_vec(),
+                });
+            }
+        }
         if let [Some(seq), Some(cached)] = scalars {
-            cache.max_seq_length = seq.to_u32_vec()?.first().copied().unwrap_or(0);
-            cache.max_cache_length = cached.to_u32_vec()?.first().copied().unwrap_or(0);
+            cache.max_seq_length = seq.to_u32_vec()?[0];
+            cache.max_cache_length = cached.to_u32_vec()?[0];
         }
         Ok(cache)
     }
@@ -946,6 +955,15 @@ mod tests {
         assert_eq!(back.lookup_table(), cache.lookup_table());
         assert_eq!((back.max_seq_length, back.max_cache_length), (7, 7));
         assert!(map.is_empty());
+        // A length scalar of another shape is refused, naming it (any shape
+        // was taken, its first element used).
+        let mut map: BTreeMap<String, Tensor> = cache.to_tensors("kv").unwrap().into_iter().collect();
+        map.insert("kv.max_seq_length".into(), Tensor::from_vec(&[2], vec![7u32, 9]).unwrap());
+        let err = PagedKVCacheCollection::from_tensors("kv", &mut map).unwrap_err();
+        assert!(
+            matches!(&err, Error::ShapeMismatch { arg, got, .. } if arg == "kv.max_seq_length" && got == &[2]),
+            "{err:?}"
+        );
     }
 
     fn fp8_params(head_size: usize, g: usize) -> KvCacheParams {
