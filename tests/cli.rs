@@ -661,7 +661,7 @@ fn echoed_names_are_escaped_and_cut_short() {
 #[test]
 fn a_prefill_longer_than_the_cache_is_refused_before_its_inputs_are_made() {
     let out = kvjit(&["run", "--seq", "4000000"]);
-    assert_one_line_error(&out, "prefill of 4000000 tokens takes 250000 pages of 16 a sequence");
+    assert_one_line_error(&out, "prefill of 4000000 tokens takes 250000 pages of 16, but cache 'kv_cache' holds");
     assert!(stdout(&out).is_empty(), "nothing ran: {}", stdout(&out));
 }
 

@@ -219,13 +219,15 @@ impl Scenario {
                     "the example scenario's KV caches need {needed} bytes (cache '{name}': {bytes} bytes), more than the memory budget of {memory_budget} bytes"
                 )));
             }
-            // The prefill writes seq tokens to every sequence (the first
-            // one exactly seq): refused here, before anything is made.
-            let pages_each = seq.div_ceil(ty.page_size.max(1));
-            if pages_each > max_pages_per_seq || pages_each.saturating_mul(batch) > num_pages {
+            // The prefill writes seq tokens to its first sequence (the others
+            // a random 1..=seq): refused here, before anything is made, when
+            // the cache cannot hold that one (whether the others fit too
+            // depends on the lengths drawn, checked when pages are reserved).
+            let pages_first = seq.div_ceil(ty.page_size.max(1));
+            if pages_first > max_pages_per_seq.min(num_pages) {
                 return Err(Error::Usage(format!(
-                    "the example scenario's prefill of {seq} tokens takes {pages_each} pages of {} a sequence, \
-                     but cache '{name}' holds {max_pages_per_seq} a sequence and {num_pages} in all for {batch} sequences",
+                    "the example scenario's prefill of {seq} tokens takes {pages_first} pages of {}, \
+                     but cache '{name}' holds {max_pages_per_seq} a sequence and {num_pages} in all",
                     ty.page_size
                 )));
             }
