@@ -173,8 +173,9 @@ impl BenchArgs {
         ]
     }
 
-    /// Refuse what no suite `ops` can run: an option of another suite, or a
-    /// list naming a value twice (`--pages 16,16` ran every point twice).
+    /// Refuse what the suite `ops` cannot run: an option of another suite,
+    /// or a list naming a value twice (`--pages 16,16` ran every point
+    /// twice).
     fn check_options_for(&self, ops: BenchOps) -> Result<()> {
         fn repeated<T: PartialEq>(
             option: &'static str,

@@ -284,8 +284,7 @@ mod tests {
 
     /// Q8_0 blocks (an f16 scale, 32 i8) compared chunk by chunk: the one
     /// differing quant, in the last partial chunk, is found at its flat
-    /// index with its dequantized difference, and a permuted (strided)
-    /// view compares as its logical order.
+    /// index with its dequantized difference.
     #[test]
     fn block_tensors_compare_across_chunks() {
         let blocks = CHUNK / 32 * 2 + 3;
@@ -307,6 +306,7 @@ mod tests {
         assert!(!c.matches());
     }
 
+    /// A permuted (strided) view compares in its logical order.
     #[test]
     fn strided_views_compare_in_logical_order() {
         let a = Tensor::from_f32(DType::F32, &[2, 3], &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]).unwrap();
