@@ -189,11 +189,11 @@ impl Scenario {
         Self::prefill_within(graph, seed, batch, seq, kvjit_graph::DEFAULT_MEMORY_LIMIT)
     }
 
-    /// [`prefill_with`](Self::prefill_with) whose KV caches may take
-    /// `memory_budget` bytes in all (every buffer of each:
+    /// [`prefill_with`](Self::prefill_with) whose KV caches and inputs may
+    /// take `memory_budget` bytes in all (every buffer of each cache:
     /// [`KvCacheParams::cache_bytes`](kvjit_core::KvCacheParams::cache_bytes));
-    /// caches over it are refused, as [`Error::Usage`], before any is
-    /// allocated.
+    /// over it, or with a first sequence of `seq` tokens no cache can hold,
+    /// it is refused, as [`Error::Usage`], before anything is allocated.
     pub fn prefill_within(graph: &Graph, seed: u64, batch: usize, seq: usize, memory_budget: u64) -> Result<Self> {
         if batch == 0 || seq == 0 {
             return Err(Error::Usage(format!(
