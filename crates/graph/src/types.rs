@@ -131,13 +131,19 @@ impl KvCacheType {
     /// refuses them): a graph's caches were checked when they were added, so
     /// every cache of a graph pairs them.
     pub fn params(&self) -> KvCacheParams {
-        KvCacheParams {
-            element: self.element().expect("a graph's caches are checked when added"),
+        self.try_params().expect("a graph's caches are checked when added")
+    }
+
+    /// [`params`](Self::params) of a cache type not (yet) in a graph: the
+    /// pairing error instead of a panic.
+    pub fn try_params(&self) -> kvjit_core::Result<KvCacheParams> {
+        Ok(KvCacheParams {
+            element: self.element()?,
             num_layers: self.num_layers,
             page_size: self.page_size,
             num_kv_heads: self.num_kv_heads,
             head_size: self.head_size,
-        }
+        })
     }
 }
 

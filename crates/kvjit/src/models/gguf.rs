@@ -28,7 +28,7 @@
 
 use std::path::{Path, PathBuf};
 
-use kvjit_core::{DType, KvCacheParams, WeightLoad};
+use kvjit_core::{DType, WeightLoad};
 use kvjit_gguf::Gguf;
 use kvjit_graph::{Graph, OpRegistry, graph_from_json_with_gguf};
 use kvjit_tokenizer::{Tokenizer, VocabSpec};
@@ -318,11 +318,21 @@ fn kept_format(gguf: &Gguf, name: &str) -> Option<DType> {
 /// its random recipe dropped, and `weights` naming the file as
 /// `weights_name`.
 pub fn model_graph_json(gguf: &Gguf, ops: &OpRegistry, options: &ImportOptions, weights_name: &str) -> Result<String> {
-    let config = llama_config(gguf, options)?;
+    graph_json_of(gguf, &llama_config(gguf, options)?, ops, options, weights_name)
+}
+
+/// [`model_graph_json`] of the `config` already read from `gguf`.
+fn graph_json_of(
+    gguf: &Gguf,
+    config: &LlamaConfig,
+    ops: &OpRegistry,
+    options: &ImportOptions,
+    weights_name: &str,
+) -> Result<String> {
     // The random weights stay recipes (never drawn): each becomes the
     // file's tensor below.
     let mut json: serde_json::Value =
-        serde_json::from_str(&model_graph_file(&config, ops)?).map_err(kvjit_graph::GraphError::from)?;
+        serde_json::from_str(&model_graph_file(config, ops)?).map_err(kvjit_graph::GraphError::from)?;
     let values = json.get_mut("values").and_then(|v| v.as_array_mut()).expect("a graph file has values");
     for value in values {
         let Some(entry) = value.as_object_mut() else { continue };
@@ -349,17 +359,11 @@ pub fn load_model(path: &Path, ops: &OpRegistry, options: &ImportOptions, mode: 
     let gguf = Gguf::open_with(path, mode)?;
     // The cache this model will run with, refused past this machine's
     // memory before the graph (its RoPE table of --context rows) is built.
-    let layer = llama_config(&gguf, options)?.layer;
-    let cache = layer.cache_type();
-    let params = KvCacheParams {
-        element: cache.element()?,
-        num_layers: cache.num_layers,
-        page_size: cache.page_size,
-        num_kv_heads: cache.num_kv_heads,
-        head_size: cache.head_size,
-    };
+    let config = llama_config(&gguf, options)?;
+    let layer = &config.layer;
+    let params = layer.cache_type().try_params()?;
     crate::generate::check_cache_fits_memory(&params, layer.num_pages, options.max_batch, layer.max_pages_per_seq)?;
-    let text = model_graph_json(&gguf, ops, options, "model.gguf")?;
+    let text = graph_json_of(&gguf, &config, ops, options, "model.gguf")?;
     Ok(graph_from_json_with_gguf(&text, ops, path, mode)?)
 }
 
