@@ -1,7 +1,8 @@
 //! Graph files from untrusted sources: the `weights` path a graph file names
 //! is confined to the graph file's folder and must be a regular file; tensor
-//! files given on the command line must be regular files. Each refusal is one
-//! `error:` line, before anything is opened or allocated.
+//! files given on the command line must be regular files; an object naming
+//! a key twice is refused. Each refusal is one `error:` line, before
+//! anything is opened or allocated.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -87,4 +88,24 @@ fn tensor_files_on_the_command_line_must_be_regular_files() {
     ]);
     assert_one_line_error(&out, "/dev/zero: not a regular file");
     assert_one_line_error(&kvjit(&["compare", "/dev/zero", "/dev/null"]), "not a regular file");
+}
+
+/// A graph file naming a key twice in one object — where serde_json would
+/// silently keep the second — is refused with the key and its position.
+#[test]
+fn a_key_named_twice_in_a_graph_file_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/examples/small_attention.json")).unwrap();
+    let first = text.find(r#""kind": "input","#).expect("the example has an input");
+    for (what, edited) in [
+        ("kind", format!("{}\"kind\": \"constant\", {}", &text[..first], &text[first..])),
+        ("version", text.replacen(r#""version": 1,"#, r#""version": 1, "version": 1,"#, 1)),
+    ] {
+        assert_ne!(edited, text, "{what}: the edit applies");
+        let path = dir.path().join(format!("{what}.json"));
+        std::fs::write(&path, &edited).unwrap();
+        let err = refused(&path).to_string();
+        assert!(err.contains(&format!("duplicate key `{what}` at line")), "{err}");
+        assert_one_line_error(&kvjit(&["inspect", path.to_str().unwrap()]), &format!("duplicate key `{what}`"));
+    }
 }

@@ -10,6 +10,7 @@
 mod dtype;
 mod error;
 pub mod fp8;
+pub mod json;
 mod kernel_key;
 mod kv_cache;
 pub mod quant;

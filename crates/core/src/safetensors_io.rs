@@ -109,6 +109,13 @@ pub fn tensors_to_safetensors<'a>(tensors: impl IntoIterator<Item = (&'a str, &'
 /// Parse safetensors bytes into named tensors. Truncated or malformed data,
 /// and dtypes kvjit does not handle, are errors.
 pub fn tensors_from_safetensors(bytes: &[u8]) -> Result<BTreeMap<String, Tensor>> {
+    // The crate keeps the last of two entries naming one tensor: refuse
+    // them first (a header length out of range is the crate's to report).
+    let header_len = bytes.get(..8).map(|n| u64::from_le_bytes(n.try_into().expect("8 bytes")));
+    let header_bytes = header_len.and_then(|n| bytes.get(8..usize::try_from(n).ok()?.checked_add(8)?));
+    if let Some(header_bytes) = header_bytes {
+        crate::json::parse_strict(header_bytes).map_err(|e| Error::Safetensors(format!("header: {e}")))?;
+    }
     let (_, header) = SafeTensors::read_metadata(bytes).map_err(|e| Error::Safetensors(e.to_string()))?;
     let file = SafeTensors::deserialize(bytes).map_err(|e| Error::Safetensors(e.to_string()))?;
     file.tensors()
@@ -209,8 +216,10 @@ fn read_header(path: &Path, file: &mut std::fs::File, file_len: u64) -> Result<S
     // The `safetensors` crate checks, while parsing, that the ranges are in
     // order, contiguous and not reversed, and that each shape × dtype size
     // equals its range, without overflow.
+    // Read strictly first: serde_json would keep the last of two entries
+    // naming one tensor.
     let metadata: safetensors::tensor::Metadata =
-        serde_json::from_slice(&header).map_err(|e| bad(format!("header: {e}")))?;
+        crate::json::parse_strict(&header).and_then(serde_json::from_value).map_err(|e| bad(format!("header: {e}")))?;
     let data_start = 8 + header_len;
     let data_len = metadata.data_len() as u64;
     if data_start.checked_add(data_len) != Some(file_len) {
@@ -494,6 +503,27 @@ mod tests {
         // The bf16 tensor starts right after the header, which the writer
         // pads to 8 bytes: it is aligned and borrowed from the file.
         assert!(mapped.tensors["a"].is_mapped());
+    }
+
+    /// A header naming one tensor twice (the `safetensors` crate and
+    /// serde_json would keep the second entry) is refused by every reader.
+    #[test]
+    fn a_tensor_named_twice_is_refused() {
+        // Valid but for the name: the second entry would silently read the
+        // bytes as I32.
+        let header = br#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"a":{"dtype":"I32","shape":[1],"data_offsets":[0,4]}}"#;
+        let mut file = (header.len() as u64).to_le_bytes().to_vec();
+        file.extend_from_slice(header);
+        file.extend_from_slice(&[0x3f; 4]);
+        let err = tensors_from_safetensors(&file).unwrap_err().to_string();
+        assert!(err.contains("duplicate key `a`"), "{err}");
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("twice.safetensors");
+        std::fs::write(&path, &file).unwrap();
+        for mode in [WeightLoad::Map, WeightLoad::Copy] {
+            let err = load_safetensors(&path, mode).unwrap_err().to_string();
+            assert!(err.contains("duplicate key `a`"), "{mode:?}: {err}");
+        }
     }
 
     #[test]

@@ -314,7 +314,7 @@ fn parse_graph(
     prepared: &BTreeMap<String, kvjit_core::PreparedConstant>,
     recipe_budget: u64,
 ) -> Result<Graph> {
-    let json: serde_json::Value = serde_json::from_str(text)?;
+    let json = kvjit_core::json::parse_strict(text.as_bytes())?;
     check_marker(&json)?;
     let file: GraphFile<serde_json::Value> = serde_json::from_value(json)?;
     // A recipe's fields are schema too: the registry reads them (which
@@ -522,7 +522,7 @@ pub fn load_graph_within(path: &Path, registry: &OpRegistry, weights: WeightLoad
     })?;
     let text = String::from_utf8(bytes)
         .map_err(|e| io(std::io::Error::new(std::io::ErrorKind::InvalidData, e.utf8_error())))?;
-    let json: serde_json::Value = serde_json::from_str(&text)?;
+    let json = kvjit_core::json::parse_strict(text.as_bytes())?;
     check_marker(&json)?;
     let weights = match json.get("weights").and_then(|w| w.as_str()) {
         Some(name) if is_gguf_name(name) => {
@@ -644,7 +644,7 @@ fn load_rows_of(
 /// `kvjit generate MODEL.gguf` builds its graph in memory), loaded as
 /// [`load_graph_with`] loads a graph file's GGUF weights.
 pub fn graph_from_json_with_gguf(text: &str, registry: &OpRegistry, gguf: &Path, mode: WeightLoad) -> Result<Graph> {
-    let json: serde_json::Value = serde_json::from_str(text)?;
+    let json = kvjit_core::json::parse_strict(text.as_bytes())?;
     check_marker(&json)?;
     let weights = load_gguf_constants(&json, gguf, mode)?;
     graph_from_json(text, registry, Some(&weights))

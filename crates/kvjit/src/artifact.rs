@@ -631,7 +631,7 @@ fn read_raw_header(path: &Path) -> Result<RawHeader> {
     if header_bytes.len() as u64 != header_len {
         return Err(malformed("the file ended inside its header".into()));
     }
-    let json = serde_json::from_slice(&header_bytes).map_err(|e| malformed(format!("header: {e}")))?;
+    let json = kvjit_core::json::parse_strict(&header_bytes).map_err(|e| malformed(format!("header: {e}")))?;
     Ok(RawHeader { file, file_len, header_len, json })
 }
 

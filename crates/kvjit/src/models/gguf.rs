@@ -573,7 +573,7 @@ pub fn gguf_of_graph_file(path: &Path) -> Result<PathBuf> {
         other => Error::from(other),
     })?;
     let text = String::from_utf8(bytes).map_err(|_| not_a_model("not UTF-8 text".into()))?;
-    let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| not_a_model(format!("as JSON, {e}")))?;
+    let json = kvjit_core::json::parse_strict(text.as_bytes()).map_err(|e| not_a_model(format!("as JSON, {e}")))?;
     let weights = json.get("weights").and_then(|w| w.as_str()).filter(|w| w.to_ascii_lowercase().ends_with(".gguf"));
     let weights = weights.ok_or_else(|| {
         refuse("the graph file names no .gguf weights, so there is no tokenizer (write one with kvjit import)".into())
