@@ -136,6 +136,10 @@ pub struct FormatResult {
     pub weight_bytes: usize,
     /// Seconds per decode GEMV (M = 1).
     pub decode: Stats,
+    /// The decode samples, seconds per call, one per round of the
+    /// interleaved measurement (paired with the read probe's and the other
+    /// formats').
+    pub decode_samples: Vec<f64>,
     /// Seconds per prefill GEMM.
     pub prefill: Stats,
 }
@@ -154,6 +158,20 @@ pub struct ShapeResult {
     /// Read bandwidth, bytes per second: the read probe timed interleaved
     /// with this matrix's decode GEMVs (the roof of their shares).
     pub read_beside: Stats,
+    /// The probe's samples, seconds per read of `read_bytes`, one per round.
+    pub read_samples: Vec<f64>,
+    /// Bytes one probe read.
+    pub read_bytes: usize,
+}
+
+impl ShapeResult {
+    /// A format's share of the read roof, round by round: the bytes it
+    /// read per second over the probe's in the same round.
+    pub fn share(&self, f: &FormatResult) -> Stats {
+        let probe_rate: Vec<f64> = self.read_samples.iter().map(|t| self.read_bytes as f64 / t).collect();
+        let rate: Vec<f64> = f.decode_samples.iter().map(|t| f.weight_bytes as f64 / t).collect();
+        Stats::paired_ratio(&rate, &probe_rate)
+    }
 }
 
 /// The suite's report.
@@ -280,10 +298,19 @@ pub fn run_blocks(config: &BlocksBenchConfig, progress: &mut dyn FnMut(&Progress
                 format,
                 weight_bytes: kernels.weight_bytes,
                 decode: decode.time,
+                decode_samples: decode.samples,
                 prefill: prefill.time,
             })
             .collect();
-        shapes.push(ShapeResult { name: name.clone(), n, k, formats, read_beside });
+        shapes.push(ShapeResult {
+            name: name.clone(),
+            n,
+            k,
+            formats,
+            read_beside,
+            read_samples: probe.samples,
+            read_bytes: read.bytes(),
+        });
     }
     steps.start("roofline probes again");
     roof.measure(&ctx, &config.roof)?;
@@ -320,13 +347,10 @@ impl BlocksReport {
             let beside = shape.read_beside.median;
             // Where a GEMV outreads the probe, the probe is not the roof:
             // said, not hidden.
-            let fastest = shape
-                .formats
-                .iter()
-                .map(|f| (f.weight_bytes as f64 / f.decode.median, f.format))
-                .max_by(|a, b| a.0.total_cmp(&b.0));
-            let fastest = fastest.map_or(String::new(), |(rate, format)| {
-                format!("; the fastest GEMV, {format}, read {:.1} GB/s ({:.2}× the probe)", gb(rate), rate / beside)
+            let fastest = shape.formats.iter().map(|f| (shape.share(f).median, f)).max_by(|a, b| a.0.total_cmp(&b.0));
+            let fastest = fastest.map_or(String::new(), |(share, f)| {
+                let rate = f.weight_bytes as f64 / f.decode.median;
+                format!("; the fastest GEMV, {}, read {:.1} GB/s ({share:.2}× the probe)", f.format, gb(rate))
             });
             let _ = writeln!(
                 s,
@@ -340,21 +364,24 @@ impl BlocksReport {
             );
             let _ = writeln!(
                 s,
-                "| weights | bytes/weight | decode µs | weight GB/s | of read roof | decode × bf16 | prefill M={} ms | prefill × bf16 |",
+                "| weights | bytes/weight | decode µs | weight GB/s | of read roof (quartiles) | decode × bf16 | prefill M={} ms | prefill × bf16 |",
                 self.config.prefill_rows
             );
             let _ = writeln!(s, "|---|---:|---:|---:|---:|---:|---:|---:|");
             for f in &shape.formats {
                 let rate = f.weight_bytes as f64 / f.decode.median;
+                let share = shape.share(f);
                 let _ = writeln!(
                     s,
-                    "| {} | {:.4} | {:.0} | {:.1} | {:.0} % | {:.2}× | {:.2} | {:.2}× |",
+                    "| {} | {:.4} | {:.0} | {:.1} | {:.0} % ({:.0}–{:.0}) | {:.2}× | {:.2} | {:.2}× |",
                     f.format,
                     f.weight_bytes as f64 / (shape.n * shape.k) as f64,
                     f.decode.median * 1e6,
                     gb(rate),
-                    100.0 * rate / beside,
-                    base.decode.median / f.decode.median,
+                    100.0 * share.median,
+                    100.0 * share.q1,
+                    100.0 * share.q3,
+                    Stats::paired_ratio(&base.decode_samples, &f.decode_samples).median,
                     f.prefill.median * 1e3,
                     base.prefill.median / f.prefill.median,
                 );
@@ -363,7 +390,7 @@ impl BlocksReport {
         }
         let _ = writeln!(
             s,
-            "Decode: M = 1, each call on another copy of the matrix ({} MiB of copies per format), so every call reads DRAM; GB/s counts the bytes the kernel reads (packed panels: the format's bytes plus the last panel's padding). Prefill: M = {} rows against the same weights (bf16: what dequantizing to bf16 gives). Medians of interleaved samples.",
+            "Decode: M = 1, each call on another copy of the matrix ({} MiB of copies per format), so every call reads DRAM; GB/s counts the bytes the kernel reads (packed panels: the format's bytes plus the last panel's padding). Prefill: M = {} rows against the same weights (bf16: what dequantizing to bf16 gives). Medians of interleaved samples; the share of the read roof and decode × bf16 are medians of round-by-round ratios (each round times every format and the probe once, so a slow spell of the machine slows both sides of a ratio).",
             self.config.rotate_bytes >> 20,
             self.config.prefill_rows
         );
@@ -387,6 +414,7 @@ impl BlocksReport {
                     "format": f.format.to_string(),
                     "weight_bytes": f.weight_bytes,
                     "decode_seconds": f.decode.to_json(),
+                    "share_of_read_roof": shape.share(f).to_json(),
                     "prefill_seconds": f.prefill.to_json(),
                 })).collect::<Vec<_>>(),
             })).collect::<Vec<_>>(),

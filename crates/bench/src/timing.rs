@@ -65,6 +65,16 @@ impl Stats {
         }
     }
 
+    /// Statistics of `a[r] / b[r]` over the rounds `r` of two measurements
+    /// taken side by side ([`measure_interleaved`]'s samples): each round's
+    /// pair saw the same spell of the machine, so a neighbour that slows
+    /// both for a while moves their ratio less than it moves the ratio of
+    /// their medians. Panics on no samples or on counts that differ.
+    pub fn paired_ratio(a: &[f64], b: &[f64]) -> Self {
+        assert_eq!(a.len(), b.len(), "paired samples come from the same rounds");
+        Self::from_samples(&a.iter().zip(b).map(|(a, b)| a / b).collect::<Vec<_>>())
+    }
+
     /// Every statistic multiplied by `factor` (> 0), e.g. to change units.
     pub fn scaled(&self, factor: f64) -> Stats {
         Stats {
@@ -164,6 +174,16 @@ mod tests {
         assert_eq!(even.median, 1.5);
         let rate = s.rate(10.0);
         assert_eq!((rate.min, rate.median, rate.max), (2.0, 10.0 / 3.0, 10.0));
+    }
+
+    #[test]
+    fn paired_ratios_divide_round_by_round() {
+        // A slow second round slows both: its pair's ratio is the first's.
+        let s = Stats::paired_ratio(&[2.0, 6.0, 2.5], &[1.0, 3.0, 1.0]);
+        assert_eq!((s.min, s.median, s.max, s.samples), (2.0, 2.0, 2.5, 3));
+        // The ratio of the medians would be 2.5 / 1.0.
+        let medians = Stats::from_samples(&[2.0, 6.0, 2.5]).median / Stats::from_samples(&[1.0, 3.0, 1.0]).median;
+        assert_eq!(medians, 2.5);
     }
 
     #[test]
