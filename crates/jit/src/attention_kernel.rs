@@ -1846,10 +1846,10 @@ mod x86 {
         // head (the rows the next block's call for that head reads first)
         // for 1- and 2-byte elements; for f32, a share of the next block's
         // whole slots in address order. Measured with `decode_kernel_stream`
-        // (one thread from DRAM, four alternated runs, ns per key-head):
-        // Llama-3-8B's bf16 heads 51.0–52.9 → 45.5–47.2 head-major, f32
-        // 79.6–82.1 → 87.7–91.4 (so f32 keeps whole slots), FP8 and
-        // SmolLM2's heads unchanged.
+        // (one thread from DRAM, seven alternated runs, ns per key-head):
+        // Llama-3-8B's bf16 heads 51.0–52.9 → 45.5–47.5 head-major, f32
+        // 80–82 → 86–91 (so f32 keeps whole slots), FP8 and SmolLM2's
+        // heads unchanged.
         let head_major = E::BYTES <= 2;
         let share = KB.div_ceil(heads);
         let mut slot = [0usize; KB];
