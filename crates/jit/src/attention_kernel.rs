@@ -1848,8 +1848,9 @@ mod x86 {
         // whole slots in address order. Measured with `decode_kernel_stream`
         // (one thread from DRAM, seven alternated runs, ns per key-head):
         // Llama-3-8B's bf16 heads 51.0–52.9 → 45.5–47.5 head-major, f32
-        // 80–82 → 86–91 (so f32 keeps whole slots), FP8 and SmolLM2's
-        // heads unchanged.
+        // 80–85 → 86–91 (so f32 keeps whole slots), FP8 39.1–39.6 →
+        // 39.7–41.1; SmolLM2's bf16 27.2–28.6 → 26.6–27.0, FP8 25.7–26.1 →
+        // 24.8–25.0.
         let head_major = E::BYTES <= 2;
         let share = KB.div_ceil(heads);
         let mut slot = [0usize; KB];
@@ -2752,10 +2753,13 @@ mod timing {
         words.iter().map(|&w| u64::from(w)).sum()
     }
 
-    /// From DRAM: 4096 pages of 16 keys in huge pages, as a cache's blocks
-    /// are, visited in a shuffled order; beside pure readers of the same
-    /// pages in each [`ReadPattern`] and one thread's plain read bandwidth
-    /// over the same size. (On a Xeon, Emerald Rapids: `Slots` and
+    /// From DRAM: pages of 16 keys in huge pages, as a cache's blocks are,
+    /// visited in a shuffled order — at least 4096 pages and 768 MiB of K
+    /// and V for each cache type, so that no large last-level cache holds
+    /// them (SmolLM2's heads in 4096 pages were 50 MB, inside this Xeon's
+    /// 260 MB L3: those figures were L3's) —; beside pure readers of the
+    /// same pages in each [`ReadPattern`] and one thread's plain read
+    /// bandwidth over the same size. (On a Xeon, Emerald Rapids: `Slots` and
     /// `HeadMajor` read 13.2–13.7 GB/s on the hardware prefetchers alone,
     /// `Paced` 12.6–12.7, `Burst` 10.5: a T1 prefetch holds a line-fill
     /// buffer for the whole trip to DRAM. The kernel itself, whose demand
@@ -2767,21 +2771,27 @@ mod timing {
         if !avx2_available() {
             return;
         }
-        let (page, pages) = (16usize, 4096usize);
+        let page = 16usize;
         let slot = heads() * d();
-        // [pages, 2, page, slot]
-        let total = pages * 2 * page * slot;
         let kv_stride = page * slot;
-        let mut order: Vec<usize> = (0..pages).collect();
-        let mut s = 12345u64;
-        for i in (1..pages).rev() {
-            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            order.swap(i, (s >> 33) as usize % (i + 1));
-        }
-        let offsets: Vec<i64> =
-            (0..pages * page).map(|j| (order[j / page] * 2 * page * slot + (j % page) * slot) as i64).collect();
-        let scales = vec![FP8_SCALE; total / d() + 1];
+        // Pages of a cache of `bytes`-byte elements, [pages, 2, page, slot],
+        // and the element offsets of their keys' slots in a shuffled order.
+        let layout = |bytes: usize| {
+            let pages = (768usize << 20).div_ceil(2 * page * slot * bytes).max(4096);
+            let mut order: Vec<usize> = (0..pages).collect();
+            let mut s = 12345u64;
+            for i in (1..pages).rev() {
+                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                order.swap(i, (s >> 33) as usize % (i + 1));
+            }
+            let offsets: Vec<i64> =
+                (0..pages * page).map(|j| (order[j / page] * 2 * page * slot + (j % page) * slot) as i64).collect();
+            (pages, offsets)
+        };
         for dtype in dtypes() {
+            let (pages, offsets) = layout(dtype.size_bytes());
+            let total = pages * 2 * page * slot;
+            let scales = vec![FP8_SCALE; total / d() + 1];
             let storage = in_huge_pages(&encoded(dtype, total));
             let blocks = storage.as_bytes();
             let mut caller = Caller::new(dtype);
@@ -2802,6 +2812,8 @@ mod timing {
         }
         // Pure readers of the same pages (bf16 sizes, no arithmetic): what
         // the access pattern alone reads at, beside the kernel.
+        let (pages, offsets) = layout(2);
+        let total = pages * 2 * page * slot;
         let storage = in_huge_pages(&encoded(DType::BF16, total));
         for pattern in [ReadPattern::Slots, ReadPattern::HeadMajor, ReadPattern::Burst, ReadPattern::Paced] {
             let mut best = f64::MAX;
