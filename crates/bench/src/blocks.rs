@@ -25,7 +25,7 @@ use rand::rngs::SmallRng;
 use serde_json::{Value, json};
 
 use crate::roofline::{ReadProbe, RoofPlan, RoofSamples};
-use crate::timing::{Plan, Stats, measure_interleaved};
+use crate::timing::{Measurement, Plan, Stats, measure_interleaved};
 use crate::{Progress, Result, Steps};
 
 /// What the suite runs.
@@ -134,12 +134,10 @@ pub struct FormatResult {
     pub format: DType,
     /// Bytes of the weight as the kernel reads it (packed panels).
     pub weight_bytes: usize,
-    /// Seconds per decode GEMV (M = 1).
-    pub decode: Stats,
-    /// The decode samples, seconds per call, one per round of the
-    /// interleaved measurement (paired with the read probe's and the other
-    /// formats').
-    pub decode_samples: Vec<f64>,
+    /// Seconds per decode GEMV (M = 1): its samples are one per round of
+    /// the interleaved measurement, paired with the read probe's and the
+    /// other formats'.
+    pub decode: Measurement,
     /// Seconds per prefill GEMM.
     pub prefill: Stats,
 }
@@ -155,22 +153,23 @@ pub struct ShapeResult {
     pub k: usize,
     /// Every format.
     pub formats: Vec<FormatResult>,
-    /// Read bandwidth, bytes per second: the read probe timed interleaved
-    /// with this matrix's decode GEMVs (the roof of their shares).
-    pub read_beside: Stats,
-    /// The probe's samples, seconds per read of `read_bytes`, one per round.
-    pub read_samples: Vec<f64>,
-    /// Bytes one probe read.
-    pub read_bytes: usize,
+    /// Read bandwidth, bytes per second, one sample per round: the read
+    /// probe timed interleaved with this matrix's decode GEMVs (the roof of
+    /// their shares).
+    pub read_rates: Vec<f64>,
 }
 
 impl ShapeResult {
+    /// The read probe's bandwidth beside the GEMVs, bytes per second.
+    pub fn read_beside(&self) -> Stats {
+        Stats::from_samples(&self.read_rates)
+    }
+
     /// A format's share of the read roof, round by round: the bytes it
     /// read per second over the probe's in the same round.
     pub fn share(&self, f: &FormatResult) -> Stats {
-        let probe_rate: Vec<f64> = self.read_samples.iter().map(|t| self.read_bytes as f64 / t).collect();
-        let rate: Vec<f64> = f.decode_samples.iter().map(|t| f.weight_bytes as f64 / t).collect();
-        Stats::paired_ratio(&rate, &probe_rate)
+        let rate: Vec<f64> = f.decode.samples.iter().map(|t| f.weight_bytes as f64 / t).collect();
+        Stats::paired_ratio(&rate, &self.read_rates)
     }
 }
 
@@ -280,8 +279,7 @@ pub fn run_blocks(config: &BlocksBenchConfig, progress: &mut dyn FnMut(&Progress
             kernel.run_into(&[&decode_x[i], w], &mut out[..bytes], &ctx).map_err(Into::into)
         })?;
         let probe = decode.pop().expect("the read probe's measurement");
-        let read_beside =
-            Stats::from_samples(&probe.samples.iter().map(|t| read.bytes() as f64 / t).collect::<Vec<_>>());
+        let read_rates = probe.samples.iter().map(|t| read.bytes() as f64 / t).collect();
         let prefill = measure_interleaved(all.len(), &config.timing, |i| {
             let bytes = config.prefill_rows * n * prefill_x[i].dtype().size_bytes();
             all[i]
@@ -297,20 +295,11 @@ pub fn run_blocks(config: &BlocksBenchConfig, progress: &mut dyn FnMut(&Progress
             .map(|((&format, kernels), (decode, prefill))| FormatResult {
                 format,
                 weight_bytes: kernels.weight_bytes,
-                decode: decode.time,
-                decode_samples: decode.samples,
+                decode,
                 prefill: prefill.time,
             })
             .collect();
-        shapes.push(ShapeResult {
-            name: name.clone(),
-            n,
-            k,
-            formats,
-            read_beside,
-            read_samples: probe.samples,
-            read_bytes: read.bytes(),
-        });
+        shapes.push(ShapeResult { name: name.clone(), n, k, formats, read_rates });
     }
     steps.start("roofline probes again");
     roof.measure(&ctx, &config.roof)?;
@@ -344,12 +333,12 @@ impl BlocksReport {
         );
         for shape in &self.shapes {
             let base = Self::baseline(shape);
-            let beside = shape.read_beside.median;
+            let beside = shape.read_beside();
             // Where a GEMV outreads the probe, the probe is not the roof:
             // said, not hidden.
             let fastest = shape.formats.iter().map(|f| (shape.share(f).median, f)).max_by(|a, b| a.0.total_cmp(&b.0));
             let fastest = fastest.map_or(String::new(), |(share, f)| {
-                let rate = f.weight_bytes as f64 / f.decode.median;
+                let rate = f.weight_bytes as f64 / f.decode.time.median;
                 format!("; the fastest GEMV, {}, read {:.1} GB/s ({share:.2}× the probe)", f.format, gb(rate))
             });
             let _ = writeln!(
@@ -358,9 +347,9 @@ impl BlocksReport {
                 shape.name,
                 shape.n,
                 shape.k,
-                gb(beside),
-                gb(shape.read_beside.q1),
-                gb(shape.read_beside.q3)
+                gb(beside.median),
+                gb(beside.q1),
+                gb(beside.q3)
             );
             let _ = writeln!(
                 s,
@@ -369,19 +358,19 @@ impl BlocksReport {
             );
             let _ = writeln!(s, "|---|---:|---:|---:|---:|---:|---:|---:|");
             for f in &shape.formats {
-                let rate = f.weight_bytes as f64 / f.decode.median;
+                let rate = f.weight_bytes as f64 / f.decode.time.median;
                 let share = shape.share(f);
                 let _ = writeln!(
                     s,
                     "| {} | {:.4} | {:.0} | {:.1} | {:.0} % ({:.0}–{:.0}) | {:.2}× | {:.2} | {:.2}× |",
                     f.format,
                     f.weight_bytes as f64 / (shape.n * shape.k) as f64,
-                    f.decode.median * 1e6,
+                    f.decode.time.median * 1e6,
                     gb(rate),
                     100.0 * share.median,
                     100.0 * share.q1,
                     100.0 * share.q3,
-                    Stats::paired_ratio(&base.decode_samples, &f.decode_samples).median,
+                    Stats::paired_ratio(&base.decode.samples, &f.decode.samples).median,
                     f.prefill.median * 1e3,
                     base.prefill.median / f.prefill.median,
                 );
@@ -409,11 +398,11 @@ impl BlocksReport {
                 "name": shape.name,
                 "n": shape.n,
                 "k": shape.k,
-                "read_beside_bytes_per_s": shape.read_beside.to_json(),
+                "read_beside_bytes_per_s": shape.read_beside().to_json(),
                 "formats": shape.formats.iter().map(|f| json!({
                     "format": f.format.to_string(),
                     "weight_bytes": f.weight_bytes,
-                    "decode_seconds": f.decode.to_json(),
+                    "decode_seconds": f.decode.time.to_json(),
                     "share_of_read_roof": shape.share(f).to_json(),
                     "prefill_seconds": f.prefill.to_json(),
                 })).collect::<Vec<_>>(),
@@ -443,13 +432,13 @@ mod tests {
         for f in &shape.formats {
             let padded = Tensor::storage_bytes(f.format, &[48, 512]).unwrap();
             assert_eq!(f.weight_bytes, padded, "{}", f.format);
-            assert!(f.decode.median > 0.0 && f.prefill.median > 0.0, "{}", f.format);
+            assert!(f.decode.time.median > 0.0 && f.prefill.median > 0.0, "{}", f.format);
         }
         let markdown = report.to_markdown();
         assert!(markdown.contains("| q4_1 | 0.7500 |"), "{markdown}");
         assert_eq!(report.to_json()["shapes"][0]["formats"].as_array().unwrap().len(), config.formats.len());
         // The read probe was timed beside the GEMVs, and the shares are of it.
-        assert!(shape.read_beside.median > 0.0);
+        assert!(shape.read_beside().median > 0.0);
         assert!(markdown.contains("Read probe beside its GEMVs"), "{markdown}");
     }
 }
