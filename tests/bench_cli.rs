@@ -501,6 +501,11 @@ fn tiny_model_bench_prints_tables_and_writes_json() {
     assert!(decode["tokens_per_s"].as_f64().unwrap() > 0.0);
     assert!(decode["bytes"].as_f64().unwrap() > 0.0);
     assert_stats(&decode["time_s"], "decode time");
+    // The share of the read roof: one sample per paired round (2 in the
+    // tiny config), each a positive ratio.
+    assert_stats(&decode["share_of_read_roof"], "decode share of the read roof");
+    assert_eq!(decode["share_of_read_roof"]["samples"], 2);
+    assert!(md.contains("share of the read roof (paired)"), "{md}");
     assert_eq!(json["llama_cpp"]["status"], "not installed");
 
     assert_one_line_error(&kvjit(&["bench", "--ops", "model", "--tiny"]), "--gguf");
