@@ -7,7 +7,7 @@
 //!   prefill of that many tokens, then single-token steps timed);
 //! - each decode step on the read roof: every weight byte its matmuls read
 //!   (the LM head included) plus the K/V bytes at that context, over the
-//!   measured read bandwidth ([`ReadProbe`](crate::ReadProbe)). The share
+//!   measured read bandwidth ([`ReadProbe`]). The share
 //!   of the roof is paired: after the timed steps, rounds of one read-probe
 //!   sample, one step that refills the caches the probe flushed and one
 //!   timed step, and the median of the rounds' ratios — so a spell of the
