@@ -31,6 +31,7 @@ fn tiny_attention_bench_prints_tables_and_writes_json() {
         assert!(d["kvjit"]["time"]["median"].as_f64().unwrap() > 0.0, "{d}");
         assert!(d["gather_gemm"]["time"]["median"].as_f64().unwrap() > 0.0, "{d}");
         assert!(d["normalized_error"].as_f64().unwrap() <= 1.0 / 64.0, "{d}");
+        assert!(d["kvjit"]["share_of_read_roof"]["median"].as_f64().unwrap() > 0.0, "{d}");
     }
     assert!(json["step"]["time"]["median"].as_f64().unwrap() > 0.0);
     assert!(json["errors"].as_array().unwrap().is_empty());

@@ -45,7 +45,7 @@ use rayon::prelude::*;
 use serde_json::{Value, json};
 
 use crate::render::{format_rate, format_time, pass_or_miss};
-use crate::roofline::{Roof, RoofPlan, RoofSamples};
+use crate::roofline::{ReadProbe, Roof, RoofPlan, RoofSamples};
 use crate::timing::{Plan, Stats, measure_interleaved};
 use crate::workload::{
     Heads, StepShape, cache_params, check_finite, compile_step, make_cache, size_step_cache, step_inputs,
@@ -490,6 +490,12 @@ pub struct PairResult {
     pub error: f64,
     /// The kernel and the peer, or the reason there are no figures.
     pub outcome: std::result::Result<(Stats, Stats), String>,
+    /// The kernel's samples (seconds per call), in the order taken.
+    pub jit_samples: Vec<f64>,
+    /// Decode: the read probe's rate (bytes/s) in each round of the
+    /// interleaved timing, beside the kernel's sample of that round; empty
+    /// for prefill.
+    pub read_rates: Vec<f64>,
 }
 
 /// RoPE alone.
@@ -621,13 +627,14 @@ fn validate(
     Ok(normalized_error(&jit.to_f32_vec()?, &theirs.to_f32_vec()?))
 }
 
-/// One decode or prefill configuration: build, validate, time.
+/// One decode or prefill configuration: build, validate, time (with
+/// `probe`, a read-probe sample in every round beside the kernel's).
 fn run_pair(
     heads: &Heads,
     dtype: DType,
     step: StepShape,
     layers: usize,
-    plan: &Plan,
+    (plan, probe): (&Plan, Option<&ReadProbe>),
     ctx: &DeviceContextPtr,
     rng: &mut SmallRng,
 ) -> Result<PairResult> {
@@ -650,6 +657,8 @@ fn run_pair(
         kernel_key: key,
         error: f64::NAN,
         outcome: Err(String::new()),
+        jit_samples: Vec::new(),
+        read_rates: Vec::new(),
     };
     // Validate on the last layer (any layer would do).
     let error = match validate(&kernel, &mut peer, &q, &layer_tensors[layers - 1], &valid, &mut cache, ctx) {
@@ -669,7 +678,13 @@ fn run_pair(
     let mut peer_out = Tensor::zeros(dtype, q.shape())?;
     let valid_values = valid.to_u32_vec()?;
     let mut next = [0usize; 2];
-    let measured = measure_interleaved(2, plan, |i| {
+    // The kernel, the peer and (decode) the read probe, one sample each a
+    // round.
+    let measured = measure_interleaved(2 + usize::from(probe.is_some()), plan, |i| {
+        if let (2, Some(probe)) = (i, probe) {
+            std::hint::black_box(probe.run(ctx)?);
+            return Ok(());
+        }
         let l = next[i] % layers;
         next[i] = l + 1;
         match i {
@@ -684,6 +699,10 @@ fn run_pair(
         Ok(())
     })?;
     result.outcome = Ok((measured[0].time, measured[1].time));
+    result.jit_samples = measured[0].samples.clone();
+    if let (Some(probe), Some(m)) = (probe, measured.get(2)) {
+        result.read_rates = m.samples.iter().map(|t| probe.bytes() as f64 / t).collect();
+    }
     Ok(result)
 }
 
@@ -845,6 +864,8 @@ pub fn run_attention(config: &AttentionBenchConfig, progress: &mut dyn FnMut(&Pr
     let mut roof_samples = RoofSamples::default();
     steps.start("roofline probes");
     roof_samples.measure(&ctx, &config.roof)?;
+    // Sampled in every decode timing round, beside the kernel.
+    let probe = ReadProbe::try_new(config.roof.read_bytes)?;
 
     let mut decode = Vec::new();
     for &dtype in &config.dtypes {
@@ -858,7 +879,7 @@ pub fn run_attention(config: &AttentionBenchConfig, progress: &mut dyn FnMut(&Pr
                     dtype,
                     StepShape { batch, history: context - 1, new_tokens: 1 },
                     layers,
-                    &config.timing,
+                    (&config.timing, Some(&probe)),
                     &ctx,
                     &mut rng,
                 )?);
@@ -873,7 +894,7 @@ pub fn run_attention(config: &AttentionBenchConfig, progress: &mut dyn FnMut(&Pr
             config.prefill_dtype,
             StepShape { batch: 1, history: 0, new_tokens: seq },
             1,
-            &config.prefill_timing,
+            (&config.prefill_timing, None),
             &ctx,
             &mut rng,
         )?);
@@ -955,6 +976,19 @@ impl AttentionReport {
         self.decode_bytes(r) / self.roof.read_bytes_per_s.median
     }
 
+    /// kvjit's share of the read roof in a decode configuration, paired:
+    /// per timing round, the K/V bytes at that round's read-probe rate over
+    /// the kernel's time in it (a slow spell of the shared machine slows
+    /// both); the median and quartiles of the rounds. `None` without
+    /// figures or probe samples.
+    pub fn decode_share(&self, r: &PairResult) -> Option<Stats> {
+        if r.outcome.is_err() || r.read_rates.is_empty() {
+            return None;
+        }
+        let roof_times: Vec<f64> = r.read_rates.iter().map(|rate| self.decode_bytes(r) / rate).collect();
+        Some(Stats::paired_ratio(&roof_times, &r.jit_samples))
+    }
+
     /// FMA-roof seconds of a prefill configuration.
     pub fn prefill_roof_time(&self, r: &PairResult) -> f64 {
         self.heads.prefill_flops(r.tokens) / self.roof.fma_flops_per_s.median
@@ -983,7 +1017,7 @@ impl AttentionReport {
             let name = format!("decode {} ctx {} batch {}", r.dtype, r.tokens, r.batch);
             let (roof, peer) = match &r.outcome {
                 Ok((jit, peer)) => {
-                    let of_roof = self.decode_roof_time(r) / jit.median;
+                    let of_roof = self.decode_share(r).map_or(self.decode_roof_time(r) / jit.median, |s| s.median);
                     let vs = peer.median / jit.median;
                     (Some((of_roof, of_roof >= DECODE_ROOF_TARGET)), Some((vs, vs >= DECODE_PEER_TARGET)))
                 }
@@ -1102,13 +1136,14 @@ impl AttentionReport {
         // The rest of a decode or prefill row: kvjit's and the peer's time,
         // rate (`work` per second, in G) and share of the roof time `rt`,
         // the speed-up and the error; or a pointer to the Errors section.
-        let figures = |r: &PairResult, work: f64, rt: f64| {
+        // kvjit's share is `share` where given (decode: paired).
+        let figures = |r: &PairResult, work: f64, rt: f64, share: Option<Stats>| {
             let cells = match &r.outcome {
                 Ok((jit, peer)) => format!(
                     " {} | {} | {:.0}% | {} | {} | {:.0}% | {:.2}×",
                     format_time(jit.median),
                     format_rate(work / jit.median / 1e9),
-                    rt / jit.median * 100.0,
+                    share.map_or(rt / jit.median, |s| s.median) * 100.0,
                     format_time(peer.median),
                     format_rate(work / peer.median / 1e9),
                     rt / peer.median * 100.0,
@@ -1119,7 +1154,7 @@ impl AttentionReport {
             format!("{cells} | {:.1e} |", r.error)
         };
         s.push_str(
-            "\n## Decode (S = 1): roof = K/V bytes / read bandwidth\n\n\
+            "\n## Decode (S = 1): roof = K/V bytes / read bandwidth; kvjit's *of roof* paired (the median of each timing round's ratio, a read-probe sample taken in every round)\n\n\
              | ctx | B | dtype | K/V MB | roof | kvjit | GB/s | of roof | peer | GB/s | of roof | vs peer | err |\n\
              |---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
         );
@@ -1128,7 +1163,7 @@ impl AttentionReport {
             let rt = self.decode_roof_time(r);
             let _ =
                 write!(s, "| {} | {} | {} | {:.1} | {} |", r.tokens, r.batch, r.dtype, bytes / 1e6, format_time(rt));
-            let _ = writeln!(s, "{}", figures(r, bytes, rt));
+            let _ = writeln!(s, "{}", figures(r, bytes, rt, self.decode_share(r)));
         }
         s.push_str(
             "\n## Prefill (batch 1, empty cache, causal): roof = 2·2·Hq·D·S(S+1)/2 FLOPs / 128-bit FMA rate\n\n\
@@ -1139,7 +1174,7 @@ impl AttentionReport {
             let flops = h.prefill_flops(r.tokens);
             let rt = self.prefill_roof_time(r);
             let _ = write!(s, "| {} | {} | {} |", r.tokens, r.dtype, format_time(rt));
-            let _ = writeln!(s, "{}", figures(r, flops, rt));
+            let _ = writeln!(s, "{}", figures(r, flops, rt, None));
         }
         s.push_str(
             "\n## RoPE alone (JIT kernel), share of its step (the step graph's median)\n\n\
@@ -1266,6 +1301,10 @@ impl AttentionReport {
             "decode": self.decode.iter().map(|r| {
                 let mut v = pair(r, self.decode_roof_time(r), self.decode_bytes(r));
                 v["kv_bytes"] = json!(self.decode_bytes(r));
+                if let Some(share) = self.decode_share(r) {
+                    v["kvjit"]["share_of_read_roof"] = share.to_json();
+                    v["read_beside_bytes_per_s"] = Stats::from_samples(&r.read_rates).to_json();
+                }
                 v
             }).collect::<Vec<_>>(),
             "prefill": self.prefill.iter().map(|r| {
@@ -1356,6 +1395,15 @@ mod tests {
         }
         let sum: f64 = step.ops.iter().map(|o| report.op_roof_time(o)).sum();
         assert_eq!(report.step_roof_time(step), sum);
+        // Decode shares are paired: a probe rate per kernel sample, each
+        // round's ratio positive; prefill has none.
+        for r in &report.decode {
+            assert_eq!(r.read_rates.len(), r.jit_samples.len(), "{r:?}");
+            let share = report.decode_share(r).expect("a paired share");
+            assert_eq!(share.samples, r.jit_samples.len());
+            assert!(share.min > 0.0 && share.max.is_finite(), "{share:?}");
+        }
+        assert!(report.prefill.iter().all(|r| r.read_rates.is_empty() && report.decode_share(r).is_none()));
         let markdown = report.to_markdown();
         assert!(markdown.contains("## Decode (S = 1)") && markdown.contains("## Targets"), "{markdown}");
         assert!(!markdown.contains("## Errors") && !markdown.contains("**error**"), "{markdown}");
