@@ -46,7 +46,7 @@ use serde_json::{Value, json};
 
 use crate::render::{format_rate, format_time, pass_or_miss};
 use crate::roofline::{ReadProbe, Roof, RoofPlan, RoofSamples};
-use crate::timing::{Plan, Stats, measure_interleaved};
+use crate::timing::{Measurement, Plan, Stats, measure_interleaved};
 use crate::workload::{
     Heads, StepShape, cache_params, check_finite, compile_step, make_cache, size_step_cache, step_inputs,
 };
@@ -488,10 +488,9 @@ pub struct PairResult {
     pub kernel_key: String,
     /// Normalized max error of the JIT output against the peer's.
     pub error: f64,
-    /// The kernel and the peer, or the reason there are no figures.
-    pub outcome: std::result::Result<(Stats, Stats), String>,
-    /// The kernel's samples (seconds per call), in the order taken.
-    pub jit_samples: Vec<f64>,
+    /// The kernel's and the peer's timings, or the reason there are no
+    /// figures.
+    pub outcome: std::result::Result<(Measurement, Measurement), String>,
     /// Decode: the read probe's rate (bytes/s) in each round of the
     /// interleaved timing, beside the kernel's sample of that round; empty
     /// for prefill.
@@ -657,7 +656,6 @@ fn run_pair(
         kernel_key: key,
         error: f64::NAN,
         outcome: Err(String::new()),
-        jit_samples: Vec::new(),
         read_rates: Vec::new(),
     };
     // Validate on the last layer (any layer would do).
@@ -698,11 +696,11 @@ fn run_pair(
         }
         Ok(())
     })?;
-    result.outcome = Ok((measured[0].time, measured[1].time));
-    result.jit_samples = measured[0].samples.clone();
     if let (Some(probe), Some(m)) = (probe, measured.get(2)) {
         result.read_rates = m.samples.iter().map(|t| probe.bytes() as f64 / t).collect();
     }
+    let mut measured = measured.into_iter();
+    result.outcome = Ok((measured.next().expect("the kernel"), measured.next().expect("the peer")));
     Ok(result)
 }
 
@@ -982,11 +980,12 @@ impl AttentionReport {
     /// both); the median and quartiles of the rounds. `None` without
     /// figures or probe samples.
     pub fn decode_share(&self, r: &PairResult) -> Option<Stats> {
-        if r.outcome.is_err() || r.read_rates.is_empty() {
+        let (jit, _) = r.outcome.as_ref().ok()?;
+        if r.read_rates.is_empty() {
             return None;
         }
         let roof_times: Vec<f64> = r.read_rates.iter().map(|rate| self.decode_bytes(r) / rate).collect();
-        Some(Stats::paired_ratio(&roof_times, &r.jit_samples))
+        Some(Stats::paired_ratio(&roof_times, &jit.samples))
     }
 
     /// FMA-roof seconds of a prefill configuration.
@@ -1017,6 +1016,7 @@ impl AttentionReport {
             let name = format!("decode {} ctx {} batch {}", r.dtype, r.tokens, r.batch);
             let (roof, peer) = match &r.outcome {
                 Ok((jit, peer)) => {
+                    let (jit, peer) = (&jit.time, &peer.time);
                     let of_roof = self.decode_share(r).map_or(self.decode_roof_time(r) / jit.median, |s| s.median);
                     let vs = peer.median / jit.median;
                     (Some((of_roof, of_roof >= DECODE_ROOF_TARGET)), Some((vs, vs >= DECODE_PEER_TARGET)))
@@ -1037,7 +1037,7 @@ impl AttentionReport {
             });
         }
         for r in &self.prefill {
-            let vs = r.outcome.as_ref().ok().map(|(jit, peer)| peer.median / jit.median);
+            let vs = r.outcome.as_ref().ok().map(|(jit, peer)| peer.time.median / jit.time.median);
             checks.push(TargetCheck {
                 what: format!("prefill {} {}: vs gather+gemm", r.dtype, r.tokens),
                 value: vs.map_or("error".into(), |v| format!("{v:.2}×")),
@@ -1049,7 +1049,7 @@ impl AttentionReport {
                     .outcome
                     .as_ref()
                     .ok()
-                    .map(|(jit, _)| self.heads.prefill_flops(r.tokens) / jit.median / fma256.median);
+                    .map(|(jit, _)| self.heads.prefill_flops(r.tokens) / jit.time.median / fma256.median);
                 checks.push(TargetCheck {
                     what: format!("prefill {} {}: of the 256-bit FMA roof", r.dtype, r.tokens),
                     value: share.map_or("error".into(), |v| format!("{:.0}%", v * 100.0)),
@@ -1138,7 +1138,7 @@ impl AttentionReport {
         // the speed-up and the error; or a pointer to the Errors section.
         // kvjit's share is `share` where given (decode: paired).
         let figures = |r: &PairResult, work: f64, rt: f64, share: Option<Stats>| {
-            let cells = match &r.outcome {
+            let cells = match r.outcome.as_ref().map(|(jit, peer)| (&jit.time, &peer.time)) {
                 Ok((jit, peer)) => format!(
                     " {} | {} | {:.0}% | {} | {} | {:.0}% | {:.2}×",
                     format_time(jit.median),
@@ -1267,7 +1267,7 @@ impl AttentionReport {
                 "normalized_error": if r.error.is_finite() { json!(r.error) } else { Value::Null },
                 "roof_time_s": roof_time,
             });
-            match &r.outcome {
+            match r.outcome.as_ref().map(|(jit, peer)| (&jit.time, &peer.time)) {
                 Ok((jit, peer)) => {
                     v["kvjit"] = json!({
                         "time": jit.to_json(), "rate": work / jit.median, "of_roof": roof_time / jit.median,
@@ -1398,9 +1398,10 @@ mod tests {
         // Decode shares are paired: a probe rate per kernel sample, each
         // round's ratio positive; prefill has none.
         for r in &report.decode {
-            assert_eq!(r.read_rates.len(), r.jit_samples.len(), "{r:?}");
+            let (jit, _) = r.outcome.as_ref().unwrap();
+            assert_eq!(r.read_rates.len(), jit.samples.len(), "{r:?}");
             let share = report.decode_share(r).expect("a paired share");
-            assert_eq!(share.samples, r.jit_samples.len());
+            assert_eq!(share.samples, jit.samples.len());
             assert!(share.min > 0.0 && share.max.is_finite(), "{share:?}");
         }
         assert!(report.prefill.iter().all(|r| r.read_rates.is_empty() && report.decode_share(r).is_none()));
