@@ -984,8 +984,7 @@ impl AttentionReport {
         if r.read_rates.is_empty() {
             return None;
         }
-        let roof_times: Vec<f64> = r.read_rates.iter().map(|rate| self.decode_bytes(r) / rate).collect();
-        Some(Stats::paired_ratio(&roof_times, &jit.samples))
+        Some(Stats::paired_roof_share(self.decode_bytes(r), &jit.samples, &r.read_rates))
     }
 
     /// FMA-roof seconds of a prefill configuration.

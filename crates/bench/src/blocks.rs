@@ -168,8 +168,7 @@ impl ShapeResult {
     /// A format's share of the read roof, round by round: the bytes it
     /// read per second over the probe's in the same round.
     pub fn share(&self, f: &FormatResult) -> Stats {
-        let rate: Vec<f64> = f.decode.samples.iter().map(|t| f.weight_bytes as f64 / t).collect();
-        Stats::paired_ratio(&rate, &self.read_rates)
+        Stats::paired_roof_share(f.weight_bytes as f64, &f.decode.samples, &self.read_rates)
     }
 }
 

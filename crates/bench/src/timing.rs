@@ -75,6 +75,14 @@ impl Stats {
         Self::from_samples(&a.iter().zip(b).map(|(a, b)| a / b).collect::<Vec<_>>())
     }
 
+    /// The share of the read roof a kernel reached that reads `bytes` a
+    /// call, round by round ([`Stats::paired_ratio`]): per round, the time
+    /// `bytes` take at that round's read-probe rate (`read_rates`, bytes/s)
+    /// over the kernel's time in it (`times`, seconds per call).
+    pub fn paired_roof_share(bytes: f64, times: &[f64], read_rates: &[f64]) -> Self {
+        Self::paired_ratio(&read_rates.iter().map(|rate| bytes / rate).collect::<Vec<_>>(), times)
+    }
+
     /// Every statistic multiplied by `factor` (> 0), e.g. to change units.
     pub fn scaled(&self, factor: f64) -> Stats {
         Stats {
@@ -184,6 +192,15 @@ mod tests {
         // The ratio of the medians would be 2.5 / 1.0.
         let medians = Stats::from_samples(&[2.0, 6.0, 2.5]).median / Stats::from_samples(&[1.0, 3.0, 1.0]).median;
         assert_eq!(medians, 2.5);
+    }
+
+    #[test]
+    fn a_roof_share_pairs_each_round_with_its_probe() {
+        // 10 bytes: 2 s at 5 B/s against a 1 s call, then 4 s at 2.5 B/s
+        // against a 2 s call: a share of 2 in each round, though the
+        // probe's rate halved.
+        let s = Stats::paired_roof_share(10.0, &[1.0, 2.0], &[5.0, 2.5]);
+        assert_eq!((s.min, s.max, s.samples), (2.0, 2.0, 2));
     }
 
     #[test]
