@@ -170,6 +170,36 @@ pub enum DecodeWidth {
     /// 512-bit vectors (AVX-512F, BW and VBMI) for the scores and P·V, where
     /// [`zmm_serves`] says so.
     Zmm,
+    /// 512-bit vectors of 32 f16 products (AVX512-FP16) for an FP8 cache
+    /// with one scale per head row, where [`half_serves`] says so: half the
+    /// instructions of [`DecodeWidth::Zmm`] per product, at f16 rounding
+    /// (the bound is in the module docs of the kernel).
+    ZmmHalf,
+}
+
+/// Whether the f16-product width ([`DecodeWidth::ZmmHalf`]) serves this
+/// cache on this CPU: an FP8 (E4M3) cache with g = D, D a multiple of 64,
+/// where the 512-bit width serves, on a CPU with AVX512-FP16 (Sapphire
+/// Rapids and later), unless `KVJIT_ATTENTION_FP16` is `off` (read once:
+/// to time the f32 products against it).
+pub fn half_serves(cache: DType, head_size: usize, granularity: Option<usize>) -> bool {
+    cache == DType::F8E4M3
+        && granularity == Some(head_size)
+        && head_size.is_multiple_of(64)
+        && zmm_serves(cache, head_size, granularity)
+        && half_available()
+}
+
+/// Whether this CPU has AVX512-FP16 and `KVJIT_ATTENTION_FP16` is not `off`.
+fn half_available() -> bool {
+    static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *AVAILABLE.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        let cpu = std::arch::is_x86_feature_detected!("avx512fp16");
+        #[cfg(not(target_arch = "x86_64"))]
+        let cpu = false;
+        cpu && std::env::var("KVJIT_ATTENTION_FP16").map_or(true, |v| v != "off")
+    })
 }
 
 /// Whether the 512-bit width serves a cache of `cache` elements with head
@@ -198,12 +228,15 @@ fn avx512_available() -> bool {
     })
 }
 
-/// The width the decode micro-kernel runs at for this cache: 512-bit where
-/// [`zmm_serves`], else 256-bit.
+/// The width the decode micro-kernel runs at for this cache: f16 products
+/// where [`half_serves`], 512-bit where [`zmm_serves`], else 256-bit.
 pub fn decode_width(cache: DType, head_size: usize, granularity: Option<usize>) -> DecodeWidth {
-    match zmm_serves(cache, head_size, granularity) {
-        true => DecodeWidth::Zmm,
-        false => DecodeWidth::Ymm,
+    if half_serves(cache, head_size, granularity) {
+        DecodeWidth::ZmmHalf
+    } else if zmm_serves(cache, head_size, granularity) {
+        DecodeWidth::Zmm
+    } else {
+        DecodeWidth::Ymm
     }
 }
 
@@ -248,7 +281,12 @@ pub fn decode_kernel_at(
     head_size: usize,
     granularity: Option<usize>,
 ) -> Option<DecodeKernel> {
-    if !avx2_available() || rows == 0 || (width == DecodeWidth::Zmm && !zmm_serves(cache, head_size, granularity)) {
+    let served = match width {
+        DecodeWidth::Ymm => true,
+        DecodeWidth::Zmm => zmm_serves(cache, head_size, granularity),
+        DecodeWidth::ZmmHalf => half_serves(cache, head_size, granularity),
+    };
+    if !avx2_available() || rows == 0 || !served {
         return None;
     }
     #[cfg(target_arch = "x86_64")]
@@ -256,6 +294,7 @@ pub fn decode_kernel_at(
         match width {
             DecodeWidth::Ymm => x86::kernel(cache, rows, head_size),
             DecodeWidth::Zmm => x86::kernel_zmm(cache, rows, head_size, granularity),
+            DecodeWidth::ZmmHalf => Some(x86::kernel_half(rows)),
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
@@ -274,6 +313,7 @@ mod x86 {
     use super::{DECODE_BLOCK_KEYS as KB, DecodeKernel, STATE_ACC, STATE_HI, STATE_LO, STATE_TILE_ROWS};
     use crate::microkernel::x86::{Bf16, F16, F32, Weights};
 
+    mod half;
     pub(super) mod prefill;
 
     /// A cache element type, widened to f32 in registers: the GEMM tiles'
@@ -1323,6 +1363,11 @@ mod x86 {
     /// row tile over one block); the online softmax between them is the
     /// same for both.
     trait Width {
+        /// Rewrite a call's q tiles (4 rows of `head_size` f32 each, in the
+        /// element type's order) as this width's scores read them; as they
+        /// are, unless the width says otherwise ([`half::Half`]).
+        fn prepare_q(_q: &mut [f32], _head_size: usize) {}
+
         /// The online softmax of one row tile over one block: each row's
         /// scores `s[r]` outside its keys (the tile's lo/hi against the
         /// block's first position `pos0`, and from `n` on) masked, its
@@ -1783,6 +1828,7 @@ mod x86 {
                 // SAFETY: q holds heads·ceil(rows/4)·4 rows of D f32 (the contract).
                 let mut copy = unsafe { std::slice::from_raw_parts(q, q_tiles * STATE_TILE_ROWS * head_size) }.to_vec();
                 E::permute(&mut copy, false);
+                W::prepare_q(&mut copy, head_size);
                 permuted_q = copy;
                 permuted_q.as_ptr()
             }
@@ -1972,6 +2018,11 @@ mod x86 {
             DType::F8E4M3 => for_rows::<Zmm, E4m3>(rows),
             _ => return None,
         })
+    }
+
+    /// The f16-product kernel (the caller checked [`super::half_serves`]).
+    pub(super) fn kernel_half(rows: usize) -> DecodeKernel {
+        for_rows::<half::Half, half::E4m3Half>(rows)
     }
 
     /// Whether the [`Zmm`] width widens in a lane order of its own where
@@ -2255,6 +2306,28 @@ mod tests {
             call
         }
 
+        /// The call with every FP8 code an integer in −3..=3 and every q
+        /// element a quarter in −3/4..=3/4: each product q·(2⁻⁸·code) is a
+        /// multiple of 2⁻¹⁰ and every partial sum of a score at most
+        /// 9·D/4·2⁻⁸ < 2 (D ≤ 192), so f16 products and sums are exact and
+        /// the scores of [`DecodeWidth::ZmmHalf`] are the f32 kernels'.
+        fn dyadic(mut self, seed: u64) -> Call {
+            assert!(self.d <= 192, "partial sums stay below 2");
+            let mut rng = StdRng::seed_from_u64(seed);
+            for (e, (byte, value)) in self.bytes.iter_mut().zip(&mut self.values).enumerate() {
+                let v = rng.gen_range(-3..=3) as f32;
+                *byte = kvjit_core::fp8::e4m3_from_f32(v);
+                *value = v * self.scales[e / self.g];
+            }
+            let padded = self.tiles() * STATE_TILE_ROWS;
+            for (i, x) in self.q.iter_mut().enumerate() {
+                if (i / self.d) % padded < self.rows {
+                    *x = rng.gen_range(-3..=3) as f32 / 4.0;
+                }
+            }
+            self
+        }
+
         /// Run `kernel` on a copy of the state and return it.
         fn run(&self, kernel: DecodeKernel) -> Vec<f32> {
             let mut state = self.state.clone();
@@ -2323,10 +2396,57 @@ mod tests {
             out
         }
 
+        /// What f16 products ([`DecodeWidth::ZmmHalf`]) may add to each
+        /// row's `m + ln l` and `acc / l` (per head and row), from the
+        /// bound in the f16 kernel's docs: with u = 2⁻¹¹, a score is off by
+        /// at most δ = (D/32 + 8)·u·Σ|q_i·k_i| plus 2⁻²⁵ per product and
+        /// fold (f16 subnormals) in units of 2·max|q|·2⁸·s_K; a block's
+        /// P·V by 34·u·Σ p_j·|v_j|. So `m + ln l` moves by at most δ, and
+        /// `acc / l` — a weighted mean of the values and of the resumed
+        /// `acc / l` whose weights move by e^{±δ} — by (e^{2δ} − 1)·W +
+        /// 34·u·W, W the largest magnitude averaged.
+        ///
+        /// With `exact_scores` (a [`Call::dyadic`] call) only the P·V term.
+        fn half_bounds(&self, exact_scores: bool) -> Vec<(f64, f64)> {
+            let u = 2f64.powi(-11);
+            let mut out = Vec::new();
+            for h in 0..HEADS {
+                for row in 0..self.rows {
+                    let tile = &self.state[(h * self.tiles() + row / 4) * self.tile_floats()..];
+                    let lane = row % 4;
+                    let lo = (tile[STATE_LO + lane].to_bits() as i64 - self.first_key) as usize;
+                    let hi = (tile[STATE_HI + lane].to_bits() as i64 - self.first_key) as usize;
+                    let q = &self.q[((h * self.tiles() * 4) + row) * self.d..][..self.d];
+                    let q_max = q.iter().fold(0f64, |m, &x| m.max(f64::from(x).abs()));
+                    let (mut score, mut w) = (0f64, 0f64);
+                    for j in lo..hi {
+                        let at = self.offsets[j] as usize + h * self.d;
+                        let k = &self.values[at..][..self.d];
+                        let k_scale = f64::from(self.scales[at / self.g]);
+                        let sum: f64 = q.iter().zip(k).map(|(&a, &b)| (f64::from(a) * f64::from(b)).abs()).sum();
+                        let subnormal = (self.d + 8) as f64 * 2f64.powi(-25) * 2.0 * q_max * 256.0 * k_scale;
+                        if !exact_scores {
+                            score = score.max((self.d as f64 / 32.0 + 8.0) * u * sum + subnormal);
+                        }
+                        let v = &self.values[at + self.kv_stride()..][..self.d];
+                        w = v.iter().fold(w, |m, &x| m.max(f64::from(x).abs()));
+                    }
+                    if tile[lane] != f32::NEG_INFINITY {
+                        let l0 = f64::from(tile[4 + lane]);
+                        let acc0 = &tile[STATE_ACC + lane * self.d..][..self.d];
+                        w = acc0.iter().fold(w, |m, &x| m.max(f64::from(x).abs() / l0));
+                    }
+                    out.push((score, ((2.0 * score).exp() - 1.0) * w + 34.0 * u * w));
+                }
+            }
+            out
+        }
+
         /// `got` (a run's state) against the reference: each row's
-        /// `m + ln l` and `acc / l`, the `lo`/`hi` and padded rows left
+        /// `m + ln l` and `acc / l` (within `extra`'s bound per head and
+        /// row more, for f16 products), the `lo`/`hi` and padded rows left
         /// alone, the guards still NaN.
-        fn check(&self, got: &[f32], what: &str) {
+        fn check(&self, got: &[f32], what: &str, extra: Option<&[(f64, f64)]>) {
             let want = self.reference();
             for h in 0..HEADS {
                 for t in 0..self.tiles() {
@@ -2348,11 +2468,15 @@ mod tests {
                         }
                         let (gm, gl) = (f64::from(after[lane]), f64::from(after[4 + lane]));
                         let lse = gm + gl.ln();
-                        assert!((lse - (m + l.ln())).abs() < 1e-4, "{what}: head {h} row {row}: m + ln l {lse}");
+                        let (score_extra, acc_extra) = extra.map_or((0.0, 0.0), |e| e[h * self.rows + row]);
+                        assert!(
+                            (lse - (m + l.ln())).abs() < 1e-4 + score_extra,
+                            "{what}: head {h} row {row}: m + ln l {lse}"
+                        );
                         for (x, a) in acc.iter().enumerate() {
                             let g = f64::from(after[STATE_ACC + lane * self.d + x]) / gl;
                             assert!(
-                                (g - a / l).abs() < 2e-5 + 1e-4 * (a / l).abs(),
+                                (g - a / l).abs() < 2e-5 + 1e-4 * (a / l).abs() + acc_extra,
                                 "{what}: head {h} row {row} acc[{x}]: {g} vs {}",
                                 a / l
                             );
@@ -2377,7 +2501,7 @@ mod tests {
             return;
         }
         let mut seed = 0;
-        let mut zmm_runs = 0;
+        let (mut zmm_runs, mut half_runs) = (0, 0);
         for (dtype, d, g) in [
             (DType::F32, 64usize, None),
             (DType::F32, 40, None),
@@ -2386,6 +2510,8 @@ mod tests {
             (DType::BF16, 24, None),
             (DType::F16, 64, None),
             (DType::F8E4M3, 64, Some(64)),
+            (DType::F8E4M3, 128, Some(128)),
+            (DType::F8E4M3, 192, Some(192)),
             (DType::F8E4M3, 128, Some(32)),
             (DType::F8E4M3, 48, Some(16)),
             (DType::F8E4M3, 64, Some(8)),
@@ -2398,14 +2524,22 @@ mod tests {
                 for keys in [5, 32, 77] {
                     seed += 1;
                     let call = Call::new(dtype, d, g.unwrap_or(d), rows, keys, seed);
-                    for width in [DecodeWidth::Ymm, DecodeWidth::Zmm] {
-                        if width == DecodeWidth::Zmm && !zmm_serves(dtype, d, g) {
+                    for width in [DecodeWidth::Ymm, DecodeWidth::Zmm, DecodeWidth::ZmmHalf] {
+                        let served = match width {
+                            DecodeWidth::Ymm => true,
+                            DecodeWidth::Zmm => zmm_serves(dtype, d, g),
+                            DecodeWidth::ZmmHalf => half_serves(dtype, d, g),
+                        };
+                        if !served {
                             continue;
                         }
                         zmm_runs += usize::from(width == DecodeWidth::Zmm);
+                        half_runs += usize::from(width == DecodeWidth::ZmmHalf);
                         let kernel = decode_kernel_at(width, dtype, rows, d, g).expect("the CPU and type are served");
                         let got = call.run(kernel);
-                        call.check(&got, &format!("{width:?} {dtype} D {d} g {g:?} G {rows} keys {keys}"));
+                        let extra = (width == DecodeWidth::ZmmHalf).then(|| call.half_bounds(false));
+                        let what = format!("{width:?} {dtype} D {d} g {g:?} G {rows} keys {keys}");
+                        call.check(&got, &what, extra.as_deref());
                     }
                 }
             }
@@ -2413,7 +2547,36 @@ mod tests {
         if zmm_runs == 0 {
             eprintln!("the 512-bit width was not tested: this CPU has no AVX-512F, BW and VBMI");
         }
+        if half_runs == 0 {
+            eprintln!("the f16 products were not tested: this CPU has no AVX512-FP16");
+        }
     }
+    /// The f16 products ([`DecodeWidth::ZmmHalf`]) on calls whose scores
+    /// f16 computes exactly ([`Call::dyadic`]): `m + ln l` within the f32
+    /// kernels' tolerance, `acc / l` within it plus the f16 P·V bound
+    /// alone; D 64–192, GQA groups 1–8, partial blocks, masked ranges,
+    /// resumed states.
+    #[test]
+    fn half_products_score_exactly_on_dyadic_calls() {
+        if !half_serves(DType::F8E4M3, 64, Some(64)) {
+            eprintln!("skipped: this CPU has no AVX512-FP16 (or KVJIT_ATTENTION_FP16=off)");
+            return;
+        }
+        let mut seed = 2000;
+        for d in [64, 128, 192] {
+            for rows in [1, 2, 3, 4, 5, 8] {
+                for keys in [5, 32, 77] {
+                    seed += 1;
+                    let call = Call::new(DType::F8E4M3, d, d, rows, keys, seed).dyadic(seed);
+                    let kernel = decode_kernel_at(DecodeWidth::ZmmHalf, DType::F8E4M3, rows, d, Some(d)).unwrap();
+                    let got = call.run(kernel);
+                    let what = format!("f16 products, dyadic, D {d} G {rows} keys {keys}");
+                    call.check(&got, &what, Some(&call.half_bounds(true)));
+                }
+            }
+        }
+    }
+
     /// The prefill kernel against the f64 reference: f32, bf16, f16 and
     /// FP8 caches (g = D and g-blocks of 8 and 32), head sizes 16–128, query blocks of 1 to 32 rows (partial
     /// row and key tiles), key runs shorter and longer than a block,
@@ -2444,7 +2607,7 @@ mod tests {
                     seed += 1;
                     let call = Call::new(dtype, d, g.unwrap_or(d), rows, keys, seed);
                     let got = call.run(kernel);
-                    call.check(&got, &format!("prefill {dtype} D {d} rows {rows} keys {keys}"));
+                    call.check(&got, &format!("prefill {dtype} D {d} rows {rows} keys {keys}"), None);
                 }
             }
         }

@@ -425,7 +425,9 @@ fn native_kernels(spec: &MhaSpec) -> Option<(DecodeKernel, DecodeKernel)> {
     let serves = decode_supported(dtype, d, g);
     let kernel = |rows| decode_kernel(dtype, rows, d, g);
     let block = || match (prefill_choice(), decode_width(dtype, d, g)) {
-        (PrefillKernel::RowTiles, _) | (PrefillKernel::Default, DecodeWidth::Zmm) => kernel(ROW_TILE),
+        (PrefillKernel::RowTiles, _) | (PrefillKernel::Default, DecodeWidth::Zmm | DecodeWidth::ZmmHalf) => {
+            kernel(ROW_TILE)
+        }
         (PrefillKernel::GemmTiles, _) | (PrefillKernel::Default, DecodeWidth::Ymm) => {
             prefill_kernel(dtype, d, g).or_else(|| kernel(ROW_TILE))
         }

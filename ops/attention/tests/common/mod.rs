@@ -354,7 +354,11 @@ pub fn jit(case: &Case) -> Compiled<JitKernel> {
 /// score error δ moves the output by at most 2·vmax·δ —, the exp's
 /// 1.3 units, and T terms of f32 accumulation in the sum and in acc), plus
 /// for bf16/f16 outputs one rounding: `unit_roundoff · |exact|` and half an
-/// f16 subnormal step. vmax = 1 (cache values in [-1, 1)).
+/// f16 subnormal step. vmax = 1 (cache values in [-1, 1)). Where the
+/// kernel multiplies in f16 ([`half_products`]) the bound of those
+/// products is added: a score off by δ = (D/32 + 8)·2⁻¹¹·D·qk (plus f16
+/// subnormals' 2⁻²⁵ per product, in units of 2·max|q|·2⁸/448), which moves
+/// the output by at most (e^{2δ} − 1)·vmax, and P·V's 34·2⁻¹¹·vmax.
 pub fn tolerance(case: &Case, keys: usize, exact: f64) -> f64 {
     let u = 2f64.powi(-24);
     let qk = f64::from(case.scale) * 2.0;
@@ -364,7 +368,26 @@ pub fn tolerance(case: &Case, keys: usize, exact: f64) -> f64 {
         DType::BF16 => exact.abs() / 256.0,
         _ => exact.abs() / 2048.0 + 2f64.powi(-25),
     };
-    f32_part + rounding
+    let half = match half_products(case) {
+        true => {
+            let (d, u16) = (case.head_size as f64, 2f64.powi(-11));
+            let subnormal = (d + 8.0) * 2f64.powi(-25) * 2.0 * qk * 256.0 / 448.0;
+            let delta = (d / 32.0 + 8.0) * u16 * d * qk + subnormal;
+            (2.0 * delta).exp() - 1.0 + 34.0 * u16
+        }
+        false => 0.0,
+    };
+    f32_part + rounding + half
+}
+
+/// Whether `case`'s kernel multiplies in f16: an FP8 cache on the 256-bit
+/// tier where the decode micro-kernel takes f16 products
+/// ([`kvjit_jit::attention_kernel::DecodeWidth::ZmmHalf`]).
+pub fn half_products(case: &Case) -> bool {
+    use kvjit_jit::attention_kernel::{DecodeWidth, decode_width};
+    case.tier == CodeTier::Avx2
+        && case.cache_dtype == DType::F8E4M3
+        && decode_width(case.cache_dtype, case.head_size, case.scale_granularity) == DecodeWidth::ZmmHalf
 }
 
 /// Compare the JIT output with the exact reference: valid rows within
