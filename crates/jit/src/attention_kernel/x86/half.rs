@@ -125,17 +125,24 @@ fn f16_high_table() -> [__m512i; 2] {
 }
 
 /// The 64 codes at `p` as 2⁻⁸ × their values in f16, in [`E4m3Half`]'s
-/// order: the high byte from the table (`vpermt2b` on the 7 magnitude
-/// bits) with the sign OR-ed in, the low byte the magnitude's bit 0 at bit
-/// 7, joined by the byte unpacks.
+/// order ([`widen_codes`]).
 ///
 /// # Safety
-/// `p` readable for 64 bytes; AVX-512F, BW and VBMI.
+/// `p` readable for 64 bytes; AVX-512F, BW, VBMI and FP16.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vbmi,avx512fp16")]
-unsafe fn widen64(p: *const u8, [t0, t1]: [__m512i; 2]) -> [__m512h; 2] {
+unsafe fn widen64(p: *const u8, table: [__m512i; 2]) -> [__m512h; 2] {
     // SAFETY: the caller guarantees 64 readable codes at `p`.
-    let codes = unsafe { _mm512_loadu_si512(p.cast()) };
+    widen_codes(unsafe { _mm512_loadu_si512(p.cast()) }, table)
+}
+
+/// 64 codes as 2⁻⁸ × their values in f16, each 128-bit lane's 16 codes as
+/// its low 8 (first vector) and high 8 (second): the high byte from the
+/// table (`vpermt2b` on the 7 magnitude bits) with the sign OR-ed in, the
+/// low byte the magnitude's bit 0 at bit 7, joined by the byte unpacks.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vbmi,avx512fp16")]
+fn widen_codes(codes: __m512i, [t0, t1]: [__m512i; 2]) -> [__m512h; 2] {
     let sign = _mm512_set1_epi8(0x80_u8 as i8);
     let high = _mm512_ternarylogic_epi32::<0xf8>(_mm512_permutex2var_epi8(t0, codes, t1), codes, sign);
     // Bit 0 of each byte to its bit 7 (what a 16-bit shift carries into
@@ -255,18 +262,69 @@ unsafe fn prepare_q(q: &mut [f32], head_size: usize) {
     }
 }
 
-/// Keys per score pass for R rows: R·keys ≤ 16 accumulators (one tree).
+/// Keys per score pass for R rows: 16 accumulators of two keys each
+/// ([`reduce32_half`]), R·keys ≤ 32 (R = 3: 24 of them).
 const fn keys_per_pass(rows: usize) -> usize {
     match rows {
-        1 => 16,
-        2 => 8,
-        _ => 4,
+        1 => 32,
+        2 => 16,
+        _ => 8,
     }
 }
 
-/// [`Width::scores`] on f16 products: per pass `keys` keys × R rows of
-/// 32-lane f16 FMA chains (q read from the prepared tile in L1), the
-/// R·keys sums by [`reduce16_half`], scaled back to f32.
+/// The sum [`reduce32_half`] leaves in lane i of vector m for its input
+/// sum `s` (vector s / 2, 256-bit half s % 2), as a logical index
+/// `16m + i`: the tree's transpose, so each accumulator is assigned the
+/// two logical sums that come out in order.
+const fn logical_sum(s: usize) -> usize {
+    16 * (s / 16) + 4 * (s % 4) + (s % 16) / 4
+}
+
+/// Which accumulator takes row r's key pair p — keys `(key, key + 4)`,
+/// `key = 8·(p / 4) + p % 4` — with `keys` keys a pass: the one whose
+/// first half [`logical_sum`] maps to `r·keys + key` (its second half is
+/// then `r·keys + key + 4`). Indexed `[r][p]`; a constant table, so the
+/// unrolled loops index registers.
+const fn accumulators(keys: usize) -> [[usize; 16]; 4] {
+    let mut table = [[0; 16]; 4];
+    let mut vec = 0;
+    while vec < 16 {
+        let logical = logical_sum(2 * vec);
+        let (r, key) = (logical / keys, logical % keys);
+        if r < 4 {
+            table[r][4 * (key / 8) + key % 8] = vec;
+        }
+        vec += 1;
+    }
+    table
+}
+
+/// For each of [`reduce32_half`]'s two output vectors, the row of each
+/// lane's logical sum (`(16m + i) / keys`) and which lanes are live (below
+/// R·keys).
+const fn lane_rows(keys: usize, rows: usize) -> [([i32; 16], u16); 2] {
+    let mut out = [([0; 16], 0); 2];
+    let mut m = 0;
+    while m < 2 {
+        let mut i = 0;
+        while i < 16 {
+            let logical = 16 * m + i;
+            if logical < rows * keys {
+                out[m].0[i] = (logical / keys) as i32;
+                out[m].1 |= 1 << i;
+            }
+            i += 1;
+        }
+        m += 1;
+    }
+    out
+}
+
+/// [`Width::scores`] on f16 products: per pass `keys` keys × R rows, each
+/// accumulator two keys' 32-lane f16 FMA chains side by side (the 32 codes
+/// of a 32-element piece of D of keys j and j + 4 in one vector, q's piece
+/// broadcast to both halves), the R·keys sums by [`reduce32_half`], scaled
+/// back to f32.
 ///
 /// # Safety
 /// As [`super::scores`]'s, with q a tile prepared by [`prepare_q`], the
@@ -282,17 +340,19 @@ unsafe fn scores_half<const R: usize>(
     ahead: &mut Ahead,
 ) {
     let keys = keys_per_pass(R);
+    let accumulator = const { accumulators(keys_per_pass(R)) };
     let table = f16_high_table();
-    let q16 = q.cast::<u8>();
-    // Lane r·keys + kk of a pass's sums: row r's factor back (the
-    // prepared tile's f32 at index 2·D + r) times 2⁸; lanes past R·keys 0.
+    let q16 = q.cast::<u16>();
+    // Logical sum L = r·keys + key (lane L % 16 of vector L / 16): row r's
+    // factor back (the prepared tile's four f32 at index 2·D) times 2⁸;
+    // lanes past R·keys 0.
     // SAFETY: the prepared tile's row factors.
-    let row_factors: [f32; 16] = std::array::from_fn(|lane| match lane < R * keys {
-        true => E4M3_UNIT * unsafe { *q.add(2 * sh.d + lane / keys) },
-        false => 0.0,
+    let factors = _mm512_castps128_ps512(_mm_mul_ps(unsafe { _mm_loadu_ps(q.add(2 * sh.d)) }, _mm_set1_ps(E4M3_UNIT)));
+    let row_factors: [__m512; 2] = std::array::from_fn(|m| {
+        let (rows, live) = const { lane_rows(keys_per_pass(R), R) }[m];
+        // SAFETY: 16 i32 lane indices < 4.
+        _mm512_maskz_permutexvar_ps(live, unsafe { _mm512_loadu_si512(rows.as_ptr().cast()) }, factors)
     });
-    // SAFETY: 16 f32.
-    let row_factors = unsafe { _mm512_loadu_ps(row_factors.as_ptr()) };
     // The block's K scales (one per key: g = D); keys past n repeat the last.
     // SAFETY: each key's K scale row.
     let k_scales: [f32; KB] = std::array::from_fn(|j| unsafe { *rows.ks[j] });
@@ -301,40 +361,54 @@ unsafe fn scores_half<const R: usize>(
     while j0 < n {
         ahead.step(false, per_pass);
         let mut acc = [_mm512_setzero_ph(); 16];
-        for g in 0..sh.d / 64 {
-            for kk in 0..keys {
-                // SAFETY: j0 + kk < KB (KB a multiple of keys); the row
-                // holds D codes, 64g + 64 ≤ D.
-                let [low, high] = unsafe { widen64(rows.k[j0 + kk].add(64 * g), table) };
-                for r in 0..R {
-                    // SAFETY: row r's f16 at bytes 2·(D·r + 64g) .. + 128.
-                    let (q_low, q_high) = unsafe {
-                        let at = q16.add(2 * (sh.d * r + 64 * g));
-                        (
-                            _mm512_castsi512_ph(_mm512_loadu_si512(at.cast())),
-                            _mm512_castsi512_ph(_mm512_loadu_si512(at.add(64).cast())),
-                        )
-                    };
-                    let a = &mut acc[r * keys + kk];
-                    *a = _mm512_fmadd_ph(q_high, high, _mm512_fmadd_ph(q_low, low, *a));
+        for piece in 0..sh.d / 32 {
+            // q's 16 f16 of this piece in each half: the low and high
+            // unpack's elements ([`E4m3Half`]'s order: vector p / 32 of its
+            // 64-group, 256-bit half p % 2).
+            let at = 64 * (piece / 2) + 16 * (piece % 2);
+            let mut qv = [[_mm512_setzero_ph(); 2]; R];
+            for (r, halves) in qv.iter_mut().enumerate() {
+                for (h, half) in halves.iter_mut().enumerate() {
+                    // SAFETY: row r's f16 at at + 32h .. at + 32h + 16 < D.
+                    *half = _mm512_castsi512_ph(_mm512_broadcast_i64x4(unsafe {
+                        _mm256_loadu_si256(q16.add(sh.d * r + at + 32 * h).cast())
+                    }));
+                }
+            }
+            for pair in 0..keys / 2 {
+                // Keys (key, key + 4) with key % 8 < 4.
+                let key = 8 * (pair / 4) + pair % 4;
+                // SAFETY: j0 + key + 4 < KB (KB a multiple of keys); each
+                // row holds D codes, 32·piece + 32 ≤ D.
+                let [low, high] = unsafe {
+                    let (a, b) = (rows.k[j0 + key].add(32 * piece), rows.k[j0 + key + 4].add(32 * piece));
+                    let codes = _mm512_inserti64x4::<1>(
+                        _mm512_castsi256_si512(_mm256_loadu_si256(a.cast())),
+                        _mm256_loadu_si256(b.cast()),
+                    );
+                    widen_codes(codes, table)
+                };
+                for (r, [q_low, q_high]) in qv.iter().enumerate() {
+                    let a = &mut acc[accumulator[r][pair]];
+                    *a = _mm512_fmadd_ph(*q_high, high, _mm512_fmadd_ph(*q_low, low, *a));
                 }
             }
         }
-        let sums = reduce16_half(&acc);
-        // Lane r·keys + kk times key j0 + kk's K scale.
-        // SAFETY: k_scales[j0 .. j0 + keys], j0 + keys ≤ KB.
-        let key_scales = unsafe {
-            let at = k_scales.as_ptr().add(j0);
-            match keys {
-                4 => _mm512_broadcast_f32x4(_mm_loadu_ps(at)),
-                8 => _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_loadu_pd(at.cast()))),
-                _ => _mm512_loadu_ps(at),
+        let sums = reduce32_half(&acc);
+        let mut lanes = [0f32; 32];
+        for (m, (sum, factor)) in sums.into_iter().zip(row_factors).enumerate() {
+            // Lane i of vector m: key (16m + i) % keys.
+            // SAFETY: k_scales[j0 .. j0 + keys], j0 + keys ≤ KB; 16 f32 out.
+            unsafe {
+                let at = k_scales.as_ptr().add(j0);
+                let key_scales = match keys {
+                    8 => _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_loadu_pd(at.cast()))),
+                    16 => _mm512_loadu_ps(at),
+                    _ => _mm512_loadu_ps(at.add(16 * m)),
+                };
+                _mm512_storeu_ps(lanes.as_mut_ptr().add(16 * m), _mm512_mul_ps(sum, _mm512_mul_ps(factor, key_scales)));
             }
-        };
-        let sums = _mm512_mul_ps(sums, _mm512_mul_ps(row_factors, key_scales));
-        let mut lanes = [0f32; 16];
-        // SAFETY: lanes holds 16 f32.
-        unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), sums) };
+        }
         for (r, row) in out.iter_mut().enumerate() {
             row[j0..j0 + keys].copy_from_slice(&lanes[r * keys..(r + 1) * keys]);
         }
@@ -342,41 +416,37 @@ unsafe fn scores_half<const R: usize>(
     }
 }
 
-/// The 16 sums of the 32 f16 lanes of each `v[i]` as the f32 lanes of one
-/// vector (lane i: the sum of `v[i]`): a transpose-and-add tree in f16
-/// (256-bit halves, 128-bit quarters, 64- and 32-bit pieces, then the two
-/// halves of each 32-bit piece), widened at the end.
+/// The 32 sums of the 16-lane halves (256 bits) of each `v[i]` — sum
+/// `s = 2i + half` — as the f32 lanes of two vectors: lane i of vector m
+/// holds sum `16m + 4·(i % 4) + i / 4` (see [`logical_sum`]). A
+/// transpose-and-add tree in f16 (128-bit quarters, 64- and 32-bit
+/// pieces, then the two halves of each 32-bit piece), widened at the end.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512fp16")]
-fn reduce16_half(v: &[__m512h; 16]) -> __m512 {
+fn reduce32_half(v: &[__m512h; 16]) -> [__m512; 2] {
     let add =
         |a: __m512i, b: __m512i| _mm512_castph_si512(_mm512_add_ph(_mm512_castsi512_ph(a), _mm512_castsi512_ph(b)));
-    // The tree leaves sum k of its inputs in lane 4·(k % 4) + k / 4: feed
-    // it the inputs transposed so lane i gets v[i].
-    let t = |k: usize| _mm512_castph_si512(v[4 * (k % 4) + k / 4]);
-    // [a.q0 + a.q2, a.q1 + a.q3, b.q0 + b.q2, b.q1 + b.q3] (q: 128-bit quarters).
+    let t = |k: usize| _mm512_castph_si512(v[k]);
+    // Quarter t of w[i]: sum 4i + t folded to 8 lanes.
     let w: [__m512i; 8] = std::array::from_fn(|i| {
         let (a, b) = (t(2 * i), t(2 * i + 1));
-        add(_mm512_shuffle_i64x2::<0x44>(a, b), _mm512_shuffle_i64x2::<0xee>(a, b))
-    });
-    // Quarter t of u[j]: input 4j + t folded to 8 lanes.
-    let u: [__m512i; 4] = std::array::from_fn(|j| {
-        let (a, b) = (w[2 * j], w[2 * j + 1]);
         add(_mm512_shuffle_i64x2::<0x88>(a, b), _mm512_shuffle_i64x2::<0xdd>(a, b))
     });
-    // Quarter t of z[k]: inputs 8k + t and 8k + 4 + t, 4 lanes each.
-    let z: [__m512i; 2] = std::array::from_fn(|k| {
-        let (a, b) = (u[2 * k], u[2 * k + 1]);
+    // Quarter t of z[k]: sums 8k + t and 8k + 4 + t, 4 lanes each.
+    let z: [__m512i; 4] = std::array::from_fn(|k| {
+        let (a, b) = (w[2 * k], w[2 * k + 1]);
         add(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b))
     });
-    // 32-bit piece c of quarter t: input 4c + t, 2 lanes.
-    let (z0, z1) = (_mm512_castsi512_ps(z[0]), _mm512_castsi512_ps(z[1]));
-    let pairs = add(
-        _mm512_castps_si512(_mm512_shuffle_ps::<0x88>(z0, z1)),
-        _mm512_castps_si512(_mm512_shuffle_ps::<0xdd>(z0, z1)),
-    );
-    let sums = add(pairs, _mm512_srli_epi32::<16>(pairs));
-    _mm512_cvtph_ps(_mm512_cvtepi32_epi16(sums))
+    // 32-bit piece c of quarter t of vector m: sum 16m + 4c + t, 2 lanes.
+    std::array::from_fn(|m| {
+        let (z0, z1) = (_mm512_castsi512_ps(z[2 * m]), _mm512_castsi512_ps(z[2 * m + 1]));
+        let pairs = add(
+            _mm512_castps_si512(_mm512_shuffle_ps::<0x88>(z0, z1)),
+            _mm512_castps_si512(_mm512_shuffle_ps::<0xdd>(z0, z1)),
+        );
+        let sums = add(pairs, _mm512_srli_epi32::<16>(pairs));
+        _mm512_cvtph_ps(_mm512_cvtepi32_epi16(sums))
+    })
 }
 
 /// [`Width::pv`] on f16 products: each row's block probabilities scaled
