@@ -467,7 +467,9 @@ unsafe fn pv_half<const R: usize>(
     (p, alpha): (&[[f32; KB]; R], [f32; R]),
     ahead: &mut Ahead,
 ) {
-    let mut p16 = [[0u16; KB]; R];
+    // Each f16 twice in a 32-bit word: a `vpbroadcastd` from memory is a
+    // load alone, a `vpbroadcastw` a load and a shuffle-port µop.
+    let mut p16 = [[0u32; KB]; R];
     let mut unscale = [1f32; R];
     for r in 0..R {
         // SAFETY: the row's 32 f32 (keys from n on hold 0).
@@ -478,8 +480,10 @@ unsafe fn pv_half<const R: usize>(
         unscale[r] = 1.0 / unit_scale(max);
         for (h, v) in [low, high].into_iter().enumerate() {
             let half = _mm512_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm512_mul_ps(v, c));
-            // SAFETY: 16 u16 of the row's 32.
-            unsafe { _mm256_storeu_si256(p16[r].as_mut_ptr().add(16 * h).cast(), half) };
+            let words = _mm512_cvtepu16_epi32(half);
+            let twice = _mm512_or_si512(words, _mm512_slli_epi32::<16>(words));
+            // SAFETY: 16 u32 of the row's 32.
+            unsafe { _mm512_storeu_si512(p16[r].as_mut_ptr().add(16 * h).cast(), twice) };
         }
     }
     let block = (&p16, alpha, unscale);
@@ -513,7 +517,7 @@ unsafe fn pv_slice_half<const R: usize, const V: usize>(
     d0: usize,
     rows: &Rows,
     sh: Shape,
-    (p16, alpha, unscale): (&[[u16; KB]; R], [f32; R], [f32; R]),
+    (p16, alpha, unscale): (&[[u32; KB]; R], [f32; R], [f32; R]),
     (ahead, (per_key, n)): (&mut Ahead, (usize, usize)),
 ) {
     let table = f16_high_table();
@@ -526,7 +530,7 @@ unsafe fn pv_slice_half<const R: usize, const V: usize>(
             [v[i], v[i + 1]] = unsafe { widen64(v_row.add(d0 + 32 * i), table) };
         }
         for (r, row) in a.iter_mut().enumerate() {
-            let pb = _mm512_castsi512_ph(_mm512_set1_epi16(p16[r][j] as i16));
+            let pb = _mm512_castsi512_ph(_mm512_set1_epi32(p16[r][j] as i32));
             for (x, vv) in row.iter_mut().zip(&v) {
                 *x = _mm512_fmadd_ph(pb, *vv, *x);
             }
