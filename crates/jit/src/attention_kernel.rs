@@ -83,6 +83,13 @@
 //! transpose-and-add tree. Both widths leave the same state layout. Set
 //! `KVJIT_ATTENTION_AVX512=off` to run the 256-bit width on such a CPU (to
 //! time one against the other).
+//!
+//! **f16 products.** With AVX512-FP16 as well, an FP8 cache with g = D and
+//! D a multiple of 64 takes [`DecodeWidth::ZmmHalf`]: codes widened to f16,
+//! scores and P·V as 32-lane f16 FMAs with per-row power-of-two scales,
+//! folded and flushed into the f32 state per block (the arithmetic and its
+//! error bound: `x86/half.rs`). `KVJIT_ATTENTION_FP16=off` keeps the f32
+//! products.
 
 use kvjit_core::DType;
 
