@@ -845,23 +845,30 @@ mod x86 {
         }
     }
 
-    /// Whole K and V slots (every head of a key: contiguous, consecutive
-    /// keys of a page adjacent) to prefetch in address order, so the L2
-    /// streamer follows; `k` and `v` are cursors (key, byte) spread over the
-    /// score and P·V loops.
-    struct Ahead {
-        slots: [*const u8; KB],
-        keys: usize,
+    /// K and V slots to prefetch in address order, so the L2 streamer
+    /// follows: `slot_bytes` from `base` bytes into each of `slots` (whole
+    /// slots — every head of a key: contiguous, consecutive keys of a page
+    /// adjacent — or one head's rows); `k` and `v` are cursors (key, byte)
+    /// spread over the score and P·V loops.
+    struct Ahead<'a> {
+        slots: &'a [*const u8],
+        base: usize,
         slot_bytes: usize,
         v_offset: usize,
         k: (usize, usize),
         v: (usize, usize),
     }
 
-    impl Ahead {
+    impl<'a> Ahead<'a> {
+        /// `slot_bytes` of each of `slots` from `base` on, both cursors at
+        /// the start.
+        fn new(slots: &'a [*const u8], base: usize, slot_bytes: usize, v_offset: usize) -> Self {
+            Ahead { slots, base, slot_bytes, v_offset, k: (0, 0), v: (0, 0) }
+        }
+
         /// Lines of one stream (K or V) of this share.
         fn lines(&self) -> usize {
-            self.keys * self.slot_bytes.div_ceil(64)
+            self.slots.len() * self.slot_bytes.div_ceil(64)
         }
 
         /// Lines of one stream to prefetch at each of `visits` steps so the
@@ -879,9 +886,9 @@ mod x86 {
         /// loop of FP8 ran 1.8× slower from DRAM with `step` a call).
         #[inline(always)]
         fn step(&mut self, v: bool, mut lines: usize) {
-            let (cursor, offset) = if v { (&mut self.v, self.v_offset) } else { (&mut self.k, 0) };
+            let (cursor, offset) = if v { (&mut self.v, self.base + self.v_offset) } else { (&mut self.k, self.base) };
             let (mut key, mut at) = *cursor;
-            while lines > 0 && key < self.keys {
+            while lines > 0 && key < self.slots.len() {
                 let slot = self.slots[key].wrapping_add(offset);
                 let end = self.slot_bytes.min(at + 64 * lines);
                 lines -= (end - at).div_ceil(64);
@@ -910,13 +917,45 @@ mod x86 {
         tile_floats: usize,
     }
 
-    /// One block's K and V rows (and FP8 scale rows), `KB` of each; keys
-    /// past the block's count repeat its last key.
+    /// One block's K and V rows (and FP8 scale rows) of one head, `KB` of
+    /// each; keys past the block's count repeat its last key. The pointers
+    /// are head 0's K rows (and scale rows), set once per block; a head's
+    /// rows are `head` bytes (`head_scales` f32) on, V's `v_offset` bytes
+    /// (`v_scales` f32) after K's. Pointers only (wrapping): the kernel's
+    /// contract makes every row it reads a row of the cache.
     struct Rows {
-        k: [*const u8; KB],
-        v: [*const u8; KB],
-        ks: [*const f32; KB],
-        vs: [*const f32; KB],
+        k0: [*const u8; KB],
+        ks0: [*const f32; KB],
+        head: usize,
+        head_scales: usize,
+        v_offset: usize,
+        v_scales: usize,
+    }
+
+    impl Rows {
+        /// Key j's K row.
+        #[inline(always)]
+        fn k(&self, j: usize) -> *const u8 {
+            self.k0[j].wrapping_add(self.head)
+        }
+
+        /// Key j's V row.
+        #[inline(always)]
+        fn v(&self, j: usize) -> *const u8 {
+            self.k0[j].wrapping_add(self.head + self.v_offset)
+        }
+
+        /// Key j's K scale row (FP8).
+        #[inline(always)]
+        fn ks(&self, j: usize) -> *const f32 {
+            self.ks0[j].wrapping_add(self.head_scales)
+        }
+
+        /// Key j's V scale row (FP8).
+        #[inline(always)]
+        fn vs(&self, j: usize) -> *const f32 {
+            self.ks0[j].wrapping_add(self.head_scales + self.v_scales)
+        }
     }
 
     /// Scores `out[r][j]` (r < R, j < n rounded up to 8/R) of the R query
@@ -1001,7 +1040,7 @@ mod x86 {
             // Lane r·KN + kk times key j0 + kk's K scale (one per row: g = D),
             // all rows in one multiply.
             // SAFETY: the keys' K scale rows (the caller's).
-            let scale: [f32; KN] = std::array::from_fn(|kk| unsafe { *rows.ks[j0 + kk] } * E4M3_UNIT);
+            let scale: [f32; KN] = std::array::from_fn(|kk| unsafe { *rows.ks(j0 + kk) } * E4M3_UNIT);
             let lanes: [f32; 8] = std::array::from_fn(|lane| scale[lane % KN]);
             // SAFETY: lanes holds 8 f32.
             scores = _mm256_mul_ps(scores, unsafe { _mm256_loadu_ps(lanes.as_ptr()) });
@@ -1032,12 +1071,12 @@ mod x86 {
     ) {
         let mut k = [_mm256_setzero_ps(); KN];
         for (kk, kv) in k.iter_mut().enumerate() {
-            // SAFETY: j0 + kk < KB (j0 a multiple of KN, KB of 8); rows.k[j]
+            // SAFETY: j0 + kk < KB (j0 a multiple of KN, KB of 8); rows.k(j)
             // holds D elements (the caller).
             unsafe {
-                *kv = E::load8(rows.k[j0 + kk].add(d * E::BYTES));
+                *kv = E::load8(rows.k(j0 + kk).add(d * E::BYTES));
                 if E::SCALED && !sh.whole_rows {
-                    let s = _mm256_broadcast_ss(&*rows.ks[j0 + kk].add(blk));
+                    let s = _mm256_broadcast_ss(&*rows.ks(j0 + kk).add(blk));
                     *kv = _mm256_mul_ps(*kv, _mm256_mul_ps(s, _mm256_set1_ps(E4M3_UNIT)));
                 }
             }
@@ -1069,12 +1108,12 @@ mod x86 {
     ) {
         let mut k = [[_mm256_setzero_ps(); 2]; KN];
         for (kk, kv) in k.iter_mut().enumerate() {
-            // SAFETY: j0 + kk < KB; rows.k[j] holds D elements (the caller).
+            // SAFETY: j0 + kk < KB; rows.k(j) holds D elements (the caller).
             unsafe {
-                *kv = E::load16(rows.k[j0 + kk].add(d * E::BYTES));
+                *kv = E::load16(rows.k(j0 + kk).add(d * E::BYTES));
                 if E::SCALED && !sh.whole_rows {
                     for (half, &blk) in kv.iter_mut().zip(&blks) {
-                        let s = _mm256_broadcast_ss(&*rows.ks[j0 + kk].add(blk));
+                        let s = _mm256_broadcast_ss(&*rows.ks(j0 + kk).add(blk));
                         *half = _mm256_mul_ps(*half, _mm256_mul_ps(s, _mm256_set1_ps(E4M3_UNIT)));
                     }
                 }
@@ -1117,7 +1156,7 @@ mod x86 {
         }
         // Each vector's scale block (FP8; g a multiple of 8).
         let blk: [usize; SV] = std::array::from_fn(|i| (d0 + 8 * i) / sh.g);
-        for (j, (&v_row, &v_scales)) in rows.v.iter().zip(&rows.vs).enumerate().take(n) {
+        for (j, v_row, v_scales) in (0..n).map(|j| (j, rows.v(j), rows.vs(j))) {
             let mut v = [_mm256_setzero_ps(); SV];
             let mut pair = [_mm256_setzero_ps(); 2];
             for (i, x) in v.iter_mut().enumerate() {
@@ -1354,9 +1393,9 @@ mod x86 {
         // keys past n scale a probability of 0.
         let mut v_scales = [0f32; KB];
         if E::SCALED && sh.whole_rows {
-            for (scale, &row) in v_scales.iter_mut().zip(&rows.vs).take(n) {
+            for (j, scale) in v_scales.iter_mut().enumerate().take(n) {
                 // SAFETY: the key's V scale row (one scale: g = D).
-                *scale = unsafe { *row } * E4M3_UNIT;
+                *scale = unsafe { *rows.vs(j) } * E4M3_UNIT;
             }
         }
         let scaled = (E::SCALED && sh.whole_rows).then_some(&v_scales);
@@ -1575,9 +1614,9 @@ mod x86 {
                     // scale per row): q, in the type's order, read by the
                     // FMAs from memory (its registers would spill).
                     for kk in 0..keys {
-                        // SAFETY: j0 + kk < KB; rows.k[j] holds D elements,
+                        // SAFETY: j0 + kk < KB; rows.k(j) holds D elements,
                         // d + 64 ≤ D.
-                        let k = unsafe { E::widen64(rows.k[j0 + kk].add(d * E::BYTES)) };
+                        let k = unsafe { E::widen64(rows.k(j0 + kk).add(d * E::BYTES)) };
                         for (r, row) in acc.iter_mut().enumerate() {
                             for (i, kv) in k.iter().enumerate() {
                                 // SAFETY: q holds R rows of D f32, d + 64 ≤ D.
@@ -1600,13 +1639,13 @@ mod x86 {
                     // The second half's scale block (g a multiple of 16).
                     let blk_high = if blocked && d + 16 >= blk_end { blk + 1 } else { blk };
                     for kk in 0..keys {
-                        // SAFETY: j0 + kk < KB; rows.k[j] holds D elements,
+                        // SAFETY: j0 + kk < KB; rows.k(j) holds D elements,
                         // d + 32 ≤ D (and, FP8, its D/g scales).
-                        let [mut low, mut high] = unsafe { E::widen32(rows.k[j0 + kk].add(d * E::BYTES)) };
+                        let [mut low, mut high] = unsafe { E::widen32(rows.k(j0 + kk).add(d * E::BYTES)) };
                         if blocked {
                             // SAFETY: as above.
                             unsafe {
-                                let scales = rows.ks[j0 + kk];
+                                let scales = rows.ks(j0 + kk);
                                 low = _mm512_mul_ps(low, _mm512_set1_ps(*scales.add(blk) * E4M3_UNIT));
                                 high = _mm512_mul_ps(high, _mm512_set1_ps(*scales.add(blk_high) * E4M3_UNIT));
                             }
@@ -1620,12 +1659,12 @@ mod x86 {
                 }
                 let mut k = [_mm512_setzero_ps(); 8];
                 for (kk, kv) in k.iter_mut().enumerate().take(keys) {
-                    // SAFETY: j0 + kk < KB (KB a multiple of 2KN); rows.k[j]
+                    // SAFETY: j0 + kk < KB (KB a multiple of 2KN); rows.k(j)
                     // holds D elements, d + 16 ≤ D.
                     unsafe {
-                        *kv = E::widen16(rows.k[j0 + kk].add(d * E::BYTES));
+                        *kv = E::widen16(rows.k(j0 + kk).add(d * E::BYTES));
                         if blocked {
-                            *kv = _mm512_mul_ps(*kv, _mm512_set1_ps(*rows.ks[j0 + kk].add(blk) * E4M3_UNIT));
+                            *kv = _mm512_mul_ps(*kv, _mm512_set1_ps(*rows.ks(j0 + kk).add(blk) * E4M3_UNIT));
                         }
                     }
                 }
@@ -1648,7 +1687,7 @@ mod x86 {
                 // Lane r·keys + kk times key j0 + kk's K scale (one per row:
                 // g = D), all rows in one multiply.
                 // SAFETY: the keys' K scale rows (the caller's).
-                let scale: [f32; 16] = std::array::from_fn(|lane| unsafe { *rows.ks[j0 + lane % keys] } * E4M3_UNIT);
+                let scale: [f32; 16] = std::array::from_fn(|lane| unsafe { *rows.ks(j0 + lane % keys) } * E4M3_UNIT);
                 // SAFETY: scale holds 16 f32.
                 sums = _mm512_mul_ps(sums, unsafe { _mm512_loadu_ps(scale.as_ptr()) });
             }
@@ -1749,7 +1788,7 @@ mod x86 {
         }
         // Each vector's scale block (FP8 with g < D; g a multiple of 16).
         let blk: [usize; SV] = std::array::from_fn(|i| (d0 + 16 * i) / sh.g);
-        for (j, (&v_row, &v_scales)) in rows.v.iter().zip(&rows.vs).enumerate().take(n) {
+        for (j, v_row, v_scales) in (0..n).map(|j| (j, rows.v(j), rows.vs(j))) {
             ahead.step(true, per_key);
             let mut v = [_mm512_setzero_ps(); SV];
             // Fours (a GRANULE of 64: SV a multiple of 4) or pairs of
@@ -1843,30 +1882,34 @@ mod x86 {
         // Element offset of key j's K row of head 0 (relative to the call).
         // SAFETY: j < keys + ahead (the caller's table).
         let offset = |j: usize| unsafe { *key_offsets.add(j) } as usize;
-        let mut rows_of = Rows {
-            k: [std::ptr::null(); KB],
-            v: [std::ptr::null(); KB],
-            ks: [std::ptr::null(); KB],
-            vs: [std::ptr::null(); KB],
-        };
         let slot_bytes = heads * head_size * E::BYTES;
         let v_offset = sh.kv_stride * E::BYTES;
-        let empty = || Ahead { slots: [std::ptr::null(); KB], keys: 0, slot_bytes, v_offset, k: (0, 0), v: (0, 0) };
-        // The first block's slots, all at once (the loops prefetch the
-        // next block's, a share per head).
-        let mut first = empty();
-        first.keys = keys.min(KB);
-        for (j, slot) in first.slots.iter_mut().enumerate().take(first.keys) {
-            *slot = blocks.wrapping_add(offset(j) * E::BYTES);
-        }
-        let lines = first.lines();
-        first.step(false, lines);
-        first.step(true, lines);
         // An FP8 key's K and V scales (every head's: contiguous f32): the
         // scales of head h's rows are h·D/g on from its key's, the V rows'
         // kv_stride/g on from the K rows' (offsets are multiples of g).
         let head_scales = head_size / sh.g;
         let v_scales = sh.kv_stride / sh.g;
+        let mut rows_of = Rows {
+            k0: [std::ptr::null(); KB],
+            ks0: [std::ptr::null(); KB],
+            head: 0,
+            head_scales: 0,
+            v_offset,
+            v_scales,
+        };
+        // The slots of the first block (then of each next block): key j's
+        // K row of head 0.
+        let mut next_slots = [std::ptr::null::<u8>(); KB];
+        let first_keys = keys.min(KB);
+        for (j, slot) in next_slots.iter_mut().enumerate().take(first_keys) {
+            *slot = blocks.wrapping_add(offset(j) * E::BYTES);
+        }
+        // The first block's slots, all at once (the loops prefetch the
+        // next block's, a share per head).
+        let mut first = Ahead::new(&next_slots[..first_keys], 0, slot_bytes, v_offset);
+        let lines = first.lines();
+        first.step(false, lines);
+        first.step(true, lines);
         let scale_bytes = heads * head_scales * 4;
         let prefetch_scales = |o: usize| {
             if E::SCALED {
@@ -1876,7 +1919,7 @@ mod x86 {
                 }
             }
         };
-        for j in 0..first.keys {
+        for j in 0..first_keys {
             prefetch_scales(offset(j));
         }
         let permute_acc = |back: bool| {
@@ -1906,8 +1949,6 @@ mod x86 {
         // 24.8–25.0.
         let head_major = E::BYTES <= 2;
         let share = KB.div_ceil(heads);
-        let mut slot = [0usize; KB];
-        let mut scale_slot = [0usize; KB];
         let mut p0 = 0;
         while p0 < keys {
             let n = (keys - p0).min(KB);
@@ -1915,48 +1956,36 @@ mod x86 {
             // from its last block on, the caller's next keys (`ahead`).
             let next_from = (p0 + KB).min(keys);
             let next_n = (keys + ahead - next_from).min(KB);
-            for (j, o) in slot.iter_mut().enumerate() {
-                *o = offset(p0 + j.min(n - 1));
+            for (j, (k, ks)) in rows_of.k0.iter_mut().zip(&mut rows_of.ks0).enumerate() {
+                let o = offset(p0 + j.min(n - 1));
+                // Rows of the cache (the caller's contract); pointers only.
+                *k = blocks.wrapping_add(o * E::BYTES);
                 if E::SCALED {
-                    scale_slot[j] = *o / sh.g;
+                    *ks = scales.wrapping_add(o / sh.g);
+                }
+            }
+            // The next block's slots, for every head's share of them.
+            for (j, slot) in next_slots.iter_mut().enumerate().take(next_n) {
+                let o = offset(next_from + j);
+                *slot = blocks.wrapping_add(o * E::BYTES);
+                if head_major {
+                    prefetch_scales(o);
                 }
             }
             for h in 0..heads {
-                let head = h * head_size;
-                for (j, &slot) in slot.iter().enumerate() {
-                    let o = slot + head;
-                    // Rows of the cache (the caller's contract); pointers only.
-                    let k = blocks.wrapping_add(o * E::BYTES);
-                    rows_of.k[j] = k;
-                    rows_of.v[j] = k.wrapping_add(v_offset);
-                    if E::SCALED {
-                        let ks = scales.wrapping_add(scale_slot[j] + h * head_scales);
-                        rows_of.ks[j] = ks;
-                        rows_of.vs[j] = ks.wrapping_add(v_scales);
-                    }
-                }
+                rows_of.head = h * head_size * E::BYTES;
+                rows_of.head_scales = h * head_scales;
                 // What this head prefetches of the next block: its own
                 // rows (head-major) or a share of the whole slots.
-                let mut ahead = empty();
-                if head_major {
-                    ahead.keys = next_n;
-                    ahead.slot_bytes = head_size * E::BYTES;
-                    for (j, slot) in ahead.slots.iter_mut().enumerate().take(ahead.keys) {
-                        let o = offset(next_from + j);
-                        *slot = blocks.wrapping_add((o + head) * E::BYTES);
-                        if h == 0 {
-                            prefetch_scales(o);
-                        }
-                    }
+                let mut ahead = if head_major {
+                    Ahead::new(&next_slots[..next_n], rows_of.head, head_size * E::BYTES, v_offset)
                 } else {
-                    let from = (h * share).min(next_n);
-                    ahead.keys = ((h + 1) * share).min(next_n) - from;
-                    for (j, slot) in ahead.slots.iter_mut().enumerate().take(ahead.keys) {
-                        let o = offset(next_from + from + j);
-                        *slot = blocks.wrapping_add(o * E::BYTES);
-                        prefetch_scales(o);
+                    let (from, to) = ((h * share).min(next_n), ((h + 1) * share).min(next_n));
+                    for j in from..to {
+                        prefetch_scales(offset(next_from + j));
                     }
-                }
+                    Ahead::new(&next_slots[from..to], 0, slot_bytes, v_offset)
+                };
                 for t in 0..tiles {
                     let tile = h * head_tiles + t;
                     // SAFETY: tile < heads·ceil(rows/4): its q rows and state

@@ -355,7 +355,7 @@ unsafe fn scores_half<const R: usize>(
     });
     // The block's K scales (one per key: g = D); keys past n repeat the last.
     // SAFETY: each key's K scale row.
-    let k_scales: [f32; KB] = std::array::from_fn(|j| unsafe { *rows.ks[j] });
+    let k_scales: [f32; KB] = std::array::from_fn(|j| unsafe { *rows.ks(j) });
     let per_pass = ahead.per_visit(KB / keys);
     let mut j0 = 0;
     while j0 < n {
@@ -381,7 +381,7 @@ unsafe fn scores_half<const R: usize>(
                 // SAFETY: j0 + key + 4 < KB (KB a multiple of keys); each
                 // row holds D codes, 32·piece + 32 ≤ D.
                 let [low, high] = unsafe {
-                    let (a, b) = (rows.k[j0 + key].add(32 * piece), rows.k[j0 + key + 4].add(32 * piece));
+                    let (a, b) = (rows.k(j0 + key).add(32 * piece), rows.k(j0 + key + 4).add(32 * piece));
                     let codes = _mm512_inserti64x4::<1>(
                         _mm512_castsi256_si512(_mm256_loadu_si256(a.cast())),
                         _mm256_loadu_si256(b.cast()),
@@ -522,7 +522,7 @@ unsafe fn pv_slice_half<const R: usize, const V: usize>(
 ) {
     let table = f16_high_table();
     let mut a = [[_mm512_setzero_ph(); V]; R];
-    for (j, &v_row) in rows.v.iter().enumerate().take(n) {
+    for (j, v_row) in (0..n).map(|j| (j, rows.v(j))) {
         ahead.step(true, per_key);
         let mut v = [_mm512_setzero_ph(); V];
         for i in (0..V).step_by(2) {
