@@ -1156,7 +1156,11 @@ mod x86 {
         }
         // Each vector's scale block (FP8; g a multiple of 8).
         let blk: [usize; SV] = std::array::from_fn(|i| (d0 + 8 * i) / sh.g);
-        for (j, v_row, v_scales) in (0..n).map(|j| (j, rows.v(j), rows.vs(j))) {
+        // A counted loop, as in the f16 P·V (an iterator adaptor left the
+        // accumulators in memory in some builds).
+        #[allow(clippy::needless_range_loop, reason = "a counted loop keeps the accumulators in registers")]
+        for j in 0..n {
+            let (v_row, v_scales) = (rows.v(j), rows.vs(j));
             let mut v = [_mm256_setzero_ps(); SV];
             let mut pair = [_mm256_setzero_ps(); 2];
             for (i, x) in v.iter_mut().enumerate() {
@@ -1788,7 +1792,11 @@ mod x86 {
         }
         // Each vector's scale block (FP8 with g < D; g a multiple of 16).
         let blk: [usize; SV] = std::array::from_fn(|i| (d0 + 16 * i) / sh.g);
-        for (j, v_row, v_scales) in (0..n).map(|j| (j, rows.v(j), rows.vs(j))) {
+        // A counted loop, as in the f16 P·V (an iterator adaptor left the
+        // accumulators in memory in some builds).
+        #[allow(clippy::needless_range_loop, reason = "a counted loop keeps the accumulators in registers")]
+        for j in 0..n {
+            let (v_row, v_scales) = (rows.v(j), rows.vs(j));
             ahead.step(true, per_key);
             let mut v = [_mm512_setzero_ps(); SV];
             // Fours (a GRANULE of 64: SV a multiple of 4) or pairs of
