@@ -111,11 +111,14 @@ fn fp8_results_do_not_depend_on_the_thread_count() {
 /// A NaN code in V makes exactly that element of the rows that read the
 /// key NaN; a NaN code in K makes the whole rows NaN — as in the reference
 /// (decode, null mask: every row reads every key, so no masked-out key's
-/// NaN reaches a row through a zero weight).
+/// NaN reaches a row through a zero weight). Scale blocks of 32 and whole
+/// rows (g = D: the f16 products where the CPU has AVX512-FP16).
 #[test]
 fn fp8_nan_codes_propagate_like_the_reference() {
-    for (chunks_threads, cache_lengths) in [(1, vec![40, 300]), (4, vec![700, 1300])] {
-        let case = Case { mask: Mask::Null, seq: 1, ..llama(32, 1, cache_lengths, 1, None) };
+    for (g, chunks_threads, cache_lengths) in
+        [(32, 1, vec![40, 300]), (32, 4, vec![700, 1300]), (128, 1, vec![40, 300]), (128, 4, vec![700, 1300])]
+    {
+        let case = Case { mask: Mask::Null, seq: 1, ..llama(g, 1, cache_lengths, 1, None) };
         let (inputs, mut cache) = case.inputs();
         let (page, slot) = cache.locate(0, 17).unwrap();
         let v_at = cache.element_offset(page as usize, 1, case.layer, slot, 3, 70);

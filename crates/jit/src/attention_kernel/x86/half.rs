@@ -613,6 +613,43 @@ mod tests {
         }
     }
 
+    /// Rows of every magnitude (f32 subnormals to 10³⁰, a zero row, a NaN)
+    /// come back from [`prepare_q`] as f16 that, times their row's factor,
+    /// are the values within f16's rounding (2⁻¹¹ of the row's largest).
+    #[test]
+    fn prepared_q_rows_keep_their_values() {
+        if !std::arch::is_x86_feature_detected!("avx512fp16") {
+            eprintln!("skipped: this CPU has no AVX512-FP16");
+            return;
+        }
+        let d = 64;
+        for (tile, magnitudes) in [[1e-40f32, 1e-20, 1.0, 3e4], [1e30, 0.0, 7.5, f32::NAN]].into_iter().enumerate() {
+            let rows: Vec<f32> = magnitudes
+                .iter()
+                .flat_map(|&m| (0..d).map(move |i| m * (((i * 37 + tile * 11) % 29) as f32 - 14.0) / 14.0))
+                .collect();
+            let mut q = rows.clone();
+            // SAFETY: one whole tile of 4 rows of 64; the CPU has AVX512-FP16
+            // (checked above), so AVX-512F.
+            unsafe { prepare_q(&mut q, d) };
+            let bits: Vec<u16> = q.iter().flat_map(|x| [x.to_bits() as u16, (x.to_bits() >> 16) as u16]).collect();
+            for (r, &m) in magnitudes.iter().enumerate() {
+                let back = f64::from(q[2 * d + r]);
+                let row = &rows[r * d..(r + 1) * d];
+                let max = row.iter().fold(0f64, |a, &x| a.max(f64::from(x).abs()));
+                for (i, &x) in row.iter().enumerate() {
+                    let got = half::f16::from_bits(bits[d * r + i]).to_f64() * back;
+                    if m.is_nan() {
+                        assert!(got.is_nan(), "row {r} [{i}]: NaN came back {got}");
+                        continue;
+                    }
+                    let err = (got - f64::from(x)).abs();
+                    assert!(err <= max * 2f64.powi(-11), "row {r} [{i}]: {x} came back {got}");
+                }
+            }
+        }
+    }
+
     #[test]
     fn unit_scales_are_powers_of_two_into_half_to_one() {
         for max in [1e-30f32, 1e-3, 0.5, 0.75, 1.0, 3.0, 6e4, 1e30, f32::MAX, 1e-40] {
