@@ -2443,8 +2443,9 @@ mod tests {
         /// What f16 products ([`DecodeWidth::ZmmHalf`]) may add to each
         /// row's `m + ln l` and `acc / l` (per head and row), from the
         /// bound in the f16 kernel's docs: with u = 2⁻¹¹, a score is off by
-        /// at most δ = (D/32 + 8)·u·Σ|q_i·k_i| plus 2⁻²⁵ per product and
-        /// fold (f16 subnormals) in units of 2·max|q|·2⁸·s_K; a block's
+        /// at most δ = (D/16 + 6)·u·Σ|q_i·k_i| plus 2⁻²⁵ at each of the
+        /// 16·(D/16 + 5) roundings (f16 subnormals) in units of
+        /// 2·max|q|·2⁸·s_K; a block's
         /// P·V by 34·u·Σ p_j·|v_j|. So `m + ln l` moves by at most δ, and
         /// `acc / l` — a weighted mean of the values and of the resumed
         /// `acc / l` whose weights move by e^{±δ} — by (e^{2δ} − 1)·W +
@@ -2468,9 +2469,9 @@ mod tests {
                         let k = &self.values[at..][..self.d];
                         let k_scale = f64::from(self.scales[at / self.g]);
                         let sum: f64 = q.iter().zip(k).map(|(&a, &b)| (f64::from(a) * f64::from(b)).abs()).sum();
-                        let subnormal = (self.d + 8) as f64 * 2f64.powi(-25) * 2.0 * q_max * 256.0 * k_scale;
+                        let subnormal = (self.d + 80) as f64 * 2f64.powi(-25) * 2.0 * q_max * 256.0 * k_scale;
                         if !exact_scores {
-                            score = score.max((self.d as f64 / 32.0 + 8.0) * u * sum + subnormal);
+                            score = score.max((self.d as f64 / 16.0 + 6.0) * u * sum + subnormal);
                         }
                         let v = &self.values[at + self.kv_stride()..][..self.d];
                         w = v.iter().fold(w, |m, &x| m.max(f64::from(x).abs()));

@@ -356,8 +356,9 @@ pub fn jit(case: &Case) -> Compiled<JitKernel> {
 /// for bf16/f16 outputs one rounding: `unit_roundoff · |exact|` and half an
 /// f16 subnormal step. vmax = 1 (cache values in [-1, 1)). Where the
 /// kernel multiplies in f16 ([`half_products`]) the bound of those
-/// products is added: a score off by δ = (D/32 + 8)·2⁻¹¹·D·qk (plus f16
-/// subnormals' 2⁻²⁵ per product, in units of 2·max|q|·2⁸/448), which moves
+/// products is added: a score off by δ = (D/16 + 6)·2⁻¹¹·D·qk (plus f16
+/// subnormals' 2⁻²⁵ at each of 16·(D/16 + 5) roundings, in units of
+/// 2·max|q|·2⁸/448), which moves
 /// the output by at most (e^{2δ} − 1)·vmax, and P·V's 34·2⁻¹¹·vmax.
 pub fn tolerance(case: &Case, keys: usize, exact: f64) -> f64 {
     let u = 2f64.powi(-24);
@@ -371,8 +372,8 @@ pub fn tolerance(case: &Case, keys: usize, exact: f64) -> f64 {
     let half = match half_products(case) {
         true => {
             let (d, u16) = (case.head_size as f64, 2f64.powi(-11));
-            let subnormal = (d + 8.0) * 2f64.powi(-25) * 2.0 * qk * 256.0 / 448.0;
-            let delta = (d / 32.0 + 8.0) * u16 * d * qk + subnormal;
+            let subnormal = (d + 80.0) * 2f64.powi(-25) * 2.0 * qk * 256.0 / 448.0;
+            let delta = (d / 16.0 + 6.0) * u16 * d * qk + subnormal;
             (2.0 * delta).exp() - 1.0 + 34.0 * u16
         }
         false => 0.0,

@@ -13,18 +13,24 @@
 //! (`m << 7` for its magnitude `m`, subnormal codes included; the NaN codes
 //! an f16 NaN). Each query row is scaled by a power of two into (−1, 1)
 //! and rounded to f16 once per call ([`Width::prepare_q`]); each score is
-//! a 32-lane f16 FMA chain of D/32 products per lane, folded in f16 by a
-//! transpose-and-add tree, then widened to f32 and scaled back (the row's
-//! power of two, the key's scale, 2⁸). Each block's probabilities (times
+//! 16 lanes of f16 FMA chains of D/16 products each (two keys share an
+//! accumulator, one in each 256-bit half), folded in f16 by a
+//! transpose-and-add tree of 4 levels, then widened to f32 and scaled back
+//! (the row's power of two, the key's scale, 2⁸). Each block's probabilities (times
 //! the keys' V scales) are scaled per row by a power of two into [0, 1),
 //! rounded to f16 and accumulated in f16 over the block's ≤ 32 keys, then
-//! added into the row's f32 `acc`. No f16 value can overflow: |q·2^-e| < 1
-//! and |code·2⁻⁸| ≤ 1.75 bound a score's partial sums by 1.75·D and a
-//! block's P·V sums by 56. With u = 2⁻¹¹ (f16's unit roundoff) a score is
-//! off by at most about (D/32 + 7)·u·Σ|q_i·k_i| (the FMA chain, the tree,
-//! q's rounding), an f16 subnormal's 2⁻²⁵ per product aside, and a block's
-//! P·V by about (n + 1)·u·Σ p_j·|v_j|: a few parts in a thousand, below the
-//! E4M3 rounding of the values themselves (up to 2⁻⁴ each).
+//! added into the row's f32 `acc`. No f16 value can overflow: the scaled
+//! q and p are below 1 (below 4 for magnitudes from 2¹²⁶ on, where the
+//! power of two is clamped) and |code·2⁻⁸| ≤ 1.75, so a score's partial
+//! sums stay below 7·D and a block's P·V sums below 224. With u = 2⁻¹¹ (f16's unit roundoff), each
+//! product of a score passes through at most D/16 + 4 roundings (its lane's
+//! FMA chain, the tree) after q's own, so a score is off by at most
+//! (D/16 + 6)·u·Σ|q_i·k_i| (one u to spare for the f32 steps), plus up to
+//! 2⁻²⁵ (half an f16 subnormal step) at each of the 16·(D/16 + 5) roundings
+//! when partial sums are that small; a block's P·V by (n + 2)·u·Σ p_j·|v_j|
+//! ≤ 34·u·Σ p_j·|v_j| (p's rounding, the n-key chain). A few parts in a
+//! thousand, below the E4M3 rounding of the values themselves (up to 2⁻⁴
+//! each).
 
 use std::arch::x86_64::*;
 
