@@ -2402,6 +2402,16 @@ mod tests {
             state
         }
 
+        /// Query row `row` of head h before the call: its state tile (from
+        /// the tile's start), lane, key range (call-relative) and q.
+        fn row(&self, h: usize, row: usize) -> (&[f32], usize, (usize, usize), &[f32]) {
+            let tile = &self.state[(h * self.tiles() + row / 4) * self.tile_floats()..];
+            let lane = row % 4;
+            let key = |word: usize| (tile[word + lane].to_bits() as i64 - self.first_key) as usize;
+            let q = &self.q[((h * self.tiles() * 4) + row) * self.d..][..self.d];
+            (tile, lane, (key(STATE_LO), key(STATE_HI)), q)
+        }
+
         /// The state after the call in f64 (`(m, l, acc)` per head and
         /// row), from the state before it: flash attention's update by
         /// each key of the row's range.
@@ -2409,11 +2419,7 @@ mod tests {
             let mut out = Vec::new();
             for h in 0..HEADS {
                 for row in 0..self.rows {
-                    let tile = &self.state[(h * self.tiles() + row / 4) * self.tile_floats()..];
-                    let lane = row % 4;
-                    let lo = (tile[STATE_LO + lane].to_bits() as i64 - self.first_key) as usize;
-                    let hi = (tile[STATE_HI + lane].to_bits() as i64 - self.first_key) as usize;
-                    let q = &self.q[((h * self.tiles() * 4) + row) * self.d..][..self.d];
+                    let (tile, lane, (lo, hi), q) = self.row(h, row);
                     let scores: Vec<f64> = (lo..hi)
                         .map(|j| {
                             let k = &self.values[self.offsets[j] as usize + h * self.d..][..self.d];
@@ -2457,11 +2463,7 @@ mod tests {
             let mut out = Vec::new();
             for h in 0..HEADS {
                 for row in 0..self.rows {
-                    let tile = &self.state[(h * self.tiles() + row / 4) * self.tile_floats()..];
-                    let lane = row % 4;
-                    let lo = (tile[STATE_LO + lane].to_bits() as i64 - self.first_key) as usize;
-                    let hi = (tile[STATE_HI + lane].to_bits() as i64 - self.first_key) as usize;
-                    let q = &self.q[((h * self.tiles() * 4) + row) * self.d..][..self.d];
+                    let (tile, lane, (lo, hi), q) = self.row(h, row);
                     let q_max = q.iter().fold(0f64, |m, &x| m.max(f64::from(x).abs()));
                     let (mut score, mut w) = (0f64, 0f64);
                     for j in lo..hi {

@@ -205,7 +205,14 @@ impl Width for Half {
         out: &mut [[f32; KB]; R],
         ahead: &mut Ahead,
     ) {
-        const { assert!(E::SCALED && E::GRANULE == 64, "the f16 width reads FP8 codes, 64 a step") };
+        // PERMUTED: the driver copies q (and so calls `prepare_q`) only
+        // for a type in an order of its own.
+        const {
+            assert!(
+                E::SCALED && E::GRANULE == 64 && E::PERMUTED,
+                "the f16 width reads FP8 codes, 64 a step, q prepared"
+            )
+        };
         // SAFETY: the caller's bounds, q prepared by `prepare_q`; the
         // caller picked this width on a CPU with its features.
         unsafe { scores_half::<R>(q, rows, n, sh, out, ahead) }
@@ -482,8 +489,9 @@ unsafe fn pv_half<const R: usize>(
         let (low, high) = unsafe { (_mm512_loadu_ps(p[r].as_ptr()), _mm512_loadu_ps(p[r].as_ptr().add(16))) };
         // NaN lanes left out (`max` returns its second operand on a NaN).
         let max = _mm512_reduce_max_ps(_mm512_max_ps(high, _mm512_max_ps(low, _mm512_setzero_ps())));
-        let c = _mm512_set1_ps(unit_scale(max));
-        unscale[r] = 1.0 / unit_scale(max);
+        let scale = unit_scale(max);
+        unscale[r] = 1.0 / scale;
+        let c = _mm512_set1_ps(scale);
         for (h, v) in [low, high].into_iter().enumerate() {
             let half = _mm512_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm512_mul_ps(v, c));
             let words = _mm512_cvtepu16_epi32(half);
