@@ -1413,6 +1413,52 @@ mod tests {
         assert!(started.elapsed() < Duration::from_secs(20), "tiny took {:?}", started.elapsed());
     }
 
+    /// One batch-1 decode call of the op, 2 threads, K/V from DRAM (the
+    /// calls cycle through ~300 MB of layers): medians of 20 samples of
+    /// 300 calls. `SHAPE=llama` for Llama-3-8B's heads (else SmolLM2's: 9
+    /// query / 3 KV heads of 64), `CONTEXT` (default 128), `DTYPE` (bf16,
+    /// f32 or f8e4m3), `THREADS` (default 2). What `MIN_ITEMS` and the
+    /// decode launch were chosen with.
+    #[test]
+    #[ignore = "a timing, not a test"]
+    fn decode_call_timing() {
+        let var = |name: &str| std::env::var(name).ok();
+        let heads = match var("SHAPE").as_deref() {
+            Some("llama") => Heads::llama3_8b(),
+            _ => Heads { num_heads: 9, num_kv_heads: 3, head_size: 64, page_size: 16 },
+        };
+        let context: usize = var("CONTEXT").map_or(128, |v| v.parse().expect("CONTEXT: a number"));
+        let threads: usize = var("THREADS").map_or(2, |v| v.parse().expect("THREADS: a number"));
+        let dtype: DType = var("DTYPE").map_or(DType::BF16, |v| v.parse().expect("DTYPE: a cache dtype"));
+        let ctx = DeviceContextPtr::cpu(threads).unwrap();
+        let mut rng = SmallRng::seed_from_u64(5);
+        let layers = ((300usize << 20) as f64 / heads.kv_bytes(context, dtype)).ceil() as usize;
+        let step = StepShape { batch: 1, history: context - 1, new_tokens: 1 };
+        let mut cache = make_cache(&heads, dtype, layers, step, true, &mut rng).unwrap();
+        let kernel = mha_kernel(heads.spec(dtype, layers, 1, 1), CaptureText::default()).unwrap();
+        let q = Tensor::random(dtype, &[1, 1, heads.num_heads, heads.head_size], &mut rng, -1.0, 1.0).unwrap();
+        let valid = Tensor::from_vec(&[1], vec![1u32]).unwrap();
+        let layer_tensors: Vec<Tensor> = (0..layers as u32).map(Tensor::scalar_u32).collect();
+        let mut out = Tensor::zeros(dtype, q.shape()).unwrap();
+        let mut samples = Vec::new();
+        for sample in 0..20 {
+            let start = Instant::now();
+            for call in 0..300 {
+                let layer = &layer_tensors[(sample * 300 + call) % layers];
+                kernel.kernel().run_into(&[&q, layer, &valid], &mut [&mut cache], out.as_bytes_mut(), &ctx).unwrap();
+            }
+            samples.push(start.elapsed().as_secs_f64() / 300.0);
+        }
+        samples.sort_by(f64::total_cmp);
+        println!(
+            "{} KV heads of {}, {dtype}, context {context}, {threads} threads, {layers} layers: median {:.2} µs (min {:.2})",
+            heads.num_kv_heads,
+            heads.head_size,
+            samples[10] * 1e6,
+            samples[0] * 1e6
+        );
+    }
+
     #[test]
     fn presets_are_valid() {
         for config in [AttentionBenchConfig::full(), AttentionBenchConfig::quick(), AttentionBenchConfig::tiny()] {

@@ -133,10 +133,17 @@ pub const KB: usize = 32;
 pub const MIN_CHUNK: usize = 128;
 /// Items a call is cut into at least, when its keys allow chunks of a
 /// block: a short decode (SmolLM2 at context 128, batch 1: one sequence, one
-/// 128-key chunk) would otherwise run on one thread. Measured in `bench
-/// --ops model` (A/B, one binary): its f32 attention at context 128
-/// 728–772 → 603–636 µs a token.
-pub const MIN_ITEMS: usize = 8;
+/// 128-key chunk) would otherwise run on one thread (measured in `bench
+/// --ops model`, A/B: its f32 attention at context 128 728–772 → 603–636 µs
+/// a token with 8). Two, not more: each item packs its q, starts on a cold
+/// block and leaves a partial to merge, which on short chunks cost more
+/// than the threads gained. Measured on a Xeon (Emerald Rapids), 2
+/// threads, batch 1, K/V from DRAM (`cargo test --release -p kvjit-bench
+/// --lib -- --ignored decode_call_timing --nocapture`, medians, 8 → 2
+/// items): SmolLM2's bf16 heads at context 128 13.6–14.0 → 10.7–11.0 µs,
+/// 256 23.0 → 16.5, f32 at 128 17.9 → 14.4; Llama-3-8B's bf16 heads at
+/// 128 58.9–61.2 → 45.4, 256 111 → 65.2.
+pub const MIN_ITEMS: usize = 2;
 /// Work items split-KV aims for: 8 per thread of a 16-thread pool (load
 /// balance). A constant, not the pool's size: the launch plan, and so every
 /// bit of the output, depends on the call only, never on the threads.
@@ -1210,6 +1217,23 @@ impl Plan {
     }
 }
 
+/// Whether a call's work items all cost the same: a decode (query blocks
+/// of one position) whose sequences read equally many keys. Its launch then
+/// gives each thread one contiguous range of items ([`kvjit_jit::launch`]),
+/// so an item's last block prefetches the first block of the thread's next
+/// item, the sequence's next chunk. Claimed one range at a time from the
+/// last ([`kvjit_jit::launch_uneven`], which balances items of unequal
+/// cost: causal prefill blocks, sequences of different lengths), the next
+/// chunk was mostly another thread's, already read, and every item started
+/// on a cold block. Measured as for [`MIN_ITEMS`] (Xeon, 2 threads, batch
+/// 1, from DRAM, uneven → contiguous): Llama-3-8B's bf16 heads at context
+/// 512 127.6 → 116.7 µs (8 items: 160.7 → 124.4), 2048 431.6 → 419.8;
+/// SmolLM2's at 2048 91.2 → 85.7.
+fn items_of_equal_cost(shape: &CallShape, plan: &Plan) -> bool {
+    let span = |&(lo, hi): &(usize, usize)| hi - lo;
+    plan.query_block == 1 && shape.key_ranges.windows(2).all(|pair| span(&pair[0]) == span(&pair[1]))
+}
+
 /// The op as JIT-compiled machine code for one spec ([`kvjit_op::Jit`]:
 /// [`jit_kernel`] makes it ready to run; `run_into` runs it into
 /// caller-owned bytes).
@@ -1319,6 +1343,10 @@ impl JitSpec for MhaSpec {
                     scales: cache.scales().map_or(0, |scales| scales.as_bytes().as_ptr() as u64),
                     hooks: if hooked { hooks_at as u64 } else { 0 },
                 };
+                let launch = match items_of_equal_cost(shape, &plan) {
+                    true => kvjit_jit::launch::<MhaArgs<u64>>,
+                    false => kvjit_jit::launch_uneven::<MhaArgs<u64>>,
+                };
                 // SAFETY: `code` was compiled by `emit_and_compile` for this
                 // kernel's spec, reading `MhaArgs` at its fields' offsets.
                 // `Compiled`'s checks (arity, dtypes, contiguity) and
@@ -1365,7 +1393,7 @@ impl JitSpec for MhaSpec {
                 // and group i's output rows (after its tiles wrote its
                 // partials), disjoint across items. The
                 // cache is only read. All buffers outlive the launch.
-                unsafe { kvjit_jit::launch_uneven(call.code, &args, plan.items, ctx) };
+                unsafe { launch(call.code, &args, plan.items, ctx) };
                 if !hooked {
                     for group in 0..plan.groups {
                         // SAFETY: hooks is alive; one thread, after the
@@ -1654,6 +1682,45 @@ mod tests {
         assert!(plan.items <= 2 * TARGET_ITEMS, "{plan:?}");
     }
 
+    /// Decode items run as one contiguous range per thread when every
+    /// sequence reads as many keys; sequences of different lengths, and
+    /// prefill's causal query blocks, are balanced range by range.
+    #[test]
+    fn decodes_of_equal_sequences_launch_one_range_per_thread() {
+        let spec = MhaSpec {
+            backend: Backend::Cpu(CodeTier::Cranelift),
+            dtype: DType::F32,
+            cache: KvCacheParams {
+                element: CacheElement::F32,
+                num_layers: 1,
+                page_size: 16,
+                num_kv_heads: 2,
+                head_size: 64,
+            },
+            num_heads: 8,
+            mask: Mask::Causal,
+            window: None,
+            scale: 0.125,
+            step: kvjit_op::checks::StepDims::ANY,
+        };
+        let equal = |seq: usize, key_ranges: Vec<(usize, usize)>| {
+            let shape = CallShape {
+                batch: key_ranges.len(),
+                seq,
+                num_heads: 8,
+                num_kv_heads: 2,
+                head_size: 64,
+                layer: 0,
+                key_ranges,
+            };
+            items_of_equal_cost(&shape, &Plan::new(&spec, &shape))
+        };
+        assert!(equal(1, vec![(0, 700)]));
+        assert!(equal(1, vec![(0, 700), (100, 800), (5, 705)]), "equal spans, different starts");
+        assert!(!equal(1, vec![(0, 700), (0, 300)]));
+        assert!(!equal(64, vec![(0, 64)]), "a causal prefill's query blocks differ");
+    }
+
     /// A short decode is cut into MIN_ITEMS items when its keys allow
     /// chunks of a block (and into blocks when they do not); a long one
     /// keeps chunks of at least MIN_CHUNK; a batch that makes enough items
@@ -1688,17 +1755,22 @@ mod tests {
             };
             Plan::new(&spec, &shape)
         };
-        for keys in [256, 300, 512, 1000] {
+        // Below MIN_ITEMS·MIN_CHUNK keys: MIN_ITEMS items or a few more,
+        // of chunks of whole blocks below MIN_CHUNK.
+        for keys in [2 * KB, 100, 128, 200, MIN_ITEMS * MIN_CHUNK - 1] {
             let p = plan(&[keys]);
-            assert!((MIN_ITEMS..2 * MIN_ITEMS).contains(&p.items), "{keys} keys: {p:?}");
+            assert!((MIN_ITEMS..=2 * MIN_ITEMS).contains(&p.items), "{keys} keys: {p:?}");
             assert!(p.chunk.is_multiple_of(KB) && p.chunk < MIN_CHUNK, "{keys} keys: {p:?}");
+            assert!(p.chunks * p.chunk >= keys && (p.chunks - 1) * p.chunk < keys, "{keys} keys: {p:?}");
         }
-        for keys in [1, 100, 128] {
+        for keys in [1, KB, KB + 1] {
             let p = plan(&[keys]);
             assert_eq!((p.chunk, p.chunks), (KB, keys.div_ceil(KB)), "{keys} keys: one block a chunk");
         }
-        let p = plan(&[4096]);
-        assert!(p.chunk >= MIN_CHUNK && p.items >= MIN_ITEMS, "{p:?}");
+        for keys in [MIN_ITEMS * MIN_CHUNK, 1000, 4096] {
+            let p = plan(&[keys]);
+            assert!(p.chunk >= MIN_CHUNK && p.items >= MIN_ITEMS, "{keys} keys: {p:?}");
+        }
         for keys in [100, 128] {
             let p = plan(&[keys; MIN_ITEMS]);
             assert_eq!((p.chunks, p.items), (1, MIN_ITEMS), "a batch of {MIN_ITEMS} at {keys} keys: one chunk each");
