@@ -129,8 +129,16 @@ use crate::{AttentionError, Mask, MhaSpec};
 /// block live in the item's scratch).
 pub const KB: usize = 32;
 /// Smallest chunk of key positions in split-KV (decode) launches, unless a
-/// call needs smaller ones to make [`MIN_ITEMS`] items.
-pub const MIN_CHUNK: usize = 128;
+/// call needs smaller ones to make [`MIN_ITEMS`] items. Each item costs a
+/// q packing, its first block's wait and a partial the host merges; with
+/// a thread's items contiguous ([`items_of_equal_cost`]) 256 read faster
+/// than 128 (measured as for [`MIN_ITEMS`], Xeon, 2 threads, batch 1, bf16,
+/// from DRAM, 128 → 256: SmolLM2's heads at context 2048 87.2–87.8 →
+/// 79.2–79.8 µs, Llama-3-8B's at 8192 1538–1569 → 1475–1482 µs, at 2048
+/// 402–406 → 385–410), and longer ones no faster again (a count of items
+/// the threads do not divide, 3 at 704 keys, read 99–101 µs). With
+/// [`TARGET_ITEMS`] it still leaves a 2048-key sequence 8 items.
+pub const MIN_CHUNK: usize = 256;
 /// Items a call is cut into at least, when its keys allow chunks of a
 /// block: a short decode (SmolLM2 at context 128, batch 1: one sequence, one
 /// 128-key chunk) would otherwise run on one thread (measured in `bench
