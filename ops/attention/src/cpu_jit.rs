@@ -131,7 +131,7 @@ pub const KB: usize = 32;
 /// Smallest chunk of key positions in split-KV (decode) launches, unless a
 /// call needs smaller ones to make [`MIN_ITEMS`] items. Each item costs a
 /// q packing, its first block's wait and a partial the host merges; with
-/// a thread's items contiguous ([`items_of_equal_cost`]) 256 read faster
+/// a thread's items contiguous (a decode of equal sequences) 256 read faster
 /// than 128 (measured as for [`MIN_ITEMS`], Xeon, 2 threads, batch 1, bf16,
 /// from DRAM, 128 → 256: SmolLM2's heads at context 2048 87.2–87.8 →
 /// 79.2–79.8 µs, Llama-3-8B's at 8192 1538–1569 → 1475–1482 µs, at 2048
@@ -1650,41 +1650,52 @@ mod tests {
         SCRATCH.with(|cell| assert!(cell.borrow().is_none(), "scratch past the cap is freed"));
     }
 
+    /// A causal decode spec on the Cranelift tier (plans do not depend on
+    /// the tier): `num_heads` query heads on `num_kv_heads` of 64, page 16.
+    fn plan_spec(dtype: DType, num_heads: usize, num_kv_heads: usize) -> MhaSpec {
+        MhaSpec {
+            backend: Backend::Cpu(CodeTier::Cranelift),
+            dtype,
+            cache: KvCacheParams {
+                element: CacheElement::new(dtype, None).unwrap(),
+                num_layers: 1,
+                page_size: 16,
+                num_kv_heads,
+                head_size: 64,
+            },
+            num_heads,
+            mask: Mask::Causal,
+            window: None,
+            scale: 0.125,
+            step: kvjit_op::checks::StepDims::ANY,
+        }
+    }
+
+    /// The shape of a call of `spec` with `seq` query positions per
+    /// sequence, each sequence reading its range of keys.
+    fn call_shape(spec: &MhaSpec, seq: usize, key_ranges: Vec<(usize, usize)>) -> CallShape {
+        CallShape {
+            batch: key_ranges.len(),
+            seq,
+            num_heads: spec.num_heads,
+            num_kv_heads: spec.cache.num_kv_heads,
+            head_size: spec.cache.head_size,
+            layer: 0,
+            key_ranges,
+        }
+    }
+
     /// A decode step near u32::MAX tokens into a sequence with a 4096-key
     /// window, beside an idle one: the key-offset table (B·stride i64) and
     /// the chunks cover the window's keys, not its end position.
     #[test]
     fn the_key_table_is_sized_by_the_window_not_the_position() {
         let window = 4096;
-        let spec = MhaSpec {
-            backend: Backend::Cpu(CodeTier::Cranelift),
-            dtype: DType::BF16,
-            cache: KvCacheParams {
-                element: CacheElement::BF16,
-                num_layers: 1,
-                page_size: 16,
-                num_kv_heads: 2,
-                head_size: 64,
-            },
-            num_heads: 8,
-            mask: Mask::Causal,
-            window: Some(window),
-            scale: 0.125,
-            step: kvjit_op::checks::StepDims::ANY,
-        };
+        let spec = MhaSpec { window: Some(window), ..plan_spec(DType::BF16, 8, 2) };
         let cache_length = u32::MAX as usize - 10;
         let (lo, hi) = AttentionConfig::from(&spec).key_range(cache_length, 1, 0);
         assert_eq!(hi - lo, window);
-        let shape = CallShape {
-            batch: 2,
-            seq: 1,
-            num_heads: 8,
-            num_kv_heads: 2,
-            head_size: 64,
-            layer: 0,
-            key_ranges: vec![(lo, hi), (0, 0)],
-        };
-        let plan = Plan::new(&spec, &shape);
+        let plan = Plan::new(&spec, &call_shape(&spec, 1, vec![(lo, hi), (0, 0)]));
         assert!(plan.chunks * plan.chunk >= window, "{plan:?}: the chunks cover the window");
         assert!(plan.stride <= window + plan.chunk + KB, "{plan:?}: a table row of the window's keys");
         assert!(plan.items <= 2 * TARGET_ITEMS, "{plan:?}");
@@ -1695,32 +1706,9 @@ mod tests {
     /// prefill's causal query blocks, are balanced range by range.
     #[test]
     fn decodes_of_equal_sequences_launch_one_range_per_thread() {
-        let spec = MhaSpec {
-            backend: Backend::Cpu(CodeTier::Cranelift),
-            dtype: DType::F32,
-            cache: KvCacheParams {
-                element: CacheElement::F32,
-                num_layers: 1,
-                page_size: 16,
-                num_kv_heads: 2,
-                head_size: 64,
-            },
-            num_heads: 8,
-            mask: Mask::Causal,
-            window: None,
-            scale: 0.125,
-            step: kvjit_op::checks::StepDims::ANY,
-        };
+        let spec = plan_spec(DType::F32, 8, 2);
         let equal = |seq: usize, key_ranges: Vec<(usize, usize)>| {
-            let shape = CallShape {
-                batch: key_ranges.len(),
-                seq,
-                num_heads: 8,
-                num_kv_heads: 2,
-                head_size: 64,
-                layer: 0,
-                key_ranges,
-            };
+            let shape = call_shape(&spec, seq, key_ranges);
             items_of_equal_cost(&shape, &Plan::new(&spec, &shape))
         };
         assert!(equal(1, vec![(0, 700)]));
@@ -1735,34 +1723,8 @@ mod tests {
     /// is not cut.
     #[test]
     fn short_decodes_are_cut_into_enough_items() {
-        let spec = MhaSpec {
-            backend: Backend::Cpu(CodeTier::Cranelift),
-            dtype: DType::F32,
-            cache: KvCacheParams {
-                element: CacheElement::F32,
-                num_layers: 1,
-                page_size: 16,
-                num_kv_heads: 3,
-                head_size: 64,
-            },
-            num_heads: 9,
-            mask: Mask::Causal,
-            window: None,
-            scale: 0.125,
-            step: kvjit_op::checks::StepDims::ANY,
-        };
-        let plan = |keys: &[usize]| {
-            let shape = CallShape {
-                batch: keys.len(),
-                seq: 1,
-                num_heads: 9,
-                num_kv_heads: 3,
-                head_size: 64,
-                layer: 0,
-                key_ranges: keys.iter().map(|&k| (0, k)).collect(),
-            };
-            Plan::new(&spec, &shape)
-        };
+        let spec = plan_spec(DType::F32, 9, 3);
+        let plan = |keys: &[usize]| Plan::new(&spec, &call_shape(&spec, 1, keys.iter().map(|&k| (0, k)).collect()));
         // Below MIN_ITEMS·MIN_CHUNK keys: MIN_ITEMS items or a few more,
         // of chunks of whole blocks below MIN_CHUNK.
         for keys in [2 * KB, 100, 128, 200, MIN_ITEMS * MIN_CHUNK - 1] {
@@ -1786,16 +1748,7 @@ mod tests {
         let p = plan(&[100; 4]);
         assert!((MIN_ITEMS..=2 * MIN_ITEMS).contains(&p.items), "4 sequences of 100 keys: {p:?}");
         // A 100-token prefill: its 13 query blocks are enough items.
-        let shape = CallShape {
-            batch: 1,
-            seq: 100,
-            num_heads: 9,
-            num_kv_heads: 3,
-            head_size: 64,
-            layer: 0,
-            key_ranges: vec![(0, 100)],
-        };
-        let p = Plan::new(&spec, &shape);
+        let p = Plan::new(&spec, &call_shape(&spec, 100, vec![(0, 100)]));
         assert_eq!((p.query_blocks, p.chunks), (13, 1), "{p:?}");
     }
 }
