@@ -1435,11 +1435,14 @@ mod tests {
         let layers = ((300usize << 20) as f64 / heads.kv_bytes(context, dtype)).ceil() as usize;
         let step = StepShape { batch: 1, history: context - 1, new_tokens: 1 };
         let mut cache = make_cache(&heads, dtype, layers, step, true, &mut rng).unwrap();
-        let kernel = mha_kernel(heads.spec(dtype, layers, 1, 1), CaptureText::default()).unwrap();
-        let q = Tensor::random(dtype, &[1, 1, heads.num_heads, heads.head_size], &mut rng, -1.0, 1.0).unwrap();
+        // An FP8 cache's queries and output are bf16 (as in `--ops fp8`).
+        let q_dtype = if dtype.is_quantized() { DType::BF16 } else { dtype };
+        let spec = kvjit::attention::MhaSpec { dtype: q_dtype, ..heads.spec(dtype, layers, 1, 1) };
+        let kernel = mha_kernel(spec, CaptureText::default()).unwrap();
+        let q = Tensor::random(q_dtype, &[1, 1, heads.num_heads, heads.head_size], &mut rng, -1.0, 1.0).unwrap();
         let valid = Tensor::from_vec(&[1], vec![1u32]).unwrap();
         let layer_tensors: Vec<Tensor> = (0..layers as u32).map(Tensor::scalar_u32).collect();
-        let mut out = Tensor::zeros(dtype, q.shape()).unwrap();
+        let mut out = Tensor::zeros(q_dtype, q.shape()).unwrap();
         let mut samples = Vec::new();
         for sample in 0..20 {
             let start = Instant::now();

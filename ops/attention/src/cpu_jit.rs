@@ -128,8 +128,9 @@ use crate::{AttentionError, Mask, MhaSpec};
 /// Keys per block (the scores, probabilities and K/V row addresses of one
 /// block live in the item's scratch).
 pub const KB: usize = 32;
-/// Smallest chunk of key positions in split-KV (decode) launches, unless a
-/// call needs smaller ones to make [`MIN_ITEMS`] items. Each item costs a
+/// Smallest chunk of key positions in split-KV (decode) launches of a
+/// 16- or 32-bit cache (twice that for FP8), unless a call needs smaller
+/// ones to make [`MIN_ITEMS`] items. Each item costs a
 /// q packing, its first block's wait and a partial the host merges; with
 /// a thread's items contiguous (a decode of equal sequences) 256 read faster
 /// than 128 (measured as for [`MIN_ITEMS`], Xeon, 2 threads, batch 1, bf16,
@@ -139,6 +140,16 @@ pub const KB: usize = 32;
 /// the threads do not divide, 3 at 704 keys, read 99–101 µs). With
 /// [`TARGET_ITEMS`] it still leaves a 2048-key sequence 8 items.
 pub const MIN_CHUNK: usize = 256;
+/// The smallest key chunk of `spec`'s split-KV launches: [`MIN_CHUNK`]
+/// keys, twice that for a cache of 1-byte elements (FP8), whose keys read
+/// half the bytes — the same bytes per item as a 16-bit cache's. Measured as
+/// for [`MIN_ITEMS`] (FP8 with g = D, batch 1, 256 → 512 keys): Llama-3-8B's
+/// heads at context 2048 260–266 → 250–251 µs, at 8192 1032–1040 → 984;
+/// SmolLM2's at 2048 64.6–72.7 → 58.6–60.1; bf16 at 512 was no faster.
+fn min_chunk(spec: &MhaSpec) -> usize {
+    MIN_CHUNK * 2 / spec.cache.element.dtype().size_bytes().min(2)
+}
+
 /// Items a call is cut into at least, when its keys allow chunks of a
 /// block: a short decode (SmolLM2 at context 128, batch 1: one sequence, one
 /// 128-key chunk) would otherwise run on one thread (measured in `bench
@@ -1201,9 +1212,10 @@ impl Plan {
         // Below MIN_CHUNK only when the groups alone make fewer than
         // MIN_ITEMS items (a short decode of a few sequences), never below a
         // block.
+        let min_chunk = min_chunk(spec);
         let floor = match MIN_ITEMS.div_ceil(groups) {
-            1 => MIN_CHUNK,
-            want => (span / want / KB * KB).clamp(KB, MIN_CHUNK),
+            1 => min_chunk,
+            want => (span / want / KB * KB).clamp(KB, min_chunk),
         };
         let chunk = span.div_ceil(want_chunks).next_multiple_of(KB).max(floor);
         let chunks = span.div_ceil(chunk);
@@ -1657,7 +1669,7 @@ mod tests {
             backend: Backend::Cpu(CodeTier::Cranelift),
             dtype,
             cache: KvCacheParams {
-                element: CacheElement::new(dtype, None).unwrap(),
+                element: CacheElement::new(dtype, dtype.is_quantized().then_some(64)).unwrap(),
                 num_layers: 1,
                 page_size: 16,
                 num_kv_heads,
@@ -1741,6 +1753,10 @@ mod tests {
             let p = plan(&[keys]);
             assert!(p.chunk >= MIN_CHUNK && p.items >= MIN_ITEMS, "{keys} keys: {p:?}");
         }
+        // An FP8 cache's chunks are twice as long (the same bytes).
+        let fp8 = plan_spec(DType::F8E4M3, 9, 3);
+        let p = Plan::new(&fp8, &call_shape(&fp8, 1, vec![(0, 4096)]));
+        assert_eq!((p.chunk, p.chunks), (2 * MIN_CHUNK, 4096 / (2 * MIN_CHUNK)), "{p:?}");
         for keys in [100, 128] {
             let p = plan(&[keys; MIN_ITEMS]);
             assert_eq!((p.chunks, p.items), (1, MIN_ITEMS), "a batch of {MIN_ITEMS} at {keys} keys: one chunk each");
