@@ -152,7 +152,7 @@ fn min_chunk(spec: &MhaSpec) -> usize {
 
 /// Items a call is cut into at least, when its keys allow chunks of a
 /// block: a short decode (SmolLM2 at context 128, batch 1: one sequence, one
-/// 128-key chunk) would otherwise run on one thread (measured in `bench
+/// chunk) would otherwise run on one thread (measured in `bench
 /// --ops model`, A/B: its f32 attention at context 128 728–772 → 603–636 µs
 /// a token with 8). Two, not more: each item packs its q, starts on a cold
 /// block and leaves a partial to merge, which on short chunks cost more

@@ -14,7 +14,7 @@ use kvjit_op_attention::Mask;
 use kvjit_op_attention::cpu_jit::{MIN_CHUNK, runs_native};
 
 fn decode_case(cache_dtype: DType, group: usize, head_size: usize, batch: usize, seed: u64) -> Case {
-    // Batch 1: 2100 keys, ~8 chunks of MIN_CHUNK+; batch 8: uneven
+    // Batch 1: 2100 keys, ~8 chunks of MIN_CHUNK+ (FP8: ~4 of twice that); batch 8: uneven
     // lengths, a few chunks each, one sequence idle (valid 0).
     let cache_lengths: Vec<u32> = match batch {
         1 => vec![2100],
