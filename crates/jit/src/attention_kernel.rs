@@ -320,6 +320,36 @@ mod x86 {
     use super::{DECODE_BLOCK_KEYS as KB, DecodeKernel, STATE_ACC, STATE_HI, STATE_LO, STATE_TILE_ROWS};
     use crate::microkernel::x86::{Bf16, F16, F32, Weights};
 
+    /// A method of a reordered element type that is its natural type's
+    /// (the same elements, widened in their natural order): `load8`,
+    /// `load16` ([`Weights`]) or `widen16` ([`Elem`]) of `$natural`.
+    macro_rules! natural {
+        (load8 of $natural:ty) => {
+            #[inline]
+            #[target_feature(enable = "avx2,fma,f16c")]
+            unsafe fn load8(p: *const u8) -> __m256 {
+                // SAFETY: the caller guarantees 8 readable elements at `p`.
+                unsafe { <$natural>::load8(p) }
+            }
+        };
+        (load16 of $natural:ty) => {
+            #[inline]
+            #[target_feature(enable = "avx2,fma,f16c")]
+            unsafe fn load16(p: *const u8) -> [__m256; 2] {
+                // SAFETY: the caller guarantees 16 readable elements at `p`.
+                unsafe { <$natural>::load16(p) }
+            }
+        };
+        (widen16 of $natural:ty) => {
+            #[inline]
+            #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+            unsafe fn widen16(p: *const u8) -> __m512 {
+                // SAFETY: the caller guarantees 16 readable elements at `p`.
+                unsafe { <$natural>::widen16(p) }
+            }
+        };
+    }
+
     mod half;
     pub(super) mod prefill;
 
@@ -397,29 +427,14 @@ mod x86 {
     impl Weights for Bf16Pairs {
         const BYTES: usize = 2;
         const PERMUTED16: bool = Bf16::PERMUTED16;
-        #[inline]
-        #[target_feature(enable = "avx2,fma,f16c")]
-        unsafe fn load8(p: *const u8) -> __m256 {
-            // SAFETY: the caller guarantees 8 readable bf16 at `p`.
-            unsafe { Bf16::load8(p) }
-        }
-        #[inline]
-        #[target_feature(enable = "avx2,fma,f16c")]
-        unsafe fn load16(p: *const u8) -> [__m256; 2] {
-            // SAFETY: the caller guarantees 16 readable bf16 at `p`.
-            unsafe { Bf16::load16(p) }
-        }
+        natural!(load8 of Bf16);
+        natural!(load16 of Bf16);
     }
 
     impl Elem for Bf16Pairs {
         const SCALED: bool = false;
         const PAIRED: bool = true;
-        #[inline]
-        #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-        unsafe fn widen16(p: *const u8) -> __m512 {
-            // SAFETY: the caller guarantees 16 readable bf16 at `p`.
-            unsafe { Bf16::widen16(p) }
-        }
+        natural!(widen16 of Bf16);
     }
 
     /// Swap the middle quads of every 16 values of `values` (an involution:
@@ -530,12 +545,7 @@ mod x86 {
     impl Elem for E4m3Pairs {
         const SCALED: bool = true;
         const PAIRED: bool = true;
-        #[inline]
-        #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-        unsafe fn widen16(p: *const u8) -> __m512 {
-            // SAFETY: the caller guarantees 16 readable codes at `p`.
-            unsafe { E4m3::widen16(p) }
-        }
+        natural!(widen16 of E4m3);
     }
 
     /// Sixteen E4M3 codes at `p` as the f16 bit patterns of
@@ -557,12 +567,7 @@ mod x86 {
 
     impl Weights for E4m3Pairs {
         const BYTES: usize = 1;
-        #[inline]
-        #[target_feature(enable = "avx2,fma,f16c")]
-        unsafe fn load8(p: *const u8) -> __m256 {
-            // SAFETY: the caller guarantees 8 readable bytes at `p`.
-            unsafe { E4m3::load8(p) }
-        }
+        natural!(load8 of E4m3);
 
         #[inline]
         #[target_feature(enable = "avx2,fma,f16c")]
@@ -584,12 +589,7 @@ mod x86 {
 
     impl Weights for Bf16EvenOdd {
         const BYTES: usize = 2;
-        #[inline]
-        #[target_feature(enable = "avx2,fma,f16c")]
-        unsafe fn load8(p: *const u8) -> __m256 {
-            // SAFETY: the caller guarantees 8 readable bf16 at `p`.
-            unsafe { Bf16::load8(p) }
-        }
+        natural!(load8 of Bf16);
     }
 
     impl Elem for Bf16EvenOdd {
@@ -601,13 +601,8 @@ mod x86 {
             deinterleave32(values, back);
         }
 
-        /// Natural order (never called: D is a multiple of 32).
-        #[inline]
-        #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-        unsafe fn widen16(p: *const u8) -> __m512 {
-            // SAFETY: the caller guarantees 16 readable bf16 at `p`.
-            unsafe { Bf16::widen16(p) }
-        }
+        // Natural order (never called: D is a multiple of 32).
+        natural!(widen16 of Bf16);
 
         /// `[even elements, odd elements]` of the 32 at `p`.
         #[inline]
@@ -723,12 +718,7 @@ mod x86 {
 
     impl Weights for E4m3Lut {
         const BYTES: usize = 1;
-        #[inline]
-        #[target_feature(enable = "avx2,fma,f16c")]
-        unsafe fn load8(p: *const u8) -> __m256 {
-            // SAFETY: the caller guarantees 8 readable bytes at `p`.
-            unsafe { E4m3::load8(p) }
-        }
+        natural!(load8 of E4m3);
     }
 
     impl Elem for E4m3Lut {
@@ -740,14 +730,9 @@ mod x86 {
             transpose_quads64(values);
         }
 
-        /// Natural order (the 64-element steps never call it: D is a
-        /// multiple of 64).
-        #[inline]
-        #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-        unsafe fn widen16(p: *const u8) -> __m512 {
-            // SAFETY: the caller guarantees 16 readable codes at `p`.
-            unsafe { E4m3::widen16(p) }
-        }
+        // Natural order (the 64-element steps never call it: D is a
+        // multiple of 64).
+        natural!(widen16 of E4m3);
 
         #[inline]
         #[target_feature(enable = "avx512f,avx512bw,avx512vbmi,avx2,fma,f16c")]

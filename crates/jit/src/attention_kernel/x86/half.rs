@@ -46,12 +46,7 @@ pub(super) struct E4m3Half;
 
 impl Weights for E4m3Half {
     const BYTES: usize = 1;
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn load8(p: *const u8) -> __m256 {
-        // SAFETY: the caller guarantees 8 readable bytes at `p`.
-        unsafe { E4m3::load8(p) }
-    }
+    natural!(load8 of E4m3);
 }
 
 impl Elem for E4m3Half {
@@ -63,12 +58,7 @@ impl Elem for E4m3Half {
         half_order64(values, back);
     }
 
-    #[inline]
-    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-    unsafe fn widen16(p: *const u8) -> __m512 {
-        // SAFETY: the caller guarantees 16 readable codes at `p`.
-        unsafe { E4m3::widen16(p) }
-    }
+    natural!(widen16 of E4m3);
 }
 
 /// Every 64 values from their natural order into [`E4m3Half`]'s (`back`:
